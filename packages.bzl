@@ -1,0 +1,5 @@
+"""The jaxworks packages, in dependency order (leaves first); see README.md for the map."""
+
+PACKAGES = [
+    "zz_scratch",
+]

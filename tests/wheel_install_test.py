@@ -1,0 +1,137 @@
+"""Installs the built wheels with pip into fresh virtualenvs and uses them from a neutral directory.
+
+Per-package wheels go into one venv (each with --no-deps, as the jaxworks wheels depend on one another), the combined
+wheel into another. jax/jaxlib/numpy come from the build's own virtualenv through a .pth file, so that jaxworks can
+only be found in what the wheel installed. From a temporary working directory, every module is imported and each C++
+extension is called once for real.
+"""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+
+import pytest
+
+# One real call into each extension, by module name; an extension without an entry fails the test.
+EXTENSION_CALLS = {
+    "jaxworks.zz_scratch._add": "assert m.add(2, 3) == 5",
+}
+
+_ALLOWED = re.compile(r"^(jaxworks/[A-Za-z0-9_]+/.*\.(py|pyi|so)|[A-Za-z0-9_]+-[0-9.]+\.dist-info/(METADATA|WHEEL|RECORD))$")
+
+
+def _wheels(kind):
+    directory = os.environ["JAXWORKS_WHEEL_DIRS"]
+    found = []
+    for d in directory.split():
+        found += glob.glob(os.path.join(d, "*.whl"))
+    combined = [w for w in found if os.path.basename(w).startswith("jaxworks-")]
+    per_package = [w for w in found if w not in combined]
+    return combined if kind == "combined" else per_package
+
+
+def _clean_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_", "RUNFILES", "JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _make_venv(root):
+    subprocess.run([sys.executable, "-m", "venv", root], check=True, env=_clean_env())
+    python = os.path.join(root, "bin", "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True, env=_clean_env()).stdout.strip()
+    # jax, jaxlib and numpy from the build's virtualenv; jaxworks only from the wheels.
+    with open(os.path.join(site, "_build_venv.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+_PROBE = r"""
+import importlib, json, os, pkgutil, sys
+import jaxworks
+calls = json.loads(sys.argv[1])
+imported, called = [], []
+for path in jaxworks.__path__:
+    assert "site-packages" in path, f"jaxworks found outside the installed wheel: {path}"
+for info in pkgutil.walk_packages(jaxworks.__path__, prefix="jaxworks."):
+    if info.name.endswith("__main__"):
+        continue
+    m = importlib.import_module(info.name)
+    imported.append(info.name)
+    if getattr(m, "__file__", "").endswith(".so"):
+        assert info.name in calls, f"no real call registered for extension {info.name} in wheel_install_test.py"
+        exec(calls[info.name], {"m": m})
+        called.append(info.name)
+print(json.dumps({"imported": imported, "called": called}))
+"""
+
+
+def _install_and_probe(wheels, tmp_path):
+    python = _make_venv(str(tmp_path / "venv"))
+    subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check", "-q",
+                    *wheels], check=True, env=_clean_env())
+    neutral = tempfile.mkdtemp(dir=str(tmp_path))
+    out = subprocess.run([python, "-c", _PROBE, json.dumps(EXTENSION_CALLS)], cwd=neutral, check=True,
+                         capture_output=True, text=True, env=_clean_env())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _expected_extensions(wheels):
+    names = set()
+    for w in wheels:
+        with zipfile.ZipFile(w) as zf:
+            names |= {n[:-3].replace("/", ".") for n in zf.namelist() if n.endswith(".so")}
+    return names
+
+
+@pytest.mark.parametrize("kind", ["per_package", "combined"])
+def test_wheels_contain_only_jaxworks_files(kind):
+    wheels = _wheels(kind)
+    assert wheels, f"no {kind} wheels found in {os.environ['JAXWORKS_WHEEL_DIRS']}"
+    for w in wheels:
+        with zipfile.ZipFile(w) as zf:
+            names = zf.namelist()
+            stray = [n for n in names if not _ALLOWED.match(n)]
+            assert not stray, f"{os.path.basename(w)} holds unexpected files: {stray}"
+            assert all(i.date_time == (1980, 1, 1, 0, 0, 0) for i in zf.infolist()), "timestamps are not fixed"
+            has_so = any(n.endswith(".so") for n in names)
+            assert ("cp311-cp311-linux_x86_64" in w) == has_so, f"wrong platform tag for {os.path.basename(w)}"
+            metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+            assert "Requires-Dist: jax>=0.10.2" in metadata
+
+
+def test_per_package_requires_dist_names_jaxworks_dependencies():
+    for w in _wheels("per_package"):
+        with zipfile.ZipFile(w) as zf:
+            metadata = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        for dep in re.findall(r"^Requires-Dist: (jaxworks-[a-z-]+)>=([0-9.]+)$", metadata, re.M):
+            assert any(os.path.basename(o).startswith(dep[0].replace("-", "_") + "-" + dep[1])
+                       for o in _wheels("per_package")), f"{os.path.basename(w)} requires {dep} which is not built"
+
+
+@pytest.mark.parametrize("kind", ["per_package", "combined"])
+def test_install_import_and_call_extensions(kind, tmp_path):
+    wheels = _wheels(kind)
+    result = _install_and_probe(wheels, tmp_path)
+    assert set(result["called"]) == _expected_extensions(wheels)
+    packages = {n.split(".")[1] for n in result["imported"]}
+    assert packages == {os.path.basename(w).split("-")[0].removeprefix("jaxworks_") for w in _wheels("per_package")}
+
+
+def test_extensions_export_only_their_init_function(tmp_path):
+    for w in _wheels("per_package"):
+        with zipfile.ZipFile(w) as zf:
+            for name in (n for n in zf.namelist() if n.endswith(".so")):
+                path = zf.extract(name, str(tmp_path))
+                out = subprocess.run(["nm", "-D", "--defined-only", path], check=True, capture_output=True, text=True)
+                exported = {line.split()[-1] for line in out.stdout.splitlines()
+                            if len(line.split()) == 3 and line.split()[1].isupper()}
+                module = os.path.basename(name)[:-3]
+                assert exported == {f"PyInit_{module}"}, f"{name} exports {sorted(exported)}"

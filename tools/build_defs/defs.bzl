@@ -1,0 +1,173 @@
+"""The jaxworks BUILD vocabulary. A package's BUILD.bazel reads: library, extensions, tests, wheel.
+
+    jaxworks_cc_library(name = "signature_cc", srcs = ["cc/signature.cc"], hdrs = ["cc/signature.h"])
+    pybind_extension(name = "jaxworks/jit_cache/_signature", srcs = ["cc/_signature_module.cc"], deps = [":signature_cc"])
+    jaxworks_package(name = "jit_cache", deps = ["//packages/axis_names"], pypi = ["jax", "jaxlib", "numpy"],
+                     extensions = [":jaxworks/jit_cache/_signature"])
+    jaxworks_test(name = "signature_test", srcs = ["tests/signature_test.py"], deps = [":jit_cache"])
+    jaxworks_benchmark(name = "jit_cache_bench", srcs = ["benchmarks/jit_cache_bench.py"], deps = [":jit_cache"])
+"""
+
+load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
+load("@rules_python//python:defs.bzl", "py_binary", "py_library", "py_test")
+load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxworks_wheel")
+
+# Minimum versions every jaxworks wheel requires.
+JAX_REQUIREMENTS = {"jax": "jax>=0.10.2", "jaxlib": "jaxlib>=0.10.2", "numpy": "numpy>=1.26"}
+
+BACKENDS = ["cpu", "gpu", "tpu"]
+_JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+_COPTS = ["-std=c++17", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-O2", "-Wall"]
+
+def pypi(name):
+    """The label of a PyPI requirement: @pypi//<normalized name> in both Bazel modes."""
+    return "@pypi//" + name.lower().replace("-", "_").replace(".", "_")
+
+def jaxworks_cc_library(name, srcs = [], hdrs = [], deps = [], **kwargs):
+    """The C++ logic of an extension (no PYBIND11_MODULE here), compiled with hidden visibility."""
+    cc_library(
+        name = name,
+        srcs = srcs,
+        hdrs = hdrs,
+        deps = deps + ["@pybind11"],
+        copts = _COPTS,
+        **kwargs
+    )
+
+def pybind_extension(name, srcs, deps = [], **kwargs):
+    """A pybind11 extension `<dir>/<module>.so` importable as `<dir as dotted path>.<module>`.
+
+    `name` is the path of the module inside its import root, e.g. "jaxworks/jit_cache/_signature". The shared object is
+    linked statically against its deps with hidden visibility and a version script, so it exports only
+    `PyInit_<module>`. A typed stub `<name>.pyi` must be checked in beside it. `:<name>` is a py_library carrying both.
+    """
+    module = name.split("/")[-1]
+    stub = name + ".pyi"
+    if not native.glob([stub]):
+        fail("pybind_extension {}: the typed stub {} is missing; check one in beside the extension.".format(name, stub))
+    version_script = name + ".lds"
+    native.genrule(
+        name = name + "_version_script",
+        outs = [version_script],
+        cmd = "echo '{ global: PyInit_%s; local: *; };' > $@" % module,
+        visibility = ["//visibility:private"],
+    )
+    cc_binary(
+        name = name + ".so",
+        srcs = srcs,
+        deps = deps + ["@pybind11"],
+        copts = _COPTS,
+        linkshared = True,
+        linkstatic = True,
+        linkopts = ["-Wl,--version-script=$(location :{})".format(version_script)],
+        additional_linker_inputs = [":" + version_script],
+        visibility = ["//visibility:private"],
+        **kwargs
+    )
+    py_library(
+        name = name,
+        data = [":" + name + ".so", stub],
+        imports = ["."],
+    )
+
+def _backend_env(backend, devices):
+    env = {"JAX_PLATFORMS": _JAX_PLATFORMS[backend]}
+    if backend == "cpu":
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count={}".format(devices)
+    return env
+
+def jaxworks_test(name, srcs, deps = [], pypi = [], backends = BACKENDS, devices = 8, args = [], data = [], env = {}, size = "medium", **kwargs):
+    """pytest over `srcs`, one target per backend: <name>_cpu / _gpu / _tpu, tagged cpu / gpu / tpu.
+
+    Each sets JAX_PLATFORMS (cpu, cuda, tpu); the cpu target gets `devices` host CPU devices through XLA_FLAGS.
+    pytest's exit status is the test's, so a failure fails the target.
+    """
+    main = "//tools/build_defs:pytest_main.py"
+    tags = kwargs.pop("tags", [])
+    for backend in backends:
+        py_test(
+            name = "{}_{}".format(name, backend),
+            srcs = srcs + [main],
+            main = main,
+            args = ["$(rootpath {})".format(src) for src in srcs] + args,
+            deps = deps + [_pypi_label(p) for p in pypi] + [_pypi_label("pytest")],
+            data = data,
+            env = dict(env, **_backend_env(backend, devices)),
+            tags = tags + [backend],
+            size = size,
+            **kwargs
+        )
+
+def _pypi_label(name):
+    return pypi(name)
+
+def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
+    """A benchmark: a py_binary printing medians and ratios against stock JAX, plus `<name>_smoke_cpu`, a test that
+    runs it with --quick so it cannot rot (it asserts nothing about speed)."""
+    py_binary(
+        name = name,
+        srcs = srcs,
+        main = srcs[0],
+        deps = deps + [_pypi_label(p) for p in pypi],
+        **kwargs
+    )
+    py_test(
+        name = name + "_smoke_cpu",
+        srcs = srcs,
+        main = srcs[0],
+        args = ["--quick"],
+        deps = deps + [_pypi_label(p) for p in pypi],
+        env = _backend_env("cpu", 8),
+        tags = ["cpu", "benchmark"],
+        size = "medium",
+    )
+
+def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"]):
+    """A jaxworks package: the public py_library `:<name>`, its wheel `:wheel`, doctests, and per-backend suites.
+
+    Sources are `jaxworks/<name>/**/*.py` (each package is a PEP 420 portion of the `jaxworks` namespace, with no
+    jaxworks/__init__.py); the version lives in `jaxworks/<name>/version.py` only.
+    """
+    py_library(
+        name = name,
+        srcs = native.glob(["jaxworks/{}/**/*.py".format(name)]),
+        data = native.glob(["jaxworks/{}/**/*.pyi".format(name)]),
+        imports = ["."],
+        deps = deps + extensions + [_pypi_label(p) for p in pypi],
+        visibility = ["//visibility:public"],
+    )
+    jaxworks_dist(
+        name = "dist",
+        distribution = "jaxworks-" + name.replace("_", "-"),
+        library = ":" + name,
+        version_file = "jaxworks/{}/version.py".format(name),
+        package_root = native.package_name(),
+        requires = [JAX_REQUIREMENTS.get(p, p) for p in pypi],
+        deps = [_dist_label(d) for d in deps],
+        visibility = ["//visibility:public"],
+    )
+    jaxworks_wheel(
+        name = "wheel",
+        dists = [":dist"],
+        visibility = ["//visibility:public"],
+    )
+
+    # README examples and every module's docstring examples run as doctests.
+    jaxworks_test(
+        name = "doctest",
+        srcs = ["//tools/build_defs:doctest_test.py"],
+        deps = [":" + name],
+        args = ["--jaxworks-package=jaxworks." + name] + (
+            ["--jaxworks-readme=$(rootpath README.md)"] if native.glob(["README.md"]) else []
+        ),
+        data = native.glob(["README.md"]),
+        backends = doctest_backends,
+    )
+    for backend in BACKENDS:
+        native.test_suite(name = backend + "_tests", tags = [backend])
+
+def _dist_label(dep):
+    """//packages/axis_names -> //packages/axis_names:dist"""
+    if ":" in dep:
+        return dep.split(":")[0] + ":dist"
+    return dep + ":dist"
