@@ -1,5 +1,6 @@
 """The jaxworks packages, in dependency order (leaves first); see README.md for the map."""
 
 PACKAGES = [
+    "axis_names",
     "zz_scratch",
 ]

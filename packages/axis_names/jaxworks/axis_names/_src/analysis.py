@@ -1,0 +1,284 @@
+"""Bottom-up axis-name analysis of jaxprs, memoized per jaxpr object.
+
+The mechanism in one paragraph: the names a jaxpr uses are the union over
+its equations of (a) the names an equation's own params mention (a
+collective such as ``psum[axes=('i',)]`` or a query such as
+``axis_index[axis_name=i]``, see ``rules.AXIS_PARAMS``) and (b) the names
+used by every sub-jaxpr found in the equation's params, minus the names the
+equation binds (``shard_map``'s newly manual axes, see ``rules.BINDERS``).
+Sub-jaxprs are computed first (an explicit post-order walk, so deep nesting
+cannot hit Python's recursion limit) and each ``Jaxpr`` object's result is
+cached in a table keyed by identity and held weakly, so a shared sub-jaxpr is
+analysed once and a repeated query is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+
+from . import deep
+from . import jax_internals
+from . import rules
+
+_EMPTY: frozenset = frozenset()
+
+
+class WeakIdentityCache:
+  """A dict keyed by object identity that does not keep its keys alive.
+
+  ``Jaxpr`` does not define ``__eq__``/``__hash__`` beyond identity, but a
+  plain ``id()``-keyed dict would return stale entries once an id is reused.
+  Each entry therefore stores a weak reference to its key; a lookup checks
+  that the reference still points at the very object asked about, and the
+  reference's callback removes the entry when the key dies.
+  """
+
+  __slots__ = ("_entries", "__weakref__")
+
+  def __init__(self):
+    self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+  def get(self, obj, default=None):
+    entry = self._entries.get(id(obj))
+    if entry is not None and entry[0]() is obj:
+      return entry[1]
+    return default
+
+  def put(self, obj, value) -> None:
+    key = id(obj)
+    ref = weakref.ref(obj, functools.partial(_evict, self._entries, key))
+    self._entries[key] = (ref, value)
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def clear(self) -> None:
+    self._entries.clear()
+
+
+def _evict(entries: dict, key: int, ref: weakref.ref) -> None:
+  # Only drop the entry this reference belongs to: the id may already have
+  # been reused by a newer object with its own entry.
+  entry = entries.get(key)
+  if entry is not None and entry[0] is ref:
+    entries.pop(key, None)
+
+
+# Jaxpr -> frozenset of the axis names it uses.
+_NAMES = WeakIdentityCache()
+
+
+def cache_size() -> int:
+  """Number of jaxprs whose names are currently memoized."""
+  return len(_NAMES)
+
+
+def clear_cache() -> None:
+  """Forget every memoized result (the next query recomputes)."""
+  _NAMES.clear()
+  _MANUAL.clear()
+  _NAMED_EQNS.clear()
+
+
+def _scan_seq(seq, out: list) -> None:
+  for v in seq:
+    t = type(v)
+    if t is ClosedJaxpr:
+      out.append(v.jaxpr)
+    elif t is Jaxpr:
+      out.append(v)
+    elif t is tuple or t is list:
+      _scan_seq(v, out)
+    elif isinstance(v, ClosedJaxpr):
+      out.append(v.jaxpr)
+    elif isinstance(v, Jaxpr):
+      out.append(v)
+    elif isinstance(v, (tuple, list)):  # e.g. NamedTuples of jaxprs
+      _scan_seq(v, out)
+
+
+def subjaxprs(params: dict) -> list[Jaxpr]:
+  """Every ``Jaxpr`` in ``params`` values (``ClosedJaxpr`` unwrapped).
+
+  Scans each value, and tuples/lists of values to any depth, so a new
+  higher-order primitive is handled without being listed anywhere.
+  """
+  out: list[Jaxpr] = []
+  for v in params.values():
+    t = type(v)
+    if t is ClosedJaxpr:
+      out.append(v.jaxpr)
+    elif t is Jaxpr:
+      out.append(v)
+    elif t is tuple or t is list:
+      if v:
+        _scan_seq(v, out)
+    elif isinstance(v, ClosedJaxpr):
+      out.append(v.jaxpr)
+    elif isinstance(v, Jaxpr):
+      out.append(v)
+    elif isinstance(v, (tuple, list)):  # e.g. custom_linear_solve's jaxprs
+      _scan_seq(v, out)
+  return out
+
+
+def own_names(eqn: JaxprEqn) -> tuple[Hashable, ...]:
+  """Names an equation uses itself (not through a sub-jaxpr), in order."""
+  param = rules.AXIS_PARAMS.get(eqn.primitive.name)
+  if param is not None:
+    return rules.names_in_param(eqn.params.get(param))
+  return ()
+
+
+def bound_names(eqn: JaxprEqn) -> frozenset:
+  """Names the equation binds for its sub-jaxprs (empty for most)."""
+  binder = rules.BINDERS.get(eqn.primitive.name)
+  return binder(eqn.params) if binder is not None else _EMPTY
+
+
+def eqn_axis_names(eqn: JaxprEqn) -> frozenset:
+  """The free axis names of one equation.
+
+  Requires the equation's sub-jaxprs to be analysed already (true inside
+  the walk; ``used_axis_names`` of the enclosing jaxpr guarantees it).
+  """
+  return _eqn_names(eqn, subjaxprs(eqn.params))
+
+
+def _eqn_names(eqn: JaxprEqn, subs: list) -> frozenset:
+  prim = eqn.primitive.name
+  params = eqn.params
+  param = rules.AXIS_PARAMS.get(prim)
+  if not subs:
+    if param is not None:
+      return frozenset(rules.names_in_param(params.get(param)))
+    effects = eqn.effects
+    if not effects:
+      return _EMPTY
+    # A primitive we have no rule for: trust the effects JAX attached.
+    return jax_internals.named_axis_effect_names(effects)
+  inner: set = set()
+  for sub in subs:
+    names = _NAMES.get(sub)
+    if names is None:
+      names = jaxpr_axis_names(sub)
+    inner |= names
+  binder = rules.BINDERS.get(prim)
+  if binder is not None and inner:
+    inner -= binder(params)
+  if param is not None:
+    inner.update(rules.names_in_param(params.get(param)))
+  return frozenset(inner)
+
+
+# Jaxprs whose types may mention manual axes (traced inside a shard_map):
+# _LOCAL for a jaxpr traced under manual axes itself, _BELOW for one that
+# only contains such a sub-jaxpr. Absent for all others, so plain programs
+# pay nothing.
+_MANUAL = WeakIdentityCache()
+_LOCAL, _BELOW = 2, 1
+
+
+def has_manual_types(jaxpr: Jaxpr) -> bool:
+  """Whether ``jaxpr`` or a sub-jaxpr was traced under manual mesh axes.
+
+  Only such jaxprs can mention axis names in types, meshes or shardings;
+  for all others the names used by collectives are all there is.
+  """
+  jaxpr_axis_names(jaxpr)
+  return _MANUAL.get(jaxpr, 0) > 0
+
+
+def has_local_manual_types(jaxpr: Jaxpr) -> bool:
+  """Whether ``jaxpr``'s own equations or binders have manual types."""
+  jaxpr_axis_names(jaxpr)
+  return _MANUAL.get(jaxpr, 0) == _LOCAL
+
+
+# Jaxpr -> ((index, names), ...) of its equations that use any axis name;
+# present only for jaxprs that use some. Lets a rename visit just those.
+_NAMED_EQNS = WeakIdentityCache()
+
+
+def named_eqns(jaxpr: Jaxpr) -> tuple[tuple[int, frozenset], ...]:
+  """``(index, free names)`` of each equation of ``jaxpr`` that uses names."""
+  jaxpr_axis_names(jaxpr)
+  return _NAMED_EQNS.get(jaxpr, ())
+
+
+def _compute(jaxpr: Jaxpr) -> frozenset:
+  names: set = set()
+  named: list = []
+  local = below = False
+  last_ctx = None
+  for i, eqn in enumerate(jaxpr.eqns):
+    subs = subjaxprs(eqn.params)
+    n = _eqn_names(eqn, subs)
+    if n:
+      names |= n
+      named.append((i, n))
+    if not local:
+      ctx = eqn.ctx
+      if ctx is not last_ctx:  # contexts are interned: usually one per jaxpr
+        last_ctx = ctx
+        mesh = jax_internals.eqn_context_mesh(ctx)
+        local = mesh is not None and bool(deep.names_of(mesh))
+    if subs and not below:
+      below = any(_MANUAL.get(s, 0) for s in subs)
+  if not local:
+    # A jaxpr without equations (an identity branch) still has typed binders.
+    local = any(deep.names_of(v.aval)
+                for v in (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars))
+  if local or below:
+    _MANUAL.put(jaxpr, _LOCAL if local else _BELOW)
+  if named:
+    _NAMED_EQNS.put(jaxpr, tuple(named))
+  result = frozenset(names) if names else _EMPTY
+  _NAMES.put(jaxpr, result)
+  return result
+
+
+def jaxpr_axis_names(jaxpr: Jaxpr) -> frozenset:
+  """Free axis names of a core ``Jaxpr``, memoized per object."""
+  hit = _NAMES.get(jaxpr)
+  if hit is not None:
+    return hit
+  # Iterative post-order walk: a jaxpr is computed after all its sub-jaxprs.
+  # A node may be pushed more than once; it is expanded once (``expanded``)
+  # and the copy pushed last is expanded first, before its parent finishes.
+  expanded: set[int] = set()
+  stack: list[tuple[Jaxpr, bool]] = [(jaxpr, False)]
+  keep_alive: list[Jaxpr] = []  # ids in ``expanded`` must not be reused
+  while stack:
+    j, children_done = stack.pop()
+    if children_done:
+      if _NAMES.get(j) is None:
+        _compute(j)
+      continue
+    if id(j) in expanded or _NAMES.get(j) is not None:
+      continue
+    expanded.add(id(j))
+    keep_alive.append(j)
+    stack.append((j, True))
+    for eqn in j.eqns:
+      for sub in subjaxprs(eqn.params):
+        if _NAMES.get(sub) is None:
+          stack.append((sub, False))
+  return _NAMES.get(jaxpr)
+
+
+def closed_or_open_names(x) -> frozenset | None:
+  """Names for a ``ClosedJaxpr``/``Jaxpr``; None for anything else."""
+  if type(x) is ClosedJaxpr or isinstance(x, ClosedJaxpr):
+    j = x.jaxpr
+  elif isinstance(x, Jaxpr):
+    j = x
+  else:
+    return None
+  hit = _NAMES.get(j)
+  return hit if hit is not None else jaxpr_axis_names(j)

@@ -1,0 +1,69 @@
+"""Public functions of jaxworks.axis_names (re-exported by ``__init__``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from . import analysis
+from . import tracing
+from .check import check_axis_names as check_axis_names
+from .errors import AxisNameError as AxisNameError
+from .rename import rename_axes as rename_axes
+from .report import CollectiveReport as CollectiveReport
+from .report import CollectiveStat as CollectiveStat
+from .report import collective_report as collective_report
+
+_API = "jaxworks.axis_names.used_axis_names"
+
+
+def used_axis_names(x: Callable | ClosedJaxpr | Jaxpr, *args: Any,
+                    axis_sizes: Mapping[Hashable, int] | None = None,
+                    **kwargs: Any) -> frozenset:
+  """The free axis names a jaxpr or function uses.
+
+  A name is used when a collective (``psum``, ``all_gather``, ``ppermute``,
+  ...) or an axis query (``axis_index``) mentions it, directly or in any
+  sub-jaxpr (``jit``, ``cond``, ``while``, ``scan``, ``remat``,
+  ``custom_jvp``/``custom_vjp``, ``shard_map``, ...), and no binder around it
+  (a ``shard_map`` over that mesh axis, ``pmap``'s ``axis_name``) binds it.
+
+  For a ``Jaxpr`` or ``ClosedJaxpr`` the result is computed bottom-up once
+  per jaxpr object (every sub-jaxpr memoized too, weakly held), so repeated
+  queries are a dictionary lookup. A callable is traced with
+  ``jax.make_jaxpr`` first; free names it uses need not be bound (they are
+  bound with a placeholder size while tracing).
+
+  Args:
+    x: a ``Jaxpr``, a ``ClosedJaxpr`` or a callable.
+    *args: example arguments when ``x`` is a callable.
+    axis_sizes: optional ``{name: size}`` to trace ``x`` with, when its
+      output shapes depend on axis sizes.
+    **kwargs: keyword arguments for a callable ``x``.
+
+  Returns:
+    A frozenset of axis names (usually strings).
+
+  >>> import jax, jax.numpy as jnp
+  >>> def f(x):
+  ...   y = jax.lax.psum(x, 'i')
+  ...   return jax.lax.cond(y[0] > 0, lambda v: v * jax.lax.axis_index('j'),
+  ...                       lambda v: v, y)
+  >>> sorted(used_axis_names(f, jnp.ones(2)))
+  ['i', 'j']
+  >>> jaxpr = jax.make_jaxpr(f, axis_env=[('i', 2), ('j', 4)])(jnp.ones(2))
+  >>> sorted(used_axis_names(jaxpr))
+  ['i', 'j']
+  """
+  names = analysis.closed_or_open_names(x)
+  if names is not None:
+    if args or kwargs or axis_sizes is not None:
+      raise TypeError(
+          f"{_API}: got a {type(x).__name__} plus example arguments or "
+          "axis_sizes; those are only for a callable. Pass the jaxpr alone.")
+    return names
+  sizes = tracing.check_axis_sizes(axis_sizes, _API)
+  closed, _ = tracing.trace(x, args, kwargs, sizes, _API)
+  return analysis.jaxpr_axis_names(closed.jaxpr)

@@ -1,0 +1,184 @@
+"""Axis names carried by values other than collective params.
+
+Inside a ``shard_map`` an axis name is not only in collectives: abstract
+values record the manual axes they vary over (``f32[2]{V:i}``) and their
+sharding's mesh, equations record the abstract mesh they were traced under,
+and params such as ``jit``'s ``ctx_mesh`` or a ``sharding=`` hold meshes and
+``PartitionSpec``s. ``names_of`` lists the manual axis names such a value mentions and
+``rename`` rebuilds it under a mapping, returning the same object when
+nothing changes (so untouched structure stays shared). Only manual mesh
+axes are renamed: those are the names collectives use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import (AbstractMesh, ManualAxisType, Mesh, NamedSharding,
+                          PartitionSpec)
+
+_EMPTY: frozenset = frozenset()
+_AbstractValue = jax.core.AbstractValue
+
+
+def _spec_names(spec: PartitionSpec) -> frozenset:
+  out = set()
+  for entry in spec:
+    if isinstance(entry, tuple):
+      out.update(entry)
+    elif entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
+      out.add(entry)
+  out.update(getattr(spec, "unreduced", ()) or ())
+  out.update(getattr(spec, "reduced", ()) or ())
+  return frozenset(out)
+
+
+def _manual(mesh) -> frozenset:
+  """Manual axes of a mesh: the ones a collective can name."""
+  if mesh.empty:
+    return _EMPTY
+  return frozenset(getattr(mesh, "manual_axes", ()) or ())
+
+
+def names_of(v: Any) -> frozenset:
+  """Manual axis names a mesh, sharding, spec, aval (or tuple) mentions.
+
+  Only manual mesh axes count: an ``Auto``/``Explicit`` mesh axis is not an
+  axis a collective can use, so a mesh or sharding outside any
+  ``shard_map`` mentions nothing. A bare ``PartitionSpec`` (``shard_map``'s
+  in/out specs) names the axes its binder makes manual.
+  """
+  if isinstance(v, _AbstractValue):
+    mat = getattr(v, "mat", None)
+    sharding = getattr(v, "sharding", None)
+    names = _EMPTY
+    if mat is not None and (mat.varying or mat.unreduced or mat.reduced):
+      names = mat.varying | mat.unreduced | mat.reduced
+    if isinstance(sharding, NamedSharding):
+      manual = _manual(sharding.mesh)
+      if manual:
+        names = names | manual
+    return names
+  if isinstance(v, (AbstractMesh, Mesh)):
+    return _manual(v)
+  if isinstance(v, NamedSharding):
+    return _manual(v.mesh)
+  if isinstance(v, PartitionSpec):
+    return _spec_names(v)
+  if isinstance(v, ManualAxisType):
+    return v.varying | v.unreduced | v.reduced
+  if isinstance(v, (tuple, list)):
+    out = _EMPTY
+    for item in v:
+      n = names_of(item)
+      if n:
+        out = out | n
+    return out
+  return _EMPTY
+
+
+def _rename_set(names: frozenset, mapping: Mapping) -> frozenset:
+  if names.isdisjoint(mapping):
+    return names
+  return frozenset(mapping.get(n, n) for n in names)
+
+
+def _rename_spec(spec: PartitionSpec, mapping: Mapping) -> PartitionSpec:
+  if _spec_names(spec).isdisjoint(mapping):
+    return spec
+
+  def one(entry):
+    if isinstance(entry, tuple):
+      return tuple(mapping.get(n, n) for n in entry)
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      return entry
+    return mapping.get(entry, entry)
+  kwargs = {}
+  for attr in ("unreduced", "reduced"):
+    value = getattr(spec, attr, None)
+    if value:
+      kwargs[attr] = _rename_set(frozenset(value), mapping)
+  return PartitionSpec(*(one(e) for e in spec), **kwargs)
+
+
+def _only(mapping: Mapping, names: frozenset) -> dict:
+  return {o: n for o, n in mapping.items() if o in names}
+
+
+def _rename_axis_names(names: tuple, mapping: Mapping, what: Any) -> tuple:
+  new = tuple(mapping.get(n, n) for n in names)
+  if len(set(new)) != len(new):
+    raise ValueError(
+        f"jaxworks.axis_names: renaming {dict(mapping)!r} would give {what} "
+        f"the duplicate axis names {new}; pick names the mesh does not "
+        "already have")
+  return new
+
+
+def rename(v: Any, mapping: Mapping[Hashable, Hashable],
+           memo: dict | None = None) -> Any:
+  """``v`` with axis names renamed; the same object when nothing changes."""
+  if not mapping:
+    return v
+  if memo is not None:
+    hit = memo.get(id(v))
+    if hit is not None and hit[0] is v:
+      return hit[1]
+  out = _rename(v, mapping, memo)
+  if memo is not None and out is not v:
+    memo[id(v)] = (v, out)
+  return out
+
+
+def _rename(v: Any, mapping: Mapping, memo) -> Any:
+  if isinstance(v, _AbstractValue):
+    if names_of(v).isdisjoint(mapping):
+      return v
+    kwargs = {}
+    mat = getattr(v, "mat", None)
+    if mat is not None:
+      new_mat = rename(mat, mapping, memo)
+      if new_mat is not mat:
+        kwargs["manual_axis_type"] = new_mat
+    sharding = getattr(v, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      new_sh = rename(sharding, mapping, memo)
+      if new_sh is not sharding:
+        kwargs["sharding"] = new_sh
+    return v.update(**kwargs) if kwargs else v
+  if isinstance(v, (AbstractMesh, Mesh)):
+    manual = _manual(v)
+    if manual.isdisjoint(mapping):
+      return v
+    names = _rename_axis_names(v.axis_names, _only(mapping, manual), v)
+    if isinstance(v, AbstractMesh):
+      return v.update(axis_names=names)
+    return Mesh(v.devices, names, axis_types=v.axis_types)
+  if isinstance(v, NamedSharding):
+    manual = _manual(v.mesh)
+    if manual.isdisjoint(mapping):
+      return v
+    mesh = rename(v.mesh, mapping, memo)
+    spec = _rename_spec(v.spec, _only(mapping, manual))
+    if mesh is v.mesh and spec is v.spec:
+      return v
+    return NamedSharding(mesh, spec, memory_kind=v.memory_kind)
+  if isinstance(v, PartitionSpec):
+    return _rename_spec(v, mapping)
+  if isinstance(v, ManualAxisType):
+    varying = _rename_set(v.varying, mapping)
+    unreduced = _rename_set(v.unreduced, mapping)
+    reduced = _rename_set(v.reduced, mapping)
+    if (varying is v.varying and unreduced is v.unreduced and
+        reduced is v.reduced):
+      return v
+    return ManualAxisType(varying=varying, unreduced=unreduced,
+                          reduced=reduced)
+  if isinstance(v, (tuple, list)) and type(v) in (tuple, list):
+    items = [rename(x, mapping, memo) for x in v]
+    if all(a is b for a, b in zip(items, v)):
+      return v
+    return type(v)(items)
+  return v

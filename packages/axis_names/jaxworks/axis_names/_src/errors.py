@@ -1,0 +1,31 @@
+"""The package's error type."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+
+class AxisNameError(NameError):
+  """An axis name is used where it is not bound, or with the wrong size.
+
+  A subclass of ``NameError`` because that is what JAX raises for an unbound
+  axis name at trace time, so ``except NameError`` handlers keep working.
+
+  Attributes:
+    primitive: name of the primitive that uses the axis (e.g. ``"psum"``).
+    axis_name: the offending axis name.
+    bound: the axis names bound where the primitive is used, in order.
+    location: ``"file:line (function)"`` of the user's code, or None.
+    problems: every problem found, as ``(primitive, axis_name, bound,
+      location, detail)`` tuples; the message lists them all.
+  """
+
+  def __init__(self, message: str, *, primitive: str, axis_name: Hashable,
+               bound: Sequence[Hashable], location: str | None,
+               problems: Sequence[tuple] = ()):
+    super().__init__(message)
+    self.primitive = primitive
+    self.axis_name = axis_name
+    self.bound = tuple(bound)
+    self.location = location
+    self.problems = tuple(problems)

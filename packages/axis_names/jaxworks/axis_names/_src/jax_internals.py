@@ -1,0 +1,101 @@
+"""The only module of jaxworks.axis_names that touches private JAX names.
+
+Every name here is covered by tests/jax_internals_test.py, so a JAX upgrade
+that moves one of them fails in one obvious place.
+
+Public JAX (``jax.extend.core``, ``jax.core``, ``jax.lax``) is imported
+directly by the other modules; only what has no public door lives here:
+
+* ``NamedAxisEffect``: the effect JAX attaches to equations (and jaxprs) that
+  use a named axis. We read it for primitives we have no rule for, build it
+  when renaming, and compare against it in tests.
+* ``user_frame``: the first frame of an equation's traceback that is user
+  code (not JAX, not this package), for "file:line" in messages.
+* ``unbound_axis_name``: the axis name in the ``NameError`` JAX raises at
+  trace time for an unbound name (JAX only puts it in the message text).
+* ``eqn_context_mesh`` / ``eqn_context_with_mesh``: the abstract mesh an
+  equation was traced under, and a copy of its context with another mesh.
+* ``literal_value_with_aval``: a literal's typed value with a renamed aval.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from jax._src import core as _core
+from jax._src import literals as _literals
+from jax._src import source_info_util as _source_info_util
+
+NamedAxisEffect = _core.NamedAxisEffect
+
+
+def named_axis_effect_names(effects) -> frozenset:
+  """Axis names of the ``NamedAxisEffect`` objects in ``effects``."""
+  return frozenset(e.name for e in effects if type(e) is NamedAxisEffect)
+
+
+def is_named_axis_effect(effect) -> bool:
+  return type(effect) is NamedAxisEffect
+
+
+def user_location(source_info) -> tuple[str, int, str] | None:
+  """``(file_name, line, function_name)`` of the innermost user frame.
+
+  ``source_info`` is a ``JaxprEqn.source_info``; None when it has no user
+  frame (for example an equation JAX created itself).
+  """
+  traceback = getattr(source_info, "traceback", None)
+  if traceback is None:
+    return None
+  frame = _source_info_util.user_frame(traceback)
+  if frame is None:
+    return None
+  return (frame.file_name, frame.start_line, frame.function_name)
+
+
+# JAX 0.10.2 messages: "Found an unbound axis name: i. To fix this, ..." and
+# "unbound axis name: i". The name is printed with str(), so only string names
+# can be recovered from it.
+_UNBOUND_RE = re.compile(r"unbound axis name: (.+?)(?:\. To fix this|$)", re.S)
+
+
+def unbound_axis_name(err: BaseException) -> str | None:
+  """The axis name in JAX's unbound-axis ``NameError``, or None."""
+  if not isinstance(err, NameError):
+    return None
+  m = _UNBOUND_RE.search(str(err))
+  return m.group(1).strip() if m else None
+
+
+def eqn_context_mesh(ctx):
+  """The abstract mesh an equation was traced under (``JaxprEqn.ctx``)."""
+  return getattr(ctx, "cur_abstract_mesh", None)
+
+
+def eqn_context_with_mesh(ctx, mesh):
+  """``ctx`` (a ``JaxprEqnContext``) with its abstract mesh replaced.
+
+  ``JaxprEqnContext`` is interned and has no public constructor taking
+  values; ``_create`` is its interning constructor.
+  """
+  if ctx.cur_abstract_mesh is mesh:
+    return ctx
+  xla_metadata = ctx.xla_metadata
+  if xla_metadata is not None:
+    xla_metadata = tuple(sorted(xla_metadata.items()))
+  return _core.JaxprEqnContext._create(
+      ctx.compute_type, ctx.threefry_partitionable, mesh,
+      ctx.remove_size_one_mesh_axis, xla_metadata)
+
+
+def literal_value_with_aval(val, aval):
+  """A literal's value carrying ``aval`` (for renaming a ``Literal``).
+
+  JAX 0.10 stores array literals as ``TypedNdArray``, which carries its own
+  abstract value (including the sharding mesh) and is what ``eval_jaxpr``
+  binds; it must be rebuilt together with the ``Literal``.
+  """
+  if isinstance(val, _literals.TypedNdArray):
+    return _literals.TypedNdArray(np.asarray(val), aval)
+  return val

@@ -1,0 +1,422 @@
+"""rename_axes: rewrite the axis names a jaxpr (or function) uses.
+
+The jaxpr rewrite is bottom-up and shares structure: an equation or
+sub-jaxpr whose free names (memoized by ``analysis``) avoid the renamed
+names is reused as the very same object, so renaming touches only the part
+of the program that mentions a renamed axis. Binders shadow: inside a
+``shard_map`` that binds ``'i'``, a rename of ``'i'`` does not apply; a
+rename whose new name would be captured by such a binder is an error.
+
+The function wrapper traces the user's function in the current context
+with the context's names renamed back to the old ones (``context.py``),
+rewrites the jaxpr to the new names, and evaluates it with the caller's
+values, so every primitive is bound again under the caller's transformations
+(jit, grad, vmap, shard_map, pmap).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+
+from . import analysis
+from . import context
+from . import deep
+from . import jax_internals
+from . import rules
+from . import tracing
+from .check import location
+
+_API = "jaxworks.axis_names.rename_axes"
+
+# Jaxpr -> {frozen mapping: renamed Jaxpr}; only changed results are stored
+# (an unchanged result is the key itself and must not keep it alive).
+_RENAMED = analysis.WeakIdentityCache()
+
+
+def check_mapping(mapping: Any, api: str = _API) -> dict[Hashable, Hashable]:
+  """Validates a rename mapping; returns it as a dict without identities."""
+  if not isinstance(mapping, Mapping):
+    raise TypeError(
+        f"{api}: mapping must be a dict from old axis name to new axis name, "
+        f"got {mapping!r} of type {type(mapping).__name__}; pass e.g. "
+        "{'i': 'batch'}")
+  out = {}
+  for old, new in mapping.items():
+    for role, n in (("old", old), ("new", new)):
+      if n is None or isinstance(n, int) or not isinstance(n, Hashable):
+        raise TypeError(
+            f"{api}: {role} axis name {n!r} in mapping {dict(mapping)!r} is "
+            "not a valid axis name (use hashable non-int names such as "
+            "strings; ints are positional axes)")
+    if old != new:
+      out[old] = new
+  news = list(out.values())
+  dupes = sorted({repr(n) for n in news if news.count(n) > 1})
+  if dupes:
+    raise ValueError(
+        f"{api}: mapping {dict(mapping)!r} sends several axes to "
+        f"{', '.join(dupes)}; renaming must be one-to-one (merging axes would "
+        "change what collectives reduce over)")
+  return out
+
+
+_EFFECT_OF: dict = {}  # axis name -> its NamedAxisEffect (effects are values)
+
+
+def _effect(name):
+  eff = _EFFECT_OF.get(name)
+  if eff is None:
+    eff = _EFFECT_OF.setdefault(name, jax_internals.NamedAxisEffect(name))
+  return eff
+
+
+def _rename_effects(effects, mapping: Mapping) -> Any:
+  if not effects:
+    return effects
+  changed = False
+  out = []
+  for e in effects:
+    if jax_internals.is_named_axis_effect(e) and e.name in mapping:
+      out.append(_effect(mapping[e.name]))
+      changed = True
+    else:
+      out.append(e)
+  if not changed:
+    return effects
+  return frozenset(out) if isinstance(effects, frozenset) else set(out)
+
+
+# ---------------------------------------------------------------------------
+# What a jaxpr mentions: collective names plus names in types, meshes, specs.
+
+_MENTIONS = analysis.WeakIdentityCache()
+
+
+def _atom_names(v) -> frozenset:
+  return deep.names_of(v.aval)
+
+
+def eqn_mentions(eqn: JaxprEqn) -> frozenset:
+  """Free axis names an equation mentions anywhere (not only collectives)."""
+  names = set(analysis.eqn_axis_names(eqn))
+  for v in eqn.outvars:
+    n = _atom_names(v)
+    if n:
+      names |= n
+  for v in eqn.invars:
+    if isinstance(v, Literal):
+      names |= _atom_names(v)
+  mesh = jax_internals.eqn_context_mesh(eqn.ctx)
+  if mesh is not None and not mesh.empty:
+    names.update(mesh.axis_names)
+  if eqn.effects:
+    names |= jax_internals.named_axis_effect_names(eqn.effects)
+  bound = analysis.bound_names(eqn)
+  for v in eqn.params.values():
+    subs = analysis.subjaxprs({"v": v})
+    if subs:
+      for sub in subs:
+        names |= mentioned_names(sub) - bound
+    else:
+      n = deep.names_of(v)
+      if n:
+        names |= n - bound
+  return frozenset(names)
+
+
+def mentioned_names(jaxpr: Jaxpr) -> frozenset:
+  """Free axis names a jaxpr mentions anywhere, memoized per object."""
+  used = analysis.jaxpr_axis_names(jaxpr)
+  # JAX may annotate more than is used (cond gives every branch the union of
+  # all branches' effects); the annotation must be renamed too.
+  annotated = jax_internals.named_axis_effect_names(jaxpr.effects)
+  if not analysis.has_manual_types(jaxpr):
+    # Traced outside any shard_map: no types, meshes or specs mention
+    # manual axes, so this is O(1) given the memoized analysis.
+    return used | annotated if annotated else used
+  hit = _MENTIONS.get(jaxpr)
+  if hit is not None:
+    return hit
+  names = set(used) | annotated
+  for v in (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars):
+    names |= _atom_names(v)
+  for eqn in jaxpr.eqns:
+    names |= eqn_mentions(eqn)
+  result = frozenset(names)
+  _MENTIONS.put(jaxpr, result)
+  return result
+
+
+class _Renamer:
+  """One rename pass; memos keep shared sub-jaxprs and values shared."""
+
+  def __init__(self):
+    self.memo: dict[tuple, tuple[Jaxpr, Jaxpr]] = {}
+    self.value_memo: dict[int, tuple[Any, Any]] = {}
+    self.eqns_rebuilt = 0
+
+  def jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
+    if mentioned_names(jaxpr).isdisjoint(mapping):
+      return jaxpr
+    key = frozenset(mapping.items())
+    per_mapping = _RENAMED.get(jaxpr)
+    if per_mapping is not None and key in per_mapping:
+      return per_mapping[key]
+    hit = self.memo.get((id(jaxpr), key))
+    if hit is not None:
+      return hit[1]
+    if analysis.has_local_manual_types(jaxpr):
+      new = self._deep_jaxpr(jaxpr, mapping)
+    else:
+      # Traced outside shard_map: no type here mentions a manual axis (one
+      # that a sub-jaxpr mentions is bound above, hence in this jaxpr's
+      # context), so only equations using a renamed name change, and the
+      # analysis already knows which those are.
+      eqns = list(jaxpr.eqns)
+      for i, names in analysis.named_eqns(jaxpr):
+        if not names.isdisjoint(mapping):
+          eqns[i] = self._light_eqn(eqns[i], mapping)
+      new = jaxpr.replace(eqns=eqns,
+                          effects=_rename_effects(jaxpr.effects, mapping),
+                          debug_info=jaxpr.debug_info)
+    self.memo[(id(jaxpr), key)] = (jaxpr, new)  # keeps the id stable
+    if per_mapping is None:
+      per_mapping = {}
+      _RENAMED.put(jaxpr, per_mapping)
+    per_mapping[key] = new
+    return new
+
+  def _deep_jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
+    """Renames names in collectives and in every type, mesh and spec."""
+    varmap: dict = {}
+
+    def sub(v):
+      if isinstance(v, Literal):
+        aval = deep.rename(v.aval, mapping, self.value_memo)
+        if aval is v.aval:
+          return v
+        return Literal(jax_internals.literal_value_with_aval(v.val, aval), aval)
+      nv = varmap.get(v)
+      if nv is None:
+        aval = deep.rename(v.aval, mapping, self.value_memo)
+        if aval is v.aval:
+          nv = v
+        elif isinstance(v, DropVar):
+          nv = DropVar(aval)
+        else:
+          nv = Var(aval, v.initial_qdd, v.final_qdd)
+        varmap[v] = nv
+      return nv
+
+    constvars = [sub(v) for v in jaxpr.constvars]
+    invars = [sub(v) for v in jaxpr.invars]
+    eqns = [self.eqn(e, mapping, sub) for e in jaxpr.eqns]
+    outvars = [sub(v) for v in jaxpr.outvars]
+    return jaxpr.replace(constvars=constvars, invars=invars, outvars=outvars,
+                         eqns=eqns,
+                         effects=_rename_effects(jaxpr.effects, mapping),
+                         debug_info=jaxpr.debug_info)
+
+  def param(self, v: Any, mapping: Mapping) -> Any:
+    if isinstance(v, ClosedJaxpr):
+      new = self.jaxpr(v.jaxpr, mapping)
+      return v if new is v.jaxpr else ClosedJaxpr(new, v.consts)
+    if isinstance(v, Jaxpr):
+      return self.jaxpr(v, mapping)
+    if isinstance(v, (tuple, list)):
+      items = [self.param(x, mapping) for x in v]
+      if all(a is b for a, b in zip(items, v)):
+        return v
+      if hasattr(v, "_make"):  # NamedTuple, e.g. custom_linear_solve jaxprs
+        return v._make(items)
+      return type(v)(items)
+    return deep.rename(v, mapping, self.value_memo)
+
+  def _params_and_inner(self, eqn: JaxprEqn, mapping: Mapping):
+    """Own params renamed; the mapping that applies inside (binders shadow)."""
+    prim = eqn.primitive.name
+    params = dict(eqn.params)
+    param = rules.AXIS_PARAMS.get(prim)
+    subs = analysis.subjaxprs(params)
+    if param is None and not subs and eqn.effects:
+      opaque = jax_internals.named_axis_effect_names(eqn.effects) & set(mapping)
+      if opaque:
+        raise ValueError(
+            f"{_API}: cannot rename axis names {sorted(opaque, key=repr)} of "
+            f"primitive {prim!r} at {location(eqn) or 'an unknown location'}: "
+            "jaxworks.axis_names has no rule for which of its params hold "
+            "axis names. Rename the axis where that primitive is called.")
+    if param is not None:
+      params[param] = rules.rename_in_param(params[param], mapping)
+    bound = analysis.bound_names(eqn)
+    inner = ({o: n for o, n in mapping.items() if o not in bound}
+             if bound else mapping)
+    if subs and bound:
+      captured = sorted(
+          {repr(n) for o, n in inner.items()
+           if n in bound and any(o in mentioned_names(s) for s in subs)})
+      if captured:
+        raise ValueError(
+            f"{_API}: renaming {dict(mapping)!r} would capture "
+            f"{', '.join(captured)} inside {prim} at "
+            f"{location(eqn) or 'an unknown location'}, which binds "
+            f"{sorted(bound, key=repr)}; pick new names that the inner {prim} "
+            "does not bind")
+    return params, param, inner
+
+  def _light_eqn(self, eqn: JaxprEqn, mapping: Mapping) -> JaxprEqn:
+    """Renames an equation of a jaxpr whose types mention no manual axis.
+
+    Only the collective's own param and the params holding sub-jaxprs can
+    change; everything else is carried over.
+    """
+    params = eqn.params
+    jaxpr_keys = [k for k, v in params.items()
+                  if type(v) is ClosedJaxpr or type(v) is Jaxpr or (
+                      isinstance(v, (tuple, list, ClosedJaxpr, Jaxpr)) and
+                      analysis.subjaxprs({k: v}))]
+    if not jaxpr_keys:
+      params, _, _ = self._params_and_inner(eqn, mapping)
+    else:
+      params, param, inner = self._params_and_inner(eqn, mapping)
+      if inner:
+        for k in jaxpr_keys:
+          if k != param:
+            params[k] = self.param(eqn.params[k], inner)
+    self.eqns_rebuilt += 1
+    return eqn.replace(params=params,
+                       effects=_rename_effects(eqn.effects, mapping))
+
+  def eqn(self, eqn: JaxprEqn, mapping: Mapping, sub) -> JaxprEqn:
+    invars = [sub(v) for v in eqn.invars]
+    in_changed = any(a is not b for a, b in zip(invars, eqn.invars))
+    if not in_changed and eqn_mentions(eqn).isdisjoint(mapping):
+      return eqn
+    outvars = [sub(v) for v in eqn.outvars]
+    params, param, inner = self._params_and_inner(eqn, mapping)
+    if inner:
+      for k, v in eqn.params.items():
+        if k != param:
+          params[k] = self.param(v, inner)
+    mesh = jax_internals.eqn_context_mesh(eqn.ctx)
+    ctx = eqn.ctx
+    if mesh is not None:
+      ctx = jax_internals.eqn_context_with_mesh(
+          ctx, deep.rename(mesh, mapping, self.value_memo))
+    self.eqns_rebuilt += 1
+    return eqn.replace(invars=invars, outvars=outvars, params=params,
+                       effects=_rename_effects(eqn.effects, mapping), ctx=ctx)
+
+
+def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
+                 mapping: Mapping[Hashable, Hashable]) -> Jaxpr | ClosedJaxpr:
+  """A jaxpr whose free axis names are renamed through ``mapping``.
+
+  Renames collectives and axis queries, and the names in types (varying
+  manual axes, shardings), meshes and specs. Sub-jaxprs and equations that
+  mention no renamed name are shared with the input by identity; the input
+  itself is returned when nothing changes.
+
+  Raises:
+    ValueError: a new name would merge with a free name that is kept, would
+      be captured by an inner binder, or the mapping is not one-to-one.
+  """
+  mapping = check_mapping(mapping)
+  closed = isinstance(jaxpr, ClosedJaxpr)
+  core_jaxpr = jaxpr.jaxpr if closed else jaxpr
+  if not isinstance(core_jaxpr, Jaxpr):
+    raise TypeError(f"{_API}: expected a Jaxpr or ClosedJaxpr, got "
+                    f"{type(jaxpr).__name__}")
+  mentioned = mentioned_names(core_jaxpr)
+  effective = {o: n for o, n in mapping.items() if o in mentioned}
+  clash = sorted({repr(n) for n in effective.values()
+                  if n in mentioned and n not in effective})
+  if clash:
+    raise ValueError(
+        f"{_API}: mapping {dict(mapping)!r} renames onto {', '.join(clash)}, "
+        f"which the function already uses (free names: "
+        f"{sorted(mentioned, key=repr)}); that would merge two axes. Rename "
+        "that name too, or pick a fresh one")
+  if not effective:
+    return jaxpr
+  new = _Renamer().jaxpr(core_jaxpr, effective)
+  if not closed:
+    return new
+  return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
+
+
+def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
+                mapping: Mapping[Hashable, Hashable]
+                ) -> Callable | Jaxpr | ClosedJaxpr:
+  """A function like ``fun`` whose collectives use renamed axis names.
+
+  Given a ``Jaxpr`` or ``ClosedJaxpr`` instead of a function, returns the
+  renamed jaxpr (sharing every untouched sub-jaxpr and equation with the
+  input, see ``rename_jaxpr``).
+
+  ``rename_axes(f, {'i': 'batch'})`` behaves like ``f`` with every free use
+  of axis ``'i'`` (``psum(x, 'i')``, ``axis_index('i')``, ...) replaced by
+  ``'batch'``, so code written for one mesh runs under a ``shard_map``,
+  ``pmap`` or ``vmap`` that binds other names. Names ``f`` binds itself
+  (a ``shard_map`` inside ``f``) are left alone. The result works under
+  ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+
+  Each call traces ``fun`` (inside ``jax.jit`` that is once per trace of
+  the enclosing function); all arguments must be arrays or scalars.
+
+  Args:
+    fun: the function (or jaxpr) to rename.
+    mapping: ``{old_name: new_name}``; one-to-one.
+
+  Returns:
+    The renamed function.
+
+  >>> import jax, jax.numpy as jnp
+  >>> f = lambda x: jax.lax.psum(x, 'i')
+  >>> g = rename_axes(f, {'i': 'batch'})
+  >>> jax.vmap(g, axis_name='batch')(jnp.arange(4.))
+  Array([6., 6., 6., 6.], dtype=float32)
+  """
+  if isinstance(fun, (Jaxpr, ClosedJaxpr)):
+    return rename_jaxpr(fun, mapping)
+  mapping = check_mapping(mapping)
+  if not callable(fun):
+    raise TypeError(f"{_API}: fun must be callable, got {fun!r} of type "
+                    f"{type(fun).__name__}")
+  inverse = {new: old for old, new in mapping.items()}
+
+  @functools.wraps(fun)
+  def renamed(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    avals, env, mesh_ctx = context.renamed_context(leaves, mapping, inverse,
+                                                   _API)
+
+    def flat_fun(*flat):
+      a, kw = jax.tree_util.tree_unflatten(treedef, flat)
+      return fun(*a, **kw)
+
+    with mesh_ctx:
+      (closed, out_tree), _ = _trace_flat(flat_fun, avals, env)
+    new = rename_jaxpr(closed, mapping)
+    outs = jax.core.eval_jaxpr(new.jaxpr, new.consts, *leaves)
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+  return renamed
+
+
+def _trace_flat(flat_fun, avals, env):
+  out_tree_box = []
+
+  def traced(*flat):
+    out = flat_fun(*flat)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out_tree_box.append(out_tree)
+    return out_leaves
+
+  closed, placeholders = tracing.trace(traced, tuple(avals), {}, env, _API)
+  return (closed, out_tree_box[-1]), placeholders

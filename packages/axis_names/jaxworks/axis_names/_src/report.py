@@ -1,0 +1,232 @@
+"""collective_report: which collectives run over which axes, how often, how much.
+
+Counting: each equation counts once per execution of the jaxpr it sits in
+as far as static trip counts say: a ``scan`` body counts ``length`` times,
+a ``while`` body once (its trip count is dynamic), and every branch of a
+``cond`` counts (an upper bound).
+
+Bytes are per device, per call, for the usual ring/direct algorithms with
+``n`` the product of the collective's axis sizes and ``B`` the bytes of the
+per-device operand(s):
+
+================================  =====================
+all-reduce (psum, pmax, pmin)     2 (n-1)/n B
+all_gather                        (n-1) B
+reduce_scatter, all_to_all        (n-1)/n B
+ppermute                          B x (pairs / n)
+pbroadcast, psend / precv         B
+axis_index, pvary and casts       0
+================================  =====================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+
+from . import analysis
+from . import check
+from . import tracing
+from .errors import AxisNameError
+
+_API = "jaxworks.axis_names.collective_report"
+
+_ALL_REDUCE = ("psum", "pmax", "pmin", "psum_invariant", "unreduced_psum",
+               "psum_start", "psum_invariant_start", "unreduced_psum_start")
+_GATHER = ("all_gather", "all_gather_invariant", "all_gather_reduced",
+           "all_gather_start", "all_gather_reduced_start")
+_SCATTER = ("reduce_scatter", "unreduced_reduce_scatter", "all_to_all",
+            "ragged_all_to_all", "reduce_scatter_start",
+            "unreduced_reduce_scatter_start", "all_to_all_start")
+_POINT = ("pbroadcast", "pbroadcast_start", "psend")
+
+
+def _nbytes(avals) -> int:
+  total = 0
+  for a in avals:
+    shape = getattr(a, "shape", None)
+    dtype = getattr(a, "dtype", None)
+    if shape is None or dtype is None:
+      continue
+    try:
+      itemsize = dtype.itemsize
+    except AttributeError:
+      continue
+    total += math.prod(shape) * itemsize
+  return total
+
+
+def bytes_moved(eqn: JaxprEqn, n: int) -> float:
+  """Estimated bytes one device sends for one execution of ``eqn``."""
+  prim = eqn.primitive.name
+  b_in = _nbytes(v.aval for v in eqn.invars)
+  if n <= 1:
+    return 0.0
+  if prim in _ALL_REDUCE:
+    return 2.0 * (n - 1) / n * b_in
+  if prim in _GATHER:
+    return float((n - 1) * b_in)
+  if prim in _SCATTER:
+    return (n - 1) / n * b_in
+  if prim in ("ppermute", "ppermute_start"):
+    pairs = len(eqn.params.get("perm", ()))
+    return b_in * pairs / n
+  if prim in _POINT:
+    return float(b_in)
+  if prim == "precv":
+    return float(_nbytes(v.aval for v in eqn.outvars))
+  return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStat:
+  """One (axes, primitive) row of a CollectiveReport.
+
+  Attributes:
+    axes: the axis names the collective runs over, in order.
+    primitive: the primitive name, e.g. ``"psum"``.
+    count: executions per call (static trip counts; see module docs).
+    bytes_per_call: estimated bytes sent per device per call, all executions.
+    sources: distinct ``file:line`` of the user code, in program order.
+  """
+  axes: tuple
+  primitive: str
+  count: int
+  bytes_per_call: float
+  sources: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveReport:
+  """Per axis name, the collectives a function runs.
+
+  Attributes:
+    rows: one ``CollectiveStat`` per (axes, primitive), sorted.
+    axis_sizes: the size used for every axis name that appears.
+  """
+  rows: tuple[CollectiveStat, ...]
+  axis_sizes: Mapping[Hashable, int]
+
+  @property
+  def axis_names(self) -> tuple:
+    """Every axis name some collective in the report uses."""
+    seen: dict = {}
+    for r in self.rows:
+      for a in r.axes:
+        seen.setdefault(a, None)
+    return tuple(seen)
+
+  def by_axis(self, name: Hashable) -> tuple[CollectiveStat, ...]:
+    """Rows whose collective runs over ``name`` (alone or with others)."""
+    return tuple(r for r in self.rows if name in r.axes)
+
+  @property
+  def total_bytes(self) -> float:
+    """Estimated bytes sent per device per call, over all collectives."""
+    return sum(r.bytes_per_call for r in self.rows)
+
+  def __str__(self) -> str:
+    header = ("axes", "primitive", "count", "bytes/call", "sources")
+    body = [(",".join(map(str, r.axes)), r.primitive, str(r.count),
+             _fmt_bytes(r.bytes_per_call), " ".join(r.sources) or "-")
+            for r in self.rows]
+    if not body:
+      return "no collectives"
+    widths = [max(len(h), *(len(row[i]) for row in body))
+              for i, h in enumerate(header)]
+    def line(cells):
+      return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    out = [line(header), line(["-" * w for w in widths])]
+    out += [line(row) for row in body]
+    return "\n".join(out)
+
+
+def _fmt_bytes(b: float) -> str:
+  if b == int(b):
+    return str(int(b))
+  return f"{b:.1f}"
+
+
+def _short(loc: str | None) -> str | None:
+  if loc is None:
+    return None
+  path = loc.split(" (")[0]
+  file_name, _, line = path.rpartition(":")
+  return f"{file_name.rsplit('/', 1)[-1]}:{line}"
+
+
+def collective_report(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
+                      axis_sizes: Mapping[Hashable, int] | None = None,
+                      **kwargs: Any) -> CollectiveReport:
+  """Collectives of ``fun`` per axis name: count, bytes per call, sources.
+
+  Args:
+    fun: a function (traced with ``jax.make_jaxpr``), or a Jaxpr/ClosedJaxpr.
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+    axis_sizes: ``{name: size}`` for every free axis name ``fun`` uses
+      (names bound inside ``fun`` by ``shard_map`` take their mesh sizes).
+    **kwargs: keyword arguments for ``fun``.
+
+  Returns:
+    A ``CollectiveReport``; ``str()`` of it is a readable table.
+
+  Raises:
+    AxisNameError: a free axis name has no size in ``axis_sizes``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> def step(x):
+  ...   x = jax.lax.psum(x, 'i')
+  ...   return jax.lax.all_gather(x, 'i')
+  >>> r = collective_report(step, jnp.ones(4), axis_sizes={'i': 8})
+  >>> [(s.primitive, s.count, s.bytes_per_call) for s in r.by_axis('i')]
+  [('all_gather', 1, 112.0), ('psum', 1, 28.0)]
+  """
+  sizes = tracing.check_axis_sizes(axis_sizes, _API)
+  if isinstance(fun, (ClosedJaxpr, Jaxpr)):
+    if args or kwargs:
+      raise TypeError(
+          f"{_API}: got a {type(fun).__name__} plus example arguments; those "
+          "are only for a callable. Pass the jaxpr alone.")
+    jaxpr = fun.jaxpr if isinstance(fun, ClosedJaxpr) else fun
+  else:
+    try:
+      closed, _ = tracing.trace(fun, args, kwargs, sizes, _API)
+    except NameError as e:
+      loc = tracing.user_location_of_exception(e)
+      raise AxisNameError(
+          f"{_API}: {e} (at {loc or 'an unknown location'}); pass its size in "
+          "axis_sizes", primitive="unknown", axis_name=None,
+          bound=tuple(sizes), location=loc) from e
+    jaxpr = closed.jaxpr
+  problems = [p for p in check.problems_in(jaxpr, sizes)
+              if p[4].startswith("unbound")]
+  if problems:
+    check.raise_problems(problems, _API)
+  acc: dict[tuple, list] = {}
+  used_sizes: dict = {}
+  for eqn, env, mult in check.walk(jaxpr, sizes):
+    names = analysis.own_names(eqn)
+    if not names:
+      continue
+    n = 1
+    for a in names:
+      size = env.get(a)
+      used_sizes[a] = size
+      n *= size if size else 1
+    key = (names, eqn.primitive.name)
+    entry = acc.setdefault(key, [0, 0.0, {}])
+    entry[0] += mult
+    entry[1] += mult * bytes_moved(eqn, n)
+    src = _short(check.location(eqn))
+    if src is not None:
+      entry[2].setdefault(src, None)
+  rows = tuple(
+      CollectiveStat(axes=k[0], primitive=k[1], count=v[0],
+                     bytes_per_call=v[1], sources=tuple(v[2]))
+      for k, v in sorted(acc.items(), key=lambda kv: (repr(kv[0][0]),
+                                                      kv[0][1])))
+  return CollectiveReport(rows=rows, axis_sizes=used_sizes)

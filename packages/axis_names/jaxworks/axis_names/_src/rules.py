@@ -1,0 +1,99 @@
+"""Which equation params name axes, and which equations bind axis names.
+
+Two small tables drive the whole package:
+
+* ``AXIS_PARAMS``: for each collective or axis query, the param holding the
+  axis name(s) it uses (``psum[axes=('i', 0)]``, ``ppermute[axis_name=('i',)]``).
+  Integers in these params are positional axes, not names.
+* ``BINDERS``: for each higher-order primitive that binds axis names, a
+  function from its params to the names it binds. Names used inside its
+  sub-jaxprs stop at the binder.
+
+Sub-jaxprs themselves are not listed anywhere: they are found by scanning
+every param value (and tuples/lists of them) for ``Jaxpr``/``ClosedJaxpr``.
+A primitive in neither table with no sub-jaxprs falls back to the
+``NamedAxisEffect`` objects JAX attached to its equation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+_AXES = "axes"
+_AXIS_NAME = "axis_name"
+
+# Primitive name -> the param holding the axis name(s). Asynchronous
+# ``*_start`` variants take the same params as their synchronous primitive.
+AXIS_PARAMS: dict[str, str] = {
+    # reductions / invariant casts: ``axes`` mixes names and positional ints
+    "psum": _AXES,
+    "pmax": _AXES,
+    "pmin": _AXES,
+    "psum_invariant": _AXES,
+    "unreduced_psum": _AXES,
+    "pvary": _AXES,
+    "preduced": _AXES,
+    "vary_unreduced_cast_p": _AXES,
+    "reduced_vary_cast_p": _AXES,
+    "psum_start": _AXES,
+    "psum_invariant_start": _AXES,
+    "unreduced_psum_start": _AXES,
+    # data movement and axis queries: ``axis_name``
+    "axis_index": _AXIS_NAME,
+    "ppermute": _AXIS_NAME,
+    "pbroadcast": _AXIS_NAME,
+    "psend": _AXIS_NAME,
+    "precv": _AXIS_NAME,
+    "all_to_all": _AXIS_NAME,
+    "ragged_all_to_all": _AXIS_NAME,
+    "all_gather": _AXIS_NAME,
+    "all_gather_invariant": _AXIS_NAME,
+    "all_gather_reduced": _AXIS_NAME,
+    "reduce_scatter": _AXIS_NAME,
+    "unreduced_reduce_scatter": _AXIS_NAME,
+    "all_gather_start": _AXIS_NAME,
+    "all_gather_reduced_start": _AXIS_NAME,
+    "reduce_scatter_start": _AXIS_NAME,
+    "unreduced_reduce_scatter_start": _AXIS_NAME,
+    "all_to_all_start": _AXIS_NAME,
+    "pbroadcast_start": _AXIS_NAME,
+    "ppermute_start": _AXIS_NAME,
+}
+
+
+def names_in_param(value: Any) -> tuple[Hashable, ...]:
+  """The axis names in an ``axes``/``axis_name`` param value, in order."""
+  items = value if isinstance(value, (tuple, list)) else (value,)
+  return tuple(a for a in items if a is not None and not isinstance(a, int))
+
+
+def rename_in_param(value: Any, mapping: Mapping[Hashable, Hashable]) -> Any:
+  """``value`` with every axis name replaced through ``mapping``."""
+  if isinstance(value, (tuple, list)):
+    return type(value)(
+        a if a is None or isinstance(a, int) else mapping.get(a, a)
+        for a in value)
+  if value is None or isinstance(value, int):
+    return value
+  return mapping.get(value, value)
+
+
+def _shard_map_binds(params: Mapping[str, Any]) -> frozenset:
+  # shard_map makes ``newly_manual_axes`` manual; axes that were already
+  # manual are bound by an enclosing shard_map. (JAX's own effect filter
+  # drops all of ``mesh.axis_names``; that differs only for a nested
+  # shard_map that uses an outer manual axis, where this is the exact set.)
+  return frozenset(params["newly_manual_axes"])
+
+
+def _pmap_binds(params: Mapping[str, Any]) -> frozenset:
+  # The pre-0.10 ``xla_pmap`` primitive (JAX 0.10 builds pmap from jit and
+  # shard_map); kept so jaxprs from other JAX versions analyse correctly.
+  return frozenset(names_in_param(params["axis_name"]))
+
+
+BINDERS: dict[str, Callable[[Mapping[str, Any]], frozenset]] = {
+    "shard_map": _shard_map_binds,
+    "xla_pmap": _pmap_binds,
+}

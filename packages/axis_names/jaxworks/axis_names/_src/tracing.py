@@ -1,0 +1,113 @@
+"""Tracing a user function to a ClosedJaxpr while some axis names are free.
+
+``jax.make_jaxpr(f)(x)`` raises ``NameError`` as soon as ``f`` uses an axis
+name that nothing binds. To analyse such a function we bind the names the
+caller gave sizes for (``axis_sizes``) and, for any other name JAX reports
+as unbound, bind it with a placeholder size of 1 and trace again. The
+caller learns which names were placeholders.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback as _traceback
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr
+
+from . import jax_internals
+
+PLACEHOLDER_SIZE = 1
+_MAX_RETRIES = 256
+
+
+def check_axis_sizes(axis_sizes: Any, api: str) -> dict[Hashable, int]:
+  """Validates ``axis_sizes`` and returns it as a dict."""
+  if axis_sizes is None:
+    return {}
+  if not isinstance(axis_sizes, Mapping):
+    raise TypeError(
+        f"{api}: axis_sizes must be a mapping from axis name to size, got "
+        f"{axis_sizes!r} of type {type(axis_sizes).__name__}; pass e.g. "
+        "axis_sizes={'i': 8}")
+  out = {}
+  for name, size in axis_sizes.items():
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+      raise ValueError(
+          f"{api}: axis_sizes[{name!r}] = {size!r} is not a positive int; "
+          "give each axis name its number of devices (or shards), e.g. "
+          f"axis_sizes={{{name!r}: 8}}")
+    out[name] = size
+  return out
+
+
+def trace(fun: Callable, args: tuple, kwargs: dict,
+          axis_sizes: Mapping[Hashable, int], api: str
+          ) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
+  """Traces ``fun(*args, **kwargs)``, binding free axis names as needed.
+
+  Returns:
+    The ClosedJaxpr and ``{name: NameError}`` for each name that had to be
+    bound with ``PLACEHOLDER_SIZE`` (the error JAX raised for it).
+
+  Raises:
+    TypeError: ``fun`` is not callable.
+    NameError: JAX reported an unbound name that cannot be recovered from
+      its message (a non-string name); the caller turns it into an
+      ``AxisNameError``.
+  """
+  if not callable(fun):
+    raise TypeError(
+        f"{api}: expected a Jaxpr, a ClosedJaxpr or a callable with example "
+        f"arguments, got {fun!r} of type {type(fun).__name__}")
+  env = dict(axis_sizes)
+  placeholders: dict[Hashable, NameError] = {}
+  for _ in range(_MAX_RETRIES):
+    try:
+      closed = jax.make_jaxpr(fun, axis_env=list(env.items()))(*args, **kwargs)
+      return closed, placeholders
+    except NameError as e:
+      name = jax_internals.unbound_axis_name(e)
+      if name is None or name in env:
+        raise
+      env[name] = PLACEHOLDER_SIZE
+      placeholders[name] = e
+  raise RuntimeError(
+      f"{api}: gave up after binding {_MAX_RETRIES} free axis names of "
+      f"{getattr(fun, '__name__', fun)!r}")
+
+
+def _dir_of(module) -> str:
+  return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+try:
+  import jaxlib as _jaxlib
+  _JAXLIB_DIR = (_dir_of(_jaxlib),)
+except ImportError:  # pragma: no cover - jaxlib always comes with jax
+  _JAXLIB_DIR = ()
+
+# Frames in these directories are not the user's: JAX, jaxlib, this package
+# and the standard library.
+_NOT_USER = (_dir_of(jax), *_JAXLIB_DIR,
+             os.path.dirname(os.path.dirname(os.path.abspath(__file__))) +
+             os.sep,
+             sysconfig.get_path("stdlib") + os.sep)
+
+
+def _is_user_file(filename: str) -> bool:
+  if filename.endswith("_test.py"):
+    return True
+  return not os.path.abspath(filename).startswith(_NOT_USER)
+
+
+def user_location_of_exception(err: BaseException) -> str | None:
+  """``file:line (function)`` of the innermost user frame in a traceback."""
+  frames = _traceback.extract_tb(err.__traceback__)
+  for fr in reversed(frames):
+    if _is_user_file(fr.filename):
+      return f"{fr.filename}:{fr.lineno} ({fr.name})"
+  return None

@@ -1,0 +1,145 @@
+"""check_axis_names: unbound and mismatched names, with the user's file:line."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jaxworks.axis_names import AxisNameError, check_axis_names
+
+X = jnp.arange(8.0)
+MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+HERE = os.path.abspath(__file__)
+
+
+def _line_of(fn, text):
+  lines, start = inspect.getsourcelines(fn)
+  for off, line in enumerate(lines):
+    if text in line:
+      return start + off
+  raise AssertionError(text)
+
+
+def uses_batch(x):
+  y = x * 2
+  return lax.psum(y, "batch")  # the collective
+
+
+def test_ok_returns_used_names():
+  assert check_axis_names(uses_batch, X, axis_sizes={"batch": 8}) == {"batch"}
+
+
+def test_unbound_name_error_names_everything():
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(uses_batch, X, axis_sizes={"data": 8})
+  e = info.value
+  assert isinstance(e, NameError)
+  assert e.primitive == "psum"
+  assert e.axis_name == "batch"
+  assert e.bound == ("data",)
+  line = _line_of(uses_batch, "# the collective")
+  assert e.location.startswith(f"{HERE}:{line} ")
+  msg = str(e)
+  assert "jaxworks.axis_names.check_axis_names" in msg
+  assert "psum uses axis name 'batch'" in msg
+  assert f"{HERE}:{line}" in msg
+  assert "bound axis names: ('data',)" in msg
+
+
+def test_no_axis_sizes_means_nothing_bound():
+  with pytest.raises(AxisNameError, match=r"bound axis names: \(\)"):
+    check_axis_names(uses_batch, X)
+
+
+def test_close_match_hint():
+  with pytest.raises(AxisNameError, match=r"did you mean 'batch'\?"):
+    check_axis_names(lambda x: lax.axis_index("bacth") * x, X,
+                     axis_sizes={"batch": 8})
+
+
+def test_all_problems_are_listed():
+  def two(x):
+    return lax.psum(x, "a") + lax.axis_index("b")
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(two, X, axis_sizes={"c": 2})
+  assert [p[:2] for p in info.value.problems] == [("psum", "a"),
+                                                  ("axis_index", "b")]
+  assert "2 problems" in str(info.value)
+
+
+def test_name_unbound_inside_shard_map_reports_mesh_names():
+  def body(v):
+    return lax.psum(v, "x") * lax.axis_index("z")  # z is free
+  fn = jax.shard_map(body, mesh=MESH, in_specs=P("x"), out_specs=P("x"),
+                     axis_names={"x"}, check_vma=False)
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(fn, X)
+  e = info.value
+  assert (e.primitive, e.axis_name, e.bound) == ("axis_index", "z", ("x",))
+  assert e.location.startswith(f"{HERE}:{_line_of(body, 'z is free')} ")
+  # Bound by the caller: fine.
+  assert check_axis_names(fn, X, axis_sizes={"z": 2}) == {"z"}
+
+
+def test_nested_in_control_flow_and_jit():
+  def fn(x):
+    return jax.jit(lambda v: lax.cond(
+        v[0] > 0, lambda u: lax.pmax(u, "deep"), lambda u: u, v))(x)
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(fn, X, axis_sizes={"i": 2})
+  assert (info.value.primitive, info.value.axis_name) == ("pmax", "deep")
+  assert info.value.location.startswith(HERE)
+
+
+def test_ppermute_out_of_range_for_axis_size():
+  def fn(x):
+    return lax.ppermute(x, "i", [(0, 1), (1, 5)])
+  with pytest.raises(AxisNameError, match=r"indices \[5\] outside the axis "
+                     r"of size 4"):
+    check_axis_names(fn, X, axis_sizes={"i": 4})
+  assert check_axis_names(fn, X, axis_sizes={"i": 8}) == {"i"}
+
+
+def test_axis_index_groups_must_partition_the_axis():
+  def fn(x):
+    return lax.psum(x, "i", axis_index_groups=[[0, 1], [2, 3]])
+  with pytest.raises(AxisNameError, match=r"do not partition range\(8\)"):
+    check_axis_names(fn, X, axis_sizes={"i": 8})
+  assert check_axis_names(fn, X, axis_sizes={"i": 4}) == {"i"}
+
+
+def test_mismatch_inside_shard_map_uses_mesh_size():
+  fn = jax.shard_map(lambda v: lax.ppermute(v, "x", [(0, 7)]), mesh=MESH,
+                     in_specs=P("x"), out_specs=P("x"), axis_names={"x"},
+                     check_vma=False)
+  with pytest.raises(AxisNameError, match="size 4"):
+    check_axis_names(fn, X)
+
+
+def test_jaxpr_input():
+  closed = jax.make_jaxpr(uses_batch, axis_env=[("batch", 2)])(X)
+  assert check_axis_names(closed, axis_sizes={"batch": 2}) == {"batch"}
+  with pytest.raises(AxisNameError):
+    check_axis_names(closed.jaxpr)
+  with pytest.raises(TypeError, match="only for a callable"):
+    check_axis_names(closed, X)
+
+
+def test_non_string_axis_name_unbound():
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(lambda x: lax.psum(x, ("t", 1.5)), X)
+  assert isinstance(info.value.__cause__, NameError)
+
+
+def test_bad_axis_sizes():
+  with pytest.raises(ValueError, match=r"axis_sizes\['i'\] = -1"):
+    check_axis_names(uses_batch, X, axis_sizes={"i": -1})
+  with pytest.raises(TypeError, match="check_axis_names: expected a Jaxpr"):
+    check_axis_names("not a function")
