@@ -2,5 +2,5 @@
 
 PACKAGES = [
     "axis_names",
-    "zz_scratch",
+    "batched_transfer",
 ]

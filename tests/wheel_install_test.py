@@ -20,7 +20,14 @@ import pytest
 
 # One real call into each extension, by module name; an extension without an entry fails the test.
 EXTENSION_CALLS = {
-    "jaxworks.zz_scratch._add": "assert m.add(2, 3) == 5",
+    "jaxworks.batched_transfer._grouping": (
+        "import numpy as np\n"
+        "class Dst:\n    devices = ('d0',)\n    memory_kind = 'device'\n"
+        "leaves = [np.zeros(3, np.float32), np.ones(2, np.int8), 'x']\n"
+        "gs = m.group_leaves(leaves, [None] * 3, {np.ndarray: (1, None, -1)}, Dst(), 'devices')\n"
+        "got = [(g.kind, g.indices, g.nbytes) for g in gs]\n"
+        "assert got == [(1, [0, 1], 14), (m.OTHER_KIND, [2], 0)], got"
+    ),
 }
 
 _ALLOWED = re.compile(r"^(jaxworks/[A-Za-z0-9_]+/.*\.(py|pyi|so)|[A-Za-z0-9_]+-[0-9.]+\.dist-info/(METADATA|WHEEL|RECORD))$")

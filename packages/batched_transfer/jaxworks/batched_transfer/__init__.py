@@ -1,0 +1,24 @@
+"""jaxworks.batched_transfer: a pytree onto devices in one batched operation.
+
+Public API: device_put, plan, place_for, save, restore, TransferPlan, PlannedGroup.
+"""
+
+from jaxworks.batched_transfer._src.api import device_put as device_put
+from jaxworks.batched_transfer._src.api import place_for as place_for
+from jaxworks.batched_transfer._src.api import plan as plan
+from jaxworks.batched_transfer._src.checkpoint import restore as restore
+from jaxworks.batched_transfer._src.checkpoint import save as save
+from jaxworks.batched_transfer._src.plan import PlannedGroup as PlannedGroup
+from jaxworks.batched_transfer._src.plan import TransferPlan as TransferPlan
+from jaxworks.batched_transfer.version import __version__ as __version__
+
+__all__ = [
+    "PlannedGroup",
+    "TransferPlan",
+    "__version__",
+    "device_put",
+    "place_for",
+    "plan",
+    "restore",
+    "save",
+]

@@ -1,0 +1,35 @@
+"""Typed stub of the C++ extension jaxworks.batched_transfer._grouping (cc/grouping.h)."""
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+OTHER_KIND: int
+
+class Group:
+  """Leaves that move in one batched call."""
+
+  @property
+  def kind(self) -> int: ...
+  @property
+  def src_devices(self) -> Any: ...
+  @property
+  def dst_devices(self) -> Any: ...
+  @property
+  def src_memory_kind(self) -> Any: ...
+  @property
+  def dst_memory_kind(self) -> Any: ...
+  @property
+  def indices(self) -> list[int]: ...
+  @property
+  def nbytes(self) -> int: ...
+
+def group_leaves(
+    leaves: Sequence[Any],
+    dsts: Sequence[Any],
+    kinds: dict[type, tuple[int, Optional[str], Union[int, str]]],
+    default_dst: Any,
+    devices_attr: str,
+    memory_kind_attr: str = "memory_kind",
+) -> list[Group]:
+  """Groups leaf indices by (source devices, destination devices, source memory kind,
+  destination memory kind, leaf kind), in stable order, with byte counts."""

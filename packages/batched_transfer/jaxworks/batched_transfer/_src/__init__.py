@@ -1,0 +1,1 @@
+"""Implementation of jaxworks.batched_transfer (private)."""

@@ -1,0 +1,207 @@
+"""Public API: device_put, plan and place_for.
+
+>>> import jax, numpy as np
+>>> from jaxworks import batched_transfer as bt
+>>> tree = {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.float32)}
+>>> out = bt.device_put(tree, jax.devices()[1])
+>>> sorted((k, str(v.devices())) for k, v in out.items())
+[('b', '{CpuDevice(id=1)}'), ('w', '{CpuDevice(id=1)}')]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxworks.batched_transfer._src import grouping
+from jaxworks.batched_transfer._src import jax_internals
+from jaxworks.batched_transfer._src import plan as plan_lib
+from jaxworks.batched_transfer._src import targets
+from jaxworks.batched_transfer._src import transfer
+
+_API = "jaxworks.batched_transfer"
+
+
+def _prepare(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: Any):
+  req = targets.resolve(api, tree, target, src, donate, may_alias)
+  groups = grouping.group_leaves(req.leaves, req.dsts, req.default_dst)
+  return req, transfer.classify(req, groups)
+
+
+def device_put(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False,
+               may_alias: Any = None) -> Any:
+  """Places a pytree on devices with one batched call per group of leaves.
+
+  Same contract as `jax.device_put`: the tree is flattened once, its leaves are
+  grouped in C++ by (source devices, destination devices, source memory kind,
+  destination memory kind, kind of leaf), and each group moves in one batched
+  call. Results come back in the original structure and equal jax.device_put's.
+
+  Args:
+    tree: a pytree of numpy arrays, jax.Arrays and scalars.
+    target: None (leave device arrays where they are, send host values to the
+      default device, uncommitted), a jax.Device, a jax.sharding.Sharding, a
+      jax.experimental.layout.Format (sharding and layout), or a pytree prefix
+      of these. PartitionSpec and jax.memory.Space targets are handed to
+      jax.device_put.
+    src: like jax.device_put's `src`: the placement the leaves come from; only
+      used while tracing (then the whole call is jax.device_put).
+    donate: bool or pytree prefix of bools: inputs may be consumed.
+    may_alias: None, bool or pytree prefix of them: whether a result may share
+      its input's buffer (None: True unless donated).
+
+  Returns:
+    The tree with every leaf placed.
+
+  Raises:
+    TypeError: a target, donate or may_alias that is not of the accepted kinds.
+    ValueError: a target that is not a prefix of the tree, a shape the sharding
+      cannot split (the error names the leaf's tree path), or donate together
+      with may_alias.
+
+  >>> import jax, numpy as np
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> mesh = jax.make_mesh((8,), ("x",))
+  >>> ys = device_put([np.arange(8.0), 3],
+  ...                 [NamedSharding(mesh, P("x")), NamedSharding(mesh, P())])
+  >>> [y.sharding.spec for y in ys], ys[0].dtype, ys[1].weak_type
+  ([P('x',), P()], dtype('float32'), True)
+  """
+  return place(tree, target, src=src, donate=donate, may_alias=may_alias)
+
+
+def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False,
+          may_alias: Any = None, copy_host: bool = False, api: str = f"{_API}.device_put") -> Any:
+  """device_put, plus `copy_host`: never alias host memory (restore uses it for memory maps)."""
+  if not jax_internals.trace_state_clean():
+    return jax.device_put(tree, target, src=src, donate=donate, may_alias=may_alias)
+  try:
+    req, batches = _prepare(api, tree, target, src, donate, may_alias)
+  except targets.Delegate:
+    return jax.device_put(tree, target, src=src, donate=donate, may_alias=may_alias)
+  if not req.leaves:
+    return tree
+  out = transfer.execute(req, batches, copy_host=copy_host)
+  return req.treedef.unflatten(out)
+
+
+def plan(tree: Any, target: Any = None, *, donate: Any = False,
+         may_alias: Any = None) -> plan_lib.TransferPlan:
+  """What `device_put(tree, target)` would do, without moving anything.
+
+  Args:
+    tree: the pytree to place.
+    target: as for `device_put`.
+    donate: as for `device_put`.
+    may_alias: as for `device_put`.
+
+  Returns:
+    A TransferPlan: the groups in order with their route, source and
+    destination devices, memory kinds, bytes, zero-copy and relayout counts,
+    and the tree paths of their leaves. str() gives a table.
+
+  >>> import jax, numpy as np
+  >>> x = jax.device_put(np.zeros(4, np.float32), jax.devices()[0])
+  >>> p = plan({"a": np.ones(4, np.float32), "b": x}, jax.devices()[0])
+  >>> print(p)
+  TransferPlan: 2 leaves in 2 groups, 32 B; 1 copied, 1 zero-copy
+    #  kind       route             leaves  bytes  zero-copy  relayout  from -> to
+    0  numpy      host->device           1   16 B          0         0  host -> [0] device
+    1  jax.Array  already in place       1   16 B          1         0  [0] device -> [0] device
+  """
+  try:
+    req, batches = _prepare(f"{_API}.plan", tree, target, None, donate, may_alias)
+  except targets.Delegate:
+    raise ValueError(
+        f"{_API}.plan: PartitionSpec and jax.memory.Space targets depend on the mesh context "
+        f"and are placed by jax.device_put; pass a Sharding instead, got {target!r}") from None
+  return plan_lib.build_plan(req, batches)
+
+
+def _leaf_shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+  if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+    return tuple(x.shape), x.dtype
+  return tuple(np.shape(x)), jax.dtypes.canonicalize_dtype(np.result_type(x))
+
+
+def check_against(api: str, tree: Any, expected: Any, what: str) -> None:
+  """Checks tree structure, shapes and dtypes of `tree` against `expected`
+  (a tree of objects with .shape and .dtype); errors name the tree path."""
+  got_paths = targets.tree_paths(tree)
+  want_flat, _ = jax.tree_util.tree_flatten_with_path(expected)
+  want_paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in want_flat]
+  if got_paths != want_paths:
+    missing = [p for p in want_paths if p not in set(got_paths)]
+    extra = [p for p in got_paths if p not in set(want_paths)]
+    detail = []
+    if missing:
+      detail.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    if extra:
+      detail.append(f"unexpected {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
+    if not detail:
+      detail.append("the same paths in a different container structure")
+    raise ValueError(
+        f"{api}: the tree does not match {what}: {'; '.join(detail)}. Expected structure "
+        f"{jax.tree_util.tree_structure(expected)}, got {jax.tree_util.tree_structure(tree)}")
+  for path, x, (_, want) in zip(got_paths, jax.tree_util.tree_leaves(tree), want_flat):
+    shape, dtype = _leaf_shape_dtype(x)
+    if shape != tuple(want.shape) or np.dtype(dtype) != np.dtype(want.dtype):
+      raise ValueError(
+          f"{api}: the leaf at {path} is {np.dtype(dtype).name}{list(shape)} but {what} "
+          f"expects {np.dtype(want.dtype).name}{list(want.shape)}; cast or reshape it before "
+          "placing")
+
+
+def place_for(compiled: Any, tree: Any, *, argnum: int | None = None, donate: Any = False,
+              may_alias: Any = None) -> Any:
+  """Places `tree` exactly in a compiled function's input formats.
+
+  Every leaf lands with the sharding and layout of `compiled.input_formats`, so
+  calling `compiled` on the result passes the buffers through without a copy.
+
+  Args:
+    compiled: a jax.stages.Compiled (from `jax.jit(f).lower(...).compile()`).
+    tree: the positional arguments of `compiled` as a tuple, or, with `argnum`,
+      the one positional argument `argnum`. For a function with keyword
+      arguments pass `(args, kwargs)`.
+    argnum: place only positional argument `argnum`.
+    donate: as for `device_put`.
+    may_alias: as for `device_put`.
+
+  Returns:
+    The placed tree, ready to pass to `compiled`.
+
+  Raises:
+    ValueError: a missing or extra leaf, or a leaf whose shape or dtype differs
+      from what `compiled` was compiled for (the message names its tree path).
+
+  >>> import jax, numpy as np
+  >>> f = jax.jit(lambda w, x: w @ x).lower(np.ones((2, 3), np.float32),
+  ...                                       np.ones(3, np.float32)).compile()
+  >>> w = place_for(f, np.ones((2, 3), np.float32), argnum=0)
+  >>> w.format == f.input_formats[0][0]
+  True
+  """
+  api = f"{_API}.place_for"
+  formats, kw_formats = compiled.input_formats
+  infos, kw_infos = compiled.args_info
+  if argnum is not None:
+    if not isinstance(argnum, int) or not -len(formats) <= argnum < len(formats):
+      raise ValueError(f"{api}: argnum {argnum!r} is out of range for a compiled function with "
+                       f"{len(formats)} positional arguments")
+    want_formats, want_infos, what = formats[argnum], infos[argnum], f"argument {argnum}"
+  elif kw_formats:
+    want_formats, want_infos, what = (formats, kw_formats), (infos, kw_infos), "(args, kwargs)"
+  else:
+    want_formats, want_infos, what = tuple(formats), tuple(infos), "the positional arguments"
+    if isinstance(tree, list):
+      tree = tuple(tree)
+  check_against(api, tree, want_infos, f"the compiled function's {what}")
+  try:
+    req, batches = _prepare(api, tree, want_formats, None, donate, may_alias)
+  except targets.Delegate:  # pragma: no cover - compiled formats are always concrete
+    return jax.device_put(tree, want_formats, donate=donate, may_alias=may_alias)
+  out = transfer.execute(req, batches)
+  return req.treedef.unflatten(out)

@@ -1,0 +1,117 @@
+"""Every private JAX name used by jaxworks.batched_transfer, in one place.
+
+A JAX upgrade that moves one of these fails here (and in
+tests/jax_internals_test.py, which covers each name), not somewhere deep in the
+transfer code. Everything else in the package uses public JAX only.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import jax
+
+MIN_JAX = (0, 10, 2)
+
+
+def check_jax_version(version: str) -> None:
+  """Raises an actionable RuntimeError when `version` is older than MIN_JAX.
+
+  >>> check_jax_version("0.10.2")
+  >>> check_jax_version("0.4.30")
+  Traceback (most recent call last):
+  RuntimeError: jaxworks.batched_transfer needs jax>=0.10.2 (its private names are pinned there), found jax 0.4.30; run: pip install -U "jax>=0.10.2" "jaxlib>=0.10.2"
+  """
+  found = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+  if found < MIN_JAX:
+    want = ".".join(map(str, MIN_JAX))
+    raise RuntimeError(
+        f"jaxworks.batched_transfer needs jax>={want} (its private names are pinned there), "
+        f"found jax {version}; run: pip install -U \"jax>={want}\" \"jaxlib>={want}\"")
+
+
+check_jax_version(jax.__version__)
+
+from jax._src import array as _array  # noqa: E402  (after the version check)
+from jax._src import config as _config  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import dispatch as _dispatch  # noqa: E402
+from jax._src import layout as _layout  # noqa: E402
+from jax._src.interpreters import pxla as _pxla  # noqa: E402
+from jax._src.lib import xla_client as _xc  # noqa: E402
+
+# The attribute of a Sharding holding its ordered device list (a hashable
+# jaxlib DeviceList); the C++ grouping reads it by this name.
+DEVICE_LIST_ATTR = "_internal_device_list"
+
+# The attribute of a Sharding holding its memory kind (what the public
+# .memory_kind property returns, without the Python property call).
+MEMORY_KIND_ATTR = "_memory_kind"
+
+# The attribute of a jax.Array holding its sharding (what the public .sharding
+# property returns, without the Python property call).
+SHARDING_ATTR = "_sharding"
+
+# The attribute of a jax.Array holding its abstract value (what jax.typeof
+# returns); its .shape and .dtype are the cheapest way to a byte count.
+ABSTRACT_VALUE_ATTR = "aval"
+
+# The concrete type of every committed/uncommitted jax.Array.
+ArrayImpl = _array.ArrayImpl
+
+# How a backend copy treats its input (REUSE_INPUT, ALWAYS_COPY, DONATE_INPUT).
+ArrayCopySemantics = _xc.ArrayCopySemantics
+
+# One host value (or one device array) to the shards of one sharding:
+#   batched_device_put(aval, sharding, per_device_values, devices, committed)
+batched_device_put = _xc.batched_device_put
+
+# Many device arrays to new device lists in one backend call:
+#   batched_copy(arrays, device_lists, shardings, copy_semantics)
+batched_copy = _xc.batched_copy_array_to_devices_with_sharding
+
+# Context manager marking transfers as explicit for jax.transfer_guard.
+explicit_device_put_scope = _config.explicit_device_put_scope
+
+# The abstract value type of arrays.
+ShapedArray = _core.ShapedArray
+
+
+def device_list(sharding: Any) -> Any:
+  """The ordered, hashable device list of a sharding."""
+  return getattr(sharding, DEVICE_LIST_ATTR)
+
+
+def trace_state_clean() -> bool:
+  """True when no JAX transformation is tracing (eager execution)."""
+  return _core.trace_state_clean()
+
+
+def enable_x64() -> bool:
+  """The current (possibly context-local) value of jax_enable_x64."""
+  return bool(_config.enable_x64.value)
+
+
+def default_device() -> Any:
+  """The device a transfer without target goes to (honours jax.default_device)."""
+  return _pxla.get_default_device()
+
+
+def device_put_aval(aval: Any, sharding: Any) -> Any:
+  """The abstract value jax.device_put gives a result placed with `sharding`."""
+  return _dispatch.update_dp_aval(aval, sharding)
+
+
+def committed_array(arr: Any, aval: Any, sharding: Any) -> Any:
+  """A committed jax.Array with `aval` that shares the buffers of `arr`."""
+  handler = _xc.array_result_handler(aval, sharding, committed=True, _skip_checks=True)
+  return handler(arr)
+
+
+@functools.lru_cache(maxsize=4096)
+def default_layout(dtype: Any, shard_shape: tuple[int, ...], device: Any) -> Any:
+  """The runtime's default jax.experimental.layout.Layout for one shard."""
+  pjrt_layout = device.client.get_default_layout(dtype, shard_shape, device)
+  return _layout.Layout.from_pjrt_layout(pjrt_layout)

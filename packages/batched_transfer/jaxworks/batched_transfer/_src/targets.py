@@ -1,0 +1,217 @@
+"""Turning device_put's arguments into one flat request: a destination per leaf.
+
+`resolve` flattens the value once, broadcasts the target, src, donate and
+may_alias prefix trees to one entry per leaf (as jax.device_put does), and
+normalizes each distinct target object once: a Device becomes a
+SingleDeviceSharding, a Format is split into its sharding and layout.
+
+>>> import jax, numpy as np
+>>> req = resolve("device_put", {"a": np.zeros(2), "b": (1.0, 2.0)},
+...               {"a": jax.devices()[1], "b": None}, None, False, None)
+>>> [type(s).__name__ if s is not None else None for s in req.dsts]
+['SingleDeviceSharding', None, None]
+>>> req.committed
+[True, False, False]
+>>> req.path(2)
+"['b'][1]"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.experimental.layout import Format, Layout
+from jax.sharding import PartitionSpec, SingleDeviceSharding, Sharding
+
+from jaxworks.batched_transfer._src import jax_internals
+
+_REUSE = jax_internals.ArrayCopySemantics.REUSE_INPUT
+_DONATE = jax_internals.ArrayCopySemantics.DONATE_INPUT
+_COPY = jax_internals.ArrayCopySemantics.ALWAYS_COPY
+
+_TARGET_TYPES = (jax.Device, Sharding, Format, PartitionSpec, jax.memory.Space)
+TARGET_TEXT = ("None, a jax.Device, a jax.sharding.Sharding, a jax.experimental.layout.Format, "
+                "a PartitionSpec or a jax.memory.Space")
+_SINGLE_DEVICE: dict[Any, SingleDeviceSharding] = {}
+
+
+def is_target_leaf(t: Any) -> bool:
+  return t is None or isinstance(t, _TARGET_TYPES)
+
+
+def _is_flag_leaf(t: Any) -> bool:
+  return t is None or isinstance(t, bool)
+
+
+class Delegate(Exception):
+  """Raised by `resolve` when stock jax.device_put must handle the whole call."""
+
+
+@dataclasses.dataclass
+class Request:
+  """One device_put call, flattened: everything indexed by leaf number."""
+
+  api: str
+  tree: Any
+  leaves: list[Any]
+  treedef: Any
+  raw_targets: list[Any]  # the user's target per leaf (for jax.device_put fallbacks)
+  dsts: list[Sharding | None]  # destination sharding per leaf, None = default
+  layouts: list[Any] | None  # destination Layout per leaf (None: no layouts at all)
+  committed: list[bool]
+  semantics: list[Any]  # ArrayCopySemantics per leaf
+  donate: list[bool]
+  may_alias: list[bool | None]
+  srcs: list[Any] | None
+  default_dst: Sharding
+  _paths: list[str] | None = None
+
+  def path(self, i: int) -> str:
+    """The tree path of leaf `i`, as jax.tree_util.keystr writes it."""
+    if self._paths is None:
+      self._paths = tree_paths(self.tree)
+    return self._paths[i]
+
+  @staticmethod
+  def path_of(tree: Any, i: int) -> str:
+    return tree_paths(tree)[i]
+
+
+def tree_paths(tree: Any) -> list[str]:
+  """The keystr path of every leaf of `tree` ("<root>" for a lone leaf)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
+
+
+def broadcast_prefix(api: str, what: str, prefix: Any, tree: Any, treedef: Any, n: int, is_leaf,
+                     expected: str) -> list[Any]:
+  """One entry of the prefix tree `prefix` per leaf of `tree`."""
+  if is_leaf(prefix):
+    return [prefix] * n
+  prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
+  if jax.tree_util.treedef_is_leaf(prefix_def) and prefix_leaves and prefix_leaves[0] is prefix:
+    raise TypeError(f"{api}: {what} must be {expected} or a pytree prefix of the value made of "
+                    f"them, got {prefix!r} of type {type(prefix).__name__}")
+  try:
+    subtrees = prefix_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as err:
+    raise ValueError(
+        f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "
+        f"got a {what} with structure {prefix_def}. Pass one {what} for the whole value or a tree "
+        f"that matches the value's containers. ({err})") from None
+  out: list[Any] = []
+  for p, sub in zip(prefix_leaves, subtrees):
+    out.extend([p] * len(jax.tree_util.tree_leaves(sub)))
+  return out
+
+
+def single_device_sharding(device: Any) -> SingleDeviceSharding:
+  s = _SINGLE_DEVICE.get(device)
+  if s is None:
+    s = _SINGLE_DEVICE[device] = SingleDeviceSharding(device)
+  return s
+
+
+def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
+  """(sharding or None, layout or None, committed) for one target object.
+
+  Raises Delegate for targets that only stock jax.device_put handles (a
+  PartitionSpec resolved against the current mesh, a jax.memory.Space).
+  """
+  if t is None:
+    return None, None, False
+  if isinstance(t, Sharding):
+    return t, None, True
+  if isinstance(t, jax.Device):
+    return single_device_sharding(t), None, True
+  if isinstance(t, Format):
+    layout, sharding = t.layout, t.sharding
+    if layout is None and sharding is None:
+      return None, None, False
+    if not isinstance(sharding, Sharding):
+      raise ValueError(
+          f"{api}: a Format target needs a concrete sharding, got {t}; "
+          "use Format(layout, jax.sharding.SingleDeviceSharding(device)) or a NamedSharding")
+    if layout is not None and not isinstance(layout, Layout):
+      raise ValueError(
+          f"{api}: a Format target needs a concrete layout (a jax.experimental.layout.Layout "
+          f"or None), got {layout!r}; use compiled.input_formats to get concrete formats")
+    return sharding, layout, True
+  if isinstance(t, (PartitionSpec, jax.memory.Space)):
+    raise Delegate()
+  raise TypeError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
+                  f"got {t!r} of type {type(t).__name__}")
+
+
+def _check_flags(api: str, what: str, values: list[Any], allow_none: bool) -> None:
+  for v in values:
+    if not (isinstance(v, bool) or (allow_none and v is None)):
+      raise TypeError(f"{api}: {what} must be a bool{' or None' if allow_none else ''} "
+                      f"or a pytree prefix of them, got {v!r}")
+
+
+def copy_semantics(api: str, may_alias: bool | None, donate: bool, where: str = "") -> Any:
+  if may_alias and donate:
+    raise ValueError(f"{api}: may_alias=True and donate=True{where} cannot both be set; "
+                     "donate=True already lets the result reuse the input's buffer")
+  if may_alias is None:
+    may_alias = not donate
+  if may_alias:
+    return _REUSE
+  return _DONATE if donate else _COPY
+
+
+def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: Any) -> Request:
+  """Flattens one device_put call; raises Delegate for calls stock JAX must handle."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  n = len(leaves)
+  raw_targets = broadcast_prefix(api, "target", target, tree, treedef, n, is_target_leaf,
+                                 TARGET_TEXT)
+
+  # Each distinct target object is normalized once (targets are few, leaves many).
+  if is_target_leaf(target):
+    s, layout, committed = normalize_target(api, target)
+    dsts = [s] * n
+    layouts = None if layout is None else [layout] * n
+    committed_flat = [committed] * n
+  else:
+    norm: dict[int, tuple[Any, Any, bool]] = {}
+    for t in raw_targets:
+      if id(t) not in norm:
+        norm[id(t)] = normalize_target(api, t)
+    triples = [norm[id(t)] for t in raw_targets]
+    dsts = [x[0] for x in triples]
+    layouts = [x[1] for x in triples]
+    if all(l is None for l in layouts):
+      layouts = None
+    committed_flat = [x[2] for x in triples]
+
+  srcs = None
+  if src is not None:
+    srcs = broadcast_prefix(api, "src", src, tree, treedef, n, is_target_leaf, TARGET_TEXT)
+    for s in srcs:
+      if not is_target_leaf(s):
+        raise TypeError(f"{api}: src must be None, a jax.Device, a Sharding or a Format "
+                        f"(or a pytree prefix of them), got {s!r}")
+
+  donate_flat = broadcast_prefix(api, "donate", donate, tree, treedef, n, _is_flag_leaf, "a bool")
+  alias_flat = broadcast_prefix(api, "may_alias", may_alias, tree, treedef, n, _is_flag_leaf,
+                                "a bool or None")
+  if isinstance(donate, bool) and _is_flag_leaf(may_alias):
+    semantics = [copy_semantics(api, may_alias, donate)] * n
+  else:
+    _check_flags(api, "donate", donate_flat, False)
+    _check_flags(api, "may_alias", alias_flat, True)
+    semantics = []
+    for i, (m, d) in enumerate(zip(alias_flat, donate_flat)):
+      if m and d:
+        copy_semantics(api, m, d, f" for the leaf at {Request.path_of(tree, i)}")
+      semantics.append(copy_semantics(api, m, d))
+
+  return Request(
+      api=api, tree=tree, leaves=leaves, treedef=treedef, raw_targets=raw_targets, dsts=dsts,
+      layouts=layouts, committed=committed_flat, semantics=semantics, donate=donate_flat,
+      may_alias=alias_flat, srcs=srcs,
+      default_dst=single_device_sharding(jax_internals.default_device()))

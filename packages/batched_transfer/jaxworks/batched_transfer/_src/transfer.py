@@ -1,0 +1,359 @@
+"""Moving the groups: one batched backend call per group.
+
+After the C++ grouping, each group is split by route:
+
+* ``alias``: the leaf already is what was asked for (same sharding, committed,
+  may alias); the result is the input object.
+* ``host``: numpy arrays to devices. One loop per group over
+  ``batched_device_put`` (jaxlib has no many-arrays host-to-device call), with
+  avals, device lists and shard slices cached per (shape, dtype, sharding).
+* ``copy``: jax.Arrays whose source and destination shardings put the same
+  index on each position of their device lists. One
+  ``batched_copy_array_to_devices_with_sharding`` call per group.
+* ``jax``: everything else (Python scalars, reshards that need a computation,
+  arrays of other processes, unknown types). All of them go to stock
+  jax.device_put in one call, which keeps its exact semantics.
+
+Leaves whose target has a layout are then relaid out by one jitted identity
+per destination device set, if their runtime layout differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.layout import Format
+
+from jaxworks.batched_transfer._src import grouping
+from jaxworks.batched_transfer._src import jax_internals
+from jaxworks.batched_transfer._src.targets import Request
+
+ALIAS, HOST, COPY, JAX = "alias", "host", "copy", "jax"
+
+_REUSE = jax_internals.ArrayCopySemantics.REUSE_INPUT
+_DONATE = jax_internals.ArrayCopySemantics.DONATE_INPUT
+
+# (shape, dtype, sharding, x64, committed) -> (aval, devices, slices or None, multihost_check)
+_HOST_CACHE: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any] | None, bool]] = {}
+# (src sharding, dst sharding, shape) -> same index on each device-list position
+_SAME_INDICES: dict[tuple[Any, ...], bool] = {}
+# (aval, sharding) -> aval of the result, None when it is the input's
+_DST_AVAL: dict[tuple[Any, Any], Any] = {}
+_MISSING = object()
+# dtype -> whether the host fast path can take it
+_HOST_DTYPES: dict[Any, bool] = {}
+_CACHE_LIMIT = 8192
+
+
+@dataclasses.dataclass
+class Batch:
+  """The leaves of one group that take one route."""
+
+  group: Any  # the _grouping.Group
+  route: str
+  indices: list[int]
+  relayout: list[int] = dataclasses.field(default_factory=list)  # planned layout changes
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
+  if len(cache) >= _CACHE_LIMIT:
+    cache.clear()
+  cache[key] = value
+  return value
+
+
+def host_dtype_ok(dtype: Any) -> bool:
+  ok = _HOST_DTYPES.get(dtype)
+  if ok is None:
+    ok = _HOST_DTYPES[dtype] = bool(
+        dtype != jax.dtypes.float0 and dtype.fields is None and
+        (dtype == np.bool_ or jax.dtypes.issubdtype(dtype, np.number)))
+  return ok
+
+
+def same_indices(req: Request, i: int, src: Any, dst: Any, shape: tuple[int, ...]) -> bool:
+  """Whether position k of src's device list holds the same index as position k of dst's."""
+  key = (src, dst, shape)
+  same = _SAME_INDICES.get(key)
+  if same is not None:
+    return same
+  check_placement(req, i, dst, shape)
+  if src.num_devices != dst.num_devices:
+    same = False
+  elif src.num_devices == 1:
+    same = True
+  else:
+    a, b = src.devices_indices_map(shape), dst.devices_indices_map(shape)
+    same = all(a[p] == b[q] for p, q in zip(jax_internals.device_list(src),
+                                            jax_internals.device_list(dst)))
+  return _remember(_SAME_INDICES, key, same)
+
+
+def check_placement(req: Request, i: int, sharding: Any, shape: tuple[int, ...]) -> None:
+  try:
+    sharding.shard_shape(shape)
+  except Exception as err:  # the sharding's own message says why
+    raise ValueError(
+        f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
+        f"{err}") from None
+
+
+def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any] | None, bool]:
+  shape, dtype, sharding, _, committed = key
+  check_placement(req, i, sharding, shape)
+  index_map = sharding.addressable_devices_indices_map(shape)
+  devices = list(index_map)
+  slices: list[Any] | None = list(index_map.values())
+  if all(all(s == slice(None) for s in idx) for idx in slices):
+    slices = None  # every device gets the whole value
+  aval = jax_internals.ShapedArray(shape, jax.dtypes.canonicalize_dtype(dtype))
+  if committed:
+    aval = jax_internals.device_put_aval(aval, sharding)
+  multihost = (not sharding.is_fully_addressable and jax.process_count() > 1 and
+               len({d.process_index for d in sharding.device_set}) == jax.process_count())
+  return _remember(_HOST_CACHE, key, (aval, devices, slices, multihost))
+
+
+def layout_matches(wanted: Any, actual: Any) -> bool:
+  """Whether an array with layout `actual` satisfies a requested layout.
+
+  As in XLA, a requested layout without tiling asks only for the dimension
+  order; with tiling it must match exactly.
+
+  >>> from jax.experimental.layout import Layout
+  >>> layout_matches(Layout((1, 0)), Layout((1, 0), tiling=()))
+  True
+  >>> layout_matches(Layout((1, 0)), Layout((0, 1)))
+  False
+  """
+  if actual is None:
+    return False
+  if not wanted.tiling:
+    return tuple(wanted.major_to_minor) == tuple(actual.major_to_minor)
+  return wanted == actual
+
+
+def _addressable(devices: Any) -> bool:
+  """Whether every device of a device list belongs to this process."""
+  me = jax.process_index()
+  return all(d.process_index == me for d in devices)
+
+
+def _format_matches(x: Any, sharding: Any, layout: Any) -> bool:
+  fmt = x.format
+  return fmt.sharding == sharding and layout_matches(layout, fmt.layout)
+
+
+def classify(req: Request, groups: list[Any]) -> list[Batch]:
+  """Splits every group by route, without moving anything."""
+  leaves, dsts, sems, layouts = req.leaves, req.dsts, req.semantics, req.layouts
+  batches: list[Batch] = []
+  for g in groups:
+    routes: dict[str, list[int]] = {}
+    if g.kind == grouping.HOST_ARRAY:
+      for i in g.indices:
+        routes.setdefault(HOST if host_dtype_ok(leaves[i].dtype) else JAX, []).append(i)
+    elif g.kind == grouping.DEVICE_ARRAY:
+      # Facts shared by the whole group: its source and destination device
+      # lists and memory kinds are the same for every leaf.
+      in_place = g.src_devices == g.dst_devices and g.src_memory_kind == g.dst_memory_kind
+      addressable = _addressable(g.src_devices) and _addressable(g.dst_devices)
+      single = len(g.src_devices) == 1 and len(g.dst_devices) == 1
+      for i in g.indices:
+        x, s, cs = leaves[i], dsts[i], sems[i]
+        if s is None:
+          routes.setdefault(ALIAS if cs == _REUSE else JAX, []).append(i)
+          continue
+        layout = None if layouts is None else layouts[i]
+        if (in_place and cs == _REUSE and x.committed and x.sharding == s and
+            (layout is None or _format_matches(x, s, layout))):
+          route = ALIAS
+        elif not addressable or x.is_deleted():  # jax raises the deleted-array error
+          route = JAX
+        elif single or same_indices(req, i, x.sharding, s, x.shape):
+          route = COPY
+        else:
+          route = JAX
+        routes.setdefault(route, []).append(i)
+    else:
+      routes[JAX] = list(g.indices)
+    for route, idx in routes.items():
+      batch = Batch(g, route, idx)
+      if layouts is not None and route != ALIAS:
+        batch.relayout = [i for i in idx if layouts[i] is not None and _needs_relayout(req, i)]
+      batches.append(batch)
+  return batches
+
+
+def _needs_relayout(req: Request, i: int) -> bool:
+  """Whether leaf i, placed plainly, would not have its target layout (a prediction)."""
+  x, s, layout = req.leaves[i], req.dsts[i], req.layouts[i]
+  if isinstance(x, jax.Array):
+    try:
+      current = x.format.layout
+    except Exception:  # a layout the runtime does not report
+      return True
+    return not layout_matches(layout, current)
+  try:
+    shape = tuple(np.shape(x))
+    dtype = jax.dtypes.canonicalize_dtype(np.result_type(x))
+    device = next(iter(jax_internals.device_list(s)))
+    default = jax_internals.default_layout(dtype, tuple(s.shard_shape(shape)), device)
+  except Exception:  # not an array type, or no default layout reported: check after placing
+    return True
+  return not layout_matches(layout, default)
+
+
+def execute(req: Request, batches: list[Batch], copy_host: bool = False) -> list[Any]:
+  """Runs the batches; returns the flat results in leaf order.
+
+  With `copy_host`, host arrays are always copied. Otherwise the runtime may
+  alias a read-only numpy array (a memory map, say) as jax.device_put does on
+  CPU.
+  """
+  out: list[Any] = [None] * len(req.leaves)
+  fresh = [False] * len(req.leaves)  # result holds a new buffer we may donate to a relayout
+  delegated: list[int] = []
+  multihost: list[Any] = []
+  with jax_internals.explicit_device_put_scope():
+    host_batches = [b for b in batches if b.route == HOST]
+    _check_host_values(req, host_batches, multihost)
+    for b in batches:
+      if b.route == ALIAS:
+        for i in b.indices:
+          out[i] = req.leaves[i]
+      elif b.route == HOST:
+        _put_host(req, b.indices, out, fresh, copy_host)
+      elif b.route == COPY:
+        _copy_device(req, b, out, fresh)
+      else:
+        delegated.extend(b.indices)
+    if delegated:
+      delegated.sort()
+      _put_with_jax(req, delegated, out)
+    if req.layouts is not None:
+      _relayout(req, batches, out, fresh)
+  return out
+
+
+def _check_host_values(req: Request, host_batches: list[Batch], found: list[Any]) -> None:
+  """Host values going to shardings over all processes must be equal on every process
+  (as jax.device_put requires); checked in one collective for the whole call."""
+  if jax.process_count() == 1 or not host_batches:
+    return
+  x64 = jax_internals.enable_x64()
+  for b in host_batches:
+    for i in b.indices:
+      x = req.leaves[i]
+      s = req.dsts[i] or req.default_dst
+      key = (x.shape, x.dtype, s, x64, req.committed[i])
+      entry = _HOST_CACHE.get(key) or _host_entry(req, i, key)
+      if entry[3]:
+        found.append(x)
+  if found:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.assert_equal(
+        found, fail_message=f"{req.api}.device_put: numpy values placed on shardings that span "
+        "all processes must be equal on every process")
+
+
+def _put_host(req: Request, indices: list[int], out: list[Any], fresh: list[bool],
+              copy: bool) -> None:
+  leaves, dsts, committed, default = req.leaves, req.dsts, req.committed, req.default_dst
+  put = jax_internals.batched_device_put
+  x64 = jax_internals.enable_x64()
+  cache = _HOST_CACHE
+  for i in indices:
+    x = leaves[i]
+    s = dsts[i] or default
+    c = committed[i]
+    key = (x.shape, x.dtype, s, x64, c)
+    entry = cache.get(key)
+    if entry is None:
+      entry = _host_entry(req, i, key)
+    aval, devices, slices, _ = entry
+    if slices is None:
+      shards = [x] * len(devices)
+    else:
+      shards = [x[k] for k in slices]
+    out[i] = put(aval, s, shards, devices, c, copy)
+    fresh[i] = True
+
+
+def _copy_device(req: Request, b: Batch, out: list[Any], fresh: list[bool]) -> None:
+  leaves, dsts, sems = req.leaves, req.dsts, req.semantics
+  xs = [leaves[i] for i in b.indices]
+  shardings = [dsts[i] for i in b.indices]
+  last, last_list = None, None
+  device_lists = []
+  for s in shardings:
+    if s is not last:
+      last, last_list = s, jax_internals.device_list(s)
+    device_lists.append(last_list)
+  same_place = (b.group.src_devices == b.group.dst_devices and
+                b.group.src_memory_kind == b.group.dst_memory_kind)
+  semantics = [sems[i] for i in b.indices]
+  if not same_place:
+    # Donation is best effort. A copy to other devices never reuses the input
+    # buffer, and jaxlib 0.10.2 (CPU) leaves a cross-device DONATE_INPUT source
+    # in a state that crashes on its next use, so such leaves are plain copies.
+    semantics = [_REUSE if cs == _DONATE else cs for cs in semantics]
+  ys = jax_internals.batched_copy(xs, device_lists, shardings, semantics)
+  for i, x, y, s in zip(b.indices, xs, ys, shardings):
+    # The copy keeps the input's aval and committedness; jax.device_put's result is
+    # committed, with the aval the target sharding gives.
+    src_aval = x.aval
+    key = (src_aval, s)
+    aval = _DST_AVAL.get(key, _MISSING)
+    if aval is _MISSING:
+      dst_aval = jax_internals.device_put_aval(src_aval, s)
+      aval = _remember(_DST_AVAL, key, None if dst_aval == src_aval else dst_aval)
+    if aval is not None or not y.committed:
+      y = jax_internals.committed_array(y, src_aval if aval is None else aval, s)
+    out[i] = y
+    fresh[i] = not same_place or sems[i] != _REUSE
+
+
+def _put_with_jax(req: Request, indices: list[int], out: list[Any]) -> None:
+  values = [req.leaves[i] for i in indices]
+  # Layouts are applied afterwards by _relayout, on the target devices: jax.device_put
+  # cannot relayout an array committed to other devices.
+  targets = [req.raw_targets[i] if req.layouts is None or req.layouts[i] is None
+             else req.dsts[i] for i in indices]
+  srcs = None if req.srcs is None else [req.srcs[i] for i in indices]
+  results = jax.device_put(
+      values, targets, src=srcs,
+      donate=[req.donate[i] for i in indices],
+      may_alias=[req.may_alias[i] for i in indices])
+  for i, y in zip(indices, results):
+    out[i] = y
+
+
+def _identity(*xs: Any) -> tuple[Any, ...]:
+  return xs
+
+
+def _relayout(req: Request, batches: list[Batch], out: list[Any], fresh: list[bool]) -> None:
+  """One jitted identity per destination device set for leaves whose layout differs."""
+  by_devices: dict[Any, list[int]] = {}
+  for b in batches:
+    if b.route == ALIAS:
+      continue
+    for i in b.indices:
+      layout = req.layouts[i]
+      if layout is not None and not layout_matches(layout, out[i].format.layout):
+        by_devices.setdefault(b.group.dst_devices, []).append(i)
+  for indices in by_devices.values():
+    formats = tuple(Format(req.layouts[i], req.dsts[i]) for i in indices)
+    donate = tuple(k for k, i in enumerate(indices)
+                   if fresh[i] or req.semantics[i] == _DONATE)
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      ys = jax.jit(_identity, out_shardings=formats, donate_argnums=donate)(
+          *[out[i] for i in indices])
+    for i, y in zip(indices, ys):
+      out[i] = y

@@ -1,0 +1,113 @@
+"""Every private JAX name in _src/jax_internals.py, checked against JAX 0.10.2's behaviour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jaxworks.batched_transfer._src import jax_internals as ji
+
+
+def test_device_list_is_ordered_and_hashable():
+  mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[::-1])
+  s = NamedSharding(mesh, P("a"))
+  dl = ji.device_list(s)
+  assert list(dl) == list(mesh.devices.flat)
+  assert hash(dl) == hash(ji.device_list(NamedSharding(mesh, P())))
+  assert ji.DEVICE_LIST_ATTR == "_internal_device_list"
+
+
+def test_array_impl_and_shaped_array():
+  assert type(jnp.ones(2)) is ji.ArrayImpl
+  assert ji.ShapedArray((2, 3), np.float32) == jax.typeof(jnp.ones((2, 3), np.float32))
+
+
+def test_copy_semantics_members():
+  names = {"REUSE_INPUT", "ALWAYS_COPY", "DONATE_INPUT"}
+  assert names <= set(dir(ji.ArrayCopySemantics))
+
+
+def test_batched_device_put_places_shards():
+  mesh = jax.make_mesh((8,), ("x",))
+  s = NamedSharding(mesh, P("x"))
+  x = np.arange(16, dtype=np.float32)
+  index = s.addressable_devices_indices_map(x.shape)
+  aval = ji.device_put_aval(ji.ShapedArray(x.shape, x.dtype), s)
+  y = ji.batched_device_put(aval, s, [x[i] for i in index.values()], list(index), True)
+  assert y.sharding == s and y.committed
+  np.testing.assert_array_equal(np.asarray(y), x)
+  assert jax.typeof(y) == jax.typeof(jax.device_put(x, s))
+
+
+def test_batched_copy_keeps_committedness():
+  d = jax.devices()
+  s = SingleDeviceSharding(d[1])
+  committed = jax.device_put(np.ones(2), d[0])
+  uncommitted = jnp.ones(2)
+  out = ji.batched_copy([committed, uncommitted], [ji.device_list(s)] * 2, [s, s],
+                        [ji.ArrayCopySemantics.REUSE_INPUT] * 2)
+  assert [y.devices() for y in out] == [{d[1]}, {d[1]}]
+  # The result keeps the input's committedness (device_put re-wraps it as committed).
+  assert [y.committed for y in out] == [True, False]
+
+
+def test_committed_array_shares_the_buffer():
+  x = jnp.ones(3)
+  s = SingleDeviceSharding(jax.devices()[0])
+  y = ji.committed_array(x, jax.typeof(x), s)
+  assert y.committed and not x.committed
+  assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+
+
+def test_explicit_device_put_scope_satisfies_the_transfer_guard():
+  s = SingleDeviceSharding(jax.devices()[1])
+  x = np.ones(2, np.float32)
+  aval = ji.ShapedArray(x.shape, x.dtype)
+  with jax.transfer_guard("disallow"):
+    with pytest.raises(Exception, match="[Dd]isallowed"):
+      ji.batched_device_put(aval, s, [x], [jax.devices()[1]], True)
+    with ji.explicit_device_put_scope():
+      ji.batched_device_put(aval, s, [x], [jax.devices()[1]], True)
+
+
+def test_trace_state_clean():
+  assert ji.trace_state_clean()
+  seen = []
+  jax.jit(lambda a: seen.append(ji.trace_state_clean()) or a)(1.0)
+  assert seen == [False]
+
+
+def test_enable_x64_follows_the_context():
+  before = ji.enable_x64()
+  with jax.enable_x64(not before):
+    assert ji.enable_x64() is (not before)
+  assert ji.enable_x64() is before
+
+
+def test_default_device_follows_jax_default_device():
+  assert ji.default_device() == jax.devices()[0]
+  with jax.default_device(jax.devices()[3]):
+    assert ji.default_device() == jax.devices()[3]
+
+
+def test_device_put_aval_carries_the_named_sharding():
+  mesh = jax.make_mesh((8,), ("x",))
+  aval = ji.device_put_aval(ji.ShapedArray((8,), np.float32), NamedSharding(mesh, P("x")))
+  assert aval.sharding.spec == P("x")
+  single = ji.device_put_aval(ji.ShapedArray((8,), np.float32),
+                              SingleDeviceSharding(jax.devices()[0]))
+  assert single == ji.ShapedArray((8,), np.float32)
+
+
+def test_default_layout_is_what_placement_gives():
+  d = jax.devices()[2]
+  x = jax.device_put(np.ones((3, 4), np.float32), d)
+  assert ji.default_layout(np.dtype(np.float32), (3, 4), d) == x.format.layout
+
+
+def test_version_check_is_actionable():
+  ji.check_jax_version(jax.__version__)
+  ji.check_jax_version("0.10.2.dev20250101")
+  with pytest.raises(RuntimeError, match=r'needs jax>=0.10.2 .* found jax 0.9.1; run: pip install'):
+    ji.check_jax_version("0.9.1")
