@@ -3,4 +3,7 @@
 PACKAGES = [
     "axis_names",
     "batched_transfer",
+    "jit_cache",
+    "stages_aot",
+    "pmap_chunked",
 ]

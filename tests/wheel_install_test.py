@@ -28,6 +28,15 @@ EXTENSION_CALLS = {
         "got = [(g.kind, g.indices, g.nbytes) for g in gs]\n"
         "assert got == [(1, [0, 1], 14), (m.OTHER_KIND, [2], 0)], got"
     ),
+    "jaxworks.jit_cache._signature": (
+        "import numpy as np\n"
+        "b = m.SignatureBuilder(array_types=(), tracer_type=None, ndarray_type=np.ndarray,"
+        " numpy_generic_type=np.generic, fallback=None)\n"
+        "s1 = b([np.zeros((2, 3), np.float32)], extra='k')\n"
+        "s2 = b([np.ones((2, 3), np.float32)], extra='k')\n"
+        "s3 = b([np.zeros((2, 3), np.float64)], extra='k')\n"
+        "assert s1 == s2 and hash(s1) == hash(s2) and s1 != s3 and len(s1) == 1"
+    ),
 }
 
 _ALLOWED = re.compile(r"^(jaxworks/[A-Za-z0-9_]+/.*\.(py|pyi|so)|[A-Za-z0-9_]+-[0-9.]+\.dist-info/(METADATA|WHEEL|RECORD))$")

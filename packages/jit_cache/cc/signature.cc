@@ -1,0 +1,423 @@
+#include "signature.h"
+
+#include <Python.h>
+
+#include <utility>
+
+namespace jaxworks::jit_cache {
+
+namespace {
+
+// Hash of an object that is compared by identity or whose identity is a good
+// proxy (types, interned avals): a pointer mix, no Python call.
+size_t PointerHash(const void* p) {
+  return static_cast<size_t>(reinterpret_cast<uintptr_t>(p)) >> 4;
+}
+
+size_t PyHash(py::handle obj) {
+  Py_hash_t h = PyObject_Hash(obj.ptr());
+  if (h == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return static_cast<size_t>(h);
+}
+
+// `a == b` with Python semantics (identity first; two nulls are equal);
+// throws if __eq__ raises.
+bool PyEqual(const py::object& a, const py::object& b) {
+  if (a.ptr() == b.ptr()) return true;
+  if (!a || !b) return false;
+  int r = PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_EQ);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+py::object GetAttr(py::handle obj, const py::object& name) {
+  PyObject* r = PyObject_GetAttr(obj.ptr(), name.ptr());
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+[[noreturn]] void ThrowTypeError(const std::string& message) {
+  PyErr_SetString(PyExc_TypeError, message.c_str());
+  throw py::error_already_set();
+}
+
+std::string TypeName(py::handle obj) {
+  return std::string(Py_TYPE(obj.ptr())->tp_name);
+}
+
+}  // namespace
+
+const char* LeafKindName(LeafKind kind) {
+  switch (kind) {
+    case LeafKind::kJaxArray: return "jax_array";
+    case LeafKind::kTracer: return "tracer";
+    case LeafKind::kNdarray: return "ndarray";
+    case LeafKind::kNumpyScalar: return "numpy_scalar";
+    case LeafKind::kPyBool: return "bool";
+    case LeafKind::kPyInt: return "int";
+    case LeafKind::kPyFloat: return "float";
+    case LeafKind::kPyComplex: return "complex";
+    case LeafKind::kOther: return "other";
+  }
+  return "other";
+}
+
+size_t CombineHash(size_t seed, size_t value) {
+  // 64-bit mix (splitmix64 finaliser) folded into the seed.
+  uint64_t x = static_cast<uint64_t>(value) + 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return static_cast<size_t>(seed * 31u) ^ static_cast<size_t>(x);
+}
+
+// ----------------------------------------------------------------- Signature
+
+Signature::Signature(std::vector<LeafSignature> leaves, py::object extra)
+    : leaves_(std::move(leaves)), extra_(std::move(extra)), has_tracer_(false) {
+  size_t h = CombineHash(leaves_.size(), PyHash(extra_));
+  for (const LeafSignature& leaf : leaves_) {
+    h = CombineHash(h, leaf.hash);
+    has_tracer_ |= leaf.kind == LeafKind::kTracer;
+  }
+  hash_ = h;
+}
+
+bool Signature::Equals(const Signature& other) const {
+  if (this == &other) return true;
+  if (hash_ != other.hash_ || leaves_.size() != other.leaves_.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < leaves_.size(); ++i) {
+    const LeafSignature& a = leaves_[i];
+    const LeafSignature& b = other.leaves_[i];
+    if (a.kind != b.kind || a.committed != b.committed || a.hash != b.hash) {
+      return false;
+    }
+  }
+  // Cheap fields agree; now the Python-level comparisons.
+  for (size_t i = 0; i < leaves_.size(); ++i) {
+    const LeafSignature& a = leaves_[i];
+    const LeafSignature& b = other.leaves_[i];
+    if (!PyEqual(a.first, b.first) || !PyEqual(a.second, b.second)) {
+      return false;
+    }
+  }
+  return PyEqual(extra_, other.extra_);
+}
+
+py::list Signature::Describe() const {
+  py::list out;
+  for (const LeafSignature& leaf : leaves_) {  // (null after a GC clear)
+    py::object first = leaf.first ? leaf.first : py::none();
+    py::object second = leaf.second ? leaf.second : py::none();
+    out.append(py::make_tuple(LeafKindName(leaf.kind), first, second,
+                              leaf.committed));
+  }
+  return out;
+}
+
+int Signature::Traverse(visitproc visit, void* arg) const {
+  for (const LeafSignature& leaf : leaves_) {
+    Py_VISIT(leaf.first.ptr());
+    Py_VISIT(leaf.second.ptr());
+  }
+  Py_VISIT(extra_.ptr());
+  return 0;
+}
+
+void Signature::Clear() {
+  // Keep kinds and hashes (the object stays hashable); drop the references.
+  for (LeafSignature& leaf : leaves_) {
+    leaf.first = py::object();
+    leaf.second = py::object();
+  }
+  extra_ = py::object();
+}
+
+std::string Signature::Repr() const {
+  std::string kinds;
+  for (size_t i = 0; i < leaves_.size() && i < 8; ++i) {
+    if (i) kinds += ", ";
+    kinds += LeafKindName(leaves_[i].kind);
+  }
+  if (leaves_.size() > 8) kinds += ", ...";
+  return "Signature(" + std::to_string(leaves_.size()) + " leaves: [" + kinds +
+         "])";
+}
+
+// ---------------------------------------------------------------- AttrReader
+
+AttrReader::AttrReader(PyTypeObject* type, py::object name)
+    : type_(py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(type))),
+      name_(std::move(name)) {
+  Refresh();
+}
+
+void AttrReader::Refresh() {
+  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(type_.ptr());
+  // Borrowed reference or null; never sets an exception.
+  PyObject* descr = _PyType_Lookup(type, name_.ptr());
+  descr_ = py::object();
+  fget_ = py::object();
+  get_ = nullptr;
+  // Only data descriptors (property, slot member, getset) win over an
+  // instance __dict__, so only those may bypass the generic lookup.
+  if (descr != nullptr && Py_TYPE(descr)->tp_descr_get != nullptr &&
+      Py_TYPE(descr)->tp_descr_set != nullptr) {
+    descr_ = py::reinterpret_borrow<py::object>(descr);
+    get_ = Py_TYPE(descr)->tp_descr_get;
+    // A property: call its getter directly (property.__get__ only forwards).
+    if (Py_TYPE(descr) == &PyProperty_Type) {
+      PyObject* fget = PyObject_GetAttrString(descr, "fget");
+      if (fget == nullptr) {
+        PyErr_Clear();
+      } else if (fget == Py_None) {
+        Py_DECREF(fget);
+      } else {
+        fget_ = py::reinterpret_steal<py::object>(fget);
+      }
+    }
+  }
+  version_tag_ = type->tp_version_tag;  // 0: no valid tag, refresh next time
+}
+
+py::object AttrReader::Read(PyObject* obj) {
+  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(type_.ptr());
+  if (version_tag_ == 0 || type->tp_version_tag != version_tag_) Refresh();
+  PyObject* r;
+  if (fget_) {
+    r = PyObject_Vectorcall(fget_.ptr(), &obj, 1, nullptr);
+  } else if (get_ != nullptr) {
+    r = get_(descr_.ptr(), obj, type_.ptr());
+  } else {
+    r = PyObject_GetAttr(obj, name_.ptr());
+  }
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+// ---------------------------------------------------------- SignatureBuilder
+
+SignatureBuilder::SignatureBuilder(py::tuple array_types,
+                                   py::object tracer_type,
+                                   py::object ndarray_type,
+                                   py::object numpy_generic_type,
+                                   py::object fallback)
+    : tracer_type_(std::move(tracer_type)),
+      ndarray_type_(std::move(ndarray_type)),
+      numpy_generic_type_(std::move(numpy_generic_type)),
+      fallback_(std::move(fallback)),
+      aval_name_(py::str("aval")),
+      sharding_name_(py::str("_sharding")),
+      committed_name_(py::str("_committed")),
+      shape_name_(py::str("shape")),
+      dtype_name_(py::str("dtype")) {
+  for (py::handle t : array_types) {
+    if (!PyType_Check(t.ptr())) {
+      ThrowTypeError("SignatureBuilder: array_types must hold types, got " +
+                     TypeName(t));
+    }
+    array_types_.push_back(py::reinterpret_borrow<py::object>(t));
+    PyTypeObject* type = reinterpret_cast<PyTypeObject*>(t.ptr());
+    array_readers_.push_back(
+        ArrayReaders{type, std::make_unique<AttrReader>(type, aval_name_),
+                     std::make_unique<AttrReader>(type, sharding_name_),
+                     std::make_unique<AttrReader>(type, committed_name_)});
+  }
+  for (const py::object* t :
+       {&tracer_type_, &ndarray_type_, &numpy_generic_type_}) {
+    if (!t->is_none() && !PyType_Check(t->ptr())) {
+      ThrowTypeError("SignatureBuilder: expected a type or None, got " +
+                     TypeName(*t));
+    }
+  }
+  if (!fallback_.is_none() && !PyCallable_Check(fallback_.ptr())) {
+    ThrowTypeError("SignatureBuilder: fallback must be callable or None, got " +
+                   TypeName(fallback_));
+  }
+}
+
+LeafKind SignatureBuilder::Classify(py::handle leaf) const {
+  PyObject* obj = leaf.ptr();
+  PyTypeObject* type = Py_TYPE(obj);
+  for (const py::object& t : array_types_) {
+    if (reinterpret_cast<PyObject*>(type) == t.ptr()) return LeafKind::kJaxArray;
+  }
+  if (type == &PyFloat_Type) return LeafKind::kPyFloat;
+  if (type == &PyLong_Type) return LeafKind::kPyInt;
+  if (type == &PyBool_Type) return LeafKind::kPyBool;
+  if (type == &PyComplex_Type) return LeafKind::kPyComplex;
+  if (!tracer_type_.is_none() &&
+      PyType_IsSubtype(type,
+                       reinterpret_cast<PyTypeObject*>(tracer_type_.ptr()))) {
+    return LeafKind::kTracer;
+  }
+  if (!ndarray_type_.is_none() &&
+      reinterpret_cast<PyObject*>(type) == ndarray_type_.ptr()) {
+    return LeafKind::kNdarray;
+  }
+  if (!numpy_generic_type_.is_none() &&
+      PyType_IsSubtype(
+          type, reinterpret_cast<PyTypeObject*>(numpy_generic_type_.ptr()))) {
+    return LeafKind::kNumpyScalar;
+  }
+  return LeafKind::kOther;
+}
+
+AttrReader& SignatureBuilder::TracerAvalReader(PyTypeObject* type) const {
+  for (auto& [t, reader] : tracer_readers_) {
+    if (t == type) return *reader;
+  }
+  tracer_readers_.emplace_back(type,
+                               std::make_unique<AttrReader>(type, aval_name_));
+  return *tracer_readers_.back().second;
+}
+
+void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
+                                 LeafSignature& out) const {
+  out.kind = Classify(leaf);
+  size_t h = static_cast<size_t>(out.kind);
+  switch (out.kind) {
+    case LeafKind::kJaxArray: {
+      PyTypeObject* type = Py_TYPE(leaf.ptr());
+      const ArrayReaders* readers = &array_readers_.front();
+      for (const ArrayReaders& r : array_readers_) {
+        if (r.type == type) readers = &r;
+      }
+      out.first = readers->aval->Read(leaf.ptr());
+      out.second = readers->sharding->Read(leaf.ptr());
+      py::object committed = readers->committed->Read(leaf.ptr());
+      int truth = PyObject_IsTrue(committed.ptr());
+      if (truth < 0) throw py::error_already_set();
+      out.committed = truth == 1;
+      // Avals are interned by JAX, so identity is a sound hash. The sharding
+      // is left out of the hash (hashing it costs a Python call) and compared
+      // in Equals; arguments that differ only in sharding share a bucket.
+      h = CombineHash(h, PointerHash(out.first.ptr()));
+      h = CombineHash(h, PointerHash(Py_TYPE(out.second.ptr())));
+      h = CombineHash(h, out.committed ? 1 : 2);
+      break;
+    }
+    case LeafKind::kTracer: {
+      // Only the abstract value: tracers of different values share a key.
+      // Avals are interned by JAX: identity is a sound hash (a non-interned
+      // aval type could only cost a miss, never a wrong hit).
+      out.first = TracerAvalReader(Py_TYPE(leaf.ptr())).Read(leaf.ptr());
+      h = CombineHash(h, PointerHash(out.first.ptr()));
+      break;
+    }
+    case LeafKind::kNdarray: {
+      out.first = GetAttr(leaf, dtype_name_);
+      out.second = GetAttr(leaf, shape_name_);
+      // Each numpy dtype class (Float32DType, ...) is its own Python type.
+      h = CombineHash(h, PointerHash(Py_TYPE(out.first.ptr())));
+      h = CombineHash(h, PyHash(out.second));
+      break;
+    }
+    case LeafKind::kNumpyScalar: {
+      out.first = py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(Py_TYPE(leaf.ptr())));
+      h = CombineHash(h, PointerHash(out.first.ptr()));
+      break;
+    }
+    case LeafKind::kPyBool:
+    case LeafKind::kPyInt:
+    case LeafKind::kPyFloat:
+    case LeafKind::kPyComplex:
+      break;
+    case LeafKind::kOther: {
+      if (fallback_.is_none()) {
+        ThrowTypeError(
+            "jaxworks.jit_cache signature: leaf " + std::to_string(index) +
+            " has type " + TypeName(leaf) +
+            ", which is not a jax Array, tracer, numpy array or Python "
+            "scalar; mark the argument static or pass an array");
+      }
+      PyObject* key = PyObject_CallOneArg(fallback_.ptr(), leaf.ptr());
+      if (key == nullptr) throw py::error_already_set();
+      out.first = py::reinterpret_steal<py::object>(key);
+      Py_hash_t kh = PyObject_Hash(key);
+      if (kh == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        ThrowTypeError(
+            "jaxworks.jit_cache signature: the fallback returned an "
+            "unhashable key of type " +
+            TypeName(out.first) + " for leaf " + std::to_string(index) +
+            " of type " + TypeName(leaf));
+      }
+      h = CombineHash(h, static_cast<size_t>(kh));
+      break;
+    }
+  }
+  out.hash = h;
+}
+
+Signature SignatureBuilder::Build(py::handle leaves, py::object extra) const {
+  PyObject* seq = leaves.ptr();
+  const bool is_list = PyList_Check(seq);
+  if (!is_list && !PyTuple_Check(seq)) {
+    ThrowTypeError(
+        "jaxworks.jit_cache signature: leaves must be a list or tuple, got " +
+        TypeName(leaves));
+  }
+  std::vector<LeafSignature> out;
+  out.reserve(static_cast<size_t>(Py_SIZE(seq)));
+  // Re-read the size on every step: a fallback or a property may run Python
+  // code that mutates a list while we walk it.
+  for (Py_ssize_t i = 0; i < Py_SIZE(seq); ++i) {
+    py::object item = py::reinterpret_borrow<py::object>(
+        is_list ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i));
+    out.emplace_back();  // filled in place: no temporary to move and destroy
+    BuildLeaf(item, static_cast<size_t>(i), out.back());
+  }
+  return Signature(std::move(out), std::move(extra));
+}
+
+// ---------------------------------------------------------------- ContextKey
+
+ContextKey::ContextKey(py::tuple values)
+    : values_(std::move(values)), hash_(PyHash(values_)) {}
+
+bool ContextKey::Equals(const ContextKey& other) const {
+  return hash_ == other.hash_ && PyEqual(values_, other.values_);
+}
+
+bool ContextKey::IdenticalTo(PyObject* tuple) const {
+  const Py_ssize_t n = PyTuple_GET_SIZE(values_.ptr());
+  if (PyTuple_GET_SIZE(tuple) != n) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyTuple_GET_ITEM(tuple, i) != PyTuple_GET_ITEM(values_.ptr(), i)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+ContextInterner::ContextInterner(size_t capacity)
+    : capacity_(capacity == 0 ? 1 : capacity) {}
+
+std::shared_ptr<ContextKey> ContextInterner::Intern(py::handle values) {
+  if (!PyTuple_Check(values.ptr())) {
+    ThrowTypeError("ContextInterner: expected a tuple, got " +
+                   TypeName(values));
+  }
+  for (size_t i = 0; i < recent_.size(); ++i) {
+    if (recent_[i]->IdenticalTo(values.ptr())) {
+      std::shared_ptr<ContextKey> hit = recent_[i];
+      if (i != 0) {
+        recent_.erase(recent_.begin() + static_cast<std::ptrdiff_t>(i));
+        recent_.insert(recent_.begin(), hit);
+      }
+      return hit;
+    }
+  }
+  auto key = std::make_shared<ContextKey>(
+      py::reinterpret_borrow<py::tuple>(values));
+  recent_.insert(recent_.begin(), key);
+  if (recent_.size() > capacity_) recent_.pop_back();
+  return key;
+}
+
+}  // namespace jaxworks::jit_cache

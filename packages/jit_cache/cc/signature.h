@@ -1,0 +1,194 @@
+// Argument signatures for jaxworks.jit_cache.
+//
+// A Signature summarises the flattened arguments of one call: for each leaf
+// its kind and abstract properties (never its value), plus one "extra" Python
+// object (tree structure, static arguments, tracing context). The hash is
+// computed once, when the signature is built, so a dictionary look-up costs
+// one integer compare before the element-wise equality check.
+//
+// Leaf kinds and what they record (`first`, `second`, `committed`):
+//   jax Array      aval (interned ShapedArray: shape, dtype, weak_type, ...),
+//                  sharding, committed
+//   Tracer         aval: the abstract value, never a concrete value
+//   numpy ndarray  dtype, shape tuple
+//   numpy scalar   its scalar type (one type <-> one dtype)
+//   bool/int/float/complex (exact types)   nothing: the kind says it all
+//   other          the hashable key returned by the Python fallback; without
+//                  a fallback, or when it raises, a TypeError
+//
+// Every function here expects the GIL to be held. Python objects are owned by
+// py::object members, so a Signature keeps its avals/shardings/dtypes alive
+// and never the leaves themselves (no tracer or array is retained).
+#ifndef JAXWORKS_JIT_CACHE_CC_SIGNATURE_H_
+#define JAXWORKS_JIT_CACHE_CC_SIGNATURE_H_
+
+// Every entry point runs with the GIL held (pybind11's default), so pybind11's
+// per-incref GIL assertion (on in builds without NDEBUG, e.g. Bazel's
+// fastbuild) only costs time: about half of the per-leaf cost when measured.
+// This header must be included before any pybind11 header.
+#ifndef PYBIND11_NO_ASSERT_GIL_HELD_INCREF_DECREF
+#define PYBIND11_NO_ASSERT_GIL_HELD_INCREF_DECREF
+#endif
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace jaxworks::jit_cache {
+
+namespace py = pybind11;
+
+enum class LeafKind : uint8_t {
+  kJaxArray = 0,
+  kTracer = 1,
+  kNdarray = 2,
+  kNumpyScalar = 3,
+  kPyBool = 4,
+  kPyInt = 5,
+  kPyFloat = 6,
+  kPyComplex = 7,
+  kOther = 8,
+};
+
+const char* LeafKindName(LeafKind kind);
+
+size_t CombineHash(size_t seed, size_t value);
+
+struct LeafSignature {
+  LeafKind kind = LeafKind::kOther;
+  bool committed = false;
+  py::object first;   // aval | dtype | scalar type | fallback key | null
+  py::object second;  // sharding | shape tuple | null
+  size_t hash = 0;
+};
+
+// Immutable once built.
+class Signature {
+ public:
+  Signature(std::vector<LeafSignature> leaves, py::object extra);
+
+  size_t hash() const { return hash_; }
+  size_t size() const { return leaves_.size(); }
+  const std::vector<LeafSignature>& leaves() const { return leaves_; }
+  const py::object& extra() const { return extra_; }
+  bool has_tracer() const { return has_tracer_; }
+
+  // May throw py::error_already_set when a user-defined __eq__ raises.
+  bool Equals(const Signature& other) const;
+
+  // One tuple per leaf: (kind_name, first, second, committed).
+  py::list Describe() const;
+  std::string Repr() const;
+
+  // Garbage-collector support: the extra object (static arguments) may lead
+  // back to whatever holds this signature.
+  int Traverse(visitproc visit, void* arg) const;
+  void Clear();
+
+ private:
+  std::vector<LeafSignature> leaves_;
+  py::object extra_;
+  size_t hash_;
+  bool has_tracer_;
+};
+
+// Reads one attribute of objects of one exact type through the type's cached
+// data descriptor (skipping the generic attribute lookup); revalidated with
+// the type's version tag, and falls back to PyObject_GetAttr when the
+// attribute is not a data descriptor.
+class AttrReader {
+ public:
+  AttrReader(PyTypeObject* type, py::object name);
+  py::object Read(PyObject* obj);
+
+ private:
+  void Refresh();
+
+  py::object type_;   // keeps the type (and its pointer) alive
+  py::object name_;
+  py::object descr_;  // cached data descriptor, or null
+  py::object fget_;   // the descriptor's getter when it is a property
+  descrgetfunc get_ = nullptr;
+  unsigned int version_tag_ = 0;
+};
+
+// Builds Signatures. It is told the Python types it recognises, and gets an
+// optional fallback callable for other leaves: fallback(leaf) returns a
+// hashable key, or raises TypeError for leaves that are not valid arguments.
+class SignatureBuilder {
+ public:
+  // array_types: exact types treated as jax Arrays (read .aval, ._sharding,
+  // ._committed). tracer_type: base class of tracers (read .aval). ndarray_type
+  // and numpy_generic_type: numpy's ndarray and generic (may be None).
+  SignatureBuilder(py::tuple array_types, py::object tracer_type,
+                   py::object ndarray_type, py::object numpy_generic_type,
+                   py::object fallback);
+
+  // `leaves` must be a list or a tuple, anything else is a TypeError.
+  Signature Build(py::handle leaves, py::object extra) const;
+
+  // The kind `leaf` would get (no fallback call), for tests and tools.
+  LeafKind Classify(py::handle leaf) const;
+
+ private:
+  void BuildLeaf(py::handle leaf, size_t index, LeafSignature& out) const;
+  AttrReader& TracerAvalReader(PyTypeObject* type) const;
+
+  struct ArrayReaders {
+    PyTypeObject* type;
+    std::unique_ptr<AttrReader> aval, sharding, committed;
+  };
+  std::vector<py::object> array_types_;
+  std::vector<ArrayReaders> array_readers_;  // one per array type
+  // Tracer subclasses seen so far, each with its `aval` reader. Mutable
+  // cache; the GIL serialises access.
+  mutable std::vector<std::pair<PyTypeObject*, std::unique_ptr<AttrReader>>>
+      tracer_readers_;
+  py::object tracer_type_;
+  py::object ndarray_type_;
+  py::object numpy_generic_type_;
+  py::object fallback_;
+  py::object aval_name_;
+  py::object sharding_name_;
+  py::object committed_name_;
+  py::object shape_name_;
+  py::object dtype_name_;
+};
+
+// A tuple with a cached hash. Built through ContextInterner.
+class ContextKey {
+ public:
+  explicit ContextKey(py::tuple values);
+  size_t hash() const { return hash_; }
+  const py::tuple& values() const { return values_; }
+  bool Equals(const ContextKey& other) const;
+  // True when `tuple` has the same length and the identical element objects.
+  bool IdenticalTo(PyObject* tuple) const;
+
+ private:
+  py::tuple values_;
+  size_t hash_;
+};
+
+// Returns the same ContextKey for tuples that are element-wise identical to
+// one of the last `capacity` tuples seen; JAX's trace context tuple is rebuilt
+// on every call but its elements are the same objects while no config
+// changes, so the usual cost is a pointer compare per element.
+class ContextInterner {
+ public:
+  explicit ContextInterner(size_t capacity);
+  std::shared_ptr<ContextKey> Intern(py::handle values);
+  size_t size() const { return recent_.size(); }
+
+ private:
+  size_t capacity_;
+  std::vector<std::shared_ptr<ContextKey>> recent_;  // most recent first
+};
+
+}  // namespace jaxworks::jit_cache
+
+#endif  // JAXWORKS_JIT_CACHE_CC_SIGNATURE_H_

@@ -1,0 +1,33 @@
+"""jaxworks.jit_cache: jit with its own trace cache and executable reuse.
+
+``jit`` has ``jax.jit``'s semantics. Its trace cache is keyed by a C++
+argument signature; inner calls that hit it re-emit the cached jaxpr without
+running Python; re-created closures reuse compiled executables; caches are
+bounded and observable (``cache_info``, ``stats``, ``explain_miss``).
+"""
+
+from ._src.api import JitFunction as JitFunction
+from ._src.api import Traced as Traced
+from ._src.api import clear_caches as clear_caches
+from ._src.api import eval_shape as eval_shape
+from ._src.api import jit as jit
+from ._src.api import make_jaxpr as make_jaxpr
+from ._src.api import reset_stats as reset_stats
+from ._src.api import set_global_maxsize as set_global_maxsize
+from ._src.api import stats as stats
+from ._src.cache import CacheInfo as CacheInfo
+from .version import __version__ as __version__
+
+__all__ = [
+    "CacheInfo",
+    "JitFunction",
+    "Traced",
+    "clear_caches",
+    "eval_shape",
+    "jit",
+    "make_jaxpr",
+    "reset_stats",
+    "set_global_maxsize",
+    "stats",
+    "__version__",
+]

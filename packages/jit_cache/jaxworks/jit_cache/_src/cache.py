@@ -1,0 +1,250 @@
+"""Bounded caches, counters and single-flight computation.
+
+Three structures, all thread-safe:
+
+* ``Counters`` and ``CacheInfo``: what ``f.cache_info()`` and ``stats()``
+  report (hits, misses, evictions, entries, traces, compiles, executable
+  reuses, time saved).
+* ``EntryLRU``: one process-wide LRU order over every function's trace entries,
+  so the total stays under a global bound while each function keeps its own
+  ``maxsize``. It holds entries, never functions: an entry points back to its
+  owner's cache through a weak reference.
+* ``ExecutableCache``: compiled executables keyed by structural fingerprint,
+  shared by every function (re-created closures find each other here).
+
+``SingleFlight`` makes concurrent callers with the same key wait for the one
+computing it, instead of tracing or compiling the same thing several times.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import weakref
+from typing import Any, Callable, Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+  """Snapshot of cache counters (per function or process-wide).
+
+  Attributes:
+    hits: calls answered from the trace cache (no Python tracing).
+    misses: calls that had to trace.
+    evictions: trace entries dropped by an LRU bound (or executables, for the
+      process-wide executable cache in ``stats()``).
+    entries: trace entries held now.
+    maxsize: the LRU bound on ``entries``.
+    traces: executions of the Python function while tracing (a miss after
+      an eviction may be served by JAX's own tracing cache without one).
+    compiles: lowerings + XLA compilations.
+    executable_reuses: compilations avoided because a structurally identical
+      program was already compiled (re-created closures).
+    dispatch_entries: signatures the C++ dispatcher serves without Python.
+    executables: compiled executables held (per function: by its entries;
+      in ``stats()``: the shared executable cache).
+    time_saved_s: tracing and compile time avoided by hits and reuses, in
+      seconds (measured when the entry was first built).
+  """
+
+  hits: int = 0
+  misses: int = 0
+  evictions: int = 0
+  entries: int = 0
+  maxsize: int = 0
+  traces: int = 0
+  compiles: int = 0
+  executable_reuses: int = 0
+  dispatch_entries: int = 0
+  executables: int = 0
+  time_saved_s: float = 0.0
+
+
+class Counters:
+  """Mutable counters; increments are plain attribute updates (GIL-atomic
+  enough for statistics)."""
+
+  __slots__ = ("hits", "misses", "evictions", "traces", "compiles",
+               "executable_reuses", "time_saved_s")
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self) -> None:
+    self.hits = 0
+    self.misses = 0
+    self.evictions = 0
+    self.traces = 0
+    self.compiles = 0
+    self.executable_reuses = 0
+    self.time_saved_s = 0.0
+
+  def snapshot(self, **extra: Any) -> CacheInfo:
+    return CacheInfo(hits=self.hits, misses=self.misses,
+                     evictions=self.evictions, traces=self.traces,
+                     compiles=self.compiles,
+                     executable_reuses=self.executable_reuses,
+                     time_saved_s=self.time_saved_s, **extra)
+
+
+#: Process-wide totals (every function adds to these too).
+GLOBAL_COUNTERS = Counters()
+
+
+class SingleFlight:
+  """Run ``compute`` once per key at a time; other threads wait for it.
+
+  A thread that asks again for a key it is itself computing (recursion while
+  tracing) computes it again instead of waiting on itself.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._flights: dict[Hashable, tuple[int, threading.Event]] = {}
+
+  def run(self, key: Hashable, lookup: Callable[[], Any],
+          compute: Callable[[], Any]) -> Any:
+    """Returns ``lookup()`` if not None, else the result of ``compute()``.
+
+    ``compute`` is expected to store its result where ``lookup`` finds it;
+    waiters re-run ``lookup`` when the computing thread finishes (and compute
+    themselves if it failed).
+    """
+    me = threading.get_ident()
+    while True:
+      found = lookup()
+      if found is not None:
+        return found
+      with self._lock:
+        flight = self._flights.get(key)
+        if flight is None:
+          event = threading.Event()
+          self._flights[key] = (me, event)
+          leader = True
+        elif flight[0] == me:
+          leader = None  # re-entrant: do not wait for ourselves
+        else:
+          leader = False
+          event = flight[1]
+      if leader is None:
+        return compute()
+      if not leader:
+        event.wait()
+        continue
+      try:
+        found = lookup()  # stored between our lookup and taking the key?
+        return found if found is not None else compute()
+      finally:
+        with self._lock:
+          del self._flights[key]
+        event.set()
+
+
+class EntryLRU:
+  """Process-wide LRU order over trace entries of all functions."""
+
+  def __init__(self, maxsize: int):
+    self.maxsize = maxsize
+    self._order: "collections.OrderedDict[Any, weakref.ref]" = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+
+  def touch(self, entry: Any) -> None:
+    try:
+      self._order.move_to_end(entry)
+    except KeyError:
+      pass  # evicted concurrently
+
+  def add(self, entry: Any, owner: Any) -> None:
+    victims = []
+    with self._lock:
+      self._order[entry] = weakref.ref(owner)
+      while len(self._order) > self.maxsize:
+        victims.append(self._order.popitem(last=False))
+    for victim, owner_ref in victims:
+      cache = owner_ref()
+      if cache is not None:
+        cache.evict(victim, from_global=True)
+
+  def discard(self, entry: Any) -> None:
+    with self._lock:
+      self._order.pop(entry, None)
+
+  def resize(self, maxsize: int) -> None:
+    self.maxsize = maxsize
+    victims = []
+    with self._lock:
+      while len(self._order) > self.maxsize:
+        victims.append(self._order.popitem(last=False))
+    for victim, owner_ref in victims:
+      cache = owner_ref()
+      if cache is not None:
+        cache.evict(victim, from_global=True)
+
+  def __len__(self) -> int:
+    return len(self._order)
+
+
+#: Default global bound on trace entries across all functions.
+DEFAULT_GLOBAL_MAXSIZE = 4096
+GLOBAL_ENTRIES = EntryLRU(DEFAULT_GLOBAL_MAXSIZE)
+
+
+class ExecutableCache:
+  """Compiled executables shared across functions, by structural key."""
+
+  def __init__(self, maxsize: int):
+    self.maxsize = maxsize
+    self.evictions = 0
+    self._items: "collections.OrderedDict[Hashable, Any]" = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+    self._flight = SingleFlight()
+
+  def get(self, key: Hashable) -> Any:
+    with self._lock:
+      value = self._items.get(key)
+      if value is not None:
+        self._items.move_to_end(key)
+      return value
+
+  def put(self, key: Hashable, value: Any) -> None:
+    with self._lock:
+      self._items[key] = value
+      self._items.move_to_end(key)
+      while len(self._items) > self.maxsize:
+        self._items.popitem(last=False)
+        self.evictions += 1
+
+  def get_or_build(self, key: Hashable, build: Callable[[], Any]
+                   ) -> tuple[Any, bool]:
+    """(value, reused): ``reused`` is True when another caller built it."""
+    built = []
+
+    def compute():
+      value = build()
+      self.put(key, value)
+      built.append(True)
+      return value
+
+    value = self._flight.run(key, lambda: self.get(key), compute)
+    return value, not built
+
+  def clear(self) -> None:
+    with self._lock:
+      self._items.clear()
+
+  def resize(self, maxsize: int) -> None:
+    with self._lock:
+      self.maxsize = maxsize
+      while len(self._items) > self.maxsize:
+        self._items.popitem(last=False)
+        self.evictions += 1
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+
+DEFAULT_EXECUTABLE_MAXSIZE = 1024
+EXECUTABLES = ExecutableCache(DEFAULT_EXECUTABLE_MAXSIZE)

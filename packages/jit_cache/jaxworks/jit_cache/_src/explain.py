@@ -1,0 +1,109 @@
+"""``f.explain_miss``: which argument property differs from the cache.
+
+Compares a call's ``Signature`` with the newest signature of every cached
+entry and reports the nearest one's differences, one line each, in terms of
+the argument path and property: ``x['w']: dtype float32 -> float64``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import jax_internals as ji
+from . import signature as _sig
+
+_PROPERTIES = ("kind", "shape", "dtype", "weak_type", "sharding", "committed")
+
+
+def _fmt(value: Any) -> str:
+  if isinstance(value, np.dtype):
+    return value.name
+  if isinstance(value, tuple):
+    return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1
+                                                      else "") + ")"
+  return str(value)
+
+
+def _static_label(where: Any, fn: Any) -> str:
+  if isinstance(where, int):
+    names = fn._param_names or []  # pylint: disable=protected-access
+    return names[where] if where < len(names) else f"args[{where}]"
+  return str(where)
+
+
+def _context_diffs(entry: Any, old_ctx: Any, ctx: Any) -> list[str]:
+  from .api import _config_snapshot  # pylint: disable=g-import-not-at-top
+  out = []
+  now = _config_snapshot()
+  for name, value in now.items():
+    if name in entry.config and entry.config[name] != value:
+      out.append(f"config {name}: {entry.config[name]} -> {value}")
+  old_env, new_env = old_ctx.values[-1], ctx.values[-1]
+  if old_env is not new_env:
+    old_sizes = ji.axis_env_parts(old_env)[0]
+    new_sizes = ji.axis_env_parts(new_env)[0]
+    if old_sizes != new_sizes:
+      out.append(f"axis environment: {old_sizes} -> {new_sizes}")
+  if not out and old_ctx.values[:-1] != ctx.values[:-1]:
+    changed = [i for i, (a, b) in enumerate(zip(old_ctx.values, ctx.values))
+               if a != b]
+    out.append("tracing context (mesh or another jax config value) differs "
+               f"at positions {changed}")
+  return out
+
+
+def _diffs(fn: Any, entry: Any, sig: Any, paths: list[str]) -> list[str]:
+  """Differences from the closest of the entry's recorded signatures."""
+  candidates = [_diffs_one(fn, entry, old, sig, paths) for old in entry.sigs]
+  return min(candidates, key=len, default=["(no recorded signature)"])
+
+
+def _diffs_one(fn: Any, entry: Any, old: Any, sig: Any,
+               paths: list[str]) -> list[str]:
+  old_tree, old_statics, old_ctx = old.extra
+  new_tree, new_statics, new_ctx = sig.extra
+  out: list[str] = []
+  if old_tree != new_tree:
+    return [f"argument structure: {old_tree} -> {new_tree}"]
+  old_s = {w: v for w, _, v in old_statics}
+  new_s = {w: v for w, _, v in new_statics}
+  for where in sorted(set(old_s) | set(new_s), key=str):
+    a, b = old_s.get(where, "<absent>"), new_s.get(where, "<absent>")
+    if type(a) is not type(b) or a != b:
+      out.append(f"static argument {_static_label(where, fn)}: {a!r} -> {b!r}")
+  if old_ctx != new_ctx:
+    out.extend(_context_diffs(entry, old_ctx, new_ctx))
+  for i, (a, b) in enumerate(zip(old.describe(), sig.describe())):
+    pa, pb = _sig.leaf_properties(a), _sig.leaf_properties(b)
+    where = paths[i] if i < len(paths) else f"leaf {i}"
+    for prop in _PROPERTIES:
+      if pa[prop] is None and pb[prop] is None:
+        continue
+      if pa[prop] != pb[prop]:
+        out.append(f"{where}: {prop} {_fmt(pa[prop])} -> {_fmt(pb[prop])}")
+  return out
+
+
+def explain(fn: Any, leaves: list, treedef: Any, statics: tuple, ctx: Any,
+            sig: Any, args: tuple, kwargs: dict) -> str:
+  """The explanation text for ``fn.explain_miss(*args, **kwargs)``."""
+  name = fn._name  # pylint: disable=protected-access
+  cache = fn._cache  # pylint: disable=protected-access
+  if sig in cache.by_sig:
+    return f"{name}: hit (this exact signature is cached)"
+  paths = fn._leaf_paths(args, kwargs)  # pylint: disable=protected-access
+  entries = list(cache.by_key.values())
+  if not entries:
+    return f"{name}: miss: nothing is cached for {name} yet"
+  avals = tuple(ji.shaped_abstractify(x) for x in leaves)
+  same = cache.by_key.get((avals, treedef, statics, ctx))
+  if same is not None:
+    lines = _diffs(fn, same, sig, paths)
+    return (f"{name}: hit: the abstract values match a cached trace, which "
+            "is reused (a new placement or leaf kind only needs an "
+            "executable):\n  " + "\n  ".join(lines or ["(no difference)"]))
+  best = min((_diffs(fn, e, sig, paths) for e in entries), key=len)
+  return (f"{name}: miss; the nearest of {len(entries)} cached entries "
+          "differs in:\n  " + "\n  ".join(best or ["(no recorded difference)"]))

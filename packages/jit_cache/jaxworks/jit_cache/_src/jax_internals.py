@@ -1,0 +1,185 @@
+"""Every private JAX name that jaxworks.jit_cache uses, and nothing else.
+
+No other module of this package imports ``jax._src``. Each name below is
+exercised by ``tests/jax_internals_test.py``, so a JAX upgrade that moves or
+changes one fails there, in one obvious place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from jax._src import array as _array
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src.frozen_dict import FrozenDict as _FrozenDict
+from jax._src import pjit as _pjit
+from jax._src import stages as _stages
+from jax._src import tree_util as _tree_util
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import _jax
+from jax._src.lib import jax_jit as _jax_jit
+
+# -- tracing context -----------------------------------------------------------
+
+#: Tuple of every config value that changes tracing (x64, default device,
+#: matmul precision, rank promotion, mesh context, ...). Its last element is the
+#: current axis environment (``AxisEnv``, interned). Elements are the same
+#: objects from call to call while no config changes.
+trace_context: Callable[[], tuple] = _config.trace_context
+
+#: True at top level (no transformation or staging in progress).
+trace_state_clean: Callable[[], bool] = _core.trace_state_clean
+
+AxisEnv = _core.AxisEnv
+
+#: The current trace is ``current_trace.value``; ``eval_trace`` at top level.
+#: (A ~35 ns check, used before the full ``trace_state_clean``.)
+current_trace = _core.trace_state_strong_ref
+eval_trace = _core.eval_trace
+
+
+def axis_env_parts(env: Any) -> tuple[dict, frozenset, frozenset]:
+  """(axis sizes, spmd axis names, explicit mesh axis names) of an AxisEnv."""
+  return (dict(env.axis_sizes), frozenset(env.spmd_axis_names),
+          frozenset(env.explicit_mesh_axis_names))
+
+
+def make_axis_env(sizes: dict, spmd: frozenset, explicit: frozenset) -> Any:
+  return _core.AxisEnv(_FrozenDict(sizes), frozenset(spmd), frozenset(explicit))
+
+
+class axis_env_set:  # pylint: disable=invalid-name
+  """Context manager: replace the current axis environment, then restore it."""
+
+  def __init__(self, env: Any):
+    self._env = env
+    self._prev = None
+
+  def __enter__(self):
+    self._prev = _core.trace_ctx.axis_env
+    _core.trace_ctx.set_axis_env(self._env)
+
+  def __exit__(self, *exc):
+    _core.trace_ctx.set_axis_env(self._prev)
+
+
+def extend_axis_env(pairs: Sequence[tuple[Any, int]]):
+  """Context manager binding ``(name, size)`` pairs, as jax.make_jaxpr does."""
+  return _core.extend_axis_env_nd(pairs)
+
+
+def disable_jit_on() -> bool:
+  """``jax.disable_jit()`` is active (calls run the Python function)."""
+  return bool(_config.disable_jit.value)
+
+
+def debug_modes_on() -> bool:
+  """Modes that jax.jit handles on its slow path; we defer to it then."""
+  return bool(_config.debug_nans.value or _config.debug_infs.value or
+              _config.enable_pgle.value or _config.debug_key_reuse.value)
+
+
+#: The concrete jax Array class (a jaxlib type); Signature reads its C++
+#: properties ``aval``, ``_sharding`` and ``_committed``.
+ArrayImpl = _array.ArrayImpl
+
+
+# -- pytrees ---------------------------------------------------------------------
+
+#: The registry jax.jit flattens arguments with while tracing (PRNG key arrays
+#: are leaves here, unlike in the dispatch registry).
+tracing_registry = _tree_util.tracing_registry
+
+#: Abstract value of a valid argument (arrays, scalars, ShapeDtypeStruct, ...);
+#: TypeError for anything else.
+shaped_abstractify: Callable[[Any], Any] = _core.shaped_abstractify
+
+
+# -- jit's traced stage ---------------------------------------------------------------
+
+
+def traced_parts(traced: Any) -> tuple[dict, list, tuple, Any, Any]:
+  """(params, consts, meta types, in_tree, out_tree) of a jax ``Traced``.
+
+  ``params`` are the ``jit_p`` parameters (``jaxpr``, shardings, donation,
+  ...); ``consts`` the closed-over tracers jax turned into leading arguments.
+  """
+  return (traced._params, list(traced._consts), tuple(traced._meta_tys_flat),  # pylint: disable=protected-access
+          traced._in_tree, traced.out_tree)  # pylint: disable=protected-access
+
+
+def make_traced(meta_tys: Sequence[Any], params: dict, in_tree: Any,
+                out_tree: Any, consts: Sequence[Any]) -> Any:
+  """A jax ``Traced`` from cached parts (no tracing happens)."""
+  return _stages.Traced(list(meta_tys), params, in_tree, out_tree, list(consts))
+
+
+def is_high(closed_jaxpr: Any) -> bool:
+  """True for jaxprs with mutable-state (hijax) types, which jit never caches."""
+  return bool(closed_jaxpr.jaxpr.is_high)
+
+
+#: Argument metadata (aval, sharding, layout, committed) jit lowers with.
+meta_type: Callable[[Any], Any] = _pjit.convert_to_metaty
+
+#: Move the first n invars of a Jaxpr to constvars (make_jaxpr's closure).
+convert_invars_to_constvars: Callable[[Any, int], Any] = (
+    _pe.convert_invars_to_constvars)
+
+
+# -- compiled executables and the C++ dispatcher -----------------------------------------
+
+
+def executable_parts(compiled: Any) -> tuple[Any, list]:
+  """(MeshExecutable, device-placed const args) of a jax ``Compiled``."""
+  mesh_executable = compiled._executable  # pylint: disable=protected-access
+  const_args = mesh_executable.shard_const_args(
+      compiled._params.const_args)  # pylint: disable=protected-access
+  return mesh_executable, list(const_args)
+
+
+def fastpath_data(mesh_executable: Any, out_tree: Any, args_flat: Sequence[Any],
+                  out_flat: Sequence[Any], effects: Any,
+                  const_args: Sequence[Any]) -> Any:
+  """What the C++ dispatcher needs to call the executable itself, or None."""
+  return _pjit._get_fastpath_data(  # pylint: disable=protected-access
+      mesh_executable, out_tree, list(args_flat), list(out_flat), effects, [],
+      None, list(const_args))
+
+
+def make_dispatcher(name: str, fun: Callable, cache_miss: Callable,
+                    static_argnums: Sequence[int],
+                    static_argnames: Sequence[str], capacity: int) -> Any:
+  """jaxlib's C++ jit dispatcher over our own ``cache_miss``.
+
+  Calling it parses the arguments in C++; when the signature was seen at top
+  level it runs the stored executable with no Python at all, otherwise it calls
+  ``cache_miss(*args, **kwargs)``, which returns ``(outputs, fastpath_data or
+  None, False)``. ``capacity`` bounds its per-function LRU.
+  """
+  cache = _jax.PjitFunctionCache(capacity=capacity)
+  return _jax.pjit(name, fun, cache_miss, list(static_argnums),
+                   list(static_argnames), _pxla.JitGlobalCppCacheKeys(),
+                   _tree_util.dispatch_registry, _pxla.cc_shard_arg, cache)
+
+
+def dispatcher_size(dispatcher: Any) -> int:
+  return dispatcher._cache_size()  # pylint: disable=protected-access
+
+
+def dispatcher_clear(dispatcher: Any) -> None:
+  dispatcher._clear_cache()  # pylint: disable=protected-access
+
+
+def jax_parse_arguments(args: tuple, kwargs: dict) -> tuple[Any, list]:
+  """jax.jit's own C++ argument parsing (for the benchmark's comparison).
+
+  Returns ``(ArgumentSignature, dynamic leaves)``: the static arguments and
+  tree structure jax keys its inner-jit trace cache on (the avals are computed
+  separately, in Python, by ``shaped_abstractify``).
+  """
+  return _jax_jit.parse_arguments(args, tuple(kwargs.values()),
+                                  tuple(kwargs.keys()), (), (),
+                                  _tree_util.tracing_registry)

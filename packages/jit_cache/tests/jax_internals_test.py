@@ -1,0 +1,135 @@
+"""Every private JAX name in _src/jax_internals.py still behaves as we use it.
+
+A JAX upgrade that moves or changes one of them fails here first.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import primitives
+
+from jaxworks.jit_cache._src import jax_internals as ji
+
+
+def test_trace_context_ends_with_the_axis_env():
+  ctx = ji.trace_context()
+  assert isinstance(ctx, tuple) and isinstance(ctx[-1], ji.AxisEnv)
+  assert ji.trace_context()[-1] is ctx[-1]  # interned
+  seen = []
+  jax.vmap(lambda x: seen.append(ji.trace_context()[-1]) or x,
+           axis_name="i")(jnp.ones(3))
+  assert ji.axis_env_parts(seen[0])[0] == {"i": 3}
+  prev = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", not prev)
+  try:
+    assert ji.trace_context()[:-1] != ctx[:-1]  # x64 is in the context
+  finally:
+    jax.config.update("jax_enable_x64", prev)
+
+
+def test_axis_env_helpers():
+  env = ji.make_axis_env({"i": 4}, frozenset(), frozenset())
+  assert ji.axis_env_parts(env) == ({"i": 4}, frozenset(), frozenset())
+  seen = []
+  with ji.axis_env_set(env):
+    seen.append(ji.trace_context()[-1])
+  assert seen[0] is env and ji.trace_context()[-1] is not env
+  with ji.extend_axis_env([("j", 2)]):
+    assert ji.axis_env_parts(ji.trace_context()[-1])[0] == {"j": 2}
+
+
+def test_trace_state_and_debug_modes():
+  assert ji.trace_state_clean()
+  assert ji.current_trace.value is ji.eval_trace
+  seen = []
+  jax.jit(lambda x: seen.append(
+      (ji.trace_state_clean(), ji.current_trace.value is ji.eval_trace))
+          or x)(1.0)
+  assert seen == [(False, False)]
+  assert not ji.debug_modes_on()
+  with jax.debug_nans(True):
+    assert ji.debug_modes_on()
+  assert not ji.disable_jit_on()
+  with jax.disable_jit():
+    assert ji.disable_jit_on()
+
+
+def test_array_type_registry_and_abstractify():
+  assert type(jnp.ones(1)) is ji.ArrayImpl
+  leaves, tree = ji.tracing_registry.flatten(((1.0, jax.random.key(0)), {}))
+  assert len(leaves) == 2 and tree.num_leaves == 2  # key arrays are leaves
+  assert ji.shaped_abstractify(np.ones(3, np.float32)) is jnp.ones(3).aval
+  assert ji.shaped_abstractify(2.0).weak_type
+
+
+def test_traced_parts_and_make_traced():
+  traced = jax.jit(lambda x, y: x * y, static_argnums=1).trace(jnp.ones(3), 2)
+  params, consts, meta, in_tree, out_tree = ji.traced_parts(traced)
+  assert set(params) >= {"jaxpr", "in_shardings", "out_shardings",
+                         "donated_invars", "ctx_mesh", "name", "keep_unused",
+                         "inline", "compiler_options_kvs"}
+  assert consts == [] and len(meta) == 1 and out_tree.num_leaves == 1
+  leaves, tree = ji.tracing_registry.flatten(((jnp.ones(3),), {}))
+  assert tree == in_tree  # our flattening matches jax's in_tree
+  again = ji.make_traced([ji.meta_type(x) for x in leaves], params, in_tree,
+                         out_tree, [])
+  assert again.jaxpr is traced.jaxpr
+  compiled = again.lower().compile()
+  exe, const_args = ji.executable_parts(compiled)
+  out = exe.call(*const_args, *leaves)
+  np.testing.assert_array_equal(out[0], jnp.full(3, 2.0))
+  assert ji.fastpath_data(exe, out_tree, leaves, out, params["jaxpr"].effects,
+                          const_args) is not None
+  assert not ji.is_high(params["jaxpr"])
+  out = primitives.jit_p.bind(*leaves, **params)
+  np.testing.assert_array_equal(out[0], jnp.full(3, 2.0))
+
+
+def test_closed_over_tracers_become_consts():
+  seen = {}
+
+  def f(x):
+    traced = jax.jit(lambda y: x + y).trace(1.0)
+    params, consts, _, _, _ = ji.traced_parts(traced)
+    seen["n"] = len(consts)
+    moved = ji.convert_invars_to_constvars(params["jaxpr"].jaxpr, len(consts))
+    seen["constvars"] = len(moved.constvars)
+    return x
+
+  jax.jit(f)(2.0)
+  assert seen == {"n": 1, "constvars": 1}
+
+
+def test_dispatcher():
+  calls = []
+
+  def cache_miss(*args, **kwargs):
+    calls.append(1)
+    traced = jax.jit(lambda x: x + 1).trace(*args, **kwargs)
+    params, _, _, in_tree, out_tree = ji.traced_parts(traced)
+    del in_tree
+    compiled = traced.lower().compile()
+    exe, const_args = ji.executable_parts(compiled)
+    leaves = list(args)
+    out = exe.call(*const_args, *leaves)
+    fast = ji.fastpath_data(exe, out_tree, leaves, out,
+                            params["jaxpr"].effects, const_args)
+    return out_tree.unflatten(out), fast, False
+
+  d = ji.make_dispatcher("f", lambda x: x + 1, cache_miss, (), (), 4)
+  x = jnp.ones(2)
+  np.testing.assert_array_equal(d(x), x + 1)
+  np.testing.assert_array_equal(d(x), x + 1)
+  assert calls == [1] and ji.dispatcher_size(d) == 1
+  ji.dispatcher_clear(d)
+  assert ji.dispatcher_size(d) == 0
+
+
+def test_jax_parse_arguments():
+  signature, dyn = ji.jax_parse_arguments((jnp.ones(2), 3.0), {"k": 1})
+  assert len(dyn) == 3 and signature is not None

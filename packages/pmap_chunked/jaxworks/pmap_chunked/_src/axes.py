@@ -1,0 +1,93 @@
+"""in_axes / out_axes: validation, broadcasting against pytrees, PartitionSpecs.
+
+An axes spec is an int, None, or a pytree prefix of the arguments (or outputs)
+with ints and Nones as leaves. Negative ints count from the end of the
+*global* array's rank, as in `jax.vmap`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+_is_none = lambda x: x is None  # noqa: E731
+
+
+def check_axes_spec(api: str, what: str, spec: Any) -> Any:
+  """Validates an in_axes/out_axes spec; lists become tuples (like vmap)."""
+  if isinstance(spec, list):
+    spec = tuple(spec)
+  leaves = jax.tree_util.tree_leaves(spec, is_leaf=_is_none)
+  bad = [l for l in leaves if not (l is None or type(l) is int)]
+  if bad:
+    raise TypeError(
+        f"{api}: {what} must be an int, None, or a (nested) tuple/list/dict of "
+        f"those, but got {spec!r} (bad leaf {bad[0]!r} of type "
+        f"{type(bad[0]).__name__}); use e.g. {what}=0 or {what}=(0, None).")
+  return spec
+
+
+def has_negative(spec: Any) -> bool:
+  return any(l is not None and l < 0 for l in
+             jax.tree_util.tree_leaves(spec, is_leaf=_is_none))
+
+
+def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
+  """One axis (int or None) per leaf of `tree`, with `spec` a prefix of it."""
+  if spec is None or type(spec) is int:
+    return [spec] * len(jax.tree_util.tree_leaves(tree))
+  try:
+    per_subtree = jax.tree_util.tree_map(
+        lambda ax, sub: [ax] * len(jax.tree_util.tree_leaves(sub)),
+        spec, tree, is_leaf=_is_none)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"{api}: {what}={spec!r} is not a pytree prefix of the "
+        f"{'outputs' if what == 'out_axes' else 'positional arguments'} "
+        f"(structure {jax.tree_util.tree_structure(tree)}): {e}. Give one "
+        f"entry per {'output' if what == 'out_axes' else 'positional argument'}"
+        " (or a single int/None for all).") from None
+  flat = []
+  for axes in jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)):
+    flat.extend(axes)
+  return flat
+
+
+def normalize_axis(api: str, what: str, axis: int | None, ndim: int,
+                   where: str) -> int | None:
+  """Maps a possibly negative axis into [0, ndim), with a clear error."""
+  if axis is None:
+    return None
+  if not -ndim <= axis < ndim:
+    raise ValueError(
+        f"{api}: {what} axis {axis} is out of range for {where} of rank "
+        f"{ndim}; use an axis in [{-ndim}, {ndim}) or None to broadcast it.")
+  return axis % ndim
+
+
+def spec_for_axis(axis_name: Any, axis: int | None) -> P:
+  """PartitionSpec splitting dimension `axis` over `axis_name` (P() if None)."""
+  if axis is None:
+    return P()
+  return P(*([None] * axis), axis_name)
+
+
+def out_specs_for(axis_name: Any, out_axes: Any) -> Any:
+  """PartitionSpec prefix tree for shard_map's out_specs.
+
+  Negative out_axes are sharded at position 0 inside shard_map and moved to
+  their final place afterwards (their rank is only known after tracing).
+  """
+  def one(ax):
+    if ax is None:
+      return P()
+    return spec_for_axis(axis_name, 0 if ax < 0 else ax)
+  return jax.tree_util.tree_map(one, out_axes, is_leaf=_is_none)
+
+
+def leaf_paths(tree: Any) -> Sequence[str]:
+  """Human-readable paths of the leaves of `tree` (for error messages only)."""
+  with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [jax.tree_util.keystr(path) for path, _ in with_path]

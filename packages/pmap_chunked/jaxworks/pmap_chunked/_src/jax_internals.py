@@ -1,0 +1,24 @@
+"""The ONLY module of jaxworks.pmap_chunked that imports private JAX names.
+
+Each name is exercised by tests/jax_internals_test.py, so a JAX upgrade that
+moves one of them fails there, in one obvious place.
+
+- `jax._src.core.ShapedArray` and `jax._src.array.ArrayImpl`: wrapping
+  per-device buffers as one global array that keeps a weak type (public
+  `jax.make_array_from_single_device_arrays` always makes a strong type, while
+  JAX 0.9's device_put_replicated/sharded kept the weak type of Python scalars).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jax._src import array as _array
+from jax._src import core as _core
+
+
+def weak_array_from_shards(shape: tuple, dtype: Any, sharding: Any,
+                           pieces: Sequence[Any]) -> Any:
+  """A committed, weakly typed global array made of `pieces` (no copy)."""
+  aval = _core.ShapedArray(tuple(shape), dtype, weak_type=True)
+  return _array.ArrayImpl(aval, sharding, list(pieces), committed=True)

@@ -1,0 +1,112 @@
+"""Devices and meshes for pmap, and the stack of pmaps being traced.
+
+A top-level pmap runs on a mesh whose first axis is its own axis name. A pmap
+called while another one is tracing its body (a nested pmap) does not make a
+mesh of its own: it runs over one more axis of the outer pmap's mesh. When that
+axis is missing, the nested pmap raises `NeedsAxis`; the top-level pmap catches
+it, adds the axis to its mesh (a 2-D mesh for two levels) and traces again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+API = "jaxworks.pmap_chunked.pmap"
+
+
+@functools.lru_cache(maxsize=256)
+def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
+  """A Mesh with Auto axis types (cached: equal meshes are the same object)."""
+  array = np.empty(len(devices), dtype=object)
+  array[:] = devices
+  return Mesh(array.reshape(shape), names,
+              axis_types=(AxisType.Auto,) * len(names))
+
+
+def process_devices() -> tuple:
+  """All devices, those of process 0 first, then process 1, ... ."""
+  if jax.process_count() == 1:
+    return tuple(jax.devices())
+  by_process: dict[int, list] = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  return tuple(d for p in sorted(by_process) for d in by_process[p])
+
+
+def select_devices(devices: tuple | None, total: int) -> tuple:
+  """The `total` devices a (possibly nested) pmap of that global size uses."""
+  if devices is not None:
+    if len(devices) != total:
+      raise ValueError(
+          f"{API}: the mapped axis size is {total} but devices= lists "
+          f"{len(devices)} devices; the mapped size (times the sizes of nested "
+          f"pmaps) must equal len(devices). Pass {total} devices or resize the "
+          "mapped axis.")
+    return devices
+  available = process_devices()
+  if total > len(available):
+    raise ValueError(
+        f"{API}: the mapped axis needs {total} devices but only "
+        f"{len(available)} are available (jax.device_count()); use a mapped "
+        f"size of at most {len(available)}, or split the data into chunks.")
+  return available[:total]
+
+
+def check_devices(api: str, devices: Any) -> tuple:
+  """A tuple of distinct jax devices, or an error saying what to pass."""
+  if isinstance(devices, jax.Device) or not isinstance(devices, Sequence):
+    raise TypeError(f"{api}: devices must be a sequence of jax devices, got "
+                    f"{devices!r}; pass e.g. jax.devices()[:4].")
+  devices = tuple(devices)
+  if not devices:
+    raise ValueError(f"{api}: devices must be a non-empty sequence, got "
+                     f"{devices!r}; pass e.g. jax.devices()[:4].")
+  bad = [d for d in devices if not isinstance(d, jax.Device)]
+  if bad:
+    raise TypeError(f"{api}: devices must hold jax.Device objects, got "
+                    f"{bad[0]!r}; pass e.g. jax.devices()[:4].")
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"{api}: devices lists a device more than once "
+                     f"({list(devices)}); each device may appear only once.")
+  return devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+  """One pmap whose body is being traced."""
+  axis_name: Any
+  size: int
+  mesh: Mesh
+
+
+class NeedsAxis(Exception):
+  """Raised by a nested pmap whose axis the enclosing mesh does not have yet."""
+
+  def __init__(self, axis_name: Any, size: int):
+    super().__init__(
+        f"{API}: nested pmap over axis {axis_name!r} (size {size}) needs the "
+        "outer pmap to add that axis to its mesh")
+    self.axis_name = axis_name
+    self.size = size
+
+
+_state = threading.local()
+
+
+def frames() -> list[Frame]:
+  """The pmaps whose bodies are being traced on this thread, outermost first."""
+  stack = getattr(_state, "frames", None)
+  if stack is None:
+    stack = _state.frames = []
+  return stack
+
+
+def bound_axis_sizes() -> dict:
+  return {f.axis_name: f.size for f in frames()}

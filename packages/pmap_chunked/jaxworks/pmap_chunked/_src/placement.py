@@ -1,0 +1,230 @@
+"""Putting pmap inputs where the program expects them, and device_put_*.
+
+Inputs that already have the expected layout are passed through untouched
+(same buffers). Everything else goes to its NamedSharding in one batched
+transfer (jaxworks.batched_transfer.device_put). The two JAX 0.9 helpers
+device_put_replicated / device_put_sharded are rebuilt the same way: one
+batched transfer, then the per-device buffers are wrapped, without a copy, as
+one global array whose shards keep their rank (shape [1, ...] per device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import deps
+from . import jax_internals
+from .mesh import check_devices, make_mesh
+
+# Name of the axis of the meshes device_put_replicated/sharded build. pmap
+# accepts their outputs without a copy whatever its own axis name is: the
+# shardings are equivalent (same devices, same split).
+DEVICES_AXIS = "devices"
+
+
+# (array sharding, target sharding, mapped axis, rank) -> bool, for shardings
+# that are not equal to the target (e.g. another axis name): the answer needs
+# a slower comparison, and the same pairs come back call after call.
+_layout_answers: dict = {}
+
+
+def is_laid_out(x: Any, target: NamedSharding, axis_name: Any,
+                axis: int | None) -> bool:
+  """Whether jax.Array `x` can be used as is for an input sharded `target`."""
+  sharding = x.sharding
+  if sharding == target:
+    return True
+  key = (sharding, target, axis, x.ndim)
+  answer = _layout_answers.get(key)
+  if answer is None:
+    if len(_layout_answers) > 4096:
+      _layout_answers.clear()
+    answer = _layout_answers[key] = _compatible(sharding, target, axis_name,
+                                                axis, x.ndim)
+  return answer
+
+
+def _compatible(sharding, target, axis_name, axis, ndim) -> bool:
+  if (isinstance(sharding, NamedSharding) and sharding.mesh == target.mesh
+      and len(target.mesh.axis_names) > 1):
+    # A nested pmap's mesh: the array may also be split over the inner axes,
+    # as long as this pmap's axis splits exactly the mapped dimension.
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    for dim, entry in enumerate(spec):
+      names = entry if isinstance(entry, tuple) else (entry,)
+      if axis_name in names and (dim != axis or entry != axis_name):
+        return False
+    return axis is None or spec[axis] == axis_name
+  return sharding.is_equivalent_to(target, ndim)
+
+
+def place_inputs(leaves: list, targets: Sequence[NamedSharding],
+                 axis_name: Any, in_axes: Sequence[int | None],
+                 donated: Sequence[bool]) -> tuple[list, list]:
+  """Moves every misplaced leaf to its target (one batched transfer).
+
+  Returns:
+    The leaves to call with, and the donated jax.Arrays that were moved (the
+    caller frees them once the call has consumed their copies).
+  """
+  moves = []
+  for i, x in enumerate(leaves):
+    if isinstance(x, jax.Array) and is_laid_out(x, targets[i], axis_name,
+                                                in_axes[i]):
+      continue
+    moves.append(i)
+  if not moves:
+    return leaves, []
+  if jax.process_count() > 1:
+    moved = _place_multiprocess([leaves[i] for i in moves],
+                                [targets[i] for i in moves])
+  else:
+    moved = deps.device_put([leaves[i] for i in moves],
+                            [targets[i] for i in moves])
+  out = list(leaves)
+  replaced = []
+  for i, y in zip(moves, moved):
+    if donated[i] and isinstance(out[i], jax.Array):
+      replaced.append(out[i])
+    out[i] = y
+  return out, replaced
+
+
+def _place_multiprocess(values: list, targets: list) -> list:
+  """Multi-process: host-local values become this process's part of global
+  arrays; global arrays are resharded as a whole."""
+  out = []
+  for x, target in zip(values, targets):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      out.append(deps.device_put(x, target))
+    else:
+      local = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
+      out.append(jax.make_array_from_process_local_data(
+          target, local, global_shape_of(local.shape, target)))
+  return out
+
+
+def global_shape_of(local_shape: tuple, sharding: NamedSharding) -> tuple:
+  """Global shape of a host-local value with this process's part of the data."""
+  mesh = sharding.mesh
+  shape = list(local_shape)
+  local_sizes = mesh.local_mesh.shape
+  for dim, entry in enumerate(sharding.spec):
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      if name is not None:
+        shape[dim] = shape[dim] // local_sizes[name] * mesh.shape[name]
+  return tuple(shape)
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                     jax.dtypes.prng_key)
+
+
+def _unwrap_keys(leaves: list) -> tuple[list, list]:
+  """PRNG key arrays travel as their uint32 data; returns (leaves, impls)."""
+  impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+  return ([jax.random.key_data(x) if impl is not None else x
+           for x, impl in zip(leaves, impls)], impls)
+
+
+def _rewrap_keys(leaves: list, impls: list) -> list:
+  return [jax.random.wrap_key_data(x, impl=impl) if impl is not None else x
+          for x, impl in zip(leaves, impls)]
+
+
+def _as_array(x: Any) -> Any:
+  """Arrays stay as they are; Python scalars keep their (weak) type."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return x
+  if isinstance(x, (bool, int, float, complex)):
+    return x
+  return np.asarray(x)
+
+
+def _add_leading_axis(x: Any) -> Any:
+  if isinstance(x, (bool, int, float, complex)):
+    return jax.numpy.asarray(x)[None]      # keeps the weak type
+  return x[None]
+
+
+def _stacked_sharding(devices: tuple) -> NamedSharding:
+  mesh = make_mesh(devices, (len(devices),), (DEVICES_AXIS,))
+  return NamedSharding(mesh, P(DEVICES_AXIS))
+
+
+def _assemble(shape: tuple, sharding: NamedSharding, pieces: list):
+  """Wraps per-device [1, ...] buffers as one global array, without copying."""
+  if pieces and pieces[0].weak_type:
+    return jax_internals.weak_array_from_shards(shape, pieces[0].dtype,
+                                                sharding, pieces)
+  return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+
+def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:
+  api = "jaxworks.pmap_chunked.device_put_replicated"
+  devices = check_devices(api, devices)
+  leaves, tree = jax.tree_util.tree_flatten(x)
+  leaves, impls = _unwrap_keys(leaves)
+  leaves = [_add_leading_axis(_as_array(l)) for l in leaves]
+  sharding = _stacked_sharding(devices)
+  replicated = NamedSharding(sharding.mesh, P())
+  # One batched transfer: every leaf, as [1, ...], to every device.
+  copies = deps.device_put(leaves, [replicated] * len(leaves))
+  out = []
+  for leaf, copy in zip(leaves, copies):
+    by_device = {s.device: s.data for s in copy.addressable_shards}
+    pieces = [by_device[d] for d in devices if d in by_device]
+    out.append(_assemble((len(devices),) + tuple(leaf.shape[1:]), sharding,
+                         pieces))
+  return jax.tree_util.tree_unflatten(tree, _rewrap_keys(out, impls))
+
+
+def device_put_sharded(shards: Sequence[Any],
+                       devices: Sequence[jax.Device]) -> Any:
+  api = "jaxworks.pmap_chunked.device_put_sharded"
+  if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
+    raise TypeError(f"{api}: shards must be a sequence (one entry per device), "
+                    f"got {type(shards).__name__}; pass e.g. [x0, x1, ...].")
+  devices = check_devices(api, devices)
+  if len(shards) != len(devices):
+    raise ValueError(f"{api}: len(shards) = {len(shards)} must equal "
+                     f"len(devices) = {len(devices)}; pass one shard per device.")
+  flat = [jax.tree_util.tree_flatten(s) for s in shards]
+  tree = flat[0][1]
+  for i, (_, t) in enumerate(flat):
+    if t != tree:
+      raise ValueError(f"{api}: shards[{i}] has structure {t} but shards[0] "
+                       f"has {tree}; every shard must have the same pytree "
+                       "structure.")
+  per_leaf, impls = [], []
+  for k in range(tree.num_leaves):
+    column, column_impls = _unwrap_keys([f[0][k] for f in flat])
+    per_leaf.append([_as_array(v) for v in column])
+    impls.append(column_impls[0])
+  for k, column in enumerate(per_leaf):
+    types = [(np.shape(v), jax.numpy.result_type(v)) for v in column]
+    for i, t in enumerate(types):
+      if t != types[0]:
+        raise ValueError(
+            f"{api}: shards must agree in shape and dtype, but leaf {k} of "
+            f"shards[{i}] is {t[1]}{list(t[0])} and of shards[0] is "
+            f"{types[0][1]}{list(types[0][0])}; cast or reshape them to match.")
+  # One batched transfer: shard i of every leaf, as [1, ...], to devices[i]
+  # (in a multi-process run, only the shards of this process's devices).
+  local = [i for i, d in enumerate(devices)
+           if d.process_index == jax.process_index()]
+  pieces = deps.device_put(
+      [[_add_leading_axis(column[i]) for i in local] for column in per_leaf],
+      [[devices[i] for i in local] for _ in per_leaf])
+  sharding = _stacked_sharding(devices)
+  out = []
+  for column, placed in zip(per_leaf, pieces):
+    shape = (len(devices),) + tuple(np.shape(column[0]))
+    out.append(_assemble(shape, sharding, list(placed)))
+  return jax.tree_util.tree_unflatten(tree, _rewrap_keys(out, impls))

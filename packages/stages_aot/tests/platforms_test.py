@@ -1,0 +1,41 @@
+"""Platform names: validation, platforms present, choice of a platform to run on."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import pytest
+
+from jaxworks import stages_aot as sa
+from jaxworks.stages_aot._src.platforms import canonical_platforms, choose_platform
+
+
+def test_known_platforms():
+    assert sa.KNOWN_PLATFORMS == ("cpu", "cuda", "rocm", "tpu")
+
+
+def test_canonical_platforms_keeps_order():
+    assert canonical_platforms(["tpu", "cpu", "rocm"], api="t") == ("tpu", "cpu", "rocm")
+    assert canonical_platforms(None, api="t") == (jax.default_backend(),)
+
+
+def test_present_platforms_match_devices():
+    present = sa.present_platforms()
+    assert present[0] == jax.default_backend()
+    assert {d.platform.replace("gpu", "cuda") for d in jax.devices()} <= set(present) | {"gpu"}
+    assert "cpu" in present
+
+
+def test_choose_platform():
+    assert choose_platform(("tpu", "cpu"), None, api="t", fun_name="f") == "cpu"
+    assert choose_platform(("cpu",), "cpu", api="t", fun_name="f") == "cpu"
+    with pytest.raises(ValueError, match=r"t: 'f' was lowered for \('tpu',\), but the platforms present on this host are"):
+        choose_platform(("tpu",), None, api="t", fun_name="f")
+    with pytest.raises(ValueError, match=r"'f' was lowered for \('cpu',\), not for 'tpu'"):
+        choose_platform(("cpu",), "tpu", api="t", fun_name="f")
+
+
+def test_bad_platform_types():
+    with pytest.raises(TypeError, match="got 7"):
+        canonical_platforms(7, api="t")
