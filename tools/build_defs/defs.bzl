@@ -136,6 +136,12 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         deps = deps + extensions + [_pypi_label(p) for p in pypi],
         visibility = ["//visibility:public"],
     )
+    # Every source file of the package, for repository-wide checks (tests/repo_test.py).
+    native.filegroup(
+        name = "all_files",
+        srcs = native.glob(["**"], exclude = ["**/__pycache__/**", "**/*.so"]),
+        visibility = ["//visibility:public"],
+    )
     jaxworks_dist(
         name = "dist",
         distribution = "jaxworks-" + name.replace("_", "-"),
