@@ -4,7 +4,10 @@ The proof of "no copy on the way in" is buffer identity through donation: a dona
 it is comes back as the output's buffer; had the pmap moved it first, the output would live in the moved copy.
 Each program donates one input to one output of its shape (which XLA aliases reliably; with several donated
 inputs XLA:CPU's buffer assignment decides which outputs alias, for stock jax.pmap alike), and buffers are
-8 x 4 KiB (XLA:CPU does not alias tiny ones). Results are compared with stock jax.pmap.
+8 x 4 KiB (XLA:CPU does not alias tiny ones). On CPU a host array whose memory happens to be suitably aligned is
+placed zero-copy (the device buffer *is* the numpy memory, for jax.device_put alike), and such a buffer cannot be
+donated; host data here therefore starts 4 bytes into an allocation, so every placed buffer belongs to XLA.
+Results are compared with stock jax.pmap.
 """
 
 import jax
@@ -32,7 +35,13 @@ def _pointers(x):
 
 
 def _data(seed=0, cols=COLS):
-    return np.random.default_rng(seed).normal(size=(N, cols)).astype(np.float32)
+    """Random float32 host data that cannot be placed zero-copy (its address is not 16-byte aligned)."""
+    values = np.random.default_rng(seed).normal(size=(N, cols)).astype(np.float32)
+    raw = np.empty(values.nbytes + 4, np.uint8)
+    out = raw[4:].view(np.float32).reshape(values.shape)
+    out[...] = values
+    assert out.ctypes.data % 16 != 0
+    return out
 
 
 def _step(v):
@@ -105,7 +114,7 @@ def test_restore_into_the_pmaps_formats_feeds_it_without_a_copy(tmp_path):
 
 def test_device_put_sharded_and_replicated_feed_pmap_as_they_are():
     devices = jax.devices()[:N]
-    shards = [np.full(COLS, k, np.float32) for k in range(N)]
+    shards = list(_data(11))        # rows of one unaligned allocation
     sharded = pmap_chunked.device_put_sharded(shards, devices)
     replicated = pmap_chunked.device_put_replicated(np.arange(COLS, dtype=np.float32), devices)
     before = _pointers(sharded)
