@@ -114,8 +114,13 @@ def test_bad_axes_specs():
 
 def test_axis_out_of_range():
   with pytest.raises(ValueError, match=r"shape \(8,\) \(rank 1\) and cannot be "
-                     "mapped over axis 1"):
+                     "mapped over axis 1; use an axis below 1 or give it "
+                     "in_axes=None"):
     pmap(lambda a: a, in_axes=1)(jnp.ones(8))
+  with pytest.raises(ValueError, match=r"args\[1\] .* shape \(\) \(rank 0\) "
+                     "and cannot be mapped over axis 0; a scalar has no axis "
+                     "to map: give it in_axes=None"):
+    pmap(lambda a, s: a)(jnp.ones(8), jnp.float32(1))
   with pytest.raises(ValueError, match="in_axes axis -3 is out of range for "
                      r"argument args\[0\] of rank 2"):
     pmap(lambda a: a, in_axes=-3)(jnp.ones((8, 2)))

@@ -12,18 +12,45 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxworks.pmap_chunked._src import jax_internals
 
 
+# Any number of devices will do (these also run on a single accelerator).
+DEVICES = jax.devices()[:4]
+N = len(DEVICES)
+
+
 def test_weak_array_from_shards_wraps_without_copy_and_keeps_weak_type():
-  devices = jax.devices()[:2]
+  devices = DEVICES
   pieces = [jax.device_put(jnp.asarray(1.5)[None], d) for d in devices]
   assert all(p.weak_type for p in pieces)
   sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d"))
-  out = jax_internals.weak_array_from_shards((2,), pieces[0].dtype, sharding,
+  out = jax_internals.weak_array_from_shards((N,), pieces[0].dtype, sharding,
                                              pieces)
   assert isinstance(out, jax.Array)
-  assert out.weak_type and out.dtype == jnp.float32 and out.shape == (2,)
+  assert out.weak_type and out.dtype == jnp.float32 and out.shape == (N,)
   assert out.sharding == sharding
   assert ([s.data.unsafe_buffer_pointer() for s in out.addressable_shards]
           == [p.unsafe_buffer_pointer() for p in pieces])
-  np.testing.assert_array_equal(out, [1.5, 1.5])
+  np.testing.assert_array_equal(out, [1.5] * N)
   # Weak type behaves as for a Python scalar: it does not promote.
-  assert (out + jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+  assert (out + jnp.ones(N, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_jax_device_put_replicated_is_jax_own_rank_preserving_helper():
+  devices = DEVICES
+  out = jax_internals.jax_device_put_replicated(np.arange(3.0), devices)
+  assert out.shape == (N, 3)
+  np.testing.assert_array_equal(out, np.stack([np.arange(3.0)] * N))
+  assert [s.device for s in out.addressable_shards] == devices
+  assert {s.data.shape for s in out.addressable_shards} == {(1, 3)}
+  assert jax_internals.jax_device_put_replicated(2.0, devices).weak_type
+
+
+def test_jax_device_put_sharded_is_jax_own_rank_preserving_helper():
+  devices = DEVICES[::-1]
+  shards = [np.full(2, k, np.int32) for k in range(N)]
+  out = jax_internals.jax_device_put_sharded(shards, devices)
+  assert out.shape == (N, 2) and out.dtype == np.int32
+  np.testing.assert_array_equal(out, np.stack(shards))
+  for shard in out.addressable_shards:
+    assert shard.data.shape == (1, 2)
+    np.testing.assert_array_equal(shard.data[0],
+                                  shards[devices.index(shard.device)])

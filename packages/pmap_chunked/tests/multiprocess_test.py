@@ -25,6 +25,7 @@ WORKER = textwrap.dedent("""
     local = np.arange(4.0) + 4 * process_id      # this process's 4 slices
     out = f(local, np.float32(1.0))               # host-local in, global out
     again = f(out, np.float32(2.0))               # global array fed back
+    gathered = pmap(lambda v: jax.lax.all_gather(v, "i"), "i")(local)
     shards = lambda a: {str(s.device.id): np.asarray(s.data).tolist()
                         for s in a.addressable_shards}
     print("RESULT " + json.dumps({
@@ -34,6 +35,7 @@ WORKER = textwrap.dedent("""
         "spec": str(out.sharding.spec),
         "out": shards(out),
         "again": shards(again),
+        "gathered": shards(gathered),
         "cache": list(f.cache_info()),
     }), flush=True)
     jax.distributed.shutdown()
@@ -74,7 +76,10 @@ def test_two_processes_psum_across_processes(tmp_path):
     line = next(l for l in text.splitlines() if l.startswith("RESULT "))
     results.append(json.loads(line[len("RESULT "):]))
 
-  total = sum(range(8))                               # psum over 8 devices
+  # Each process passes different values (process p: 4p .. 4p + 3), so the
+  # psum over all 8 devices (28) differs from either process's own sum (6 or
+  # 22): only a psum across the processes gives it.
+  total = sum(range(8))
   for pid, r in enumerate(results):
     assert r["process_count"] == 2 and r["device_count"] == 8
     assert r["shape"] == [8] and "'i'" in r["spec"]
@@ -85,3 +90,6 @@ def test_two_processes_psum_across_processes(tmp_path):
     assert again == [[4 * pid + k + total + 2 * second_total]
                      for k in range(4)]
     assert r["cache"] == [1, 1, 1]                    # hits, misses, entries
+    # Every device of both processes sees all 8 slices in global order:
+    # process p's slices sit at positions 4p .. 4p + 3.
+    assert list(r["gathered"].values()) == [[list(map(float, range(8)))]] * 4

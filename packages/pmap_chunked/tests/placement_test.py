@@ -13,14 +13,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxworks.pmap_chunked._src.deps as deps
 from jaxworks.pmap_chunked import device_put_replicated, device_put_sharded
 from jaxworks.pmap_chunked import pmap
-
-# JAX 0.9's helpers, still kept privately in JAX 0.10.2: the reference for
-# "contents equal to what the old helpers returned". Every test also checks
-# against np.stack, so the tests keep their meaning if JAX drops them.
-from jax._src import api as _jax_api  # pylint: disable=g-bad-import-order
-
-LEGACY_REPLICATED = getattr(_jax_api, "device_put_replicated", None)
-LEGACY_SHARDED = getattr(_jax_api, "device_put_sharded", None)
+# JAX's own helpers (public until 0.9, kept privately in 0.10.2), reached
+# through the package's one module of private JAX names: the reference for
+# "contents equal to what the JAX 0.9 helpers returned". No fallback: if JAX
+# drops them these tests fail rather than silently compare to something else.
+from jaxworks.pmap_chunked._src.jax_internals import (
+    jax_device_put_replicated, jax_device_put_sharded)
 
 N = 8
 pytestmark = pytest.mark.skipif(jax.device_count() < N,
@@ -93,45 +91,58 @@ def test_misplaced_inputs_move_in_one_batched_transfer(transfers, monkeypatch):
   assert calls == [3]
 
 
+def _check_like_jax(ours, ref, stacked_devices):
+  """`ours` has JAX's helper's contents, type and per-device layout."""
+  assert ours.shape == ref.shape and ours.dtype == ref.dtype
+  assert ours.weak_type == ref.weak_type
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+  assert isinstance(ours.sharding, NamedSharding)
+  assert list(ours.sharding.mesh.devices.flat) == list(stacked_devices)
+  assert ours.sharding.is_equivalent_to(ref.sharding, ours.ndim)
+  by_device = {s.device: s.data for s in ref.addressable_shards}
+  for s in ours.addressable_shards:       # device k holds row k, as [1, ...]
+    assert s.data.shape == (1,) + ours.shape[1:]
+    np.testing.assert_array_equal(np.asarray(s.data),
+                                  np.asarray(by_device[s.device]))
+
+
 @pytest.mark.parametrize("value", [
     1.0, 3, True, np.arange(3, dtype=np.int32), np.float32(2.5),
     jnp.ones((2, 2), jnp.bfloat16), {"a": np.zeros(2), "b": (1.0, 2)}])
 def test_device_put_replicated_matches_jax_0_9(value):
   devices = jax.devices()
   out = device_put_replicated(value, devices)
-  ref = (LEGACY_REPLICATED(value, devices) if LEGACY_REPLICATED
-         else jax.tree.map(lambda v: np.stack([v] * N), value))
-
-  def check(a, r, x):
-    assert a.shape == r.shape == (N,) + np.shape(x)
-    assert a.dtype == r.dtype
-    assert a.weak_type == getattr(r, "weak_type", a.weak_type)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
-    np.testing.assert_array_equal(np.asarray(a), np.stack([np.asarray(x)] * N))
-    assert {s.data.shape for s in a.addressable_shards} == {(1,) + np.shape(x)}
-    assert isinstance(a.sharding, NamedSharding)
-    assert list(a.sharding.mesh.devices.flat) == devices
-
-  jax.tree.map(check, out, ref, value)
+  ref = jax_device_put_replicated(value, devices)
+  assert jax.tree.structure(out) == jax.tree.structure(ref)
+  jax.tree.map(lambda a, r: _check_like_jax(a, r, devices), out, ref)
+  jax.tree.map(lambda a, x: np.testing.assert_array_equal(
+      np.asarray(a), np.stack([np.asarray(x)] * N)), out, value)
 
 
 def test_device_put_sharded_matches_jax_0_9():
   devices = jax.devices()[2:6]
   shards = [{"x": np.full((2, 3), i, np.float32), "n": i} for i in range(4)]
   out = device_put_sharded(shards, devices)
-  ref = (LEGACY_SHARDED(shards, devices) if LEGACY_SHARDED
-         else jax.tree.map(lambda *v: np.stack(v), *shards))
+  ref = jax_device_put_sharded(shards, devices)
+  assert jax.tree.structure(out) == jax.tree.structure(ref)
+  jax.tree.map(lambda a, r: _check_like_jax(a, r, devices), out, ref)
+  assert out["n"].weak_type                 # Python ints stay weakly typed
   for key in ("x", "n"):
-    a, r = out[key], ref[key]
-    assert a.shape == r.shape and a.dtype == r.dtype
-    assert a.weak_type == getattr(r, "weak_type", a.weak_type)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
     np.testing.assert_array_equal(
-        np.asarray(a), np.stack([np.asarray(s[key]) for s in shards]))
-    for s in a.addressable_shards:
-      i = devices.index(s.device)
-      np.testing.assert_array_equal(np.asarray(s.data)[0],
-                                    np.asarray(shards[i][key]))
+        np.asarray(out[key]), np.stack([np.asarray(s[key]) for s in shards]))
+
+
+def test_device_put_helpers_use_one_batched_transfer(monkeypatch):
+  calls = []
+  real = deps.device_put
+  monkeypatch.setattr(deps, "device_put", lambda t, s: (
+      calls.append(len(jax.tree.leaves(t))), real(t, s))[1])
+  devices = jax.devices()[:4]
+  tree = {"a": np.ones(3), "b": (2.0, np.arange(4))}
+  device_put_replicated(tree, devices)
+  assert calls == [3]                       # every leaf in one call
+  device_put_sharded([tree] * 4, devices)
+  assert calls == [3, 12]                   # every piece of every leaf
 
 
 def test_device_put_outputs_feed_pmap_without_copy(transfers):
@@ -149,8 +160,8 @@ def test_device_put_sharded_from_device_arrays():
   devices = jax.devices()
   shards = [jnp.arange(3) + i for i in range(N)]
   out = device_put_sharded(shards, devices)
+  _check_like_jax(out, jax_device_put_sharded(shards, devices), devices)
   np.testing.assert_array_equal(out, np.stack([np.asarray(s) for s in shards]))
-  assert [s.device for s in out.addressable_shards] == devices
 
 
 def test_device_put_helpers_validate_arguments():
@@ -179,6 +190,13 @@ def test_device_put_helpers_with_prng_keys_feed_pmap():
   replicated = device_put_replicated(jax.random.key(3), devices)
   assert jax.dtypes.issubdtype(sharded.dtype, jax.dtypes.prng_key)
   assert sharded.shape == replicated.shape == (N,)
+  for ours, ref in ((sharded, jax_device_put_sharded(keys, devices)),
+                    (replicated, jax_device_put_replicated(jax.random.key(3),
+                                                           devices))):
+    assert ours.dtype == ref.dtype
+    np.testing.assert_array_equal(jax.random.key_data(ours),
+                                  jax.random.key_data(ref))
+    assert [s.device for s in ours.addressable_shards] == devices
   np.testing.assert_array_equal(jax.random.key_data(sharded),
                                 jax.random.key_data(jnp.stack(keys)))
   np.testing.assert_array_equal(

@@ -1,6 +1,7 @@
 """pmap semantics on 8 host devices, compared with stock jax.pmap / jax.vmap."""
 
 import os
+import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -98,6 +99,12 @@ def test_devices_argument_picks_and_orders_devices():
   assert [by_device[d] for d in devs] == [0.0, 10.0, 20.0, 30.0]
 
 
+# Stock jax.pmap 0.10.2 mishandles negative axes (in_axes=-1 raises an
+# IndivisibleError, out_axes=-1 returns a wrongly shaped array), so for those
+# the reference is stock jax.pmap with the same axes counted from the front,
+# which is what a negative axis means (as in classic pmap and jax.vmap).
+
+
 def test_in_axes_none_nonzero_negative_and_pytrees():
   a = jnp.arange(3 * N * 1.0).reshape(3, N)
   b = {"w": jnp.arange(N * 2.0).reshape(2, N), "s": jnp.float32(0.5)}
@@ -108,11 +115,20 @@ def test_in_axes_none_nonzero_negative_and_pytrees():
 
   in_axes = (1, {"w": -1, "s": None}, None)
   out = pmap(f, "i", in_axes=in_axes)(a, b, c)
-  expected = jax.vmap(f, in_axes=in_axes)(a, b, c)
-  np.testing.assert_allclose(out, expected)
-  # Lists count as tuples, like vmap.
+  stock = jax.pmap(f, "i", in_axes=(1, {"w": 1, "s": None}, None))(a, b, c)
+  np.testing.assert_allclose(out, stock)
+  np.testing.assert_allclose(out, jax.vmap(f, in_axes=in_axes)(a, b, c))
+  assert _shard_shapes(out) == _shard_shapes(stock)
+  # Lists count as tuples, like vmap; a pytree prefix without negatives is
+  # compared with stock pmap given the very same in_axes.
   out2 = pmap(f, "i", in_axes=[1, {"w": 1, "s": None}, None])(a, b, c)
-  np.testing.assert_allclose(out2, expected)
+  np.testing.assert_allclose(out2, stock)
+  prefix = ((0, None), None)
+  pair = (jnp.arange(N * 2.0).reshape(N, 2), jnp.float32(3.0))
+  h = lambda p, q: p[0] * p[1] + q
+  np.testing.assert_allclose(
+      pmap(h, in_axes=prefix)(pair, jnp.ones(2)),
+      jax.pmap(h, in_axes=prefix)(pair, jnp.ones(2)))
 
 
 def test_out_axes_none_nonzero_negative_and_pytrees():
@@ -121,21 +137,28 @@ def test_out_axes_none_nonzero_negative_and_pytrees():
   def f(v):
     return {"a": v, "b": (v.sum(0), jax.lax.psum(v.sum(), "i"))}
 
-  out_axes = {"a": -1, "b": (1, None)}
-  out = pmap(f, "i", out_axes=out_axes)(x)
-  expected = jax.vmap(f, out_axes=out_axes, axis_name="i")(x)
-  jax.tree.map(np.testing.assert_allclose, out, expected)
+  out = pmap(f, "i", out_axes={"a": -1, "b": (1, None)})(x)
+  stock = jax.pmap(f, "i", out_axes={"a": 2, "b": (1, None)})(x)
+  jax.tree.map(np.testing.assert_allclose, out, stock)
+  jax.tree.map(np.testing.assert_allclose, out, jax.vmap(
+      f, out_axes={"a": -1, "b": (1, None)}, axis_name="i")(x))
+  assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, stock)
   assert out["a"].shape == (2, 3, N) and out["a"].sharding.spec == P(None,
                                                                      None, "i")
-  assert out["b"][0].shape == (3, N)
   assert out["b"][1].shape == ()               # out_axes None: unmapped
-  assert _shard_shapes(out["a"]) == [(2, 3, 1)]
+  assert _shard_shapes(out["a"]) == _shard_shapes(stock["a"]) == [(2, 3, 1)]
+  assert _shard_shapes(out["b"][0]) == _shard_shapes(stock["b"][0])
+  # A non-negative pytree prefix: the very same out_axes as stock pmap.
+  same = {"a": 1, "b": 0}
+  jax.tree.map(np.testing.assert_allclose, pmap(f, "i", out_axes=same)(x),
+               jax.pmap(f, "i", out_axes=same)(x))
 
 
 def test_chunked_negative_out_axes():
   x = jnp.arange(2 * N * 1.0).reshape(2, N)
   out = pmap(lambda v: v * 2, "i", in_axes=-1, out_axes=-1, chunked=True)(x)
-  np.testing.assert_allclose(out, x * 2)
+  np.testing.assert_allclose(
+      out, jax.pmap(lambda v: v * 2, "i", in_axes=1, out_axes=1)(x))
   assert out.sharding.spec == P(None, "i")
 
 
@@ -145,49 +168,69 @@ def test_keyword_arguments_are_mapped_over_axis_zero():
   out = pmap(lambda a, *, b: a.sum() + b, "i", in_axes=None)(
       jnp.ones(3), b=y)
   np.testing.assert_allclose(out, y + 3)
-  out2 = pmap(lambda a, b: a * b[0])(x, b=x)
-  np.testing.assert_allclose(out2, x * x[:, :1])
+  g = lambda a, b: a * b[0]
+  np.testing.assert_allclose(pmap(g)(x, b=x), jax.pmap(g)(x, b=x))
 
 
-def test_static_broadcasted_argnums():
-  x = jnp.arange(N * 1.0)
+def _traced_pmap(make_pmap, **kwargs):
   traces = []
 
   def f(power, v, name):
     traces.append((power, name))
-    return v ** power
+    return v ** power + len(name)
 
-  g = pmap(f, "i", in_axes=(None, 0, None), static_broadcasted_argnums=(0, 2))
-  np.testing.assert_allclose(g(2, x, "a"), x ** 2)
-  np.testing.assert_allclose(g(2, x, "a"), x ** 2)
-  np.testing.assert_allclose(g(3, x, "a"), x ** 3)
-  assert traces == [(2, "a"), (3, "a")]        # new static value: new trace
-  np.testing.assert_allclose(
-      jax.pmap(f, static_broadcasted_argnums=(0, 2))(3, x, "a"), x ** 3)
-  # An int works as well as a tuple.
-  h = pmap(lambda v, k: v + k, static_broadcasted_argnums=1)
-  np.testing.assert_allclose(h(x, 5), x + 5)
+  return make_pmap(f, "i", **kwargs), traces
 
 
-def test_donate_argnums_consumes_the_buffer():
-  x = pmap(lambda v: v)(jnp.arange(N * 4.0).reshape(N, 4))
-  keep = pmap(lambda v: v)(jnp.ones((N, 4)))
-  f = pmap(lambda a, b: a + b, donate_argnums=0)
-  out = f(x, keep)
-  np.testing.assert_allclose(out, np.arange(N * 4.0).reshape(N, 4) + 1)
-  assert x.is_deleted()
-  assert not keep.is_deleted()
-  # Same as stock pmap.
-  y = jax.pmap(lambda v: v)(jnp.ones((N, 4)))
-  jax.pmap(lambda a: a + 1, donate_argnums=0)(y)
-  assert y.is_deleted()
+def test_static_broadcasted_argnums_matches_stock_pmap():
+  x = jnp.arange(N * 1.0)
+  kwargs = dict(in_axes=(None, 0, None), static_broadcasted_argnums=(0, 2))
+  ours, our_traces = _traced_pmap(pmap, **kwargs)
+  stock, stock_traces = _traced_pmap(jax.pmap, **kwargs)
+  for args in [(2, x, "a"), (2, x, "a"), (3, x, "a"), (2, x, "bb"),
+               (2, x + 1, "a"), (3, x, "a")]:
+    np.testing.assert_allclose(ours(*args), stock(*args))
+  # A new static value traces again; a seen one (or new data) does not.
+  assert our_traces == stock_traces == [(2, "a"), (3, "a"), (2, "bb")]
+  # An int works as well as a tuple (and in_axes defaults to 0 for all).
+  h = lambda v, k: v + k
+  np.testing.assert_allclose(pmap(h, static_broadcasted_argnums=1)(x, 5),
+                             jax.pmap(h, static_broadcasted_argnums=1)(x, 5))
 
 
-def test_donated_input_that_needed_moving_is_released():
-  x = jnp.arange(N * 2.0).reshape(N, 2)       # on one device: must move
-  out = pmap(lambda v: v * 2, donate_argnums=(0,))(x)
-  np.testing.assert_allclose(out, np.arange(N * 2.0).reshape(N, 2) * 2)
-  assert x.is_deleted()
+def _donation_run(make_pmap):
+  """One call with donated, moved, unusable and kept inputs; what survives."""
+  ident = make_pmap(lambda t: t)
+  a = ident(jnp.arange(N * 3.0).reshape(N, 3))          # laid out, donated
+  d = {"x": ident(jnp.ones((N, 3))),                     # laid out, donated
+       "y": ident(jnp.arange(N * 1.0))}                  # no output fits it
+  moved = jnp.full((N, 3), 2.0)                          # one device: moved
+  keep = ident(jnp.full((N, 3), 5.0))                    # not donated
+  pointers = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+  def f(k, a, d, moved, host, keep):
+    return (a * k, d["x"] + d["y"], moved * host, keep + 1)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")        # "Some donated buffers were not usable"
+    out = make_pmap(f, static_broadcasted_argnums=0,
+                    donate_argnums=(1, 2, 3, 4))(
+                        2.0, a, d, moved, np.full((N, 3), 3.0), keep)
+  deleted = [x.is_deleted() for x in (a, d["x"], d["y"], moved, keep)]
+  out_pointers = {s.data.unsafe_buffer_pointer()
+                  for s in out[0].addressable_shards}
+  return out, deleted, out_pointers == pointers
+
+
+def test_donate_argnums_matches_stock_pmap():
+  out, deleted, reused = _donation_run(pmap)
+  stock_out, stock_deleted, stock_reused = _donation_run(jax.pmap)
+  jax.tree.map(np.testing.assert_allclose, out, stock_out)
+  # Positions count static arguments too; a donated pytree donates its
+  # leaves; an input that had to be moved is copied and the copy donated (the
+  # caller's array survives); a buffer no output can use is not taken.
+  assert deleted == stock_deleted == [True, True, False, False, False]
+  assert reused and stock_reused             # output written in a's buffers
 
 
 def test_cache_hits_and_trace_count():

@@ -58,9 +58,12 @@ def pmap(fun: Callable, axis_name: Hashable | None = None, *,
       ``static_broadcasted_argnums`` requires raises an error, so pass static
       arguments positionally. Default ().
     donate_argnums: An int or collection of ints: positions of positional
-      arguments whose buffers are donated to the computation (the caller no
-      longer needs them; XLA may reuse their memory for outputs, and JAX raises
-      an error if they are used afterwards). Keyword arguments are never
+      arguments (static ones counted) whose buffers are donated to the
+      computation: the caller no longer needs them, XLA may reuse their memory
+      for outputs, and a donated array whose buffer was reused is deleted
+      (using it afterwards raises an error). As in ``jax.pmap``, an argument
+      that first has to be moved to the devices is copied and the copy is
+      donated, leaving the caller's array intact. Keyword arguments are never
       donated; a donated argument cannot also be static. Default ().
     devices: Optional sequence of devices to map over, in order. Its length
       must equal the mapped size (times the sizes of nested pmaps). Default:
@@ -112,7 +115,7 @@ def pmap(fun: Callable, axis_name: Hashable | None = None, *,
     >>> print(scale(jnp.ones(8), 3))
     [3. 3. 3. 3. 3. 3. 3. 3.]
   """
-  return pmap_lib.make_pmap(
+  return Pmapped(
       fun, axis_name, in_axes=in_axes, out_axes=out_axes,
       static_broadcasted_argnums=static_broadcasted_argnums,
       donate_argnums=donate_argnums, devices=devices, axis_size=axis_size,

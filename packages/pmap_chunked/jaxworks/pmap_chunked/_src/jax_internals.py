@@ -7,12 +7,19 @@ moves one of them fails there, in one obvious place.
   per-device buffers as one global array that keeps a weak type (public
   `jax.make_array_from_single_device_arrays` always makes a strong type, while
   JAX 0.9's device_put_replicated/sharded kept the weak type of Python scalars).
+- `jax._src.api.device_put_replicated` / `device_put_sharded`: JAX's own
+  helpers, removed from the public API in 0.10.0 but still kept privately.
+  The package does not use them; they are the reference its tests compare
+  this package's helpers with ("contents equal to what the JAX 0.9 helpers
+  returned"). They are looked up when called, not at import, so a JAX that
+  drops them fails those tests (AttributeError) but not the package.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from jax._src import api as _api
 from jax._src import array as _array
 from jax._src import core as _core
 
@@ -22,3 +29,14 @@ def weak_array_from_shards(shape: tuple, dtype: Any, sharding: Any,
   """A committed, weakly typed global array made of `pieces` (no copy)."""
   aval = _core.ShapedArray(tuple(shape), dtype, weak_type=True)
   return _array.ArrayImpl(aval, sharding, list(pieces), committed=True)
+
+
+def jax_device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
+  """JAX's own device_put_replicated (private since 0.10): test reference."""
+  return _api.device_put_replicated(x, devices)
+
+
+def jax_device_put_sharded(shards: Sequence[Any],
+                           devices: Sequence[Any]) -> Any:
+  """JAX's own device_put_sharded (private since 0.10): test reference."""
+  return _api.device_put_sharded(shards, devices)

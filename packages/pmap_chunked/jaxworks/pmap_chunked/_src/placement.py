@@ -63,13 +63,11 @@ def _compatible(sharding, target, axis_name, axis, ndim) -> bool:
 
 
 def place_inputs(leaves: list, targets: Sequence[NamedSharding],
-                 axis_name: Any, in_axes: Sequence[int | None],
-                 donated: Sequence[bool]) -> tuple[list, list]:
-  """Moves every misplaced leaf to its target (one batched transfer).
+                 axis_name: Any, in_axes: Sequence[int | None]) -> list:
+  """The leaves to call with: misplaced ones moved in one batched transfer.
 
-  Returns:
-    The leaves to call with, and the donated jax.Arrays that were moved (the
-    caller frees them once the call has consumed their copies).
+  A moved leaf is a copy; the caller's array is left as it is (also when its
+  argument is donated: the copy is what gets donated, as in jax.pmap).
   """
   moves = []
   for i, x in enumerate(leaves):
@@ -78,7 +76,7 @@ def place_inputs(leaves: list, targets: Sequence[NamedSharding],
       continue
     moves.append(i)
   if not moves:
-    return leaves, []
+    return leaves
   if jax.process_count() > 1:
     moved = _place_multiprocess([leaves[i] for i in moves],
                                 [targets[i] for i in moves])
@@ -86,12 +84,9 @@ def place_inputs(leaves: list, targets: Sequence[NamedSharding],
     moved = deps.device_put([leaves[i] for i in moves],
                             [targets[i] for i in moves])
   out = list(leaves)
-  replaced = []
   for i, y in zip(moves, moved):
-    if donated[i] and isinstance(out[i], jax.Array):
-      replaced.append(out[i])
     out[i] = y
-  return out, replaced
+  return out
 
 
 def _place_multiprocess(values: list, targets: list) -> list:

@@ -61,7 +61,6 @@ class _Entry:
   axis_name: Any
   in_axes: tuple
   in_shardings: tuple
-  donated: tuple
   size: int
   extra_axes: tuple          # ((name, size), ...) added for nested pmaps
   jitted: Any
@@ -209,15 +208,8 @@ class Pmapped:
           *[self._abstract(x, s) for x, s in zip(leaves, entry.in_shardings)])
     if tracing:
       return entry.jitted(*leaves)
-    placed, replaced = placement.place_inputs(
-        leaves, entry.in_shardings, entry.axis_name, entry.in_axes,
-        entry.donated)
-    out = entry.jitted(*placed)
-    for x in replaced:
-      # Donation promises the caller is done with the buffer: a donated input
-      # that had to be moved is freed once its moved copy has been consumed.
-      x.delete()
-    return out
+    return entry.jitted(*placement.place_inputs(
+        leaves, entry.in_shardings, entry.axis_name, entry.in_axes))
 
   # ------------------------------------------------------------ arguments
 
@@ -336,10 +328,12 @@ class Pmapped:
           f"{type(x).__name__}, which cannot be mapped over (in_axes={ax}); "
           "pass an array, give it in_axes=None to broadcast it, or list its "
           "position in static_broadcasted_argnums.")
+    fix = (f"use an axis below {len(shape)} or" if shape else
+           "a scalar has no axis to map:")
     raise ValueError(
         f"{API}: argument {where} of {self._name()} has shape "
         f"{tuple(shape)} (rank {len(shape)}) and cannot be mapped over axis "
-        f"{ax}; use an axis below {len(shape)} or in_axes=None to broadcast.")
+        f"{ax}; {fix} give it in_axes=None to broadcast it.")
 
   def _raise_sizes(self, flat, leaves, dyn, kwargs):
     paths = axes_lib.leaf_paths((dyn, kwargs))
@@ -387,7 +381,6 @@ class Pmapped:
       spmd_mesh = mesh
     in_specs = tuple(axes_lib.spec_for_axis(axis_name, ax) for ax in in_axes)
     in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-    donated = self._donated_leaves(treedef, nargs)
 
     negative_moves: list = []
     body = functools.partial(self._body, axis_name, static_vals, treedef,
@@ -404,7 +397,7 @@ class Pmapped:
           out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
         return jax.tree_util.tree_unflatten(out_tree, out_leaves)
     functools.update_wrapper(program, self._fun, updated=())
-    donate_argnums = tuple(i for i, d in enumerate(donated) if d)
+    donate_argnums = self._donated_leaves(treedef, nargs)
     if nested or extra_axes:
       # Inner axes of a nested pmap may shard the inputs too; let jit take
       # each input's own layout instead of pinning the outer axis only.
@@ -412,10 +405,9 @@ class Pmapped:
     else:
       jitted = deps.jit(program, donate_argnums=donate_argnums,
                         in_shardings=in_shardings)
-    entry = _Entry(mesh=mesh, axis_name=axis_name, in_axes=in_axes, in_shardings=in_shardings,
-                   donated=donated, size=size, extra_axes=extra_axes,
-                   jitted=jitted)
-    return entry
+    return _Entry(mesh=mesh, axis_name=axis_name, in_axes=in_axes,
+                  in_shardings=in_shardings, size=size, extra_axes=extra_axes,
+                  jitted=jitted)
 
   def _nested_mesh(self, size: int):
     """The enclosing mesh and this pmap's axis name in it (nested calls)."""
@@ -439,15 +431,18 @@ class Pmapped:
       raise mesh_lib.NeedsAxis(axis_name, size)
     return mesh, axis_name
 
-  def _donated_leaves(self, treedef, nargs) -> tuple:
+  def _donated_leaves(self, treedef, nargs) -> tuple[int, ...]:
+    """Indices of the flat leaves that belong to donated positional args."""
     dyn_positions = [i for i in range(nargs) if i not in self._statics]
-    dyn_args, kwargs = jax.tree_util.tree_unflatten(
-        treedef, [0] * treedef.num_leaves)
-    flags: list[bool] = []
+    dyn_args, _ = jax.tree_util.tree_unflatten(treedef,
+                                               [0] * treedef.num_leaves)
+    donated, start = [], 0
     for position, arg in zip(dyn_positions, dyn_args):
-      flags += [position in self._donate] * len(jax.tree_util.tree_leaves(arg))
-    flags += [False] * (treedef.num_leaves - len(flags))
-    return tuple(flags)
+      n = len(jax.tree_util.tree_leaves(arg))
+      if position in self._donate:
+        donated.extend(range(start, start + n))
+      start += n
+    return tuple(donated)
 
   def _body(self, axis_name, static_vals, treedef, in_axes, size, mesh,
             nargs, negative_moves, *local):
@@ -561,11 +556,3 @@ def _pretty(path: str) -> str:
     return "kwargs" + path[3:]
   return path
 
-
-def make_pmap(fun, axis_name=None, *, in_axes=0, out_axes=0,
-              static_broadcasted_argnums=(), donate_argnums=(), devices=None,
-              axis_size=None, chunked=False) -> Pmapped:
-  return Pmapped(fun, axis_name, in_axes=in_axes, out_axes=out_axes,
-                 static_broadcasted_argnums=static_broadcasted_argnums,
-                 donate_argnums=donate_argnums, devices=devices,
-                 axis_size=axis_size, chunked=chunked)
