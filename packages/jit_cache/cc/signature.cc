@@ -1,6 +1,7 @@
 #include "signature.h"
 
 #include <Python.h>
+#include <structmember.h>
 
 #include <utility>
 
@@ -9,9 +10,39 @@ namespace jaxworks::jit_cache {
 namespace {
 
 // Hash of an object that is compared by identity or whose identity is a good
-// proxy (types, interned avals): a pointer mix, no Python call.
+// proxy (types, interned avals): its address, no Python call.
 size_t PointerHash(const void* p) {
   return static_cast<size_t>(reinterpret_cast<uintptr_t>(p)) >> 4;
+}
+
+// Odd 64-bit constants (xxHash64's primes) for the cheap per-leaf summaries.
+constexpr uint64_t kP1 = 0x9E3779B185EBCA87ULL;
+constexpr uint64_t kP2 = 0xC2B2AE3D27D4EB4FULL;
+constexpr uint64_t kP3 = 0x165667B19E3779F9ULL;
+
+// One xxHash64-style accumulation round: `value * kP2` does not depend on
+// `acc`, so consecutive rounds overlap in the CPU.
+size_t HashRound(size_t acc, size_t value) {
+  uint64_t a = static_cast<uint64_t>(acc) + static_cast<uint64_t>(value) * kP2;
+  a = (a << 31) | (a >> 33);
+  return static_cast<size_t>(a * kP1);
+}
+
+// A __slots__ member of type "object, AttributeError when unset", and the
+// flag of members whose reads raise an audit event.
+#ifdef Py_T_OBJECT_EX  // Python >= 3.12
+constexpr int kObjectSlot = Py_T_OBJECT_EX;
+constexpr int kAuditedRead = Py_AUDIT_READ;
+#else
+constexpr int kObjectSlot = T_OBJECT_EX;
+constexpr int kAuditedRead = READ_RESTRICTED;
+#endif
+
+// A new reference from `reader`, or the Python error it set, thrown.
+py::object ReadOrThrow(AttrReader& reader, PyObject* obj) {
+  PyObject* r = reader.Read(obj);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
 }
 
 size_t PyHash(py::handle obj) {
@@ -75,12 +106,14 @@ size_t CombineHash(size_t seed, size_t value) {
 
 Signature::Signature(std::vector<LeafSignature> leaves, py::object extra)
     : leaves_(std::move(leaves)), extra_(std::move(extra)), has_tracer_(false) {
+  // One cheap round per leaf (the leaf summaries are not mixed), one full mix
+  // at the end.
   size_t h = CombineHash(leaves_.size(), PyHash(extra_));
   for (const LeafSignature& leaf : leaves_) {
-    h = CombineHash(h, leaf.hash);
+    h = HashRound(h, leaf.hash);
     has_tracer_ |= leaf.kind == LeafKind::kTracer;
   }
-  hash_ = h;
+  hash_ = CombineHash(h, 0);
 }
 
 bool Signature::Equals(const Signature& other) const {
@@ -161,13 +194,23 @@ void AttrReader::Refresh() {
   PyObject* descr = _PyType_Lookup(type, name_.ptr());
   descr_ = py::object();
   fget_ = py::object();
+  call_ = nullptr;
   get_ = nullptr;
+  slot_offset_ = -1;
   // Only data descriptors (property, slot member, getset) win over an
   // instance __dict__, so only those may bypass the generic lookup.
   if (descr != nullptr && Py_TYPE(descr)->tp_descr_get != nullptr &&
       Py_TYPE(descr)->tp_descr_set != nullptr) {
     descr_ = py::reinterpret_borrow<py::object>(descr);
     get_ = Py_TYPE(descr)->tp_descr_get;
+    // A __slots__ member holding an object, readable without an audit hook.
+    if (Py_TYPE(descr) == &PyMemberDescr_Type) {
+      const PyMemberDef* member =
+          reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
+      if (member->type == kObjectSlot && (member->flags & kAuditedRead) == 0) {
+        slot_offset_ = member->offset;
+      }
+    }
     // A property: call its getter directly (property.__get__ only forwards).
     if (Py_TYPE(descr) == &PyProperty_Type) {
       PyObject* fget = PyObject_GetAttrString(descr, "fget");
@@ -177,25 +220,18 @@ void AttrReader::Refresh() {
         Py_DECREF(fget);
       } else {
         fget_ = py::reinterpret_steal<py::object>(fget);
+        call_ = PyVectorcall_Function(fget);  // null: no vectorcall support
       }
     }
   }
   version_tag_ = type->tp_version_tag;  // 0: no valid tag, refresh next time
 }
 
-py::object AttrReader::Read(PyObject* obj) {
-  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(type_.ptr());
-  if (version_tag_ == 0 || type->tp_version_tag != version_tag_) Refresh();
-  PyObject* r;
-  if (fget_) {
-    r = PyObject_Vectorcall(fget_.ptr(), &obj, 1, nullptr);
-  } else if (get_ != nullptr) {
-    r = get_(descr_.ptr(), obj, type_.ptr());
-  } else {
-    r = PyObject_GetAttr(obj, name_.ptr());
-  }
-  if (r == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(r);
+int AttrReader::Traverse(visitproc visit, void* arg) const {
+  Py_VISIT(type_.ptr());
+  Py_VISIT(descr_.ptr());
+  Py_VISIT(fget_.ptr());
+  return 0;
 }
 
 // ---------------------------------------------------------- SignatureBuilder
@@ -210,10 +246,9 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
       numpy_generic_type_(std::move(numpy_generic_type)),
       fallback_(std::move(fallback)),
       aval_name_(py::str("aval")),
-      sharding_name_(py::str("_sharding")),
-      committed_name_(py::str("_committed")),
       shape_name_(py::str("shape")),
       dtype_name_(py::str("dtype")) {
+  py::str sharding_name("_sharding"), committed_name("_committed");
   for (py::handle t : array_types) {
     if (!PyType_Check(t.ptr())) {
       ThrowTypeError("SignatureBuilder: array_types must hold types, got " +
@@ -221,10 +256,9 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
     }
     array_types_.push_back(py::reinterpret_borrow<py::object>(t));
     PyTypeObject* type = reinterpret_cast<PyTypeObject*>(t.ptr());
-    array_readers_.push_back(
-        ArrayReaders{type, std::make_unique<AttrReader>(type, aval_name_),
-                     std::make_unique<AttrReader>(type, sharding_name_),
-                     std::make_unique<AttrReader>(type, committed_name_)});
+    array_readers_.push_back(ArrayReaders{
+        type, AttrReader(type, aval_name_), AttrReader(type, sharding_name),
+        AttrReader(type, committed_name)});
   }
   for (const py::object* t :
        {&tracer_type_, &ndarray_type_, &numpy_generic_type_}) {
@@ -242,8 +276,8 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
 LeafKind SignatureBuilder::Classify(py::handle leaf) const {
   PyObject* obj = leaf.ptr();
   PyTypeObject* type = Py_TYPE(obj);
-  for (const py::object& t : array_types_) {
-    if (reinterpret_cast<PyObject*>(type) == t.ptr()) return LeafKind::kJaxArray;
+  for (const ArrayReaders& r : array_readers_) {
+    if (type == r.type) return LeafKind::kJaxArray;
   }
   if (type == &PyFloat_Type) return LeafKind::kPyFloat;
   if (type == &PyLong_Type) return LeafKind::kPyInt;
@@ -275,51 +309,65 @@ AttrReader& SignatureBuilder::TracerAvalReader(PyTypeObject* type) const {
   return *tracer_readers_.back().second;
 }
 
+void SignatureBuilder::TracerLeaf(AttrReader& aval, PyObject* obj,
+                                  LeafSignature& out) const {
+  // Only the abstract value: tracers of different values share a key. Avals
+  // are interned by JAX: identity is a sound hash (a non-interned aval type
+  // could only cost a miss, never a wrong hit).
+  out.kind = LeafKind::kTracer;
+  out.first = ReadOrThrow(aval, obj);
+  out.hash = static_cast<size_t>(out.kind) + PointerHash(out.first.ptr()) * kP1;
+}
+
 void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
                                  LeafSignature& out) const {
+  PyObject* obj = leaf.ptr();
+  // jax Arrays first: the common case at top level, three getter calls.
+  for (const ArrayReaders& r : array_readers_) {
+    if (Py_TYPE(obj) != r.type) continue;
+    out.kind = LeafKind::kJaxArray;
+    out.first = ReadOrThrow(r.aval, obj);
+    out.second = ReadOrThrow(r.sharding, obj);
+    PyObject* committed = r.committed.Read(obj);
+    if (committed == nullptr) throw py::error_already_set();
+    int truth = committed == Py_True    ? 1
+                : committed == Py_False ? 0
+                                        : PyObject_IsTrue(committed);
+    Py_DECREF(committed);
+    if (truth < 0) throw py::error_already_set();
+    out.committed = truth == 1;
+    // Avals are interned by JAX, so identity is a sound hash. The sharding
+    // is left out of the hash (hashing it costs a Python call) and compared
+    // in Equals; arguments that differ only in sharding share a bucket.
+    out.hash = static_cast<size_t>(out.kind) +
+               PointerHash(out.first.ptr()) * kP1 +
+               PointerHash(Py_TYPE(out.second.ptr())) * kP3 +
+               (out.committed ? kP2 : 0);
+    return;
+  }
+  // Tracers of a type seen before (a subclass check then): no Classify.
+  for (auto& [type, reader] : tracer_readers_) {
+    if (Py_TYPE(obj) == type) return TracerLeaf(*reader, obj, out);
+  }
   out.kind = Classify(leaf);
   size_t h = static_cast<size_t>(out.kind);
   switch (out.kind) {
-    case LeafKind::kJaxArray: {
-      PyTypeObject* type = Py_TYPE(leaf.ptr());
-      const ArrayReaders* readers = &array_readers_.front();
-      for (const ArrayReaders& r : array_readers_) {
-        if (r.type == type) readers = &r;
-      }
-      out.first = readers->aval->Read(leaf.ptr());
-      out.second = readers->sharding->Read(leaf.ptr());
-      py::object committed = readers->committed->Read(leaf.ptr());
-      int truth = PyObject_IsTrue(committed.ptr());
-      if (truth < 0) throw py::error_already_set();
-      out.committed = truth == 1;
-      // Avals are interned by JAX, so identity is a sound hash. The sharding
-      // is left out of the hash (hashing it costs a Python call) and compared
-      // in Equals; arguments that differ only in sharding share a bucket.
-      h = CombineHash(h, PointerHash(out.first.ptr()));
-      h = CombineHash(h, PointerHash(Py_TYPE(out.second.ptr())));
-      h = CombineHash(h, out.committed ? 1 : 2);
+    case LeafKind::kJaxArray:  // handled above
       break;
-    }
-    case LeafKind::kTracer: {
-      // Only the abstract value: tracers of different values share a key.
-      // Avals are interned by JAX: identity is a sound hash (a non-interned
-      // aval type could only cost a miss, never a wrong hit).
-      out.first = TracerAvalReader(Py_TYPE(leaf.ptr())).Read(leaf.ptr());
-      h = CombineHash(h, PointerHash(out.first.ptr()));
-      break;
-    }
+    case LeafKind::kTracer:  // of a new tracer type
+      return TracerLeaf(TracerAvalReader(Py_TYPE(obj)), obj, out);
     case LeafKind::kNdarray: {
       out.first = GetAttr(leaf, dtype_name_);
       out.second = GetAttr(leaf, shape_name_);
       // Each numpy dtype class (Float32DType, ...) is its own Python type.
-      h = CombineHash(h, PointerHash(Py_TYPE(out.first.ptr())));
-      h = CombineHash(h, PyHash(out.second));
+      h += PointerHash(Py_TYPE(out.first.ptr())) * kP1 +
+           PyHash(out.second) * kP3;
       break;
     }
     case LeafKind::kNumpyScalar: {
       out.first = py::reinterpret_borrow<py::object>(
-          reinterpret_cast<PyObject*>(Py_TYPE(leaf.ptr())));
-      h = CombineHash(h, PointerHash(out.first.ptr()));
+          reinterpret_cast<PyObject*>(Py_TYPE(obj)));
+      h += PointerHash(out.first.ptr()) * kP1;
       break;
     }
     case LeafKind::kPyBool:
@@ -335,7 +383,7 @@ void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
             ", which is not a jax Array, tracer, numpy array or Python "
             "scalar; mark the argument static or pass an array");
       }
-      PyObject* key = PyObject_CallOneArg(fallback_.ptr(), leaf.ptr());
+      PyObject* key = PyObject_CallOneArg(fallback_.ptr(), obj);
       if (key == nullptr) throw py::error_already_set();
       out.first = py::reinterpret_steal<py::object>(key);
       Py_hash_t kh = PyObject_Hash(key);
@@ -347,7 +395,7 @@ void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
             TypeName(out.first) + " for leaf " + std::to_string(index) +
             " of type " + TypeName(leaf));
       }
-      h = CombineHash(h, static_cast<size_t>(kh));
+      h += static_cast<size_t>(kh) * kP1;
       break;
     }
   }
@@ -375,6 +423,35 @@ Signature SignatureBuilder::Build(py::handle leaves, py::object extra) const {
   return Signature(std::move(out), std::move(extra));
 }
 
+int SignatureBuilder::Traverse(visitproc visit, void* arg) const {
+  for (const py::object& t : array_types_) Py_VISIT(t.ptr());
+  for (const ArrayReaders& r : array_readers_) {
+    for (const AttrReader* reader : {&r.aval, &r.sharding, &r.committed}) {
+      if (int rc = reader->Traverse(visit, arg)) return rc;
+    }
+  }
+  for (const auto& [type, reader] : tracer_readers_) {
+    if (int rc = reader->Traverse(visit, arg)) return rc;
+  }
+  Py_VISIT(tracer_type_.ptr());
+  Py_VISIT(ndarray_type_.ptr());
+  Py_VISIT(numpy_generic_type_.ptr());
+  Py_VISIT(fallback_.ptr());
+  return 0;
+}
+
+void SignatureBuilder::Clear() {
+  // Afterwards every leaf is "other" without a fallback: a TypeError, never
+  // a crash, should anything still call the builder.
+  array_readers_.clear();
+  array_types_.clear();
+  tracer_readers_.clear();
+  tracer_type_ = py::none();
+  ndarray_type_ = py::none();
+  numpy_generic_type_ = py::none();
+  fallback_ = py::none();
+}
+
 // ---------------------------------------------------------------- ContextKey
 
 ContextKey::ContextKey(py::tuple values)
@@ -395,17 +472,25 @@ bool ContextKey::IdenticalTo(PyObject* tuple) const {
   return true;
 }
 
-ContextInterner::ContextInterner(size_t capacity)
-    : capacity_(capacity == 0 ? 1 : capacity) {}
+int ContextKey::Traverse(visitproc visit, void* arg) const {
+  Py_VISIT(values_.ptr());
+  return 0;
+}
 
-std::shared_ptr<ContextKey> ContextInterner::Intern(py::handle values) {
+ContextInterner::ContextInterner(size_t capacity, PyTypeObject* key_type)
+    : capacity_(capacity == 0 ? 1 : capacity),
+      key_type_(py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(key_type))) {}
+
+py::object ContextInterner::Intern(py::handle values) {
   if (!PyTuple_Check(values.ptr())) {
     ThrowTypeError("ContextInterner: expected a tuple, got " +
                    TypeName(values));
   }
   for (size_t i = 0; i < recent_.size(); ++i) {
-    if (recent_[i]->IdenticalTo(values.ptr())) {
-      std::shared_ptr<ContextKey> hit = recent_[i];
+    const ContextKey* key = PyBox<ContextKey>::Get(recent_[i].ptr());
+    if (key != nullptr && key->IdenticalTo(values.ptr())) {
+      py::object hit = recent_[i];
       if (i != 0) {
         recent_.erase(recent_.begin() + static_cast<std::ptrdiff_t>(i));
         recent_.insert(recent_.begin(), hit);
@@ -413,11 +498,21 @@ std::shared_ptr<ContextKey> ContextInterner::Intern(py::handle values) {
       return hit;
     }
   }
-  auto key = std::make_shared<ContextKey>(
-      py::reinterpret_borrow<py::tuple>(values));
-  recent_.insert(recent_.begin(), key);
+  // Hashing may run Python code: build the key before touching recent_.
+  ContextKey key(py::reinterpret_borrow<py::tuple>(values));
+  PyObject* obj = PyBox<ContextKey>::New(
+      reinterpret_cast<PyTypeObject*>(key_type_.ptr()), std::move(key));
+  if (obj == nullptr) throw py::error_already_set();
+  py::object result = py::reinterpret_steal<py::object>(obj);
+  recent_.insert(recent_.begin(), result);
   if (recent_.size() > capacity_) recent_.pop_back();
-  return key;
+  return result;
+}
+
+int ContextInterner::Traverse(visitproc visit, void* arg) const {
+  for (const py::object& key : recent_) Py_VISIT(key.ptr());
+  Py_VISIT(key_type_.ptr());
+  return 0;
 }
 
 }  // namespace jaxworks::jit_cache

@@ -22,10 +22,11 @@
 #ifndef JAXWORKS_JIT_CACHE_CC_SIGNATURE_H_
 #define JAXWORKS_JIT_CACHE_CC_SIGNATURE_H_
 
-// Every entry point runs with the GIL held (pybind11's default), so pybind11's
-// per-incref GIL assertion (on in builds without NDEBUG, e.g. Bazel's
-// fastbuild) only costs time: about half of the per-leaf cost when measured.
-// This header must be included before any pybind11 header.
+// Every entry point runs with the GIL held (CPython calls the extension's
+// slots with it), so pybind11's per-incref GIL assertion (on in builds
+// without NDEBUG, e.g. Bazel's fastbuild) only costs time: about half of the
+// per-leaf cost when measured. This header must be included before any
+// pybind11 header.
 #ifndef PYBIND11_NO_ASSERT_GIL_HELD_INCREF_DECREF
 #define PYBIND11_NO_ASSERT_GIL_HELD_INCREF_DECREF
 #endif
@@ -35,7 +36,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace jaxworks::jit_cache {
@@ -56,6 +60,7 @@ enum class LeafKind : uint8_t {
 
 const char* LeafKindName(LeafKind kind);
 
+// Full 64-bit mix (splitmix64 finaliser) of `value` folded into `seed`.
 size_t CombineHash(size_t seed, size_t value);
 
 struct LeafSignature {
@@ -63,12 +68,15 @@ struct LeafSignature {
   bool committed = false;
   py::object first;   // aval | dtype | scalar type | fallback key | null
   py::object second;  // sharding | shape tuple | null
+  // Cheap, unmixed summary of the fields (equal leaves, equal values); the
+  // Signature mixes all of them into its hash.
   size_t hash = 0;
 };
 
 // Immutable once built.
 class Signature {
  public:
+  // May throw py::error_already_set when hashing `extra` raises.
   Signature(std::vector<LeafSignature> leaves, py::object extra);
 
   size_t hash() const { return hash_; }
@@ -96,14 +104,46 @@ class Signature {
   bool has_tracer_;
 };
 
-// Reads one attribute of objects of one exact type through the type's cached
-// data descriptor (skipping the generic attribute lookup); revalidated with
-// the type's version tag, and falls back to PyObject_GetAttr when the
-// attribute is not a data descriptor.
+// Reads one attribute of objects of one exact type through the type's data
+// descriptor, looked up once (skipping the generic attribute lookup) and
+// revalidated with the type's version tag. A __slots__ member is loaded from
+// the slot offset its descriptor publishes (what member_get does); a
+// property's getter is called through its vectorcall entry point directly.
+// Falls back to PyObject_GetAttr when the attribute is not a data descriptor.
+// `obj` must be of exactly the reader's type.
 class AttrReader {
  public:
   AttrReader(PyTypeObject* type, py::object name);
-  py::object Read(PyObject* obj);
+
+  // A new reference, or nullptr with a Python error set.
+  PyObject* Read(PyObject* obj) {
+    if (version_tag_ == 0 ||
+        reinterpret_cast<PyTypeObject*>(type_.ptr())->tp_version_tag !=
+            version_tag_) {
+      Refresh();
+    }
+    if (slot_offset_ >= 0) {
+      PyObject* value = *reinterpret_cast<PyObject**>(
+          reinterpret_cast<char*>(obj) + slot_offset_);
+      if (value != nullptr) {
+        Py_INCREF(value);
+        return value;
+      }  // an empty slot: the descriptor raises its AttributeError
+      return get_(descr_.ptr(), obj, type_.ptr());
+    }
+    if (call_ != nullptr) {
+      PyObject* r = call_(fget_.ptr(), &obj, 1, nullptr);
+      if (r == nullptr && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_SystemError, "attribute getter failed");
+      }
+      return r;
+    }
+    if (fget_) return PyObject_Vectorcall(fget_.ptr(), &obj, 1, nullptr);
+    if (get_ != nullptr) return get_(descr_.ptr(), obj, type_.ptr());
+    return PyObject_GetAttr(obj, name_.ptr());
+  }
+
+  int Traverse(visitproc visit, void* arg) const;
 
  private:
   void Refresh();
@@ -112,7 +152,9 @@ class AttrReader {
   py::object name_;
   py::object descr_;  // cached data descriptor, or null
   py::object fget_;   // the descriptor's getter when it is a property
+  vectorcallfunc call_ = nullptr;  // fget_'s vectorcall entry point
   descrgetfunc get_ = nullptr;
+  Py_ssize_t slot_offset_ = -1;   // a plain object slot's offset, or -1
   unsigned int version_tag_ = 0;
 };
 
@@ -134,18 +176,24 @@ class SignatureBuilder {
   // The kind `leaf` would get (no fallback call), for tests and tools.
   LeafKind Classify(py::handle leaf) const;
 
+  int Traverse(visitproc visit, void* arg) const;
+  void Clear();
+
  private:
   void BuildLeaf(py::handle leaf, size_t index, LeafSignature& out) const;
+  void TracerLeaf(AttrReader& aval, PyObject* obj, LeafSignature& out) const;
   AttrReader& TracerAvalReader(PyTypeObject* type) const;
 
   struct ArrayReaders {
     PyTypeObject* type;
-    std::unique_ptr<AttrReader> aval, sharding, committed;
+    // Mutable caches inside (descriptor, version tag); the GIL serialises.
+    mutable AttrReader aval, sharding, committed;
   };
   std::vector<py::object> array_types_;
   std::vector<ArrayReaders> array_readers_;  // one per array type
-  // Tracer subclasses seen so far, each with its `aval` reader. Mutable
-  // cache; the GIL serialises access.
+  // Tracer subclasses seen so far, each with its `aval` reader (held by
+  // pointer: a getter may run Python code that adds a reader while another
+  // is in use). Mutable cache; the GIL serialises access.
   mutable std::vector<std::pair<PyTypeObject*, std::unique_ptr<AttrReader>>>
       tracer_readers_;
   py::object tracer_type_;
@@ -153,8 +201,6 @@ class SignatureBuilder {
   py::object numpy_generic_type_;
   py::object fallback_;
   py::object aval_name_;
-  py::object sharding_name_;
-  py::object committed_name_;
   py::object shape_name_;
   py::object dtype_name_;
 };
@@ -162,6 +208,7 @@ class SignatureBuilder {
 // A tuple with a cached hash. Built through ContextInterner.
 class ContextKey {
  public:
+  // May throw py::error_already_set when hashing `values` raises.
   explicit ContextKey(py::tuple values);
   size_t hash() const { return hash_; }
   const py::tuple& values() const { return values_; }
@@ -169,24 +216,60 @@ class ContextKey {
   // True when `tuple` has the same length and the identical element objects.
   bool IdenticalTo(PyObject* tuple) const;
 
+  int Traverse(visitproc visit, void* arg) const;
+  void Clear() { values_ = py::tuple(); }
+
  private:
   py::tuple values_;
   size_t hash_;
 };
 
-// Returns the same ContextKey for tuples that are element-wise identical to
-// one of the last `capacity` tuples seen; JAX's trace context tuple is rebuilt
-// on every call but its elements are the same objects while no config
-// changes, so the usual cost is a pointer compare per element.
+// ---------------------------------------------------------- Python objects
+//
+// The extension's classes are plain CPython types whose objects hold the C++
+// object inline (see _signature_module.cc for why). PyBox<T> is that layout.
+template <typename T>
+struct PyBox {
+  PyObject_HEAD
+  std::optional<T> value;  // empty only while being built
+
+  // The C++ object of a PyBox<T> object, or nullptr before it is built.
+  static T* Get(PyObject* self) {
+    std::optional<T>& v = reinterpret_cast<PyBox*>(self)->value;
+    return v ? &*v : nullptr;
+  }
+
+  // A new object of `type` (whose basicsize is sizeof(PyBox<T>)) holding
+  // `value`; nullptr with a Python error set when allocation fails.
+  static PyObject* New(PyTypeObject* type, T&& value) {
+    PyObject* self = type->tp_alloc(type, 0);
+    if (self == nullptr) return nullptr;
+    new (&reinterpret_cast<PyBox*>(self)->value)
+        std::optional<T>(std::move(value));
+    return self;
+  }
+};
+
+// Returns the same ContextKey object for tuples that are element-wise
+// identical to one of the last `capacity` tuples seen; JAX's trace context
+// tuple is rebuilt on every call but its elements are the same objects while
+// no config changes, so the usual cost is a pointer compare per element.
 class ContextInterner {
  public:
-  explicit ContextInterner(size_t capacity);
-  std::shared_ptr<ContextKey> Intern(py::handle values);
+  // key_type: the Python type of ContextKey objects (a PyBox<ContextKey>).
+  ContextInterner(size_t capacity, PyTypeObject* key_type);
+  // A new reference to the key object for `values` (a tuple; TypeError
+  // otherwise).
+  py::object Intern(py::handle values);
   size_t size() const { return recent_.size(); }
+
+  int Traverse(visitproc visit, void* arg) const;
+  void Clear() { recent_.clear(); }
 
  private:
   size_t capacity_;
-  std::vector<std::shared_ptr<ContextKey>> recent_;  // most recent first
+  py::object key_type_;
+  std::vector<py::object> recent_;  // key objects, most recent first
 };
 
 }  // namespace jaxworks::jit_cache

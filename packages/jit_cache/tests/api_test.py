@@ -191,6 +191,28 @@ def test_committed_input_sharding_propagates():
   assert list(out.devices()) == [jax.devices()[3]]
 
 
+@needs_8
+def test_active_mesh_is_part_of_the_key():
+  def body(x):
+    mesh = jax.sharding.get_abstract_mesh()
+    return x + (0 if mesh.empty else mesh.size)
+
+  ours, ref = jit(body), jax.jit(body)
+  x = jnp.ones(2)
+  explicit = (jax.sharding.AxisType.Explicit,)
+  mesh8 = jax.make_mesh((8,), ("i",), axis_types=explicit)
+  mesh4 = jax.make_mesh((4,), ("i",), axis_types=explicit,
+                        devices=jax.devices()[:4])
+  _same(ours(x), ref(x))
+  for mesh in (mesh8, mesh4):
+    with jax.set_mesh(mesh):
+      _same(ours(x), ref(x))
+      inner = jax.make_jaxpr(lambda v: ours(v))(x).eqns[0]  # pylint: disable=unnecessary-lambda
+      assert inner.params["ctx_mesh"].shape_tuple == mesh.shape_tuple
+  _same(ours(x), ref(x))
+  assert ours.cache_info().traces == 3
+
+
 def test_decorator_forms_and_partial():
   @jit
   def a(x):
@@ -318,6 +340,12 @@ def test_bad_argument_error_names_path():
 def test_not_callable_and_bad_maxsize():
   with pytest.raises(TypeError, match="expected a function, got int"):
     jit(3)
+  with pytest.raises(TypeError, match=r"jit_cache.eval_shape: expected a "
+                     r"function, got int 3; pass the function first"):
+    jit_cache.eval_shape(3, 1.0)
+  with pytest.raises(TypeError, match=r"jit_cache.make_jaxpr: expected a "
+                     r"function, got str"):
+    jit_cache.make_jaxpr("f")
   with pytest.raises(ValueError, match="maxsize must be an int >= 1"):
     jit(lambda x: x, maxsize=0)
 

@@ -61,6 +61,12 @@ def test_trace_state_and_debug_modes():
 
 def test_array_type_registry_and_abstractify():
   assert type(jnp.ones(1)) is ji.ArrayImpl
+  # The extension reads these three properties of ArrayImpl (cc/signature.cc).
+  x = jnp.ones(2)
+  placed = jax.device_put(jnp.ones(2), jax.devices()[0])
+  assert x.aval is jnp.zeros(2).aval  # interned
+  assert x._sharding == x.sharding and not x._committed  # pylint: disable=protected-access
+  assert placed._committed is True  # pylint: disable=protected-access
   leaves, tree = ji.tracing_registry.flatten(((1.0, jax.random.key(0)), {}))
   assert len(leaves) == 2 and tree.num_leaves == 2  # key arrays are leaves
   assert ji.shaped_abstractify(np.ones(3, np.float32)) is jnp.ones(3).aval
@@ -88,6 +94,24 @@ def test_traced_parts_and_make_traced():
   assert not ji.is_high(params["jaxpr"])
   out = primitives.jit_p.bind(*leaves, **params)
   np.testing.assert_array_equal(out[0], jnp.full(3, 2.0))
+
+
+def test_infer_params_runs_for_every_stock_inner_call(monkeypatch):
+  """trace_cache_test counts pjit_module._infer_params calls."""
+  calls = []
+  original = ji.pjit_module._infer_params  # pylint: disable=protected-access
+
+  def counting(*args, **kwargs):
+    calls.append(1)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(ji.pjit_module, "_infer_params", counting)
+  inner = jax.jit(lambda v: v + 1)
+  jax.make_jaxpr(lambda v: v + 1)(1.0)
+  outer_only = len(calls)
+  calls.clear()
+  jax.make_jaxpr(lambda v: inner(inner(v)))(1.0)
+  assert len(calls) == outer_only + 2  # once per inner call, even cached
 
 
 def test_closed_over_tracers_become_consts():

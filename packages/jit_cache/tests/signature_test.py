@@ -139,6 +139,55 @@ def test_errors():
     ext.Signature()  # only the builder makes signatures
 
 
+def test_attribute_reads_follow_the_type():
+  """Slots are read at their offset, properties through their getter; both
+  are looked up again when the class changes (version tag)."""
+
+  class Base:
+    __slots__ = ("aval",)
+
+  class Sub(Base):
+    __slots__ = ()
+
+  builder = ext.SignatureBuilder((), Base, None, None, None)
+  t = Sub()
+  with pytest.raises(AttributeError, match="aval"):
+    builder([t])  # an empty slot
+  t.aval = "a1"
+  assert builder([t]).describe()[0][:2] == ("tracer", "a1")
+  Sub.aval = property(lambda self: "from a property")
+  assert builder([t]).describe()[0][1] == "from a property"
+  del Sub.aval
+  assert builder([t]).describe()[0][1] == "a1"
+
+  class Truthy:
+    def __init__(self, value):
+      self.value = value
+
+    def __bool__(self):
+      if self.value is None:
+        raise ValueError("no truth")
+      return self.value
+
+  class FakeArray:
+    def __init__(self, committed):
+      self.committed = committed
+
+    aval = property(lambda self: "aval")
+    _sharding = property(lambda self: "sharding")
+    _committed = property(lambda self: self.committed)
+
+  arrays = ext.SignatureBuilder((FakeArray,), None, None, None, None)
+  assert arrays([FakeArray(1)]).describe() == [("jax_array", "aval",
+                                                 "sharding", True)]
+  assert arrays([FakeArray(Truthy(False))]) == arrays([FakeArray(0)])
+  with pytest.raises(ValueError, match="no truth"):
+    arrays([FakeArray(Truthy(None))])
+  FakeArray.aval = property(lambda self: 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    arrays([FakeArray(True)])
+
+
 def test_fallback_that_mutates_the_list_does_not_crash():
   leaves = []
 

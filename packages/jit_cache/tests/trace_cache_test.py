@@ -35,7 +35,7 @@ class Counting:
 @pytest.fixture
 def infer_params_calls(monkeypatch):
   """Counts calls of jax.jit's parameter inference (pjit._infer_params)."""
-  pjit = ji._pjit  # pylint: disable=protected-access
+  pjit = ji.pjit_module
   calls = []
   original = pjit._infer_params
 
@@ -150,6 +150,13 @@ def test_trace_then_call_share_the_cache():
   assert isinstance(traced, Traced)
   assert traced.fun_name == "<lambda>"
   assert traced.in_avals == ((jax.core.ShapedArray((3,), jnp.float32),), {})
+  stock = jax.jit(body.fn, static_argnums=1).trace(x, 2)
+  assert (traced.in_avals, traced.out_info, traced.fun_name, str(
+      traced.jaxpr)) == (stock.in_avals, stock.out_info, stock.fun_name,
+                         str(stock.jaxpr))
+  kw = jit(lambda a, *, b: a * b).trace(x, b=2.0)
+  assert kw.in_avals == jax.jit(lambda a, *, b: a * b).trace(
+      x, b=2.0).in_avals
   assert traced.out_info.shape == (3,)
   assert [a.donated for a in jax.tree_util.tree_leaves(traced.args_info)] == [
       False]
@@ -170,6 +177,49 @@ def test_trace_lower_cross_platform():
   assert "sine" in lowered.as_text()
   both = traced.lower(lowering_platforms=("cpu", "cuda"))
   assert isinstance(both, jax.stages.Lowered)
+
+
+def test_trace_lower_passes_private_parameters_through():
+  """Traced.lower(_private_parameters=...) reaches jax's lowering unchanged
+  (jaxworks.stages_aot lowers with jax.export's parameters through it)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  params = mlir.LoweringParameters(override_lowering_rules=(
+      (jax.lax.sin_p, mlir.lower_fun(lambda v, accuracy: jnp.cos(v),
+                                     multiple_results=False)),))
+  f = jit(jnp.sin)
+  x = jnp.ones(4)
+  assert "_private_parameters" in inspect.signature(
+      f.trace(x).lower).parameters
+  default = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+  ours = f.trace(x).lower(lowering_platforms=("cpu",),
+                          _private_parameters=params).as_text()
+  stock = jax.jit(jnp.sin).trace(x).lower(
+      lowering_platforms=("cpu",), _private_parameters=params).as_text()
+  assert "stablehlo.sine" in default and "cosine" not in default
+  assert "stablehlo.cosine" in ours and "stablehlo.sine" not in ours
+  assert ours == stock
+
+
+def test_source_locations_name_the_user_call_not_jit_cache():
+  """Equations jit_cache emits carry the caller's line, as jax.jit's do."""
+  from jax.extend import source_info_util  # pylint: disable=g-import-not-at-top
+  inner = jit(lambda v: jnp.sin(v) * 2)
+  stock = jax.jit(lambda v: jnp.sin(v) * 2)
+
+  def outer(x):
+    a, b = inner(x), stock(x)  # both calls on one line
+    return a + b
+
+  x = jnp.ones(3)
+  for _ in range(2):  # a miss, then a hit re-emitting the cached jaxpr
+    ours, theirs = [source_info_util.summarize(e.source_info).split(" ")[0]
+                    for e in jax.make_jaxpr(outer)(x).eqns[:2]]
+    file_line = lambda loc: loc.rsplit(":", 2)[:2]
+    assert file_line(ours) == file_line(theirs), (ours, theirs)
+    assert ours.startswith(__file__.rstrip("c")), ours
+  text = jax.jit(outer).lower(x).as_text(debug_info=True)
+  assert "jit_cache/_src" not in text and "test_source_locations" in text
 
 
 def test_trace_does_not_close_over_tracers_but_make_jaxpr_does():
@@ -240,6 +290,3 @@ def test_mutable_refs_defer_to_jax():
     pytest.skip("no jax.new_ref")
   np.testing.assert_array_equal(f(ref, jnp.ones(3)), jnp.full(3, 2.0))
 
-
-def test_internals_used_for_counting_exist():
-  assert callable(ji.trace_state_clean)

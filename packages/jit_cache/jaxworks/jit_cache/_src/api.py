@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import os
 import threading
 import time
 import types
@@ -37,6 +38,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import jax
 from jax.extend import core as jex_core
+from jax.extend import source_info_util as jex_source_info
 from jax.extend.core import primitives as jex_primitives
 
 from .. import _signature as _ext
@@ -47,6 +49,12 @@ from . import jax_internals as ji
 from . import signature as _sig
 
 _axis_names = _deps.load_axis_names()
+
+#: This package's directory (jaxworks/jit_cache/). Its frames are not user
+#: code: source locations in jaxprs and lowered modules skip them, as they skip
+#: jax's own, and name the user's call instead of our dispatch code.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+jex_source_info.register_exclusion(PACKAGE_DIR)
 
 _jit_p = jex_primitives.jit_p
 # Hot-path names bound once.
@@ -416,15 +424,22 @@ class Traced:
   def _consts(self) -> list:
     return ji.traced_parts(self._traced)[1]
 
-  def lower(self, *, lowering_platforms: tuple[str, ...] | None = None
-            ) -> jax.stages.Lowered:
+  def lower(self, *, lowering_platforms: tuple[str, ...] | None = None,
+            _private_parameters: Any = None) -> jax.stages.Lowered:
     """Lowers to a stock ``jax.stages.Lowered``.
 
     Args:
       lowering_platforms: platforms to lower for, e.g. ``("tpu",)`` or
         ``("cpu", "cuda")``; default: those of the arguments.
+      _private_parameters: a ``jax.interpreters.mlir.LoweringParameters``,
+        passed through to ``jax.stages.Traced.lower`` as is (private in jax
+        too; ``jaxworks.stages_aot`` lowers with ``jax.export``'s parameters
+        through it). Default: jax's default lowering.
     """
-    return self._traced.lower(lowering_platforms=lowering_platforms)
+    if _private_parameters is None:
+      return self._traced.lower(lowering_platforms=lowering_platforms)
+    return self._traced.lower(lowering_platforms=lowering_platforms,
+                              _private_parameters=_private_parameters)
 
   def __repr__(self) -> str:
     return f"Traced({self.fun_name}: {self.jaxpr.in_avals} -> " \
@@ -927,7 +942,13 @@ _IMPLICIT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _IMPLICIT_LOCK = threading.Lock()
 
 
-def _implicit_jit(fun: Callable, static_argnums: Any = None) -> JitFunction:
+def _implicit_jit(fun: Callable, api: str,
+                  static_argnums: Any = None) -> JitFunction:
+  if not callable(fun):
+    raise TypeError(
+        f"jaxworks.jit_cache.{api}: expected a function, got "
+        f"{type(fun).__name__} {fun!r:.60}; pass the function first, as in "
+        f"{api}(f, ...)")
   key = _index_tuple(static_argnums, "static_argnums")
   try:
     with _IMPLICIT_LOCK:
@@ -957,7 +978,7 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   """
   if isinstance(fun, JitFunction):
     return fun.eval_shape(*args, **kwargs)
-  return _implicit_jit(fun).eval_shape(*args, **kwargs)
+  return _implicit_jit(fun, "eval_shape").eval_shape(*args, **kwargs)
 
 
 def make_jaxpr(fun: Callable, static_argnums: int | Sequence[int] | None = None,
@@ -974,7 +995,7 @@ def make_jaxpr(fun: Callable, static_argnums: int | Sequence[int] | None = None,
   >>> make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)
   { lambda ; a:f32[]. let b:f32[] = sin a; c:f32[] = mul b 2.0:f32[] in (c,) }
   """
-  wrapped = _implicit_jit(fun, static_argnums)
+  wrapped = _implicit_jit(fun, "make_jaxpr", static_argnums)
 
   @functools.wraps(fun)
   def make_jaxpr_f(*args, **kwargs):

@@ -124,6 +124,10 @@ def is_high(closed_jaxpr: Any) -> bool:
 #: Argument metadata (aval, sharding, layout, committed) jit lowers with.
 meta_type: Callable[[Any], Any] = _pjit.convert_to_metaty
 
+#: jax.jit's implementation module; tests count calls of its parameter
+#: inference ``_infer_params``, which a trace-cache hit must not run.
+pjit_module = _pjit
+
 #: Move the first n invars of a Jaxpr to constvars (make_jaxpr's closure).
 convert_invars_to_constvars: Callable[[Any, int], Any] = (
     _pe.convert_invars_to_constvars)
