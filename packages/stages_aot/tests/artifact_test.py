@@ -6,6 +6,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import hashlib
 import json
+import pathlib
 import re
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxworks import stages_aot as sa
@@ -169,7 +171,10 @@ def test_unsupported_calling_convention(artifact_dir, version, hint):
         (lambda m: m.update(format="other"), "has format 'other', expected 'jaxworks.stages_aot.artifact'"),
         (lambda m: m.update(format_version=7), "has format_version 7; this jaxworks.stages_aot"),
         (lambda m: m["files"].update({"../x": {"sha256": "0", "size": 1}}), "outside the artifact directory"),
-        (lambda m: m.update(vjp_order=3), "records vjp_order 3, but exported.bin holds 1"),
+        (lambda m: m.update(vjp_order=3), "disagrees with exported.bin on vjp_order: manifest 3, program 1"),
+        (lambda m: m["inputs"][1].update(sharding={}), r"disagrees with exported.bin on inputs\[1\]: manifest \{.*'sharding': \{\}"),
+        (lambda m: m["outputs"][0].pop("name"), r"disagrees with exported.bin on outputs\[0\]"),
+        (lambda m: m.update(uses_shape_polymorphism=False), "on uses_shape_polymorphism: manifest False, program True"),
     ],
 )
 def test_bad_manifest_fields(artifact_dir, edit, match):
@@ -178,6 +183,60 @@ def test_bad_manifest_fields(artifact_dir, edit, match):
     write_manifest(artifact_dir, m)
     with pytest.raises(sa.ArtifactError, match=match):
         sa.load_artifact(artifact_dir)
+
+
+def test_unreadable_file(artifact_dir, monkeypatch):
+    real = pathlib.Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "exported.bin":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    with pytest.raises(sa.ArtifactError, match=r"cannot read .*exported.bin \(\[Errno 13\] Permission denied.*check its permissions"):
+        sa.load_artifact(artifact_dir)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(["", "cpu", "f32[b,128]", "b"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["spec", "name", "aval", "x"]), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _json_paths(value, path=()):
+    yield path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        yield from _json_paths(child, path + (key,))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_fuzz_edited_manifest_is_refused_or_loads(artifact_dir, data):
+    """Any edit of manifest.json (that keeps it JSON) loads, or raises ArtifactError; never anything else."""
+    original = (artifact_dir / "manifest.json").read_text()
+    m = json.loads(original)
+    paths = [p for p in _json_paths(m) if p]
+    path = data.draw(st.sampled_from(paths))
+    parent = m
+    for key in path[:-1]:
+        parent = parent[key]
+    if data.draw(st.booleans()):
+        parent[path[-1]] = data.draw(JSON)
+    elif isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent.pop(path[-1])
+    write_manifest(artifact_dir, m)
+    try:
+        art = sa.load_artifact(artifact_dir, require_platform=False)
+        assert "function            f" in art.summary()
+    except sa.ArtifactError as e:
+        assert str(e).startswith("jaxworks.stages_aot.load_artifact: ")
+    finally:
+        (artifact_dir / "manifest.json").write_text(original)
 
 
 def test_not_an_artifact(tmp_path):

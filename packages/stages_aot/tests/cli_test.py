@@ -45,16 +45,18 @@ def workdir(tmp_path):
     return tmp_path
 
 
-def run_cli(workdir, *args):
+def run_cli(workdir, *args, cwd=None, **env_vars):
     # The subprocess runs in workdir: pass PYTHONPATH through as absolute paths,
     # plus every sys.path entry holding a part of the jaxworks namespace.
     passed = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     portions = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(os.path.join(p, "jaxworks"))]
     paths = [str(workdir), str(pathlib.Path(sa.__file__).resolve().parents[2])] + passed + portions
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), JAX_PLATFORMS="cpu")
+    env.pop("BUILD_WORKING_DIRECTORY", None)  # set only by the tests that want it
+    env.update(env_vars)
     return subprocess.run(
         [sys.executable, "-m", "jaxworks.stages_aot", *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=120,
+        cwd=cwd or workdir, env=env, capture_output=True, text=True, timeout=120,
     )
 
 
@@ -75,8 +77,13 @@ def test_export_inspect_run_end_to_end(workdir):
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["platforms"] == ["cpu", "tpu"] and manifest["vjp_order"] == 1
 
-    r = run_cli(workdir, "inspect", str(out_dir))
+    # As `bazel run //packages/stages_aot:cli` starts it: in another directory,
+    # with the user's one in BUILD_WORKING_DIRECTORY, where relative paths resolve.
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    r = run_cli(workdir, "inspect", out_dir.name, cwd=elsewhere, BUILD_WORKING_DIRECTORY=str(workdir))
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("artifact artifact\n")
     assert "function            predict" in r.stdout
     assert "platforms           cpu (present), tpu (not present)" in r.stdout
     assert "args[0]  f32[b,128]" in r.stdout

@@ -17,12 +17,12 @@ def test_known_platforms():
 
 def test_canonical_platforms_keeps_order():
     assert canonical_platforms(["tpu", "cpu", "rocm"], api="t") == ("tpu", "cpu", "rocm")
-    assert canonical_platforms(None, api="t") == (jax.default_backend(),)
+    assert canonical_platforms(None, api="t") == (jax.export.default_export_platform(),)
 
 
 def test_present_platforms_match_devices():
     present = sa.present_platforms()
-    assert present[0] == jax.default_backend()
+    assert present[0] == jax.export.default_export_platform()
     assert {d.platform.replace("gpu", "cuda") for d in jax.devices()} <= set(present) | {"gpu"}
     assert "cpu" in present
 
@@ -34,6 +34,12 @@ def test_choose_platform():
         choose_platform(("tpu",), None, api="t", fun_name="f")
     with pytest.raises(ValueError, match=r"'f' was lowered for \('cpu',\), not for 'tpu'"):
         choose_platform(("cpu",), "tpu", api="t", fun_name="f")
+    with pytest.raises(ValueError, match="t: lowering platform 'gpu' is ambiguous; write 'cuda' or 'rocm'"):
+        choose_platform(("cpu",), "gpu", api="t", fun_name="f")
+    with pytest.raises(ValueError, match="t: unknown lowering platform 'CPU'; did you mean 'cpu'"):
+        choose_platform(("cpu",), "CPU", api="t", fun_name="f")
+    with pytest.raises(TypeError, match=r"t: lowering platform \('cpu',\) is not a string"):
+        choose_platform(("cpu",), ("cpu",), api="t", fun_name="f")
 
 
 def test_bad_platform_types():

@@ -114,7 +114,9 @@ def test_multi_platform_module_selects_platform_at_run_time(platforms):
 
 def test_lower_default_platform_is_default_backend():
     lowered = sa.trace(qr_fun, X).lower()
-    assert lowered.platforms == (jax.default_backend(),)
+    # jax's name of the default backend for lowering ('gpu' spelled 'cuda' or 'rocm').
+    assert lowered.platforms == (jax.export.default_export_platform(),)
+    assert lowered.as_text() == sa.trace(qr_fun, X).lower(lowering_platforms=lowered.platforms).as_text()
 
 
 @pytest.mark.parametrize(
@@ -160,6 +162,20 @@ def test_compile_single_platform_matches_jit():
     np.testing.assert_array_equal(compiled(x, w, scale=2.0), jax.jit(mlp)(x, w, scale=2.0))
     assert compiled.cost_analysis()["flops"] > 0
     assert "tanh" in compiled.as_text()
+
+
+def test_compile_for_default_backend_is_stock_compile_and_keeps_donation():
+    f = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
+    lowered = sa.trace(f, jnp.ones(4)).lower()
+    x = jnp.arange(4.0)
+    out = lowered.compile()(x)
+    np.testing.assert_array_equal(out, [1.0, 3.0, 5.0, 7.0])
+    assert x.is_deleted()  # donated, as jax.jit(...).lower().compile() does
+    # Several platforms: compiled through the export, donation is not kept.
+    y = jnp.arange(4.0)
+    multi = sa.trace(f, jnp.ones(4)).lower(lowering_platforms=("cpu", "tpu")).compile()
+    np.testing.assert_array_equal(multi(y), [1.0, 3.0, 5.0, 7.0])
+    assert not y.is_deleted()
 
 
 def test_compile_multi_platform_runs_the_multi_platform_module():
@@ -324,3 +340,15 @@ def test_trace_keeps_options_of_a_jit_cache_function():
     traced = sa.trace(f, jnp.ones(3), 5)
     assert isinstance(traced.traced, jit_cache.Traced)
     np.testing.assert_array_equal(traced.lower().compile()(jnp.ones(3)), np.full(3, 5.0))
+
+
+def test_jit_cache_traces_lower_with_export_parameters():
+    # jaxworks.jit_cache.Traced.lower accepts _private_parameters, so artifacts made through
+    # stages_aot.trace(f) (which goes through jit_cache) use jax.export's lowering parameters.
+    from jaxworks import jit_cache
+    from jaxworks.stages_aot._src import entry
+
+    traced = jit_cache.jit(lambda x: jnp.sin(x) * 2).trace(np.ones(3, np.float32))
+    lowered, for_export = entry.lower_traced(traced, ("cpu",))
+    assert for_export is True
+    assert "stablehlo.sine" in lowered.as_text()

@@ -125,11 +125,9 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def build_manifest(exported: Exported, files: dict[str, bytes]) -> dict[str, Any]:
-    """The manifest of ``exported``, with the size and sha256 of each of ``files``."""
+def _program_fields(exported: Exported) -> dict[str, Any]:
+    """The manifest fields that describe the program; load checks them against it."""
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
         "fun_name": exported.fun_name,
         "platforms": list(exported.platforms),
         "calling_convention_version": exported.calling_convention_version,
@@ -142,6 +140,15 @@ def build_manifest(exported: Exported, files: dict[str, bytes]) -> dict[str, Any
         "outputs": _values_json(
             _leaf_names(exported.out_tree, inputs=False), exported.out_avals, exported.out_shardings
         ),
+    }
+
+
+def build_manifest(exported: Exported, files: dict[str, bytes]) -> dict[str, Any]:
+    """The manifest of ``exported``, with the size and sha256 of each of ``files``."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **_program_fields(exported),
         "versions": _versions(),
         "files": {
             name: {"sha256": _sha256(data), "size": len(data)} for name, data in sorted(files.items())
@@ -201,12 +208,10 @@ class Artifact:
             f"  calling convention  {m['calling_convention_version']} (this jax supports {lo}..{hi})",
             f"  vjp order           {m['vjp_order']}",
             f"  devices             {m['nr_devices']}",
-            "  inputs",
         ]
+        width = max((len(v["name"]) for v in m["inputs"] + m["outputs"]), default=0)
         for kind in ("inputs", "outputs"):
-            if kind == "outputs":
-                lines.append("  outputs")
-            width = max((len(v["name"]) for v in m[kind]), default=0)
+            lines.append(f"  {kind}")
             for v in m[kind]:
                 sharding = v["sharding"]
                 where = "unspecified" if sharding is None else _sharding_text(sharding)
@@ -292,11 +297,16 @@ def save_artifact(exported: Exported, directory, *, overwrite: bool = False) -> 
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-        if path.exists():
+        if path.exists():  # keep the old artifact until the new one is in place
             old = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
             os.replace(path, old / "a")
-            os.replace(tmp, path)
-            shutil.rmtree(old)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old / "a", path)
+                raise
+            finally:
+                shutil.rmtree(old)
         else:
             os.replace(tmp, path)
     finally:
@@ -315,6 +325,13 @@ def _platform_message(path, platforms, what: str) -> str:
     )
 
 
+def _read_bytes(fpath: pathlib.Path, api: str) -> bytes:
+    try:
+        return fpath.read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{api}: cannot read {fpath} ({e}); check its permissions") from None
+
+
 def _read_manifest(path: pathlib.Path, api: str) -> dict[str, Any]:
     mpath = path / MANIFEST_FILE
     if not mpath.is_file():
@@ -322,9 +339,10 @@ def _read_manifest(path: pathlib.Path, api: str) -> dict[str, Any]:
             f"{api}: {path} has no {MANIFEST_FILE}, so it is not a stages_aot artifact; "
             "pass a directory written by save_artifact or `python -m jaxworks.stages_aot export`"
         )
+    data = _read_bytes(mpath, api)
     try:
-        manifest = json.loads(mpath.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ArtifactError(
             f"{api}: {mpath} is not valid JSON ({e}); the file is truncated or corrupted: "
             "export the artifact again"
@@ -369,7 +387,7 @@ def _check_files(path: pathlib.Path, manifest: dict[str, Any], api: str) -> dict
         fpath = path / name
         if not fpath.is_file():
             raise ArtifactError(f"{api}: {fpath} is missing; copy the whole artifact directory")
-        data = fpath.read_bytes()
+        data = _read_bytes(fpath, api)
         if len(data) != info["size"]:
             state = "truncated" if len(data) < info["size"] else "longer than recorded"
             raise ArtifactError(
@@ -404,28 +422,23 @@ def _check_calling_convention(manifest: dict[str, Any], api: str, path) -> None:
 
 
 def _check_agreement(manifest: dict[str, Any], exported: Exported, api: str, path) -> None:
-    observed = {
-        "fun_name": exported.fun_name,
-        "platforms": list(exported.platforms),
-        "calling_convention_version": exported.calling_convention_version,
-        "nr_devices": exported.nr_devices,
-        "inputs": [format_aval(a) for a in exported.in_avals],
-        "outputs": [format_aval(a) for a in exported.out_avals],
-    }
-    recorded = dict(manifest)
-    for key in ("inputs", "outputs"):
-        recorded[key] = [v.get("aval") if isinstance(v, dict) else v for v in manifest[key]]
+    """Every program field of the manifest equals the one rebuilt from the program.
+
+    So an edited manifest never reaches ``summary()`` or the CLI: what they
+    print and use is what the program holds.
+    """
+    observed = json.loads(json.dumps(_program_fields(exported)))  # JSON types, as read back
     for key, value in observed.items():
-        if recorded[key] != value:
-            raise ArtifactError(
-                f"{api}: manifest.json of {path} disagrees with {EXPORTED_FILE} on {key}: "
-                f"manifest {recorded[key]!r}, program {value!r}; the manifest was edited or "
-                "files were mixed from different exports: re-export the artifact"
-            )
-    if manifest["vjp_order"] > exported.vjp_order:
+        recorded = manifest.get(key)
+        if recorded == value:
+            continue
+        if key in ("inputs", "outputs") and isinstance(recorded, list) and len(recorded) == len(value):
+            i = next(i for i, (r, v) in enumerate(zip(recorded, value)) if r != v)
+            key, recorded, value = f"{key}[{i}]", recorded[i], value[i]
         raise ArtifactError(
-            f"{api}: manifest.json of {path} records vjp_order {manifest['vjp_order']}, but "
-            f"{EXPORTED_FILE} holds {exported.vjp_order}; re-export the artifact"
+            f"{api}: manifest.json of {path} disagrees with {EXPORTED_FILE} on {key}: "
+            f"manifest {recorded!r}, program {value!r}; the manifest was edited or "
+            "files were mixed from different exports: re-export the artifact"
         )
 
 

@@ -37,6 +37,9 @@ def _build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Ahead-of-time export of JAX functions to versioned artifact "
         "directories, for cpu, cuda, rocm and tpu, from any host.",
+        epilog="In the jaxworks repository, the same CLI is the Bazel binary: "
+        "./tools/bazel run //packages/stages_aot:cli -- COMMAND ... (relative paths "
+        "are taken from where you run it). '%(prog)s COMMAND --help' explains each command.",
     )
     parser.add_argument("--version", action="version", version=f"jaxworks.stages_aot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{export,inspect,run}")

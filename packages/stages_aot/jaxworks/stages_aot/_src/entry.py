@@ -48,10 +48,11 @@ def lower_traced(traced: Any, platforms: tuple[str, ...]) -> tuple[Any, bool]:
 
     Returns:
       ``(lowered, for_export)``: a ``jax.stages.Lowered`` and whether it was
-      lowered with the export parameters. It is False when the traced object's
-      ``lower`` only takes ``lowering_platforms`` (``jaxworks.jit_cache.Traced``);
-      the module is then jax's default lowering, the same except for the
-      forward-compatibility mode of Pallas/Mosaic TPU kernels.
+      lowered with the export parameters (stock ``jax.stages.Traced`` and
+      ``jaxworks.jit_cache.Traced`` both accept them). It is False for a traced
+      object whose ``lower`` only takes ``lowering_platforms``; the module is then
+      jax's default lowering, the same except for the forward-compatibility mode
+      of Pallas/Mosaic TPU kernels.
     """
     lower_fn = traced.lower
     underlying = getattr(lower_fn, "__func__", lower_fn)

@@ -195,6 +195,12 @@ def deserialize(blob: bytes | bytearray) -> Exported:
 
     The result's ``vjp_order`` is the number of VJP orders in ``blob``.
 
+    The bytes are not checked for integrity: jax.export parses the module
+    only when it is first called, and a damaged module then fails with
+    whatever error (or, in the MLIR reader, hang) the damage causes. Files
+    from :func:`save_artifact` carry sha256 sums that :func:`load_artifact`
+    checks before deserializing.
+
     Raises:
       TypeError: ``blob`` is not bytes.
       ValueError: ``blob`` is not a serialized exported program.

@@ -110,10 +110,12 @@ def choose_platform(
       A platform that is both in ``lowered_for`` and present in this process.
 
     Raises:
+      TypeError, ValueError: ``requested`` is not a platform name.
       ValueError: no such platform, with the platforms lowered for and present.
     """
     present = present_platforms()
     if requested is not None:
+        canonical_platforms((requested,), api=api)  # a known name, or a TypeError/ValueError
         if requested not in lowered_for:
             raise ValueError(
                 f"{api}: {fun_name!r} was lowered for {lowered_for}, not for "

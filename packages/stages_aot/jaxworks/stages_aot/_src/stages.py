@@ -267,7 +267,7 @@ class Lowered:
                 "shapes to compile, or export() and call the exported function with "
                 "concrete arrays"
             )
-        if self._platforms == (target,) and target == jax.default_backend():
+        if self._platforms == (target,) and target == jax.export.default_export_platform():
             compiled = self._lowered.compile()
         else:
             compiled = _compile_exported(self._stock_exported(()), target, self.in_avals, api)
