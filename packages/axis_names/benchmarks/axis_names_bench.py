@@ -7,14 +7,17 @@ levels deep (default 50) with ``L`` elementwise equations per level, so
 Jaxprs are assembled from traced template equations (tracing 100k distinct
 equations would dominate the run), with effects set as JAX sets them.
 
-Printed side by side (medians of repeats, one process):
+Printed side by side (medians of repeats, GC off while timing, one
+process):
 
-* ``used_axis_names`` first query (cold cache) and repeated query;
+* ``used_axis_names`` first query (cold cache) and repeated query, at
+  1k/10k/100k equations and depth 50, then at 10k equations by depth;
 * a naive top-down walk of the whole program per query (no memo);
 * reading JAX's own ``jaxpr.effects`` (free at query time: JAX pays at
   trace time, shown as JAX's tracing cost per equation for scale);
 * ``rename_axes`` of 'i' with the analysis warm, against a full top-down
-  rebuild of every equation (what ``core.subst_axis_names`` did).
+  rebuild of every equation (what ``core.subst_axis_names`` did), with how
+  much of the program the rename had to rebuild.
 
 Usage: ``python axis_names_bench.py [--quick]``
 """
@@ -25,6 +28,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -126,25 +130,45 @@ def full_rebuild(jaxpr, mapping):
   return jaxpr.replace(eqns=eqns, debug_info=jaxpr.debug_info)
 
 
-def touched_eqns(old, new):
-  """Equations in jaxprs the rename rebuilt (not shared by identity)."""
+def touched(old, new):
+  """(equations in rebuilt jaxprs, equations rebuilt) of a rename.
+
+  A rebuilt jaxpr copies its equation list; only the equations that use the
+  renamed name (or hold a rebuilt sub-jaxpr) are new objects.
+  """
   if old is new:
-    return 0
-  total = len(old.eqns)
+    return 0, 0
+  in_jaxprs, rebuilt = len(old.eqns), 0
   for eo, en in zip(old.eqns, new.eqns):
+    rebuilt += eo is not en
     so, sn = analysis.subjaxprs(eo.params), analysis.subjaxprs(en.params)
-    total += sum(touched_eqns(a, b) for a, b in zip(so, sn))
-  return total
+    for a, b in zip(so, sn):
+      j, e = touched(a, b)
+      in_jaxprs += j
+      rebuilt += e
+  return in_jaxprs, rebuilt
 
 
-def median_time(fn, repeats, setup=None):
+def median_time(fn, repeats, setup=None, loops=1):
+  """Median over ``repeats`` of the seconds per call of ``fn()``.
+
+  Each repeat times ``loops`` calls in a row. The cyclic GC is off while
+  timing (as in ``timeit``), so a collection of the large live heap is not
+  billed to whichever call happens to trigger it.
+  """
   times = []
   for _ in range(repeats):
     if setup is not None:
       setup()
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()
+    try:
+      t0 = time.perf_counter()
+      for _ in range(loops):
+        fn()
+      times.append((time.perf_counter() - t0) / loops)
+    finally:
+      gc.enable()
   return statistics.median(times)
 
 
@@ -164,61 +188,94 @@ def trace_cost_per_eqn(n=1000):
   return (time.perf_counter() - t0) / n
 
 
+def frozen(program):
+  """``program``, with every live object moved out of the GC's reach.
+
+  ``median_time`` collects before each repeat; freezing the (large, never
+  freed) programs keeps those collections from rescanning them.
+  """
+  gc.collect()
+  gc.freeze()
+  return program
+
+
+def query_row(closed, repeats, fast_loops):
+  """(equations, cold, cold per eqn, repeated, naive, naive/repeated, effects)."""
+  top = closed.jaxpr
+  total = count_eqns(top)
+  assert used_axis_names(closed) == {"i"} == naive_names(top)
+  assert jax_internals.named_axis_effect_names(closed.effects) == {"i"}
+  cold = median_time(lambda: used_axis_names(closed), repeats,
+                     setup=analysis.clear_cache)
+  used_axis_names(closed)
+  warm = median_time(lambda: used_axis_names(closed), repeats,
+                     loops=fast_loops)
+  naive = median_time(lambda: naive_names(top), repeats)
+  effects = median_time(
+      lambda: jax_internals.named_axis_effect_names(closed.effects), repeats,
+      loops=fast_loops)
+  return total, cold, cold / total, warm, naive, naive / warm, effects
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true",
                   help="small sizes, few repeats (a test runs this)")
   args = ap.parse_args(argv)
   sizes = (1_000, 5_000) if args.quick else (1_000, 10_000, 100_000)
-  repeats = 3 if args.quick else 7
-  fast_repeats = 1000
+  repeats = 3 if args.quick else 15
+  fast_loops = 1000
 
-  print(f"jax {jax.__version__}; nesting depth 50; 1% of equations use 'i'\n")
-  rows_q, rows_r = [], []
+  print(f"jax {jax.__version__}; 1% of equations use 'i'\n")
+  rows_q, rows_d, rows_r = [], [], []
   for n in sizes:
-    closed = make_program(n)
+    closed = frozen(make_program(n))
     top = closed.jaxpr
-    total = count_eqns(top)
-    assert used_axis_names(closed) == {"i"} == naive_names(top)
-    assert jax_internals.named_axis_effect_names(closed.effects) == {"i"}
-
-    cold = median_time(lambda: used_axis_names(closed), repeats,
-                       setup=analysis.clear_cache)
-    used_axis_names(closed)
-    warm = median_time(lambda: used_axis_names(closed), fast_repeats)
-    naive = median_time(lambda: naive_names(top), repeats)
-    effects = median_time(
-        lambda: jax_internals.named_axis_effect_names(closed.effects),
-        fast_repeats)
-    rows_q.append((total, cold, cold / total, warm, naive, naive / warm,
-                   effects))
+    rows_q.append(query_row(closed, repeats, fast_loops))
+    total = rows_q[-1][0]
 
     mapping = {"i": "k"}
     new = rename_axes(closed, mapping)
     assert used_axis_names(new) == {"k"}
-    touched = touched_eqns(top, new.jaxpr)
+    in_jaxprs, rebuilt = touched(top, new.jaxpr)
     ours = median_time(lambda: rename_axes(closed, mapping), repeats,
                        setup=rename._RENAMED.clear)
     full = median_time(lambda: full_rebuild(top, mapping), repeats)
-    rows_r.append((total, touched / total, ours, full, ours / full))
+    rows_r.append((total, in_jaxprs / total, rebuilt, ours, full,
+                   ours / full))
+  depth_size = sizes[1]
+  for depth in (1, 10, 50):
+    rows_d.append((depth,) + query_row(frozen(make_program(depth_size,
+                                                       depth=depth)),
+                                       repeats, fast_loops))
 
-  print("## used_axis_names\n")
-  print("| equations | first query (cold) | per equation | repeated query "
-        "| naive top-down walk | naive / repeated | read jaxpr.effects |")
-  print("|---:|---:|---:|---:|---:|---:|---:|")
+  header = ("| first query (cold) | per equation | repeated query "
+            "| naive top-down walk | naive / repeated | read jaxpr.effects |")
+  rule = "|---:|---:|---:|---:|---:|---:|---:|"
+  print("## used_axis_names, nesting depth 50\n")
+  print("| equations " + header)
+  print(rule)
   for total, cold, per, warm, naive, ratio, eff in rows_q:
     print(f"| {total:,} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
           f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |")
-  print(f"\nJAX's tracing cost for scale (it fills jaxpr.effects while "
-        f"tracing): {fmt(trace_cost_per_eqn(200 if args.quick else 1000))}"
-        " per equation.\n")
-  print("## rename_axes({'i': 'k'}) with the analysis warm\n")
-  print("| equations | touched part | rename_axes | full rebuild "
-        "| rename / full |")
-  print("|---:|---:|---:|---:|---:|")
-  for total, frac, ours, full, ratio in rows_r:
-    print(f"| {total:,} | {frac:.1%} | {fmt(ours)} | {fmt(full)} | "
-          f"{ratio:.3f} |")
+  print(f"\n## used_axis_names, {rows_d[0][1]:,} equations by nesting "
+        "depth\n")
+  print("| depth " + header)
+  print(rule)
+  for depth, _, cold, per, warm, naive, ratio, eff in rows_d:
+    print(f"| {depth} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
+          f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |")
+  print(f"\nJAX's whole tracing cost per equation, for scale (it fills "
+        f"jaxpr.effects while tracing): "
+        f"{fmt(trace_cost_per_eqn(200 if args.quick else 1000))}.\n")
+  print("## rename_axes({'i': 'k'}) with the analysis warm, nesting depth 50"
+        "\n")
+  print("| equations | in rebuilt jaxprs | equations rebuilt | rename_axes "
+        "| full rebuild | rename / full |")
+  print("|---:|---:|---:|---:|---:|---:|")
+  for total, frac, rebuilt, ours, full, ratio in rows_r:
+    print(f"| {total:,} | {frac:.1%} | {rebuilt:,} | {fmt(ours)} | "
+          f"{fmt(full)} | {ratio:.3f} |")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,34 @@ def test_manual_type_flags():
   assert analysis.named_eqns(plain.jaxpr) == ((0, frozenset({"i"})),)
 
 
+def test_binder_inside_jit_hides_names_but_not_the_collectives():
+  sm = jax.shard_map(lambda v: lax.psum(v, "d"), mesh=MESH, in_specs=P("d"),
+                     out_specs=P())
+  top = jax.make_jaxpr(jax.jit(sm))(X).jaxpr
+  jit_body = top.eqns[0].params["jaxpr"].jaxpr
+  assert used_axis_names(top) == used_axis_names(jit_body) == frozenset()
+  assert analysis.uses_axes_anywhere(top)
+  assert analysis.uses_axes_anywhere(jit_body)
+  assert not analysis.uses_axes_anywhere(_closed(jnp.sin).jaxpr)
+
+
+def test_pallas_grid_names_are_bound():
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * (lax.axis_index("g") +
+                               lax.axis_index("outer")).astype(jnp.float32)
+  fn = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+      grid=(("g", 2),), in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
+      out_specs=pl.BlockSpec((4,), lambda g: (g,)), interpret=True)
+  closed = jax.make_jaxpr(fn, axis_env=[("outer", 2)])(X)
+  (eqn,) = closed.eqns
+  assert analysis.binder_sizes(eqn) == {"g": 2}
+  assert used_axis_names(eqn.params["jaxpr"]) == {"g", "outer"}
+  assert used_axis_names(closed) == {"outer"}
+
+
 def test_pmap_binds_axis_name():
   fn = jax.pmap(lambda v: lax.psum(v, "p") + lax.axis_index("p"),
                 axis_name="p")

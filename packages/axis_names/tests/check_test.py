@@ -133,9 +133,72 @@ def test_jaxpr_input():
 
 
 def test_non_string_axis_name_unbound():
+  def fn(x):
+    return lax.psum(x, ("t", 1.5))  # non-string name
   with pytest.raises(AxisNameError) as info:
-    check_axis_names(lambda x: lax.psum(x, ("t", 1.5)), X)
+    check_axis_names(fn, X, axis_sizes={"t": 2})
   assert isinstance(info.value.__cause__, NameError)
+  assert info.value.location.startswith(
+      f"{HERE}:{_line_of(fn, 'non-string name')} ")
+  assert "bound axis names: ('t',)" in str(info.value)
+
+
+def test_mismatch_inside_jit_of_shard_map_and_pmap():
+  # jit(shard_map) uses no free name, but the walk must still descend.
+  fn = jax.shard_map(lambda v: lax.ppermute(v, "x", [(0, 7)]), mesh=MESH,
+                     in_specs=P("x"), out_specs=P("x"), axis_names={"x"},
+                     check_vma=False)
+  with pytest.raises(AxisNameError, match="outside the axis of size 4"):
+    check_axis_names(jax.jit(fn), X)
+  pm = jax.pmap(lambda v: lax.pbroadcast(v, "b", 9), axis_name="b")
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(pm, X.reshape(8, 1))
+  assert (info.value.primitive, info.value.axis_name) == ("pbroadcast", "b")
+  assert "source 9 is outside the axis of size 8" in str(info.value)
+
+
+def uses_scatter(x):
+  return lax.psum_scatter(x, "i", tiled=True)  # splits dimension 0
+
+
+def test_operand_not_divisible_by_axis_size():
+  # JAX raises a plain ValueError while tracing with size 3; we name the
+  # collective, the axis, the bound names and the user's line.
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(uses_scatter, X, axis_sizes={"i": 3})
+  e = info.value
+  assert (e.primitive, e.axis_name, e.bound) == ("reduce_scatter", "i",
+                                                 ("i",))
+  assert e.location.startswith(
+      f"{HERE}:{_line_of(uses_scatter, 'splits dimension 0')} ")
+  assert "scatter_dimension=0 has size 8, not divisible by the axis size 3" \
+      in str(e)
+  assert isinstance(e.__cause__, ValueError)
+  assert check_axis_names(uses_scatter, X, axis_sizes={"i": 4}) == {"i"}
+
+
+def test_all_to_all_split_axis_not_divisible():
+  def fn(x):
+    return lax.all_to_all(x.reshape(2, 4), "i", 1, 0, tiled=True)
+  with pytest.raises(AxisNameError, match=r"split_axis=1 has size 4, not "
+                     r"divisible by the axis size 3"):
+    check_axis_names(fn, X, axis_sizes={"i": 3})
+
+
+def test_jaxpr_traced_for_another_axis_size():
+  closed = jax.make_jaxpr(lambda x: lax.all_gather(x, "i"),
+                          axis_env=[("i", 2)])(X)
+  with pytest.raises(AxisNameError, match="traced for an axis of size 2, but "
+                     "the axis has size 4 here"):
+    check_axis_names(closed, axis_sizes={"i": 4})
+  assert check_axis_names(closed, axis_sizes={"i": 2}) == {"i"}
+
+
+def test_unrelated_trace_errors_pass_through():
+  def broken(x):
+    return lax.psum(x, "i") + jnp.ones(3)  # shapes (8,) and (3,)
+  with pytest.raises(TypeError, match="add got incompatible shapes"):
+    check_axis_names(broken, X, axis_sizes={"i": 2})
 
 
 def test_bad_axis_sizes():

@@ -90,7 +90,7 @@ def test_random_renames(p, new_names):
     f = lambda v: jax.core.eval_jaxpr(c.jaxpr, c.consts, v)[0]
     for n in reversed(names):
       f = jax.vmap(f, axis_name=n)
-    return f(jnp.broadcast_to(X, (2, 2, 2, 4)))
+    return jax.jit(f)(jnp.broadcast_to(X, (2, 2, 2, 4)))
   np.testing.assert_allclose(run(renamed, [mapping[n] for n in NAMES]),
                              run(closed, list(NAMES)), rtol=1e-6)
 

@@ -253,3 +253,23 @@ def test_function_without_the_name_runs_eagerly():
   g = rename_axes(lambda v: jnp.sin(v) * lax.psum(v, "j"), {"i": "k"})
   out = jax.vmap(g, axis_name="j")(X)
   np.testing.assert_allclose(out, jnp.sin(X) * X.sum(), rtol=1e-6)
+
+
+def test_pallas_grid_names_shadow_a_rename():
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * (lax.axis_index("g") +
+                               lax.axis_index("k")).astype(jnp.float32)
+  fn = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+      grid=(("g", 2),), in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
+      out_specs=pl.BlockSpec((4,), lambda g: (g,)), interpret=True)
+  closed = jax.make_jaxpr(fn, axis_env=[("k", 2)])(X)
+  assert rename_axes(closed, {"g": "z"}) is closed  # bound by the grid
+  new = rename_axes(closed, {"k": "m"})
+  assert used_axis_names(new) == {"m"}
+  assert used_axis_names(new.eqns[0].params["jaxpr"]) == {"g", "m"}
+  with pytest.raises(ValueError, match=r"would capture 'g' inside "
+                     r"pallas_call"):
+    rename_axes(closed, {"k": "g"})

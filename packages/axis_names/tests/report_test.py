@@ -104,3 +104,31 @@ def test_jaxpr_input():
   closed = jax.make_jaxpr(train_step, axis_env=list(SIZES.items()))(X)
   r = collective_report(closed, axis_sizes=SIZES)
   assert _row(r, ("data", "model"), "pmax").count == 5
+
+
+def test_all_to_all_ragged_and_group_bytes_by_hand():
+  def fn(x):
+    a = lax.all_to_all(x.reshape(4, 4), "data", 0, 0, tiled=True)
+    ones = jnp.ones(4, jnp.int32)
+    r = lax.ragged_all_to_all(x, jnp.zeros(16), 0 * ones, ones, 0 * ones,
+                              ones, axis_name="data")
+    g = lax.psum(x, "data", axis_index_groups=[[0, 1], [2, 3]])
+    return a.sum() + r.sum() + g.sum()
+  r = collective_report(fn, X, axis_sizes={"data": 4})
+  # all_to_all: the operand (64 bytes) is split in 4, 3 parts leave.
+  assert _row(r, ("data",), "all_to_all").bytes_per_call == 3 / 4 * 64
+  # ragged_all_to_all: the operand only, not the output buffer or offsets.
+  assert _row(r, ("data",), "ragged_all_to_all").bytes_per_call == 3 / 4 * 64
+  # psum within groups of 2: 2 (2-1)/2 B.
+  assert _row(r, ("data",), "psum").bytes_per_call == 2 * 1 / 2 * 64
+
+
+def test_collectives_under_jit_of_shard_map_and_pmap_are_found():
+  # No free name is left outside the binder, but the collectives still run.
+  sm = jax.shard_map(lambda v: lax.psum(v, "x"), mesh=MESH, in_specs=P("x"),
+                     out_specs=P(), axis_names={"x"})
+  row = _row(collective_report(jax.jit(sm), X), ("x",), "psum_invariant")
+  assert (row.count, row.bytes_per_call) == (1, 2 * 3 / 4 * 16)
+  pm = jax.pmap(lambda v: lax.all_gather(v, "b"), axis_name="b")
+  row = _row(collective_report(pm, X.reshape(8, 2)), ("b",), "all_gather")
+  assert (row.count, row.bytes_per_call) == (1, 7 * 8)

@@ -5,7 +5,8 @@ its equations of (a) the names an equation's own params mention (a
 collective such as ``psum[axes=('i',)]`` or a query such as
 ``axis_index[axis_name=i]``, see ``rules.AXIS_PARAMS``) and (b) the names
 used by every sub-jaxpr found in the equation's params, minus the names the
-equation binds (``shard_map``'s newly manual axes, see ``rules.BINDERS``).
+equation binds (``shard_map``'s newly manual axes, a Pallas kernel's grid
+names, see ``rules.BINDERS``).
 Sub-jaxprs are computed first (an explicit post-order walk, so deep nesting
 cannot hit Python's recursion limit) and each ``Jaxpr`` object's result is
 cached in a table keyed by identity and held weakly, so a shared sub-jaxpr is
@@ -83,6 +84,7 @@ def clear_cache() -> None:
   _NAMES.clear()
   _MANUAL.clear()
   _NAMED_EQNS.clear()
+  _HIDDEN.clear()
 
 
 def _scan_seq(seq, out: list) -> None:
@@ -135,10 +137,16 @@ def own_names(eqn: JaxprEqn) -> tuple[Hashable, ...]:
   return ()
 
 
+def binder_sizes(eqn: JaxprEqn) -> dict:
+  """``{name: size or None}`` of the names ``eqn`` binds (empty for most)."""
+  binder = rules.BINDERS.get(eqn.primitive.name)
+  return binder(eqn.params) if binder is not None else {}
+
+
 def bound_names(eqn: JaxprEqn) -> frozenset:
   """Names the equation binds for its sub-jaxprs (empty for most)."""
   binder = rules.BINDERS.get(eqn.primitive.name)
-  return binder(eqn.params) if binder is not None else _EMPTY
+  return frozenset(binder(eqn.params)) if binder is not None else _EMPTY
 
 
 def eqn_axis_names(eqn: JaxprEqn) -> frozenset:
@@ -170,7 +178,7 @@ def _eqn_names(eqn: JaxprEqn, subs: list) -> frozenset:
     inner |= names
   binder = rules.BINDERS.get(prim)
   if binder is not None and inner:
-    inner -= binder(params)
+    inner.difference_update(binder(params))
   if param is not None:
     inner.update(rules.names_in_param(params.get(param)))
   return frozenset(inner)
@@ -211,10 +219,24 @@ def named_eqns(jaxpr: Jaxpr) -> tuple[tuple[int, frozenset], ...]:
   return _NAMED_EQNS.get(jaxpr, ())
 
 
+# Jaxprs that contain, at any depth, a binder whose body uses axis names
+# (which are then hidden from the outside): present only for those.
+_HIDDEN = WeakIdentityCache()
+
+
+def uses_axes_anywhere(jaxpr: Jaxpr) -> bool:
+  """Whether any equation at any depth uses an axis name, bound or free.
+
+  ``jit(shard_map(psum over 'x'))`` uses no free name but still runs a
+  collective; walks that look for collectives descend where this is true.
+  """
+  return bool(jaxpr_axis_names(jaxpr)) or _HIDDEN.get(jaxpr, False)
+
+
 def _compute(jaxpr: Jaxpr) -> frozenset:
   names: set = set()
   named: list = []
-  local = below = False
+  local = below = hidden = False
   last_ctx = None
   for i, eqn in enumerate(jaxpr.eqns):
     subs = subjaxprs(eqn.params)
@@ -222,6 +244,10 @@ def _compute(jaxpr: Jaxpr) -> frozenset:
     if n:
       names |= n
       named.append((i, n))
+    if subs and not hidden:
+      hidden = any(_HIDDEN.get(s, False) for s in subs) or (
+          eqn.primitive.name in rules.BINDERS and
+          any(_NAMES.get(s) for s in subs))
     if not local:
       ctx = eqn.ctx
       if ctx is not last_ctx:  # contexts are interned: usually one per jaxpr
@@ -238,6 +264,8 @@ def _compute(jaxpr: Jaxpr) -> frozenset:
     _MANUAL.put(jaxpr, _LOCAL if local else _BELOW)
   if named:
     _NAMED_EQNS.put(jaxpr, tuple(named))
+  if hidden:
+    _HIDDEN.put(jaxpr, True)
   result = frozenset(names) if names else _EMPTY
   _NAMES.put(jaxpr, result)
   return result

@@ -2,9 +2,14 @@
 
 The walk is top-down with an environment ``{name: size}``: the caller's
 ``axis_sizes`` at the top, extended by each binder (``shard_map`` adds its
-newly manual mesh axes with their mesh sizes). Sub-jaxprs whose (memoized)
-free names are empty are skipped, so the walk only visits the parts of the
-program that use axis names.
+newly manual mesh axes with their mesh sizes). Sub-jaxprs that use no axis
+name at any depth (memoized by ``analysis``) are skipped, so the walk only
+visits the parts of the program that use axis names.
+
+Mismatches are checked against the size each name has where it is used:
+``ppermute`` pairs, a ``pbroadcast`` source and ``axis_index_groups`` must
+lie in ``range(size)``, a recorded ``axis_size`` must equal it, and the
+operand dimension ``all_to_all``/``psum_scatter`` split must divide by it.
 """
 
 from __future__ import annotations
@@ -32,22 +37,6 @@ def location(eqn: JaxprEqn) -> str | None:
   return f"{file_name}:{line} ({fn})"
 
 
-def binder_sizes(eqn: JaxprEqn) -> dict[Hashable, int]:
-  """``{name: size}`` for the names ``eqn`` binds in its sub-jaxprs."""
-  bound = analysis.bound_names(eqn)
-  if not bound:
-    return {}
-  params = eqn.params
-  mesh = params.get("mesh")
-  if mesh is not None:
-    shape = dict(mesh.shape)
-    return {n: shape[n] for n in bound if n in shape}
-  size = params.get("axis_size")
-  if isinstance(size, int):
-    return {n: size for n in bound}
-  return {n: None for n in bound}
-
-
 def walk(jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
          ) -> Iterator[tuple[JaxprEqn, dict, int]]:
   """Yields ``(eqn, env, multiplier)`` for every equation that uses a name.
@@ -67,11 +56,11 @@ def walk(jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
           yield eqn, e, mult
         continue
       # Descend even where a binder hides every name from the outside.
-      used_subs = [s for s in subs if analysis.jaxpr_axis_names(s)]
+      used_subs = [s for s in subs if analysis.uses_axes_anywhere(s)]
       if not used_subs and not analysis.own_names(eqn):
         continue
       yield eqn, e, mult
-      inner_env = {**e, **binder_sizes(eqn)}
+      inner_env = {**e, **analysis.binder_sizes(eqn)}
       length = eqn.params.get("length")
       inner_mult = mult * length if (eqn.primitive.name == "scan" and
                                      isinstance(length, int)) else mult
@@ -79,8 +68,13 @@ def walk(jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
         stack.append((sub, inner_env, inner_mult))
 
 
-def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping) -> list[str]:
-  """Size mismatches JAX does not catch at trace time."""
+def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping,
+                   traced_sizes: bool = True) -> list[str]:
+  """Params and operand shapes of ``eqn`` that do not fit the axis size.
+
+  ``traced_sizes``: whether ``eqn`` was traced with the sizes in ``env``
+  (then a recorded ``axis_size`` param must equal them).
+  """
   sizes = [env.get(n) for n in names]
   if any(s is None for s in sizes):
     return []
@@ -88,14 +82,22 @@ def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping) -> list[str]:
   for s in sizes:
     total *= s
   out = []
-  perm = eqn.params.get("perm")
+  params = eqn.params
+  prim = eqn.primitive.name
+  perm = params.get("perm")
   if perm is not None:
     bad = sorted({i for pair in perm for i in pair if not 0 <= i < total})
     if bad:
       out.append(f"perm {tuple(perm)} has indices {bad} outside the axis of "
                  f"size {total}")
-  groups = eqn.params.get("axis_index_groups")
+  source = params.get("source")
+  if (prim in ("pbroadcast", "pbroadcast_start") and isinstance(source, int)
+      and not 0 <= source < total):
+    out.append(f"source {source} is outside the axis of size {total}")
+  groups = params.get("axis_index_groups")
+  n = total  # the number of devices the collective runs over
   if groups is not None:
+    n = len(groups[0]) if groups else total
     flat = sorted(i for g in groups for i in g)
     if flat != list(range(total)):
       out.append(f"axis_index_groups {tuple(map(tuple, groups))} do not "
@@ -103,6 +105,27 @@ def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping) -> list[str]:
     elif len({len(g) for g in groups}) > 1:
       out.append(f"axis_index_groups {tuple(map(tuple, groups))} have "
                  "unequal sizes")
+  recorded = params.get("axis_size")
+  if traced_sizes and isinstance(recorded, int) and recorded != n:
+    out.append(f"it was traced for an axis of size {recorded}, but the axis "
+               f"has size {n} here")
+  # Operand dimensions JAX splits over the axis (it checks them only while
+  # tracing, with the sizes it was traced with).
+  shape = getattr(eqn.invars[0].aval, "shape", None) if eqn.invars else None
+  dim = None
+  if prim in ("all_to_all", "all_to_all_start"):
+    dim, what = params.get("split_axis"), "split_axis"
+  elif prim in ("reduce_scatter", "reduce_scatter_start"):
+    dim, what = params.get("scatter_dimension"), "scatter_dimension"
+  if shape is not None and isinstance(dim, int) and 0 <= dim < len(shape):
+    size = shape[dim]
+    tiled = params.get("tiled", True) or prim.startswith("all_to_all")
+    if tiled and size % n:
+      out.append(f"operand dimension {what}={dim} has size {size}, not "
+                 f"divisible by the axis size {n}")
+    elif not tiled and size != n:
+      out.append(f"operand dimension {what}={dim} has size {size}, but an "
+                 f"untiled {prim} needs it equal to the axis size {n}")
   return out
 
 
@@ -116,9 +139,14 @@ def _describe(name: Hashable, bound: tuple) -> str:
   return hint
 
 
-def problems_in(jaxpr: Jaxpr, env: Mapping[Hashable, int | None]
+def problems_in(jaxpr: Jaxpr, env: Mapping[Hashable, int | None],
+                traced_sizes: bool = True
                 ) -> list[tuple[str, Hashable, tuple, str | None, str]]:
-  """Every unbound or size-mismatched use of an axis name in ``jaxpr``."""
+  """Every unbound or size-mismatched use of an axis name in ``jaxpr``.
+
+  ``traced_sizes``: whether ``jaxpr`` was traced with the sizes in ``env``
+  (False for a retrace with placeholder sizes).
+  """
   problems = []
   for eqn, e, _ in walk(jaxpr, env):
     names = analysis.own_names(eqn)
@@ -134,7 +162,7 @@ def problems_in(jaxpr: Jaxpr, env: Mapping[Hashable, int | None]
         problems.append((prim, n, bound, location(eqn),
                          f"unbound{_describe(n, bound)}"))
     if all(n in e for n in names):
-      for detail in _size_problems(eqn, names, e):
+      for detail in _size_problems(eqn, names, e, traced_sizes):
         problems.append((prim, names[0] if len(names) == 1 else names, bound,
                          location(eqn), detail))
   return problems
@@ -149,7 +177,8 @@ def format_problem(prim, name, bound, loc, detail) -> str:
           f"names: {bound}")
 
 
-def raise_problems(problems, api: str) -> None:
+def raise_problems(problems, api: str, cause: BaseException | None = None
+                   ) -> None:
   prim, name, bound, loc, detail = problems[0]
   lines = [format_problem(*p) for p in problems]
   if any(p[4].startswith("unbound") for p in problems):
@@ -158,15 +187,45 @@ def raise_problems(problems, api: str) -> None:
            "or use one of the bound names (jaxworks.axis_names.rename_axes "
            "renames the axes of existing code).")
   else:
-    fix = ("Fix: make the collective's permutation or axis_index_groups fit "
-           "the axis size, or pass the intended size in axis_sizes.")
+    fix = ("Fix: make the collective's perm, source, axis_index_groups or "
+           "operand shape fit the axis size, or pass the intended size in "
+           "axis_sizes.")
   if len(lines) == 1:
     msg = f"{api}: {lines[0]}. {fix}"
   else:
     msg = (f"{api}: {len(lines)} problems with axis names:\n  - "
            + "\n  - ".join(lines) + f"\n{fix}")
   raise AxisNameError(msg, primitive=prim, axis_name=name, bound=bound,
-                      location=loc, problems=problems)
+                      location=loc, problems=problems) from cause
+
+
+def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
+  """Explains a trace failure that only the given axis sizes cause.
+
+  JAX checks shapes against axis sizes while tracing (``psum_scatter``,
+  ``all_to_all``) and raises a plain ``ValueError``. If ``fun`` traces with
+  every axis of size 1, the sizes are the cause: find the collective in that
+  trace and report it like any other mismatch. Returns (the caller re-raises
+  ``err``) when the sizes are not the cause.
+  """
+  if not sizes:
+    return
+  try:
+    closed, _ = tracing.trace(fun, args, kwargs, dict.fromkeys(sizes, 1),
+                              _API)
+  except Exception:  # noqa: BLE001 - fails anyway: not about axis sizes
+    return
+  problems = problems_in(closed.jaxpr, sizes, traced_sizes=False)
+  if problems:
+    raise_problems(problems, _API, cause=err)
+  loc = tracing.user_location_of_exception(err)
+  raise AxisNameError(
+      f"{_API}: tracing with axis_sizes={sizes!r} failed at "
+      f"{loc or 'an unknown location'} ({type(err).__name__}: {err}), but "
+      "succeeds with every axis of size 1: a shape does not fit an axis "
+      "size. Fix the shapes or pass the intended sizes in axis_sizes.",
+      primitive="unknown", axis_name=None, bound=tuple(sizes),
+      location=loc) from err
 
 
 def check_axis_names(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
@@ -176,10 +235,12 @@ def check_axis_names(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
 
   ``fun`` is traced with ``args``/``kwargs`` and the names in ``axis_sizes``
   bound (as a ``shard_map`` or ``pmap`` over those names would). Any other
-  free axis name is an error, as is a collective whose params disagree with
-  the axis size (a ``ppermute`` permutation or ``axis_index_groups`` outside
-  ``range(size)``). Names bound inside ``fun`` (by a ``shard_map``) are
-  checked against their mesh sizes.
+  free axis name is an error, as is a collective whose params or operand
+  disagree with the axis size (a ``ppermute`` permutation, ``pbroadcast``
+  source or ``axis_index_groups`` outside ``range(size)``, an ``all_to_all``
+  or ``psum_scatter`` dimension the size does not divide, a jaxpr traced for
+  another size). Names bound inside ``fun`` (by a ``shard_map``) are checked
+  against their mesh sizes.
 
   Args:
     fun: a function (traced with ``jax.make_jaxpr``), or a Jaxpr/ClosedJaxpr.
@@ -224,6 +285,9 @@ def check_axis_names(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
           f" {tuple(sizes)}. Pass the name in axis_sizes or bind it with "
           "jax.shard_map.", primitive="unknown", axis_name=None,
           bound=tuple(sizes), location=loc) from e
+    except Exception as e:  # noqa: BLE001 - re-raised unless sizes explain it
+      _raise_if_sizes_misfit(fun, args, kwargs, sizes, e)
+      raise
     jaxpr = closed.jaxpr
   problems = problems_in(jaxpr, sizes)
   if problems:

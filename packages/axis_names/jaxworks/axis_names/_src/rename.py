@@ -112,8 +112,8 @@ def eqn_mentions(eqn: JaxprEqn) -> frozenset:
     if isinstance(v, Literal):
       names |= _atom_names(v)
   mesh = jax_internals.eqn_context_mesh(eqn.ctx)
-  if mesh is not None and not mesh.empty:
-    names.update(mesh.axis_names)
+  if mesh is not None:
+    names |= deep.names_of(mesh)
   if eqn.effects:
     names |= jax_internals.named_axis_effect_names(eqn.effects)
   bound = analysis.bound_names(eqn)
@@ -152,13 +152,21 @@ def mentioned_names(jaxpr: Jaxpr) -> frozenset:
   return result
 
 
+def _holds_jaxpr(v: Any) -> bool:
+  t = type(v)
+  if t is ClosedJaxpr or t is Jaxpr:
+    return True
+  if isinstance(v, (tuple, list)):
+    return bool(v) and bool(analysis.subjaxprs({None: v}))
+  return isinstance(v, (ClosedJaxpr, Jaxpr))
+
+
 class _Renamer:
   """One rename pass; memos keep shared sub-jaxprs and values shared."""
 
   def __init__(self):
     self.memo: dict[tuple, tuple[Jaxpr, Jaxpr]] = {}
     self.value_memo: dict[int, tuple[Any, Any]] = {}
-    self.eqns_rebuilt = 0
 
   def jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
     if mentioned_names(jaxpr).isdisjoint(mapping):
@@ -267,7 +275,7 @@ class _Renamer:
             f"{location(eqn) or 'an unknown location'}, which binds "
             f"{sorted(bound, key=repr)}; pick new names that the inner {prim} "
             "does not bind")
-    return params, param, inner
+    return params, param, inner, subs
 
   def _light_eqn(self, eqn: JaxprEqn, mapping: Mapping) -> JaxprEqn:
     """Renames an equation of a jaxpr whose types mention no manual axis.
@@ -275,20 +283,11 @@ class _Renamer:
     Only the collective's own param and the params holding sub-jaxprs can
     change; everything else is carried over.
     """
-    params = eqn.params
-    jaxpr_keys = [k for k, v in params.items()
-                  if type(v) is ClosedJaxpr or type(v) is Jaxpr or (
-                      isinstance(v, (tuple, list, ClosedJaxpr, Jaxpr)) and
-                      analysis.subjaxprs({k: v}))]
-    if not jaxpr_keys:
-      params, _, _ = self._params_and_inner(eqn, mapping)
-    else:
-      params, param, inner = self._params_and_inner(eqn, mapping)
-      if inner:
-        for k in jaxpr_keys:
-          if k != param:
-            params[k] = self.param(eqn.params[k], inner)
-    self.eqns_rebuilt += 1
+    params, param, inner, subs = self._params_and_inner(eqn, mapping)
+    if subs and inner:
+      for k, v in eqn.params.items():
+        if k != param and _holds_jaxpr(v):
+          params[k] = self.param(v, inner)
     return eqn.replace(params=params,
                        effects=_rename_effects(eqn.effects, mapping))
 
@@ -298,7 +297,7 @@ class _Renamer:
     if not in_changed and eqn_mentions(eqn).isdisjoint(mapping):
       return eqn
     outvars = [sub(v) for v in eqn.outvars]
-    params, param, inner = self._params_and_inner(eqn, mapping)
+    params, param, inner, _ = self._params_and_inner(eqn, mapping)
     if inner:
       for k, v in eqn.params.items():
         if k != param:
@@ -308,7 +307,6 @@ class _Renamer:
     if mesh is not None:
       ctx = jax_internals.eqn_context_with_mesh(
           ctx, deep.rename(mesh, mapping, self.value_memo))
-    self.eqns_rebuilt += 1
     return eqn.replace(invars=invars, outvars=outvars, params=params,
                        effects=_rename_effects(eqn.effects, mapping), ctx=ctx)
 

@@ -6,8 +6,10 @@ a ``while`` body once (its trip count is dynamic), and every branch of a
 ``cond`` counts (an upper bound).
 
 Bytes are per device, per call, for the usual ring/direct algorithms with
-``n`` the product of the collective's axis sizes and ``B`` the bytes of the
-per-device operand(s):
+``n`` the product of the collective's axis sizes (the group size with
+``axis_index_groups``) and ``B`` the bytes of the per-device operand(s); for
+``ppermute`` the ``pairs`` sending devices each send ``B``, averaged over all
+``n`` devices:
 
 ================================  =====================
 all-reduce (psum, pmax, pmin)     2 (n-1)/n B
@@ -61,9 +63,18 @@ def _nbytes(avals) -> int:
 
 
 def bytes_moved(eqn: JaxprEqn, n: int) -> float:
-  """Estimated bytes one device sends for one execution of ``eqn``."""
+  """Estimated bytes one device sends for one execution of ``eqn``.
+
+  ``n`` is the product of the collective's axis sizes; with
+  ``axis_index_groups`` the collective runs within groups of their size.
+  """
   prim = eqn.primitive.name
-  b_in = _nbytes(v.aval for v in eqn.invars)
+  groups = eqn.params.get("axis_index_groups")
+  if groups:
+    n = len(groups[0])
+  # ragged_all_to_all's other operands are the output buffer and offsets.
+  operands = eqn.invars[:1] if prim == "ragged_all_to_all" else eqn.invars
+  b_in = _nbytes(v.aval for v in operands)
   if n <= 1:
     return 0.0
   if prim in _ALL_REDUCE:

@@ -6,8 +6,9 @@ Two small tables drive the whole package:
   axis name(s) it uses (``psum[axes=('i', 0)]``, ``ppermute[axis_name=('i',)]``).
   Integers in these params are positional axes, not names.
 * ``BINDERS``: for each higher-order primitive that binds axis names, a
-  function from its params to the names it binds. Names used inside its
-  sub-jaxprs stop at the binder.
+  function from its params to ``{name: size}`` of the names it binds (size
+  None when not static). Names used inside its sub-jaxprs stop at the
+  binder.
 
 Sub-jaxprs themselves are not listed anywhere: they are found by scanning
 every param value (and tuples/lists of them) for ``Jaxpr``/``ClosedJaxpr``.
@@ -79,21 +80,45 @@ def rename_in_param(value: Any, mapping: Mapping[Hashable, Hashable]) -> Any:
   return mapping.get(value, value)
 
 
-def _shard_map_binds(params: Mapping[str, Any]) -> frozenset:
+def _shard_map_binds(params: Mapping[str, Any]) -> dict:
   # shard_map makes ``newly_manual_axes`` manual; axes that were already
   # manual are bound by an enclosing shard_map. (JAX's own effect filter
   # drops all of ``mesh.axis_names``; that differs only for a nested
   # shard_map that uses an outer manual axis, where this is the exact set.)
-  return frozenset(params["newly_manual_axes"])
+  shape = params["mesh"].shape
+  return {n: shape.get(n) for n in params["newly_manual_axes"]}
 
 
-def _pmap_binds(params: Mapping[str, Any]) -> frozenset:
+def _pmap_binds(params: Mapping[str, Any]) -> dict:
   # The pre-0.10 ``xla_pmap`` primitive (JAX 0.10 builds pmap from jit and
   # shard_map); kept so jaxprs from other JAX versions analyse correctly.
-  return frozenset(names_in_param(params["axis_name"]))
+  size = params.get("axis_size")
+  return {n: size for n in names_in_param(params["axis_name"])}
 
 
-BINDERS: dict[str, Callable[[Mapping[str, Any]], frozenset]] = {
+def _pallas_call_binds(params: Mapping[str, Any]) -> dict:
+  # A Pallas kernel's named grid axes (``grid=(("g", 2),)``): inside the
+  # kernel ``lax.axis_index("g")`` is the grid index. Dynamic grid bounds
+  # have no static size.
+  grid_mapping = params["grid_mapping"]
+  names = grid_mapping.grid_names or ()
+  return {n: s if isinstance(s, int) else None
+          for n, s in zip(names, grid_mapping.grid)}
+
+
+def _mesh_shape_binds(*meshes) -> dict:
+  out: dict = {}
+  for mesh in meshes:
+    out.update(mesh.shape)
+  return out
+
+
+BINDERS: dict[str, Callable[[Mapping[str, Any]], dict]] = {
     "shard_map": _shard_map_binds,
     "xla_pmap": _pmap_binds,
+    "pallas_call": _pallas_call_binds,
+    # Pallas ``core_map`` binds its core mesh's axes; ``mpmd_map`` the axes
+    # of all its meshes (JAX traces each body with all of them bound).
+    "core_map": lambda params: _mesh_shape_binds(params["mesh"]),
+    "mpmd_map": lambda params: _mesh_shape_binds(*params["meshes"]),
 }

@@ -90,18 +90,22 @@ try:
 except ImportError:  # pragma: no cover - jaxlib always comes with jax
   _JAXLIB_DIR = ()
 
-# Frames in these directories are not the user's: JAX, jaxlib, this package
-# and the standard library.
+# Frames in these directories are not the user's: JAX, jaxlib and this
+# package; nor is the standard library, except packages installed inside
+# its tree (``.../lib/python3.X/site-packages`` of a system Python).
 _NOT_USER = (_dir_of(jax), *_JAXLIB_DIR,
              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) +
-             os.sep,
-             sysconfig.get_path("stdlib") + os.sep)
+             os.sep)
+_STDLIB = sysconfig.get_path("stdlib") + os.sep
+_INSTALLED = (os.sep + "site-packages" + os.sep,
+              os.sep + "dist-packages" + os.sep)
 
 
 def _is_user_file(filename: str) -> bool:
-  if filename.endswith("_test.py"):
-    return True
-  return not os.path.abspath(filename).startswith(_NOT_USER)
+  path = os.path.abspath(filename)
+  if path.startswith(_NOT_USER):
+    return False
+  return not path.startswith(_STDLIB) or any(p in path for p in _INSTALLED)
 
 
 def user_location_of_exception(err: BaseException) -> str | None:
