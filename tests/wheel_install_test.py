@@ -89,12 +89,23 @@ print(json.dumps({"imported": imported, "called": called}))
 """
 
 
-def _install_and_probe(wheels, tmp_path):
-    python = _make_venv(str(tmp_path / "venv"))
-    subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check", "-q",
-                    *wheels], check=True, env=_clean_env())
-    neutral = tempfile.mkdtemp(dir=str(tmp_path))
-    out = subprocess.run([python, "-c", _PROBE, json.dumps(EXTENSION_CALLS)], cwd=neutral, check=True,
+_VENVS = {}
+
+
+def _installed_python(kind, tmp_path_factory):
+    """A fresh venv with the `kind` wheels installed (made once per kind)."""
+    if kind not in _VENVS:
+        root = tmp_path_factory.mktemp(f"venv_{kind}")
+        python = _make_venv(str(root / "venv"))
+        subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+                        "-q", *_wheels(kind)], check=True, env=_clean_env())
+        _VENVS[kind] = python
+    return _VENVS[kind]
+
+
+def _install_and_probe(kind, tmp_path_factory, tmp_path):
+    python = _installed_python(kind, tmp_path_factory)
+    out = subprocess.run([python, "-c", _PROBE, json.dumps(EXTENSION_CALLS)], cwd=str(tmp_path), check=True,
                          capture_output=True, text=True, env=_clean_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -133,9 +144,9 @@ def test_per_package_requires_dist_names_jaxworks_dependencies():
 
 
 @pytest.mark.parametrize("kind", ["per_package", "combined"])
-def test_install_import_and_call_extensions(kind, tmp_path):
+def test_install_import_and_call_extensions(kind, tmp_path_factory, tmp_path):
     wheels = _wheels(kind)
-    result = _install_and_probe(wheels, tmp_path)
+    result = _install_and_probe(kind, tmp_path_factory, tmp_path)
     assert set(result["called"]) == _expected_extensions(wheels)
     packages = {n.split(".")[1] for n in result["imported"]}
     assert packages == {os.path.basename(w).split("-")[0].removeprefix("jaxworks_") for w in _wheels("per_package")}
@@ -151,3 +162,15 @@ def test_extensions_export_only_their_init_function(tmp_path):
                             if len(line.split()) == 3 and line.split()[1].isupper()}
                 module = os.path.basename(name)[:-3]
                 assert exported == {f"PyInit_{module}"}, f"{name} exports {sorted(exported)}"
+
+
+def test_combined_wheel_runs_the_tour(tmp_path_factory, tmp_path):
+    """The tour, copied out of the repository, runs against the installed combined wheel alone."""
+    python = _installed_python("combined", tmp_path_factory)
+    tour = tmp_path / "tour.py"
+    with open(os.environ["JAXWORKS_TOUR"], encoding="utf-8") as f:
+        tour.write_text(f.read())
+    out = subprocess.run([python, str(tour)], cwd=str(tmp_path), capture_output=True, text=True, env=_clean_env(),
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "All checks passed" in out.stdout

@@ -109,6 +109,7 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         srcs = srcs,
         main = srcs[0],
         deps = deps + [_pypi_label(p) for p in pypi],
+        visibility = ["//benchmarks:__pkg__"],  # //benchmarks:all runs every package's benchmark
         **kwargs
     )
     py_test(

@@ -397,6 +397,9 @@ class Pmapped:
           out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
         return jax.tree_util.tree_unflatten(out_tree, out_leaves)
     functools.update_wrapper(program, self._fun, updated=())
+    # The program takes flat leaves: keep the user's name for jaxprs and
+    # errors, but not their signature (jit checks donate_argnums against it).
+    del program.__wrapped__
     donate_argnums = self._donated_leaves(treedef, nargs)
     if nested or extra_axes:
       # Inner axes of a nested pmap may shard the inputs too; let jit take
