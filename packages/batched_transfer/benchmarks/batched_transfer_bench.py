@@ -72,15 +72,18 @@ def transfer_table(sizes, repeats) -> list[str]:
 def grouping_table(sizes, repeats) -> list[str]:
   """C++ pass vs the straightforward Python loop (same keys, same byte counts).
 
-  Inputs look like real trees: numpy leaves of a checkpoint going to one device,
-  jax.Arrays produced a few per call on 8 devices (so runs share sharding
-  objects), and a mix of both with per-leaf targets.
+  Inputs: numpy leaves of a checkpoint going to one device; jax.Arrays on 8
+  devices drawn from a pool of 1000 (each single-device jax.Array has its own
+  sharding object, so each such object recurs n / 1000 times, as in a tree
+  whose leaves share shardings); a mix of both with per-leaf targets; and n
+  distinct single-device jax.Arrays (no sharding object recurs: the worst case
+  for the C++ pass's caches).
   """
   devices = jax.devices()
   rng = np.random.default_rng(1)
   host_pool = [np.zeros(int(k) + 1, np.float32) for k in rng.integers(0, 64, 1000)]
   dev_pool = []
-  for d in devices:  # one device_put per device: its outputs share one sharding object
+  for d in devices:
     dev_pool += jax.device_put([np.ones(4, np.float32)] * 125, d)
   jax.block_until_ready(dev_pool)
   shardings = [SingleDeviceSharding(d) for d in devices[:4]] + [None]
@@ -95,6 +98,9 @@ def grouping_table(sizes, repeats) -> list[str]:
         ("mixed, per-leaf targets",
          [host_pool[i % 1000] if p else dev_pool[i % 1000] for i, p in enumerate(picks)],
          [shardings[k] for k in rng.integers(0, len(shardings), n)]),
+        ("jax.Array, all distinct",
+         jax.block_until_ready(jax.device_put([np.ones(4, np.float32)] * n, devices[2])),
+         [shardings[1]] * n),
     ]
     for name, leaves, dsts in inputs:
       m = interleaved_medians({

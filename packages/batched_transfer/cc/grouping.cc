@@ -1,9 +1,9 @@
 #include "grouping.h"
 
 #include <cstddef>
-#include <functional>  // std::hash
+#include <cstdint>
+#include <deque>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -13,9 +13,8 @@ namespace jaxworks::batched_transfer {
 namespace {
 
 constexpr const char* kApi = "jaxworks.batched_transfer._grouping.group_leaves";
-constexpr size_t kIdentityEntries = 1024;
 
-// repr() that never throws; long reprs are cut.
+// repr() that never throws; long reprs are cut (at a UTF-8 character boundary).
 std::string SafeRepr(py::handle obj) {
   std::string out;
   try {
@@ -25,7 +24,11 @@ std::string SafeRepr(py::handle obj) {
   } catch (py::cast_error&) {
     out = std::string("<") + Py_TYPE(obj.ptr())->tp_name + " object>";
   }
-  if (out.size() > 120) out = out.substr(0, 117) + "...";
+  if (out.size() > 120) {
+    size_t cut = 117;
+    while (cut > 0 && (static_cast<unsigned char>(out[cut]) & 0xC0) == 0x80) --cut;
+    out = out.substr(0, cut) + "...";
+  }
   return out;
 }
 
@@ -63,7 +66,7 @@ py::tuple AsTuple(py::handle seq, const char* what) {
 }
 
 // getattr(obj, name) as a new reference; throws error_already_set on failure.
-py::object GetAttr(py::handle obj, const py::str& name) {
+py::object GetAttr(py::handle obj, py::handle name) {
   PyObject* v = PyObject_GetAttr(obj.ptr(), name.ptr());
   if (v == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(v);
@@ -99,15 +102,137 @@ int64_t CheckedMul(int64_t a, int64_t b, const What& what) {
   return out;
 }
 
-// Attribute names, made into Python strings once per call.
+// A Python string interned once per call: attribute lookups with it find the
+// name in type and instance dicts by pointer.
+py::str Interned(const std::string& text) {
+  PyObject* s = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), nullptr);
+  if (s == nullptr) throw py::error_already_set();
+  PyUnicode_InternInPlace(&s);
+  return py::reinterpret_steal<py::str>(s);
+}
+
+// The same string interned (str subclasses are returned as they are).
+py::object Interned(py::handle str) {
+  PyObject* s = str.ptr();
+  Py_INCREF(s);
+  if (PyUnicode_CheckExact(s)) PyUnicode_InternInPlace(&s);
+  return py::reinterpret_steal<py::object>(s);
+}
+
 struct Names {
-  py::str nbytes{"nbytes"};
-  py::str memory_kind{"memory_kind"};  // fallback when memory_kind_attr is missing
-  py::str shape{"shape"};
-  py::str dtype{"dtype"};
-  py::str itemsize{"itemsize"};
+  py::str nbytes = Interned("nbytes");
+  py::str memory_kind = Interned("memory_kind");  // fallback when memory_kind_attr is missing
+  py::str shape = Interned("shape");
+  py::str dtype = Interned("dtype");
+  py::str itemsize = Interned("itemsize");
   py::str devices;
   py::str memory_kind_attr;
+};
+
+// A value computed once per distinct object, found by the object's pointer.
+//
+// In many trees every leaf brings new objects (each single-device jax.Array has
+// its own sharding object), so a miss must cost little next to the attribute
+// reads a hit saves: the cache is one flat open-addressing array (no
+// allocation per entry) that stops growing at kMaxCached entries, where it
+// still fits in the CPU's L2 cache (measured: letting it grow to 100k entries
+// costs more than it saves). The cache holds a reference to each key, so its
+// pointer cannot be reused by another object while the pass runs user code
+// (properties, __eq__).
+template <typename V>
+class IdentityCache {
+ public:
+  static constexpr size_t kMaxCached = 4096;
+
+  explicit IdentityCache(size_t max_entries = kMaxCached)
+      : max_entries_(max_entries), slots_(size_t{1} << bits_) {}
+  IdentityCache(const IdentityCache&) = delete;
+  IdentityCache& operator=(const IdentityCache&) = delete;
+
+  // The cached value, or nullptr.
+  const V* Find(py::handle obj) const {
+    for (size_t i = Slot0(obj.ptr());; i = Next(i)) {
+      const Slot& s = slots_[i];
+      if (s.key == obj.ptr()) return &s.value;
+      if (s.key == nullptr) return nullptr;
+    }
+  }
+
+  // Adds obj (not in the cache yet, unless the cache is full) and returns value.
+  V Insert(py::handle obj, V value) {
+    if (keys_.size() == max_entries_) return value;
+    if (2 * (keys_.size() + 1) > slots_.size()) Grow();
+    keys_.push_back(py::reinterpret_borrow<py::object>(obj));
+    Place(obj.ptr(), value);
+    return value;
+  }
+
+ private:
+  struct Slot {
+    PyObject* key = nullptr;
+    V value{};
+  };
+
+  size_t Slot0(PyObject* key) const {  // Fibonacci hashing of the address
+    return static_cast<size_t>((reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull) >>
+                               (64 - bits_));
+  }
+  size_t Next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
+
+  void Place(PyObject* key, const V& value) {
+    size_t i = Slot0(key);
+    while (slots_[i].key != nullptr) i = Next(i);
+    slots_[i] = Slot{key, value};
+  }
+
+  void Grow() {
+    std::vector<Slot> old(size_t{1} << ++bits_);
+    old.swap(slots_);
+    for (const Slot& s : old) {
+      if (s.key != nullptr) Place(s.key, s.value);
+    }
+  }
+
+  size_t max_entries_;
+  int bits_ = 4;
+  std::vector<Slot> slots_;      // load factor <= 1/2
+  std::vector<py::object> keys_;  // the references, in insertion order
+};
+
+// Reads one attribute of objects of one exact type. When the type uses the
+// generic attribute lookup and the attribute is a property defined on the
+// type, that lookup always ends in the property's getter, so the getter is
+// called directly (jax.Array's ._sharding and .aval are such properties; this
+// saves about a third of each read).
+class AttrReader {
+ public:
+  AttrReader() = default;
+  AttrReader(PyTypeObject* type, py::object name) : name_(std::move(name)) {
+    if (type->tp_getattro != PyObject_GenericGetAttr || !PyUnicode_CheckExact(name_.ptr())) return;
+    PyObject* descr = _PyType_Lookup(type, name_.ptr());  // borrowed; no error set
+    if (descr == nullptr || !Py_IS_TYPE(descr, &PyProperty_Type)) return;
+    PyObject* fget = PyObject_GetAttrString(descr, "fget");
+    if (fget == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    getter_ = py::reinterpret_steal<py::object>(fget);
+    if (getter_.is_none()) getter_ = py::object();
+  }
+
+  const py::object& name() const { return name_; }
+
+  // getattr(obj, name) as a new reference; throws error_already_set on failure.
+  py::object operator()(py::handle obj) const {
+    PyObject* v = getter_ ? PyObject_CallOneArg(getter_.ptr(), obj.ptr())
+                          : PyObject_GetAttr(obj.ptr(), name_.ptr());
+    if (v == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(v);
+  }
+
+ private:
+  py::object name_;
+  py::object getter_;  // the property's fget, or null
 };
 
 enum class SizeRule { kFixed, kNbytes, kShapeDtype };
@@ -115,16 +240,30 @@ enum class SizeRule { kFixed, kNbytes, kShapeDtype };
 struct KindInfo {
   int code = kOtherKind;
   bool on_device = false;     // whether the leaf has a source sharding
-  py::object sharding_attr;  // the attribute holding it (on-device kinds only)
+  AttrReader sharding;        // reads it (on-device kinds only)
   SizeRule rule = SizeRule::kFixed;
   int64_t fixed = 0;
-  py::object size_attr;  // for kShapeDtype: attribute holding shape/dtype, None = the leaf
+  bool size_of_leaf = true;  // for kShapeDtype: shape/dtype of the leaf, or of an attribute:
+  AttrReader size_holder;
 };
 
-// Parses the kinds dict into a map keyed by exact type. The type objects are
-// kept alive in `keep_alive` so their pointers stay valid for the call.
-std::unordered_map<PyTypeObject*, KindInfo> ParseKinds(py::handle kinds,
-                                                       std::vector<py::object>* keep_alive) {
+// The kinds dict, parsed: what to do with a leaf of each exact type.
+class KindTable {
+ public:
+  explicit KindTable(py::handle kinds);
+
+  const KindInfo& Get(PyTypeObject* type) const {
+    const size_t* k = index_.Find(reinterpret_cast<PyObject*>(type));
+    return k == nullptr ? other_ : infos_[*k];
+  }
+
+ private:
+  std::vector<KindInfo> infos_;
+  IdentityCache<size_t> index_{SIZE_MAX};  // type -> position in infos_
+  const KindInfo other_;
+};
+
+KindTable::KindTable(py::handle kinds) {
   if (!PyDict_Check(kinds.ptr())) {
     RaiseTypeError(std::string(kApi) +
                    ": kinds must be a dict {type: (code, sharding_attr, size)}, got " +
@@ -133,7 +272,6 @@ std::unordered_map<PyTypeObject*, KindInfo> ParseKinds(py::handle kinds,
   // A snapshot of the items: reading the values below may run Python code.
   py::list items = py::reinterpret_steal<py::list>(PyDict_Items(kinds.ptr()));
   if (!items) throw py::error_already_set();
-  std::unordered_map<PyTypeObject*, KindInfo> out;
   for (py::handle item : items) {
     py::handle key = PyTuple_GET_ITEM(item.ptr(), 0);
     py::handle value = PyTuple_GET_ITEM(item.ptr(), 1);
@@ -157,12 +295,12 @@ std::unordered_map<PyTypeObject*, KindInfo> ParseKinds(py::handle kinds,
     if (overflow != 0 || c < -1 || c > (1 << 30)) bad();
     info.code = static_cast<int>(c);
     info.on_device = sharding_attr != Py_None;
-    info.sharding_attr = py::reinterpret_borrow<py::object>(sharding_attr);
+    const auto type = reinterpret_cast<PyTypeObject*>(key.ptr());
+    if (info.on_device) info.sharding = AttrReader(type, Interned(sharding_attr));
     if (PyUnicode_Check(size)) {
       info.rule = SizeRule::kShapeDtype;
-      info.size_attr = PyUnicode_GET_LENGTH(size) == 0
-                           ? py::object(py::none())
-                           : py::reinterpret_borrow<py::object>(size);
+      info.size_of_leaf = PyUnicode_GET_LENGTH(size) == 0;
+      if (!info.size_of_leaf) info.size_holder = AttrReader(type, Interned(size));
     } else if (PyLong_Check(size) && !PyBool_Check(size)) {
       long long f = PyLong_AsLongLongAndOverflow(size, &overflow);
       if (overflow != 0 || f < -1) bad();
@@ -171,17 +309,36 @@ std::unordered_map<PyTypeObject*, KindInfo> ParseKinds(py::handle kinds,
     } else {
       bad();
     }
-    keep_alive->push_back(py::reinterpret_borrow<py::object>(key));
-    out[reinterpret_cast<PyTypeObject*>(key.ptr())] = std::move(info);
+    index_.Insert(key, infos_.size());  // dict keys are unique
+    infos_.push_back(std::move(info));
   }
-  return out;
 }
 
-// The device list and memory kind of one sharding object.
+// Maps each object to the first object seen that is == to it. Equal device
+// lists (or memory kinds) held by distinct objects thereby become one pointer,
+// so a group key can be compared by identity alone.
+class Canonicalizer {
+ public:
+  // A borrowed reference, owned by this object. `what()` names `obj` in errors.
+  template <typename What>
+  PyObject* Get(py::handle obj, const What& what) {
+    PyObject* canonical = PyDict_SetDefault(first_.ptr(), obj.ptr(), obj.ptr());
+    if (canonical != nullptr) return canonical;
+    py::error_already_set err;
+    const bool hashable = PyObject_Hash(obj.ptr()) != -1 || !PyErr_Occurred();
+    PyErr_Clear();
+    RaiseTypeErrorFrom(
+        err, what() + (hashable ? " could not be compared with ==" : " are not hashable"));
+  }
+
+ private:
+  py::dict first_;  // obj -> the first object == to it
+};
+
+// The device list and memory kind of one sharding, as canonical pointers.
 struct Placement {
-  py::object sharding;  // keeps the sharding (and so the pointer key) alive for the call
-  py::object devices;
-  py::object memory_kind;
+  PyObject* devices;
+  PyObject* memory_kind;
 };
 
 // Reads each distinct sharding object once per call.
@@ -189,98 +346,116 @@ class PlacementCache {
  public:
   explicit PlacementCache(const Names& names) : names_(names) {}
 
-  const Placement& Get(py::handle sharding, Py_ssize_t i, const char* role) {
-    auto it = map_.find(sharding.ptr());
-    if (it != map_.end()) return it->second;
-    Placement p;
+  Placement Get(py::handle sharding, Py_ssize_t i, const char* role) {
+    if (const Placement* p = cache_.Find(sharding)) return *p;
+    auto what = [&]() {
+      return std::string(kApi) + ": the " + role + " of leaf " + std::to_string(i);
+    };
+    const Readers& read = ReadersFor(Py_TYPE(sharding.ptr()));
+    py::object devices, memory_kind;
     try {
-      p.devices = GetAttr(sharding, names_.devices);
-      PyObject* mk = PyObject_GetAttr(sharding.ptr(), names_.memory_kind_attr.ptr());
-      if (mk == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();  // not a jax sharding class: use the public property
-        mk = PyObject_GetAttr(sharding.ptr(), names_.memory_kind.ptr());
+      devices = read.devices(sharding);
+      try {
+        memory_kind = read.memory_kind(sharding);
+      } catch (py::error_already_set& err) {
+        if (!err.matches(PyExc_AttributeError)) throw;
+        // Not a jax.sharding class: the public property.
+        memory_kind = GetAttr(sharding, names_.memory_kind);
       }
-      if (mk == nullptr) throw py::error_already_set();
-      p.memory_kind = py::reinterpret_steal<py::object>(mk);
     } catch (py::error_already_set& err) {
-      RaiseTypeErrorFrom(err, std::string(kApi) + ": the " + role + " of leaf " +
-                                  std::to_string(i) + " must be a jax.sharding.Sharding, got " +
+      RaiseTypeErrorFrom(err, what() + " must be a jax.sharding.Sharding, got " +
                                   SafeRepr(sharding));
     }
-    p.sharding = py::reinterpret_borrow<py::object>(sharding);
-    return map_.emplace(sharding.ptr(), std::move(p)).first->second;
+    Placement p;
+    p.devices = devices_.Get(devices, [&]() {
+      return what() + " (" + SafeRepr(sharding) + "): its devices " + SafeRepr(devices);
+    });
+    p.memory_kind = memory_kinds_.Get(memory_kind, [&]() {
+      return what() + " (" + SafeRepr(sharding) + "): its memory kind " + SafeRepr(memory_kind);
+    });
+    return cache_.Insert(sharding, p);
   }
 
  private:
+  struct Readers {
+    AttrReader devices;
+    AttrReader memory_kind;
+  };
+
+  const Readers& ReadersFor(PyTypeObject* type) {
+    const auto key = reinterpret_cast<PyObject*>(type);
+    const size_t* k = readers_of_.Find(key);
+    if (k == nullptr) {
+      readers_.push_back({AttrReader(type, names_.devices),
+                          AttrReader(type, names_.memory_kind_attr)});
+      readers_of_.Insert(key, readers_.size() - 1);
+      return readers_.back();
+    }
+    return readers_[*k];
+  }
+
   const Names& names_;
-  std::unordered_map<PyObject*, Placement> map_;  // node based: references stay valid
+  std::deque<Readers> readers_;  // per sharding type (a deque: references stay valid)
+  IdentityCache<size_t> readers_of_{SIZE_MAX};
+  Canonicalizer devices_;
+  Canonicalizer memory_kinds_;
+  IdentityCache<Placement> cache_;
 };
 
-// The grouping key by identity: kind and the four component pointers. The
-// pointed-to objects are owned by the PlacementCache or are None.
-struct PtrKey {
+// The grouping key: kind and the four canonical component pointers (None for
+// the source of host leaves). Equal keys <=> equal components.
+struct GroupKey {
   int kind;
   PyObject* parts[4];
-  bool operator==(const PtrKey& o) const {
+  bool operator==(const GroupKey& o) const {
     return kind == o.kind && parts[0] == o.parts[0] && parts[1] == o.parts[1] &&
            parts[2] == o.parts[2] && parts[3] == o.parts[3];
   }
 };
 
-struct PtrKeyHash {
-  size_t operator()(const PtrKey& k) const {
-    size_t h = std::hash<int>()(k.kind);
-    for (PyObject* p : k.parts) h = h * 1000003 ^ std::hash<const void*>()(p);
-    return h;
-  }
-};
-
-// The grouping key by value: Python hash and ==, for components that are equal
-// but not identical (two shardings with equal device lists).
-struct Key {
-  int kind;
-  py::object parts[4];
-  Py_hash_t hash;
-};
-
-struct KeyHash {
-  size_t operator()(const Key& k) const { return static_cast<size_t>(k.hash); }
-};
-
-// Identity first, then Python ==. A raising __eq__ propagates as
-// error_already_set (std::unordered_map::find is exception neutral).
-struct KeyEq {
-  bool operator()(const Key& a, const Key& b) const {
-    if (a.kind != b.kind || a.hash != b.hash) return false;
-    for (int j = 0; j < 4; ++j) {
-      if (a.parts[j].ptr() == b.parts[j].ptr()) continue;
-      int eq = PyObject_RichCompareBool(a.parts[j].ptr(), b.parts[j].ptr(), Py_EQ);
-      if (eq < 0) throw py::error_already_set();
-      if (eq == 0) return false;
+// Group ids by key, open addressing over the (usually few) groups.
+class GroupIndex {
+ public:
+  // The id of key's group (ids count from 0 in order of first appearance), and
+  // whether this call added it.
+  std::pair<size_t, bool> FindOrAdd(const GroupKey& key) {
+    if (2 * (keys_.size() + 1) > slots_.size()) Grow();
+    size_t i = Slot0(key);
+    for (; slots_[i] != kEmpty; i = Next(i)) {
+      if (keys_[slots_[i]] == key) return {slots_[i], false};
     }
-    return true;
+    slots_[i] = keys_.size();
+    keys_.push_back(key);
+    return {slots_[i], true};
   }
+
+ private:
+  static constexpr size_t kEmpty = SIZE_MAX;
+
+  size_t Slot0(const GroupKey& key) const {
+    uint64_t h = static_cast<uint64_t>(key.kind);
+    for (PyObject* p : key.parts) h = (h ^ reinterpret_cast<uintptr_t>(p)) * 0x9E3779B97F4A7C15ull;
+    return static_cast<size_t>(h >> (64 - bits_));
+  }
+  size_t Next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
+
+  void Grow() {
+    slots_.assign(size_t{1} << ++bits_, kEmpty);
+    for (size_t id = 0; id < keys_.size(); ++id) {
+      size_t i = Slot0(keys_[id]);
+      while (slots_[i] != kEmpty) i = Next(i);
+      slots_[i] = id;
+    }
+  }
+
+  int bits_ = 3;
+  std::vector<size_t> slots_ = std::vector<size_t>(size_t{1} << bits_, kEmpty);
+  std::vector<GroupKey> keys_;  // by id
 };
 
-Key MakeKey(int kind, PyObject* const parts[4]) {
-  static const char* const kNames[4] = {"source devices", "destination devices",
-                                        "source memory kind", "destination memory kind"};
-  Key key{kind, {}, static_cast<Py_hash_t>(kind) * 1000003};
-  for (int j = 0; j < 4; ++j) {
-    key.parts[j] = py::reinterpret_borrow<py::object>(parts[j]);
-    Py_hash_t p = PyObject_Hash(parts[j]);
-    if (p == -1 && PyErr_Occurred()) {
-      py::error_already_set err;
-      RaiseTypeErrorFrom(err, std::string(kApi) + ": the " + kNames[j] + " " +
-                                  SafeRepr(key.parts[j]) + " are not hashable");
-    }
-    key.hash = (key.hash ^ p) * 1000003;
-  }
-  if (key.hash == -1) key.hash = -2;
-  return key;
-}
-
-// Bytes of a leaf whose size rule is kShapeDtype: prod(shape) * dtype.itemsize.
+// Bytes of a leaf whose size rule is kShapeDtype: prod(shape) * dtype.itemsize,
+// computed once per distinct holder object (jax.Arrays of one shape and dtype
+// usually share their abstract value) and itemsize once per dtype object.
 class SizeReader {
  public:
   explicit SizeReader(const Names& names) : names_(names) {}
@@ -288,10 +463,15 @@ class SizeReader {
   int64_t Read(py::handle leaf, const KindInfo& info, Py_ssize_t i) {
     auto what = [&]() { return LeafText(i, leaf) + " size"; };
     py::object holder;
+    try {
+      holder = info.size_of_leaf ? py::reinterpret_borrow<py::object>(leaf)
+                                 : info.size_holder(leaf);
+    } catch (py::error_already_set& err) {
+      RaiseTypeErrorFrom(err, what() + ": could not read .shape and .dtype");
+    }
+    if (const int64_t* bytes = bytes_.Find(holder)) return *bytes;
     py::object shape, dtype;
     try {
-      holder = info.size_attr.is_none() ? py::reinterpret_borrow<py::object>(leaf)
-                                        : GetAttr(leaf, info.size_attr);
       shape = GetAttr(holder, names_.shape);
       dtype = GetAttr(holder, names_.dtype);
     } catch (py::error_already_set& err) {
@@ -305,9 +485,8 @@ class SizeReader {
       count = CheckedMul(count, ReadCount(PyTuple_GET_ITEM(shape.ptr(), d), what), what);
     }
     int64_t itemsize;
-    auto it = itemsize_.find(dtype.ptr());
-    if (it != itemsize_.end()) {
-      itemsize = it->second;
+    if (const int64_t* cached = itemsize_.Find(dtype)) {
+      itemsize = *cached;
     } else {
       py::object v;
       try {
@@ -315,17 +494,15 @@ class SizeReader {
       } catch (py::error_already_set& err) {
         RaiseTypeErrorFrom(err, what() + ": .dtype has no .itemsize");
       }
-      itemsize = ReadCount(v, [&]() { return what() + " itemsize"; });
-      keep_.push_back(dtype);  // keeps the pointer key valid for the call
-      itemsize_.emplace(dtype.ptr(), itemsize);
+      itemsize = itemsize_.Insert(dtype, ReadCount(v, [&]() { return what() + " itemsize"; }));
     }
-    return CheckedMul(count, itemsize, what);
+    return bytes_.Insert(holder, CheckedMul(count, itemsize, what));
   }
 
  private:
   const Names& names_;
-  std::unordered_map<PyObject*, int64_t> itemsize_;
-  std::vector<py::object> keep_;
+  IdentityCache<int64_t> bytes_;     // holder -> bytes
+  IdentityCache<int64_t> itemsize_;  // dtype -> itemsize
 };
 
 }  // namespace
@@ -351,27 +528,26 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
                     " dsts; pass one destination (or None) per leaf");
   }
   Names names;
-  names.devices = py::str(devices_attr);
-  names.memory_kind_attr = py::str(memory_kind_attr);
-  std::vector<py::object> keep_alive;
-  const auto kind_table = ParseKinds(kinds, &keep_alive);
-  const KindInfo other;
+  names.devices = Interned(devices_attr);
+  names.memory_kind_attr = Interned(memory_kind_attr);
+  const KindTable kind_table(kinds);
 
   PlacementCache placements(names);
   SizeReader sizes(names);
   std::vector<Group> groups;
   std::vector<std::vector<Py_ssize_t>> members;
-  std::unordered_map<PtrKey, size_t, PtrKeyHash> by_identity;
-  std::unordered_map<Key, size_t, KeyHash, KeyEq> by_value;
+  GroupIndex group_of;
 
+  // Runs of leaves usually share type, shardings and group: check the last ones first.
   PyTypeObject* last_type = nullptr;
-  const KindInfo* info = &other;
-  PyObject* last_src = nullptr;  // last source sharding and its placement
-  const Placement* last_src_p = nullptr;
-  PyObject* last_dst = nullptr;  // last destination sharding and its placement
-  const Placement* last_dst_p = nullptr;
-  bool have_last = false;
-  PtrKey last_key{};
+  const KindInfo* info = nullptr;
+  // The last shardings are held: a pointer compared after the object was freed
+  // could match a new object (placements does not hold every sharding).
+  py::object last_src;
+  Placement last_src_placement{};
+  py::handle last_dst;  // held by dst_t or the caller
+  Placement last_dst_placement{};
+  GroupKey last_key{};
   size_t last_group = 0;
 
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -380,28 +556,27 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
 
     PyTypeObject* type = Py_TYPE(leaf.ptr());
     if (type != last_type) {
-      auto it = kind_table.find(type);
-      info = it == kind_table.end() ? &other : &it->second;
+      info = &kind_table.Get(type);
       last_type = type;
     }
 
     const bool on_device = info->on_device;
-    PtrKey key{info->code, {Py_None, Py_None, Py_None, Py_None}};
+    GroupKey key{info->code, {Py_None, Py_None, Py_None, Py_None}};
     if (on_device) {
       py::object sharding;
       try {
-        sharding = GetAttr(leaf, py::reinterpret_borrow<py::str>(info->sharding_attr));
+        sharding = info->sharding(leaf);
       } catch (py::error_already_set& err) {
         RaiseTypeErrorFrom(err, LeafText(i, leaf) + " is registered as an on-device kind but "
-                                    "its ." + info->sharding_attr.cast<std::string>() +
+                                    "its ." + info->sharding.name().cast<std::string>() +
                                     " cannot be read");
       }
-      if (sharding.ptr() != last_src) {
-        last_src_p = &placements.Get(sharding, i, "source sharding");
-        last_src = sharding.ptr();  // kept alive by the cache entry
+      if (sharding.ptr() != last_src.ptr()) {
+        last_src_placement = placements.Get(sharding, i, "source sharding");
+        last_src = std::move(sharding);
       }
-      key.parts[0] = last_src_p->devices.ptr();
-      key.parts[2] = last_src_p->memory_kind.ptr();
+      key.parts[0] = last_src_placement.devices;
+      key.parts[2] = last_src_placement.memory_kind;
     }
 
     py::handle target = dst;
@@ -418,13 +593,13 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
       }
     }
     if (target) {
-      if (target.ptr() != last_dst) {
-        last_dst_p = &placements.Get(target, i, dst.is_none() ? "default destination"
-                                                              : "destination");
-        last_dst = target.ptr();
+      if (target.ptr() != last_dst.ptr()) {
+        last_dst_placement =
+            placements.Get(target, i, dst.is_none() ? "default destination" : "destination");
+        last_dst = target;
       }
-      key.parts[1] = last_dst_p->devices.ptr();
-      key.parts[3] = last_dst_p->memory_kind.ptr();
+      key.parts[1] = last_dst_placement.devices;
+      key.parts[3] = last_dst_placement.memory_kind;
     }
 
     int64_t nbytes = info->fixed;
@@ -440,52 +615,26 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
       nbytes = sizes.Read(leaf, *info, i);
     }
 
-    size_t gid;
-    if (have_last && key == last_key) {
-      gid = last_group;
-    } else {
-      auto it = by_identity.find(key);
-      if (it != by_identity.end()) {
-        gid = it->second;
-      } else {
-        Key value_key = MakeKey(key.kind, key.parts);
-        decltype(by_value)::iterator found;
-        try {
-          found = by_value.find(value_key);
-        } catch (py::error_already_set& err) {
-          RaiseTypeErrorFrom(err, std::string(kApi) +
-                                      ": comparing the devices or memory kinds of leaf " +
-                                      std::to_string(i) + " raised");
-        }
-        if (found != by_value.end()) {
-          gid = found->second;
-        } else {
-          gid = groups.size();
-          Group g;
-          g.kind = key.kind;
-          g.src_devices = value_key.parts[0];
-          g.dst_devices = value_key.parts[1];
-          g.src_memory_kind = value_key.parts[2];
-          g.dst_memory_kind = value_key.parts[3];
-          groups.push_back(std::move(g));
-          members.emplace_back();
-          by_value.emplace(std::move(value_key), gid);
-        }
-        // Leaves that each bring their own device-list object (every
-        // single-device jax.Array does) would only grow this map, so it stops
-        // growing after a while; lookups by value still find their group.
-        if (by_identity.size() < kIdentityEntries) by_identity.emplace(key, gid);
+    if (groups.empty() || !(key == last_key)) {
+      auto [id, is_new] = group_of.FindOrAdd(key);
+      if (is_new) {
+        Group g;
+        g.kind = key.kind;
+        g.src_devices = py::reinterpret_borrow<py::object>(key.parts[0]);
+        g.dst_devices = py::reinterpret_borrow<py::object>(key.parts[1]);
+        g.src_memory_kind = py::reinterpret_borrow<py::object>(key.parts[2]);
+        g.dst_memory_kind = py::reinterpret_borrow<py::object>(key.parts[3]);
+        groups.push_back(std::move(g));
+        members.emplace_back();
       }
-      have_last = true;
       last_key = key;
-      last_group = gid;
+      last_group = id;
     }
-    members[gid].push_back(i);
-    int64_t total = 0;
-    if (__builtin_add_overflow(groups[gid].nbytes, nbytes, &total)) {
+    Group& group = groups[last_group];
+    members[last_group].push_back(i);
+    if (__builtin_add_overflow(group.nbytes, nbytes, &group.nbytes)) {
       RaiseValueError(std::string(kApi) + ": the byte count of a group overflows int64");
     }
-    groups[gid].nbytes = total;
   }
 
   for (size_t g = 0; g < groups.size(); ++g) {

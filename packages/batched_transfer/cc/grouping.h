@@ -6,12 +6,13 @@
 // pass over the leaves, in stable order (groups by first appearance, indices
 // ascending), with the byte count of each group.
 //
-// The pass is fast because most lookups are by object identity: the device
-// list and memory kind of each distinct sharding object are read once, and a
-// leaf whose components are the very same objects as an earlier leaf's finds
-// its group by pointer. Only new combinations are hashed and compared with
-// Python's == (so equal device lists held by different objects still share a
-// group).
+// The pass is fast because nearly every lookup is by pointer: the device list
+// and memory kind of each distinct sharding object are read once and replaced
+// by the first equal (==) object seen in the call, so a group key is the kind
+// and four pointers (equal device lists held by different objects still share
+// a group); byte counts are computed once per distinct shape holder (a
+// jax.Array's abstract value); attributes that are properties (jax.Array's
+// ._sharding and .aval) are read by calling the property's getter directly.
 //
 // Every entry point accepts arbitrary Python objects: bad input raises a Python
 // TypeError or ValueError (never a crash). The GIL must be held by the caller.

@@ -39,6 +39,23 @@ class Leaf:
     self.sharding, self.nbytes = sharding, nbytes
 
 
+class PropLeaf:
+  """Its sharding and nbytes are properties (the C++ pass calls their getters directly)."""
+
+  def __init__(self, sharding, nbytes):
+    self._sharding, self._nbytes = sharding, nbytes
+
+  @property
+  def sharding(self):
+    if isinstance(self._sharding, Raises):
+      raise RuntimeError("no sharding")
+    return self._sharding
+
+  @property
+  def nbytes(self):
+    return self._nbytes
+
+
 class BadEq:
   def __init__(self, h):
     self.h = h
@@ -62,7 +79,8 @@ sharding_like = st.one_of(
     st.none(), objects,
     st.builds(Shardingish, objects, objects),
     st.builds(Shardingish, st.tuples(st.integers(0, 2)), st.sampled_from(["device", "host", None])))
-leaves_st = st.one_of(objects, st.builds(Leaf, sharding_like, st.one_of(st.integers(), objects)))
+leaves_st = st.one_of(objects, st.builds(Leaf, sharding_like, st.one_of(st.integers(), objects)),
+                      st.builds(PropLeaf, sharding_like, st.one_of(st.integers(), objects)))
 
 
 class Shaped:
@@ -75,8 +93,8 @@ kind_values = st.one_of(
     st.tuples(st.integers(-2, 5), st.sampled_from([None, "sharding", "nbytes", "x"]), size_rules),
     objects, st.tuples(objects, objects, objects))
 kinds_st = st.one_of(
-    st.dictionaries(st.sampled_from([Leaf, Shaped, int, float, str, tuple, list, type(None),
-                                     np.ndarray]),
+    st.dictionaries(st.sampled_from([Leaf, PropLeaf, Shaped, int, float, str, tuple, list,
+                                     type(None), np.ndarray]),
                     kind_values, max_size=4),
     objects)
 shapes = st.one_of(st.tuples(st.integers(-2, 2**40)), st.lists(st.integers(0, 3), max_size=2),

@@ -134,6 +134,92 @@ def test_works_on_any_sharding_like_object():
   assert "Group(kind=7" in repr(groups[0])
 
 
+class _PropLeaf:
+  """A leaf whose sharding is a property (read through its getter by the C++ pass)."""
+
+  def __init__(self, sharding, nbytes=1):
+    self._s, self.nbytes = sharding, nbytes
+
+  @property
+  def sharding(self):
+    if isinstance(self._s, Exception):
+      raise self._s
+    return self._s
+
+
+class _HookLeaf(_PropLeaf):
+  """Same property, but __getattr__ makes attribute reads non-generic: read by name."""
+
+  def __getattr__(self, name):
+    if name == "sharding":
+      return _Sharding(("hook",))
+    raise AttributeError(name)
+
+
+class _FreshLeaf:
+  """Every read of .sharding builds a new sharding object (freed right after use)."""
+
+  def __init__(self, k):
+    self.k, self.nbytes = k, 1
+
+  @property
+  def sharding(self):
+    return _Sharding((self.k % 3,), "dev" + "ice"[: 3 + self.k % 2])
+
+
+def _reference(leaves, dsts, kinds, default=None, attr="devs"):
+  cpp = _grouping.group_leaves(leaves, dsts, kinds, default, attr)
+  py = grouping.group_leaves_py(leaves, dsts, kinds, default, attr)
+  return _as_tuples(cpp), [(g.kind, g.src_devices, g.dst_devices, g.src_memory_kind,
+                            g.dst_memory_kind, g.indices, g.nbytes) for g in py]
+
+
+def test_property_getters_are_read_like_getattr():
+  a, b = _Sharding(("d0",)), _Sharding(("d1",), "host")
+  kinds = {_PropLeaf: (1, "sharding", -1), _HookLeaf: (2, "sharding", -1)}
+  leaves = [_PropLeaf(a, 2), _HookLeaf(b, 3), _PropLeaf(b, 4), _HookLeaf(a, 5)]
+  cpp, py = _reference(leaves, [None] * 4, kinds)
+  assert cpp == py
+  # The property wins over __getattr__ (a data descriptor), as in Python.
+  assert [(g[0], g[1], list(g[5])) for g in cpp] == [
+      (1, ("d0",), [0]), (2, ("d1",), [1]), (1, ("d1",), [2]), (2, ("d0",), [3])]
+  # A getter that raises is reported like a failing getattr, chained.
+  with pytest.raises(TypeError, match=r"its \.sharding cannot be read") as info:
+    _grouping.group_leaves([_PropLeaf(KeyError("boom"))], [None], kinds, None, "devs")
+  assert isinstance(info.value.__cause__, KeyError)
+  # A property without a getter raises AttributeError, as getattr does.
+  class NoGetter:
+    sharding = property(None)
+  with pytest.raises(TypeError, match="cannot be read") as info:
+    _grouping.group_leaves([NoGetter()], [None], {NoGetter: (1, "sharding", 0)}, None, "devs")
+  assert isinstance(info.value.__cause__, AttributeError)
+
+
+def test_fresh_sharding_objects_beyond_the_identity_cache():
+  # More distinct sharding objects than the C++ identity caches hold (4096),
+  # each freed right after use, so their addresses get reused: the groups must
+  # still be by value, equal to the Python reference. Memory kinds are equal
+  # strings in distinct objects ("dev" + "ice").
+  leaves = [_FreshLeaf(k) for k in range(6000)]
+  cpp, py = _reference(leaves, [None] * len(leaves), {_FreshLeaf: (1, "sharding", -1)})
+  assert cpp == py
+  assert [(g[1], len(g[5])) for g in cpp] == [((0,), 2000), ((1,), 2000), ((2,), 2000)]
+
+
+def test_device_lists_whose_eq_raises():
+  class Devs:
+    def __hash__(self):
+      return 7
+
+    def __eq__(self, other):
+      raise ValueError("cannot compare")
+
+  leaves = [_Leaf(_Sharding(Devs())), _Leaf(_Sharding(Devs()))]
+  with pytest.raises(TypeError, match="source sharding of leaf 1 .* could not be compared") as info:
+    _grouping.group_leaves(leaves, [None] * 2, {_Leaf: (1, "sharding", -1)}, None, "devs")
+  assert isinstance(info.value.__cause__, ValueError)
+
+
 @pytest.mark.parametrize("args, error, text", [
     ((5, [], {}, None, "devs"), TypeError, "leaves must be a sequence"),
     (([], 5, {}, None, "devs"), TypeError, "dsts must be a sequence"),
@@ -180,6 +266,15 @@ def test_bad_input_raises_a_clear_error(args, error, text):
   assert "jaxworks.batched_transfer._grouping.group_leaves" in str(info.value)
 
 
+def test_long_non_ascii_reprs_are_cut_between_characters():
+  # The repr is cut to 120 bytes; a cut inside a UTF-8 sequence would make the
+  # message itself fail to decode.
+  for pad in range(4):
+    bad = "x" * pad + "\u00e9" * 100
+    with pytest.raises(TypeError, match="must be a jax.sharding.Sharding, got 'x*\u00e9+\\.\\.\\."):
+      _grouping.group_leaves([1], [bad], {}, None, "devs")
+
+
 def test_errors_chain_the_original_exception():
   with pytest.raises(TypeError) as info:
     _grouping.group_leaves([_Leaf(None)], [None], {_Leaf: (1, "sharding", -1)}, None, "devs")
@@ -191,15 +286,19 @@ def test_no_reference_leaks(devices):
   x = jax.device_put(np.ones(3), devices[1])
   host = np.ones(3)
   dl = jax_internals.device_list(s)
-  before = [sys.getrefcount(o) for o in (s, x, host, dl)]
+  # Including what the C++ caches hold during a call: x's sharding, its device
+  # list, its abstract value and dtype.
+  held = (s, x, host, dl, x.sharding, jax_internals.device_list(x.sharding), x.aval, x.dtype)
+  before = [sys.getrefcount(o) for o in held]
   for _ in range(200):
     groups = grouping.group_leaves([x, host, x, host], [s, None, None, s], default_dst=s)
     del groups
     try:
-      _grouping.group_leaves([x, host], [s, "bad"], grouping.kinds_table(), s, "_internal_device_list")
+      _grouping.group_leaves([x, host], [s, "bad"], grouping.kinds_table(), s,
+                             jax_internals.DEVICE_LIST_ATTR)
     except TypeError:
       pass
-  after = [sys.getrefcount(o) for o in (s, x, host, dl)]
+  after = [sys.getrefcount(o) for o in held]
   assert after == before
 
 

@@ -59,7 +59,8 @@ WORKER = textwrap.dedent("""
     try:
       bt.device_put([np.full(8, process_id, np.int32)], rows)
     except AssertionError as err:
-      assert "must be equal on every process" in str(err), err
+      assert ("jaxworks.batched_transfer.device_put: numpy values placed on shardings that "
+              "span all processes must be equal on every process") in str(err), err
     else:
       raise SystemExit("differing host values were not detected")
     print("WORKER-OK", process_id, flush=True)

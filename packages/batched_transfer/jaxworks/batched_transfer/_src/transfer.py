@@ -257,8 +257,9 @@ def _check_host_values(req: Request, host_batches: list[Batch], found: list[Any]
   if found:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.assert_equal(
-        found, fail_message=f"{req.api}.device_put: numpy values placed on shardings that span "
-        "all processes must be equal on every process")
+        found, fail_message=f"{req.api}: numpy values placed on shardings that span all "
+        "processes must be equal on every process; pass the same values on each process, or "
+        "place per-process values with jax.make_array_from_process_local_data")
 
 
 def _put_host(req: Request, indices: list[int], out: list[Any], fresh: list[bool],
