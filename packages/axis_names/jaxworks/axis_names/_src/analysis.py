@@ -111,21 +111,7 @@ def subjaxprs(params: dict) -> list[Jaxpr]:
   higher-order primitive is handled without being listed anywhere.
   """
   out: list[Jaxpr] = []
-  for v in params.values():
-    t = type(v)
-    if t is ClosedJaxpr:
-      out.append(v.jaxpr)
-    elif t is Jaxpr:
-      out.append(v)
-    elif t is tuple or t is list:
-      if v:
-        _scan_seq(v, out)
-    elif isinstance(v, ClosedJaxpr):
-      out.append(v.jaxpr)
-    elif isinstance(v, Jaxpr):
-      out.append(v)
-    elif isinstance(v, (tuple, list)):  # e.g. custom_linear_solve's jaxprs
-      _scan_seq(v, out)
+  _scan_seq(params.values(), out)
   return out
 
 

@@ -267,28 +267,17 @@ def check_axis_names(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
   psum batch ('batc',)
   """
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
-  if isinstance(fun, (ClosedJaxpr, Jaxpr)):
-    if args or kwargs:
-      raise TypeError(
-          f"{_API}: got a {type(fun).__name__} plus example arguments; those "
-          "are only for a callable. Pass the jaxpr alone.")
-    jaxpr = fun.jaxpr if isinstance(fun, ClosedJaxpr) else fun
-  else:
-    try:
-      closed, _ = tracing.trace(fun, args, kwargs, sizes, _API)
-    except NameError as e:
-      if isinstance(e, AxisNameError):
-        raise
-      loc = tracing.user_location_of_exception(e)
-      raise AxisNameError(
-          f"{_API}: {e} (at {loc or 'an unknown location'}); bound axis names:"
-          f" {tuple(sizes)}. Pass the name in axis_sizes or bind it with "
-          "jax.shard_map.", primitive="unknown", axis_name=None,
-          bound=tuple(sizes), location=loc) from e
-    except Exception as e:  # noqa: BLE001 - re-raised unless sizes explain it
+  try:
+    jaxpr = tracing.jaxpr_of(
+        fun, args, kwargs, sizes, _API,
+        f"bound axis names: {tuple(sizes)}. Pass the name in axis_sizes or "
+        "bind it with jax.shard_map.")
+  except AxisNameError:
+    raise
+  except Exception as e:  # noqa: BLE001 - re-raised unless sizes explain it
+    if not isinstance(fun, (ClosedJaxpr, Jaxpr)):
       _raise_if_sizes_misfit(fun, args, kwargs, sizes, e)
-      raise
-    jaxpr = closed.jaxpr
+    raise
   problems = problems_in(jaxpr, sizes)
   if problems:
     raise_problems(problems, _API)

@@ -197,22 +197,8 @@ def collective_report(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
   [('all_gather', 1, 112.0), ('psum', 1, 28.0)]
   """
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
-  if isinstance(fun, (ClosedJaxpr, Jaxpr)):
-    if args or kwargs:
-      raise TypeError(
-          f"{_API}: got a {type(fun).__name__} plus example arguments; those "
-          "are only for a callable. Pass the jaxpr alone.")
-    jaxpr = fun.jaxpr if isinstance(fun, ClosedJaxpr) else fun
-  else:
-    try:
-      closed, _ = tracing.trace(fun, args, kwargs, sizes, _API)
-    except NameError as e:
-      loc = tracing.user_location_of_exception(e)
-      raise AxisNameError(
-          f"{_API}: {e} (at {loc or 'an unknown location'}); pass its size in "
-          "axis_sizes", primitive="unknown", axis_name=None,
-          bound=tuple(sizes), location=loc) from e
-    jaxpr = closed.jaxpr
+  jaxpr = tracing.jaxpr_of(fun, args, kwargs, sizes, _API,
+                           "pass its size in axis_sizes")
   problems = [p for p in check.problems_in(jaxpr, sizes)
               if p[4].startswith("unbound")]
   if problems:

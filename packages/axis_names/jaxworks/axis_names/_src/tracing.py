@@ -16,9 +16,10 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from . import jax_internals
+from .errors import AxisNameError
 
 PLACEHOLDER_SIZE = 1
 _MAX_RETRIES = 256
@@ -78,6 +79,32 @@ def trace(fun: Callable, args: tuple, kwargs: dict,
   raise RuntimeError(
       f"{api}: gave up after binding {_MAX_RETRIES} free axis names of "
       f"{getattr(fun, '__name__', fun)!r}")
+
+
+def jaxpr_of(fun: Any, args: tuple, kwargs: dict,
+             axis_sizes: Mapping[Hashable, int], api: str, fix: str) -> Jaxpr:
+  """The Jaxpr of a Jaxpr, a ClosedJaxpr, or a callable traced on its args.
+
+  An unbound name that tracing cannot recover from becomes an
+  ``AxisNameError`` naming ``api``, the user's line and ``fix``.
+  """
+  if isinstance(fun, (ClosedJaxpr, Jaxpr)):
+    if args or kwargs:
+      raise TypeError(
+          f"{api}: got a {type(fun).__name__} plus example arguments; those "
+          "are only for a callable. Pass the jaxpr alone.")
+    return fun.jaxpr if isinstance(fun, ClosedJaxpr) else fun
+  try:
+    closed, _ = trace(fun, args, kwargs, axis_sizes, api)
+  except NameError as e:
+    if isinstance(e, AxisNameError):
+      raise
+    loc = user_location_of_exception(e)
+    raise AxisNameError(
+        f"{api}: {e} (at {loc or 'an unknown location'}); {fix}",
+        primitive="unknown", axis_name=None, bound=tuple(axis_sizes),
+        location=loc) from e
+  return closed.jaxpr
 
 
 def _dir_of(module) -> str:
