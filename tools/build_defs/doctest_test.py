@@ -8,7 +8,6 @@ import doctest
 import importlib
 import pkgutil
 
-import pytest
 
 
 def _modules(package_name):

@@ -33,7 +33,6 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from . import analysis
 from . import check
 from . import tracing
-from .errors import AxisNameError
 
 _API = "jaxworks.axis_names.collective_report"
 
