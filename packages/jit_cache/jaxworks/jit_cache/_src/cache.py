@@ -157,15 +157,9 @@ class EntryLRU:
       pass  # evicted concurrently
 
   def add(self, entry: Any, owner: Any) -> None:
-    victims = []
     with self._lock:
       self._order[entry] = weakref.ref(owner)
-      while len(self._order) > self.maxsize:
-        victims.append(self._order.popitem(last=False))
-    for victim, owner_ref in victims:
-      cache = owner_ref()
-      if cache is not None:
-        cache.evict(victim, from_global=True)
+    self._trim()
 
   def discard(self, entry: Any) -> None:
     with self._lock:
@@ -173,6 +167,10 @@ class EntryLRU:
 
   def resize(self, maxsize: int) -> None:
     self.maxsize = maxsize
+    self._trim()
+
+  def _trim(self) -> None:
+    """Evicts least recently used entries down to maxsize (owners told outside the lock)."""
     victims = []
     with self._lock:
       while len(self._order) > self.maxsize:

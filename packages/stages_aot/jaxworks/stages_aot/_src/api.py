@@ -6,20 +6,3 @@ from .platforms import KNOWN_PLATFORMS, present_platforms
 from .specs import arg_spec, arg_specs, format_aval
 from .stages import Compiled, Lowered, Traced, trace
 
-__all__ = [
-    "Artifact",
-    "ArtifactError",
-    "Compiled",
-    "Exported",
-    "KNOWN_PLATFORMS",
-    "Lowered",
-    "Traced",
-    "arg_spec",
-    "arg_specs",
-    "deserialize",
-    "format_aval",
-    "load_artifact",
-    "present_platforms",
-    "save_artifact",
-    "trace",
-]
