@@ -113,7 +113,8 @@ def _venv_repository_impl(rctx):
 venv_repository = repository_rule(
     implementation = _venv_repository_impl,
     attrs = {"requirements": attr.label(allow_single_file = True, mandatory = True)},
-    environ = ["PATH"],
+    # Not `environ = ["PATH"]`: tools that run Bazel through pyenv's shims (or any wrapper that prepends to PATH)
+    # would otherwise rebuild the whole virtualenv, and every target, on each switch. The lock file is the key.
     doc = "A virtualenv from a pinned requirements file, with a Python toolchain and per-requirement targets.",
 )
 
