@@ -67,31 +67,55 @@ def test_rename_aval_inside_shard_map():
   assert r.sharding.mesh.axis_names == ("k",)
 
 
-def test_renamed_context_inside_shard_map():
+def test_old_names_inside_shard_map():
   mesh = jax.make_mesh((8,), ("k",), axis_types=(AxisType.Auto,))
   seen = {}
 
   def body(x):
-    avals, env, ctx = context.renamed_context([x], {"i": "k"}, {"k": "i"},
-                                              "api")
-    seen.update(avals=avals, env=env)
-    with ctx:
+    ctx = context.old_names({"i": "k"}, "api")
+    seen.update(ctx=ctx, avals=context.arg_avals([x], ctx, "api"))
+    with ctx.scope():
       seen["mesh"] = jax.sharding.get_abstract_mesh()
+      seen["size"] = lax.axis_size("i")
     return x
   jax.shard_map(body, mesh=mesh, in_specs=P("k"), out_specs=P("k"))(
       jnp.arange(8.0))
-  assert seen["env"] == {"i": 8}
-  assert seen["mesh"].axis_names == ("i",)
+  ctx = seen["ctx"]
+  assert ctx.env == {"i": 8} and ctx.forward == {"i": "k"}
+  assert seen["mesh"].axis_names == ("i",) and seen["size"] == 8
   (a,) = seen["avals"]
   assert a.shape == (1,) and a.manual_axis_type.varying == {"i"}
 
 
-def test_renamed_context_outside_any_binder():
-  avals, env, ctx = context.renamed_context([jnp.ones(3)], {"i": "k"},
-                                            {"k": "i"}, "api")
-  assert env == {} and avals[0].shape == (3,)
+def test_old_names_hide_a_mesh_axis_that_has_the_old_name():
+  # {'i': 'k'} inside a mesh ('i', 'k'): the mesh's own 'i' is hidden.
+  mesh = jax.make_mesh((4, 2), ("i", "k"), axis_types=(AxisType.Auto,) * 2)
+  seen = {}
+
+  def body(x):
+    ctx = context.old_names({"i": "k"}, "api")
+    seen.update(ctx=ctx, avals=context.arg_avals([x], ctx, "api"))
+    with ctx.scope():
+      seen["mesh"] = jax.sharding.get_abstract_mesh()
+      seen["sizes"] = (lax.axis_size("i"), lax.axis_size(deep.hidden("i")))
+    return x
+  jax.shard_map(body, mesh=mesh, in_specs=P(("i", "k")),
+                out_specs=P(("i", "k")))(jnp.arange(8.0))
+  h = deep.hidden("i")
+  assert isinstance(h, deep.HiddenName) and h == deep.hidden("i")
+  ctx = seen["ctx"]
+  assert ctx.forward == {"i": "k", h: "i"}
+  assert ctx.inverse == {"k": "i", "i": h}
+  assert seen["mesh"].axis_names == (h, "i") and seen["sizes"] == (2, 4)
+  assert seen["avals"][0].manual_axis_type.varying == {h, "i"}
+
+
+def test_old_names_outside_any_binder():
+  ctx = context.old_names({"i": "k"}, "api")
+  assert ctx.env == {} and not ctx.mesh_changed
+  assert context.arg_avals([jnp.ones(3)], ctx, "api")[0].shape == (3,)
   with pytest.raises(TypeError, match="api: argument leaf 0"):
-    context.renamed_context(["text"], {"i": "k"}, {"k": "i"}, "api")
+    context.arg_avals(["text"], ctx, "api")
 
 
 def test_trace_binds_free_names_with_placeholders():

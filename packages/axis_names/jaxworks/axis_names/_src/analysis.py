@@ -85,6 +85,7 @@ def clear_cache() -> None:
   _MANUAL.clear()
   _NAMED_EQNS.clear()
   _HIDDEN.clear()
+  _RULE_EQNS.clear()
 
 
 def _scan_seq(seq, out: list) -> None:
@@ -219,9 +220,30 @@ def uses_axes_anywhere(jaxpr: Jaxpr) -> bool:
   return bool(jaxpr_axis_names(jaxpr)) or _HIDDEN.get(jaxpr, False)
 
 
+# Jaxpr -> indices of its equations holding rule callables (a custom_vjp's
+# rules, ``rules.CALLABLE_PARAMS``) directly or at any depth below; present
+# only for jaxprs that have some. The names such rules use are unknown until
+# they run, so a rename must reach them even where no name is visible.
+_RULE_EQNS = WeakIdentityCache()
+
+
+def rule_eqns(jaxpr: Jaxpr) -> tuple[int, ...]:
+  """Indices of equations of ``jaxpr`` with rule callables at any depth."""
+  jaxpr_axis_names(jaxpr)
+  return _RULE_EQNS.get(jaxpr, ())
+
+
+def eqn_has_rules(eqn: JaxprEqn) -> bool:
+  """Whether ``eqn`` or a sub-jaxpr of it holds rule callables."""
+  if eqn.primitive.name in rules.CALLABLE_PARAMS:
+    return True
+  return any(rule_eqns(s) for s in subjaxprs(eqn.params))
+
+
 def _compute(jaxpr: Jaxpr) -> frozenset:
   names: set = set()
   named: list = []
+  with_rules: list = []
   local = below = hidden = False
   last_ctx = None
   for i, eqn in enumerate(jaxpr.eqns):
@@ -230,6 +252,9 @@ def _compute(jaxpr: Jaxpr) -> frozenset:
     if n:
       names |= n
       named.append((i, n))
+    if eqn.primitive.name in rules.CALLABLE_PARAMS or (
+        subs and any(_RULE_EQNS.get(s) for s in subs)):
+      with_rules.append(i)
     if subs and not hidden:
       hidden = any(_HIDDEN.get(s, False) for s in subs) or (
           eqn.primitive.name in rules.BINDERS and
@@ -252,6 +277,8 @@ def _compute(jaxpr: Jaxpr) -> frozenset:
     _NAMED_EQNS.put(jaxpr, tuple(named))
   if hidden:
     _HIDDEN.put(jaxpr, True)
+  if with_rules:
+    _RULE_EQNS.put(jaxpr, tuple(with_rules))
   result = frozenset(names) if names else _EMPTY
   _NAMES.put(jaxpr, result)
   return result

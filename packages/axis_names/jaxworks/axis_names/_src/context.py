@@ -9,24 +9,75 @@ which speaks of ``'i'``, we present it the same context under the old names:
 * each argument's abstract value has ``'k'`` renamed ``'i'`` in its varying
   manual axes and in its sharding.
 
-The resulting jaxpr is then renamed forward (``rename.rename_jaxpr``) and
-evaluated in the real context. Only public JAX is used here.
+When the mesh also has an axis called ``'i'`` (``{'i': 'k'}`` inside a
+``shard_map`` over a mesh with axes ``('i', 'k')``), that axis is hidden
+under a ``deep.HiddenName`` for the trace and renamed back afterwards, so
+the renaming stays one-to-one in both directions.
+
+The resulting jaxpr is then renamed forward (``rename.rename_jaxpr``) with
+``OldNames.forward`` and evaluated in the real context. The same context is
+rebuilt whenever a custom rule of the renamed function (a ``custom_vjp``
+backward pass, a ``custom_jvp`` rule) is traced later, under ``grad`` or
+``jvp``: it is computed from the context at that moment, and hidden names
+are deterministic, so a rule traced later agrees with the types recorded
+when the function was traced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Hashable, Mapping
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
 from . import deep
+from . import jax_internals
 
 
-def renamed_context(leaves, mapping: Mapping[Hashable, Hashable],
-                    inverse: Mapping[Hashable, Hashable], api: str):
-  """``(avals, axis_env, mesh_context)`` for tracing under the old names."""
+@dataclasses.dataclass(frozen=True)
+class OldNames:
+  """How to trace under the old names here, and how to rename back.
+
+  Attributes:
+    forward: old name -> new name (the user's mapping, plus each hidden
+      name -> the mesh axis it hides).
+    inverse: the inverse of ``forward``.
+    env: ``{old name: size}`` for each old name whose new name is bound.
+    mesh: the abstract mesh under the old names (the current one if none).
+    mesh_changed: whether ``mesh`` differs from the current mesh.
+  """
+
+  forward: dict
+  inverse: dict
+  env: dict
+  mesh: Any
+  mesh_changed: bool
+
+  @contextlib.contextmanager
+  def scope(self):
+    """Binds the old names (axis sizes and abstract mesh) for a trace."""
+    with contextlib.ExitStack() as stack:
+      if self.mesh_changed:
+        stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh))
+      if self.env:
+        stack.enter_context(jax_internals.extend_axis_env(self.env.items()))
+      yield
+
+
+def user_entries(mapping: Mapping) -> dict:
+  """``mapping`` without the entries that rename hidden names back."""
+  return {o: n for o, n in mapping.items()
+          if not isinstance(o, deep.HiddenName)}
+
+
+def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
+  """The context for tracing code written for the old names of ``mapping``.
+
+  ``mapping`` is the user's ``{old: new}`` (one-to-one, checked).
+  """
   env: dict[Hashable, int] = {}
   for old, new in mapping.items():
     try:
@@ -34,14 +85,52 @@ def renamed_context(leaves, mapping: Mapping[Hashable, Hashable],
     except NameError:
       pass  # ``new`` is not bound here; tracing binds ``old`` if needed
   cur = jax.sharding.get_abstract_mesh()
-  mesh = deep.rename(cur, inverse)
-  mesh_ctx = (jax.sharding.use_abstract_mesh(mesh) if mesh is not cur
-              else contextlib.nullcontext())
+  forward = dict(mapping)
+  inverse = {new: old for old, new in mapping.items()}
+  if not cur.empty:
+    axis_names = set(cur.axis_names)
+    manual = set(getattr(cur, "manual_axes", ()) or ())
+    for old, new in mapping.items():
+      # The mesh axis ``new`` becomes ``old`` for the trace; a mesh axis
+      # that already is ``old`` and is not itself renamed away must make
+      # room (renaming only touches manual axes).
+      if (new in manual and old in axis_names and
+          not (old in manual and old in inverse)):
+        h = deep.hidden(old)
+        if h in axis_names:
+          raise ValueError(
+              f"{api}: cannot hide mesh axis {old!r} of {cur} while "
+              f"renaming {dict(mapping)!r}: the mesh already has an axis "
+              f"named {h!r}")
+        inverse[old] = h
+        forward[h] = old
+        env[h] = jax.lax.axis_size(old)
+  try:
+    mesh = deep.rename(cur, inverse)
+  except ValueError as e:
+    raise ValueError(
+        f"{api}: cannot rename {dict(mapping)!r} inside the current mesh "
+        f"{cur}: under the old names its axes would be "
+        f"{tuple(inverse.get(n, n) for n in cur.axis_names)!r}, which repeat "
+        "a name. Rename the clashing axis too (for example swap both "
+        "names), or call the function outside this mesh") from e
+  return OldNames(forward, inverse, env, mesh, mesh is not cur)
+
+
+def is_array_like(x: Any) -> bool:
+  """Whether a rule's argument is a value to trace (not a static marker)."""
+  return isinstance(x, (jax.Array, jax.core.Tracer)) or (
+      hasattr(x, "shape") and hasattr(x, "dtype") and
+      not jax_internals.is_zero(x))
+
+
+def arg_avals(leaves, ctx: OldNames, api: str) -> list:
+  """Abstract values of ``leaves`` under the old names."""
   avals = []
   memo: dict = {}
   for i, leaf in enumerate(leaves):
     try:
-      aval = deep.rename(jax.typeof(leaf), inverse, memo)
+      aval = deep.rename(jax.typeof(leaf), ctx.inverse, memo)
     except TypeError as e:
       raise TypeError(
           f"{api}: argument leaf {i} ({leaf!r:.60}) is not an array or scalar;"
@@ -54,4 +143,4 @@ def renamed_context(leaves, mapping: Mapping[Hashable, Hashable],
     avals.append(jax.ShapeDtypeStruct(
         aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type,
         manual_axis_type=mat))
-  return avals, env, mesh_ctx
+  return avals

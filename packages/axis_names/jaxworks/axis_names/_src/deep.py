@@ -4,10 +4,14 @@ Inside a ``shard_map`` an axis name is not only in collectives: abstract
 values record the manual axes they vary over (``f32[2]{V:i}``) and their
 sharding's mesh, equations record the abstract mesh they were traced under,
 and params such as ``jit``'s ``ctx_mesh`` or a ``sharding=`` hold meshes and
-``PartitionSpec``s. ``names_of`` lists the manual axis names such a value mentions and
-``rename`` rebuilds it under a mapping, returning the same object when
-nothing changes (so untouched structure stays shared). Only manual mesh
-axes are renamed: those are the names collectives use.
+``PartitionSpec``s. ``names_of`` lists the manual axis names such a value
+mentions and ``rename`` rebuilds it under a mapping, returning the same
+object when nothing changes (so untouched structure stays shared). Only
+manual mesh axes are renamed: those are the names collectives use. The one
+exception is a ``HiddenName``: while a function is traced under its old
+names, a mesh axis that still carries an old name is hidden under a
+``HiddenName`` (see ``context.py``), whatever its axis type, and renamed
+back afterwards.
 """
 
 from __future__ import annotations
@@ -23,6 +27,39 @@ _EMPTY: frozenset = frozenset()
 _AbstractValue = jax.core.AbstractValue
 
 
+class HiddenName(str):
+  """A temporary mesh axis name standing for a user axis that is hidden.
+
+  ``rename_axes(f, {'i': 'k'})`` inside a ``shard_map`` whose mesh has both
+  ``'i'`` and ``'k'`` traces ``f`` with the mesh axis ``'k'`` called ``'i'``;
+  the mesh's own ``'i'`` axis is meanwhile called ``hidden('i')``. The name
+  is deterministic (the same axis gets the same name in every trace, so
+  avals recorded in one trace match the next) and a ``str`` subclass, so JAX
+  accepts it wherever it accepts a mesh axis name.
+  """
+
+  __slots__ = ()
+
+
+def hidden(name: Hashable) -> HiddenName:
+  """The ``HiddenName`` standing for mesh axis ``name`` while it is hidden."""
+  return HiddenName(f"{name}(hidden by jaxworks.axis_names.rename_axes)")
+
+
+def _hidden_axes(mesh, mapping: Mapping | None = None) -> frozenset:
+  """Non-manual axes of ``mesh`` that a hiding entry of ``mapping`` renames.
+
+  With no mapping: the axes already named by a ``HiddenName``.
+  """
+  out = []
+  for n in mesh.axis_names:
+    if isinstance(n, HiddenName):
+      out.append(n)
+    elif mapping is not None and isinstance(mapping.get(n), HiddenName):
+      out.append(n)
+  return frozenset(out) if out else _EMPTY
+
+
 def _spec_names(spec: PartitionSpec) -> frozenset:
   out = set()
   for entry in spec:
@@ -36,10 +73,20 @@ def _spec_names(spec: PartitionSpec) -> frozenset:
 
 
 def _manual(mesh) -> frozenset:
-  """Manual axes of a mesh: the ones a collective can name."""
+  """Manual axes of a mesh (the ones a collective can name), plus hidden."""
   if mesh.empty:
     return _EMPTY
-  return frozenset(getattr(mesh, "manual_axes", ()) or ())
+  manual = frozenset(getattr(mesh, "manual_axes", ()) or ())
+  hidden_axes = _hidden_axes(mesh)
+  return manual | hidden_axes if hidden_axes else manual
+
+
+def _renamable(mesh, mapping: Mapping) -> frozenset:
+  """Axes of ``mesh`` that ``mapping`` may rename."""
+  if mesh.empty:
+    return _EMPTY
+  extra = _hidden_axes(mesh, mapping)
+  return _manual(mesh) | extra if extra else _manual(mesh)
 
 
 def names_of(v: Any) -> frozenset:
@@ -134,7 +181,11 @@ def rename(v: Any, mapping: Mapping[Hashable, Hashable],
 
 def _rename(v: Any, mapping: Mapping, memo) -> Any:
   if isinstance(v, _AbstractValue):
-    if names_of(v).isdisjoint(mapping):
+    names = names_of(v)
+    sharding = getattr(v, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      names = names | _renamable(sharding.mesh, mapping)
+    if names.isdisjoint(mapping):
       return v
     kwargs = {}
     mat = getattr(v, "mat", None)
@@ -142,14 +193,13 @@ def _rename(v: Any, mapping: Mapping, memo) -> Any:
       new_mat = rename(mat, mapping, memo)
       if new_mat is not mat:
         kwargs["manual_axis_type"] = new_mat
-    sharding = getattr(v, "sharding", None)
     if isinstance(sharding, NamedSharding):
       new_sh = rename(sharding, mapping, memo)
       if new_sh is not sharding:
         kwargs["sharding"] = new_sh
     return v.update(**kwargs) if kwargs else v
   if isinstance(v, (AbstractMesh, Mesh)):
-    manual = _manual(v)
+    manual = _renamable(v, mapping)
     if manual.isdisjoint(mapping):
       return v
     names = _rename_axis_names(v.axis_names, _only(mapping, manual), v)
@@ -157,7 +207,7 @@ def _rename(v: Any, mapping: Mapping, memo) -> Any:
       return v.update(axis_names=names)
     return Mesh(v.devices, names, axis_types=v.axis_types)
   if isinstance(v, NamedSharding):
-    manual = _manual(v.mesh)
+    manual = _renamable(v.mesh, mapping)
     if manual.isdisjoint(mapping):
       return v
     mesh = rename(v.mesh, mapping, memo)

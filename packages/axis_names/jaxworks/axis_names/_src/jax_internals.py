@@ -16,6 +16,14 @@ directly by the other modules; only what has no public door lives here:
 * ``eqn_context_mesh`` / ``eqn_context_with_mesh``: the abstract mesh an
   equation was traced under, and a copy of its context with another mesh.
 * ``literal_value_with_aval``: a literal's typed value with a renamed aval.
+* ``extend_axis_env``: bind axis names to sizes while a custom rule of a
+  renamed function is traced (``jax.make_jaxpr(axis_env=...)`` does the same
+  around a whole trace; a rule thunk traces itself).
+* ``is_zero`` / ``with_aval``: JAX's symbolic zero cotangents (``Zero``, and
+  the public ``SymbolicZero``) that custom rules take and return; their
+  abstract values carry axis names and are renamed with them.
+* ``wrap_rule``: a ``WrappedFun`` (JAX's form for rule callables in equation
+  params) calling a Python function, with the original's debug info.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from jax._src import ad_util as _ad_util
 from jax._src import core as _core
+from jax._src import linear_util as _lu
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
 
@@ -99,3 +109,33 @@ def literal_value_with_aval(val, aval):
   if isinstance(val, _literals.TypedNdArray):
     return _literals.TypedNdArray(np.asarray(val), aval)
   return val
+
+
+def extend_axis_env(name_size_pairs):
+  """Context manager binding each ``(name, size)`` in the axis environment.
+
+  Later pairs override earlier bindings of the same name (a swap binds both
+  names with each other's sizes).
+  """
+  return _core.extend_axis_env_nd(list(name_size_pairs))
+
+
+_ZERO_TYPES = (_ad_util.Zero, _ad_util.SymbolicZero)
+
+
+def is_zero(x) -> bool:
+  """Whether ``x`` is a symbolic zero (``Zero`` or ``SymbolicZero``)."""
+  return type(x) in _ZERO_TYPES
+
+
+def with_aval(zero, aval):
+  """A symbolic zero of the same kind as ``zero`` with abstract value ``aval``."""
+  return zero if aval is zero.aval else type(zero)(aval)
+
+
+WrappedFun = _lu.WrappedFun
+
+
+def wrap_rule(fun, like):
+  """``fun`` as a ``WrappedFun`` carrying the debug info of ``like``."""
+  return _lu.wrap_init(fun, debug_info=like.debug_info)

@@ -16,6 +16,7 @@ values, so every primitive is bound again under the caller's transformations
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -32,6 +33,13 @@ from . import tracing
 from .check import location
 
 _API = "jaxworks.axis_names.rename_axes"
+
+# Stock JAX callables, bound at import: a program that swaps jaxworks (or
+# anything else) in for a JAX entry point cannot make this module call it.
+_eval_jaxpr = jax.core.eval_jaxpr
+_tree_flatten = jax.tree_util.tree_flatten
+_tree_unflatten = jax.tree_util.tree_unflatten
+_Tracer = jax.core.Tracer
 
 # Jaxpr -> {frozen mapping: renamed Jaxpr}; only changed results are stored
 # (an unchanged result is the key itself and must not keep it alive).
@@ -169,7 +177,8 @@ class _Renamer:
     self.value_memo: dict[int, tuple[Any, Any]] = {}
 
   def jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
-    if mentioned_names(jaxpr).isdisjoint(mapping):
+    if (mentioned_names(jaxpr).isdisjoint(mapping) and
+        not analysis.rule_eqns(jaxpr)):
       return jaxpr
     key = frozenset(mapping.items())
     per_mapping = _RENAMED.get(jaxpr)
@@ -186,9 +195,11 @@ class _Renamer:
       # context), so only equations using a renamed name change, and the
       # analysis already knows which those are.
       eqns = list(jaxpr.eqns)
-      for i, names in analysis.named_eqns(jaxpr):
-        if not names.isdisjoint(mapping):
-          eqns[i] = self._light_eqn(eqns[i], mapping)
+      todo = {i for i, names in analysis.named_eqns(jaxpr)
+              if not names.isdisjoint(mapping)}
+      todo.update(analysis.rule_eqns(jaxpr))
+      for i in sorted(todo):
+        eqns[i] = self._light_eqn(eqns[i], mapping)
       new = jaxpr.replace(eqns=eqns,
                           effects=_rename_effects(jaxpr.effects, mapping),
                           debug_info=jaxpr.debug_info)
@@ -275,6 +286,18 @@ class _Renamer:
             f"{location(eqn) or 'an unknown location'}, which binds "
             f"{sorted(bound, key=repr)}; pick new names that the inner {prim} "
             "does not bind")
+      if any(n in bound for n in inner.values()):
+        # No visible use below is captured, but a custom rule below may use
+        # the old name once it runs: it learns the capture then.
+        where = location(eqn) or "an unknown location"
+        inner = {o: (_Captured(n, prim, where, dict(mapping))
+                     if n in bound else n) for o, n in inner.items()}
+    callables = rules.CALLABLE_PARAMS.get(prim)
+    if callables and inner:
+      for k, kind in callables.items():
+        v = params.get(k)
+        if v is not None:
+          params[k] = _wrap_rule(kind, v, inner)
     return params, param, inner, subs
 
   def _light_eqn(self, eqn: JaxprEqn, mapping: Mapping) -> JaxprEqn:
@@ -294,13 +317,15 @@ class _Renamer:
   def eqn(self, eqn: JaxprEqn, mapping: Mapping, sub) -> JaxprEqn:
     invars = [sub(v) for v in eqn.invars]
     in_changed = any(a is not b for a, b in zip(invars, eqn.invars))
-    if not in_changed and eqn_mentions(eqn).isdisjoint(mapping):
+    if (not in_changed and eqn_mentions(eqn).isdisjoint(mapping) and
+        not analysis.eqn_has_rules(eqn)):
       return eqn
     outvars = [sub(v) for v in eqn.outvars]
     params, param, inner, _ = self._params_and_inner(eqn, mapping)
     if inner:
+      callables = rules.CALLABLE_PARAMS.get(eqn.primitive.name, {})
       for k, v in eqn.params.items():
-        if k != param:
+        if k != param and k not in callables:
           params[k] = self.param(v, inner)
     mesh = jax_internals.eqn_context_mesh(eqn.ctx)
     ctx = eqn.ctx
@@ -331,7 +356,11 @@ def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
     raise TypeError(f"{_API}: expected a Jaxpr or ClosedJaxpr, got "
                     f"{type(jaxpr).__name__}")
   mentioned = mentioned_names(core_jaxpr)
-  effective = {o: n for o, n in mapping.items() if o in mentioned}
+  if analysis.rule_eqns(core_jaxpr):
+    # Custom rules may use any old name once they run: they get it all.
+    effective = mapping
+  else:
+    effective = {o: n for o, n in mapping.items() if o in mentioned}
   clash = sorted({repr(n) for n in effective.values()
                   if n in mentioned and n not in effective})
   if clash:
@@ -386,35 +415,175 @@ def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
   if not callable(fun):
     raise TypeError(f"{_API}: fun must be callable, got {fun!r} of type "
                     f"{type(fun).__name__}")
-  inverse = {new: old for old, new in mapping.items()}
 
   @functools.wraps(fun)
   def renamed(*args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    avals, env, mesh_ctx = context.renamed_context(leaves, mapping, inverse,
-                                                   _API)
-
-    def flat_fun(*flat):
-      a, kw = jax.tree_util.tree_unflatten(treedef, flat)
-      return fun(*a, **kw)
-
-    with mesh_ctx:
-      (closed, out_tree), _ = _trace_flat(flat_fun, avals, env)
-    new = rename_jaxpr(closed, mapping)
-    outs = jax.core.eval_jaxpr(new.jaxpr, new.consts, *leaves)
-    return jax.tree_util.tree_unflatten(out_tree, outs)
+    return _run_renamed(fun, (args, kwargs), mapping, rule=False)
 
   return renamed
 
 
-def _trace_flat(flat_fun, avals, env):
-  out_tree_box = []
+# ---------------------------------------------------------------------------
+# Running code written for the old names, in the caller's context.
 
-  def traced(*flat):
-    out = flat_fun(*flat)
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    out_tree_box.append(out_tree)
-    return out_leaves
 
-  closed, placeholders = tracing.trace(traced, tuple(avals), {}, env, _API)
-  return (closed, out_tree_box[-1]), placeholders
+def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
+                 rule: bool, captured: Mapping | None = None) -> Any:
+  """``fun(*args[0], **args[1])`` (``fun(*args)`` for a rule), renamed.
+
+  Traces ``fun`` under the old names (``context.old_names``), renames the
+  jaxpr forward and evaluates it on the caller's values, so each primitive
+  is bound again under the caller's transformations. For a user function
+  every argument leaf is traced and every output comes from the jaxpr. For
+  a rule (``rule=True``), leaves that are not arrays (symbolic zeros,
+  Python flags) stay static, and outputs that do not depend on the traced
+  arguments (symbolic zeros, flags) are returned as they are, renamed;
+  a rule that uses an old name in ``captured`` is an error.
+  """
+  ctx = context.old_names(mapping, _API)
+  leaves, treedef = _tree_flatten(args, is_leaf=jax_internals.is_zero)
+  if rule:
+    dyn = [i for i, x in enumerate(leaves) if context.is_array_like(x)]
+  else:
+    dyn = list(range(len(leaves)))
+  statics = list(leaves)
+  for i, x in enumerate(leaves):
+    if jax_internals.is_zero(x):
+      statics[i] = jax_internals.with_aval(
+          x, deep.rename(x.aval, ctx.inverse))
+  avals = context.arg_avals([leaves[i] for i in dyn], ctx, _API)
+  out_box = []
+
+  def flat_fun(*dyn_vals):
+    vals = list(statics)
+    for i, v in zip(dyn, dyn_vals):
+      vals[i] = v
+    a = _tree_unflatten(treedef, vals)
+    out = fun(*a) if rule else fun(*a[0], **a[1])
+    out_leaves, out_tree = _tree_flatten(out, is_leaf=jax_internals.is_zero)
+    traced = [not rule or isinstance(x, _Tracer) for x in out_leaves]
+    out_box.append((out_tree, out_leaves, traced))
+    return [x for x, t in zip(out_leaves, traced) if t]
+
+  with ctx.scope():
+    closed, _ = tracing.trace(flat_fun, tuple(avals), {}, {}, _API)
+  out_tree, out_leaves, traced = out_box[-1]
+  _check_captured([closed.jaxpr], captured)
+  new = rename_jaxpr(closed, ctx.forward)
+  outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *[leaves[i] for i in dyn]))
+  result = []
+  for x, t in zip(out_leaves, traced):
+    if t:
+      result.append(next(outs))
+    elif jax_internals.is_zero(x):
+      result.append(jax_internals.with_aval(
+          x, deep.rename(x.aval, ctx.forward)))
+    else:
+      result.append(x)
+  return _tree_unflatten(out_tree, result)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+  """A mapping entry whose new name an inner binder binds (``shard_map``).
+
+  No visible use of the old name is below that binder (that is an error at
+  rename time); a custom rule below that turns out to use it is an error
+  when the rule runs.
+  """
+
+  new: Hashable
+  primitive: str
+  where: str
+  mapping: str
+
+  def error(self, old) -> ValueError:
+    return ValueError(
+        f"{_API}: renaming {self.mapping} would capture {self.new!r} inside "
+        f"{self.primitive} at {self.where}, which binds it: a custom rule "
+        f"(custom_vjp/custom_jvp) under it uses {old!r}; pick a new name that "
+        f"the inner {self.primitive} does not bind")
+
+
+def _split(mapping: Mapping) -> tuple[dict, dict]:
+  """(user entries to apply, captured entries) of a renamer mapping."""
+  apply, captured = {}, {}
+  for o, n in context.user_entries(mapping).items():
+    if isinstance(n, _Captured):
+      captured[o] = n
+    else:
+      apply[o] = n
+  return apply, captured
+
+
+def _check_captured(jaxprs, captured: Mapping) -> None:
+  if not captured:
+    return
+  for j in jaxprs:
+    hit = mentioned_names(j) & set(captured)
+    if hit:
+      old = sorted(hit, key=repr)[0]
+      raise captured[old].error(old)
+
+
+def _core(j):
+  return j.jaxpr if isinstance(j, ClosedJaxpr) else j
+
+
+def _wrap_rule(kind: str, fn: Any, mapping: Mapping) -> Any:
+  """A rule callable that runs ``fn`` under the old names of ``mapping``."""
+  apply, captured = _split(mapping)
+  if not apply and not captured:
+    return fn
+  if kind == rules.JAXPR_THUNK:
+
+    def thunk(*args):
+      ctx = context.old_names(apply, _API)
+      try:
+        with ctx.scope():
+          out = fn.call_wrapped(*args)
+      except NameError as e:
+        old = jax_internals.unbound_axis_name(e)
+        if old in captured:
+          raise captured[old].error(old) from e
+        if old is not None and old in apply:
+          raise NameError(
+              f"{_API}: a custom rule of the renamed function uses axis "
+              f"{old!r}, renamed to {apply[old]!r}, which is not bound here; "
+              f"call it under a shard_map, pmap or vmap that binds "
+              f"{apply[old]!r}") from e
+        raise
+      jaxprs = [x for x in out if isinstance(x, (Jaxpr, ClosedJaxpr))]
+      _check_captured([_core(j) for j in jaxprs], captured)
+      return type(out)(rename_jaxpr(x, ctx.forward)
+                       if isinstance(x, (Jaxpr, ClosedJaxpr)) else x
+                       for x in out)
+
+    return jax_internals.wrap_rule(thunk, fn)
+
+  is_wrapped = isinstance(fn, jax_internals.WrappedFun)
+  call = fn.call_wrapped if is_wrapped else fn
+
+  def checked(*args):
+    return _run_renamed(call, args, apply, rule=True, captured=captured)
+
+  if is_wrapped:
+    return jax_internals.wrap_rule(checked, fn)
+  return _RenamedRule(fn, checked)
+
+
+class _RenamedRule:
+  """A plain rule callable (``custom_vmap``'s rule) run under old names."""
+
+  def __init__(self, fn, call):
+    self._fn = fn
+    self._call = call
+
+  def __call__(self, *args):
+    return self._call(*args)
+
+  def __str__(self):
+    return str(self._fn)
+
+  def __repr__(self):
+    return f"rename_axes({self._fn!r})"

@@ -10,6 +10,12 @@ Two small tables drive the whole package:
   None when not static). Names used inside its sub-jaxprs stop at the
   binder.
 
+* ``CALLABLE_PARAMS``: for each primitive whose params hold Python callables
+  that trace user code later (a ``custom_vjp``'s forward and backward rules,
+  a ``custom_jvp`` rule), which params those are and how they are called.
+  The names such code uses are invisible until it runs, so a rename wraps
+  them (``rename.py``).
+
 Sub-jaxprs themselves are not listed anywhere: they are found by scanning
 every param value (and tuples/lists of them) for ``Jaxpr``/``ClosedJaxpr``.
 A primitive in neither table with no sub-jaxprs falls back to the
@@ -121,4 +127,22 @@ BINDERS: dict[str, Callable[[Mapping[str, Any]], dict]] = {
     # of all its meshes (JAX traces each body with all of them bound).
     "core_map": lambda params: _mesh_shape_binds(params["mesh"]),
     "mpmd_map": lambda params: _mesh_shape_binds(*params["meshes"]),
+}
+
+
+# How a rule callable is called:
+# JAXPR_THUNK: ``thunk(*flags)`` traces the rule and returns a tuple holding
+#   its jaxpr (``(jaxpr, consts)`` or ``(jaxpr, consts, out_zeros)``).
+# RULE: called with values (tracers, arrays, symbolic zeros, static Python
+#   values), it runs the user's rule and returns values.
+JAXPR_THUNK = "jaxpr_thunk"
+RULE = "rule"
+
+CALLABLE_PARAMS: dict[str, dict[str, str]] = {
+    "custom_vjp_call": {"fwd_jaxpr_thunk": JAXPR_THUNK, "bwd": RULE},
+    "custom_jvp_call": {"jvp_jaxpr_fun": JAXPR_THUNK},
+    # ``custom_lin`` carries a custom_vjp's backward rule in jaxprs traced
+    # under ``jvp``/``linearize``; ``custom_vmap_call`` its batching rule.
+    "custom_lin": {"bwd": RULE},
+    "custom_vmap_call": {"rule": RULE},
 }
