@@ -8,6 +8,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src import jax_internals
 
 COL_MAJOR = Layout(major_to_minor=(1, 0))
 
@@ -53,13 +54,14 @@ def test_format_target_for_an_array_on_other_devices(mesh):
 
 def test_relayout_is_one_jit_per_destination(mesh, monkeypatch):
   jits = []
-  real_jit = jax.jit
+  real_jit = jax_internals.stock_jit
 
   def counting_jit(*args, **kwargs):
     jits.append(kwargs.get("out_shardings"))
     return real_jit(*args, **kwargs)
 
-  monkeypatch.setattr(jax, "jit", counting_jit)
+  # The package calls stock jit bound at import (never jax.jit looked up at call time).
+  monkeypatch.setattr(jax_internals, "stock_jit", counting_jit)
   d = jax.devices()
   tree = [np.ones((4, 4), np.float32) * k for k in range(10)]
   targets = [Format(COL_MAJOR, SingleDeviceSharding(d[k % 2])) for k in range(10)]

@@ -30,24 +30,26 @@ def _prepare(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias:
   return req, transfer.classify(req, groups)
 
 
-def device_put(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False,
+def device_put(x: Any, device: Any = None, *, src: Any = None, donate: Any = False,
                may_alias: Any = None) -> Any:
   """Places a pytree on devices with one batched call per group of leaves.
 
-  Same contract as `jax.device_put`: the tree is flattened once, its leaves are
-  grouped in C++ by (source devices, destination devices, source memory kind,
-  destination memory kind, kind of leaf), and each group moves in one batched
-  call. Results come back in the original structure and equal jax.device_put's.
+  Same signature and contract as `jax.device_put`: the tree is flattened
+  once, its leaves are grouped in C++ by (source devices, destination devices,
+  source memory kind, destination memory kind, kind of leaf), and each group
+  moves in one batched call. Results come back in the original structure and
+  equal jax.device_put's; bad arguments raise the exception classes
+  jax.device_put raises, with messages that name this API and the fix.
 
   Args:
-    tree: a pytree of numpy arrays, jax.Arrays and scalars.
-    target: None (leave device arrays where they are, send host values to the
+    x: a pytree of numpy arrays, jax.Arrays and scalars.
+    device: None (leave device arrays where they are, send host values to the
       default device, uncommitted), a jax.Device, a jax.sharding.Sharding, a
       jax.experimental.layout.Format (sharding and layout), or a pytree prefix
       of these. PartitionSpec and jax.memory.Space targets are handed to
-      jax.device_put.
+      stock jax.device_put.
     src: like jax.device_put's `src`: the placement the leaves come from; only
-      used while tracing (then the whole call is jax.device_put).
+      used while tracing (then the whole call is stock jax.device_put).
     donate: bool or pytree prefix of bools: inputs may be consumed.
     may_alias: None, bool or pytree prefix of them: whether a result may share
       its input's buffer (None: True unless donated).
@@ -56,10 +58,11 @@ def device_put(tree: Any, target: Any = None, *, src: Any = None, donate: Any = 
     The tree with every leaf placed.
 
   Raises:
-    TypeError: a target, donate or may_alias that is not of the accepted kinds.
-    ValueError: a target that is not a prefix of the tree, a shape the sharding
-      cannot split (the error names the leaf's tree path), or donate together
-      with may_alias.
+    ValueError: a `device` that is not one of the accepted kinds or not a
+      prefix of the tree, a shape the sharding cannot split (the error names
+      the leaf's tree path), or donate together with may_alias.
+    TypeError: a leaf JAX cannot hold (a big-endian numpy array, a string,
+      an object array), as jax.device_put.
 
   >>> import jax, numpy as np
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -69,18 +72,19 @@ def device_put(tree: Any, target: Any = None, *, src: Any = None, donate: Any = 
   >>> [y.sharding.spec for y in ys], ys[0].dtype, ys[1].weak_type
   ([P('x',), P()], dtype('float32'), True)
   """
-  return place(tree, target, src=src, donate=donate, may_alias=may_alias)
+  return place(x, device, src=src, donate=donate, may_alias=may_alias)
 
 
 def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False,
           may_alias: Any = None, copy_host: bool = False, api: str = f"{_API}.device_put") -> Any:
   """device_put, plus `copy_host`: never alias host memory (restore uses it for memory maps)."""
+  stock = jax_internals.stock_device_put
   if not jax_internals.trace_state_clean():
-    return jax.device_put(tree, target, src=src, donate=donate, may_alias=may_alias)
+    return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
   try:
     req, batches = _prepare(api, tree, target, src, donate, may_alias)
   except targets.Delegate:
-    return jax.device_put(tree, target, src=src, donate=donate, may_alias=may_alias)
+    return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
   if not req.leaves:
     return tree
   out = transfer.execute(req, batches, copy_host=copy_host)
@@ -202,6 +206,7 @@ def place_for(compiled: Any, tree: Any, *, argnum: int | None = None, donate: An
   try:
     req, batches = _prepare(api, tree, want_formats, None, donate, may_alias)
   except targets.Delegate:  # pragma: no cover - compiled formats are always concrete
-    return jax.device_put(tree, want_formats, donate=donate, may_alias=may_alias)
+    return jax_internals.stock_device_put(tree, want_formats, donate=donate,
+                                          may_alias=may_alias)
   out = transfer.execute(req, batches)
   return req.treedef.unflatten(out)

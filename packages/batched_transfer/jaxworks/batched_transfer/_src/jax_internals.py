@@ -34,13 +34,21 @@ def check_jax_version(version: str) -> None:
 
 check_jax_version(jax.__version__)
 
-from jax._src import array as _array  # noqa: E402  (after the version check)
+from jax._src import api as _api  # noqa: E402  (after the version check)
+from jax._src import array as _array  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 from jax._src import core as _core  # noqa: E402
 from jax._src import dispatch as _dispatch  # noqa: E402
 from jax._src import layout as _layout  # noqa: E402
 from jax._src.interpreters import pxla as _pxla  # noqa: E402
 from jax._src.lib import xla_client as _xc  # noqa: E402
+
+# Stock JAX's device_put and jit, taken from where JAX defines them, not from
+# the `jax` module's attributes: a program may assign jaxworks' functions (or
+# anything else) to `jax.device_put` / `jax.jit`, and the package must never
+# end up calling itself through such a swap.
+stock_device_put = _api.device_put
+stock_jit = _api.jit
 
 # The attribute of a Sharding holding its ordered device list (a hashable
 # jaxlib DeviceList); the C++ grouping reads it by this name.
@@ -104,9 +112,9 @@ def device_put_aval(aval: Any, sharding: Any) -> Any:
   return _dispatch.update_dp_aval(aval, sharding)
 
 
-def committed_array(arr: Any, aval: Any, sharding: Any) -> Any:
-  """A committed jax.Array with `aval` that shares the buffers of `arr`."""
-  handler = _xc.array_result_handler(aval, sharding, committed=True, _skip_checks=True)
+def committed_array(arr: Any, aval: Any, sharding: Any, committed: bool = True) -> Any:
+  """A jax.Array with `aval` (committed unless told) that shares the buffers of `arr`."""
+  handler = _xc.array_result_handler(aval, sharding, committed=committed, _skip_checks=True)
   return handler(arr)
 
 

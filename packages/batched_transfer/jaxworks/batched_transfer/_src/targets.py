@@ -41,8 +41,9 @@ def is_target_leaf(t: Any) -> bool:
   return t is None or isinstance(t, _TARGET_TYPES)
 
 
-def _is_flag_leaf(t: Any) -> bool:
-  return t is None or isinstance(t, bool)
+def _is_plain_leaf(t: Any) -> bool:
+  """None or any value that is not a pytree container (for donate, may_alias, src)."""
+  return t is None or jax.tree_util.all_leaves([t])
 
 
 class Delegate(Exception):
@@ -92,8 +93,9 @@ def broadcast_prefix(api: str, what: str, prefix: Any, tree: Any, treedef: Any, 
     return [prefix] * n
   prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
   if jax.tree_util.treedef_is_leaf(prefix_def) and prefix_leaves and prefix_leaves[0] is prefix:
-    raise TypeError(f"{api}: {what} must be {expected} or a pytree prefix of the value made of "
-                    f"them, got {prefix!r} of type {type(prefix).__name__}")
+    # jax.device_put raises ValueError for a target that is none of its kinds.
+    raise ValueError(f"{api}: {what} must be {expected} or a pytree prefix of the value made of "
+                     f"them, got {prefix!r} of type {type(prefix).__name__}")
   try:
     subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError) as err:
@@ -141,24 +143,19 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
     return sharding, layout, True
   if isinstance(t, (PartitionSpec, jax.memory.Space)):
     raise Delegate()
-  raise TypeError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
-                  f"got {t!r} of type {type(t).__name__}")
+  # jax.device_put raises ValueError for a target that is none of its kinds.
+  raise ValueError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
+                   f"got {t!r} of type {type(t).__name__}")
 
 
-def _check_flags(api: str, what: str, values: list[Any], allow_none: bool) -> None:
-  for v in values:
-    if not (isinstance(v, bool) or (allow_none and v is None)):
-      raise TypeError(f"{api}: {what} must be a bool{' or None' if allow_none else ''} "
-                      f"or a pytree prefix of them, got {v!r}")
-
-
-def copy_semantics(api: str, may_alias: bool | None, donate: bool, where: str = "") -> Any:
+def copy_semantics(api: str, may_alias: Any, donate: Any, where: str = "") -> Any:
+  """The ArrayCopySemantics of one leaf, by truth value as jax.device_put decides it."""
   if may_alias and donate:
     raise ValueError(f"{api}: may_alias=True and donate=True{where} cannot both be set; "
                      "donate=True already lets the result reuse the input's buffer")
   if may_alias is None:
     may_alias = not donate
-  if may_alias:
+  if may_alias and not donate:
     return _REUSE
   return _DONATE if donate else _COPY
 
@@ -188,22 +185,20 @@ def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: 
       layouts = None
     committed_flat = [x[2] for x in triples]
 
+  # src is only read while tracing (by stock jax.device_put, which checks it);
+  # eagerly, as in jax.device_put, any value is accepted.
   srcs = None
   if src is not None:
-    srcs = broadcast_prefix(api, "src", src, tree, treedef, n, is_target_leaf, TARGET_TEXT)
-    for s in srcs:
-      if not is_target_leaf(s):
-        raise TypeError(f"{api}: src must be None, a jax.Device, a Sharding or a Format "
-                        f"(or a pytree prefix of them), got {s!r}")
+    srcs = broadcast_prefix(api, "src", src, tree, treedef, n, _is_plain_leaf, TARGET_TEXT)
 
-  donate_flat = broadcast_prefix(api, "donate", donate, tree, treedef, n, _is_flag_leaf, "a bool")
-  alias_flat = broadcast_prefix(api, "may_alias", may_alias, tree, treedef, n, _is_flag_leaf,
+  # donate and may_alias are read by truth value, as jax.device_put reads them.
+  donate_flat = broadcast_prefix(api, "donate", donate, tree, treedef, n, _is_plain_leaf,
+                                 "a bool")
+  alias_flat = broadcast_prefix(api, "may_alias", may_alias, tree, treedef, n, _is_plain_leaf,
                                 "a bool or None")
-  if isinstance(donate, bool) and _is_flag_leaf(may_alias):
-    semantics = [copy_semantics(api, may_alias, donate)] * n
+  if _is_plain_leaf(donate) and _is_plain_leaf(may_alias):
+    semantics = [copy_semantics(api, may_alias, donate)] * n if n else []
   else:
-    _check_flags(api, "donate", donate_flat, False)
-    _check_flags(api, "may_alias", alias_flat, True)
     semantics = []
     for i, (m, d) in enumerate(zip(alias_flat, donate_flat)):
       if m and d:

@@ -31,14 +31,15 @@ from jax.experimental.layout import Format
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals
 from jaxworks.batched_transfer._src.targets import Request
+from jaxworks.batched_transfer._src.targets import single_device_sharding
 
 ALIAS, HOST, COPY, JAX = "alias", "host", "copy", "jax"
 
 _REUSE = jax_internals.ArrayCopySemantics.REUSE_INPUT
 _DONATE = jax_internals.ArrayCopySemantics.DONATE_INPUT
 
-# (shape, dtype, sharding, x64, committed) -> (aval, devices, slices or None, multihost_check)
-_HOST_CACHE: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any] | None, bool]] = {}
+# (shape, dtype, sharding, x64, committed) -> HostEntry
+_HOST_CACHE: dict[tuple[Any, ...], HostEntry] = {}
 # (src sharding, dst sharding, shape) -> same index on each device-list position
 _SAME_INDICES: dict[tuple[Any, ...], bool] = {}
 # (aval, sharding) -> aval of the result, None when it is the input's
@@ -47,6 +48,21 @@ _MISSING = object()
 # dtype -> whether the host fast path can take it
 _HOST_DTYPES: dict[Any, bool] = {}
 _CACHE_LIMIT = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEntry:
+  """How one (shape, dtype, sharding, x64, committed) goes from host to devices."""
+
+  aval: Any  # of the result
+  devices: list[Any]  # the addressable devices, in the sharding's order
+  slices: list[Any] | None  # each device's index; None when all get the whole value
+  multihost: bool  # the value must be equal on every process
+  # For shardings where several devices hold the same index (replicated mesh axes):
+  # (shard aval, SingleDeviceSharding) per device, for copies that are placed device by
+  # device. jaxlib 0.10.2's batched_device_put with force_copy fails
+  # ("bad_function_call") when shards of a partly replicated sharding share an index.
+  per_device: list[tuple[Any, Any]] | None
 
 
 @dataclasses.dataclass
@@ -102,7 +118,11 @@ def check_placement(req: Request, i: int, sharding: Any, shape: tuple[int, ...])
         f"{err}") from None
 
 
-def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any] | None, bool]:
+def _index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
+  return tuple((k.start, k.stop, k.step) for k in index)
+
+
+def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:
   shape, dtype, sharding, _, committed = key
   check_placement(req, i, sharding, shape)
   index_map = sharding.addressable_devices_indices_map(shape)
@@ -113,9 +133,14 @@ def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> tuple[Any, list[A
   aval = jax_internals.ShapedArray(shape, jax.dtypes.canonicalize_dtype(dtype))
   if committed:
     aval = jax_internals.device_put_aval(aval, sharding)
+  per_device = None
+  if slices is not None and len({_index_key(k) for k in slices}) < len(slices):
+    shard_shape = tuple(sharding.shard_shape(shape))
+    shard_aval = jax_internals.ShapedArray(shard_shape, aval.dtype)
+    per_device = [(shard_aval, single_device_sharding(d)) for d in devices]
   multihost = (not sharding.is_fully_addressable and jax.process_count() > 1 and
                len({d.process_index for d in sharding.device_set}) == jax.process_count())
-  return _remember(_HOST_CACHE, key, (aval, devices, slices, multihost))
+  return _remember(_HOST_CACHE, key, HostEntry(aval, devices, slices, multihost, per_device))
 
 
 def layout_matches(wanted: Any, actual: Any) -> bool:
@@ -156,7 +181,13 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
     routes: dict[str, list[int]] = {}
     if g.kind == grouping.HOST_ARRAY:
       for i in g.indices:
-        routes.setdefault(HOST if host_dtype_ok(leaves[i].dtype) else JAX, []).append(i)
+        dtype = leaves[i].dtype
+        if not dtype.isnative:
+          raise TypeError(
+              f"{req.api}: the leaf at {req.path(i)} is a numpy array of non-native byte order "
+              f"({dtype.str}), which JAX does not accept (jax.device_put raises TypeError too); "
+              "convert it first with x.astype(x.dtype.newbyteorder('='))")
+        routes.setdefault(HOST if host_dtype_ok(dtype) else JAX, []).append(i)
     elif g.kind == grouping.DEVICE_ARRAY:
       # Facts shared by the whole group: its source and destination device
       # lists and memory kinds are the same for every leaf.
@@ -252,7 +283,7 @@ def _check_host_values(req: Request, host_batches: list[Batch], found: list[Any]
       s = req.dsts[i] or req.default_dst
       key = (x.shape, x.dtype, s, x64, req.committed[i])
       entry = _HOST_CACHE.get(key) or _host_entry(req, i, key)
-      if entry[3]:
+      if entry.multihost:
         found.append(x)
   if found:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
@@ -276,12 +307,19 @@ def _put_host(req: Request, indices: list[int], out: list[Any], fresh: list[bool
     entry = cache.get(key)
     if entry is None:
       entry = _host_entry(req, i, key)
-    aval, devices, slices, _ = entry
+    devices, slices = entry.devices, entry.slices
     if slices is None:
       shards = [x] * len(devices)
     else:
       shards = [x[k] for k in slices]
-    out[i] = put(aval, s, shards, devices, c, copy)
+    if copy and entry.per_device is not None:
+      # Each device gets its own copy of its index, then the copies are assembled
+      # into one array without another copy.
+      shards = [put(shard_aval, one, [shard], [d], True, True)
+                for (shard_aval, one), shard, d in zip(entry.per_device, shards, devices)]
+      out[i] = put(entry.aval, s, shards, devices, c, False)
+    else:
+      out[i] = put(entry.aval, s, shards, devices, c, copy)
     fresh[i] = True
 
 
@@ -326,7 +364,7 @@ def _put_with_jax(req: Request, indices: list[int], out: list[Any]) -> None:
   targets = [req.raw_targets[i] if req.layouts is None or req.layouts[i] is None
              else req.dsts[i] for i in indices]
   srcs = None if req.srcs is None else [req.srcs[i] for i in indices]
-  results = jax.device_put(
+  results = jax_internals.stock_device_put(
       values, targets, src=srcs,
       donate=[req.donate[i] for i in indices],
       may_alias=[req.may_alias[i] for i in indices])
@@ -354,7 +392,7 @@ def _relayout(req: Request, batches: list[Batch], out: list[Any], fresh: list[bo
                    if fresh[i] or req.semantics[i] == _DONATE)
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      ys = jax.jit(_identity, out_shardings=formats, donate_argnums=donate)(
+      ys = jax_internals.stock_jit(_identity, out_shardings=formats, donate_argnums=donate)(
           *[out[i] for i in indices])
     for i, y in zip(indices, ys):
       out[i] = y
