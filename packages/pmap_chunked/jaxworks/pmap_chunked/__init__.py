@@ -1,12 +1,19 @@
 """jaxworks.pmap_chunked: pmap as jit(shard_map) with rank-preserving shards.
 
 Public API: :func:`pmap`, :func:`device_put_replicated`,
-:func:`device_put_sharded`, and the :class:`Pmapped` / :class:`PmapCacheInfo`
-types they return.
+:func:`device_put_sharded`, the :class:`Pmapped` / :class:`PmapCacheInfo`
+types they return, and the adoption API :func:`install` /
+:func:`uninstall` / :func:`installed` (``jax.pmap = pmap_chunked.pmap``,
+reversibly).
 """
 
+from ._src.adopt import install as install
+from ._src.adopt import installed as installed
+from ._src.adopt import is_installed as is_installed
+from ._src.adopt import uninstall as uninstall
 from ._src.api import PmapCacheInfo as PmapCacheInfo
 from ._src.api import Pmapped as Pmapped
+from ._src.api import UnhashableStaticError as UnhashableStaticError
 from ._src.api import device_put_replicated as device_put_replicated
 from ._src.api import device_put_sharded as device_put_sharded
 from ._src.api import pmap as pmap
@@ -15,8 +22,13 @@ from .version import __version__ as __version__
 __all__ = [
     "PmapCacheInfo",
     "Pmapped",
+    "UnhashableStaticError",
     "device_put_replicated",
     "device_put_sharded",
+    "install",
+    "installed",
+    "is_installed",
     "pmap",
+    "uninstall",
     "__version__",
 ]

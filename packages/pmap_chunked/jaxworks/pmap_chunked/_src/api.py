@@ -15,15 +15,18 @@ from . import pmap as pmap_lib
 
 Pmapped = pmap_lib.Pmapped
 PmapCacheInfo = pmap_lib.PmapCacheInfo
+UnhashableStaticError = pmap_lib.UnhashableStaticError
 
 
 def pmap(fun: Callable, axis_name: Hashable | None = None, *,
          in_axes: Any = 0, out_axes: Any = 0,
          static_broadcasted_argnums: int | Iterable[int] = (),
-         donate_argnums: int | Iterable[int] = (),
          devices: Sequence[jax.Device] | None = None,
+         backend: str | None = None,
          axis_size: int | None = None,
-         chunked: bool = False) -> Pmapped:
+         donate_argnums: int | Iterable[int] = (),
+         chunked: bool = False,
+         maxsize: int = pmap_lib.DEFAULT_MAXSIZE) -> Pmapped:
   """Maps ``fun`` over devices, built as ``jit(shard_map(...))``.
 
   The mapped arguments are split along their ``in_axes`` axis, one slice per
@@ -56,7 +59,21 @@ def pmap(fun: Callable, axis_name: Hashable | None = None, *,
       every device unchanged). They must be hashable; a call with a new value
       traces and compiles again. Calling with fewer positional arguments than
       ``static_broadcasted_argnums`` requires raises an error, so pass static
-      arguments positionally. Default ().
+      arguments positionally. Default (). A static value is matched by
+      type and value: ``1``, ``1.0``, ``True`` and ``np.int32(1)`` are four
+      programs, ``-0.0`` is not ``0.0``, and the elements of tuples are
+      compared the same way.
+    devices: Optional sequence of devices to map over, in order. Its length
+      must equal the mapped size (times the sizes of nested pmaps). Default:
+      the first devices of ``jax.devices()`` (grouped by process when there
+      are several processes).
+    backend: Optional platform name (``'cpu'``, ``'gpu'``, ``'tpu'``) whose
+      devices to map over when ``devices`` is not given; an unknown one
+      raises ``RuntimeError`` as in ``jax.pmap``. Default: the default
+      backend.
+    axis_size: Optional mapped size. Required when no argument is mapped
+      (every ``in_axes`` entry is None); otherwise it must agree with the
+      arguments. In a multi-process run it is the global size.
     donate_argnums: An int or collection of ints: positions of positional
       arguments (static ones counted) whose buffers are donated to the
       computation: the caller no longer needs them, XLA may reuse their memory
@@ -65,25 +82,23 @@ def pmap(fun: Callable, axis_name: Hashable | None = None, *,
       that first has to be moved to the devices is copied and the copy is
       donated, leaving the caller's array intact. Keyword arguments are never
       donated; a donated argument cannot also be static. Default ().
-    devices: Optional sequence of devices to map over, in order. Its length
-      must equal the mapped size (times the sizes of nested pmaps). Default:
-      the first devices of ``jax.devices()`` (grouped by process when there
-      are several processes).
-    axis_size: Optional mapped size. Required when no argument is mapped
-      (every ``in_axes`` entry is None); otherwise it must agree with the
-      arguments. In a multi-process run it is the global size.
     chunked: If False (default), ``fun`` sees each mapped argument with the
       mapped axis removed and returns per-device values without it (classic
       pmap). If True, ``fun`` sees the device's chunk with the size-1 mapped
       axis kept (rank preserved inside too) and must return outputs that keep
       a size-1 axis at their ``out_axes`` position. The global arrays are the
-      same either way.
+      same either way. (jaxworks only; not a ``jax.pmap`` parameter.)
+    maxsize: Bound on the number of programs (argument structures, sizes,
+      static values) this function keeps; the least recently used one is
+      dropped first (``cache_info().evictions``). (jaxworks only.)
 
   Returns:
     A :class:`Pmapped` callable with the same arguments as ``fun``; its outputs
     have the mapped axis (of size = number of devices) at ``out_axes``.
-    ``.lower(...)`` / ``.trace(...)`` give the jit_cache stages of a call and
-    ``.cache_info()`` this function's cache counters.
+    ``.lower(...)`` / ``.trace(...)`` give the jit_cache stages of a call
+    (arguments keep their weak types, so the stages' output dtypes are the
+    call's), ``.cache_info()`` this function's table counters and
+    ``.clear_cache()`` empties it.
 
   Raises:
     ValueError: the mapped arguments disagree on the mapped size, the size
@@ -118,8 +133,8 @@ def pmap(fun: Callable, axis_name: Hashable | None = None, *,
   return Pmapped(
       fun, axis_name, in_axes=in_axes, out_axes=out_axes,
       static_broadcasted_argnums=static_broadcasted_argnums,
-      donate_argnums=donate_argnums, devices=devices, axis_size=axis_size,
-      chunked=chunked)
+      devices=devices, backend=backend, axis_size=axis_size,
+      donate_argnums=donate_argnums, chunked=chunked, maxsize=maxsize)
 
 
 def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:

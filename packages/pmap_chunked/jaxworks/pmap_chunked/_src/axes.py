@@ -15,6 +15,14 @@ from jax.sharding import PartitionSpec as P
 _is_none = lambda x: x is None  # noqa: E731
 
 
+class AxisOutOfRangeError(ValueError, IndexError):
+  """An in_axes/out_axes entry outside the rank of its argument or output.
+
+  A ``ValueError`` (as ``jax.vmap`` and ``jax.pmap`` raise for a bad output
+  axis) and an ``IndexError`` (as ``jax.pmap`` raises for a bad input axis).
+  """
+
+
 def check_axes_spec(api: str, what: str, spec: Any) -> Any:
   """Validates an in_axes/out_axes spec; lists become tuples (like vmap)."""
   if isinstance(spec, list):
@@ -34,13 +42,22 @@ def has_negative(spec: Any) -> bool:
              jax.tree_util.tree_leaves(spec, is_leaf=_is_none))
 
 
+class _Run:
+  """The axes of one subtree's leaves (a class of its own, so that lists in
+  a spec are never mistaken for it when flattening)."""
+  __slots__ = ("axes",)
+
+  def __init__(self, axes: list):
+    self.axes = axes
+
+
 def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
   """One axis (int or None) per leaf of `tree`, with `spec` a prefix of it."""
   if spec is None or type(spec) is int:
     return [spec] * len(jax.tree_util.tree_leaves(tree))
   try:
     per_subtree = jax.tree_util.tree_map(
-        lambda ax, sub: [ax] * len(jax.tree_util.tree_leaves(sub)),
+        lambda ax, sub: _Run([ax] * len(jax.tree_util.tree_leaves(sub))),
         spec, tree, is_leaf=_is_none)
   except (ValueError, TypeError) as e:
     raise ValueError(
@@ -50,8 +67,9 @@ def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
         f"entry per {'output' if what == 'out_axes' else 'positional argument'}"
         " (or a single int/None for all).") from None
   flat = []
-  for axes in jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)):
-    flat.extend(axes)
+  for run in jax.tree_util.tree_leaves(
+      per_subtree, is_leaf=lambda x: isinstance(x, _Run)):
+    flat.extend(run.axes)
   return flat
 
 
@@ -61,7 +79,7 @@ def normalize_axis(api: str, what: str, axis: int | None, ndim: int,
   if axis is None:
     return None
   if not -ndim <= axis < ndim:
-    raise ValueError(
+    raise AxisOutOfRangeError(
         f"{api}: {what} axis {axis} is out of range for {where} of rank "
         f"{ndim}; use an axis in [{-ndim}, {ndim}) or None to broadcast it.")
   return axis % ndim

@@ -7,7 +7,9 @@ install fails at import with an error that says what to upgrade.
 
 from __future__ import annotations
 
-import importlib
+from jaxworks import axis_names as _axis_names
+from jaxworks import batched_transfer as _batched_transfer
+from jaxworks import jit_cache as _jit_cache
 
 # Minimum versions of the jaxworks packages this package needs.
 MINIMUM_VERSIONS = {
@@ -38,17 +40,13 @@ def check_version(module_name: str, found: str, minimum: str) -> None:
         f"`pip install -U {module_name.replace('.', '-').replace('_', '-')}`.")
 
 
-def _import_checked(module_name: str):
-  module = importlib.import_module(module_name)
-  check_version(module_name, getattr(module, "__version__", "0"),
-                MINIMUM_VERSIONS[module_name])
-  return module
+for _module in (_jit_cache, _batched_transfer, _axis_names):
+  check_version(_module.__name__, getattr(_module, "__version__", "0"),
+                MINIMUM_VERSIONS[_module.__name__])
+del _module
 
-
-_jit_cache = _import_checked("jaxworks.jit_cache")
-_batched_transfer = _import_checked("jaxworks.batched_transfer")
-_axis_names = _import_checked("jaxworks.axis_names")
-
+# Bound at import: the jaxworks functions themselves, never ``jax.jit`` or
+# ``jax.device_put`` looked up later (those may be swapped for these).
 jit = _jit_cache.jit
 device_put = _batched_transfer.device_put
 check_axis_names = _axis_names.check_axis_names

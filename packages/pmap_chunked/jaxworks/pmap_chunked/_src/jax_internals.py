@@ -7,6 +7,12 @@ moves one of them fails there, in one obvious place.
   per-device buffers as one global array that keeps a weak type (public
   `jax.make_array_from_single_device_arrays` always makes a strong type, while
   JAX 0.9's device_put_replicated/sharded kept the weak type of Python scalars).
+- `jax.stages.Lowered`'s private fields (`_lowering`, `_in_types`,
+  `_out_types`) and its constructor, and `jax._src.core.shaped_abstractify`:
+  `Pmapped.lower` relabels the Lowered of its flat-argument program with the
+  user's argument structure and the arguments' own avals (as `jax.pmap`'s own
+  `lower` does), so `args_info` and `.compile()(...)` take the arguments as
+  the user passes them.
 - `jax._src.api.device_put_replicated` / `device_put_sharded`: JAX's own
   helpers, removed from the public API in 0.10.0 but still kept privately.
   The package does not use them; they are the reference its tests compare
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 from jax._src import api as _api
 from jax._src import array as _array
 from jax._src import core as _core
@@ -40,3 +47,18 @@ def jax_device_put_sharded(shards: Sequence[Any],
                            devices: Sequence[Any]) -> Any:
   """JAX's own device_put_sharded (private since 0.10): test reference."""
   return _api.device_put_sharded(shards, devices)
+
+
+def lowered_with_args_info(lowered: Any, args_info: Any) -> Any:
+  """A copy of stock ``jax.stages.Lowered`` `lowered` with another
+  ``args_info`` pytree (same leaves in the same order); keyword arguments
+  allowed (the user's structure is ``(args, kwargs)``)."""
+  return jax.stages.Lowered(
+      lowered._lowering, args_info, lowered.out_tree, no_kwargs=False,
+      in_types=lowered._in_types, out_types=lowered._out_types)
+
+
+def arg_info(x: Any, donated: bool) -> Any:
+  """The ``jax.stages.ArgInfo`` of argument leaf `x`, with its own aval (not
+  the one the program was lowered with, which carries the mesh sharding)."""
+  return jax.stages.ArgInfo(_core.shaped_abstractify(x), donated)

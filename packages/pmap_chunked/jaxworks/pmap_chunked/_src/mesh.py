@@ -20,6 +20,9 @@ from jax.sharding import AxisType, Mesh
 
 API = "jaxworks.pmap_chunked.pmap"
 
+# Bound at import (see pmap.py): later reassignments of jax.* do not reach us.
+_devices = jax.devices
+
 
 @functools.lru_cache(maxsize=256)
 def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
@@ -30,17 +33,18 @@ def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
               axis_types=(AxisType.Auto,) * len(names))
 
 
-def process_devices() -> tuple:
-  """All devices, those of process 0 first, then process 1, ... ."""
+def process_devices(backend: str | None = None) -> tuple:
+  """All devices (of `backend`), those of process 0 first, then 1, ... ."""
   if jax.process_count() == 1:
-    return tuple(jax.devices())
+    return tuple(_devices(backend))
   by_process: dict[int, list] = {}
-  for d in jax.devices():
+  for d in _devices(backend):
     by_process.setdefault(d.process_index, []).append(d)
   return tuple(d for p in sorted(by_process) for d in by_process[p])
 
 
-def select_devices(devices: tuple | None, total: int) -> tuple:
+def select_devices(devices: tuple | None, total: int,
+                   backend: str | None = None) -> tuple:
   """The `total` devices a (possibly nested) pmap of that global size uses."""
   if devices is not None:
     if len(devices) != total:
@@ -50,7 +54,7 @@ def select_devices(devices: tuple | None, total: int) -> tuple:
           f"pmaps) must equal len(devices). Pass {total} devices or resize the "
           "mapped axis.")
     return devices
-  available = process_devices()
+  available = process_devices(backend)
   if total > len(available):
     raise ValueError(
         f"{API}: the mapped axis needs {total} devices but only "

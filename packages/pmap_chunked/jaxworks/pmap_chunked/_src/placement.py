@@ -25,6 +25,12 @@ from .mesh import check_devices, make_mesh
 # shardings are equivalent (same devices, same split).
 DEVICES_AXIS = "devices"
 
+# Stock JAX callables bound at import, so reassigning jax.* later (adoption
+# of jaxworks across a program) cannot change what this module calls.
+_make_array_from_process_local_data = jax.make_array_from_process_local_data
+_make_array_from_single_device_arrays = (
+    jax.make_array_from_single_device_arrays)
+
 
 # (array sharding, target sharding, mapped axis, rank) -> bool, for shardings
 # that are not equal to the target (e.g. another axis name): the answer needs
@@ -98,7 +104,7 @@ def _place_multiprocess(values: list, targets: list) -> list:
       out.append(deps.device_put(x, target))
     else:
       local = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
-      out.append(jax.make_array_from_process_local_data(
+      out.append(_make_array_from_process_local_data(
           target, local, global_shape_of(local.shape, target)))
   return out
 
@@ -158,7 +164,7 @@ def _assemble(shape: tuple, sharding: NamedSharding, pieces: list):
   if pieces and pieces[0].weak_type:
     return jax_internals.weak_array_from_shards(shape, pieces[0].dtype,
                                                 sharding, pieces)
-  return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+  return _make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
 def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:

@@ -19,18 +19,24 @@ The mechanism, in one place:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
+import struct
+import threading
+import types
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from . import axes as axes_lib
 from . import deps
+from . import jax_internals
 from . import mesh as mesh_lib
 from . import placement
 
@@ -40,6 +46,17 @@ API = "jaxworks.pmap_chunked.pmap"
 # outputs of one anonymous pmap have exactly the input sharding of another).
 ANONYMOUS_AXIS = "_pmap_axis"
 
+# Default bound on one pmapped function's program table (LRU), as for
+# jaxworks.jit_cache.jit's per-function trace entries.
+DEFAULT_MAXSIZE = 256
+
+# Stock JAX callables this module builds on, bound once at import: a program
+# that later assigns jaxworks' functions to ``jax.jit``/``jax.pmap``/... (or
+# replaces ``jax.shard_map``) cannot make this module call itself.
+_shard_map = jax.shard_map
+_get_abstract_mesh = jax.sharding.get_abstract_mesh
+_typeof = jax.typeof
+
 
 class PmapCacheInfo(NamedTuple):
   """Counters of one pmapped function's cache.
@@ -48,10 +65,50 @@ class PmapCacheInfo(NamedTuple):
     hits: calls that found their compiled program in the cache.
     misses: calls that had to build a new program (trace and compile).
     entries: distinct programs held (argument structures, sizes, statics).
+    evictions: programs dropped because the table was full (LRU order).
+    maxsize: the bound on ``entries`` (``pmap(..., maxsize=...)``).
   """
   hits: int
   misses: int
   entries: int
+  evictions: int = 0
+  maxsize: int = DEFAULT_MAXSIZE
+
+
+class UnhashableStaticError(ValueError, TypeError):
+  """A static argument of a pmapped function is not hashable.
+
+  A ``ValueError`` as ``jax.pmap`` raises, and a ``TypeError`` as Python
+  raises for ``hash()`` of such a value (and as earlier jaxworks versions
+  raised), so code catching either keeps working.
+  """
+
+
+def static_key(value: Any) -> Any:
+  """The cache key of one static argument: its type and its value.
+
+  Python's ``==`` says ``1 == 1.0 == True`` and ``0.0 == -0.0``, but each of
+  those traces to a different program (dtype, sign), so the type of the value
+  (and of every element of a tuple or frozenset) is part of the key and floats
+  are compared by their bits (``-0.0`` is not ``0.0``; a NaN equals a NaN with
+  the same bits). Other values are compared as JAX compares static
+  arguments: by type, ``__hash__`` and ``__eq__``.
+  """
+  kind = type(value)
+  if kind is float:
+    return (kind, struct.pack("<d", value))
+  if kind is complex:
+    return (kind, struct.pack("<dd", value.real, value.imag))
+  if isinstance(value, np.generic):
+    # NumPy scalars: by dtype and bytes (np.float32(-0.0) vs np.float32(0.0)).
+    if value.dtype != object:
+      return (kind, value.dtype, value.tobytes())
+    return (kind, value)
+  if isinstance(value, tuple):
+    return (kind, tuple(static_key(v) for v in value))
+  if isinstance(value, frozenset):
+    return (kind, frozenset(static_key(v) for v in value))
+  return (kind, value)
 
 
 @dataclasses.dataclass
@@ -100,8 +157,9 @@ class Pmapped:
 
   def __init__(self, fun: Callable, axis_name: Any, *, in_axes: Any,
                out_axes: Any, static_broadcasted_argnums: Any,
-               donate_argnums: Any, devices: Any, axis_size: int | None,
-               chunked: bool):
+               devices: Any, backend: str | None, axis_size: int | None,
+               donate_argnums: Any, chunked: bool,
+               maxsize: int = DEFAULT_MAXSIZE):
     if not callable(fun):
       raise TypeError(f"{API}: fun must be callable, got {fun!r} of type "
                       f"{type(fun).__name__}; pass the function to map.")
@@ -119,6 +177,12 @@ class Pmapped:
     if not isinstance(chunked, bool):
       raise TypeError(f"{API}: chunked must be True or False, got "
                       f"{chunked!r}.")
+    if type(maxsize) is not int or maxsize < 1:
+      raise TypeError(f"{API}: maxsize must be an int >= 1, got {maxsize!r}; "
+                      f"pass e.g. maxsize={DEFAULT_MAXSIZE}.")
+    if backend is not None and not isinstance(backend, str):
+      raise TypeError(f"{API}: backend must be a platform name such as "
+                      f"'cpu' or None, got {backend!r}.")
     self._fun = fun
     self._axis_name = axis_name
     self._in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
@@ -136,18 +200,30 @@ class Pmapped:
           "has no buffer to donate, remove it from one of them.")
     self._devices = (None if devices is None
                      else mesh_lib.check_devices(API, devices))
+    self._backend = backend
     self._axis_size = axis_size
     self._chunked = chunked
-    self._entries: dict = {}
-    self._flat_axes: dict = {}
+    self._maxsize = maxsize
+    # Program table (LRU): key -> _Entry; and the flat in_axes of each
+    # argument structure (bounded the same way).
+    self._entries: collections.OrderedDict = collections.OrderedDict()
+    self._flat_axes: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
     self._hits = 0
     self._misses = 0
+    self._evictions = 0
     functools.update_wrapper(self, fun, updated=())
 
   # ----------------------------------------------------------------- calling
 
   def __call__(self, *args, **kwargs):
     return self._run("call", args, kwargs)
+
+  def __get__(self, instance, owner=None):
+    """As a method (``@pmap`` on a ``def`` in a class), binds ``self``."""
+    if instance is None:
+      return self
+    return types.MethodType(self, instance)
 
   def lower(self, *args, **kwargs):
     """Lowers the program a call with these arguments would run.
@@ -162,16 +238,41 @@ class Pmapped:
     return self._run("trace", args, kwargs)
 
   def cache_info(self) -> PmapCacheInfo:
-    """Hits, misses and entries of this function's program cache."""
-    return PmapCacheInfo(self._hits, self._misses, len(self._entries))
+    """Hits, misses, entries, evictions and maxsize of this function's
+    program table."""
+    return PmapCacheInfo(self._hits, self._misses, len(self._entries),
+                         self._evictions, self._maxsize)
+
+  def clear_cache(self) -> None:
+    """Drops every program this function holds (the next call rebuilds)."""
+    with self._lock:
+      self._entries.clear()
+      self._flat_axes.clear()
+
+  def _lookup(self, table: collections.OrderedDict, key: Any) -> Any:
+    with self._lock:
+      found = table.get(key)
+      if found is not None:
+        table.move_to_end(key)
+      return found
+
+  def _store(self, table: collections.OrderedDict, key: Any, value: Any,
+             count: bool) -> None:
+    with self._lock:
+      table[key] = value
+      table.move_to_end(key)
+      while len(table) > self._maxsize:
+        table.popitem(last=False)
+        if count:
+          self._evictions += 1
 
   def _run(self, how: str, args: tuple, kwargs: dict):
     static_vals, leaves, treedef, in_axes, size = self._parse(args, kwargs)
     nested = bool(mesh_lib.frames())
     tracing = nested or any(map(_is_tracer, leaves))
-    key = (treedef, in_axes, size, static_vals, len(args),
+    key = (treedef, in_axes, size, static_key(static_vals), len(args),
            self._context_key() if nested else None)
-    entry = self._entries.get(key)
+    entry = self._lookup(self._entries, key)
     built = entry is None
     if built:
       entry = self._build(static_vals, treedef, in_axes, size, len(args),
@@ -179,7 +280,7 @@ class Pmapped:
     demanded: dict = {}
     while True:
       try:
-        out = self._run_entry(how, entry, leaves, tracing)
+        out = self._run_entry(how, entry, leaves, treedef, tracing)
       except mesh_lib.NeedsAxis as need:
         if nested:
           raise
@@ -197,15 +298,27 @@ class Pmapped:
       # nothing half-built behind.
       if built:
         self._misses += 1
-        self._entries[key] = entry
+        self._store(self._entries, key, entry, count=True)
       else:
         self._hits += 1
       return out
 
-  def _run_entry(self, how: str, entry: _Entry, leaves: list, tracing: bool):
+  def _run_entry(self, how: str, entry: _Entry, leaves: list, treedef,
+                 tracing: bool):
     if how != "call":
-      return getattr(entry.jitted, how)(
+      stage = getattr(entry.jitted, how)(
           *[self._abstract(x, s) for x, s in zip(leaves, entry.in_shardings)])
+      if how == "lower":
+        # The program takes flat leaves; describe its arguments as the user
+        # passed them ((positional, keyword) without the static ones, as
+        # jax.pmap's lower does), so .compile() takes the user's arguments.
+        donated = [a.donated for a in
+                   jax.tree_util.tree_leaves(stage.args_info)]
+        stage = jax_internals.lowered_with_args_info(
+            stage, jax.tree_util.tree_unflatten(treedef, [
+                jax_internals.arg_info(x, d)
+                for x, d in zip(leaves, donated)]))
+      return stage
     if tracing:
       return entry.jitted(*leaves)
     return entry.jitted(*placement.place_inputs(
@@ -227,20 +340,21 @@ class Pmapped:
         hash(static_vals)
       except TypeError:
         bad = next(i for i in statics if not _hashable(args[i]))
-        raise TypeError(
-            f"{API}: static argument {bad} of {self._name()} "
-            f"(static_broadcasted_argnums) must be hashable, got a "
-            f"{type(args[bad]).__name__}; pass a hashable value (e.g. a "
-            "tuple instead of a list) or make it a mapped argument.") from None
+        raise UnhashableStaticError(
+            f"{API}: Non-hashable static arguments are not supported: static "
+            f"argument {bad} of {self._name()} (static_broadcasted_argnums) "
+            f"must be hashable, got a {type(args[bad]).__name__}; pass a "
+            "hashable value (e.g. a tuple instead of a list) or make it a "
+            "mapped argument.") from None
       dyn = tuple(a for i, a in enumerate(args) if i not in statics)
     else:
       static_vals = ()
       dyn = args
     leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-    flat = self._flat_axes.get((treedef, len(args)))
+    flat = self._lookup(self._flat_axes, (treedef, len(args)))
     if flat is None:
       flat = self._flat_in_axes(args, dyn, kwargs, len(leaves))
-      self._flat_axes[(treedef, len(args))] = flat
+      self._store(self._flat_axes, (treedef, len(args)), flat, count=False)
     if self._negative_in:
       flat = tuple(self._normalize_in(flat, leaves, dyn, kwargs))
     size = None
@@ -262,11 +376,15 @@ class Pmapped:
     in_axes = self._in_axes
     if isinstance(in_axes, tuple):
       if len(in_axes) != len(args):
+        keywords = (
+            f" (and {len(kwargs)} keyword argument(s): each argument passed "
+            "by keyword is mapped over its axis 0 and has no in_axes entry; "
+            "pass them positionally to give them one)" if kwargs else "")
         raise ValueError(
             f"{API}: in_axes={in_axes!r} has {len(in_axes)} entries but "
             f"{self._name()} was called with {len(args)} positional "
-            "argument(s); give one entry per positional argument (static "
-            "ones included) or a single int/None for all.")
+            f"argument(s){keywords}; give one entry per positional argument "
+            "(static ones included) or a single int/None for all.")
       in_axes = tuple(a for i, a in enumerate(in_axes)
                       if i not in self._statics)
     elif in_axes is not None and type(in_axes) is not int:
@@ -322,6 +440,8 @@ class Pmapped:
     where = _pretty(axes_lib.leaf_paths((dyn, kwargs))[i])
     x = leaves[i]
     shape = getattr(x, "shape", None)
+    if shape is None and isinstance(x, (bool, int, float, complex)):
+      shape = ()                     # a Python scalar: a rank-0 value
     if shape is None:
       raise TypeError(
           f"{API}: argument {where} of {self._name()} is a "
@@ -330,7 +450,7 @@ class Pmapped:
           "position in static_broadcasted_argnums.")
     fix = (f"use an axis below {len(shape)} or" if shape else
            "a scalar has no axis to map:")
-    raise ValueError(
+    raise axes_lib.AxisOutOfRangeError(
         f"{API}: argument {where} of {self._name()} has shape "
         f"{tuple(shape)} (rank {len(shape)}) and cannot be mapped over axis "
         f"{ax}; {fix} give it in_axes=None to broadcast it.")
@@ -372,10 +492,11 @@ class Pmapped:
     axis_name = self._axis_name
     if nested:
       mesh, axis_name = self._nested_mesh(size)
-      spmd_mesh = jax.sharding.get_abstract_mesh()
+      spmd_mesh = _get_abstract_mesh()
     else:
       sizes = (size,) + tuple(s for _, s in extra_axes)
-      devices = mesh_lib.select_devices(self._devices, math.prod(sizes))
+      devices = mesh_lib.select_devices(self._devices, math.prod(sizes),
+                                        self._backend)
       mesh = mesh_lib.make_mesh(devices, sizes,
                                 (axis_name,) + tuple(n for n, _ in extra_axes))
       spmd_mesh = mesh
@@ -385,20 +506,24 @@ class Pmapped:
     negative_moves: list = []
     body = functools.partial(self._body, axis_name, static_vals, treedef,
                              in_axes, size, mesh, nargs, negative_moves)
-    mapped = jax.shard_map(
+    mapped = _shard_map(
         body, mesh=spmd_mesh, in_specs=in_specs,
         out_specs=axes_lib.out_specs_for(axis_name, self._out_axes),
         axis_names={axis_name}, check_vma=False)
-    program = mapped
+    # The program takes the flat argument leaves (named flat_args in JAX's
+    # argument-mismatch errors, as for jax.pmap).
     if self._negative_out:
-      def program(*leaves):
-        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*leaves))
+      def program(*flat_args):
+        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*flat_args))
         for i, dest in negative_moves:
           out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
         return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+    else:
+      def program(*flat_args):
+        return mapped(*flat_args)
+    # Keep the user's name for jaxprs and errors, but not their signature
+    # (jit checks donate_argnums against it).
     functools.update_wrapper(program, self._fun, updated=())
-    # The program takes flat leaves: keep the user's name for jaxprs and
-    # errors, but not their signature (jit checks donate_argnums against it).
     del program.__wrapped__
     donate_argnums = self._donated_leaves(treedef, nargs)
     if nested or extra_axes:
@@ -498,10 +623,16 @@ class Pmapped:
   # ------------------------------------------------------------ helpers
 
   def _abstract(self, x, sharding):
-    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
-      return x
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
-                                sharding=sharding)
+    """The ShapeDtypeStruct ``lower``/``trace`` stage for one argument leaf,
+    with its weak type (a Python scalar stays weak, as in a call)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+      if x.sharding is not None:
+        return x
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                                  weak_type=x.weak_type)
+    aval = _typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
+                                weak_type=aval.weak_type)
 
   def _diagnose(self, err, static_vals, treedef, in_axes, size, nargs, leaves,
                 entry):
@@ -522,7 +653,8 @@ class Pmapped:
       deps.check_axis_names(body, *local, axis_sizes=bound)
     except deps.AxisNameError as found:
       found.args = (f"{API}: {self._name()} (axis_name="
-                    f"{entry.axis_name!r}): {found}",) + found.args[1:]
+                    f"{entry.axis_name!r}) uses an unbound axis name: "
+                    f"{found.axis_name}. {found}",) + found.args[1:]
       raise found from None
     raise err
 
