@@ -6,6 +6,7 @@ import zipfile
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental.layout import Format, Layout
@@ -256,3 +257,189 @@ def test_restored_arrays_do_not_alias_the_files(tmp_path):
   out = bt.restore(tmp_path / "d", like({"a": np.zeros(4096, np.float32)}))
   np.save(tmp_path / "d" / "a.npy", np.zeros(16, np.float32))  # truncates the same inode
   np.testing.assert_array_equal(np.asarray(out["a"]), np.arange(4096, dtype=np.float32))
+
+
+# ----------------------------------------------------------------------------- data integrity
+
+
+def _npy_bytes(a):
+  buf = io.BytesIO()
+  np.save(buf, a)
+  return buf.getvalue()
+
+
+def _no_placement(monkeypatch):
+  placed = []
+  monkeypatch.setattr(checkpoint, "place", lambda *a, **k: placed.append(a))
+  return placed
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+@pytest.mark.parametrize("cut", [16, -8], ids=["short", "long"])
+def test_npz_member_whose_data_disagrees_with_its_header(tmp_path, monkeypatch, compression, cut):
+  # Issue 11.6a: a short member restored silently, filled with the next member's bytes.
+  a, b = np.arange(8, dtype=np.float32), np.full(4, 7, np.float32)
+  data = _npy_bytes(a)
+  data = data[:-cut] if cut > 0 else data + b"\0" * -cut
+  path = tmp_path / "c.npz"
+  with zipfile.ZipFile(path, "w", compression=compression) as zf:
+    zf.writestr("a.npy", data)
+    zf.writestr("b.npy", _npy_bytes(b))
+  if cut > 0:
+    with pytest.raises(ValueError), np.load(path) as z:  # numpy refuses the short member too
+      z["a"]
+  placed = _no_placement(monkeypatch)
+  with pytest.raises(ValueError) as info:
+    bt.restore(path, like({"a": a, "b": b}))
+  text = str(info.value)
+  assert "jaxworks.batched_transfer.restore" in text and "['a']" in text
+  assert f"member 'a.npy' of {str(path)!r} holds {32 - cut} bytes of data but its header " \
+         "(float32[8]) needs 32" in text
+  assert placed == []
+
+
+def test_truncated_npy_names_the_file_the_leaf_and_the_api(tmp_path, monkeypatch):
+  # Issue 11.6b: this was "ValueError: mmap length is greater than file size".
+  bt.save(tmp_path / "d", {"params": {"w": np.arange(64, dtype=np.float32)}, "b": np.ones(2)})
+  file = tmp_path / "d" / "params" / "w.npy"
+  file.write_bytes(file.read_bytes()[:-10])
+  placed = _no_placement(monkeypatch)
+  with pytest.raises(ValueError) as info:
+    bt.restore(tmp_path / "d", like({"params": {"w": np.zeros(64, np.float32)},
+                                     "b": np.ones(2)}))
+  text = str(info.value)
+  assert text.startswith("jaxworks.batched_transfer.restore: the leaf at ['params']['w']")
+  assert repr(str(file)) in text and "holds 246 bytes of data but its header" in text
+  assert "truncated or damaged" in text
+  assert placed == []
+
+
+def test_a_file_that_changes_after_validation_gets_a_clear_error(tmp_path, monkeypatch):
+  bt.save(tmp_path / "d", {"w": np.arange(64, dtype=np.float32)})
+  file = tmp_path / "d" / "w.npy"
+  real = checkpoint._load
+
+  def shrink_then_load(api, where, key, s):
+    file.write_bytes(file.read_bytes()[:100])
+    return real(api, where, key, s)
+
+  monkeypatch.setattr(checkpoint, "_load", shrink_then_load)
+  with pytest.raises(ValueError, match=r"restore: the leaf at \['w'\] \(key 'w'\): reading .*"
+                     r"w\.npy' failed: .*the file changed or is damaged"):
+    bt.restore(tmp_path / "d", like({"w": np.zeros(64, np.float32)}))
+
+
+ML_DTYPES = [np.dtype(t) for t in (
+    jnp.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz, ml_dtypes.float8_e3m4,
+    ml_dtypes.float8_e4m3, ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn, ml_dtypes.int4,
+    ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.uint2)]
+
+
+def test_every_ml_dtype_round_trips_under_its_exact_name(path):
+  # Issue 11.6c: float8_e5m2 was saved as '<f1' (unreadable) and the 1-byte types as V1.
+  tree = {d.name: (np.arange(12) % 2).astype(d).reshape(3, 4) for d in ML_DTYPES}
+  bt.save(path, tree)
+  out = bt.restore(path, like(tree))
+  for name, x in tree.items():
+    assert out[name].dtype == x.dtype
+    assert np.asarray(out[name]).tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("saved, wanted", [
+    (ml_dtypes.float8_e4m3fn, ml_dtypes.int4), (ml_dtypes.float8_e4m3fn,
+                                                ml_dtypes.float8_e4m3fnuz),
+    (ml_dtypes.int4, ml_dtypes.uint4), (jnp.bfloat16, np.float16),
+    (ml_dtypes.float8_e5m2, np.int8)])
+def test_a_different_dtype_of_the_same_width_is_refused(path, monkeypatch, saved, wanted):
+  bt.save(path, {"x": np.zeros(4, saved)})
+  placed = _no_placement(monkeypatch)
+  with pytest.raises(ValueError, match=rf"the leaf at \['x'\] \(key 'x'\) is stored as "
+                     rf"{np.dtype(saved).name}\[4\] but the target expects "
+                     rf"{np.dtype(wanted).name}\[4\]"):
+    bt.restore(path, {"x": jax.ShapeDtypeStruct((4,), wanted)})
+  assert placed == []
+
+
+def test_raw_void_data_without_a_dtype_record_is_refused(tmp_path):
+  (tmp_path / "d").mkdir()
+  np.save(tmp_path / "d" / "x.npy", np.zeros(4, ml_dtypes.float8_e4m3fn))  # numpy: '<V1'
+  with pytest.raises(ValueError, match=r"stored in .*x\.npy' as raw 1-byte values with no "
+                     "dtype record"):
+    bt.restore(tmp_path / "d", {"x": jax.ShapeDtypeStruct((4,), ml_dtypes.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("record", [b"not json", b'{"format": 99, "dtypes": {}}',
+                                    b'{"format": 1, "dtypes": {"x": "float77"}}',
+                                    b'{"format": 1, "dtypes": {"x": "int8"}}'])
+def test_a_damaged_dtype_record_is_refused(tmp_path, record):
+  bt.save(tmp_path / "d", {"x": np.zeros(4, np.float32)})
+  (tmp_path / "d" / checkpoint.DTYPE_RECORD).write_bytes(record)
+  with pytest.raises(ValueError, match="jaxworks.batched_transfer.restore: .*(damaged|knows)"):
+    bt.restore(tmp_path / "d", {"x": jax.ShapeDtypeStruct((4,), np.float32)})
+
+
+def test_big_endian_input_raises_like_stock(tmp_path):
+  # Issue 11.6d: device_put placed garbage with an invalid dtype; stock raises TypeError.
+  x = np.arange(4, dtype=">f4")
+  for tree in (x, [np.ones(2, np.float32), x], np.array(1.5, ">f8")):
+    with pytest.raises(Exception) as theirs:
+      jax.device_put(tree, jax.devices()[1])
+    with pytest.raises(Exception) as mine:
+      bt.device_put(tree, jax.devices()[1])
+    assert type(mine.value) is type(theirs.value) is TypeError
+    assert "non-native byte order" in str(mine.value)
+  with pytest.raises(TypeError, match=r"save: the leaf at \['w'\] has non-native byte order"):
+    bt.save(tmp_path / "c.npz", {"w": x})
+  assert not os.path.exists(tmp_path / "c.npz")
+  # A big-endian numpy scalar is accepted by both.
+  s = np.array(2.5, ">f4")[()]
+  assert float(bt.device_put(s)) == float(jax.device_put(s)) == 2.5
+
+
+def test_big_endian_npy_files_from_elsewhere_restore_their_values(tmp_path):
+  (tmp_path / "d").mkdir()
+  x = np.arange(6, dtype=">i4").reshape(2, 3)
+  np.save(tmp_path / "d" / "x.npy", x)
+  out = bt.restore(tmp_path / "d", {"x": jax.ShapeDtypeStruct((2, 3), np.int32)})
+  np.testing.assert_array_equal(np.asarray(out["x"]), x)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_python_scalars_are_saved_as_jax_places_them(path, x64):
+  # Issue 11.6e: saved float64 then restore into eval_shape (float32) failed; a Python scalar
+  # in the target raised a bare AttributeError.
+  with jax.enable_x64(x64):
+    state = {"lr": 0.1, "step": 3, "flag": True, "z": 1 + 2j, "w": np.ones(2, np.float32)}
+    bt.save(path, state)
+    ref = jax.device_put(state)
+    for target in (jax.eval_shape(lambda: state), state):
+      out = bt.restore(path, target)
+      for k in state:
+        assert jax.typeof(out[k]) == jax.typeof(ref[k]), k  # dtype and weak type
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(ref[k]))
+      assert out["lr"].weak_type and not out["w"].weak_type
+
+
+def test_python_int_too_large_for_int32_is_refused_like_stock(tmp_path):
+  with pytest.raises(OverflowError):
+    jax.device_put(2**40)
+  with pytest.raises(OverflowError, match=r"save: the Python scalar 1099511627776 at "
+                     r"\['n'\] does not fit int32"):
+    bt.save(tmp_path / "c.npz", {"n": 2**40})
+
+
+def test_float64_data_into_a_float32_target_explains_x64(tmp_path):
+  bt.save(tmp_path / "c.npz", {"w": np.ones(3)})  # float64 numpy data keeps its dtype
+  with pytest.raises(ValueError, match="stored as float64.3. but the target expects "
+                     r"float32\[3\]\. With jax_enable_x64 off JAX gives float32 for float64"):
+    bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((3,), np.float32)})
+  out = bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((3,), np.float64)})
+  assert jax.typeof(out["w"]) == jax.typeof(jax.device_put(np.ones(3)))
+
+
+def test_a_target_leaf_without_shape_and_dtype_is_named(tmp_path):
+  bt.save(tmp_path / "c.npz", {"w": np.ones(3)})
+  with pytest.raises(TypeError, match=r"restore: the target leaf at \['w'\] is 'abc' of type "
+                     "str, which has no shape and dtype"):
+    bt.restore(tmp_path / "c.npz", {"w": "abc"})

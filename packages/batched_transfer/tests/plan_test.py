@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from jax.experimental.layout import Format, Layout
+
 from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src import jax_internals
+from jaxworks.batched_transfer._src import transfer
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +58,56 @@ def test_zero_copy_rules(devices):
   assert [(g.route, g.zero_copy, g.copies) for g in p.groups] == [("batched copy", 0, 1)]
 
 
-def test_plan_moves_nothing(devices):
-  tree = [np.ones(3), jax.device_put(np.ones(3), devices[0])]
-  with jax.transfer_guard("disallow"):  # no transfer of any kind, explicit or not
-    p = bt.plan(tree, SingleDeviceSharding(devices[4]))
-  assert p.num_leaves == 2
-  assert tree[1].devices() == {devices[0]}
+def _forbid_transfers(monkeypatch):
+  """Makes every way the package (or stock JAX) can move data raise; returns the calls seen.
+
+  jax.transfer_guard("disallow") allows explicit transfers (device_put is one), so it cannot
+  tell whether plan moved anything; these counters can.
+  """
+  calls = []
+
+  def forbidden(name):
+    def call(*args, **kwargs):
+      calls.append(name)
+      raise AssertionError(f"plan called {name}")
+    return call
+
+  for name in ("batched_device_put", "batched_copy", "stock_device_put", "stock_jit",
+               "committed_array"):
+    monkeypatch.setattr(jax_internals, name, forbidden(name))
+  monkeypatch.setattr(jax, "device_put", forbidden("jax.device_put"))
+  monkeypatch.setattr(jax, "jit", forbidden("jax.jit"))
+  monkeypatch.setattr(transfer, "execute", forbidden("transfer.execute"))
+  return calls
+
+
+def test_plan_moves_nothing(devices, monkeypatch):
+  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  on0 = jax.device_put(np.ones((8, 2)), devices[0])
+  tree = [np.ones(3), on0, 2.0, np.ones((8, 2), np.float32),
+          jax.device_put(np.ones((8, 2)), NamedSharding(mesh, P("a")))]
+  targets = [SingleDeviceSharding(devices[4]), devices[4], None, NamedSharding(mesh, P("b")),
+             Format(Layout((0, 1)), NamedSharding(mesh, P("a", "b")))]
+  pointers = [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) and len(x.devices()) == 1
+              else None for x in tree]
+  live = len(jax.live_arrays())
+  calls = _forbid_transfers(monkeypatch)
+  with jax.transfer_guard("disallow"):
+    p = bt.plan(tree, targets)
+  assert calls == []
+  assert p.num_leaves == 5 and p.copies == 5
+  assert len(jax.live_arrays()) == live  # no array was made
+  assert on0.devices() == {devices[0]} and not on0.is_deleted()
+  assert [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) and len(x.devices()) == 1
+          else None for x in tree] == pointers
+
+
+def test_the_transfer_counters_see_a_device_put(devices, monkeypatch):
+  # The check above can fail: the same counters catch a device_put.
+  calls = _forbid_transfers(monkeypatch)
+  with pytest.raises(AssertionError, match="called"):
+    bt.device_put([np.ones(3), jax.numpy.ones(2)], devices[4])
+  assert calls
 
 
 def test_plan_matches_what_device_put_does(devices):

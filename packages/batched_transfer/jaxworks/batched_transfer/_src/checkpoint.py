@@ -381,7 +381,7 @@ def _target_spec(api: str, where: str, x: Any) -> tuple[tuple[int, ...], np.dtyp
   """(shape, dtype, weak_type) a target leaf asks for."""
   scalar_dtype = _python_scalar_dtype(x)
   if scalar_dtype is not None:  # as jax.device_put places it, and save stores it
-    return (), scalar_dtype, True
+    return (), scalar_dtype, not isinstance(x, bool)  # JAX gives bools a strong type
   shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
   try:
     shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
@@ -451,8 +451,8 @@ def restore(path: str | os.PathLike[str], target: Any, *, placement: Any = None,
     path: an .npz file or a directory of .npy files.
     target: a pytree whose leaves say what to expect: jax.ShapeDtypeStruct,
       jax.Array or numpy array leaves (their .shape, .dtype and weak_type), or
-      Python scalars (a 0-d array of the dtype jax.device_put gives them,
-      weakly typed), as `jax.eval_shape(init_fn)` returns. Unless `placement`
+      Python scalars (a 0-d array of the dtype and weak type jax.device_put
+      gives them), as `jax.eval_shape(init_fn)` returns. Unless `placement`
       is given, each leaf's .format / .sharding says where it goes (none: the
       default device).
     placement: a device_put target (Device, Sharding, Format or a pytree
