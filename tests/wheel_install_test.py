@@ -1,14 +1,17 @@
 """Installs the built wheels with pip into fresh virtualenvs and uses them from a neutral directory.
 
-Per-package wheels go into one venv (each with --no-deps, as the jaxworks wheels depend on one another), the combined
-wheel into another. jax/jaxlib/numpy come from the build's own virtualenv through a .pth file, so that jaxworks can
-only be found in what the wheel installed. From a temporary working directory, every module is imported and each C++
-extension is called once for real.
+The per-package wheels go into one venv, the combined `jaxworks` metapackage (which requires each of them at its exact
+version) into another, resolved by pip from the built wheels alone (--no-index --find-links). jax/jaxlib/numpy come
+from the build's own virtualenv through a .pth file, so that jaxworks can only be found in what the wheels installed.
+From a temporary working directory, every module is imported and each C++ extension is called once for real. The
+METADATA an index needs, the manylinux tag that auditwheel verifies, py.typed, the `jaxworks-aot` console script and
+the install/uninstall sequences of combined and per-package wheels are checked too.
 """
 
 import glob
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -16,6 +19,9 @@ import sysconfig
 import zipfile
 
 import pytest
+from auditwheel.architecture import Architecture
+from auditwheel.libc import Libc
+from auditwheel.wheel_abi import analyze_wheel_abi
 
 # One real call into each extension, by module name; an extension without an entry fails the test.
 EXTENSION_CALLS = {
@@ -38,7 +44,9 @@ EXTENSION_CALLS = {
     ),
 }
 
-_ALLOWED = re.compile(r"^(jaxworks/[A-Za-z0-9_]+/.*\.(py|pyi|so)|[A-Za-z0-9_]+-[0-9.]+\.dist-info/(METADATA|WHEEL|RECORD))$")
+_ALLOWED = re.compile(
+    r"^(jaxworks/[A-Za-z0-9_]+/(.*\.(py|pyi|so)|py\.typed)"
+    r"|[A-Za-z0-9_]+-[0-9.]+\.dist-info/(METADATA|WHEEL|RECORD|entry_points\.txt|licenses/LICENSE))$")
 
 
 def _wheels(kind):
@@ -55,6 +63,16 @@ def _clean_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_", "RUNFILES", "JAX_", "XLA_"))}
     env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+def _wheel_dirs():
+    return sorted({os.path.dirname(w) for w in _wheels("combined") + _wheels("per_package")})
+
+
+def _pip_install(python, *args):
+    find_links = [a for d in _wheel_dirs() for a in ("--find-links", d)]
+    subprocess.run([python, "-m", "pip", "install", "--no-index", *find_links, "--disable-pip-version-check", "-q",
+                    *args], check=True, env=_clean_env())
 
 
 def _make_venv(root):
@@ -96,8 +114,8 @@ def _installed_python(kind, tmp_path_factory):
     if kind not in _VENVS:
         root = tmp_path_factory.mktemp(f"venv_{kind}")
         python = _make_venv(str(root / "venv"))
-        subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
-                        "-q", *_wheels(kind)], check=True, env=_clean_env())
+        # The metapackage's Requires-Dist pulls in every per-package wheel; jax comes from the build venv.
+        _pip_install(python, *(["jaxworks"] if kind == "combined" else _wheels(kind)))
         _VENVS[kind] = python
     return _VENVS[kind]
 
@@ -117,6 +135,11 @@ def _expected_extensions(wheels):
     return names
 
 
+def _metadata(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+
+
 @pytest.mark.parametrize("kind", ["per_package", "combined"])
 def test_wheels_contain_only_jaxworks_files(kind):
     wheels = _wheels(kind)
@@ -128,9 +151,58 @@ def test_wheels_contain_only_jaxworks_files(kind):
             assert not stray, f"{os.path.basename(w)} holds unexpected files: {stray}"
             assert all(i.date_time == (1980, 1, 1, 0, 0, 0) for i in zf.infolist()), "timestamps are not fixed"
             has_so = any(n.endswith(".so") for n in names)
-            assert ("cp311-cp311-linux_x86_64" in w) == has_so, f"wrong platform tag for {os.path.basename(w)}"
-            metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-            assert "Requires-Dist: jax>=0.10.2" in metadata
+            assert ("-cp311-cp311-manylinux_" in w) == has_so, f"wrong platform tag for {os.path.basename(w)}"
+            assert has_so or w.endswith("-py3-none-any.whl"), os.path.basename(w)
+            if kind == "combined":
+                # A metapackage: it owns no file, so per-package wheels can come and go beside it.
+                assert all(".dist-info/" in n for n in names), names
+            else:
+                packages = {n.split("/")[1] for n in names if n.startswith("jaxworks/")}
+                assert len(packages) == 1, packages
+                assert f"jaxworks/{packages.pop()}/py.typed" in names, "no PEP 561 py.typed marker"
+
+
+@pytest.mark.parametrize("kind", ["per_package", "combined"])
+def test_metadata_is_complete(kind):
+    for w in _wheels(kind):
+        metadata = _metadata(w)
+        header, _, description = metadata.partition("\n\n")
+        fields = {}
+        for line in header.splitlines():
+            key, _, value = line.partition(": ")
+            fields.setdefault(key, []).append(value)
+        name = os.path.basename(w)
+        assert fields["Metadata-Version"] == ["2.4"], name
+        assert fields["License-Expression"] == ["Apache-2.0"], name
+        assert fields["License-File"] == ["LICENSE"], name
+        assert fields["Requires-Python"][0].startswith(">=3.11"), name
+        assert "Typing :: Typed" in fields["Classifier"], name
+        assert any(u.startswith("Source, https://") for u in fields["Project-URL"]), name
+        assert fields["Description-Content-Type"] == ["text/markdown"], name
+        assert description.lstrip().startswith("# jaxworks"), name
+        assert "add-ons for JAX" not in fields["Summary"][0] or kind == "combined", f"{name}: generic Summary"
+        with zipfile.ZipFile(w) as zf:
+            assert any(n.endswith(".dist-info/licenses/LICENSE") for n in zf.namelist()), name
+        if kind == "per_package":
+            # Private jax._src internals of 0.10 are used: the range is bounded above.
+            assert "jax>=0.10.2,<0.11" in fields["Requires-Dist"], name
+            assert "jaxlib>=0.10.2,<0.11" in fields["Requires-Dist"], name
+        else:
+            pins = sorted(r for r in fields["Requires-Dist"])
+            assert len(pins) == len(_wheels("per_package")) and all("==" in r for r in pins), pins
+
+
+def test_manylinux_tag_is_the_one_auditwheel_verifies():
+    checked = 0
+    for w in _wheels("per_package") + _wheels("combined"):
+        tag = os.path.basename(w)[:-4].split("-")[-1]
+        if tag == "any":
+            continue
+        info = analyze_wheel_abi(Libc.GLIBC, Architecture.x86_64, pathlib.Path(w), frozenset(),
+                                 disable_isa_ext_check=False, allow_graft=False)
+        assert info.overall_policy.name == tag, f"{os.path.basename(w)}: auditwheel says {info.overall_policy.name}"
+        checked += 1
+    assert checked == 2, "expected the jit_cache and batched_transfer wheels to carry extensions"
 
 
 def test_per_package_requires_dist_names_jaxworks_dependencies():
@@ -144,9 +216,8 @@ def test_per_package_requires_dist_names_jaxworks_dependencies():
 
 @pytest.mark.parametrize("kind", ["per_package", "combined"])
 def test_install_import_and_call_extensions(kind, tmp_path_factory, tmp_path):
-    wheels = _wheels(kind)
     result = _install_and_probe(kind, tmp_path_factory, tmp_path)
-    assert set(result["called"]) == _expected_extensions(wheels)
+    assert set(result["called"]) == _expected_extensions(_wheels("per_package"))
     packages = {n.split(".")[1] for n in result["imported"]}
     assert packages == {os.path.basename(w).split("-")[0].removeprefix("jaxworks_") for w in _wheels("per_package")}
 
@@ -173,3 +244,56 @@ def test_combined_wheel_runs_the_tour(tmp_path_factory, tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "All checks passed" in out.stdout
+
+
+def test_console_script_runs_after_pip_install(tmp_path_factory, tmp_path):
+    python = _installed_python("combined", tmp_path_factory)
+    script = os.path.join(os.path.dirname(python), "jaxworks-aot")
+    out = subprocess.run([script, "--help"], cwd=str(tmp_path), capture_output=True, text=True, env=_clean_env())
+    assert out.returncode == 0, out.stderr
+    assert "export" in out.stdout and "usage:" in out.stdout
+
+
+_IMPORT_STATE = r"""
+import importlib, json, sys
+state = {}
+for pkg in ["axis_names", "batched_transfer", "jit_cache", "stages_aot", "pmap_chunked"]:
+    try:
+        importlib.import_module("jaxworks." + pkg)
+        state[pkg] = "ok"
+    except ModuleNotFoundError as e:
+        state[pkg] = "absent" if e.name == "jaxworks." + pkg else "broken: " + str(e)
+    except Exception as e:
+        state[pkg] = "broken: " + repr(e)
+print(json.dumps(state))
+"""
+
+
+def _import_state(python, cwd):
+    out = subprocess.run([python, "-c", _IMPORT_STATE], cwd=str(cwd), check=True, capture_output=True, text=True,
+                         env=_clean_env())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("remove", ["jaxworks", "jaxworks-jit-cache"])
+def test_combined_then_per_package_then_uninstall_either(remove, tmp_path):
+    """Install the combined wheel, then a per-package wheel over it, then uninstall one of the two."""
+    python = _make_venv(str(tmp_path / "venv"))
+    _pip_install(python, "jaxworks")
+    jit_cache_wheel = next(w for w in _wheels("per_package") if "jit_cache" in os.path.basename(w))
+    _pip_install(python, "--force-reinstall", "--no-deps", jit_cache_wheel)
+    assert set(_import_state(python, tmp_path).values()) == {"ok"}
+    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", remove], check=True, env=_clean_env())
+    state = _import_state(python, tmp_path)
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                          capture_output=True, text=True, env=_clean_env()).stdout.strip()
+    if remove == "jaxworks":
+        # The metapackage owned no file: every package stays, whole.
+        assert set(state.values()) == {"ok"}, state
+    else:
+        # jit_cache is gone without a trace; the packages that do not need it still work.
+        assert state["jit_cache"] == "absent", state
+        assert not os.path.exists(os.path.join(site, "jaxworks", "jit_cache")), "files of jit_cache left behind"
+        assert state["axis_names"] == state["batched_transfer"] == "ok", state
+        check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, env=_clean_env())
+        assert check.returncode != 0 and "jaxworks-jit-cache" in check.stdout, check.stdout

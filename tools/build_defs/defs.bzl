@@ -12,8 +12,9 @@ load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
 load("@rules_python//python:defs.bzl", "py_binary", "py_library", "py_test")
 load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxworks_wheel")
 
-# Minimum versions every jaxworks wheel requires.
-JAX_REQUIREMENTS = {"jax": "jax>=0.10.2", "jaxlib": "jaxlib>=0.10.2", "numpy": "numpy>=1.26"}
+# What every jaxworks wheel requires. jax and jaxlib are bounded above too: each package imports private
+# `jax._src` internals of 0.10 (through its _src/jax_internals.py), and checks the same range at import.
+JAX_REQUIREMENTS = {"jax": "jax>=0.10.2,<0.11", "jaxlib": "jaxlib>=0.10.2,<0.11", "numpy": "numpy>=1.26"}
 
 BACKENDS = ["cpu", "gpu", "tpu"]
 _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
@@ -123,8 +124,11 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         size = "medium",
     )
 
-def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"]):
+def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"], entry_points = []):
     """A jaxworks package: the public py_library `:<name>`, its wheel `:wheel`, doctests, and per-backend suites.
+
+    `entry_points` go into the wheel's entry_points.txt, as "group:name=module:attr"
+    (e.g. "console_scripts:jaxworks-aot=jaxworks.stages_aot.__main__:main").
 
     Sources are `jaxworks/<name>/**/*.py` (each package is a PEP 420 portion of the `jaxworks` namespace, with no
     jaxworks/__init__.py); the version lives in `jaxworks/<name>/version.py` only.
@@ -151,6 +155,8 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         package_root = native.package_name(),
         requires = [JAX_REQUIREMENTS.get(p, p) for p in pypi],
         deps = [_dist_label(d) for d in deps],
+        readme = "README.md" if native.glob(["README.md"]) else None,
+        entry_points = entry_points,
         visibility = ["//visibility:public"],
     )
     jaxworks_wheel(

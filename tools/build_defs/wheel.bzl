@@ -1,9 +1,14 @@
 """Reproducible wheels from jaxworks packages.
 
-`jaxworks_dist` describes one distribution (name, version file, requirements, files); `jaxworks_wheel` zips one or
-more of them into a wheel (a per-package wheel, or the combined `jaxworks` wheel at //:wheel). The wheel is written
-into a directory `<name>/` under its correct file name, since the version is read from version.py at build time.
+`jaxworks_dist` describes one distribution (name, version file, requirements, files, README, entry points);
+`jaxworks_wheel` zips it into a wheel. The combined `jaxworks` wheel at //:wheel is a metapackage: no files of its
+own, `Requires-Dist: jaxworks-<pkg>==<version>` on each per-package wheel, so installing or removing either kind
+leaves one owner per file. The wheel is written into a directory `<name>/` under its correct file name, since the
+version is read from version.py at build time.
 """
+
+# Where the project is published; each wheel's METADATA lists these (plus its own changelog).
+PROJECT_URL = "https://github.com/jaxworks/jaxworks"
 
 JaxworksDistInfo = provider(
     doc = "One jaxworks distribution.",
@@ -14,6 +19,8 @@ JaxworksDistInfo = provider(
         "files": "depset of Files (sources, stubs, extensions) of the library and its deps",
         "requires": "list of PyPI requirement strings",
         "deps": "list of JaxworksDistInfo of the jaxworks packages it depends on",
+        "readme": "File or None: the Markdown long description",
+        "entry_points": "list of 'group:name=module:attr'",
     },
 )
 
@@ -27,6 +34,8 @@ def _dist_impl(ctx):
         files = files,
         requires = ctx.attr.requires,
         deps = [d[JaxworksDistInfo] for d in ctx.attr.deps],
+        readme = ctx.file.readme,
+        entry_points = ctx.attr.entry_points,
     )]
 
 jaxworks_dist = rule(
@@ -38,49 +47,62 @@ jaxworks_dist = rule(
         "package_root": attr.string(mandatory = True),
         "requires": attr.string_list(),
         "deps": attr.label_list(providers = [JaxworksDistInfo]),
+        "readme": attr.label(allow_single_file = [".md"]),
+        "entry_points": attr.string_list(),
     },
 )
 
 def _wheel_impl(ctx):
     dists = [d[JaxworksDistInfo] for d in ctx.attr.dists]
-    if ctx.attr.distribution:
-        distribution = ctx.attr.distribution
-    elif len(dists) == 1:
-        distribution = dists[0].distribution
-    else:
-        fail("jaxworks_wheel {}: several dists need an explicit distribution name".format(ctx.label))
+    meta = ctx.attr.metapackage
+    if not meta and len(dists) != 1:
+        fail("jaxworks_wheel {}: a wheel with files holds exactly one dist; use metapackage = True".format(ctx.label))
+    distribution = ctx.attr.distribution or dists[0].distribution
 
     args = ctx.actions.args()
     args.add("--distribution", distribution)
-    inputs = []
+    inputs = [ctx.file.license]
+    args.add("--license-file", ctx.file.license)
     if ctx.attr.version:
         args.add("--version", ctx.attr.version)
     else:
         args.add("--version-file", dists[0].version_file)
         inputs.append(dists[0].version_file)
     args.add("--summary", ctx.attr.summary)
+    readme = ctx.file.readme or (None if meta else dists[0].readme)
+    if readme:
+        args.add("--readme", readme)
+        inputs.append(readme)
+    args.add("--project-url", "Homepage, " + PROJECT_URL)
+    args.add("--project-url", "Source, " + PROJECT_URL)
 
-    inside = {d.distribution: True for d in dists}
-    requires = []
-    for d in dists:
-        for r in d.requires:
-            if r not in requires:
-                requires.append(r)
-        for dep in d.deps:
-            if dep.distribution not in inside:
-                # Requires-Dist on another jaxworks wheel, with its current version as the minimum.
-                args.add("--requires-dist-from", "{}={}".format(dep.distribution, dep.version_file.path))
-                inputs.append(dep.version_file)
-    args.add_all(requires, before_each = "--requires")
-
-    # Only files under each dist's own package_root/jaxworks/ go in; external repositories' files never do.
     manifest = []
-    for d in dists:
+    if meta:
+        # Exactly the per-package wheels of this release; their own Requires-Dist bring jax and jaxlib.
+        for d in dists:
+            args.add("--pins-from", "{}={}".format(d.distribution, d.version_file.path))
+            inputs.append(d.version_file)
+    else:
+        d = dists[0]
+        if d.package_root:
+            args.add("--project-url", "Changelog, {}/blob/main/{}/CHANGELOG.md".format(PROJECT_URL, d.package_root))
+        args.add_all(d.requires, before_each = "--requires")
+        args.add_all(d.entry_points, before_each = "--entry-point")
+        for dep in d.deps:
+            # Requires-Dist on another jaxworks wheel, with its current version as the minimum.
+            args.add("--requires-dist-from", "{}={}".format(dep.distribution, dep.version_file.path))
+            inputs.append(dep.version_file)
+
+        # Only files under the dist's own package_root/jaxworks/ go in; external repositories' files never do.
+        # Paths are taken relative to the owning repository's root, so this holds when jaxworks is itself an
+        # external repository of the workspace building the wheel.
         prefix = d.package_root + "/" if d.package_root else ""
         for f in d.files.to_list():
             if f.owner == None or f.owner.workspace_name != ctx.label.workspace_name:
                 continue
             short = f.short_path
+            if short.startswith("../"):
+                short = short.split("/", 2)[2]
             if not short.startswith(prefix + "jaxworks/"):
                 continue
             if not (short.endswith(".py") or short.endswith(".pyi") or short.endswith(".so")):
@@ -111,6 +133,9 @@ jaxworks_wheel = rule(
         "distribution": attr.string(doc = "defaults to the single dist's name"),
         "version": attr.string(doc = "defaults to the (first) dist's version.py"),
         "summary": attr.string(default = "jaxworks: add-ons for JAX's staging and dispatch path"),
+        "metapackage": attr.bool(doc = "no files; requires each dist at its exact version"),
+        "readme": attr.label(allow_single_file = [".md"], doc = "defaults to the dist's README"),
+        "license": attr.label(allow_single_file = True, default = "//:LICENSE"),
         "_wheelmaker": attr.label(default = "//tools/build_defs:wheelmaker", executable = True, cfg = "exec"),
     },
     doc = "A reproducible wheel (fixed timestamps, sorted entries, RECORD with sha256) in directory <name>/.",

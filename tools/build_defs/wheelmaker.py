@@ -1,101 +1,204 @@
-"""Writes a reproducible wheel (stdlib only): fixed timestamps, sorted entries, RECORD with sha256.
+"""Writes a reproducible wheel: fixed timestamps, sorted entries, RECORD with sha256.
 
 Called by the jaxworks_wheel rule (tools/build_defs/wheel.bzl); not meant to be run by hand.
+
+A wheel with a compiled extension gets the manylinux platform tag that
+``auditwheel`` (from the lock) finds its shared objects consistent with, the tag
+an index accepts; a wheel without one is ``py3-none-any``. Every
+``jaxworks/<pkg>/`` directory gets a ``py.typed`` marker (PEP 561).
 """
 
 import argparse
+import ast
 import base64
 import hashlib
 import os
+import pathlib
 import re
 import sys
+import tempfile
 import zipfile
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.M)
+_LINUX_TAG = "cp311-cp311-linux_x86_64"
+_CLASSIFIERS = [
+    "Development Status :: 4 - Beta",
+    "Intended Audience :: Developers",
+    "Intended Audience :: Science/Research",
+    "Operating System :: POSIX :: Linux",
+    "Programming Language :: Python :: 3",
+    "Programming Language :: Python :: 3.11",
+    "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    "Typing :: Typed",
+]
 
 
 def read_version(path):
-    with open(path, encoding="utf-8") as f:
-        match = _VERSION_RE.search(f.read())
-    if not match:
-        sys.exit(f"wheelmaker: no `__version__ = \"X.Y.Z\"` line in {path}")
-    return match.group(1)
+  with open(path, encoding="utf-8") as f:
+    match = _VERSION_RE.search(f.read())
+  if not match:
+    sys.exit(f"wheelmaker: no `__version__ = \"X.Y.Z\"` line in {path}")
+  return match.group(1)
 
 
 def _record_hash(data):
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"sha256={digest}"
+  digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+  return "sha256=" + digest.rstrip(b"=").decode()
 
 
 def _write(zf, name, data, executable=False):
-    info = zipfile.ZipInfo(name, date_time=_EPOCH)
-    info.compress_type = zipfile.ZIP_DEFLATED
-    info.external_attr = (0o755 if executable else 0o644) << 16
-    zf.writestr(info, data)
+  info = zipfile.ZipInfo(name, date_time=_EPOCH)
+  info.compress_type = zipfile.ZIP_DEFLATED
+  info.external_attr = (0o755 if executable else 0o644) << 16
+  zf.writestr(info, data)
+
+
+def _zip(out, files, dist_info, metadata, wheel, entry_points):
+  """files: sorted (path in wheel, bytes)."""
+  record = []
+  with zipfile.ZipFile(out, "w") as zf:
+    for dst, data in files:
+      _write(zf, dst, data, executable=dst.endswith(".so"))
+      record.append(f"{dst},{_record_hash(data)},{len(data)}")
+    extra = [("METADATA", metadata), ("WHEEL", wheel)]
+    if entry_points:
+      extra.append(("entry_points.txt", entry_points))
+    for name, text in extra:
+      data = text.encode()
+      _write(zf, f"{dist_info}/{name}", data)
+      record.append(f"{dist_info}/{name},{_record_hash(data)},{len(data)}")
+    record.append(f"{dist_info}/RECORD,,")
+    _write(zf, f"{dist_info}/RECORD", ("\n".join(record) + "\n").encode())
+
+
+def package_summary(files):
+  """The first line of the package's ``__init__`` docstring, or None."""
+  for dst, data in files:
+    if re.fullmatch(r"jaxworks/[A-Za-z0-9_]+/__init__\.py", dst):
+      doc = ast.get_docstring(ast.parse(data.decode("utf-8")))
+      if doc:
+        return doc.strip().splitlines()[0]
+  return None
+
+
+def manylinux_tag(wheel_path):
+  """The platform tag auditwheel verifies for a linux wheel's extensions."""
+  from auditwheel.architecture import Architecture
+  from auditwheel.libc import Libc
+  from auditwheel.wheel_abi import analyze_wheel_abi
+
+  info = analyze_wheel_abi(
+      Libc.GLIBC, Architecture.x86_64, pathlib.Path(wheel_path),
+      frozenset(), disable_isa_ext_check=False, allow_graft=False)
+  policy = info.overall_policy.name
+  if not policy.startswith("manylinux_"):
+    sys.exit(f"wheelmaker: auditwheel finds {wheel_path} consistent with no "
+             f"manylinux policy (got {policy!r}); its extensions link "
+             "libraries outside the manylinux set")
+  return policy
+
+
+def _entry_points(items):
+  """'group:name=module:attr' items -> entry_points.txt text."""
+  groups = {}
+  for item in items:
+    group, _, spec = item.partition(":")
+    groups.setdefault(group, []).append(spec.replace("=", " = ", 1))
+  return "".join(f"[{g}]\n" + "".join(f"{s}\n" for s in sorted(v)) + "\n"
+                 for g, v in sorted(groups.items()))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--distribution", required=True)
-    p.add_argument("--version")
-    p.add_argument("--version-file")
-    p.add_argument("--summary", default="")
-    p.add_argument("--requires", action="append", default=[])
-    p.add_argument("--requires-dist-from", action="append", default=[], help="DIST=VERSION_FILE")
-    p.add_argument("--files", required=True, help="lines: SOURCE<TAB>PATH_IN_WHEEL")
-    p.add_argument("--out-dir", required=True)
-    a = p.parse_args(argv)
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--distribution", required=True)
+  p.add_argument("--version")
+  p.add_argument("--version-file")
+  p.add_argument("--summary", default="")
+  p.add_argument("--readme", help="Markdown long description")
+  p.add_argument("--license-file", required=True)
+  p.add_argument("--requires", action="append", default=[])
+  p.add_argument("--requires-dist-from", action="append", default=[],
+                 help="DIST=VERSION_FILE: requires DIST>=its version")
+  p.add_argument("--pins-from", action="append", default=[],
+                 help="DIST=VERSION_FILE: requires DIST==its version")
+  p.add_argument("--entry-point", action="append", default=[],
+                 help="GROUP:NAME=MODULE:ATTR")
+  p.add_argument("--project-url", action="append", default=[],
+                 help="'LABEL, URL'")
+  p.add_argument("--files", required=True, help="lines: SOURCE<TAB>PATH")
+  p.add_argument("--out-dir", required=True)
+  a = p.parse_args(argv)
 
-    version = a.version or read_version(a.version_file)
-    requires = list(a.requires)
-    for item in a.requires_dist_from:
-        dist, vfile = item.split("=", 1)
-        requires.append(f"{dist}>={read_version(vfile)}")
+  version = a.version or read_version(a.version_file)
+  requires = list(a.requires)
+  for item in a.requires_dist_from:
+    dist, vfile = item.split("=", 1)
+    requires.append(f"{dist}>={read_version(vfile)}")
+  for item in a.pins_from:
+    dist, vfile = item.split("=", 1)
+    requires.append(f"{dist}=={read_version(vfile)}")
 
-    entries = []
-    with open(a.files, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                src, dst = line.rstrip("\n").split("\t")
-                entries.append((dst, src))
-    entries.sort()
-    has_extension = any(dst.endswith(".so") for dst, _ in entries)
-    tag = "cp311-cp311-linux_x86_64" if has_extension else "py3-none-any"
+  files = {}
+  with open(a.files, encoding="utf-8") as f:
+    for line in f:
+      if line.strip():
+        src, dst = line.rstrip("\n").split("\t")
+        with open(src, "rb") as g:
+          files[dst] = g.read()
+  for dst in list(files):
+    parts = dst.split("/")
+    if len(parts) > 2 and parts[0] == "jaxworks":
+      files.setdefault(f"jaxworks/{parts[1]}/py.typed", b"")
+  files = sorted(files.items())
+  has_extension = any(dst.endswith(".so") for dst, _ in files)
 
-    dist_name = re.sub(r"[-_.]+", "_", a.distribution).lower()
-    dist_info = f"{dist_name}-{version}.dist-info"
-    metadata = [
-        "Metadata-Version: 2.1",
-        f"Name: {a.distribution}",
-        f"Version: {version}",
-        f"Summary: {a.summary}",
-        "Requires-Python: >=3.11" if has_extension else "Requires-Python: >=3.10",
-        "License: Apache-2.0",
-    ] + [f"Requires-Dist: {r}" for r in requires]
-    wheel = [
+  dist_name = re.sub(r"[-_.]+", "_", a.distribution).lower()
+  dist_info = f"{dist_name}-{version}.dist-info"
+  with open(a.license_file, "rb") as f:
+    license_data = f.read()
+  files.append((f"{dist_info}/licenses/LICENSE", license_data))
+  metadata = [
+      "Metadata-Version: 2.4",
+      f"Name: {a.distribution}",
+      f"Version: {version}",
+      f"Summary: {package_summary(files) or a.summary}",
+      "License-Expression: Apache-2.0",
+      "License-File: LICENSE",
+      "Requires-Python: >=3.11,<3.12" if has_extension
+      else "Requires-Python: >=3.11",
+  ] + [f"Classifier: {c}" for c in _CLASSIFIERS]
+  metadata += [f"Project-URL: {u}" for u in a.project_url]
+  metadata += [f"Requires-Dist: {r}" for r in requires]
+  description = ""
+  if a.readme:
+    metadata.append("Description-Content-Type: text/markdown")
+    with open(a.readme, encoding="utf-8") as f:
+      description = f.read()
+  metadata_text = "\n".join(metadata) + "\n\n" + description
+  entry_points = _entry_points(a.entry_point)
+
+  def wheel_text(tag):
+    return "\n".join([
         "Wheel-Version: 1.0",
         "Generator: jaxworks-wheelmaker",
         f"Root-Is-Purelib: {'false' if has_extension else 'true'}",
         f"Tag: {tag}",
-    ]
+    ]) + "\n"
 
-    os.makedirs(a.out_dir, exist_ok=True)
-    out = os.path.join(a.out_dir, f"{dist_name}-{version}-{tag}.whl")
-    record = []
-    with zipfile.ZipFile(out, "w") as zf:
-        for dst, src in entries:
-            with open(src, "rb") as f:
-                data = f.read()
-            _write(zf, dst, data, executable=dst.endswith(".so"))
-            record.append(f"{dst},{_record_hash(data)},{len(data)}")
-        for name, lines in (("METADATA", metadata), ("WHEEL", wheel)):
-            data = ("\n".join(lines) + "\n").encode()
-            _write(zf, f"{dist_info}/{name}", data)
-            record.append(f"{dist_info}/{name},{_record_hash(data)},{len(data)}")
-        record.append(f"{dist_info}/RECORD,,")
-        _write(zf, f"{dist_info}/RECORD", ("\n".join(record) + "\n").encode())
+  os.makedirs(a.out_dir, exist_ok=True)
+  if has_extension:
+    with tempfile.TemporaryDirectory() as tmp:
+      probe = os.path.join(tmp, f"{dist_name}-{version}-{_LINUX_TAG}.whl")
+      _zip(probe, files, dist_info, metadata_text, wheel_text(_LINUX_TAG),
+           entry_points)
+      platform = manylinux_tag(probe)
+    tag = f"cp311-cp311-{platform}"
+  else:
+    tag = "py3-none-any"
+  out = os.path.join(a.out_dir, f"{dist_name}-{version}-{tag}.whl")
+  _zip(out, files, dist_info, metadata_text, wheel_text(tag), entry_points)
 
 
 if __name__ == "__main__":
-    main()
+  main()
