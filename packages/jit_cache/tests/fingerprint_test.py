@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
 import functools
 
 import jax
@@ -83,14 +84,70 @@ def test_unkeyable_values_give_none():
   class Unhashable:
     __hash__ = None
 
-  assert fpmod.params_key({"x": Unhashable()}) is None
+  u = Unhashable()  # an opaque object: by identity, hashable or not
+  assert fpmod.params_key({"x": u}) == fpmod.params_key({"x": u})
+  assert fpmod.params_key({"x": u}) != fpmod.params_key({"x": Unhashable()})
+  assert fpmod.params_key({"x": np.array([object()])}) is None
+  assert fpmod.params_key({"x": np.ma.masked_array([1.0])}) is None
   assert fpmod.params_key({"x": 1, "jaxpr": Unhashable()}) is not None
 
 
 def test_sub_jaxpr_fingerprints_are_memoized():
-  inner = jax.jit(lambda v: v * 3)
+  inner = jax.jit(jnp.sin)
   closed = jax.make_jaxpr(lambda x: inner(inner(x)))(X)
   sub = closed.jaxpr.eqns[0].params["jaxpr"]
   assert closed.jaxpr.eqns[1].params["jaxpr"] is sub
   fpmod.fingerprint(closed)
   assert sub in fpmod._MEMO  # pylint: disable=protected-access
+
+
+def test_jaxprs_holding_numpy_data_are_never_memoized():
+  c = np.ones(4, np.float32)
+  inner = jax.jit(lambda v: v * c)
+  closed = jax.make_jaxpr(lambda x: inner(inner(x)))(X)
+  sub = closed.jaxpr.eqns[0].params["jaxpr"]
+  before = fpmod.fingerprint(closed)
+  assert sub not in fpmod._MEMO  # pylint: disable=protected-access
+  c[0] = 2.0  # in place: the next fingerprint sees it
+  assert fpmod.fingerprint(closed) != before
+
+
+def test_equation_context_is_part_of_the_fingerprint():
+  def random(x):
+    return x + jax.random.uniform(jax.random.key(0), x.shape)
+
+  def random_off(x):
+    with jax.threefry_partitionable(False):
+      return random(x)
+
+  assert fp(random, X) == fp(random, X)
+  assert fp(random, X) != fp(random_off, X)
+
+
+def test_opaque_objects_compare_by_identity():
+  class Liar:
+    def __eq__(self, other):
+      return True
+
+    def __hash__(self):
+      return 0
+
+  a, b = Liar(), Liar()
+  vk = fpmod.value_key
+  assert vk(a) == vk(a) and vk(a) != vk(b)
+
+  @dataclasses.dataclass(frozen=True)
+  class UserData:
+    k: int = dataclasses.field(compare=False)
+
+  assert vk(UserData(1)) != vk(UserData(1))  # user dataclass: identity
+  # JAX's own dataclasses and named tuples: field by field, so a user object
+  # inside is still compared by identity.
+  from jax._src import callback  # pylint: disable=g-import-not-at-top
+  tree = jax.tree_util.tree_structure(((1,), {}))
+  assert vk(callback._FlatCallback(np.sin, tree)) == vk(  # pylint: disable=protected-access
+      callback._FlatCallback(np.sin, tree))  # pylint: disable=protected-access
+  assert vk(callback._FlatCallback(a, tree)) != vk(  # pylint: disable=protected-access
+      callback._FlatCallback(b, tree))  # pylint: disable=protected-access
+  dn = jax.lax.GatherDimensionNumbers((0,), (1,), (0,))
+  assert vk(dn) == vk(jax.lax.GatherDimensionNumbers((0,), (1,), (0,)))

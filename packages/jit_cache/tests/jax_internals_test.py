@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
+import jax.experimental.layout
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives
@@ -16,18 +17,26 @@ from jax.extend.core import primitives
 from jaxworks.jit_cache._src import jax_internals as ji
 
 
-def test_trace_context_ends_with_the_axis_env():
+def test_trace_context_and_the_axis_env():
   ctx = ji.trace_context()
-  assert isinstance(ctx, tuple) and isinstance(ctx[-1], ji.AxisEnv)
-  assert ji.trace_context()[-1] is ctx[-1]  # interned
+  env = ji.current_axis_env()
+  assert isinstance(ctx, tuple) and isinstance(env, ji.AxisEnv)
+  assert len(ji.trace_context_names()) == len(ctx)
+  names = ji.trace_context_names()
+  assert [n for n, v in zip(names, ctx) if v is env] == ["axis_env_state"]
+  assert ji.current_axis_env() is env  # interned
+  assert ji.axis_env_in(ctx) is env
+  rest = ji.without_axis_env(ctx, env)
+  assert len(rest) == len(ctx) - 1 and all(v is not env for v in rest)
+  assert ji.without_axis_env(ctx + (env,), env) is None  # ambiguous
   seen = []
-  jax.vmap(lambda x: seen.append(ji.trace_context()[-1]) or x,
+  jax.vmap(lambda x: seen.append(ji.current_axis_env()) or x,
            axis_name="i")(jnp.ones(3))
   assert ji.axis_env_parts(seen[0])[0] == {"i": 3}
   prev = jax.config.jax_enable_x64
   jax.config.update("jax_enable_x64", not prev)
   try:
-    assert ji.trace_context()[:-1] != ctx[:-1]  # x64 is in the context
+    assert ji.trace_context() != ctx  # x64 is in the context
   finally:
     jax.config.update("jax_enable_x64", prev)
 
@@ -37,10 +46,32 @@ def test_axis_env_helpers():
   assert ji.axis_env_parts(env) == ({"i": 4}, frozenset(), frozenset())
   seen = []
   with ji.axis_env_set(env):
-    seen.append(ji.trace_context()[-1])
-  assert seen[0] is env and ji.trace_context()[-1] is not env
+    seen.append(ji.current_axis_env())
+    assert env in ji.trace_context()
+  assert seen[0] is env and ji.current_axis_env() is not env
   with ji.extend_axis_env([("j", 2)]):
-    assert ji.axis_env_parts(ji.trace_context()[-1])[0] == {"j": 2}
+    assert ji.axis_env_parts(ji.current_axis_env())[0] == {"j": 2}
+
+
+def test_value_types_of_the_fingerprint():
+  mesh = jax.make_mesh((1,), ("i",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P())
+  closed = jax.make_jaxpr(
+      lambda x: jax.debug.print("{}", x) or jax.jit(lambda y: y)(x))(1.0)
+  eqns = {e.primitive.name: e for e in closed.jaxpr.eqns}
+  assert isinstance(mesh, ji.Mesh)
+  assert isinstance(mesh.abstract_mesh, ji.AbstractMesh)
+  assert isinstance(sharding.spec, jax.P)
+  assert isinstance(eqns["debug_print"].params["in_tree"], ji.PyTreeDef)
+  assert isinstance(jnp.ones(1).aval, ji.AbstractValue)
+  assert all(isinstance(e, ji.Effect) for e in eqns["debug_print"].effects)
+  assert isinstance(eqns["jit"].params["in_shardings"][0],
+                    ji.UnspecifiedValue)
+  assert isinstance(eqns["jit"].params["compiler_options_kvs"], tuple)
+  assert isinstance(ji.make_axis_env({"i": 1}, frozenset(), frozenset())
+                    .axis_sizes, ji.FrozenDict)
+  assert ji.Layout is jax.experimental.layout.Layout
+  assert ji.Format is jax.experimental.layout.Format
 
 
 def test_trace_state_and_debug_modes():

@@ -7,10 +7,12 @@ Three structures, all thread-safe:
   reuses, time saved).
 * ``EntryLRU``: one process-wide LRU order over every function's trace entries,
   so the total stays under a global bound while each function keeps its own
-  ``maxsize``. It holds entries, never functions: an entry points back to its
-  owner's cache through a weak reference.
+  ``maxsize``. It holds entries and their owners weakly: entries die with
+  their function.
 * ``ExecutableCache``: compiled executables keyed by structural fingerprint,
-  shared by every function (re-created closures find each other here).
+  shared by every function (re-created closures find each other here); only
+  executables that hold no user object outlive their functions, in a bounded
+  LRU.
 
 ``SingleFlight`` makes concurrent callers with the same key wait for the one
 computing it, instead of tracing or compiling the same thing several times.
@@ -142,43 +144,59 @@ class SingleFlight:
 
 
 class EntryLRU:
-  """Process-wide LRU order over trace entries of all functions."""
+  """Process-wide LRU order over trace entries of all functions.
+
+  Holds entries and their owners weakly: an entry leaves the order when its
+  function (the only strong holder) is collected.
+  """
 
   def __init__(self, maxsize: int):
     self.maxsize = maxsize
-    self._order: "collections.OrderedDict[Any, weakref.ref]" = (
+    self._order: "collections.OrderedDict[weakref.ref, weakref.ref]" = (
         collections.OrderedDict())
-    self._lock = threading.Lock()
+    # Re-entrant: a weak reference's callback may run (from the garbage
+    # collector) while this thread holds the lock.
+    self._lock = threading.RLock()
+
+  def _forget(self, ref: weakref.ref) -> None:
+    with self._lock:
+      self._order.pop(ref, None)
 
   def touch(self, entry: Any) -> None:
     try:
-      self._order.move_to_end(entry)
+      self._order.move_to_end(weakref.ref(entry))
     except KeyError:
       pass  # evicted concurrently
 
   def add(self, entry: Any, owner: Any) -> None:
+    refs = (weakref.ref(entry, self._forget), weakref.ref(owner))
     with self._lock:
-      self._order[entry] = weakref.ref(owner)
+      self._order[refs[0]] = refs[1]
     self._trim()
 
   def discard(self, entry: Any) -> None:
     with self._lock:
-      self._order.pop(entry, None)
+      self._order.pop(weakref.ref(entry), None)
 
   def resize(self, maxsize: int) -> None:
     self.maxsize = maxsize
     self._trim()
 
+  def clear(self) -> None:
+    with self._lock:
+      self._order.clear()
+
   def _trim(self) -> None:
-    """Evicts least recently used entries down to maxsize (owners told outside the lock)."""
+    """Evicts least recently used entries down to maxsize (owners told
+    outside the lock)."""
     victims = []
     with self._lock:
       while len(self._order) > self.maxsize:
         victims.append(self._order.popitem(last=False))
-    for victim, owner_ref in victims:
-      cache = owner_ref()
-      if cache is not None:
-        cache.evict(victim, from_global=True)
+    for entry_ref, owner_ref in victims:
+      entry, cache = entry_ref(), owner_ref()
+      if entry is not None and cache is not None:
+        cache.evict(entry, from_global=True)
 
   def __len__(self) -> int:
     return len(self._order)
@@ -190,39 +208,63 @@ GLOBAL_ENTRIES = EntryLRU(DEFAULT_GLOBAL_MAXSIZE)
 
 
 class ExecutableCache:
-  """Compiled executables shared across functions, by structural key."""
+  """Compiled executables shared across functions, by structural key.
+
+  Two tiers:
+
+  * every executable built through the cache is found while it is alive,
+    that is while a trace entry of a live function holds it (weak tier);
+  * executables marked ``keep`` (programs that hold no user object: no host
+    callback, no array by identity, little constant data) also stay in a
+    bounded LRU after their functions are gone, so a closure re-created after
+    the previous one died still reuses them (strong tier, ``maxsize``).
+  """
 
   def __init__(self, maxsize: int):
     self.maxsize = maxsize
     self.evictions = 0
-    self._items: "collections.OrderedDict[Hashable, Any]" = (
+    self._strong: "collections.OrderedDict[Hashable, Any]" = (
         collections.OrderedDict())
-    self._lock = threading.Lock()
+    self._weak: dict[Hashable, weakref.ref] = {}
+    self._lock = threading.RLock()  # re-entrant: see EntryLRU
     self._flight = SingleFlight()
 
   def get(self, key: Hashable) -> Any:
     with self._lock:
-      value = self._items.get(key)
+      value = self._strong.get(key)
       if value is not None:
-        self._items.move_to_end(key)
-      return value
+        self._strong.move_to_end(key)
+        return value
+      ref = self._weak.get(key)
+      return None if ref is None else ref()
 
-  def put(self, key: Hashable, value: Any) -> None:
+  def put(self, key: Hashable, value: Any, keep: bool = True) -> None:
+    def forget(ref, key=key):
+      with self._lock:
+        if self._weak.get(key) is ref:
+          del self._weak[key]
+
+    ref = weakref.ref(value, forget)
     with self._lock:
-      self._items[key] = value
-      self._items.move_to_end(key)
-      while len(self._items) > self.maxsize:
-        self._items.popitem(last=False)
-        self.evictions += 1
+      self._weak[key] = ref
+      if keep:
+        self._strong[key] = value
+        self._strong.move_to_end(key)
+        self._trim_locked()
 
-  def get_or_build(self, key: Hashable, build: Callable[[], Any]
-                   ) -> tuple[Any, bool]:
+  def _trim_locked(self) -> None:
+    while len(self._strong) > self.maxsize:
+      self._strong.popitem(last=False)
+      self.evictions += 1
+
+  def get_or_build(self, key: Hashable, build: Callable[[], Any],
+                   keep: bool = True) -> tuple[Any, bool]:
     """(value, reused): ``reused`` is True when another caller built it."""
     built = []
 
     def compute():
       value = build()
-      self.put(key, value)
+      self.put(key, value, keep)
       built.append(True)
       return value
 
@@ -231,17 +273,28 @@ class ExecutableCache:
 
   def clear(self) -> None:
     with self._lock:
-      self._items.clear()
+      self._strong.clear()
+      self._weak.clear()
 
   def resize(self, maxsize: int) -> None:
     with self._lock:
       self.maxsize = maxsize
-      while len(self._items) > self.maxsize:
-        self._items.popitem(last=False)
-        self.evictions += 1
+      self._trim_locked()
+
+  def live(self) -> list[Any]:
+    """Every executable the cache can hand out now."""
+    with self._lock:
+      refs = list(self._weak.values())
+      strong = list(self._strong.values())
+    seen = {id(v): v for v in strong}
+    for ref in refs:
+      v = ref()
+      if v is not None:
+        seen[id(v)] = v
+    return list(seen.values())
 
   def __len__(self) -> int:
-    return len(self._items)
+    return len(self.live())
 
 
 DEFAULT_EXECUTABLE_MAXSIZE = 1024

@@ -40,17 +40,23 @@ def _context_diffs(entry: Any, old_ctx: Any, ctx: Any) -> list[str]:
   for name, value in now.items():
     if name in entry.config and entry.config[name] != value:
       out.append(f"config {name}: {entry.config[name]} -> {value}")
-  old_env, new_env = old_ctx.values[-1], ctx.values[-1]
-  if old_env is not new_env:
+  # The axis environment is found by its type, never by its position: user
+  # contexts (jax.make_user_context) append to the trace context.
+  old_env, new_env = ji.axis_env_in(old_ctx.values), ji.axis_env_in(ctx.values)
+  if old_env is not new_env and old_env is not None and new_env is not None:
     old_sizes = ji.axis_env_parts(old_env)[0]
     new_sizes = ji.axis_env_parts(new_env)[0]
     if old_sizes != new_sizes:
       out.append(f"axis environment: {old_sizes} -> {new_sizes}")
-  if not out and old_ctx.values[:-1] != ctx.values[:-1]:
-    changed = [i for i, (a, b) in enumerate(zip(old_ctx.values, ctx.values))
-               if a != b]
-    out.append("tracing context (mesh or another jax config value) differs "
-               f"at positions {changed}")
+  if not out and old_ctx.values != ctx.values:
+    names = ji.trace_context_names()
+    if len(old_ctx.values) == len(ctx.values) == len(names):
+      changed = [names[i] for i, (a, b) in
+                 enumerate(zip(old_ctx.values, ctx.values))
+                 if a is not b and a != b]
+      out.append("tracing context differs in " + ", ".join(changed))
+    else:
+      out.append("tracing context differs (a context was added since)")
   return out
 
 

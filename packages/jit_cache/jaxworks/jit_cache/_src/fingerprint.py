@@ -1,26 +1,35 @@
 """Structural fingerprints of closed jaxprs, for reusing executables.
 
 Two jaxprs get equal fingerprints only when lowering them gives the same
-program:
+program. Anything that can change the compiled program is in the key, and
+compared in a way user code cannot fool:
 
 * the same equations in the same order, with variables numbered by first
   appearance and each one's aval (interned by JAX, so compared by identity);
+* each equation's context (``eqn.ctx``: ``threefry_partitionable``, compute
+  type, XLA metadata, abstract mesh, ...), by identity: JAX interns it, so
+  equal contexts are one object;
 * the same primitive objects and parameters: scalars compared with their type
   (``1``, ``1.0`` and ``True`` differ, floats by ``float.hex`` so ``-0.0`` and
-  ``nan`` are exact), containers element-wise, sub-jaxprs recursively,
-  ``functools.partial`` by function, arguments and keywords, functions and
-  host callbacks by identity, other objects by their own ``==``;
+  ``nan`` are exact), tuples, lists, dicts, JAX's named tuples and JAX's
+  dataclasses (such as the wrapper of a host callback) field by field,
+  sub-jaxprs recursively, ``functools.partial`` by function, arguments and
+  keywords, JAX's own value types (dtypes, shardings, meshes, avals, tree
+  definitions, effects) by value; every other object (functions, host
+  callbacks, user dataclasses, anything with its own ``__eq__``) by identity;
 * the same literals and constants: numpy values and small jax Arrays by
   content hash (dtype, shape and a 128-bit BLAKE2b digest; arrays also by
-  sharding), larger jax Arrays by identity;
+  sharding), larger jax Arrays by identity. A numpy array is mutable, so its
+  content is hashed again on every fingerprint (nothing that holds one is
+  memoized);
 * the same effects.
 
 Parameters that never reach the lowering of the primal program are skipped:
 the JVP/VJP rules of ``custom_jvp_call``/``custom_vjp_call`` (fresh closures on
 every trace, so keeping them would defeat reuse for ``jax.nn.relu`` and
 friends). Anything the fingerprint cannot represent soundly (an unhashable
-parameter, a tracer) makes :func:`fingerprint` return ``None``: the program is
-then compiled, never shared.
+parameter, a tracer, an object array) makes :func:`fingerprint` return
+``None``: the program is then compiled, never shared.
 
 >>> import jax, jax.numpy as jnp
 >>> fp = lambda f: fingerprint(jax.make_jaxpr(f)(jnp.ones(3)))
@@ -32,16 +41,19 @@ False
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
 import threading
-import types
 import weakref
 from typing import Any
 
 import jax
 import numpy as np
 from jax.extend import core as jex_core
+
+from . import jax_internals as ji
 
 #: jax Arrays up to this many bytes are keyed by content, larger by identity.
 CONTENT_HASH_MAX_BYTES = 1 << 16
@@ -52,19 +64,38 @@ _IGNORED_PARAMS = {
     "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees", "fwd"}),
 }
 
+#: Top-level modules whose types we trust to compare by value.
+_TRUSTED_MODULES = frozenset({"jax", "jaxlib", "numpy", "ml_dtypes"})
+
+#: JAX's immutable value types, compared with their own ``==``.
+_VALUE_TYPES = (np.dtype, jax.sharding.Sharding, jax.sharding.PartitionSpec,
+                ji.Mesh, ji.AbstractMesh, ji.PyTreeDef, ji.AbstractValue,
+                ji.Effect, ji.UnspecifiedValue, ji.Layout, ji.Format)
+
 
 class NotFingerprintable(Exception):
   """Raised internally when a value has no sound structural key."""
 
 
 class Fingerprint:
-  """A structural key with its hash computed once."""
+  """A structural key with its hash computed once.
 
-  __slots__ = ("key", "_hash", "__weakref__")
+  Attributes:
+    key: the hashable structural key.
+    pins: the key holds user objects by identity (functions, host callbacks,
+      large arrays, unknown objects): an executable of this program may keep
+      them alive, so it is only shared while a function using it lives.
+    nbytes: bytes of constants and literals keyed by content (baked into the
+      executable).
+  """
 
-  def __init__(self, key: tuple):
+  __slots__ = ("key", "_hash", "pins", "nbytes", "__weakref__")
+
+  def __init__(self, key: tuple, pins: bool = False, nbytes: int = 0):
     self.key = key
     self._hash = hash(key)
+    self.pins = pins
+    self.nbytes = nbytes
 
   def __hash__(self) -> int:
     return self._hash
@@ -100,143 +131,208 @@ def _digest(data: np.ndarray) -> bytes:
                          digest_size=16).digest()
 
 
-def value_key(v: Any) -> Any:
-  """Hashable structural key of one constant, literal value or parameter."""
-  t = type(v)
-  if v is None or t is str or t is bytes or t is bool or t is int:
-    return (t, v)
-  if t is float:
-    return (t, v.hex())
-  if t is complex:
-    return (t, v.real.hex(), v.imag.hex())
-  if isinstance(v, jax.core.Tracer):
-    raise NotFingerprintable("tracer")
-  if isinstance(v, jex_core.ClosedJaxpr):
-    return _closed_jaxpr_fingerprint(v)
-  if isinstance(v, jex_core.Jaxpr):
-    return _open_jaxpr_fingerprint(v)
-  if isinstance(v, (np.ndarray, np.generic)):
-    a = np.asarray(v)
-    if a.dtype == object:
-      raise NotFingerprintable("object array")
-    return ("np", a.dtype.str, a.shape, _digest(a))
-  if isinstance(v, jax.Array):
-    sharding = v.sharding
-    if (v.nbytes <= CONTENT_HASH_MAX_BYTES and v.is_fully_addressable and
-        not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)):
-      a = np.asarray(v)
-      return ("array", a.dtype.str, a.shape, v.weak_type, sharding,
-              getattr(v, "_committed", None), _digest(a))
-    return ("array-id", _Identity(v))
-  if isinstance(v, (tuple, list)):
-    return (t, tuple(value_key(x) for x in v))
-  if isinstance(v, dict) or (hasattr(v, "items") and hasattr(v, "keys") and
-                             not isinstance(v, type)):
-    items = [(value_key(k), value_key(x)) for k, x in v.items()]
-    try:
-      items.sort(key=repr)
-    except Exception as e:  # pylint: disable=broad-except
-      raise NotFingerprintable(f"mapping keys: {e}") from None
-    return (t, tuple(items))
-  if isinstance(v, functools.partial):
-    return (functools.partial, value_key(v.func), value_key(v.args),
-            value_key(v.keywords))
-  if isinstance(v, (types.FunctionType, types.BuiltinFunctionType,
-                    types.MethodType)):
-    return (t, v)  # functions compare by identity
-  try:
-    hash(v)
-  except TypeError:
-    raise NotFingerprintable(f"unhashable {t.__name__}") from None
-  return (t, v)
+def _trusted(t: type) -> bool:
+  return getattr(t, "__module__", "").split(".")[0] in _TRUSTED_MODULES
 
 
-def _params_key(primitive: Any, params: dict) -> tuple:
-  ignored = _IGNORED_PARAMS.get(primitive.name, frozenset())
-  return tuple((name, value_key(params[name]))
-               for name in sorted(params) if name not in ignored)
-
-
-def _effects_key(effects: Any) -> Any:
-  try:
-    return frozenset(effects)
-  except TypeError:
-    raise NotFingerprintable("unhashable effect") from None
-
-
-def _aval_key(aval: Any) -> Any:
-  try:
-    hash(aval)
-  except TypeError:
-    raise NotFingerprintable(f"unhashable aval {aval}") from None
-  return aval
-
-
-def _compute_open(jaxpr: Any) -> Fingerprint:
-  ids: dict[Any, int] = {}
-
-  def define(v: Any) -> tuple:
-    ids[v] = len(ids)
-    return (ids[v], _aval_key(v.aval))
-
-  def use(a: Any) -> Any:
-    if isinstance(a, jex_core.Literal):
-      return ("lit", value_key(a.val), _aval_key(a.aval))
-    try:
-      return ids[a]
-    except KeyError:
-      raise NotFingerprintable("unbound variable") from None
-
-  constvars = tuple(define(v) for v in jaxpr.constvars)
-  invars = tuple(define(v) for v in jaxpr.invars)
-  eqns = []
-  for eqn in jaxpr.eqns:
-    ins = tuple(use(a) for a in eqn.invars)
-    params = _params_key(eqn.primitive, eqn.params)
-    outs = tuple(("drop", _aval_key(v.aval)) if isinstance(v, jex_core.DropVar)
-                 else define(v) for v in eqn.outvars)
-    eqns.append((eqn.primitive, ins, params, outs, _effects_key(eqn.effects)))
-  outvars = tuple(use(a) for a in jaxpr.outvars)
-  return Fingerprint(("jaxpr", constvars, invars, tuple(eqns), outvars,
-                      _effects_key(jaxpr.effects)))
-
-
-# Sub-jaxprs (for example the body of a cached inner jit, identical in every
-# re-created outer function) are fingerprinted once per object.
-_MEMO: "weakref.WeakKeyDictionary[Any, Fingerprint | None]" = (
+# Jaxprs (for example the body of a cached inner jit, identical in every
+# re-created outer function) whose fingerprints hold no mutable content are
+# fingerprinted once per object. A fingerprint that hashed a numpy array is
+# never memoized: the array may be written to later.
+_MEMO: "weakref.WeakKeyDictionary[Any, Fingerprint]" = (
     weakref.WeakKeyDictionary())
 _MEMO_LOCK = threading.Lock()
 
 
-def _memoized(obj: Any, compute) -> Fingerprint:
-  with _MEMO_LOCK:
-    hit = _MEMO.get(obj, False)
-  if hit is None:
-    raise NotFingerprintable("memoized failure")
-  if hit is not False:
-    return hit
-  try:
-    fp = compute(obj)
-  except NotFingerprintable:
-    with _MEMO_LOCK:
-      _MEMO[obj] = None
-    raise
-  with _MEMO_LOCK:
-    _MEMO[obj] = fp
-  return fp
+class _Walker:
+  """One fingerprint computation: keys values, records what the key holds."""
+
+  def __init__(self):
+    self.pins = False       # a user object is held by identity
+    self.nbytes = 0         # bytes keyed by content
+    self.volatile = False   # content of a mutable (numpy) array was hashed
+    self.local: dict[int, tuple[Any, Fingerprint]] = {}
+
+  def identity(self, v: Any) -> Any:
+    self.pins = True
+    return _Identity(v)
+
+  def value(self, v: Any) -> Any:
+    """Hashable structural key of one constant, literal value or parameter."""
+    t = type(v)
+    if v is None or t is str or t is bytes or t is bool or t is int:
+      return (t, v)
+    if t is float:
+      return (t, v.hex())
+    if t is complex:
+      return (t, v.real.hex(), v.imag.hex())
+    if isinstance(v, jax.core.Tracer):
+      raise NotFingerprintable("tracer")
+    if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+      return self.jaxpr(v)
+    if isinstance(v, (int, float, complex)) and _trusted(t):
+      # JAX's typed literals (TypedFloat, ...): the value, its type, dtype.
+      base = complex if isinstance(v, complex) else (
+          float if isinstance(v, float) else int)
+      return (t, self.value(base(v)), self.value(getattr(v, "dtype", None)))
+    if isinstance(v, np.ndarray):
+      if v.dtype == object:
+        raise NotFingerprintable("object array")
+      if t is not np.ndarray and not t.__module__.startswith("jax"):
+        raise NotFingerprintable(f"ndarray subclass {t.__name__}")
+      self.volatile = True
+      self.nbytes += v.nbytes
+      return ("np", t, v.dtype.str, v.shape,
+              bool(getattr(v, "weak_type", False)), _digest(v))
+    if isinstance(v, np.generic):
+      a = np.asarray(v)
+      if a.dtype == object:
+        raise NotFingerprintable("object scalar")
+      return ("np-scalar", t, a.dtype.str, _digest(a))
+    if isinstance(v, jax.Array):
+      return self.array(v)
+    if isinstance(v, (enum.Enum, type)):
+      # Singletons: compared by identity, never by a user-defined __eq__.
+      owner = t if isinstance(v, enum.Enum) else v
+      return (t, _Identity(v) if _trusted(owner) else self.identity(v))
+    if t is tuple or t is list or (isinstance(v, tuple) and _trusted(t) and
+                                   hasattr(v, "_fields")):
+      return (t, tuple(self.value(x) for x in v))
+    if t is dict or t is ji.FrozenDict:
+      items = [(self.value(k), self.value(x)) for k, x in v.items()]
+      items.sort(key=repr)
+      return (t, tuple(items))
+    if t is frozenset:
+      return (t, frozenset(self.value(x) for x in v))
+    if t is slice:
+      return (t, self.value(v.start), self.value(v.stop), self.value(v.step))
+    if t is functools.partial:
+      return (t, self.value(v.func), self.value(v.args),
+              self.value(v.keywords))
+    if dataclasses.is_dataclass(v) and _trusted(t):
+      return (t, tuple((f.name, self.value(getattr(v, f.name)))
+                       for f in dataclasses.fields(v)))
+    if isinstance(v, _VALUE_TYPES) and _trusted(t):
+      try:
+        hash(v)
+      except TypeError:
+        raise NotFingerprintable(f"unhashable {t.__name__}") from None
+      return (t, v)
+    # Functions, host callbacks, user objects with their own __eq__, anything
+    # else: the same object or not at all.
+    return (t, self.identity(v))
+
+  def array(self, v: Any) -> Any:
+    if (v.nbytes <= CONTENT_HASH_MAX_BYTES and v.is_fully_addressable and
+        not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)):
+      try:
+        a = np.asarray(v)
+      except RuntimeError as e:  # deleted (donated) array
+        raise NotFingerprintable(f"array: {e}") from None
+      self.nbytes += a.nbytes
+      return ("array", a.dtype.str, a.shape, v.weak_type,
+              self.value(v.sharding), getattr(v, "_committed", None),
+              _digest(a))
+    return ("array-id", self.identity(v))
+
+  def effects(self, effects: Any) -> Any:
+    out = []
+    for e in effects:
+      if isinstance(e, ji.Effect) and _trusted(type(e)):
+        try:
+          hash(e)
+        except TypeError:
+          raise NotFingerprintable("unhashable effect") from None
+        out.append(e)
+      else:
+        out.append(self.identity(e))
+    return frozenset(out)
+
+  def aval(self, aval: Any) -> Any:
+    try:
+      hash(aval)
+    except TypeError:
+      raise NotFingerprintable(f"unhashable aval {aval}") from None
+    return aval
+
+  def params(self, primitive: Any, params: dict) -> tuple:
+    ignored = _IGNORED_PARAMS.get(primitive.name, frozenset())
+    return tuple((name, self.value(params[name]))
+                 for name in sorted(params) if name not in ignored)
+
+  def jaxpr(self, obj: Any) -> Fingerprint:
+    """Fingerprint of a (Closed)Jaxpr, memoized when it holds no numpy data."""
+    seen = self.local.get(id(obj))
+    if seen is not None and seen[0] is obj:
+      hit = seen[1]  # holds numpy data: valid for this computation only
+      self.volatile = True
+    else:
+      with _MEMO_LOCK:
+        hit = _MEMO.get(obj)
+    if hit is not None:
+      self.pins |= hit.pins
+      self.nbytes += hit.nbytes
+      return hit
+    outer = (self.pins, self.nbytes, self.volatile)
+    self.pins, self.nbytes, self.volatile = False, 0, False
+    try:
+      if isinstance(obj, jex_core.ClosedJaxpr):
+        key = ("closed", self.jaxpr(obj.jaxpr),
+               tuple(self.value(c) for c in obj.consts))
+      else:
+        key = self.open_jaxpr(obj)
+      fp = Fingerprint(key, self.pins, self.nbytes)
+      volatile = self.volatile
+    finally:
+      mine = (self.pins, self.nbytes, self.volatile)
+      self.pins = outer[0] or mine[0]
+      self.nbytes = outer[1] + mine[1]
+      self.volatile = outer[2] or mine[2]
+    if volatile:
+      self.local[id(obj)] = (obj, fp)
+    else:
+      with _MEMO_LOCK:
+        _MEMO[obj] = fp
+    return fp
+
+  def open_jaxpr(self, jaxpr: Any) -> tuple:
+    ids: dict[Any, int] = {}
+    aval = self.aval
+
+    def define(v: Any) -> tuple:
+      ids[v] = len(ids)
+      return (ids[v], aval(v.aval))
+
+    def use(a: Any) -> Any:
+      if isinstance(a, jex_core.Literal):
+        return ("lit", self.value(a.val), aval(a.aval))
+      try:
+        return ids[a]
+      except KeyError:
+        raise NotFingerprintable("unbound variable") from None
+
+    constvars = tuple(define(v) for v in jaxpr.constvars)
+    invars = tuple(define(v) for v in jaxpr.invars)
+    eqns = []
+    for eqn in jaxpr.eqns:
+      ins = tuple(use(a) for a in eqn.invars)
+      params = self.params(eqn.primitive, eqn.params)
+      outs = tuple(("drop", aval(v.aval)) if isinstance(v, jex_core.DropVar)
+                   else define(v) for v in eqn.outvars)
+      eqns.append((_Identity(eqn.primitive), ins, params, outs,
+                   self.effects(eqn.effects), _Identity(eqn.ctx)))
+    outvars = tuple(use(a) for a in jaxpr.outvars)
+    return ("jaxpr", constvars, invars, tuple(eqns), outvars,
+            self.effects(jaxpr.effects))
 
 
-def _open_jaxpr_fingerprint(jaxpr: Any) -> Fingerprint:
-  return _memoized(jaxpr, _compute_open)
+def value_key(v: Any) -> Any:
+  """Hashable structural key of one constant, literal value or parameter.
 
-
-def _compute_closed(closed: Any) -> Fingerprint:
-  return Fingerprint(("closed", _open_jaxpr_fingerprint(closed.jaxpr),
-                      tuple(value_key(c) for c in closed.consts)))
-
-
-def _closed_jaxpr_fingerprint(closed: Any) -> Fingerprint:
-  return _memoized(closed, _compute_closed)
+  Raises:
+    NotFingerprintable: ``v`` has no sound key.
+  """
+  return _Walker().value(v)
 
 
 def fingerprint(closed_jaxpr: Any) -> Fingerprint | None:
@@ -250,15 +346,24 @@ def fingerprint(closed_jaxpr: Any) -> Fingerprint | None:
     executable; ``None`` when some part has no sound key.
   """
   try:
-    return _closed_jaxpr_fingerprint(closed_jaxpr)
+    return _Walker().jaxpr(closed_jaxpr)
   except NotFingerprintable:
     return None
 
 
-def params_key(params: dict, skip: frozenset = frozenset({"jaxpr"})) -> Any:
+def params_key(params: dict, skip: frozenset = frozenset({"jaxpr"})
+               ) -> Fingerprint | None:
   """Key of ``jit_p`` parameters other than ``skip`` (None if unkeyable)."""
+  walker = _Walker()
   try:
-    return tuple((name, value_key(params[name]))
-                 for name in sorted(params) if name not in skip)
+    key = tuple((name, walker.value(params[name]))
+                for name in sorted(params) if name not in skip)
   except NotFingerprintable:
     return None
+  return Fingerprint(key, walker.pins, walker.nbytes)
+
+
+def clear_memo() -> None:
+  """Forgets every memoized jaxpr fingerprint."""
+  with _MEMO_LOCK:
+    _MEMO.clear()

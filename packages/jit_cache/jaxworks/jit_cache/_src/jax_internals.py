@@ -7,12 +7,19 @@ changes one fails there, in one obvious place.
 
 from __future__ import annotations
 
+import inspect as _inspect
 from typing import Any, Callable, Sequence
 
+from jax._src import api as _api
 from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src import mesh as _mesh
+from jax._src import named_sharding as _named_sharding
 from jax._src.frozen_dict import FrozenDict as _FrozenDict
+from jax._src.layout import Format as _Format
+from jax._src.layout import Layout as _Layout
 from jax._src import pjit as _pjit
 from jax._src import stages as _stages
 from jax._src import tree_util as _tree_util
@@ -24,10 +31,43 @@ from jax._src.lib import jax_jit as _jax_jit
 # -- tracing context -----------------------------------------------------------
 
 #: Tuple of every config value that changes tracing (x64, default device,
-#: matmul precision, rank promotion, mesh context, ...). Its last element is the
-#: current axis environment (``AxisEnv``, interned). Elements are the same
-#: objects from call to call while no config changes.
+#: matmul precision, rank promotion, mesh context, the axis environment, user
+#: contexts from ``jax.make_user_context``, ...). Its length and order are
+#: JAX's business (a user context appends an element for the rest of the
+#: process): never read an element by position. Elements are the same objects
+#: from call to call while no config changes.
 trace_context: Callable[[], tuple] = _config.trace_context
+
+
+def trace_context_names() -> tuple[str, ...]:
+  """Names of the ``trace_context()`` elements, in order (for messages)."""
+  return tuple(_config.trace_context_names())
+
+
+def current_axis_env() -> Any:
+  """The current axis environment (an interned ``AxisEnv``), read where JAX
+  keeps it."""
+  return _core.trace_ctx.axis_env
+
+
+def without_axis_env(values: tuple, env: Any) -> tuple | None:
+  """``values`` (a trace context) with the axis environment ``env`` removed.
+
+  The element is found by identity, not by position. None when ``env`` is not
+  exactly one element (a user context holding that very object): then nothing
+  may be shared across axis environments.
+  """
+  hits = [i for i, v in enumerate(values) if v is env]
+  if len(hits) != 1:
+    return None
+  return values[:hits[0]] + values[hits[0] + 1:]
+
+
+def axis_env_in(values: tuple) -> Any:
+  """The ``AxisEnv`` element of a recorded trace context (None if not one)."""
+  envs = [v for v in values if type(v) is _core.AxisEnv]  # pylint: disable=unidiomatic-typecheck
+  return envs[0] if len(envs) == 1 else None
+
 
 #: True at top level (no transformation or staging in progress).
 trace_state_clean: Callable[[], bool] = _core.trace_state_clean
@@ -79,6 +119,20 @@ def debug_modes_on() -> bool:
   """Modes that jax.jit handles on its slow path; we defer to it then."""
   return bool(_config.debug_nans.value or _config.debug_infs.value or
               _config.enable_pgle.value or _config.debug_key_reuse.value)
+
+
+# -- value types the executable fingerprint compares by value -----------------
+
+FrozenDict = _FrozenDict
+Mesh = _mesh.Mesh
+AbstractMesh = _mesh.AbstractMesh
+PyTreeDef = _tree_util.PyTreeDef
+AbstractValue = _core.AbstractValue
+Effect = _effects.Effect
+#: Type of the default of in/out shardings and similar parameters.
+UnspecifiedValue = _named_sharding.UnspecifiedValue
+Layout = _Layout
+Format = _Format
 
 
 #: The concrete jax Array class (a jaxlib type); Signature reads its C++
@@ -187,3 +241,21 @@ def jax_parse_arguments(args: tuple, kwargs: dict) -> tuple[Any, list]:
   return _jax_jit.parse_arguments(args, tuple(kwargs.values()),
                                   tuple(kwargs.keys()), (), (),
                                   _tree_util.tracing_registry)
+
+
+# -- stock JAX entry points and jit's defaults (issue 12: safe under the swap) --
+
+#: Stock ``jax.jit``, bound from JAX's own module: ``jax.jit = ...`` (the
+#: drop-in swap) reassigns the attribute of the ``jax`` package, never this.
+stock_jit: Callable[..., Any] = _api.jit
+
+#: Default of ``jax.jit``'s ``fun`` parameter (the decorator-factory form),
+#: the very object stock's signature holds.
+JIT_FUN_DEFAULT: Any = _inspect.signature(_api.jit).parameters["fun"].default
+
+#: Default of ``jax.jit``'s ``in_shardings``/``out_shardings``.
+UNSPECIFIED: Any = _named_sharding.UNSPECIFIED
+
+#: The abstract value of a token (``jax.lax.create_token()``).
+abstract_token: Any = _core.abstract_token
+

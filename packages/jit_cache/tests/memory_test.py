@@ -1,0 +1,171 @@
+"""What the caches keep alive: entries die with their function.
+
+Upstream JAX's own leak checks hold (a dropped argument is freed, no jaxpr is
+kept alive after its function dies), ``clear_caches()`` empties every cache of
+the package, and ``stats()`` counts what is really held. Compiled programs
+that hold no user object may outlive their functions in the bounded shared
+executable cache (so that re-created closures still reuse them); nothing
+else does.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxworks import jit_cache
+from jaxworks.jit_cache import jit
+from jaxworks.jit_cache._src import api
+from jaxworks.jit_cache._src import cache
+from jaxworks.jit_cache._src import fingerprint
+
+MIB = 1 << 20
+
+
+def _live(cls):
+  gc.collect()
+  return [o for o in gc.get_objects() if type(o) is cls]  # pylint: disable=unidiomatic-typecheck
+
+
+def _exercise(f, x):
+  """Every path that creates entries: call, trace, grad, vmap, outer jit."""
+  f(x)
+  f.trace(x)
+  jax.grad(lambda v: f(v).sum())(x)
+  jax.vmap(f)(x[None])
+  jax.jit(lambda v: f(v) * 2)(x)
+
+
+def test_forty_deleted_functions_leave_no_entries_and_no_pinned_executables():
+  jit_cache.clear_caches()
+  x = jnp.ones(4)
+  before_entries = len(_live(api._Entry))  # pylint: disable=protected-access
+  fs = []
+  for k in range(40):
+    big = jnp.full((32768,), float(k))  # 128 KiB: kept by identity (pins)
+    fs.append(jit(lambda v, big=big: v + big[:4]))
+    fs[-1](x)
+  assert jit_cache.stats().executables == 40
+  assert len(_live(api._Executable)) == 40  # pylint: disable=protected-access
+  del fs
+  gc.collect()
+  assert len(_live(api._Executable)) == 0  # pylint: disable=protected-access
+  assert len(_live(api._Entry)) == before_entries  # pylint: disable=protected-access
+  s = jit_cache.stats()
+  assert s.executables == 0
+  assert s.entries == len(cache.GLOBAL_ENTRIES)
+
+
+def test_forty_deleted_plain_functions_only_keep_bounded_shared_programs():
+  jit_cache.clear_caches()
+  x = jnp.ones(4)
+  fs = [jit(lambda v, k=k: v * float(k)) for k in range(40)]
+  for f in fs:
+    f(x)
+  del fs, f
+  gc.collect()
+  assert len(cache.GLOBAL_ENTRIES) == 0
+  held = len(_live(api._Executable))  # pylint: disable=protected-access
+  assert held == jit_cache.stats().executables == 40  # the shared LRU
+  jit_cache.set_global_maxsize(executables=8)
+  try:
+    assert len(_live(api._Executable)) == 8  # pylint: disable=protected-access
+  finally:
+    jit_cache.set_global_maxsize(executables=cache.DEFAULT_EXECUTABLE_MAXSIZE)
+  jit_cache.clear_caches()
+  assert len(_live(api._Executable)) == 0  # pylint: disable=protected-access
+  assert jit_cache.stats().executables == 0
+
+
+def test_deleted_functions_constants_are_freed():
+  for make in (lambda: np.ones(MIB // 4, np.float32),
+               lambda: jnp.ones(MIB // 4, jnp.float32)):
+    const = make()
+    ref = weakref.ref(const)
+    f = jit(lambda v, c=const: v + c[:4].sum())
+    _exercise(f, jnp.ones(4))
+    del f, const
+    gc.collect()
+    assert ref() is None, "a dead function's 1 MiB constant is still alive"
+
+
+def test_constant_freed_by_clear_caches_of_live_function():
+  const = np.ones(MIB // 4, np.float32)
+  ref = weakref.ref(const)
+  f = jit(lambda v: v + 1)
+  f(jnp.ones(4))
+  g = jit(lambda v, c=const: v + c[:4])
+  g(jnp.ones(4))
+  del g, const
+  gc.collect()
+  assert ref() is None
+  assert f.cache_info().entries == 1
+
+
+def test_dropped_argument_is_freed():
+  f = jit(lambda v: v * 2)
+  x = jnp.ones(MIB // 4)
+  ref = weakref.ref(x)
+  _exercise(f, x)
+  f.lower(x)
+  del x
+  gc.collect()
+  assert ref() is None, "the cache keeps a dropped argument alive"
+
+
+def test_no_jaxpr_kept_alive_after_the_function_dies():
+  x = jnp.ones(4)
+  body_refs = []
+
+  def make():
+    def body(v):
+      return jnp.tanh(v) * 3.0
+    body_refs.append(weakref.ref(body))
+    return body
+
+  f = jit(make())
+  _exercise(f, x)
+  jaxpr_ref = weakref.ref(f.trace(x).jaxpr)
+  inner_ref = weakref.ref(f.trace(x).jaxpr.jaxpr)
+  made = jit_cache.make_jaxpr(f)(x)
+  made_ref = weakref.ref(made)
+  del f, made
+  gc.collect()
+  assert body_refs[0]() is None
+  assert jaxpr_ref() is None and inner_ref() is None and made_ref() is None
+  assert all(k() is None for k in list(fingerprint._MEMO.keyrefs()))  # pylint: disable=protected-access
+
+
+def test_entries_leave_the_global_order_with_their_function():
+  jit_cache.clear_caches()
+  f = jit(lambda v: v + 3)
+  g = jit(lambda v: v - 3)
+  f(jnp.ones(2))
+  g(jnp.ones(2))
+  g.trace(jnp.ones(3))
+  assert len(cache.GLOBAL_ENTRIES) == 3 == jit_cache.stats().entries
+  del g
+  gc.collect()
+  assert len(cache.GLOBAL_ENTRIES) == 1 == jit_cache.stats().entries
+
+
+def test_clear_caches_empties_every_cache():
+  f = jit(lambda v: jnp.sin(v) + 5)
+  f(jnp.ones(2))
+  jax.grad(lambda v: f(v).sum())(jnp.ones(2))
+  fingerprint.fingerprint(jax.make_jaxpr(jnp.sin)(1.0))  # memoized: no numpy
+  assert len(fingerprint._MEMO) > 0  # pylint: disable=protected-access
+  jit_cache.clear_caches()
+  s = jit_cache.stats()
+  assert (s.entries, s.executables, s.dispatch_entries) == (0, 0, 0)
+  assert len(cache.GLOBAL_ENTRIES) == 0 and len(cache.EXECUTABLES) == 0
+  assert len(fingerprint._MEMO) == 0  # pylint: disable=protected-access
+  assert len(_live(api._Executable)) == 0  # pylint: disable=protected-access
+  np.testing.assert_array_equal(f(jnp.ones(2)), jnp.sin(jnp.ones(2)) + 5)
