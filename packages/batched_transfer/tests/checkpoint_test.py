@@ -134,8 +134,8 @@ def test_streaming_is_bounded_by_max_inflight_bytes(tmp_path, monkeypatch):
     ("target", lambda t: t["params"].update(w=np.ones((8, 5), np.float32)),
      r"leaf at \['params'\]\['w'\] \(key 'params/w'\) is stored as float32\[8, 4\] but the "
      r"target expects float32\[8, 5\]"),
-    ("target", lambda t: t.update(step=np.array(7, np.int32)),
-     r"leaf at \['step'\] .* stored as int64\[\] but the target expects int32\[\]"),
+    ("target", lambda t: t.update(step=np.array(7, np.float32)),
+     r"leaf at \['step'\] .* stored as int64\[\] but the target expects float32\[\]"),
 ])
 def test_mismatches_raise_before_anything_is_placed(path, monkeypatch, side, edit, text):
   saved, target_tree = sample_tree(), sample_tree()
@@ -429,13 +429,23 @@ def test_python_int_too_large_for_int32_is_refused_like_stock(tmp_path):
     bt.save(tmp_path / "c.npz", {"n": 2**40})
 
 
-def test_float64_data_into_a_float32_target_explains_x64(tmp_path):
-  bt.save(tmp_path / "c.npz", {"w": np.ones(3)})  # float64 numpy data keeps its dtype
-  with pytest.raises(ValueError, match="stored as float64.3. but the target expects "
-                     r"float32\[3\]\. With jax_enable_x64 off JAX gives float32 for float64"):
-    bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((3,), np.float32)})
-  out = bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((3,), np.float64)})
-  assert jax.typeof(out["w"]) == jax.typeof(jax.device_put(np.ones(3)))
+def test_numpy_64_bit_data_restores_into_jax_canonical_targets(tmp_path):
+  # numpy data keeps its dtype on disk; a target with the dtype JAX gives it (what jax.eval_shape
+  # reports with x64 off) gets what jax.device_put gives.
+  state = {"w": np.linspace(0, 1, 7), "n": np.arange(3), "c": np.ones(2, np.complex128)}
+  bt.save(tmp_path / "c.npz", state)
+  for target in (jax.eval_shape(lambda: state), like(state)):
+    out = bt.restore(tmp_path / "c.npz", target)
+    ref = jax.device_put(state)
+    for k in state:
+      assert jax.typeof(out[k]) == jax.typeof(ref[k])
+      assert np.asarray(out[k]).tobytes() == np.asarray(ref[k]).tobytes()
+  with jax.enable_x64(True):  # float32 is then not what JAX makes of float64 data
+    with pytest.raises(ValueError, match=r"stored as float64\[7\] but the target expects "
+                       r"float32\[7\]\. With jax_enable_x64 on, float32 data is not float64"):
+      bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((7,), np.float32),
+                                      "n": jax.ShapeDtypeStruct((3,), np.int64),
+                                      "c": jax.ShapeDtypeStruct((2,), np.complex128)})
 
 
 def test_a_target_leaf_without_shape_and_dtype_is_named(tmp_path):

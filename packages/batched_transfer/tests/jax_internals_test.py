@@ -129,3 +129,13 @@ def test_version_check_is_actionable():
   ji.check_jax_version("0.10.2.dev20250101")
   with pytest.raises(RuntimeError, match=r'needs jax>=0.10.2 .* found jax 0.9.1; run: pip install'):
     ji.check_jax_version("0.9.1")
+
+
+def test_stock_callables_are_jaxs_own():
+  # Bound at import from where JAX defines them; unswapped, they are the public names.
+  assert jax_internals_is_stock(ji.stock_device_put, jax.device_put, "device_put")
+  assert jax_internals_is_stock(ji.stock_jit, jax.jit, "jit")
+
+
+def jax_internals_is_stock(bound, public, name):
+  return bound is public and bound.__module__ == "jax._src.api" and bound.__name__ == name

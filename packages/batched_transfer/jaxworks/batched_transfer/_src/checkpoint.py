@@ -397,6 +397,12 @@ def _dtype_text(dtype: np.dtype) -> str:
   return dtype.name if dtype.isnative else dtype.str
 
 
+def _x32(dtype: np.dtype) -> np.dtype:
+  """What JAX makes of `dtype` with jax_enable_x64 off."""
+  with jax.enable_x64(False):
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
 def _check_leaf(api: str, where: str, key: str, s: _Stored, shape: tuple[int, ...],
                 dtype: np.dtype) -> None:
   """Shape, dtype and data extent of one stored array against its target leaf."""
@@ -407,12 +413,15 @@ def _check_leaf(api: str, where: str, key: str, s: _Stored, shape: tuple[int, ..
         f"types are {s.dtype.itemsize} bytes wide); write the checkpoint with "
         "jaxworks.batched_transfer.save, which records exact dtype names")
   stored = s.value_dtype
-  if s.shape != shape or stored != dtype:
+  # The target may name the stored dtype as JAX canonicalizes it (float32 for float64 data
+  # with jax_enable_x64 off, as jax.eval_shape reports it): the data is then placed as
+  # jax.device_put places it.
+  same = stored == dtype or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
+  if s.shape != shape or not same:
     hint = ""
-    if s.shape == shape and np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype:
-      hint = (f". With jax_enable_x64 off JAX gives {dtype.name} for {stored.name} values (as "
-              f"jax.eval_shape does): restore into a target leaf of dtype {stored.name}; it is "
-              f"placed as {dtype.name}, as jax.device_put places {stored.name} data")
+    if s.shape == shape and jax_internals.enable_x64() and _x32(stored) == dtype:
+      hint = (f". With jax_enable_x64 on, {dtype.name} data is not {stored.name}: restore "
+              f"into a target leaf of dtype {stored.name}, or outside jax.enable_x64")
     raise ValueError(f"{api}: the leaf at {where} (key {key!r}) is stored as "
                      f"{_dtype_text(stored)}{list(s.shape)} but the target expects "
                      f"{dtype.name}{list(shape)}{hint}")
