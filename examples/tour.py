@@ -53,6 +53,7 @@ SECTIONS = (
     "4. Inner-jit hits and executable reuse (jit_cache)",
     "5. Export the step for cpu and tpu, reload the cpu artifact, run it (stages_aot)",
     "6. Side by side with stock JAX",
+    "7. Adopt jaxworks program-wide: jax.jit, jax.device_put and jax.pmap swapped (install())",
 )
 
 
@@ -215,7 +216,8 @@ def save_checkpoint(tmp, params):
     files = sorted(p.name for p in path.iterdir())
     for name in files:
         print(f"   {path.name}/{name:<10} {(path / name).stat().st_size:>7} bytes")
-    check(files == sorted(k + ".npy" for k in params), f"one .npy file per leaf: {files}")
+    npy = [f for f in files if f.endswith(".npy")]
+    check(npy == sorted(k + ".npy" for k in params), f"one .npy file per leaf: {npy}")
     check(all(np.array_equal(np.load(path / (k + ".npy")), v) for k, v in params.items()),
           "numpy reads back every leaf unchanged")
     return path
@@ -226,7 +228,7 @@ def restore_checkpoint(path, params, batch, step):
     # pmap_chunked stages the program a call would run; its compiled form has one input per leaf of
     # (params, batch), each with a sharding and a layout.
     compiled = step.lower(spec_of(params), spec_of(batch)).compile()
-    formats = compiled.input_formats[0]
+    formats = jax.tree.leaves(compiled.input_formats[0])
     flat, treedef = jax.tree.flatten((params, batch))
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path((params, batch))[0]]
     for name, leaf, f in zip(names, flat, formats):
@@ -241,7 +243,7 @@ def restore_checkpoint(path, params, batch, step):
     # place_for: every positional input of the compiled step at once (restored params are already
     # in place and pass through; the numpy batch is sent in one batched transfer).
     n_params = len(jax.tree.leaves(params))
-    placed = bt.place_for(compiled, tuple(jax.tree.leaves(restored)) + tuple(flat[n_params:]))
+    placed = jax.tree.leaves(bt.place_for(compiled, (restored, batch)))
     restored, batch_on_devices = jax.tree.unflatten(treedef, list(placed))
     plan = bt.plan(list(placed), list(formats))
     print("   " + str(plan).replace("\n", "\n   "))
@@ -415,6 +417,30 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     check(len({r[0] for r in rows}) == 5, "every package measured side by side with stock JAX")
 
 
+def adopt_program_wide(params, batch):
+    """Code written against stock JAX, run unchanged with jaxworks swapped in for jax.jit/device_put/pmap."""
+    section(7)
+
+    def user_code():
+        # Plain JAX, as a codebase would have it: every call goes through the jax namespace.
+        placed = jax.device_put(params, jax.devices()[0])
+        step = jax.pmap(make_train_step(jax.jit(dense)), AXIS, in_axes=(None, 0), out_axes=(None, None))
+        return placed, step(placed, batch)
+
+    stock_placed, stock_loss = user_code()
+    stock_names = (jax.jit, jax.device_put, jax.pmap)
+    with jit_cache.installed(), bt.installed(), pmap_chunked.installed():
+        swapped = (jax.jit is jit_cache.jit, jax.device_put is bt.device_put, jax.pmap is pmap_chunked.pmap)
+        print("   with jit_cache.installed(), batched_transfer.installed(), pmap_chunked.installed():")
+        print("       jax.jit -> jit_cache.jit, jax.device_put -> batched_transfer.device_put, "
+              "jax.pmap -> pmap_chunked.pmap")
+        placed, loss = user_code()
+    check(all(swapped), f"inside the block the three names are jaxworks' ({swapped})")
+    check((jax.jit, jax.device_put, jax.pmap) == stock_names, "after the block stock JAX's names are back")
+    check(close(jax.tree.leaves(placed), jax.tree.leaves(stock_placed), rtol=0, atol=0)
+          and close(loss, stock_loss), "the unchanged user code gives stock JAX's results")
+
+
 def main(argv=None):
     del argv  # the tour takes no arguments
     start = time.perf_counter()
@@ -434,6 +460,7 @@ def main(argv=None):
             cache_stats(params, batch, restored, batch_on_devices, layer, traces)
             export_step(tmp, params, batch, restored, batch_on_devices, step, stock_step)
             timings(params, batch, restored, batch_on_devices, step, stock_step)
+            adopt_program_wide(params, batch)
     except CheckFailed as err:
         sys.stdout.flush()
         print(f"\nCHECK FAILED {err}", file=sys.stderr)
