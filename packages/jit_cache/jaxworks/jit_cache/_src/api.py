@@ -140,7 +140,8 @@ class _Uncacheable:
 
 
 class _Executable:
-  __slots__ = ("compiled", "mesh_executable", "const_args", "compile_seconds")
+  __slots__ = ("compiled", "mesh_executable", "const_args", "compile_seconds",
+               "__weakref__")
 
   def __init__(self, compiled: Any, compile_seconds: float):
     self.compiled = compiled
@@ -682,12 +683,15 @@ class JitFunction:
   def _entry_slow(self, leaves, treedef, statics, ctx, sig, args, kwargs):
     avals = tuple(ji.shaped_abstractify(x) for x in leaves)
     key = (avals, treedef, statics, ctx)
-    env = ctx.values[-1]
+    # The axis environment is read where JAX keeps it, never by its position
+    # in the trace context (user contexts append to that tuple).
+    env = ji.current_axis_env()
     sizes, spmd, explicit = ji.axis_env_parts(env)
     base_key = None
     if sizes:
-      base_key = (avals, treedef, statics, _CONTEXT(ctx.values[:-1]), spmd,
-                  explicit)
+      rest = ji.without_axis_env(ctx.values, env)
+      if rest is not None:
+        base_key = (avals, treedef, statics, _CONTEXT(rest), spmd, explicit)
     cache = self._cache
     computed = []
 
@@ -799,8 +803,12 @@ class JitFunction:
     params = _fingerprint.params_key(entry.params)
     if program is None or params is None:
       return build()
+    # Programs holding no user object (callback, array kept by identity) and
+    # little constant data outlive their functions in the shared cache.
+    keep = (not program.pins and not params.pins and
+            program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES)
     exe, reused = _cache.EXECUTABLES.get_or_build(
-        (program, params, placement), build)
+        (program, params, placement), build, keep)
     if reused:
       counters.executable_reuses += 1
       counters.time_saved_s += exe.compile_seconds
@@ -1023,15 +1031,20 @@ def stats() -> _cache.CacheInfo:
   """Process-wide counters (since import or ``reset_stats()``) and sizes.
 
   ``entries``/``maxsize`` are trace entries across all live functions and the
-  global bound; ``executables`` the shared executable cache's size;
+  global bound; ``executables`` the compiled executables held (by live
+  functions' entries or by the shared cache), each counted once;
   ``evictions`` counts trace entries dropped by either bound.
   """
   live = _live_functions()
+  executables = {id(e): e for e in _cache.EXECUTABLES.live()}
+  for f in live:
+    for entry in list(f._cache.by_key.values()):  # pylint: disable=protected-access
+      executables.update((id(e), e) for e in list(entry.executables.values()))
   return _cache.GLOBAL_COUNTERS.snapshot(
       entries=sum(len(f._cache) for f in live),  # pylint: disable=protected-access
       maxsize=_cache.GLOBAL_ENTRIES.maxsize,
       dispatch_entries=sum(ji.dispatcher_size(f._dispatcher) for f in live),  # pylint: disable=protected-access
-      executables=len(_cache.EXECUTABLES))
+      executables=len(executables))
 
 
 def reset_stats() -> None:
@@ -1042,10 +1055,17 @@ def reset_stats() -> None:
 
 
 def clear_caches() -> None:
-  """Drops every trace entry, dispatch entry and shared executable."""
+  """Drops every trace entry, dispatch entry and shared executable.
+
+  Clears every cache of the package: each live function's trace entries, C++
+  dispatch entries and JAX tracing caches, the process-wide entry order, the
+  shared executable cache and the fingerprint memo.
+  """
   for f in _live_functions():
     f.clear_cache()
+  _cache.GLOBAL_ENTRIES.clear()
   _cache.EXECUTABLES.clear()
+  _fingerprint.clear_memo()
 
 
 def set_global_maxsize(entries: int | None = None,
