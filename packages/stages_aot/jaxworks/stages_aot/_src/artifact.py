@@ -11,7 +11,10 @@ An artifact directory holds three files:
 :func:`load_artifact` checks, in order: the manifest parses and has every
 field; every file has the recorded size and sha256 (a truncated or corrupted
 file is named); this jax supports the calling-convention version; the program
-deserializes and agrees with the manifest; and a platform of the artifact is
+deserializes and passes the checks of :func:`deserialize` (every VJP order
+read, every StableHLO module read and verified, signatures consistent); it
+agrees with the manifest (avals, shardings, trees, the sha256 of each order's
+module) and with ``module.stablehlo.mlir``; and a platform of the artifact is
 present on this host. Each failure raises :class:`ArtifactError` saying what to
 do.
 """
@@ -24,8 +27,8 @@ import json
 import os
 import pathlib
 import platform as _platform
+import secrets
 import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -33,7 +36,7 @@ import jaxlib
 import numpy as np
 
 from ..version import __version__
-from .exported import Exported, deserialize
+from .exported import Exported, deserialize, read_own_serialization
 from .platforms import present_platforms
 from .specs import format_aval
 
@@ -125,8 +128,35 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _levels(exported: Exported) -> list[Exported]:
+    levels = [exported]
+    for _ in range(exported.vjp_order):
+        levels.append(levels[-1].vjp())
+    return levels
+
+
+def _level_json(level: Exported) -> dict[str, Any]:
+    exp = level.jax_exported
+    return {
+        "module_sha256": _sha256(bytes(exp.mlir_module_serialized)),
+        "kept_inputs": list(exp.module_kept_var_idx),
+        "inputs": [format_aval(a) for a in exp.in_avals],
+        "outputs": [format_aval(a) for a in exp.out_avals],
+        "effects": [type(e).__name__ for e in (*exp.ordered_effects, *exp.unordered_effects)],
+        "disabled_checks": [str(c) for c in exp.disabled_safety_checks],
+    }
+
+
+#: Program fields added in 0.1.1; a manifest written by 0.1.0 lacks them.
+_OPTIONAL_FIELDS = ("in_tree", "out_tree", "levels")
+
+
 def _program_fields(exported: Exported) -> dict[str, Any]:
-    """The manifest fields that describe the program; load checks them against it."""
+    """The manifest fields that describe the program; load checks them against it.
+
+    ``levels`` describes the program and each serialized VJP order: the sha256
+    of its StableHLO module, its kept inputs, avals and effects.
+    """
     return {
         "fun_name": exported.fun_name,
         "platforms": list(exported.platforms),
@@ -140,6 +170,9 @@ def _program_fields(exported: Exported) -> dict[str, Any]:
         "outputs": _values_json(
             _leaf_names(exported.out_tree, inputs=False), exported.out_avals, exported.out_shardings
         ),
+        "in_tree": str(exported.in_tree),
+        "out_tree": str(exported.out_tree),
+        "levels": [_level_json(level) for level in _levels(exported)],
     }
 
 
@@ -262,6 +295,21 @@ def check_destination(directory, *, overwrite: bool, api: str) -> pathlib.Path:
     return path
 
 
+def _new_directory(parent: pathlib.Path, prefix: str) -> pathlib.Path:
+    """Creates a new directory in ``parent`` with the permissions the umask gives.
+
+    (``tempfile.mkdtemp`` would make it 0700, and the rename would keep that.)
+    """
+    for _ in range(100):
+        candidate = parent / f"{prefix}{secrets.token_hex(8)}"
+        try:
+            candidate.mkdir(mode=0o777)
+        except FileExistsError:
+            continue
+        return candidate
+    raise ArtifactError(f"jaxworks.stages_aot.save_artifact: cannot create a new directory in {parent}")
+
+
 def save_artifact(exported: Exported, directory, *, overwrite: bool = False) -> Artifact:
     """Writes ``exported`` as an artifact directory.
 
@@ -289,16 +337,19 @@ def save_artifact(exported: Exported, directory, *, overwrite: bool = False) -> 
             f"got {type(exported).__name__}"
         )
     path = check_destination(directory, overwrite=overwrite, api=api)
-    files = {EXPORTED_FILE: exported.serialize(), STABLEHLO_FILE: exported.mlir_text().encode()}
-    manifest = build_manifest(exported, files)
+    blob = exported.serialize()
+    files = {EXPORTED_FILE: blob, STABLEHLO_FILE: exported.mlir_text().encode()}
+    # The manifest describes the bytes written (serialize() exports the VJP
+    # orders anew each time, so they are read back from `blob`).
+    manifest = build_manifest(read_own_serialization(blob, exported.vjp_order), files)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp = _new_directory(path.parent, f".{path.name}.")
     try:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         if path.exists():  # keep the old artifact until the new one is in place
-            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            old = _new_directory(path.parent, f".{path.name}.old.")
             os.replace(path, old / "a")
             try:
                 os.replace(tmp, path)
@@ -429,10 +480,12 @@ def _check_agreement(manifest: dict[str, Any], exported: Exported, api: str, pat
     """
     observed = json.loads(json.dumps(_program_fields(exported)))  # JSON types, as read back
     for key, value in observed.items():
+        if key in _OPTIONAL_FIELDS and key not in manifest:
+            continue
         recorded = manifest.get(key)
         if recorded == value:
             continue
-        if key in ("inputs", "outputs") and isinstance(recorded, list) and len(recorded) == len(value):
+        if key in ("inputs", "outputs", "levels") and isinstance(recorded, list) and len(recorded) == len(value):
             i = next(i for i, (r, v) in enumerate(zip(recorded, value)) if r != v)
             key, recorded, value = f"{key}[{i}]", recorded[i], value[i]
         raise ArtifactError(
@@ -472,6 +525,12 @@ def load_artifact(directory, *, require_platform: bool = True) -> Artifact:
     except ValueError as e:
         raise ArtifactError(f"{api}: {path / EXPORTED_FILE} does not deserialize: {e}") from None
     _check_agreement(manifest, exported, api, path)
+    if exported.mlir_text().encode() != contents[STABLEHLO_FILE]:
+        raise ArtifactError(
+            f"{api}: {path / EXPORTED_FILE} holds a StableHLO module that differs from "
+            f"{path / STABLEHLO_FILE}; one of them was modified or they come from "
+            "different exports: re-export the artifact"
+        )
     if require_platform and not any(p in present_platforms() for p in exported.platforms):
         raise ArtifactError(_platform_message(path, exported.platforms, "load"))
     return Artifact(path, manifest, exported)

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +33,23 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 1."""
 
 
+def _one_line(e: BaseException, limit: int = 600) -> str:
+    text = " ".join(str(e).split()) or "(no message)"
+    if len(text) > limit:
+        text = text[: limit - 40] + " ... (--traceback shows all)"
+    return f"{type(e).__name__}: {text}"
+
+
+def _stage(name: str, fn, *args, **kwargs):
+    """Runs one stage; any failure becomes a one-line CliError naming it."""
+    try:
+        return fn(*args, **kwargs)
+    except CliError:
+        raise
+    except Exception as e:
+        raise CliError(f"{name} failed: {_one_line(e)}") from e
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -42,6 +60,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "are taken from where you run it). '%(prog)s COMMAND --help' explains each command.",
     )
     parser.add_argument("--version", action="version", version=f"jaxworks.stages_aot {__version__}")
+    parser.add_argument(
+        "--traceback", action="store_true",
+        help="on failure, also print the Python traceback of the failing stage",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{export,inspect,run}")
 
     exp = sub.add_parser(
@@ -110,17 +132,19 @@ def _import_target(target: str):
         obj = importlib.import_module(module_name)
     except ImportError as e:
         raise CliError(
-            f"cannot import module {module_name!r} ({e}); put its directory on "
-            "PYTHONPATH or run from it"
-        ) from None
+            f"import of {module_name!r} failed: cannot import module {module_name!r} "
+            f"({e}); put its directory on PYTHONPATH or run from it"
+        ) from e
+    except Exception as e:  # the module itself raised while importing
+        raise CliError(f"import of {module_name!r} failed: {_one_line(e)}") from e
     for part in attr_path.split("."):
-        if not hasattr(obj, part):
+        if not _stage(f"import of {target!r}", hasattr, obj, part):
             names = sorted(n for n in dir(obj) if not n.startswith("_"))
             raise CliError(
                 f"{module_name!r} has no attribute {attr_path!r} (missing {part!r}); "
                 f"available: {', '.join(names[:20])}"
             )
-        obj = getattr(obj, part)
+        obj = _stage(f"import of {target!r}", getattr, obj, part)
     if not callable(obj):
         raise CliError(f"{target} is a {type(obj).__name__}, not a function")
     return obj
@@ -142,11 +166,13 @@ def _cmd_export(ns, out) -> int:
     present = present_platforms()
     shown = ", ".join(format_aval(s) for s in specs)
     print(f"tracing {ns.target}({shown})", file=out, flush=True)
-    traced = trace(fun, *specs)
+    traced = _stage(f"trace of {ns.target}({shown})", trace, fun, *specs)
     for i, platform in enumerate(platforms, 1):
         start = time.perf_counter()
-        lowered = traced.lower(lowering_platforms=(platform,))
-        text = lowered.as_text()
+        lowered = _stage(
+            f"lowering for platform {platform}", traced.lower, lowering_platforms=(platform,)
+        )
+        text = _stage(f"lowering for platform {platform}", lowered.as_text)
         ms = 1e3 * (time.perf_counter() - start)
         calls = sorted(set(re.findall(r"custom_call @([\w.$-]+)", text)))
         where = "present on this host" if platform in present else "cross-lowered (not present here)"
@@ -157,12 +183,17 @@ def _cmd_export(ns, out) -> int:
             file=out, flush=True,
         )
     if len(platforms) > 1:
-        lowered = traced.lower(lowering_platforms=platforms)
-    exported = lowered.export(vjp_order=ns.vjp_order)
+        lowered = _stage(
+            f"lowering for platforms {', '.join(platforms)}",
+            traced.lower, lowering_platforms=platforms,
+        )
+    exported = _stage(f"export of {ns.target}", lowered.export, vjp_order=ns.vjp_order)
     try:
         artifact = save_artifact(exported, ns.out, overwrite=ns.overwrite)
     except ArtifactError as e:
         raise CliError(str(e)) from None
+    except Exception as e:
+        raise CliError(f"save to {ns.out} failed: {_one_line(e)}") from e
     sizes = ", ".join(f"{n} {i['size']} bytes" for n, i in artifact.manifest["files"].items())
     print(
         f"exported {exported.fun_name!r} for {', '.join(platforms)} "
@@ -263,7 +294,9 @@ def _cmd_run(ns, out) -> int:
     try:
         result = artifact.call(*args, **kwargs)
     except (TypeError, ValueError) as e:
-        raise CliError(f"{e}") from None
+        raise CliError(" ".join(str(e).split())) from e
+    except Exception as e:
+        raise CliError(f"call of {artifact.fun_name!r} failed: {_one_line(e)}") from e
     leaves = artifact.exported.out_tree.flatten_up_to(result)
     outputs = {}
     for info, leaf in zip(artifact.manifest["outputs"], leaves):
@@ -272,7 +305,7 @@ def _cmd_run(ns, out) -> int:
         text = np.array2string(value, threshold=16, precision=6, separator=", ")
         print(f"{info['name']} {format_aval(value)} = {text}", file=out)
     if ns.save:
-        np.savez(ns.save, **outputs)
+        _stage(f"saving the outputs to {ns.save}", np.savez, ns.save, **outputs)
         print(f"saved {len(outputs)} outputs to {ns.save}", file=out)
     return 0
 
@@ -286,4 +319,10 @@ def main(argv: Sequence[str] | None = None, *, out=None) -> int:
         return command(ns, out)
     except CliError as e:
         print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
-        return 1
+        cause = e.__cause__
+    except Exception as e:  # outside any named stage: still one line
+        print(f"{PROG} {ns.command}: error: {_one_line(e)}", file=sys.stderr)
+        cause = e
+    if ns.traceback and cause is not None:
+        traceback.print_exception(type(cause), cause, cause.__traceback__, file=sys.stderr)
+    return 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 #: jaxworks.jit_cache is the entry point of the stages (``jit(f).trace(...)``).
 MIN_JIT_CACHE_VERSION = "0.1.0"
 
@@ -48,7 +46,7 @@ def load_jit_cache():
         :data:`MIN_JIT_CACHE_VERSION`.
     """
     try:
-        module = importlib.import_module("jaxworks.jit_cache")
+        from jaxworks import jit_cache as module
     except ImportError as e:
         raise RuntimeError(
             "jaxworks.stages_aot needs jaxworks.jit_cache >= "

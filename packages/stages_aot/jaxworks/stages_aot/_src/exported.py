@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import jax_internals, validate
 from .specs import format_aval
 
 
@@ -140,7 +141,7 @@ class Exported:
                 "pass arguments with the exported structure"
             )
         if self._jitted is None:
-            self._jitted = jax.jit(self._flat())
+            self._jitted = jax_internals.stock_jit(self._flat())
         return self._exp.out_tree.unflatten(self._jitted(*flat))
 
     __call__ = call
@@ -191,19 +192,20 @@ def _flat_callable(exported: Exported):
 
 
 def deserialize(blob: bytes | bytearray) -> Exported:
-    """Deserializes what :meth:`Exported.serialize` wrote.
+    """Deserializes what :meth:`Exported.serialize` wrote, and validates it.
 
-    The result's ``vjp_order`` is the number of VJP orders in ``blob``.
-
-    The bytes are not checked for integrity: jax.export parses the module
-    only when it is first called, and a damaged module then fails with
-    whatever error (or, in the MLIR reader, hang) the damage causes. Files
-    from :func:`save_artifact` carry sha256 sums that :func:`load_artifact`
-    checks before deserializing.
+    The result's ``vjp_order`` is the number of VJP orders in ``blob``. Every
+    order is read now, and each one's fields and StableHLO module are checked
+    for consistency (see ``_src/validate.py``), so that damaged bytes fail
+    here with a ``ValueError``, not later when the program is called. Bytes
+    that are consistent but altered (a changed constant) cannot be told from
+    another program; artifact directories (:func:`load_artifact`) also check
+    the program against their manifest and StableHLO text.
 
     Raises:
       TypeError: ``blob`` is not bytes.
-      ValueError: ``blob`` is not a serialized exported program.
+      ValueError: ``blob`` is not a serialized exported program, or it is
+        damaged.
     """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(
@@ -211,17 +213,31 @@ def deserialize(blob: bytes | bytearray) -> Exported:
             f"got {type(blob).__name__}"
         )
     try:
-        exp = jax.export.deserialize(bytearray(blob))
-    except Exception as e:
+        levels = validate.deserialize_checked(bytes(blob))
+    except validate.Invalid as e:
         raise ValueError(
-            f"jaxworks.stages_aot.deserialize: {len(blob)} bytes are not a serialized "
-            f"exported program ({type(e).__name__}: {e}); pass the bytes of "
-            "Exported.serialize() unchanged"
+            f"jaxworks.stages_aot.deserialize: {len(blob)} bytes are not a valid serialized "
+            f"exported program ({e}); pass the bytes of Exported.serialize() unchanged"
         ) from None
-    order, node = 0, exp
-    while node.has_vjp():
-        node = node.vjp()
-        order += 1
-    return Exported(exp, vjp_order=order)
+    return _wrap_levels(levels)
 
 
+def _wrap_levels(levels: list[jax.export.Exported]) -> Exported:
+    """An :class:`Exported` whose VJP chain is ``levels[1:]``."""
+    wrappers = [Exported(level, vjp_order=len(levels) - 1 - i) for i, level in enumerate(levels)]
+    for depth, (outer, inner) in enumerate(zip(wrappers, wrappers[1:]), 1):
+        inner._origin = (wrappers[0].fun_name, depth)
+        outer._vjp = inner
+    return wrappers[0]
+
+
+def read_own_serialization(blob: bytes, vjp_order: int) -> Exported:
+    """Reads back bytes that :meth:`Exported.serialize` just wrote (trusted).
+
+    Used to describe exactly what was written (the VJP levels are exported
+    anew at each ``serialize()``), without the validation of :func:`deserialize`.
+    """
+    levels = [jax.export.deserialize(bytearray(blob))]
+    for _ in range(vjp_order):
+        levels.append(levels[-1].vjp())
+    return _wrap_levels(levels)

@@ -12,15 +12,33 @@ one, so that a JAX upgrade that moves or changes one fails there first:
   ``jax.stages.Lowered`` plus its jaxpr and function name into a
   ``jax.export.Exported``. It is the part of ``jax.export.export`` that runs
   after lowering; the jaxpr is what makes the exported program differentiable.
+* ``stock_jit`` (``jax._src.api.jit``): stock ``jax.jit``, bound from JAX's own
+  module, so that a program that swaps in another jit (``jax.jit =
+  jaxworks.jit_cache.jit``, before or after importing this package) never
+  changes what this package calls.
+* ``MODULE_READER_SOURCE`` (a script run in a child process, see
+  ``module_reader.py``) imports ``jaxlib._jax`` and ``jaxlib.mlir.ir``: the
+  modules behind ``jax.extend.mlir.deserialize_portable_artifact`` and
+  ``jax.extend.mlir.ir``, without the cost of importing jax in the child.
 """
 
 from __future__ import annotations
 
 import jax
+from jax._src import api as _api
 from jax._src.export._export import _export_lowered as export_lowered
 from jax._src.interpreters.mlir import LoweringParameters
 
-__all__ = ["LoweringParameters", "export_lowered", "export_lowering_parameters"]
+__all__ = [
+    "LoweringParameters",
+    "MODULE_READER_SOURCE",
+    "export_lowered",
+    "export_lowering_parameters",
+    "stock_jit",
+]
+
+#: Stock ``jax.jit`` (the drop-in swap reassigns ``jax.jit``, never this).
+stock_jit = _api.jit
 
 
 def export_lowering_parameters() -> LoweringParameters:
@@ -32,3 +50,81 @@ def export_lowering_parameters() -> LoweringParameters:
             jax.config.jax_export_ignore_forward_compatibility
         ),
     )
+
+
+#: The child process of ``module_reader``: reads requests from stdin (a count,
+#: then length-prefixed serialized StableHLO modules, little-endian uint64s)
+#: and answers each with one JSON line: per module, an error or the module's
+#: verification result, its integer attributes and the types of ``main``.
+MODULE_READER_SOURCE = r"""
+import json, struct, sys
+from jaxlib import _jax
+from jaxlib.mlir import ir
+
+def read(n):
+    data = sys.stdin.buffer.read(n)
+    if len(data) != n:
+        sys.exit(0)
+    return data
+
+def text(obj):
+    try:
+        return str(obj)
+    except Exception:
+        return "(not UTF-8)"
+
+def describe_type(t):
+    try:
+        tensor = ir.RankedTensorType(t)
+    except Exception:
+        return {"text": text(t)}
+    return {"text": text(t), "shape": list(tensor.shape),
+            "element": text(tensor.element_type)}
+
+def describe(blob):
+    diagnostics = []
+    def on_diagnostic(d):
+        diagnostics.append(text(d.message))
+        return True
+    with ir.Context() as ctx:
+        ctx.allow_unregistered_dialects = True
+        handler = ctx.attach_diagnostic_handler(on_diagnostic)
+        try:
+            try:
+                module = _jax.mlir.deserialize_portable_artifact(blob)
+            except Exception as e:
+                return {"error": "; ".join(diagnostics) or text(e)}
+            if not module.operation.verify():
+                return {"error": "does not verify: " + "; ".join(diagnostics)}
+            attrs = module.operation.attributes
+            ints = {}
+            for name in ("mhlo.num_partitions", "mhlo.num_replicas"):
+                if name in attrs:
+                    ints[name] = ir.IntegerAttr(attrs[name]).value
+            main = None
+            for op in module.body.operations:
+                op_attrs = op.operation.attributes
+                if ("sym_name" in op_attrs and "function_type" in op_attrs
+                        and ir.StringAttr(op_attrs["sym_name"]).value == "main"):
+                    main = ir.FunctionType(ir.TypeAttr(op_attrs["function_type"]).value)
+            if main is None:
+                return {"error": "no main function"}
+            return {"attributes": ints,
+                    "inputs": [describe_type(t) for t in main.inputs],
+                    "results": [describe_type(t) for t in main.results],
+                    "dynamic": ir.ShapedType.get_dynamic_size()}
+        finally:
+            handler.detach()
+
+while True:
+    (count,) = struct.unpack("<Q", read(8))
+    answers = []
+    for _ in range(count):
+        (size,) = struct.unpack("<Q", read(8))
+        try:
+            answers.append(describe(read(size)))
+        except Exception as e:
+            answers.append({"error": type(e).__name__ + ": " + text(e)})
+    sys.stdout.write(json.dumps(answers) + "\n")
+    sys.stdout.flush()
+"""

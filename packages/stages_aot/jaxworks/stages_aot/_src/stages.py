@@ -369,7 +369,7 @@ def _compile_exported(exp: jax.export.Exported, target: str, in_avals, api: str)
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(flat_avals, in_shardings)
     ]
     args, kwargs = exp.in_tree.unflatten(specs)
-    jitted = jax.jit(exp.call, out_shardings=exp.out_tree.unflatten(out_shardings))
+    jitted = jax_internals.stock_jit(exp.call, out_shardings=exp.out_tree.unflatten(out_shardings))
     with jax.default_device(devices[0]):
         return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target,)).compile()
 

@@ -1,0 +1,130 @@
+"""Reads untrusted serialized StableHLO modules in a child process.
+
+The StableHLO bytecode reader that ``jax.export`` and XLA use trusts its
+input: some damaged modules crash it (a segmentation fault takes the whole
+process down) or make it loop. :func:`describe_modules` therefore hands the
+bytes to a long-lived child process (``jax_internals.MODULE_READER_SOURCE``),
+which deserializes and verifies each module and reports the types of its
+``main`` function. A module that crashes or stalls the child is reported as
+unreadable, and the next request starts a fresh child. Answers are cached by
+the sha256 of the bytes, so loading the same program twice costs one read.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from . import jax_internals
+
+#: Seconds a request may take before the child is considered stuck.
+TIMEOUT_S = 120.0
+
+_CACHE_SIZE = 256
+
+
+class _Reader:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._lines: queue.Queue | None = None
+        self._cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        flags = ["-P"] if sys.version_info >= (3, 11) else []
+        self._proc = subprocess.Popen(
+            [sys.executable, *flags, "-c", jax_internals.MODULE_READER_SOURCE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        lines: queue.Queue = queue.Queue()
+        stdout = self._proc.stdout
+
+        def pump():
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)  # the child exited
+
+        threading.Thread(target=pump, name="stages_aot-module-reader", daemon=True).start()
+        self._lines = lines
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _ask(self, blobs: list[bytes]) -> list[dict[str, Any]]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        request = [struct.pack("<Q", len(blobs))]
+        for blob in blobs:
+            request += [struct.pack("<Q", len(blob)), blob]
+        try:
+            self._proc.stdin.write(b"".join(request))
+            self._proc.stdin.flush()
+            line = self._lines.get(timeout=TIMEOUT_S)
+        except (OSError, queue.Empty):
+            line = None
+        if line is None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+            return []
+        return json.loads(line)
+
+    def describe(self, blobs: list[bytes]) -> list[dict[str, Any]]:
+        keys = [hashlib.sha256(b).hexdigest() for b in blobs]
+        with self._lock:
+            missing = [i for i, k in enumerate(keys) if k not in self._cache]
+            # One module at a time: a crash then blames the right one.
+            for i in missing:
+                answers = self._ask([blobs[i]])
+                if not answers:
+                    answer = {"error": "the StableHLO reader crashed or stalled on it"}
+                else:
+                    (answer,) = answers
+                self._cache[keys[i]] = answer
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            for k in keys:
+                self._cache.move_to_end(k)
+            return [self._cache[k] for k in keys]
+
+
+_READER = _Reader()
+atexit.register(_READER.stop)
+
+
+def describe_modules(blobs: list[bytes]) -> list[dict[str, Any]]:
+    """Describes serialized StableHLO modules, read in a child process.
+
+    Returns:
+      One dict per module: ``{"error": text}`` when it does not deserialize,
+      does not verify or crashes the reader; else ``{"attributes": {name:
+      int}, "inputs": [type], "results": [type], "dynamic": int}`` where a
+      type is ``{"text", "shape", "element"}`` (``shape`` and ``element`` for
+      ranked tensors; ``dynamic`` marks an unknown dimension in ``shape``).
+    """
+    return _READER.describe([bytes(b) for b in blobs])
