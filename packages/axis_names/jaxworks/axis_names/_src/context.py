@@ -48,6 +48,9 @@ class OldNames:
     env: ``{old name: size}`` for each old name whose new name is bound.
     mesh: the abstract mesh under the old names (the current one if none).
     mesh_changed: whether ``mesh`` differs from the current mesh.
+    vacated: the new names that are manual mesh axes here and are not mesh
+      axes under the old names (a function that uses one of them itself
+      cannot be renamed here).
   """
 
   forward: dict
@@ -55,6 +58,7 @@ class OldNames:
   env: dict
   mesh: Any
   mesh_changed: bool
+  vacated: tuple = ()
 
   @contextlib.contextmanager
   def scope(self):
@@ -104,7 +108,10 @@ def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
               f"named {h!r}")
         inverse[old] = h
         forward[h] = old
-        env[h] = jax.lax.axis_size(old)
+        try:
+          env[h] = jax.lax.axis_size(old)
+        except NameError:
+          pass  # an Auto/Explicit mesh axis: no collective can name it
   try:
     mesh = deep.rename(cur, inverse)
   except ValueError as e:
@@ -114,7 +121,11 @@ def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
         f"{tuple(inverse.get(n, n) for n in cur.axis_names)!r}, which repeat "
         "a name. Rename the clashing axis too (for example swap both "
         "names), or call the function outside this mesh") from e
-  return OldNames(forward, inverse, env, mesh, mesh is not cur)
+  vacated = ()
+  if mesh is not cur:
+    vacated = tuple(n for n in cur.axis_names
+                    if n in inverse and n not in mesh.axis_names)
+  return OldNames(forward, inverse, env, mesh, mesh is not cur, vacated)
 
 
 def is_array_like(x: Any) -> bool:

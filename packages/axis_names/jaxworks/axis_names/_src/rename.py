@@ -290,7 +290,8 @@ class _Renamer:
         # No visible use below is captured, but a custom rule below may use
         # the old name once it runs: it learns the capture then.
         where = location(eqn) or "an unknown location"
-        inner = {o: (_Captured(n, prim, where, dict(mapping))
+        shown = repr(context.user_entries(mapping))
+        inner = {o: (_Captured(n, prim, where, shown)
                      if n in bound else n) for o, n in inner.items()}
     callables = rules.CALLABLE_PARAMS.get(prim)
     if callables and inner:
@@ -465,8 +466,24 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
     out_box.append((out_tree, out_leaves, traced))
     return [x for x, t in zip(out_leaves, traced) if t]
 
-  with ctx.scope():
-    closed, _ = tracing.trace(flat_fun, tuple(avals), {}, {}, _API)
+  try:
+    with ctx.scope():
+      closed, _ = tracing.trace(flat_fun, tuple(avals), {}, {}, _API,
+                                no_placeholder=tuple(captured or ()))
+  except NameError as e:
+    old = jax_internals.unbound_axis_name(e)
+    if captured and old in captured:
+      raise captured[old].error(old) from e
+    raise
+  except AssertionError as e:
+    # Inside a shard_map JAX asserts (rather than raising NameError) on a
+    # collective over a name that is not a mesh axis.
+    if captured:
+      old = sorted(captured, key=repr)[0]
+      raise captured[old].error(old) from e
+    if not ctx.vacated:
+      raise
+    raise _vacated_error(fun, mapping, ctx, e) from e
   out_tree, out_leaves, traced = out_box[-1]
   _check_captured([closed.jaxpr], captured)
   new = rename_jaxpr(closed, ctx.forward)
@@ -481,6 +498,18 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
     else:
       result.append(x)
   return _tree_unflatten(out_tree, result)
+
+
+def _vacated_error(fun, mapping, ctx, err) -> ValueError:
+  names = ", ".join(f"{n!r} becomes {ctx.inverse[n]!r}" for n in ctx.vacated)
+  return ValueError(
+      f"{_API}: JAX failed ({type(err).__name__}) while tracing "
+      f"{getattr(fun, '__name__', fun)!r} under its old names for "
+      f"{dict(mapping)!r} inside the current mesh: there {names}, so a "
+      "function "
+      "that also uses the new name itself cannot be renamed here (that would "
+      "merge two axes). Rename that name too (a swap works), or pick a new "
+      "name the function does not use")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,8 +530,9 @@ class _Captured:
     return ValueError(
         f"{_API}: renaming {self.mapping} would capture {self.new!r} inside "
         f"{self.primitive} at {self.where}, which binds it: a custom rule "
-        f"(custom_vjp/custom_jvp) under it uses {old!r}; pick a new name that "
-        f"the inner {self.primitive} does not bind")
+        f"(custom_vjp/custom_jvp) under it uses (or failed to trace without) "
+        f"{old!r}; pick a new name that the inner {self.primitive} does not "
+        "bind")
 
 
 def _split(mapping: Mapping) -> tuple[dict, dict]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import traceback as _traceback
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -20,6 +20,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from . import jax_internals
 from .errors import AxisNameError
+
+# Stock JAX, bound at import (a swapped-in ``jax.make_jaxpr`` is not used).
+_make_jaxpr = jax.make_jaxpr
 
 PLACEHOLDER_SIZE = 1
 _MAX_RETRIES = 256
@@ -46,9 +49,13 @@ def check_axis_sizes(axis_sizes: Any, api: str) -> dict[Hashable, int]:
 
 
 def trace(fun: Callable, args: tuple, kwargs: dict,
-          axis_sizes: Mapping[Hashable, int], api: str
+          axis_sizes: Mapping[Hashable, int], api: str,
+          no_placeholder: Collection = ()
           ) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
   """Traces ``fun(*args, **kwargs)``, binding free axis names as needed.
+
+  Names in ``no_placeholder`` are never bound with a placeholder: JAX's
+  ``NameError`` for them propagates.
 
   Returns:
     The ClosedJaxpr and ``{name: NameError}`` for each name that had to be
@@ -68,11 +75,11 @@ def trace(fun: Callable, args: tuple, kwargs: dict,
   placeholders: dict[Hashable, NameError] = {}
   for _ in range(_MAX_RETRIES):
     try:
-      closed = jax.make_jaxpr(fun, axis_env=list(env.items()))(*args, **kwargs)
+      closed = _make_jaxpr(fun, axis_env=list(env.items()))(*args, **kwargs)
       return closed, placeholders
     except NameError as e:
       name = jax_internals.unbound_axis_name(e)
-      if name is None or name in env:
+      if name is None or name in env or name in no_placeholder:
         raise
       env[name] = PLACEHOLDER_SIZE
       placeholders[name] = e

@@ -1,0 +1,330 @@
+"""rename_axes reaches custom rules and meshes that have both names.
+
+Every renamed function is compared, bit for bit, with the same function
+written by hand with the new names and run by stock JAX, under ``grad``,
+``jvp``, ``vmap`` (with an axis name), ``shard_map`` and ``pmap`` (8 host
+devices).
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jaxworks.axis_names import rename_axes
+
+X = jnp.arange(8.0) / 8 + 0.25
+T = jnp.linspace(-1.0, 1.0, 8)
+AUTO = (AxisType.Auto,)
+MESH_K = jax.make_mesh((8,), ("k",), axis_types=AUTO)
+MESH_IK = jax.make_mesh((4, 2), ("i", "k"), axis_types=AUTO * 2)
+
+
+def agree(run, g, ref):
+  """``run(g)`` equals ``run(ref)`` bit for bit, or both raise alike."""
+  try:
+    expected = run(ref)
+  except Exception as e:  # stock JAX is the oracle, errors included
+    with pytest.raises(type(e)):
+      run(g)
+    return
+  same(run(g), expected)
+
+
+def same(a, b):
+  """Bit-for-bit equality of two pytrees of arrays, dtypes included."""
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    assert jnp.asarray(x).dtype == jnp.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# Functions written for an axis called ``name``; ``make(name)`` is also the
+# hand-renamed stock version.
+
+
+def vjp_fn(name):
+  @jax.custom_vjp
+  def f(x):
+    return lax.psum(x, name) * jnp.sin(x)
+
+  def fwd(x):
+    return f(x), (x, lax.axis_index(name))
+
+  def bwd(res, g):
+    x, idx = res
+    return (g * jnp.cos(x) + lax.psum(g, name) * 0.5 +
+            idx.astype(g.dtype),)
+
+  f.defvjp(fwd, bwd)
+  return lambda x: jnp.tanh(f(x))
+
+
+def vjp_only_bwd_fn(name):
+  """The primal uses no axis name; only the backward rule does."""
+  @jax.custom_vjp
+  def f(x):
+    return x * 3.0
+
+  f.defvjp(lambda x: (f(x), x),
+           lambda x, g: (g * x + lax.pmax(g, name),))
+  return f
+
+
+def vjp_symbolic_zeros_fn(name):
+  @jax.custom_vjp
+  def f(x, y):
+    return lax.psum(x * y, name), x - y
+
+  def fwd(x, y):
+    return f(x.value, y.value), (x.value, y.value)
+
+  def bwd(res, cts):
+    x, y = res
+    ct_a, ct_b = cts
+    out = jnp.zeros_like(x)
+    if type(ct_a) is not jax.custom_derivatives.SymbolicZero:
+      out = out + lax.psum(ct_a * y, name)
+    if type(ct_b) is not jax.custom_derivatives.SymbolicZero:
+      out = out + ct_b * lax.axis_index(name).astype(x.dtype)
+    return out, None
+
+  f.defvjp(fwd, bwd, symbolic_zeros=True)
+  return lambda x: f(x, jnp.cos(x))[0]  # the second output's ct is zero
+
+
+def jvp_fn(name):
+  @jax.custom_jvp
+  def f(x):
+    return lax.pmax(x, name) + jnp.sin(x)
+
+  @f.defjvp
+  def f_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return f(x), lax.psum(t * jnp.cos(x), name) + t
+
+  return lambda x: f(x) * 2.0
+
+
+def jvp_symbolic_zeros_fn(name):
+  @jax.custom_jvp
+  def f(x, y):
+    return lax.psum(x * y, name)
+
+  def f_jvp(primals, tangents):
+    x, y = primals
+    tx, ty = tangents
+    out = jnp.zeros_like(x)
+    if type(tx) is not jax.custom_derivatives.SymbolicZero:
+      out = out + lax.psum(tx * y, name)
+    if type(ty) is not jax.custom_derivatives.SymbolicZero:
+      out = out + lax.psum(ty * x, name)
+    return f(x, y), out
+
+  f.defjvp(f_jvp, symbolic_zeros=True)
+  return lambda x: f(x, 2.0 * jnp.ones_like(x))
+
+
+def nested_fn(name):
+  """custom_vjp rules inside jit, scan, cond and remat."""
+  inner = vjp_fn(name)
+
+  def fn(x):
+    y = jax.jit(inner)(x)
+    y = lax.scan(lambda c, _: (inner(c) + c, None), y, None, length=2)[0]
+    y = lax.cond(y.sum() > 0, inner, lambda v: -v, y)
+    return jax.checkpoint(inner)(y)
+  return fn
+
+
+VJP_MAKERS = [vjp_fn, vjp_only_bwd_fn, vjp_symbolic_zeros_fn, nested_fn]
+JVP_MAKERS = [jvp_fn, jvp_symbolic_zeros_fn]
+MAKERS = VJP_MAKERS + JVP_MAKERS
+
+
+def renamed_and_ref(make, mapping=None):
+  mapping = mapping or {"i": "k"}
+  return rename_axes(make("i"), mapping), make("k")
+
+
+def loss(fn):
+  return lambda x: fn(x).sum()
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_grad_under_vmap(make):
+  g, ref = renamed_and_ref(make)
+  agree(lambda fn: jax.jit(jax.vmap(jax.grad(fn), axis_name="k"))(X), g, ref)
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_grad_of_vmap(make):
+  g, ref = renamed_and_ref(make)
+  agree(lambda fn: jax.jit(jax.grad(loss(jax.vmap(fn, axis_name="k"))))(X),
+        g, ref)
+
+
+@pytest.mark.parametrize("make", JVP_MAKERS)
+def test_jvp_under_vmap(make):
+  g, ref = renamed_and_ref(make)
+  jvp = lambda fn: jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)),
+                            axis_name="k")
+  agree(lambda fn: jvp(fn)(X, T), g, ref)
+  lin = lambda fn: jax.vmap(lambda x, t: jax.linearize(fn, x)[1](t),
+                            axis_name="k")
+  agree(lambda fn: lin(fn)(X, T), g, ref)
+
+
+@pytest.mark.parametrize("make", VJP_MAKERS)
+def test_jvp_of_custom_vjp_raises_like_stock(make):
+  g, ref = renamed_and_ref(make)
+  run = lambda fn: jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)),
+                            axis_name="k")(X, T)
+  with pytest.raises(TypeError) as stock:
+    run(ref)
+  with pytest.raises(type(stock.value)):
+    run(g)
+
+
+def _shard(fn, mesh, spec):
+  # jit: one compile per program instead of one per eager primitive.
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(spec),
+                               out_specs=P(spec)))
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_shard_map_grad_both_ways(make):
+  g, ref = renamed_and_ref(make)
+  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X),
+        g, ref)
+  # grad inside the shard_map body
+  inner = lambda fn: _shard(jax.grad(loss(fn)), MESH_K, "k")
+  agree(lambda fn: inner(fn)(X), g, ref)
+
+
+@pytest.mark.parametrize("make", JVP_MAKERS)
+def test_shard_map_jvp(make):
+  g, ref = renamed_and_ref(make)
+  run = lambda fn: jax.jvp(_shard(fn, MESH_K, "k"), (X,), (T,))
+  agree(run, g, ref)
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_pmap_grad(make):
+  g, ref = renamed_and_ref(make, {"i": "p"})
+  ref = make("p")
+  xs = X.reshape(8, 1)
+  agree(lambda fn: jax.pmap(jax.grad(loss(fn)), axis_name="p")(xs), g, ref)
+
+
+@pytest.mark.parametrize("make", [vjp_fn, vjp_only_bwd_fn, jvp_fn])
+def test_mesh_with_old_and_new_name(make):
+  # {'i': 'k'} inside a shard_map over a mesh that also has an axis 'i':
+  # the function's 'i' means the mesh's 'k'.
+  g, ref = renamed_and_ref(make)
+  spec = ("i", "k")
+  agree(lambda fn: _shard(fn, MESH_IK, spec)(X), g, ref)
+  agree(lambda fn: jax.grad(loss(_shard(fn, MESH_IK, spec)))(X), g, ref)
+  agree(lambda fn: _shard(jax.grad(loss(fn)), MESH_IK, spec)(X), g, ref)
+
+
+def both_names(a, b):
+  """Uses two names; ``both_names('k', 'i')`` is the swap of ('i', 'k')."""
+  inner = vjp_fn(a)
+
+  def fn(x):
+    return inner(x) * 10.0 + lax.psum(x, b) + lax.axis_index(a).astype(x.dtype)
+  return fn
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_swap_inside_a_mesh_with_both_names(check_vma):
+  g = rename_axes(both_names("i", "k"), {"i": "k", "k": "i"})
+  ref = both_names("k", "i")
+  shard = lambda fn: jax.jit(jax.shard_map(
+      fn, mesh=MESH_IK, in_specs=P(("i", "k")), out_specs=P(("i", "k")),
+      check_vma=check_vma))
+  same(shard(g)(X), shard(ref)(X))
+  same(jax.grad(loss(shard(g)))(X), jax.grad(loss(shard(ref)))(X))
+
+
+def test_partial_manual_mesh_with_old_name_as_auto_axis():
+  # The new name 'k' is manual, the old name 'i' is an Auto axis of the mesh.
+  g, ref = renamed_and_ref(vjp_fn)
+  shard = lambda fn: jax.shard_map(fn, mesh=MESH_IK, in_specs=P("k"),
+                                   out_specs=P("k"), axis_names={"k"})
+  same(jax.jit(shard(g))(X), jax.jit(shard(ref))(X))
+  same(jax.jit(jax.grad(loss(shard(g))))(X),
+       jax.jit(jax.grad(loss(shard(ref))))(X))
+
+
+def test_clash_with_a_name_the_function_keeps_is_a_clear_error():
+  # The function uses 'k' itself and the mesh has it: {'i': 'k'} merges.
+  g = rename_axes(both_names("i", "k"), {"i": "k"})
+  with pytest.raises(ValueError, match=r"'k' becomes 'i'.*would merge two axes"):
+    _shard(g, MESH_IK, ("i", "k"))(X)
+
+
+def test_rule_capture_by_an_inner_shard_map_is_an_error():
+  # The backward rule uses the free name 'i'; inside the function a
+  # shard_map binds 'k', so renaming 'i' to 'k' would capture it.
+  @jax.custom_vjp
+  def f(x):
+    return x * 2.0
+  f.defvjp(lambda x: (f(x), None), lambda _, g: (lax.psum(g, "i"),))
+
+  def fn(x):
+    return jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))(x)
+  g = rename_axes(fn, {"i": "k"})
+  np.testing.assert_array_equal(jax.vmap(g, axis_name="k")(X[None]), 2 * X[None])
+  with pytest.raises(ValueError, match=r"would capture 'k' inside shard_map"):
+    jax.vmap(jax.grad(loss(g)), axis_name="k")(X[None])
+
+
+def test_renamed_jaxpr_carries_renamed_rules():
+  # Renaming a jaxpr (not a function) also renames its rules.
+  closed = jax.make_jaxpr(vjp_fn("i"), axis_env=[("i", 8)])(1.0)
+  new = rename_axes(closed, {"i": "k"})
+  run = lambda c: jax.vmap(
+      jax.grad(lambda x: jax.core.eval_jaxpr(c.jaxpr, c.consts, x)[0]),
+      axis_name="k")(X)
+  ref = jax.vmap(jax.grad(vjp_fn("k")), axis_name="k")(X)
+  same(run(new), ref)
+  with pytest.raises(NameError, match="unbound axis name: i"):
+    run(closed)
+
+
+def test_custom_vmap_rule_is_renamed():
+  from jax import custom_batching
+
+  def make(name):
+    @custom_batching.custom_vmap
+    def f(x):
+      return x + 1.0
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, xs):
+      del axis_size
+      return xs + lax.psum(xs, name), in_batched[0]
+    return f
+
+  g = rename_axes(make("i"), {"i": "k"})
+  ref = make("k")
+  run = lambda fn: jax.vmap(jax.vmap(fn), axis_name="k")(
+      jnp.arange(16.0).reshape(8, 2))
+  agree(run, g, ref)
+
+
+def test_error_for_unbound_new_name_names_it():
+  g = rename_axes(vjp_only_bwd_fn("i"), {"i": "k"})
+  with pytest.raises(NameError, match="'k'|k"):
+    jax.vmap(jax.grad(g), axis_name="z")(X)
