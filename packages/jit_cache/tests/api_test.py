@@ -338,13 +338,13 @@ def test_bad_argument_error_names_path():
 
 
 def test_not_callable_and_bad_maxsize():
-  with pytest.raises(TypeError, match="expected a function, got int"):
+  with pytest.raises(TypeError, match="Expected a callable value, got int"):
     jit(3)
-  with pytest.raises(TypeError, match=r"jit_cache.eval_shape: expected a "
-                     r"function, got int 3; pass the function first"):
+  with pytest.raises(TypeError, match=r"jit_cache.eval_shape: Expected a "
+                     r"callable value, got int 3; pass a function"):
     jit_cache.eval_shape(3, 1.0)
-  with pytest.raises(TypeError, match=r"jit_cache.make_jaxpr: expected a "
-                     r"function, got str"):
+  with pytest.raises(TypeError, match=r"jit_cache.make_jaxpr: Expected a "
+                     r"callable value, got str"):
     jit_cache.make_jaxpr("f")
   with pytest.raises(ValueError, match="maxsize must be an int >= 1"):
     jit(lambda x: x, maxsize=0)

@@ -188,3 +188,29 @@ def test_dispatcher():
 def test_jax_parse_arguments():
   signature, dyn = ji.jax_parse_arguments((jnp.ones(2), 3.0), {"k": 1})
   assert len(dyn) == 3 and signature is not None
+
+
+def test_stock_entry_points_and_jit_defaults(monkeypatch):
+  import inspect  # pylint: disable=g-import-not-at-top
+  stock = jax.jit
+  monkeypatch.setattr(jax, "jit", lambda *a, **k: None)  # the swap
+  assert ji.stock_jit is stock
+  wrapped = ji.stock_jit(lambda x: x + 1)
+  assert type(wrapped).__name__ == "PjitFunction"
+  np.testing.assert_array_equal(wrapped(jnp.ones(2)), 2.0)
+  params = inspect.signature(ji.stock_jit).parameters
+  assert params["fun"].default is ji.JIT_FUN_DEFAULT
+  assert params["in_shardings"].default is ji.UNSPECIFIED
+  assert params["out_shardings"].default is ji.UNSPECIFIED
+  # Passing the defaults explicitly means "not specified" to stock jit.
+  explicit = ji.stock_jit(lambda x: x * 2, in_shardings=ji.UNSPECIFIED,
+                          out_shardings=ji.UNSPECIFIED)
+  np.testing.assert_array_equal(explicit(jnp.ones(2)), 2.0)
+  assert callable(ji.stock_jit(ji.JIT_FUN_DEFAULT))  # decorator factory
+
+
+def test_abstract_token():
+  token = jax.lax.create_token()
+  assert jax.typeof(token) is ji.abstract_token
+  traced = jax.jit(lambda t: t).trace(token)
+  assert traced.jaxpr.in_avals == [ji.abstract_token]

@@ -4,6 +4,9 @@
 argument signature; inner calls that hit it re-emit the cached jaxpr without
 running Python; re-created closures reuse compiled executables; caches are
 bounded and observable (``cache_info``, ``stats``, ``explain_miss``).
+
+Drop-in adoption: ``install()`` makes ``jax.jit`` be ``jit`` for the whole
+program, ``uninstall()`` undoes it, ``installed()`` does both around a block.
 """
 
 from ._src.api import JitFunction as JitFunction
@@ -15,6 +18,10 @@ from ._src.api import make_jaxpr as make_jaxpr
 from ._src.api import reset_stats as reset_stats
 from ._src.api import set_global_maxsize as set_global_maxsize
 from ._src.api import stats as stats
+from ._src.adopt import install as install
+from ._src.adopt import installed as installed
+from ._src.adopt import is_installed as is_installed
+from ._src.adopt import uninstall as uninstall
 from ._src.cache import CacheInfo as CacheInfo
 from .version import __version__ as __version__
 
@@ -24,10 +31,14 @@ __all__ = [
     "Traced",
     "clear_caches",
     "eval_shape",
+    "install",
+    "installed",
+    "is_installed",
     "jit",
     "make_jaxpr",
     "reset_stats",
     "set_global_maxsize",
     "stats",
+    "uninstall",
     "__version__",
 ]

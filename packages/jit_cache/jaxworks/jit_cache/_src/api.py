@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -67,16 +68,18 @@ _current_trace = ji.current_trace
 _eval_trace = ji.eval_trace
 _signature = _sig.signature
 _CONTEXT = _ext.ContextInterner(16)
+# Stock JAX callables bound at import, never looked up on ``jax`` at call time:
+# after ``jax.jit = jit_cache.jit`` (the drop-in swap) they are still stock's.
+_stock_jit = ji.stock_jit
+_tree_unflatten = jax.tree_util.tree_unflatten
+_tree_flatten_with_path = jax.tree_util.tree_flatten_with_path
+_keystr = jax.tree_util.keystr
+_jax_config = jax.config
+_StockLowered = jax.stages.Lowered
+_tree_leaves = jax.tree_util.tree_leaves
 
-
-class _Unspecified:
-  """Default of in_shardings/out_shardings: leave them to jax.jit's default."""
-
-  def __repr__(self) -> str:
-    return "UNSPECIFIED"
-
-
-_UNSET: Any = _Unspecified()
+#: Default of in_shardings/out_shardings: stock jax.jit's own default object.
+_UNSET: Any = ji.UNSPECIFIED
 
 #: Default per-function bound on trace entries.
 DEFAULT_MAXSIZE = 256
@@ -91,7 +94,7 @@ _EXPLAINED_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision",
                      "jax_default_device", "jax_default_prng_impl",
                      "jax_threefry_partitionable")
 
-_REGISTRY: "weakref.WeakSet[JitFunction]" = weakref.WeakSet()
+_REGISTRY: "weakref.WeakSet[_JitCore]" = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -141,12 +144,19 @@ class _Uncacheable:
 
 class _Executable:
   __slots__ = ("compiled", "mesh_executable", "const_args", "compile_seconds",
-               "__weakref__")
+               "tokens", "warnings", "__weakref__")
 
   def __init__(self, compiled: Any, compile_seconds: float):
     self.compiled = compiled
     self.mesh_executable, self.const_args = ji.executable_parts(compiled)
     self.compile_seconds = compile_seconds
+    # Token arguments: MeshExecutable.call's argument check cannot take them
+    # (it reads .shape), jax.jit calls the executable unchecked; so do we.
+    self.tokens = any(a is ji.abstract_token
+                      for a in _tree_leaves(compiled.in_avals))
+    #: Warnings lowering issued that jax.jit would issue again when it lowers
+    #: the program anew (unusable donated buffers): replayed on reuse.
+    self.warnings: tuple = ()
 
 
 class _FunctionCache:
@@ -334,7 +344,7 @@ def _config_snapshot() -> dict[str, Any]:
   out = {}
   for name in _EXPLAINED_CONFIG:
     try:
-      out[name] = getattr(jax.config, name)
+      out[name] = getattr(_jax_config, name)
     except AttributeError:
       pass
   return out
@@ -356,18 +366,50 @@ def _counting(fun: Callable, counters: _cache.Counters) -> Callable:
   return traced_fun
 
 
-class _WeakCallable:
-  """Calls a weakly held function (for the wrappers eval_shape and make_jaxpr
-  create implicitly: those must not keep the user's function alive)."""
+def _lower_keeping_donation_warnings(traced: Any) -> tuple[Any, tuple]:
+  """``traced.lower()`` and the "donated buffers were not usable" warnings it
+  issued (as they were issued: every warning is shown as usual).
 
-  def __init__(self, fun: Callable):
-    self._ref = weakref.ref(fun)
+  Only programs that donate come here. ``catch_warnings`` is process-wide:
+  a warning another thread issues meanwhile is recorded and shown from here.
+  """
+  with warnings.catch_warnings(record=True) as caught:
+    lowered = traced.lower()
+  keep = []
+  for w in caught:
+    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                           source=w.source)
+    if issubclass(w.category, UserWarning) and "donated buffers" in str(
+        w.message):
+      keep.append(w.message)
+  return lowered, tuple(keep)
+
+
+class _WeakCallable:
+  """Calls a weakly held function.
+
+  A function's shared :class:`_JitCore` (its trace cache, dispatcher and stock
+  jit) lives as long as the function and must not keep it alive itself: it
+  calls the function through this proxy. ``__wrapped__`` leads to the function
+  while it lives, so JAX's debug info (name, source location, signature) is
+  the function's own.
+
+  Raises:
+    TypeError: ``fun`` is not weakly referenceable.
+  """
+
+  def __init__(self, fun: Callable, ref: Any = None):
+    self._ref = weakref.ref(fun) if ref is None else ref
     self.__name__ = _fun_name(fun)
     self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
     self.__module__ = getattr(fun, "__module__", None)
-    sig = _signature_of(fun)
-    if sig is not None:
-      self.__signature__ = sig
+
+  @property
+  def __wrapped__(self) -> Callable:
+    fun = self._ref()
+    if fun is None:
+      raise AttributeError("__wrapped__")
+    return fun
 
   def __call__(self, *args, **kwargs):
     fun = self._ref()
@@ -411,7 +453,7 @@ class Traced:
   def in_avals(self) -> Any:
     params, consts, _, in_tree, _ = ji.traced_parts(self._traced)
     avals = params["jaxpr"].in_avals[len(consts):]
-    return jax.tree_util.tree_unflatten(in_tree, avals)
+    return _tree_unflatten(in_tree, avals)
 
   @property
   def out_info(self) -> Any:
@@ -450,19 +492,18 @@ class Traced:
 # -------------------------------------------------------------- JitFunction
 
 
-class JitFunction:
-  """A function wrapped by :func:`jit`. Call it like the function.
+class _JitCore:
+  """The machinery of one (function, jit options): trace cache, C++
+  dispatcher, stock jit for tracing. Shared by every :class:`JitFunction`
+  wrapping that function with those options (see :func:`jit`)."""
 
-  Methods: ``trace``, ``lower``, ``eval_shape`` (sharing one trace cache with
-  calls), ``cache_info``, ``explain_miss``, ``clear_cache``.
-  """
-
-  def __init__(self, fun: Callable, *, static_argnums: Any,
+  def __init__(self, fun: Callable, name: str, fun_state: tuple, *,
+               static_argnums: Any,
                static_argnames: Any, donate_argnums: Any, donate_argnames: Any,
                in_shardings: Any, out_shardings: Any, keep_unused: bool,
                device: Any, backend: Any, inline: bool,
                compiler_options: dict[str, Any] | None, maxsize: int):
-    name = _fun_name(fun)
+    # `fun` is the user's function, or a _WeakCallable of it for shared cores.
     specs = (static_argnums, static_argnames, donate_argnums, donate_argnames)
     signature = (None if all(v is None for v in specs)  # the common case
                  else _signature_of(fun))
@@ -470,11 +511,7 @@ class JitFunction:
                                        static_argnames, "static")
     _resolve_argnums(fun, name, signature, donate_argnums, donate_argnames,
                      "donate")
-    if isinstance(fun, _WeakCallable):
-      self.__name__ = fun.__name__
-      self.__qualname__ = fun.__qualname__
-    else:
-      functools.update_wrapper(self, fun)
+    self.fun_state = fun_state
     self._fun = fun
     self._name = name
     self._static_argnums = s_nums
@@ -498,7 +535,7 @@ class JitFunction:
     # jax.jit does the rest of the per-function preprocessing once, here; we
     # ask it to trace on misses (through a wrapper that counts the Python
     # executions) and defer to it in its debug modes.
-    self._jax = jax.jit(_counting(fun, self._counters), **jax_kwargs)
+    self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
     self._cache = _FunctionCache(maxsize, self._counters)
     self_ref = weakref.ref(self)
 
@@ -511,26 +548,6 @@ class JitFunction:
       _REGISTRY.add(self)
 
   # -- calling ---------------------------------------------------------------
-
-  def __call__(self, *args, **kwargs):
-    if _current_trace.value is not _eval_trace and not _disable_jit_on():
-      # Under a trace the C++ dispatcher can only hand over to _cache_miss:
-      # go there directly.
-      return self._cache_miss(args, kwargs)[0]
-    try:
-      return self._dispatcher(*args, **kwargs)
-    except ValueError as e:
-      if str(e).startswith("Non-hashable static arguments"):
-        self._split(args, kwargs)  # raises our own, clearer error
-      raise
-
-  def __get__(self, obj: Any, objtype: Any = None) -> Any:
-    if obj is None:
-      return self
-    return types.MethodType(self, obj)
-
-  def __repr__(self) -> str:
-    return f"<jaxworks.jit_cache.jit of {self._name}>"
 
   @functools.cached_property
   def _param_names(self) -> list[str] | None:
@@ -564,7 +581,10 @@ class JitFunction:
       out_flat = _jit_p.bind(*leaves, **entry.params)
       return entry.out_tree.unflatten(out_flat), None, False
     exe = self._executable(entry, leaves, ctx)
-    out_flat = exe.mesh_executable.call(*exe.const_args, *leaves)
+    if exe.tokens:
+      out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
+    else:
+      out_flat = exe.mesh_executable.call(*exe.const_args, *leaves)
     fast = ji.fastpath_data(exe.mesh_executable, entry.out_tree, leaves,
                             out_flat, entry.jaxpr.effects, exe.const_args)
     return entry.out_tree.unflatten(out_flat), fast, False
@@ -629,7 +649,7 @@ class JitFunction:
     dyn_args = tuple(args[i] for i in dyn_positions)
     dyn_kwargs = {k: v for k, v in kwargs.items()
                   if k not in self._static_argnames}
-    flat, _ = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))
+    flat, _ = _tree_flatten_with_path((dyn_args, dyn_kwargs))
     out = []
     for path, _ in flat:
       if not path:
@@ -643,9 +663,9 @@ class JitFunction:
       elif head == 1 and len(path) > 1 and hasattr(path[1], "key"):
         base = str(path[1].key)
       else:
-        out.append(jax.tree_util.keystr(path))
+        out.append(_keystr(path))
         continue
-      out.append(base + jax.tree_util.keystr(tuple(path[2:])))
+      out.append(base + _keystr(tuple(path[2:])))
     return out
 
   def _bad_argument(self, args: tuple, kwargs: dict, leaves: list,
@@ -791,10 +811,17 @@ class JitFunction:
                             entry.in_tree, entry.out_tree, [])
     counters = self._counters
 
+    donates = any(entry.params["donated_invars"])
+
     def build() -> _Executable:
       t0 = time.perf_counter()
-      compiled = traced.lower().compile()
+      if donates:
+        lowered, replay = _lower_keeping_donation_warnings(traced)
+      else:
+        lowered, replay = traced.lower(), ()
+      compiled = lowered.compile()
       exe = _Executable(compiled, time.perf_counter() - t0)
+      exe.warnings = replay
       counters.compiles += 1
       _cache.GLOBAL_COUNTERS.compiles += 1
       return exe
@@ -810,6 +837,8 @@ class JitFunction:
     exe, reused = _cache.EXECUTABLES.get_or_build(
         (program, params, placement), build, keep)
     if reused:
+      for warning in exe.warnings:  # what lowering anew would have said
+        warnings.warn(warning, stacklevel=4)
       counters.executable_reuses += 1
       counters.time_saved_s += exe.compile_seconds
       _cache.GLOBAL_COUNTERS.executable_reuses += 1
@@ -857,6 +886,12 @@ class JitFunction:
     ji.dispatcher_clear(self._dispatcher)
     self._jax.clear_cache()
 
+  def dispatch_size(self) -> int:
+    return ji.dispatcher_size(self._dispatcher)
+
+  def clear_dispatch(self) -> None:
+    ji.dispatcher_clear(self._dispatcher)
+
   def explain_miss(self, *args, **kwargs) -> str:
     """Why a call with these arguments would (not) hit the trace cache.
 
@@ -871,34 +906,260 @@ class JitFunction:
                            kwargs)
 
 
+class _Unusable:
+  """Stands in for the core of a function jit cannot reference weakly: as
+  with ``jax.jit``, building the wrapper works and using it raises."""
+
+  def __init__(self, message: str):
+    self._message = message
+
+  def _fail(self, *args, **kwargs) -> Any:
+    raise TypeError(self._message)
+
+  _dispatcher = _cache_miss = _split = trace = lower = eval_shape = _fail
+  explain_miss = cache_info = _fail
+
+  def dispatch_size(self) -> int:
+    return 0
+
+  def clear_cache(self) -> None:
+    pass
+
+  clear_dispatch = clear_cache
+
+
+class JitFunction:
+  """A function wrapped by :func:`jit`. Call it like the function.
+
+  Methods: ``trace``, ``lower``, ``eval_shape`` (sharing one trace cache with
+  calls), ``cache_info``, ``explain_miss``, ``clear_cache``; and, as on
+  ``jax.jit``'s wrappers, ``_cache_size()`` (signatures served without Python)
+  and ``_clear_cache()``.
+
+  Wrappers of the same function object with the same options share one cache,
+  as ``jax.jit``'s do: ``jit(f)(x)`` written inline traces ``f`` once, not at
+  every call. ``cache_info()`` and ``clear_cache()`` are per (function,
+  options).
+  """
+
+  def __init__(self, fun: Callable, core: Any):
+    functools.update_wrapper(self, fun)
+    self._fun = fun
+    self._core = core
+
+  def __call__(self, *args, **kwargs):
+    core = self._core
+    if _current_trace.value is not _eval_trace and not _disable_jit_on():
+      # Under a trace the C++ dispatcher can only hand over to _cache_miss:
+      # go there directly.
+      return core._cache_miss(args, kwargs)[0]  # pylint: disable=protected-access
+    try:
+      return core._dispatcher(*args, **kwargs)  # pylint: disable=protected-access
+    except ValueError as e:
+      if str(e).startswith("Non-hashable static arguments"):
+        core._split(args, kwargs)  # raises our own, clearer error  # pylint: disable=protected-access
+      raise
+
+  def __get__(self, obj: Any, objtype: Any = None) -> Any:
+    if obj is None:
+      return self
+    return types.MethodType(self, obj)
+
+  def __repr__(self) -> str:
+    try:
+      return f"<JitFunction of {self.__wrapped__!r}>"
+    except Exception:  # pylint: disable=broad-except
+      return "<JitFunction>"  # a broken repr of the function, or no function
+
+  def trace(self, *args, **kwargs) -> Traced:
+    """Traces for these arguments (cached), without compiling.
+
+    Shares the trace cache with calls: ``f.trace(x)`` then ``f(x)`` traces
+    the Python function once. Tracers the function closes over become leading
+    inputs of ``Traced.jaxpr`` (``make_jaxpr`` keeps them as constants).
+    """
+    return self._core.trace(*args, **kwargs)
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    """``self.trace(*args, **kwargs).lower()``: a stock ``jax.stages.Lowered``.
+
+    Its ``compile()`` prunes unused arguments unless ``keep_unused=True``, as
+    ``jax.jit``'s does.
+    """
+    return self._core.lower(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs) -> Any:
+    """Output ``jax.ShapeDtypeStruct`` pytree, from the shared trace cache."""
+    return self._core.eval_shape(*args, **kwargs)
+
+  def cache_info(self) -> _cache.CacheInfo:
+    """Counters and sizes of this function's caches."""
+    return self._core.cache_info()
+
+  def clear_cache(self) -> None:
+    """Drops this function's trace entries, C++ dispatch entries, and what
+    JAX's own tracing caches hold for it (so the next call runs Python)."""
+    self._core.clear_cache()
+
+  def explain_miss(self, *args, **kwargs) -> str:
+    """Why a call with these arguments would (not) hit the trace cache.
+
+    Returns:
+      ``"<name>: hit ..."``, or ``"<name>: miss ..."`` followed by one line per
+      difference from the nearest cached entry, such as
+      ``x['w']: dtype float32 -> float64``.
+    """
+    return self._core.explain_miss(*args, **kwargs)
+
+  def _cache_size(self) -> int:
+    """Signatures the C++ dispatcher serves with no Python (``jax.jit``'s
+    ``_cache_size()``): one per distinct top-level call signature."""
+    return self._core.dispatch_size()
+
+  def _clear_cache(self) -> None:
+    """Empties the C++ dispatcher only (``jax.jit``'s ``_clear_cache()``)."""
+    self._core.clear_dispatch()
+
+
+# ---------------------------------------------- shared cores per function
+
+#: id(function) -> (weak reference to it, {options key: _JitCore}). A core
+#: holds its function only weakly (through _WeakCallable), so a function's
+#: cores live exactly as long as the function.
+_CORES: dict[int, tuple[Any, dict]] = {}
+_CORES_LOCK = threading.Lock()
+#: Option sets kept per function (oldest dropped first).
+_CORES_PER_FUNCTION = 32
+
+
+def _forget_cores(fun_id: int, ref: Any) -> None:
+  # A weakref callback: runs when the function dies, possibly inside a
+  # garbage collection, so it takes no lock (dict operations are atomic).
+  item = _CORES.get(fun_id)
+  if item is not None and item[0] is ref:
+    _CORES.pop(fun_id, None)
+
+
+def _freeze(value: Any) -> Any:
+  """Hashable, type-exact key of a jit option (TypeError if unhashable)."""
+  t = type(value)
+  if t is list or t is tuple:
+    return (t, tuple(_freeze(v) for v in value))
+  if t is dict:
+    return (t, tuple((k, _freeze(v)) for k, v in value.items()))
+  if t is float:
+    return (t, value.hex())  # -0.0 and 0.0 differ
+  hash(value)
+  return (t, value)
+
+
+def _options_key(options: dict) -> Any:
+  """Key of every jit option, or None when one is unhashable (no sharing)."""
+  if all(options[k] is v for k, v in _DEFAULT_OPTIONS.items()):
+    return ()
+  try:
+    return tuple(_freeze(options[k]) for k in _DEFAULT_OPTIONS)
+  except TypeError:
+    return None
+
+
+def _fun_state(fun: Callable) -> tuple:
+  """What of a function can change while it stays the same object, and
+  changes what tracing it does: its code and defaults (compared by identity)."""
+  return (getattr(fun, "__code__", None), getattr(fun, "__defaults__", None),
+          getattr(fun, "__kwdefaults__", None))
+
+
+def _same_state(a: tuple, b: tuple) -> bool:
+  return a[0] is b[0] and a[1] is b[1] and a[2] is b[2]
+
+
+def _weakref_message(fun: Callable, error: Exception) -> str:
+  return (
+      f"jaxworks.jit_cache.jit: {error} ({type(fun).__name__} "
+      f"{_safe_repr(fun)}); jit keys its caches by the function weakly, as "
+      "jax.jit does: give the class a '__weakref__' slot, or jit a function "
+      "that calls it, e.g. jit(lambda *a, **k: obj(*a, **k))")
+
+
+def _safe_repr(obj: Any) -> str:
+  try:
+    return f"{obj!r:.80}"
+  except Exception:  # pylint: disable=broad-except
+    return f"<{type(obj).__name__} object>"
+
+
+def _make(fun: Callable, options: dict) -> JitFunction:
+  """The JitFunction for ``fun``: a shared core when one matches."""
+  key = _options_key(options)
+  state = _fun_state(fun)
+  fun_id = id(fun)
+  if key is not None:
+    item = _CORES.get(fun_id)
+    if item is not None and item[0]() is fun:
+      core = item[1].get(key)
+      if core is not None and _same_state(core.fun_state, state):
+        return JitFunction(fun, core)
+  name = _fun_name(fun)
+  try:
+    ref = weakref.ref(fun, functools.partial(_forget_cores, fun_id))
+  except TypeError as e:
+    # Validate the options now (as jax.jit does), fail when used.
+    _JitCore(fun, name, state, **options)
+    return JitFunction(fun, _Unusable(_weakref_message(fun, e)))
+  core = _JitCore(_WeakCallable(fun, ref), name, state, **options)
+  if key is not None:
+    with _CORES_LOCK:
+      item = _CORES.get(fun_id)
+      if item is None or item[0]() is not fun:
+        item = (ref, {})
+        _CORES[fun_id] = item
+      cores = item[1]
+      cores.pop(key, None)
+      cores[key] = core
+      while len(cores) > _CORES_PER_FUNCTION:
+        del cores[next(iter(cores))]
+  return JitFunction(fun, core)
+
+
 # ------------------------------------------------------------------ public API
 
+_FUN_DEFAULT = ji.JIT_FUN_DEFAULT
 
-def jit(fun: Callable | None = None, *,
+
+def jit(fun: Callable = _FUN_DEFAULT, /, *,
+        in_shardings: Any = _UNSET, out_shardings: Any = _UNSET,
         static_argnums: int | Sequence[int] | None = None,
         static_argnames: str | Iterable[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
-        in_shardings: Any = _UNSET, out_shardings: Any = _UNSET,
         keep_unused: bool = False, device: Any = None,
         backend: str | None = None, inline: bool = False,
         compiler_options: dict[str, Any] | None = None,
         maxsize: int = DEFAULT_MAXSIZE) -> Any:
   """``jax.jit`` with its own trace cache, executable reuse and cache stats.
 
-  Arguments mean what they mean for ``jax.jit``; ``maxsize`` bounds this
-  function's trace entries (least recently used go first). Use it as
-  ``jit(f, ...)``, ``@jit``, ``@jit(static_argnums=...)`` or with
+  The parameters are ``jax.jit``'s: the same names, kinds (``fun``
+  positional-only, the rest keyword-only), order and defaults, plus
+  ``maxsize``, which bounds this function's trace entries (least recently used
+  go first). Where ``jax.jit`` raises, this raises the same exception class.
+  Use it as ``jit(f, ...)``, ``@jit``, ``@jit(static_argnums=...)`` or with
   ``functools.partial(jit, ...)``; it also works on methods.
+
+  Wrapping the same function object again with the same options gives a new
+  :class:`JitFunction` over the same caches (keyed by the function's identity,
+  held weakly, its code and defaults, and every option), so ``jit(f)(x)``
+  written inline runs from the cache after the first call, as with
+  ``jax.jit``.
 
   Args:
     fun: the function to compile; omitted to get a decorator.
+    in_shardings: as ``jax.jit``.
+    out_shardings: as ``jax.jit``.
     static_argnums: positional arguments treated as static (hashable).
     static_argnames: keyword arguments treated as static.
     donate_argnums: positional arguments whose buffers may be reused.
     donate_argnames: keyword arguments whose buffers may be reused.
-    in_shardings: as ``jax.jit``.
-    out_shardings: as ``jax.jit``.
     keep_unused: keep unused arguments in the compiled program.
     device: deprecated in jax.jit, passed through.
     backend: deprecated in jax.jit, passed through.
@@ -907,7 +1168,13 @@ def jit(fun: Callable | None = None, *,
     maxsize: per-function LRU bound on trace entries (>= 1).
 
   Returns:
-    A :class:`JitFunction`.
+    A :class:`JitFunction` (a decorator when ``fun`` is omitted).
+
+  Raises:
+    TypeError: ``fun`` is not callable, is a generator function or a
+      ``staticmethod``/``classmethod`` object; bad argnums types.
+    ValueError: static/donate argnums or argnames that ``fun`` does not
+      have, or a bad ``maxsize``.
 
   >>> import jax.numpy as jnp
   >>> from jaxworks.jit_cache import jit
@@ -921,54 +1188,60 @@ def jit(fun: Callable | None = None, *,
   >>> f.cache_info().traces
   1
   """
-  if fun is None:
-    return functools.partial(
-        jit, static_argnums=static_argnums, static_argnames=static_argnames,
-        donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-        in_shardings=in_shardings, out_shardings=out_shardings,
-        keep_unused=keep_unused, device=device, backend=backend,
-        inline=inline, compiler_options=compiler_options, maxsize=maxsize)
-  if not callable(fun):
-    raise TypeError(
-        f"jaxworks.jit_cache.jit: expected a function, got "
-        f"{type(fun).__name__} {fun!r:.60}; use jit(f, ...) or @jit")
+  options = dict(
+      in_shardings=in_shardings, out_shardings=out_shardings,
+      static_argnums=static_argnums, static_argnames=static_argnames,
+      donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+      keep_unused=keep_unused, device=device, backend=backend,
+      inline=inline, compiler_options=compiler_options, maxsize=maxsize)
+  if fun is _FUN_DEFAULT:
+    return functools.partial(jit, **options)
+  _check_function(fun, "jit")
   if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
     raise ValueError(
         f"jaxworks.jit_cache.jit: maxsize must be an int >= 1, got "
         f"{maxsize!r}")
-  return JitFunction(
-      fun, static_argnums=static_argnums, static_argnames=static_argnames,
-      donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-      in_shardings=in_shardings, out_shardings=out_shardings,
-      keep_unused=keep_unused, device=device, backend=backend, inline=inline,
-      compiler_options=compiler_options, maxsize=maxsize)
+  return _make(fun, options)
 
 
-# Implicit wrappers for eval_shape/make_jaxpr of plain functions, held weakly
-# on the function so repeated calls share a trace cache.
-_IMPLICIT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-_IMPLICIT_LOCK = threading.Lock()
+#: jit's options at their defaults (the common ``jit(f)``).
+_DEFAULT_OPTIONS = {
+    name: p.default for name, p in inspect.signature(jit).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _check_function(fun: Any, api: str) -> None:
+  """The checks jax.jit makes on its function, with the same classes."""
+  if isinstance(fun, (staticmethod, classmethod)):
+    kind = type(fun).__name__
+    raise TypeError(
+        f"jaxworks.jit_cache.{api}: {kind} arguments are not supported, got "
+        f"{_safe_repr(fun)}: Expected a callable value; apply {api} to the "
+        f"function first, then {kind}: {kind}({api}(f))")
+  if not callable(fun):
+    raise TypeError(
+        f"jaxworks.jit_cache.{api}: Expected a callable value, got "
+        f"{type(fun).__name__} {_safe_repr(fun)}; pass a function, as in "
+        f"{api}(f, ...)")
+  if inspect.isgeneratorfunction(fun):
+    raise TypeError(
+        f"jaxworks.jit_cache.{api}: Expected a function, got a generator "
+        f"function: {_fun_name(fun)}; JAX traces a function once, so return "
+        "the values (e.g. stacked) instead of yielding them")
 
 
 def _implicit_jit(fun: Callable, api: str,
                   static_argnums: Any = None) -> JitFunction:
-  if not callable(fun):
-    raise TypeError(
-        f"jaxworks.jit_cache.{api}: expected a function, got "
-        f"{type(fun).__name__} {fun!r:.60}; pass the function first, as in "
-        f"{api}(f, ...)")
-  key = _index_tuple(static_argnums, "static_argnums")
-  try:
-    with _IMPLICIT_LOCK:
-      per_fun = _IMPLICIT.get(fun)
-      if per_fun is not None and key in per_fun:
-        return per_fun[key]
-    weak = _WeakCallable(fun)
-  except TypeError:  # not hashable or not weakly referenceable
-    return jit(fun, static_argnums=static_argnums)
-  wrapped = jit(weak, static_argnums=key or None)
-  with _IMPLICIT_LOCK:
-    _IMPLICIT.setdefault(fun, {})[key] = wrapped
+  """The shared wrapper make_jaxpr uses for a plain function (a private one
+  for functions that are not weakly referenceable, which jax.make_jaxpr
+  accepts)."""
+  _check_function(fun, api)
+  wrapped = jit(fun, static_argnums=static_argnums)
+  if isinstance(wrapped._core, _Unusable):  # pylint: disable=protected-access
+    # Not weakly referenceable: a private core holding it (no sharing).
+    core = _JitCore(fun, _fun_name(fun), _fun_state(fun),
+                    **dict(_DEFAULT_OPTIONS, static_argnums=static_argnums))
+    wrapped = JitFunction(fun, core)
   return wrapped
 
 
@@ -976,8 +1249,9 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   """``jax.eval_shape`` through the trace cache of :func:`jit`.
 
   A :class:`JitFunction` uses its own cache, so a later call with the same
-  signature does not trace again; a plain function gets an implicit wrapper,
-  held weakly, so repeated ``eval_shape(f, ...)`` calls share one.
+  signature does not trace again; a plain function uses the cache that every
+  ``jit(f)`` of it shares, so repeated ``eval_shape(f, ...)`` calls trace
+  once.
 
   >>> import jax, jax.numpy as jnp
   >>> from jaxworks.jit_cache import eval_shape
@@ -986,7 +1260,9 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   """
   if isinstance(fun, JitFunction):
     return fun.eval_shape(*args, **kwargs)
-  return _implicit_jit(fun, "eval_shape").eval_shape(*args, **kwargs)
+  _check_function(fun, "eval_shape")
+  # As jax.eval_shape, this needs a weakly referenceable function.
+  return jit(fun).eval_shape(*args, **kwargs)
 
 
 def make_jaxpr(fun: Callable, static_argnums: int | Sequence[int] | None = None,
@@ -1022,7 +1298,7 @@ def make_jaxpr(fun: Callable, static_argnums: int | Sequence[int] | None = None,
   return make_jaxpr_f
 
 
-def _live_functions() -> list[JitFunction]:
+def _live_functions() -> list[_JitCore]:
   with _REGISTRY_LOCK:
     return list(_REGISTRY)
 
