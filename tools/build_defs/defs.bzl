@@ -21,8 +21,12 @@ _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 _COPTS = ["-std=c++17", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-O2", "-Wall"]
 
 def pypi(name):
-    """The label of a PyPI requirement: @pypi//<normalized name> in both Bazel modes."""
+    """The label of a runtime PyPI requirement (requirements_runtime.txt): @pypi//<normalized name>."""
     return "@pypi//" + name.lower().replace("-", "_").replace(".", "_")
+
+def pypi_dev(name):
+    """The label of a test-, benchmark- or build-only requirement (requirements_lock.txt): @pypi_dev//<name>."""
+    return "@pypi_dev//" + name.lower().replace("-", "_").replace(".", "_")
 
 def jaxworks_cc_library(name, srcs = [], hdrs = [], deps = [], **kwargs):
     """The C++ logic of an extension (no PYBIND11_MODULE here), compiled with hidden visibility."""
@@ -91,7 +95,7 @@ def jaxworks_test(name, srcs, deps = [], pypi = [], backends = BACKENDS, devices
             srcs = srcs + [main],
             main = main,
             args = ["$(rootpath {})".format(src) for src in srcs] + args,
-            deps = deps + [_pypi_label(p) for p in pypi] + [_pypi_label("pytest")],
+            deps = deps + [_dev_label(p) for p in pypi] + [_dev_label("pytest")],
             data = data,
             env = dict(env, **_backend_env(backend, devices)),
             tags = tags + [backend],
@@ -99,8 +103,12 @@ def jaxworks_test(name, srcs, deps = [], pypi = [], backends = BACKENDS, devices
             **kwargs
         )
 
-def _pypi_label(name):
+# The public helpers' names are shadowed by the macros' `pypi` parameters, hence these two.
+def _runtime_label(name):
     return pypi(name)
+
+def _dev_label(name):
+    return pypi_dev(name)
 
 def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
     """A benchmark: a py_binary printing medians and ratios against stock JAX, plus `<name>_smoke_cpu`, a test that
@@ -109,7 +117,7 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         name = name,
         srcs = srcs,
         main = srcs[0],
-        deps = deps + [_pypi_label(p) for p in pypi],
+        deps = deps + [_dev_label(p) for p in pypi],
         visibility = ["//benchmarks:__pkg__"],  # //benchmarks:all runs every package's benchmark
         **kwargs
     )
@@ -118,7 +126,7 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         srcs = srcs,
         main = srcs[0],
         args = ["--quick"],
-        deps = deps + [_pypi_label(p) for p in pypi],
+        deps = deps + [_dev_label(p) for p in pypi],
         env = _backend_env("cpu", 8),
         tags = ["cpu", "benchmark"],
         size = "medium",
@@ -138,7 +146,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         srcs = native.glob(["jaxworks/{}/**/*.py".format(name)]),
         data = native.glob(["jaxworks/{}/**/*.pyi".format(name)]),
         imports = ["."],
-        deps = deps + extensions + [_pypi_label(p) for p in pypi],
+        deps = deps + extensions + [_runtime_label(p) for p in pypi],
         visibility = ["//visibility:public"],
     )
     # Every source file of the package, for repository-wide checks (tests/repo_test.py).

@@ -7,6 +7,9 @@
   - `@pypi//:python_headers`, the interpreter's C headers (through `@rules_python//python/cc:current_py_cc_headers`),
   - one target per requirement, `@pypi//<name>` (lowercase, `-`/`.` -> `_`), the labels rules_python's
     `pip.parse(hub_name = "pypi")` gives bzlmod users, so BUILD files are the same in both modes.
+* `@pypi_dev`: the same requirements under the label bzlmod gives the dev-only hub (`@pypi_dev//pytest`, ...):
+  BUILD files name test- and build-only requirements there and runtime ones in `@pypi`, so that a project
+  depending on jaxworks under bzlmod only resolves the runtime lock. Here one virtualenv serves both.
 * `@pybind11`: `@pybind11//:pybind11`, pybind11's headers from that virtualenv (bzlmod users get pybind11_bazel).
 
 The requirement targets depend on `pip_freeze.txt`, the installed set, so tests re-run when the lock changes.
@@ -139,7 +142,32 @@ pybind11_repository = repository_rule(
     doc = "pybind11's headers from the @pypi virtualenv, as @pybind11//:pybind11.",
 )
 
+def _alias_repository_impl(rctx):
+    for name in _requirement_names(rctx.read(rctx.path(rctx.attr.requirements))):
+        rctx.file(name + "/BUILD.bazel", """\
+package(default_visibility = ["//visibility:public"])
+
+alias(
+    name = "{name}",
+    actual = "@{hub}//{name}",
+)
+""".format(name = name, hub = rctx.attr.hub))
+    rctx.file("BUILD.bazel", "")
+
+alias_repository = repository_rule(
+    implementation = _alias_repository_impl,
+    attrs = {
+        "requirements": attr.label(allow_single_file = True, mandatory = True),
+        "hub": attr.string(mandatory = True),
+    },
+    doc = "One alias per requirement, `@<name>//<req>` -> `@<hub>//<req>`.",
+)
+
 def jaxworks_python_repositories(requirements = "@jaxworks//:requirements_lock.txt"):
-    """Defines @pypi (virtualenv, toolchain, requirements) and @pybind11. Register `@pypi//:python_toolchain`."""
+    """Defines @pypi (virtualenv, toolchain, requirements), @pypi_dev and @pybind11.
+
+    Register `@pypi//:python_toolchain`.
+    """
     venv_repository(name = "pypi", requirements = requirements)
+    alias_repository(name = "pypi_dev", requirements = requirements, hub = "pypi")
     pybind11_repository(name = "pybind11", venv_marker = "@pypi//:pip_freeze.txt")
