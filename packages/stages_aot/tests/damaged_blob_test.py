@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,8 @@ import pytest
 
 from jaxworks import stages_aot as sa
 from jaxworks.stages_aot._src import jax_internals, module_reader
+
+DATA = pathlib.Path(__file__).parent / "data"
 
 C = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
 X = np.linspace(0, 1, 24, dtype=np.float32).reshape(3, 8)
@@ -237,6 +240,26 @@ def test_reader_child_stall_is_reported(monkeypatch):
     (answer,) = module_reader.describe_modules([b"stalls the reader"])
     assert answer == {"error": "the StableHLO reader crashed or stalled on it"}
     assert reader._proc is None  # the stuck child was killed
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "segfault_module.bin",  # a flipped byte: the reader dies with SIGSEGV
+        "runaway_alloc_module.bin",  # a flipped length: the reader allocates without end
+    ],
+)
+def test_modules_that_break_the_stablehlo_reader(program, name):
+    """Stock jax reads these in-process at the first call and dies (or eats the
+    machine's memory); deserialize() refuses them with a ValueError."""
+    data = (DATA / name).read_bytes()
+    (answer,) = module_reader.describe_modules([data])
+    assert set(answer) == {"error"}, answer
+    exp = program[1].jax_exported
+    refused(reserialize(dataclasses.replace(exp, mlir_module_serialized=data)), "StableHLO module is unreadable")
+    vjp_damaged = dataclasses.replace(exp.vjp(), mlir_module_serialized=data)
+    hostile = reserialize(dataclasses.replace(exp, _get_vjp=lambda _: vjp_damaged), vjp_order=1)
+    refused(hostile, "its VJP of order 1: its StableHLO module is unreadable")
 
 
 def test_garbage_module_bytes_are_described_as_errors():

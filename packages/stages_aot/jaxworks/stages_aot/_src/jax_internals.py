@@ -55,11 +55,31 @@ def export_lowering_parameters() -> LoweringParameters:
 #: The child process of ``module_reader``: reads requests from stdin (a count,
 #: then length-prefixed serialized StableHLO modules, little-endian uint64s)
 #: and answers each with one JSON line: per module, an error or the module's
-#: verification result, its integer attributes and the types of ``main``.
+#: verification result, its integer attributes and the types of ``main``. Its
+#: address space is capped per module, so that a damaged length cannot make
+#: it take the machine's memory.
 MODULE_READER_SOURCE = r"""
 import json, struct, sys
 from jaxlib import _jax
 from jaxlib.mlir import ir
+try:
+    import resource
+except ImportError:
+    resource = None
+
+def limit_memory(size):
+    # A damaged length can make the reader allocate without end: cap the
+    # address space at what reading `size` bytes can reasonably need.
+    if resource is None:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = 2 * 1024 ** 3 + 32 * size
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (ValueError, OSError):
+        pass
 
 def read(n):
     data = sys.stdin.buffer.read(n)
@@ -121,8 +141,10 @@ while True:
     answers = []
     for _ in range(count):
         (size,) = struct.unpack("<Q", read(8))
+        blob = read(size)
+        limit_memory(size)
         try:
-            answers.append(describe(read(size)))
+            answers.append(describe(blob))
         except Exception as e:
             answers.append({"error": type(e).__name__ + ": " + text(e)})
     sys.stdout.write(json.dumps(answers) + "\n")

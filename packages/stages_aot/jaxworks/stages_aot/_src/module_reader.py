@@ -26,8 +26,9 @@ from typing import Any
 
 from . import jax_internals
 
-#: Seconds a request may take before the child is considered stuck.
-TIMEOUT_S = 120.0
+#: Seconds a request may take before the child is considered stuck (plus
+#: one second per MiB of module).
+TIMEOUT_S = 30.0
 
 _CACHE_SIZE = 256
 
@@ -84,7 +85,8 @@ class _Reader:
         try:
             self._proc.stdin.write(b"".join(request))
             self._proc.stdin.flush()
-            line = self._lines.get(timeout=TIMEOUT_S)
+            size_mib = sum(len(b) for b in blobs) / 2**20
+            line = self._lines.get(timeout=TIMEOUT_S + size_mib)
         except (OSError, queue.Empty):
             line = None
         if line is None:
