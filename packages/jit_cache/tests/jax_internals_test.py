@@ -214,3 +214,16 @@ def test_abstract_token():
   assert jax.typeof(token) is ji.abstract_token
   traced = jax.jit(lambda t: t).trace(token)
   assert traced.jaxpr.in_avals == [ji.abstract_token]
+
+
+def test_register_cache_is_cleared_by_jax_clear_caches():
+  class Cache:
+    cleared = 0
+
+    def cache_clear(self):
+      self.cleared += 1
+
+  cache = Cache()
+  ji.register_cache(cache, "test")
+  jax.clear_caches()
+  assert cache.cleared == 1

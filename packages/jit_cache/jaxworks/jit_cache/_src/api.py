@@ -621,7 +621,8 @@ class _JitCore:
           label = (f"argument {where}" if isinstance(where, int)
                    else f"argument {where!r}")
           raise ValueError(
-              f"jaxworks.jit_cache.jit: static {label} of {self._name} is "
+              "jaxworks.jit_cache.jit: Non-hashable static arguments are "
+              f"not supported: static {label} of {self._name} is "
               f"not hashable: {type(v).__name__} {v!r:.80} ({e}); pass a "
               "hashable value (for example a tuple instead of a list) or "
               "make the argument dynamic") from None
@@ -881,10 +882,17 @@ class _JitCore:
 
   def clear_cache(self) -> None:
     """Drops this function's trace entries, C++ dispatch entries, and what
-    JAX's own tracing caches hold for it (so the next call runs Python)."""
+    JAX's own tracing caches hold for it (so the next call runs Python).
+
+    Its compiled executables go too, from the shared executable cache as
+    well, unless another live function holds them.
+    """
+    executables = [exe for entry in list(self._cache.by_key.values())
+                   for exe in list(entry.executables.values())]
     self._cache.clear()
     ji.dispatcher_clear(self._dispatcher)
     self._jax.clear_cache()
+    _cache.EXECUTABLES.discard(executables)
 
   def dispatch_size(self) -> int:
     return ji.dispatcher_size(self._dispatcher)
@@ -942,10 +950,11 @@ class JitFunction:
   options).
   """
 
-  def __init__(self, fun: Callable, core: Any):
+  def __init__(self, fun: Callable, core: Any, options: dict):
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._core = core
+    self._options = options
 
   def __call__(self, *args, **kwargs):
     core = self._core
@@ -970,6 +979,14 @@ class JitFunction:
       return f"<JitFunction of {self.__wrapped__!r}>"
     except Exception:  # pylint: disable=broad-except
       return "<JitFunction>"  # a broken repr of the function, or no function
+
+  def __getstate__(self) -> dict:
+    """Pickles as the function and the options (caches are not pickled)."""
+    return {"function_name": _fun_name(self._fun), "fun": self._fun,
+            "options": self._options}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(_make(state["fun"], state["options"]).__dict__)
 
   def trace(self, *args, **kwargs) -> Traced:
     """Traces for these arguments (cached), without compiling.
@@ -1099,14 +1116,14 @@ def _make(fun: Callable, options: dict) -> JitFunction:
     if item is not None and item[0]() is fun:
       core = item[1].get(key)
       if core is not None and _same_state(core.fun_state, state):
-        return JitFunction(fun, core)
+        return JitFunction(fun, core, options)
   name = _fun_name(fun)
   try:
     ref = weakref.ref(fun, functools.partial(_forget_cores, fun_id))
   except TypeError as e:
     # Validate the options now (as jax.jit does), fail when used.
     _JitCore(fun, name, state, **options)
-    return JitFunction(fun, _Unusable(_weakref_message(fun, e)))
+    return JitFunction(fun, _Unusable(_weakref_message(fun, e)), options)
   core = _JitCore(_WeakCallable(fun, ref), name, state, **options)
   if key is not None:
     with _CORES_LOCK:
@@ -1119,7 +1136,7 @@ def _make(fun: Callable, options: dict) -> JitFunction:
       cores[key] = core
       while len(cores) > _CORES_PER_FUNCTION:
         del cores[next(iter(cores))]
-  return JitFunction(fun, core)
+  return JitFunction(fun, core, options)
 
 
 # ------------------------------------------------------------------ public API
@@ -1239,9 +1256,9 @@ def _implicit_jit(fun: Callable, api: str,
   wrapped = jit(fun, static_argnums=static_argnums)
   if isinstance(wrapped._core, _Unusable):  # pylint: disable=protected-access
     # Not weakly referenceable: a private core holding it (no sharing).
-    core = _JitCore(fun, _fun_name(fun), _fun_state(fun),
-                    **dict(_DEFAULT_OPTIONS, static_argnums=static_argnums))
-    wrapped = JitFunction(fun, core)
+    options = dict(_DEFAULT_OPTIONS, static_argnums=static_argnums)
+    core = _JitCore(fun, _fun_name(fun), _fun_state(fun), **options)
+    wrapped = JitFunction(fun, core, options)
   return wrapped
 
 
@@ -1342,6 +1359,18 @@ def clear_caches() -> None:
   _cache.GLOBAL_ENTRIES.clear()
   _cache.EXECUTABLES.clear()
   _fingerprint.clear_memo()
+
+
+class _ClearedWithJax:
+  """Registered with JAX, so ``jax.clear_caches()`` clears jit_cache too (as
+  it clears every cache of stock jit)."""
+
+  def cache_clear(self) -> None:
+    clear_caches()
+
+
+_CLEARED_WITH_JAX = _ClearedWithJax()
+ji.register_cache(_CLEARED_WITH_JAX, "jaxworks.jit_cache")
 
 
 def set_global_maxsize(entries: int | None = None,

@@ -276,6 +276,14 @@ class ExecutableCache:
       self._strong.clear()
       self._weak.clear()
 
+  def discard(self, values: list[Any]) -> None:
+    """Drops the strong tier's hold on these executables (a function's
+    ``clear_cache()``); they stay findable while something else holds them."""
+    ids = {id(v) for v in values}
+    with self._lock:
+      for key in [k for k, v in self._strong.items() if id(v) in ids]:
+        del self._strong[key]
+
   def resize(self, maxsize: int) -> None:
     with self._lock:
       self.maxsize = maxsize

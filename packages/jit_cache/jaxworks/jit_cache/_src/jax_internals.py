@@ -23,6 +23,7 @@ from jax._src.layout import Layout as _Layout
 from jax._src import pjit as _pjit
 from jax._src import stages as _stages
 from jax._src import tree_util as _tree_util
+from jax._src import util as _util
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lib import _jax
@@ -259,3 +260,8 @@ UNSPECIFIED: Any = _named_sharding.UNSPECIFIED
 #: The abstract value of a token (``jax.lax.create_token()``).
 abstract_token: Any = _core.abstract_token
 
+
+def register_cache(cache: Any, what: str) -> None:
+  """Makes ``jax.clear_caches()`` call ``cache.cache_clear()`` (JAX holds
+  ``cache`` weakly: keep a reference)."""
+  _util.register_cache(cache, what)
