@@ -170,4 +170,13 @@ def jaxworks_python_repositories(requirements = "@jaxworks//:requirements_lock.t
     """
     venv_repository(name = "pypi", requirements = requirements)
     alias_repository(name = "pypi_dev", requirements = requirements, hub = "pypi")
+
+def jaxworks_accelerator_repositories(gpu_requirements, tpu_requirements):
+    """@pypi_gpu and @pypi_tpu: the virtualenvs of --config=gpu / --config=tpu.
+
+    Fetched only when a build selects their toolchains (//tools/platforms); register
+    `//tools/platforms:python_gpu_toolchain` and `//tools/platforms:python_tpu_toolchain`.
+    """
+    venv_repository(name = "pypi_gpu", requirements = gpu_requirements)
+    venv_repository(name = "pypi_tpu", requirements = tpu_requirements)
     pybind11_repository(name = "pybind11", venv_marker = "@pypi//:pip_freeze.txt")
