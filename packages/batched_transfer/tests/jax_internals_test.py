@@ -76,6 +76,10 @@ def test_committed_array_shares_the_buffer():
   y = ji.committed_array(x, jax.typeof(x), s)
   assert y.committed and not x.committed
   assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+  # With committed=False and a weak aval: what restore uses for weakly typed target leaves.
+  z = ji.committed_array(x, jax.typeof(x).update(weak_type=True), s, committed=False)
+  assert jax.typeof(z) == jax.typeof(jax.device_put(1.0)).update(shape=(3,))
+  assert not z.committed and z.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
 
 
 def test_explicit_device_put_scope_satisfies_the_transfer_guard():
