@@ -2,10 +2,11 @@
 
 Each generated program (elementwise ops, reductions, captured constants, dtypes
 incl. bfloat16, shapes incl. 0-d and empty) goes trace -> lower -> export ->
-serialize -> deserialize -> call, and is compared, bit for bit, with stock
-``jax.jit`` and with stock ``jax.export``'s own round trip. The same blob with
-one byte flipped must then be refused by ``deserialize`` or still run (and,
-if it is still the same program, give the same bits).
+serialize -> deserialize -> call (and jax.grad through the serialized VJP), and
+is compared, bit for bit, with stock ``jax.jit`` and with stock ``jax.export``'s
+own round trip. The same blob with one byte flipped (four times) must then be
+refused by ``deserialize`` or still run (and, if it is still the same program,
+give the same bits).
 """
 
 import os
@@ -56,11 +57,11 @@ def programs(draw):
     axis = draw(st.sampled_from([None] + list(range(len(shape)))))
     platforms = draw(st.sampled_from([None, ("cpu", "tpu")]))
     seed = draw(st.integers(0, 2**31 - 1))
-    flip = draw(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)))
+    flips = draw(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=4, max_size=4))
     vjp_order = draw(st.sampled_from([0, 1])) if dtype in ("float32", "bfloat16") else 0
     return dict(
         dtype=dtype, shape=shape, n_inputs=n_inputs, steps=steps, reduction=(red, axis),
-        platforms=platforms, seed=seed, flip=flip, vjp_order=vjp_order,
+        platforms=platforms, seed=seed, flips=flips, vjp_order=vjp_order,
     )
 
 
@@ -140,11 +141,15 @@ def test_random_programs_round_trip_like_stock(spec):
 
         same_bits(jax.grad(loss(loaded))(args[0]), jax.grad(loss(stock_loaded.call))(args[0]))
 
-    # One flipped byte: refused, or a program that runs (the same bits when it
+    # Flipped bytes: refused, or a program that runs (the same bits when it
     # is still the same program).
-    where, xor = spec["flip"]
+    for where, xor in spec["flips"]:
+        check_flipped(blob, int(where * len(blob)), xor, loaded, args, stock_out)
+
+
+def check_flipped(blob, position, xor, loaded, args, stock_out):
     damaged = bytearray(blob)
-    damaged[int(where * len(blob))] ^= xor
+    damaged[position] ^= xor
     try:
         again = sa.deserialize(bytes(damaged))
     except ValueError as e:
