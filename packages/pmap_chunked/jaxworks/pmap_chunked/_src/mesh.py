@@ -33,12 +33,22 @@ def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
               axis_types=(AxisType.Auto,) * len(names))
 
 
+def _backend_devices(backend: str | None) -> list:
+  try:
+    return _devices(backend)
+  except RuntimeError as e:
+    raise RuntimeError(
+        f"{API}: backend={backend!r} has no devices here ({e}); pass "
+        "backend=None for the default backend, or one of the available "
+        "ones.") from None
+
+
 def process_devices(backend: str | None = None) -> tuple:
   """All devices (of `backend`), those of process 0 first, then 1, ... ."""
   if jax.process_count() == 1:
-    return tuple(_devices(backend))
+    return tuple(_backend_devices(backend))
   by_process: dict[int, list] = {}
-  for d in _devices(backend):
+  for d in _backend_devices(backend):
     by_process.setdefault(d.process_index, []).append(d)
   return tuple(d for p in sorted(by_process) for d in by_process[p])
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import math
 import struct
 import threading
@@ -160,9 +161,17 @@ class Pmapped:
                devices: Any, backend: str | None, axis_size: int | None,
                donate_argnums: Any, chunked: bool,
                maxsize: int = DEFAULT_MAXSIZE):
+    if isinstance(fun, staticmethod):
+      raise TypeError(f"{API}: got the staticmethod object {fun!r}; as "
+                      "jax.pmap, pmap takes the function itself: apply "
+                      "@staticmethod outside (above) @pmap.")
     if not callable(fun):
       raise TypeError(f"{API}: fun must be callable, got {fun!r} of type "
                       f"{type(fun).__name__}; pass the function to map.")
+    if inspect.isgeneratorfunction(fun):
+      raise TypeError(f"{API}: fun must return its outputs, but {fun!r} is a "
+                      "generator function (it yields); return a value or a "
+                      "tuple of values instead.")
     self._anonymous = axis_name is None
     if axis_name is None:
       axis_name = ANONYMOUS_AXIS
