@@ -121,7 +121,7 @@ def restore_table(total_bytes, files, repeats) -> list[str]:
     path = os.path.join(tmp, "ckpt")
     bt.save(path, tree)
     del tree
-    names = sorted(os.listdir(path))
+    names = sorted(n for n in os.listdir(path) if n.endswith(".npy"))
     like = {n[:-4]: jax.ShapeDtypeStruct((per,), np.float32) for n in names}
     nbytes = per * 4 * files
     device = jax.devices()[0]
