@@ -453,3 +453,16 @@ def test_a_target_leaf_without_shape_and_dtype_is_named(tmp_path):
   with pytest.raises(TypeError, match=r"restore: the target leaf at \['w'\] is 'abc' of type "
                      "str, which has no shape and dtype"):
     bt.restore(tmp_path / "c.npz", {"w": "abc"})
+
+
+def test_a_target_sharding_over_an_abstract_mesh_is_refused_before_placing(tmp_path, monkeypatch):
+  # jax.eval_shape of a ShapeDtypeStruct gives its sharding an AbstractMesh (no devices).
+  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  bt.save(tmp_path / "c.npz", {"w": np.ones((8, 4), np.float32)})
+  like_w = jax.eval_shape(lambda: jax.ShapeDtypeStruct((8, 4), np.float32,
+                                                       sharding=NamedSharding(mesh, P("a"))))
+  placed = _no_placement(monkeypatch)
+  with pytest.raises(ValueError, match=r"restore: the target .* is over an AbstractMesh.*"
+                     r"the placement of the leaf at \['w'\]"):
+    bt.restore(tmp_path / "c.npz", {"w": like_w})
+  assert placed == []

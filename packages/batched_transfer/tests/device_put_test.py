@@ -212,6 +212,8 @@ def test_deleted_input_raises_like_stock(devices):
     (dict(donate={"a": True, "b": [True, False]}, may_alias={"a": True, "b": None}),
      "for the leaf at ['a']"),
     (dict(device=Format(jax.experimental.layout.Layout.AUTO)), "needs a concrete sharding"),
+    (dict(device=NamedSharding(jax.make_mesh((8,), ("x",)).abstract_mesh, P())),
+     "is over an AbstractMesh"),
 ])
 def test_bad_arguments_raise_stocks_class_and_name_the_api(kwargs, text):
   tree = {"a": np.ones(2), "b": [np.ones(2), np.ones(2)]}

@@ -524,6 +524,9 @@ def restore(path: str | os.PathLike[str], target: Any, *, placement: Any = None,
       except targets.Delegate:
         raise ValueError(f"{api}: placement {p!r} at {where} depends on the mesh context; pass "
                          "a Sharding") from None
+      except ValueError as err:
+        raise ValueError(f"{err} (the placement of the leaf at {where}; a target leaf's "
+                         "sharding is its placement unless placement= is given)") from None
     sharding = normalized[id(p)][0]
     if sharding is not None:
       try:

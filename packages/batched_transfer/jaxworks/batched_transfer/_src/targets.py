@@ -116,6 +116,17 @@ def single_device_sharding(device: Any) -> SingleDeviceSharding:
   return s
 
 
+def _check_concrete(api: str, sharding: Sharding) -> None:
+  """A NamedSharding over an AbstractMesh (what jax.eval_shape reports for a
+  ShapeDtypeStruct's sharding) names no devices: jax.device_put raises
+  ValueError for it, and so does this package, saying what to pass instead."""
+  if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+    raise ValueError(
+        f"{api}: the target {sharding} is over an AbstractMesh, which names no devices; "
+        "pass a sharding over a concrete mesh (jax.make_mesh(...)), e.g. "
+        "NamedSharding(mesh, sharding.spec)")
+
+
 def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
   """(sharding or None, layout or None, committed) for one target object.
 
@@ -125,6 +136,7 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
   if t is None:
     return None, None, False
   if isinstance(t, Sharding):
+    _check_concrete(api, t)
     return t, None, True
   if isinstance(t, jax.Device):
     return single_device_sharding(t), None, True
@@ -136,6 +148,7 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
       raise ValueError(
           f"{api}: a Format target needs a concrete sharding, got {t}; "
           "use Format(layout, jax.sharding.SingleDeviceSharding(device)) or a NamedSharding")
+    _check_concrete(api, sharding)
     if layout is not None and not isinstance(layout, Layout):
       raise ValueError(
           f"{api}: a Format target needs a concrete layout (a jax.experimental.layout.Layout "
