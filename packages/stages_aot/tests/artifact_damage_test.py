@@ -112,6 +112,32 @@ def test_fuzz_flipped_bytes_rehashed(artifact):
     assert outcomes["refused"] > 0 and outcomes["same"] > 0, outcomes
 
 
+@pytest.mark.parametrize("level", [0, 1])  # the program's module, its VJP's
+def test_changed_constant_is_refused(artifact, level):
+    """The sign of the captured constant C[0, 0] flipped: a valid program that computes
+    something else. Raw bytes cannot tell; the artifact's module digests do."""
+    path, blob, manifest, (out, grad) = artifact
+    # The flatbuffer is written back to front: the VJP's module comes first.
+    assert blob.count(C.tobytes()) == 2
+    start = blob.find(C.tobytes())
+    if level == 0:
+        start = blob.find(C.tobytes(), start + 1)
+    damaged = bytearray(blob)
+    damaged[start + 3] ^= 0x80  # the sign of C[0, 0]
+    exp = sa.deserialize(bytes(damaged))  # a consistent program ...
+    changed = call_and_grad(exp)
+    assert not np.array_equal(changed[level], (out, grad)[level])  # ... but another one
+    outcomes = {"refused": 0, "same": 0}
+    check_damaged(artifact, bytes(damaged), outcomes)
+    assert outcomes == {"refused": 1, "same": 0}
+    write_rehashed(path, manifest, bytes(damaged))
+    try:
+        with pytest.raises(sa.ArtifactError, match=rf"disagrees with exported.bin on levels\[{level}\]"):
+            sa.load_artifact(path)
+    finally:
+        write_rehashed(path, manifest, blob)
+
+
 def test_fuzz_truncated_rehashed(artifact):
     blob = artifact[1]
     outcomes = {"refused": 0, "same": 0}
