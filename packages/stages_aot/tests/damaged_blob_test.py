@@ -220,12 +220,17 @@ def test_fuzz_truncated_and_extended(program):
     assert outcomes["refused"] > 0 and outcomes["same"] >= 1, outcomes
 
 
+READY = "import os, sys, time; sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.buffer.read(16); "
+
+
 def test_reader_child_crash_is_reported(monkeypatch):
     """A module that kills the StableHLO reader is refused; the next read works."""
-    monkeypatch.setattr(module_reader, "_READER", module_reader._Reader())
-    monkeypatch.setattr(jax_internals, "MODULE_READER_SOURCE", "import os; os.abort()")
+    reader = module_reader._Reader()
+    monkeypatch.setattr(module_reader, "_READER", reader)
+    monkeypatch.setattr(jax_internals, "MODULE_READER_SOURCE", READY + "os.abort()")
     (answer,) = module_reader.describe_modules([b"crashes the reader"])
     assert answer == {"error": "the StableHLO reader crashed or stalled on it"}
+    assert reader._proc is None
     monkeypatch.undo()
     good = jax.export.export(jax.jit(jnp.sin), platforms=("cpu",))(X)
     (answer,) = module_reader.describe_modules([good.mlir_module_serialized])
@@ -236,10 +241,19 @@ def test_reader_child_stall_is_reported(monkeypatch):
     reader = module_reader._Reader()
     monkeypatch.setattr(module_reader, "_READER", reader)
     monkeypatch.setattr(module_reader, "TIMEOUT_S", 2.0)
-    monkeypatch.setattr(jax_internals, "MODULE_READER_SOURCE", "import time; time.sleep(60)")
+    monkeypatch.setattr(jax_internals, "MODULE_READER_SOURCE", READY + "time.sleep(60)")
     (answer,) = module_reader.describe_modules([b"stalls the reader"])
     assert answer == {"error": "the StableHLO reader crashed or stalled on it"}
     assert reader._proc is None  # the stuck child was killed
+
+
+def test_reader_that_cannot_start_is_not_blamed_on_the_blob(monkeypatch, program):
+    monkeypatch.setattr(module_reader, "_READER", module_reader._Reader())
+    monkeypatch.setattr(jax_internals, "MODULE_READER_SOURCE", "raise SystemExit(3)")
+    with pytest.raises(module_reader.ReaderUnavailable, match="could not import jaxlib's StableHLO reader"):
+        module_reader.describe_modules([b"anything"])
+    with pytest.raises(RuntimeError, match="cannot validate the StableHLO modules: .* could not import jaxlib"):
+        sa.deserialize(program[0] + b"\0")  # bytes not seen before: not cached
 
 
 @pytest.mark.parametrize(

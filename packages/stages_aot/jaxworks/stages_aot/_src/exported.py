@@ -206,6 +206,8 @@ def deserialize(blob: bytes | bytearray) -> Exported:
       TypeError: ``blob`` is not bytes.
       ValueError: ``blob`` is not a serialized exported program, or it is
         damaged.
+      RuntimeError: the process that reads StableHLO modules cannot be
+        started (``sys.executable`` cannot import jaxlib).
     """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(

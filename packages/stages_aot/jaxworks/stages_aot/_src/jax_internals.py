@@ -52,7 +52,8 @@ def export_lowering_parameters() -> LoweringParameters:
     )
 
 
-#: The child process of ``module_reader``: reads requests from stdin (a count,
+#: The child process of ``module_reader``: says ``ready`` once its imports are
+#: done, then reads requests from stdin (a count,
 #: then length-prefixed serialized StableHLO modules, little-endian uint64s)
 #: and answers each with one JSON line: per module, an error or the module's
 #: verification result, its integer attributes and the types of ``main``. Its
@@ -136,6 +137,8 @@ def describe(blob):
         finally:
             handler.detach()
 
+sys.stdout.write("ready\n")
+sys.stdout.flush()
 while True:
     (count,) = struct.unpack("<Q", read(8))
     answers = []

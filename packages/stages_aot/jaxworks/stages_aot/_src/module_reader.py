@@ -33,10 +33,15 @@ TIMEOUT_S = 30.0
 _CACHE_SIZE = 256
 
 
+class ReaderUnavailable(RuntimeError):
+    """The child process cannot be started (nothing is known about the module)."""
+
+
 class _Reader:
     def __init__(self):
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._pid = None  # the process that started the child (not a fork of it)
         self._lines: queue.Queue | None = None
         self._cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
@@ -44,15 +49,18 @@ class _Reader:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         flags = ["-P"] if sys.version_info >= (3, 11) else []
-        self._proc = subprocess.Popen(
-            [sys.executable, *flags, "-c", jax_internals.MODULE_READER_SOURCE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, *flags, "-c", jax_internals.MODULE_READER_SOURCE],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+            )
+        except OSError as e:
+            raise ReaderUnavailable(f"cannot start {sys.executable} ({e})") from None
         lines: queue.Queue = queue.Queue()
-        stdout = self._proc.stdout
+        stdout = proc.stdout
 
         def pump():
             for line in stdout:
@@ -60,11 +68,22 @@ class _Reader:
             lines.put(None)  # the child exited
 
         threading.Thread(target=pump, name="stages_aot-module-reader", daemon=True).start()
-        self._lines = lines
+        try:
+            ready = lines.get(timeout=TIMEOUT_S)
+        except queue.Empty:
+            ready = None
+        if ready != b"ready\n":
+            proc.kill()
+            proc.wait()
+            raise ReaderUnavailable(
+                f"{sys.executable} could not import jaxlib's StableHLO reader in a child "
+                "process; run with an interpreter that can import jaxlib"
+            )
+        self._proc, self._pid, self._lines = proc, os.getpid(), lines
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
+        if proc is None or self._pid != os.getpid():
             return
         try:
             proc.stdin.close()
@@ -76,38 +95,41 @@ class _Reader:
             proc.kill()
             proc.wait()
 
-    def _ask(self, blobs: list[bytes]) -> list[dict[str, Any]]:
-        if self._proc is None or self._proc.poll() is not None:
+    def _ask(self, blob: bytes) -> dict[str, Any] | None:
+        """The child's answer for one module; None if it died or stalled on it."""
+        if self._proc is None or self._pid != os.getpid() or self._proc.poll() is not None:
+            self._proc = None
             self._start()
-        request = [struct.pack("<Q", len(blobs))]
-        for blob in blobs:
-            request += [struct.pack("<Q", len(blob)), blob]
+        request = struct.pack("<Q", 1) + struct.pack("<Q", len(blob)) + blob
         try:
-            self._proc.stdin.write(b"".join(request))
+            self._proc.stdin.write(request)
             self._proc.stdin.flush()
-            size_mib = sum(len(b) for b in blobs) / 2**20
-            line = self._lines.get(timeout=TIMEOUT_S + size_mib)
+            line = self._lines.get(timeout=TIMEOUT_S + len(blob) / 2**20)
         except (OSError, queue.Empty):
             line = None
         if line is None:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
-            return []
-        return json.loads(line)
+            return None
+        (answer,) = json.loads(line)
+        return answer
 
     def describe(self, blobs: list[bytes]) -> list[dict[str, Any]]:
         keys = [hashlib.sha256(b).hexdigest() for b in blobs]
         with self._lock:
-            missing = [i for i, k in enumerate(keys) if k not in self._cache]
-            # One module at a time: a crash then blames the right one.
-            for i in missing:
-                answers = self._ask([blobs[i]])
-                if not answers:
+            for blob, key in zip(blobs, keys):
+                if key in self._cache:
+                    continue
+                # One module at a time, so that a crash blames the right one;
+                # a second try in a fresh child rules out a child that died
+                # for another reason.
+                answer = self._ask(blob)
+                if answer is None:
+                    answer = self._ask(blob)
+                if answer is None:
                     answer = {"error": "the StableHLO reader crashed or stalled on it"}
-                else:
-                    (answer,) = answers
-                self._cache[keys[i]] = answer
+                self._cache[key] = answer
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
             for k in keys:
@@ -121,6 +143,9 @@ atexit.register(_READER.stop)
 
 def describe_modules(blobs: list[bytes]) -> list[dict[str, Any]]:
     """Describes serialized StableHLO modules, read in a child process.
+
+    Raises:
+      ReaderUnavailable: the child process cannot be started.
 
     Returns:
       One dict per module: ``{"error": text}`` when it does not deserialize,

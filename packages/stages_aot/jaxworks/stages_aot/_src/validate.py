@@ -110,7 +110,12 @@ def deserialize_checked(blob: bytes) -> list[jax.export.Exported]:
             raise Invalid(f"{where}: {e}") from None
         except Exception as e:
             raise Invalid(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
-    infos = module_reader.describe_modules([lvl.mlir_module_serialized for lvl in levels])
+    try:
+        infos = module_reader.describe_modules([lvl.mlir_module_serialized for lvl in levels])
+    except module_reader.ReaderUnavailable as e:
+        raise RuntimeError(
+            f"jaxworks.stages_aot: cannot validate the StableHLO modules: {e}"
+        ) from None
     for depth, (level, info) in enumerate(zip(levels, infos)):
         where = "the program" if depth == 0 else f"its VJP of order {depth}"
         try:
