@@ -101,21 +101,23 @@ _BARE = ext.SignatureBuilder((ji.ArrayImpl,), jax.core.Tracer, np.ndarray,
                              np.generic, None)
 
 
-def _check(builder, leaves):
-  try:
-    s = builder(leaves)
-  except TypeError as e:
-    assert str(e), "TypeError without a message"
+def _check(builder, twin, leaves):
+  """A Signature or an asserted error, exactly as the Python twin does."""
+  got, want = _outcome(builder, leaves), _outcome(twin, leaves)
+  assert got[0] == want[0], f"C++ {got} vs Python {want} on {leaves!r}"
+  if got[0] is TypeError:
+    assert got[1], "TypeError without a message"
     return None
-  except (ValueError, RuntimeError) as e:  # raised by a leaf's own methods
-    assert str(e) in ("hash", "eq") or str(e).startswith("getattr")
+  if got[0] != "ok":
+    # Only a leaf's own methods may raise anything else.
+    assert got[0] in (ValueError, RuntimeError), got
+    assert got[1] in ("hash", "eq") or got[1].startswith("getattr"), got
     return None
+  s = got[1]
   assert len(s) == len(leaves)
-  try:
-    assert s == builder(leaves)
-  except ValueError as e:  # a leaf whose __eq__ raises
-    assert str(e) == "eq"
-  hash(s)
+  again = builder(leaves)
+  assert s == again and hash(s) == hash(again)
+  assert want[1] == twin(leaves)
   s.describe()
   repr(s)
   return s
@@ -126,34 +128,109 @@ def _check(builder, leaves):
 @given(pytrees)
 def test_fuzz_flattened_pytrees(tree):
   leaves, _ = jax.tree_util.tree_flatten(_realize(tree))
-  _check(sig.signature, leaves)
-  _check(_BARE, leaves)
-  _check(sig.signature, tuple(leaves))
+  _check(sig.signature, sig.py_signature, leaves)
+  _check(_BARE, _bare_twin, leaves)
+  _check(sig.signature, sig.py_signature, tuple(leaves))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(leaf, pytrees))
 def test_fuzz_raw_objects_as_the_leaves_argument(obj):
-  """Anything, even a non-sequence, passed where the leaf list goes."""
+  """Anything, even a non-sequence, passed where the leaf list goes: a
+  Signature, or exactly the error the Python twin gives."""
+  obj = _realize(obj)
+  got, want = _outcome(_BARE, obj), _outcome(_bare_twin, obj)
+  assert got[0] == want[0], (got, want)
+  if got[0] == "ok":
+    assert len(got[1]) == len(obj)
+  elif got[0] is TypeError:
+    assert "leaves must be a list or tuple" in got[1] or "leaf" in got[1]
+  else:  # raised by a leaf's own methods
+    assert got[1] in ("hash", "eq") or got[1].startswith("getattr"), got
+
+
+def _outcome(fn, *args):
+  """("ok", value) or (exception class, message): never swallowed, compared
+  by the caller."""
   try:
-    _BARE(_realize(obj))
-  except TypeError as e:
-    assert "leaves must be a list or tuple" in str(e) or "leaf" in str(e)
-  except (ValueError, RuntimeError):
-    pass
+    return ("ok", fn(*args))
+  except Exception as e:  # pylint: disable=broad-except
+    return (type(e), str(e))
 
 
-@settings(max_examples=100, deadline=None)
+def _bare_twin(leaves):
+  """py_signature without the fallback, as _BARE is configured."""
+  if not isinstance(leaves, (list, tuple)):
+    raise TypeError("leaves must be a list or tuple")
+  out = []
+  for i, x in enumerate(leaves):
+    t = type(x)
+    if (t is ji.ArrayImpl or t in (float, int, bool, complex) or
+        isinstance(x, (jax.core.Tracer, np.generic)) or t is np.ndarray):
+      out.append(x)
+    else:
+      raise TypeError(f"leaf {i} has type {t.__name__}")
+  return sig.py_signature(out)
+
+
+def _equal(a, b):
+  return a == b
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(pytrees, pytrees)
 def test_fuzz_equality_matches_python_twin(a, b):
+  """The extension and its pure-Python twin agree on every input: both build
+  (then equality and hash agree), or both raise the same exception class."""
   la, _ = jax.tree_util.tree_flatten(_realize(a))
   lb, _ = jax.tree_util.tree_flatten(_realize(b))
-  try:
-    sa, sb = sig.signature(la), sig.signature(lb)
-    pa, pb = sig.py_signature(la), sig.py_signature(lb)
-    assert (sa == sb) == (pa == pb)
-  except (TypeError, ValueError, RuntimeError):
-    pass
+  sa, pa = _outcome(sig.signature, la), _outcome(sig.py_signature, la)
+  sb, pb = _outcome(sig.signature, lb), _outcome(sig.py_signature, lb)
+  assert sa[0] == pa[0], f"C++ {sa} vs Python {pa} on {la!r}"
+  assert sb[0] == pb[0], f"C++ {sb} vs Python {pb} on {lb!r}"
+  if sa[0] != "ok" or sb[0] != "ok":
+    return
+  cxx = _outcome(_equal, sa[1], sb[1])
+  py = _outcome(_equal, pa[1], pb[1])
+  assert cxx[0] == py[0], f"equality: C++ {cxx} vs Python {py}"
+  if cxx[0] == "ok":
+    assert cxx[1] == py[1], f"C++ says {cxx[1]}, Python {py[1]}: {la} {lb}"
+    if cxx[1]:
+      assert hash(sa[1]) == hash(sb[1])
+  else:
+    assert cxx[1] == py[1] == "eq"  # a leaf whose __eq__ raises
+  assert len(sa[1]) == len(pa[1]) == len(la)
+
+
+#: Leaves that are easy to confuse: same value, other kind, dtype, weak type,
+#: shape or placement.
+_CONFUSABLE = [
+    True, False, 1, 0, 1.0, 0.0, -0.0, 1j, np.int32(1), np.int64(1),
+    np.float32(1), np.bool_(True), np.ones(()), np.ones((1,)),
+    np.ones((), np.int32), jnp.ones(()), jnp.ones((), jnp.int32), jnp.ones(1),
+    jnp.asarray(1.0), jnp.asarray(1.0) * 1,
+    jax.device_put(jnp.ones(()), jax.devices()[-1]),
+    jax.ShapeDtypeStruct((), jnp.float32), jax.random.key(0)]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, len(_CONFUSABLE) - 1), min_size=1, max_size=3),
+       st.data())
+def test_fuzz_confusable_leaves_agree_with_twin(idx_a, data):
+  """Equality of near-identical leaf lists: the extension and the twin agree
+  (b differs from a in one position, drawn from the same confusable pool)."""
+  pos = data.draw(st.integers(0, len(idx_a) - 1))
+  idx_b = list(idx_a)
+  idx_b[pos] = data.draw(st.integers(0, len(_CONFUSABLE) - 1))
+  la = [_CONFUSABLE[i] for i in idx_a]
+  lb = [_CONFUSABLE[i] for i in idx_b]
+  sa, sb = sig.signature(la, "x"), sig.signature(lb, "x")
+  pa, pb = sig.py_signature(la, "x"), sig.py_signature(lb, "x")
+  assert (sa == sb) == (pa == pb), f"C++ {sa == sb}, Python {pa == pb}: " \
+      f"{la!r} vs {lb!r}"
+  if sa == sb:
+    assert hash(sa) == hash(sb)
 
 
 def test_unsupported_leaf_error_is_clear():
