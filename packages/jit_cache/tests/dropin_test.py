@@ -472,3 +472,22 @@ def test_clear_cache_frees_the_executables():
   assert live() == before + 1
   f.clear_cache()
   assert live() <= before
+
+
+def test_escaped_tracer_raises_like_stock():
+  leaked = []
+
+  def body(c, _):
+    leaked.append(jnp.add(c, 1))
+    return c, None
+
+  jax.lax.scan(body, 1.0, None, length=2)  # leaks a tracer
+  errors = []
+  for j in (STOCK_JIT, jit):
+    f = j(jnp.add)
+    f(jnp.ones(()), 1.0)  # a cached entry for the same avals
+    with pytest.raises(jax.errors.UnexpectedTracerError,
+                       match="was created on line") as e:
+      f(jnp.ones(()), leaked[0])
+    errors.append(e.value)
+  assert type(errors[0]) is type(errors[1])

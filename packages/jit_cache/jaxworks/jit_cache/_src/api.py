@@ -77,6 +77,7 @@ _keystr = jax.tree_util.keystr
 _jax_config = jax.config
 _StockLowered = jax.stages.Lowered
 _tree_leaves = jax.tree_util.tree_leaves
+_Tracer = jax.core.Tracer
 
 #: Default of in_shardings/out_shardings: stock jax.jit's own default object.
 _UNSET: Any = ji.UNSPECIFIED
@@ -580,6 +581,11 @@ class _JitCore:
     if not top_level:
       out_flat = _jit_p.bind(*leaves, **entry.params)
       return entry.out_tree.unflatten(out_flat), None, False
+    for leaf in leaves:
+      if isinstance(leaf, _Tracer):
+        # A tracer at top level escaped its trace: jax.jit's error says where
+        # it was created.
+        return self._jax(*args, **kwargs), None, False
     exe = self._executable(entry, leaves, ctx)
     if exe.tokens:
       out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
