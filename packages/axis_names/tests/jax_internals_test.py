@@ -84,3 +84,59 @@ def test_literal_value_with_aval():
   assert val.aval is aval
   np.testing.assert_array_equal(np.asarray(val), np.asarray(lit.val))
   assert ji.literal_value_with_aval(3, aval) == 3
+
+
+def test_axis_env_read_and_extended():
+  assert "zz" not in ji.current_axis_sizes()
+  with ji.extend_axis_env([("zz", 3), ("yy", 2)]):
+    assert ji.current_axis_sizes()["zz"] == 3
+    assert lax.axis_size("yy") == 2
+    with ji.extend_axis_env([("zz", 5)]):  # a later binding overrides
+      assert lax.axis_size("zz") == 5
+  assert "zz" not in ji.current_axis_sizes()
+  seen = {}
+
+  def body(x):
+    seen.update(ji.current_axis_sizes())
+    return x
+  jax.vmap(body, axis_name="vv")(X)
+  assert seen["vv"] == 8
+
+
+def test_symbolic_zeros_are_recognized_and_rebuilt():
+  aval = jax.core.ShapedArray((3,), jnp.float32)
+  other = jax.core.ShapedArray((4,), jnp.float32)
+  sz = jax.custom_derivatives.SymbolicZero(aval)
+  assert ji.is_zero(sz) and not ji.is_zero(X) and not ji.is_zero(None)
+  again = ji.with_aval(sz, other)
+  assert type(again) is type(sz) and again.aval is other
+  assert ji.with_aval(sz, aval) is sz
+  # The cotangent JAX passes for an unused output of a custom_vjp with
+  # symbolic_zeros is such a zero, and its type is what is_zero accepts.
+  seen = []
+
+  @jax.custom_vjp
+  def f(x):
+    return x, x
+
+  def bwd(_, cts):
+    seen.extend(cts)
+    return (jnp.ones(3),)
+  f.defvjp(lambda x: (f(x.value), None), bwd, symbolic_zeros=True)
+  jax.grad(lambda x: f(x)[0].sum())(jnp.ones(3))
+  assert ji.is_zero(seen[1]) and not ji.is_zero(seen[0])
+
+
+def test_rule_callables_are_wrapped_funs():
+  @jax.custom_vjp
+  def f(x):
+    return x * 2
+
+  f.defvjp(lambda x: (f(x), None), lambda _, g: (g,))
+  (eqn,) = jax.make_jaxpr(f)(1.0).eqns
+  bwd = eqn.params["bwd"]
+  assert isinstance(bwd, ji.WrappedFun)
+  wrapped = ji.wrap_rule(lambda *a: ["called", *a], bwd)
+  assert isinstance(wrapped, ji.WrappedFun)
+  assert wrapped.call_wrapped(1, 2) == ["called", 1, 2]
+  assert wrapped.debug_info == bwd.debug_info

@@ -328,3 +328,28 @@ def test_error_for_unbound_new_name_names_it():
   g = rename_axes(vjp_only_bwd_fn("i"), {"i": "k"})
   with pytest.raises(NameError, match="'k'|k"):
     jax.vmap(jax.grad(g), axis_name="z")(X)
+
+
+def two_names_vjp_fn(outer, inner):
+  @jax.custom_vjp
+  def f(x):
+    return lax.pmax(x, inner) * jnp.cos(x)
+
+  f.defvjp(lambda x: (f(x), x),
+           lambda x, g: (lax.psum(g * jnp.sin(x), outer) + g,))
+  return lambda x: lax.psum(f(x), inner)
+
+
+def test_rule_traced_where_an_inner_vmap_axis_is_unbound():
+  # grad of pmap('p') of vmap('j'): JAX traces the custom_vjp forward rule
+  # while linearizing the pmap, where the vmap axis 'j' is not in the axis
+  # environment; the rule is traced with the sizes of the function's trace.
+  g = rename_axes(two_names_vjp_fn("i", "j"), {"i": "p"})
+  ref = two_names_vjp_fn("p", "j")
+  xs = X.reshape(2, 4)
+
+  def run(fn):
+    f = jax.pmap(jax.vmap(fn, axis_name="j"), axis_name="p")
+    return jax.jit(jax.grad(lambda x: f(x).sum()))(xs)
+  agree(run, g, ref)
+  assert rename_axes(ref, {"i": "i"}) is ref  # identity: the function itself

@@ -128,6 +128,24 @@ def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
   return OldNames(forward, inverse, env, mesh, mesh is not cur, vacated)
 
 
+def with_fallback_env(ctx: OldNames, fallback: Mapping | None) -> OldNames:
+  """``ctx`` also binding each name of ``fallback`` not bound here.
+
+  A custom rule recorded in a jaxpr is traced only when a transformation
+  needs it, possibly where a name the function was traced with is not in
+  the axis environment (a ``vmap`` axis inside ``pmap``, under ``grad``);
+  ``fallback`` holds the sizes from the function's own trace.
+  """
+  if not fallback:
+    return ctx
+  bound = jax_internals.current_axis_sizes()
+  extra = {n: s for n, s in fallback.items()
+           if n not in ctx.env and n not in bound}
+  if not extra:
+    return ctx
+  return dataclasses.replace(ctx, env={**extra, **ctx.env})
+
+
 def is_array_like(x: Any) -> bool:
   """Whether a rule's argument is a value to trace (not a static marker)."""
   return isinstance(x, (jax.Array, jax.core.Tracer)) or (

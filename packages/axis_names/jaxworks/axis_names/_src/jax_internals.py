@@ -16,6 +16,8 @@ directly by the other modules; only what has no public door lives here:
 * ``eqn_context_mesh`` / ``eqn_context_with_mesh``: the abstract mesh an
   equation was traced under, and a copy of its context with another mesh.
 * ``literal_value_with_aval``: a literal's typed value with a renamed aval.
+* ``current_axis_sizes``: the axis environment (name -> size) in effect,
+  read from where JAX keeps it (``trace_ctx.axis_env``).
 * ``extend_axis_env``: bind axis names to sizes while a custom rule of a
   renamed function is traced (``jax.make_jaxpr(axis_env=...)`` does the same
   around a whole trace; a rule thunk traces itself).
@@ -109,6 +111,11 @@ def literal_value_with_aval(val, aval):
   if isinstance(val, _literals.TypedNdArray):
     return _literals.TypedNdArray(np.asarray(val), aval)
   return val
+
+
+def current_axis_sizes() -> dict:
+  """``{name: size}`` of every axis name bound where this is called."""
+  return dict(_core.get_axis_env().axis_sizes)
 
 
 def extend_axis_env(name_size_pairs):

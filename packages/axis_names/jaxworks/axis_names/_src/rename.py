@@ -172,15 +172,18 @@ def _holds_jaxpr(v: Any) -> bool:
 class _Renamer:
   """One rename pass; memos keep shared sub-jaxprs and values shared."""
 
-  def __init__(self):
+  def __init__(self, rule_env: Mapping | None = None):
     self.memo: dict[tuple, tuple[Jaxpr, Jaxpr]] = {}
     self.value_memo: dict[int, tuple[Any, Any]] = {}
+    # Axis sizes the function was traced with, for its custom rules.
+    self.rule_env = dict(rule_env) if rule_env else None
+    self.env_key = frozenset(rule_env.items()) if rule_env else None
 
   def jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
     if (mentioned_names(jaxpr).isdisjoint(mapping) and
         not analysis.rule_eqns(jaxpr)):
       return jaxpr
-    key = frozenset(mapping.items())
+    key = (frozenset(mapping.items()), self.env_key)
     per_mapping = _RENAMED.get(jaxpr)
     if per_mapping is not None and key in per_mapping:
       return per_mapping[key]
@@ -298,7 +301,7 @@ class _Renamer:
       for k, kind in callables.items():
         v = params.get(k)
         if v is not None:
-          params[k] = _wrap_rule(kind, v, inner)
+          params[k] = _wrap_rule(kind, v, inner, self.rule_env)
     return params, param, inner, subs
 
   def _light_eqn(self, eqn: JaxprEqn, mapping: Mapping) -> JaxprEqn:
@@ -338,13 +341,20 @@ class _Renamer:
 
 
 def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
-                 mapping: Mapping[Hashable, Hashable]) -> Jaxpr | ClosedJaxpr:
+                 mapping: Mapping[Hashable, Hashable], *,
+                 rule_env: Mapping[Hashable, int] | None = None
+                 ) -> Jaxpr | ClosedJaxpr:
   """A jaxpr whose free axis names are renamed through ``mapping``.
 
   Renames collectives and axis queries, and the names in types (varying
   manual axes, shardings), meshes and specs. Sub-jaxprs and equations that
   mention no renamed name are shared with the input by identity; the input
   itself is returned when nothing changes.
+
+  ``rule_env`` (old name -> size) is the axis environment the jaxpr was
+  traced in: its custom rules (``custom_vjp``/``custom_jvp``), traced only
+  when a transformation needs them, bind any of those names that is not
+  bound where they run.
 
   Raises:
     ValueError: a new name would merge with a free name that is kept, would
@@ -372,7 +382,7 @@ def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
         "that name too, or pick a fresh one")
   if not effective:
     return jaxpr
-  new = _Renamer().jaxpr(core_jaxpr, effective)
+  new = _Renamer(rule_env).jaxpr(core_jaxpr, effective)
   if not closed:
     return new
   return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
@@ -416,6 +426,8 @@ def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
   if not callable(fun):
     raise TypeError(f"{_API}: fun must be callable, got {fun!r} of type "
                     f"{type(fun).__name__}")
+  if not mapping:
+    return fun  # nothing to rename: the function itself, exactly as stock
 
   @functools.wraps(fun)
   def renamed(*args, **kwargs):
@@ -429,7 +441,8 @@ def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
 
 
 def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
-                 rule: bool, captured: Mapping | None = None) -> Any:
+                 rule: bool, captured: Mapping | None = None,
+                 rule_env: Mapping | None = None) -> Any:
   """``fun(*args[0], **args[1])`` (``fun(*args)`` for a rule), renamed.
 
   Traces ``fun`` under the old names (``context.old_names``), renames the
@@ -441,7 +454,7 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
   arguments (symbolic zeros, flags) are returned as they are, renamed;
   a rule that uses an old name in ``captured`` is an error.
   """
-  ctx = context.old_names(mapping, _API)
+  ctx = context.with_fallback_env(context.old_names(mapping, _API), rule_env)
   leaves, treedef = _tree_flatten(args, is_leaf=jax_internals.is_zero)
   if rule:
     dyn = [i for i, x in enumerate(leaves) if context.is_array_like(x)]
@@ -468,12 +481,22 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
 
   try:
     with ctx.scope():
+      trace_env = jax_internals.current_axis_sizes()
+      # No placeholder sizes: a size baked into the trace (``pmean``,
+      # ``axis_size``, ``all_gather`` shapes) would be silently wrong under
+      # a transformation that handles the name without binding it.
       closed, _ = tracing.trace(flat_fun, tuple(avals), {}, {}, _API,
-                                no_placeholder=tuple(captured or ()))
+                                use_placeholders=False)
   except NameError as e:
     old = jax_internals.unbound_axis_name(e)
     if captured and old in captured:
       raise captured[old].error(old) from e
+    if old is not None and old in mapping:
+      raise NameError(
+          f"{_API}: {getattr(fun, '__name__', 'the function')!r} uses axis "
+          f"{old!r}, renamed to {mapping[old]!r}, which is not bound here: "
+          f"call it under a shard_map, pmap or vmap that binds "
+          f"{mapping[old]!r}") from e
     raise
   except AssertionError as e:
     # Inside a shard_map JAX asserts (rather than raising NameError) on a
@@ -486,7 +509,7 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
     raise _vacated_error(fun, mapping, ctx, e) from e
   out_tree, out_leaves, traced = out_box[-1]
   _check_captured([closed.jaxpr], captured)
-  new = rename_jaxpr(closed, ctx.forward)
+  new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)
   outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *[leaves[i] for i in dyn]))
   result = []
   for x, t in zip(out_leaves, traced):
@@ -560,7 +583,8 @@ def _core(j):
   return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
-def _wrap_rule(kind: str, fn: Any, mapping: Mapping) -> Any:
+def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
+               rule_env: Mapping | None) -> Any:
   """A rule callable that runs ``fn`` under the old names of ``mapping``."""
   apply, captured = _split(mapping)
   if not apply and not captured:
@@ -568,7 +592,8 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping) -> Any:
   if kind == rules.JAXPR_THUNK:
 
     def thunk(*args):
-      ctx = context.old_names(apply, _API)
+      ctx = context.with_fallback_env(context.old_names(apply, _API),
+                                      rule_env)
       try:
         with ctx.scope():
           out = fn.call_wrapped(*args)
@@ -595,7 +620,8 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping) -> Any:
   call = fn.call_wrapped if is_wrapped else fn
 
   def checked(*args):
-    return _run_renamed(call, args, apply, rule=True, captured=captured)
+    return _run_renamed(call, args, apply, rule=True, captured=captured,
+                        rule_env=rule_env)
 
   if is_wrapped:
     return jax_internals.wrap_rule(checked, fn)

@@ -50,12 +50,13 @@ def check_axis_sizes(axis_sizes: Any, api: str) -> dict[Hashable, int]:
 
 def trace(fun: Callable, args: tuple, kwargs: dict,
           axis_sizes: Mapping[Hashable, int], api: str,
-          no_placeholder: Collection = ()
+          no_placeholder: Collection = (), use_placeholders: bool = True
           ) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
   """Traces ``fun(*args, **kwargs)``, binding free axis names as needed.
 
-  Names in ``no_placeholder`` are never bound with a placeholder: JAX's
-  ``NameError`` for them propagates.
+  Names in ``no_placeholder`` (every name when ``use_placeholders`` is
+  False) are never bound with a placeholder: JAX's ``NameError`` for them
+  propagates.
 
   Returns:
     The ClosedJaxpr and ``{name: NameError}`` for each name that had to be
@@ -79,7 +80,8 @@ def trace(fun: Callable, args: tuple, kwargs: dict,
       return closed, placeholders
     except NameError as e:
       name = jax_internals.unbound_axis_name(e)
-      if name is None or name in env or name in no_placeholder:
+      if (not use_placeholders or name is None or name in env or
+          name in no_placeholder):
         raise
       env[name] = PLACEHOLDER_SIZE
       placeholders[name] = e
