@@ -54,3 +54,27 @@ def test_jax_device_put_sharded_is_jax_own_rank_preserving_helper():
     assert shard.data.shape == (1, 2)
     np.testing.assert_array_equal(shard.data[0],
                                   shards[devices.index(shard.device)])
+
+
+def test_lowered_with_args_info_relabels_a_stock_lowered():
+  lowered = jax.jit(lambda a, b: a * b).lower(jnp.ones(3), jnp.float32(2))
+  flat = jax.tree_util.tree_leaves(lowered.args_info)
+  relabeled = jax_internals.lowered_with_args_info(
+      lowered, ((flat[0],), {"b": flat[1]}))
+  assert isinstance(relabeled, jax.stages.Lowered)
+  assert relabeled.args_info == ((flat[0],), {"b": flat[1]})
+  assert relabeled.out_info.shape == lowered.out_info.shape
+  assert relabeled.as_text() == lowered.as_text()
+  compiled = relabeled.compile()            # takes the relabeled structure
+  np.testing.assert_array_equal(compiled(jnp.ones(3), b=jnp.float32(2)),
+                                [2.0, 2.0, 2.0])
+
+
+def test_arg_info_has_the_arguments_own_aval():
+  info = jax_internals.arg_info(jnp.ones((2, 3), jnp.bfloat16), True)
+  assert isinstance(info, jax.stages.ArgInfo)
+  assert info.donated
+  assert (info.shape, info.dtype) == ((2, 3), jnp.bfloat16)
+  scalar = jax_internals.arg_info(2.0, False)
+  assert (scalar.shape, scalar.dtype, scalar.donated) == ((), jnp.float32,
+                                                          False)

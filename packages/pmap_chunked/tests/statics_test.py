@@ -247,3 +247,43 @@ def test_static_self_of_a_method():
   np.testing.assert_array_equal(Model(2).apply(x), 2 * np.ones(N))
   np.testing.assert_array_equal(Model(3).apply(x), 3 * np.ones(N))
   assert isinstance(Model.__dict__["apply"], type(pmap(lambda v: v)))
+
+
+def test_lower_accepts_abstract_values_as_stock():
+  aval = jax.ShapeDtypeStruct((N, 2), jnp.float32)
+  shaped = jax.typeof(jnp.ones((N, 2), jnp.float32))   # a ShapedArray
+  f = pmap(lambda v: v * 2)
+  stock = jax.pmap(lambda v: v * 2)
+  for arg in (aval, shaped):
+    ours = f.lower(arg).out_info
+    theirs = stock.lower(arg).out_info
+    assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
+
+
+def test_equivalent_input_sharding_shares_one_program():
+  # An input laid out like the program expects but under another mesh/axis
+  # name (device_put_replicated's, a user's Mesh) is passed under the
+  # program's sharding without a copy: one trace, and the outputs of
+  # successive calls have the very same sharding object (as stock).
+  from jax.sharding import Mesh, PartitionSpec as P
+  data = np.arange(N * 2.0).reshape(N, 2)
+  users = NamedSharding(Mesh(np.array(jax.devices()), ("batch",)),
+                        P("batch", None))
+  f = pmap(lambda v: v)
+  x = jax.device_put(data, users)
+  before = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+  out1 = f(x)
+  out2 = f(out1)
+  out3 = f(out2)
+  assert out1.sharding is out2.sharding is out3.sharding
+  entry = next(iter(f._entries.values()))
+  assert entry.jitted.cache_info().traces == 1
+  assert [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == (
+      before)
+  np.testing.assert_array_equal(out3, data)
+  # Donated: passed as it is, and deleted as by stock.
+  g = pmap(lambda v: v + 1, donate_argnums=0)
+  stock = jax.pmap(lambda v: v + 1, donate_argnums=0)
+  mine, theirs = jax.device_put(data, users), jax.device_put(data, users)
+  np.testing.assert_array_equal(g(mine), stock(theirs))
+  assert mine.is_deleted() == theirs.is_deleted()

@@ -11,6 +11,7 @@ from ._src.adopt import install as install
 from ._src.adopt import installed as installed
 from ._src.adopt import is_installed as is_installed
 from ._src.adopt import uninstall as uninstall
+from ._src.api import AxisOutOfRangeError as AxisOutOfRangeError
 from ._src.api import PmapCacheInfo as PmapCacheInfo
 from ._src.api import Pmapped as Pmapped
 from ._src.api import UnhashableStaticError as UnhashableStaticError
@@ -20,6 +21,7 @@ from ._src.api import pmap as pmap
 from .version import __version__ as __version__
 
 __all__ = [
+    "AxisOutOfRangeError",
     "PmapCacheInfo",
     "Pmapped",
     "UnhashableStaticError",

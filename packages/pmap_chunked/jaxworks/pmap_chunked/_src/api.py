@@ -10,9 +10,11 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import jax
 
+from . import axes as axes_lib
 from . import placement
 from . import pmap as pmap_lib
 
+AxisOutOfRangeError = axes_lib.AxisOutOfRangeError
 Pmapped = pmap_lib.Pmapped
 PmapCacheInfo = pmap_lib.PmapCacheInfo
 UnhashableStaticError = pmap_lib.UnhashableStaticError

@@ -68,19 +68,46 @@ def _compatible(sharding, target, axis_name, axis, ndim) -> bool:
   return sharding.is_equivalent_to(target, ndim)
 
 
+def _relabel(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """`x` (laid out equivalently to `target`) as an array whose sharding IS
+  `target`, sharing its buffers (no copy)."""
+  return _make_array_from_single_device_arrays(
+      x.shape, target, [s.data for s in x.addressable_shards])
+
+
+def _can_relabel(x: jax.Array, target: NamedSharding) -> bool:
+  # Only a 1-D mesh's equivalence is exact (a nested pmap's mesh accepts
+  # arrays also split over inner axes, which keep their own sharding).
+  return (len(target.mesh.axis_names) == 1 and x.is_fully_addressable
+          and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
+
+
 def place_inputs(leaves: list, targets: Sequence[NamedSharding],
-                 axis_name: Any, in_axes: Sequence[int | None]) -> list:
+                 axis_name: Any, in_axes: Sequence[int | None],
+                 donated: frozenset = frozenset()) -> list:
   """The leaves to call with: misplaced ones moved in one batched transfer.
 
   A moved leaf is a copy; the caller's array is left as it is (also when its
-  argument is donated: the copy is what gets donated, as in jax.pmap).
+  argument is donated: the copy is what gets donated, as in jax.pmap). A leaf
+  laid out as its target but under another, equivalent sharding (another
+  mesh or axis name over the same devices) is passed under the target
+  sharding without a copy, so one program (and one output sharding object)
+  serves both; donated leaves are passed as they are.
   """
   moves = []
+  relabeled = None
   for i, x in enumerate(leaves):
     if isinstance(x, jax.Array) and is_laid_out(x, targets[i], axis_name,
                                                 in_axes[i]):
+      if (x.sharding != targets[i] and i not in donated
+          and _can_relabel(x, targets[i])):
+        if relabeled is None:
+          relabeled = list(leaves)
+        relabeled[i] = _relabel(x, targets[i])
       continue
     moves.append(i)
+  if relabeled is not None:
+    leaves = relabeled
   if not moves:
     return leaves
   if jax.process_count() > 1:

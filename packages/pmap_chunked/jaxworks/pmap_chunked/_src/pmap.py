@@ -122,6 +122,7 @@ class _Entry:
   size: int
   extra_axes: tuple          # ((name, size), ...) added for nested pmaps
   jitted: Any
+  donated: frozenset = frozenset()   # indices of donated leaves
 
 
 def _index_tuple(what: str, value: Any) -> tuple[int, ...]:
@@ -331,7 +332,8 @@ class Pmapped:
     if tracing:
       return entry.jitted(*leaves)
     return entry.jitted(*placement.place_inputs(
-        leaves, entry.in_shardings, entry.axis_name, entry.in_axes))
+        leaves, entry.in_shardings, entry.axis_name, entry.in_axes,
+        entry.donated))
 
   # ------------------------------------------------------------ arguments
 
@@ -544,7 +546,7 @@ class Pmapped:
                         in_shardings=in_shardings)
     return _Entry(mesh=mesh, axis_name=axis_name, in_axes=in_axes,
                   in_shardings=in_shardings, size=size, extra_axes=extra_axes,
-                  jitted=jitted)
+                  jitted=jitted, donated=frozenset(donate_argnums))
 
   def _nested_mesh(self, size: int):
     """The enclosing mesh and this pmap's axis name in it (nested calls)."""
@@ -639,6 +641,11 @@ class Pmapped:
         return x
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
                                   weak_type=x.weak_type)
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)) and hasattr(
+        x, "shape") and hasattr(x, "dtype"):
+      # An abstract value (e.g. jax.core.ShapedArray), as jax.pmap accepts.
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                                  weak_type=getattr(x, "weak_type", False))
     aval = _typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
                                 weak_type=aval.weak_type)
