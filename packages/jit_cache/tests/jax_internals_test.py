@@ -227,3 +227,12 @@ def test_register_cache_is_cleared_by_jax_clear_caches():
   ji.register_cache(cache, "test")
   jax.clear_caches()
   assert cache.cleared == 1
+
+
+def test_test_event_counts_cpp_cache_misses():
+  f = jax.jit(lambda x: x * 5 + 3)
+  with ji.count_test_events("jit_cpp_cache_miss") as count:
+    f(1.0)
+    f(2.0)
+    ji.test_event("jit_cpp_cache_miss")
+  assert count() == 2  # stock's one miss, and ours

@@ -78,6 +78,7 @@ _jax_config = jax.config
 _StockLowered = jax.stages.Lowered
 _tree_leaves = jax.tree_util.tree_leaves
 _Tracer = jax.core.Tracer
+_test_event = ji.test_event
 
 #: Default of in_shardings/out_shardings: stock jax.jit's own default object.
 _UNSET: Any = ji.UNSPECIFIED
@@ -586,6 +587,7 @@ class _JitCore:
         # A tracer at top level escaped its trace: jax.jit's error says where
         # it was created.
         return self._jax(*args, **kwargs), None, False
+    _test_event("jit_cpp_cache_miss")  # as jax.jit's Python call path does
     exe = self._executable(entry, leaves, ctx)
     if exe.tokens:
       out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)

@@ -265,3 +265,34 @@ def register_cache(cache: Any, what: str) -> None:
   """Makes ``jax.clear_caches()`` call ``cache.cache_clear()`` (JAX holds
   ``cache`` weakly: keep a reference)."""
   _util.register_cache(cache, what)
+
+
+#: JAX's hook for test events (``jax._src.test_util.count_events``): the
+#: name of a stock event, e.g. ``"jit_cpp_cache_miss"`` when jit runs a
+#: program from Python because its C++ dispatcher missed.
+test_event: Callable[..., None] = _util.test_event
+
+
+class count_test_events:  # pylint: disable=invalid-name
+  """Context manager counting JAX test events named ``name`` (for tests);
+  ``with count_test_events("jit_cpp_cache_miss") as count: ...; count()``."""
+
+  def __init__(self, name: str):
+    self._name = name
+    self._count = 0
+    self._prev = None
+
+  def __enter__(self) -> Callable[[], int]:
+    self._prev = prev = _util.test_event_listener
+
+    def listener(name, *args):
+      if name == self._name:
+        self._count += 1
+      if prev is not None:
+        prev(name, *args)
+
+    _util.test_event_listener = listener
+    return lambda: self._count
+
+  def __exit__(self, *exc) -> None:
+    _util.test_event_listener = self._prev
