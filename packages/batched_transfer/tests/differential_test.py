@@ -66,8 +66,7 @@ device_recipes = st.tuples(st.sampled_from(["committed", "uncommitted", "sharded
                            st.sampled_from([d for d in DTYPES if d.itemsize <= 4 or
                                             d == np.float64]),
                            shapes, st.integers(0, 7), st.integers(0, 3))
-leaf_recipes = st.one_of(host_recipes, host_recipes, big_endian_recipes, scalar_recipes,
-                         np_scalar_recipes, device_recipes, device_recipes)
+leaf_recipes = st.one_of(host_recipes, scalar_recipes, np_scalar_recipes, device_recipes)
 
 
 @st.composite
@@ -91,11 +90,21 @@ def named_shardings(draw):
   return NamedSharding(mesh, P(*entries))
 
 
+def _bad_targets():
+  mesh = jax.make_mesh((8,), ("x",))
+  return ["cpu:0", 3, NamedSharding(mesh.abstract_mesh, P()), P("x"), P()]
+
+
 @st.composite
-def target_for(draw):
-  kind = draw(st.sampled_from(["none", "device", "single", "named", "named"]))
+def target_for(draw, allow_bad=False):
+  # Bad targets only for the whole tree: with several different errors in one call, which one
+  # stock JAX reports first depends on its internal order, which is not part of the contract.
+  kinds = ["none", "device", "single", "named", "named"] * 2 + ["bad"] * allow_bad
+  kind = draw(st.sampled_from(kinds))
   if kind == "none":
     return None
+  if kind == "bad":  # stock raises (or, for a PartitionSpec without a mesh, places): same here
+    return draw(st.sampled_from(_bad_targets()))
   if kind == "device":
     return jax.devices()[draw(st.integers(0, 7))]
   if kind == "single":
@@ -148,18 +157,28 @@ def _donate_safe(leaf, target):
   0.10.2 (the README lists this difference)."""
   if not isinstance(leaf, jax.Array):
     return True
+  if isinstance(target, NamedSharding) and isinstance(target.mesh, jax.sharding.AbstractMesh):
+    return False
   return target is None or (isinstance(target, jax.Device) and leaf.devices() == {target}) or (
-      getattr(target, "device_set", None) == leaf.sharding.device_set)
+      isinstance(target, jax.sharding.Sharding) and target.device_set == leaf.sharding.device_set)
 
 
-@SETTINGS
-@given(data=st.data(), recipes=st.lists(leaf_recipes, min_size=0, max_size=5))
-def test_device_put_matches_stock(data, recipes):
+@settings(SETTINGS, max_examples=150)
+@given(data=st.data(), recipes=st.lists(leaf_recipes, min_size=0, max_size=5),
+       x64=st.booleans())
+def test_device_put_matches_stock(data, recipes, x64):
+  with jax.enable_x64(x64):
+    _device_put_matches_stock(data, recipes)
+
+
+def _device_put_matches_stock(data, recipes):
+  if data.draw(st.integers(0, 9)) == 7:  # sometimes one big-endian leaf (stock: TypeError)
+    recipes = recipes + [data.draw(big_endian_recipes)]
   per_leaf = data.draw(st.booleans())
   if per_leaf:
     targets = [data.draw(target_for()) for _ in recipes]
   else:
-    targets = data.draw(target_for())
+    targets = data.draw(target_for(allow_bad=True))
   probe = [make_leaf(r) for r in recipes]
   donate = [data.draw(st.booleans()) and _donate_safe(x, t)
             for x, t in zip(probe, targets if per_leaf else [targets] * len(probe))]

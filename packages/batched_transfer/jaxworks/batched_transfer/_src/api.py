@@ -81,14 +81,41 @@ def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False
   stock = jax_internals.stock_device_put
   if not jax_internals.trace_state_clean():
     return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
+  req = None
   try:
-    req, batches = _prepare(api, tree, target, src, donate, may_alias)
-  except targets.Delegate:
-    return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
-  if not req.leaves:
-    return tree
-  out = transfer.execute(req, batches, copy_host=copy_host)
+    try:
+      req, batches = _prepare(api, tree, target, src, donate, may_alias)
+    except targets.Delegate:
+      return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
+    if not req.leaves:
+      return tree
+    out = transfer.execute(req, batches, copy_host=copy_host)
+  except (ValueError, TypeError):
+    # Report what jax.device_put would report first: a bad leaf, then the first leaf (in
+    # tree order) its sharding cannot hold. Groups are placed in another order.
+    _raise_for_a_bad_leaf(api, tree)
+    if req is not None:
+      transfer.check_placements_in_order(req)
+    raise
   return req.treedef.unflatten(out)
+
+
+def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
+  """Raises what jax.device_put raises for the first leaf JAX cannot hold, if any.
+
+  jax.device_put checks every leaf before its other arguments, so where a call
+  has both a bad leaf and a bad target (or flag, or shape), the leaf's error
+  (a TypeError) is the one raised. Only run once something failed.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  for path, leaf in flat:
+    if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:
+      raise transfer.byte_order_error(api, jax.tree_util.keystr(path) or "<root>", leaf.dtype)
+    try:
+      jax.typeof(leaf)
+    except (TypeError, ValueError, OverflowError) as err:
+      where = jax.tree_util.keystr(path) or "<root>"
+      raise type(err)(f"{api}: the leaf at {where}: {err}") from err
 
 
 def plan(tree: Any, target: Any = None, *, donate: Any = False,

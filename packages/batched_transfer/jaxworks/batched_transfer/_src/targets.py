@@ -177,6 +177,17 @@ def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: 
   """Flattens one device_put call; raises Delegate for calls stock JAX must handle."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   n = len(leaves)
+  default_dst = single_device_sharding(jax_internals.default_device())
+  if n == 0:
+    # As in jax.device_put, a tree without leaves only has its prefixes' structure
+    # checked: any target, flag or src value is accepted.
+    for what, prefix in (("target", target), ("src", src), ("donate", donate),
+                         ("may_alias", may_alias)):
+      if prefix is not None:
+        broadcast_prefix(api, what, prefix, tree, treedef, 0, _is_plain_leaf, TARGET_TEXT)
+    return Request(api=api, tree=tree, leaves=[], treedef=treedef, raw_targets=[], dsts=[],
+                   layouts=None, committed=[], semantics=[], donate=[], may_alias=[], srcs=None,
+                   default_dst=default_dst)
   raw_targets = broadcast_prefix(api, "target", target, tree, treedef, n, is_target_leaf,
                                  TARGET_TEXT)
 
@@ -221,5 +232,4 @@ def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: 
   return Request(
       api=api, tree=tree, leaves=leaves, treedef=treedef, raw_targets=raw_targets, dsts=dsts,
       layouts=layouts, committed=committed_flat, semantics=semantics, donate=donate_flat,
-      may_alias=alias_flat, srcs=srcs,
-      default_dst=single_device_sharding(jax_internals.default_device()))
+      may_alias=alias_flat, srcs=srcs, default_dst=default_dst)

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental.layout import Format
+from jax.sharding import PartitionSpec
 
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals
@@ -91,6 +92,13 @@ def host_dtype_ok(dtype: Any) -> bool:
   return ok
 
 
+def byte_order_error(api: str, path: str, dtype: Any) -> TypeError:
+  return TypeError(
+      f"{api}: the leaf at {path} is a numpy array of non-native byte order ({dtype.str}), "
+      "which JAX does not accept (jax.device_put raises TypeError too); convert it first with "
+      "x.astype(x.dtype.newbyteorder('='))")
+
+
 def same_indices(req: Request, i: int, src: Any, dst: Any, shape: tuple[int, ...]) -> bool:
   """Whether position k of src's device list holds the same index as position k of dst's."""
   key = (src, dst, shape)
@@ -109,7 +117,22 @@ def same_indices(req: Request, i: int, src: Any, dst: Any, shape: tuple[int, ...
   return _remember(_SAME_INDICES, key, same)
 
 
+class SpecRankError(ValueError, AssertionError):
+  """A PartitionSpec that shards more dimensions than the leaf has.
+
+  jax.device_put fails there on an internal assertion (AssertionError); this
+  error is that class too, and a ValueError like the package's other
+  placement errors.
+  """
+
+
 def check_placement(req: Request, i: int, sharding: Any, shape: tuple[int, ...]) -> None:
+  spec = getattr(sharding, "spec", None)
+  if isinstance(spec, PartitionSpec) and any(p is not None for p in spec[len(shape):]):
+    raise SpecRankError(
+        f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
+        f"its spec {spec} shards more than the leaf's {len(shape)} dimensions; use a spec of at "
+        f"most {len(shape)} entries")
   try:
     sharding.shard_shape(shape)
   except Exception as err:  # the sharding's own message says why
@@ -120,6 +143,13 @@ def check_placement(req: Request, i: int, sharding: Any, shape: tuple[int, ...])
 
 def _index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
   return tuple((k.start, k.stop, k.step) for k in index)
+
+
+def check_placements_in_order(req: Request) -> None:
+  """Raises the placement error of the first leaf, in tree order, that has one (error path)."""
+  for i, (x, s) in enumerate(zip(req.leaves, req.dsts)):
+    if s is not None:
+      check_placement(req, i, s, tuple(jax.typeof(x).shape))
 
 
 def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:
@@ -183,10 +213,7 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
       for i in g.indices:
         dtype = leaves[i].dtype
         if not dtype.isnative:
-          raise TypeError(
-              f"{req.api}: the leaf at {req.path(i)} is a numpy array of non-native byte order "
-              f"({dtype.str}), which JAX does not accept (jax.device_put raises TypeError too); "
-              "convert it first with x.astype(x.dtype.newbyteorder('='))")
+          raise byte_order_error(req.api, req.path(i), dtype)
         routes.setdefault(HOST if host_dtype_ok(dtype) else JAX, []).append(i)
     elif g.kind == grouping.DEVICE_ARRAY:
       # Facts shared by the whole group: its source and destination device
