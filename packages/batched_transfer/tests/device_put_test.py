@@ -248,8 +248,44 @@ def test_flags_and_src_are_read_as_stock_reads_them(devices, kwargs):
 
 
 def test_empty_tree_with_conflicting_flags_is_accepted_like_stock():
-  assert jax.device_put([], donate=True, may_alias=True) == []
-  assert bt.device_put([], donate=True, may_alias=True) == []
+  for kwargs in (dict(donate=True, may_alias=True), dict(device="cpu:0"),
+                 dict(device=Format(jax.experimental.layout.Layout.AUTO))):
+    assert jax.device_put([], **kwargs) == []
+    assert bt.device_put([], **kwargs) == []
+  for f in (jax.device_put, bt.device_put):  # the prefix structure is still checked
+    with pytest.raises(ValueError):
+      f([], [None])
+
+
+def test_several_errors_raise_what_stock_raises_first(devices):
+  mesh = jax.make_mesh((8,), ("x",))
+  rows = NamedSharding(mesh, P("x"))
+  cases = [
+      ([np.ones(8), np.arange(3, dtype=">i2")], "cpu:0"),  # a bad leaf before a bad target
+      ([np.ones(6), "abc"], rows),  # a bad leaf before an unsplittable shape
+      ([np.ones(6), 1.0], [rows, rows]),  # leaf order, not group order
+      ([1.0, np.ones(6)], [rows, rows]),
+      ([jax.device_put(np.ones(6), devices[1]), np.ones(8), np.float32(2)], rows),
+  ]
+  for tree, target in cases:
+    with pytest.raises(Exception) as theirs:
+      jax.device_put(tree, target)
+    with pytest.raises(Exception) as mine:
+      bt.device_put(tree, target)
+    assert isinstance(mine.value, type(theirs.value)), (tree, mine.value, theirs.value)
+    assert "jaxworks.batched_transfer.device_put" in str(mine.value)
+
+
+def test_a_spec_longer_than_the_rank_is_stocks_class():
+  # jax.device_put fails on an internal assertion; this package's error is an
+  # AssertionError too (and a ValueError, like its other placement errors).
+  s = NamedSharding(jax.make_mesh((8,), ("x",)), P(None, "x"))
+  for x in (np.ones(8), 2.0, jnp.ones(())):
+    with pytest.raises(AssertionError):
+      jax.device_put(x, s)
+    with pytest.raises(AssertionError) as info:
+      bt.device_put(x, s)
+    assert isinstance(info.value, ValueError) and "shards more than the leaf's" in str(info.value)
 
 
 def test_unsplittable_shape_names_the_tree_path(devices):

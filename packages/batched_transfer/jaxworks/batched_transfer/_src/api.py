@@ -90,7 +90,7 @@ def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False
     if not req.leaves:
       return tree
     out = transfer.execute(req, batches, copy_host=copy_host)
-  except (ValueError, TypeError):
+  except (ValueError, TypeError, AssertionError):
     # Report what jax.device_put would report first: a bad leaf, then the first leaf (in
     # tree order) its sharding cannot hold. Groups are placed in another order.
     _raise_for_a_bad_leaf(api, tree)
