@@ -353,3 +353,16 @@ def test_rule_traced_where_an_inner_vmap_axis_is_unbound():
     return jax.jit(jax.grad(lambda x: f(x).sum()))(xs)
   agree(run, g, ref)
   assert rename_axes(ref, {"i": "i"}) is ref  # identity: the function itself
+
+
+def test_nested_renames_compose():
+  # A renamed function renamed again, and one renamed inside another.
+  g = rename_axes(rename_axes(vjp_fn("i"), {"i": "j"}), {"j": "k"})
+  agree(lambda fn: jax.jit(jax.vmap(jax.grad(fn), axis_name="k"))(X),
+        g, vjp_fn("k"))
+  h = rename_axes(
+      lambda x: rename_axes(vjp_fn("i"), {"i": "j"})(x) + lax.psum(x, "k"),
+      {"j": "a", "k": "b"})
+  ref = lambda x: vjp_fn("a")(x) + lax.psum(x, "b")
+  agree(lambda fn: jax.jit(jax.vmap(jax.vmap(jax.grad(fn), axis_name="b"),
+                                    axis_name="a"))(X.reshape(2, 4)), h, ref)

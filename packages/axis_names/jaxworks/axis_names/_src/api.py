@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
@@ -65,5 +65,6 @@ def used_axis_names(x: Callable | ClosedJaxpr | Jaxpr, *args: Any,
           "axis_sizes; those are only for a callable. Pass the jaxpr alone.")
     return names
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
-  closed, _ = tracing.trace(x, args, kwargs, sizes, _API)
+  # Not a jaxpr (returned above); tracing rejects a non-callable.
+  closed, _ = tracing.trace(cast(Callable, x), args, kwargs, sizes, _API)
   return analysis.jaxpr_axis_names(closed.jaxpr)

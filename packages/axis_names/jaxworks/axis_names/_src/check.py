@@ -80,7 +80,7 @@ def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping,
     return []
   total = 1
   for s in sizes:
-    total *= s
+    total *= s or 1  # never None here (checked above)
   out = []
   params = eqn.params
   prim = eqn.primitive.name

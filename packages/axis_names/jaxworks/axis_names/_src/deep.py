@@ -61,7 +61,7 @@ def _hidden_axes(mesh, mapping: Mapping | None = None) -> frozenset:
 
 
 def _spec_names(spec: PartitionSpec) -> frozenset:
-  out = set()
+  out: set = set()
   for entry in spec:
     if isinstance(entry, tuple):
       out.update(entry)
@@ -202,10 +202,10 @@ def _rename(v: Any, mapping: Mapping, memo) -> Any:
     manual = _renamable(v, mapping)
     if manual.isdisjoint(mapping):
       return v
-    names = _rename_axis_names(v.axis_names, _only(mapping, manual), v)
+    new_names = _rename_axis_names(v.axis_names, _only(mapping, manual), v)
     if isinstance(v, AbstractMesh):
-      return v.update(axis_names=names)
-    return Mesh(v.devices, names, axis_types=v.axis_types)
+      return v.update(axis_names=new_names)
+    return Mesh(v.devices, new_names, axis_types=v.axis_types)
   if isinstance(v, NamedSharding):
     manual = _renamable(v.mesh, mapping)
     if manual.isdisjoint(mapping):

@@ -116,9 +116,9 @@ def eqn_mentions(eqn: JaxprEqn) -> frozenset:
     n = _atom_names(v)
     if n:
       names |= n
-  for v in eqn.invars:
-    if isinstance(v, Literal):
-      names |= _atom_names(v)
+  for a in eqn.invars:
+    if isinstance(a, Literal):
+      names |= _atom_names(a)
   mesh = jax_internals.eqn_context_mesh(eqn.ctx)
   if mesh is not None:
     names |= deep.names_of(mesh)
@@ -361,8 +361,7 @@ def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
       be captured by an inner binder, or the mapping is not one-to-one.
   """
   mapping = check_mapping(mapping)
-  closed = isinstance(jaxpr, ClosedJaxpr)
-  core_jaxpr = jaxpr.jaxpr if closed else jaxpr
+  core_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
   if not isinstance(core_jaxpr, Jaxpr):
     raise TypeError(f"{_API}: expected a Jaxpr or ClosedJaxpr, got "
                     f"{type(jaxpr).__name__}")
@@ -383,7 +382,7 @@ def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
   if not effective:
     return jaxpr
   new = _Renamer(rule_env).jaxpr(core_jaxpr, effective)
-  if not closed:
+  if not isinstance(jaxpr, ClosedJaxpr):
     return new
   return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
 
@@ -510,6 +509,7 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
   out_tree, out_leaves, traced = out_box[-1]
   _check_captured([closed.jaxpr], captured)
   new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)
+  assert isinstance(new, ClosedJaxpr)
   outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *[leaves[i] for i in dyn]))
   result = []
   for x, t in zip(out_leaves, traced):
@@ -529,10 +529,9 @@ def _vacated_error(fun, mapping, ctx, err) -> ValueError:
       f"{_API}: JAX failed ({type(err).__name__}) while tracing "
       f"{getattr(fun, '__name__', fun)!r} under its old names for "
       f"{dict(mapping)!r} inside the current mesh: there {names}, so a "
-      "function "
-      "that also uses the new name itself cannot be renamed here (that would "
-      "merge two axes). Rename that name too (a swap works), or pick a new "
-      "name the function does not use")
+      "function that also uses the new name itself cannot be renamed here "
+      "(that would merge two axes). Rename that name too (a swap works), or "
+      "pick a new name the function does not use")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,7 +568,7 @@ def _split(mapping: Mapping) -> tuple[dict, dict]:
   return apply, captured
 
 
-def _check_captured(jaxprs, captured: Mapping) -> None:
+def _check_captured(jaxprs, captured: Mapping | None) -> None:
   if not captured:
     return
   for j in jaxprs:
@@ -596,6 +595,7 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
                                       rule_env)
       try:
         with ctx.scope():
+          trace_env = jax_internals.current_axis_sizes()
           out = fn.call_wrapped(*args)
       except NameError as e:
         old = jax_internals.unbound_axis_name(e)
@@ -610,7 +610,7 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
         raise
       jaxprs = [x for x in out if isinstance(x, (Jaxpr, ClosedJaxpr))]
       _check_captured([_core(j) for j in jaxprs], captured)
-      return type(out)(rename_jaxpr(x, ctx.forward)
+      return type(out)(rename_jaxpr(x, ctx.forward, rule_env=trace_env)
                        if isinstance(x, (Jaxpr, ClosedJaxpr)) else x
                        for x in out)
 

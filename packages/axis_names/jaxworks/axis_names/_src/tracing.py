@@ -120,6 +120,7 @@ def _dir_of(module) -> str:
   return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
+_JAXLIB_DIR: tuple[str, ...]
 try:
   import jaxlib as _jaxlib
   _JAXLIB_DIR = (_dir_of(_jaxlib),)
