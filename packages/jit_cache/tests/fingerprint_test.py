@@ -143,11 +143,13 @@ def test_opaque_objects_compare_by_identity():
   assert vk(UserData(1)) != vk(UserData(1))  # user dataclass: identity
   # JAX's own dataclasses and named tuples: field by field, so a user object
   # inside is still compared by identity.
-  from jax._src import callback  # pylint: disable=g-import-not-at-top
-  tree = jax.tree_util.tree_structure(((1,), {}))
-  assert vk(callback._FlatCallback(np.sin, tree)) == vk(  # pylint: disable=protected-access
-      callback._FlatCallback(np.sin, tree))  # pylint: disable=protected-access
-  assert vk(callback._FlatCallback(a, tree)) != vk(  # pylint: disable=protected-access
-      callback._FlatCallback(b, tree))  # pylint: disable=protected-access
+  closed = jax.make_jaxpr(lambda x: jax.pure_callback(
+      np.sin, jax.ShapeDtypeStruct((), jnp.float32), x))(1.0)
+  wrapper = closed.jaxpr.eqns[0].params["callback"]  # JAX's _FlatCallback
+  assert dataclasses.is_dataclass(wrapper)
+  flat = lambda fn: type(wrapper)(fn, wrapper.in_tree)
+  assert vk(flat(np.sin)) == vk(flat(np.sin))
+  assert flat(a) == flat(b)  # its own __eq__ is fooled ...
+  assert vk(flat(a)) != vk(flat(b))  # ... the key is not
   dn = jax.lax.GatherDimensionNumbers((0,), (1,), (0,))
   assert vk(dn) == vk(jax.lax.GatherDimensionNumbers((0,), (1,), (0,)))
