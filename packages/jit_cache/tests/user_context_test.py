@@ -11,6 +11,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +130,27 @@ def test_cache_info_after_user_context_calls():
     jax.grad(lambda v: f(v).sum())(jnp.ones(2))
   info = f.cache_info()
   assert info.traces == 1 and info.hits == 1
+
+
+
+def test_user_context_objects_keep_executables_out_of_the_shared_lru():
+  """An executable keyed on a user context holding an arbitrary object lives
+  only as long as its function; with plain values it is shared after the
+  function dies, as any other program."""
+  class Setting:
+    pass
+
+  jit_cache.clear_caches()
+  with USER(Setting()):
+    f = jit(lambda x: x * 4)
+    np.testing.assert_array_equal(f(jnp.ones(2)), jnp.full(2, 4.0))
+  assert jit_cache.stats().executables == 1
+  del f
+  gc.collect()
+  assert jit_cache.stats().executables == 0
+  with USER(2):
+    jit(lambda x: x * 5)(jnp.ones(2))  # dies at once
+    gc.collect()
+    g = jit(lambda x: x * 5)
+    np.testing.assert_array_equal(g(jnp.ones(2)), jnp.full(2, 5.0))
+  assert g.cache_info().executable_reuses == 1

@@ -842,7 +842,8 @@ class _JitCore:
     # Programs holding no user object (callback, array kept by identity) and
     # little constant data outlive their functions in the shared cache.
     keep = (not program.pins and not params.pins and
-            program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES)
+            program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES and
+            _fingerprint.plain(placement.extra.values))
     exe, reused = _cache.EXECUTABLES.get_or_build(
         (program, params, placement), build, keep)
     if reused:

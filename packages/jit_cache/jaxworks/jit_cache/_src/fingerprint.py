@@ -367,3 +367,16 @@ def clear_memo() -> None:
   """Forgets every memoized jaxpr fingerprint."""
   with _MEMO_LOCK:
     _MEMO.clear()
+
+
+def plain(values: Any) -> bool:
+  """True when ``values`` (a trace context) holds nothing of the user's:
+  only scalars, strings, enums and JAX's or numpy's own objects. A user
+  context holding another object keeps its executables out of the shared
+  cache's strong tier (they live only as long as their functions)."""
+  t = type(values)
+  if values is None or t in (bool, int, float, complex, str, bytes):
+    return True
+  if t is tuple or t is frozenset:
+    return all(plain(v) for v in values)
+  return isinstance(values, enum.Enum) or _trusted(t)
