@@ -401,7 +401,11 @@ def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
   ``'batch'``, so code written for one mesh runs under a ``shard_map``,
   ``pmap`` or ``vmap`` that binds other names. Names ``f`` binds itself
   (a ``shard_map`` inside ``f``) are left alone. The result works under
-  ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+  ``jax.jit``, ``jax.grad``, ``jax.jvp`` and ``jax.vmap``, custom rules
+  included: a ``custom_vjp``'s or ``custom_jvp``'s rules are renamed when
+  JAX runs them. Inside a ``shard_map`` whose mesh also has an axis called
+  like an old name, that axis is hidden while ``f`` is traced. A mapping
+  that renames nothing returns ``fun`` itself.
 
   Each call traces ``fun`` (inside ``jax.jit`` that is once per trace of
   the enclosing function); all arguments must be arrays or scalars.
