@@ -424,3 +424,21 @@ def test_pbroadcast_is_renamed_in_the_jaxpr():
   (eqn,) = [e for e in new.eqns if e.primitive.name == "pbroadcast"]
   assert eqn.params["axis_name"] in ("k", ("k",))
   assert "V:k" in str(new) and "V:i" not in str(new)
+
+
+def test_custom_lin_backward_rule_in_a_linearized_jaxpr():
+  # jax.linearize of a custom_vjp leaves a custom_lin equation holding the
+  # backward rule; transposing the renamed jaxpr runs that rule.
+  def lin_of(name):
+    f = vjp_fn(name)
+    return lambda x, t: jax.linearize(f, x)[1](t)
+
+  closed = jax.make_jaxpr(lin_of("i"), axis_env=[("i", 8)])(1.0, 1.0)
+  assert "custom_lin" in [e.primitive.name for e in closed.jaxpr.eqns]
+  new = rename_axes(closed, {"i": "k"})
+  as_fn = lambda c: lambda x, t: jax.core.eval_jaxpr(c.jaxpr, c.consts, x,
+                                                     t)[0]
+  run = lambda fn: jax.jit(jax.vmap(
+      lambda x, t: jax.linear_transpose(lambda u: fn(x, u), t)(t)[0],
+      axis_name="k"))(X, T)
+  agree(run, as_fn(new), lin_of("k"))
