@@ -274,7 +274,8 @@ def test_partial_manual_mesh_with_old_name_as_auto_axis():
 def test_clash_with_a_name_the_function_keeps_is_a_clear_error():
   # The function uses 'k' itself and the mesh has it: {'i': 'k'} merges.
   g = rename_axes(both_names("i", "k"), {"i": "k"})
-  with pytest.raises(ValueError, match=r"'k' becomes 'i'.*would merge two axes"):
+  with pytest.raises(ValueError,
+                     match=r"'k' becomes 'i'.*would merge two axes"):
     _shard(g, MESH_IK, ("i", "k"))(X)
 
 
@@ -289,7 +290,8 @@ def test_rule_capture_by_an_inner_shard_map_is_an_error():
   def fn(x):
     return jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))(x)
   g = rename_axes(fn, {"i": "k"})
-  np.testing.assert_array_equal(jax.vmap(g, axis_name="k")(X[None]), 2 * X[None])
+  np.testing.assert_array_equal(jax.vmap(g, axis_name="k")(X[None]),
+                                2 * X[None])
   with pytest.raises(ValueError, match=r"would capture 'k' inside shard_map"):
     jax.vmap(jax.grad(loss(g)), axis_name="k")(X[None])
 

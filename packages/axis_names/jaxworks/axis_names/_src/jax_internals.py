@@ -136,7 +136,7 @@ def is_zero(x) -> bool:
 
 
 def with_aval(zero, aval):
-  """A symbolic zero of the same kind as ``zero`` with abstract value ``aval``."""
+  """A symbolic zero like ``zero`` (same kind) with abstract value ``aval``."""
   return zero if aval is zero.aval else type(zero)(aval)
 
 
