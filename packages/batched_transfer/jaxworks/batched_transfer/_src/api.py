@@ -87,6 +87,14 @@ def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False
       req, batches = _prepare(api, tree, target, src, donate, may_alias)
     except targets.Delegate:
       return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
+    except targets.ArgumentError as err:
+      _raise_for_a_bad_leaf(api, tree)
+      # jax.device_put checks its arguments before it moves anything: its own words (which
+      # code may match, e.g. "Mismatch details") follow this package's message.
+      try:
+        return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
+      except ValueError as stock_err:
+        raise targets.ArgumentError(f"{err}. jax.device_put says: {stock_err}") from None
     if not req.leaves:
       return tree
     out = transfer.execute(req, batches, copy_host=copy_host)

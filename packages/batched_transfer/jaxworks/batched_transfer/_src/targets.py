@@ -50,6 +50,10 @@ class Delegate(Exception):
   """Raised by `resolve` when stock jax.device_put must handle the whole call."""
 
 
+class ArgumentError(ValueError):
+  """A device_put argument that jax.device_put rejects too, found before anything moved."""
+
+
 @dataclasses.dataclass
 class Request:
   """One device_put call, flattened: everything indexed by leaf number."""
@@ -94,12 +98,12 @@ def broadcast_prefix(api: str, what: str, prefix: Any, tree: Any, treedef: Any, 
   prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
   if jax.tree_util.treedef_is_leaf(prefix_def) and prefix_leaves and prefix_leaves[0] is prefix:
     # jax.device_put raises ValueError for a target that is none of its kinds.
-    raise ValueError(f"{api}: {what} must be {expected} or a pytree prefix of the value made of "
+    raise ArgumentError(f"{api}: {what} must be {expected} or a pytree prefix of the value made of "
                      f"them, got {prefix!r} of type {type(prefix).__name__}")
   try:
     subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError) as err:
-    raise ValueError(
+    raise ArgumentError(
         f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "
         f"got a {what} with structure {prefix_def}. Pass one {what} for the whole value or a tree "
         f"that matches the value's containers. ({err})") from None
@@ -121,7 +125,7 @@ def _check_concrete(api: str, sharding: Sharding) -> None:
   ShapeDtypeStruct's sharding) names no devices: jax.device_put raises
   ValueError for it, and so does this package, saying what to pass instead."""
   if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
-    raise ValueError(
+    raise ArgumentError(
         f"{api}: the target {sharding} is over an AbstractMesh, which names no devices; "
         "pass a sharding over a concrete mesh (jax.make_mesh(...)), e.g. "
         "NamedSharding(mesh, sharding.spec)")
@@ -145,26 +149,26 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
     if layout is None and sharding is None:
       return None, None, False
     if not isinstance(sharding, Sharding):
-      raise ValueError(
+      raise ArgumentError(
           f"{api}: a Format target needs a concrete sharding, got {t}; "
           "use Format(layout, jax.sharding.SingleDeviceSharding(device)) or a NamedSharding")
     _check_concrete(api, sharding)
     if layout is not None and not isinstance(layout, Layout):
-      raise ValueError(
+      raise ArgumentError(
           f"{api}: a Format target needs a concrete layout (a jax.experimental.layout.Layout "
           f"or None), got {layout!r}; use compiled.input_formats to get concrete formats")
     return sharding, layout, True
   if isinstance(t, (PartitionSpec, jax.memory.Space)):
     raise Delegate()
   # jax.device_put raises ValueError for a target that is none of its kinds.
-  raise ValueError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
+  raise ArgumentError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
                    f"got {t!r} of type {type(t).__name__}")
 
 
 def copy_semantics(api: str, may_alias: Any, donate: Any, where: str = "") -> Any:
   """The ArrayCopySemantics of one leaf, by truth value as jax.device_put decides it."""
   if may_alias and donate:
-    raise ValueError(f"{api}: may_alias=True and donate=True{where} cannot both be set; "
+    raise ArgumentError(f"{api}: may_alias=True and donate=True{where} cannot both be set; "
                      "donate=True already lets the result reuse the input's buffer")
   if may_alias is None:
     may_alias = not donate
