@@ -98,8 +98,8 @@ def broadcast_prefix(api: str, what: str, prefix: Any, tree: Any, treedef: Any, 
   prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
   if jax.tree_util.treedef_is_leaf(prefix_def) and prefix_leaves and prefix_leaves[0] is prefix:
     # jax.device_put raises ValueError for a target that is none of its kinds.
-    raise ArgumentError(f"{api}: {what} must be {expected} or a pytree prefix of the value made of "
-                     f"them, got {prefix!r} of type {type(prefix).__name__}")
+    raise ArgumentError(f"{api}: {what} must be {expected} or a pytree prefix of the value "
+                        f"made of them, got {prefix!r} of type {type(prefix).__name__}")
   try:
     subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError) as err:
@@ -162,14 +162,14 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
     raise Delegate()
   # jax.device_put raises ValueError for a target that is none of its kinds.
   raise ArgumentError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
-                   f"got {t!r} of type {type(t).__name__}")
+                      f"got {t!r} of type {type(t).__name__}")
 
 
 def copy_semantics(api: str, may_alias: Any, donate: Any, where: str = "") -> Any:
   """The ArrayCopySemantics of one leaf, by truth value as jax.device_put decides it."""
   if may_alias and donate:
     raise ArgumentError(f"{api}: may_alias=True and donate=True{where} cannot both be set; "
-                     "donate=True already lets the result reuse the input's buffer")
+                        "donate=True already lets the result reuse the input's buffer")
   if may_alias is None:
     may_alias = not donate
   if may_alias and not donate:
