@@ -23,6 +23,8 @@ from ._src.adopt import installed as installed
 from ._src.adopt import is_installed as is_installed
 from ._src.adopt import uninstall as uninstall
 from ._src.cache import CacheInfo as CacheInfo
+from ._src.disk_cache import config as config
+from ._src.disk_cache import set_cache_dir as set_cache_dir
 from .version import __version__ as __version__
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "JitFunction",
     "Traced",
     "clear_caches",
+    "config",
     "eval_shape",
     "install",
     "installed",
@@ -37,6 +40,7 @@ __all__ = [
     "jit",
     "make_jaxpr",
     "reset_stats",
+    "set_cache_dir",
     "set_global_maxsize",
     "stats",
     "uninstall",

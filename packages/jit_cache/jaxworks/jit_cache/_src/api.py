@@ -45,6 +45,7 @@ from jax.extend.core import primitives as jex_primitives
 from .. import _signature as _ext
 from . import cache as _cache
 from . import deps as _deps
+from . import disk_cache as _disk
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
 from . import signature as _sig
@@ -159,6 +160,14 @@ class _Executable:
     #: Warnings lowering issued that jax.jit would issue again when it lowers
     #: the program anew (unusable donated buffers): replayed on reuse.
     self.warnings: tuple = ()
+
+
+def _loaded_executable(compiled: Any, compile_seconds: float,
+                       replay: tuple) -> _Executable:
+  """An executable record for a ``Compiled`` loaded from the disk cache."""
+  exe = _Executable(compiled, compile_seconds)
+  exe.warnings = replay
+  return exe
 
 
 class _FunctionCache:
@@ -844,6 +853,11 @@ class _JitCore:
     keep = (not program.pins and not params.pins and
             program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES and
             _fingerprint.plain(placement.extra.values))
+    if keep and _disk.enabled():  # a new process may load it (opt-in)
+      build = _disk.wrap_build(build, _loaded_executable, entry,
+                               entry.in_tree, entry.out_tree, leaves, program,
+                               params, placement.extra.values,
+                               (counters, _cache.GLOBAL_COUNTERS))
     exe, reused = _cache.EXECUTABLES.get_or_build(
         (program, params, placement), build, keep)
     if reused:
@@ -919,8 +933,11 @@ class _JitCore:
     """
     from . import explain  # pylint: disable=g-import-not-at-top
     leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
-    return explain.explain(self, leaves, treedef, statics, ctx, sig, args,
+    text = explain.explain(self, leaves, treedef, statics, ctx, sig, args,
                            kwargs)
+    disk = _disk.note_for(self._cache.by_sig.get(sig))
+    return text if disk is None else f"{text}\n  {disk}"
+
 
 
 class _Unusable:

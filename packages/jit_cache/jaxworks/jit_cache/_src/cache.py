@@ -48,6 +48,13 @@ class CacheInfo:
       in ``stats()``: the shared executable cache).
     time_saved_s: tracing and compile time avoided by hits and reuses, in
       seconds (measured when the entry was first built).
+    disk_hits: executables loaded from the persistent disk cache (no
+      lowering, no compile).
+    disk_misses: disk cache lookups that compiled (no entry, or one rejected).
+    disk_rejected: disk entries found but rejected (corrupt, truncated,
+      another version or machine); see ``explain_miss``.
+    disk_bytes_read, disk_bytes_written: entry bytes loaded and written.
+    disk_load_s: seconds spent reading and loading disk entries.
   """
 
   hits: int = 0
@@ -61,6 +68,12 @@ class CacheInfo:
   dispatch_entries: int = 0
   executables: int = 0
   time_saved_s: float = 0.0
+  disk_hits: int = 0
+  disk_misses: int = 0
+  disk_rejected: int = 0
+  disk_bytes_read: int = 0
+  disk_bytes_written: int = 0
+  disk_load_s: float = 0.0
 
 
 class Counters:
@@ -68,7 +81,9 @@ class Counters:
   enough for statistics)."""
 
   __slots__ = ("hits", "misses", "evictions", "traces", "compiles",
-               "executable_reuses", "time_saved_s")
+               "executable_reuses", "time_saved_s", "disk_hits",
+               "disk_misses", "disk_rejected", "disk_bytes_read",
+               "disk_bytes_written", "disk_load_s")
 
   def __init__(self):
     self.reset()
@@ -81,13 +96,24 @@ class Counters:
     self.compiles = 0
     self.executable_reuses = 0
     self.time_saved_s = 0.0
+    self.disk_hits = 0
+    self.disk_misses = 0
+    self.disk_rejected = 0
+    self.disk_bytes_read = 0
+    self.disk_bytes_written = 0
+    self.disk_load_s = 0.0
 
   def snapshot(self, **extra: Any) -> CacheInfo:
     return CacheInfo(hits=self.hits, misses=self.misses,
                      evictions=self.evictions, traces=self.traces,
                      compiles=self.compiles,
                      executable_reuses=self.executable_reuses,
-                     time_saved_s=self.time_saved_s, **extra)
+                     time_saved_s=self.time_saved_s,
+                     disk_hits=self.disk_hits, disk_misses=self.disk_misses,
+                     disk_rejected=self.disk_rejected,
+                     disk_bytes_read=self.disk_bytes_read,
+                     disk_bytes_written=self.disk_bytes_written,
+                     disk_load_s=self.disk_load_s, **extra)
 
 
 #: Process-wide totals (every function adds to these too).
