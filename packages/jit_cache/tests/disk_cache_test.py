@@ -1,0 +1,281 @@
+"""The persistent executable cache on disk, across real processes.
+
+Each cross-process test starts ``disk_cache_worker.py`` with this interpreter
+and ``PYTHONPATH``; the worker counts lowerings and compilations with jax's
+monitoring events and compares results with stock ``jax.jit`` bit for bit.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxworks import jit_cache
+from jaxworks.jit_cache._src import disk_cache
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "disk_cache_worker.py")
+
+
+def _env(extra=None):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(sys.path)
+  env.pop(disk_cache.ENV_VAR, None)
+  env.update(extra or {})
+  return env
+
+
+def _start(directory, programs, max_bytes=None, env=None):
+  argv = [sys.executable, WORKER, str(directory), programs]
+  if max_bytes is not None:
+    argv.append(str(max_bytes))
+  return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          env=_env(env), text=True)
+
+
+def _finish(proc):
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["results"] == result["stock"]  # bit for bit
+  return result
+
+
+def _run(directory, programs, max_bytes=None, env=None):
+  return _finish(_start(directory, programs, max_bytes, env))
+
+
+def _entries(directory):
+  return sorted(n for n in os.listdir(directory)
+                if n.endswith(disk_cache.SUFFIX))
+
+
+@pytest.fixture
+def cache_off():
+  yield
+  jit_cache.set_cache_dir(None)
+  disk_cache.config._dir = disk_cache._UNSET  # pylint: disable=protected-access
+  disk_cache.config.max_bytes = disk_cache.DEFAULT_MAX_BYTES
+
+
+def test_second_process_loads_without_lowering_or_compiling(tmp_path):
+  first = _run(tmp_path, "chain1")
+  assert first["lowered"] == [1] and first["compiled"] == [1]
+  assert first["stats"]["disk_misses"] == 1
+  assert first["stats"]["disk_bytes_written"] > 0
+  assert len(_entries(tmp_path)) == 1
+  second = _run(tmp_path, "chain1")
+  assert second["lowered"] == [0] and second["compiled"] == [0]
+  assert second["stats"]["disk_hits"] == 1
+  assert second["stats"]["compiles"] == 0
+  assert second["stats"]["disk_bytes_read"] > 0
+  assert "disk cache: loaded" in second["explain"][0]
+  assert second["results"] == first["results"]
+
+
+def test_three_processes_racing_on_one_entry(tmp_path):
+  procs = [_start(tmp_path, "chain2") for _ in range(3)]
+  results = [_finish(p) for p in procs]
+  assert len({json.dumps(r["results"]) for r in results}) == 1
+  assert len(_entries(tmp_path)) == 1
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+  after = _run(tmp_path, "chain2")
+  assert after["stats"]["disk_hits"] == 1 and after["lowered"] == [0]
+
+
+def _damage_and_reload(directory, damage, expect):
+  _run(directory, "chain3")
+  (name,) = _entries(directory)
+  path = os.path.join(directory, name)
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  with open(path, "wb") as f:
+    f.write(damage(data))
+  again = _run(directory, "chain3")
+  assert again["stats"]["disk_hits"] == 0
+  assert again["stats"]["disk_rejected"] == 1
+  assert again["lowered"] == [1] and again["compiled"] == [1]
+  assert expect in again["explain"][0], again["explain"][0]
+  assert "rejected" in again["explain"][0]
+  healed = _run(directory, "chain3")  # rewritten: valid again
+  assert healed["stats"]["disk_hits"] == 1 and healed["lowered"] == [0]
+  return again
+
+
+def test_truncated_entry_is_rejected_and_rewritten(tmp_path):
+  _damage_and_reload(tmp_path, lambda d: d[:len(d) // 2], "truncated")
+
+
+def test_flipped_payload_byte_is_rejected_and_rewritten(tmp_path):
+  def flip(d):
+    d[-100] ^= 0x40
+    return d
+  _damage_and_reload(tmp_path, flip, "checksum")
+
+
+def _rewrite_key(data, change):
+  head = len(disk_cache.MAGIC) + disk_cache._HEADER.size  # pylint: disable=protected-access
+  fmt, key_len, payload_len, sha = disk_cache._HEADER.unpack_from(  # pylint: disable=protected-access
+      bytes(data), len(disk_cache.MAGIC))
+  key = json.loads(bytes(data[head:head + key_len]))
+  change(key)
+  new_key = disk_cache._key_bytes(key)  # pylint: disable=protected-access
+  return (disk_cache.MAGIC + disk_cache._HEADER.pack(  # pylint: disable=protected-access
+      fmt, len(new_key), payload_len, sha) + new_key +
+          bytes(data[head + key_len:]))
+
+
+def test_entry_from_another_jaxlib_is_rejected(tmp_path):
+  def other_jaxlib(key):
+    key["jaxlib"] = "0.0.1"
+  _damage_and_reload(tmp_path, lambda d: _rewrite_key(d, other_jaxlib),
+                     "version mismatch: jaxlib")
+
+
+def test_entry_from_another_platform_is_rejected(tmp_path):
+  def other_platform(key):
+    key["backends"][0]["platform"] = "tpu"
+    key["backends"][0]["platform_version"] = "libtpu 1"
+  _damage_and_reload(tmp_path, lambda d: _rewrite_key(d, other_platform),
+                     "different machine")
+
+
+def test_lru_eviction_at_the_size_limit(tmp_path):
+  first = _run(tmp_path, "chain4,chain5")
+  assert len(_entries(tmp_path)) == 2
+  size = max(os.path.getsize(os.path.join(tmp_path, n))
+             for n in _entries(tmp_path))
+  a, b = (os.path.join(tmp_path, n) for n in _names(first))
+  old = time.time() - 100
+  os.utime(a, (old, old))
+  os.utime(b, (old + 1, old + 1))
+  # Room for two entries: hitting chain4 touches it, so writing chain6 evicts
+  # chain5 (the least recently used), not chain4.
+  limit = 2 * size + size // 2
+  run = _run(tmp_path, "chain4,chain6", max_bytes=limit)
+  assert run["stats"]["disk_hits"] == 1
+  names = _entries(tmp_path)
+  assert os.path.basename(a) in names
+  assert os.path.basename(b) not in names
+  assert len(names) == 2
+  assert sum(os.path.getsize(os.path.join(tmp_path, n)) for n in names) <= limit
+
+
+def _names(result):
+  return [line.split("disk cache: no entry ")[1].split()[0]
+          for line in result["explain"]]
+
+
+def test_off_by_default(tmp_path):
+  run = _run("-", "chain7", env={"HOME": str(tmp_path)})
+  assert run["cache_dir"] is None
+  assert run["stats"]["disk_misses"] == 0
+  assert run["stats"]["disk_bytes_written"] == 0
+  assert "disk cache" not in run["explain"][0]
+
+
+def test_environment_variable_turns_it_on(tmp_path):
+  env = {disk_cache.ENV_VAR: str(tmp_path)}
+  run = _run("-", "chain8", env=env)
+  assert run["cache_dir"] == str(tmp_path)
+  assert len(_entries(tmp_path)) == 1
+  assert _run("-", "chain8", env=env)["stats"]["disk_hits"] == 1
+
+
+def test_program_with_a_callback_is_never_persisted(tmp_path):
+  run = _run(tmp_path, "callback")
+  assert _entries(tmp_path) == []
+  assert run["stats"]["disk_misses"] == 0
+  again = _run(tmp_path, "callback")
+  assert again["lowered"] == [1] and again["stats"]["disk_hits"] == 0
+
+
+# ------------------------------------------------------------ in one process
+
+
+def test_set_cache_dir_and_config(tmp_path, cache_off, monkeypatch):
+  monkeypatch.delenv(disk_cache.ENV_VAR, raising=False)
+  assert jit_cache.config.cache_dir is None
+  monkeypatch.setenv(disk_cache.ENV_VAR, str(tmp_path / "env"))
+  assert jit_cache.config.cache_dir == str(tmp_path / "env")
+  jit_cache.set_cache_dir(None)  # off even with the variable set
+  assert jit_cache.config.cache_dir is None
+  jit_cache.set_cache_dir(tmp_path, max_bytes=1234)
+  assert jit_cache.config.cache_dir == str(tmp_path)
+  assert jit_cache.config.max_bytes == 1234
+  with pytest.raises(TypeError, match="set_cache_dir: path"):
+    jit_cache.set_cache_dir(3)
+  with pytest.raises(ValueError, match="max_bytes must be positive"):
+    jit_cache.set_cache_dir(tmp_path, max_bytes=0)
+  with pytest.raises(TypeError, match="max_bytes must be an int"):
+    jit_cache.set_cache_dir(tmp_path, max_bytes=1.5)
+
+
+def test_user_primitive_is_not_persisted(tmp_path, cache_off):
+  from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
+  from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  prim = jex_core.Primitive("jaxworks_test_double")
+  prim.def_abstract_eval(lambda x: x)
+  mlir.register_lowering(prim, mlir.lower_fun(lambda x: x * 2,
+                                              multiple_results=False))
+  jit_cache.set_cache_dir(tmp_path)
+  f = jit_cache.jit(lambda x: prim.bind(x) + 1.0)
+  x = jnp.arange(4.0)
+  np.testing.assert_array_equal(f(x), x * 2 + 1)
+  assert _entries(tmp_path) == []
+  assert "not persisted (primitive jaxworks_test_double" in f.explain_miss(x)
+
+
+def test_key_changes_with_x64_and_placement(cache_off):
+  f = lambda x: x + 1  # noqa: E731
+  jaxpr = jax.make_jaxpr(f)(jnp.ones(3))
+  from jaxworks.jit_cache._src import fingerprint  # pylint: disable=g-import-not-at-top
+  fp = fingerprint.fingerprint(jaxpr)
+  params = fingerprint.params_key({"donated_invars": (False,)})
+  ctx = ()
+  d0, d1 = jax.devices()[:2]
+  on0 = jax.device_put(jnp.ones(3), d0)
+  on1 = jax.device_put(jnp.ones(3), d1)
+  k0 = disk_cache.make_key(fp, params, [on0], ctx)
+  k1 = disk_cache.make_key(fp, params, [on1], ctx)
+  assert k0 == disk_cache.make_key(fp, params, [on0], ctx)
+  assert k0["program"] != k1["program"]
+  with jax.enable_x64(True):
+    kx = disk_cache.make_key(fp, params, [on0], ctx)
+  assert kx["config"] != k0["config"]
+
+
+def test_evict_removes_least_recently_used(tmp_path):
+  now = time.time()
+  for i, name in enumerate(["a", "b", "c"]):
+    path = tmp_path / (name + disk_cache.SUFFIX)
+    path.write_bytes(b"x" * 100)
+    os.utime(path, (now - 100 + i, now - 100 + i))
+  stale = tmp_path / ".tmp-dead.jwx.part"
+  stale.write_bytes(b"x")
+  os.utime(stale, (now - 7200, now - 7200))
+  assert disk_cache.evict(str(tmp_path), 250, keep="a" + disk_cache.SUFFIX) == 1
+  assert sorted(os.listdir(tmp_path)) == ["a.jwx", "c.jwx"]
+
+
+def test_read_entry_rejects_garbage(tmp_path):
+  key = {"format": 1, "program": "0" * 64}
+  path = tmp_path / "x.jwx"
+  for data, why in [(b"", "bad magic"), (b"hello world" * 10, "bad magic"),
+                    (disk_cache.MAGIC + struct.pack("<IIQ32s", 99, 0, 0,
+                                                    b"\0" * 32), "format 99")]:
+    path.write_bytes(data)
+    payload, reason = disk_cache.read_entry(str(path), key)
+    assert payload is None and why in reason
+  disk_cache.write_entry(str(tmp_path), "x.jwx", key, b"payload")
+  assert disk_cache.read_entry(str(path), key) == (b"payload", "")
+  other = dict(key, jax="0.0.0")
+  payload, reason = disk_cache.read_entry(str(path), other)
+  assert payload is None and "version mismatch: jax" in reason

@@ -1,0 +1,75 @@
+"""One process of disk_cache_test: runs a program through jit_cache.jit with
+the disk cache and prints what happened as one JSON line.
+
+Usage: disk_cache_worker.py CACHE_DIR|- PROGRAM[,PROGRAM...] [MAX_BYTES]
+
+PROGRAM is ``chain<k>`` (100 chained adds of ``k``) or ``callback``. Lowerings
+and XLA compilations are counted with jax's monitoring events before stock
+``jax.jit`` runs the same program for the bitwise comparison.
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import monitoring
+
+from jaxworks import jit_cache
+
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+events = []
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: events.append(name))
+
+
+def chain(k):
+  def f(x):
+    for _ in range(100):
+      x = x + k
+    return x * 0.5
+  return f
+
+
+def with_callback(x):
+  y = jax.pure_callback(lambda a: np.asarray(a) * 2, x, x)
+  return y + 1.0
+
+
+def program(name):
+  if name == "callback":
+    return with_callback
+  return chain(float(name[len("chain"):]))
+
+
+def main():
+  directory, names = sys.argv[1], sys.argv[2].split(",")
+  if directory != "-":
+    max_bytes = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    jit_cache.set_cache_dir(directory, max_bytes=max_bytes)
+  x = jnp.arange(8, dtype=jnp.float32)
+  out = {"results": [], "stock": [], "explain": [], "lowered": [],
+         "compiled": []}
+  for name in names:
+    f = jit_cache.jit(program(name))
+    del events[:]
+    y = np.asarray(f(x))
+    out["lowered"].append(events.count(LOWER_EVENT))
+    out["compiled"].append(events.count(COMPILE_EVENT))
+    out["results"].append([str(y.dtype), y.tobytes().hex()])
+    out["explain"].append(f.explain_miss(x))
+  s = jit_cache.stats()
+  out["stats"] = {k: getattr(s, k) for k in (
+      "disk_hits", "disk_misses", "disk_rejected", "disk_bytes_read",
+      "disk_bytes_written", "compiles")}
+  out["cache_dir"] = jit_cache.config.cache_dir
+  for name in names:
+    y = np.asarray(jax.jit(program(name))(x))
+    out["stock"].append([str(y.dtype), y.tobytes().hex()])
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
