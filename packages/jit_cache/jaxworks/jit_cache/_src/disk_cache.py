@@ -54,6 +54,11 @@ from . import fingerprint as _fingerprint
 from . import jax_internals as ji
 from ..version import __version__ as _jaxworks_version
 
+# Stock JAX callables bound at import (safe under ``jax.* = ...`` swaps).
+_jax_devices = jax.devices
+_default_backend = jax.default_backend
+_process_count = jax.process_count
+
 #: Environment variable naming the cache directory (read on every lookup
 #: while ``set_cache_dir`` has not been called).
 ENV_VAR = "JAXWORKS_JIT_CACHE_DIR"
@@ -334,7 +339,7 @@ _CONFIG_SKIP = ("cache", "log", "explain", "traceback")
 def _environment(platforms: Sequence[str]) -> dict:
   backends = []
   for platform in sorted(set(platforms)):
-    devices = jax.devices(platform)
+    devices = _jax_devices(platform)
     client = devices[0].client
     backends.append({
         "platform": client.platform,
@@ -354,8 +359,8 @@ def _environment(platforms: Sequence[str]) -> dict:
       "jaxlib": jaxlib.__version__,
       "jaxworks_jit_cache": _jaxworks_version,
       "backends": backends,
-      "default_backend": jax.default_backend(),
-      "process_count": jax.process_count(),
+      "default_backend": _default_backend(),
+      "process_count": _process_count(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
       "config": hashlib.sha256(
@@ -367,7 +372,7 @@ def make_key(program: Any, params: Any, leaves: Sequence[Any],
              context: tuple) -> dict:
   """The full key of an executable (raises NotPersistable)."""
   leaf_parts = tuple(_leaf_part(x) for x in leaves)
-  platforms = {jax.default_backend()}
+  platforms = {_default_backend()}
   for part in leaf_parts:
     if part[0] == "array":
       platforms.update(x.platform for x in part[4].device_set)
@@ -613,7 +618,7 @@ def wrap_build(build: Callable[[], Any],
     if payload is not None:
       try:
         record = pickle.loads(payload)
-        by_id = {d.id: d for d in jax.devices(record["platform"])}
+        by_id = {d.id: d for d in _jax_devices(record["platform"])}
         compiled = _serialize.deserialize_and_load(
             record["executable"], in_tree, out_tree,
             backend=record["platform"],
