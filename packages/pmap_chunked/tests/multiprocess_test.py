@@ -89,7 +89,7 @@ def test_two_processes_psum_across_processes(tmp_path):
     again = sorted(v for v in r["again"].values())
     assert again == [[4 * pid + k + total + 2 * second_total]
                      for k in range(4)]
-    assert r["cache"] == [1, 1, 1]                    # hits, misses, entries
+    assert r["cache"] == [1, 1, 1, 0, 256]  # hits, misses, entries, evicted, max
     # Every device of both processes sees all 8 slices in global order:
     # process p's slices sit at positions 4p .. 4p + 3.
     assert list(r["gathered"].values()) == [[list(map(float, range(8)))]] * 4
