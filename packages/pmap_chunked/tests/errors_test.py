@@ -108,6 +108,12 @@ def test_bad_axes_specs():
     pmap(lambda a: a, in_axes=(0, 0))(jnp.ones(8))
   with pytest.raises(ValueError, match="not a pytree prefix"):
     pmap(lambda a: a, in_axes=((0, 0),))(jnp.ones(8))
+  # The mismatch is located by its path in in_axes.
+  with pytest.raises(ValueError, match=r"key path\s+in_axes\[0\]\s+At that "
+                     "key path, the prefix pytree in_axes has a subtree of "
+                     "type tuple of length 3"):
+    x = jnp.ones(8)
+    pmap(lambda a, b: a, in_axes=((0, 0, 0), 0))((x, x), x)
   with pytest.raises(ValueError, match="out_axes=.* not a pytree prefix"):
     pmap(lambda a: (a, a), out_axes=(0, 0, 0))(jnp.ones(8))
 

@@ -60,11 +60,14 @@ def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
         lambda ax, sub: _Run([ax] * len(jax.tree_util.tree_leaves(sub))),
         spec, tree, is_leaf=_is_none)
   except (ValueError, TypeError) as e:
+    # JAX's own description names the spec "tree_map tree": say what it is.
+    detail = str(e).replace("tree_map tree", what).rstrip(".")
     raise ValueError(
         f"{api}: {what}={spec!r} is not a pytree prefix of the "
         f"{'outputs' if what == 'out_axes' else 'positional arguments'} "
-        f"(structure {jax.tree_util.tree_structure(tree)}): {e}. Give one "
-        f"entry per {'output' if what == 'out_axes' else 'positional argument'}"
+        f"(structure {jax.tree_util.tree_structure(tree)}): {detail}. Give "
+        f"one entry per "
+        f"{'output' if what == 'out_axes' else 'positional argument'}"
         " (or a single int/None for all).") from None
   flat = []
   for run in jax.tree_util.tree_leaves(
