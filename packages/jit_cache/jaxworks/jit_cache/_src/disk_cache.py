@@ -181,16 +181,66 @@ class _JaxPrimitives:
 _PRIMITIVES = _JaxPrimitives()
 
 
+_SLOTS: dict[type, list[str]] = {}
+
+
 def _slots(t: type) -> list[str]:
+  hit = _SLOTS.get(t)
+  if hit is not None:
+    return hit
   names = []
   for klass in t.__mro__:
     s = klass.__dict__.get("__slots__", ())
     names.extend([s] if isinstance(s, str) else s)
-  return [n for n in names if n not in ("__weakref__", "__dict__")]
+  names = [n for n in names if n not in ("__weakref__", "__dict__")]
+  _SLOTS[t] = names
+  return names
+
+
+# Encodings of objects JAX treats as immutable values (interned avals,
+# equation contexts, primitives, shardings, meshes, dtypes), by identity; the
+# object is held so its id stays unique. Sub-program fingerprints (immutable)
+# are encoded once, as a digest.
+_OBJ_MEMO: dict[int, tuple[Any, str]] = {}
+_OBJ_MEMO_MAX = 1 << 15
+_FP_MEMO: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_MEMO_LOCK = threading.Lock()
+
+
+def _memoizable(v: Any) -> bool:
+  return isinstance(v, (jex_core.Primitive, ji.AbstractValue,
+                        jax.sharding.Sharding, ji.Mesh, ji.AbstractMesh,
+                        np.dtype, jax.Device, ji.PyTreeDef))
+
+
+def _enc_memo(v: Any, out: list, depth: int, encode: Callable) -> None:
+  hit = _OBJ_MEMO.get(id(v))
+  if hit is not None and hit[0] is v:
+    out.append(hit[1])
+    return
+  part: list = []
+  encode(v, part, depth)
+  text = "".join(part)
+  with _MEMO_LOCK:
+    if len(_OBJ_MEMO) >= _OBJ_MEMO_MAX:
+      _OBJ_MEMO.clear()
+    _OBJ_MEMO[id(v)] = (v, text)
+  out.append(text)
 
 
 def _enc(v: Any, out: list, depth: int = 0) -> None:
   """Appends a canonical, process-independent encoding of ``v`` to ``out``."""
+  if type(v) not in _PLAIN and _memoizable(v):
+    _enc_memo(v, out, depth, _enc_value)
+  else:
+    _enc_value(v, out, depth)
+
+
+_PLAIN = frozenset({type(None), bool, int, str, bytes, float, complex, tuple,
+                    list, dict, frozenset, set})
+
+
+def _enc_value(v: Any, out: list, depth: int) -> None:
   if depth > 200:
     raise NotPersistable("too deep")
   t = type(v)
@@ -230,9 +280,17 @@ def _enc(v: Any, out: list, depth: int = 0) -> None:
   elif t is _fingerprint.Fingerprint:
     if v.pins:
       raise NotPersistable("program holds objects by identity")
-    _enc(v.key, out, d)
+    with _MEMO_LOCK:
+      text = _FP_MEMO.get(v)
+    if text is None:
+      part: list = []
+      _enc(v.key, part, d)
+      text = f"F{hashlib.sha256(''.join(part).encode()).hexdigest()};"
+      with _MEMO_LOCK:
+        _FP_MEMO[v] = text
+    out.append(text)
   elif t is _fingerprint._Identity:  # pylint: disable=protected-access
-    _enc_identity(v.obj, out, d)
+    _enc_memo(v.obj, out, d, _enc_identity)
   elif isinstance(v, np.dtype):
     out.append(f"dt{v.str}:{v.name};")
   elif isinstance(v, np.ndarray):
@@ -336,7 +394,29 @@ def _leaf_part(leaf: Any) -> tuple:
 _CONFIG_SKIP = ("cache", "log", "explain", "traceback")
 
 
+_ENV_MEMO: list = []
+_PLAIN_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
 def _environment(platforms: Sequence[str]) -> dict:
+  """What makes an executable valid besides its program (memoized while
+  jax's configuration, the platforms and the environment variables stay)."""
+  state = (tuple(platforms), tuple(jax.config.values.items()),
+           os.environ.get("XLA_FLAGS", ""),
+           os.environ.get("LIBTPU_INIT_ARGS", ""))
+  memo = _ENV_MEMO[:]
+  if memo:
+    try:
+      if memo[0] == state:
+        return memo[1]
+    except Exception:  # pylint: disable=broad-except
+      pass  # a config value whose == cannot answer: compute anew
+  env = _environment_uncached(platforms)
+  _ENV_MEMO[:] = [state, env]
+  return env
+
+
+def _environment_uncached(platforms: Sequence[str]) -> dict:
   backends = []
   for platform in sorted(set(platforms)):
     devices = _jax_devices(platform)
@@ -350,10 +430,14 @@ def _environment(platforms: Sequence[str]) -> dict:
   for k in sorted(jax.config.values):
     if any(s in k for s in _CONFIG_SKIP):
       continue
+    v = jax.config.values[k]
+    if type(v) in _PLAIN_SCALARS:
+      cfg[k] = repr(v)
+      continue
     try:
-      cfg[k] = _digest(jax.config.values[k])
+      cfg[k] = _digest(v)
     except NotPersistable:
-      cfg[k] = repr(jax.config.values[k])
+      cfg[k] = repr(v)
   return {
       "jax": jax.__version__,
       "jaxlib": jaxlib.__version__,
