@@ -13,13 +13,14 @@ import sys
 import time
 
 import jax
-import jaxlib
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
 from jaxworks import jit_cache
 from jaxworks.jit_cache._src import disk_cache
+from jaxworks.jit_cache._src import fingerprint
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "disk_cache_worker.py")
@@ -62,7 +63,7 @@ def _entries(directory):
 def cache_off():
   yield
   jit_cache.set_cache_dir(None)
-  disk_cache.config._dir = disk_cache._UNSET  # pylint: disable=protected-access
+  disk_cache.config._dir = disk_cache._UNSET
   disk_cache.config.max_bytes = disk_cache.DEFAULT_MAX_BYTES
 
 
@@ -120,9 +121,9 @@ def _assert_valid(path):
   import hashlib  # pylint: disable=g-import-not-at-top
   with open(path, "rb") as f:
     data = f.read()
-  head = len(disk_cache.MAGIC) + disk_cache._HEADER.size  # pylint: disable=protected-access
+  head = len(disk_cache.MAGIC) + disk_cache.HEADER.size
   assert data.startswith(disk_cache.MAGIC)
-  fmt, key_len, payload_len, sha = disk_cache._HEADER.unpack_from(  # pylint: disable=protected-access
+  fmt, key_len, payload_len, sha = disk_cache.HEADER.unpack_from(
       data, len(disk_cache.MAGIC))
   assert fmt == disk_cache.FORMAT_VERSION
   assert len(data) == head + key_len + payload_len
@@ -145,13 +146,13 @@ def test_flipped_payload_byte_is_rejected_and_rewritten(tmp_path):
 
 
 def _rewrite_key(data, change):
-  head = len(disk_cache.MAGIC) + disk_cache._HEADER.size  # pylint: disable=protected-access
-  fmt, key_len, payload_len, sha = disk_cache._HEADER.unpack_from(  # pylint: disable=protected-access
+  head = len(disk_cache.MAGIC) + disk_cache.HEADER.size
+  fmt, key_len, payload_len, sha = disk_cache.HEADER.unpack_from(
       bytes(data), len(disk_cache.MAGIC))
   key = json.loads(bytes(data[head:head + key_len]))
   change(key)
-  new_key = disk_cache._key_bytes(key)  # pylint: disable=protected-access
-  return (disk_cache.MAGIC + disk_cache._HEADER.pack(  # pylint: disable=protected-access
+  new_key = disk_cache._key_bytes(key)
+  return (disk_cache.MAGIC + disk_cache.HEADER.pack(
       fmt, len(new_key), payload_len, sha) + new_key +
           bytes(data[head + key_len:]))
 
@@ -259,7 +260,6 @@ def test_user_primitive_is_not_persisted(tmp_path, cache_off):
 def test_key_changes_with_x64_and_placement(cache_off):
   f = lambda x: x + 1  # noqa: E731
   jaxpr = jax.make_jaxpr(f)(jnp.ones(3))
-  from jaxworks.jit_cache._src import fingerprint  # pylint: disable=g-import-not-at-top
   fp = fingerprint.fingerprint(jaxpr)
   params = fingerprint.params_key({"donated_invars": (False,)})
   ctx = ()

@@ -12,9 +12,9 @@ import json
 import sys
 
 import jax
+from jax import monitoring
 import jax.numpy as jnp
 import numpy as np
-from jax import monitoring
 
 from jaxworks import jit_cache
 

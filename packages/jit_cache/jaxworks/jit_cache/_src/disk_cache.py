@@ -31,6 +31,9 @@ Entries are pickles: load them only from a directory you trust, as with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence
+import enum
 import hashlib
 import json
 import os
@@ -40,19 +43,19 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
 
 import jax
-import jaxlib
-import numpy as np
 from jax.experimental import serialize_executable as _serialize
 from jax.extend import core as jex_core
+import jaxlib
+import numpy as np
 
+from ..version import __version__ as _jaxworks_version
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
-from ..version import __version__ as _jaxworks_version
 
 # Stock JAX callables bound at import (safe under ``jax.* = ...`` swaps).
 _jax_devices = jax.devices
@@ -67,7 +70,7 @@ DEFAULT_MAX_BYTES = 1 << 30
 #: Format of an entry file; a change rejects older entries.
 FORMAT_VERSION = 1
 MAGIC = b"JWJITX\r\n"
-_HEADER = struct.Struct("<IIQ32s")  # format, key length, payload length, sha
+HEADER = struct.Struct("<IIQ32s")  # format, key length, payload length, sha
 SUFFIX = ".jwx"
 
 _UNSET: Any = object()
@@ -123,7 +126,7 @@ def set_cache_dir(path: str | os.PathLike | None,
           "jaxworks.jit_cache.set_cache_dir: max_bytes must be positive, got "
           f"{max_bytes}; pass None to turn the cache off")
     config.max_bytes = max_bytes
-  config._dir = None if path is None else os.fspath(path)  # pylint: disable=protected-access
+  config._dir = None if path is None else os.fspath(path)
 
 
 def enabled() -> bool:
@@ -203,7 +206,7 @@ def _slots(t: type) -> list[str]:
 # are encoded once, as a digest.
 _OBJ_MEMO: dict[int, tuple[Any, str]] = {}
 _OBJ_MEMO_MAX = 1 << 15
-_FP_MEMO: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_FP_MEMO: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _MEMO_LOCK = threading.Lock()
 
 
@@ -295,8 +298,9 @@ def _enc_value(v: Any, out: list, depth: int) -> None:
     out.append(f"dt{v.str}:{v.name};")
   elif isinstance(v, np.ndarray):
     if v.dtype != object:
+      data = np.ascontiguousarray(v).tobytes()
       out.append(f"nd{v.dtype.str}{v.shape}:"
-                 f"{hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()};")
+                 f"{hashlib.sha256(data).hexdigest()};")
     else:
       out.append(f"no{v.shape}(")
       for x in v.reshape(-1).tolist():
@@ -350,7 +354,8 @@ def _enc_object(v: Any, out: list, depth: int) -> None:
   """A jax/numpy object: enum member, object with slots or a plain repr."""
   t = type(v)
   name = _type_name(t)
-  import enum  # pylint: disable=g-import-not-at-top
+  if t.__module__ == "builtins":  # functions, methods, modules, ...
+    raise NotPersistable(f"object of type {t.__qualname__}")
   if isinstance(v, enum.Enum):
     out.append(f"E{name}.{v.name};")
     return
@@ -494,7 +499,7 @@ class DiskCounters:
 COUNTERS = DiskCounters()
 
 #: Per trace entry: what the disk cache did for it last (for explain_miss).
-_NOTES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_NOTES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _NOTES_LOCK = threading.Lock()
 
 
@@ -550,10 +555,10 @@ def read_entry(path: str, key: dict) -> tuple[bytes | None, str]:
     return None, "absent"
   except OSError as e:
     return None, f"unreadable: {e}"
-  head = len(MAGIC) + _HEADER.size
+  head = len(MAGIC) + HEADER.size
   if len(data) < head or data[:len(MAGIC)] != MAGIC:
     return None, "corrupt: bad magic or truncated header"
-  fmt, key_len, payload_len, sha = _HEADER.unpack_from(data, len(MAGIC))
+  fmt, key_len, payload_len, sha = HEADER.unpack_from(data, len(MAGIC))
   if fmt != FORMAT_VERSION:
     return None, f"version mismatch: entry format {fmt} != {FORMAT_VERSION}"
   if len(data) != head + key_len + payload_len:
@@ -577,7 +582,7 @@ def read_entry(path: str, key: dict) -> tuple[bytes | None, str]:
 def write_entry(directory: str, name: str, key: dict, payload: bytes) -> int:
   """Writes an entry atomically; returns the bytes written."""
   key_bytes = _key_bytes(key)
-  header = MAGIC + _HEADER.pack(FORMAT_VERSION, len(key_bytes), len(payload),
+  header = MAGIC + HEADER.pack(FORMAT_VERSION, len(key_bytes), len(payload),
                                 hashlib.sha256(payload).digest())
   fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX + ".part",
                              dir=directory)
