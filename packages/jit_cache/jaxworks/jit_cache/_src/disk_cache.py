@@ -316,7 +316,7 @@ def _enc_value(v: Any, out: list, depth: int) -> None:
     out.append(")")
   elif isinstance(v, jax.sharding.SingleDeviceSharding):
     out.append("SD(")
-    _enc(v._device_assignment, out, d)  # pylint: disable=protected-access
+    _enc(tuple(v.device_set), out, d)
     _enc(v.memory_kind, out, d)
     out.append(")")
   elif isinstance(v, ji.Mesh):
