@@ -68,18 +68,25 @@ def cache_off():
 
 
 def test_second_process_loads_without_lowering_or_compiling(tmp_path):
-  first = _run(tmp_path, "chain1")
-  assert first["lowered"] == [1] and first["compiled"] == [1]
-  assert first["stats"]["disk_misses"] == 1
+  # chain1: one device; sharded: 8 devices, NamedSharding, donated input.
+  first = _run(tmp_path, "chain1,sharded")
+  assert first["lowered"] == [1, 1] and first["compiled"] == [1, 1]
+  assert first["stats"]["disk_misses"] == 2
   assert first["stats"]["disk_bytes_written"] > 0
-  assert len(_entries(tmp_path)) == 1
-  second = _run(tmp_path, "chain1")
-  assert second["lowered"] == [0] and second["compiled"] == [0]
-  assert second["stats"]["disk_hits"] == 1
+  assert len(_entries(tmp_path)) == 2
+  second = _run(tmp_path, "chain1,sharded")
+  assert second["lowered"] == [0, 0] and second["compiled"] == [0, 0]
+  assert second["stats"]["disk_hits"] == 2
   assert second["stats"]["compiles"] == 0
   assert second["stats"]["disk_bytes_read"] > 0
   assert "disk cache: loaded" in second["explain"][0]
   assert second["results"] == first["results"]
+  assert "PartitionSpec('i',)" in second["results"][1][2] or (
+      "P('i'" in second["results"][1][2])
+  # x64 is part of the key: the same program under x64 compiles anew.
+  x64 = _run(tmp_path, "chain1", env={"JAX_ENABLE_X64": "1"})
+  assert x64["stats"]["disk_hits"] == 0 and x64["lowered"] == [1]
+  assert len(_entries(tmp_path)) == 3
 
 
 def test_three_processes_racing_on_one_entry(tmp_path):
@@ -254,7 +261,7 @@ def test_user_primitive_is_not_persisted(tmp_path, cache_off):
   x = jnp.arange(4.0)
   np.testing.assert_array_equal(f(x), x * 2 + 1)
   assert _entries(tmp_path) == []
-  assert "not persisted (primitive jaxworks_test_double" in f.explain_miss(x)
+  assert "disk cache: not persisted (primitive jaxworks_test_double" in f.explain_miss(x)
 
 
 def test_key_changes_with_x64_and_placement(cache_off):

@@ -39,9 +39,15 @@ def with_callback(x):
 
 
 def program(name):
+  """(function, jit options, input) of a program name."""
+  x = jnp.arange(8, dtype=jnp.float32)
   if name == "callback":
-    return with_callback
-  return chain(float(name[len("chain"):]))
+    return with_callback, {}, x
+  if name == "sharded":  # 8 devices, donated input
+    mesh = jax.make_mesh((8,), ("i",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+    return chain(3.0), {"donate_argnums": 0}, jax.device_put(x, sharding)
+  return chain(float(name[len("chain") :])), {}, x
 
 
 def main():
@@ -49,25 +55,28 @@ def main():
   if directory != "-":
     max_bytes = int(sys.argv[3]) if len(sys.argv) > 3 else None
     jit_cache.set_cache_dir(directory, max_bytes=max_bytes)
-  x = jnp.arange(8, dtype=jnp.float32)
   out = {"results": [], "stock": [], "explain": [], "lowered": [],
          "compiled": []}
   for name in names:
-    f = jit_cache.jit(program(name))
+    fun, options, x = program(name)
+    f = jit_cache.jit(fun, **options)
     del events[:]
-    y = np.asarray(f(x))
+    r = f(x)
+    y = np.asarray(r)
     out["lowered"].append(events.count(LOWER_EVENT))
     out["compiled"].append(events.count(COMPILE_EVENT))
-    out["results"].append([str(y.dtype), y.tobytes().hex()])
-    out["explain"].append(f.explain_miss(x))
+    out["results"].append([str(y.dtype), y.tobytes().hex(), str(r.sharding)])
+    out["explain"].append(f.explain_miss(program(name)[2]))
   s = jit_cache.stats()
   out["stats"] = {k: getattr(s, k) for k in (
       "disk_hits", "disk_misses", "disk_rejected", "disk_bytes_read",
       "disk_bytes_written", "compiles")}
   out["cache_dir"] = jit_cache.config.cache_dir
   for name in names:
-    y = np.asarray(jax.jit(program(name))(x))
-    out["stock"].append([str(y.dtype), y.tobytes().hex()])
+    fun, options, x = program(name)
+    r = jax.jit(fun, **options)(x)
+    y = np.asarray(r)
+    out["stock"].append([str(y.dtype), y.tobytes().hex(), str(r.sharding)])
   print(json.dumps(out))
 
 

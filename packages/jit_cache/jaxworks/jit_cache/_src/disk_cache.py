@@ -325,6 +325,11 @@ def _enc_value(v: Any, out: list, depth: int) -> None:
     _enc(tuple(v.axis_names), out, d)
     _enc(repr(getattr(v, "axis_types", None)), out, d)
     out.append(")")
+  elif isinstance(v, ji.AbstractMesh):
+    text = repr(v)  # axis names, sizes and types, device kind, platform
+    if " at 0x" in text:
+      raise NotPersistable("abstract mesh without a value encoding")
+    out.append(f"AM{len(text)}:{text}")
   elif isinstance(v, jax.sharding.Sharding):
     raise NotPersistable(f"sharding {t.__name__}")
   elif isinstance(v, ji.PyTreeDef):
@@ -698,7 +703,7 @@ def wrap_build(build: Callable[[], Any],
       key = make_key(program, params, leaves, context)
     except NotPersistable as e:
       count("unpersistable")
-      _note(owner, f"not persisted ({e})")
+      _note(owner, f"disk cache: not persisted ({e})")
       return build()
     name = _file_name(key)
     path = os.path.join(directory, name)
