@@ -261,7 +261,8 @@ def test_user_primitive_is_not_persisted(tmp_path, cache_off):
   x = jnp.arange(4.0)
   np.testing.assert_array_equal(f(x), x * 2 + 1)
   assert _entries(tmp_path) == []
-  assert "disk cache: not persisted (primitive jaxworks_test_double" in f.explain_miss(x)
+  assert ("disk cache: not persisted (primitive jaxworks_test_double"
+          in f.explain_miss(x))
 
 
 def test_key_changes_with_x64_and_placement(cache_off):
