@@ -46,428 +46,651 @@ LR = 0.05
 STEPS = 3
 
 SECTIONS = (
-    "0. Setup",
-    "1. Save a checkpoint (batched_transfer.save)",
-    "2. Restore it into the compiled step's input formats (batched_transfer.restore, place_for)",
-    "3. Train with a pmap_chunked step, psum over 'batch' (pmap_chunked, axis_names)",
-    "4. Inner-jit hits and executable reuse (jit_cache)",
-    "5. Export the step for cpu and tpu, reload the cpu artifact, run it (stages_aot)",
-    "6. Side by side with stock JAX",
-    "7. Adopt jaxworks program-wide: jax.jit, jax.device_put and jax.pmap swapped (install())",
+  "0. Setup",
+  "1. Save a checkpoint (batched_transfer.save)",
+  "2. Restore it into the compiled step's input formats (batched_transfer.restore, place_for)",
+  "3. Train with a pmap_chunked step, psum over 'batch' (pmap_chunked, axis_names)",
+  "4. Inner-jit hits and executable reuse (jit_cache)",
+  "5. Export the step for cpu and tpu, reload the cpu artifact, run it (stages_aot)",
+  "6. Side by side with stock JAX",
+  "7. Adopt jaxworks program-wide: jax.jit, jax.device_put and jax.pmap swapped (install())",
 )
 
 
 class CheckFailed(AssertionError):
-    """A result of the tour differs from what stock JAX computes."""
+  """A result of the tour differs from what stock JAX computes."""
 
 
 _current_section = [""]
 
 
 def section(index):
-    title = SECTIONS[index]
-    _current_section[0] = title
-    print(f"\n== {title} " + "=" * max(3, 100 - len(title)))
+  title = SECTIONS[index]
+  _current_section[0] = title
+  print(f"\n== {title} " + "=" * max(3, 100 - len(title)))
 
 
 def check(ok, what, fix=""):
-    """Prints `ok: what`, or raises CheckFailed naming the section (and the fix, when there is one)."""
-    if not ok:
-        raise CheckFailed(f"in section '{_current_section[0]}': {what}" + (f"; {fix}" if fix else ""))
-    print(f"   ok: {what}")
+  """Prints `ok: what`, or raises CheckFailed naming the section (and the fix, when there is one)."""
+  if not ok:
+    raise CheckFailed(
+      f"in section '{_current_section[0]}': {what}"
+      + (f"; {fix}" if fix else "")
+    )
+  print(f"   ok: {what}")
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):
-    """Whether two pytrees of arrays are equal up to float rounding."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return (jax.tree.structure(a) == jax.tree.structure(b)
-            and all(np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol) for x, y in zip(la, lb)))
+  """Whether two pytrees of arrays are equal up to float rounding."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+    np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+    for x, y in zip(la, lb)
+  )
 
 
 # ------------------------------------------------------------------------ the model
 
 
 def dense(x, w, b):
-    """One hidden layer: the inner jit the step calls DEPTH times."""
-    return jnp.tanh(x @ w + b)
+  """One hidden layer: the inner jit the step calls DEPTH times."""
+  return jnp.tanh(x @ w + b)
 
 
 def counted(fun, counter, key):
-    """`fun`, counting its Python executions (i.e. traces) in counter[key]."""
-    @functools.wraps(fun)
-    def wrapper(*args):
-        counter[key] = counter.get(key, 0) + 1
-        return fun(*args)
-    return wrapper
+  """`fun`, counting its Python executions (i.e. traces) in counter[key]."""
+
+  @functools.wraps(fun)
+  def wrapper(*args):
+    counter[key] = counter.get(key, 0) + 1
+    return fun(*args)
+
+  return wrapper
 
 
 def init_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w_in": (rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(np.float32),
-        "w_hid": (rng.normal(size=(DEPTH, HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32),
-        "b_hid": np.zeros((DEPTH, HIDDEN), np.float32),
-        "w_out": (rng.normal(size=(HIDDEN, OUTPUTS)) / np.sqrt(HIDDEN)).astype(np.float32),
-    }
+  rng = np.random.default_rng(seed)
+  return {
+    "w_in": (rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(
+      np.float32
+    ),
+    "w_hid": (
+      rng.normal(size=(DEPTH, HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)
+    ).astype(np.float32),
+    "b_hid": np.zeros((DEPTH, HIDDEN), np.float32),
+    "w_out": (rng.normal(size=(HIDDEN, OUTPUTS)) / np.sqrt(HIDDEN)).astype(
+      np.float32
+    ),
+  }
 
 
 def make_batch(seed=1):
-    """Per-device slices stacked on a leading axis of size N_DEVICES (the pmap convention)."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(N_DEVICES, PER_DEVICE, FEATURES)).astype(np.float32)
-    teacher = rng.normal(size=(FEATURES, OUTPUTS)).astype(np.float32)
-    return {"x": x, "y": np.sin(x @ teacher)}
+  """Per-device slices stacked on a leading axis of size N_DEVICES (the pmap convention)."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N_DEVICES, PER_DEVICE, FEATURES)).astype(np.float32)
+  teacher = rng.normal(size=(FEATURES, OUTPUTS)).astype(np.float32)
+  return {"x": x, "y": np.sin(x @ teacher)}
 
 
 def make_loss(layer):
-    def loss_fn(params, x, y):
-        h = x @ params["w_in"]
-        for i in range(DEPTH):
-            h = layer(h, params["w_hid"][i], params["b_hid"][i])
-        return jnp.mean((h @ params["w_out"] - y) ** 2)
-    return loss_fn
+  def loss_fn(params, x, y):
+    h = x @ params["w_in"]
+    for i in range(DEPTH):
+      h = layer(h, params["w_hid"][i], params["b_hid"][i])
+    return jnp.mean((h @ params["w_out"] - y) ** 2)
+
+  return loss_fn
 
 
 def make_train_step(layer, lr=LR):
-    """The per-device body: local gradients, psum'd over the named axis, one SGD update."""
-    loss_fn = make_loss(layer)
+  """The per-device body: local gradients, psum'd over the named axis, one SGD update."""
+  loss_fn = make_loss(layer)
 
-    def train_step(params, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], batch["y"])
-        grads = jax.tree.map(lambda g: jax.lax.psum(g, AXIS) / N_DEVICES, grads)
-        loss = jax.lax.psum(loss, AXIS) / N_DEVICES
-        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
-    return train_step
+  def train_step(params, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch["x"], batch["y"])
+    grads = jax.tree.map(lambda g: jax.lax.psum(g, AXIS) / N_DEVICES, grads)
+    loss = jax.lax.psum(loss, AXIS) / N_DEVICES
+    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
+  return train_step
 
 
 def pmapped_step(layer, lr=LR):
-    """The jaxworks step: params broadcast (in_axes=None), the batch split over devices."""
-    return pmap_chunked.pmap(make_train_step(layer, lr), AXIS, in_axes=(None, 0), out_axes=(None, None))
+  """The jaxworks step: params broadcast (in_axes=None), the batch split over devices."""
+  return pmap_chunked.pmap(
+    make_train_step(layer, lr), AXIS, in_axes=(None, 0), out_axes=(None, None)
+  )
 
 
 def stock_train_step(layer=None, lr=LR):
-    """The same step with stock JAX only (jax.pmap, jax.jit)."""
-    layer = jax.jit(dense) if layer is None else layer
-    return jax.pmap(make_train_step(layer, lr), AXIS, in_axes=(None, 0), out_axes=(None, None))
+  """The same step with stock JAX only (jax.pmap, jax.jit)."""
+  layer = jax.jit(dense) if layer is None else layer
+  return jax.pmap(
+    make_train_step(layer, lr), AXIS, in_axes=(None, 0), out_axes=(None, None)
+  )
 
 
 def full_batch_step(params, batch, lr=LR):
-    """Single-device reference: the gradient of the mean loss over the whole batch."""
-    x = batch["x"].reshape(-1, FEATURES)
-    y = batch["y"].reshape(-1, OUTPUTS)
-    loss, grads = jax.value_and_grad(make_loss(dense))(params, x, y)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+  """Single-device reference: the gradient of the mean loss over the whole batch."""
+  x = batch["x"].reshape(-1, FEATURES)
+  y = batch["y"].reshape(-1, OUTPUTS)
+  loss, grads = jax.value_and_grad(make_loss(dense))(params, x, y)
+  return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
 
 
 def spec_of(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree
+  )
 
 
 def named_axis_effects(closed_jaxpr):
-    """Stock JAX's answer to 'which named axes does this program use': its NamedAxisEffects."""
-    return frozenset(e.name for e in closed_jaxpr.effects if type(e).__name__ == "NamedAxisEffect")
+  """Stock JAX's answer to 'which named axes does this program use': its NamedAxisEffects."""
+  return frozenset(
+    e.name
+    for e in closed_jaxpr.effects
+    if type(e).__name__ == "NamedAxisEffect"
+  )
 
 
 # ----------------------------------------------------------------------- timing
 
 
 def _timed(fn, inner):
-    """Seconds per call of `inner` back-to-back calls (waiting for the last result)."""
-    start = time.perf_counter()
-    for _ in range(inner - 1):
-        fn()
-    jax.block_until_ready(fn())
-    return (time.perf_counter() - start) / inner
+  """Seconds per call of `inner` back-to-back calls (waiting for the last result)."""
+  start = time.perf_counter()
+  for _ in range(inner - 1):
+    fn()
+  jax.block_until_ready(fn())
+  return (time.perf_counter() - start) / inner
 
 
 def median_pair(ours, stock, repeats, inner=1):
-    """Medians over interleaved repeats of (jaxworks, stock) seconds per call."""
-    t_ours, t_stock = [], []
-    for _ in range(repeats):
-        t_ours.append(_timed(ours, inner))
-        t_stock.append(_timed(stock, inner))
-    return statistics.median(t_ours), statistics.median(t_stock)
+  """Medians over interleaved repeats of (jaxworks, stock) seconds per call."""
+  t_ours, t_stock = [], []
+  for _ in range(repeats):
+    t_ours.append(_timed(ours, inner))
+    t_stock.append(_timed(stock, inner))
+  return statistics.median(t_ours), statistics.median(t_stock)
 
 
 def fmt_time(seconds):
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds * 1e6:.1f} us"
+  if seconds >= 1e-3:
+    return f"{seconds * 1e3:.1f} ms"
+  return f"{seconds * 1e6:.1f} us"
 
 
 # ------------------------------------------------------------------------ sections
 
 
 def show_setup():
-    section(0)
-    devices = jax.devices()
-    print(f"   jax {jax.__version__}, {len(devices)} {devices[0].platform} devices")
-    for name, mod in (("axis_names", axis_names), ("batched_transfer", bt), ("jit_cache", jit_cache),
-                      ("stages_aot", stages_aot), ("pmap_chunked", pmap_chunked)):
-        print(f"   jaxworks.{name:<17} {mod.__version__}")
-    check(len(devices) >= N_DEVICES, f"at least {N_DEVICES} devices (got {len(devices)})",
-          fix=f"run with XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES} JAX_PLATFORMS=cpu")
+  section(0)
+  devices = jax.devices()
+  print(
+    f"   jax {jax.__version__}, {len(devices)} {devices[0].platform} devices"
+  )
+  for name, mod in (
+    ("axis_names", axis_names),
+    ("batched_transfer", bt),
+    ("jit_cache", jit_cache),
+    ("stages_aot", stages_aot),
+    ("pmap_chunked", pmap_chunked),
+  ):
+    print(f"   jaxworks.{name:<17} {mod.__version__}")
+  check(
+    len(devices) >= N_DEVICES,
+    f"at least {N_DEVICES} devices (got {len(devices)})",
+    fix=f"run with XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES} JAX_PLATFORMS=cpu",
+  )
 
 
 def save_checkpoint(tmp, params):
-    section(1)
-    path = tmp / "ckpt"
-    bt.save(path, params)
-    files = sorted(p.name for p in path.iterdir())
-    for name in files:
-        print(f"   {path.name}/{name:<10} {(path / name).stat().st_size:>7} bytes")
-    npy = [f for f in files if f.endswith(".npy")]
-    check(npy == sorted(k + ".npy" for k in params), f"one .npy file per leaf: {npy}")
-    check(all(np.array_equal(np.load(path / (k + ".npy")), v) for k, v in params.items()),
-          "numpy reads back every leaf unchanged")
-    return path
+  section(1)
+  path = tmp / "ckpt"
+  bt.save(path, params)
+  files = sorted(p.name for p in path.iterdir())
+  for name in files:
+    print(f"   {path.name}/{name:<10} {(path / name).stat().st_size:>7} bytes")
+  npy = [f for f in files if f.endswith(".npy")]
+  check(
+    npy == sorted(k + ".npy" for k in params), f"one .npy file per leaf: {npy}"
+  )
+  check(
+    all(
+      np.array_equal(np.load(path / (k + ".npy")), v) for k, v in params.items()
+    ),
+    "numpy reads back every leaf unchanged",
+  )
+  return path
 
 
 def restore_checkpoint(path, params, batch, step):
-    section(2)
-    # pmap_chunked stages the program a call would run; its compiled form has one input per leaf of
-    # (params, batch), each with a sharding and a layout.
-    compiled = step.lower(spec_of(params), spec_of(batch)).compile()
-    formats = jax.tree.leaves(compiled.input_formats[0])
-    flat, treedef = jax.tree.flatten((params, batch))
-    names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path((params, batch))[0]]
-    for name, leaf, f in zip(names, flat, formats):
-        print(f"   {name:<16} {str(leaf.dtype)}{list(leaf.shape)!s:<12} -> spec {f.sharding.spec}, "
-              f"layout {f.layout.major_to_minor}")
+  section(2)
+  # pmap_chunked stages the program a call would run; its compiled form has one input per leaf of
+  # (params, batch), each with a sharding and a layout.
+  compiled = step.lower(spec_of(params), spec_of(batch)).compile()
+  formats = jax.tree.leaves(compiled.input_formats[0])
+  flat, treedef = jax.tree.flatten((params, batch))
+  names = [
+    jax.tree_util.keystr(k)
+    for k, _ in jax.tree_util.tree_flatten_with_path((params, batch))[0]
+  ]
+  for name, leaf, f in zip(names, flat, formats):
+    print(
+      f"   {name:<16} {str(leaf.dtype)}{list(leaf.shape)!s:<12} -> spec {f.sharding.spec}, "
+      f"layout {f.layout.major_to_minor}"
+    )
 
-    # restore: reads the headers, validates every key/shape/dtype, then streams the data straight
-    # into the formats of the step's parameter inputs.
-    targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f) for x, f in zip(flat, formats)]
-    param_targets, _ = jax.tree.unflatten(treedef, targets)
-    restored = bt.restore(path, param_targets)
-    # place_for: every positional input of the compiled step at once (restored params are already
-    # in place and pass through; the numpy batch is sent in one batched transfer).
-    n_params = len(jax.tree.leaves(params))
-    placed = jax.tree.leaves(bt.place_for(compiled, (restored, batch)))
-    restored, batch_on_devices = jax.tree.unflatten(treedef, list(placed))
-    plan = bt.plan(list(placed), list(formats))
-    print("   " + str(plan).replace("\n", "\n   "))
+  # restore: reads the headers, validates every key/shape/dtype, then streams the data straight
+  # into the formats of the step's parameter inputs.
+  targets = [
+    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f)
+    for x, f in zip(flat, formats)
+  ]
+  param_targets, _ = jax.tree.unflatten(treedef, targets)
+  restored = bt.restore(path, param_targets)
+  # place_for: every positional input of the compiled step at once (restored params are already
+  # in place and pass through; the numpy batch is sent in one batched transfer).
+  n_params = len(jax.tree.leaves(params))
+  placed = jax.tree.leaves(bt.place_for(compiled, (restored, batch)))
+  restored, batch_on_devices = jax.tree.unflatten(treedef, list(placed))
+  plan = bt.plan(list(placed), list(formats))
+  print("   " + str(plan).replace("\n", "\n   "))
 
-    check(all(x.format == f for x, f in zip(placed, formats)),
-          "every input has exactly the compiled step's format (sharding and layout)")
-    check(all(x is y for x, y in zip(placed[:n_params], jax.tree.leaves(restored))),
-          "place_for passed the restored parameters through (same objects)")
-    check(plan.copies == 0 and plan.zero_copy == len(flat),
-          f"nothing left to move before the step: {plan.zero_copy} of {len(flat)} leaves zero-copy")
-    stock = jax.device_put(flat, list(formats))
-    check(close(list(placed), stock, rtol=0, atol=0), "values equal jax.device_put's of the saved arrays")
-    return compiled, restored, batch_on_devices
+  check(
+    all(x.format == f for x, f in zip(placed, formats)),
+    "every input has exactly the compiled step's format (sharding and layout)",
+  )
+  check(
+    all(x is y for x, y in zip(placed[:n_params], jax.tree.leaves(restored))),
+    "place_for passed the restored parameters through (same objects)",
+  )
+  check(
+    plan.copies == 0 and plan.zero_copy == len(flat),
+    f"nothing left to move before the step: {plan.zero_copy} of {len(flat)} leaves zero-copy",
+  )
+  stock = jax.device_put(flat, list(formats))
+  check(
+    close(list(placed), stock, rtol=0, atol=0),
+    "values equal jax.device_put's of the saved arrays",
+  )
+  return compiled, restored, batch_on_devices
 
 
 def train(params, batch, restored, batch_on_devices, step, stock_step):
-    section(3)
-    losses, p = [], restored
-    for i in range(STEPS):
-        p, loss = step(p, batch_on_devices)
-        losses.append(float(loss))
-        print(f"   step {i}: loss {losses[-1]:.6f}")
-    print(f"   output sharding: {p['w_in'].sharding.spec} over mesh {dict(p['w_in'].sharding.mesh.shape)}")
+  section(3)
+  losses, p = [], restored
+  for i in range(STEPS):
+    p, loss = step(p, batch_on_devices)
+    losses.append(float(loss))
+    print(f"   step {i}: loss {losses[-1]:.6f}")
+  print(
+    f"   output sharding: {p['w_in'].sharding.spec} over mesh {dict(p['w_in'].sharding.mesh.shape)}"
+  )
 
-    stock_losses, q = [], params
-    for _ in range(STEPS):
-        q, loss = stock_step(q, batch)
-        stock_losses.append(float(loss))
-    check(close(losses, stock_losses) and close(p, q),
-          f"losses and parameters equal stock jax.pmap's after {STEPS} steps ({stock_losses[-1]:.6f})")
-    ref_params, ref_loss = full_batch_step(params, batch)
-    first, first_loss = step(restored, batch_on_devices)
-    check(close(first, ref_params, rtol=1e-4, atol=1e-6) and close(first_loss, ref_loss, rtol=1e-5),
-          "one step equals a single-device step on the whole batch (the psum'd gradient is the full one)")
-    check(losses[-1] < losses[0], "the loss goes down")
+  stock_losses, q = [], params
+  for _ in range(STEPS):
+    q, loss = stock_step(q, batch)
+    stock_losses.append(float(loss))
+  check(
+    close(losses, stock_losses) and close(p, q),
+    f"losses and parameters equal stock jax.pmap's after {STEPS} steps ({stock_losses[-1]:.6f})",
+  )
+  ref_params, ref_loss = full_batch_step(params, batch)
+  first, first_loss = step(restored, batch_on_devices)
+  check(
+    close(first, ref_params, rtol=1e-4, atol=1e-6)
+    and close(first_loss, ref_loss, rtol=1e-5),
+    "one step equals a single-device step on the whole batch (the psum'd gradient is the full one)",
+  )
+  check(losses[-1] < losses[0], "the loss goes down")
 
-    local_batch = jax.tree.map(lambda a: a[0], batch)
-    body = make_train_step(jit_cache.jit(dense))
-    report = axis_names.collective_report(body, params, local_batch, axis_sizes={AXIS: N_DEVICES})
-    print("\n   collective report of one device's step (jaxworks.axis_names.collective_report):")
-    print("   " + str(report).replace("\n", "\n   "))
-    print(f"   total bytes per device per step: {report.total_bytes:.0f}")
-    used = axis_names.used_axis_names(body, params, local_batch, axis_sizes={AXIS: N_DEVICES})
-    stock_used = named_axis_effects(jax.make_jaxpr(body, axis_env=[(AXIS, N_DEVICES)])(params, local_batch))
-    check(used == stock_used == {AXIS}, f"used_axis_names = {set(used)} = the NamedAxisEffects of the jaxpr")
-    n_leaves = len(jax.tree.leaves(params))
-    check([(r.axes, r.primitive) for r in report.rows] == [((AXIS,), "psum")]
-          and report.rows[0].count == n_leaves + 1,
-          f"one psum per gradient leaf plus the loss: {n_leaves + 1}")
-    program = step.trace(restored, batch_on_devices).jaxpr
-    free = axis_names.used_axis_names(program)
-    check(free == frozenset() == named_axis_effects(program),
-          "the whole pmapped program uses no free axis name (its shard_map binds 'batch')")
-    return p, losses
+  local_batch = jax.tree.map(lambda a: a[0], batch)
+  body = make_train_step(jit_cache.jit(dense))
+  report = axis_names.collective_report(
+    body, params, local_batch, axis_sizes={AXIS: N_DEVICES}
+  )
+  print(
+    "\n   collective report of one device's step (jaxworks.axis_names.collective_report):"
+  )
+  print("   " + str(report).replace("\n", "\n   "))
+  print(f"   total bytes per device per step: {report.total_bytes:.0f}")
+  used = axis_names.used_axis_names(
+    body, params, local_batch, axis_sizes={AXIS: N_DEVICES}
+  )
+  stock_used = named_axis_effects(
+    jax.make_jaxpr(body, axis_env=[(AXIS, N_DEVICES)])(params, local_batch)
+  )
+  check(
+    used == stock_used == {AXIS},
+    f"used_axis_names = {set(used)} = the NamedAxisEffects of the jaxpr",
+  )
+  n_leaves = len(jax.tree.leaves(params))
+  check(
+    [(r.axes, r.primitive) for r in report.rows] == [((AXIS,), "psum")]
+    and report.rows[0].count == n_leaves + 1,
+    f"one psum per gradient leaf plus the loss: {n_leaves + 1}",
+  )
+  program = step.trace(restored, batch_on_devices).jaxpr
+  free = axis_names.used_axis_names(program)
+  check(
+    free == frozenset() == named_axis_effects(program),
+    "the whole pmapped program uses no free axis name (its shard_map binds 'batch')",
+  )
+  return p, losses
 
 
 def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
-    section(4)
-    info = layer.cache_info()
-    print(f"   inner jit `dense` (jit_cache.jit), called {DEPTH}x per trace of the loss: hits={info.hits} "
-          f"misses={info.misses} traces={info.traces} entries={info.entries}")
-    print(f"   Python executions of dense while tracing: jaxworks {traces.get('jaxworks', 0)} for "
-          f"{info.hits + info.misses} inner calls; stock jax.jit {traces.get('jax', 0)}")
-    check(info.traces == 1 == traces.get("jaxworks") and info.hits >= DEPTH - 1,
-          f"dense ran once in Python; every later inner call hit the trace cache ({info.hits} hits)")
+  section(4)
+  info = layer.cache_info()
+  print(
+    f"   inner jit `dense` (jit_cache.jit), called {DEPTH}x per trace of the loss: hits={info.hits} "
+    f"misses={info.misses} traces={info.traces} entries={info.entries}"
+  )
+  print(
+    f"   Python executions of dense while tracing: jaxworks {traces.get('jaxworks', 0)} for "
+    f"{info.hits + info.misses} inner calls; stock jax.jit {traces.get('jax', 0)}"
+  )
+  check(
+    info.traces == 1 == traces.get("jaxworks") and info.hits >= DEPTH - 1,
+    f"dense ran once in Python; every later inner call hit the trace cache ({info.hits} hits)",
+  )
 
-    # A re-created step: a new closure with the same code and constants, as a training script makes
-    # when it rebuilds its step (e.g. in a loop over runs). jax.pmap traces, lowers and compiles again;
-    # jaxworks traces (hitting the inner-jit cache) and reuses the compiled executable.
-    before = jit_cache.stats()
-    start = time.perf_counter()
-    again = pmapped_step(layer)
-    out = jax.block_until_ready(again(restored, batch_on_devices))
-    ours = time.perf_counter() - start
-    after = jit_cache.stats()
-    start = time.perf_counter()
-    stock_again = stock_train_step()
-    stock_out = jax.block_until_ready(stock_again(params, batch))
-    stock = time.perf_counter() - start
-    print(f"   first call of a re-created step: jaxworks {fmt_time(ours)}, stock jax.pmap {fmt_time(stock)}")
-    print("   jit_cache.stats() around it:")
-    for field in ("hits", "misses", "traces", "compiles", "executable_reuses"):
-        print(f"     {field:<18} {getattr(before, field):>4} -> {getattr(after, field):>4}")
-    print(f"     time saved so far  {after.time_saved_s * 1e3:.0f} ms")
-    check(after.executable_reuses > before.executable_reuses and after.compiles == before.compiles,
-          "the re-created step reused the compiled executable (no new compile)")
-    check(close(out, stock_out), "its result equals stock jax.pmap's")
-    check(after.hits > before.hits, "its trace hit the inner-jit cache")
+  # A re-created step: a new closure with the same code and constants, as a training script makes
+  # when it rebuilds its step (e.g. in a loop over runs). jax.pmap traces, lowers and compiles again;
+  # jaxworks traces (hitting the inner-jit cache) and reuses the compiled executable.
+  before = jit_cache.stats()
+  start = time.perf_counter()
+  again = pmapped_step(layer)
+  out = jax.block_until_ready(again(restored, batch_on_devices))
+  ours = time.perf_counter() - start
+  after = jit_cache.stats()
+  start = time.perf_counter()
+  stock_again = stock_train_step()
+  stock_out = jax.block_until_ready(stock_again(params, batch))
+  stock = time.perf_counter() - start
+  print(
+    f"   first call of a re-created step: jaxworks {fmt_time(ours)}, stock jax.pmap {fmt_time(stock)}"
+  )
+  print("   jit_cache.stats() around it:")
+  for field in ("hits", "misses", "traces", "compiles", "executable_reuses"):
+    print(
+      f"     {field:<18} {getattr(before, field):>4} -> {getattr(after, field):>4}"
+    )
+  print(f"     time saved so far  {after.time_saved_s * 1e3:.0f} ms")
+  check(
+    after.executable_reuses > before.executable_reuses
+    and after.compiles == before.compiles,
+    "the re-created step reused the compiled executable (no new compile)",
+  )
+  check(close(out, stock_out), "its result equals stock jax.pmap's")
+  check(after.hits > before.hits, "its trace hit the inner-jit cache")
 
 
-def export_step(tmp, params, batch, restored, batch_on_devices, step, stock_step):
-    section(5)
-    traced = stages_aot.Traced.from_traced(step.trace(restored, batch_on_devices))
-    lowered = traced.lower(lowering_platforms=("cpu", "tpu"))
-    exported = lowered.export()
-    print(f"   {exported!r}")
-    print(f"   StableHLO: {len(lowered.as_text().splitlines())} lines, one module for {lowered.platforms}")
-    art = stages_aot.save_artifact(exported, tmp / "train_step")
-    print(f"   artifact {art.path.name}/: " + ", ".join(
-        f"{p.name} ({p.stat().st_size} bytes)" for p in sorted(pathlib.Path(art.path).iterdir())))
-    loaded = stages_aot.load_artifact(tmp / "train_step")
-    print(f"   reloaded: platforms {loaded.platforms}, runnable here {loaded.runnable_platforms}")
-    # The exported program is the pmapped program: one input per leaf of (params, batch).
-    out = loaded(*jax.tree.leaves((restored, batch_on_devices)))
-    direct = step(restored, batch_on_devices)
-    stock = stock_step(params, batch)
-    check(tuple(loaded.platforms) == ("cpu", "tpu") and tuple(loaded.runnable_platforms) == ("cpu",),
-          "the artifact holds cpu and tpu; cpu runs here")
-    check(close(out, direct, rtol=0, atol=0), "the reloaded cpu artifact gives exactly the pmapped step's result")
-    check(close(out, stock), "and stock jax.pmap's")
+def export_step(
+  tmp, params, batch, restored, batch_on_devices, step, stock_step
+):
+  section(5)
+  traced = stages_aot.Traced.from_traced(step.trace(restored, batch_on_devices))
+  lowered = traced.lower(lowering_platforms=("cpu", "tpu"))
+  exported = lowered.export()
+  print(f"   {exported!r}")
+  print(
+    f"   StableHLO: {len(lowered.as_text().splitlines())} lines, one module for {lowered.platforms}"
+  )
+  art = stages_aot.save_artifact(exported, tmp / "train_step")
+  print(
+    f"   artifact {art.path.name}/: "
+    + ", ".join(
+      f"{p.name} ({p.stat().st_size} bytes)"
+      for p in sorted(pathlib.Path(art.path).iterdir())
+    )
+  )
+  loaded = stages_aot.load_artifact(tmp / "train_step")
+  print(
+    f"   reloaded: platforms {loaded.platforms}, runnable here {loaded.runnable_platforms}"
+  )
+  # The exported program is the pmapped program: one input per leaf of (params, batch).
+  out = loaded(*jax.tree.leaves((restored, batch_on_devices)))
+  direct = step(restored, batch_on_devices)
+  stock = stock_step(params, batch)
+  check(
+    tuple(loaded.platforms) == ("cpu", "tpu")
+    and tuple(loaded.runnable_platforms) == ("cpu",),
+    "the artifact holds cpu and tpu; cpu runs here",
+  )
+  check(
+    close(out, direct, rtol=0, atol=0),
+    "the reloaded cpu artifact gives exactly the pmapped step's result",
+  )
+  check(close(out, stock), "and stock jax.pmap's")
 
 
 def timings(params, batch, restored, batch_on_devices, step, stock_step):
-    section(6)
-    rows = []
+  section(6)
+  rows = []
 
-    # axis_names: which axis names does the step's program use (a repeated query).
-    local_batch = jax.tree.map(lambda a: a[0], batch)
-    closed = jax.make_jaxpr(make_train_step(jax.jit(dense)), axis_env=[(AXIS, N_DEVICES)])(params, local_batch)
-    axis_names.used_axis_names(closed)
-    ours, stock = median_pair(lambda: axis_names.used_axis_names(closed), lambda: named_axis_effects(closed),
-                              repeats=5, inner=2000)
-    rows.append(("axis_names", "axis names of the step's jaxpr (repeated)", ours, stock, "read jaxpr.effects"))
+  # axis_names: which axis names does the step's program use (a repeated query).
+  local_batch = jax.tree.map(lambda a: a[0], batch)
+  closed = jax.make_jaxpr(
+    make_train_step(jax.jit(dense)), axis_env=[(AXIS, N_DEVICES)]
+  )(params, local_batch)
+  axis_names.used_axis_names(closed)
+  ours, stock = median_pair(
+    lambda: axis_names.used_axis_names(closed),
+    lambda: named_axis_effects(closed),
+    repeats=5,
+    inner=2000,
+  )
+  rows.append(
+    (
+      "axis_names",
+      "axis names of the step's jaxpr (repeated)",
+      ours,
+      stock,
+      "read jaxpr.effects",
+    )
+  )
 
-    # batched_transfer: 64 small numpy leaves onto the 8-device batch sharding.
-    sharding = batch_on_devices["x"].sharding
-    tree = {f"leaf{i}": np.full((N_DEVICES, 32), i, np.float32) for i in range(64)}
-    check(close(bt.device_put(tree, sharding), jax.device_put(tree, sharding), rtol=0, atol=0),
-          "batched_transfer.device_put equals jax.device_put on the timing tree")
-    ours, stock = median_pair(lambda: bt.device_put(tree, sharding), lambda: jax.device_put(tree, sharding),
-                              repeats=7, inner=5)
-    rows.append(("batched_transfer", "device_put, 64 numpy leaves -> 8 devices", ours, stock, "jax.device_put"))
+  # batched_transfer: 64 small numpy leaves onto the 8-device batch sharding.
+  sharding = batch_on_devices["x"].sharding
+  tree = {
+    f"leaf{i}": np.full((N_DEVICES, 32), i, np.float32) for i in range(64)
+  }
+  check(
+    close(
+      bt.device_put(tree, sharding),
+      jax.device_put(tree, sharding),
+      rtol=0,
+      atol=0,
+    ),
+    "batched_transfer.device_put equals jax.device_put on the timing tree",
+  )
+  ours, stock = median_pair(
+    lambda: bt.device_put(tree, sharding),
+    lambda: jax.device_put(tree, sharding),
+    repeats=7,
+    inner=5,
+  )
+  rows.append(
+    (
+      "batched_transfer",
+      "device_put, 64 numpy leaves -> 8 devices",
+      ours,
+      stock,
+      "jax.device_put",
+    )
+  )
 
-    # jit_cache: the first call of a re-created closure (same code and constants).
-    def make_chain():
-        def chain(x):
-            for k in range(40):
-                x = jnp.sin(x) * 1.01 + 0.5 / (k + 1)
-            return x
-        return chain
-    x = jnp.arange(256.0)
-    check(close(jit_cache.jit(make_chain())(x), jax.jit(make_chain())(x)), "jit_cache.jit equals jax.jit")
-    ours, stock = median_pair(lambda: jit_cache.jit(make_chain())(x), lambda: jax.jit(make_chain())(x), repeats=5)
-    rows.append(("jit_cache", "first call of a re-created function", ours, stock, "jax.jit"))
-    f_ours, f_stock = jit_cache.jit(make_chain()), jax.jit(make_chain())
-    ours, stock = median_pair(lambda: f_ours(x), lambda: f_stock(x), repeats=7, inner=200)
-    rows.append(("jit_cache", "cached call", ours, stock, "jax.jit"))
+  # jit_cache: the first call of a re-created closure (same code and constants).
+  def make_chain():
+    def chain(x):
+      for k in range(40):
+        x = jnp.sin(x) * 1.01 + 0.5 / (k + 1)
+      return x
 
-    # stages_aot: trace, lower for cpu+tpu, export, serialize (a fresh function each time).
-    def export_ours():
-        return stages_aot.trace(make_chain(), x).lower(lowering_platforms=("cpu", "tpu")).export().serialize()
+    return chain
 
-    def export_stock():
-        return jax.export.export(jax.jit(make_chain()), platforms=("cpu", "tpu"))(x).serialize()
-    ours, stock = median_pair(lambda: np.frombuffer(export_ours(), np.uint8),
-                              lambda: np.frombuffer(export_stock(), np.uint8), repeats=5)
-    rows.append(("stages_aot", "trace+lower(cpu,tpu)+export+serialize", ours, stock, "jax.export"))
+  x = jnp.arange(256.0)
+  check(
+    close(jit_cache.jit(make_chain())(x), jax.jit(make_chain())(x)),
+    "jit_cache.jit equals jax.jit",
+  )
+  ours, stock = median_pair(
+    lambda: jit_cache.jit(make_chain())(x),
+    lambda: jax.jit(make_chain())(x),
+    repeats=5,
+  )
+  rows.append(
+    ("jit_cache", "first call of a re-created function", ours, stock, "jax.jit")
+  )
+  f_ours, f_stock = jit_cache.jit(make_chain()), jax.jit(make_chain())
+  ours, stock = median_pair(
+    lambda: f_ours(x), lambda: f_stock(x), repeats=7, inner=200
+  )
+  rows.append(("jit_cache", "cached call", ours, stock, "jax.jit"))
 
-    # pmap_chunked: dispatch of the cached training step, both on the same device-resident inputs.
-    check(close(step(restored, batch_on_devices), stock_step(restored, batch_on_devices)),
-          "the pmap_chunked step equals jax.pmap's on the restored inputs")
-    ours, stock = median_pair(lambda: step(restored, batch_on_devices),
-                              lambda: stock_step(restored, batch_on_devices), repeats=7, inner=20)
-    rows.append(("pmap_chunked", "training step, cached call", ours, stock, "jax.pmap"))
+  # stages_aot: trace, lower for cpu+tpu, export, serialize (a fresh function each time).
+  def export_ours():
+    return (
+      stages_aot.trace(make_chain(), x)
+      .lower(lowering_platforms=("cpu", "tpu"))
+      .export()
+      .serialize()
+    )
 
-    print(f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; ratio < 1: jaxworks faster\n")
-    print("   | package | measure | jaxworks | stock JAX | stock call | jaxworks / stock |")
-    print("   |---|---|---:|---:|---|---:|")
-    for package, measure, ours, stock, what in rows:
-        print(f"   | {package} | {measure} | {fmt_time(ours)} | {fmt_time(stock)} | {what} | {ours / stock:.2f} |")
-    check(len({r[0] for r in rows}) == 5, "every package measured side by side with stock JAX")
+  def export_stock():
+    return jax.export.export(jax.jit(make_chain()), platforms=("cpu", "tpu"))(
+      x
+    ).serialize()
+
+  ours, stock = median_pair(
+    lambda: np.frombuffer(export_ours(), np.uint8),
+    lambda: np.frombuffer(export_stock(), np.uint8),
+    repeats=5,
+  )
+  rows.append(
+    (
+      "stages_aot",
+      "trace+lower(cpu,tpu)+export+serialize",
+      ours,
+      stock,
+      "jax.export",
+    )
+  )
+
+  # pmap_chunked: dispatch of the cached training step, both on the same device-resident inputs.
+  check(
+    close(
+      step(restored, batch_on_devices), stock_step(restored, batch_on_devices)
+    ),
+    "the pmap_chunked step equals jax.pmap's on the restored inputs",
+  )
+  ours, stock = median_pair(
+    lambda: step(restored, batch_on_devices),
+    lambda: stock_step(restored, batch_on_devices),
+    repeats=7,
+    inner=20,
+  )
+  rows.append(
+    ("pmap_chunked", "training step, cached call", ours, stock, "jax.pmap")
+  )
+
+  print(
+    f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; ratio < 1: jaxworks faster\n"
+  )
+  print(
+    "   | package | measure | jaxworks | stock JAX | stock call | jaxworks / stock |"
+  )
+  print("   |---|---|---:|---:|---|---:|")
+  for package, measure, ours, stock, what in rows:
+    print(
+      f"   | {package} | {measure} | {fmt_time(ours)} | {fmt_time(stock)} | {what} | {ours / stock:.2f} |"
+    )
+  check(
+    len({r[0] for r in rows}) == 5,
+    "every package measured side by side with stock JAX",
+  )
 
 
 def adopt_program_wide(params, batch):
-    """Code written against stock JAX, run unchanged with jaxworks swapped in for jax.jit/device_put/pmap."""
-    section(7)
+  """Code written against stock JAX, run unchanged with jaxworks swapped in for jax.jit/device_put/pmap."""
+  section(7)
 
-    def user_code():
-        # Plain JAX, as a codebase would have it: every call goes through the jax namespace.
-        placed = jax.device_put(params, jax.devices()[0])
-        step = jax.pmap(make_train_step(jax.jit(dense)), AXIS, in_axes=(None, 0), out_axes=(None, None))
-        return placed, step(placed, batch)
+  def user_code():
+    # Plain JAX, as a codebase would have it: every call goes through the jax namespace.
+    placed = jax.device_put(params, jax.devices()[0])
+    step = jax.pmap(
+      make_train_step(jax.jit(dense)),
+      AXIS,
+      in_axes=(None, 0),
+      out_axes=(None, None),
+    )
+    return placed, step(placed, batch)
 
-    stock_placed, stock_loss = user_code()
-    stock_names = (jax.jit, jax.device_put, jax.pmap)
-    with jit_cache.installed(), bt.installed(), pmap_chunked.installed():
-        swapped = (jax.jit is jit_cache.jit, jax.device_put is bt.device_put, jax.pmap is pmap_chunked.pmap)
-        print("   with jit_cache.installed(), batched_transfer.installed(), pmap_chunked.installed():")
-        print("       jax.jit -> jit_cache.jit, jax.device_put -> batched_transfer.device_put, "
-              "jax.pmap -> pmap_chunked.pmap")
-        placed, loss = user_code()
-    check(all(swapped), f"inside the block the three names are jaxworks' ({swapped})")
-    check((jax.jit, jax.device_put, jax.pmap) == stock_names, "after the block stock JAX's names are back")
-    check(close(jax.tree.leaves(placed), jax.tree.leaves(stock_placed), rtol=0, atol=0)
-          and close(loss, stock_loss), "the unchanged user code gives stock JAX's results")
+  stock_placed, stock_loss = user_code()
+  stock_names = (jax.jit, jax.device_put, jax.pmap)
+  with jit_cache.installed(), bt.installed(), pmap_chunked.installed():
+    swapped = (
+      jax.jit is jit_cache.jit,
+      jax.device_put is bt.device_put,
+      jax.pmap is pmap_chunked.pmap,
+    )
+    print(
+      "   with jit_cache.installed(), batched_transfer.installed(), pmap_chunked.installed():"
+    )
+    print(
+      "       jax.jit -> jit_cache.jit, jax.device_put -> batched_transfer.device_put, "
+      "jax.pmap -> pmap_chunked.pmap"
+    )
+    placed, loss = user_code()
+  check(
+    all(swapped), f"inside the block the three names are jaxworks' ({swapped})"
+  )
+  check(
+    (jax.jit, jax.device_put, jax.pmap) == stock_names,
+    "after the block stock JAX's names are back",
+  )
+  check(
+    close(
+      jax.tree.leaves(placed), jax.tree.leaves(stock_placed), rtol=0, atol=0
+    )
+    and close(loss, stock_loss),
+    "the unchanged user code gives stock JAX's results",
+  )
 
 
 def main(argv=None):
-    del argv  # the tour takes no arguments
-    start = time.perf_counter()
-    jit_cache.reset_stats()
-    traces = {}
-    try:
-        show_setup()
-        layer = jit_cache.jit(counted(dense, traces, "jaxworks"))
-        step = pmapped_step(layer)
-        stock_step = stock_train_step(jax.jit(counted(dense, traces, "jax")))
-        params, batch = init_params(), make_batch()
-        with tempfile.TemporaryDirectory(prefix="jaxworks_tour_") as tmp:
-            tmp = pathlib.Path(tmp)
-            path = save_checkpoint(tmp, params)
-            _, restored, batch_on_devices = restore_checkpoint(path, params, batch, step)
-            train(params, batch, restored, batch_on_devices, step, stock_step)
-            cache_stats(params, batch, restored, batch_on_devices, layer, traces)
-            export_step(tmp, params, batch, restored, batch_on_devices, step, stock_step)
-            timings(params, batch, restored, batch_on_devices, step, stock_step)
-            adopt_program_wide(params, batch)
-    except CheckFailed as err:
-        sys.stdout.flush()
-        print(f"\nCHECK FAILED {err}", file=sys.stderr)
-        return 1
-    print(f"\nAll checks passed ({time.perf_counter() - start:.1f} s).")
-    return 0
+  del argv  # the tour takes no arguments
+  start = time.perf_counter()
+  jit_cache.reset_stats()
+  traces = {}
+  try:
+    show_setup()
+    layer = jit_cache.jit(counted(dense, traces, "jaxworks"))
+    step = pmapped_step(layer)
+    stock_step = stock_train_step(jax.jit(counted(dense, traces, "jax")))
+    params, batch = init_params(), make_batch()
+    with tempfile.TemporaryDirectory(prefix="jaxworks_tour_") as tmp:
+      tmp = pathlib.Path(tmp)
+      path = save_checkpoint(tmp, params)
+      _, restored, batch_on_devices = restore_checkpoint(
+        path, params, batch, step
+      )
+      train(params, batch, restored, batch_on_devices, step, stock_step)
+      cache_stats(params, batch, restored, batch_on_devices, layer, traces)
+      export_step(
+        tmp, params, batch, restored, batch_on_devices, step, stock_step
+      )
+      timings(params, batch, restored, batch_on_devices, step, stock_step)
+      adopt_program_wide(params, batch)
+  except CheckFailed as err:
+    sys.stdout.flush()
+    print(f"\nCHECK FAILED {err}", file=sys.stderr)
+    return 1
+  print(f"\nAll checks passed ({time.perf_counter() - start:.1f} s).")
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+  sys.exit(main(sys.argv[1:]))

@@ -32,12 +32,16 @@ def _strip_comments(text):
 
 def _module():
   text = (ROOT / "MODULE.bazel").read_text()
-  return _strip_comments(ast.get_docstring(ast.parse(text)) and text.split('"""', 2)[2] or text)
+  return _strip_comments(
+    ast.get_docstring(ast.parse(text)) and text.split('"""', 2)[2] or text
+  )
 
 
 def _calls(text, name):
   """Argument strings of each `name(...)` call (no nested parentheses in this file's calls but one level)."""
-  return re.findall(r"\b" + re.escape(name) + r"\((.*?)\)\s*$", text, re.S | re.M)
+  return re.findall(
+    r"\b" + re.escape(name) + r"\((.*?)\)\s*$", text, re.S | re.M
+  )
 
 
 def _kwargs(args):
@@ -87,21 +91,34 @@ def _hubs(text):
 
 
 # Repositories that other modules' extensions define (not checkable offline beyond this list).
-_KNOWN_EXTENSION_REPOS = {("@pybind11_bazel//:internal_configure.bzl", "internal_configure_extension"): {"pybind11"}}
+_KNOWN_EXTENSION_REPOS = {
+  (
+    "@pybind11_bazel//:internal_configure.bzl",
+    "internal_configure_extension",
+  ): {"pybind11"}
+}
 
 
 def test_every_use_repo_name_is_defined():
   text = _module()
   extensions, hubs = _extensions(text), _hubs(text)
   repos = _use_repos(text)
-  assert repos, "no use_repo found: the reader no longer understands MODULE.bazel"
+  assert repos, (
+    "no use_repo found: the reader no longer understands MODULE.bazel"
+  )
   for var, apparent, repo in repos:
-    assert var in extensions, f"use_repo({var}, ...): {var} is not a use_extension result"
+    assert var in extensions, (
+      f"use_repo({var}, ...): {var} is not a use_extension result"
+    )
     path, ext, _ = extensions[var]
     if ext == "pip":
-      assert repo in hubs.get(var, {}), f"use_repo({var}, {apparent} = {repo!r}): no {var}.parse(hub_name = {repo!r})"
+      assert repo in hubs.get(var, {}), (
+        f"use_repo({var}, {apparent} = {repo!r}): no {var}.parse(hub_name = {repo!r})"
+      )
     else:
-      assert repo in _KNOWN_EXTENSION_REPOS.get((path, ext), set()), f"{repo} is not defined by {path}%{ext}"
+      assert repo in _KNOWN_EXTENSION_REPOS.get((path, ext), set()), (
+        f"{repo} is not defined by {path}%{ext}"
+      )
 
 
 def test_apparent_names_are_the_labels_build_files_use():
@@ -119,26 +136,39 @@ def test_hubs_are_namespaced_and_dev_hub_is_a_dev_dependency():
       assert hub.startswith("jaxworks_"), hub
   runtime_var, runtime_hub = by_apparent["pypi"]
   dev_var, dev_hub = by_apparent["pypi_dev"]
-  assert not extensions[runtime_var][2], "the runtime hub must reach projects that depend on jaxworks"
-  assert extensions[dev_var][2], "the test/benchmark hub must be a dev_dependency"
+  assert not extensions[runtime_var][2], (
+    "the runtime hub must reach projects that depend on jaxworks"
+  )
+  assert extensions[dev_var][2], (
+    "the test/benchmark hub must be a dev_dependency"
+  )
   assert hubs[runtime_var][runtime_hub] == "requirements_runtime.txt"
   assert hubs[dev_var][dev_hub] == "requirements_lock.txt"
 
 
 def test_runtime_lock_agrees_with_the_development_lock():
-  runtime, full = _lock("requirements_runtime.txt"), _lock("requirements_lock.txt")
+  runtime, full = (
+    _lock("requirements_runtime.txt"),
+    _lock("requirements_lock.txt"),
+  )
   assert runtime, "empty runtime lock"
   for name, version in runtime.items():
-    assert full.get(name) == version, f"{name}: runtime pins {version}, development lock {full.get(name)}"
+    assert full.get(name) == version, (
+      f"{name}: runtime pins {version}, development lock {full.get(name)}"
+    )
   # The runtime lock holds what the libraries need and not test tools.
   assert {"jax", "jaxlib", "numpy"} <= set(runtime)
   assert not {"pytest", "hypothesis", "matplotlib", "auditwheel"} & set(runtime)
 
 
 def _build_files():
-  return [p for p in ROOT.rglob("BUILD.bazel")
-          if not any(part.startswith("bazel-") for part in p.relative_to(ROOT).parts)
-          and "third_party" not in p.relative_to(ROOT).parts and "consumer" not in p.relative_to(ROOT).parts]
+  return [
+    p
+    for p in ROOT.rglob("BUILD.bazel")
+    if not any(part.startswith("bazel-") for part in p.relative_to(ROOT).parts)
+    and "third_party" not in p.relative_to(ROOT).parts
+    and "consumer" not in p.relative_to(ROOT).parts
+  ]
 
 
 def _requirements_named_in_builds():
@@ -147,8 +177,9 @@ def _requirements_named_in_builds():
   for path in _build_files():
     text = _strip_comments(path.read_text())
     rel = str(path.relative_to(ROOT))
-    for macro, args in re.findall(r"^(\w+)\((.*?)^\)", text, re.M | re.S) + re.findall(
-        r"^(jaxworks_\w+)\((.*?)\)$", text, re.M):
+    for macro, args in re.findall(
+      r"^(\w+)\((.*?)^\)", text, re.M | re.S
+    ) + re.findall(r"^(jaxworks_\w+)\((.*?)\)$", text, re.M):
       m = re.search(r"\bpypi\s*=\s*\[([^\]]*)\]", args)
       if m:
         hub = "pypi" if macro == "jaxworks_package" else "pypi_dev"
@@ -164,15 +195,25 @@ def _requirements_named_in_builds():
 def test_every_requirement_label_is_in_its_hubs_lock():
   named = _requirements_named_in_builds()
   assert named["pypi"] and len(named["pypi_dev"]) > 1, named
-  locks = {"pypi": _lock("requirements_runtime.txt"), "pypi_dev": _lock("requirements_lock.txt")}
+  locks = {
+    "pypi": _lock("requirements_runtime.txt"),
+    "pypi_dev": _lock("requirements_lock.txt"),
+  }
   for hub, reqs in named.items():
     for req, where in reqs.items():
-      assert req in locks[hub], f"{where} names @{hub}//{req}, which the {hub} hub's lock does not pin"
+      assert req in locks[hub], (
+        f"{where} names @{hub}//{req}, which the {hub} hub's lock does not pin"
+      )
 
 
 def _bazel_deps():
-  return {m.group(1): m.group(2) for m in re.finditer(
-      r"bazel_dep\(\s*name\s*=\s*\"([^\"]+)\",\s*version\s*=\s*\"([^\"]+)\"", _module())}
+  return {
+    m.group(1): m.group(2)
+    for m in re.finditer(
+      r"bazel_dep\(\s*name\s*=\s*\"([^\"]+)\",\s*version\s*=\s*\"([^\"]+)\"",
+      _module(),
+    )
+  }
 
 
 def _version(v):
@@ -189,25 +230,38 @@ def test_pins_support_bazel_7_and_8():
 
 def test_pybind11_agrees_in_both_modes():
   # pybind11_bazel X brings pybind11 X; the WORKSPACE build compiles against the lock's pybind11.
-  assert _bazel_deps()["pybind11_bazel"] == _lock("requirements_lock.txt")["pybind11"]
+  assert (
+    _bazel_deps()["pybind11_bazel"]
+    == _lock("requirements_lock.txt")["pybind11"]
+  )
 
 
 def test_workspace_bzlmod_is_empty():
   # Bazel 7 in bzlmod mode still reads WORKSPACE unless WORKSPACE.bzlmod exists.
   text = (ROOT / "WORKSPACE.bzlmod").read_text()
-  assert not _strip_comments(text).strip(), "WORKSPACE.bzlmod must hold comments only"
+  assert not _strip_comments(text).strip(), (
+    "WORKSPACE.bzlmod must hold comments only"
+  )
 
 
 def test_module_version_is_the_combined_wheels():
-  module_version = re.search(r"module\(\s*name\s*=\s*\"jaxworks\",\s*version\s*=\s*\"([^\"]+)\"", _module()).group(1)
+  module_version = re.search(
+    r"module\(\s*name\s*=\s*\"jaxworks\",\s*version\s*=\s*\"([^\"]+)\"",
+    _module(),
+  ).group(1)
   build = (ROOT / "BUILD.bazel").read_text()
-  wheel_version = re.search(r"distribution = \"jaxworks\",\s*version = \"([^\"]+)\"", build).group(1)
+  wheel_version = re.search(
+    r"distribution = \"jaxworks\",\s*version = \"([^\"]+)\"", build
+  ).group(1)
   assert module_version == wheel_version
 
 
-@pytest.mark.parametrize("broken, expected", [
+@pytest.mark.parametrize(
+  "broken, expected",
+  [
     ('use_repo(pip, pypi = "nope")', "no pip.parse"),
-])
+  ],
+)
 def test_reader_finds_an_undefined_repository(broken, expected, monkeypatch):
   """The checks can fail: an undefined use_repo name is reported."""
   text = _module() + "\n" + broken + "\n"

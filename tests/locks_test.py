@@ -13,8 +13,8 @@ import re
 import subprocess
 import sys
 
-import pytest
 from packaging.requirements import Requirement
+import pytest
 
 
 def _root():
@@ -45,35 +45,65 @@ LOCKS = {"gpu": "requirements_gpu_lock.txt", "tpu": "requirements_tpu_lock.txt"}
 def _jax_extra(extra):
   """jax's own requirements for an extra (e.g. libtpu==0.0.42.* for 'tpu')."""
   reqs = [Requirement(r) for r in importlib.metadata.requires("jax")]
-  return {_norm(r.name): r.specifier for r in reqs if r.marker and r.marker.evaluate({"extra": extra})}
+  return {
+    _norm(r.name): r.specifier
+    for r in reqs
+    if r.marker and r.marker.evaluate({"extra": extra})
+  }
 
 
 @pytest.mark.parametrize("kind", sorted(LOCKS))
 def test_accelerator_lock_extends_the_base_lock(kind):
   lock = _lock(LOCKS[kind])
   for name, version in BASE.items():
-    assert lock.get(name) == version, f"{LOCKS[kind]}: {name} is {lock.get(name)}, requirements_lock.txt {version}"
+    assert lock.get(name) == version, (
+      f"{LOCKS[kind]}: {name} is {lock.get(name)}, requirements_lock.txt {version}"
+    )
 
 
 def test_gpu_lock_has_the_cuda_plugin_of_this_jax():
   lock, jax_version = _lock(LOCKS["gpu"]), BASE["jax"]
   for name, spec in _jax_extra("cuda12-local").items():
-    assert name in lock and lock[name] in spec, f"{name}{spec} (jax[cuda12-local]) vs lock {lock.get(name)}"
+    assert name in lock and lock[name] in spec, (
+      f"{name}{spec} (jax[cuda12-local]) vs lock {lock.get(name)}"
+    )
   assert lock["jax-cuda12-plugin"] == lock["jax-cuda12-pjrt"] == jax_version
 
 
 def test_tpu_lock_has_the_libtpu_of_this_jax():
   lock = _lock(LOCKS["tpu"])
   spec = _jax_extra("tpu")["libtpu"]
-  assert lock["libtpu"] in spec, f"libtpu{spec} (jax[tpu]) vs lock {lock['libtpu']}"
+  assert lock["libtpu"] in spec, (
+    f"libtpu{spec} (jax[tpu]) vs lock {lock['libtpu']}"
+  )
 
 
 @pytest.mark.parametrize("kind", sorted(LOCKS))
 def test_lock_resolves_and_installs(kind, tmp_path):
   report = tmp_path / "report.json"
-  out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                        "--disable-pip-version-check", "--report", str(report), "-r", str(_root() / LOCKS[kind])],
-                       capture_output=True, text=True)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "install",
+      "--dry-run",
+      "--ignore-installed",
+      "--quiet",
+      "--disable-pip-version-check",
+      "--report",
+      str(report),
+      "-r",
+      str(_root() / LOCKS[kind]),
+    ],
+    capture_output=True,
+    text=True,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
-  resolved = {_norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-  assert resolved == _lock(LOCKS[kind]), set(resolved.items()) ^ set(_lock(LOCKS[kind]).items())
+  resolved = {
+    _norm(i["metadata"]["name"]): i["metadata"]["version"]
+    for i in json.loads(report.read_text())["install"]
+  }
+  assert resolved == _lock(LOCKS[kind]), set(resolved.items()) ^ set(
+    _lock(LOCKS[kind]).items()
+  )

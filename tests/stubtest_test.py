@@ -21,8 +21,11 @@ def _root():
 
 
 def _stubs():
-  return sorted(p for p in _root().glob("packages/*/jaxworks/*/*.pyi") if p.with_suffix(".so").exists()
-                or any(p.parent.glob(p.stem + "*.so")))
+  return sorted(
+    p
+    for p in _root().glob("packages/*/jaxworks/*/*.pyi")
+    if p.with_suffix(".so").exists() or any(p.parent.glob(p.stem + "*.so"))
+  )
 
 
 def _module(stub):
@@ -30,13 +33,21 @@ def _module(stub):
 
 
 def _stubtest(modules, env=None):
-  return subprocess.run([sys.executable, "-m", "mypy.stubtest", "--ignore-missing-stub", *modules],
-                        capture_output=True, text=True, env=env, cwd=os.environ.get("TEST_TMPDIR", "/tmp"))
+  return subprocess.run(
+    [sys.executable, "-m", "mypy.stubtest", "--ignore-missing-stub", *modules],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=os.environ.get("TEST_TMPDIR", "/tmp"),
+  )
 
 
 def test_every_extension_has_a_stub():
   names = {_module(s) for s in _stubs()}
-  assert {"jaxworks.jit_cache._signature", "jaxworks.batched_transfer._grouping"} <= names, names
+  assert {
+    "jaxworks.jit_cache._signature",
+    "jaxworks.batched_transfer._grouping",
+  } <= names, names
 
 
 @pytest.mark.parametrize("stub", _stubs(), ids=_module)
@@ -53,7 +64,11 @@ def test_stubtest_reports_a_drifted_stub(tmp_path):
   (package / "__init__.py").write_text("")
   so = next(stub.parent.glob(stub.stem + "*.so"))
   shutil.copy(so, package / so.name)
-  (package / stub.name).write_text(stub.read_text() + "\ndef not_in_the_extension(x: int) -> int: ...\n")
+  (package / stub.name).write_text(
+    stub.read_text() + "\ndef not_in_the_extension(x: int) -> int: ...\n"
+  )
   env = dict(os.environ, PYTHONPATH=str(tmp_path), MYPYPATH=str(tmp_path))
   out = _stubtest([_module(stub)], env=env)
-  assert out.returncode != 0 and "not_in_the_extension" in out.stdout, out.stdout + out.stderr
+  assert out.returncode != 0 and "not_in_the_extension" in out.stdout, (
+    out.stdout + out.stderr
+  )

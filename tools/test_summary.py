@@ -36,8 +36,10 @@ class Summary:
   problems: list[str] = dataclasses.field(default_factory=list)
 
   def line(self) -> str:
-    return (f"tests: {self.passed} passed, {self.failed} failed, "
-            f"{self.skipped} skipped")
+    return (
+      f"tests: {self.passed} passed, {self.failed} failed, "
+      f"{self.skipped} skipped"
+    )
 
 
 def read_allowlist(path: str | None) -> dict[str, set[str]]:
@@ -54,8 +56,9 @@ def read_allowlist(path: str | None) -> dict[str, set[str]]:
       fields = entry.split()
       if len(fields) != 2 or not reason.strip():
         raise ValueError(
-            f"{path}:{number}: expected '<target label> <test case id> "
-            f"# reason', got {raw.rstrip()!r}")
+          f"{path}:{number}: expected '<target label> <test case id> "
+          f"# reason', got {raw.rstrip()!r}"
+        )
       allowed.setdefault(fields[0], set()).add(fields[1])
   return allowed
 
@@ -102,8 +105,9 @@ def summarize(bep_paths: list[str], allowed: dict[str, set[str]]) -> Summary:
           tree = None
         if tree is not None:
           for case in tree.iter("testcase"):
-            if case.find("failure") is not None or case.find(
-                "error") is not None:
+            if (
+              case.find("failure") is not None or case.find("error") is not None
+            ):
               summary.failed += 1
               counted_failures += 1
             elif case.find("skipped") is not None:
@@ -112,8 +116,9 @@ def summarize(bep_paths: list[str], allowed: dict[str, set[str]]) -> Summary:
               ok = allowed.get(label, set())
               if "*" not in ok and case_id not in ok:
                 summary.problems.append(
-                    f"{label}: {case_id} was skipped and is not in the "
-                    "skip allowlist (tests/skip_allowlist.txt)")
+                  f"{label}: {case_id} was skipped and is not in the "
+                  "skip allowlist (tests/skip_allowlist.txt)"
+                )
             else:
               summary.passed += 1
       if status != "PASSED" and counted_failures == 0:

@@ -12,60 +12,78 @@ import pytest
 
 
 class _JaxworksOptions:
-    """Options of tools/build_defs/doctest_test.py, which pytest only accepts from a plugin."""
+  """Options of tools/build_defs/doctest_test.py, which pytest only accepts from a plugin."""
 
-    @staticmethod
-    def pytest_addoption(parser):
-        parser.addoption("--jaxworks-package", default=None, help="package whose docstrings run as doctests")
-        parser.addoption("--jaxworks-readme", default=None, help="README whose >>> examples run as doctests")
+  @staticmethod
+  def pytest_addoption(parser):
+    parser.addoption(
+      "--jaxworks-package",
+      default=None,
+      help="package whose docstrings run as doctests",
+    )
+    parser.addoption(
+      "--jaxworks-readme",
+      default=None,
+      help="README whose >>> examples run as doctests",
+    )
 
 
 _ACCELERATORS = {"cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}
 
 
 def require_accelerator():
-    """On a _gpu/_tpu target, exit at once with one line when JAX sees no such device (e.g. on a CPU machine)."""
-    platform = os.environ.get("JAX_PLATFORMS", "")
-    what = _ACCELERATORS.get(platform)
-    if what is None:
-        return
-    # Probe quietly: a missing driver makes JAX's plugins log tracebacks (Python and C++) on stderr.
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        import jax
+  """On a _gpu/_tpu target, exit at once with one line when JAX sees no such device (e.g. on a CPU machine)."""
+  platform = os.environ.get("JAX_PLATFORMS", "")
+  what = _ACCELERATORS.get(platform)
+  if what is None:
+    return
+  # Probe quietly: a missing driver makes JAX's plugins log tracebacks (Python and C++) on stderr.
+  saved = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  try:
+    import jax
 
-        count = len(jax.devices(platform))
-        reason = "JAX lists none"
-    except Exception as e:  # noqa: BLE001 - any failure to initialise the backend means "no device"
-        message = str(e).strip().splitlines()[0] if str(e).strip() else "backend failed to initialise"
-        count, reason = 0, f"{type(e).__name__}: {message}"
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-    if not count:
-        config = "gpu" if what == "GPU" else "tpu"
-        print(f"no {what} visible to JAX (JAX_PLATFORMS={platform}: {reason}); run the {platform} targets on a "
-              f"machine with a {what}: ./tools/bazel test //... --config={config}", file=sys.stderr)
-        sys.exit(1)
+    count = len(jax.devices(platform))
+    reason = "JAX lists none"
+  except Exception as e:  # noqa: BLE001 - any failure to initialise the backend means "no device"
+    message = (
+      str(e).strip().splitlines()[0]
+      if str(e).strip()
+      else "backend failed to initialise"
+    )
+    count, reason = 0, f"{type(e).__name__}: {message}"
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
+  if not count:
+    config = "gpu" if what == "GPU" else "tpu"
+    print(
+      f"no {what} visible to JAX (JAX_PLATFORMS={platform}: {reason}); run the {platform} targets on a "
+      f"machine with a {what}: ./tools/bazel test //... --config={config}",
+      file=sys.stderr,
+    )
+    sys.exit(1)
 
 
 def main():
-    require_accelerator()
-    args = list(sys.argv[1:])
-    args += ["-p", "no:cacheprovider", "-q", "-rfE"]
-    xml = os.environ.get("XML_OUTPUT_FILE")
-    if xml:
-        args.append(f"--junitxml={xml}")
-    only = os.environ.get("TESTBRIDGE_TEST_ONLY")
-    if only:
-        args += ["-k", only]
-    # Hypothesis keeps its example database out of the read-only runfiles tree.
-    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), ".hypothesis"))
-    sys.exit(pytest.main(args, plugins=[_JaxworksOptions()]))
+  require_accelerator()
+  args = list(sys.argv[1:])
+  args += ["-p", "no:cacheprovider", "-q", "-rfE"]
+  xml = os.environ.get("XML_OUTPUT_FILE")
+  if xml:
+    args.append(f"--junitxml={xml}")
+  only = os.environ.get("TESTBRIDGE_TEST_ONLY")
+  if only:
+    args += ["-k", only]
+  # Hypothesis keeps its example database out of the read-only runfiles tree.
+  os.environ.setdefault(
+    "HYPOTHESIS_STORAGE_DIRECTORY",
+    os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), ".hypothesis"),
+  )
+  sys.exit(pytest.main(args, plugins=[_JaxworksOptions()]))
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -23,14 +23,14 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.M)
 _LINUX_TAG = "cp311-cp311-linux_x86_64"
 _CLASSIFIERS = [
-    "Development Status :: 4 - Beta",
-    "Intended Audience :: Developers",
-    "Intended Audience :: Science/Research",
-    "Operating System :: POSIX :: Linux",
-    "Programming Language :: Python :: 3",
-    "Programming Language :: Python :: 3.11",
-    "Topic :: Scientific/Engineering :: Artificial Intelligence",
-    "Typing :: Typed",
+  "Development Status :: 4 - Beta",
+  "Intended Audience :: Developers",
+  "Intended Audience :: Science/Research",
+  "Operating System :: POSIX :: Linux",
+  "Programming Language :: Python :: 3",
+  "Programming Language :: Python :: 3.11",
+  "Topic :: Scientific/Engineering :: Artificial Intelligence",
+  "Typing :: Typed",
 ]
 
 
@@ -38,7 +38,7 @@ def read_version(path):
   with open(path, encoding="utf-8") as f:
     match = _VERSION_RE.search(f.read())
   if not match:
-    sys.exit(f"wheelmaker: no `__version__ = \"X.Y.Z\"` line in {path}")
+    sys.exit(f'wheelmaker: no `__version__ = "X.Y.Z"` line in {path}')
   return match.group(1)
 
 
@@ -89,13 +89,20 @@ def manylinux_tag(wheel_path):
   from auditwheel.wheel_abi import analyze_wheel_abi
 
   info = analyze_wheel_abi(
-      Libc.GLIBC, Architecture.x86_64, pathlib.Path(wheel_path),
-      frozenset(), disable_isa_ext_check=False, allow_graft=False)
+    Libc.GLIBC,
+    Architecture.x86_64,
+    pathlib.Path(wheel_path),
+    frozenset(),
+    disable_isa_ext_check=False,
+    allow_graft=False,
+  )
   policy = info.overall_policy.name
   if not policy.startswith("manylinux_"):
-    sys.exit(f"wheelmaker: auditwheel finds {wheel_path} consistent with no "
-             f"manylinux policy (got {policy!r}); its extensions link "
-             "libraries outside the manylinux set")
+    sys.exit(
+      f"wheelmaker: auditwheel finds {wheel_path} consistent with no "
+      f"manylinux policy (got {policy!r}); its extensions link "
+      "libraries outside the manylinux set"
+    )
   return policy
 
 
@@ -105,8 +112,10 @@ def _entry_points(items):
   for item in items:
     group, _, spec = item.partition(":")
     groups.setdefault(group, []).append(spec.replace("=", " = ", 1))
-  return "".join(f"[{g}]\n" + "".join(f"{s}\n" for s in sorted(v)) + "\n"
-                 for g, v in sorted(groups.items()))
+  return "".join(
+    f"[{g}]\n" + "".join(f"{s}\n" for s in sorted(v)) + "\n"
+    for g, v in sorted(groups.items())
+  )
 
 
 def main(argv=None):
@@ -118,14 +127,24 @@ def main(argv=None):
   p.add_argument("--readme", help="Markdown long description")
   p.add_argument("--license-file", required=True)
   p.add_argument("--requires", action="append", default=[])
-  p.add_argument("--requires-dist-from", action="append", default=[],
-                 help="DIST=VERSION_FILE: requires DIST>=its version")
-  p.add_argument("--pins-from", action="append", default=[],
-                 help="DIST=VERSION_FILE: requires DIST==its version")
-  p.add_argument("--entry-point", action="append", default=[],
-                 help="GROUP:NAME=MODULE:ATTR")
-  p.add_argument("--project-url", action="append", default=[],
-                 help="'LABEL, URL'")
+  p.add_argument(
+    "--requires-dist-from",
+    action="append",
+    default=[],
+    help="DIST=VERSION_FILE: requires DIST>=its version",
+  )
+  p.add_argument(
+    "--pins-from",
+    action="append",
+    default=[],
+    help="DIST=VERSION_FILE: requires DIST==its version",
+  )
+  p.add_argument(
+    "--entry-point", action="append", default=[], help="GROUP:NAME=MODULE:ATTR"
+  )
+  p.add_argument(
+    "--project-url", action="append", default=[], help="'LABEL, URL'"
+  )
   p.add_argument("--files", required=True, help="lines: SOURCE<TAB>PATH")
   p.add_argument("--out-dir", required=True)
   a = p.parse_args(argv)
@@ -159,14 +178,15 @@ def main(argv=None):
     license_data = f.read()
   files.append((f"{dist_info}/licenses/LICENSE", license_data))
   metadata = [
-      "Metadata-Version: 2.4",
-      f"Name: {a.distribution}",
-      f"Version: {version}",
-      f"Summary: {package_summary(files) or a.summary}",
-      "License-Expression: Apache-2.0",
-      "License-File: LICENSE",
-      "Requires-Python: >=3.11,<3.12" if has_extension
-      else "Requires-Python: >=3.11",
+    "Metadata-Version: 2.4",
+    f"Name: {a.distribution}",
+    f"Version: {version}",
+    f"Summary: {package_summary(files) or a.summary}",
+    "License-Expression: Apache-2.0",
+    "License-File: LICENSE",
+    "Requires-Python: >=3.11,<3.12"
+    if has_extension
+    else "Requires-Python: >=3.11",
   ] + [f"Classifier: {c}" for c in _CLASSIFIERS]
   metadata += [f"Project-URL: {u}" for u in a.project_url]
   metadata += [f"Requires-Dist: {r}" for r in requires]
@@ -179,19 +199,30 @@ def main(argv=None):
   entry_points = _entry_points(a.entry_point)
 
   def wheel_text(tag):
-    return "\n".join([
-        "Wheel-Version: 1.0",
-        "Generator: jaxworks-wheelmaker",
-        f"Root-Is-Purelib: {'false' if has_extension else 'true'}",
-        f"Tag: {tag}",
-    ]) + "\n"
+    return (
+      "\n".join(
+        [
+          "Wheel-Version: 1.0",
+          "Generator: jaxworks-wheelmaker",
+          f"Root-Is-Purelib: {'false' if has_extension else 'true'}",
+          f"Tag: {tag}",
+        ]
+      )
+      + "\n"
+    )
 
   os.makedirs(a.out_dir, exist_ok=True)
   if has_extension:
     with tempfile.TemporaryDirectory() as tmp:
       probe = os.path.join(tmp, f"{dist_name}-{version}-{_LINUX_TAG}.whl")
-      _zip(probe, files, dist_info, metadata_text, wheel_text(_LINUX_TAG),
-           entry_points)
+      _zip(
+        probe,
+        files,
+        dist_info,
+        metadata_text,
+        wheel_text(_LINUX_TAG),
+        entry_points,
+      )
       platform = manylinux_tag(probe)
     tag = f"cp311-cp311-{platform}"
   else:

@@ -34,18 +34,24 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Var
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Var
+import jax.numpy as jnp
 
-from jaxworks.axis_names import rename_axes, used_axis_names
-from jaxworks.axis_names._src import analysis, jax_internals, rename, rules
+from jaxworks.axis_names import rename_axes
+from jaxworks.axis_names import used_axis_names
+from jaxworks.axis_names._src import analysis
+from jaxworks.axis_names._src import jax_internals
+from jaxworks.axis_names._src import rename
+from jaxworks.axis_names._src import rules
 
 sys.setrecursionlimit(10000)
 
 X = jnp.ones(4, jnp.float32)
-_PSUM = jax.make_jaxpr(lambda x: lax.psum(x, "i"),
-                       axis_env=[("i", 8)])(X).eqns[0]
+_PSUM = jax.make_jaxpr(lambda x: lax.psum(x, "i"), axis_env=[("i", 8)])(X).eqns[
+  0
+]
 _SIN = jax.make_jaxpr(jnp.sin)(X).eqns[0]
 _JIT = jax.make_jaxpr(lambda x: jax.jit(lambda y: y)(x))(X).eqns[0]
 _TOP = jax.make_jaxpr(lambda x: x)(X).jaxpr
@@ -64,12 +70,21 @@ def _level(sub, n_plain, n_psum):
   if sub is not None:
     out = Var(aval)
     params = dict(_JIT.params, jaxpr=ClosedJaxpr(sub, []))
-    eqns.append(_JIT.replace(invars=[cur], outvars=[out], params=params,
-                             effects=set(sub.effects)))
+    eqns.append(
+      _JIT.replace(
+        invars=[cur], outvars=[out], params=params, effects=set(sub.effects)
+      )
+    )
     effects |= set(sub.effects)
     cur = out
-  return _TOP.replace(constvars=[], invars=[x], outvars=[cur], eqns=eqns,
-                      effects=effects, debug_info=None)
+  return _TOP.replace(
+    constvars=[],
+    invars=[x],
+    outvars=[cur],
+    eqns=eqns,
+    effects=effects,
+    debug_info=None,
+  )
 
 
 def _chain(depth, n_plain, n_psum):
@@ -90,18 +105,31 @@ def make_program(n_eqns, depth=50, per_level=19, psum_frac=0.01):
   eqns, effects = [], set()
   for c in chains:
     out = Var(aval)
-    eqns.append(_JIT.replace(invars=[x], outvars=[out],
-                             params=dict(_JIT.params, jaxpr=ClosedJaxpr(c, [])),
-                             effects=set(c.effects)))
+    eqns.append(
+      _JIT.replace(
+        invars=[x],
+        outvars=[out],
+        params=dict(_JIT.params, jaxpr=ClosedJaxpr(c, [])),
+        effects=set(c.effects),
+      )
+    )
     effects |= set(c.effects)
-  top = _TOP.replace(constvars=[], invars=[x], outvars=[eqns[-1].outvars[0]],
-                     eqns=eqns, effects=effects, debug_info=None)
+  top = _TOP.replace(
+    constvars=[],
+    invars=[x],
+    outvars=[eqns[-1].outvars[0]],
+    eqns=eqns,
+    effects=effects,
+    debug_info=None,
+  )
   return ClosedJaxpr(top, [])
 
 
 def count_eqns(jaxpr):
-  return sum(1 + sum(count_eqns(s) for s in analysis.subjaxprs(e.params))
-             for e in jaxpr.eqns)
+  return sum(
+    1 + sum(count_eqns(s) for s in analysis.subjaxprs(e.params))
+    for e in jaxpr.eqns
+  )
 
 
 def naive_names(jaxpr):
@@ -183,6 +211,7 @@ def trace_cost_per_eqn(n=1000):
     for _ in range(n):
       x = jnp.sin(x)
     return x
+
   t0 = time.perf_counter()
   jax.make_jaxpr(f)(X)
   return (time.perf_counter() - t0) / n
@@ -205,22 +234,27 @@ def query_row(closed, repeats, fast_loops):
   total = count_eqns(top)
   assert used_axis_names(closed) == {"i"} == naive_names(top)
   assert jax_internals.named_axis_effect_names(closed.effects) == {"i"}
-  cold = median_time(lambda: used_axis_names(closed), repeats,
-                     setup=analysis.clear_cache)
+  cold = median_time(
+    lambda: used_axis_names(closed), repeats, setup=analysis.clear_cache
+  )
   used_axis_names(closed)
-  warm = median_time(lambda: used_axis_names(closed), repeats,
-                     loops=fast_loops)
+  warm = median_time(lambda: used_axis_names(closed), repeats, loops=fast_loops)
   naive = median_time(lambda: naive_names(top), repeats)
   effects = median_time(
-      lambda: jax_internals.named_axis_effect_names(closed.effects), repeats,
-      loops=fast_loops)
+    lambda: jax_internals.named_axis_effect_names(closed.effects),
+    repeats,
+    loops=fast_loops,
+  )
   return total, cold, cold / total, warm, naive, naive / warm, effects
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true",
-                  help="small sizes, few repeats (a test runs this)")
+  ap.add_argument(
+    "--quick",
+    action="store_true",
+    help="small sizes, few repeats (a test runs this)",
+  )
   args = ap.parse_args(argv)
   sizes = (1_000, 5_000) if args.quick else (1_000, 10_000, 100_000)
   repeats = 3 if args.quick else 15
@@ -238,44 +272,57 @@ def main(argv=None):
     new = rename_axes(closed, mapping)
     assert used_axis_names(new) == {"k"}
     in_jaxprs, rebuilt = touched(top, new.jaxpr)
-    ours = median_time(lambda: rename_axes(closed, mapping), repeats,
-                       setup=rename._RENAMED.clear)
+    ours = median_time(
+      lambda: rename_axes(closed, mapping), repeats, setup=rename._RENAMED.clear
+    )
     full = median_time(lambda: full_rebuild(top, mapping), repeats)
-    rows_r.append((total, in_jaxprs / total, rebuilt, ours, full,
-                   ours / full))
+    rows_r.append((total, in_jaxprs / total, rebuilt, ours, full, ours / full))
   depth_size = sizes[1]
   for depth in (1, 10, 50):
-    rows_d.append((depth,) + query_row(frozen(make_program(depth_size,
-                                                       depth=depth)),
-                                       repeats, fast_loops))
+    rows_d.append(
+      (depth,)
+      + query_row(
+        frozen(make_program(depth_size, depth=depth)), repeats, fast_loops
+      )
+    )
 
-  header = ("| first query (cold) | per equation | repeated query "
-            "| naive top-down walk | naive / repeated | read jaxpr.effects |")
+  header = (
+    "| first query (cold) | per equation | repeated query "
+    "| naive top-down walk | naive / repeated | read jaxpr.effects |"
+  )
   rule = "|---:|---:|---:|---:|---:|---:|---:|"
   print("## used_axis_names, nesting depth 50\n")
   print("| equations " + header)
   print(rule)
   for total, cold, per, warm, naive, ratio, eff in rows_q:
-    print(f"| {total:,} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
-          f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |")
-  print(f"\n## used_axis_names, {rows_d[0][1]:,} equations by nesting "
-        "depth\n")
+    print(
+      f"| {total:,} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
+      f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |"
+    )
+  print(f"\n## used_axis_names, {rows_d[0][1]:,} equations by nesting depth\n")
   print("| depth " + header)
   print(rule)
   for depth, _, cold, per, warm, naive, ratio, eff in rows_d:
-    print(f"| {depth} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
-          f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |")
-  print(f"\nJAX's whole tracing cost per equation, for scale (it fills "
-        f"jaxpr.effects while tracing): "
-        f"{fmt(trace_cost_per_eqn(200 if args.quick else 1000))}.\n")
-  print("## rename_axes({'i': 'k'}) with the analysis warm, nesting depth 50"
-        "\n")
-  print("| equations | in rebuilt jaxprs | equations rebuilt | rename_axes "
-        "| full rebuild | rename / full |")
+    print(
+      f"| {depth} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
+      f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |"
+    )
+  print(
+    f"\nJAX's whole tracing cost per equation, for scale (it fills "
+    f"jaxpr.effects while tracing): "
+    f"{fmt(trace_cost_per_eqn(200 if args.quick else 1000))}.\n"
+  )
+  print("## rename_axes({'i': 'k'}) with the analysis warm, nesting depth 50\n")
+  print(
+    "| equations | in rebuilt jaxprs | equations rebuilt | rename_axes "
+    "| full rebuild | rename / full |"
+  )
   print("|---:|---:|---:|---:|---:|---:|")
   for total, frac, rebuilt, ours, full, ratio in rows_r:
-    print(f"| {total:,} | {frac:.1%} | {rebuilt:,} | {fmt(ours)} | "
-          f"{fmt(full)} | {ratio:.3f} |")
+    print(
+      f"| {total:,} | {frac:.1%} | {rebuilt:,} | {fmt(ours)} | "
+      f"{fmt(full)} | {ratio:.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ import gc
 import threading
 
 import jax
+from jax import lax
+from jax.extend.core import Primitive
+from jax.extend.core import new_jaxpr_eqn
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax import lax
-from jax.extend.core import Primitive, new_jaxpr_eqn
-from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import analysis
@@ -38,6 +40,7 @@ def test_closed_jaxpr_jaxpr_and_function_forms():
 def test_function_kwargs_are_passed():
   def fn(x, *, name_scale):
     return lax.psum(x, "i") * name_scale
+
   assert used_axis_names(fn, X, name_scale=2.0) == {"i"}
 
 
@@ -84,6 +87,7 @@ def test_weak_identity_cache_survives_id_reuse():
 
   class Obj:
     pass
+
   a = Obj()
   cache.put(a, "a")
   key = id(a)
@@ -99,9 +103,13 @@ def test_weak_identity_cache_survives_id_reuse():
 
 
 def test_binder_shard_map_removes_its_manual_axes():
-  fn = jax.shard_map(lambda v: lax.psum(v, "d") * lax.axis_index("outer"),
-                     mesh=MESH, in_specs=P("d"), out_specs=P("d"),
-                     check_vma=False)
+  fn = jax.shard_map(
+    lambda v: lax.psum(v, "d") * lax.axis_index("outer"),
+    mesh=MESH,
+    in_specs=P("d"),
+    out_specs=P("d"),
+    check_vma=False,
+  )
   closed = jax.make_jaxpr(fn, axis_env=[("outer", 2)])(X)
   assert used_axis_names(closed) == {"outer"}
   body = closed.jaxpr.eqns[0].params["jaxpr"]
@@ -111,8 +119,9 @@ def test_binder_shard_map_removes_its_manual_axes():
 def test_manual_type_flags():
   plain = _closed(lambda x: lax.psum(x, "i"))
   assert not analysis.has_manual_types(plain.jaxpr)
-  fn = jax.shard_map(lambda v: v * 2, mesh=MESH, in_specs=P("d"),
-                     out_specs=P("d"))
+  fn = jax.shard_map(
+    lambda v: v * 2, mesh=MESH, in_specs=P("d"), out_specs=P("d")
+  )
   top = jax.make_jaxpr(fn)(X).jaxpr
   body = top.eqns[0].params["jaxpr"]
   assert analysis.has_local_manual_types(body)
@@ -122,8 +131,9 @@ def test_manual_type_flags():
 
 
 def test_binder_inside_jit_hides_names_but_not_the_collectives():
-  sm = jax.shard_map(lambda v: lax.psum(v, "d"), mesh=MESH, in_specs=P("d"),
-                     out_specs=P())
+  sm = jax.shard_map(
+    lambda v: lax.psum(v, "d"), mesh=MESH, in_specs=P("d"), out_specs=P()
+  )
   top = jax.make_jaxpr(jax.jit(sm))(X).jaxpr
   jit_body = top.eqns[0].params["jaxpr"].jaxpr
   assert used_axis_names(top) == used_axis_names(jit_body) == frozenset()
@@ -136,12 +146,18 @@ def test_pallas_grid_names_are_bound():
   from jax.experimental import pallas as pl
 
   def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...] * (lax.axis_index("g") +
-                               lax.axis_index("outer")).astype(jnp.float32)
+    o_ref[...] = x_ref[...] * (
+      lax.axis_index("g") + lax.axis_index("outer")
+    ).astype(jnp.float32)
+
   fn = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-      grid=(("g", 2),), in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
-      out_specs=pl.BlockSpec((4,), lambda g: (g,)), interpret=True)
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+    grid=(("g", 2),),
+    in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
+    out_specs=pl.BlockSpec((4,), lambda g: (g,)),
+    interpret=True,
+  )
   closed = jax.make_jaxpr(fn, axis_env=[("outer", 2)])(X)
   (eqn,) = closed.eqns
   assert analysis.binder_sizes(eqn) == {"g": 2}
@@ -150,11 +166,11 @@ def test_pallas_grid_names_are_bound():
 
 
 def test_pmap_binds_axis_name():
-  fn = jax.pmap(lambda v: lax.psum(v, "p") + lax.axis_index("p"),
-                axis_name="p")
+  fn = jax.pmap(lambda v: lax.psum(v, "p") + lax.axis_index("p"), axis_name="p")
   assert used_axis_names(fn, X.reshape(8, 1)) == frozenset()
-  fn2 = jax.pmap(lambda v: lax.psum(v, "p") * lax.axis_index("q"),
-                 axis_name="p")
+  fn2 = jax.pmap(
+    lambda v: lax.psum(v, "p") * lax.axis_index("q"), axis_name="p"
+  )
   assert used_axis_names(fn2, X.reshape(8, 1)) == {"q"}
 
 
@@ -168,6 +184,7 @@ def test_nesting_depth_50_traced():
 
 def test_nesting_deeper_than_the_recursion_limit():
   import sys
+
   jaxpr = _closed(lambda x: lax.psum(x, "i")).jaxpr
   for _ in range(sys.getrecursionlimit() + 100):
     jaxpr = _hand_built({"body": jaxpr})
@@ -193,30 +210,43 @@ def test_sub_jaxprs_found_generically_in_any_param_nesting():
   b = _closed(lambda x: lax.axis_index("j") * x).jaxpr
   jaxpr = _hand_built({"stuff": (1, [a, ("text", b)]), "other": "i"})
   assert {id(s) for s in analysis.subjaxprs(jaxpr.eqns[0].params)} == {
-      id(a.jaxpr), id(b)}
+    id(a.jaxpr),
+    id(b),
+  }
   assert used_axis_names(jaxpr) == {"i", "j"}
 
 
 def test_xla_pmap_binder_rule():
-  body = _closed(lambda x: lax.psum(x, "p") * lax.axis_index("q"),
-                 ("p", 2), ("q", 2))
+  body = _closed(
+    lambda x: lax.psum(x, "p") * lax.axis_index("q"), ("p", 2), ("q", 2)
+  )
   closed = _closed(lambda x: x)
   prim = Primitive("xla_pmap")
   prim.multiple_results = True
-  eqn = new_jaxpr_eqn(closed.jaxpr.invars, closed.jaxpr.outvars, prim,
-                      {"call_jaxpr": body.jaxpr, "axis_name": "p",
-                       "axis_size": 2}, set())
+  eqn = new_jaxpr_eqn(
+    closed.jaxpr.invars,
+    closed.jaxpr.outvars,
+    prim,
+    {"call_jaxpr": body.jaxpr, "axis_name": "p", "axis_size": 2},
+    set(),
+  )
   jaxpr = closed.jaxpr.replace(eqns=[eqn])
   assert used_axis_names(jaxpr) == {"q"}
 
 
 def test_unknown_primitive_falls_back_to_effects():
   from jaxworks.axis_names._src import jax_internals
+
   closed = _closed(lambda x: x)
   prim = Primitive("test_opaque_collective")
   prim.multiple_results = True
-  eqn = new_jaxpr_eqn(closed.jaxpr.invars, closed.jaxpr.outvars, prim, {},
-                      {jax_internals.NamedAxisEffect("z")})
+  eqn = new_jaxpr_eqn(
+    closed.jaxpr.invars,
+    closed.jaxpr.outvars,
+    prim,
+    {},
+    {jax_internals.NamedAxisEffect("z")},
+  )
   assert used_axis_names(closed.jaxpr.replace(eqns=[eqn])) == {"z"}
 
 
@@ -248,6 +278,7 @@ def test_threads_agree():
           results.append(used_axis_names(c))
     except Exception as e:  # pragma: no cover - reported below
       errors.append(e)
+
   threads = [threading.Thread(target=work) for _ in range(4)]
   for t in threads:
     t.start()
@@ -280,8 +311,8 @@ def test_matches_a_naive_top_down_walk_on_random_programs():
       for sub in analysis.subjaxprs(eqn.params):
         out |= naive(sub)
     return out
+
   for _ in range(10):
     fn = build(4)
     closed = jax.make_jaxpr(fn, axis_env=[(n, 2) for n in names])(X)
     assert used_axis_names(closed) == naive(closed.jaxpr)
-

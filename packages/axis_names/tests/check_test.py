@@ -7,12 +7,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import inspect
 
 import jax
-import jax.numpy as jnp
-import pytest
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import pytest
 
-from jaxworks.axis_names import AxisNameError, check_axis_names
+from jaxworks.axis_names import AxisNameError
+from jaxworks.axis_names import check_axis_names
 
 X = jnp.arange(8.0)
 MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
@@ -60,25 +62,36 @@ def test_no_axis_sizes_means_nothing_bound():
 
 def test_close_match_hint():
   with pytest.raises(AxisNameError, match=r"did you mean 'batch'\?"):
-    check_axis_names(lambda x: lax.axis_index("bacth") * x, X,
-                     axis_sizes={"batch": 8})
+    check_axis_names(
+      lambda x: lax.axis_index("bacth") * x, X, axis_sizes={"batch": 8}
+    )
 
 
 def test_all_problems_are_listed():
   def two(x):
     return lax.psum(x, "a") + lax.axis_index("b")
+
   with pytest.raises(AxisNameError) as info:
     check_axis_names(two, X, axis_sizes={"c": 2})
-  assert [p[:2] for p in info.value.problems] == [("psum", "a"),
-                                                  ("axis_index", "b")]
+  assert [p[:2] for p in info.value.problems] == [
+    ("psum", "a"),
+    ("axis_index", "b"),
+  ]
   assert "2 problems" in str(info.value)
 
 
 def test_name_unbound_inside_shard_map_reports_mesh_names():
   def body(v):
     return lax.psum(v, "x") * lax.axis_index("z")  # z is free
-  fn = jax.shard_map(body, mesh=MESH, in_specs=P("x"), out_specs=P("x"),
-                     axis_names={"x"}, check_vma=False)
+
+  fn = jax.shard_map(
+    body,
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    axis_names={"x"},
+    check_vma=False,
+  )
   with pytest.raises(AxisNameError) as info:
     check_axis_names(fn, X)
   e = info.value
@@ -90,8 +103,12 @@ def test_name_unbound_inside_shard_map_reports_mesh_names():
 
 def test_nested_in_control_flow_and_jit():
   def fn(x):
-    return jax.jit(lambda v: lax.cond(
-        v[0] > 0, lambda u: lax.pmax(u, "deep"), lambda u: u, v))(x)
+    return jax.jit(
+      lambda v: lax.cond(
+        v[0] > 0, lambda u: lax.pmax(u, "deep"), lambda u: u, v
+      )
+    )(x)
+
   with pytest.raises(AxisNameError) as info:
     check_axis_names(fn, X, axis_sizes={"i": 2})
   assert (info.value.primitive, info.value.axis_name) == ("pmax", "deep")
@@ -101,8 +118,12 @@ def test_nested_in_control_flow_and_jit():
 def test_ppermute_out_of_range_for_axis_size():
   def fn(x):
     return lax.ppermute(x, "i", [(0, 1), (1, 5)])
-  with pytest.raises(AxisNameError, match=r"indices \[5\] outside the axis "
-                     r"of size 4"):
+
+  with pytest.raises(
+    AxisNameError,
+    match=r"indices \[5\] outside the axis "
+    r"of size 4",
+  ):
     check_axis_names(fn, X, axis_sizes={"i": 4})
   assert check_axis_names(fn, X, axis_sizes={"i": 8}) == {"i"}
 
@@ -110,15 +131,21 @@ def test_ppermute_out_of_range_for_axis_size():
 def test_axis_index_groups_must_partition_the_axis():
   def fn(x):
     return lax.psum(x, "i", axis_index_groups=[[0, 1], [2, 3]])
+
   with pytest.raises(AxisNameError, match=r"do not partition range\(8\)"):
     check_axis_names(fn, X, axis_sizes={"i": 8})
   assert check_axis_names(fn, X, axis_sizes={"i": 4}) == {"i"}
 
 
 def test_mismatch_inside_shard_map_uses_mesh_size():
-  fn = jax.shard_map(lambda v: lax.ppermute(v, "x", [(0, 7)]), mesh=MESH,
-                     in_specs=P("x"), out_specs=P("x"), axis_names={"x"},
-                     check_vma=False)
+  fn = jax.shard_map(
+    lambda v: lax.ppermute(v, "x", [(0, 7)]),
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    axis_names={"x"},
+    check_vma=False,
+  )
   with pytest.raises(AxisNameError, match="size 4"):
     check_axis_names(fn, X)
 
@@ -135,19 +162,26 @@ def test_jaxpr_input():
 def test_non_string_axis_name_unbound():
   def fn(x):
     return lax.psum(x, ("t", 1.5))  # non-string name
+
   with pytest.raises(AxisNameError) as info:
     check_axis_names(fn, X, axis_sizes={"t": 2})
   assert isinstance(info.value.__cause__, NameError)
   assert info.value.location.startswith(
-      f"{HERE}:{_line_of(fn, 'non-string name')} ")
+    f"{HERE}:{_line_of(fn, 'non-string name')} "
+  )
   assert "bound axis names: ('t',)" in str(info.value)
 
 
 def test_mismatch_inside_jit_of_shard_map_and_pmap():
   # jit(shard_map) uses no free name, but the walk must still descend.
-  fn = jax.shard_map(lambda v: lax.ppermute(v, "x", [(0, 7)]), mesh=MESH,
-                     in_specs=P("x"), out_specs=P("x"), axis_names={"x"},
-                     check_vma=False)
+  fn = jax.shard_map(
+    lambda v: lax.ppermute(v, "x", [(0, 7)]),
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    axis_names={"x"},
+    check_vma=False,
+  )
   with pytest.raises(AxisNameError, match="outside the axis of size 4"):
     check_axis_names(jax.jit(fn), X)
   pm = jax.pmap(lambda v: lax.pbroadcast(v, "b", 9), axis_name="b")
@@ -167,12 +201,13 @@ def test_operand_not_divisible_by_axis_size():
   with pytest.raises(AxisNameError) as info:
     check_axis_names(uses_scatter, X, axis_sizes={"i": 3})
   e = info.value
-  assert (e.primitive, e.axis_name, e.bound) == ("reduce_scatter", "i",
-                                                 ("i",))
+  assert (e.primitive, e.axis_name, e.bound) == ("reduce_scatter", "i", ("i",))
   assert e.location.startswith(
-      f"{HERE}:{_line_of(uses_scatter, 'splits dimension 0')} ")
-  assert "scatter_dimension=0 has size 8, not divisible by the axis size 3" \
-      in str(e)
+    f"{HERE}:{_line_of(uses_scatter, 'splits dimension 0')} "
+  )
+  assert (
+    "scatter_dimension=0 has size 8, not divisible by the axis size 3" in str(e)
+  )
   assert isinstance(e.__cause__, ValueError)
   assert check_axis_names(uses_scatter, X, axis_sizes={"i": 4}) == {"i"}
 
@@ -180,16 +215,23 @@ def test_operand_not_divisible_by_axis_size():
 def test_all_to_all_split_axis_not_divisible():
   def fn(x):
     return lax.all_to_all(x.reshape(2, 4), "i", 1, 0, tiled=True)
-  with pytest.raises(AxisNameError, match=r"split_axis=1 has size 4, not "
-                     r"divisible by the axis size 3"):
+
+  with pytest.raises(
+    AxisNameError,
+    match=r"split_axis=1 has size 4, not "
+    r"divisible by the axis size 3",
+  ):
     check_axis_names(fn, X, axis_sizes={"i": 3})
 
 
 def test_jaxpr_traced_for_another_axis_size():
-  closed = jax.make_jaxpr(lambda x: lax.all_gather(x, "i"),
-                          axis_env=[("i", 2)])(X)
-  with pytest.raises(AxisNameError, match="traced for an axis of size 2, but "
-                     "the axis has size 4 here"):
+  closed = jax.make_jaxpr(
+    lambda x: lax.all_gather(x, "i"), axis_env=[("i", 2)]
+  )(X)
+  with pytest.raises(
+    AxisNameError,
+    match="traced for an axis of size 2, but the axis has size 4 here",
+  ):
     check_axis_names(closed, axis_sizes={"i": 4})
   assert check_axis_names(closed, axis_sizes={"i": 2}) == {"i"}
 
@@ -197,6 +239,7 @@ def test_jaxpr_traced_for_another_axis_size():
 def test_unrelated_trace_errors_pass_through():
   def broken(x):
     return lax.psum(x, "i") + jnp.ones(3)  # shapes (8,) and (3,)
+
   with pytest.raises(TypeError, match="add got incompatible shapes"):
     check_axis_names(broken, X, axis_sizes={"i": 2})
 

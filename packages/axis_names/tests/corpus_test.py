@@ -17,16 +17,18 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
-import pytest
 from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import pytest
 
 from jaxworks.axis_names import used_axis_names
-from jaxworks.axis_names._src import analysis, jax_internals
+from jaxworks.axis_names._src import analysis
+from jaxworks.axis_names._src import jax_internals
 
 ENV = [("i", 4), ("j", 2), ("k", 2)]
 X = jnp.arange(8.0)
@@ -40,10 +42,12 @@ def case(*expected):
   def register(fn):
     CORPUS[fn.__name__] = (fn, frozenset(expected))
     return fn
+
   return register
 
 
 # -- collectives and axis queries -------------------------------------------
+
 
 @case("i")
 def psum_i(x):
@@ -113,8 +117,9 @@ def pswapaxes_i(x):
 @case("i")
 def ragged_all_to_all_i(x):
   ones = jnp.ones(4, jnp.int32)
-  return lax.ragged_all_to_all(x, jnp.zeros(8), 0 * ones, ones, 0 * ones,
-                               ones, axis_name="i")
+  return lax.ragged_all_to_all(
+    x, jnp.zeros(8), 0 * ones, ones, 0 * ones, ones, axis_name="i"
+  )
 
 
 @case("k")
@@ -144,6 +149,7 @@ def no_collectives(x):
 
 # -- higher-order primitives -------------------------------------------------
 
+
 @case("i")
 def jit_psum(x):
   return jax.jit(lambda v: lax.psum(v, "i"))(x)
@@ -162,34 +168,43 @@ def cond_one_branch(x):
 
 @case("i", "j")
 def switch_three(x):
-  return lax.switch(1, [lambda v: lax.psum(v, "i"),
-                        lambda v: v * lax.axis_index("j"),
-                        lambda v: v], x)
+  return lax.switch(
+    1,
+    [
+      lambda v: lax.psum(v, "i"),
+      lambda v: v * lax.axis_index("j"),
+      lambda v: v,
+    ],
+    x,
+  )
 
 
 @case("i", "k")
 def platform_dependent(x):
   return lax.platform_dependent(
-      x, cpu=lambda v: lax.psum(v, "i"),
-      default=lambda v: v * lax.axis_index("k"))
+    x, cpu=lambda v: lax.psum(v, "i"), default=lambda v: v * lax.axis_index("k")
+  )
 
 
 @case("i")
 def while_body(x):
-  return lax.while_loop(lambda c: c[0] < 3,
-                        lambda c: (c[0] + 1, lax.psum(c[1], "i")), (0, x))[1]
+  return lax.while_loop(
+    lambda c: c[0] < 3, lambda c: (c[0] + 1, lax.psum(c[1], "i")), (0, x)
+  )[1]
 
 
 @case("k")
 def while_cond_axis_index(x):
-  return lax.while_loop(lambda c: c[0] < lax.axis_index("k"),
-                        lambda c: (c[0] + 1, c[1] * 2), (0, x))[1]
+  return lax.while_loop(
+    lambda c: c[0] < lax.axis_index("k"), lambda c: (c[0] + 1, c[1] * 2), (0, x)
+  )[1]
 
 
 @case("j")
 def scan_body(x):
   def body(c, v):
     return c + lax.psum(v, "j"), v
+
   return lax.scan(body, 0.0, x)[0]
 
 
@@ -206,9 +221,11 @@ def lax_map(x):
 @case("i", "j")
 def scan_cond_jit_mix(x):
   def body(c, v):
-    w = lax.cond(v > 0, lambda u: u * lax.axis_index("j"),
-                 lambda u: lax.pmax(u, "i"), v)
+    w = lax.cond(
+      v > 0, lambda u: u * lax.axis_index("j"), lambda u: lax.pmax(u, "i"), v
+    )
     return c + w, w
+
   return jax.jit(lambda v: lax.scan(body, 0.0, v))(x)
 
 
@@ -219,8 +236,10 @@ def remat_psum(x):
 
 @case("k")
 def remat_policy(x):
-  return jax.checkpoint(lambda v: jnp.sin(lax.pmax(v, "k")),
-                        policy=jax.checkpoint_policies.nothing_saveable)(x)
+  return jax.checkpoint(
+    lambda v: jnp.sin(lax.pmax(v, "k")),
+    policy=jax.checkpoint_policies.nothing_saveable,
+  )(x)
 
 
 @case("i")
@@ -228,6 +247,7 @@ def grad_remat_scan(x):
   # Partial evaluation of a scan under remat emits a ``closed_call``.
   def body(c, v):
     return c * jnp.sin(lax.psum(v, "i")), c
+
   return jax.grad(jax.checkpoint(lambda v: lax.scan(body, 1.0, v)[0]))(x)
 
 
@@ -240,6 +260,7 @@ def custom_jvp_psum(x):
   @f.defjvp
   def f_jvp(p, t):
     return f(p[0]), t[0]
+
   return f(x)
 
 
@@ -248,6 +269,7 @@ def custom_vjp_psum(x):
   @jax.custom_vjp
   def f(v):
     return lax.psum(v, "k")
+
   f.defvjp(lambda v: (f(v), None), lambda _, g: (g,))
   return f(x)
 
@@ -257,6 +279,7 @@ def custom_gradient_psum(x):
   @jax.custom_gradient
   def f(v):
     return lax.psum(v, "i"), lambda g: g
+
   return f(x)
 
 
@@ -269,6 +292,7 @@ def custom_vmap_psum(x):
   @f.def_vmap
   def f_vmap(axis_size, in_batched, v):
     return f(v), True
+
   return f(x)
 
 
@@ -276,15 +300,18 @@ def custom_vmap_psum(x):
 def linear_solve(x):
   def matvec(v):
     return 2.0 * v + 0.0 * lax.psum(v, "i")
+
   return lax.custom_linear_solve(matvec, x, lambda mv, b: b / 2.0)
 
 
 # -- transformations ----------------------------------------------------------
 
+
 @case("i")
 def vmap_binds_its_name(x):
-  return jax.vmap(lambda v: lax.psum(v, "v"), axis_name="v")(x) + \
-      lax.psum(x, "i")
+  return jax.vmap(lambda v: lax.psum(v, "v"), axis_name="v")(x) + lax.psum(
+    x, "i"
+  )
 
 
 @case("i")
@@ -310,87 +337,132 @@ def hessian_psum(x):
 
 # -- binders --------------------------------------------------------------
 
+
 @case()
 def shard_map_binds(x):
-  return jax.shard_map(lambda v: lax.psum(v, "x"), mesh=MESH1,
-                       in_specs=P("x"), out_specs=P())(x)
+  return jax.shard_map(
+    lambda v: lax.psum(v, "x"), mesh=MESH1, in_specs=P("x"), out_specs=P()
+  )(x)
 
 
 @case("k")
 def shard_map_free_outer_name(x):
-  return jax.shard_map(lambda v: lax.psum(v, "x") * lax.axis_index("k"),
-                       mesh=MESH1, in_specs=P("x"), out_specs=P("x"),
-                       check_vma=False)(x)
+  return jax.shard_map(
+    lambda v: lax.psum(v, "x") * lax.axis_index("k"),
+    mesh=MESH1,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    check_vma=False,
+  )(x)
 
 
 @case()
 def shard_map_partial_manual(x):
-  return jax.shard_map(lambda v: lax.psum(v, "x"), mesh=MESH,
-                       in_specs=P("x"), out_specs=P(), axis_names={"x"})(x)
+  return jax.shard_map(
+    lambda v: lax.psum(v, "x"),
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P(),
+    axis_names={"x"},
+  )(x)
 
 
 @case()
 def shard_map_pcast_varying(x):
   return jax.shard_map(
-      lambda v: lax.pcast(jnp.ones(2), "x", to="varying") * v, mesh=MESH1,
-      in_specs=P("x"), out_specs=P("x"))(x)
+    lambda v: lax.pcast(jnp.ones(2), "x", to="varying") * v,
+    mesh=MESH1,
+    in_specs=P("x"),
+    out_specs=P("x"),
+  )(x)
 
 
 @case()
 def nested_shard_map(x):
   def outer(v):
-    inner = jax.shard_map(lambda w: lax.psum(w, ("x", "y")),
-                          mesh=jax.sharding.get_abstract_mesh(),
-                          in_specs=P(None), out_specs=P(None),
-                          axis_names={"y"}, check_vma=False)
+    inner = jax.shard_map(
+      lambda w: lax.psum(w, ("x", "y")),
+      mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=P(None),
+      out_specs=P(None),
+      axis_names={"y"},
+      check_vma=False,
+    )
     return lax.psum(inner(v), "x")
-  return jax.shard_map(outer, mesh=MESH, in_specs=P("x"), out_specs=P(),
-                       axis_names={"x"}, check_vma=False)(x)
+
+  return jax.shard_map(
+    outer,
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P(),
+    axis_names={"x"},
+    check_vma=False,
+  )(x)
 
 
 @case()
 def nested_shard_map_outer_name_inside(x):
   # The outer body uses 'x' only inside the inner shard_map, which binds 'y'.
   def outer(v):
-    return jax.shard_map(lambda w: lax.psum(w, "x"),
-                         mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=P(None), out_specs=P(None),
-                         axis_names={"y"}, check_vma=False)(v)
-  return jax.shard_map(outer, mesh=MESH, in_specs=P("x"), out_specs=P("x"),
-                       axis_names={"x"}, check_vma=False)(x)
+    return jax.shard_map(
+      lambda w: lax.psum(w, "x"),
+      mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=P(None),
+      out_specs=P(None),
+      axis_names={"y"},
+      check_vma=False,
+    )(v)
+
+  return jax.shard_map(
+    outer,
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    axis_names={"x"},
+    check_vma=False,
+  )(x)
 
 
 @case()
 def pmap_binds(x):
-  return jax.pmap(lambda v: lax.psum(v, "b") + lax.axis_index("b"),
-                  axis_name="b")(x.reshape(8, 1))
+  return jax.pmap(
+    lambda v: lax.psum(v, "b") + lax.axis_index("b"), axis_name="b"
+  )(x.reshape(8, 1))
 
 
 @case("k")
 def pmap_free_outer_name(x):
-  return jax.pmap(lambda v: lax.psum(v, "b") * lax.axis_index("k"),
-                  axis_name="b")(x.reshape(8, 1))
+  return jax.pmap(
+    lambda v: lax.psum(v, "b") * lax.axis_index("k"), axis_name="b"
+  )(x.reshape(8, 1))
 
 
 def _pallas(kernel):
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-      grid=(("g", 2),), in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
-      out_specs=pl.BlockSpec((4,), lambda g: (g,)), interpret=True)
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+    grid=(("g", 2),),
+    in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
+    out_specs=pl.BlockSpec((4,), lambda g: (g,)),
+    interpret=True,
+  )
 
 
 @case()
 def pallas_grid_name(x):
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + lax.axis_index("g").astype(jnp.float32)
+
   return _pallas(kernel)(x)
 
 
 @case("k")
 def pallas_outer_name_in_kernel(x):
   def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...] * (lax.axis_index("g") +
-                               lax.axis_index("k")).astype(jnp.float32)
+    o_ref[...] = x_ref[...] * (
+      lax.axis_index("g") + lax.axis_index("k")
+    ).astype(jnp.float32)
+
   return _pallas(kernel)(x)
 
 
@@ -404,6 +476,7 @@ def pallas_core_map(x):
     @pl.core_map(mesh, interpret=True)
     def _():
       o_ref[...] = x_ref[...] + lax.axis_index("core").astype(jnp.float32)
+
   return pl.run_state(stateful)((x, jnp.zeros_like(x)))[1]
 
 
@@ -414,8 +487,11 @@ def pallas_core_map(x):
 
 # Primitives that need their axis name bound (tracing them unbound raises)
 # but get no NamedAxisEffect: their abstract eval is not effectful.
-NO_EFFECT = {"ppermute": "axis_name", "pbroadcast": "axis_name",
-             "pvary": "axes"}
+NO_EFFECT = {
+  "ppermute": "axis_name",
+  "pbroadcast": "axis_name",
+  "pvary": "axes",
+}
 
 
 def _walk(jaxpr):
@@ -481,13 +557,13 @@ def _pallas_kernel_dropped(jaxpr):
 
 
 DIVERGES = {
-    "ppermute_i": _no_effect_names,
-    "pshuffle_i": _no_effect_names,
-    "pbroadcast_i": _no_effect_names,
-    "shard_map_pcast_varying": _no_effect_names,  # pvary in the body
-    "linear_solve": _linear_solve_dropped,
-    "nested_shard_map_outer_name_inside": _outer_manual_dropped,
-    "pallas_outer_name_in_kernel": _pallas_kernel_dropped,
+  "ppermute_i": _no_effect_names,
+  "pshuffle_i": _no_effect_names,
+  "pbroadcast_i": _no_effect_names,
+  "shard_map_pcast_varying": _no_effect_names,  # pvary in the body
+  "linear_solve": _linear_solve_dropped,
+  "nested_shard_map_outer_name_inside": _outer_manual_dropped,
+  "pallas_outer_name_in_kernel": _pallas_kernel_dropped,
 }
 
 
@@ -518,8 +594,9 @@ def _groups(jaxpr):
 def _compare(jaxprs):
   """(ours, JAX's) names of a group of jaxprs."""
   ours = frozenset().union(*map(used_axis_names, jaxprs))
-  theirs = frozenset().union(*(
-      jax_internals.named_axis_effect_names(j.effects) for j in jaxprs))
+  theirs = frozenset().union(
+    *(jax_internals.named_axis_effect_names(j.effects) for j in jaxprs)
+  )
   return ours, theirs
 
 
@@ -551,8 +628,10 @@ def test_agrees_with_jax_effects_and_expected_names(name):
 
 def test_no_effect_primitives_really_have_none():
   """The primitives in NO_EFFECT need the name bound but carry no effect."""
-  fns = {"ppermute": lambda x: lax.ppermute(x, "i", [(0, 1)]),
-         "pbroadcast": lambda x: lax.pbroadcast(x, "i", 0)}
+  fns = {
+    "ppermute": lambda x: lax.ppermute(x, "i", [(0, 1)]),
+    "pbroadcast": lambda x: lax.pbroadcast(x, "i", 0),
+  }
   for prim, fn in fns.items():
     with pytest.raises(NameError):
       jax.make_jaxpr(fn)(X)
@@ -569,13 +648,26 @@ def test_corpus_covers_the_higher_order_primitives():
   seen = set()
   for fn, _ in CORPUS.values():
     for eqn in _eqns_below(_trace(fn).jaxpr):
-      if any(analysis.uses_axes_anywhere(s)
-             for s in analysis.subjaxprs(eqn.params)):
+      if any(
+        analysis.uses_axes_anywhere(s) for s in analysis.subjaxprs(eqn.params)
+      ):
         seen.add(eqn.primitive.name)
-  assert seen >= {"jit", "cond", "while", "scan", "remat2", "closed_call",
-                  "custom_jvp_call", "custom_vjp_call", "custom_vmap_call",
-                  "custom_linear_solve", "shard_map", "pallas_call",
-                  "core_map", "run_state"}, seen
+  assert seen >= {
+    "jit",
+    "cond",
+    "while",
+    "scan",
+    "remat2",
+    "closed_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vmap_call",
+    "custom_linear_solve",
+    "shard_map",
+    "pallas_call",
+    "core_map",
+    "run_state",
+  }, seen
 
 
 def test_function_form_matches_jaxpr_form():

@@ -5,16 +5,24 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
-import pytest
 from jax import lax
-from jax.sharding import (AbstractMesh, AxisType, ManualAxisType,
-                          NamedSharding, PartitionSpec as P)
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+from jax.sharding import AxisType
+from jax.sharding import ManualAxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import pytest
 
-from jaxworks.axis_names._src import analysis, context, deep, rules, tracing
+from jaxworks.axis_names._src import analysis
+from jaxworks.axis_names._src import context
+from jaxworks.axis_names._src import deep
+from jaxworks.axis_names._src import rules
+from jaxworks.axis_names._src import tracing
 
-MANUAL = AbstractMesh((4, 2), ("i", "j"),
-                      axis_types=(AxisType.Manual, AxisType.Auto))
+MANUAL = AbstractMesh(
+  (4, 2), ("i", "j"), axis_types=(AxisType.Manual, AxisType.Auto)
+)
 AUTO = AbstractMesh((4, 2), ("i", "j"), axis_types=(AxisType.Auto,) * 2)
 
 
@@ -58,8 +66,10 @@ def test_rename_aval_inside_shard_map():
     seen["aval"] = aval
     seen["renamed"] = deep.rename(aval, {"i": "k"})
     return x
+
   jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(
-      jnp.arange(8.0))
+    jnp.arange(8.0)
+  )
   assert deep.names_of(seen["aval"]) == {"i"}
   r = seen["renamed"]
   assert r.shape == seen["aval"].shape and r.dtype == seen["aval"].dtype
@@ -78,8 +88,10 @@ def test_old_names_inside_shard_map():
       seen["mesh"] = jax.sharding.get_abstract_mesh()
       seen["size"] = lax.axis_size("i")
     return x
+
   jax.shard_map(body, mesh=mesh, in_specs=P("k"), out_specs=P("k"))(
-      jnp.arange(8.0))
+    jnp.arange(8.0)
+  )
   ctx = seen["ctx"]
   assert ctx.env == {"i": 8} and ctx.forward == {"i": "k"}
   assert seen["mesh"].axis_names == ("i",) and seen["size"] == 8
@@ -99,8 +111,10 @@ def test_old_names_hide_a_mesh_axis_that_has_the_old_name():
       seen["mesh"] = jax.sharding.get_abstract_mesh()
       seen["sizes"] = (lax.axis_size("i"), lax.axis_size(deep.hidden("i")))
     return x
-  jax.shard_map(body, mesh=mesh, in_specs=P(("i", "k")),
-                out_specs=P(("i", "k")))(jnp.arange(8.0))
+
+  jax.shard_map(
+    body, mesh=mesh, in_specs=P(("i", "k")), out_specs=P(("i", "k"))
+  )(jnp.arange(8.0))
   h = deep.hidden("i")
   assert isinstance(h, deep.HiddenName) and h == deep.hidden("i")
   ctx = seen["ctx"]
@@ -138,17 +152,18 @@ def test_rules_param_helpers():
 def test_rules_table_matches_jax_params():
   """Every table entry names a param the primitive really has."""
   fns = {
-      "psum": lambda x: lax.psum(x, "i"),
-      "pmax": lambda x: lax.pmax(x, "i"),
-      "pmin": lambda x: lax.pmin(x, "i"),
-      "axis_index": lambda x: x * lax.axis_index("i"),
-      "ppermute": lambda x: lax.ppermute(x, "i", [(0, 1)]),
-      "all_to_all": lambda x: lax.all_to_all(x, "i", 0, 0, tiled=True),
-      "all_gather": lambda x: lax.all_gather(x, "i"),
-      "reduce_scatter": lambda x: lax.psum_scatter(x, "i", tiled=True),
+    "psum": lambda x: lax.psum(x, "i"),
+    "pmax": lambda x: lax.pmax(x, "i"),
+    "pmin": lambda x: lax.pmin(x, "i"),
+    "axis_index": lambda x: x * lax.axis_index("i"),
+    "ppermute": lambda x: lax.ppermute(x, "i", [(0, 1)]),
+    "all_to_all": lambda x: lax.all_to_all(x, "i", 0, 0, tiled=True),
+    "all_gather": lambda x: lax.all_gather(x, "i"),
+    "reduce_scatter": lambda x: lax.psum_scatter(x, "i", tiled=True),
   }
   for prim, fn in fns.items():
     closed = jax.make_jaxpr(fn, axis_env=[("i", 2)])(jnp.ones(4))
     eqn = next(e for e in closed.eqns if e.primitive.name == prim)
     assert rules.names_in_param(eqn.params[rules.AXIS_PARAMS[prim]]) == (
-        "i",), prim
+      "i",
+    ), prim

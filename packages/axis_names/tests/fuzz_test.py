@@ -4,14 +4,19 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings, strategies as st
-from jax import lax
 
-from jaxworks.axis_names import (AxisNameError, check_axis_names,
-                                 rename_axes, used_axis_names)
+from jaxworks.axis_names import AxisNameError
+from jaxworks.axis_names import check_axis_names
+from jaxworks.axis_names import rename_axes
+from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import jax_internals
 
 NAMES = ("a", "b", "c")
@@ -20,13 +25,17 @@ ENV = [(n, 2) for n in NAMES]
 
 # A program is a small tree: leaves are collectives over a name, nodes are
 # jit / cond / scan / remat / sequence.
-leaf = st.tuples(st.sampled_from(["psum", "pmax", "axis_index", "none"]),
-                 st.sampled_from(NAMES))
+leaf = st.tuples(
+  st.sampled_from(["psum", "pmax", "axis_index", "none"]),
+  st.sampled_from(NAMES),
+)
 program = st.recursive(
-    leaf,
-    lambda kids: st.tuples(
-        st.sampled_from(["jit", "cond", "scan", "remat", "seq"]), kids, kids),
-    max_leaves=8)
+  leaf,
+  lambda kids: st.tuples(
+    st.sampled_from(["jit", "cond", "scan", "remat", "seq"]), kids, kids
+  ),
+  max_leaves=8,
+)
 
 
 def build(p):
@@ -45,8 +54,9 @@ def build(p):
   if kind == "cond":
     return lambda v: lax.cond(v[0] > 1, f, g, v)
   if kind == "scan":
-    return lambda v: lax.scan(lambda c, _: (f(c), None), g(v), None,
-                              length=2)[0]
+    return lambda v: lax.scan(lambda c, _: (f(c), None), g(v), None, length=2)[
+      0
+    ]
   if kind == "remat":
     return jax.checkpoint(lambda v: f(g(v)))
   return lambda v: f(v) + g(v)
@@ -60,8 +70,12 @@ def expected(p):
   return expected(p[1]) | expected(p[2])
 
 
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+  max_examples=25,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @FUZZ
@@ -102,26 +116,31 @@ def test_random_renames(p, new_names):
   renamed = rename_axes(closed, mapping)
   assert used_axis_names(renamed) == {mapping[n] for n in expected(p)}
   assert jax_internals.named_axis_effect_names(renamed.effects) == {
-      mapping[n] for n in expected(p)}
+    mapping[n] for n in expected(p)
+  }
   if not expected(p):
     assert renamed is closed
   new = [mapping[n] for n in NAMES]
   # The renamed jaxpr, the renamed function and the program written by hand
   # with the new names (stock JAX) agree bit for bit.
   ref = run_under(build(rename_program(p, mapping)), new)
-  eval_renamed = lambda v: jax.core.eval_jaxpr(renamed.jaxpr, renamed.consts,
-                                               v)[0]
+  eval_renamed = lambda v: jax.core.eval_jaxpr(
+    renamed.jaxpr, renamed.consts, v
+  )[0]
   assert_same(run_under(eval_renamed, new), ref)
   assert_same(run_under(rename_axes(build(p), mapping), new), ref)
   # ... and so does the original under the old names.
   assert_same(run_under(build(p), list(NAMES)), ref)
 
 
-junk = st.one_of(st.none(), st.integers(), st.text(max_size=5),
-                 st.lists(st.integers(), max_size=3),
-                 st.dictionaries(st.text(max_size=3), st.integers(),
-                                 max_size=3),
-                 st.builds(object))
+junk = st.one_of(
+  st.none(),
+  st.integers(),
+  st.text(max_size=5),
+  st.lists(st.integers(), max_size=3),
+  st.dictionaries(st.text(max_size=3), st.integers(), max_size=3),
+  st.builds(object),
+)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -132,8 +151,11 @@ def test_arbitrary_input_is_a_clean_error(x, mapping):
     # A mapping that was accepted gives a working function.
     assert_same(g(X), X * 2.0)
 
-  for call in (lambda: used_axis_names(x), rename_and_call,
-               lambda: check_axis_names(lambda v: v, X, axis_sizes=mapping)):
+  for call in (
+    lambda: used_axis_names(x),
+    rename_and_call,
+    lambda: check_axis_names(lambda v: v, X, axis_sizes=mapping),
+  ):
     try:
       call()
     except (TypeError, ValueError, AxisNameError) as e:

@@ -7,11 +7,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import inspect
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxworks.axis_names._src import jax_internals as ji
 
@@ -41,12 +42,15 @@ def test_user_location():
   assert ji.user_location(None) is None
 
 
-@pytest.mark.parametrize("fn", [
+@pytest.mark.parametrize(
+  "fn",
+  [
     lambda x: lax.psum(x, "nope"),
     lambda x: lax.axis_index("nope") * x,
     lambda x: lax.all_gather(x, "nope"),
     lambda x: lax.ppermute(x, "nope", [(0, 1)]),
-])
+  ],
+)
 def test_unbound_axis_name_parses_jax_errors(fn):
   with pytest.raises(NameError) as info:
     jax.make_jaxpr(fn)(X)
@@ -60,8 +64,9 @@ def test_unbound_axis_name_ignores_other_errors():
 
 def test_eqn_context_mesh_and_replacement():
   mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
-  closed = jax.make_jaxpr(jax.shard_map(lambda v: v * 2, mesh=mesh,
-                                        in_specs=P("i"), out_specs=P("i")))(X)
+  closed = jax.make_jaxpr(
+    jax.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  )(X)
   body = closed.eqns[0].params["jaxpr"]
   ctx = body.eqns[0].ctx
   m = ji.eqn_context_mesh(ctx)
@@ -99,6 +104,7 @@ def test_axis_env_read_and_extended():
   def body(x):
     seen.update(ji.current_axis_sizes())
     return x
+
   jax.vmap(body, axis_name="vv")(X)
   assert seen["vv"] == 8
 
@@ -122,6 +128,7 @@ def test_symbolic_zeros_are_recognized_and_rebuilt():
   def bwd(_, cts):
     seen.extend(cts)
     return (jnp.ones(3),)
+
   f.defvjp(lambda x: (f(x.value), None), bwd, symbolic_zeros=True)
   jax.grad(lambda x: f(x)[0].sum())(jnp.ones(3))
   assert ji.is_zero(seen[1]) and not ji.is_zero(seen[0])

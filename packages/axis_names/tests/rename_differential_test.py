@@ -15,13 +15,17 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxworks.axis_names import rename_axes
 
@@ -29,16 +33,23 @@ OLD = ("a", "b")
 POOL = ("a", "b", "c", "d")
 SIZE = 2  # every axis has 2 members
 WIDTH = 4  # per-member vector length
-COLLECTIVES = ("psum", "pmean", "pmax", "all_gather", "ppermute",
-               "axis_index", "all_to_all")
+COLLECTIVES = (
+  "psum",
+  "pmean",
+  "pmax",
+  "all_gather",
+  "ppermute",
+  "axis_index",
+  "all_to_all",
+)
 
 axis = st.integers(0, 1)
 collective = st.tuples(st.sampled_from(COLLECTIVES), axis)
 custom_step = st.one_of(
-    # custom_vjp: primal collective, backward-rule collective
-    st.tuples(st.just("vjp"), collective, collective),
-    # custom_jvp: primal collective, tangent-rule collective
-    st.tuples(st.just("jvp"), collective, collective),
+  # custom_vjp: primal collective, backward-rule collective
+  st.tuples(st.just("vjp"), collective, collective),
+  # custom_jvp: primal collective, tangent-rule collective
+  st.tuples(st.just("jvp"), collective, collective),
 )
 step = st.one_of(collective, st.tuples(st.just("sin")), custom_step)
 
@@ -76,6 +87,7 @@ def build(prog, names):
 
   def custom(kind, primal_op, rule_op):
     if kind == "vjp":
+
       @jax.custom_vjp
       def f(x):
         return apply(primal_op, x, names) * jnp.cos(x)
@@ -97,6 +109,7 @@ def build(prog, names):
     def h_jvp(primals, tangents):
       (x,), (t,) = primals, tangents
       return h(x), apply(rule_op, t * jnp.cos(x), names) + t
+
     return h
 
   fns = []
@@ -112,12 +125,14 @@ def build(prog, names):
     for f in fns:
       x = f(x)
     return x
+
   return fn
 
 
 def same(a, b):
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
-                  strict=True):
+  for x, y in zip(
+    jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True
+  ):
     assert x.dtype == y.dtype and x.shape == y.shape
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -142,8 +157,9 @@ def agree(run, renamed, ref, other_run):
       got = run(renamed)
     except NameError:
       return  # both raise alike
-    np.testing.assert_allclose(np.asarray(got), np.asarray(other_run(ref)),
-                               rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(got), np.asarray(other_run(ref)), rtol=2e-6, atol=1e-6
+    )
     return
   except Exception as e:  # stock JAX is the oracle, errors included
     with pytest.raises(type(e)):
@@ -152,7 +168,7 @@ def agree(run, renamed, ref, other_run):
   same(run(renamed), expected)
 
 
-XS = (jnp.arange(SIZE * SIZE * WIDTH, dtype=jnp.float32) / 7.0 - 1.0)
+XS = jnp.arange(SIZE * SIZE * WIDTH, dtype=jnp.float32) / 7.0 - 1.0
 
 
 def under_vmap(fn, new):
@@ -168,10 +184,12 @@ def under_pmap(fn, new):
 def under_shard_map(fn, new, extra):
   # A 2x2x2 mesh: the two new names plus a third axis (possibly called
   # like an old name), over which the data is replicated.
-  mesh = jax.make_mesh((SIZE, SIZE, 2), (*new, extra),
-                       axis_types=(AxisType.Auto,) * 3)
-  return jax.shard_map(fn, mesh=mesh, in_specs=P(tuple(new)),
-                       out_specs=P(tuple(new)))
+  mesh = jax.make_mesh(
+    (SIZE, SIZE, 2), (*new, extra), axis_types=(AxisType.Auto,) * 3
+  )
+  return jax.shard_map(
+    fn, mesh=mesh, in_specs=P(tuple(new)), out_specs=P(tuple(new))
+  )
 
 
 def transformed(fn, how, new, extra):
@@ -184,11 +202,17 @@ def transformed(fn, how, new, extra):
   return f
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
-@given(prog=programs(), new=st.permutations(POOL),
-       how=st.sampled_from(["vmap", "pmap", "shard_map"]))
+@settings(
+  max_examples=20,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+  prog=programs(),
+  new=st.permutations(POOL),
+  how=st.sampled_from(["vmap", "pmap", "shard_map"]),
+)
 def test_renamed_program_matches_hand_written(prog, new, how):
   new_a, new_b, extra = new[0], new[1], new[2]
   mapping = {"a": new_a, "b": new_b}

@@ -12,11 +12,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxworks.axis_names import rename_axes
 
@@ -66,8 +67,7 @@ def vjp_fn(name):
 
   def bwd(res, g):
     x, idx = res
-    return (g * jnp.cos(x) + lax.psum(g, name) * 0.5 +
-            idx.astype(g.dtype),)
+    return (g * jnp.cos(x) + lax.psum(g, name) * 0.5 + idx.astype(g.dtype),)
 
   f.defvjp(fwd, bwd)
   return lambda x: jnp.tanh(f(x))
@@ -75,12 +75,12 @@ def vjp_fn(name):
 
 def vjp_only_bwd_fn(name):
   """The primal uses no axis name; only the backward rule does."""
+
   @jax.custom_vjp
   def f(x):
     return x * 3.0
 
-  f.defvjp(lambda x: (f(x), x),
-           lambda x, g: (g * x + lax.pmax(g, name),))
+  f.defvjp(lambda x: (f(x), x), lambda x, g: (g * x + lax.pmax(g, name),))
   return f
 
 
@@ -147,6 +147,7 @@ def nested_fn(name):
     y = lax.scan(lambda c, _: (inner(c) + c, None), y, None, length=2)[0]
     y = lax.cond(y.sum() > 0, inner, lambda v: -v, y)
     return jax.checkpoint(inner)(y)
+
   return fn
 
 
@@ -173,26 +174,28 @@ def test_grad_under_vmap(make):
 @pytest.mark.parametrize("make", MAKERS)
 def test_grad_of_vmap(make):
   g, ref = renamed_and_ref(make)
-  agree(lambda fn: jax.jit(jax.grad(loss(jax.vmap(fn, axis_name="k"))))(X),
-        g, ref)
+  agree(
+    lambda fn: jax.jit(jax.grad(loss(jax.vmap(fn, axis_name="k"))))(X), g, ref
+  )
 
 
 @pytest.mark.parametrize("make", JVP_MAKERS)
 def test_jvp_under_vmap(make):
   g, ref = renamed_and_ref(make)
-  jvp = lambda fn: jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)),
-                            axis_name="k")
+  jvp = lambda fn: jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)), axis_name="k")
   agree(lambda fn: jvp(fn)(X, T), g, ref)
-  lin = lambda fn: jax.vmap(lambda x, t: jax.linearize(fn, x)[1](t),
-                            axis_name="k")
+  lin = lambda fn: jax.vmap(
+    lambda x, t: jax.linearize(fn, x)[1](t), axis_name="k"
+  )
   agree(lambda fn: lin(fn)(X, T), g, ref)
 
 
 @pytest.mark.parametrize("make", VJP_MAKERS)
 def test_jvp_of_custom_vjp_raises_like_stock(make):
   g, ref = renamed_and_ref(make)
-  run = lambda fn: jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)),
-                            axis_name="k")(X, T)
+  run = lambda fn: jax.vmap(
+    lambda x, t: jax.jvp(fn, (x,), (t,)), axis_name="k"
+  )(X, T)
   with pytest.raises(TypeError) as stock:
     run(ref)
   with pytest.raises(type(stock.value)):
@@ -201,15 +204,15 @@ def test_jvp_of_custom_vjp_raises_like_stock(make):
 
 def _shard(fn, mesh, spec):
   # jit: one compile per program instead of one per eager primitive.
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(spec),
-                               out_specs=P(spec)))
+  return jax.jit(
+    jax.shard_map(fn, mesh=mesh, in_specs=P(spec), out_specs=P(spec))
+  )
 
 
 @pytest.mark.parametrize("make", MAKERS)
 def test_shard_map_grad_both_ways(make):
   g, ref = renamed_and_ref(make)
-  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X),
-        g, ref)
+  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X), g, ref)
   # grad inside the shard_map body
   inner = lambda fn: _shard(jax.grad(loss(fn)), MESH_K, "k")
   agree(lambda fn: inner(fn)(X), g, ref)
@@ -247,6 +250,7 @@ def both_names(a, b):
 
   def fn(x):
     return inner(x) * 10.0 + lax.psum(x, b) + lax.axis_index(a).astype(x.dtype)
+
   return fn
 
 
@@ -254,9 +258,15 @@ def both_names(a, b):
 def test_swap_inside_a_mesh_with_both_names(check_vma):
   g = rename_axes(both_names("i", "k"), {"i": "k", "k": "i"})
   ref = both_names("k", "i")
-  shard = lambda fn: jax.jit(jax.shard_map(
-      fn, mesh=MESH_IK, in_specs=P(("i", "k")), out_specs=P(("i", "k")),
-      check_vma=check_vma))
+  shard = lambda fn: jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=MESH_IK,
+      in_specs=P(("i", "k")),
+      out_specs=P(("i", "k")),
+      check_vma=check_vma,
+    )
+  )
   same(shard(g)(X), shard(ref)(X))
   same(jax.grad(loss(shard(g)))(X), jax.grad(loss(shard(ref)))(X))
 
@@ -264,18 +274,21 @@ def test_swap_inside_a_mesh_with_both_names(check_vma):
 def test_partial_manual_mesh_with_old_name_as_auto_axis():
   # The new name 'k' is manual, the old name 'i' is an Auto axis of the mesh.
   g, ref = renamed_and_ref(vjp_fn)
-  shard = lambda fn: jax.shard_map(fn, mesh=MESH_IK, in_specs=P("k"),
-                                   out_specs=P("k"), axis_names={"k"})
+  shard = lambda fn: jax.shard_map(
+    fn, mesh=MESH_IK, in_specs=P("k"), out_specs=P("k"), axis_names={"k"}
+  )
   same(jax.jit(shard(g))(X), jax.jit(shard(ref))(X))
-  same(jax.jit(jax.grad(loss(shard(g))))(X),
-       jax.jit(jax.grad(loss(shard(ref))))(X))
+  same(
+    jax.jit(jax.grad(loss(shard(g))))(X), jax.jit(jax.grad(loss(shard(ref))))(X)
+  )
 
 
 def test_clash_with_a_name_the_function_keeps_is_a_clear_error():
   # The function uses 'k' itself and the mesh has it: {'i': 'k'} merges.
   g = rename_axes(both_names("i", "k"), {"i": "k"})
-  with pytest.raises(ValueError,
-                     match=r"'k' becomes 'i'.*would merge two axes"):
+  with pytest.raises(
+    ValueError, match=r"'k' becomes 'i'.*would merge two axes"
+  ):
     _shard(g, MESH_IK, ("i", "k"))(X)
 
 
@@ -285,13 +298,16 @@ def test_rule_capture_by_an_inner_shard_map_is_an_error():
   @jax.custom_vjp
   def f(x):
     return x * 2.0
+
   f.defvjp(lambda x: (f(x), None), lambda _, g: (lax.psum(g, "i"),))
 
   def fn(x):
     return jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))(x)
+
   g = rename_axes(fn, {"i": "k"})
-  np.testing.assert_array_equal(jax.vmap(g, axis_name="k")(X[None]),
-                                2 * X[None])
+  np.testing.assert_array_equal(
+    jax.vmap(g, axis_name="k")(X[None]), 2 * X[None]
+  )
   with pytest.raises(ValueError, match=r"would capture 'k' inside shard_map"):
     jax.vmap(jax.grad(loss(g)), axis_name="k")(X[None])
 
@@ -301,8 +317,9 @@ def test_renamed_jaxpr_carries_renamed_rules():
   closed = jax.make_jaxpr(vjp_fn("i"), axis_env=[("i", 8)])(1.0)
   new = rename_axes(closed, {"i": "k"})
   run = lambda c: jax.vmap(
-      jax.grad(lambda x: jax.core.eval_jaxpr(c.jaxpr, c.consts, x)[0]),
-      axis_name="k")(X)
+    jax.grad(lambda x: jax.core.eval_jaxpr(c.jaxpr, c.consts, x)[0]),
+    axis_name="k",
+  )(X)
   ref = jax.vmap(jax.grad(vjp_fn("k")), axis_name="k")(X)
   same(run(new), ref)
   with pytest.raises(NameError, match="unbound axis name: i"):
@@ -321,12 +338,14 @@ def test_custom_vmap_rule_is_renamed():
     def rule(axis_size, in_batched, xs):
       del axis_size
       return xs + lax.psum(xs, name), in_batched[0]
+
     return f
 
   g = rename_axes(make("i"), {"i": "k"})
   ref = make("k")
   run = lambda fn: jax.vmap(jax.vmap(fn), axis_name="k")(
-      jnp.arange(16.0).reshape(8, 2))
+    jnp.arange(16.0).reshape(8, 2)
+  )
   agree(run, g, ref)
 
 
@@ -337,8 +356,9 @@ def test_error_for_unbound_new_name_names_it():
   with pytest.raises(NameError):
     jax.vmap(vjp_fn("k"), axis_name="z")(X)
   g = rename_axes(vjp_fn("i"), {"i": "k"})
-  with pytest.raises(NameError, match="uses axis 'i', renamed to 'k', which "
-                     "is not bound here"):
+  with pytest.raises(
+    NameError, match="uses axis 'i', renamed to 'k', which is not bound here"
+  ):
     jax.vmap(g, axis_name="z")(X)
   # The backward rule alone uses the name: the error comes when it runs.
   g = rename_axes(vjp_only_bwd_fn("i"), {"i": "k"})
@@ -352,8 +372,9 @@ def two_names_vjp_fn(outer, inner):
   def f(x):
     return lax.pmax(x, inner) * jnp.cos(x)
 
-  f.defvjp(lambda x: (f(x), x),
-           lambda x, g: (lax.psum(g * jnp.sin(x), outer) + g,))
+  f.defvjp(
+    lambda x: (f(x), x), lambda x, g: (lax.psum(g * jnp.sin(x), outer) + g,)
+  )
   return lambda x: lax.psum(f(x), inner)
 
 
@@ -368,6 +389,7 @@ def test_rule_traced_where_an_inner_vmap_axis_is_unbound():
   def run(fn):
     f = jax.pmap(jax.vmap(fn, axis_name="j"), axis_name="p")
     return jax.jit(jax.grad(lambda x: f(x).sum()))(xs)
+
   agree(run, g, ref)
   assert rename_axes(ref, {"i": "i"}) is ref  # identity: the function itself
 
@@ -375,52 +397,67 @@ def test_rule_traced_where_an_inner_vmap_axis_is_unbound():
 def test_nested_renames_compose():
   # A renamed function renamed again, and one renamed inside another.
   g = rename_axes(rename_axes(vjp_fn("i"), {"i": "j"}), {"j": "k"})
-  agree(lambda fn: jax.jit(jax.vmap(jax.grad(fn), axis_name="k"))(X),
-        g, vjp_fn("k"))
+  agree(
+    lambda fn: jax.jit(jax.vmap(jax.grad(fn), axis_name="k"))(X), g, vjp_fn("k")
+  )
   h = rename_axes(
-      lambda x: rename_axes(vjp_fn("i"), {"i": "j"})(x) + lax.psum(x, "k"),
-      {"j": "a", "k": "b"})
+    lambda x: rename_axes(vjp_fn("i"), {"i": "j"})(x) + lax.psum(x, "k"),
+    {"j": "a", "k": "b"},
+  )
   ref = lambda x: vjp_fn("a")(x) + lax.psum(x, "b")
-  agree(lambda fn: jax.jit(jax.vmap(jax.vmap(jax.grad(fn), axis_name="b"),
-                                    axis_name="a"))(X.reshape(2, 4)), h, ref)
+  agree(
+    lambda fn: jax.jit(
+      jax.vmap(jax.vmap(jax.grad(fn), axis_name="b"), axis_name="a")
+    )(X.reshape(2, 4)),
+    h,
+    ref,
+  )
 
 
 def variants_fn(name):
   """Collective variants a rename must reach, inside shard_map."""
+
   def fn(x):
     y = lax.pcast(jnp.full(x.shape, 2.0, x.dtype), name, to="varying") * x
     y = y + lax.psum_scatter(jnp.tile(x, 8), name, tiled=True)
     y = y + lax.pmin(lax.stop_gradient(x), name) + lax.psum(x, (name,))
     y = y + lax.all_to_all(jnp.tile(x, 8), name, 0, 0, tiled=True)[:1]
     return y * lax.axis_index(name).astype(x.dtype)
+
   return fn
 
 
 def test_collective_variants_under_shard_map_and_grad():
   g, ref = renamed_and_ref(variants_fn)
   agree(lambda fn: _shard(fn, MESH_K, "k")(X), g, ref)
-  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X),
-        g, ref)
+  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X), g, ref)
 
 
 def test_custom_jvp_inside_while_loop_under_jvp():
   def make(name):
     inner = jvp_fn(name)
-    return lambda x: lax.while_loop(lambda c: c[1] < 3,
-                                    lambda c: (inner(c[0]), c[1] + 1),
-                                    (x, 0))[0]
+    return lambda x: lax.while_loop(
+      lambda c: c[1] < 3, lambda c: (inner(c[0]), c[1] + 1), (x, 0)
+    )[0]
+
   g, ref = renamed_and_ref(make)
-  jvp = lambda fn: jax.jit(jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)),
-                                    axis_name="k"))
+  jvp = lambda fn: jax.jit(
+    jax.vmap(lambda x, t: jax.jvp(fn, (x,), (t,)), axis_name="k")
+  )
   agree(lambda fn: jvp(fn)(X, T), g, ref)
 
 
 def test_pbroadcast_is_renamed_in_the_jaxpr():
   # No CPU lowering for pbroadcast: checked on the renamed jaxpr.
   body = lambda v: lax.pbroadcast(v, "i", source=1)
-  closed = jax.make_jaxpr(jax.shard_map(
-      body, mesh=jax.make_mesh((8,), ("i",), axis_types=AUTO),
-      in_specs=P("i"), out_specs=P("i")))(X)
+  closed = jax.make_jaxpr(
+    jax.shard_map(
+      body,
+      mesh=jax.make_mesh((8,), ("i",), axis_types=AUTO),
+      in_specs=P("i"),
+      out_specs=P("i"),
+    )
+  )(X)
   inner = closed.jaxpr.eqns[0].params["jaxpr"]
   new = rename_axes(inner, {"i": "k"})
   (eqn,) = [e for e in new.eqns if e.primitive.name == "pbroadcast"]
@@ -438,9 +475,11 @@ def test_custom_lin_backward_rule_in_a_linearized_jaxpr():
   closed = jax.make_jaxpr(lin_of("i"), axis_env=[("i", 8)])(1.0, 1.0)
   assert "custom_lin" in [e.primitive.name for e in closed.jaxpr.eqns]
   new = rename_axes(closed, {"i": "k"})
-  as_fn = lambda c: lambda x, t: jax.core.eval_jaxpr(c.jaxpr, c.consts, x,
-                                                     t)[0]
-  run = lambda fn: jax.jit(jax.vmap(
+  as_fn = lambda c: lambda x, t: jax.core.eval_jaxpr(c.jaxpr, c.consts, x, t)[0]
+  run = lambda fn: jax.jit(
+    jax.vmap(
       lambda x, t: jax.linear_transpose(lambda u: fn(x, u), t)(t)[0],
-      axis_name="k"))(X, T)
+      axis_name="k",
+    )
+  )(X, T)
   agree(run, as_fn(new), lin_of("k"))

@@ -5,15 +5,20 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
+from jax import lax
+from jax.extend.core import Primitive
+from jax.extend.core import check_jaxpr
+from jax.extend.core import new_jaxpr_eqn
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax import lax
-from jax.extend.core import Primitive, check_jaxpr, new_jaxpr_eqn
-from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxworks.axis_names import rename_axes, used_axis_names
-from jaxworks.axis_names._src import analysis, jax_internals
+from jaxworks.axis_names import rename_axes
+from jaxworks.axis_names import used_axis_names
+from jaxworks.axis_names._src import analysis
+from jaxworks.axis_names._src import jax_internals
 
 X = jnp.arange(8.0)
 AUTO = (AxisType.Auto,)
@@ -32,26 +37,34 @@ def step(x):
 
 
 def _ref(check_vma):
-  return jax.shard_map(step, mesh=MESH_I, in_specs=P("i"), out_specs=P("i"),
-                       check_vma=check_vma)(X)
+  return jax.shard_map(
+    step, mesh=MESH_I, in_specs=P("i"), out_specs=P("i"), check_vma=check_vma
+  )(X)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_under_shard_map_with_new_name(check_vma):
   g = rename_axes(step, {"i": "k"})
-  out = jax.jit(jax.shard_map(g, mesh=MESH_K, in_specs=P("k"),
-                              out_specs=P("k"), check_vma=check_vma))(X)
+  out = jax.jit(
+    jax.shard_map(
+      g, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+    )
+  )(X)
   np.testing.assert_allclose(out, _ref(check_vma))
 
 
 def test_under_partial_manual_shard_map():
-  g = rename_axes(lambda v: lax.psum(v, "i") * lax.axis_index("i"),
-                  {"i": "k"})
-  ref = jax.shard_map(lambda v: lax.psum(v, "i") * lax.axis_index("i"),
-                      mesh=MESH_IJ, in_specs=P("i"), out_specs=P("i"),
-                      axis_names={"i"})(X)
-  out = jax.shard_map(g, mesh=MESH_KJ, in_specs=P("k"), out_specs=P("k"),
-                      axis_names={"k"})(X)
+  g = rename_axes(lambda v: lax.psum(v, "i") * lax.axis_index("i"), {"i": "k"})
+  ref = jax.shard_map(
+    lambda v: lax.psum(v, "i") * lax.axis_index("i"),
+    mesh=MESH_IJ,
+    in_specs=P("i"),
+    out_specs=P("i"),
+    axis_names={"i"},
+  )(X)
+  out = jax.shard_map(
+    g, mesh=MESH_KJ, in_specs=P("k"), out_specs=P("k"), axis_names={"k"}
+  )(X)
   np.testing.assert_allclose(out, ref)
 
 
@@ -63,10 +76,10 @@ def test_under_pmap():
 
 
 def test_under_vmap_and_jit():
-  g = rename_axes(lambda v: lax.psum(v, "i") - lax.axis_index("i"),
-                  {"i": "v"})
-  ref = jax.vmap(lambda v: lax.psum(v, "i") - lax.axis_index("i"),
-                 axis_name="i")(X)
+  g = rename_axes(lambda v: lax.psum(v, "i") - lax.axis_index("i"), {"i": "v"})
+  ref = jax.vmap(
+    lambda v: lax.psum(v, "i") - lax.axis_index("i"), axis_name="i"
+  )(X)
   np.testing.assert_allclose(jax.vmap(g, axis_name="v")(X), ref)
   np.testing.assert_allclose(jax.jit(jax.vmap(g, axis_name="v"))(X), ref)
 
@@ -75,23 +88,30 @@ def test_under_grad():
   g = rename_axes(step, {"i": "k"})
 
   def loss(fn, mesh, name):
-    return lambda x: jax.shard_map(fn, mesh=mesh, in_specs=P(name),
-                                   out_specs=P(name))(x).sum()
-  np.testing.assert_allclose(jax.grad(loss(g, MESH_K, "k"))(X),
-                             jax.grad(loss(step, MESH_I, "i"))(X))
+    return lambda x: jax.shard_map(
+      fn, mesh=mesh, in_specs=P(name), out_specs=P(name)
+    )(x).sum()
+
+  np.testing.assert_allclose(
+    jax.grad(loss(g, MESH_K, "k"))(X), jax.grad(loss(step, MESH_I, "i"))(X)
+  )
   h = rename_axes(lambda v: jnp.sin(v) * lax.psum(v, "i"), {"i": "v"})
-  ref = jax.vmap(jax.grad(lambda v: jnp.sin(v) * lax.psum(v, "i")),
-                 axis_name="i")(X)
-  np.testing.assert_allclose(jax.vmap(jax.grad(h), axis_name="v")(X), ref,
-                             rtol=1e-6)
+  ref = jax.vmap(
+    jax.grad(lambda v: jnp.sin(v) * lax.psum(v, "i")), axis_name="i"
+  )(X)
+  np.testing.assert_allclose(
+    jax.vmap(jax.grad(h), axis_name="v")(X), ref, rtol=1e-6
+  )
 
 
 def test_pytree_args_and_outputs():
   def fn(d, scale):
     return {"s": lax.psum(d["a"], "i") * scale, "t": (d["b"],)}
+
   g = rename_axes(fn, {"i": "v"})
   out = jax.vmap(g, axis_name="v", in_axes=({"a": 0, "b": 0}, None))(
-      {"a": X, "b": X + 1}, 2.0)
+    {"a": X, "b": X + 1}, 2.0
+  )
   np.testing.assert_allclose(out["s"], np.full(8, 2 * X.sum()))
   np.testing.assert_allclose(out["t"][0], X + 1)
 
@@ -117,6 +137,7 @@ def _program():
     c = lax.cond(b[0] > 0, uses_i, plain, b)
     d = lax.scan(lambda carry, w: (carry + uses_j(w), None), c, c[None])[0]
     return uses_i(d) + jnp.cos(d)
+
   return jax.make_jaxpr(fn, axis_env=[("i", 2), ("j", 2)])(X)
 
 
@@ -143,7 +164,8 @@ def test_sharing_untouched_sub_jaxprs_and_equations():
     if "i" in used_axis_names(old) or "i" in annotated:
       assert nw is not old
       assert used_axis_names(nw) == (used_axis_names(old) - {"i"}) | (
-          {"k"} if "i" in used_axis_names(old) else set())
+        {"k"} if "i" in used_axis_names(old) else set()
+      )
       changed += 1
     else:
       assert nw is old  # reused by identity
@@ -152,13 +174,14 @@ def test_sharing_untouched_sub_jaxprs_and_equations():
   for old_eqn, new_eqn in zip(closed.jaxpr.eqns, new.jaxpr.eqns):
     touched = "i" in analysis.eqn_axis_names(old_eqn)
     assert (new_eqn is old_eqn) == (not touched)
+
   # The renamed program is well typed (checked where 'k' and 'j' are bound)
   # and JAX's own effects follow the rename.
   def typecheck(x):
     check_jaxpr(new.jaxpr)
     return x
-  jax.vmap(jax.vmap(typecheck, axis_name="j"), axis_name="k")(
-      jnp.zeros((2, 2)))
+
+  jax.vmap(jax.vmap(typecheck, axis_name="j"), axis_name="k")(jnp.zeros((2, 2)))
   assert jax_internals.named_axis_effect_names(new.effects) == {"k", "j"}
 
 
@@ -169,9 +192,11 @@ def test_renamed_jaxpr_computes_the_same():
   f_new = lambda x: jax.core.eval_jaxpr(new.jaxpr, new.consts, x)[0]
   xs = jnp.arange(16.0).reshape(2, 8)
   ref = jax.vmap(jax.vmap(f_old, axis_name="j"), axis_name="i")(
-      xs.reshape(2, 1, 8).repeat(2, 1))
+    xs.reshape(2, 1, 8).repeat(2, 1)
+  )
   out = jax.vmap(jax.vmap(f_new, axis_name="j"), axis_name="k")(
-      xs.reshape(2, 1, 8).repeat(2, 1))
+    xs.reshape(2, 1, 8).repeat(2, 1)
+  )
   np.testing.assert_allclose(out, ref)
 
 
@@ -184,10 +209,12 @@ def test_unaffected_jaxpr_is_returned_as_is_and_results_are_cached():
 
 
 def test_names_bound_inside_are_not_renamed():
-  inner = jax.shard_map(lambda v: lax.psum(v, "i"), mesh=MESH_I,
-                        in_specs=P("i"), out_specs=P())
-  closed = jax.make_jaxpr(lambda x: inner(x) * lax.axis_index("k"),
-                          axis_env=[("k", 2)])(X)
+  inner = jax.shard_map(
+    lambda v: lax.psum(v, "i"), mesh=MESH_I, in_specs=P("i"), out_specs=P()
+  )
+  closed = jax.make_jaxpr(
+    lambda x: inner(x) * lax.axis_index("k"), axis_env=[("k", 2)]
+  )(X)
   assert rename_axes(closed, {"i": "z"}) is closed
   new = rename_axes(closed, {"k": "m"})
   assert used_axis_names(new) == {"m"}
@@ -195,9 +222,14 @@ def test_names_bound_inside_are_not_renamed():
 
 
 def test_deep_rename_of_types_inside_shard_map_body():
-  closed = jax.make_jaxpr(jax.shard_map(
-      lambda v: lax.psum(v, "i") * lax.axis_index("i"), mesh=MESH_I,
-      in_specs=P("i"), out_specs=P("i")))(X)
+  closed = jax.make_jaxpr(
+    jax.shard_map(
+      lambda v: lax.psum(v, "i") * lax.axis_index("i"),
+      mesh=MESH_I,
+      in_specs=P("i"),
+      out_specs=P("i"),
+    )
+  )(X)
   body = closed.jaxpr.eqns[0].params["jaxpr"]
   assert "V:i" in str(body)
   new = rename_axes(body, {"i": "k"})
@@ -212,17 +244,24 @@ def test_error_not_one_to_one():
 
 
 def test_error_merge_with_kept_name():
-  closed = jax.make_jaxpr(lambda v: lax.psum(v, "i") + lax.psum(v, "j"),
-                          axis_env=[("i", 2), ("j", 2)])(X)
+  closed = jax.make_jaxpr(
+    lambda v: lax.psum(v, "i") + lax.psum(v, "j"), axis_env=[("i", 2), ("j", 2)]
+  )(X)
   with pytest.raises(ValueError, match="would merge two axes"):
     rename_axes(closed, {"i": "j"})
 
 
 def test_error_capture_by_inner_binder():
   def fn(x):
-    inner = jax.shard_map(lambda v: lax.psum(v, ("k", "i")), mesh=MESH_K,
-                          in_specs=P("k"), out_specs=P(), check_vma=False)
+    inner = jax.shard_map(
+      lambda v: lax.psum(v, ("k", "i")),
+      mesh=MESH_K,
+      in_specs=P("k"),
+      out_specs=P(),
+      check_vma=False,
+    )
     return inner(x)
+
   closed = jax.make_jaxpr(fn, axis_env=[("i", 2)])(X)
   assert used_axis_names(closed) == {"i"}
   with pytest.raises(ValueError, match=r"would capture 'k' inside shard_map"):
@@ -233,8 +272,13 @@ def test_error_opaque_primitive():
   closed = jax.make_jaxpr(lambda x: x)(X)
   prim = Primitive("test_opaque_collective_rename")
   prim.multiple_results = True
-  eqn = new_jaxpr_eqn(closed.jaxpr.invars, closed.jaxpr.outvars, prim, {},
-                      {jax_internals.NamedAxisEffect("z")})
+  eqn = new_jaxpr_eqn(
+    closed.jaxpr.invars,
+    closed.jaxpr.outvars,
+    prim,
+    {},
+    {jax_internals.NamedAxisEffect("z")},
+  )
   jaxpr = closed.jaxpr.replace(eqns=[eqn])
   with pytest.raises(ValueError, match="no rule for which of its params"):
     rename_axes(jaxpr, {"z": "w"})
@@ -259,17 +303,26 @@ def test_pallas_grid_names_shadow_a_rename():
   from jax.experimental import pallas as pl
 
   def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...] * (lax.axis_index("g") +
-                               lax.axis_index("k")).astype(jnp.float32)
+    o_ref[...] = x_ref[...] * (
+      lax.axis_index("g") + lax.axis_index("k")
+    ).astype(jnp.float32)
+
   fn = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-      grid=(("g", 2),), in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
-      out_specs=pl.BlockSpec((4,), lambda g: (g,)), interpret=True)
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+    grid=(("g", 2),),
+    in_specs=[pl.BlockSpec((4,), lambda g: (g,))],
+    out_specs=pl.BlockSpec((4,), lambda g: (g,)),
+    interpret=True,
+  )
   closed = jax.make_jaxpr(fn, axis_env=[("k", 2)])(X)
   assert rename_axes(closed, {"g": "z"}) is closed  # bound by the grid
   new = rename_axes(closed, {"k": "m"})
   assert used_axis_names(new) == {"m"}
   assert used_axis_names(new.eqns[0].params["jaxpr"]) == {"g", "m"}
-  with pytest.raises(ValueError, match=r"would capture 'g' inside "
-                     r"pallas_call"):
+  with pytest.raises(
+    ValueError,
+    match=r"would capture 'g' inside "
+    r"pallas_call",
+  ):
     rename_axes(closed, {"k": "g"})

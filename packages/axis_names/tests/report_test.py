@@ -7,13 +7,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import inspect
 
 import jax
-import jax.numpy as jnp
-import pytest
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import pytest
 
-from jaxworks.axis_names import (AxisNameError, CollectiveReport,
-                                 CollectiveStat, collective_report)
+from jaxworks.axis_names import AxisNameError
+from jaxworks.axis_names import CollectiveReport
+from jaxworks.axis_names import CollectiveStat
+from jaxworks.axis_names import collective_report
 
 X = jnp.ones(16, jnp.float32)  # 64 bytes
 MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
@@ -25,16 +28,19 @@ def _line(fn, text):
 
 
 def train_step(x):
-  g = lax.psum(x, "data")                       # all-reduce
-  g = lax.psum(g, "data")                       # all-reduce again
-  h = lax.all_gather(g[:4], "model")            # gather
-  s = lax.psum_scatter(x, "data", tiled=True)   # scatter
+  g = lax.psum(x, "data")  # all-reduce
+  g = lax.psum(g, "data")  # all-reduce again
+  h = lax.all_gather(g[:4], "model")  # gather
+  s = lax.psum_scatter(x, "data", tiled=True)  # scatter
   p = lax.ppermute(x, "data", [(0, 1), (1, 0)])
+
   def body(c, _):
     return c + lax.pmax(c, ("data", "model")), None
-  c = lax.scan(body, x, None, length=5)[0]      # pmax x5
-  return g.sum() + h.sum() + s.sum() + p.sum() + c.sum() + \
-      lax.axis_index("data")
+
+  c = lax.scan(body, x, None, length=5)[0]  # pmax x5
+  return (
+    g.sum() + h.sum() + s.sum() + p.sum() + c.sum() + lax.axis_index("data")
+  )
 
 
 SIZES = {"data": 4, "model": 2}
@@ -52,8 +58,10 @@ def test_counts_bytes_and_sources():
   psum = _row(r, ("data",), "psum")
   assert psum.count == 2
   assert psum.bytes_per_call == 2 * (2 * 3 / 4 * 64)
-  assert psum.sources == (f"{fname}:{_line(train_step, 'all-reduce')}",
-                          f"{fname}:{_line(train_step, 'all-reduce again')}")
+  assert psum.sources == (
+    f"{fname}:{_line(train_step, 'all-reduce')}",
+    f"{fname}:{_line(train_step, 'all-reduce again')}",
+  )
   gather = _row(r, ("model",), "all_gather")
   assert (gather.count, gather.bytes_per_call) == (1, 1 * 16)
   scatter = _row(r, ("data",), "reduce_scatter")
@@ -75,17 +83,25 @@ def test_counts_bytes_and_sources():
 def test_str_is_a_table():
   text = str(collective_report(train_step, X, axis_sizes=SIZES))
   lines = text.splitlines()
-  assert lines[0].split() == ["axes", "primitive", "count", "bytes/call",
-                              "sources"]
+  assert lines[0].split() == [
+    "axes",
+    "primitive",
+    "count",
+    "bytes/call",
+    "sources",
+  ]
   assert set(lines[1].replace(" ", "")) == {"-"}
-  assert any(l.split()[:4] == ["data,model", "pmax", "5", "560"]
-             for l in lines)
+  assert any(l.split()[:4] == ["data,model", "pmax", "5", "560"] for l in lines)
   assert str(collective_report(jnp.sin, X)) == "no collectives"
 
 
 def test_shard_map_names_take_mesh_sizes():
-  fn = jax.shard_map(lambda v: lax.psum(lax.psum(v, "x"), "y"),
-                     mesh=MESH, in_specs=P(("x", "y")), out_specs=P())
+  fn = jax.shard_map(
+    lambda v: lax.psum(lax.psum(v, "x"), "y"),
+    mesh=MESH,
+    in_specs=P(("x", "y")),
+    out_specs=P(),
+  )
   r = collective_report(fn, X)
   assert r.axis_sizes == {"x": 4, "y": 2}
   # per-device operand: 16 / 8 = 2 floats = 8 bytes
@@ -110,10 +126,12 @@ def test_all_to_all_ragged_and_group_bytes_by_hand():
   def fn(x):
     a = lax.all_to_all(x.reshape(4, 4), "data", 0, 0, tiled=True)
     ones = jnp.ones(4, jnp.int32)
-    r = lax.ragged_all_to_all(x, jnp.zeros(16), 0 * ones, ones, 0 * ones,
-                              ones, axis_name="data")
+    r = lax.ragged_all_to_all(
+      x, jnp.zeros(16), 0 * ones, ones, 0 * ones, ones, axis_name="data"
+    )
     g = lax.psum(x, "data", axis_index_groups=[[0, 1], [2, 3]])
     return a.sum() + r.sum() + g.sum()
+
   r = collective_report(fn, X, axis_sizes={"data": 4})
   # all_to_all: the operand (64 bytes) is split in 4, 3 parts leave.
   assert _row(r, ("data",), "all_to_all").bytes_per_call == 3 / 4 * 64
@@ -125,8 +143,13 @@ def test_all_to_all_ragged_and_group_bytes_by_hand():
 
 def test_collectives_under_jit_of_shard_map_and_pmap_are_found():
   # No free name is left outside the binder, but the collectives still run.
-  sm = jax.shard_map(lambda v: lax.psum(v, "x"), mesh=MESH, in_specs=P("x"),
-                     out_specs=P(), axis_names={"x"})
+  sm = jax.shard_map(
+    lambda v: lax.psum(v, "x"),
+    mesh=MESH,
+    in_specs=P("x"),
+    out_specs=P(),
+    axis_names={"x"},
+  )
   row = _row(collective_report(jax.jit(sm), X), ("x",), "psum_invariant")
   assert (row.count, row.bytes_per_call) == (1, 2 * 3 / 4 * 16)
   pm = jax.pmap(lambda v: lax.all_gather(v, "b"), axis_name="b")

@@ -101,9 +101,14 @@ print("cases", n)
 def test_core_cases_under_a_swap_in_a_fresh_process(mode):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
   proc = subprocess.run(
-      [sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True,
-      text=True, timeout=600, check=False,
-      cwd=str(pathlib.Path(__file__).resolve().parent))
+    [sys.executable, "-c", _SCRIPT, mode],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+    cwd=str(pathlib.Path(__file__).resolve().parent),
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "cases 8" in proc.stdout
   assert "RecursionError" not in proc.stderr

@@ -32,123 +32,145 @@ _OPS = (jnp.sin, jnp.cos, jnp.tanh, lambda v: v * 1.001)
 
 
 def make_fun(n_eqns):
-    """A new function object whose jaxpr has exactly ``n_eqns`` equations."""
+  """A new function object whose jaxpr has exactly ``n_eqns`` equations."""
 
-    def chain(x):
-        for i in range(n_eqns):
-            x = _OPS[i % len(_OPS)](x)
-        return x
+  def chain(x):
+    for i in range(n_eqns):
+      x = _OPS[i % len(_OPS)](x)
+    return x
 
-    return chain
+  return chain
 
 
 def make_qr_fun(n_calls):
-    """A new function object with ``n_calls`` QR decompositions (lowered per platform)."""
+  """A new function object with ``n_calls`` QR decompositions (lowered per platform)."""
 
-    def qrs(x):
-        for _ in range(n_calls):
-            q, r = jnp.linalg.qr(x)
-            x = q @ r
-        return x
+  def qrs(x):
+    for _ in range(n_calls):
+      q, r = jnp.linalg.qr(x)
+      x = q @ r
+    return x
 
-    return qrs
+  return qrs
 
 
 def timed(fn):
-    # As timeit does: no garbage collection inside the timer (the garbage of
-    # earlier cases would otherwise be charged to whichever call triggers it).
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    finally:
-        gc.enable()
+  # As timeit does: no garbage collection inside the timer (the garbage of
+  # earlier cases would otherwise be charged to whichever call triggers it).
+  gc.disable()
+  try:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+  finally:
+    gc.enable()
 
 
 def measure(cases, repeats):
-    """cases: {name: setup -> (ours_thunk, stock_thunk)}; returns medians in ms."""
-    results = {}
-    for name, setup in cases.items():
-        ours, stock = [], []
-        for r in range(repeats + 1):  # the first repeat warms up
-            gc.collect()
-            ours_fn, stock_fn = setup()
-            pair = [(ours, ours_fn), (stock, stock_fn)]
-            if r % 2:
-                pair.reverse()
-            for sink, fn in pair:
-                t = timed(fn)
-                if r:
-                    sink.append(t)
-        results[name] = (1e3 * statistics.median(ours), 1e3 * statistics.median(stock))
-    return results
+  """cases: {name: setup -> (ours_thunk, stock_thunk)}; returns medians in ms."""
+  results = {}
+  for name, setup in cases.items():
+    ours, stock = [], []
+    for r in range(repeats + 1):  # the first repeat warms up
+      gc.collect()
+      ours_fn, stock_fn = setup()
+      pair = [(ours, ours_fn), (stock, stock_fn)]
+      if r % 2:
+        pair.reverse()
+      for sink, fn in pair:
+        t = timed(fn)
+        if r:
+          sink.append(t)
+    results[name] = (
+      1e3 * statistics.median(ours),
+      1e3 * statistics.median(stock),
+    )
+  return results
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 20 s)")
-    parser.add_argument("--eqns", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args(argv)
-    n = args.eqns or (200 if args.quick else 1000)
-    repeats = args.repeats or (3 if args.quick else 21)
-    n_qr = 10 if args.quick else 50
-    x = jax.ShapeDtypeStruct((128,), jnp.float32)
-    assert len(jax.make_jaxpr(make_fun(n))(x).eqns) == n
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--quick", action="store_true", help="small sizes, few repeats (< 20 s)"
+  )
+  parser.add_argument("--eqns", type=int, default=None)
+  parser.add_argument("--repeats", type=int, default=None)
+  args = parser.parse_args(argv)
+  n = args.eqns or (200 if args.quick else 1000)
+  repeats = args.repeats or (3 if args.quick else 21)
+  n_qr = 10 if args.quick else 50
+  x = jax.ShapeDtypeStruct((128,), jnp.float32)
+  assert len(jax.make_jaxpr(make_fun(n))(x).eqns) == n
 
-    def lower_case(platforms, make=lambda: make_fun(n), arg=x):
-        def setup():
-            ours_traced = stages_aot.trace(make(), arg)
-            stock_traced = jax.jit(make()).trace(arg)
-            return (
-                lambda: ours_traced.lower(lowering_platforms=platforms),
-                lambda: stock_traced.lower(lowering_platforms=platforms),
-            )
+  def lower_case(platforms, make=lambda: make_fun(n), arg=x):
+    def setup():
+      ours_traced = stages_aot.trace(make(), arg)
+      stock_traced = jax.jit(make()).trace(arg)
+      return (
+        lambda: ours_traced.lower(lowering_platforms=platforms),
+        lambda: stock_traced.lower(lowering_platforms=platforms),
+      )
 
-        return setup
+    return setup
 
-    def export_case(platforms):
-        def setup():
-            f_ours, f_stock = make_fun(n), make_fun(n)
-            return (
-                lambda: stages_aot.deserialize(
-                    stages_aot.trace(f_ours, x).lower(lowering_platforms=platforms).export().serialize()
-                ),
-                lambda: jax.export.deserialize(
-                    jax.export.export(jax.jit(f_stock), platforms=platforms)(x).serialize()
-                ),
-            )
+  def export_case(platforms):
+    def setup():
+      f_ours, f_stock = make_fun(n), make_fun(n)
+      return (
+        lambda: stages_aot.deserialize(
+          stages_aot.trace(f_ours, x)
+          .lower(lowering_platforms=platforms)
+          .export()
+          .serialize()
+        ),
+        lambda: jax.export.deserialize(
+          jax.export.export(jax.jit(f_stock), platforms=platforms)(
+            x
+          ).serialize()
+        ),
+      )
 
-        return setup
+    return setup
 
-    one, three = ("cpu",), ("cpu", "cuda", "tpu")
-    cases = {
-        f"lower, {n} eqns, 1 platform (cpu)": lower_case(one),
-        f"lower, {n} eqns, 3 platforms (cpu, cuda, tpu)": lower_case(three),
-        f"lower, {n_qr} x qr (platform-specific lowering), 1 platform": lower_case(
-            one, lambda: make_qr_fun(n_qr), jax.ShapeDtypeStruct((8, 8), jnp.float32)),
-        f"lower, {n_qr} x qr (platform-specific lowering), 3 platforms": lower_case(
-            three, lambda: make_qr_fun(n_qr), jax.ShapeDtypeStruct((8, 8), jnp.float32)),
-        f"trace+lower+export+serialize+deserialize, {n} eqns, cpu": export_case(one),
-        f"trace+lower+export+serialize+deserialize, {n} eqns, cpu+cuda+tpu": export_case(three),
-    }
-    results = measure(cases, repeats)
-    print(f"jax {jax.__version__}, jaxworks.stages_aot {stages_aot.__version__}, "
-          f"median of {repeats} repeats, fresh function per repeat")
-    print()
-    print("| case | stages_aot (ms) | stock JAX (ms) | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, (ours, stock) in results.items():
-        print(f"| {name} | {ours:.1f} | {stock:.1f} | {ours / stock:.2f} |")
-    names = list(results)
-    print()
-    for label, (a, b) in [("elementwise chain", (0, 1)), ("qr", (2, 3))]:
-        r1, r3 = results[names[a]], results[names[b]]
-        print(f"lowering for 3 platforms / 1 platform ({label}): stages_aot "
-              f"{r3[0] / r1[0]:.2f}x, stock {r3[1] / r1[1]:.2f}x")
-    return results
+  one, three = ("cpu",), ("cpu", "cuda", "tpu")
+  cases = {
+    f"lower, {n} eqns, 1 platform (cpu)": lower_case(one),
+    f"lower, {n} eqns, 3 platforms (cpu, cuda, tpu)": lower_case(three),
+    f"lower, {n_qr} x qr (platform-specific lowering), 1 platform": lower_case(
+      one, lambda: make_qr_fun(n_qr), jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    ),
+    f"lower, {n_qr} x qr (platform-specific lowering), 3 platforms": lower_case(
+      three,
+      lambda: make_qr_fun(n_qr),
+      jax.ShapeDtypeStruct((8, 8), jnp.float32),
+    ),
+    f"trace+lower+export+serialize+deserialize, {n} eqns, cpu": export_case(
+      one
+    ),
+    f"trace+lower+export+serialize+deserialize, {n} eqns, cpu+cuda+tpu": export_case(
+      three
+    ),
+  }
+  results = measure(cases, repeats)
+  print(
+    f"jax {jax.__version__}, jaxworks.stages_aot {stages_aot.__version__}, "
+    f"median of {repeats} repeats, fresh function per repeat"
+  )
+  print()
+  print("| case | stages_aot (ms) | stock JAX (ms) | ratio |")
+  print("|---|---:|---:|---:|")
+  for name, (ours, stock) in results.items():
+    print(f"| {name} | {ours:.1f} | {stock:.1f} | {ours / stock:.2f} |")
+  names = list(results)
+  print()
+  for label, (a, b) in [("elementwise chain", (0, 1)), ("qr", (2, 3))]:
+    r1, r3 = results[names[a]], results[names[b]]
+    print(
+      f"lowering for 3 platforms / 1 platform ({label}): stages_aot "
+      f"{r3[0] / r1[0]:.2f}x, stock {r3[1] / r1[1]:.2f}x"
+    )
+  return results
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -43,22 +43,41 @@ def count(n):
 
 @pytest.fixture
 def workdir(tmp_path):
-    (tmp_path / "cli_failing_mod.py").write_text(FAILING_MODULE)
-    (tmp_path / "cli_broken_mod.py").write_text("raise RuntimeError('broken at import')\n")
-    (tmp_path / "a_file").write_text("not a directory\n")
-    return tmp_path
+  (tmp_path / "cli_failing_mod.py").write_text(FAILING_MODULE)
+  (tmp_path / "cli_broken_mod.py").write_text(
+    "raise RuntimeError('broken at import')\n"
+  )
+  (tmp_path / "a_file").write_text("not a directory\n")
+  return tmp_path
 
 
 def run_cli(workdir, *args, umask=-1):
-    passed = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    portions = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(os.path.join(p, "jaxworks"))]
-    paths = [str(workdir), str(pathlib.Path(sa.__file__).resolve().parents[2])] + passed + portions
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), JAX_PLATFORMS="cpu")
-    env.pop("BUILD_WORKING_DIRECTORY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "jaxworks.stages_aot", *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=120, umask=umask,
-    )
+  passed = [
+    os.path.abspath(p)
+    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if p
+  ]
+  portions = [
+    os.path.abspath(p)
+    for p in sys.path
+    if p and os.path.isdir(os.path.join(p, "jaxworks"))
+  ]
+  paths = (
+    [str(workdir), str(pathlib.Path(sa.__file__).resolve().parents[2])]
+    + passed
+    + portions
+  )
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), JAX_PLATFORMS="cpu")
+  env.pop("BUILD_WORKING_DIRECTORY", None)
+  return subprocess.run(
+    [sys.executable, "-m", "jaxworks.stages_aot", *args],
+    cwd=workdir,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    umask=umask,
+  )
 
 
 # Lines that XLA's C++ logging may add to stderr (glog format), not the CLI's.
@@ -66,35 +85,66 @@ GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
 
 
 @pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["cli_broken_mod:f"], "import of 'cli_broken_mod' failed: RuntimeError: broken at import"),
-        (["cli_failing_mod:trace_fails"], "trace of cli_failing_mod:trace_fails(f32[3]) failed: TypeError: cannot trace this second line of the message"),
-        (
-            ["cli_failing_mod:lowers_on_cpu_only", "--platform", "cpu", "--platform", "tpu"],
-            "lowering for platform tpu failed: NotImplementedError: MLIR translation rule for primitive 'cpu_only_demo' not found for platform tpu",
-        ),
-        (["cli_failing_mod:export_fails"], "export of cli_failing_mod:export_fails failed: NotImplementedError: serialization of host_callbacks"),
-        (["cli_failing_mod:lowers_on_cpu_only", "--out", "a_file/art"], "save to a_file/art failed: FileExistsError: "),
-    ],
+  "argv, message",
+  [
+    (
+      ["cli_broken_mod:f"],
+      "import of 'cli_broken_mod' failed: RuntimeError: broken at import",
+    ),
+    (
+      ["cli_failing_mod:trace_fails"],
+      "trace of cli_failing_mod:trace_fails(f32[3]) failed: TypeError: cannot trace this second line of the message",
+    ),
+    (
+      [
+        "cli_failing_mod:lowers_on_cpu_only",
+        "--platform",
+        "cpu",
+        "--platform",
+        "tpu",
+      ],
+      "lowering for platform tpu failed: NotImplementedError: MLIR translation rule for primitive 'cpu_only_demo' not found for platform tpu",
+    ),
+    (
+      ["cli_failing_mod:export_fails"],
+      "export of cli_failing_mod:export_fails failed: NotImplementedError: serialization of host_callbacks",
+    ),
+    (
+      ["cli_failing_mod:lowers_on_cpu_only", "--out", "a_file/art"],
+      "save to a_file/art failed: FileExistsError: ",
+    ),
+  ],
 )
 def test_each_failing_stage_is_one_line_and_exit_1(workdir, argv, message):
-    target, *rest = argv
-    if "--out" not in rest:
-        rest += ["--out", "art"]
-    r = run_cli(workdir, "export", target, "--arg", "f32[3]", *rest)
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    lines = [l for l in r.stderr.splitlines() if not GLOG_LINE.match(l)]
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("python -m jaxworks.stages_aot export: error: " + message), lines[0]
-    assert "Traceback" not in r.stderr
-    assert not (workdir / "art").exists()
-
+  target, *rest = argv
+  if "--out" not in rest:
+    rest += ["--out", "art"]
+  r = run_cli(workdir, "export", target, "--arg", "f32[3]", *rest)
+  assert r.returncode == 1, (r.stdout, r.stderr)
+  lines = [l for l in r.stderr.splitlines() if not GLOG_LINE.match(l)]
+  assert len(lines) == 1, r.stderr
+  assert lines[0].startswith(
+    "python -m jaxworks.stages_aot export: error: " + message
+  ), lines[0]
+  assert "Traceback" not in r.stderr
+  assert not (workdir / "art").exists()
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o077, 0o700)])
 def test_exported_directory_follows_the_umask(workdir, umask, mode):
-    r = run_cli(workdir, "export", "cli_failing_mod:count", "--arg", "i32[3]", "--out", "art", umask=umask)
-    assert r.returncode == 0, r.stderr
-    assert stat.S_IMODE((workdir / "art").stat().st_mode) == mode
-    assert stat.S_IMODE((workdir / "art" / "manifest.json").stat().st_mode) == mode & 0o666
+  r = run_cli(
+    workdir,
+    "export",
+    "cli_failing_mod:count",
+    "--arg",
+    "i32[3]",
+    "--out",
+    "art",
+    umask=umask,
+  )
+  assert r.returncode == 0, r.stderr
+  assert stat.S_IMODE((workdir / "art").stat().st_mode) == mode
+  assert (
+    stat.S_IMODE((workdir / "art" / "manifest.json").stat().st_mode)
+    == mode & 0o666
+  )

@@ -14,67 +14,105 @@ from jaxworks.stages_aot._src import jax_internals
 
 
 def f(x):
-    return jnp.sin(x) @ x.T
+  return jnp.sin(x) @ x.T
 
 
 SPEC = jax.ShapeDtypeStruct((3, 4), jnp.float32)
 
 
 def test_lowering_parameters_fields():
-    params = jax_internals.export_lowering_parameters()
-    assert isinstance(params, jax_internals.LoweringParameters)
-    assert params.for_export is True and params.hoist_constants_as_args is False
-    assert params.export_ignore_forward_compatibility is False
+  params = jax_internals.export_lowering_parameters()
+  assert isinstance(params, jax_internals.LoweringParameters)
+  assert params.for_export is True and params.hoist_constants_as_args is False
+  assert params.export_ignore_forward_compatibility is False
 
 
 def test_stock_traced_lower_takes_private_parameters():
-    sig = inspect.signature(jax.stages.Traced.lower)
-    assert "_private_parameters" in sig.parameters and "lowering_platforms" in sig.parameters
-    lowered = jax.jit(f).trace(SPEC).lower(
-        lowering_platforms=("cpu", "tpu"), _private_parameters=jax_internals.export_lowering_parameters()
+  sig = inspect.signature(jax.stages.Traced.lower)
+  assert (
+    "_private_parameters" in sig.parameters
+    and "lowering_platforms" in sig.parameters
+  )
+  lowered = (
+    jax.jit(f)
+    .trace(SPEC)
+    .lower(
+      lowering_platforms=("cpu", "tpu"),
+      _private_parameters=jax_internals.export_lowering_parameters(),
     )
-    assert isinstance(lowered, jax.stages.Lowered)
+  )
+  assert isinstance(lowered, jax.stages.Lowered)
 
 
 def test_export_lowered_equals_jax_export():
-    sig = inspect.signature(jax_internals.export_lowered)
-    assert list(sig.parameters)[:4] == ["lowered", "jaxpr", "fun_name", "disabled_checks"]
-    traced = jax.jit(f).trace(SPEC)
-    lowered = traced.lower(lowering_platforms=("cpu", "cuda"), _private_parameters=jax_internals.export_lowering_parameters())
-    ours = jax_internals.export_lowered(lowered, traced.jaxpr, traced.fun_name, disabled_checks=())
-    stock = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(SPEC)
-    assert isinstance(ours, jax.export.Exported)
-    assert ours.platforms == ("cpu", "cuda") and ours.fun_name == "f"
-    assert bytes(ours.serialize()) == bytes(stock.serialize())
-    assert ours.has_vjp()
-    x = np.arange(12, dtype=np.float32).reshape(3, 4)
-    np.testing.assert_allclose(ours.call(x), f(x), rtol=1e-6)
+  sig = inspect.signature(jax_internals.export_lowered)
+  assert list(sig.parameters)[:4] == [
+    "lowered",
+    "jaxpr",
+    "fun_name",
+    "disabled_checks",
+  ]
+  traced = jax.jit(f).trace(SPEC)
+  lowered = traced.lower(
+    lowering_platforms=("cpu", "cuda"),
+    _private_parameters=jax_internals.export_lowering_parameters(),
+  )
+  ours = jax_internals.export_lowered(
+    lowered, traced.jaxpr, traced.fun_name, disabled_checks=()
+  )
+  stock = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(SPEC)
+  assert isinstance(ours, jax.export.Exported)
+  assert ours.platforms == ("cpu", "cuda") and ours.fun_name == "f"
+  assert bytes(ours.serialize()) == bytes(stock.serialize())
+  assert ours.has_vjp()
+  x = np.arange(12, dtype=np.float32).reshape(3, 4)
+  np.testing.assert_allclose(ours.call(x), f(x), rtol=1e-6)
 
 
 def test_stock_jit_is_jax_jit():
-    # In a process that swapped nothing, the bound stock jit is jax.jit itself.
-    assert jax_internals.stock_jit is jax.jit
-    assert jax_internals.stock_jit(f)(np.ones((3, 4), np.float32)).shape == (3, 3)
+  # In a process that swapped nothing, the bound stock jit is jax.jit itself.
+  assert jax_internals.stock_jit is jax.jit
+  assert jax_internals.stock_jit(f)(np.ones((3, 4), np.float32)).shape == (3, 3)
 
 
 def test_module_reader_imports_what_jax_extend_mlir_exposes():
-    import jax.extend.mlir
-    import jax.extend.mlir.ir
-    import jaxlib.mlir.ir
-    from jaxlib import _jax
+  import jax.extend.mlir
+  import jax.extend.mlir.ir
+  from jaxlib import _jax
+  import jaxlib.mlir.ir
 
-    source = jax_internals.MODULE_READER_SOURCE
-    assert "from jaxlib import _jax" in source and "from jaxlib.mlir import ir" in source
-    assert jax.extend.mlir.deserialize_portable_artifact is _jax.mlir.deserialize_portable_artifact
-    assert jax.extend.mlir.ir.Context is jaxlib.mlir.ir.Context
-    assert jax.extend.mlir.ir.RankedTensorType is jaxlib.mlir.ir.RankedTensorType
-    for name in ("IntegerAttr", "StringAttr", "TypeAttr", "FunctionType", "ShapedType"):
-        assert getattr(jax.extend.mlir.ir, name) is getattr(jaxlib.mlir.ir, name)
-    # The child runs the source as a script and answers one JSON line.
-    from jaxworks.stages_aot._src import module_reader
+  source = jax_internals.MODULE_READER_SOURCE
+  assert (
+    "from jaxlib import _jax" in source
+    and "from jaxlib.mlir import ir" in source
+  )
+  assert (
+    jax.extend.mlir.deserialize_portable_artifact
+    is _jax.mlir.deserialize_portable_artifact
+  )
+  assert jax.extend.mlir.ir.Context is jaxlib.mlir.ir.Context
+  assert jax.extend.mlir.ir.RankedTensorType is jaxlib.mlir.ir.RankedTensorType
+  for name in (
+    "IntegerAttr",
+    "StringAttr",
+    "TypeAttr",
+    "FunctionType",
+    "ShapedType",
+  ):
+    assert getattr(jax.extend.mlir.ir, name) is getattr(jaxlib.mlir.ir, name)
+  # The child runs the source as a script and answers one JSON line.
+  from jaxworks.stages_aot._src import module_reader
 
-    exp = jax.export.export(jax.jit(f), platforms=("cpu", "tpu"))(SPEC)
-    (answer,) = module_reader.describe_modules([exp.mlir_module_serialized])
-    assert answer["attributes"] == {"mhlo.num_partitions": 1, "mhlo.num_replicas": 1}
-    assert [t["text"] for t in answer["inputs"]] == ["tensor<i32>", "tensor<3x4xf32>"]
-    assert answer["results"] == [{"text": "tensor<3x3xf32>", "shape": [3, 3], "element": "f32"}]
+  exp = jax.export.export(jax.jit(f), platforms=("cpu", "tpu"))(SPEC)
+  (answer,) = module_reader.describe_modules([exp.mlir_module_serialized])
+  assert answer["attributes"] == {
+    "mhlo.num_partitions": 1,
+    "mhlo.num_replicas": 1,
+  }
+  assert [t["text"] for t in answer["inputs"]] == [
+    "tensor<i32>",
+    "tensor<3x4xf32>",
+  ]
+  assert answer["results"] == [
+    {"text": "tensor<3x3xf32>", "shape": [3, 3], "element": "f32"}
+  ]

@@ -8,40 +8,61 @@ import jax
 import pytest
 
 from jaxworks import stages_aot as sa
-from jaxworks.stages_aot._src.platforms import canonical_platforms, choose_platform
+from jaxworks.stages_aot._src.platforms import canonical_platforms
+from jaxworks.stages_aot._src.platforms import choose_platform
 
 
 def test_known_platforms():
-    assert sa.KNOWN_PLATFORMS == ("cpu", "cuda", "rocm", "tpu")
+  assert sa.KNOWN_PLATFORMS == ("cpu", "cuda", "rocm", "tpu")
 
 
 def test_canonical_platforms_keeps_order():
-    assert canonical_platforms(["tpu", "cpu", "rocm"], api="t") == ("tpu", "cpu", "rocm")
-    assert canonical_platforms(None, api="t") == (jax.export.default_export_platform(),)
+  assert canonical_platforms(["tpu", "cpu", "rocm"], api="t") == (
+    "tpu",
+    "cpu",
+    "rocm",
+  )
+  assert canonical_platforms(None, api="t") == (
+    jax.export.default_export_platform(),
+  )
 
 
 def test_present_platforms_match_devices():
-    present = sa.present_platforms()
-    assert present[0] == jax.export.default_export_platform()
-    assert {d.platform.replace("gpu", "cuda") for d in jax.devices()} <= set(present) | {"gpu"}
-    assert "cpu" in present
+  present = sa.present_platforms()
+  assert present[0] == jax.export.default_export_platform()
+  assert {d.platform.replace("gpu", "cuda") for d in jax.devices()} <= set(
+    present
+  ) | {"gpu"}
+  assert "cpu" in present
 
 
 def test_choose_platform():
-    assert choose_platform(("tpu", "cpu"), None, api="t", fun_name="f") == "cpu"
-    assert choose_platform(("cpu",), "cpu", api="t", fun_name="f") == "cpu"
-    with pytest.raises(ValueError, match=r"t: 'f' was lowered for \('tpu',\), but the platforms present on this host are"):
-        choose_platform(("tpu",), None, api="t", fun_name="f")
-    with pytest.raises(ValueError, match=r"'f' was lowered for \('cpu',\), not for 'tpu'"):
-        choose_platform(("cpu",), "tpu", api="t", fun_name="f")
-    with pytest.raises(ValueError, match="t: lowering platform 'gpu' is ambiguous; write 'cuda' or 'rocm'"):
-        choose_platform(("cpu",), "gpu", api="t", fun_name="f")
-    with pytest.raises(ValueError, match="t: unknown lowering platform 'CPU'; did you mean 'cpu'"):
-        choose_platform(("cpu",), "CPU", api="t", fun_name="f")
-    with pytest.raises(TypeError, match=r"t: lowering platform \('cpu',\) is not a string"):
-        choose_platform(("cpu",), ("cpu",), api="t", fun_name="f")
+  assert choose_platform(("tpu", "cpu"), None, api="t", fun_name="f") == "cpu"
+  assert choose_platform(("cpu",), "cpu", api="t", fun_name="f") == "cpu"
+  with pytest.raises(
+    ValueError,
+    match=r"t: 'f' was lowered for \('tpu',\), but the platforms present on this host are",
+  ):
+    choose_platform(("tpu",), None, api="t", fun_name="f")
+  with pytest.raises(
+    ValueError, match=r"'f' was lowered for \('cpu',\), not for 'tpu'"
+  ):
+    choose_platform(("cpu",), "tpu", api="t", fun_name="f")
+  with pytest.raises(
+    ValueError,
+    match="t: lowering platform 'gpu' is ambiguous; write 'cuda' or 'rocm'",
+  ):
+    choose_platform(("cpu",), "gpu", api="t", fun_name="f")
+  with pytest.raises(
+    ValueError, match="t: unknown lowering platform 'CPU'; did you mean 'cpu'"
+  ):
+    choose_platform(("cpu",), "CPU", api="t", fun_name="f")
+  with pytest.raises(
+    TypeError, match=r"t: lowering platform \('cpu',\) is not a string"
+  ):
+    choose_platform(("cpu",), ("cpu",), api="t", fun_name="f")
 
 
 def test_bad_platform_types():
-    with pytest.raises(TypeError, match="got 7"):
-        canonical_platforms(7, api="t")
+  with pytest.raises(TypeError, match="got 7"):
+    canonical_platforms(7, api="t")

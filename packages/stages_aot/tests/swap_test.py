@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 SCRIPT = textwrap.dedent(
-    """
+  """
     import os, sys, tempfile
     import numpy as np
     import jax
@@ -106,14 +106,22 @@ SCRIPT = textwrap.dedent(
 
 
 def run_script(mode):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300
-    )
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+    JAX_PLATFORMS="cpu",
+  )
+  return subprocess.run(
+    [sys.executable, "-c", SCRIPT, mode],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 @pytest.mark.parametrize("mode", ["plain", "tripwire"])
 def test_core_stages_under_the_swap(mode):
-    r = run_script(mode)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert f"OK {mode} " in r.stdout and "'jit'" in r.stdout, r.stdout
+  r = run_script(mode)
+  assert r.returncode == 0, r.stderr[-4000:]
+  assert f"OK {mode} " in r.stdout and "'jit'" in r.stdout, r.stdout

@@ -16,12 +16,12 @@ from ._src.api import used_axis_names as used_axis_names
 from .version import __version__ as __version__
 
 __all__ = [
-    "AxisNameError",
-    "CollectiveReport",
-    "CollectiveStat",
-    "check_axis_names",
-    "collective_report",
-    "rename_axes",
-    "used_axis_names",
-    "__version__",
+  "AxisNameError",
+  "CollectiveReport",
+  "CollectiveStat",
+  "check_axis_names",
+  "collective_report",
+  "rename_axes",
+  "used_axis_names",
+  "__version__",
 ]

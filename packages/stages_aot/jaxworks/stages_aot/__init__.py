@@ -8,11 +8,11 @@
 ('sin', ('cpu', 'tpu'))
 """
 
+from ._src.api import KNOWN_PLATFORMS as KNOWN_PLATFORMS
 from ._src.api import Artifact as Artifact
 from ._src.api import ArtifactError as ArtifactError
 from ._src.api import Compiled as Compiled
 from ._src.api import Exported as Exported
-from ._src.api import KNOWN_PLATFORMS as KNOWN_PLATFORMS
 from ._src.api import Lowered as Lowered
 from ._src.api import Traced as Traced
 from ._src.api import arg_spec as arg_spec
@@ -26,20 +26,20 @@ from ._src.api import trace as trace
 from .version import __version__ as __version__
 
 __all__ = [
-    "Artifact",
-    "ArtifactError",
-    "Compiled",
-    "Exported",
-    "KNOWN_PLATFORMS",
-    "Lowered",
-    "Traced",
-    "__version__",
-    "arg_spec",
-    "arg_specs",
-    "deserialize",
-    "format_aval",
-    "load_artifact",
-    "present_platforms",
-    "save_artifact",
-    "trace",
+  "Artifact",
+  "ArtifactError",
+  "Compiled",
+  "Exported",
+  "KNOWN_PLATFORMS",
+  "Lowered",
+  "Traced",
+  "__version__",
+  "arg_spec",
+  "arg_specs",
+  "deserialize",
+  "format_aval",
+  "load_artifact",
+  "present_platforms",
+  "save_artifact",
+  "trace",
 ]

@@ -15,12 +15,14 @@ analysed once and a repeated query is one dictionary lookup.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Hashable
+import functools
 from typing import Any
+import weakref
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
+from jax.extend.core import JaxprEqn
 
 from . import deep
 from . import jax_internals
@@ -253,12 +255,13 @@ def _compute(jaxpr: Jaxpr) -> frozenset:
       names |= n
       named.append((i, n))
     if eqn.primitive.name in rules.CALLABLE_PARAMS or (
-        subs and any(_RULE_EQNS.get(s) for s in subs)):
+      subs and any(_RULE_EQNS.get(s) for s in subs)
+    ):
       with_rules.append(i)
     if subs and not hidden:
       hidden = any(_HIDDEN.get(s, False) for s in subs) or (
-          eqn.primitive.name in rules.BINDERS and
-          any(_NAMES.get(s) for s in subs))
+        eqn.primitive.name in rules.BINDERS and any(_NAMES.get(s) for s in subs)
+      )
     if not local:
       ctx = eqn.ctx
       if ctx is not last_ctx:  # contexts are interned: usually one per jaxpr
@@ -269,8 +272,10 @@ def _compute(jaxpr: Jaxpr) -> frozenset:
       below = any(_MANUAL.get(s, 0) for s in subs)
   if not local:
     # A jaxpr without equations (an identity branch) still has typed binders.
-    local = any(deep.names_of(v.aval)
-                for v in (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars))
+    local = any(
+      deep.names_of(v.aval)
+      for v in (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars)
+    )
   if local or below:
     _MANUAL.put(jaxpr, _LOCAL if local else _BELOW)
   if named:

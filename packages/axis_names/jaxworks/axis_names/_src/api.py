@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any, cast
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Mapping
+from typing import Any
+from typing import cast
 
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
 
 from . import analysis
 from . import tracing
@@ -19,9 +23,12 @@ from .report import collective_report as collective_report
 _API = "jaxworks.axis_names.used_axis_names"
 
 
-def used_axis_names(x: Callable | ClosedJaxpr | Jaxpr, *args: Any,
-                    axis_sizes: Mapping[Hashable, int] | None = None,
-                    **kwargs: Any) -> frozenset:
+def used_axis_names(
+  x: Callable | ClosedJaxpr | Jaxpr,
+  *args: Any,
+  axis_sizes: Mapping[Hashable, int] | None = None,
+  **kwargs: Any,
+) -> frozenset:
   """The free axis names a jaxpr or function uses.
 
   A name is used when a collective (``psum``, ``all_gather``, ``ppermute``,
@@ -61,8 +68,9 @@ def used_axis_names(x: Callable | ClosedJaxpr | Jaxpr, *args: Any,
   if names is not None:
     if args or kwargs or axis_sizes is not None:
       raise TypeError(
-          f"{_API}: got a {type(x).__name__} plus example arguments or "
-          "axis_sizes; those are only for a callable. Pass the jaxpr alone.")
+        f"{_API}: got a {type(x).__name__} plus example arguments or "
+        "axis_sizes; those are only for a callable. Pass the jaxpr alone."
+      )
     return names
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
   # Not a jaxpr (returned above); tracing rejects a non-callable.

@@ -14,11 +14,16 @@ operand dimension ``all_to_all``/``psum_scatter`` split must divide by it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Iterator
+from collections.abc import Mapping
 import difflib
-from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
+from jax.extend.core import JaxprEqn
 
 from . import analysis
 from . import jax_internals
@@ -37,8 +42,9 @@ def location(eqn: JaxprEqn) -> str | None:
   return f"{file_name}:{line} ({fn})"
 
 
-def walk(jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
-         ) -> Iterator[tuple[JaxprEqn, dict, int]]:
+def walk(
+  jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
+) -> Iterator[tuple[JaxprEqn, dict, int]]:
   """Yields ``(eqn, env, multiplier)`` for every equation that uses a name.
 
   ``env`` is the axis environment at the equation; ``multiplier`` is how
@@ -62,14 +68,18 @@ def walk(jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
       yield eqn, e, mult
       inner_env = {**e, **analysis.binder_sizes(eqn)}
       length = eqn.params.get("length")
-      inner_mult = mult * length if (eqn.primitive.name == "scan" and
-                                     isinstance(length, int)) else mult
+      inner_mult = (
+        mult * length
+        if (eqn.primitive.name == "scan" and isinstance(length, int))
+        else mult
+      )
       for sub in reversed(used_subs):
         stack.append((sub, inner_env, inner_mult))
 
 
-def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping,
-                   traced_sizes: bool = True) -> list[str]:
+def _size_problems(
+  eqn: JaxprEqn, names: tuple, env: Mapping, traced_sizes: bool = True
+) -> list[str]:
   """Params and operand shapes of ``eqn`` that do not fit the axis size.
 
   ``traced_sizes``: whether ``eqn`` was traced with the sizes in ``env``
@@ -88,11 +98,15 @@ def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping,
   if perm is not None:
     bad = sorted({i for pair in perm for i in pair if not 0 <= i < total})
     if bad:
-      out.append(f"perm {tuple(perm)} has indices {bad} outside the axis of "
-                 f"size {total}")
+      out.append(
+        f"perm {tuple(perm)} has indices {bad} outside the axis of size {total}"
+      )
   source = params.get("source")
-  if (prim in ("pbroadcast", "pbroadcast_start") and isinstance(source, int)
-      and not 0 <= source < total):
+  if (
+    prim in ("pbroadcast", "pbroadcast_start")
+    and isinstance(source, int)
+    and not 0 <= source < total
+  ):
     out.append(f"source {source} is outside the axis of size {total}")
   groups = params.get("axis_index_groups")
   n = total  # the number of devices the collective runs over
@@ -100,15 +114,20 @@ def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping,
     n = len(groups[0]) if groups else total
     flat = sorted(i for g in groups for i in g)
     if flat != list(range(total)):
-      out.append(f"axis_index_groups {tuple(map(tuple, groups))} do not "
-                 f"partition range({total}) (the axis size)")
+      out.append(
+        f"axis_index_groups {tuple(map(tuple, groups))} do not "
+        f"partition range({total}) (the axis size)"
+      )
     elif len({len(g) for g in groups}) > 1:
-      out.append(f"axis_index_groups {tuple(map(tuple, groups))} have "
-                 "unequal sizes")
+      out.append(
+        f"axis_index_groups {tuple(map(tuple, groups))} have unequal sizes"
+      )
   recorded = params.get("axis_size")
   if traced_sizes and isinstance(recorded, int) and recorded != n:
-    out.append(f"it was traced for an axis of size {recorded}, but the axis "
-               f"has size {n} here")
+    out.append(
+      f"it was traced for an axis of size {recorded}, but the axis "
+      f"has size {n} here"
+    )
   # Operand dimensions JAX splits over the axis (it checks them only while
   # tracing, with the sizes it was traced with).
   shape = getattr(eqn.invars[0].aval, "shape", None) if eqn.invars else None
@@ -121,11 +140,15 @@ def _size_problems(eqn: JaxprEqn, names: tuple, env: Mapping,
     size = shape[dim]
     tiled = params.get("tiled", True) or prim.startswith("all_to_all")
     if tiled and size % n:
-      out.append(f"operand dimension {what}={dim} has size {size}, not "
-                 f"divisible by the axis size {n}")
+      out.append(
+        f"operand dimension {what}={dim} has size {size}, not "
+        f"divisible by the axis size {n}"
+      )
     elif not tiled and size != n:
-      out.append(f"operand dimension {what}={dim} has size {size}, but an "
-                 f"untiled {prim} needs it equal to the axis size {n}")
+      out.append(
+        f"operand dimension {what}={dim} has size {size}, but an "
+        f"untiled {prim} needs it equal to the axis size {n}"
+      )
   return out
 
 
@@ -139,9 +162,9 @@ def _describe(name: Hashable, bound: tuple) -> str:
   return hint
 
 
-def problems_in(jaxpr: Jaxpr, env: Mapping[Hashable, int | None],
-                traced_sizes: bool = True
-                ) -> list[tuple[str, Hashable, tuple, str | None, str]]:
+def problems_in(
+  jaxpr: Jaxpr, env: Mapping[Hashable, int | None], traced_sizes: bool = True
+) -> list[tuple[str, Hashable, tuple, str | None, str]]:
   """Every unbound or size-mismatched use of an axis name in ``jaxpr``.
 
   ``traced_sizes``: whether ``jaxpr`` was traced with the sizes in ``env``
@@ -159,44 +182,70 @@ def problems_in(jaxpr: Jaxpr, env: Mapping[Hashable, int | None],
     prim = eqn.primitive.name
     for n in names:
       if n not in e:
-        problems.append((prim, n, bound, location(eqn),
-                         f"unbound{_describe(n, bound)}"))
+        problems.append(
+          (prim, n, bound, location(eqn), f"unbound{_describe(n, bound)}")
+        )
     if all(n in e for n in names):
       for detail in _size_problems(eqn, names, e, traced_sizes):
-        problems.append((prim, names[0] if len(names) == 1 else names, bound,
-                         location(eqn), detail))
+        problems.append(
+          (
+            prim,
+            names[0] if len(names) == 1 else names,
+            bound,
+            location(eqn),
+            detail,
+          )
+        )
   return problems
 
 
 def format_problem(prim, name, bound, loc, detail) -> str:
   where = loc or "an unknown location"
   if detail.startswith("unbound"):
-    return (f"{prim} uses axis name {name!r} at {where}, but it is not bound "
-            f"there{detail[len('unbound'):]}; bound axis names: {bound}")
-  return (f"{prim} over axis name {name!r} at {where}: {detail}; bound axis "
-          f"names: {bound}")
+    return (
+      f"{prim} uses axis name {name!r} at {where}, but it is not bound "
+      f"there{detail[len('unbound') :]}; bound axis names: {bound}"
+    )
+  return (
+    f"{prim} over axis name {name!r} at {where}: {detail}; bound axis "
+    f"names: {bound}"
+  )
 
 
-def raise_problems(problems, api: str, cause: BaseException | None = None
-                   ) -> None:
+def raise_problems(
+  problems, api: str, cause: BaseException | None = None
+) -> None:
   prim, name, bound, loc, detail = problems[0]
   lines = [format_problem(*p) for p in problems]
   if any(p[4].startswith("unbound") for p in problems):
-    fix = ("Fix: bind the name (call the function under jax.shard_map or "
-           "jax.pmap with that axis name, or pass axis_sizes={name: size}), "
-           "or use one of the bound names (jaxworks.axis_names.rename_axes "
-           "renames the axes of existing code).")
+    fix = (
+      "Fix: bind the name (call the function under jax.shard_map or "
+      "jax.pmap with that axis name, or pass axis_sizes={name: size}), "
+      "or use one of the bound names (jaxworks.axis_names.rename_axes "
+      "renames the axes of existing code)."
+    )
   else:
-    fix = ("Fix: make the collective's perm, source, axis_index_groups or "
-           "operand shape fit the axis size, or pass the intended size in "
-           "axis_sizes.")
+    fix = (
+      "Fix: make the collective's perm, source, axis_index_groups or "
+      "operand shape fit the axis size, or pass the intended size in "
+      "axis_sizes."
+    )
   if len(lines) == 1:
     msg = f"{api}: {lines[0]}. {fix}"
   else:
-    msg = (f"{api}: {len(lines)} problems with axis names:\n  - "
-           + "\n  - ".join(lines) + f"\n{fix}")
-  raise AxisNameError(msg, primitive=prim, axis_name=name, bound=bound,
-                      location=loc, problems=problems) from cause
+    msg = (
+      f"{api}: {len(lines)} problems with axis names:\n  - "
+      + "\n  - ".join(lines)
+      + f"\n{fix}"
+    )
+  raise AxisNameError(
+    msg,
+    primitive=prim,
+    axis_name=name,
+    bound=bound,
+    location=loc,
+    problems=problems,
+  ) from cause
 
 
 def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
@@ -211,8 +260,7 @@ def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
   if not sizes:
     return
   try:
-    closed, _ = tracing.trace(fun, args, kwargs, dict.fromkeys(sizes, 1),
-                              _API)
+    closed, _ = tracing.trace(fun, args, kwargs, dict.fromkeys(sizes, 1), _API)
   except Exception:  # noqa: BLE001 - fails anyway: not about axis sizes
     return
   problems = problems_in(closed.jaxpr, sizes, traced_sizes=False)
@@ -220,17 +268,23 @@ def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
     raise_problems(problems, _API, cause=err)
   loc = tracing.user_location_of_exception(err)
   raise AxisNameError(
-      f"{_API}: tracing with axis_sizes={sizes!r} failed at "
-      f"{loc or 'an unknown location'} ({type(err).__name__}: {err}), but "
-      "succeeds with every axis of size 1: a shape does not fit an axis "
-      "size. Fix the shapes or pass the intended sizes in axis_sizes.",
-      primitive="unknown", axis_name=None, bound=tuple(sizes),
-      location=loc) from err
+    f"{_API}: tracing with axis_sizes={sizes!r} failed at "
+    f"{loc or 'an unknown location'} ({type(err).__name__}: {err}), but "
+    "succeeds with every axis of size 1: a shape does not fit an axis "
+    "size. Fix the shapes or pass the intended sizes in axis_sizes.",
+    primitive="unknown",
+    axis_name=None,
+    bound=tuple(sizes),
+    location=loc,
+  ) from err
 
 
-def check_axis_names(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
-                     axis_sizes: Mapping[Hashable, int] | None = None,
-                     **kwargs: Any) -> frozenset:
+def check_axis_names(
+  fun: Callable | ClosedJaxpr | Jaxpr,
+  *args: Any,
+  axis_sizes: Mapping[Hashable, int] | None = None,
+  **kwargs: Any,
+) -> frozenset:
   """Checks that every axis name ``fun`` uses is bound, with a consistent size.
 
   ``fun`` is traced with ``args``/``kwargs`` and the names in ``axis_sizes``
@@ -269,9 +323,14 @@ def check_axis_names(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
   try:
     jaxpr = tracing.jaxpr_of(
-        fun, args, kwargs, sizes, _API,
-        f"bound axis names: {tuple(sizes)}. Pass the name in axis_sizes or "
-        "bind it with jax.shard_map.")
+      fun,
+      args,
+      kwargs,
+      sizes,
+      _API,
+      f"bound axis names: {tuple(sizes)}. Pass the name in axis_sizes or "
+      "bind it with jax.shard_map.",
+    )
   except AxisNameError:
     raise
   except Exception as e:  # noqa: BLE001 - re-raised unless sizes explain it

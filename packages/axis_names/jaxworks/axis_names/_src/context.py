@@ -25,9 +25,10 @@ when the function was traced.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from collections.abc import Mapping
 import contextlib
 import dataclasses
-from collections.abc import Hashable, Mapping
 from typing import Any
 
 import jax
@@ -73,8 +74,9 @@ class OldNames:
 
 def user_entries(mapping: Mapping) -> dict:
   """``mapping`` without the entries that rename hidden names back."""
-  return {o: n for o, n in mapping.items()
-          if not isinstance(o, deep.HiddenName)}
+  return {
+    o: n for o, n in mapping.items() if not isinstance(o, deep.HiddenName)
+  }
 
 
 def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
@@ -98,14 +100,18 @@ def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
       # The mesh axis ``new`` becomes ``old`` for the trace; a mesh axis
       # that already is ``old`` and is not itself renamed away must make
       # room (renaming only touches manual axes).
-      if (new in manual and old in axis_names and
-          not (old in manual and old in inverse)):
+      if (
+        new in manual
+        and old in axis_names
+        and not (old in manual and old in inverse)
+      ):
         h = deep.hidden(old)
         if h in axis_names:
           raise ValueError(
-              f"{api}: cannot hide mesh axis {old!r} of {cur} while "
-              f"renaming {dict(mapping)!r}: the mesh already has an axis "
-              f"named {h!r}")
+            f"{api}: cannot hide mesh axis {old!r} of {cur} while "
+            f"renaming {dict(mapping)!r}: the mesh already has an axis "
+            f"named {h!r}"
+          )
         inverse[old] = h
         forward[h] = old
         try:
@@ -116,15 +122,17 @@ def old_names(mapping: Mapping[Hashable, Hashable], api: str) -> OldNames:
     mesh = deep.rename(cur, inverse)
   except ValueError as e:
     raise ValueError(
-        f"{api}: cannot rename {dict(mapping)!r} inside the current mesh "
-        f"{cur}: under the old names its axes would be "
-        f"{tuple(inverse.get(n, n) for n in cur.axis_names)!r}, which repeat "
-        "a name. Rename the clashing axis too (for example swap both "
-        "names), or call the function outside this mesh") from e
+      f"{api}: cannot rename {dict(mapping)!r} inside the current mesh "
+      f"{cur}: under the old names its axes would be "
+      f"{tuple(inverse.get(n, n) for n in cur.axis_names)!r}, which repeat "
+      "a name. Rename the clashing axis too (for example swap both "
+      "names), or call the function outside this mesh"
+    ) from e
   vacated = ()
   if mesh is not cur:
-    vacated = tuple(n for n in cur.axis_names
-                    if n in inverse and n not in mesh.axis_names)
+    vacated = tuple(
+      n for n in cur.axis_names if n in inverse and n not in mesh.axis_names
+    )
   return OldNames(forward, inverse, env, mesh, mesh is not cur, vacated)
 
 
@@ -139,8 +147,9 @@ def with_fallback_env(ctx: OldNames, fallback: Mapping | None) -> OldNames:
   if not fallback:
     return ctx
   bound = jax_internals.current_axis_sizes()
-  extra = {n: s for n, s in fallback.items()
-           if n not in ctx.env and n not in bound}
+  extra = {
+    n: s for n, s in fallback.items() if n not in ctx.env and n not in bound
+  }
   if not extra:
     return ctx
   return dataclasses.replace(ctx, env={**extra, **ctx.env})
@@ -149,8 +158,8 @@ def with_fallback_env(ctx: OldNames, fallback: Mapping | None) -> OldNames:
 def is_array_like(x: Any) -> bool:
   """Whether a rule's argument is a value to trace (not a static marker)."""
   return isinstance(x, (jax.Array, jax.core.Tracer)) or (
-      hasattr(x, "shape") and hasattr(x, "dtype") and
-      not jax_internals.is_zero(x))
+    hasattr(x, "shape") and hasattr(x, "dtype") and not jax_internals.is_zero(x)
+  )
 
 
 def arg_avals(leaves, ctx: OldNames, api: str) -> list:
@@ -162,14 +171,21 @@ def arg_avals(leaves, ctx: OldNames, api: str) -> list:
       aval = deep.rename(jax.typeof(leaf), ctx.inverse, memo)
     except TypeError as e:
       raise TypeError(
-          f"{api}: argument leaf {i} ({leaf!r:.60}) is not an array or scalar;"
-          " a renamed function takes only array arguments (bind static values "
-          "with functools.partial before renaming)") from e
+        f"{api}: argument leaf {i} ({leaf!r:.60}) is not an array or scalar;"
+        " a renamed function takes only array arguments (bind static values "
+        "with functools.partial before renaming)"
+      ) from e
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
       sharding = None
     mat = getattr(aval, "mat", None)
-    avals.append(jax.ShapeDtypeStruct(
-        aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type,
-        manual_axis_type=mat))
+    avals.append(
+      jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        sharding=sharding,
+        weak_type=aval.weak_type,
+        manual_axis_type=mat,
+      )
+    )
   return avals

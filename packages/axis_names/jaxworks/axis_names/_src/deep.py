@@ -16,12 +16,16 @@ back afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.sharding import (AbstractMesh, ManualAxisType, Mesh, NamedSharding,
-                          PartitionSpec)
+from jax.sharding import AbstractMesh
+from jax.sharding import ManualAxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 _EMPTY: frozenset = frozenset()
 _AbstractValue = jax.core.AbstractValue
@@ -142,6 +146,7 @@ def _rename_spec(spec: PartitionSpec, mapping: Mapping) -> PartitionSpec:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
       return entry
     return mapping.get(entry, entry)
+
   kwargs = {}
   for attr in ("unreduced", "reduced"):
     value = getattr(spec, attr, None)
@@ -158,14 +163,16 @@ def _rename_axis_names(names: tuple, mapping: Mapping, what: Any) -> tuple:
   new = tuple(mapping.get(n, n) for n in names)
   if len(set(new)) != len(new):
     raise ValueError(
-        f"jaxworks.axis_names: renaming {dict(mapping)!r} would give {what} "
-        f"the duplicate axis names {new}; pick names the mesh does not "
-        "already have")
+      f"jaxworks.axis_names: renaming {dict(mapping)!r} would give {what} "
+      f"the duplicate axis names {new}; pick names the mesh does not "
+      "already have"
+    )
   return new
 
 
-def rename(v: Any, mapping: Mapping[Hashable, Hashable],
-           memo: dict | None = None) -> Any:
+def rename(
+  v: Any, mapping: Mapping[Hashable, Hashable], memo: dict | None = None
+) -> Any:
   """``v`` with axis names renamed; the same object when nothing changes."""
   if not mapping:
     return v
@@ -221,11 +228,11 @@ def _rename(v: Any, mapping: Mapping, memo) -> Any:
     varying = _rename_set(v.varying, mapping)
     unreduced = _rename_set(v.unreduced, mapping)
     reduced = _rename_set(v.reduced, mapping)
-    if (varying is v.varying and unreduced is v.unreduced and
-        reduced is v.reduced):
+    if (
+      varying is v.varying and unreduced is v.unreduced and reduced is v.reduced
+    ):
       return v
-    return ManualAxisType(varying=varying, unreduced=unreduced,
-                          reduced=reduced)
+    return ManualAxisType(varying=varying, unreduced=unreduced, reduced=reduced)
   if isinstance(v, (tuple, list)) and type(v) in (tuple, list):
     items = [rename(x, mapping, memo) for x in v]
     if all(a is b for a, b in zip(items, v)):

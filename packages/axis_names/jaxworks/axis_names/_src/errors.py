@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
+from collections.abc import Sequence
 
 
 class AxisNameError(NameError):
@@ -20,9 +21,16 @@ class AxisNameError(NameError):
       location, detail)`` tuples; the message lists them all.
   """
 
-  def __init__(self, message: str, *, primitive: str, axis_name: Hashable,
-               bound: Sequence[Hashable], location: str | None,
-               problems: Sequence[tuple] = ()):
+  def __init__(
+    self,
+    message: str,
+    *,
+    primitive: str,
+    axis_name: Hashable,
+    bound: Sequence[Hashable],
+    location: str | None,
+    problems: Sequence[tuple] = (),
+  ):
     super().__init__(message)
     self.primitive = primitive
     self.axis_name = axis_name

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
+import numpy as np
 
 NamedAxisEffect = _core.NamedAxisEffect
 
@@ -97,8 +97,12 @@ def eqn_context_with_mesh(ctx, mesh):
   if xla_metadata is not None:
     xla_metadata = tuple(sorted(xla_metadata.items()))
   return _core.JaxprEqnContext._create(
-      ctx.compute_type, ctx.threefry_partitionable, mesh,
-      ctx.remove_size_one_mesh_axis, xla_metadata)
+    ctx.compute_type,
+    ctx.threefry_partitionable,
+    mesh,
+    ctx.remove_size_one_mesh_axis,
+    xla_metadata,
+  )
 
 
 def literal_value_with_aval(val, aval):

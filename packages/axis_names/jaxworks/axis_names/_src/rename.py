@@ -16,13 +16,20 @@ values, so every primitive is bound again under the caller's transformations
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Mapping
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import DropVar
+from jax.extend.core import Jaxpr
+from jax.extend.core import JaxprEqn
+from jax.extend.core import Literal
+from jax.extend.core import Var
 
 from . import analysis
 from . import context
@@ -50,26 +57,29 @@ def check_mapping(mapping: Any, api: str = _API) -> dict[Hashable, Hashable]:
   """Validates a rename mapping; returns it as a dict without identities."""
   if not isinstance(mapping, Mapping):
     raise TypeError(
-        f"{api}: mapping must be a dict from old axis name to new axis name, "
-        f"got {mapping!r} of type {type(mapping).__name__}; pass e.g. "
-        "{'i': 'batch'}")
+      f"{api}: mapping must be a dict from old axis name to new axis name, "
+      f"got {mapping!r} of type {type(mapping).__name__}; pass e.g. "
+      "{'i': 'batch'}"
+    )
   out = {}
   for old, new in mapping.items():
     for role, n in (("old", old), ("new", new)):
       if n is None or isinstance(n, int) or not isinstance(n, Hashable):
         raise TypeError(
-            f"{api}: {role} axis name {n!r} in mapping {dict(mapping)!r} is "
-            "not a valid axis name (use hashable non-int names such as "
-            "strings; ints are positional axes)")
+          f"{api}: {role} axis name {n!r} in mapping {dict(mapping)!r} is "
+          "not a valid axis name (use hashable non-int names such as "
+          "strings; ints are positional axes)"
+        )
     if old != new:
       out[old] = new
   news = list(out.values())
   dupes = sorted({repr(n) for n in news if news.count(n) > 1})
   if dupes:
     raise ValueError(
-        f"{api}: mapping {dict(mapping)!r} sends several axes to "
-        f"{', '.join(dupes)}; renaming must be one-to-one (merging axes would "
-        "change what collectives reduce over)")
+      f"{api}: mapping {dict(mapping)!r} sends several axes to "
+      f"{', '.join(dupes)}; renaming must be one-to-one (merging axes would "
+      "change what collectives reduce over)"
+    )
   return out
 
 
@@ -180,8 +190,9 @@ class _Renamer:
     self.env_key = frozenset(rule_env.items()) if rule_env else None
 
   def jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
-    if (mentioned_names(jaxpr).isdisjoint(mapping) and
-        not analysis.rule_eqns(jaxpr)):
+    if mentioned_names(jaxpr).isdisjoint(mapping) and not analysis.rule_eqns(
+      jaxpr
+    ):
       return jaxpr
     key = (frozenset(mapping.items()), self.env_key)
     per_mapping = _RENAMED.get(jaxpr)
@@ -198,14 +209,19 @@ class _Renamer:
       # context), so only equations using a renamed name change, and the
       # analysis already knows which those are.
       eqns = list(jaxpr.eqns)
-      todo = {i for i, names in analysis.named_eqns(jaxpr)
-              if not names.isdisjoint(mapping)}
+      todo = {
+        i
+        for i, names in analysis.named_eqns(jaxpr)
+        if not names.isdisjoint(mapping)
+      }
       todo.update(analysis.rule_eqns(jaxpr))
       for i in sorted(todo):
         eqns[i] = self._light_eqn(eqns[i], mapping)
-      new = jaxpr.replace(eqns=eqns,
-                          effects=_rename_effects(jaxpr.effects, mapping),
-                          debug_info=jaxpr.debug_info)
+      new = jaxpr.replace(
+        eqns=eqns,
+        effects=_rename_effects(jaxpr.effects, mapping),
+        debug_info=jaxpr.debug_info,
+      )
     self.memo[(id(jaxpr), key)] = (jaxpr, new)  # keeps the id stable
     if per_mapping is None:
       per_mapping = {}
@@ -239,10 +255,14 @@ class _Renamer:
     invars = [sub(v) for v in jaxpr.invars]
     eqns = [self.eqn(e, mapping, sub) for e in jaxpr.eqns]
     outvars = [sub(v) for v in jaxpr.outvars]
-    return jaxpr.replace(constvars=constvars, invars=invars, outvars=outvars,
-                         eqns=eqns,
-                         effects=_rename_effects(jaxpr.effects, mapping),
-                         debug_info=jaxpr.debug_info)
+    return jaxpr.replace(
+      constvars=constvars,
+      invars=invars,
+      outvars=outvars,
+      eqns=eqns,
+      effects=_rename_effects(jaxpr.effects, mapping),
+      debug_info=jaxpr.debug_info,
+    )
 
   def param(self, v: Any, mapping: Mapping) -> Any:
     if isinstance(v, ClosedJaxpr):
@@ -269,33 +289,42 @@ class _Renamer:
       opaque = jax_internals.named_axis_effect_names(eqn.effects) & set(mapping)
       if opaque:
         raise ValueError(
-            f"{_API}: cannot rename axis names {sorted(opaque, key=repr)} of "
-            f"primitive {prim!r} at {location(eqn) or 'an unknown location'}: "
-            "jaxworks.axis_names has no rule for which of its params hold "
-            "axis names. Rename the axis where that primitive is called.")
+          f"{_API}: cannot rename axis names {sorted(opaque, key=repr)} of "
+          f"primitive {prim!r} at {location(eqn) or 'an unknown location'}: "
+          "jaxworks.axis_names has no rule for which of its params hold "
+          "axis names. Rename the axis where that primitive is called."
+        )
     if param is not None:
       params[param] = rules.rename_in_param(params[param], mapping)
     bound = analysis.bound_names(eqn)
-    inner = ({o: n for o, n in mapping.items() if o not in bound}
-             if bound else mapping)
+    inner = (
+      {o: n for o, n in mapping.items() if o not in bound} if bound else mapping
+    )
     if subs and bound:
       captured = sorted(
-          {repr(n) for o, n in inner.items()
-           if n in bound and any(o in mentioned_names(s) for s in subs)})
+        {
+          repr(n)
+          for o, n in inner.items()
+          if n in bound and any(o in mentioned_names(s) for s in subs)
+        }
+      )
       if captured:
         raise ValueError(
-            f"{_API}: renaming {dict(mapping)!r} would capture "
-            f"{', '.join(captured)} inside {prim} at "
-            f"{location(eqn) or 'an unknown location'}, which binds "
-            f"{sorted(bound, key=repr)}; pick new names that the inner {prim} "
-            "does not bind")
+          f"{_API}: renaming {dict(mapping)!r} would capture "
+          f"{', '.join(captured)} inside {prim} at "
+          f"{location(eqn) or 'an unknown location'}, which binds "
+          f"{sorted(bound, key=repr)}; pick new names that the inner {prim} "
+          "does not bind"
+        )
       if any(n in bound for n in inner.values()):
         # No visible use below is captured, but a custom rule below may use
         # the old name once it runs: it learns the capture then.
         where = location(eqn) or "an unknown location"
         shown = repr(context.user_entries(mapping))
-        inner = {o: (_Captured(n, prim, where, shown)
-                     if n in bound else n) for o, n in inner.items()}
+        inner = {
+          o: (_Captured(n, prim, where, shown) if n in bound else n)
+          for o, n in inner.items()
+        }
     callables = rules.CALLABLE_PARAMS.get(prim)
     if callables and inner:
       for k, kind in callables.items():
@@ -315,14 +344,18 @@ class _Renamer:
       for k, v in eqn.params.items():
         if k != param and _holds_jaxpr(v):
           params[k] = self.param(v, inner)
-    return eqn.replace(params=params,
-                       effects=_rename_effects(eqn.effects, mapping))
+    return eqn.replace(
+      params=params, effects=_rename_effects(eqn.effects, mapping)
+    )
 
   def eqn(self, eqn: JaxprEqn, mapping: Mapping, sub) -> JaxprEqn:
     invars = [sub(v) for v in eqn.invars]
     in_changed = any(a is not b for a, b in zip(invars, eqn.invars))
-    if (not in_changed and eqn_mentions(eqn).isdisjoint(mapping) and
-        not analysis.eqn_has_rules(eqn)):
+    if (
+      not in_changed
+      and eqn_mentions(eqn).isdisjoint(mapping)
+      and not analysis.eqn_has_rules(eqn)
+    ):
       return eqn
     outvars = [sub(v) for v in eqn.outvars]
     params, param, inner, _ = self._params_and_inner(eqn, mapping)
@@ -335,15 +368,23 @@ class _Renamer:
     ctx = eqn.ctx
     if mesh is not None:
       ctx = jax_internals.eqn_context_with_mesh(
-          ctx, deep.rename(mesh, mapping, self.value_memo))
-    return eqn.replace(invars=invars, outvars=outvars, params=params,
-                       effects=_rename_effects(eqn.effects, mapping), ctx=ctx)
+        ctx, deep.rename(mesh, mapping, self.value_memo)
+      )
+    return eqn.replace(
+      invars=invars,
+      outvars=outvars,
+      params=params,
+      effects=_rename_effects(eqn.effects, mapping),
+      ctx=ctx,
+    )
 
 
-def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
-                 mapping: Mapping[Hashable, Hashable], *,
-                 rule_env: Mapping[Hashable, int] | None = None
-                 ) -> Jaxpr | ClosedJaxpr:
+def rename_jaxpr(
+  jaxpr: Jaxpr | ClosedJaxpr,
+  mapping: Mapping[Hashable, Hashable],
+  *,
+  rule_env: Mapping[Hashable, int] | None = None,
+) -> Jaxpr | ClosedJaxpr:
   """A jaxpr whose free axis names are renamed through ``mapping``.
 
   Renames collectives and axis queries, and the names in types (varying
@@ -363,22 +404,29 @@ def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
   mapping = check_mapping(mapping)
   core_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
   if not isinstance(core_jaxpr, Jaxpr):
-    raise TypeError(f"{_API}: expected a Jaxpr or ClosedJaxpr, got "
-                    f"{type(jaxpr).__name__}")
+    raise TypeError(
+      f"{_API}: expected a Jaxpr or ClosedJaxpr, got {type(jaxpr).__name__}"
+    )
   mentioned = mentioned_names(core_jaxpr)
   if analysis.rule_eqns(core_jaxpr):
     # Custom rules may use any old name once they run: they get it all.
     effective = mapping
   else:
     effective = {o: n for o, n in mapping.items() if o in mentioned}
-  clash = sorted({repr(n) for n in effective.values()
-                  if n in mentioned and n not in effective})
+  clash = sorted(
+    {
+      repr(n)
+      for n in effective.values()
+      if n in mentioned and n not in effective
+    }
+  )
   if clash:
     raise ValueError(
-        f"{_API}: mapping {dict(mapping)!r} renames onto {', '.join(clash)}, "
-        f"which the function already uses (free names: "
-        f"{sorted(mentioned, key=repr)}); that would merge two axes. Rename "
-        "that name too, or pick a fresh one")
+      f"{_API}: mapping {dict(mapping)!r} renames onto {', '.join(clash)}, "
+      f"which the function already uses (free names: "
+      f"{sorted(mentioned, key=repr)}); that would merge two axes. Rename "
+      "that name too, or pick a fresh one"
+    )
   if not effective:
     return jaxpr
   new = _Renamer(rule_env).jaxpr(core_jaxpr, effective)
@@ -387,9 +435,9 @@ def rename_jaxpr(jaxpr: Jaxpr | ClosedJaxpr,
   return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
 
 
-def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
-                mapping: Mapping[Hashable, Hashable]
-                ) -> Callable | Jaxpr | ClosedJaxpr:
+def rename_axes(
+  fun: Callable | Jaxpr | ClosedJaxpr, mapping: Mapping[Hashable, Hashable]
+) -> Callable | Jaxpr | ClosedJaxpr:
   """A function like ``fun`` whose collectives use renamed axis names.
 
   Given a ``Jaxpr`` or ``ClosedJaxpr`` instead of a function, returns the
@@ -427,8 +475,9 @@ def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
     return rename_jaxpr(fun, mapping)
   mapping = check_mapping(mapping)
   if not callable(fun):
-    raise TypeError(f"{_API}: fun must be callable, got {fun!r} of type "
-                    f"{type(fun).__name__}")
+    raise TypeError(
+      f"{_API}: fun must be callable, got {fun!r} of type {type(fun).__name__}"
+    )
   if not mapping:
     return fun  # nothing to rename: the function itself, exactly as stock
 
@@ -443,9 +492,15 @@ def rename_axes(fun: Callable | Jaxpr | ClosedJaxpr,
 # Running code written for the old names, in the caller's context.
 
 
-def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
-                 rule: bool, captured: Mapping | None = None,
-                 rule_env: Mapping | None = None) -> Any:
+def _run_renamed(
+  fun: Callable,
+  args: tuple,
+  mapping: Mapping,
+  *,
+  rule: bool,
+  captured: Mapping | None = None,
+  rule_env: Mapping | None = None,
+) -> Any:
   """``fun(*args[0], **args[1])`` (``fun(*args)`` for a rule), renamed.
 
   Traces ``fun`` under the old names (``context.old_names``), renames the
@@ -466,8 +521,7 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
   statics = list(leaves)
   for i, x in enumerate(leaves):
     if jax_internals.is_zero(x):
-      statics[i] = jax_internals.with_aval(
-          x, deep.rename(x.aval, ctx.inverse))
+      statics[i] = jax_internals.with_aval(x, deep.rename(x.aval, ctx.inverse))
   avals = context.arg_avals([leaves[i] for i in dyn], ctx, _API)
   out_box = []
 
@@ -488,18 +542,20 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
       # No placeholder sizes: a size baked into the trace (``pmean``,
       # ``axis_size``, ``all_gather`` shapes) would be silently wrong under
       # a transformation that handles the name without binding it.
-      closed, _ = tracing.trace(flat_fun, tuple(avals), {}, {}, _API,
-                                use_placeholders=False)
+      closed, _ = tracing.trace(
+        flat_fun, tuple(avals), {}, {}, _API, use_placeholders=False
+      )
   except NameError as e:
     old = jax_internals.unbound_axis_name(e)
     if captured and old in captured:
       raise captured[old].error(old) from e
     if old is not None and old in mapping:
       raise NameError(
-          f"{_API}: {getattr(fun, '__name__', 'the function')!r} uses axis "
-          f"{old!r}, renamed to {mapping[old]!r}, which is not bound here: "
-          f"call it under a shard_map, pmap or vmap that binds "
-          f"{mapping[old]!r}") from e
+        f"{_API}: {getattr(fun, '__name__', 'the function')!r} uses axis "
+        f"{old!r}, renamed to {mapping[old]!r}, which is not bound here: "
+        f"call it under a shard_map, pmap or vmap that binds "
+        f"{mapping[old]!r}"
+      ) from e
     raise
   except AssertionError as e:
     # Inside a shard_map JAX asserts (rather than raising NameError) on a
@@ -520,8 +576,9 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
     if t:
       result.append(next(outs))
     elif jax_internals.is_zero(x):
-      result.append(jax_internals.with_aval(
-          x, deep.rename(x.aval, ctx.forward)))
+      result.append(
+        jax_internals.with_aval(x, deep.rename(x.aval, ctx.forward))
+      )
     else:
       result.append(x)
   return _tree_unflatten(out_tree, result)
@@ -530,12 +587,13 @@ def _run_renamed(fun: Callable, args: tuple, mapping: Mapping, *,
 def _vacated_error(fun, mapping, ctx, err) -> ValueError:
   names = ", ".join(f"{n!r} becomes {ctx.inverse[n]!r}" for n in ctx.vacated)
   return ValueError(
-      f"{_API}: JAX failed ({type(err).__name__}) while tracing "
-      f"{getattr(fun, '__name__', fun)!r} under its old names for "
-      f"{dict(mapping)!r} inside the current mesh: there {names}, so a "
-      "function that also uses the new name itself cannot be renamed here "
-      "(that would merge two axes). Rename that name too (a swap works), or "
-      "pick a new name the function does not use")
+    f"{_API}: JAX failed ({type(err).__name__}) while tracing "
+    f"{getattr(fun, '__name__', fun)!r} under its old names for "
+    f"{dict(mapping)!r} inside the current mesh: there {names}, so a "
+    "function that also uses the new name itself cannot be renamed here "
+    "(that would merge two axes). Rename that name too (a swap works), or "
+    "pick a new name the function does not use"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,11 +612,12 @@ class _Captured:
 
   def error(self, old) -> ValueError:
     return ValueError(
-        f"{_API}: renaming {self.mapping} would capture {self.new!r} inside "
-        f"{self.primitive} at {self.where}, which binds it: a custom rule "
-        f"(custom_vjp/custom_jvp) under it uses (or failed to trace without) "
-        f"{old!r}; pick a new name that the inner {self.primitive} does not "
-        "bind")
+      f"{_API}: renaming {self.mapping} would capture {self.new!r} inside "
+      f"{self.primitive} at {self.where}, which binds it: a custom rule "
+      f"(custom_vjp/custom_jvp) under it uses (or failed to trace without) "
+      f"{old!r}; pick a new name that the inner {self.primitive} does not "
+      "bind"
+    )
 
 
 def _split(mapping: Mapping) -> tuple[dict, dict]:
@@ -586,8 +645,9 @@ def _core(j):
   return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
-def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
-               rule_env: Mapping | None) -> Any:
+def _wrap_rule(
+  kind: str, fn: Any, mapping: Mapping, rule_env: Mapping | None
+) -> Any:
   """A rule callable that runs ``fn`` under the old names of ``mapping``."""
   apply, captured = _split(mapping)
   if not apply and not captured:
@@ -595,8 +655,7 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
   if kind == rules.JAXPR_THUNK:
 
     def thunk(*args):
-      ctx = context.with_fallback_env(context.old_names(apply, _API),
-                                      rule_env)
+      ctx = context.with_fallback_env(context.old_names(apply, _API), rule_env)
       try:
         with ctx.scope():
           trace_env = jax_internals.current_axis_sizes()
@@ -607,16 +666,20 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
           raise captured[old].error(old) from e
         if old is not None and old in apply:
           raise NameError(
-              f"{_API}: a custom rule of the renamed function uses axis "
-              f"{old!r}, renamed to {apply[old]!r}, which is not bound here; "
-              f"call it under a shard_map, pmap or vmap that binds "
-              f"{apply[old]!r}") from e
+            f"{_API}: a custom rule of the renamed function uses axis "
+            f"{old!r}, renamed to {apply[old]!r}, which is not bound here; "
+            f"call it under a shard_map, pmap or vmap that binds "
+            f"{apply[old]!r}"
+          ) from e
         raise
       jaxprs = [x for x in out if isinstance(x, (Jaxpr, ClosedJaxpr))]
       _check_captured([_core(j) for j in jaxprs], captured)
-      return type(out)(rename_jaxpr(x, ctx.forward, rule_env=trace_env)
-                       if isinstance(x, (Jaxpr, ClosedJaxpr)) else x
-                       for x in out)
+      return type(out)(
+        rename_jaxpr(x, ctx.forward, rule_env=trace_env)
+        if isinstance(x, (Jaxpr, ClosedJaxpr))
+        else x
+        for x in out
+      )
 
     return jax_internals.wrap_rule(thunk, fn)
 
@@ -624,8 +687,9 @@ def _wrap_rule(kind: str, fn: Any, mapping: Mapping,
   call = fn.call_wrapped if is_wrapped else fn
 
   def checked(*args):
-    return _run_renamed(call, args, apply, rule=True, captured=captured,
-                        rule_env=rule_env)
+    return _run_renamed(
+      call, args, apply, rule=True, captured=captured, rule_env=rule_env
+    )
 
   if is_wrapped:
     return jax_internals.wrap_rule(checked, fn)

@@ -23,12 +23,16 @@ axis_index, pvary and casts       0
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Mapping
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
+from jax.extend.core import JaxprEqn
 
 from . import analysis
 from . import check
@@ -36,13 +40,32 @@ from . import tracing
 
 _API = "jaxworks.axis_names.collective_report"
 
-_ALL_REDUCE = ("psum", "pmax", "pmin", "psum_invariant", "unreduced_psum",
-               "psum_start", "psum_invariant_start", "unreduced_psum_start")
-_GATHER = ("all_gather", "all_gather_invariant", "all_gather_reduced",
-           "all_gather_start", "all_gather_reduced_start")
-_SCATTER = ("reduce_scatter", "unreduced_reduce_scatter", "all_to_all",
-            "ragged_all_to_all", "reduce_scatter_start",
-            "unreduced_reduce_scatter_start", "all_to_all_start")
+_ALL_REDUCE = (
+  "psum",
+  "pmax",
+  "pmin",
+  "psum_invariant",
+  "unreduced_psum",
+  "psum_start",
+  "psum_invariant_start",
+  "unreduced_psum_start",
+)
+_GATHER = (
+  "all_gather",
+  "all_gather_invariant",
+  "all_gather_reduced",
+  "all_gather_start",
+  "all_gather_reduced_start",
+)
+_SCATTER = (
+  "reduce_scatter",
+  "unreduced_reduce_scatter",
+  "all_to_all",
+  "ragged_all_to_all",
+  "reduce_scatter_start",
+  "unreduced_reduce_scatter_start",
+  "all_to_all_start",
+)
 _POINT = ("pbroadcast", "pbroadcast_start", "psend")
 
 
@@ -103,6 +126,7 @@ class CollectiveStat:
     bytes_per_call: estimated bytes sent per device per call, all executions.
     sources: distinct ``file:line`` of the user code, in program order.
   """
+
   axes: tuple
   primitive: str
   count: int
@@ -118,6 +142,7 @@ class CollectiveReport:
     rows: one ``CollectiveStat`` per (axes, primitive), sorted.
     axis_sizes: the size used for every axis name that appears.
   """
+
   rows: tuple[CollectiveStat, ...]
   axis_sizes: Mapping[Hashable, int]
 
@@ -141,15 +166,25 @@ class CollectiveReport:
 
   def __str__(self) -> str:
     header = ("axes", "primitive", "count", "bytes/call", "sources")
-    body = [(",".join(map(str, r.axes)), r.primitive, str(r.count),
-             _fmt_bytes(r.bytes_per_call), " ".join(r.sources) or "-")
-            for r in self.rows]
+    body = [
+      (
+        ",".join(map(str, r.axes)),
+        r.primitive,
+        str(r.count),
+        _fmt_bytes(r.bytes_per_call),
+        " ".join(r.sources) or "-",
+      )
+      for r in self.rows
+    ]
     if not body:
       return "no collectives"
-    widths = [max(len(h), *(len(row[i]) for row in body))
-              for i, h in enumerate(header)]
+    widths = [
+      max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header)
+    ]
+
     def line(cells):
       return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
     out = [line(header), line(["-" * w for w in widths])]
     out += [line(row) for row in body]
     return "\n".join(out)
@@ -169,9 +204,12 @@ def _short(loc: str | None) -> str | None:
   return f"{file_name.rsplit('/', 1)[-1]}:{line}"
 
 
-def collective_report(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
-                      axis_sizes: Mapping[Hashable, int] | None = None,
-                      **kwargs: Any) -> CollectiveReport:
+def collective_report(
+  fun: Callable | ClosedJaxpr | Jaxpr,
+  *args: Any,
+  axis_sizes: Mapping[Hashable, int] | None = None,
+  **kwargs: Any,
+) -> CollectiveReport:
   """Collectives of ``fun`` per axis name: count, bytes per call, sources.
 
   Args:
@@ -196,10 +234,12 @@ def collective_report(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
   [('all_gather', 1, 112.0), ('psum', 1, 28.0)]
   """
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
-  jaxpr = tracing.jaxpr_of(fun, args, kwargs, sizes, _API,
-                           "pass its size in axis_sizes")
-  problems = [p for p in check.problems_in(jaxpr, sizes)
-              if p[4].startswith("unbound")]
+  jaxpr = tracing.jaxpr_of(
+    fun, args, kwargs, sizes, _API, "pass its size in axis_sizes"
+  )
+  problems = [
+    p for p in check.problems_in(jaxpr, sizes) if p[4].startswith("unbound")
+  ]
   if problems:
     check.raise_problems(problems, _API)
   acc: dict[tuple, list] = {}
@@ -221,8 +261,13 @@ def collective_report(fun: Callable | ClosedJaxpr | Jaxpr, *args: Any,
     if src is not None:
       entry[2].setdefault(src, None)
   rows = tuple(
-      CollectiveStat(axes=k[0], primitive=k[1], count=v[0],
-                     bytes_per_call=v[1], sources=tuple(v[2]))
-      for k, v in sorted(acc.items(), key=lambda kv: (repr(kv[0][0]),
-                                                      kv[0][1])))
+    CollectiveStat(
+      axes=k[0],
+      primitive=k[1],
+      count=v[0],
+      bytes_per_call=v[1],
+      sources=tuple(v[2]),
+    )
+    for k, v in sorted(acc.items(), key=lambda kv: (repr(kv[0][0]), kv[0][1]))
+  )
   return CollectiveReport(rows=rows, axis_sizes=used_sizes)

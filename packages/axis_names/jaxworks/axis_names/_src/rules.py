@@ -24,7 +24,9 @@ A primitive in neither table with no sub-jaxprs falls back to the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Mapping
 from typing import Any
 
 _AXES = "axes"
@@ -33,39 +35,39 @@ _AXIS_NAME = "axis_name"
 # Primitive name -> the param holding the axis name(s). Asynchronous
 # ``*_start`` variants take the same params as their synchronous primitive.
 AXIS_PARAMS: dict[str, str] = {
-    # reductions / invariant casts: ``axes`` mixes names and positional ints
-    "psum": _AXES,
-    "pmax": _AXES,
-    "pmin": _AXES,
-    "psum_invariant": _AXES,
-    "unreduced_psum": _AXES,
-    "pvary": _AXES,
-    "preduced": _AXES,
-    "vary_unreduced_cast_p": _AXES,
-    "reduced_vary_cast_p": _AXES,
-    "psum_start": _AXES,
-    "psum_invariant_start": _AXES,
-    "unreduced_psum_start": _AXES,
-    # data movement and axis queries: ``axis_name``
-    "axis_index": _AXIS_NAME,
-    "ppermute": _AXIS_NAME,
-    "pbroadcast": _AXIS_NAME,
-    "psend": _AXIS_NAME,
-    "precv": _AXIS_NAME,
-    "all_to_all": _AXIS_NAME,
-    "ragged_all_to_all": _AXIS_NAME,
-    "all_gather": _AXIS_NAME,
-    "all_gather_invariant": _AXIS_NAME,
-    "all_gather_reduced": _AXIS_NAME,
-    "reduce_scatter": _AXIS_NAME,
-    "unreduced_reduce_scatter": _AXIS_NAME,
-    "all_gather_start": _AXIS_NAME,
-    "all_gather_reduced_start": _AXIS_NAME,
-    "reduce_scatter_start": _AXIS_NAME,
-    "unreduced_reduce_scatter_start": _AXIS_NAME,
-    "all_to_all_start": _AXIS_NAME,
-    "pbroadcast_start": _AXIS_NAME,
-    "ppermute_start": _AXIS_NAME,
+  # reductions / invariant casts: ``axes`` mixes names and positional ints
+  "psum": _AXES,
+  "pmax": _AXES,
+  "pmin": _AXES,
+  "psum_invariant": _AXES,
+  "unreduced_psum": _AXES,
+  "pvary": _AXES,
+  "preduced": _AXES,
+  "vary_unreduced_cast_p": _AXES,
+  "reduced_vary_cast_p": _AXES,
+  "psum_start": _AXES,
+  "psum_invariant_start": _AXES,
+  "unreduced_psum_start": _AXES,
+  # data movement and axis queries: ``axis_name``
+  "axis_index": _AXIS_NAME,
+  "ppermute": _AXIS_NAME,
+  "pbroadcast": _AXIS_NAME,
+  "psend": _AXIS_NAME,
+  "precv": _AXIS_NAME,
+  "all_to_all": _AXIS_NAME,
+  "ragged_all_to_all": _AXIS_NAME,
+  "all_gather": _AXIS_NAME,
+  "all_gather_invariant": _AXIS_NAME,
+  "all_gather_reduced": _AXIS_NAME,
+  "reduce_scatter": _AXIS_NAME,
+  "unreduced_reduce_scatter": _AXIS_NAME,
+  "all_gather_start": _AXIS_NAME,
+  "all_gather_reduced_start": _AXIS_NAME,
+  "reduce_scatter_start": _AXIS_NAME,
+  "unreduced_reduce_scatter_start": _AXIS_NAME,
+  "all_to_all_start": _AXIS_NAME,
+  "pbroadcast_start": _AXIS_NAME,
+  "ppermute_start": _AXIS_NAME,
 }
 
 
@@ -79,8 +81,8 @@ def rename_in_param(value: Any, mapping: Mapping[Hashable, Hashable]) -> Any:
   """``value`` with every axis name replaced through ``mapping``."""
   if isinstance(value, (tuple, list)):
     return type(value)(
-        a if a is None or isinstance(a, int) else mapping.get(a, a)
-        for a in value)
+      a if a is None or isinstance(a, int) else mapping.get(a, a) for a in value
+    )
   if value is None or isinstance(value, int):
     return value
   return mapping.get(value, value)
@@ -108,8 +110,10 @@ def _pallas_call_binds(params: Mapping[str, Any]) -> dict:
   # have no static size.
   grid_mapping = params["grid_mapping"]
   names = grid_mapping.grid_names or ()
-  return {n: s if isinstance(s, int) else None
-          for n, s in zip(names, grid_mapping.grid)}
+  return {
+    n: s if isinstance(s, int) else None
+    for n, s in zip(names, grid_mapping.grid)
+  }
 
 
 def _mesh_shape_binds(*meshes) -> dict:
@@ -120,13 +124,13 @@ def _mesh_shape_binds(*meshes) -> dict:
 
 
 BINDERS: dict[str, Callable[[Mapping[str, Any]], dict]] = {
-    "shard_map": _shard_map_binds,
-    "xla_pmap": _pmap_binds,
-    "pallas_call": _pallas_call_binds,
-    # Pallas ``core_map`` binds its core mesh's axes; ``mpmd_map`` the axes
-    # of all its meshes (JAX traces each body with all of them bound).
-    "core_map": lambda params: _mesh_shape_binds(params["mesh"]),
-    "mpmd_map": lambda params: _mesh_shape_binds(*params["meshes"]),
+  "shard_map": _shard_map_binds,
+  "xla_pmap": _pmap_binds,
+  "pallas_call": _pallas_call_binds,
+  # Pallas ``core_map`` binds its core mesh's axes; ``mpmd_map`` the axes
+  # of all its meshes (JAX traces each body with all of them bound).
+  "core_map": lambda params: _mesh_shape_binds(params["mesh"]),
+  "mpmd_map": lambda params: _mesh_shape_binds(*params["meshes"]),
 }
 
 
@@ -139,10 +143,10 @@ JAXPR_THUNK = "jaxpr_thunk"
 RULE = "rule"
 
 CALLABLE_PARAMS: dict[str, dict[str, str]] = {
-    "custom_vjp_call": {"fwd_jaxpr_thunk": JAXPR_THUNK, "bwd": RULE},
-    "custom_jvp_call": {"jvp_jaxpr_fun": JAXPR_THUNK},
-    # ``custom_lin`` carries a custom_vjp's backward rule in jaxprs traced
-    # under ``jvp``/``linearize``; ``custom_vmap_call`` its batching rule.
-    "custom_lin": {"bwd": RULE},
-    "custom_vmap_call": {"rule": RULE},
+  "custom_vjp_call": {"fwd_jaxpr_thunk": JAXPR_THUNK, "bwd": RULE},
+  "custom_jvp_call": {"jvp_jaxpr_fun": JAXPR_THUNK},
+  # ``custom_lin`` carries a custom_vjp's backward rule in jaxprs traced
+  # under ``jvp``/``linearize``; ``custom_vmap_call`` its batching rule.
+  "custom_lin": {"bwd": RULE},
+  "custom_vmap_call": {"rule": RULE},
 }

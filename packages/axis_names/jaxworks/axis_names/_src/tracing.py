@@ -9,14 +9,18 @@ caller learns which names were placeholders.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Collection
+from collections.abc import Hashable
+from collections.abc import Mapping
 import os
 import sysconfig
 import traceback as _traceback
-from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
 
 from . import jax_internals
 from .errors import AxisNameError
@@ -34,24 +38,31 @@ def check_axis_sizes(axis_sizes: Any, api: str) -> dict[Hashable, int]:
     return {}
   if not isinstance(axis_sizes, Mapping):
     raise TypeError(
-        f"{api}: axis_sizes must be a mapping from axis name to size, got "
-        f"{axis_sizes!r} of type {type(axis_sizes).__name__}; pass e.g. "
-        "axis_sizes={'i': 8}")
+      f"{api}: axis_sizes must be a mapping from axis name to size, got "
+      f"{axis_sizes!r} of type {type(axis_sizes).__name__}; pass e.g. "
+      "axis_sizes={'i': 8}"
+    )
   out = {}
   for name, size in axis_sizes.items():
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
       raise ValueError(
-          f"{api}: axis_sizes[{name!r}] = {size!r} is not a positive int; "
-          "give each axis name its number of devices (or shards), e.g. "
-          f"axis_sizes={{{name!r}: 8}}")
+        f"{api}: axis_sizes[{name!r}] = {size!r} is not a positive int; "
+        "give each axis name its number of devices (or shards), e.g. "
+        f"axis_sizes={{{name!r}: 8}}"
+      )
     out[name] = size
   return out
 
 
-def trace(fun: Callable, args: tuple, kwargs: dict,
-          axis_sizes: Mapping[Hashable, int], api: str,
-          no_placeholder: Collection = (), use_placeholders: bool = True
-          ) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
+def trace(
+  fun: Callable,
+  args: tuple,
+  kwargs: dict,
+  axis_sizes: Mapping[Hashable, int],
+  api: str,
+  no_placeholder: Collection = (),
+  use_placeholders: bool = True,
+) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
   """Traces ``fun(*args, **kwargs)``, binding free axis names as needed.
 
   Names in ``no_placeholder`` (every name when ``use_placeholders`` is
@@ -70,8 +81,9 @@ def trace(fun: Callable, args: tuple, kwargs: dict,
   """
   if not callable(fun):
     raise TypeError(
-        f"{api}: expected a Jaxpr, a ClosedJaxpr or a callable with example "
-        f"arguments, got {fun!r} of type {type(fun).__name__}")
+      f"{api}: expected a Jaxpr, a ClosedJaxpr or a callable with example "
+      f"arguments, got {fun!r} of type {type(fun).__name__}"
+    )
   env = dict(axis_sizes)
   placeholders: dict[Hashable, NameError] = {}
   for _ in range(_MAX_RETRIES):
@@ -80,18 +92,29 @@ def trace(fun: Callable, args: tuple, kwargs: dict,
       return closed, placeholders
     except NameError as e:
       name = jax_internals.unbound_axis_name(e)
-      if (not use_placeholders or name is None or name in env or
-          name in no_placeholder):
+      if (
+        not use_placeholders
+        or name is None
+        or name in env
+        or name in no_placeholder
+      ):
         raise
       env[name] = PLACEHOLDER_SIZE
       placeholders[name] = e
   raise RuntimeError(
-      f"{api}: gave up after binding {_MAX_RETRIES} free axis names of "
-      f"{getattr(fun, '__name__', fun)!r}")
+    f"{api}: gave up after binding {_MAX_RETRIES} free axis names of "
+    f"{getattr(fun, '__name__', fun)!r}"
+  )
 
 
-def jaxpr_of(fun: Any, args: tuple, kwargs: dict,
-             axis_sizes: Mapping[Hashable, int], api: str, fix: str) -> Jaxpr:
+def jaxpr_of(
+  fun: Any,
+  args: tuple,
+  kwargs: dict,
+  axis_sizes: Mapping[Hashable, int],
+  api: str,
+  fix: str,
+) -> Jaxpr:
   """The Jaxpr of a Jaxpr, a ClosedJaxpr, or a callable traced on its args.
 
   An unbound name that tracing cannot recover from becomes an
@@ -100,8 +123,9 @@ def jaxpr_of(fun: Any, args: tuple, kwargs: dict,
   if isinstance(fun, (ClosedJaxpr, Jaxpr)):
     if args or kwargs:
       raise TypeError(
-          f"{api}: got a {type(fun).__name__} plus example arguments; those "
-          "are only for a callable. Pass the jaxpr alone.")
+        f"{api}: got a {type(fun).__name__} plus example arguments; those "
+        "are only for a callable. Pass the jaxpr alone."
+      )
     return fun.jaxpr if isinstance(fun, ClosedJaxpr) else fun
   try:
     closed, _ = trace(fun, args, kwargs, axis_sizes, api)
@@ -110,9 +134,12 @@ def jaxpr_of(fun: Any, args: tuple, kwargs: dict,
       raise
     loc = user_location_of_exception(e)
     raise AxisNameError(
-        f"{api}: {e} (at {loc or 'an unknown location'}); {fix}",
-        primitive="unknown", axis_name=None, bound=tuple(axis_sizes),
-        location=loc) from e
+      f"{api}: {e} (at {loc or 'an unknown location'}); {fix}",
+      primitive="unknown",
+      axis_name=None,
+      bound=tuple(axis_sizes),
+      location=loc,
+    ) from e
   return closed.jaxpr
 
 
@@ -123,6 +150,7 @@ def _dir_of(module) -> str:
 _JAXLIB_DIR: tuple[str, ...]
 try:
   import jaxlib as _jaxlib
+
   _JAXLIB_DIR = (_dir_of(_jaxlib),)
 except ImportError:  # pragma: no cover - jaxlib always comes with jax
   _JAXLIB_DIR = ()
@@ -130,12 +158,16 @@ except ImportError:  # pragma: no cover - jaxlib always comes with jax
 # Frames in these directories are not the user's: JAX, jaxlib and this
 # package; nor is the standard library, except packages installed inside
 # its tree (``.../lib/python3.X/site-packages`` of a system Python).
-_NOT_USER = (_dir_of(jax), *_JAXLIB_DIR,
-             os.path.dirname(os.path.dirname(os.path.abspath(__file__))) +
-             os.sep)
+_NOT_USER = (
+  _dir_of(jax),
+  *_JAXLIB_DIR,
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
 _STDLIB = sysconfig.get_path("stdlib") + os.sep
-_INSTALLED = (os.sep + "site-packages" + os.sep,
-              os.sep + "dist-packages" + os.sep)
+_INSTALLED = (
+  os.sep + "site-packages" + os.sep,
+  os.sep + "dist-packages" + os.sep,
+)
 
 
 def _is_user_file(filename: str) -> bool:

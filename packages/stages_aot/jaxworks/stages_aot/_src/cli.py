@@ -9,6 +9,7 @@ run      load an artifact and run it on this host with --arg inputs.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import importlib
 import json
 import os
@@ -16,313 +17,384 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 
 import numpy as np
 
 from ..version import __version__
-from .artifact import ArtifactError, check_destination, load_artifact, save_artifact
-from .platforms import KNOWN_PLATFORMS, canonical_platforms, present_platforms
-from .specs import format_aval, is_concrete, parse_arg_specs
+from .artifact import ArtifactError
+from .artifact import check_destination
+from .artifact import load_artifact
+from .artifact import save_artifact
+from .platforms import KNOWN_PLATFORMS
+from .platforms import canonical_platforms
+from .platforms import present_platforms
+from .specs import format_aval
+from .specs import is_concrete
+from .specs import parse_arg_specs
 from .stages import trace
 
 PROG = "python -m jaxworks.stages_aot"
 
 
 class CliError(Exception):
-    """A user error: printed as one line, exit status 1."""
+  """A user error: printed as one line, exit status 1."""
 
 
 def _one_line(e: BaseException, limit: int = 600) -> str:
-    text = " ".join(str(e).split()) or "(no message)"
-    if len(text) > limit:
-        text = text[: limit - 40] + " ... (--traceback shows all)"
-    return f"{type(e).__name__}: {text}"
+  text = " ".join(str(e).split()) or "(no message)"
+  if len(text) > limit:
+    text = text[: limit - 40] + " ... (--traceback shows all)"
+  return f"{type(e).__name__}: {text}"
 
 
 def _stage(name: str, fn, *args, **kwargs):
-    """Runs one stage; any failure becomes a one-line CliError naming it."""
-    try:
-        return fn(*args, **kwargs)
-    except CliError:
-        raise
-    except Exception as e:
-        raise CliError(f"{name} failed: {_one_line(e)}") from e
+  """Runs one stage; any failure becomes a one-line CliError naming it."""
+  try:
+    return fn(*args, **kwargs)
+  except CliError:
+    raise
+  except Exception as e:
+    raise CliError(f"{name} failed: {_one_line(e)}") from e
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Ahead-of-time export of JAX functions to versioned artifact "
-        "directories, for cpu, cuda, rocm and tpu, from any host.",
-        epilog="In the jaxworks repository, the same CLI is the Bazel binary: "
-        "./tools/bazel run //packages/stages_aot:cli -- COMMAND ... (relative paths "
-        "are taken from where you run it). '%(prog)s COMMAND --help' explains each command.",
-    )
-    parser.add_argument("--version", action="version", version=f"jaxworks.stages_aot {__version__}")
-    parser.add_argument(
-        "--traceback", action="store_true",
-        help="on failure, also print the Python traceback of the failing stage",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{export,inspect,run}")
+  parser = argparse.ArgumentParser(
+    prog=PROG,
+    description="Ahead-of-time export of JAX functions to versioned artifact "
+    "directories, for cpu, cuda, rocm and tpu, from any host.",
+    epilog="In the jaxworks repository, the same CLI is the Bazel binary: "
+    "./tools/bazel run //packages/stages_aot:cli -- COMMAND ... (relative paths "
+    "are taken from where you run it). '%(prog)s COMMAND --help' explains each command.",
+  )
+  parser.add_argument(
+    "--version", action="version", version=f"jaxworks.stages_aot {__version__}"
+  )
+  parser.add_argument(
+    "--traceback",
+    action="store_true",
+    help="on failure, also print the Python traceback of the failing stage",
+  )
+  sub = parser.add_subparsers(
+    dest="command", required=True, metavar="{export,inspect,run}"
+  )
 
-    exp = sub.add_parser(
-        "export",
-        help="trace, lower and export a function into an artifact directory",
-        description="Trace MODULE:FUNCTION for the given argument specs, lower it for "
-        "each platform (one progress line each), and write DIR with exported.bin, "
-        "module.stablehlo.mlir and manifest.json.",
-        epilog="example: %(prog)s mypkg.model:predict --arg 'f32[b,128]' --arg "
-        "'f32[128,16]' --platform cpu --platform tpu --out /tmp/predict",
-    )
-    exp.add_argument("target", metavar="MODULE:FUNCTION", help="e.g. mypkg.model:predict")
-    exp.add_argument(
-        "--arg", action="append", default=[], metavar="SPEC",
-        help="one per positional argument, DTYPE[DIMS], e.g. 'f32[b,128]' (symbolic "
-        "dimension b), 'i32[8]', 'f32[]'",
-    )
-    exp.add_argument(
-        "--platform", action="append", default=[], metavar="PLATFORM",
-        help=f"repeat for several; one of {', '.join(KNOWN_PLATFORMS)} "
-        "(default: this host's default backend)",
-    )
-    exp.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
-    exp.add_argument(
-        "--vjp-order", type=int, default=0, metavar="N",
-        help="orders of VJP to include (1: the loaded function supports jax.grad)",
-    )
-    exp.add_argument("--overwrite", action="store_true", help="replace an existing artifact in DIR")
+  exp = sub.add_parser(
+    "export",
+    help="trace, lower and export a function into an artifact directory",
+    description="Trace MODULE:FUNCTION for the given argument specs, lower it for "
+    "each platform (one progress line each), and write DIR with exported.bin, "
+    "module.stablehlo.mlir and manifest.json.",
+    epilog="example: %(prog)s mypkg.model:predict --arg 'f32[b,128]' --arg "
+    "'f32[128,16]' --platform cpu --platform tpu --out /tmp/predict",
+  )
+  exp.add_argument(
+    "target", metavar="MODULE:FUNCTION", help="e.g. mypkg.model:predict"
+  )
+  exp.add_argument(
+    "--arg",
+    action="append",
+    default=[],
+    metavar="SPEC",
+    help="one per positional argument, DTYPE[DIMS], e.g. 'f32[b,128]' (symbolic "
+    "dimension b), 'i32[8]', 'f32[]'",
+  )
+  exp.add_argument(
+    "--platform",
+    action="append",
+    default=[],
+    metavar="PLATFORM",
+    help=f"repeat for several; one of {', '.join(KNOWN_PLATFORMS)} "
+    "(default: this host's default backend)",
+  )
+  exp.add_argument(
+    "--out", required=True, metavar="DIR", help="artifact directory to write"
+  )
+  exp.add_argument(
+    "--vjp-order",
+    type=int,
+    default=0,
+    metavar="N",
+    help="orders of VJP to include (1: the loaded function supports jax.grad)",
+  )
+  exp.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace an existing artifact in DIR",
+  )
 
-    ins = sub.add_parser(
-        "inspect",
-        help="validate an artifact directory and print a summary",
-        description="Check the files of DIR against manifest.json (sizes, sha256), the "
-        "calling-convention version and the program, then print a summary.",
-    )
-    ins.add_argument("directory", metavar="DIR")
-    ins.add_argument("--json", action="store_true", help="print manifest.json instead of a summary")
+  ins = sub.add_parser(
+    "inspect",
+    help="validate an artifact directory and print a summary",
+    description="Check the files of DIR against manifest.json (sizes, sha256), the "
+    "calling-convention version and the program, then print a summary.",
+  )
+  ins.add_argument("directory", metavar="DIR")
+  ins.add_argument(
+    "--json",
+    action="store_true",
+    help="print manifest.json instead of a summary",
+  )
 
-    run = sub.add_parser(
-        "run",
-        help="load an artifact and run it on this host",
-        description="Load DIR (all checks of inspect, plus a platform present here) and "
-        "run it. Inputs come from --arg: a concrete spec such as 'f32[4,128]' "
-        "(random values from --seed) or a .npy file; without --arg, random inputs "
-        "of the artifact's own shapes (which must then be concrete).",
-    )
-    run.add_argument("directory", metavar="DIR")
-    run.add_argument(
-        "--arg", action="append", default=[], metavar="SPEC_OR_NPY",
-        help="one per input: 'f32[4,128]' or path/to/array.npy",
-    )
-    run.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    run.add_argument("--save", metavar="FILE.npz", help="also save the outputs to this .npz file")
-    return parser
+  run = sub.add_parser(
+    "run",
+    help="load an artifact and run it on this host",
+    description="Load DIR (all checks of inspect, plus a platform present here) and "
+    "run it. Inputs come from --arg: a concrete spec such as 'f32[4,128]' "
+    "(random values from --seed) or a .npy file; without --arg, random inputs "
+    "of the artifact's own shapes (which must then be concrete).",
+  )
+  run.add_argument("directory", metavar="DIR")
+  run.add_argument(
+    "--arg",
+    action="append",
+    default=[],
+    metavar="SPEC_OR_NPY",
+    help="one per input: 'f32[4,128]' or path/to/array.npy",
+  )
+  run.add_argument(
+    "--seed", type=int, default=0, help="seed of the random inputs (default 0)"
+  )
+  run.add_argument(
+    "--save", metavar="FILE.npz", help="also save the outputs to this .npz file"
+  )
+  return parser
 
 
 def _import_target(target: str):
-    module_name, sep, attr_path = target.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise CliError(
-            f"target {target!r} must be MODULE:FUNCTION, e.g. mypkg.model:predict"
-        )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise CliError(
-            f"import of {module_name!r} failed: cannot import module {module_name!r} "
-            f"({e}); put its directory on PYTHONPATH or run from it"
-        ) from e
-    except Exception as e:  # the module itself raised while importing
-        raise CliError(f"import of {module_name!r} failed: {_one_line(e)}") from e
-    for part in attr_path.split("."):
-        if not _stage(f"import of {target!r}", hasattr, obj, part):
-            names = sorted(n for n in dir(obj) if not n.startswith("_"))
-            raise CliError(
-                f"{module_name!r} has no attribute {attr_path!r} (missing {part!r}); "
-                f"available: {', '.join(names[:20])}"
-            )
-        obj = _stage(f"import of {target!r}", getattr, obj, part)
-    if not callable(obj):
-        raise CliError(f"{target} is a {type(obj).__name__}, not a function")
-    return obj
+  module_name, sep, attr_path = target.partition(":")
+  if not sep or not module_name or not attr_path:
+    raise CliError(
+      f"target {target!r} must be MODULE:FUNCTION, e.g. mypkg.model:predict"
+    )
+  if os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  try:
+    obj = importlib.import_module(module_name)
+  except ImportError as e:
+    raise CliError(
+      f"import of {module_name!r} failed: cannot import module {module_name!r} "
+      f"({e}); put its directory on PYTHONPATH or run from it"
+    ) from e
+  except Exception as e:  # the module itself raised while importing
+    raise CliError(f"import of {module_name!r} failed: {_one_line(e)}") from e
+  for part in attr_path.split("."):
+    if not _stage(f"import of {target!r}", hasattr, obj, part):
+      names = sorted(n for n in dir(obj) if not n.startswith("_"))
+      raise CliError(
+        f"{module_name!r} has no attribute {attr_path!r} (missing {part!r}); "
+        f"available: {', '.join(names[:20])}"
+      )
+    obj = _stage(f"import of {target!r}", getattr, obj, part)
+  if not callable(obj):
+    raise CliError(f"{target} is a {type(obj).__name__}, not a function")
+  return obj
 
 
 def _cmd_export(ns, out) -> int:
-    fun = _import_target(ns.target)
-    try:
-        specs = parse_arg_specs(ns.arg, api="--arg")
-        platforms = canonical_platforms(ns.platform or None, api="--platform")
-    except (TypeError, ValueError) as e:
-        raise CliError(str(e)) from None
-    if ns.vjp_order < 0:
-        raise CliError(f"--vjp-order must be >= 0, got {ns.vjp_order}")
-    try:  # before any work: fail now, not after lowering, if --out is taken
-        check_destination(ns.out, overwrite=ns.overwrite, api="--out")
-    except ArtifactError as e:
-        raise CliError(str(e)) from None
-    present = present_platforms()
-    shown = ", ".join(format_aval(s) for s in specs)
-    print(f"tracing {ns.target}({shown})", file=out, flush=True)
-    traced = _stage(f"trace of {ns.target}({shown})", trace, fun, *specs)
-    for i, platform in enumerate(platforms, 1):
-        start = time.perf_counter()
-        lowered = _stage(
-            f"lowering for platform {platform}", traced.lower, lowering_platforms=(platform,)
-        )
-        text = _stage(f"lowering for platform {platform}", lowered.as_text)
-        ms = 1e3 * (time.perf_counter() - start)
-        calls = sorted(set(re.findall(r"custom_call @([\w.$-]+)", text)))
-        where = "present on this host" if platform in present else "cross-lowered (not present here)"
-        extra = f", custom calls: {', '.join(calls)}" if calls else ""
-        print(
-            f"[{i}/{len(platforms)}] {platform}: lowered in {ms:.1f} ms, "
-            f"{len(text.splitlines())} lines of StableHLO, {where}{extra}",
-            file=out, flush=True,
-        )
-    if len(platforms) > 1:
-        lowered = _stage(
-            f"lowering for platforms {', '.join(platforms)}",
-            traced.lower, lowering_platforms=platforms,
-        )
-    exported = _stage(f"export of {ns.target}", lowered.export, vjp_order=ns.vjp_order)
-    try:
-        artifact = save_artifact(exported, ns.out, overwrite=ns.overwrite)
-    except ArtifactError as e:
-        raise CliError(str(e)) from None
-    except Exception as e:
-        raise CliError(f"save to {ns.out} failed: {_one_line(e)}") from e
-    sizes = ", ".join(f"{n} {i['size']} bytes" for n, i in artifact.manifest["files"].items())
-    print(
-        f"exported {exported.fun_name!r} for {', '.join(platforms)} "
-        f"(vjp order {ns.vjp_order}) to {artifact.path}: {sizes}, manifest.json",
-        file=out, flush=True,
+  fun = _import_target(ns.target)
+  try:
+    specs = parse_arg_specs(ns.arg, api="--arg")
+    platforms = canonical_platforms(ns.platform or None, api="--platform")
+  except (TypeError, ValueError) as e:
+    raise CliError(str(e)) from None
+  if ns.vjp_order < 0:
+    raise CliError(f"--vjp-order must be >= 0, got {ns.vjp_order}")
+  try:  # before any work: fail now, not after lowering, if --out is taken
+    check_destination(ns.out, overwrite=ns.overwrite, api="--out")
+  except ArtifactError as e:
+    raise CliError(str(e)) from None
+  present = present_platforms()
+  shown = ", ".join(format_aval(s) for s in specs)
+  print(f"tracing {ns.target}({shown})", file=out, flush=True)
+  traced = _stage(f"trace of {ns.target}({shown})", trace, fun, *specs)
+  for i, platform in enumerate(platforms, 1):
+    start = time.perf_counter()
+    lowered = _stage(
+      f"lowering for platform {platform}",
+      traced.lower,
+      lowering_platforms=(platform,),
     )
-    return 0
+    text = _stage(f"lowering for platform {platform}", lowered.as_text)
+    ms = 1e3 * (time.perf_counter() - start)
+    calls = sorted(set(re.findall(r"custom_call @([\w.$-]+)", text)))
+    where = (
+      "present on this host"
+      if platform in present
+      else "cross-lowered (not present here)"
+    )
+    extra = f", custom calls: {', '.join(calls)}" if calls else ""
+    print(
+      f"[{i}/{len(platforms)}] {platform}: lowered in {ms:.1f} ms, "
+      f"{len(text.splitlines())} lines of StableHLO, {where}{extra}",
+      file=out,
+      flush=True,
+    )
+  if len(platforms) > 1:
+    lowered = _stage(
+      f"lowering for platforms {', '.join(platforms)}",
+      traced.lower,
+      lowering_platforms=platforms,
+    )
+  exported = _stage(
+    f"export of {ns.target}", lowered.export, vjp_order=ns.vjp_order
+  )
+  try:
+    artifact = save_artifact(exported, ns.out, overwrite=ns.overwrite)
+  except ArtifactError as e:
+    raise CliError(str(e)) from None
+  except Exception as e:
+    raise CliError(f"save to {ns.out} failed: {_one_line(e)}") from e
+  sizes = ", ".join(
+    f"{n} {i['size']} bytes" for n, i in artifact.manifest["files"].items()
+  )
+  print(
+    f"exported {exported.fun_name!r} for {', '.join(platforms)} "
+    f"(vjp order {ns.vjp_order}) to {artifact.path}: {sizes}, manifest.json",
+    file=out,
+    flush=True,
+  )
+  return 0
 
 
 def _cmd_inspect(ns, out) -> int:
-    try:
-        artifact = load_artifact(ns.directory, require_platform=False)
-    except ArtifactError as e:
-        raise CliError(str(e)) from None
-    if ns.json:
-        print(json.dumps(artifact.manifest, indent=2), file=out)
-    else:
-        print(artifact.summary(), file=out)
-    return 0
+  try:
+    artifact = load_artifact(ns.directory, require_platform=False)
+  except ArtifactError as e:
+    raise CliError(str(e)) from None
+  if ns.json:
+    print(json.dumps(artifact.manifest, indent=2), file=out)
+  else:
+    print(artifact.summary(), file=out)
+  return 0
 
 
 def _random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, size=shape).astype(bool)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(0, 10, size=shape).astype(dtype)
-    if np.issubdtype(dtype, np.complexfloating):
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return rng.integers(0, 2, size=shape).astype(bool)
+  if np.issubdtype(dtype, np.integer):
+    return rng.integers(0, 10, size=shape).astype(dtype)
+  if np.issubdtype(dtype, np.complexfloating):
+    return (
+      rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+    ).astype(dtype)
+  return rng.standard_normal(shape).astype(dtype)
 
 
 def _run_inputs(ns, artifact) -> tuple[list[np.ndarray], list[str]]:
-    inputs = artifact.manifest["inputs"]
-    rng = np.random.default_rng(ns.seed)
-    if not ns.arg:
-        avals = artifact.exported.in_avals
-        symbolic = [f"{v['name']}: {v['aval']}" for v, a in zip(inputs, avals) if not is_concrete(a.shape)]
-        if symbolic:
-            raise CliError(
-                f"inputs have symbolic shapes ({'; '.join(symbolic)}); pass one --arg "
-                f"per input with concrete shapes, e.g. --arg '{_concrete_example(inputs[0]['aval'])}'"
-            )
-        arrays = [_random_array(rng, a.shape, a.dtype) for a in avals]
-        return arrays, [f"{v['name']}={v['aval']} (random)" for v in inputs]
-    if len(ns.arg) != len(inputs):
-        expected = ", ".join(v["aval"] for v in inputs)
+  inputs = artifact.manifest["inputs"]
+  rng = np.random.default_rng(ns.seed)
+  if not ns.arg:
+    avals = artifact.exported.in_avals
+    symbolic = [
+      f"{v['name']}: {v['aval']}"
+      for v, a in zip(inputs, avals)
+      if not is_concrete(a.shape)
+    ]
+    if symbolic:
+      raise CliError(
+        f"inputs have symbolic shapes ({'; '.join(symbolic)}); pass one --arg "
+        f"per input with concrete shapes, e.g. --arg '{_concrete_example(inputs[0]['aval'])}'"
+      )
+    arrays = [_random_array(rng, a.shape, a.dtype) for a in avals]
+    return arrays, [f"{v['name']}={v['aval']} (random)" for v in inputs]
+  if len(ns.arg) != len(inputs):
+    expected = ", ".join(v["aval"] for v in inputs)
+    raise CliError(
+      f"{artifact.fun_name!r} takes {len(inputs)} inputs ({expected}), got "
+      f"{len(ns.arg)} --arg; pass one --arg per input"
+    )
+  arrays, described = [], []
+  for i, (arg, info) in enumerate(zip(ns.arg, inputs)):
+    if arg.endswith(".npy"):
+      try:
+        array = np.load(arg, allow_pickle=False)
+      except (OSError, ValueError) as e:
+        raise CliError(f"--arg {i}: cannot load {arg!r}: {e}") from None
+      source = arg
+    else:
+      try:
+        (spec,) = parse_arg_specs([arg], api=f"--arg {i}")
+      except (TypeError, ValueError) as e:
+        raise CliError(str(e)) from None
+      if not is_concrete(spec.shape):
         raise CliError(
-            f"{artifact.fun_name!r} takes {len(inputs)} inputs ({expected}), got "
-            f"{len(ns.arg)} --arg; pass one --arg per input"
+          f"--arg {i} {arg!r} has symbolic dimensions; give concrete sizes "
+          f"such as '{_concrete_example(arg)}'"
         )
-    arrays, described = [], []
-    for i, (arg, info) in enumerate(zip(ns.arg, inputs)):
-        if arg.endswith(".npy"):
-            try:
-                array = np.load(arg, allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise CliError(f"--arg {i}: cannot load {arg!r}: {e}") from None
-            source = arg
-        else:
-            try:
-                (spec,) = parse_arg_specs([arg], api=f"--arg {i}")
-            except (TypeError, ValueError) as e:
-                raise CliError(str(e)) from None
-            if not is_concrete(spec.shape):
-                raise CliError(
-                    f"--arg {i} {arg!r} has symbolic dimensions; give concrete sizes "
-                    f"such as '{_concrete_example(arg)}'"
-                )
-            array = _random_array(rng, spec.shape, spec.dtype)
-            source = "random"
-        if np.dtype(array.dtype).name != info["dtype"]:
-            raise CliError(
-                f"--arg {i} ({arg}) has dtype {np.dtype(array.dtype).name}, but input "
-                f"{info['name']} of {artifact.fun_name!r} is {info['aval']}"
-            )
-        arrays.append(array)
-        described.append(f"{info['name']}={format_aval(array)} ({source})")
-    return arrays, described
+      array = _random_array(rng, spec.shape, spec.dtype)
+      source = "random"
+    if np.dtype(array.dtype).name != info["dtype"]:
+      raise CliError(
+        f"--arg {i} ({arg}) has dtype {np.dtype(array.dtype).name}, but input "
+        f"{info['name']} of {artifact.fun_name!r} is {info['aval']}"
+      )
+    arrays.append(array)
+    described.append(f"{info['name']}={format_aval(array)} ({source})")
+  return arrays, described
 
 
 def _concrete_example(spec: str) -> str:
-    """'f32[b,128]' -> 'f32[4,128]': a spec with every symbolic dimension set to 4."""
-    dtype, _, dims = spec.partition("[")
-    sizes = [d.strip() if d.strip().isdigit() else "4" for d in dims.rstrip("]").split(",")]
-    return f"{dtype.strip()}[{','.join(sizes)}]"
+  """'f32[b,128]' -> 'f32[4,128]': a spec with every symbolic dimension set to 4."""
+  dtype, _, dims = spec.partition("[")
+  sizes = [
+    d.strip() if d.strip().isdigit() else "4"
+    for d in dims.rstrip("]").split(",")
+  ]
+  return f"{dtype.strip()}[{','.join(sizes)}]"
 
 
 def _cmd_run(ns, out) -> int:
-    try:
-        artifact = load_artifact(ns.directory)
-    except ArtifactError as e:
-        raise CliError(str(e)) from None
-    arrays, described = _run_inputs(ns, artifact)
-    platform = artifact.runnable_platforms[0]
-    print(f"running {artifact.fun_name!r} on {platform} with {', '.join(described)}", file=out, flush=True)
-    args, kwargs = artifact.exported.in_tree.unflatten(arrays)
-    try:
-        result = artifact.call(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise CliError(" ".join(str(e).split())) from e
-    except Exception as e:
-        raise CliError(f"call of {artifact.fun_name!r} failed: {_one_line(e)}") from e
-    leaves = artifact.exported.out_tree.flatten_up_to(result)
-    outputs = {}
-    for info, leaf in zip(artifact.manifest["outputs"], leaves):
-        value = np.asarray(leaf)
-        outputs[info["name"]] = value
-        text = np.array2string(value, threshold=16, precision=6, separator=", ")
-        print(f"{info['name']} {format_aval(value)} = {text}", file=out)
-    if ns.save:
-        _stage(f"saving the outputs to {ns.save}", np.savez, ns.save, **outputs)
-        print(f"saved {len(outputs)} outputs to {ns.save}", file=out)
-    return 0
+  try:
+    artifact = load_artifact(ns.directory)
+  except ArtifactError as e:
+    raise CliError(str(e)) from None
+  arrays, described = _run_inputs(ns, artifact)
+  platform = artifact.runnable_platforms[0]
+  print(
+    f"running {artifact.fun_name!r} on {platform} with {', '.join(described)}",
+    file=out,
+    flush=True,
+  )
+  args, kwargs = artifact.exported.in_tree.unflatten(arrays)
+  try:
+    result = artifact.call(*args, **kwargs)
+  except (TypeError, ValueError) as e:
+    raise CliError(" ".join(str(e).split())) from e
+  except Exception as e:
+    raise CliError(
+      f"call of {artifact.fun_name!r} failed: {_one_line(e)}"
+    ) from e
+  leaves = artifact.exported.out_tree.flatten_up_to(result)
+  outputs = {}
+  for info, leaf in zip(artifact.manifest["outputs"], leaves):
+    value = np.asarray(leaf)
+    outputs[info["name"]] = value
+    text = np.array2string(value, threshold=16, precision=6, separator=", ")
+    print(f"{info['name']} {format_aval(value)} = {text}", file=out)
+  if ns.save:
+    _stage(f"saving the outputs to {ns.save}", np.savez, ns.save, **outputs)
+    print(f"saved {len(outputs)} outputs to {ns.save}", file=out)
+  return 0
 
 
 def main(argv: Sequence[str] | None = None, *, out=None) -> int:
-    """Runs the CLI; returns the exit status (0 ok, 1 error, 2 usage error)."""
-    out = sys.stdout if out is None else out
-    ns = _build_parser().parse_args(argv)
-    command = {"export": _cmd_export, "inspect": _cmd_inspect, "run": _cmd_run}[ns.command]
-    try:
-        return command(ns, out)
-    except CliError as e:
-        print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
-        cause = e.__cause__
-    except Exception as e:  # outside any named stage: still one line
-        print(f"{PROG} {ns.command}: error: {_one_line(e)}", file=sys.stderr)
-        cause = e
-    if ns.traceback and cause is not None:
-        traceback.print_exception(type(cause), cause, cause.__traceback__, file=sys.stderr)
-    return 1
+  """Runs the CLI; returns the exit status (0 ok, 1 error, 2 usage error)."""
+  out = sys.stdout if out is None else out
+  ns = _build_parser().parse_args(argv)
+  command = {"export": _cmd_export, "inspect": _cmd_inspect, "run": _cmd_run}[
+    ns.command
+  ]
+  try:
+    return command(ns, out)
+  except CliError as e:
+    print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
+    cause = e.__cause__
+  except Exception as e:  # outside any named stage: still one line
+    print(f"{PROG} {ns.command}: error: {_one_line(e)}", file=sys.stderr)
+    cause = e
+  if ns.traceback and cause is not None:
+    traceback.print_exception(
+      type(cause), cause, cause.__traceback__, file=sys.stderr
+    )
+  return 1

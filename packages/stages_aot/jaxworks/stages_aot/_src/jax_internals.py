@@ -30,11 +30,11 @@ from jax._src.export._export import _export_lowered as export_lowered
 from jax._src.interpreters.mlir import LoweringParameters
 
 __all__ = [
-    "LoweringParameters",
-    "MODULE_READER_SOURCE",
-    "export_lowered",
-    "export_lowering_parameters",
-    "stock_jit",
+  "LoweringParameters",
+  "MODULE_READER_SOURCE",
+  "export_lowered",
+  "export_lowering_parameters",
+  "stock_jit",
 ]
 
 #: Stock ``jax.jit`` (the drop-in swap reassigns ``jax.jit``, never this).
@@ -42,14 +42,14 @@ stock_jit = _api.jit
 
 
 def export_lowering_parameters() -> LoweringParameters:
-    """Returns lowering parameters equal to the ones ``jax.export.export`` uses."""
-    return LoweringParameters(
-        for_export=True,
-        hoist_constants_as_args=False,
-        export_ignore_forward_compatibility=bool(
-            jax.config.jax_export_ignore_forward_compatibility
-        ),
-    )
+  """Returns lowering parameters equal to the ones ``jax.export.export`` uses."""
+  return LoweringParameters(
+    for_export=True,
+    hoist_constants_as_args=False,
+    export_ignore_forward_compatibility=bool(
+      jax.config.jax_export_ignore_forward_compatibility
+    ),
+  )
 
 
 #: The child process of ``module_reader``: says ``ready`` once its imports are

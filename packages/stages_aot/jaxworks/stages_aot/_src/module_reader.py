@@ -13,6 +13,7 @@ the sha256 of the bytes, so loading the same program twice costs one read.
 from __future__ import annotations
 
 import atexit
+from collections import OrderedDict
 import hashlib
 import json
 import os
@@ -21,7 +22,6 @@ import struct
 import subprocess
 import sys
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from . import jax_internals
@@ -34,107 +34,113 @@ _CACHE_SIZE = 256
 
 
 class ReaderUnavailable(RuntimeError):
-    """The child process cannot be started (nothing is known about the module)."""
+  """The child process cannot be started (nothing is known about the module)."""
 
 
 class _Reader:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._pid = None  # the process that started the child (not a fork of it)
-        self._lines: queue.Queue | None = None
-        self._cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._proc: subprocess.Popen | None = None
+    self._pid = None  # the process that started the child (not a fork of it)
+    self._lines: queue.Queue | None = None
+    self._cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
-    def _start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        flags = ["-P"] if sys.version_info >= (3, 11) else []
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, *flags, "-c", jax_internals.MODULE_READER_SOURCE],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                env=env,
-            )
-        except OSError as e:
-            raise ReaderUnavailable(f"cannot start {sys.executable} ({e})") from None
-        lines: queue.Queue = queue.Queue()
-        stdout = proc.stdout
+  def _start(self) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    try:
+      proc = subprocess.Popen(
+        [sys.executable, *flags, "-c", jax_internals.MODULE_READER_SOURCE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+      )
+    except OSError as e:
+      raise ReaderUnavailable(f"cannot start {sys.executable} ({e})") from None
+    lines: queue.Queue = queue.Queue()
+    stdout = proc.stdout
 
-        def pump():
-            for line in stdout:
-                lines.put(line)
-            lines.put(None)  # the child exited
+    def pump():
+      for line in stdout:
+        lines.put(line)
+      lines.put(None)  # the child exited
 
-        threading.Thread(target=pump, name="stages_aot-module-reader", daemon=True).start()
-        try:
-            ready = lines.get(timeout=TIMEOUT_S)
-        except queue.Empty:
-            ready = None
-        if ready != b"ready\n":
-            proc.kill()
-            proc.wait()
-            raise ReaderUnavailable(
-                f"{sys.executable} could not import jaxlib's StableHLO reader in a child "
-                "process; run with an interpreter that can import jaxlib"
-            )
-        self._proc, self._pid, self._lines = proc, os.getpid(), lines
+    threading.Thread(
+      target=pump, name="stages_aot-module-reader", daemon=True
+    ).start()
+    try:
+      ready = lines.get(timeout=TIMEOUT_S)
+    except queue.Empty:
+      ready = None
+    if ready != b"ready\n":
+      proc.kill()
+      proc.wait()
+      raise ReaderUnavailable(
+        f"{sys.executable} could not import jaxlib's StableHLO reader in a child "
+        "process; run with an interpreter that can import jaxlib"
+      )
+    self._proc, self._pid, self._lines = proc, os.getpid(), lines
 
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or self._pid != os.getpid():
-            return
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+  def stop(self) -> None:
+    proc, self._proc = self._proc, None
+    if proc is None or self._pid != os.getpid():
+      return
+    try:
+      proc.stdin.close()
+    except OSError:
+      pass
+    try:
+      proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
 
-    def _ask(self, blob: bytes) -> dict[str, Any] | None:
-        """The child's answer for one module; None if it died or stalled on it."""
-        if self._proc is None or self._pid != os.getpid() or self._proc.poll() is not None:
-            self._proc = None
-            self._start()
-        request = struct.pack("<Q", 1) + struct.pack("<Q", len(blob)) + blob
-        try:
-            self._proc.stdin.write(request)
-            self._proc.stdin.flush()
-            line = self._lines.get(timeout=TIMEOUT_S + len(blob) / 2**20)
-        except (OSError, queue.Empty):
-            line = None
-        if line is None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-            return None
-        (answer,) = json.loads(line)
-        return answer
+  def _ask(self, blob: bytes) -> dict[str, Any] | None:
+    """The child's answer for one module; None if it died or stalled on it."""
+    if (
+      self._proc is None
+      or self._pid != os.getpid()
+      or self._proc.poll() is not None
+    ):
+      self._proc = None
+      self._start()
+    request = struct.pack("<Q", 1) + struct.pack("<Q", len(blob)) + blob
+    try:
+      self._proc.stdin.write(request)
+      self._proc.stdin.flush()
+      line = self._lines.get(timeout=TIMEOUT_S + len(blob) / 2**20)
+    except (OSError, queue.Empty):
+      line = None
+    if line is None:
+      self._proc.kill()
+      self._proc.wait()
+      self._proc = None
+      return None
+    (answer,) = json.loads(line)
+    return answer
 
-    def describe(self, blobs: list[bytes]) -> list[dict[str, Any]]:
-        keys = [hashlib.sha256(b).hexdigest() for b in blobs]
-        with self._lock:
-            for blob, key in zip(blobs, keys):
-                if key in self._cache:
-                    continue
-                # One module at a time, so that a crash blames the right one;
-                # a second try in a fresh child rules out a child that died
-                # for another reason.
-                answer = self._ask(blob)
-                if answer is None:
-                    answer = self._ask(blob)
-                if answer is None:
-                    answer = {"error": "the StableHLO reader crashed or stalled on it"}
-                self._cache[key] = answer
-                while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            for k in keys:
-                self._cache.move_to_end(k)
-            return [self._cache[k] for k in keys]
+  def describe(self, blobs: list[bytes]) -> list[dict[str, Any]]:
+    keys = [hashlib.sha256(b).hexdigest() for b in blobs]
+    with self._lock:
+      for blob, key in zip(blobs, keys):
+        if key in self._cache:
+          continue
+        # One module at a time, so that a crash blames the right one;
+        # a second try in a fresh child rules out a child that died
+        # for another reason.
+        answer = self._ask(blob)
+        if answer is None:
+          answer = self._ask(blob)
+        if answer is None:
+          answer = {"error": "the StableHLO reader crashed or stalled on it"}
+        self._cache[key] = answer
+        while len(self._cache) > _CACHE_SIZE:
+          self._cache.popitem(last=False)
+      for k in keys:
+        self._cache.move_to_end(k)
+      return [self._cache[k] for k in keys]
 
 
 _READER = _Reader()
@@ -142,16 +148,16 @@ atexit.register(_READER.stop)
 
 
 def describe_modules(blobs: list[bytes]) -> list[dict[str, Any]]:
-    """Describes serialized StableHLO modules, read in a child process.
+  """Describes serialized StableHLO modules, read in a child process.
 
-    Raises:
-      ReaderUnavailable: the child process cannot be started.
+  Raises:
+    ReaderUnavailable: the child process cannot be started.
 
-    Returns:
-      One dict per module: ``{"error": text}`` when it does not deserialize,
-      does not verify or crashes the reader; else ``{"attributes": {name:
-      int}, "inputs": [type], "results": [type], "dynamic": int}`` where a
-      type is ``{"text", "shape", "element"}`` (``shape`` and ``element`` for
-      ranked tensors; ``dynamic`` marks an unknown dimension in ``shape``).
-    """
-    return _READER.describe([bytes(b) for b in blobs])
+  Returns:
+    One dict per module: ``{"error": text}`` when it does not deserialize,
+    does not verify or crashes the reader; else ``{"attributes": {name:
+    int}, "inputs": [type], "results": [type], "dynamic": int}`` where a
+    type is ``{"text", "shape", "element"}`` (``shape`` and ``element`` for
+    ranked tensors; ``dynamic`` marks an unknown dimension in ``shape``).
+  """
+  return _READER.describe([bytes(b) for b in blobs])
