@@ -65,7 +65,8 @@ def main():
     y = np.asarray(r)
     out["lowered"].append(events.count(LOWER_EVENT))
     out["compiled"].append(events.count(COMPILE_EVENT))
-    out["results"].append([str(y.dtype), y.tobytes().hex(), str(r.sharding)])
+    out["results"].append(
+        [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()])
     out["explain"].append(f.explain_miss(program(name)[2]))
   s = jit_cache.stats()
   out["stats"] = {k: getattr(s, k) for k in (
@@ -76,7 +77,8 @@ def main():
     fun, options, x = program(name)
     r = jax.jit(fun, **options)(x)
     y = np.asarray(r)
-    out["stock"].append([str(y.dtype), y.tobytes().hex(), str(r.sharding)])
+    out["stock"].append(
+        [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()])
   print(json.dumps(out))
 
 
