@@ -20,8 +20,11 @@ How a call flows (the whole mechanism):
 5. At top level the entry's executable is looked up by placement, then in the
    process-wide executable cache by structural fingerprint (jaxpr structure,
    literals, constants, parameters, placement, context): a re-created closure
-   reuses what an earlier one compiled. The result goes back to the C++
-   dispatcher as its fast path.
+   reuses what an earlier one compiled. With a cache directory set
+   (``set_cache_dir``, opt-in), a program keyed by content alone is then
+   looked up on disk (``disk_cache.py``) before it is lowered and compiled,
+   and written there after. The result goes back to the C++ dispatcher as its
+   fast path.
 """
 
 from __future__ import annotations
