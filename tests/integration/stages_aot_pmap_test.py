@@ -25,124 +25,155 @@ N = 8
 
 
 def _normalize(v):
-    return v / jax.lax.psum(jnp.abs(v).sum(), "i") + jax.lax.axis_index("i")
+  return v / jax.lax.psum(jnp.abs(v).sum(), "i") + jax.lax.axis_index("i")
 
 
 def _on_devices(exported, *args):
-    """`args` placed (one batched transfer) on the exported program's input shardings, on this host's devices."""
-    shardings = []
-    for s in exported.in_shardings:
-        mesh = s.mesh
-        devices = np.array(jax.devices()[:mesh.size]).reshape(mesh.axis_sizes)
-        shardings.append(jax.sharding.NamedSharding(jax.sharding.Mesh(devices, mesh.axis_names), s.spec))
-    return bt.device_put(tuple(args), tuple(shardings))
+  """`args` placed (one batched transfer) on the exported program's input shardings, on this host's devices."""
+  shardings = []
+  for s in exported.in_shardings:
+    mesh = s.mesh
+    devices = np.array(jax.devices()[: mesh.size]).reshape(mesh.axis_sizes)
+    shardings.append(
+      jax.sharding.NamedSharding(
+        jax.sharding.Mesh(devices, mesh.axis_names), s.spec
+      )
+    )
+  return bt.device_put(tuple(args), tuple(shardings))
 
 
 @pytest.fixture(scope="module")
 def case():
-    assert jax.device_count() >= N, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    x = np.random.default_rng(0).normal(size=(N, 16)).astype(np.float32)
-    f = pmap_chunked.pmap(_normalize, "i")
-    expected = jax.pmap(_normalize, "i")(x)
-    return f, x, expected
+  assert jax.device_count() >= N, (
+    "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+  )
+  x = np.random.default_rng(0).normal(size=(N, 16)).astype(np.float32)
+  f = pmap_chunked.pmap(_normalize, "i")
+  expected = jax.pmap(_normalize, "i")(x)
+  return f, x, expected
 
 
 def test_trace_lower_compile_run(case):
-    f, x, expected = case
-    traced = stages_aot.trace(f, x)
-    assert traced.fun_name == "_normalize"
-    assert axis_names.used_axis_names(traced.jaxpr) == frozenset()     # the shard_map binds 'i'
-    lowered = traced.lower(lowering_platforms=("cpu",))
-    assert lowered.platforms == ("cpu",) and lowered.jaxpr is traced.jaxpr
-    compiled = lowered.compile()
-    assert compiled.platform == "cpu"
-    out = compiled(x)
-    np.testing.assert_allclose(out, f(x), rtol=1e-6)
-    np.testing.assert_allclose(out, expected, rtol=1e-6)
-    assert compiled.input_shardings[0][0].spec == jax.P("i")
-    assert compiled.input_shardings[0][0].num_devices == N
+  f, x, expected = case
+  traced = stages_aot.trace(f, x)
+  assert traced.fun_name == "_normalize"
+  assert (
+    axis_names.used_axis_names(traced.jaxpr) == frozenset()
+  )  # the shard_map binds 'i'
+  lowered = traced.lower(lowering_platforms=("cpu",))
+  assert lowered.platforms == ("cpu",) and lowered.jaxpr is traced.jaxpr
+  compiled = lowered.compile()
+  assert compiled.platform == "cpu"
+  out = compiled(x)
+  np.testing.assert_allclose(out, f(x), rtol=1e-6)
+  np.testing.assert_allclose(out, expected, rtol=1e-6)
+  assert compiled.input_shardings[0][0].spec == jax.P("i")
+  assert compiled.input_shardings[0][0].num_devices == N
 
 
 def test_from_traced_of_the_pmaps_own_trace(case):
-    f, x, expected = case
-    traced = stages_aot.Traced.from_traced(f.trace(x))
-    lowered = traced.lower(lowering_platforms=("tpu", "cpu"))
-    assert lowered.platforms == ("tpu", "cpu")
-    assert "_platform_index" in lowered.as_text()
-    np.testing.assert_allclose(lowered.compile()(x), expected, rtol=1e-6)
+  f, x, expected = case
+  traced = stages_aot.Traced.from_traced(f.trace(x))
+  lowered = traced.lower(lowering_platforms=("tpu", "cpu"))
+  assert lowered.platforms == ("tpu", "cpu")
+  assert "_platform_index" in lowered.as_text()
+  np.testing.assert_allclose(lowered.compile()(x), expected, rtol=1e-6)
 
 
 def test_export_for_cpu_and_tpu_serialize_and_call(case):
-    f, x, expected = case
-    exported = stages_aot.trace(f, x).lower(lowering_platforms=("cpu", "tpu")).export()
-    assert exported.platforms == ("cpu", "tpu")
-    assert exported.nr_devices == N
-    assert exported.in_shardings[0].spec == jax.P("i")
-    loaded = stages_aot.deserialize(exported.serialize())
-    xs = _on_devices(loaded, x)
-    np.testing.assert_allclose(loaded(*xs), expected, rtol=1e-6)
-    # Stock jax.export of stock jax.pmap agrees on the program's interface and result.
-    stock = jax.export.export(jax.jit(jax.pmap(_normalize, "i")), platforms=("cpu", "tpu"))(x)
-    assert stock.nr_devices == exported.nr_devices
-    assert [a.shape for a in stock.in_avals] == [a.shape for a in exported.in_avals]
-    np.testing.assert_allclose(stock.call(*xs), loaded(*xs), rtol=1e-6)
-    with pytest.raises(ValueError, match="exported for 8 devices"):
-        loaded(x)                                     # host arrays: a 1-device call
+  f, x, expected = case
+  exported = (
+    stages_aot.trace(f, x).lower(lowering_platforms=("cpu", "tpu")).export()
+  )
+  assert exported.platforms == ("cpu", "tpu")
+  assert exported.nr_devices == N
+  assert exported.in_shardings[0].spec == jax.P("i")
+  loaded = stages_aot.deserialize(exported.serialize())
+  xs = _on_devices(loaded, x)
+  np.testing.assert_allclose(loaded(*xs), expected, rtol=1e-6)
+  # Stock jax.export of stock jax.pmap agrees on the program's interface and result.
+  stock = jax.export.export(
+    jax.jit(jax.pmap(_normalize, "i")), platforms=("cpu", "tpu")
+  )(x)
+  assert stock.nr_devices == exported.nr_devices
+  assert [a.shape for a in stock.in_avals] == [
+    a.shape for a in exported.in_avals
+  ]
+  np.testing.assert_allclose(stock.call(*xs), loaded(*xs), rtol=1e-6)
+  with pytest.raises(ValueError, match="exported for 8 devices"):
+    loaded(x)  # host arrays: a 1-device call
 
 
 def test_artifact_round_trip(case, tmp_path):
-    f, x, expected = case
-    exported = stages_aot.trace(f, x).lower(lowering_platforms=("cpu", "tpu")).export()
-    art = stages_aot.save_artifact(exported, tmp_path / "normalize")
-    manifest = json.loads((tmp_path / "normalize" / "manifest.json").read_text())
-    assert manifest["fun_name"] == "_normalize"
-    assert manifest["platforms"] == ["cpu", "tpu"]
-    assert manifest["inputs"][0]["aval"] == "f32[8,16]"
-    loaded = stages_aot.load_artifact(art.path)
-    assert loaded.runnable_platforms == ("cpu",)
-    xs = _on_devices(loaded.exported, x)
-    np.testing.assert_allclose(loaded(*xs), expected, rtol=1e-6)
-    np.testing.assert_allclose(loaded(*xs), f(x), rtol=0, atol=0)
+  f, x, expected = case
+  exported = (
+    stages_aot.trace(f, x).lower(lowering_platforms=("cpu", "tpu")).export()
+  )
+  art = stages_aot.save_artifact(exported, tmp_path / "normalize")
+  manifest = json.loads((tmp_path / "normalize" / "manifest.json").read_text())
+  assert manifest["fun_name"] == "_normalize"
+  assert manifest["platforms"] == ["cpu", "tpu"]
+  assert manifest["inputs"][0]["aval"] == "f32[8,16]"
+  loaded = stages_aot.load_artifact(art.path)
+  assert loaded.runnable_platforms == ("cpu",)
+  xs = _on_devices(loaded.exported, x)
+  np.testing.assert_allclose(loaded(*xs), expected, rtol=1e-6)
+  np.testing.assert_allclose(loaded(*xs), f(x), rtol=0, atol=0)
 
 
 def test_tpu_only_artifact_is_inspectable_not_runnable(case, tmp_path):
-    f, x, _ = case
-    exported = stages_aot.trace(f, x).lower(lowering_platforms=("tpu",)).export()
-    stages_aot.save_artifact(exported, tmp_path / "tpu_only")
-    with pytest.raises(stages_aot.ArtifactError, match="tpu"):
-        stages_aot.load_artifact(tmp_path / "tpu_only")
-    art = stages_aot.load_artifact(tmp_path / "tpu_only", require_platform=False)
-    assert art.platforms == ("tpu",) and art.runnable_platforms == ()
+  f, x, _ = case
+  exported = stages_aot.trace(f, x).lower(lowering_platforms=("tpu",)).export()
+  stages_aot.save_artifact(exported, tmp_path / "tpu_only")
+  with pytest.raises(stages_aot.ArtifactError, match="tpu"):
+    stages_aot.load_artifact(tmp_path / "tpu_only")
+  art = stages_aot.load_artifact(tmp_path / "tpu_only", require_platform=False)
+  assert art.platforms == ("tpu",) and art.runnable_platforms == ()
 
 
 def test_pytree_and_broadcast_arguments(tmp_path):
-    def step(params, batch):
-        grad = jax.lax.pmean(batch["x"].T @ batch["y"], "i")
-        return {"w": params["w"] - 0.1 * grad}, jax.lax.psum(batch["y"].sum(), "i")
+  def step(params, batch):
+    grad = jax.lax.pmean(batch["x"].T @ batch["y"], "i")
+    return {"w": params["w"] - 0.1 * grad}, jax.lax.psum(batch["y"].sum(), "i")
 
-    rng = np.random.default_rng(1)
-    params = {"w": rng.normal(size=(4, 3)).astype(np.float32)}
-    batch = {"x": rng.normal(size=(N, 5, 4)).astype(np.float32), "y": rng.normal(size=(N, 5, 3)).astype(np.float32)}
-    f = pmap_chunked.pmap(step, "i", in_axes=(None, 0), out_axes=(None, None))
-    exported = stages_aot.trace(f, params, batch).lower(lowering_platforms=("cpu", "tpu")).export()
-    loaded = stages_aot.load_artifact(stages_aot.save_artifact(exported, tmp_path / "step").path)
-    # The exported program is the pmap's flat program: one input per leaf of (params, batch).
-    out = loaded(*_on_devices(loaded.exported, *jax.tree.leaves((params, batch))))
-    stock = jax.pmap(step, "i", in_axes=(None, 0), out_axes=(None, None))(params, batch)
-    assert jax.tree.structure(out) == jax.tree.structure(stock)
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(stock)):
-        np.testing.assert_allclose(a, b, rtol=1e-5)
+  rng = np.random.default_rng(1)
+  params = {"w": rng.normal(size=(4, 3)).astype(np.float32)}
+  batch = {
+    "x": rng.normal(size=(N, 5, 4)).astype(np.float32),
+    "y": rng.normal(size=(N, 5, 3)).astype(np.float32),
+  }
+  f = pmap_chunked.pmap(step, "i", in_axes=(None, 0), out_axes=(None, None))
+  exported = (
+    stages_aot.trace(f, params, batch)
+    .lower(lowering_platforms=("cpu", "tpu"))
+    .export()
+  )
+  loaded = stages_aot.load_artifact(
+    stages_aot.save_artifact(exported, tmp_path / "step").path
+  )
+  # The exported program is the pmap's flat program: one input per leaf of (params, batch).
+  out = loaded(*_on_devices(loaded.exported, *jax.tree.leaves((params, batch))))
+  stock = jax.pmap(step, "i", in_axes=(None, 0), out_axes=(None, None))(
+    params, batch
+  )
+  assert jax.tree.structure(out) == jax.tree.structure(stock)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(stock)):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
 def test_nested_pmap_exports_one_2d_mesh_program():
-    inner = pmap_chunked.pmap(lambda v: jax.lax.psum(v, "j") * 10 + jax.lax.psum(v, "i"), "j")
-    f = pmap_chunked.pmap(inner, "i")
-    x = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
-    expected = f(x)
-    exported = stages_aot.trace(f, x).lower(lowering_platforms=("cpu", "tpu")).export()
-    assert exported.nr_devices == 8
-    loaded = stages_aot.deserialize(exported.serialize())
-    out = loaded(*_on_devices(loaded, x))
-    np.testing.assert_allclose(out, expected, rtol=1e-6)
-    ref = x.sum(axis=1, keepdims=True) * 10 + x.sum(axis=0, keepdims=True)
-    np.testing.assert_allclose(out, ref, rtol=1e-6)
+  inner = pmap_chunked.pmap(
+    lambda v: jax.lax.psum(v, "j") * 10 + jax.lax.psum(v, "i"), "j"
+  )
+  f = pmap_chunked.pmap(inner, "i")
+  x = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+  expected = f(x)
+  exported = (
+    stages_aot.trace(f, x).lower(lowering_platforms=("cpu", "tpu")).export()
+  )
+  assert exported.nr_devices == 8
+  loaded = stages_aot.deserialize(exported.serialize())
+  out = loaded(*_on_devices(loaded, x))
+  np.testing.assert_allclose(out, expected, rtol=1e-6)
+  ref = x.sum(axis=1, keepdims=True) * 10 + x.sum(axis=0, keepdims=True)
+  np.testing.assert_allclose(out, ref, rtol=1e-6)

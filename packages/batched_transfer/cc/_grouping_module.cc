@@ -1,8 +1,9 @@
-// Python bindings of the grouping logic: module jaxworks.batched_transfer._grouping.
-#include "grouping.h"  // first: it sets pybind11 options
-
+// Python bindings of the grouping logic: module
+// jaxworks.batched_transfer._grouping.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include "grouping.h"  // first: it sets pybind11 options
 
 namespace py = pybind11;
 namespace bt = jaxworks::batched_transfer;

@@ -26,14 +26,16 @@ std::string SafeRepr(py::handle obj) {
   }
   if (out.size() > 120) {
     size_t cut = 117;
-    while (cut > 0 && (static_cast<unsigned char>(out[cut]) & 0xC0) == 0x80) --cut;
+    while (cut > 0 && (static_cast<unsigned char>(out[cut]) & 0xC0) == 0x80)
+      --cut;
     out = out.substr(0, cut) + "...";
   }
   return out;
 }
 
 // Raises TypeError(message) chained to the Python error in `err`.
-[[noreturn]] void RaiseTypeErrorFrom(py::error_already_set& err, const std::string& message) {
+[[noreturn]] void RaiseTypeErrorFrom(py::error_already_set& err,
+                                     const std::string& message) {
   py::raise_from(err, PyExc_TypeError, message.c_str());
   throw py::error_already_set();
 }
@@ -49,18 +51,21 @@ std::string SafeRepr(py::handle obj) {
 }
 
 std::string LeafText(Py_ssize_t i, py::handle leaf) {
-  return std::string(kApi) + ": leaf " + std::to_string(i) + " (" + SafeRepr(leaf) + ")";
+  return std::string(kApi) + ": leaf " + std::to_string(i) + " (" +
+         SafeRepr(leaf) + ")";
 }
 
 py::tuple AsTuple(py::handle seq, const char* what) {
   if (!PySequence_Check(seq.ptr())) {
-    RaiseTypeError(std::string(kApi) + ": " + what + " must be a sequence (list or tuple), got " +
+    RaiseTypeError(std::string(kApi) + ": " + what +
+                   " must be a sequence (list or tuple), got " +
                    Py_TYPE(seq.ptr())->tp_name);
   }
   PyObject* t = PySequence_Tuple(seq.ptr());
   if (t == nullptr) {
     py::error_already_set err;
-    RaiseTypeErrorFrom(err, std::string(kApi) + ": could not read " + what + " as a sequence");
+    RaiseTypeErrorFrom(
+        err, std::string(kApi) + ": could not read " + what + " as a sequence");
   }
   return py::reinterpret_steal<py::tuple>(t);
 }
@@ -75,7 +80,8 @@ py::object GetAttr(py::handle obj, py::handle name) {
 // An int >= 0 from any object with __index__; `what()` names it in errors.
 template <typename What>
 int64_t ReadCount(py::handle obj, const What& what) {
-  if (PyLong_CheckExact(obj.ptr())) {  // the common case, without a new reference
+  if (PyLong_CheckExact(
+          obj.ptr())) {  // the common case, without a new reference
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(obj.ptr(), &overflow);
     if (overflow == 0 && v >= 0) return static_cast<int64_t>(v);
@@ -90,7 +96,8 @@ int64_t ReadCount(py::handle obj, const What& what) {
   long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   if (overflow != 0 || v < 0) {
-    RaiseValueError(what() + " is " + SafeRepr(obj) + ", expected an int in [0, 2**63)");
+    RaiseValueError(what() + " is " + SafeRepr(obj) +
+                    ", expected an int in [0, 2**63)");
   }
   return static_cast<int64_t>(v);
 }
@@ -98,14 +105,16 @@ int64_t ReadCount(py::handle obj, const What& what) {
 template <typename What>
 int64_t CheckedMul(int64_t a, int64_t b, const What& what) {
   int64_t out = 0;
-  if (__builtin_mul_overflow(a, b, &out)) RaiseValueError(what() + " overflows int64");
+  if (__builtin_mul_overflow(a, b, &out))
+    RaiseValueError(what() + " overflows int64");
   return out;
 }
 
 // A Python string interned once per call: attribute lookups with it find the
 // name in type and instance dicts by pointer.
 py::str Interned(const std::string& text) {
-  PyObject* s = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), nullptr);
+  PyObject* s = PyUnicode_DecodeUTF8(
+      text.data(), static_cast<Py_ssize_t>(text.size()), nullptr);
   if (s == nullptr) throw py::error_already_set();
   PyUnicode_InternInPlace(&s);
   return py::reinterpret_steal<py::str>(s);
@@ -121,7 +130,8 @@ py::object Interned(py::handle str) {
 
 struct Names {
   py::str nbytes = Interned("nbytes");
-  py::str memory_kind = Interned("memory_kind");  // fallback when memory_kind_attr is missing
+  py::str memory_kind =
+      Interned("memory_kind");  // fallback when memory_kind_attr is missing
   py::str shape = Interned("shape");
   py::str dtype = Interned("dtype");
   py::str itemsize = Interned("itemsize");
@@ -158,7 +168,8 @@ class IdentityCache {
     }
   }
 
-  // Adds obj (not in the cache yet, unless the cache is full) and returns value.
+  // Adds obj (not in the cache yet, unless the cache is full) and returns
+  // value.
   V Insert(py::handle obj, V value) {
     if (keys_.size() == max_entries_) return value;
     if (2 * (keys_.size() + 1) > slots_.size()) Grow();
@@ -174,8 +185,9 @@ class IdentityCache {
   };
 
   size_t Slot0(PyObject* key) const {  // Fibonacci hashing of the address
-    return static_cast<size_t>((reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull) >>
-                               (64 - bits_));
+    return static_cast<size_t>(
+        (reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull) >>
+        (64 - bits_));
   }
   size_t Next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
 
@@ -195,7 +207,7 @@ class IdentityCache {
 
   size_t max_entries_;
   int bits_ = 4;
-  std::vector<Slot> slots_;      // load factor <= 1/2
+  std::vector<Slot> slots_;       // load factor <= 1/2
   std::vector<py::object> keys_;  // the references, in insertion order
 };
 
@@ -208,8 +220,11 @@ class AttrReader {
  public:
   AttrReader() = default;
   AttrReader(PyTypeObject* type, py::object name) : name_(std::move(name)) {
-    if (type->tp_getattro != PyObject_GenericGetAttr || !PyUnicode_CheckExact(name_.ptr())) return;
-    PyObject* descr = _PyType_Lookup(type, name_.ptr());  // borrowed; no error set
+    if (type->tp_getattro != PyObject_GenericGetAttr ||
+        !PyUnicode_CheckExact(name_.ptr()))
+      return;
+    PyObject* descr =
+        _PyType_Lookup(type, name_.ptr());  // borrowed; no error set
     if (descr == nullptr || !Py_IS_TYPE(descr, &PyProperty_Type)) return;
     PyObject* fget = PyObject_GetAttrString(descr, "fget");
     if (fget == nullptr) {
@@ -239,11 +254,12 @@ enum class SizeRule { kFixed, kNbytes, kShapeDtype };
 
 struct KindInfo {
   int code = kOtherKind;
-  bool on_device = false;     // whether the leaf has a source sharding
-  AttrReader sharding;        // reads it (on-device kinds only)
+  bool on_device = false;  // whether the leaf has a source sharding
+  AttrReader sharding;     // reads it (on-device kinds only)
   SizeRule rule = SizeRule::kFixed;
   int64_t fixed = 0;
-  bool size_of_leaf = true;  // for kShapeDtype: shape/dtype of the leaf, or of an attribute:
+  bool size_of_leaf =
+      true;  // for kShapeDtype: shape/dtype of the leaf, or of an attribute:
   AttrReader size_holder;
 };
 
@@ -265,9 +281,10 @@ class KindTable {
 
 KindTable::KindTable(py::handle kinds) {
   if (!PyDict_Check(kinds.ptr())) {
-    RaiseTypeError(std::string(kApi) +
-                   ": kinds must be a dict {type: (code, sharding_attr, size)}, got " +
-                   Py_TYPE(kinds.ptr())->tp_name);
+    RaiseTypeError(
+        std::string(kApi) +
+        ": kinds must be a dict {type: (code, sharding_attr, size)}, got " +
+        Py_TYPE(kinds.ptr())->tp_name);
   }
   // A snapshot of the items: reading the values below may run Python code.
   py::list items = py::reinterpret_steal<py::list>(PyDict_Items(kinds.ptr()));
@@ -276,14 +293,18 @@ KindTable::KindTable(py::handle kinds) {
     py::handle key = PyTuple_GET_ITEM(item.ptr(), 0);
     py::handle value = PyTuple_GET_ITEM(item.ptr(), 1);
     if (!PyType_Check(key.ptr())) {
-      RaiseTypeError(std::string(kApi) + ": kinds keys must be types, got " + SafeRepr(key));
+      RaiseTypeError(std::string(kApi) + ": kinds keys must be types, got " +
+                     SafeRepr(key));
     }
     auto bad = [&]() {
       RaiseTypeError(std::string(kApi) + ": kinds[" + SafeRepr(key) +
-                     "] must be a tuple (code: int >= -1, sharding_attr: str or None, size: "
-                     "int >= -1 or str), got " + SafeRepr(value));
+                     "] must be a tuple (code: int >= -1, sharding_attr: str "
+                     "or None, size: "
+                     "int >= -1 or str), got " +
+                     SafeRepr(value));
     };
-    if (!PyTuple_Check(value.ptr()) || PyTuple_GET_SIZE(value.ptr()) != 3) bad();
+    if (!PyTuple_Check(value.ptr()) || PyTuple_GET_SIZE(value.ptr()) != 3)
+      bad();
     PyObject* code = PyTuple_GET_ITEM(value.ptr(), 0);
     PyObject* sharding_attr = PyTuple_GET_ITEM(value.ptr(), 1);
     PyObject* size = PyTuple_GET_ITEM(value.ptr(), 2);
@@ -296,11 +317,13 @@ KindTable::KindTable(py::handle kinds) {
     info.code = static_cast<int>(c);
     info.on_device = sharding_attr != Py_None;
     const auto type = reinterpret_cast<PyTypeObject*>(key.ptr());
-    if (info.on_device) info.sharding = AttrReader(type, Interned(sharding_attr));
+    if (info.on_device)
+      info.sharding = AttrReader(type, Interned(sharding_attr));
     if (PyUnicode_Check(size)) {
       info.rule = SizeRule::kShapeDtype;
       info.size_of_leaf = PyUnicode_GET_LENGTH(size) == 0;
-      if (!info.size_of_leaf) info.size_holder = AttrReader(type, Interned(size));
+      if (!info.size_of_leaf)
+        info.size_holder = AttrReader(type, Interned(size));
     } else if (PyLong_Check(size) && !PyBool_Check(size)) {
       long long f = PyLong_AsLongLongAndOverflow(size, &overflow);
       if (overflow != 0 || f < -1) bad();
@@ -327,8 +350,9 @@ class Canonicalizer {
     py::error_already_set err;
     const bool hashable = PyObject_Hash(obj.ptr()) != -1 || !PyErr_Occurred();
     PyErr_Clear();
-    RaiseTypeErrorFrom(
-        err, what() + (hashable ? " could not be compared with ==" : " are not hashable"));
+    RaiseTypeErrorFrom(err,
+                       what() + (hashable ? " could not be compared with =="
+                                          : " are not hashable"));
   }
 
  private:
@@ -349,7 +373,8 @@ class PlacementCache {
   Placement Get(py::handle sharding, Py_ssize_t i, const char* role) {
     if (const Placement* p = cache_.Find(sharding)) return *p;
     auto what = [&]() {
-      return std::string(kApi) + ": the " + role + " of leaf " + std::to_string(i);
+      return std::string(kApi) + ": the " + role + " of leaf " +
+             std::to_string(i);
     };
     const Readers& read = ReadersFor(Py_TYPE(sharding.ptr()));
     py::object devices, memory_kind;
@@ -363,15 +388,18 @@ class PlacementCache {
         memory_kind = GetAttr(sharding, names_.memory_kind);
       }
     } catch (py::error_already_set& err) {
-      RaiseTypeErrorFrom(err, what() + " must be a jax.sharding.Sharding, got " +
+      RaiseTypeErrorFrom(err, what() +
+                                  " must be a jax.sharding.Sharding, got " +
                                   SafeRepr(sharding));
     }
     Placement p;
     p.devices = devices_.Get(devices, [&]() {
-      return what() + " (" + SafeRepr(sharding) + "): its devices " + SafeRepr(devices);
+      return what() + " (" + SafeRepr(sharding) + "): its devices " +
+             SafeRepr(devices);
     });
     p.memory_kind = memory_kinds_.Get(memory_kind, [&]() {
-      return what() + " (" + SafeRepr(sharding) + "): its memory kind " + SafeRepr(memory_kind);
+      return what() + " (" + SafeRepr(sharding) + "): its memory kind " +
+             SafeRepr(memory_kind);
     });
     return cache_.Insert(sharding, p);
   }
@@ -395,7 +423,8 @@ class PlacementCache {
   }
 
   const Names& names_;
-  std::deque<Readers> readers_;  // per sharding type (a deque: references stay valid)
+  std::deque<Readers>
+      readers_;  // per sharding type (a deque: references stay valid)
   IdentityCache<size_t> readers_of_{SIZE_MAX};
   Canonicalizer devices_;
   Canonicalizer memory_kinds_;
@@ -434,7 +463,8 @@ class GroupIndex {
 
   size_t Slot0(const GroupKey& key) const {
     uint64_t h = static_cast<uint64_t>(key.kind);
-    for (PyObject* p : key.parts) h = (h ^ reinterpret_cast<uintptr_t>(p)) * 0x9E3779B97F4A7C15ull;
+    for (PyObject* p : key.parts)
+      h = (h ^ reinterpret_cast<uintptr_t>(p)) * 0x9E3779B97F4A7C15ull;
     return static_cast<size_t>(h >> (64 - bits_));
   }
   size_t Next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
@@ -478,11 +508,13 @@ class SizeReader {
       RaiseTypeErrorFrom(err, what() + ": could not read .shape and .dtype");
     }
     if (!PyTuple_Check(shape.ptr())) {
-      RaiseTypeError(what() + ": .shape must be a tuple, got " + SafeRepr(shape));
+      RaiseTypeError(what() + ": .shape must be a tuple, got " +
+                     SafeRepr(shape));
     }
     int64_t count = 1;
     for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape.ptr()); ++d) {
-      count = CheckedMul(count, ReadCount(PyTuple_GET_ITEM(shape.ptr(), d), what), what);
+      count = CheckedMul(
+          count, ReadCount(PyTuple_GET_ITEM(shape.ptr(), d), what), what);
     }
     int64_t itemsize;
     if (const int64_t* cached = itemsize_.Find(dtype)) {
@@ -494,7 +526,8 @@ class SizeReader {
       } catch (py::error_already_set& err) {
         RaiseTypeErrorFrom(err, what() + ": .dtype has no .itemsize");
       }
-      itemsize = itemsize_.Insert(dtype, ReadCount(v, [&]() { return what() + " itemsize"; }));
+      itemsize = itemsize_.Insert(
+          dtype, ReadCount(v, [&]() { return what() + " itemsize"; }));
     }
     return bytes_.Insert(holder, CheckedMul(count, itemsize, what));
   }
@@ -508,14 +541,18 @@ class SizeReader {
 }  // namespace
 
 std::string Group::Repr() const {
-  return "Group(kind=" + std::to_string(kind) + ", src_devices=" + SafeRepr(src_devices) +
-         ", dst_devices=" + SafeRepr(dst_devices) + ", src_memory_kind=" +
-         SafeRepr(src_memory_kind) + ", dst_memory_kind=" + SafeRepr(dst_memory_kind) +
-         ", indices=" + SafeRepr(indices) + ", nbytes=" + std::to_string(nbytes) + ")";
+  return "Group(kind=" + std::to_string(kind) +
+         ", src_devices=" + SafeRepr(src_devices) +
+         ", dst_devices=" + SafeRepr(dst_devices) +
+         ", src_memory_kind=" + SafeRepr(src_memory_kind) +
+         ", dst_memory_kind=" + SafeRepr(dst_memory_kind) +
+         ", indices=" + SafeRepr(indices) +
+         ", nbytes=" + std::to_string(nbytes) + ")";
 }
 
-std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle kinds,
-                               py::handle default_dst, const std::string& devices_attr,
+std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
+                               py::handle kinds, py::handle default_dst,
+                               const std::string& devices_attr,
                                const std::string& memory_kind_attr) {
   // Snapshots: user code run below (__eq__, __hash__, properties) cannot
   // resize what we iterate over.
@@ -523,7 +560,8 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
   py::tuple dst_t = AsTuple(dsts, "dsts");
   const Py_ssize_t n = PyTuple_GET_SIZE(leaf_t.ptr());
   if (PyTuple_GET_SIZE(dst_t.ptr()) != n) {
-    RaiseValueError(std::string(kApi) + ": got " + std::to_string(n) + " leaves but " +
+    RaiseValueError(std::string(kApi) + ": got " + std::to_string(n) +
+                    " leaves but " +
                     std::to_string(PyTuple_GET_SIZE(dst_t.ptr())) +
                     " dsts; pass one destination (or None) per leaf");
   }
@@ -538,7 +576,8 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
   std::vector<std::vector<Py_ssize_t>> members;
   GroupIndex group_of;
 
-  // Runs of leaves usually share type, shardings and group: check the last ones first.
+  // Runs of leaves usually share type, shardings and group: check the last ones
+  // first.
   PyTypeObject* last_type = nullptr;
   const KindInfo* info = nullptr;
   // The last shardings are held: a pointer compared after the object was freed
@@ -567,8 +606,10 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
       try {
         sharding = info->sharding(leaf);
       } catch (py::error_already_set& err) {
-        RaiseTypeErrorFrom(err, LeafText(i, leaf) + " is registered as an on-device kind but "
-                                    "its ." + info->sharding.name().cast<std::string>() +
+        RaiseTypeErrorFrom(err, LeafText(i, leaf) +
+                                    " is registered as an on-device kind but "
+                                    "its ." +
+                                    info->sharding.name().cast<std::string>() +
                                     " cannot be read");
       }
       if (sharding.ptr() != last_src.ptr()) {
@@ -587,15 +628,16 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
         target = py::handle();
       } else if (default_dst.is_none()) {
         RaiseTypeError(LeafText(i, leaf) +
-                       " is a host value with destination None and no default_dst was given");
+                       " is a host value with destination None and no "
+                       "default_dst was given");
       } else {
         target = default_dst;
       }
     }
     if (target) {
       if (target.ptr() != last_dst.ptr()) {
-        last_dst_placement =
-            placements.Get(target, i, dst.is_none() ? "default destination" : "destination");
+        last_dst_placement = placements.Get(
+            target, i, dst.is_none() ? "default destination" : "destination");
         last_dst = target;
       }
       key.parts[1] = last_dst_placement.devices;
@@ -633,7 +675,8 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts, py::handle ki
     Group& group = groups[last_group];
     members[last_group].push_back(i);
     if (__builtin_add_overflow(group.nbytes, nbytes, &group.nbytes)) {
-      RaiseValueError(std::string(kApi) + ": the byte count of a group overflows int64");
+      RaiseValueError(std::string(kApi) +
+                      ": the byte count of a group overflows int64");
     }
   }
 

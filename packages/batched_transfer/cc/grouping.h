@@ -39,11 +39,11 @@ inline constexpr int kOtherKind = -1;
 // One group of leaves that can move in one batched call.
 struct Group {
   int kind = kOtherKind;
-  pybind11::object src_devices;      // None for host leaves
+  pybind11::object src_devices;  // None for host leaves
   pybind11::object dst_devices;
   pybind11::object src_memory_kind;  // None for host leaves
   pybind11::object dst_memory_kind;
-  pybind11::list indices;            // leaf indices, ascending
+  pybind11::list indices;  // leaf indices, ascending
   int64_t nbytes = 0;
 
   std::string Repr() const;
@@ -73,7 +73,8 @@ struct Group {
 //   memory_kind_attr: the attribute of a sharding holding its memory kind
 //     (the public `memory_kind` is read where it is missing).
 std::vector<Group> GroupLeaves(pybind11::handle leaves, pybind11::handle dsts,
-                               pybind11::handle kinds, pybind11::handle default_dst,
+                               pybind11::handle kinds,
+                               pybind11::handle default_dst,
                                const std::string& devices_attr,
                                const std::string& memory_kind_attr);
 

@@ -4,11 +4,14 @@ jax.device_put and jax.jit are swapped for other callables (a plain assignment, 
 import inspect
 
 import jax
+from jax.experimental.layout import Format
+from jax.experimental.layout import Layout
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import numpy as np
 import pytest
-from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src import jax_internals
@@ -17,22 +20,30 @@ STOCK_PUT = jax_internals.stock_device_put
 
 
 def _params(f):
-  return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+  return [
+    (p.name, p.kind, p.default)
+    for p in inspect.signature(f).parameters.values()
+  ]
 
 
 def test_signature_is_stocks():
   # Names, positions, kinds and defaults (annotations are JAX's private type names).
   assert _params(bt.device_put) == _params(STOCK_PUT)
   assert _params(bt.device_put) == [
-      ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
-      ("device", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
-      ("src", inspect.Parameter.KEYWORD_ONLY, None),
-      ("donate", inspect.Parameter.KEYWORD_ONLY, False),
-      ("may_alias", inspect.Parameter.KEYWORD_ONLY, None)]
+    ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+    ("device", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+    ("src", inspect.Parameter.KEYWORD_ONLY, None),
+    ("donate", inspect.Parameter.KEYWORD_ONLY, False),
+    ("may_alias", inspect.Parameter.KEYWORD_ONLY, None),
+  ]
   x = np.arange(3.0)
-  assert bt.device_put(x=x, device=jax.devices()[1]).devices() == {jax.devices()[1]}
+  assert bt.device_put(x=x, device=jax.devices()[1]).devices() == {
+    jax.devices()[1]
+  }
   with pytest.raises(TypeError):
-    bt.device_put(x, target=jax.devices()[1])  # the pre-0.1.1 keyword is gone, as in stock
+    bt.device_put(
+      x, target=jax.devices()[1]
+    )  # the pre-0.1.1 keyword is gone, as in stock
   with pytest.raises(TypeError):
     STOCK_PUT(x, target=jax.devices()[1])
 
@@ -61,17 +72,33 @@ def assert_same(out, ref):
 
 
 def corpus():
-  return {"f32": np.arange(8, dtype=np.float32), "i64": np.arange(4), "s": [1, 2.5, True],
-          "dev": jax.device_put(np.ones(8, np.float32), jax.devices()[3]), "u": jnp.arange(8.0),
-          "bf16": np.ones(8, jnp.bfloat16)}
+  return {
+    "f32": np.arange(8, dtype=np.float32),
+    "i64": np.arange(4),
+    "s": [1, 2.5, True],
+    "dev": jax.device_put(np.ones(8, np.float32), jax.devices()[3]),
+    "u": jnp.arange(8.0),
+    "bf16": np.ones(8, jnp.bfloat16),
+  }
 
 
 def targets():
   d = jax.devices()
   mesh = jax.make_mesh((4, 2), ("a", "b"))
-  return [None, d[1], SingleDeviceSharding(d[2]), NamedSharding(mesh, P()),
-          {"f32": NamedSharding(mesh, P("a")), "i64": d[0], "s": None, "dev": d[3], "u": None,
-           "bf16": NamedSharding(mesh, P(None))}]
+  return [
+    None,
+    d[1],
+    SingleDeviceSharding(d[2]),
+    NamedSharding(mesh, P()),
+    {
+      "f32": NamedSharding(mesh, P("a")),
+      "i64": d[0],
+      "s": None,
+      "dev": d[3],
+      "u": None,
+      "bf16": NamedSharding(mesh, P(None)),
+    },
+  ]
 
 
 def test_core_cases_under_the_plain_swap(swapped, tmp_path):
@@ -90,11 +117,15 @@ def test_core_cases_under_the_plain_swap(swapped, tmp_path):
   # save / restore / plan / place_for.
   bt.save(tmp_path / "c.npz", corpus())
   like = jax.eval_shape(corpus)
-  assert_same(bt.restore(tmp_path / "c.npz", like, placement=jax.devices()[1]),
-              STOCK_PUT(corpus(), jax.devices()[1]))
+  assert_same(
+    bt.restore(tmp_path / "c.npz", like, placement=jax.devices()[1]),
+    STOCK_PUT(corpus(), jax.devices()[1]),
+  )
   assert bt.plan(corpus(), jax.devices()[1]).num_leaves == 8
   compiled = jax_internals.stock_jit(lambda a: a + 1).lower(x).compile()
-  assert bt.place_for(compiled, x, argnum=0).format == compiled.input_formats[0][0]
+  assert (
+    bt.place_for(compiled, x, argnum=0).format == compiled.input_formats[0][0]
+  )
   assert swapped == []  # jax.jit was never looked up by the package
 
 
@@ -122,7 +153,10 @@ def test_install_uninstall_and_installed():
   try:
     bt.install()  # idempotent
     assert jax.device_put is bt.device_put and bt.is_installed()
-    assert_same(jax.device_put(corpus(), jax.devices()[1]), STOCK_PUT(corpus(), jax.devices()[1]))
+    assert_same(
+      jax.device_put(corpus(), jax.devices()[1]),
+      STOCK_PUT(corpus(), jax.devices()[1]),
+    )
   finally:
     bt.uninstall()
   assert jax.device_put is original and not bt.is_installed()
@@ -142,7 +176,9 @@ def test_uninstall_refuses_to_overwrite_a_later_assignment(monkeypatch):
   other = lambda *a, **k: None  # noqa: E731
   jax.device_put = other
   try:
-    with pytest.raises(RuntimeError, match="jax.device_put was reassigned after install"):
+    with pytest.raises(
+      RuntimeError, match="jax.device_put was reassigned after install"
+    ):
       bt.uninstall()
     assert jax.device_put is other
   finally:

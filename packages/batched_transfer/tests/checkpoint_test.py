@@ -5,12 +5,15 @@ import os
 import zipfile
 
 import jax
+from jax.experimental.layout import Format
+from jax.experimental.layout import Layout
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src import checkpoint
@@ -19,18 +22,27 @@ from jaxworks.batched_transfer._src import checkpoint
 def sample_tree():
   rng = np.random.default_rng(0)
   return {
-      "params": {"w": rng.standard_normal((8, 4)).astype(np.float32),
-                 "b": np.arange(4, dtype=np.int32)},
-      "layers": [np.ones((2, 3), jnp.bfloat16), np.asfortranarray(rng.random((3, 5)))],
-      "step": np.array(7, np.int64),
-      "empty": np.zeros((0, 3), np.float16),
-      "on_device": jax.device_put(np.arange(6, dtype=np.uint8), jax.devices()[3]),
+    "params": {
+      "w": rng.standard_normal((8, 4)).astype(np.float32),
+      "b": np.arange(4, dtype=np.int32),
+    },
+    "layers": [
+      np.ones((2, 3), jnp.bfloat16),
+      np.asfortranarray(rng.random((3, 5))),
+    ],
+    "step": np.array(7, np.int64),
+    "empty": np.zeros((0, 3), np.float16),
+    "on_device": jax.device_put(np.arange(6, dtype=np.uint8), jax.devices()[3]),
   }
 
 
 def like(tree, sharding=None):
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding), tree)
+    lambda x: jax.ShapeDtypeStruct(
+      np.shape(x), np.asarray(x).dtype, sharding=sharding
+    ),
+    tree,
+  )
 
 
 @pytest.fixture(params=["npz", "dir"])
@@ -44,23 +56,36 @@ def test_round_trip(path, x64):
     tree = sample_tree()
     bt.save(path, tree)
     out = bt.restore(path, like(tree), placement=jax.devices()[2])
-    ref = jax.device_put(tree, jax.devices()[2])  # float64 -> float32 unless x64, as in JAX
+    ref = jax.device_put(
+      tree, jax.devices()[2]
+    )  # float64 -> float32 unless x64, as in JAX
   assert jax.tree.structure(out) == jax.tree.structure(tree)
-  for got, want, stock in zip(jax.tree.leaves(out), jax.tree.leaves(tree), jax.tree.leaves(ref)):
+  for got, want, stock in zip(
+    jax.tree.leaves(out), jax.tree.leaves(tree), jax.tree.leaves(ref)
+  ):
     assert isinstance(got, jax.Array) and got.devices() == {jax.devices()[2]}
     assert jax.typeof(got) == jax.typeof(stock)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(got.dtype))
+    np.testing.assert_array_equal(
+      np.asarray(got), np.asarray(want).astype(got.dtype)
+    )
 
 
 def test_placement_comes_from_the_target_leaves(tmp_path):
   mesh = jax.make_mesh((4, 2), ("a", "b"))
-  tree = {"w": np.arange(32, dtype=np.float32).reshape(8, 4), "b": np.ones(8, np.float32)}
+  tree = {
+    "w": np.arange(32, dtype=np.float32).reshape(8, 4),
+    "b": np.ones(8, np.float32),
+  }
   bt.save(tmp_path / "c.npz", tree)
-  target = {"w": jax.ShapeDtypeStruct((8, 4), np.float32,
-                                      sharding=NamedSharding(mesh, P("a", "b"))),
-            "b": jax.device_put(np.zeros(8, np.float32), Format(Layout((0,)),
-                                                                SingleDeviceSharding(
-                                                                    jax.devices()[6])))}
+  target = {
+    "w": jax.ShapeDtypeStruct(
+      (8, 4), np.float32, sharding=NamedSharding(mesh, P("a", "b"))
+    ),
+    "b": jax.device_put(
+      np.zeros(8, np.float32),
+      Format(Layout((0,)), SingleDeviceSharding(jax.devices()[6])),
+    ),
+  }
   out = bt.restore(tmp_path / "c.npz", target)
   assert out["w"].sharding == target["w"].sharding
   assert out["b"].devices() == {jax.devices()[6]}
@@ -70,15 +95,25 @@ def test_placement_comes_from_the_target_leaves(tmp_path):
 def test_lone_array_and_layout_placement(tmp_path):
   x = np.arange(12, dtype=np.float32).reshape(3, 4)
   bt.save(tmp_path / "x", x)
-  assert sorted(os.listdir(tmp_path / "x")) == ["jaxworks_dtypes.json", "leaf.npy"]
+  assert sorted(os.listdir(tmp_path / "x")) == [
+    "jaxworks_dtypes.json",
+    "leaf.npy",
+  ]
   fmt = Format(Layout((1, 0)), SingleDeviceSharding(jax.devices()[1]))
-  y = bt.restore(tmp_path / "x", jax.ShapeDtypeStruct(x.shape, x.dtype), placement=fmt)
+  y = bt.restore(
+    tmp_path / "x", jax.ShapeDtypeStruct(x.shape, x.dtype), placement=fmt
+  )
   assert y.format.layout.major_to_minor == (1, 0)
   np.testing.assert_array_equal(np.asarray(y), x)
 
 
-def test_npz_members_are_memory_mapped_and_compressed_ones_read(tmp_path, monkeypatch):
-  tree = {"a": np.arange(1000, dtype=np.float64), "b": np.ones((4, 4), np.int16)}
+def test_npz_members_are_memory_mapped_and_compressed_ones_read(
+  tmp_path, monkeypatch
+):
+  tree = {
+    "a": np.arange(1000, dtype=np.float64),
+    "b": np.ones((4, 4), np.int16),
+  }
   bt.save(tmp_path / "s.npz", tree)
   np.savez_compressed(tmp_path / "c.npz", **tree)  # written by numpy, deflated
   seen = []
@@ -102,9 +137,13 @@ def test_directory_files_are_memory_mapped(tmp_path, monkeypatch):
   assert os.path.isfile(tmp_path / "d" / "a" / "deep.npy")
   seen = []
   real = checkpoint.place
-  monkeypatch.setattr(checkpoint, "place",
-                      lambda leaves, target=None, **kw: seen.extend(map(type, leaves))
-                      or real(leaves, target, **kw))
+  monkeypatch.setattr(
+    checkpoint,
+    "place",
+    lambda leaves, target=None, **kw: (
+      seen.extend(map(type, leaves)) or real(leaves, target, **kw)
+    ),
+  )
   bt.restore(tmp_path / "d", like(tree))
   assert seen == [np.memmap]
 
@@ -126,18 +165,35 @@ def test_streaming_is_bounded_by_max_inflight_bytes(tmp_path, monkeypatch):
   assert [int(np.asarray(x)[0]) for x in out[:10]] == list(range(10))
 
 
-@pytest.mark.parametrize("side, edit, text", [
-    ("saved", lambda t: t["params"].pop("b"),
-     r"1 leaves of the target are missing from .*: \['params'\]\['b'\] \(key 'params/b'\)"),
-    ("saved", lambda t: t.update(extra=np.ones(1)),
-     r"holds 1 arrays the target has no leaf for: extra"),
-    ("target", lambda t: t["params"].update(w=np.ones((8, 5), np.float32)),
-     r"leaf at \['params'\]\['w'\] \(key 'params/w'\) is stored as float32\[8, 4\] but the "
-     r"target expects float32\[8, 5\]"),
-    ("target", lambda t: t.update(step=np.array(7, np.float32)),
-     r"leaf at \['step'\] .* stored as int64\[\] but the target expects float32\[\]"),
-])
-def test_mismatches_raise_before_anything_is_placed(path, monkeypatch, side, edit, text):
+@pytest.mark.parametrize(
+  "side, edit, text",
+  [
+    (
+      "saved",
+      lambda t: t["params"].pop("b"),
+      r"1 leaves of the target are missing from .*: \['params'\]\['b'\] \(key 'params/b'\)",
+    ),
+    (
+      "saved",
+      lambda t: t.update(extra=np.ones(1)),
+      r"holds 1 arrays the target has no leaf for: extra",
+    ),
+    (
+      "target",
+      lambda t: t["params"].update(w=np.ones((8, 5), np.float32)),
+      r"leaf at \['params'\]\['w'\] \(key 'params/w'\) is stored as float32\[8, 4\] but the "
+      r"target expects float32\[8, 5\]",
+    ),
+    (
+      "target",
+      lambda t: t.update(step=np.array(7, np.float32)),
+      r"leaf at \['step'\] .* stored as int64\[\] but the target expects float32\[\]",
+    ),
+  ],
+)
+def test_mismatches_raise_before_anything_is_placed(
+  path, monkeypatch, side, edit, text
+):
   saved, target_tree = sample_tree(), sample_tree()
   edit(saved if side == "saved" else target_tree)
   bt.save(path, saved)
@@ -154,9 +210,14 @@ def test_unsplittable_placement_raises_before_placing(tmp_path, monkeypatch):
   mesh = jax.make_mesh((8,), ("x",))
   placed = []
   monkeypatch.setattr(checkpoint, "place", lambda *a, **k: placed.append(a))
-  with pytest.raises(ValueError, match=r"leaf at \['bad'\] with shape \(6,\) cannot be placed"):
-    bt.restore(tmp_path / "c.npz", like({"ok": np.ones(8), "bad": np.ones(6)}),
-               placement=NamedSharding(mesh, P("x")))
+  with pytest.raises(
+    ValueError, match=r"leaf at \['bad'\] with shape \(6,\) cannot be placed"
+  ):
+    bt.restore(
+      tmp_path / "c.npz",
+      like({"ok": np.ones(8), "bad": np.ones(6)}),
+      placement=NamedSharding(mesh, P("x")),
+    )
   assert placed == []
 
 
@@ -201,14 +262,18 @@ def test_bad_paths_and_arguments(tmp_path):
   (tmp_path / "junk.npz").write_bytes(b"not a zip")
   with pytest.raises(ValueError, match="is not a readable .npz file"):
     bt.restore(tmp_path / "junk.npz", like([np.ones(1)]))
-  with pytest.raises(ValueError, match="max_inflight_bytes must be a positive int"):
+  with pytest.raises(
+    ValueError, match="max_inflight_bytes must be a positive int"
+  ):
     bt.restore(tmp_path / "junk.npz", like([np.ones(1)]), max_inflight_bytes=0)
   bt.save(tmp_path / "x.npz", [np.ones(1)])
   with pytest.raises(FileExistsError, match="pass overwrite=True"):
     bt.save(tmp_path / "x.npz", [np.ones(1)])
   with pytest.raises(ValueError, match="cannot name a file"):
     bt.save(tmp_path / "y.npz", {"a/b": np.ones(1)})
-  with pytest.raises(ValueError, match=r"tree paths .*\.x and .*\.x both map to the key 'x'"):
+  with pytest.raises(
+    ValueError, match=r"tree paths .*\.x and .*\.x both map to the key 'x'"
+  ):
     bt.save(tmp_path / "y.npz", _TwoX(np.ones(1), np.ones(2)))
   (tmp_path / "mixed").mkdir()
   (tmp_path / "mixed" / "notes.txt").write_text("mine")
@@ -238,13 +303,24 @@ class _Tty(io.StringIO):
     return True
 
 
-@pytest.mark.parametrize("stream, progress, drawn", [
-    (_Tty, None, True), (io.StringIO, None, False), (_Tty, False, False), (io.StringIO, True, True)])
-def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, stream, progress, drawn):
+@pytest.mark.parametrize(
+  "stream, progress, drawn",
+  [
+    (_Tty, None, True),
+    (io.StringIO, None, False),
+    (_Tty, False, False),
+    (io.StringIO, True, True),
+  ],
+)
+def test_progress_bar_only_on_a_terminal(
+  tmp_path, monkeypatch, stream, progress, drawn
+):
   bt.save(tmp_path / "c.npz", [np.ones(1024, np.float32)] * 4)
   err = stream()
   monkeypatch.setattr("sys.stderr", err)
-  bt.restore(tmp_path / "c.npz", like([np.ones(1024, np.float32)] * 4), progress=progress)
+  bt.restore(
+    tmp_path / "c.npz", like([np.ones(1024, np.float32)] * 4), progress=progress
+  )
   text = err.getvalue()
   assert ("restore [" in text and "100%" in text) == drawn
   assert (text == "") == (not drawn)
@@ -255,8 +331,12 @@ def test_restored_arrays_do_not_alias_the_files(tmp_path):
   # restore copies, so rewriting a file in place cannot change (or fault) restored arrays.
   bt.save(tmp_path / "d", {"a": np.arange(4096, dtype=np.float32)})
   out = bt.restore(tmp_path / "d", like({"a": np.zeros(4096, np.float32)}))
-  np.save(tmp_path / "d" / "a.npy", np.zeros(16, np.float32))  # truncates the same inode
-  np.testing.assert_array_equal(np.asarray(out["a"]), np.arange(4096, dtype=np.float32))
+  np.save(
+    tmp_path / "d" / "a.npy", np.zeros(16, np.float32)
+  )  # truncates the same inode
+  np.testing.assert_array_equal(
+    np.asarray(out["a"]), np.arange(4096, dtype=np.float32)
+  )
 
 
 # ----------------------------------------------------------------------------- data integrity
@@ -274,9 +354,13 @@ def _no_placement(monkeypatch):
   return placed
 
 
-@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+@pytest.mark.parametrize(
+  "compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED]
+)
 @pytest.mark.parametrize("cut", [16, -8], ids=["short", "long"])
-def test_npz_member_whose_data_disagrees_with_its_header(tmp_path, monkeypatch, compression, cut):
+def test_npz_member_whose_data_disagrees_with_its_header(
+  tmp_path, monkeypatch, compression, cut
+):
   # Issue 11.6a: a short member restored silently, filled with the next member's bytes.
   a, b = np.arange(8, dtype=np.float32), np.full(4, 7, np.float32)
   data = _npy_bytes(a)
@@ -286,35 +370,53 @@ def test_npz_member_whose_data_disagrees_with_its_header(tmp_path, monkeypatch, 
     zf.writestr("a.npy", data)
     zf.writestr("b.npy", _npy_bytes(b))
   if cut > 0:
-    with pytest.raises(ValueError), np.load(path) as z:  # numpy refuses the short member too
+    with (
+      pytest.raises(ValueError),
+      np.load(path) as z,
+    ):  # numpy refuses the short member too
       z["a"]
   placed = _no_placement(monkeypatch)
   with pytest.raises(ValueError) as info:
     bt.restore(path, like({"a": a, "b": b}))
   text = str(info.value)
   assert "jaxworks.batched_transfer.restore" in text and "['a']" in text
-  assert f"member 'a.npy' of {str(path)!r} holds {32 - cut} bytes of data but its header " \
-         "(float32[8]) needs 32" in text
+  assert (
+    f"member 'a.npy' of {str(path)!r} holds {32 - cut} bytes of data but its header "
+    "(float32[8]) needs 32" in text
+  )
   assert placed == []
 
 
-def test_truncated_npy_names_the_file_the_leaf_and_the_api(tmp_path, monkeypatch):
+def test_truncated_npy_names_the_file_the_leaf_and_the_api(
+  tmp_path, monkeypatch
+):
   # Issue 11.6b: this was "ValueError: mmap length is greater than file size".
-  bt.save(tmp_path / "d", {"params": {"w": np.arange(64, dtype=np.float32)}, "b": np.ones(2)})
+  bt.save(
+    tmp_path / "d",
+    {"params": {"w": np.arange(64, dtype=np.float32)}, "b": np.ones(2)},
+  )
   file = tmp_path / "d" / "params" / "w.npy"
   file.write_bytes(file.read_bytes()[:-10])
   placed = _no_placement(monkeypatch)
   with pytest.raises(ValueError) as info:
-    bt.restore(tmp_path / "d", like({"params": {"w": np.zeros(64, np.float32)},
-                                     "b": np.ones(2)}))
+    bt.restore(
+      tmp_path / "d",
+      like({"params": {"w": np.zeros(64, np.float32)}, "b": np.ones(2)}),
+    )
   text = str(info.value)
-  assert text.startswith("jaxworks.batched_transfer.restore: the leaf at ['params']['w']")
-  assert repr(str(file)) in text and "holds 246 bytes of data but its header" in text
+  assert text.startswith(
+    "jaxworks.batched_transfer.restore: the leaf at ['params']['w']"
+  )
+  assert (
+    repr(str(file)) in text and "holds 246 bytes of data but its header" in text
+  )
   assert "truncated or damaged" in text
   assert placed == []
 
 
-def test_a_file_that_changes_after_validation_gets_a_clear_error(tmp_path, monkeypatch):
+def test_a_file_that_changes_after_validation_gets_a_clear_error(
+  tmp_path, monkeypatch
+):
   bt.save(tmp_path / "d", {"w": np.arange(64, dtype=np.float32)})
   file = tmp_path / "d" / "w.npy"
   real = checkpoint._load
@@ -324,21 +426,40 @@ def test_a_file_that_changes_after_validation_gets_a_clear_error(tmp_path, monke
     return real(api, where, key, s)
 
   monkeypatch.setattr(checkpoint, "_load", shrink_then_load)
-  with pytest.raises(ValueError, match=r"restore: the leaf at \['w'\] \(key 'w'\): reading .*"
-                     r"w\.npy' failed: .*the file changed or is damaged"):
+  with pytest.raises(
+    ValueError,
+    match=r"restore: the leaf at \['w'\] \(key 'w'\): reading .*"
+    r"w\.npy' failed: .*the file changed or is damaged",
+  ):
     bt.restore(tmp_path / "d", like({"w": np.zeros(64, np.float32)}))
 
 
-ML_DTYPES = [np.dtype(t) for t in (
-    jnp.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
-    ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz, ml_dtypes.float8_e3m4,
-    ml_dtypes.float8_e4m3, ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn, ml_dtypes.int4,
-    ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.uint2)]
+ML_DTYPES = [
+  np.dtype(t)
+  for t in (
+    jnp.bfloat16,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz,
+    ml_dtypes.float8_e4m3b11fnuz,
+    ml_dtypes.float8_e3m4,
+    ml_dtypes.float8_e4m3,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float4_e2m1fn,
+    ml_dtypes.int4,
+    ml_dtypes.uint4,
+    ml_dtypes.int2,
+    ml_dtypes.uint2,
+  )
+]
 
 
 def test_every_ml_dtype_round_trips_under_its_exact_name(path):
   # Issue 11.6c: float8_e5m2 was saved as '<f1' (unreadable) and the 1-byte types as V1.
-  tree = {d.name: (np.arange(12) % 2).astype(d).reshape(3, 4) for d in ML_DTYPES}
+  tree = {
+    d.name: (np.arange(12) % 2).astype(d).reshape(3, 4) for d in ML_DTYPES
+  }
   bt.save(path, tree)
   out = bt.restore(path, like(tree))
   for name, x in tree.items():
@@ -346,36 +467,61 @@ def test_every_ml_dtype_round_trips_under_its_exact_name(path):
     assert np.asarray(out[name]).tobytes() == x.tobytes()
 
 
-@pytest.mark.parametrize("saved, wanted", [
-    (ml_dtypes.float8_e4m3fn, ml_dtypes.int4), (ml_dtypes.float8_e4m3fn,
-                                                ml_dtypes.float8_e4m3fnuz),
-    (ml_dtypes.int4, ml_dtypes.uint4), (jnp.bfloat16, np.float16),
-    (ml_dtypes.float8_e5m2, np.int8)])
-def test_a_different_dtype_of_the_same_width_is_refused(path, monkeypatch, saved, wanted):
+@pytest.mark.parametrize(
+  "saved, wanted",
+  [
+    (ml_dtypes.float8_e4m3fn, ml_dtypes.int4),
+    (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz),
+    (ml_dtypes.int4, ml_dtypes.uint4),
+    (jnp.bfloat16, np.float16),
+    (ml_dtypes.float8_e5m2, np.int8),
+  ],
+)
+def test_a_different_dtype_of_the_same_width_is_refused(
+  path, monkeypatch, saved, wanted
+):
   bt.save(path, {"x": np.zeros(4, saved)})
   placed = _no_placement(monkeypatch)
-  with pytest.raises(ValueError, match=rf"the leaf at \['x'\] \(key 'x'\) is stored as "
-                     rf"{np.dtype(saved).name}\[4\] but the target expects "
-                     rf"{np.dtype(wanted).name}\[4\]"):
+  with pytest.raises(
+    ValueError,
+    match=rf"the leaf at \['x'\] \(key 'x'\) is stored as "
+    rf"{np.dtype(saved).name}\[4\] but the target expects "
+    rf"{np.dtype(wanted).name}\[4\]",
+  ):
     bt.restore(path, {"x": jax.ShapeDtypeStruct((4,), wanted)})
   assert placed == []
 
 
 def test_raw_void_data_without_a_dtype_record_is_refused(tmp_path):
   (tmp_path / "d").mkdir()
-  np.save(tmp_path / "d" / "x.npy", np.zeros(4, ml_dtypes.float8_e4m3fn))  # numpy: '<V1'
-  with pytest.raises(ValueError, match=r"stored in .*x\.npy' as raw 1-byte values with no "
-                     "dtype record"):
-    bt.restore(tmp_path / "d", {"x": jax.ShapeDtypeStruct((4,), ml_dtypes.float8_e4m3fn)})
+  np.save(
+    tmp_path / "d" / "x.npy", np.zeros(4, ml_dtypes.float8_e4m3fn)
+  )  # numpy: '<V1'
+  with pytest.raises(
+    ValueError,
+    match=r"stored in .*x\.npy' as raw 1-byte values with no "
+    "dtype record",
+  ):
+    bt.restore(
+      tmp_path / "d", {"x": jax.ShapeDtypeStruct((4,), ml_dtypes.float8_e4m3fn)}
+    )
 
 
-@pytest.mark.parametrize("record", [b"not json", b'{"format": 99, "dtypes": {}}',
-                                    b'{"format": 1, "dtypes": {"x": "float77"}}',
-                                    b'{"format": 1, "dtypes": {"x": "int8"}}'])
+@pytest.mark.parametrize(
+  "record",
+  [
+    b"not json",
+    b'{"format": 99, "dtypes": {}}',
+    b'{"format": 1, "dtypes": {"x": "float77"}}',
+    b'{"format": 1, "dtypes": {"x": "int8"}}',
+  ],
+)
 def test_a_damaged_dtype_record_is_refused(tmp_path, record):
   bt.save(tmp_path / "d", {"x": np.zeros(4, np.float32)})
   (tmp_path / "d" / checkpoint.DTYPE_RECORD).write_bytes(record)
-  with pytest.raises(ValueError, match="jaxworks.batched_transfer.restore: .*(damaged|knows)"):
+  with pytest.raises(
+    ValueError, match="jaxworks.batched_transfer.restore: .*(damaged|knows)"
+  ):
     bt.restore(tmp_path / "d", {"x": jax.ShapeDtypeStruct((4,), np.float32)})
 
 
@@ -389,7 +535,9 @@ def test_big_endian_input_raises_like_stock(tmp_path):
       bt.device_put(tree, jax.devices()[1])
     assert type(mine.value) is type(theirs.value) is TypeError
     assert "non-native byte order" in str(mine.value)
-  with pytest.raises(TypeError, match=r"save: the leaf at \['w'\] has non-native byte order"):
+  with pytest.raises(
+    TypeError, match=r"save: the leaf at \['w'\] has non-native byte order"
+  ):
     bt.save(tmp_path / "c.npz", {"w": x})
   assert not os.path.exists(tmp_path / "c.npz")
   # A big-endian numpy scalar is accepted by both.
@@ -401,7 +549,9 @@ def test_big_endian_npy_files_from_elsewhere_restore_their_values(tmp_path):
   (tmp_path / "d").mkdir()
   x = np.arange(6, dtype=">i4").reshape(2, 3)
   np.save(tmp_path / "d" / "x.npy", x)
-  out = bt.restore(tmp_path / "d", {"x": jax.ShapeDtypeStruct((2, 3), np.int32)})
+  out = bt.restore(
+    tmp_path / "d", {"x": jax.ShapeDtypeStruct((2, 3), np.int32)}
+  )
   np.testing.assert_array_equal(np.asarray(out["x"]), x)
 
 
@@ -410,13 +560,21 @@ def test_python_scalars_are_saved_as_jax_places_them(path, x64):
   # Issue 11.6e: saved float64 then restore into eval_shape (float32) failed; a Python scalar
   # in the target raised a bare AttributeError.
   with jax.enable_x64(x64):
-    state = {"lr": 0.1, "step": 3, "flag": True, "z": 1 + 2j, "w": np.ones(2, np.float32)}
+    state = {
+      "lr": 0.1,
+      "step": 3,
+      "flag": True,
+      "z": 1 + 2j,
+      "w": np.ones(2, np.float32),
+    }
     bt.save(path, state)
     ref = jax.device_put(state)
     for target in (jax.eval_shape(lambda: state), state):
       out = bt.restore(path, target)
       for k in state:
-        assert jax.typeof(out[k]) == jax.typeof(ref[k]), k  # dtype and weak type
+        assert jax.typeof(out[k]) == jax.typeof(ref[k]), (
+          k
+        )  # dtype and weak type
         np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(ref[k]))
       assert out["lr"].weak_type and not out["w"].weak_type
 
@@ -424,15 +582,22 @@ def test_python_scalars_are_saved_as_jax_places_them(path, x64):
 def test_python_int_too_large_for_int32_is_refused_like_stock(tmp_path):
   with pytest.raises(OverflowError):
     jax.device_put(2**40)
-  with pytest.raises(OverflowError, match=r"save: the Python scalar 1099511627776 at "
-                     r"\['n'\] does not fit int32"):
+  with pytest.raises(
+    OverflowError,
+    match=r"save: the Python scalar 1099511627776 at "
+    r"\['n'\] does not fit int32",
+  ):
     bt.save(tmp_path / "c.npz", {"n": 2**40})
 
 
 def test_numpy_64_bit_data_restores_into_jax_canonical_targets(tmp_path):
   # numpy data keeps its dtype on disk; a target with the dtype JAX gives it (what jax.eval_shape
   # reports with x64 off) gets what jax.device_put gives.
-  state = {"w": np.linspace(0, 1, 7), "n": np.arange(3), "c": np.ones(2, np.complex128)}
+  state = {
+    "w": np.linspace(0, 1, 7),
+    "n": np.arange(3),
+    "c": np.ones(2, np.complex128),
+  }
   bt.save(tmp_path / "c.npz", state)
   for target in (jax.eval_shape(lambda: state), like(state)):
     out = bt.restore(tmp_path / "c.npz", target)
@@ -440,29 +605,78 @@ def test_numpy_64_bit_data_restores_into_jax_canonical_targets(tmp_path):
     for k in state:
       assert jax.typeof(out[k]) == jax.typeof(ref[k])
       assert np.asarray(out[k]).tobytes() == np.asarray(ref[k]).tobytes()
-  with jax.enable_x64(True):  # float32 is then not what JAX makes of float64 data
-    with pytest.raises(ValueError, match=r"stored as float64\[7\] but the target expects "
-                       r"float32\[7\]\. With jax_enable_x64 on, float32 data is not float64"):
-      bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((7,), np.float32),
-                                      "n": jax.ShapeDtypeStruct((3,), np.int64),
-                                      "c": jax.ShapeDtypeStruct((2,), np.complex128)})
+  with jax.enable_x64(
+    True
+  ):  # float32 is then not what JAX makes of float64 data
+    with pytest.raises(
+      ValueError,
+      match=r"stored as float64\[7\] but the target expects "
+      r"float32\[7\]\. With jax_enable_x64 on, float32 data is not float64",
+    ):
+      bt.restore(
+        tmp_path / "c.npz",
+        {
+          "w": jax.ShapeDtypeStruct((7,), np.float32),
+          "n": jax.ShapeDtypeStruct((3,), np.int64),
+          "c": jax.ShapeDtypeStruct((2,), np.complex128),
+        },
+      )
 
 
 def test_a_target_leaf_without_shape_and_dtype_is_named(tmp_path):
   bt.save(tmp_path / "c.npz", {"w": np.ones(3)})
-  with pytest.raises(TypeError, match=r"restore: the target leaf at \['w'\] is 'abc' of type "
-                     "str, which has no shape and dtype"):
+  with pytest.raises(
+    TypeError,
+    match=r"restore: the target leaf at \['w'\] is 'abc' of type "
+    "str, which has no shape and dtype",
+  ):
     bt.restore(tmp_path / "c.npz", {"w": "abc"})
 
 
-def test_a_target_sharding_over_an_abstract_mesh_is_refused_before_placing(tmp_path, monkeypatch):
+def test_a_target_sharding_over_an_abstract_mesh_is_refused_before_placing(
+  tmp_path, monkeypatch
+):
   # jax.eval_shape of a ShapeDtypeStruct gives its sharding an AbstractMesh (no devices).
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   bt.save(tmp_path / "c.npz", {"w": np.ones((8, 4), np.float32)})
-  like_w = jax.eval_shape(lambda: jax.ShapeDtypeStruct((8, 4), np.float32,
-                                                       sharding=NamedSharding(mesh, P("a"))))
+  like_w = jax.eval_shape(
+    lambda: jax.ShapeDtypeStruct(
+      (8, 4), np.float32, sharding=NamedSharding(mesh, P("a"))
+    )
+  )
   placed = _no_placement(monkeypatch)
-  with pytest.raises(ValueError, match=r"restore: the target .* is over an AbstractMesh.*"
-                     r"the placement of the leaf at \['w'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"restore: the target .* is over an AbstractMesh.*"
+    r"the placement of the leaf at \['w'\]",
+  ):
     bt.restore(tmp_path / "c.npz", {"w": like_w})
   assert placed == []
+
+
+@pytest.mark.parametrize("fmt", ["npy", "npz"])
+@pytest.mark.parametrize(
+  "shape, spec",
+  [((0, 8), P(None, "x")), ((8, 0), P("x")), ((0, 8), P("x")), ((0,), P())],
+)
+def test_restore_empty_array_onto_a_sharding(tmp_path, fmt, shape, spec):
+  """Zero-size shards (views at one address) restore like stock device_put.
+
+  Found by the differential test: they crashed with bad_function_call.
+  """
+  mesh = jax.make_mesh((8,), ("x",))
+  value = np.zeros(shape, np.bool_)
+  path = tmp_path / ("ckpt.npz" if fmt == "npz" else "ckpt")
+  bt.save(path, {"w": value})
+  sharding = NamedSharding(mesh, spec)
+  target = {"w": jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)}
+  got = bt.restore(path, target)["w"]
+  want = jax.device_put(value, sharding)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  assert got.sharding == want.sharding
+  assert [s.data.shape for s in got.addressable_shards] == [
+    s.data.shape for s in want.addressable_shards
+  ]
+  # And device_put itself, which takes the same host route.
+  put = bt.device_put(value, sharding)
+  assert put.sharding == want.sharding and put.shape == want.shape

@@ -1,11 +1,13 @@
 """device_put equals jax.device_put on a broad corpus, with one batched call per group."""
 
 import jax
+from jax.experimental.layout import Format
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import numpy as np
 import pytest
-from jax.experimental.layout import Format
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src import jax_internals
@@ -16,7 +18,9 @@ def assert_same_as_stock(out, ref):
   assert jax.tree.structure(out) == jax.tree.structure(ref)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     assert type(a) is type(b)
-    assert jax.typeof(a) == jax.typeof(b)  # shape, dtype, weak type, sharding in the type
+    assert jax.typeof(a) == jax.typeof(
+      b
+    )  # shape, dtype, weak type, sharding in the type
     assert a.sharding == b.sharding
     assert a.committed == b.committed
     assert a.format == b.format
@@ -25,21 +29,21 @@ def assert_same_as_stock(out, ref):
 
 def corpus(devices):
   return {
-      "f32": np.arange(12, dtype=np.float32).reshape(4, 3),
-      "f64": np.linspace(0, 1, 8),  # canonicalized to float32 without x64
-      "i64": np.arange(4, dtype=np.int64),
-      "bf16": np.arange(4, dtype=jnp.bfloat16),
-      "bool": np.array([True, False, True, True]),
-      "zero_d": np.array(3.5, np.float32),
-      "empty": np.zeros((0, 4), np.float32),
-      "strided": np.arange(32, dtype=np.float32).reshape(4, 8)[:, ::2],
-      "fortran": np.asfortranarray(np.arange(8, dtype=np.int32).reshape(2, 4)),
-      "scalars": [1, 2.5, True, 1 + 2j, np.float32(1.5), np.int16(3)],
-      "uncommitted": jnp.arange(4.0),
-      "committed": jax.device_put(np.ones((2, 2), np.float32), devices[3]),
-      "weak": jnp.asarray(2.0),
-      "none": None,
-      "nested": ({"a": np.zeros(2, np.uint8)}, [np.ones(1, np.complex64)]),
+    "f32": np.arange(12, dtype=np.float32).reshape(4, 3),
+    "f64": np.linspace(0, 1, 8),  # canonicalized to float32 without x64
+    "i64": np.arange(4, dtype=np.int64),
+    "bf16": np.arange(4, dtype=jnp.bfloat16),
+    "bool": np.array([True, False, True, True]),
+    "zero_d": np.array(3.5, np.float32),
+    "empty": np.zeros((0, 4), np.float32),
+    "strided": np.arange(32, dtype=np.float32).reshape(4, 8)[:, ::2],
+    "fortran": np.asfortranarray(np.arange(8, dtype=np.int32).reshape(2, 4)),
+    "scalars": [1, 2.5, True, 1 + 2j, np.float32(1.5), np.int16(3)],
+    "uncommitted": jnp.arange(4.0),
+    "committed": jax.device_put(np.ones((2, 2), np.float32), devices[3]),
+    "weak": jnp.asarray(2.0),
+    "none": None,
+    "nested": ({"a": np.zeros(2, np.uint8)}, [np.ones(1, np.complex64)]),
   }
 
 
@@ -48,43 +52,72 @@ def devices():
   return jax.devices()
 
 
-@pytest.mark.parametrize("make_target", [
+@pytest.mark.parametrize(
+  "make_target",
+  [
     lambda d: None,
     lambda d: d[1],
     lambda d: SingleDeviceSharding(d[2]),
     lambda d: NamedSharding(jax.make_mesh((2,), ("x",), devices=d[4:6]), P()),
     lambda d: SingleDeviceSharding(d[0], memory_kind="pinned_host"),
-], ids=["none", "device", "single_device_sharding", "named_replicated", "pinned_host"])
+  ],
+  ids=[
+    "none",
+    "device",
+    "single_device_sharding",
+    "named_replicated",
+    "pinned_host",
+  ],
+)
 def test_corpus_matches_jax_device_put(devices, make_target):
   target = make_target(devices)
   tree = corpus(devices)
-  assert_same_as_stock(bt.device_put(tree, target), jax.device_put(tree, target))
+  assert_same_as_stock(
+    bt.device_put(tree, target), jax.device_put(tree, target)
+  )
 
 
 def test_corpus_matches_with_x64(devices):
   with jax.enable_x64(True):
     tree = corpus(devices)
     for target in (None, devices[1]):
-      assert_same_as_stock(bt.device_put(tree, target), jax.device_put(tree, target))
+      assert_same_as_stock(
+        bt.device_put(tree, target), jax.device_put(tree, target)
+      )
 
 
 def test_sharded_arrays_match(devices):
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   target = NamedSharding(mesh, P("a", "b"))
-  tree = [np.arange(32.0).reshape(8, 4),
-          jax.device_put(np.ones((8, 4)), devices[6]),
-          jax.device_put(np.ones((8, 4)), NamedSharding(mesh, P("a"))),  # needs a reshard
-          jax.device_put(np.ones((8, 4)), NamedSharding(jax.make_mesh((4, 2), ("a", "b"),
-                                                                      devices=devices[::-1]),
-                                                        P("a", "b"))),  # other device order
-          jnp.ones((8, 2))]
-  assert_same_as_stock(bt.device_put(tree, target), jax.device_put(tree, target))
+  tree = [
+    np.arange(32.0).reshape(8, 4),
+    jax.device_put(np.ones((8, 4)), devices[6]),
+    jax.device_put(
+      np.ones((8, 4)), NamedSharding(mesh, P("a"))
+    ),  # needs a reshard
+    jax.device_put(
+      np.ones((8, 4)),
+      NamedSharding(
+        jax.make_mesh((4, 2), ("a", "b"), devices=devices[::-1]), P("a", "b")
+      ),
+    ),  # other device order
+    jnp.ones((8, 2)),
+  ]
+  assert_same_as_stock(
+    bt.device_put(tree, target), jax.device_put(tree, target)
+  )
 
 
 def test_prefix_tree_targets(devices):
   tree = {"a": [np.ones(2), np.zeros(3)], "b": (jnp.ones(4), 2.0), "c": None}
-  target = {"a": devices[1], "b": (SingleDeviceSharding(devices[2]), None), "c": None}
-  assert_same_as_stock(bt.device_put(tree, target), jax.device_put(tree, target))
+  target = {
+    "a": devices[1],
+    "b": (SingleDeviceSharding(devices[2]), None),
+    "c": None,
+  }
+  assert_same_as_stock(
+    bt.device_put(tree, target), jax.device_put(tree, target)
+  )
 
 
 def test_empty_and_leafless_trees(devices):
@@ -96,15 +129,20 @@ def test_partition_spec_and_memory_space_targets_go_to_jax(devices):
   mesh = jax.make_mesh((2, 4), ("a", "b"))
   tree = [np.ones((4, 4)), jnp.zeros((2, 4))]
   with jax.set_mesh(mesh):
-    assert_same_as_stock(bt.device_put(tree, P("a")), jax.device_put(tree, P("a")))
+    assert_same_as_stock(
+      bt.device_put(tree, P("a")), jax.device_put(tree, P("a"))
+    )
   host = jax.memory.Space.Host
   assert_same_as_stock(bt.device_put(tree, host), jax.device_put(tree, host))
 
 
 def test_one_batched_call_per_group(devices, monkeypatch):
   calls = {"copy": 0, "host": 0, "jax": 0}
-  real_copy, real_put, real_jax = (jax_internals.batched_copy, jax_internals.batched_device_put,
-                                   transfer._put_with_jax)
+  real_copy, real_put, real_jax = (
+    jax_internals.batched_copy,
+    jax_internals.batched_device_put,
+    transfer._put_with_jax,
+  )
 
   def copy(*args):
     calls["copy"] += 1
@@ -121,8 +159,12 @@ def test_one_batched_call_per_group(devices, monkeypatch):
   monkeypatch.setattr(jax_internals, "batched_copy", copy)
   monkeypatch.setattr(jax_internals, "batched_device_put", put)
   monkeypatch.setattr(transfer, "_put_with_jax", delegated)
-  on0 = [jax.device_put(np.full(3, k, np.float32), devices[0]) for k in range(50)]
-  on2 = [jax.device_put(np.full(3, k, np.float32), devices[2]) for k in range(50)]
+  on0 = [
+    jax.device_put(np.full(3, k, np.float32), devices[0]) for k in range(50)
+  ]
+  on2 = [
+    jax.device_put(np.full(3, k, np.float32), devices[2]) for k in range(50)
+  ]
   host = [np.full(3, k, np.float32) for k in range(50)]
   tree = {"on0": on0, "on2": on2, "host": host, "scalars": [1.0, 2.0]}
   out = bt.device_put(tree, devices[1])
@@ -137,7 +179,9 @@ def test_already_placed_arrays_are_returned_as_is(devices):
   y = jnp.ones(3)  # uncommitted
   out = bt.device_put({"x": x, "y": y}, {"x": devices[1], "y": None})
   assert out["x"] is x and out["y"] is y
-  z = bt.device_put(y, devices[0])  # same device, now committed: shares the buffer
+  z = bt.device_put(
+    y, devices[0]
+  )  # same device, now committed: shares the buffer
   assert z.committed and not y.committed
   assert z.unsafe_buffer_pointer() == y.unsafe_buffer_pointer()
 
@@ -153,7 +197,11 @@ def test_may_alias_false_copies(devices):
 
 def test_donation_matches_stock(devices):
   def fresh():
-    return [jax.device_put(np.arange(4.0), devices[0]), np.arange(3.0), jnp.ones(2)]
+    return [
+      jax.device_put(np.arange(4.0), devices[0]),
+      np.arange(3.0),
+      jnp.ones(2),
+    ]
 
   for target in (devices[0], devices[1], SingleDeviceSharding(devices[0])):
     mine, theirs = fresh(), fresh()
@@ -161,7 +209,8 @@ def test_donation_matches_stock(devices):
     ref = jax.device_put(theirs, target, donate=True)
     assert_same_as_stock(out, ref)
     assert [getattr(x, "is_deleted", lambda: False)() for x in mine] == [
-        getattr(x, "is_deleted", lambda: False)() for x in theirs]
+      getattr(x, "is_deleted", lambda: False)() for x in theirs
+    ]
 
 
 def test_cross_device_donation_to_a_sharding_leaves_the_input_usable(devices):
@@ -177,7 +226,9 @@ def test_cross_device_donation_to_a_sharding_leaves_the_input_usable(devices):
 def test_per_leaf_donate_and_may_alias(devices):
   x = jax.device_put(np.ones(2), devices[0])
   out = bt.device_put([x, x], devices[0], may_alias=[True, False])
-  assert out[0] is x and out[1].unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+  assert (
+    out[0] is x and out[1].unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+  )
 
 
 def test_under_jit_and_grad_it_is_jax_device_put(devices):
@@ -189,7 +240,9 @@ def test_under_jit_and_grad_it_is_jax_device_put(devices):
 
 def test_transfer_guard_sees_explicit_transfers(devices):
   with jax.transfer_guard("disallow"):
-    out = bt.device_put([np.ones(2), jax.device_put(np.ones(2), devices[0])], devices[1])
+    out = bt.device_put(
+      [np.ones(2), jax.device_put(np.ones(2), devices[0])], devices[1]
+    )
   assert [x.devices() for x in out] == [{devices[1]}] * 2
   with jax.transfer_guard("disallow_explicit"):
     with pytest.raises(Exception, match="[Dd]isallowed"):
@@ -203,43 +256,71 @@ def test_deleted_input_raises_like_stock(devices):
     bt.device_put(x, devices[1])
 
 
-@pytest.mark.parametrize("kwargs, text", [
+@pytest.mark.parametrize(
+  "kwargs, text",
+  [
     (dict(device="cpu:0"), "target must be None, a jax.Device"),
     (dict(device=3), "target must be None, a jax.Device"),
     (dict(device=[None]), "target must be a pytree prefix of the value"),
     (dict(src=[None]), "src must be a pytree prefix of the value"),
     (dict(donate=True, may_alias=True), "may_alias=True and donate=True"),
-    (dict(donate={"a": True, "b": [True, False]}, may_alias={"a": True, "b": None}),
-     "for the leaf at ['a']"),
-    (dict(device=Format(jax.experimental.layout.Layout.AUTO)), "needs a concrete sharding"),
-    (dict(device=NamedSharding(jax.make_mesh((8,), ("x",)).abstract_mesh, P())),
-     "is over an AbstractMesh"),
-])
+    (
+      dict(
+        donate={"a": True, "b": [True, False]}, may_alias={"a": True, "b": None}
+      ),
+      "for the leaf at ['a']",
+    ),
+    (
+      dict(device=Format(jax.experimental.layout.Layout.AUTO)),
+      "needs a concrete sharding",
+    ),
+    (
+      dict(
+        device=NamedSharding(jax.make_mesh((8,), ("x",)).abstract_mesh, P())
+      ),
+      "is over an AbstractMesh",
+    ),
+  ],
+)
 def test_bad_arguments_raise_stocks_class_and_name_the_api(kwargs, text):
   tree = {"a": np.ones(2), "b": [np.ones(2), np.ones(2)]}
   with pytest.raises(Exception) as theirs:
     jax.device_put(tree, **kwargs)
   with pytest.raises(Exception) as info:
     bt.device_put(tree, **kwargs)
-  assert isinstance(info.value, type(theirs.value))  # stock's class (or a subclass)
+  assert isinstance(
+    info.value, type(theirs.value)
+  )  # stock's class (or a subclass)
   assert "jaxworks.batched_transfer.device_put" in str(info.value)
   assert text in str(info.value)
   # Stock's own words follow (code may match them, as JAX's own tests do).
   assert str(theirs.value) in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(donate=1), dict(may_alias="yes"), dict(donate=0, may_alias=0), dict(src="anything"),
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(donate=1),
+    dict(may_alias="yes"),
+    dict(donate=0, may_alias=0),
+    dict(src="anything"),
     dict(donate=[1, 0], may_alias=None),
-])
+  ],
+)
 def test_flags_and_src_are_read_as_stock_reads_them(devices, kwargs):
   # jax.device_put reads donate/may_alias by truth value and ignores src eagerly.
   def fresh():
-    return [jax.device_put(np.arange(3.0), devices[0]), jax.device_put(np.ones(2), devices[0])]
+    return [
+      jax.device_put(np.arange(3.0), devices[0]),
+      jax.device_put(np.ones(2), devices[0]),
+    ]
 
   def shares(outs, ins):  # whether each result reuses its input's buffer
-    return [not x.is_deleted() and y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
-            for y, x in zip(outs, ins)]
+    return [
+      not x.is_deleted()
+      and y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+      for y, x in zip(outs, ins)
+    ]
 
   mine, theirs = fresh(), fresh()
   out = bt.device_put(mine, devices[0], **kwargs)
@@ -250,11 +331,17 @@ def test_flags_and_src_are_read_as_stock_reads_them(devices, kwargs):
 
 
 def test_empty_tree_with_conflicting_flags_is_accepted_like_stock():
-  for kwargs in (dict(donate=True, may_alias=True), dict(device="cpu:0"),
-                 dict(device=Format(jax.experimental.layout.Layout.AUTO))):
+  for kwargs in (
+    dict(donate=True, may_alias=True),
+    dict(device="cpu:0"),
+    dict(device=Format(jax.experimental.layout.Layout.AUTO)),
+  ):
     assert jax.device_put([], **kwargs) == []
     assert bt.device_put([], **kwargs) == []
-  for f in (jax.device_put, bt.device_put):  # the prefix structure is still checked
+  for f in (
+    jax.device_put,
+    bt.device_put,
+  ):  # the prefix structure is still checked
     with pytest.raises(ValueError):
       f([], [None])
 
@@ -263,18 +350,25 @@ def test_several_errors_raise_what_stock_raises_first(devices):
   mesh = jax.make_mesh((8,), ("x",))
   rows = NamedSharding(mesh, P("x"))
   cases = [
-      ([np.ones(8), np.arange(3, dtype=">i2")], "cpu:0"),  # a bad leaf before a bad target
-      ([np.ones(6), "abc"], rows),  # a bad leaf before an unsplittable shape
-      ([np.ones(6), 1.0], [rows, rows]),  # leaf order, not group order
-      ([1.0, np.ones(6)], [rows, rows]),
-      ([jax.device_put(np.ones(6), devices[1]), np.ones(8), np.float32(2)], rows),
+    (
+      [np.ones(8), np.arange(3, dtype=">i2")],
+      "cpu:0",
+    ),  # a bad leaf before a bad target
+    ([np.ones(6), "abc"], rows),  # a bad leaf before an unsplittable shape
+    ([np.ones(6), 1.0], [rows, rows]),  # leaf order, not group order
+    ([1.0, np.ones(6)], [rows, rows]),
+    ([jax.device_put(np.ones(6), devices[1]), np.ones(8), np.float32(2)], rows),
   ]
   for tree, target in cases:
     with pytest.raises(Exception) as theirs:
       jax.device_put(tree, target)
     with pytest.raises(Exception) as mine:
       bt.device_put(tree, target)
-    assert isinstance(mine.value, type(theirs.value)), (tree, mine.value, theirs.value)
+    assert isinstance(mine.value, type(theirs.value)), (
+      tree,
+      mine.value,
+      theirs.value,
+    )
     assert "jaxworks.batched_transfer.device_put" in str(mine.value)
 
 
@@ -287,13 +381,17 @@ def test_a_spec_longer_than_the_rank_is_stocks_class():
       jax.device_put(x, s)
     with pytest.raises(AssertionError) as info:
       bt.device_put(x, s)
-    assert isinstance(info.value, ValueError) and "shards more than the leaf's" in str(info.value)
+    assert isinstance(
+      info.value, ValueError
+    ) and "shards more than the leaf's" in str(info.value)
 
 
 def test_unsplittable_shape_names_the_tree_path(devices):
   mesh = jax.make_mesh((8,), ("x",))
   tree = {"ok": np.ones(8), "params": {"w": np.ones(6)}}
-  with pytest.raises(ValueError, match=r"\['params'\]\['w'\] with shape \(6,\)"):
+  with pytest.raises(
+    ValueError, match=r"\['params'\]\['w'\] with shape \(6,\)"
+  ):
     bt.device_put(tree, NamedSharding(mesh, P("x")))
   moved = {"w": jax.device_put(np.ones(6), devices[0])}
   with pytest.raises(ValueError, match=r"\['w'\] with shape \(6,\)"):
@@ -318,10 +416,15 @@ def test_default_device_context_is_honoured(devices):
 
 
 def test_prng_keys_take_the_jax_route(devices):
-  keys = {"k": jax.random.key(0), "split": jax.random.split(jax.random.key(1), 4)}
+  keys = {
+    "k": jax.random.key(0),
+    "split": jax.random.split(jax.random.key(1), 4),
+  }
   out = bt.device_put(keys, devices[2])
   ref = jax.device_put(keys, devices[2])
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     assert jax.typeof(a) == jax.typeof(b) and a.sharding == b.sharding
-    np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
+    np.testing.assert_array_equal(
+      jax.random.key_data(a), jax.random.key_data(b)
+    )
   assert bt.plan(keys, devices[2]).groups[0].route == "jax.device_put"

@@ -16,27 +16,68 @@ import os
 import shutil
 import tempfile
 
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import ml_dtypes
 import numpy as np
-from hypothesis import HealthCheck, given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks import batched_transfer as bt
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+  max_examples=60,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
-DTYPES = [np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
-    ml_dtypes.float8_e3m4, ml_dtypes.float8_e4m3, ml_dtypes.float8_e8m0fnu,
-    ml_dtypes.float4_e2m1fn, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.uint2)]
+DTYPES = [
+  np.dtype(t)
+  for t in (
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz,
+    ml_dtypes.float8_e4m3b11fnuz,
+    ml_dtypes.float8_e3m4,
+    ml_dtypes.float8_e4m3,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float4_e2m1fn,
+    ml_dtypes.int4,
+    ml_dtypes.uint4,
+    ml_dtypes.int2,
+    ml_dtypes.uint2,
+  )
+]
 BIG_ENDIAN_OK = [d for d in DTYPES if d.itemsize > 1 and np.dtype(d.str) == d]
-MESHES = [((8,), ("x",)), ((4,), ("x",)), ((4, 2), ("a", "b")), ((2, 4), ("a", "b"))]
+MESHES = [
+  ((8,), ("x",)),
+  ((4,), ("x",)),
+  ((4, 2), ("a", "b")),
+  ((2, 4), ("a", "b")),
+]
 DIMS = [0, 8, 16]  # every mesh axis product divides these
 
 
@@ -52,21 +93,51 @@ def _values(dtype, shape, seed):
 
 # A leaf recipe is drawn once and made twice (donation consumes inputs).
 shapes = st.lists(st.sampled_from(DIMS), min_size=0, max_size=2).map(tuple)
-host_recipes = st.tuples(st.just("numpy"), st.sampled_from(DTYPES), shapes,
-                         st.sampled_from(["C", "F", "strided"]), st.integers(0, 3))
-big_endian_recipes = st.tuples(st.just("big_endian"), st.sampled_from(BIG_ENDIAN_OK), shapes,
-                               st.just("C"), st.integers(0, 3))
-scalar_recipes = st.tuples(st.just("scalar"), st.sampled_from([True, 3, -2, 2.5, 1 + 2j]),
-                           st.just(()), st.just("C"), st.integers(0, 3))
-np_scalar_recipes = st.tuples(st.just("np_scalar"),
-                              st.sampled_from([np.dtype(np.float32), np.dtype(np.int16),
-                                               np.dtype(jnp.bfloat16), np.dtype(np.float64)]),
-                              st.just(()), st.just("C"), st.integers(0, 3))
-device_recipes = st.tuples(st.sampled_from(["committed", "uncommitted", "sharded"]),
-                           st.sampled_from([d for d in DTYPES if d.itemsize <= 4 or
-                                            d == np.float64]),
-                           shapes, st.integers(0, 7), st.integers(0, 3))
-leaf_recipes = st.one_of(host_recipes, scalar_recipes, np_scalar_recipes, device_recipes)
+host_recipes = st.tuples(
+  st.just("numpy"),
+  st.sampled_from(DTYPES),
+  shapes,
+  st.sampled_from(["C", "F", "strided"]),
+  st.integers(0, 3),
+)
+big_endian_recipes = st.tuples(
+  st.just("big_endian"),
+  st.sampled_from(BIG_ENDIAN_OK),
+  shapes,
+  st.just("C"),
+  st.integers(0, 3),
+)
+scalar_recipes = st.tuples(
+  st.just("scalar"),
+  st.sampled_from([True, 3, -2, 2.5, 1 + 2j]),
+  st.just(()),
+  st.just("C"),
+  st.integers(0, 3),
+)
+np_scalar_recipes = st.tuples(
+  st.just("np_scalar"),
+  st.sampled_from(
+    [
+      np.dtype(np.float32),
+      np.dtype(np.int16),
+      np.dtype(jnp.bfloat16),
+      np.dtype(np.float64),
+    ]
+  ),
+  st.just(()),
+  st.just("C"),
+  st.integers(0, 3),
+)
+device_recipes = st.tuples(
+  st.sampled_from(["committed", "uncommitted", "sharded"]),
+  st.sampled_from([d for d in DTYPES if d.itemsize <= 4 or d == np.float64]),
+  shapes,
+  st.integers(0, 7),
+  st.integers(0, 3),
+)
+leaf_recipes = st.one_of(
+  host_recipes, scalar_recipes, np_scalar_recipes, device_recipes
+)
 
 
 @st.composite
@@ -99,11 +170,15 @@ def _bad_targets():
 def target_for(draw, allow_bad=False):
   # Bad targets only for the whole tree: with several different errors in one call, which one
   # stock JAX reports first depends on its internal order, which is not part of the contract.
-  kinds = ["none", "device", "single", "named", "named"] * 2 + ["bad"] * allow_bad
+  kinds = ["none", "device", "single", "named", "named"] * 2 + [
+    "bad"
+  ] * allow_bad
   kind = draw(st.sampled_from(kinds))
   if kind == "none":
     return None
-  if kind == "bad":  # stock raises (or, for a PartitionSpec without a mesh, places): same here
+  if (
+    kind == "bad"
+  ):  # stock raises (or, for a PartitionSpec without a mesh, places): same here
     return draw(st.sampled_from(_bad_targets()))
   if kind == "device":
     return jax.devices()[draw(st.integers(0, 7))]
@@ -135,20 +210,30 @@ def make_leaf(recipe):
     return jnp.asarray(x)
   # sharded: over the first mesh whose axes divide the shape (any NamedSharding of rank <= 2).
   mesh = jax.make_mesh((4, 2), ("a", "b"))
-  spec = P(*(["a", "b"][:len(shape)]))
+  spec = P(*(["a", "b"][: len(shape)]))
   return jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def _outcome(f):
   try:
     return f(), None
-  except Exception as err:  # compared by class below; never swallowed without a check
+  except (
+    Exception
+  ) as err:  # compared by class below; never swallowed without a check
     return None, err
 
 
 def _state(y):
-  return (type(y), jax.typeof(y), y.sharding, y.committed,
-          [(s.device, s.index, np.asarray(s.data).tobytes()) for s in y.addressable_shards])
+  return (
+    type(y),
+    jax.typeof(y),
+    y.sharding,
+    y.committed,
+    [
+      (s.device, s.index, np.asarray(s.data).tobytes())
+      for s in y.addressable_shards
+    ],
+  )
 
 
 def _donate_safe(leaf, target):
@@ -157,22 +242,35 @@ def _donate_safe(leaf, target):
   0.10.2 (the README lists this difference)."""
   if not isinstance(leaf, jax.Array):
     return True
-  if isinstance(target, NamedSharding) and isinstance(target.mesh, jax.sharding.AbstractMesh):
+  if isinstance(target, NamedSharding) and isinstance(
+    target.mesh, jax.sharding.AbstractMesh
+  ):
     return False
-  return target is None or (isinstance(target, jax.Device) and leaf.devices() == {target}) or (
-      isinstance(target, jax.sharding.Sharding) and target.device_set == leaf.sharding.device_set)
+  return (
+    target is None
+    or (isinstance(target, jax.Device) and leaf.devices() == {target})
+    or (
+      isinstance(target, jax.sharding.Sharding)
+      and target.device_set == leaf.sharding.device_set
+    )
+  )
 
 
 @settings(SETTINGS, max_examples=150)
-@given(data=st.data(), recipes=st.lists(leaf_recipes, min_size=0, max_size=5),
-       x64=st.booleans())
+@given(
+  data=st.data(),
+  recipes=st.lists(leaf_recipes, min_size=0, max_size=5),
+  x64=st.booleans(),
+)
 def test_device_put_matches_stock(data, recipes, x64):
   with jax.enable_x64(x64):
     _device_put_matches_stock(data, recipes)
 
 
 def _device_put_matches_stock(data, recipes):
-  if data.draw(st.integers(0, 9)) == 7:  # sometimes one big-endian leaf (stock: TypeError)
+  if (
+    data.draw(st.integers(0, 9)) == 7
+  ):  # sometimes one big-endian leaf (stock: TypeError)
     recipes = recipes + [data.draw(big_endian_recipes)]
   per_leaf = data.draw(st.booleans())
   if per_leaf:
@@ -180,11 +278,19 @@ def _device_put_matches_stock(data, recipes):
   else:
     targets = data.draw(target_for(allow_bad=True))
   probe = [make_leaf(r) for r in recipes]
-  donate = [data.draw(st.booleans()) and _donate_safe(x, t)
-            for x, t in zip(probe, targets if per_leaf else [targets] * len(probe))]
-  may_alias = [None if d else data.draw(st.sampled_from([None, True, False])) for d in donate]
+  donate = [
+    data.draw(st.booleans()) and _donate_safe(x, t)
+    for x, t in zip(probe, targets if per_leaf else [targets] * len(probe))
+  ]
+  may_alias = [
+    None if d else data.draw(st.sampled_from([None, True, False]))
+    for d in donate
+  ]
   del probe
-  mine, theirs = [make_leaf(r) for r in recipes], [make_leaf(r) for r in recipes]
+  mine, theirs = (
+    [make_leaf(r) for r in recipes],
+    [make_leaf(r) for r in recipes],
+  )
   kwargs = dict(donate=donate, may_alias=may_alias)
   ref, ref_err = _outcome(lambda: jax.device_put(theirs, targets, **kwargs))
   out, err = _outcome(lambda: bt.device_put(mine, targets, **kwargs))
@@ -197,27 +303,51 @@ def _device_put_matches_stock(data, recipes):
   for k, (a, b) in enumerate(zip(out, ref)):
     assert _state(a) == _state(b), (k, recipes[k])
   assert [getattr(x, "is_deleted", lambda: False)() for x in mine] == [
-      getattr(x, "is_deleted", lambda: False)() for x in theirs]
+    getattr(x, "is_deleted", lambda: False)() for x in theirs
+  ]
 
 
-save_recipes = st.one_of(host_recipes, host_recipes, scalar_recipes, np_scalar_recipes,
-                         st.tuples(st.sampled_from(["committed", "sharded"]),
-                                   st.sampled_from(DTYPES), shapes, st.integers(0, 7),
-                                   st.integers(0, 3)))
+save_recipes = st.one_of(
+  host_recipes,
+  host_recipes,
+  scalar_recipes,
+  np_scalar_recipes,
+  st.tuples(
+    st.sampled_from(["committed", "sharded"]),
+    st.sampled_from(DTYPES),
+    shapes,
+    st.integers(0, 7),
+    st.integers(0, 3),
+  ),
+)
 
 
 @settings(SETTINGS, max_examples=80)
-@given(data=st.data(), recipes=st.lists(save_recipes, min_size=1, max_size=6),
-       fmt=st.sampled_from(["npz", "dir"]), x64=st.booleans(),
-       inflight=st.sampled_from([1, 64, 2**20]))
-def test_save_restore_matches_stock_placement(data, recipes, fmt, x64, inflight):
+@given(
+  data=st.data(),
+  recipes=st.lists(save_recipes, min_size=1, max_size=6),
+  fmt=st.sampled_from(["npz", "dir"]),
+  x64=st.booleans(),
+  inflight=st.sampled_from([1, 64, 2**20]),
+)
+def test_save_restore_matches_stock_placement(
+  data, recipes, fmt, x64, inflight
+):
   with jax.enable_x64(x64):
     tree = {f"l{k}": make_leaf(r) for k, r in enumerate(recipes)}
     shardings = {}
     for k, x in tree.items():
-      s = data.draw(st.one_of(st.none(), named_shardings(),
-                              st.builds(SingleDeviceSharding, st.sampled_from(jax.devices()))))
-      if s is not None and _outcome(lambda: s.shard_shape(np.shape(x)))[1] is not None:
+      s = data.draw(
+        st.one_of(
+          st.none(),
+          named_shardings(),
+          st.builds(SingleDeviceSharding, st.sampled_from(jax.devices())),
+        )
+      )
+      if (
+        s is not None
+        and _outcome(lambda: s.shard_shape(np.shape(x)))[1] is not None
+      ):
         s = None  # a spec that does not divide the leaf (0-d leaves)
       shardings[k] = s
     root = tempfile.mkdtemp()
@@ -225,25 +355,46 @@ def test_save_restore_matches_stock_placement(data, recipes, fmt, x64, inflight)
       path = os.path.join(root, "c.npz" if fmt == "npz" else "c")
       bt.save(path, tree)
       like = jax.eval_shape(lambda: tree)
-      like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k],
-                                      weak_type=v.weak_type) for k, v in like.items()}
+      like = {
+        k: jax.ShapeDtypeStruct(
+          v.shape, v.dtype, sharding=shardings[k], weak_type=v.weak_type
+        )
+        for k, v in like.items()
+      }
       # Sometimes one target leaf asks for another dtype of the same width: always an error.
       k = f"l{data.draw(st.integers(0, len(tree) - 1))}"
       stored = np.dtype(getattr(tree[k], "dtype", like[k].dtype))
-      others = [d for d in DTYPES if d.itemsize == stored.itemsize and
-                d not in (stored, like[k].dtype)]
+      others = [
+        d
+        for d in DTYPES
+        if d.itemsize == stored.itemsize and d not in (stored, like[k].dtype)
+      ]
       if others and data.draw(st.integers(0, 3)) == 0:
         wrong = data.draw(st.sampled_from(others))
-        like[k] = jax.ShapeDtypeStruct(like[k].shape, wrong, sharding=shardings[k])
-        _, err = _outcome(lambda: bt.restore(path, like, max_inflight_bytes=inflight))
-        assert isinstance(err, ValueError) and "is stored as" in str(err), (k, wrong, err)
+        like[k] = jax.ShapeDtypeStruct(
+          like[k].shape, wrong, sharding=shardings[k]
+        )
+        _, err = _outcome(
+          lambda: bt.restore(path, like, max_inflight_bytes=inflight)
+        )
+        assert isinstance(err, ValueError) and "is stored as" in str(err), (
+          k,
+          wrong,
+          err,
+        )
         return
       out = bt.restore(path, like, max_inflight_bytes=inflight)
     finally:
       shutil.rmtree(root)
     for k, x in tree.items():
       if isinstance(x, jax.Array) and shardings[k] is None:
-        ref = jax.device_put(np.asarray(x))  # restore places on the default device
+        ref = jax.device_put(
+          np.asarray(x)
+        )  # restore places on the default device
       else:
         ref = jax.device_put(x, shardings[k])
-      assert _state(out[k]) == _state(ref), (k, recipes[int(k[1:])], shardings[k])
+      assert _state(out[k]) == _state(ref), (
+        k,
+        recipes[int(k[1:])],
+        shardings[k],
+      )

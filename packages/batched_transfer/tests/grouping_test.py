@@ -4,9 +4,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks.batched_transfer import _grouping
 from jaxworks.batched_transfer._src import grouping
@@ -14,8 +16,18 @@ from jaxworks.batched_transfer._src import jax_internals
 
 
 def _as_tuples(groups):
-  return [(g.kind, g.src_devices, g.dst_devices, g.src_memory_kind, g.dst_memory_kind,
-           list(g.indices), g.nbytes) for g in groups]
+  return [
+    (
+      g.kind,
+      g.src_devices,
+      g.dst_devices,
+      g.src_memory_kind,
+      g.dst_memory_kind,
+      list(g.indices),
+      g.nbytes,
+    )
+    for g in groups
+  ]
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +40,27 @@ def test_groups_by_source_destination_memory_kind_and_kind(devices):
   pinned = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
   on0 = jax.device_put(np.ones(4, np.float32), devices[0])
   on1 = jax.device_put(np.ones(2, np.float32), devices[1])
-  leaves = [np.zeros(3, np.float32), on0, np.zeros(5, np.int8), on1, 1.0, on0, np.zeros(1), True]
+  leaves = [
+    np.zeros(3, np.float32),
+    on0,
+    np.zeros(5, np.int8),
+    on1,
+    1.0,
+    on0,
+    np.zeros(1),
+    True,
+  ]
   dsts = [s1, s1, s1, s1, s1, pinned, s0, None]
   groups = grouping.group_leaves(leaves, dsts, default_dst=s0)
   dl = jax_internals.device_list
   assert _as_tuples(groups) == [
-      (grouping.HOST_ARRAY, None, dl(s1), None, "device", [0, 2], 12 + 5),
-      (grouping.DEVICE_ARRAY, dl(s0), dl(s1), "device", "device", [1], 16),
-      (grouping.DEVICE_ARRAY, dl(s1), dl(s1), "device", "device", [3], 8),
-      (grouping.PY_SCALAR, None, dl(s1), None, "device", [4], 4),
-      (grouping.DEVICE_ARRAY, dl(s0), dl(s0), "device", "pinned_host", [5], 16),
-      (grouping.HOST_ARRAY, None, dl(s0), None, "device", [6], 8),
-      (grouping.PY_SCALAR, None, dl(s0), None, "device", [7], 1),
+    (grouping.HOST_ARRAY, None, dl(s1), None, "device", [0, 2], 12 + 5),
+    (grouping.DEVICE_ARRAY, dl(s0), dl(s1), "device", "device", [1], 16),
+    (grouping.DEVICE_ARRAY, dl(s1), dl(s1), "device", "device", [3], 8),
+    (grouping.PY_SCALAR, None, dl(s1), None, "device", [4], 4),
+    (grouping.DEVICE_ARRAY, dl(s0), dl(s0), "device", "pinned_host", [5], 16),
+    (grouping.HOST_ARRAY, None, dl(s0), None, "device", [6], 8),
+    (grouping.PY_SCALAR, None, dl(s0), None, "device", [7], 1),
   ]
 
 
@@ -48,10 +69,25 @@ def test_cpp_equals_python_on_a_mixed_tree(devices):
   named = NamedSharding(mesh, P("a"))
   other = NamedSharding(jax.make_mesh((2,), ("x",), devices=devices[:2]), P())
   rng = np.random.default_rng(0)
-  pool = [np.zeros(8, np.float32), jnp.ones(8), jax.device_put(np.ones(8), named), 3, 2.5,
-          np.float16(1), "text", None, object(), jax.device_put(np.ones(8), devices[5])]
-  targets = [None, named, other, SingleDeviceSharding(devices[3]),
-             SingleDeviceSharding(devices[3], memory_kind="unpinned_host")]
+  pool = [
+    np.zeros(8, np.float32),
+    jnp.ones(8),
+    jax.device_put(np.ones(8), named),
+    3,
+    2.5,
+    np.float16(1),
+    "text",
+    None,
+    object(),
+    jax.device_put(np.ones(8), devices[5]),
+  ]
+  targets = [
+    None,
+    named,
+    other,
+    SingleDeviceSharding(devices[3]),
+    SingleDeviceSharding(devices[3], memory_kind="unpinned_host"),
+  ]
   leaves = [pool[k] for k in rng.integers(0, len(pool), 500)]
   dsts = [targets[k] for k in rng.integers(0, len(targets), 500)]
   default = SingleDeviceSharding(devices[0])
@@ -72,18 +108,30 @@ def test_equal_but_distinct_device_lists_share_a_group(devices):
 
 def test_python_scalar_bytes_follow_x64(devices):
   s = SingleDeviceSharding(devices[0])
-  assert grouping.group_leaves([1, 1.0, 1j, True], [s] * 4)[0].nbytes == 4 + 4 + 8 + 1
+  assert (
+    grouping.group_leaves([1, 1.0, 1j, True], [s] * 4)[0].nbytes
+    == 4 + 4 + 8 + 1
+  )
   with jax.enable_x64(True):
-    assert grouping.group_leaves([1, 1.0, 1j, True], [s] * 4)[0].nbytes == 8 + 8 + 16 + 1
+    assert (
+      grouping.group_leaves([1, 1.0, 1j, True], [s] * 4)[0].nbytes
+      == 8 + 8 + 16 + 1
+    )
 
 
 def test_kinds_match_exact_types(devices, tmp_path):
   s = SingleDeviceSharding(devices[0])
-  mapped = np.memmap(tmp_path / "m.bin", dtype=np.float32, mode="w+", shape=(4,))
-  masked = np.ma.masked_array([1.0, 2.0])  # an ndarray subclass jax.device_put refuses
+  mapped = np.memmap(
+    tmp_path / "m.bin", dtype=np.float32, mode="w+", shape=(4,)
+  )
+  masked = np.ma.masked_array(
+    [1.0, 2.0]
+  )  # an ndarray subclass jax.device_put refuses
   groups = grouping.group_leaves([mapped, masked], [s, s])
   assert [(g.kind, list(g.indices), g.nbytes) for g in groups] == [
-      (grouping.HOST_ARRAY, [0], 16), (grouping.OTHER, [1], 0)]
+    (grouping.HOST_ARRAY, [0], 16),
+    (grouping.OTHER, [1], 0),
+  ]
 
 
 def test_empty_input():
@@ -108,12 +156,21 @@ class _Shaped:
 
 def test_size_rules():
   dt = np.dtype(np.int16)
-  kinds = {_Shaped: (3, None, ""), _Leaf: (4, None, "inner"), int: (5, None, 7),
-           float: (6, None, -1)}
+  kinds = {
+    _Shaped: (3, None, ""),
+    _Leaf: (4, None, "inner"),
+    int: (5, None, 7),
+    float: (6, None, -1),
+  }
   leaf = _Leaf(None)
   leaf.inner = _Shaped((2, 5), dt)
-  groups = _grouping.group_leaves([_Shaped((4, 3), dt), leaf, 1, 2], [None] * 4, kinds,
-                                  _Sharding(("d",)), "devs")
+  groups = _grouping.group_leaves(
+    [_Shaped((4, 3), dt), leaf, 1, 2],
+    [None] * 4,
+    kinds,
+    _Sharding(("d",)),
+    "devs",
+  )
   assert [(g.kind, g.nbytes) for g in groups] == [(3, 24), (4, 20), (5, 14)]
   with pytest.raises(TypeError, match="has no readable .nbytes"):
     _grouping.group_leaves([1.0], [None], kinds, _Sharding(("d",)), "devs")
@@ -128,8 +185,8 @@ def test_works_on_any_sharding_like_object():
   leaves = [_Leaf(a, 3), _Leaf(b, 4), _Leaf(a, 5)]
   groups = _grouping.group_leaves(leaves, [None, a, None], kinds, None, "devs")
   assert _as_tuples(groups) == [
-      (7, ("d0",), ("d0",), "device", "device", [0, 2], 8),
-      (7, ("d1",), ("d0",), "host", "device", [1], 4),
+    (7, ("d0",), ("d0",), "device", "device", [0, 2], 8),
+    (7, ("d1",), ("d0",), "host", "device", [1], 4),
   ]
   assert "Group(kind=7" in repr(groups[0])
 
@@ -170,8 +227,18 @@ class _FreshLeaf:
 def _reference(leaves, dsts, kinds, default=None, attr="devs"):
   cpp = _grouping.group_leaves(leaves, dsts, kinds, default, attr)
   py = grouping.group_leaves_py(leaves, dsts, kinds, default, attr)
-  return _as_tuples(cpp), [(g.kind, g.src_devices, g.dst_devices, g.src_memory_kind,
-                            g.dst_memory_kind, g.indices, g.nbytes) for g in py]
+  return _as_tuples(cpp), [
+    (
+      g.kind,
+      g.src_devices,
+      g.dst_devices,
+      g.src_memory_kind,
+      g.dst_memory_kind,
+      g.indices,
+      g.nbytes,
+    )
+    for g in py
+  ]
 
 
 def test_property_getters_are_read_like_getattr():
@@ -182,16 +249,26 @@ def test_property_getters_are_read_like_getattr():
   assert cpp == py
   # The property wins over __getattr__ (a data descriptor), as in Python.
   assert [(g[0], g[1], list(g[5])) for g in cpp] == [
-      (1, ("d0",), [0]), (2, ("d1",), [1]), (1, ("d1",), [2]), (2, ("d0",), [3])]
+    (1, ("d0",), [0]),
+    (2, ("d1",), [1]),
+    (1, ("d1",), [2]),
+    (2, ("d0",), [3]),
+  ]
   # A getter that raises is reported like a failing getattr, chained.
   with pytest.raises(TypeError, match=r"its \.sharding cannot be read") as info:
-    _grouping.group_leaves([_PropLeaf(KeyError("boom"))], [None], kinds, None, "devs")
+    _grouping.group_leaves(
+      [_PropLeaf(KeyError("boom"))], [None], kinds, None, "devs"
+    )
   assert isinstance(info.value.__cause__, KeyError)
+
   # A property without a getter raises AttributeError, as getattr does.
   class NoGetter:
     sharding = property(None)
+
   with pytest.raises(TypeError, match="cannot be read") as info:
-    _grouping.group_leaves([NoGetter()], [None], {NoGetter: (1, "sharding", 0)}, None, "devs")
+    _grouping.group_leaves(
+      [NoGetter()], [None], {NoGetter: (1, "sharding", 0)}, None, "devs"
+    )
   assert isinstance(info.value.__cause__, AttributeError)
 
 
@@ -201,9 +278,15 @@ def test_fresh_sharding_objects_beyond_the_identity_cache():
   # still be by value, equal to the Python reference. Memory kinds are equal
   # strings in distinct objects ("dev" + "ice").
   leaves = [_FreshLeaf(k) for k in range(6000)]
-  cpp, py = _reference(leaves, [None] * len(leaves), {_FreshLeaf: (1, "sharding", -1)})
+  cpp, py = _reference(
+    leaves, [None] * len(leaves), {_FreshLeaf: (1, "sharding", -1)}
+  )
   assert cpp == py
-  assert [(g[1], len(g[5])) for g in cpp] == [((0,), 2000), ((1,), 2000), ((2,), 2000)]
+  assert [(g[1], len(g[5])) for g in cpp] == [
+    ((0,), 2000),
+    ((1,), 2000),
+    ((2,), 2000),
+  ]
 
 
 def test_device_lists_whose_eq_raises():
@@ -215,50 +298,172 @@ def test_device_lists_whose_eq_raises():
       raise ValueError("cannot compare")
 
   leaves = [_Leaf(_Sharding(Devs())), _Leaf(_Sharding(Devs()))]
-  with pytest.raises(TypeError, match="source sharding of leaf 1 .* could not be compared") as info:
-    _grouping.group_leaves(leaves, [None] * 2, {_Leaf: (1, "sharding", -1)}, None, "devs")
+  with pytest.raises(
+    TypeError, match="source sharding of leaf 1 .* could not be compared"
+  ) as info:
+    _grouping.group_leaves(
+      leaves, [None] * 2, {_Leaf: (1, "sharding", -1)}, None, "devs"
+    )
   assert isinstance(info.value.__cause__, ValueError)
 
 
-@pytest.mark.parametrize("args, error, text", [
+@pytest.mark.parametrize(
+  "args, error, text",
+  [
     ((5, [], {}, None, "devs"), TypeError, "leaves must be a sequence"),
     (([], 5, {}, None, "devs"), TypeError, "dsts must be a sequence"),
     (([1], [], {}, None, "devs"), ValueError, "1 leaves but 0 dsts"),
     (([1], [None], [], None, "devs"), TypeError, "kinds must be a dict"),
-    (([1], [None], {1: (0, None, 0)}, None, "devs"), TypeError, "kinds keys must be types"),
-    (([1], [None], {int: (0, 0, 0)}, None, "devs"), TypeError, "must be a tuple (code: int"),
-    (([1], [None], {int: (0, None)}, None, "devs"), TypeError, "must be a tuple (code: int"),
-    (([1], [None], {}, None, "devs"), TypeError, "destination None and no default_dst"),
-    (([1], ["cpu:0"], {}, None, "devs"), TypeError, "destination of leaf 0 must be a jax.sharding"),
-    (([_Leaf(None)], [None], {_Leaf: (1, "sharding", -1)}, None, "devs"), TypeError,
-     "source sharding of leaf 0"),
-    (([_Leaf(None)], [None], {_Leaf: (True, None, -1)}, None, "devs"), TypeError,
-     "must be a tuple (code: int"),
-    (([_Leaf(None)], [None], {_Leaf: (1, b"sharding", -1)}, None, "devs"), TypeError,
-     "sharding_attr: str or None"),
-    (([_Leaf(None)], [None], {_Leaf: (1, "missing", -1)}, None, "devs"), TypeError,
-     "its .missing cannot be read"),
-    (([_Leaf(_Sharding([1]))], [None], {_Leaf: (1, "sharding", -1)}, None, "devs"), TypeError,
-     "are not hashable"),
-    (([_Leaf(_Sharding((1,)), "x")], [None], {_Leaf: (1, "sharding", -1)}, None, "devs"), TypeError,
-     ".nbytes is not an int: 'x'"),
-    (([_Leaf(_Sharding((1,)))], [None], {_Leaf: (1, "sharding", "")}, None, "devs"), TypeError,
-     "size: could not read .shape and .dtype"),
-    (([_Shaped([2, 3], np.float32)], [None], {_Shaped: (1, None, "")}, _Sharding((1,)), "devs"),
-     TypeError, "size: .shape must be a tuple"),
-    (([_Shaped((2, -3), np.float32)], [None], {_Shaped: (1, None, "")}, _Sharding((1,)),
-      "devs"), ValueError, "size is -3, expected an int in [0, 2**63)"),
-    (([_Shaped((2**40, 2**40), np.float32)], [None], {_Shaped: (1, None, "")},
-      _Sharding((1,)), "devs"), ValueError, "size overflows int64"),
-    (([_Shaped((2,), "f4")], [None], {_Shaped: (1, None, "")}, _Sharding((1,)), "devs"),
-     TypeError, "size: .dtype has no .itemsize"),
-    (([1], [None], {int: (0, None, -2)}, None, "devs"), TypeError, "must be a tuple (code: int"),
-    (([1], [None], {int: (0, None, 1.5)}, None, "devs"), TypeError, "must be a tuple (code: int"),
-    (([_Leaf(_Sharding((1,)), -1)], [None], {_Leaf: (1, "sharding", -1)}, None, "devs"), ValueError,
-     "expected an int in [0, 2**63)"),
-    (([object()], [None], {object: (1, None, -1)}, _Sharding((1,)), "devs"), TypeError,
-     "has no readable .nbytes"),
-])
+    (
+      ([1], [None], {1: (0, None, 0)}, None, "devs"),
+      TypeError,
+      "kinds keys must be types",
+    ),
+    (
+      ([1], [None], {int: (0, 0, 0)}, None, "devs"),
+      TypeError,
+      "must be a tuple (code: int",
+    ),
+    (
+      ([1], [None], {int: (0, None)}, None, "devs"),
+      TypeError,
+      "must be a tuple (code: int",
+    ),
+    (
+      ([1], [None], {}, None, "devs"),
+      TypeError,
+      "destination None and no default_dst",
+    ),
+    (
+      ([1], ["cpu:0"], {}, None, "devs"),
+      TypeError,
+      "destination of leaf 0 must be a jax.sharding",
+    ),
+    (
+      ([_Leaf(None)], [None], {_Leaf: (1, "sharding", -1)}, None, "devs"),
+      TypeError,
+      "source sharding of leaf 0",
+    ),
+    (
+      ([_Leaf(None)], [None], {_Leaf: (True, None, -1)}, None, "devs"),
+      TypeError,
+      "must be a tuple (code: int",
+    ),
+    (
+      ([_Leaf(None)], [None], {_Leaf: (1, b"sharding", -1)}, None, "devs"),
+      TypeError,
+      "sharding_attr: str or None",
+    ),
+    (
+      ([_Leaf(None)], [None], {_Leaf: (1, "missing", -1)}, None, "devs"),
+      TypeError,
+      "its .missing cannot be read",
+    ),
+    (
+      (
+        [_Leaf(_Sharding([1]))],
+        [None],
+        {_Leaf: (1, "sharding", -1)},
+        None,
+        "devs",
+      ),
+      TypeError,
+      "are not hashable",
+    ),
+    (
+      (
+        [_Leaf(_Sharding((1,)), "x")],
+        [None],
+        {_Leaf: (1, "sharding", -1)},
+        None,
+        "devs",
+      ),
+      TypeError,
+      ".nbytes is not an int: 'x'",
+    ),
+    (
+      (
+        [_Leaf(_Sharding((1,)))],
+        [None],
+        {_Leaf: (1, "sharding", "")},
+        None,
+        "devs",
+      ),
+      TypeError,
+      "size: could not read .shape and .dtype",
+    ),
+    (
+      (
+        [_Shaped([2, 3], np.float32)],
+        [None],
+        {_Shaped: (1, None, "")},
+        _Sharding((1,)),
+        "devs",
+      ),
+      TypeError,
+      "size: .shape must be a tuple",
+    ),
+    (
+      (
+        [_Shaped((2, -3), np.float32)],
+        [None],
+        {_Shaped: (1, None, "")},
+        _Sharding((1,)),
+        "devs",
+      ),
+      ValueError,
+      "size is -3, expected an int in [0, 2**63)",
+    ),
+    (
+      (
+        [_Shaped((2**40, 2**40), np.float32)],
+        [None],
+        {_Shaped: (1, None, "")},
+        _Sharding((1,)),
+        "devs",
+      ),
+      ValueError,
+      "size overflows int64",
+    ),
+    (
+      (
+        [_Shaped((2,), "f4")],
+        [None],
+        {_Shaped: (1, None, "")},
+        _Sharding((1,)),
+        "devs",
+      ),
+      TypeError,
+      "size: .dtype has no .itemsize",
+    ),
+    (
+      ([1], [None], {int: (0, None, -2)}, None, "devs"),
+      TypeError,
+      "must be a tuple (code: int",
+    ),
+    (
+      ([1], [None], {int: (0, None, 1.5)}, None, "devs"),
+      TypeError,
+      "must be a tuple (code: int",
+    ),
+    (
+      (
+        [_Leaf(_Sharding((1,)), -1)],
+        [None],
+        {_Leaf: (1, "sharding", -1)},
+        None,
+        "devs",
+      ),
+      ValueError,
+      "expected an int in [0, 2**63)",
+    ),
+    (
+      ([object()], [None], {object: (1, None, -1)}, _Sharding((1,)), "devs"),
+      TypeError,
+      "has no readable .nbytes",
+    ),
+  ],
+)
 def test_bad_input_raises_a_clear_error(args, error, text):
   with pytest.raises(error, match=None) as info:
     _grouping.group_leaves(*args)
@@ -271,13 +476,18 @@ def test_long_non_ascii_reprs_are_cut_between_characters():
   # message itself fail to decode.
   for pad in range(4):
     bad = "x" * pad + "\u00e9" * 100
-    with pytest.raises(TypeError, match="must be a jax.sharding.Sharding, got 'x*\u00e9+\\.\\.\\."):
+    with pytest.raises(
+      TypeError,
+      match="must be a jax.sharding.Sharding, got 'x*\u00e9+\\.\\.\\.",
+    ):
       _grouping.group_leaves([1], [bad], {}, None, "devs")
 
 
 def test_errors_chain_the_original_exception():
   with pytest.raises(TypeError) as info:
-    _grouping.group_leaves([_Leaf(None)], [None], {_Leaf: (1, "sharding", -1)}, None, "devs")
+    _grouping.group_leaves(
+      [_Leaf(None)], [None], {_Leaf: (1, "sharding", -1)}, None, "devs"
+    )
   assert isinstance(info.value.__cause__, AttributeError)
 
 
@@ -288,14 +498,30 @@ def test_no_reference_leaks(devices):
   dl = jax_internals.device_list(s)
   # Including what the C++ caches hold during a call: x's sharding, its device
   # list, its abstract value and dtype.
-  held = (s, x, host, dl, x.sharding, jax_internals.device_list(x.sharding), x.aval, x.dtype)
+  held = (
+    s,
+    x,
+    host,
+    dl,
+    x.sharding,
+    jax_internals.device_list(x.sharding),
+    x.aval,
+    x.dtype,
+  )
   before = [sys.getrefcount(o) for o in held]
   for _ in range(200):
-    groups = grouping.group_leaves([x, host, x, host], [s, None, None, s], default_dst=s)
+    groups = grouping.group_leaves(
+      [x, host, x, host], [s, None, None, s], default_dst=s
+    )
     del groups
     try:
-      _grouping.group_leaves([x, host], [s, "bad"], grouping.kinds_table(), s,
-                             jax_internals.DEVICE_LIST_ATTR)
+      _grouping.group_leaves(
+        [x, host],
+        [s, "bad"],
+        grouping.kinds_table(),
+        s,
+        jax_internals.DEVICE_LIST_ATTR,
+      )
     except TypeError:
       pass
   after = [sys.getrefcount(o) for o in held]
@@ -318,5 +544,7 @@ def test_identity_fast_path_survives_mutation_during_the_call():
   leaves: list = []
   shardings = [_Sharding(Devs(k, leaves)) for k in range(3)]
   leaves.extend(_Leaf(s) for s in shardings)
-  groups = _grouping.group_leaves(leaves, [None] * 3, {_Leaf: (1, "sharding", -1)}, None, "devs")
+  groups = _grouping.group_leaves(
+    leaves, [None] * 3, {_Leaf: (1, "sharding", -1)}, None, "devs"
+  )
   assert [list(g.indices) for g in groups] == [[0], [1], [2]]

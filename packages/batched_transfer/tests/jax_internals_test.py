@@ -2,9 +2,11 @@
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks.batched_transfer._src import jax_internals as ji
 
@@ -20,9 +22,12 @@ def test_device_list_is_ordered_and_hashable():
 
 def test_attribute_names_read_what_the_public_properties_return():
   mesh = jax.make_mesh((4, 2), ("a", "b"))
-  shardings = [SingleDeviceSharding(jax.devices()[1]),
-               SingleDeviceSharding(jax.devices()[2], memory_kind="pinned_host"),
-               NamedSharding(mesh, P("a")), NamedSharding(mesh, P(), memory_kind="unpinned_host")]
+  shardings = [
+    SingleDeviceSharding(jax.devices()[1]),
+    SingleDeviceSharding(jax.devices()[2], memory_kind="pinned_host"),
+    NamedSharding(mesh, P("a")),
+    NamedSharding(mesh, P(), memory_kind="unpinned_host"),
+  ]
   for s in shardings:
     assert getattr(s, ji.MEMORY_KIND_ATTR) == s.memory_kind
     x = jax.device_put(np.ones((8, 2), np.float32), s)
@@ -30,15 +35,20 @@ def test_attribute_names_read_what_the_public_properties_return():
     assert getattr(x, ji.ABSTRACT_VALUE_ATTR) == jax.typeof(x)
   # The C++ grouping reads these through the property getters when they are plain
   # properties (a third faster per leaf); other descriptors still work, only slower.
-  for owner, name in [(ji.ArrayImpl, ji.SHARDING_ATTR), (ji.ArrayImpl, ji.ABSTRACT_VALUE_ATTR),
-                      (SingleDeviceSharding, ji.DEVICE_LIST_ATTR),
-                      (NamedSharding, ji.MEMORY_KIND_ATTR)]:
+  for owner, name in [
+    (ji.ArrayImpl, ji.SHARDING_ATTR),
+    (ji.ArrayImpl, ji.ABSTRACT_VALUE_ATTR),
+    (SingleDeviceSharding, ji.DEVICE_LIST_ATTR),
+    (NamedSharding, ji.MEMORY_KIND_ATTR),
+  ]:
     assert type(getattr(owner, name)) is property, (owner, name)
 
 
 def test_array_impl_and_shaped_array():
   assert type(jnp.ones(2)) is ji.ArrayImpl
-  assert ji.ShapedArray((2, 3), np.float32) == jax.typeof(jnp.ones((2, 3), np.float32))
+  assert ji.ShapedArray((2, 3), np.float32) == jax.typeof(
+    jnp.ones((2, 3), np.float32)
+  )
 
 
 def test_copy_semantics_members():
@@ -52,7 +62,9 @@ def test_batched_device_put_places_shards():
   x = np.arange(16, dtype=np.float32)
   index = s.addressable_devices_indices_map(x.shape)
   aval = ji.device_put_aval(ji.ShapedArray(x.shape, x.dtype), s)
-  y = ji.batched_device_put(aval, s, [x[i] for i in index.values()], list(index), True)
+  y = ji.batched_device_put(
+    aval, s, [x[i] for i in index.values()], list(index), True
+  )
   assert y.sharding == s and y.committed
   np.testing.assert_array_equal(np.asarray(y), x)
   assert jax.typeof(y) == jax.typeof(jax.device_put(x, s))
@@ -63,8 +75,12 @@ def test_batched_copy_keeps_committedness():
   s = SingleDeviceSharding(d[1])
   committed = jax.device_put(np.ones(2), d[0])
   uncommitted = jnp.ones(2)
-  out = ji.batched_copy([committed, uncommitted], [ji.device_list(s)] * 2, [s, s],
-                        [ji.ArrayCopySemantics.REUSE_INPUT] * 2)
+  out = ji.batched_copy(
+    [committed, uncommitted],
+    [ji.device_list(s)] * 2,
+    [s, s],
+    [ji.ArrayCopySemantics.REUSE_INPUT] * 2,
+  )
   assert [y.devices() for y in out] == [{d[1]}, {d[1]}]
   # The result keeps the input's committedness (device_put re-wraps it as committed).
   assert [y.committed for y in out] == [True, False]
@@ -77,9 +93,13 @@ def test_committed_array_shares_the_buffer():
   assert y.committed and not x.committed
   assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
   # With committed=False and a weak aval: what restore uses for weakly typed target leaves.
-  z = ji.committed_array(x, jax.typeof(x).update(weak_type=True), s, committed=False)
+  z = ji.committed_array(
+    x, jax.typeof(x).update(weak_type=True), s, committed=False
+  )
   assert jax.typeof(z) == jax.typeof(jax.device_put(1.0)).update(shape=(3,))
-  assert not z.committed and z.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+  assert (
+    not z.committed and z.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+  )
 
 
 def test_explicit_device_put_scope_satisfies_the_transfer_guard():
@@ -115,10 +135,13 @@ def test_default_device_follows_jax_default_device():
 
 def test_device_put_aval_carries_the_named_sharding():
   mesh = jax.make_mesh((8,), ("x",))
-  aval = ji.device_put_aval(ji.ShapedArray((8,), np.float32), NamedSharding(mesh, P("x")))
+  aval = ji.device_put_aval(
+    ji.ShapedArray((8,), np.float32), NamedSharding(mesh, P("x"))
+  )
   assert aval.sharding.spec == P("x")
-  single = ji.device_put_aval(ji.ShapedArray((8,), np.float32),
-                              SingleDeviceSharding(jax.devices()[0]))
+  single = ji.device_put_aval(
+    ji.ShapedArray((8,), np.float32), SingleDeviceSharding(jax.devices()[0])
+  )
   assert single == ji.ShapedArray((8,), np.float32)
 
 
@@ -131,15 +154,24 @@ def test_default_layout_is_what_placement_gives():
 def test_version_check_is_actionable():
   ji.check_jax_version(jax.__version__)
   ji.check_jax_version("0.10.2.dev20250101")
-  with pytest.raises(RuntimeError, match=r'needs jax>=0.10.2 .* found jax 0.9.1; run: pip install'):
+  with pytest.raises(
+    RuntimeError,
+    match=r"needs jax>=0.10.2 .* found jax 0.9.1; run: pip install",
+  ):
     ji.check_jax_version("0.9.1")
 
 
 def test_stock_callables_are_jaxs_own():
   # Bound at import from where JAX defines them; unswapped, they are the public names.
-  assert jax_internals_is_stock(ji.stock_device_put, jax.device_put, "device_put")
+  assert jax_internals_is_stock(
+    ji.stock_device_put, jax.device_put, "device_put"
+  )
   assert jax_internals_is_stock(ji.stock_jit, jax.jit, "jit")
 
 
 def jax_internals_is_stock(bound, public, name):
-  return bound is public and bound.__module__ == "jax._src.api" and bound.__name__ == name
+  return (
+    bound is public
+    and bound.__module__ == "jax._src.api"
+    and bound.__name__ == name
+  )

@@ -1,11 +1,14 @@
 """Layouts: device_put to a Format, and place_for(compiled, tree) with no copy at call time."""
 
 import jax
+from jax.experimental.layout import Format
+from jax.experimental.layout import Layout
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 import numpy as np
 import pytest
-from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src import jax_internals
@@ -24,11 +27,16 @@ def mesh():
 
 @pytest.mark.parametrize("where", ["single", "named"])
 def test_device_put_to_a_format_matches_stock(mesh, where):
-  sharding = (SingleDeviceSharding(jax.devices()[2]) if where == "single"
-              else NamedSharding(mesh, P("a", "b")))
+  sharding = (
+    SingleDeviceSharding(jax.devices()[2])
+    if where == "single"
+    else NamedSharding(mesh, P("a", "b"))
+  )
   target = Format(COL_MAJOR, sharding)
-  tree = {"host": np.arange(32, dtype=np.float32).reshape(8, 4),
-          "uncommitted": jnp.arange(16.0).reshape(8, 2)}
+  tree = {
+    "host": np.arange(32, dtype=np.float32).reshape(8, 4),
+    "uncommitted": jnp.arange(16.0).reshape(8, 2),
+  }
   out = bt.device_put(tree, target)
   ref = jax.device_put(tree, target)
   for k in tree:
@@ -43,11 +51,15 @@ def test_format_target_for_an_array_on_other_devices(mesh):
   # Stock jax.device_put relayouts with a jit that sees the committed input on device 5 and
   # the output on the target devices, and refuses; here the array moves first, then relayouts.
   target = Format(COL_MAJOR, NamedSharding(mesh, P("a", "b")))
-  x = jax.device_put(np.arange(32, dtype=np.int32).reshape(8, 4), jax.devices()[5])
+  x = jax.device_put(
+    np.arange(32, dtype=np.int32).reshape(8, 4), jax.devices()[5]
+  )
   with pytest.raises(ValueError, match="incompatible devices"):
     jax.device_put(x, target)
   y = bt.device_put(x, target)
-  assert y.format.layout.major_to_minor == (1, 0) and y.sharding == target.sharding
+  assert (
+    y.format.layout.major_to_minor == (1, 0) and y.sharding == target.sharding
+  )
   np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
   assert not x.is_deleted()
 
@@ -64,11 +76,15 @@ def test_relayout_is_one_jit_per_destination(mesh, monkeypatch):
   monkeypatch.setattr(jax_internals, "stock_jit", counting_jit)
   d = jax.devices()
   tree = [np.ones((4, 4), np.float32) * k for k in range(10)]
-  targets = [Format(COL_MAJOR, SingleDeviceSharding(d[k % 2])) for k in range(10)]
+  targets = [
+    Format(COL_MAJOR, SingleDeviceSharding(d[k % 2])) for k in range(10)
+  ]
   out = bt.device_put(tree, targets)
   assert len(jits) == 2 and all(len(f) == 5 for f in jits)
-  assert all(o.format.layout.major_to_minor == (1, 0) and o.sharding == t.sharding
-             for o, t in zip(out, targets))
+  assert all(
+    o.format.layout.major_to_minor == (1, 0) and o.sharding == t.sharding
+    for o, t in zip(out, targets)
+  )
 
 
 def test_a_format_with_the_default_layout_needs_no_relayout(monkeypatch):
@@ -77,7 +93,9 @@ def test_a_format_with_the_default_layout_needs_no_relayout(monkeypatch):
   monkeypatch.setattr(jax, "jit", None)  # any jit call would fail
   out = bt.device_put([np.zeros((4, 4), np.float32)] * 3, default)
   assert all(o.format == default for o in out)
-  p = bt.plan([np.zeros((4, 4), np.float32)], Format(COL_MAJOR, default.sharding))
+  p = bt.plan(
+    [np.zeros((4, 4), np.float32)], Format(COL_MAJOR, default.sharding)
+  )
   assert p.groups[0].relayouts == 1
 
 
@@ -96,9 +114,16 @@ def _train_step_compiled(mesh, donate):
   def step(params):
     return {"w": params["w"] + 1, "b": params["b"] * 2}
 
-  tree = {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.ones((8, 2), np.float32)}
-  jitted = jax.jit(step, in_shardings=(formats,), out_shardings=formats,
-                   donate_argnums=0 if donate else ())
+  tree = {
+    "w": np.arange(64, dtype=np.float32).reshape(8, 8),
+    "b": np.ones((8, 2), np.float32),
+  }
+  jitted = jax.jit(
+    step,
+    in_shardings=(formats,),
+    out_shardings=formats,
+    donate_argnums=0 if donate else (),
+  )
   return jitted.lower(tree).compile(), tree
 
 
@@ -116,7 +141,9 @@ def test_place_for_lands_exactly_in_input_formats(mesh):
 
 def test_plain_placement_would_not_do(mesh):
   compiled, tree = _train_step_compiled(mesh, donate=False)
-  stock = jax.device_put(tree, NamedSharding(mesh, P("a", "b")))  # default layouts
+  stock = jax.device_put(
+    tree, NamedSharding(mesh, P("a", "b"))
+  )  # default layouts
   with pytest.raises(ValueError, match="input layouts that disagree"):
     compiled(stock)
 
@@ -139,20 +166,37 @@ def test_place_for_positional_arguments_and_scalars():
 def test_place_for_keyword_arguments():
   f = jax.jit(lambda x, *, scale: x * scale)
   compiled = f.lower(np.ones(4, np.float32), scale=np.float32(2)).compile()
-  args, kwargs = bt.place_for(compiled, ((np.ones(4, np.float32),), {"scale": np.float32(3)}))
-  np.testing.assert_array_equal(np.asarray(compiled(*args, **kwargs)), 3 * np.ones(4))
+  args, kwargs = bt.place_for(
+    compiled, ((np.ones(4, np.float32),), {"scale": np.float32(3)})
+  )
+  np.testing.assert_array_equal(
+    np.asarray(compiled(*args, **kwargs)), 3 * np.ones(4)
+  )
 
 
-@pytest.mark.parametrize("tree, text", [
-    ({"w": np.ones((8, 8), np.float32), "b": np.ones((8, 3), np.float32)},
-     r"leaf at \['b'\] is float32\[8, 3\] but the compiled function's argument 0 expects "
-     r"float32\[8, 2\]"),
-    ({"w": np.ones((8, 8), np.int32), "b": np.ones((8, 2), np.float32)},
-     r"leaf at \['w'\] is int32\[8, 8\] but .* expects float32\[8, 8\]"),
+@pytest.mark.parametrize(
+  "tree, text",
+  [
+    (
+      {"w": np.ones((8, 8), np.float32), "b": np.ones((8, 3), np.float32)},
+      r"leaf at \['b'\] is float32\[8, 3\] but the compiled function's argument 0 expects "
+      r"float32\[8, 2\]",
+    ),
+    (
+      {"w": np.ones((8, 8), np.int32), "b": np.ones((8, 2), np.float32)},
+      r"leaf at \['w'\] is int32\[8, 8\] but .* expects float32\[8, 8\]",
+    ),
     ({"w": np.ones((8, 8), np.float32)}, r"missing \['b'\]"),
-    ({"w": np.ones((8, 8), np.float32), "b": np.ones((8, 2), np.float32), "c": np.ones(1)},
-     r"unexpected \['c'\]"),
-])
+    (
+      {
+        "w": np.ones((8, 8), np.float32),
+        "b": np.ones((8, 2), np.float32),
+        "c": np.ones(1),
+      },
+      r"unexpected \['c'\]",
+    ),
+  ],
+)
 def test_place_for_mismatch_names_the_tree_path(mesh, tree, text):
   compiled, _ = _train_step_compiled(mesh, donate=False)
   with pytest.raises(ValueError, match=text) as info:
@@ -162,5 +206,7 @@ def test_place_for_mismatch_names_the_tree_path(mesh, tree, text):
 
 def test_place_for_argnum_out_of_range(mesh):
   compiled, tree = _train_step_compiled(mesh, donate=False)
-  with pytest.raises(ValueError, match="argnum 3 is out of range .* 1 positional"):
+  with pytest.raises(
+    ValueError, match="argnum 3 is out of range .* 1 positional"
+  ):
     bt.place_for(compiled, tree, argnum=3)

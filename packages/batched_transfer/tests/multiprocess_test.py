@@ -107,22 +107,47 @@ def _free_port():
 def test_two_processes_place_a_global_tree(tmp_path):
   rng = np.random.default_rng(0)
   ckpt = str(tmp_path / "ckpt.npz")
-  bt.save(ckpt, {"w": rng.standard_normal((16, 4)).astype(np.float32),
-                 "b": np.arange(8, dtype=np.int32), "r": np.ones((3, 3), np.float32)})
+  bt.save(
+    ckpt,
+    {
+      "w": rng.standard_normal((16, 4)).astype(np.float32),
+      "b": np.arange(8, dtype=np.int32),
+      "r": np.ones((3, 3), np.float32),
+    },
+  )
   ckpt2 = str(tmp_path / "partly_replicated")
   os.makedirs(ckpt2)
-  for dtype in (np.float32, jnp.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, np.int8):
-    values = {f"s{k}": (np.arange(64).reshape(8, 8) % 4 + k).astype(dtype) for k in range(9)}
+  for dtype in (
+    np.float32,
+    jnp.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.int4,
+    np.int8,
+  ):
+    values = {
+      f"s{k}": (np.arange(64).reshape(8, 8) % 4 + k).astype(dtype)
+      for k in range(9)
+    }
     name = np.dtype(dtype).name
     bt.save(os.path.join(ckpt2, name + ".npz"), values)
     bt.save(os.path.join(ckpt2, name), values)
   env = dict(os.environ)
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+  env.update(
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+  )
   port = str(_free_port())
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), port, ckpt, ckpt2], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", WORKER, str(i), port, ckpt, ckpt2],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outputs = []
   try:
     for p in procs:
@@ -133,4 +158,6 @@ def test_two_processes_place_a_global_tree(tmp_path):
         p.kill()
         p.communicate()
   for i, (p, text) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0 and f"WORKER-OK {i}" in text, f"process {i}:\n{text[-4000:]}"
+    assert p.returncode == 0 and f"WORKER-OK {i}" in text, (
+      f"process {i}:\n{text[-4000:]}"
+    )

@@ -24,7 +24,11 @@ def test_draws_on_a_terminal():
 
 
 def test_silent_when_not_a_terminal_or_disabled():
-  for stream, enabled in ((io.StringIO(), None), (Tty(), False), (object(), None)):
+  for stream, enabled in (
+    (io.StringIO(), None),
+    (Tty(), False),
+    (object(), None),
+  ):
     bar = Progress("x", 10, enabled=enabled, stream=stream)
     bar.update(10)
     bar.close()

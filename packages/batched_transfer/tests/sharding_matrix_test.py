@@ -2,29 +2,70 @@
 checkpoint formats: restore and device_put place exactly what jax.device_put places."""
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxworks import batched_transfer as bt
 
 # Every numpy and ml_dtypes type jax.device_put accepts on CPU (float6_* are not placeable).
-DTYPES = [np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
-    ml_dtypes.float8_e3m4, ml_dtypes.float8_e4m3, ml_dtypes.float8_e8m0fnu,
-    ml_dtypes.float4_e2m1fn, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.uint2)]
+DTYPES = [
+  np.dtype(t)
+  for t in (
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz,
+    ml_dtypes.float8_e4m3b11fnuz,
+    ml_dtypes.float8_e3m4,
+    ml_dtypes.float8_e4m3,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float4_e2m1fn,
+    ml_dtypes.int4,
+    ml_dtypes.uint4,
+    ml_dtypes.int2,
+    ml_dtypes.uint2,
+  )
+]
 
 # (mesh shape, axis names, specs): every way to split or replicate a rank-2 array.
 MESHES = [
-    ((8,), ("x",), [P(), P("x"), P(None, "x"), P("x", None)]),
-    ((4, 2), ("a", "b"), [P(), P("a"), P("b"), P(None, "a"), P(None, "b"), P("a", "b"),
-                          P("b", "a"), P(("a", "b")), P(("b", "a")), P(None, ("a", "b")),
-                          P("a", None)]),
-    ((2, 4), ("a", "b"), [P("a"), P(None, "b"), P("b", "a")]),
+  ((8,), ("x",), [P(), P("x"), P(None, "x"), P("x", None)]),
+  (
+    (4, 2),
+    ("a", "b"),
+    [
+      P(),
+      P("a"),
+      P("b"),
+      P(None, "a"),
+      P(None, "b"),
+      P("a", "b"),
+      P("b", "a"),
+      P(("a", "b")),
+      P(("b", "a")),
+      P(None, ("a", "b")),
+      P("a", None),
+    ],
+  ),
+  ((2, 4), ("a", "b"), [P("a"), P(None, "b"), P("b", "a")]),
 ]
 SHAPE = (8, 16)
 
@@ -64,7 +105,10 @@ def test_restore_onto_every_spec(tmp_path, fmt, dtype):
   tree = {k: values(dtype, n) for n, k in enumerate(targets)}
   path = tmp_path / ("c.npz" if fmt == "npz" else "c")
   bt.save(path, tree)
-  like = {k: jax.ShapeDtypeStruct(SHAPE, dtype, sharding=s) for k, s in targets.items()}
+  like = {
+    k: jax.ShapeDtypeStruct(SHAPE, dtype, sharding=s)
+    for k, s in targets.items()
+  }
   out = bt.restore(path, like)
   for k, s in targets.items():
     assert_same_as_stock(out[k], jax.device_put(tree[k], s))
@@ -86,8 +130,10 @@ def test_issue_repro_partly_replicated_restore(tmp_path):
   bt.save(tmp_path / "c.npz", {"w": w})
   for spec in (P("a"), P(None, "b")):
     s = NamedSharding(mesh, spec)
-    out = bt.restore(tmp_path / "c.npz", {"w": jax.ShapeDtypeStruct((8, 4), np.float32,
-                                                                     sharding=s)})
+    out = bt.restore(
+      tmp_path / "c.npz",
+      {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=s)},
+    )
     assert_same_as_stock(out["w"], jax.device_put(w, s))
 
 
@@ -97,6 +143,10 @@ def test_each_replica_has_its_own_buffer(tmp_path):
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   s = NamedSharding(mesh, P("a"))
   bt.save(tmp_path / "c", {"w": np.ones((8, 4), np.float32)})
-  out = bt.restore(tmp_path / "c", {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=s)})
-  pointers = [x.data.unsafe_buffer_pointer() for x in out["w"].addressable_shards]
+  out = bt.restore(
+    tmp_path / "c", {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=s)}
+  )
+  pointers = [
+    x.data.unsafe_buffer_pointer() for x in out["w"].addressable_shards
+  ]
   assert len(set(pointers)) == len(pointers) == 8

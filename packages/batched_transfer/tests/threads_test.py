@@ -3,8 +3,9 @@
 import concurrent.futures
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src import grouping
@@ -12,22 +13,40 @@ from jaxworks.batched_transfer._src import grouping
 
 def _work(k):
   devices = jax.devices()
-  mesh = jax.make_mesh((2,), ("x",), devices=devices[k % 4 * 2: k % 4 * 2 + 2])
+  mesh = jax.make_mesh((2,), ("x",), devices=devices[k % 4 * 2 : k % 4 * 2 + 2])
   rng = np.random.default_rng(k)
-  tree = {"host": [rng.standard_normal((4, 2)).astype(np.float32) for _ in range(20)],
-          "dev": [jax.device_put(np.full(4, j, np.int32), devices[(k + j) % 8]) for j in range(20)],
-          "s": [k, float(k)]}
+  tree = {
+    "host": [rng.standard_normal((4, 2)).astype(np.float32) for _ in range(20)],
+    "dev": [
+      jax.device_put(np.full(4, j, np.int32), devices[(k + j) % 8])
+      for j in range(20)
+    ],
+    "s": [k, float(k)],
+  }
   results = []
   sharded = NamedSharding(mesh, P("x"))
-  for target in (devices[k % 8], {"host": sharded, "dev": sharded, "s": None}, None):
+  for target in (
+    devices[k % 8],
+    {"host": sharded, "dev": sharded, "s": None},
+    None,
+  ):
     out = bt.device_put(tree, target)
     ref = jax.device_put(tree, target)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
-      results.append(a.sharding == b.sharding and jax.typeof(a) == jax.typeof(b)
-                     and np.array_equal(np.asarray(a), np.asarray(b)))
+      results.append(
+        a.sharding == b.sharding
+        and jax.typeof(a) == jax.typeof(b)
+        and np.array_equal(np.asarray(a), np.asarray(b))
+      )
     results.append(bt.plan(tree, target).num_leaves == 42)
-    results.append(len(grouping.group_leaves(jax.tree.leaves(tree), [None] * 42,
-                                             NamedSharding(mesh, P()))) >= 1)
+    results.append(
+      len(
+        grouping.group_leaves(
+          jax.tree.leaves(tree), [None] * 42, NamedSharding(mesh, P())
+        )
+      )
+      >= 1
+    )
   return all(results)
 
 

@@ -63,8 +63,16 @@ ROWS = []
 
 def _row(name, stock, ours, ratio, goal, met):
   """met: True/False against a goal, None for rows that only report."""
-  ROWS.append((name, stock, ours, ratio, goal,
-               "-" if met is None else "yes" if met else "no"))
+  ROWS.append(
+    (
+      name,
+      stock,
+      ours,
+      ratio,
+      goal,
+      "-" if met is None else "yes" if met else "no",
+    )
+  )
 
 
 def bench_add_chain(quick: bool) -> None:
@@ -78,6 +86,7 @@ def bench_add_chain(quick: bool) -> None:
       for _ in range(size):
         v = inner(v, v)
       return v
+
     return jit_fn(f)
 
   def stock_iter():
@@ -91,8 +100,14 @@ def bench_add_chain(quick: bool) -> None:
   repeats = 3 if quick else 15
   t_stock, t_ours = _side_by_side(stock_iter, our_iter, repeats, 1)
   ratio = t_stock / t_ours
-  _row("jit_add_chain (trace + compile/reuse + run)", _fmt_time(t_stock),
-       _fmt_time(t_ours), f"{ratio:.1f}x faster", ">= 5x faster", ratio >= 5)
+  _row(
+    "jit_add_chain (trace + compile/reuse + run)",
+    _fmt_time(t_stock),
+    _fmt_time(t_ours),
+    f"{ratio:.1f}x faster",
+    ">= 5x faster",
+    ratio >= 5,
+  )
 
   def stock_trace():
     make(jax.jit, stock_inner).trace(x)
@@ -102,11 +117,18 @@ def bench_add_chain(quick: bool) -> None:
 
   stock_trace()
   our_trace()
-  t_stock, t_ours = _side_by_side(stock_trace, our_trace, 3 if quick else 15,
-                                  2 if quick else 5)
+  t_stock, t_ours = _side_by_side(
+    stock_trace, our_trace, 3 if quick else 15, 2 if quick else 5
+  )
   ratio = t_stock / t_ours
-  _row("jit_add_chain, trace-only phase", _fmt_time(t_stock), _fmt_time(t_ours),
-       f"{ratio:.2f}x faster", "no slower (>= 1x)", ratio >= 1.0)
+  _row(
+    "jit_add_chain, trace-only phase",
+    _fmt_time(t_stock),
+    _fmt_time(t_ours),
+    f"{ratio:.2f}x faster",
+    "no slower (>= 1x)",
+    ratio >= 1.0,
+  )
 
 
 def bench_call_overhead(quick: bool) -> None:
@@ -125,11 +147,18 @@ def bench_call_overhead(quick: bool) -> None:
     number = {1: 2000, 10: 1000, 100: 300}[n]
     if quick:
       number //= 10
-    t_stock, t_ours = _side_by_side(lambda: stock(*args), lambda: ours(*args),
-                                    5 if quick else 21, number)
+    t_stock, t_ours = _side_by_side(
+      lambda: stock(*args), lambda: ours(*args), 5 if quick else 21, number
+    )
     ratio = t_ours / t_stock
-    _row(f"cached call, {n} array args", _fmt_time(t_stock), _fmt_time(t_ours),
-         f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5)
+    _row(
+      f"cached call, {n} array args",
+      _fmt_time(t_stock),
+      _fmt_time(t_ours),
+      f"{ratio:.2f}x",
+      "<= 1.5x",
+      ratio <= 1.5,
+    )
 
 
 def bench_signature(quick: bool) -> None:
@@ -138,14 +167,22 @@ def bench_signature(quick: bool) -> None:
   for n in (10, 100, 1000):
     leaves = [jnp.full((i % 5 + 1,), 1.0) for i in range(n)]
     number = max(2, (2000 if not quick else 200) // n)
-    t_py, t_cpp = _side_by_side(lambda: sigmod.py_signature(leaves, extra),
-                                lambda: sigmod.signature(leaves, extra),
-                                repeats, number)
+    t_py, t_cpp = _side_by_side(
+      lambda: sigmod.py_signature(leaves, extra),
+      lambda: sigmod.signature(leaves, extra),
+      repeats,
+      number,
+    )
     ratio = t_py / t_cpp
     goal = ">= 5x" if n == 100 else "(report)"
-    _row(f"signature, {n} jax Array leaves (Python twin vs C++)",
-         _fmt_time(t_py), _fmt_time(t_cpp), f"{ratio:.1f}x faster", goal,
-         ratio >= 5 if n == 100 else None)
+    _row(
+      f"signature, {n} jax Array leaves (Python twin vs C++)",
+      _fmt_time(t_py),
+      _fmt_time(t_cpp),
+      f"{ratio:.1f}x faster",
+      goal,
+      ratio >= 5 if n == 100 else None,
+    )
 
   tracer_rows = []
 
@@ -153,9 +190,12 @@ def bench_signature(quick: bool) -> None:
     for n in (10, 100, 1000):
       leaves = list(xs[:n])
       number = max(2, (2000 if not quick else 200) // n)
-      t_py, t_cpp = _side_by_side(lambda: sigmod.py_signature(leaves, extra),
-                                  lambda: sigmod.signature(leaves, extra),
-                                  repeats, number)
+      t_py, t_cpp = _side_by_side(
+        lambda: sigmod.py_signature(leaves, extra),
+        lambda: sigmod.signature(leaves, extra),
+        repeats,
+        number,
+      )
       tracer_rows.append((n, t_py, t_cpp))
     return xs[0]
 
@@ -163,9 +203,14 @@ def bench_signature(quick: bool) -> None:
   for n, t_py, t_cpp in tracer_rows:
     ratio = t_py / t_cpp
     goal = ">= 5x" if n == 100 else "(report)"
-    _row(f"signature, {n} tracer leaves (Python twin vs C++)", _fmt_time(t_py),
-         _fmt_time(t_cpp), f"{ratio:.1f}x faster", goal,
-         ratio >= 5 if n == 100 else None)
+    _row(
+      f"signature, {n} tracer leaves (Python twin vs C++)",
+      _fmt_time(t_py),
+      _fmt_time(t_cpp),
+      f"{ratio:.1f}x faster",
+      goal,
+      ratio >= 5 if n == 100 else None,
+    )
 
   def key_rows(label, args, number):
     def ours():
@@ -181,24 +226,34 @@ def bench_signature(quick: bool) -> None:
 
     t_stock, t_ours = _side_by_side(stock_parse, ours, repeats, number)
     ratio = t_ours / t_stock
-    _row(f"argument key, {label}: jax parse_arguments vs ours",
-         _fmt_time(t_stock), _fmt_time(t_ours), f"{ratio:.2f}x",
-         "<= 2x (goal)", ratio <= 2)
+    _row(
+      f"argument key, {label}: jax parse_arguments vs ours",
+      _fmt_time(t_stock),
+      _fmt_time(t_ours),
+      f"{ratio:.2f}x",
+      "<= 2x (goal)",
+      ratio <= 2,
+    )
     t_stock, t_ours = _side_by_side(stock_full, ours, repeats, number)
     ratio = t_ours / t_stock
-    _row(f"argument key, {label}: jax parse_arguments + avals vs ours",
-         _fmt_time(t_stock), _fmt_time(t_ours), f"{ratio:.2f}x",
-         "(report)", None)
+    _row(
+      f"argument key, {label}: jax parse_arguments + avals vs ours",
+      _fmt_time(t_stock),
+      _fmt_time(t_ours),
+      f"{ratio:.2f}x",
+      "(report)",
+      None,
+    )
 
   for n in (10, 100, 1000):
     args = tuple(jnp.full((i % 5 + 1,), 1.0) for i in range(n))
-    key_rows(f"{n} jax Arrays", args,
-             max(2, (2000 if not quick else 200) // n))
+    key_rows(f"{n} jax Arrays", args, max(2, (2000 if not quick else 200) // n))
 
   def key_under_trace(*xs):
     for n in (10, 100):
-      key_rows(f"{n} tracers", tuple(xs[:n]),
-               max(2, (2000 if not quick else 200) // n))
+      key_rows(
+        f"{n} tracers", tuple(xs[:n]), max(2, (2000 if not quick else 200) // n)
+      )
     return xs[0]
 
   jax.make_jaxpr(key_under_trace)(*[jnp.ones((2,))] * 100)
@@ -206,16 +261,19 @@ def bench_signature(quick: bool) -> None:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="few repeats, small sizes (seconds)")
+  parser.add_argument(
+    "--quick", action="store_true", help="few repeats, small sizes (seconds)"
+  )
   opts = parser.parse_args(argv)
   t0 = time.perf_counter()
   bench_add_chain(opts.quick)
   bench_call_overhead(opts.quick)
   bench_signature(opts.quick)
-  print(f"jaxworks.jit_cache {jit_cache.__version__} vs jax {jax.__version__}"
-        f" on {jax.devices()[0].platform} ({len(jax.devices())} devices); "
-        f"medians{' (--quick)' if opts.quick else ''}\n")
+  print(
+    f"jaxworks.jit_cache {jit_cache.__version__} vs jax {jax.__version__}"
+    f" on {jax.devices()[0].platform} ({len(jax.devices())} devices); "
+    f"medians{' (--quick)' if opts.quick else ''}\n"
+  )
   print("| benchmark | jax.jit / reference | jit_cache | ratio | goal | met |")
   print("|---|---|---|---|---|---|")
   for row in ROWS:

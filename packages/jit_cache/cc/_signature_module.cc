@@ -11,13 +11,13 @@
 // ~75 ns. pybind11 provides the module, RAII handles and errors.
 //
 // signature.h first: it configures pybind11 before pybind11 is included.
-#include "signature.h"
-
 #include <pybind11/pybind11.h>
 
 #include <exception>
 #include <new>
 #include <string>
+
+#include "signature.h"
 
 namespace py = pybind11;
 using jaxworks::jit_cache::ContextInterner;
@@ -101,14 +101,12 @@ Py_hash_t Hash(PyObject* self) {
 template <typename T>
 PyObject* RichCompare(PyObject* self, PyObject* other, int op) {
   const T* a = PyBox<T>::Get(self);
-  const T* b = Py_TYPE(other) == Py_TYPE(self) ? PyBox<T>::Get(other)
-                                               : nullptr;
+  const T* b = Py_TYPE(other) == Py_TYPE(self) ? PyBox<T>::Get(other) : nullptr;
   if ((op != Py_EQ && op != Py_NE) || a == nullptr || b == nullptr) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  return Guard<PyObject*>(nullptr, [&] {
-    return PyBool_FromLong((op == Py_EQ) == a->Equals(*b));
-  });
+  return Guard<PyObject*>(
+      nullptr, [&] { return PyBool_FromLong((op == Py_EQ) == a->Equals(*b)); });
 }
 
 // Unpacks (first[, second]) positional-or-keyword arguments of a tp_call
@@ -125,8 +123,8 @@ bool UnpackOneOrTwo(const char* what, PyObject* args, PyObject* kwargs,
   std::string format = std::string("O|O:") + what;
   char* names[] = {const_cast<char*>(first_name),
                    const_cast<char*>(second_name), nullptr};
-  return PyArg_ParseTupleAndKeywords(args, kwargs, format.c_str(), names,
-                                     first, second) != 0;
+  return PyArg_ParseTupleAndKeywords(args, kwargs, format.c_str(), names, first,
+                                     second) != 0;
 }
 
 // ----------------------------------------------------------- Signature
@@ -166,8 +164,8 @@ PyObject* SignatureDescribe(PyObject* self, PyObject*) {
 PyGetSetDef signature_getset[] = {
     {"extra", SignatureExtra, nullptr,
      "The extra object (tree structure, statics, context).", nullptr},
-    {"has_tracer", SignatureHasTracer, nullptr,
-     "True when a leaf is a tracer.", nullptr},
+    {"has_tracer", SignatureHasTracer, nullptr, "True when a leaf is a tracer.",
+     nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyMethodDef signature_methods[] = {
@@ -176,9 +174,9 @@ PyMethodDef signature_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 PyType_Slot signature_slots[] = {
-    {Py_tp_doc, const_cast<char*>(
-                    "Signature of one call's flattened arguments; built by "
-                    "SignatureBuilder, hash precomputed.")},
+    {Py_tp_doc,
+     const_cast<char*>("Signature of one call's flattened arguments; built by "
+                       "SignatureBuilder, hash precomputed.")},
     {Py_tp_dealloc, reinterpret_cast<void*>(Dealloc<Signature>)},
     {Py_tp_traverse, reinterpret_cast<void*>(Traverse<Signature>)},
     {Py_tp_clear, reinterpret_cast<void*>(Clear<Signature>)},
@@ -198,7 +196,8 @@ PyObject* BuilderNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                    const_cast<char*>("tracer_type"),
                    const_cast<char*>("ndarray_type"),
                    const_cast<char*>("numpy_generic_type"),
-                   const_cast<char*>("fallback"), nullptr};
+                   const_cast<char*>("fallback"),
+                   nullptr};
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOO:SignatureBuilder",
                                    names, &PyTuple_Type, &array_types,
                                    &tracer_type, &ndarray_type, &generic_type,
@@ -209,9 +208,9 @@ PyObject* BuilderNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     auto borrow = [](PyObject* o) {
       return py::reinterpret_borrow<py::object>(o);
     };
-    SignatureBuilder builder(
-        py::reinterpret_borrow<py::tuple>(array_types), borrow(tracer_type),
-        borrow(ndarray_type), borrow(generic_type), borrow(fallback));
+    SignatureBuilder builder(py::reinterpret_borrow<py::tuple>(array_types),
+                             borrow(tracer_type), borrow(ndarray_type),
+                             borrow(generic_type), borrow(fallback));
     return PyBox<SignatureBuilder>::New(type, std::move(builder));
   });
 }
@@ -280,8 +279,8 @@ PyGetSetDef context_key_getset[] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyType_Slot context_key_slots[] = {
-    {Py_tp_doc, const_cast<char*>(
-                    "A tuple with a cached hash; made by ContextInterner.")},
+    {Py_tp_doc,
+     const_cast<char*>("A tuple with a cached hash; made by ContextInterner.")},
     {Py_tp_dealloc, reinterpret_cast<void*>(Dealloc<ContextKey>)},
     {Py_tp_traverse, reinterpret_cast<void*>(Traverse<ContextKey>)},
     {Py_tp_clear, reinterpret_cast<void*>(Clear<ContextKey>)},
@@ -306,8 +305,7 @@ PyObject* InternerNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   return Guard<PyObject*>(nullptr, [&] {
-    ContextInterner interner(static_cast<size_t>(capacity),
-                             g_context_key_type);
+    ContextInterner interner(static_cast<size_t>(capacity), g_context_key_type);
     return PyBox<ContextInterner>::New(type, std::move(interner));
   });
 }
@@ -336,11 +334,11 @@ Py_ssize_t InternerLen(PyObject* self) {
 }
 
 PyType_Slot interner_slots[] = {
-    {Py_tp_doc, const_cast<char*>(
-                    "ContextInterner(capacity=8)\n\nCalled as "
-                    "interner(values): the same ContextKey for tuples whose "
-                    "elements are identical to one of the last `capacity` "
-                    "tuples seen.")},
+    {Py_tp_doc,
+     const_cast<char*>("ContextInterner(capacity=8)\n\nCalled as "
+                       "interner(values): the same ContextKey for tuples whose "
+                       "elements are identical to one of the last `capacity` "
+                       "tuples seen.")},
     {Py_tp_new, reinterpret_cast<void*>(InternerNew)},
     {Py_tp_call, reinterpret_cast<void*>(InternerCall)},
     {Py_tp_dealloc, reinterpret_cast<void*>(Dealloc<ContextInterner>)},
@@ -355,8 +353,7 @@ template <typename T>
 PyType_Spec Spec(const char* name, PyType_Slot* slots, bool instantiable) {
   unsigned int flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   if (!instantiable) flags |= Py_TPFLAGS_DISALLOW_INSTANTIATION;
-  return PyType_Spec{name, static_cast<int>(sizeof(PyBox<T>)), 0, flags,
-                     slots};
+  return PyType_Spec{name, static_cast<int>(sizeof(PyBox<T>)), 0, flags, slots};
 }
 
 PyType_Spec signature_spec = Spec<Signature>(

@@ -80,15 +80,24 @@ std::string TypeName(py::handle obj) {
 
 const char* LeafKindName(LeafKind kind) {
   switch (kind) {
-    case LeafKind::kJaxArray: return "jax_array";
-    case LeafKind::kTracer: return "tracer";
-    case LeafKind::kNdarray: return "ndarray";
-    case LeafKind::kNumpyScalar: return "numpy_scalar";
-    case LeafKind::kPyBool: return "bool";
-    case LeafKind::kPyInt: return "int";
-    case LeafKind::kPyFloat: return "float";
-    case LeafKind::kPyComplex: return "complex";
-    case LeafKind::kOther: return "other";
+    case LeafKind::kJaxArray:
+      return "jax_array";
+    case LeafKind::kTracer:
+      return "tracer";
+    case LeafKind::kNdarray:
+      return "ndarray";
+    case LeafKind::kNumpyScalar:
+      return "numpy_scalar";
+    case LeafKind::kPyBool:
+      return "bool";
+    case LeafKind::kPyInt:
+      return "int";
+    case LeafKind::kPyFloat:
+      return "float";
+    case LeafKind::kPyComplex:
+      return "complex";
+    case LeafKind::kOther:
+      return "other";
   }
   return "other";
 }
@@ -144,8 +153,8 @@ py::list Signature::Describe() const {
   for (const LeafSignature& leaf : leaves_) {  // (null after a GC clear)
     py::object first = leaf.first ? leaf.first : py::none();
     py::object second = leaf.second ? leaf.second : py::none();
-    out.append(py::make_tuple(LeafKindName(leaf.kind), first, second,
-                              leaf.committed));
+    out.append(
+        py::make_tuple(LeafKindName(leaf.kind), first, second, leaf.committed));
   }
   return out;
 }
@@ -256,9 +265,9 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
     }
     array_types_.push_back(py::reinterpret_borrow<py::object>(t));
     PyTypeObject* type = reinterpret_cast<PyTypeObject*>(t.ptr());
-    array_readers_.push_back(ArrayReaders{
-        type, AttrReader(type, aval_name_), AttrReader(type, sharding_name),
-        AttrReader(type, committed_name)});
+    array_readers_.push_back(ArrayReaders{type, AttrReader(type, aval_name_),
+                                          AttrReader(type, sharding_name),
+                                          AttrReader(type, committed_name)});
   }
   for (const py::object* t :
        {&tracer_type_, &ndarray_type_, &numpy_generic_type_}) {

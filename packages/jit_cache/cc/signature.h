@@ -148,13 +148,13 @@ class AttrReader {
  private:
   void Refresh();
 
-  py::object type_;   // keeps the type (and its pointer) alive
+  py::object type_;  // keeps the type (and its pointer) alive
   py::object name_;
   py::object descr_;  // cached data descriptor, or null
   py::object fget_;   // the descriptor's getter when it is a property
   vectorcallfunc call_ = nullptr;  // fget_'s vectorcall entry point
   descrgetfunc get_ = nullptr;
-  Py_ssize_t slot_offset_ = -1;   // a plain object slot's offset, or -1
+  Py_ssize_t slot_offset_ = -1;  // a plain object slot's offset, or -1
   unsigned int version_tag_ = 0;
 };
 
@@ -230,8 +230,7 @@ class ContextKey {
 // object inline (see _signature_module.cc for why). PyBox<T> is that layout.
 template <typename T>
 struct PyBox {
-  PyObject_HEAD
-  std::optional<T> value;  // empty only while being built
+  PyObject_HEAD std::optional<T> value;  // empty only while being built
 
   // The C++ object of a PyBox<T> object, or nullptr before it is built.
   static T* Get(PyObject* self) {

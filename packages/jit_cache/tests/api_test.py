@@ -10,10 +10,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
 
 from jaxworks import jit_cache
 from jaxworks.jit_cache import jit
@@ -54,22 +54,30 @@ def _poly(x, y):
 
 
 CORPUS = [
-    ("scalars", lambda x, y: x * y + 1, (2.0, 3)),
-    ("weak_and_strong", lambda x, y: x + y, (jnp.float32(1.5), 2.0)),
-    ("int_weak", lambda x, y: x + y, (jnp.arange(3), 7)),
-    ("numpy_args", lambda x, y: x @ y, (np.ones((2, 3), np.float32),
-                                        np.ones((3, 2), np.float32))),
-    ("pytree_dict", lambda d: d["a"] * d["b"][0],
-     ({"a": jnp.arange(4.0), "b": [jnp.full(4, 2.0), None]},)),
-    ("namedtuple", lambda p: Pair(p.b, p.a + 1), (Pair(jnp.ones(2),
-                                                        jnp.zeros(2)),)),
-    ("nested_out", _poly, (jnp.arange(3.0), jnp.ones(3))),
-    ("bool_int", lambda x, b: jnp.where(b, x, -x), (jnp.arange(3), True)),
-    ("complex", lambda z: z * 1j, (jnp.ones(2, jnp.complex64),)),
-    ("empty_tuple_out", lambda x: (), (jnp.ones(1),)),
-    ("prng_key", lambda k: jax.random.uniform(k, (3,)), (jax.random.key(1),)),
-    ("raw_key", lambda k: jax.random.normal(k, (2,)),
-     (jax.random.PRNGKey(0),)),
+  ("scalars", lambda x, y: x * y + 1, (2.0, 3)),
+  ("weak_and_strong", lambda x, y: x + y, (jnp.float32(1.5), 2.0)),
+  ("int_weak", lambda x, y: x + y, (jnp.arange(3), 7)),
+  (
+    "numpy_args",
+    lambda x, y: x @ y,
+    (np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)),
+  ),
+  (
+    "pytree_dict",
+    lambda d: d["a"] * d["b"][0],
+    ({"a": jnp.arange(4.0), "b": [jnp.full(4, 2.0), None]},),
+  ),
+  (
+    "namedtuple",
+    lambda p: Pair(p.b, p.a + 1),
+    (Pair(jnp.ones(2), jnp.zeros(2)),),
+  ),
+  ("nested_out", _poly, (jnp.arange(3.0), jnp.ones(3))),
+  ("bool_int", lambda x, b: jnp.where(b, x, -x), (jnp.arange(3), True)),
+  ("complex", lambda z: z * 1j, (jnp.ones(2, jnp.complex64),)),
+  ("empty_tuple_out", lambda x: (), (jnp.ones(1),)),
+  ("prng_key", lambda k: jax.random.uniform(k, (3,)), (jax.random.key(1),)),
+  ("raw_key", lambda k: jax.random.normal(k, (2,)), (jax.random.PRNGKey(0),)),
 ]
 
 
@@ -88,8 +96,12 @@ def test_kwargs_and_static_argnames():
   ours = jit(f, static_argnums=1, static_argnames="mode")
   ref = jax.jit(f, static_argnums=1, static_argnames="mode")
   x = jnp.arange(4.0)
-  for args, kwargs in [((x, 3), {}), ((x, 3), {"mode": "add"}),
-                       ((x,), {"n": 2}), ((x, 2), {"scale": 0.5})]:
+  for args, kwargs in [
+    ((x, 3), {}),
+    ((x, 3), {"mode": "add"}),
+    ((x,), {"n": 2}),
+    ((x, 2), {"scale": 0.5}),
+  ]:
     _same(ours(*args, **kwargs), ref(*args, **kwargs))
 
 
@@ -102,9 +114,9 @@ def test_static_argnames_inferred_from_argnums_and_back():
 
   by_num = jit(f, static_argnums=1)
   x = jnp.ones(2)
-  _vals(by_num(x, n=3), x * 3)       # passed by name: still static
+  _vals(by_num(x, n=3), x * 3)  # passed by name: still static
   by_name = jit(f, static_argnames="n")
-  _vals(by_name(x, 4), x * 4)        # passed by position: still static
+  _vals(by_name(x, 4), x * 4)  # passed by position: still static
   assert calls == [3, 4]
 
 
@@ -121,8 +133,10 @@ def test_static_values_compare_with_type():
   r_int = f(jnp.ones(2, jnp.int32), 1)
   r_float = f(jnp.ones(2, jnp.int32), 1.0)
   assert r_int.dtype == jnp.int32 and r_float.dtype == jnp.float32
-  _same(r_float, jax.jit(lambda x, n: x * n, static_argnums=1)(
-      jnp.ones(2, jnp.int32), 1.0))
+  _same(
+    r_float,
+    jax.jit(lambda x, n: x * n, static_argnums=1)(jnp.ones(2, jnp.int32), 1.0),
+  )
 
 
 @pytest.mark.parametrize("x64", [False, True])
@@ -201,8 +215,9 @@ def test_active_mesh_is_part_of_the_key():
   x = jnp.ones(2)
   explicit = (jax.sharding.AxisType.Explicit,)
   mesh8 = jax.make_mesh((8,), ("i",), axis_types=explicit)
-  mesh4 = jax.make_mesh((4,), ("i",), axis_types=explicit,
-                        devices=jax.devices()[:4])
+  mesh4 = jax.make_mesh(
+    (4,), ("i",), axis_types=explicit, devices=jax.devices()[:4]
+  )
   _same(ours(x), ref(x))
   for mesh in (mesh8, mesh4):
     with jax.set_mesh(mesh):
@@ -230,14 +245,17 @@ def test_decorator_forms_and_partial():
   _vals(a(x), x + 1)
   _vals(b(x, 2), x + 2)
   _vals(c(x, n=3), x - 3)
+
   def scale(k, x):
     return x * k
 
   d = jit(functools.partial(scale, 4.0))
   _vals(d(x + 1), jnp.full(2, 4.0))
   assert d.trace(x).fun_name == "scale"
-  assert d.trace(x).fun_name == jax.jit(functools.partial(scale, 4.0)).trace(
-      x).fun_name
+  assert (
+    d.trace(x).fun_name
+    == jax.jit(functools.partial(scale, 4.0)).trace(x).fun_name
+  )
   assert a.__name__ == "a" and a.__wrapped__ is not None
 
 
@@ -276,8 +294,7 @@ def test_keep_unused_and_inline():
 
 
 def test_compiler_options_top_level():
-  f = jit(lambda x: x + 1,
-          compiler_options={"xla_cpu_enable_fast_math": False})
+  f = jit(lambda x: x + 1, compiler_options={"xla_cpu_enable_fast_math": False})
   if jax.devices()[0].platform != "cpu":
     f = jit(lambda x: x + 1)
   _vals(f(jnp.ones(2)), jnp.full(2, 2.0))
@@ -311,9 +328,12 @@ def test_debug_nans_defers_to_jax():
 
 def test_unhashable_static_error():
   f = jit(lambda x, n: x * len(n), static_argnums=1)
-  with pytest.raises(ValueError, match=r"jaxworks.jit_cache.jit: Non-hashable "
-                     r"static arguments are not supported: static argument 1 "
-                     r"of <lambda> is not hashable: list \[1, 2\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"jaxworks.jit_cache.jit: Non-hashable "
+    r"static arguments are not supported: static argument 1 "
+    r"of <lambda> is not hashable: list \[1, 2\]",
+  ):
     f(jnp.ones(2), [1, 2])
 
 
@@ -321,11 +341,14 @@ def test_static_argnums_out_of_range_error():
   def f(x, y):
     return x + y
 
-  with pytest.raises(ValueError, match="static_argnums 2 out of range for f "
-                     "with 2 positional args"):
+  with pytest.raises(
+    ValueError,
+    match="static_argnums 2 out of range for f with 2 positional args",
+  ):
     jit(f, static_argnums=2)
-  with pytest.raises(ValueError, match="static_argnames .'z'. are not "
-                     "parameters of f"):
+  with pytest.raises(
+    ValueError, match="static_argnames .'z'. are not parameters of f"
+  ):
     jit(f, static_argnames="z")
   with pytest.raises(TypeError, match="static_argnums must be an int"):
     jit(f, static_argnums="x")
@@ -333,19 +356,28 @@ def test_static_argnums_out_of_range_error():
 
 def test_bad_argument_error_names_path():
   f = jit(lambda x, cfg: x)
-  with pytest.raises(TypeError, match=r"argument cfg\['name'\] of <lambda> "
-                     r"has type str, which is not a valid JAX type"):
+  with pytest.raises(
+    TypeError,
+    match=r"argument cfg\['name'\] of <lambda> "
+    r"has type str, which is not a valid JAX type",
+  ):
     f(jnp.ones(1), {"name": "abc"})
 
 
 def test_not_callable_and_bad_maxsize():
   with pytest.raises(TypeError, match="Expected a callable value, got int"):
     jit(3)
-  with pytest.raises(TypeError, match=r"jit_cache.eval_shape: Expected a "
-                     r"callable value, got int 3; pass a function"):
+  with pytest.raises(
+    TypeError,
+    match=r"jit_cache.eval_shape: Expected a "
+    r"callable value, got int 3; pass a function",
+  ):
     jit_cache.eval_shape(3, 1.0)
-  with pytest.raises(TypeError, match=r"jit_cache.make_jaxpr: Expected a "
-                     r"callable value, got str"):
+  with pytest.raises(
+    TypeError,
+    match=r"jit_cache.make_jaxpr: Expected a "
+    r"callable value, got str",
+  ):
     jit_cache.make_jaxpr("f")
   with pytest.raises(ValueError, match="maxsize must be an int >= 1"):
     jit(lambda x: x, maxsize=0)

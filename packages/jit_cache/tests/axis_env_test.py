@@ -14,7 +14,6 @@ from jaxworks.jit_cache import jit
 
 
 class Counting:
-
   def __init__(self, fn):
     self.fn, self.n = fn, 0
 
@@ -40,9 +39,11 @@ def test_entry_shared_across_sizes_of_unused_axis():
   body = Counting(lambda x: jnp.sin(x) * 2)
   f = jit(body)
   for size in (3, 5, 7, 9):
-    np.testing.assert_allclose(_vmapped(f, size),
-                               jnp.sin(jnp.arange(size * 2.0)).reshape(
-                                   size, 2) * 2, rtol=1e-6)
+    np.testing.assert_allclose(
+      _vmapped(f, size),
+      jnp.sin(jnp.arange(size * 2.0)).reshape(size, 2) * 2,
+      rtol=1e-6,
+    )
   # First trace, plus one check (traced again with only the used names bound)
   # before the entry is shared; sizes 7 and 9 are hits.
   assert body.n == 2
@@ -65,8 +66,9 @@ def test_inner_jit_in_shard_map():
   inner = jit(body)
 
   def run(f):
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=jax.P("d"),
-                                 out_specs=jax.P("d")))(jnp.arange(8.0))
+    return jax.jit(
+      jax.shard_map(f, mesh=mesh, in_specs=jax.P("d"), out_specs=jax.P("d"))
+    )(jnp.arange(8.0))
 
   ref = jax.jit(lambda x: jax.lax.psum(x, "d") + jax.lax.axis_index("d"))
   np.testing.assert_allclose(run(inner), run(ref))

@@ -71,13 +71,14 @@ def test_functions_are_held_weakly():
   def make():
     def body(x):
       return x * 3
+
     return body
 
   body = make()
   ref = weakref.ref(body)
   f = jit(body)
   f(jnp.ones(3))
-  jax.make_jaxpr(lambda x: f(x))(jnp.ones(3))
+  jax.make_jaxpr(lambda x: f(x))(jnp.ones(3))  # noqa: F821 (deleted below)
   jit_cache.eval_shape(body, jnp.ones(2))  # implicit wrapper, held weakly
   wrapper_ref = weakref.ref(f)
   del body, f
@@ -171,5 +172,4 @@ def test_explain_miss_x64_and_placement():
 def test_explain_miss_weak_type():
   f = jit(lambda x: x + 1)
   f(jnp.float32(1.0))
-  assert "x: weak_type False -> True" in f.explain_miss(
-      jnp.asarray(1.0) * 1)
+  assert "x: weak_type False -> True" in f.explain_miss(jnp.asarray(1.0) * 1)

@@ -22,8 +22,9 @@ from jaxworks import jit_cache
 from jaxworks.jit_cache._src import disk_cache
 from jaxworks.jit_cache._src import fingerprint
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                      "disk_cache_worker.py")
+WORKER = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "disk_cache_worker.py"
+)
 
 
 def _env(extra=None):
@@ -38,8 +39,13 @@ def _start(directory, programs, max_bytes=None, env=None):
   argv = [sys.executable, WORKER, str(directory), programs]
   if max_bytes is not None:
     argv.append(str(max_bytes))
-  return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          env=_env(env), text=True)
+  return subprocess.Popen(
+    argv,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    env=_env(env),
+    text=True,
+  )
 
 
 def _finish(proc):
@@ -55,8 +61,9 @@ def _run(directory, programs, max_bytes=None, env=None):
 
 
 def _entries(directory):
-  return sorted(n for n in os.listdir(directory)
-                if n.endswith(disk_cache.SUFFIX))
+  return sorted(
+    n for n in os.listdir(directory) if n.endswith(disk_cache.SUFFIX)
+  )
 
 
 @pytest.fixture
@@ -126,64 +133,79 @@ def _assert_valid(path):
   """The entry was rewritten whole: intact header, key of this jaxlib and
   platform, payload checksum."""
   import hashlib  # pylint: disable=g-import-not-at-top
+
   with open(path, "rb") as f:
     data = f.read()
   head = len(disk_cache.MAGIC) + disk_cache.HEADER.size
   assert data.startswith(disk_cache.MAGIC)
   fmt, key_len, payload_len, sha = disk_cache.HEADER.unpack_from(
-      data, len(disk_cache.MAGIC))
+    data, len(disk_cache.MAGIC)
+  )
   assert fmt == disk_cache.FORMAT_VERSION
   assert len(data) == head + key_len + payload_len
-  key = json.loads(data[head:head + key_len])
+  key = json.loads(data[head : head + key_len])
   assert key["jaxlib"] == jaxlib.__version__
   assert key["backends"][0]["platform"] == "cpu"
-  assert hashlib.sha256(data[head + key_len:]).digest() == sha
+  assert hashlib.sha256(data[head + key_len :]).digest() == sha
 
 
 def test_truncated_entry_is_rejected_and_rewritten(tmp_path):
-  _damage_and_reload(tmp_path, lambda d: d[:len(d) // 2], "truncated",
-                     heal=True)
+  _damage_and_reload(
+    tmp_path, lambda d: d[: len(d) // 2], "truncated", heal=True
+  )
 
 
 def test_flipped_payload_byte_is_rejected_and_rewritten(tmp_path):
   def flip(d):
     d[-100] ^= 0x40
     return d
+
   _damage_and_reload(tmp_path, flip, "checksum")
 
 
 def _rewrite_key(data, change):
   head = len(disk_cache.MAGIC) + disk_cache.HEADER.size
   fmt, key_len, payload_len, sha = disk_cache.HEADER.unpack_from(
-      bytes(data), len(disk_cache.MAGIC))
-  key = json.loads(bytes(data[head:head + key_len]))
+    bytes(data), len(disk_cache.MAGIC)
+  )
+  key = json.loads(bytes(data[head : head + key_len]))
   change(key)
   new_key = disk_cache._key_bytes(key)
-  return (disk_cache.MAGIC + disk_cache.HEADER.pack(
-      fmt, len(new_key), payload_len, sha) + new_key +
-          bytes(data[head + key_len:]))
+  return (
+    disk_cache.MAGIC
+    + disk_cache.HEADER.pack(fmt, len(new_key), payload_len, sha)
+    + new_key
+    + bytes(data[head + key_len :])
+  )
 
 
 def test_entry_from_another_jaxlib_is_rejected(tmp_path):
   def other_jaxlib(key):
     key["jaxlib"] = "0.0.1"
-  _damage_and_reload(tmp_path, lambda d: _rewrite_key(d, other_jaxlib),
-                     "version mismatch: jaxlib")
+
+  _damage_and_reload(
+    tmp_path,
+    lambda d: _rewrite_key(d, other_jaxlib),
+    "version mismatch: jaxlib",
+  )
 
 
 def test_entry_from_another_platform_is_rejected(tmp_path):
   def other_platform(key):
     key["backends"][0]["platform"] = "tpu"
     key["backends"][0]["platform_version"] = "libtpu 1"
-  _damage_and_reload(tmp_path, lambda d: _rewrite_key(d, other_platform),
-                     "different machine")
+
+  _damage_and_reload(
+    tmp_path, lambda d: _rewrite_key(d, other_platform), "different machine"
+  )
 
 
 def test_lru_eviction_at_the_size_limit(tmp_path):
   first = _run(tmp_path, "chain4,chain5")
   assert len(_entries(tmp_path)) == 2
-  size = max(os.path.getsize(os.path.join(tmp_path, n))
-             for n in _entries(tmp_path))
+  size = max(
+    os.path.getsize(os.path.join(tmp_path, n)) for n in _entries(tmp_path)
+  )
   a, b = (os.path.join(tmp_path, n) for n in _names(first))
   old = time.time() - 100
   os.utime(a, (old, old))
@@ -201,8 +223,10 @@ def test_lru_eviction_at_the_size_limit(tmp_path):
 
 
 def _names(result):
-  return [line.split("disk cache: no entry ")[1].split()[0]
-          for line in result["explain"]]
+  return [
+    line.split("disk cache: no entry ")[1].split()[0]
+    for line in result["explain"]
+  ]
 
 
 def test_off_by_default(tmp_path):
@@ -252,17 +276,21 @@ def test_set_cache_dir_and_config(tmp_path, cache_off, monkeypatch):
 def test_user_primitive_is_not_persisted(tmp_path, cache_off):
   from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
   from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
+
   prim = jex_core.Primitive("jaxworks_test_double")
   prim.def_abstract_eval(lambda x: x)
-  mlir.register_lowering(prim, mlir.lower_fun(lambda x: x * 2,
-                                              multiple_results=False))
+  mlir.register_lowering(
+    prim, mlir.lower_fun(lambda x: x * 2, multiple_results=False)
+  )
   jit_cache.set_cache_dir(tmp_path)
   f = jit_cache.jit(lambda x: prim.bind(x) + 1.0)
   x = jnp.arange(4.0)
   np.testing.assert_array_equal(f(x), x * 2 + 1)
   assert _entries(tmp_path) == []
-  assert ("disk cache: not persisted (primitive jaxworks_test_double"
-          in f.explain_miss(x))
+  assert (
+    "disk cache: not persisted (primitive jaxworks_test_double"
+    in f.explain_miss(x)
+  )
 
 
 def test_key_changes_with_x64_and_placement(cache_off):
@@ -299,9 +327,14 @@ def test_evict_removes_least_recently_used(tmp_path):
 def test_read_entry_rejects_garbage(tmp_path):
   key = {"format": 1, "program": "0" * 64}
   path = tmp_path / "x.jwx"
-  for data, why in [(b"", "bad magic"), (b"hello world" * 10, "bad magic"),
-                    (disk_cache.MAGIC + struct.pack("<IIQ32s", 99, 0, 0,
-                                                    b"\0" * 32), "format 99")]:
+  for data, why in [
+    (b"", "bad magic"),
+    (b"hello world" * 10, "bad magic"),
+    (
+      disk_cache.MAGIC + struct.pack("<IIQ32s", 99, 0, 0, b"\0" * 32),
+      "format 99",
+    ),
+  ]:
     path.write_bytes(data)
     payload, reason = disk_cache.read_entry(str(path), key)
     assert payload is None and why in reason

@@ -22,7 +22,8 @@ LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 events = []
 monitoring.register_event_duration_secs_listener(
-    lambda name, secs, **kw: events.append(name))
+  lambda name, secs, **kw: events.append(name)
+)
 
 
 def chain(k):
@@ -30,6 +31,7 @@ def chain(k):
     for _ in range(100):
       x = x + k
     return x * 0.5
+
   return f
 
 
@@ -55,8 +57,13 @@ def main():
   if directory != "-":
     max_bytes = int(sys.argv[3]) if len(sys.argv) > 3 else None
     jit_cache.set_cache_dir(directory, max_bytes=max_bytes)
-  out = {"results": [], "stock": [], "explain": [], "lowered": [],
-         "compiled": []}
+  out = {
+    "results": [],
+    "stock": [],
+    "explain": [],
+    "lowered": [],
+    "compiled": [],
+  }
   for name in names:
     fun, options, x = program(name)
     f = jit_cache.jit(fun, **options)
@@ -66,19 +73,29 @@ def main():
     out["lowered"].append(events.count(LOWER_EVENT))
     out["compiled"].append(events.count(COMPILE_EVENT))
     out["results"].append(
-        [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()])
+      [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()]
+    )
     out["explain"].append(f.explain_miss(program(name)[2]))
   s = jit_cache.stats()
-  out["stats"] = {k: getattr(s, k) for k in (
-      "disk_hits", "disk_misses", "disk_rejected", "disk_bytes_read",
-      "disk_bytes_written", "compiles")}
+  out["stats"] = {
+    k: getattr(s, k)
+    for k in (
+      "disk_hits",
+      "disk_misses",
+      "disk_rejected",
+      "disk_bytes_read",
+      "disk_bytes_written",
+      "compiles",
+    )
+  }
   out["cache_dir"] = jit_cache.config.cache_dir
   for name in names:
     fun, options, x = program(name)
     r = jax.jit(fun, **options)(x)
     y = np.asarray(r)
     out["stock"].append(
-        [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()])
+      [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()]
+    )
   print(json.dumps(out))
 
 

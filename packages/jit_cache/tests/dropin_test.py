@@ -32,13 +32,14 @@ def test_signature_matches_stock():
   stock = inspect.signature(STOCK_JIT).parameters
   ours = inspect.signature(jit).parameters
   # Stock's parameters first, in stock's order; then only ``maxsize``.
-  assert list(ours)[:len(stock)] == list(stock)
-  assert list(ours)[len(stock):] == ["maxsize"]
+  assert list(ours)[: len(stock)] == list(stock)
+  assert list(ours)[len(stock) :] == ["maxsize"]
   for name, p in stock.items():
     q = ours[name]
     assert q.kind == p.kind, name
     assert q.default is p.default or (
-        type(q.default) is type(p.default) and q.default == p.default), name
+      type(q.default) is type(p.default) and q.default == p.default
+    ), name
   assert stock["fun"].kind is inspect.Parameter.POSITIONAL_ONLY
   assert ours["maxsize"].kind is inspect.Parameter.KEYWORD_ONLY
 
@@ -85,42 +86,45 @@ class _Slots:
 
 
 ERROR_CASES = {
-    "not_callable": lambda j: j(3),
-    "none": lambda j: j(None),
-    "generator_function": lambda j: j(_gen),
-    "staticmethod_object": lambda j: j(staticmethod(_ident)),
-    "classmethod_object": lambda j: j(classmethod(_ident)),
-    "not_weakrefable_call": lambda j: j(_Slots())(1.0),
-    "not_weakrefable_trace": lambda j: j(_Slots()).trace(1.0),
-    "not_weakrefable_lower": lambda j: j(_Slots()).lower(1.0),
-    "unhashable_static_argnum":
-        lambda j: j(_two, static_argnums=1)(1.0, [1]),
-    "unhashable_static_argname":
-        lambda j: j(_two, static_argnames="y")(1.0, y={"a": 1}),
-    "static_argnums_out_of_range": lambda j: j(_two, static_argnums=2),
-    "static_argnums_negative_out_of_range":
-        lambda j: j(_two, static_argnums=-3),
-    "donate_argnums_out_of_range": lambda j: j(_two, donate_argnums=5),
-    "static_argnames_unknown": lambda j: j(_two, static_argnames="z"),
-    "donate_argnames_unknown": lambda j: j(_two, donate_argnames="z"),
-    "static_argnums_not_int": lambda j: j(_two, static_argnums="a"),
-    "static_and_donated_name": lambda j: j(_two, static_argnames="x",
-                                          donate_argnames="x"),
-    "device_and_backend": lambda j: j(_ident, device=jax.devices()[0],
-                                      backend="cpu"),
-    "str_argument": lambda j: j(_ident)("abc"),
-    "object_argument": lambda j: j(_ident)(object()),
-    "dtype_argument": lambda j: j(_ident)(jnp.int32),
-    "str_in_pytree_argument": lambda j: j(_ident)({"a": [1.0, "b"]}),
-    "masked_array_argument":
-        lambda j: j(_ident)(np.ma.array([1, 2], mask=[True, False])),
-    "missing_argument": lambda j: j(_two)(1.0),
-    "unknown_keyword": lambda j: j(_two)(1.0, 2.0, z=3.0),
-    "incompatible_shapes": lambda j: j(_two)(jnp.ones(2), jnp.ones(3)),
-    "concretization": lambda j: j(lambda x: int(x))(1.0),
-    "tracer_bool": lambda j: j(lambda x: 1.0 if x > 0 else 2.0)(1.0),
-    "inner_error_under_grad":
-        lambda j: jax.grad(j(lambda x: jnp.ones(2)[x]))(1.0),
+  "not_callable": lambda j: j(3),
+  "none": lambda j: j(None),
+  "generator_function": lambda j: j(_gen),
+  "staticmethod_object": lambda j: j(staticmethod(_ident)),
+  "classmethod_object": lambda j: j(classmethod(_ident)),
+  "not_weakrefable_call": lambda j: j(_Slots())(1.0),
+  "not_weakrefable_trace": lambda j: j(_Slots()).trace(1.0),
+  "not_weakrefable_lower": lambda j: j(_Slots()).lower(1.0),
+  "unhashable_static_argnum": lambda j: j(_two, static_argnums=1)(1.0, [1]),
+  "unhashable_static_argname": lambda j: j(_two, static_argnames="y")(
+    1.0, y={"a": 1}
+  ),
+  "static_argnums_out_of_range": lambda j: j(_two, static_argnums=2),
+  "static_argnums_negative_out_of_range": lambda j: j(_two, static_argnums=-3),
+  "donate_argnums_out_of_range": lambda j: j(_two, donate_argnums=5),
+  "static_argnames_unknown": lambda j: j(_two, static_argnames="z"),
+  "donate_argnames_unknown": lambda j: j(_two, donate_argnames="z"),
+  "static_argnums_not_int": lambda j: j(_two, static_argnums="a"),
+  "static_and_donated_name": lambda j: j(
+    _two, static_argnames="x", donate_argnames="x"
+  ),
+  "device_and_backend": lambda j: j(
+    _ident, device=jax.devices()[0], backend="cpu"
+  ),
+  "str_argument": lambda j: j(_ident)("abc"),
+  "object_argument": lambda j: j(_ident)(object()),
+  "dtype_argument": lambda j: j(_ident)(jnp.int32),
+  "str_in_pytree_argument": lambda j: j(_ident)({"a": [1.0, "b"]}),
+  "masked_array_argument": lambda j: j(_ident)(
+    np.ma.array([1, 2], mask=[True, False])
+  ),
+  "missing_argument": lambda j: j(_two)(1.0),
+  "unknown_keyword": lambda j: j(_two)(1.0, 2.0, z=3.0),
+  "incompatible_shapes": lambda j: j(_two)(jnp.ones(2), jnp.ones(3)),
+  "concretization": lambda j: j(lambda x: int(x))(1.0),
+  "tracer_bool": lambda j: j(lambda x: 1.0 if x > 0 else 2.0)(1.0),
+  "inner_error_under_grad": lambda j: jax.grad(j(lambda x: jnp.ones(2)[x]))(
+    1.0
+  ),
 }
 
 
@@ -144,7 +148,9 @@ def test_same_exception_class_as_stock(name):
   assert isinstance(ours, type(stock)), (name, ours, stock)
 
 
-@pytest.mark.parametrize("name,api,value", [
+@pytest.mark.parametrize(
+  "name,api,value",
+  [
     ("not_callable", "jit", "int 3"),
     ("generator_function", "jit", "_gen"),
     ("staticmethod_object", "jit", "staticmethod"),
@@ -153,7 +159,8 @@ def test_same_exception_class_as_stock(name):
     ("unhashable_static_argnum", "jit", "list [1]"),
     ("static_argnums_out_of_range", "jit", "static_argnums 2"),
     ("str_argument", "jit", "type str"),
-])
+  ],
+)
 def test_messages_name_api_value_and_fix(name, api, value):
   err = _raised(lambda: ERROR_CASES[name](jit))
   text = str(err)
@@ -177,8 +184,9 @@ def _unusable_donation(j, **kw):
   return j(lambda x, y: x.sum() + jnp.float32(y.sum()), **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(donate_argnums=(0, 1)),
-                                dict(donate_argnames=("x", "y"))])
+@pytest.mark.parametrize(
+  "kw", [dict(donate_argnums=(0, 1)), dict(donate_argnames=("x", "y"))]
+)
 def test_unusable_donation_warns_like_stock(kw):
   def args():
     return jnp.array([1.0, 2.0], jnp.float32), jnp.array([1, 2], jnp.int32)
@@ -244,8 +252,8 @@ def test_token_threaded_through_inner_jit():
 def _entry_parameters(compiled):
   """Parameters of the compiled program's entry computation."""
   text = compiled.as_text()
-  entry = text[text.index("ENTRY"):]
-  entry = entry[:entry.index("\n}")]
+  entry = text[text.index("ENTRY") :]
+  entry = entry[: entry.index("\n}")]
   return len(re.findall(r"= \S+ parameter\(", entry))
 
 
@@ -280,10 +288,14 @@ def test_call_prunes_unused_arguments_like_stock():
 
 def test_cache_size_like_stock():
   def run(j):
-    f = j(lambda x: (x ** 2).sum())
+    f = j(lambda x: (x**2).sum())
     sizes = [f._cache_size()]  # pylint: disable=protected-access
-    for x in (jnp.arange(5.0), jnp.arange(5.0), jnp.arange(6.0),
-              jnp.arange(5, dtype=jnp.int32)):
+    for x in (
+      jnp.arange(5.0),
+      jnp.arange(5.0),
+      jnp.arange(6.0),
+      jnp.arange(5, dtype=jnp.int32),
+    ):
       f(x)
       sizes.append(f._cache_size())  # pylint: disable=protected-access
     f._clear_cache()  # pylint: disable=protected-access
@@ -408,7 +420,8 @@ def test_non_weakrefable_function_builds_and_fails_on_use():
     with pytest.raises(TypeError, match="cannot create weak reference"):
       eval_shape(_Slots(), 1.0)
   assert str(jit_cache.make_jaxpr(_Slots())(1.0)) == str(
-      jax.make_jaxpr(_Slots())(1.0))
+    jax.make_jaxpr(_Slots())(1.0)
+  )
 
 
 # ------------------------------------------- pickling, clearing, freeing
@@ -423,6 +436,7 @@ def test_pickles_as_function_and_options():
   # function and its options, and the copy shares the function's cache.
   import functools  # pylint: disable=g-import-not-at-top
   import pickle  # pylint: disable=g-import-not-at-top
+
   f = jit(_module_level, static_argnums=1)
   np.testing.assert_array_equal(f(jnp.ones(2), 3), [3.0, 3.0])
   g = pickle.loads(pickle.dumps(f))
@@ -432,11 +446,17 @@ def test_pickles_as_function_and_options():
   assert g.cache_info().traces == 2  # 3 traced by f, 4 by g
   named = functools.partial(_module_level)
   named.__name__ = "named"
-  for fun in (_module_level, functools.partial(_module_level),
-              functools.partial(functools.partial(_module_level)), named,
-              lambda x: x):
-    assert (jit(fun).__getstate__()["function_name"] ==
-            STOCK_JIT(fun).__getstate__()["function_name"])
+  for fun in (
+    _module_level,
+    functools.partial(_module_level),
+    functools.partial(functools.partial(_module_level)),
+    named,
+    lambda x: x,
+  ):
+    assert (
+      jit(fun).__getstate__()["function_name"]
+      == STOCK_JIT(fun).__getstate__()["function_name"]
+    )
 
 
 def test_jax_clear_caches_clears_jit_cache():
@@ -486,8 +506,9 @@ def test_escaped_tracer_raises_like_stock():
   for j in (STOCK_JIT, jit):
     f = j(jnp.add)
     f(jnp.ones(()), 1.0)  # a cached entry for the same avals
-    with pytest.raises(jax.errors.UnexpectedTracerError,
-                       match="was created on line") as e:
+    with pytest.raises(
+      jax.errors.UnexpectedTracerError, match="was created on line"
+    ) as e:
       f(jnp.ones(()), leaked[0])
     errors.append(e.value)
   assert type(errors[0]) is type(errors[1])
@@ -495,6 +516,7 @@ def test_escaped_tracer_raises_like_stock():
 
 def test_cpp_cache_misses_counted_like_stock():
   from jaxworks.jit_cache._src import jax_internals as ji  # pylint: disable=g-import-not-at-top
+
   counts = []
   for j in (STOCK_JIT, jit):
     f = j(lambda x, y: x * 7 + y)

@@ -25,8 +25,16 @@ def _counts(f):
   return info.compiles, info.executable_reuses
 
 
-def _check(make_a, make_b, args, *, reuse: bool, jit_kwargs_a=None,
-           jit_kwargs_b=None, args_b=None):
+def _check(
+  make_a,
+  make_b,
+  args,
+  *,
+  reuse: bool,
+  jit_kwargs_a=None,
+  jit_kwargs_b=None,
+  args_b=None,
+):
   """From empty caches, make_a's program compiles exactly once; make_b's then
   reuses it iff `reuse` (exact counts); results and dtypes equal jax.jit's."""
   args_b = args if args_b is None else args_b
@@ -51,7 +59,7 @@ def _check(make_a, make_b, args, *, reuse: bool, jit_kwargs_a=None,
 
 
 def scale(c):
-  return lambda: (lambda x: jnp.sin(x) * c)
+  return lambda: lambda x: jnp.sin(x) * c
 
 
 X = jnp.linspace(0.0, 1.0, 8)
@@ -81,35 +89,42 @@ def test_near_miss_literal_sign_of_zero():
 
 def test_numpy_constant_by_content():
   base = np.arange(8.0, dtype=np.float32)
-  _check(lambda: (lambda x: x + base), lambda: (lambda x: x + base.copy()),
-         (X,), reuse=True)
-  _check(lambda: (lambda x: x + base), lambda: (lambda x: x + (base + 1)),
-         (X,), reuse=False)
+  _check(
+    lambda: lambda x: x + base,
+    lambda: lambda x: x + base.copy(),
+    (X,),
+    reuse=True,
+  )
+  _check(
+    lambda: lambda x: x + base,
+    lambda: lambda x: x + (base + 1),
+    (X,),
+    reuse=False,
+  )
 
 
 def test_small_jax_constant_by_content():
   a = jnp.arange(8.0)
   b = jnp.arange(8.0)  # another object, same content and placement
-  _check(lambda: (lambda x: x * a), lambda: (lambda x: x * b), (X,),
-         reuse=True)
+  _check(lambda: lambda x: x * a, lambda: lambda x: x * b, (X,), reuse=True)
   c = jnp.arange(8.0) + 1
-  _check(lambda: (lambda x: x * a), lambda: (lambda x: x * c), (X,),
-         reuse=False)
+  _check(lambda: lambda x: x * a, lambda: lambda x: x * c, (X,), reuse=False)
 
 
 def test_large_jax_constant_by_identity():
   big = jnp.ones((128, 256))  # 128 KiB: keyed by identity
   twin = jnp.ones((128, 256))
   y = jnp.ones((256,))
-  _check(lambda: (lambda v: big @ v), lambda: (lambda v: big @ v), (y,),
-         reuse=True)
-  _check(lambda: (lambda v: big @ v), lambda: (lambda v: twin @ v), (y,),
-         reuse=False)
+  _check(lambda: lambda v: big @ v, lambda: lambda v: big @ v, (y,), reuse=True)
+  _check(
+    lambda: lambda v: big @ v, lambda: lambda v: twin @ v, (y,), reuse=False
+  )
 
 
 def test_near_miss_dtype():
-  _check(scale(2.0), scale(2.0), (X,), args_b=(X.astype(jnp.float16),),
-         reuse=False)
+  _check(
+    scale(2.0), scale(2.0), (X,), args_b=(X.astype(jnp.float16),), reuse=False
+  )
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
@@ -122,14 +137,24 @@ def test_near_miss_sharding():
 
 
 def test_near_miss_donation():
-  _check(scale(2.0), scale(2.0), (X,), reuse=False,
-         jit_kwargs_b={"donate_argnums": 0})
+  _check(
+    scale(2.0),
+    scale(2.0),
+    (X,),
+    reuse=False,
+    jit_kwargs_b={"donate_argnums": 0},
+  )
 
 
 def test_near_miss_platform_choice():
   # backend= pins placement (it becomes in/out shardings): another program.
-  _check(scale(2.0), scale(2.0), (X,), reuse=False,
-         jit_kwargs_b={"backend": jax.devices()[0].platform})
+  _check(
+    scale(2.0),
+    scale(2.0),
+    (X,),
+    reuse=False,
+    jit_kwargs_b={"backend": jax.devices()[0].platform},
+  )
 
 
 def test_near_miss_x64():
@@ -148,8 +173,13 @@ def test_near_miss_x64():
 def test_near_miss_compiler_options():
   if jax.devices()[0].platform != "cpu":
     pytest.skip("CPU compiler option")
-  _check(scale(2.0), scale(2.0), (X,), reuse=False,
-         jit_kwargs_b={"compiler_options": {"xla_cpu_enable_fast_math": False}})
+  _check(
+    scale(2.0),
+    scale(2.0),
+    (X,),
+    reuse=False,
+    jit_kwargs_b={"compiler_options": {"xla_cpu_enable_fast_math": False}},
+  )
 
 
 def test_debug_print_format_is_part_of_the_key(capfd):
@@ -158,7 +188,9 @@ def test_debug_print_format_is_part_of_the_key(capfd):
       def f(x):
         jax.debug.print(fmt, x=x[0])
         return x + 1
+
       return f
+
     return make
 
   _check(printing("a {x}"), printing("a {x}"), (X,), reuse=True)
@@ -173,7 +205,9 @@ def test_host_callback_function_is_part_of_the_key():
     def make():
       def f(x):
         return jax.pure_callback(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
       return f
+
     return make
 
   _check(calling(np.sin), calling(np.sin), (X,), reuse=True)
@@ -187,6 +221,7 @@ def test_debug_callback_closures_never_shared():
     def f(x):
       jax.debug.callback(lambda v: seen.append(float(v)), x[1])
       return x * 2
+
     return f
 
   _check(make, make, (X,), reuse=False)
@@ -195,7 +230,7 @@ def test_debug_callback_closures_never_shared():
 
 
 def test_custom_jvp_rules_do_not_block_reuse():
-  make = lambda: (lambda x: jax.nn.relu(x) + jax.nn.gelu(x))
+  make = lambda: lambda x: jax.nn.relu(x) + jax.nn.gelu(x)
   _check(make, make, (X,), reuse=True)
 
 
@@ -205,9 +240,14 @@ def test_out_shardings_are_part_of_the_key():
   mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
   split = jax.sharding.NamedSharding(mesh, jax.P("i"))
   whole = jax.sharding.NamedSharding(mesh, jax.P())
-  _check(scale(2.0), scale(2.0), (X,), reuse=False,
-         jit_kwargs_a={"out_shardings": split},
-         jit_kwargs_b={"out_shardings": whole})
+  _check(
+    scale(2.0),
+    scale(2.0),
+    (X,),
+    reuse=False,
+    jit_kwargs_a={"out_shardings": split},
+    jit_kwargs_b={"out_shardings": whole},
+  )
 
 
 # -- equation contexts (issue 11, point 1) ------------------------------------
@@ -215,6 +255,7 @@ def test_out_shardings_are_part_of_the_key():
 
 def _uniform(partitionable):
   """A body drawing random bits under an inner threefry_partitionable block."""
+
   def make():
     def f(x):
       key = jax.random.key(0)
@@ -222,7 +263,9 @@ def _uniform(partitionable):
         return x + jax.random.uniform(key, x.shape)
       with jax.threefry_partitionable(partitionable):
         return x + jax.random.uniform(key, x.shape)
+
     return f
+
   return make
 
 
@@ -242,7 +285,9 @@ def test_xla_metadata_and_compute_type_are_part_of_the_key():
       def f(x):
         with set_xla_metadata(tag=value):
           return jnp.sin(x) * 2
+
       return f
+
     return make
 
   _check(meta("a"), meta("a"), (X,), reuse=True)
@@ -252,21 +297,24 @@ def test_xla_metadata_and_compute_type_are_part_of_the_key():
   with compute_on("device_host"):
     host = jax.make_jaxpr(lambda x: jnp.sin(x))(X)
   from jaxworks.jit_cache._src import fingerprint as fpmod  # pylint: disable=g-import-not-at-top
+
   assert host.jaxpr.eqns[0].ctx.compute_type == "device_host"
   assert fpmod.fingerprint(plain) != fpmod.fingerprint(host)
 
 
 def test_abstract_mesh_of_the_equations_is_part_of_the_key():
   mesh = jax.sharding.AbstractMesh(
-      (1,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    (1,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
 
   def make_mesh():
     def f(x):
       with jax.sharding.use_abstract_mesh(mesh):
         return jnp.sin(x) * 2
+
     return f
 
-  _check(lambda: (lambda x: jnp.sin(x) * 2), make_mesh, (X,), reuse=False)
+  _check(lambda: lambda x: jnp.sin(x) * 2, make_mesh, (X,), reuse=False)
 
 
 def test_default_matmul_precision_inside_and_outside_the_body():
@@ -277,12 +325,14 @@ def test_default_matmul_precision_inside_and_outside_the_body():
       def f(a):
         with jax.default_matmul_precision(precision):
           return a @ a
+
       return f
+
     return make
 
   _check(inside("highest"), inside("highest"), (m,), reuse=True)
   _check(inside("highest"), inside("bfloat16"), (m,), reuse=False)
-  make = lambda: (lambda a: a @ a)
+  make = lambda: lambda a: a @ a
   jit_cache.clear_caches()
   f1 = jit(make())
   f1(m)
@@ -300,6 +350,7 @@ def test_default_matmul_precision_inside_and_outside_the_body():
 @dataclasses.dataclass(frozen=True)
 class AddK:
   """A frozen dataclass callback whose field is left out of __eq__."""
+
   k: float = dataclasses.field(compare=False)
 
   def __call__(self, x):
@@ -326,7 +377,9 @@ def _pure(cb):
   def make():
     def f(x):
       return jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
     return f
+
   return make
 
 
@@ -352,7 +405,9 @@ def test_debug_callback_with_lying_eq_objects():
       def f(x):
         jax.debug.callback(rec, x[0])
         return x * 2
+
       return f
+
     return inner
 
   a, b = Recorder("a"), Recorder("b")
@@ -371,7 +426,7 @@ def test_debug_callback_with_lying_eq_objects():
 def test_numpy_constant_mutated_after_the_first_compile():
   c = np.ones(3, np.float32)
   stock_inner = jax.jit(lambda x: x + c)  # one inner jaxpr, cached by jax
-  make = lambda: (lambda x: stock_inner(x) * 2)
+  make = lambda: lambda x: stock_inner(x) * 2
   ones = jnp.ones(3)
   jit_cache.clear_caches()
   f1 = jit(make())
@@ -387,7 +442,7 @@ def test_numpy_constant_mutated_after_the_first_compile():
 def test_numpy_constant_in_a_cached_inner_jit_of_ours():
   c = np.arange(3, dtype=np.float32)
   inner = jit(lambda x: x * c)
-  make = lambda: (lambda x: inner(x) + 1)
+  make = lambda: lambda x: inner(x) + 1
   ones = jnp.ones(3)
   jit_cache.clear_caches()
   f1 = jit(make())

@@ -30,14 +30,15 @@ def test_equal_structure_equal_fingerprint():
 
 def test_differences_are_detected():
   base = fp(lambda x: jnp.sin(x) * 2.0, X)
-  assert base != fp(lambda x: jnp.cos(x) * 2.0, X)        # primitive
-  assert base != fp(lambda x: jnp.sin(x) * 2.5, X)        # literal
-  assert base != fp(lambda x: jnp.sin(x) * 2.0, X[:3])    # aval
-  assert base != fp(lambda x: (jnp.sin(x) * 2.0, x), X)   # outputs
+  assert base != fp(lambda x: jnp.cos(x) * 2.0, X)  # primitive
+  assert base != fp(lambda x: jnp.sin(x) * 2.5, X)  # literal
+  assert base != fp(lambda x: jnp.sin(x) * 2.0, X[:3])  # aval
+  assert base != fp(lambda x: (jnp.sin(x) * 2.0, x), X)  # outputs
   assert base != fp(lambda x: jnp.sin(x * 1.0) * 2.0, X)  # extra eqn
   assert fp(lambda x: x * 0.0, X) != fp(lambda x: x * -0.0, X)
   assert fp(lambda x: x + 1, X.astype(jnp.int32)) != fp(
-      lambda x: x + 2, X.astype(jnp.int32))
+    lambda x: x + 2, X.astype(jnp.int32)
+  )
 
 
 def test_params_and_subjaxprs():
@@ -47,8 +48,9 @@ def test_params_and_subjaxprs():
   body = lambda c, _: (c * 2, None)
   s1 = fp(lambda x: jax.lax.scan(body, x, None, length=3)[0], X)
   s2 = fp(lambda x: jax.lax.scan(body, x, None, length=4)[0], X)
-  s3 = fp(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None,
-                                 length=3)[0], X)
+  s3 = fp(
+    lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0], X
+  )
   assert s1 != s2 and s1 == s3
   c1 = fp(lambda x: jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x), X)
   c2 = fp(lambda x: jax.lax.cond(x[0] > 0, jnp.cos, jnp.sin, x), X)
@@ -143,8 +145,11 @@ def test_opaque_objects_compare_by_identity():
   assert vk(UserData(1)) != vk(UserData(1))  # user dataclass: identity
   # JAX's own dataclasses and named tuples: field by field, so a user object
   # inside is still compared by identity.
-  closed = jax.make_jaxpr(lambda x: jax.pure_callback(
-      np.sin, jax.ShapeDtypeStruct((), jnp.float32), x))(1.0)
+  closed = jax.make_jaxpr(
+    lambda x: jax.pure_callback(
+      np.sin, jax.ShapeDtypeStruct((), jnp.float32), x
+    )
+  )(1.0)
   wrapper = closed.jaxpr.eqns[0].params["callback"]  # JAX's _FlatCallback
   assert dataclasses.is_dataclass(wrapper)
   flat = lambda fn: type(wrapper)(fn, wrapper.in_tree)

@@ -10,9 +10,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.experimental.layout
+from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import primitives
 
 from jaxworks.jit_cache._src import jax_internals as ji
 
@@ -30,8 +30,9 @@ def test_trace_context_and_the_axis_env():
   assert len(rest) == len(ctx) - 1 and all(v is not env for v in rest)
   assert ji.without_axis_env(ctx + (env,), env) is None  # ambiguous
   seen = []
-  jax.vmap(lambda x: seen.append(ji.current_axis_env()) or x,
-           axis_name="i")(jnp.ones(3))
+  jax.vmap(lambda x: seen.append(ji.current_axis_env()) or x, axis_name="i")(
+    jnp.ones(3)
+  )
   assert ji.axis_env_parts(seen[0])[0] == {"i": 3}
   prev = jax.config.jax_enable_x64
   jax.config.update("jax_enable_x64", not prev)
@@ -57,7 +58,8 @@ def test_value_types_of_the_fingerprint():
   mesh = jax.make_mesh((1,), ("i",))
   sharding = jax.sharding.NamedSharding(mesh, jax.P())
   closed = jax.make_jaxpr(
-      lambda x: jax.debug.print("{}", x) or jax.jit(lambda y: y)(x))(1.0)
+    lambda x: jax.debug.print("{}", x) or jax.jit(lambda y: y)(x)
+  )(1.0)
   eqns = {e.primitive.name: e for e in closed.jaxpr.eqns}
   assert isinstance(mesh, ji.Mesh)
   assert isinstance(mesh.abstract_mesh, ji.AbstractMesh)
@@ -65,11 +67,12 @@ def test_value_types_of_the_fingerprint():
   assert isinstance(eqns["debug_print"].params["in_tree"], ji.PyTreeDef)
   assert isinstance(jnp.ones(1).aval, ji.AbstractValue)
   assert all(isinstance(e, ji.Effect) for e in eqns["debug_print"].effects)
-  assert isinstance(eqns["jit"].params["in_shardings"][0],
-                    ji.UnspecifiedValue)
+  assert isinstance(eqns["jit"].params["in_shardings"][0], ji.UnspecifiedValue)
   assert isinstance(eqns["jit"].params["compiler_options_kvs"], tuple)
-  assert isinstance(ji.make_axis_env({"i": 1}, frozenset(), frozenset())
-                    .axis_sizes, ji.FrozenDict)
+  assert isinstance(
+    ji.make_axis_env({"i": 1}, frozenset(), frozenset()).axis_sizes,
+    ji.FrozenDict,
+  )
   assert ji.Layout is jax.experimental.layout.Layout
   assert ji.Format is jax.experimental.layout.Format
 
@@ -78,9 +81,14 @@ def test_trace_state_and_debug_modes():
   assert ji.trace_state_clean()
   assert ji.current_trace.value is ji.eval_trace
   seen = []
-  jax.jit(lambda x: seen.append(
-      (ji.trace_state_clean(), ji.current_trace.value is ji.eval_trace))
-          or x)(1.0)
+  jax.jit(
+    lambda x: (
+      seen.append(
+        (ji.trace_state_clean(), ji.current_trace.value is ji.eval_trace)
+      )
+      or x
+    )
+  )(1.0)
   assert seen == [(False, False)]
   assert not ji.debug_modes_on()
   with jax.debug_nans(True):
@@ -107,21 +115,34 @@ def test_array_type_registry_and_abstractify():
 def test_traced_parts_and_make_traced():
   traced = jax.jit(lambda x, y: x * y, static_argnums=1).trace(jnp.ones(3), 2)
   params, consts, meta, in_tree, out_tree = ji.traced_parts(traced)
-  assert set(params) >= {"jaxpr", "in_shardings", "out_shardings",
-                         "donated_invars", "ctx_mesh", "name", "keep_unused",
-                         "inline", "compiler_options_kvs"}
+  assert set(params) >= {
+    "jaxpr",
+    "in_shardings",
+    "out_shardings",
+    "donated_invars",
+    "ctx_mesh",
+    "name",
+    "keep_unused",
+    "inline",
+    "compiler_options_kvs",
+  }
   assert consts == [] and len(meta) == 1 and out_tree.num_leaves == 1
   leaves, tree = ji.tracing_registry.flatten(((jnp.ones(3),), {}))
   assert tree == in_tree  # our flattening matches jax's in_tree
-  again = ji.make_traced([ji.meta_type(x) for x in leaves], params, in_tree,
-                         out_tree, [])
+  again = ji.make_traced(
+    [ji.meta_type(x) for x in leaves], params, in_tree, out_tree, []
+  )
   assert again.jaxpr is traced.jaxpr
   compiled = again.lower().compile()
   exe, const_args = ji.executable_parts(compiled)
   out = exe.call(*const_args, *leaves)
   np.testing.assert_array_equal(out[0], jnp.full(3, 2.0))
-  assert ji.fastpath_data(exe, out_tree, leaves, out, params["jaxpr"].effects,
-                          const_args) is not None
+  assert (
+    ji.fastpath_data(
+      exe, out_tree, leaves, out, params["jaxpr"].effects, const_args
+    )
+    is not None
+  )
   assert not ji.is_high(params["jaxpr"])
   out = primitives.jit_p.bind(*leaves, **params)
   np.testing.assert_array_equal(out[0], jnp.full(3, 2.0))
@@ -172,8 +193,9 @@ def test_dispatcher():
     exe, const_args = ji.executable_parts(compiled)
     leaves = list(args)
     out = exe.call(*const_args, *leaves)
-    fast = ji.fastpath_data(exe, out_tree, leaves, out,
-                            params["jaxpr"].effects, const_args)
+    fast = ji.fastpath_data(
+      exe, out_tree, leaves, out, params["jaxpr"].effects, const_args
+    )
     return out_tree.unflatten(out), fast, False
 
   d = ji.make_dispatcher("f", lambda x: x + 1, cache_miss, (), (), 4)
@@ -192,6 +214,7 @@ def test_jax_parse_arguments():
 
 def test_stock_entry_points_and_jit_defaults(monkeypatch):
   import inspect  # pylint: disable=g-import-not-at-top
+
   stock = jax.jit
   monkeypatch.setattr(jax, "jit", lambda *a, **k: None)  # the swap
   assert ji.stock_jit is stock
@@ -203,8 +226,9 @@ def test_stock_entry_points_and_jit_defaults(monkeypatch):
   assert params["in_shardings"].default is ji.UNSPECIFIED
   assert params["out_shardings"].default is ji.UNSPECIFIED
   # Passing the defaults explicitly means "not specified" to stock jit.
-  explicit = ji.stock_jit(lambda x: x * 2, in_shardings=ji.UNSPECIFIED,
-                          out_shardings=ji.UNSPECIFIED)
+  explicit = ji.stock_jit(
+    lambda x: x * 2, in_shardings=ji.UNSPECIFIED, out_shardings=ji.UNSPECIFIED
+  )
   np.testing.assert_array_equal(explicit(jnp.ones(2)), 2.0)
   assert callable(ji.stock_jit(ji.JIT_FUN_DEFAULT))  # decorator factory
 

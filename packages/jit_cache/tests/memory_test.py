@@ -85,8 +85,10 @@ def test_forty_deleted_plain_functions_only_keep_bounded_shared_programs():
 
 
 def test_deleted_functions_constants_are_freed():
-  for make in (lambda: np.ones(MIB // 4, np.float32),
-               lambda: jnp.ones(MIB // 4, jnp.float32)):
+  for make in (
+    lambda: np.ones(MIB // 4, np.float32),
+    lambda: jnp.ones(MIB // 4, jnp.float32),
+  ):
     const = make()
     ref = weakref.ref(const)
     f = jit(lambda v, c=const: v + c[:4].sum())
@@ -127,6 +129,7 @@ def test_no_jaxpr_kept_alive_after_the_function_dies():
   def make():
     def body(v):
       return jnp.tanh(v) * 3.0
+
     body_refs.append(weakref.ref(body))
     return body
 

@@ -22,14 +22,14 @@ import contextlib
 import dataclasses
 import gc
 
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import HealthCheck
-from hypothesis import settings
-from hypothesis import strategies as st
 
 from jaxworks.jit_cache import jit as our_jit
 
@@ -41,6 +41,7 @@ SINK: list = []
 @dataclasses.dataclass(frozen=True)
 class AddK:
   """Frozen dataclass callback; ``k`` is left out of ``__eq__``."""
+
   k: int = dataclasses.field(compare=False)
 
   def __call__(self, v):
@@ -89,6 +90,7 @@ def _ctx(manager, value):
 
 def build(spec, env):
   """A fresh closure running the ops of ``spec``."""
+
   def f(x, s):
     y = x
     for op in spec:
@@ -106,8 +108,9 @@ def build(spec, env):
         with _ctx(jax.threefry_partitionable, op[1]):
           y = y + jax.random.uniform(jax.random.key(op[2]), (N,))
       elif kind == "pure_cb":
-        y = jax.pure_callback(env.callbacks[op[1]],
-                              jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+        y = jax.pure_callback(
+          env.callbacks[op[1]], jax.ShapeDtypeStruct(y.shape, y.dtype), y
+        )
       elif kind == "debug_cb":
         jax.debug.callback(env.loggers[op[1]], y)
       elif kind == "static":
@@ -117,28 +120,33 @@ def build(spec, env):
       elif kind == "inner":
         y = env.inner(y)
     return y
+
   return f
 
 
 #: Each op kind with the strategy of its parameters.
 KINDS = {
-    "const": st.tuples(st.just("const"), st.integers(0, 2)),
-    "lit": st.tuples(st.just("lit"), st.sampled_from([2.0, 3.0, -0.0, 0.0, 2])),
-    "sin": st.tuples(st.just("sin")),
-    "matmul": st.tuples(st.just("matmul"),
-                        st.sampled_from([None, "highest", "bfloat16"])),
-    "random": st.tuples(st.just("random"),
-                        st.sampled_from([None, True, False]),
-                        st.integers(0, 1)),
-    "pure_cb": st.tuples(st.just("pure_cb"), st.integers(0, 3)),
-    "debug_cb": st.tuples(st.just("debug_cb"), st.integers(0, 1)),
-    "static": st.tuples(st.just("static")),
-    "user": st.tuples(st.just("user")),
-    "inner": st.tuples(st.just("inner")),
+  "const": st.tuples(st.just("const"), st.integers(0, 2)),
+  "lit": st.tuples(st.just("lit"), st.sampled_from([2.0, 3.0, -0.0, 0.0, 2])),
+  "sin": st.tuples(st.just("sin")),
+  "matmul": st.tuples(
+    st.just("matmul"), st.sampled_from([None, "highest", "bfloat16"])
+  ),
+  "random": st.tuples(
+    st.just("random"), st.sampled_from([None, True, False]), st.integers(0, 1)
+  ),
+  "pure_cb": st.tuples(st.just("pure_cb"), st.integers(0, 3)),
+  "debug_cb": st.tuples(st.just("debug_cb"), st.integers(0, 1)),
+  "static": st.tuples(st.just("static")),
+  "user": st.tuples(st.just("user")),
+  "inner": st.tuples(st.just("inner")),
 }
 ops = st.one_of(*KINDS.values())
-outer = st.tuples(st.sampled_from([None, "highest", "bfloat16"]),
-                  st.sampled_from([None, 1, 2]), st.integers(1, 3))
+outer = st.tuples(
+  st.sampled_from([None, "highest", "bfloat16"]),
+  st.sampled_from([None, 1, 2]),
+  st.integers(1, 3),
+)
 
 
 @st.composite
@@ -152,8 +160,11 @@ def scenarios(draw, focus):
   if focus == "random":  # the other partitionable mode, same key
     default = jax.config.jax_threefry_partitionable
     flipped = not (default if op[1] is None else op[1])
-    other = (op[0], draw(st.sampled_from(
-        [flipped] + ([None] if flipped == default else []))), op[2])
+    other = (
+      op[0],
+      draw(st.sampled_from([flipped] + ([None] if flipped == default else []))),
+      op[2],
+    )
   elif focus in ("pure_cb", "debug_cb"):  # a callable equal by its __eq__
     other = (op[0], op[1] ^ 1)
   elif focus in ("const", "lit", "matmul"):
@@ -171,8 +182,12 @@ def _consts(seed):
   rng = np.random.default_rng(seed)
   small = rng.standard_normal(N).astype(np.float32)
   mutable = rng.standard_normal(N).astype(np.float32)
-  return (small, mutable, jnp.asarray(rng.standard_normal(N), jnp.float32),
-          jnp.full((1 << 15,), float(seed), jnp.float32))  # 128 KiB
+  return (
+    small,
+    mutable,
+    jnp.asarray(rng.standard_normal(N), jnp.float32),
+    jnp.full((1 << 15,), float(seed), jnp.float32),
+  )  # 128 KiB
 
 
 def _call(f, x, s, where, nested=False):
@@ -212,13 +227,18 @@ def _same(got, want):
   assert got.dtype == want.dtype and got.shape == want.shape
   assert got.weak_type == want.weak_type
   assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), (
-      np.asarray(got), np.asarray(want))
+    np.asarray(got),
+    np.asarray(want),
+  )
 
 
 @pytest.mark.parametrize("focus", [k for k in KINDS if k != "sin"])
-@settings(max_examples=3, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
+@settings(
+  max_examples=3,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_reuse_matches_stock_jit(focus, data):
   scenario = data.draw(scenarios(focus), label="scenario")
@@ -241,14 +261,23 @@ def test_each_known_bug_has_a_scenario():
   """The classes of issue 11 point 1-2, as fixed scenarios (the generator
   finds them too; these keep them in every run)."""
   for scenario in (
-      _scenario((("random", None, 0),), (("random", False, 0),)),
-      _scenario((("pure_cb", 0),), (("pure_cb", 1),)),
-      _scenario((("pure_cb", 2),), (("pure_cb", 3),)),
-      _scenario((("inner",),), (("inner",),)),
-      _scenario((("user",), ("sin",)), (("user",), ("sin",)),
-                where_a=(None, 1, 1), where_b=(None, 2, 1)),
-      _scenario((("matmul", None),), (("matmul", "bfloat16"),),
-                where_a=("highest", None, 2), where_b=(None, None, 3))):
+    _scenario((("random", None, 0),), (("random", False, 0),)),
+    _scenario((("pure_cb", 0),), (("pure_cb", 1),)),
+    _scenario((("pure_cb", 2),), (("pure_cb", 3),)),
+    _scenario((("inner",),), (("inner",),)),
+    _scenario(
+      (("user",), ("sin",)),
+      (("user",), ("sin",)),
+      where_a=(None, 1, 1),
+      where_b=(None, 2, 1),
+    ),
+    _scenario(
+      (("matmul", None),),
+      (("matmul", "bfloat16"),),
+      where_a=("highest", None, 2),
+      where_b=(None, None, 3),
+    ),
+  ):
     want, want_log = run(jax.jit, scenario)
     got, got_log = run(our_jit, scenario)
     for g, w in zip(got, want):

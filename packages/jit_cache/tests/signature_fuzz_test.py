@@ -17,14 +17,14 @@ import itertools
 import operator
 import sys
 
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import HealthCheck
-from hypothesis import settings
-from hypothesis import strategies as st
 
 from jaxworks.jit_cache import _signature as ext
 from jaxworks.jit_cache._src import jax_internals as ji
@@ -56,8 +56,18 @@ class _Weird:
     return f"_Weird({self.mode!r})"
 
 
-_PROBED = frozenset({"aval", "_sharding", "sharding", "_committed", "shape",
-                     "dtype", "weak_type", "__jax_array__"})
+_PROBED = frozenset(
+  {
+    "aval",
+    "_sharding",
+    "sharding",
+    "_committed",
+    "shape",
+    "dtype",
+    "weak_type",
+    "__jax_array__",
+  }
+)
 
 
 class _Later:
@@ -73,32 +83,61 @@ class _Later:
 
 def _realize(tree):
   return jax.tree_util.tree_map(
-      lambda x: _Weird(x.mode) if isinstance(x, _Later) else x, tree)
+    lambda x: _Weird(x.mode) if isinstance(x, _Later) else x, tree
+  )
 
 
-_ARRAYS = [jnp.ones(2), jnp.zeros((1, 3), jnp.int32), jnp.asarray(1.0) + 0,
-           jax.random.key(0)]
+_ARRAYS = [
+  jnp.ones(2),
+  jnp.zeros((1, 3), jnp.int32),
+  jnp.asarray(1.0) + 0,
+  jax.random.key(0),
+]
 
 leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(), st.complex_numbers(),
-    st.text(max_size=5), st.binary(max_size=5),
-    st.sampled_from([object(), object, type, len, Ellipsis, NotImplemented,
-                     slice(1, 2), range(3), np.float32(1.5), np.int64(7),
-                     np.bool_(True), np.ones(3), np.zeros((2, 0)),
-                     np.array("s"), np.array([object()]),
-                     jax.ShapeDtypeStruct((2,), jnp.float32)] + _ARRAYS),
-    st.sampled_from(["eq", "hash", "getattr"]).map(lambda m: _Later(m)),
+  st.none(),
+  st.booleans(),
+  st.integers(),
+  st.floats(),
+  st.complex_numbers(),
+  st.text(max_size=5),
+  st.binary(max_size=5),
+  st.sampled_from(
+    [
+      object(),
+      object,
+      type,
+      len,
+      Ellipsis,
+      NotImplemented,
+      slice(1, 2),
+      range(3),
+      np.float32(1.5),
+      np.int64(7),
+      np.bool_(True),
+      np.ones(3),
+      np.zeros((2, 0)),
+      np.array("s"),
+      np.array([object()]),
+      jax.ShapeDtypeStruct((2,), jnp.float32),
+    ]
+    + _ARRAYS
+  ),
+  st.sampled_from(["eq", "hash", "getattr"]).map(lambda m: _Later(m)),
 )
 pytrees = st.recursive(
-    leaf,
-    lambda children: st.one_of(
-        st.lists(children, max_size=4),
-        st.tuples(children, children),
-        st.dictionaries(st.text(max_size=3), children, max_size=3)),
-    max_leaves=12)
+  leaf,
+  lambda children: st.one_of(
+    st.lists(children, max_size=4),
+    st.tuples(children, children),
+    st.dictionaries(st.text(max_size=3), children, max_size=3),
+  ),
+  max_leaves=12,
+)
 
-_BARE = ext.SignatureBuilder((ji.ArrayImpl,), jax.core.Tracer, np.ndarray,
-                             np.generic, None)
+_BARE = ext.SignatureBuilder(
+  (ji.ArrayImpl,), jax.core.Tracer, np.ndarray, np.generic, None
+)
 
 
 def _check(builder, twin, leaves):
@@ -123,8 +162,9 @@ def _check(builder, twin, leaves):
   return s
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+  max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(pytrees)
 def test_fuzz_flattened_pytrees(tree):
   leaves, _ = jax.tree_util.tree_flatten(_realize(tree))
@@ -165,8 +205,12 @@ def _bare_twin(leaves):
   out = []
   for i, x in enumerate(leaves):
     t = type(x)
-    if (t is ji.ArrayImpl or t in (float, int, bool, complex) or
-        isinstance(x, (jax.core.Tracer, np.generic)) or t is np.ndarray):
+    if (
+      t is ji.ArrayImpl
+      or t in (float, int, bool, complex)
+      or isinstance(x, (jax.core.Tracer, np.generic))
+      or t is np.ndarray
+    ):
       out.append(x)
     else:
       raise TypeError(f"leaf {i} has type {t.__name__}")
@@ -177,8 +221,9 @@ def _equal(a, b):
   return a == b
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+  max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(pytrees, pytrees)
 def test_fuzz_equality_matches_python_twin(a, b):
   """The extension and its pure-Python twin agree on every input: both build
@@ -206,17 +251,37 @@ def test_fuzz_equality_matches_python_twin(a, b):
 #: Leaves that are easy to confuse: same value, other kind, dtype, weak type,
 #: shape or placement.
 _CONFUSABLE = [
-    True, False, 1, 0, 1.0, 0.0, -0.0, 1j, np.int32(1), np.int64(1),
-    np.float32(1), np.bool_(True), np.ones(()), np.ones((1,)),
-    np.ones((), np.int32), jnp.ones(()), jnp.ones((), jnp.int32), jnp.ones(1),
-    jnp.asarray(1.0), jnp.asarray(1.0) * 1,
-    jax.device_put(jnp.ones(()), jax.devices()[-1]),
-    jax.ShapeDtypeStruct((), jnp.float32), jax.random.key(0)]
+  True,
+  False,
+  1,
+  0,
+  1.0,
+  0.0,
+  -0.0,
+  1j,
+  np.int32(1),
+  np.int64(1),
+  np.float32(1),
+  np.bool_(True),
+  np.ones(()),
+  np.ones((1,)),
+  np.ones((), np.int32),
+  jnp.ones(()),
+  jnp.ones((), jnp.int32),
+  jnp.ones(1),
+  jnp.asarray(1.0),
+  jnp.asarray(1.0) * 1,
+  jax.device_put(jnp.ones(()), jax.devices()[-1]),
+  jax.ShapeDtypeStruct((), jnp.float32),
+  jax.random.key(0),
+]
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(st.lists(st.integers(0, len(_CONFUSABLE) - 1), min_size=1, max_size=3),
-       st.data())
+@given(
+  st.lists(st.integers(0, len(_CONFUSABLE) - 1), min_size=1, max_size=3),
+  st.data(),
+)
 def test_fuzz_confusable_leaves_agree_with_twin(idx_a, data):
   """Equality of near-identical leaf lists: the extension and the twin agree
   (b differs from a in one position, drawn from the same confusable pool)."""
@@ -227,15 +292,19 @@ def test_fuzz_confusable_leaves_agree_with_twin(idx_a, data):
   lb = [_CONFUSABLE[i] for i in idx_b]
   sa, sb = sig.signature(la, "x"), sig.signature(lb, "x")
   pa, pb = sig.py_signature(la, "x"), sig.py_signature(lb, "x")
-  assert (sa == sb) == (pa == pb), f"C++ {sa == sb}, Python {pa == pb}: " \
-      f"{la!r} vs {lb!r}"
+  assert (sa == sb) == (pa == pb), (
+    f"C++ {sa == sb}, Python {pa == pb}: {la!r} vs {lb!r}"
+  )
   if sa == sb:
     assert hash(sa) == hash(sb)
 
 
 def test_unsupported_leaf_error_is_clear():
-  with pytest.raises(TypeError, match=r"leaf 0 has type str, which is not a "
-                     r"jax Array, tracer, numpy array or Python scalar"):
+  with pytest.raises(
+    TypeError,
+    match=r"leaf 0 has type str, which is not a "
+    r"jax Array, tracer, numpy array or Python scalar",
+  ):
     _BARE(["x"])
 
 
@@ -265,10 +334,15 @@ def _raising_calls(calls, n):
 def _burst(n, tracers=()):
   """n extension calls on every C++ path, driven from C by map() where they
   succeed (the Python loop would cost more than the calls); returns n."""
-  by_type = ext.SignatureBuilder((ji.ArrayImpl,), jax.core.Tracer,
-                                 np.ndarray, np.generic, type)
-  mixes = [[jnp.ones(2), 1.0, np.ones(3)], (np.float32(1), True, 3, 2j),
-           [jnp.ones(3)] * 8, list(tracers) or [np.int8(1)]]
+  by_type = ext.SignatureBuilder(
+    (ji.ArrayImpl,), jax.core.Tracer, np.ndarray, np.generic, type
+  )
+  mixes = [
+    [jnp.ones(2), 1.0, np.ones(3)],
+    (np.float32(1), True, 3, 2j),
+    [jnp.ones(3)] * 8,
+    list(tracers) or [np.int8(1)],
+  ]
   others = [["abc", object(), None, b"x"]]  # fallback=type: keys are types
   extras = [("extra", 0), ("extra", 1), ("extra", 2)]
   contexts = [(1, i, None) for i in range(7)]
@@ -277,19 +351,29 @@ def _burst(n, tracers=()):
   n_ok, n_raise = n * 8 // 20, n // 20
   # Builds then hashes, pairs of builds then ==, fallback builds, interning
   _consume(map(hash, map(build, _cycle(mixes, n_ok), _cycle(extras, n_ok))))
-  _consume(map(operator.eq, map(build, _cycle(mixes, n_ok // 2),
-                                _cycle(extras, n_ok // 2)),
-               map(build, _cycle(mixes, n_ok // 2),
-                   _cycle(extras, n_ok // 2))))
-  _consume(map(hash, map(by_type, _cycle(others, n_ok // 4),
-                         _cycle(extras, n_ok // 4))))
+  _consume(
+    map(
+      operator.eq,
+      map(build, _cycle(mixes, n_ok // 2), _cycle(extras, n_ok // 2)),
+      map(build, _cycle(mixes, n_ok // 2), _cycle(extras, n_ok // 2)),
+    )
+  )
+  _consume(
+    map(
+      hash, map(by_type, _cycle(others, n_ok // 4), _cycle(extras, n_ok // 4))
+    )
+  )
   _consume(map(interner, _cycle(contexts, n_ok // 4)))
   # ... and the raising paths: an unsupported leaf without a fallback, a
   # fallback that raises, and one that returns an unhashable key.
-  _raising_calls([(_BARE, ["bad"]),
-                  (ext.SignatureBuilder((), None, None, None, len), [3]),
-                  (ext.SignatureBuilder((), None, None, None, list), ["ab"])],
-                 n_raise)
+  _raising_calls(
+    [
+      (_BARE, ["bad"]),
+      (ext.SignatureBuilder((), None, None, None, len), [3]),
+      (ext.SignatureBuilder((), None, None, None, list), ["ab"]),
+    ],
+    n_raise,
+  )
   return n_ok + n_ok + n_ok // 4 + n_ok // 4 + n_raise
 
 
@@ -299,10 +383,19 @@ def test_no_reference_is_leaked():
   object)."""
   x, nd, key = jnp.ones(3), np.ones(2, np.float32), ("fallback", "key")
   extra, ctx_items = ("extra",), (object(), object())
-  watched = [x, x.aval, x._sharding, nd, nd.dtype, extra, key,  # pylint: disable=protected-access
-             *ctx_items]
-  with_key = ext.SignatureBuilder((ji.ArrayImpl,), None, np.ndarray, None,
-                                  lambda leaf: key)
+  watched = [
+    x,
+    x.aval,
+    x._sharding,
+    nd,
+    nd.dtype,
+    extra,
+    key,  # pylint: disable=protected-access
+    *ctx_items,
+  ]
+  with_key = ext.SignatureBuilder(
+    (ji.ArrayImpl,), None, np.ndarray, None, lambda leaf: key
+  )
   unhashable = ext.SignatureBuilder((), None, None, None, lambda leaf: [key])
   interner = ext.ContextInterner(2)
   before = [sys.getrefcount(o) for o in watched]
@@ -321,7 +414,9 @@ def test_no_reference_is_leaked():
   assert [sys.getrefcount(o) for o in watched] == before
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS via /proc")
+@pytest.mark.skipif(
+  not sys.platform.startswith("linux"), reason="RSS via /proc"
+)
 def test_memory_is_flat_over_a_million_calls():
   """1e6 extension calls (builds with and without the fallback, hashes,
   equality, interning, tracer leaves, raising paths): RSS grows < 8 MiB."""

@@ -7,13 +7,13 @@ import weakref
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import settings
-from hypothesis import strategies as st
 
 from jaxworks.jit_cache import _signature as ext
 from jaxworks.jit_cache._src import jax_internals as ji
@@ -24,9 +24,14 @@ S = sig.signature
 
 def test_kinds():
   cases = {
-      "jax_array": jnp.ones(2), "ndarray": np.ones(2), "numpy_scalar":
-      np.float32(1), "bool": True, "int": 1, "float": 1.0, "complex": 1j,
-      "other": jax.random.key(0),
+    "jax_array": jnp.ones(2),
+    "ndarray": np.ones(2),
+    "numpy_scalar": np.float32(1),
+    "bool": True,
+    "int": 1,
+    "float": 1.0,
+    "complex": 1j,
+    "other": jax.random.key(0),
   }
   for kind, leaf in cases.items():
     assert sig.signature.classify(leaf) == kind, kind
@@ -61,8 +66,12 @@ def test_sharding_and_committed_are_recorded():
   assert S([on0]) != S([on1])  # sharding differs
   assert S([on1]) == S([jax.device_put(jnp.zeros(3), jax.devices()[1])])
   kind, aval, sharding, committed = S([on1]).describe()[0]
-  assert (kind, aval, sharding, committed) == ("jax_array", on1.aval,
-                                               on1.sharding, True)
+  assert (kind, aval, sharding, committed) == (
+    "jax_array",
+    on1.aval,
+    on1.sharding,
+    True,
+  )
 
 
 def test_extra_is_part_of_the_signature():
@@ -93,8 +102,10 @@ def test_tracers_record_their_aval_only():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.floats(allow_nan=False, allow_infinity=False, width=32),
-       st.floats(allow_nan=False, allow_infinity=False, width=32))
+@given(
+  st.floats(allow_nan=False, allow_infinity=False, width=32),
+  st.floats(allow_nan=False, allow_infinity=False, width=32),
+)
 def test_jvp_tracers_of_different_values_are_equal(a, b):
   """The upstream fix: a tracer's signature never holds a concrete value."""
   sigs = []
@@ -117,16 +128,20 @@ def test_fallback_leaves():
 
 
 def test_errors():
-  with pytest.raises(TypeError, match="value of type str is not a valid JAX "
-                     "type"):
+  with pytest.raises(
+    TypeError, match="value of type str is not a valid JAX type"
+  ):
     S(["abc"])
-  with pytest.raises(TypeError, match="leaves must be a list or tuple, got "
-                     "dict"):
+  with pytest.raises(
+    TypeError, match="leaves must be a list or tuple, got dict"
+  ):
     S({"a": 1})
-  bare = ext.SignatureBuilder((ji.ArrayImpl,), jax.core.Tracer, np.ndarray,
-                              np.generic, None)
-  with pytest.raises(TypeError, match="leaf 1 has type object, which is not a "
-                     "jax Array"):
+  bare = ext.SignatureBuilder(
+    (ji.ArrayImpl,), jax.core.Tracer, np.ndarray, np.generic, None
+  )
+  with pytest.raises(
+    TypeError, match="leaf 1 has type object, which is not a jax Array"
+  ):
     bare([1.0, object()])
   unhashable = ext.SignatureBuilder((), None, None, None, lambda x: [x])
   with pytest.raises(TypeError, match="fallback returned an unhashable key"):
@@ -178,8 +193,9 @@ def test_attribute_reads_follow_the_type():
     _committed = property(lambda self: self.committed)
 
   arrays = ext.SignatureBuilder((FakeArray,), None, None, None, None)
-  assert arrays([FakeArray(1)]).describe() == [("jax_array", "aval",
-                                                 "sharding", True)]
+  assert arrays([FakeArray(1)]).describe() == [
+    ("jax_array", "aval", "sharding", True)
+  ]
   assert arrays([FakeArray(Truthy(False))]) == arrays([FakeArray(0)])
   with pytest.raises(ValueError, match="no truth"):
     arrays([FakeArray(Truthy(None))])
@@ -203,7 +219,6 @@ def test_fallback_that_mutates_the_list_does_not_crash():
 
 def test_eq_that_raises_propagates():
   class Bad:
-
     def __hash__(self):
       return 1
 
@@ -245,23 +260,60 @@ def test_context_interner():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from(["f32_3", "f32_4", "i32_3", "np_f32_3",
-                                 "np_f64_3", "int", "float", "bool",
-                                 "complex", "np_f32", "np_i8", "key"]),
-                max_size=6),
-       st.lists(st.sampled_from(["f32_3", "f32_4", "i32_3", "np_f32_3",
-                                 "np_f64_3", "int", "float", "bool",
-                                 "complex", "np_f32", "np_i8", "key"]),
-                max_size=6))
+@given(
+  st.lists(
+    st.sampled_from(
+      [
+        "f32_3",
+        "f32_4",
+        "i32_3",
+        "np_f32_3",
+        "np_f64_3",
+        "int",
+        "float",
+        "bool",
+        "complex",
+        "np_f32",
+        "np_i8",
+        "key",
+      ]
+    ),
+    max_size=6,
+  ),
+  st.lists(
+    st.sampled_from(
+      [
+        "f32_3",
+        "f32_4",
+        "i32_3",
+        "np_f32_3",
+        "np_f64_3",
+        "int",
+        "float",
+        "bool",
+        "complex",
+        "np_f32",
+        "np_i8",
+        "key",
+      ]
+    ),
+    max_size=6,
+  ),
+)
 def test_agrees_with_pure_python_twin(names_a, names_b):
   make = {
-      "f32_3": lambda: jnp.ones(3), "f32_4": lambda: jnp.ones(4),
-      "i32_3": lambda: jnp.ones(3, jnp.int32),
-      "np_f32_3": lambda: np.ones(3, np.float32),
-      "np_f64_3": lambda: np.ones(3), "int": lambda: 3, "float": lambda: 2.5,
-      "bool": lambda: False, "complex": lambda: 2j,
-      "np_f32": lambda: np.float32(1), "np_i8": lambda: np.int8(1),
-      "key": lambda: jax.random.key(3),
+    "f32_3": lambda: jnp.ones(3),
+    "f32_4": lambda: jnp.ones(4),
+    "i32_3": lambda: jnp.ones(3, jnp.int32),
+    "np_f32_3": lambda: np.ones(3, np.float32),
+    "np_f64_3": lambda: np.ones(3),
+    "int": lambda: 3,
+    "float": lambda: 2.5,
+    "bool": lambda: False,
+    "complex": lambda: 2j,
+    "np_f32": lambda: np.float32(1),
+    "np_i8": lambda: np.int8(1),
+    "key": lambda: jax.random.key(3),
   }
   a = [make[n]() for n in names_a]
   b = [make[n]() for n in names_b]

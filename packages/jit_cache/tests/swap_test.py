@@ -80,8 +80,10 @@ def check_core_cases(stock):
   w, v = jnp.ones((3, 2)), jnp.arange(6.0).reshape(2, 3) / 6
   _same(jax.grad(jj(loss))(w, v), jax.grad(stock(loss))(w, v))
   _same(jj(jax.grad(loss))(w, v), stock(jax.grad(loss))(w, v))
-  _same(jax.vmap(jj(loss), in_axes=(None, 0))(w, v[:, None, :]),
-        jax.vmap(stock(loss), in_axes=(None, 0))(w, v[:, None, :]))
+  _same(
+    jax.vmap(jj(loss), in_axes=(None, 0))(w, v[:, None, :]),
+    jax.vmap(stock(loss), in_axes=(None, 0))(w, v[:, None, :]),
+  )
   _same(jax.jvp(jj(jnp.sin), (x,), (x,)), jax.jvp(stock(jnp.sin), (x,), (x,)))
   cases += 1
 
@@ -99,20 +101,21 @@ def check_core_cases(stock):
   # 5. eval_shape (stock's and ours, of a jitted and a plain function)
   assert jax.eval_shape(jj(loss), w, v) == jax.eval_shape(stock(loss), w, v)
   assert jj(loss).eval_shape(w, v) == stock(loss).eval_shape(w, v)
-  assert (jit_cache.eval_shape(loss, w, v) ==
-          jax.eval_shape(loss, w, v))
+  assert jit_cache.eval_shape(loss, w, v) == jax.eval_shape(loss, w, v)
   assert str(jit_cache.make_jaxpr(loss)(w, v)) == str(
-      jax.make_jaxpr(loss)(w, v))
+    jax.make_jaxpr(loss)(w, v)
+  )
   cases += 1
 
   # 6. static arguments by number and by name
   def power(v, n, *, mode):
-    return v ** n if mode == "pow" else v * n
+    return v**n if mode == "pow" else v * n
 
   for n, mode in ((2, "pow"), (3, "pow"), (3, "mul")):
-    _same(jj(power, static_argnums=1, static_argnames="mode")(x, n, mode=mode),
-          stock(power, static_argnums=1, static_argnames="mode")(
-              x, n, mode=mode))
+    _same(
+      jj(power, static_argnums=1, static_argnames="mode")(x, n, mode=mode),
+      stock(power, static_argnums=1, static_argnames="mode")(x, n, mode=mode),
+    )
   cases += 1
 
   # 7. donation
@@ -127,10 +130,14 @@ def check_core_cases(stock):
     return c + jnp.sum(t), c
 
   xs = jnp.arange(12.0).reshape(4, 3)
-  _same(jj(lambda c: jax.lax.scan(body, c, xs))(0.0),
-        stock(lambda c: jax.lax.scan(body, c, xs))(0.0))
-  _same(jj(lambda p: jax.lax.cond(p > 0, jnp.sin, jnp.cos, p))(0.5),
-        stock(lambda p: jax.lax.cond(p > 0, jnp.sin, jnp.cos, p))(0.5))
+  _same(
+    jj(lambda c: jax.lax.scan(body, c, xs))(0.0),
+    stock(lambda c: jax.lax.scan(body, c, xs))(0.0),
+  )
+  _same(
+    jj(lambda p: jax.lax.cond(p > 0, jnp.sin, jnp.cos, p))(0.5),
+    stock(lambda p: jax.lax.cond(p > 0, jnp.sin, jnp.cos, p))(0.5),
+  )
   _same(jj(jnp.linalg.norm)(x), stock(jnp.linalg.norm)(x))
   cases += 1
 
@@ -140,7 +147,6 @@ def check_core_cases(stock):
     return v + 1
 
   class M:
-
     def __init__(self, k):
       self.k = k
 
@@ -192,8 +198,13 @@ def test_plain_assignment_in_a_fresh_process():
   tests = str(pathlib.Path(__file__).resolve().parent)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
   proc = subprocess.run(
-      [sys.executable, "-c", _SUBPROCESS.format(tests=tests)], env=env,
-      capture_output=True, text=True, timeout=600, check=False)
+    [sys.executable, "-c", _SUBPROCESS.format(tests=tests)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "cases 9" in proc.stdout
   assert "RecursionError" not in proc.stderr
@@ -211,7 +222,8 @@ def test_jit_cache_never_looks_up_jax_jit(monkeypatch):
   f = jit(lambda v: v * 3)
   np.testing.assert_array_equal(f(jnp.ones(2)), [3.0, 3.0])
   np.testing.assert_array_equal(
-      f.lower(jnp.ones(2)).compile()(jnp.ones(2)), [3.0, 3.0])
+    f.lower(jnp.ones(2)).compile()(jnp.ones(2)), [3.0, 3.0]
+  )
   assert f.eval_shape(jnp.ones(2)).shape == (2,)
   jaxpr = jit_cache.make_jaxpr(lambda v: v + 1)(1.0)
   assert jaxpr.eqns[0].primitive.name == "add"
@@ -313,12 +325,17 @@ def _call_time_jax_callables(path):
       self.depth -= 1
 
     def visit_Attribute(self, node):  # pylint: disable=invalid-name
-      if (self.depth and isinstance(node.value, ast.Name) and
-          node.value.id == "jax"):
+      if (
+        self.depth
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "jax"
+      ):
         target = getattr(jax, node.attr, None)
-        if isinstance(target, (types.FunctionType, types.BuiltinFunctionType)
-                      ) or (callable(target) and
-                            not isinstance(target, (type, types.ModuleType))):
+        if isinstance(
+          target, (types.FunctionType, types.BuiltinFunctionType)
+        ) or (
+          callable(target) and not isinstance(target, (type, types.ModuleType))
+        ):
           found.append(f"{path.name}:{node.lineno}: jax.{node.attr}")
       self.generic_visit(node)
 
@@ -335,6 +352,5 @@ def test_no_stock_callable_is_looked_up_at_call_time():
 
 def test_the_scan_finds_a_call_time_lookup(tmp_path):
   bad = tmp_path / "bad.py"
-  bad.write_text("import jax\n\ndef f(g):\n  return jax.jit(g)\n"
-                 "h = jax.jit\n")
+  bad.write_text("import jax\n\ndef f(g):\n  return jax.jit(g)\nh = jax.jit\n")
   assert _call_time_jax_callables(bad) == ["bad.py:4: jax.jit"]

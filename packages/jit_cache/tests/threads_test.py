@@ -29,8 +29,9 @@ def _run_threads(target):
     except Exception as e:  # pylint: disable=broad-except
       errors.append(e)
 
-  threads = [threading.Thread(target=worker, args=(i,))
-             for i in range(N_THREADS)]
+  threads = [
+    threading.Thread(target=worker, args=(i,)) for i in range(N_THREADS)
+  ]
   for t in threads:
     t.start()
   for t in threads:
@@ -44,6 +45,7 @@ def _slow_body(calls):
     calls.append(threading.get_ident())
     time.sleep(0.05)  # widen the race window
     return jnp.tanh(x) * y
+
   return body
 
 
@@ -85,6 +87,7 @@ def test_threads_inner_calls_under_traces():
   def make_outer(i):
     def outer(x):
       return inner(x, 2.0) + i
+
     return outer
 
   x = jnp.ones(8)

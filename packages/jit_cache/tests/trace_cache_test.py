@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxworks.jit_cache import Traced
 from jaxworks.jit_cache import eval_shape
 from jaxworks.jit_cache import jit
 from jaxworks.jit_cache import make_jaxpr
-from jaxworks.jit_cache import Traced
 from jaxworks.jit_cache._src import jax_internals as ji
 
 
@@ -56,6 +56,7 @@ def test_inner_hit_skips_python_and_jax_inference(infer_params_calls):
       for _ in range(5):
         x = inner(x, x)
       return x
+
     return outer
 
   x = jnp.arange(3.0)
@@ -105,7 +106,7 @@ def test_different_avals_trace_again():
   jax.make_jaxpr(inner)(jnp.ones(3))
   jax.make_jaxpr(inner)(jnp.ones(4))
   jax.make_jaxpr(inner)(jnp.ones(3, jnp.int32))
-  jax.make_jaxpr(inner)(1.0)       # weak f32[]
+  jax.make_jaxpr(inner)(1.0)  # weak f32[]
   jax.make_jaxpr(inner)(jnp.float32(1.0))  # strong f32[]
   assert body.n == 5
 
@@ -151,15 +152,18 @@ def test_trace_then_call_share_the_cache():
   assert traced.fun_name == "<lambda>"
   assert traced.in_avals == ((jax.core.ShapedArray((3,), jnp.float32),), {})
   stock = jax.jit(body.fn, static_argnums=1).trace(x, 2)
-  assert (traced.in_avals, traced.out_info, traced.fun_name, str(
-      traced.jaxpr)) == (stock.in_avals, stock.out_info, stock.fun_name,
-                         str(stock.jaxpr))
+  assert (
+    traced.in_avals,
+    traced.out_info,
+    traced.fun_name,
+    str(traced.jaxpr),
+  ) == (stock.in_avals, stock.out_info, stock.fun_name, str(stock.jaxpr))
   kw = jit(lambda a, *, b: a * b).trace(x, b=2.0)
-  assert kw.in_avals == jax.jit(lambda a, *, b: a * b).trace(
-      x, b=2.0).in_avals
+  assert kw.in_avals == jax.jit(lambda a, *, b: a * b).trace(x, b=2.0).in_avals
   assert traced.out_info.shape == (3,)
   assert [a.donated for a in jax.tree_util.tree_leaves(traced.args_info)] == [
-      False]
+    False
+  ]
   lowered = f.lower(x, 2)
   assert isinstance(lowered, jax.stages.Lowered)
   np.testing.assert_array_equal(lowered.compile()(x), x * 2)
@@ -183,19 +187,32 @@ def test_trace_lower_passes_private_parameters_through():
   """Traced.lower(_private_parameters=...) reaches jax's lowering unchanged
   (jaxworks.stages_aot lowers with jax.export's parameters through it)."""
   import inspect  # pylint: disable=g-import-not-at-top
+
   from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
-  params = mlir.LoweringParameters(override_lowering_rules=(
-      (jax.lax.sin_p, mlir.lower_fun(lambda v, accuracy: jnp.cos(v),
-                                     multiple_results=False)),))
+
+  params = mlir.LoweringParameters(
+    override_lowering_rules=(
+      (
+        jax.lax.sin_p,
+        mlir.lower_fun(lambda v, accuracy: jnp.cos(v), multiple_results=False),
+      ),
+    )
+  )
   f = jit(jnp.sin)
   x = jnp.ones(4)
-  assert "_private_parameters" in inspect.signature(
-      f.trace(x).lower).parameters
+  assert "_private_parameters" in inspect.signature(f.trace(x).lower).parameters
   default = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
-  ours = f.trace(x).lower(lowering_platforms=("cpu",),
-                          _private_parameters=params).as_text()
-  stock = jax.jit(jnp.sin).trace(x).lower(
-      lowering_platforms=("cpu",), _private_parameters=params).as_text()
+  ours = (
+    f.trace(x)
+    .lower(lowering_platforms=("cpu",), _private_parameters=params)
+    .as_text()
+  )
+  stock = (
+    jax.jit(jnp.sin)
+    .trace(x)
+    .lower(lowering_platforms=("cpu",), _private_parameters=params)
+    .as_text()
+  )
   assert "stablehlo.sine" in default and "cosine" not in default
   assert "stablehlo.cosine" in ours and "stablehlo.sine" not in ours
   assert ours == stock
@@ -204,6 +221,7 @@ def test_trace_lower_passes_private_parameters_through():
 def test_source_locations_name_the_user_call_not_jit_cache():
   """Equations jit_cache emits carry the caller's line, as jax.jit's do."""
   from jax.extend import source_info_util  # pylint: disable=g-import-not-at-top
+
   inner = jit(lambda v: jnp.sin(v) * 2)
   stock = jax.jit(lambda v: jnp.sin(v) * 2)
 
@@ -213,8 +231,10 @@ def test_source_locations_name_the_user_call_not_jit_cache():
 
   x = jnp.ones(3)
   for _ in range(2):  # a miss, then a hit re-emitting the cached jaxpr
-    ours, theirs = [source_info_util.summarize(e.source_info).split(" ")[0]
-                    for e in jax.make_jaxpr(outer)(x).eqns[:2]]
+    ours, theirs = [
+      source_info_util.summarize(e.source_info).split(" ")[0]
+      for e in jax.make_jaxpr(outer)(x).eqns[:2]
+    ]
     file_line = lambda loc: loc.rsplit(":", 2)[:2]
     assert file_line(ours) == file_line(theirs), (ours, theirs)
     assert ours.startswith(__file__.rstrip("c")), ours
@@ -238,29 +258,32 @@ def test_trace_does_not_close_over_tracers_but_make_jaxpr_does():
     seen["trace_consts"] = list(traced.jaxpr.consts)
     seen["trace_invars"] = len(traced.jaxpr.jaxpr.invars)
     from jax.extend import core as jex_core
+
     return jex_core.jaxpr_as_fun(closed)(2.0)[0]
 
   out = jax.jit(f)(3.0)
   assert float(out) == 7.0
   assert seen["consts"] == [True]
   assert seen["trace_consts"] == [] and seen["trace_invars"] == 2
-  np.testing.assert_allclose(jax.vmap(f)(jnp.arange(3.0)),
-                             jnp.arange(3.0) * 2 + 1)
+  np.testing.assert_allclose(
+    jax.vmap(f)(jnp.arange(3.0)), jnp.arange(3.0) * 2 + 1
+  )
   ref = jax.make_jaxpr(lambda y: 3.0 * y + 1.0)(1.0)
   assert str(make_jaxpr(lambda y: 3.0 * y + 1.0)(1.0)) == str(ref)
 
 
 def test_make_jaxpr_matches_jax_and_options():
   def f(x, n):
-    return jnp.sum(x ** n)
+    return jnp.sum(x**n)
 
   ours = make_jaxpr(f, static_argnums=1)(jnp.ones(3), 2)
   theirs = jax.make_jaxpr(f, static_argnums=1)(jnp.ones(3), 2)
   assert str(ours) == str(theirs)
   jaxpr, shape = make_jaxpr(jnp.sin, return_shape=True)(jnp.ones(2))
   assert shape.shape == (2,) and "sin" in str(jaxpr)
-  with_axis = make_jaxpr(lambda x: jax.lax.psum(x, "i"),
-                         axis_env=[("i", 4)])(1.0)
+  with_axis = make_jaxpr(lambda x: jax.lax.psum(x, "i"), axis_env=[("i", 4)])(
+    1.0
+  )
   assert "psum" in str(with_axis)
 
 
@@ -289,4 +312,3 @@ def test_mutable_refs_defer_to_jax():
   if ref is None:
     pytest.skip("no jax.new_ref")
   np.testing.assert_array_equal(f(ref, jnp.ones(3)), jnp.full(3, 2.0))
-

@@ -28,7 +28,6 @@ OTHER = jax.make_user_context(default_value="x")
 
 
 class Counting:
-
   def __init__(self, fn):
     self.fn, self.n = fn, 0
 
@@ -47,10 +46,11 @@ def test_grad_after_make_user_context():
   assert jax.grad(f)(1.0) == jax.grad(jax.jit(lambda x: 2 * x))(1.0) == 2.0
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap", "jit", "jvp",
-                                       "vmap_named"])
+@pytest.mark.parametrize(
+  "transform", ["grad", "vmap", "jit", "jvp", "vmap_named"]
+)
 def test_transformations_match_stock_with_contexts_active(transform):
-  body = lambda x: jnp.sin(x) * 3.0 + x ** 2
+  body = lambda x: jnp.sin(x) * 3.0 + x**2
   ours, stock = jit(body), jax.jit(body)
   x = jnp.linspace(0.1, 1.0, 4)
 
@@ -79,8 +79,10 @@ def test_user_context_value_changes_the_key_like_stock():
   for value in (1, 2, 1, None, 2):
     with USER(value):
       np.testing.assert_array_equal(ours(x), stock(x))
-      np.testing.assert_array_equal(jax.grad(lambda v: ours(v).sum())(x),
-                                    jax.grad(lambda v: stock(v).sum())(x))
+      np.testing.assert_array_equal(
+        jax.grad(lambda v: ours(v).sum())(x),
+        jax.grad(lambda v: stock(v).sum())(x),
+      )
   # 1, 2 and None are three keys for both; the repeats are hits.
   assert ours_body.n == 3
   assert stock_body.n >= 3
@@ -89,6 +91,7 @@ def test_user_context_value_changes_the_key_like_stock():
 def test_user_context_read_by_the_traced_function():
   """A function that reads the context while tracing: each value gives its own
   trace and program, never a stale one."""
+
   def body(x):
     return x * (USER.value or 0)
 
@@ -97,8 +100,9 @@ def test_user_context_read_by_the_traced_function():
   for value in (1, 2, 3, 2):
     with USER(value):
       np.testing.assert_array_equal(ours(x), jax.jit(body)(x))
-      np.testing.assert_array_equal(jax.vmap(ours)(x[:, None]),
-                                    jax.vmap(jax.jit(body))(x[:, None]))
+      np.testing.assert_array_equal(
+        jax.vmap(ours)(x[:, None]), jax.vmap(jax.jit(body))(x[:, None])
+      )
 
 
 def test_axis_env_sharing_with_user_context():
@@ -132,11 +136,11 @@ def test_cache_info_after_user_context_calls():
   assert info.traces == 1 and info.hits == 1
 
 
-
 def test_user_context_objects_keep_executables_out_of_the_shared_lru():
   """An executable keyed on a user context holding an arbitrary object lives
   only as long as its function; with plain values it is shared after the
   function dies, as any other program."""
+
   class Setting:
     pass
 

@@ -56,8 +56,11 @@ def dispatch_pair(nargs, calls, repeats):
     stock.append(_per_call(*sides[0], calls))
     ours.append(_per_call(*sides[1], calls))
   ratios = [o / s for s, o in zip(stock, ours)]
-  return (statistics.median(stock), statistics.median(ours),
-          statistics.median(ratios))
+  return (
+    statistics.median(stock),
+    statistics.median(ours),
+    statistics.median(ratios),
+  )
 
 
 _fresh = itertools.count(1)
@@ -75,7 +78,8 @@ def first_call(make_pmap, size, same_function=False):
 
   def f(v):
     return jnp.tanh(v * (k + 1)) @ jnp.ones((size, 4)) + jax.lax.psum(
-        v.sum(), "i")
+      v.sum(), "i"
+    )
 
   start = time.perf_counter()
   jax.block_until_ready(make_pmap(f, axis_name="i")(x))
@@ -93,15 +97,19 @@ def handoff(make_pmap, size, to_pmap):
     nxt = make_pmap(lambda v: v + 1, donate_argnums=0)(out)
   else:
     nxt = jax.jit(lambda a: a + 1, donate_argnums=0)(out)
-  copied = sum(s.data.nbytes for s in nxt.addressable_shards
-               if s.data.unsafe_buffer_pointer() not in before)
+  copied = sum(
+    s.data.nbytes
+    for s in nxt.addressable_shards
+    if s.data.unsafe_buffer_pointer() not in before
+  )
   return copied, sum(s.data.nbytes for s in nxt.addressable_shards)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="small sizes and few repeats (< 20 s)")
+  parser.add_argument(
+    "--quick", action="store_true", help="small sizes and few repeats (< 20 s)"
+  )
   quick = parser.parse_args().quick
   calls, repeats = (200, 5) if quick else (500, 31)
   compile_repeats = 2 if quick else 5
@@ -111,33 +119,51 @@ def main():
   rows = []
   for nargs in (1, 10):
     t_stock, t_ours, ratio = dispatch_pair(nargs, calls, repeats)
-    rows.append((f"dispatch, {nargs} arg{'s' if nargs > 1 else ''} (us/call)",
-                 t_stock * 1e6, t_ours * 1e6, ratio))
-  first_call(stock, size, same_function=True)   # warm up JAX itself
+    rows.append(
+      (
+        f"dispatch, {nargs} arg{'s' if nargs > 1 else ''} (us/call)",
+        t_stock * 1e6,
+        t_ours * 1e6,
+        ratio,
+      )
+    )
+  first_call(stock, size, same_function=True)  # warm up JAX itself
   first_call(ours, size, same_function=True)
-  for label, same in (("first call: trace+compile+run (ms)", False),
-                      ("first call of a re-created identical function (ms)",
-                       True)):
+  for label, same in (
+    ("first call: trace+compile+run (ms)", False),
+    ("first call of a re-created identical function (ms)", True),
+  ):
     t_stock, t_ours = [], []
     for _ in range(compile_repeats):
       t_stock.append(first_call(stock, size, same))
       t_ours.append(first_call(ours, size, same))
-    rows.append((label, statistics.median(t_stock) * 1e3,
-                 statistics.median(t_ours) * 1e3,
-                 statistics.median(o / s for s, o in zip(t_stock, t_ours))))
+    rows.append(
+      (
+        label,
+        statistics.median(t_stock) * 1e3,
+        statistics.median(t_ours) * 1e3,
+        statistics.median(o / s for s, o in zip(t_stock, t_ours)),
+      )
+    )
 
-  print(f"jax {jax.__version__}, {jax.device_count()} "
-        f"{jax.devices()[0].platform} devices"
-        f"{' (--quick)' if quick else ''}\n")
-  print("| measure | jax.pmap | jaxworks pmap | ratio (ours / jax, median of pairs) |")
+  print(
+    f"jax {jax.__version__}, {jax.device_count()} "
+    f"{jax.devices()[0].platform} devices"
+    f"{' (--quick)' if quick else ''}\n"
+  )
+  print(
+    "| measure | jax.pmap | jaxworks pmap | ratio (ours / jax, median of pairs) |"
+  )
   print("|---|---:|---:|---:|")
   for name, a, b, ratio in rows:
     print(f"| {name} | {a:.1f} | {b:.1f} | {ratio:.2f}x |")
   for label, to_pmap in (("pmap -> jit", False), ("pmap -> pmap", True)):
     c_stock, total = handoff(stock, size, to_pmap)
     c_ours, _ = handoff(ours, size, to_pmap)
-    print(f"| handoff {label}: bytes copied (of {total}) | {c_stock} | "
-          f"{c_ours} | - |")
+    print(
+      f"| handoff {label}: bytes copied (of {total}) | {c_stock} | "
+      f"{c_ours} | - |"
+    )
 
 
 if __name__ == "__main__":

@@ -12,25 +12,29 @@ import pytest
 from jaxworks.pmap_chunked import pmap
 
 N = 8
-pytestmark = pytest.mark.skipif(jax.device_count() < N,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
+)
 
 X = jnp.arange(N * 4, dtype=jnp.float32).reshape(N, 4) - 7.0
 
 PERM = [(i, (i + 3) % N) for i in range(N)]
 
 CASES = {
-    "psum": lambda v: jax.lax.psum(v, "i"),
-    "pmean": lambda v: jax.lax.pmean(v, "i"),
-    "pmax": lambda v: jax.lax.pmax(v, "i"),
-    "all_gather": lambda v: jax.lax.all_gather(v, "i"),
-    "all_gather_tiled": lambda v: jax.lax.all_gather(v, "i", tiled=True),
-    "ppermute": lambda v: jax.lax.ppermute(v, "i", PERM),
-    "all_to_all": lambda v: jax.lax.all_to_all(
-        jnp.tile(v[:1], N), "i", 0, 0, tiled=True),
-    "axis_index": lambda v: v * jax.lax.axis_index("i"),
-    "psum_tuple_and_pmin": lambda v: (jax.lax.psum((v, 2 * v), "i"),
-                                      jax.lax.pmin(v, "i")),
+  "psum": lambda v: jax.lax.psum(v, "i"),
+  "pmean": lambda v: jax.lax.pmean(v, "i"),
+  "pmax": lambda v: jax.lax.pmax(v, "i"),
+  "all_gather": lambda v: jax.lax.all_gather(v, "i"),
+  "all_gather_tiled": lambda v: jax.lax.all_gather(v, "i", tiled=True),
+  "ppermute": lambda v: jax.lax.ppermute(v, "i", PERM),
+  "all_to_all": lambda v: jax.lax.all_to_all(
+    jnp.tile(v[:1], N), "i", 0, 0, tiled=True
+  ),
+  "axis_index": lambda v: v * jax.lax.axis_index("i"),
+  "psum_tuple_and_pmin": lambda v: (
+    jax.lax.psum((v, 2 * v), "i"),
+    jax.lax.pmin(v, "i"),
+  ),
 }
 
 
@@ -40,18 +44,20 @@ def test_collective_matches_stock_pmap_and_vmap(name):
   out = pmap(fun, axis_name="i")(X)
   expected_pmap = jax.pmap(fun, axis_name="i")(X)
   expected_vmap = jax.vmap(fun, axis_name="i")(X)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               out, expected_pmap)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               out, expected_vmap)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, expected_pmap
+  )
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, expected_vmap
+  )
   for leaf in jax.tree.leaves(out):
     assert {s.data.shape[0] for s in leaf.addressable_shards} == {1}
 
 
 def test_collectives_in_chunked_mode():
-  def f(v):   # v: [1, 4]
+  def f(v):  # v: [1, 4]
     total = jax.lax.psum(v, "i")
-    gathered = jax.lax.all_gather(v, "i", tiled=True)    # [8, 4]
+    gathered = jax.lax.all_gather(v, "i", tiled=True)  # [8, 4]
     return total + gathered.max() + jax.lax.axis_index("i")
 
   out = pmap(f, "i", chunked=True)(X)

@@ -9,6 +9,7 @@ def test_dependencies_are_the_real_packages():
   import jaxworks.axis_names
   import jaxworks.batched_transfer
   import jaxworks.jit_cache
+
   assert deps.jit is jaxworks.jit_cache.jit
   assert deps.device_put is jaxworks.batched_transfer.device_put
   assert deps.check_axis_names is jaxworks.axis_names.check_axis_names
@@ -16,8 +17,11 @@ def test_dependencies_are_the_real_packages():
 
 
 def test_too_old_dependency_is_an_actionable_error():
-  with pytest.raises(RuntimeError, match=r"needs jaxworks.jit_cache >= 0.1.0, "
-                     r"but 0.0.9 is installed; upgrade it"):
+  with pytest.raises(
+    RuntimeError,
+    match=r"needs jaxworks.jit_cache >= 0.1.0, "
+    r"but 0.0.9 is installed; upgrade it",
+  ):
     deps.check_version("jaxworks.jit_cache", "0.0.9", "0.1.0")
   deps.check_version("jaxworks.jit_cache", "0.1.0", "0.1.0")
   deps.check_version("jaxworks.jit_cache", "0.10.0rc1", "0.2.0")

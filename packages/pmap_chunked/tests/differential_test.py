@@ -21,27 +21,59 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxworks.pmap_chunked import pmap
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS)"
+)
 
-DTYPES = [jnp.bfloat16, np.float32, np.int8, np.float16, np.int32, np.uint8,
-          np.bool_, np.complex64]
+DTYPES = [
+  jnp.bfloat16,
+  np.float32,
+  np.int8,
+  np.float16,
+  np.int32,
+  np.uint8,
+  np.bool_,
+  np.complex64,
+]
 # Python scalars (weakly typed) broadcast to every device.
 WEAK = [1.5, -2, True, 0.25 + 1j]
 
 # Static values, and values Python calls equal to each of them.
-STATICS = [(1, 2.0), 1, -0.0, 1.0, True, np.int32(1), np.float32(1.0), 0.0,
-           2, 2.0, np.int8(2), np.float16(2), (1.0, 2), (True, 2), "tag",
-           ("tag", 0.5), frozenset({2, 0.5}), frozenset({2.0, 0.5})]
+STATICS = [
+  (1, 2.0),
+  1,
+  -0.0,
+  1.0,
+  True,
+  np.int32(1),
+  np.float32(1.0),
+  0.0,
+  2,
+  2.0,
+  np.int8(2),
+  np.float16(2),
+  (1.0, 2),
+  (True, 2),
+  "tag",
+  ("tag", 0.5),
+  frozenset({2, 0.5}),
+  frozenset({2.0, 0.5}),
+]
 
 
 def _variants(value):
@@ -86,10 +118,9 @@ def leaf_kinds(draw, n):
 def programs(draw):
   n = draw(st.sampled_from([8, 4, 2, 1]))
   nargs = draw(st.integers(1, 3))
-  args = []                       # per dynamic argument: (container, leaves)
+  args = []  # per dynamic argument: (container, leaves)
   for _ in range(nargs):
-    container = draw(st.sampled_from(["tuple", "leaf", "dict", "list",
-                                      "leaf"]))
+    container = draw(st.sampled_from(["tuple", "leaf", "dict", "list", "leaf"]))
     count = 1 if container == "leaf" else draw(st.integers(1, 2))
     args.append((container, [draw(leaf_kinds(n)) for _ in range(count)]))
   if not any(k == "mapped" for _, leaves in args for k, *_ in leaves):
@@ -102,16 +133,23 @@ def programs(draw):
     one = (container == "leaf" or len(set(axes)) == 1) and draw(st.booleans())
     entries.append(("one" if one else "tree", axes))
   nstatic = draw(st.sampled_from([1, 2, 0]))
-  positions = sorted(draw(st.lists(st.integers(0, nargs + nstatic - 1),
-                                   min_size=nstatic, max_size=nstatic,
-                                   unique=True)))
+  positions = sorted(
+    draw(
+      st.lists(
+        st.integers(0, nargs + nstatic - 1),
+        min_size=nstatic,
+        max_size=nstatic,
+        unique=True,
+      )
+    )
+  )
   statics = [draw(st.sampled_from(STATICS)) for _ in positions]
   outs = []
   for kind, rank, _, _ in (l for _, leaves in args for l in leaves):
     per_device_rank = rank - 1 if kind == "mapped" else rank
     choices = list(range(-(per_device_rank + 1), per_device_rank + 1))
     if kind != "mapped":
-      choices.append(None)            # the same on every device
+      choices.append(None)  # the same on every device
     outs.append(draw(st.sampled_from(choices)))
   reduced_axis = draw(st.sampled_from([None, 0, -1]))
   donate = draw(st.sampled_from(list(range(nargs)) + [None]))
@@ -119,12 +157,26 @@ def programs(draw):
   calls = draw(st.integers(2, 3))
   later = []
   for _ in range(calls - 1):
-    later.append(([draw(st.sampled_from(_variants(v))) for v in statics],
-                  draw(st.integers(0, 2 ** 16))))
-  return dict(n=n, args=args, entries=entries, positions=positions,
-              statics=statics, outs=outs, reduced_axis=reduced_axis,
-              donate=donate, placement=placement, later=later,
-              seed=draw(st.integers(0, 2 ** 16)), top_int=draw(st.booleans()))
+    later.append(
+      (
+        [draw(st.sampled_from(_variants(v))) for v in statics],
+        draw(st.integers(0, 2**16)),
+      )
+    )
+  return dict(
+    n=n,
+    args=args,
+    entries=entries,
+    positions=positions,
+    statics=statics,
+    outs=outs,
+    reduced_axis=reduced_axis,
+    donate=donate,
+    placement=placement,
+    later=later,
+    seed=draw(st.integers(0, 2**16)),
+    top_int=draw(st.booleans()),
+  )
 
 
 def _value(kind, shape, dtype, rng):
@@ -141,8 +193,10 @@ def _arguments(prog, seed, statics):
   rng = np.random.RandomState(seed)
   dyn = []
   for container, leaves in prog["args"]:
-    vals = [_value(k, shape, DTYPES[rng.randint(len(DTYPES))], rng)
-            for k, _, _, shape in leaves]
+    vals = [
+      _value(k, shape, DTYPES[rng.randint(len(DTYPES))], rng)
+      for k, _, _, shape in leaves
+    ]
     vals = [_place(v, k, ax, prog) for v, (k, _, ax, _) in zip(vals, leaves)]
     if container == "leaf":
       dyn.append(vals[0])
@@ -165,8 +219,7 @@ def _place(value, kind, axis, prog):
   if prog["placement"] == "default" or kind != "mapped":
     return jnp.asarray(value)
   n = prog["n"]
-  mesh = Mesh(np.array(jax.devices()[:n]), ("d",),
-              axis_types=(AxisType.Auto,))
+  mesh = Mesh(np.array(jax.devices()[:n]), ("d",), axis_types=(AxisType.Auto,))
   spec = [None] * value.ndim
   spec[axis % value.ndim] = "d"
   return jax.device_put(value, NamedSharding(mesh, P(*spec)))
@@ -175,6 +228,7 @@ def _place(value, kind, axis, prog):
 def _axes(prog, positive):
   """in_axes (tuple per positional argument, statics included) and
   out_axes; `positive` makes negative axes non-negative (for stock)."""
+
   def fix(ax, rank):
     return ax % rank if positive and ax is not None and ax < 0 else ax
 
@@ -195,9 +249,12 @@ def _axes(prog, positive):
   for i in range(len(per_arg) + len(prog["positions"])):
     in_axes.append(None if i in prog["positions"] else next(it))
   in_axes = tuple(in_axes)
-  if (prog["top_int"] and not prog["positions"]
-      and len({repr(a) for a in in_axes}) == 1
-      and isinstance(in_axes[0], int)):
+  if (
+    prog["top_int"]
+    and not prog["positions"]
+    and len({repr(a) for a in in_axes}) == 1
+    and isinstance(in_axes[0], int)
+  ):
     in_axes = in_axes[0]
   leaves = [l for _, ls in prog["args"] for l in ls]
   outs = []
@@ -232,15 +289,19 @@ def _function(prog):
 
 
 def _layout(a):
-  return sorted((s.device.id, tuple((x.start, x.stop) for x in s.index))
-                for s in a.addressable_shards)
+  return sorted(
+    (s.device.id, tuple((x.start, x.stop) for x in s.index))
+    for s in a.addressable_shards
+  )
 
 
 def _compare(ours, stock):
-  assert (jax.tree_util.tree_structure(ours)
-          == jax.tree_util.tree_structure(stock))
-  for a, b in zip(jax.tree_util.tree_leaves(ours),
-                  jax.tree_util.tree_leaves(stock)):
+  assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(
+    stock
+  )
+  for a, b in zip(
+    jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(stock)
+  ):
     assert (a.shape, a.dtype, a.weak_type) == (b.shape, b.dtype, b.weak_type)
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert _layout(a) == _layout(b)
@@ -254,22 +315,30 @@ def _run(fn, args):
 
 
 def _deleted(args):
-  return [x.is_deleted() for x in jax.tree_util.tree_leaves(args)
-          if isinstance(x, jax.Array)]
+  return [
+    x.is_deleted()
+    for x in jax.tree_util.tree_leaves(args)
+    if isinstance(x, jax.Array)
+  ]
 
 
 # Bounded and derandomized for CI; PMAP_DIFF_EXAMPLES=200 PMAP_DIFF_RANDOM=1
 # runs a longer random search locally.
-@settings(max_examples=int(os.environ.get("PMAP_DIFF_EXAMPLES", "16")),
-          derandomize=not os.environ.get("PMAP_DIFF_RANDOM"), deadline=None,
-          database=None,
-          suppress_health_check=[HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
+@settings(
+  max_examples=int(os.environ.get("PMAP_DIFF_EXAMPLES", "16")),
+  derandomize=not os.environ.get("PMAP_DIFF_RANDOM"),
+  deadline=None,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(programs())
 def test_matches_stock_pmap(prog):
   fun = _function(prog)
-  kw = dict(axis_name="i", static_broadcasted_argnums=prog["positions"],
-            donate_argnums=() if prog["donate"] is None else _donated(prog))
+  kw = dict(
+    axis_name="i",
+    static_broadcasted_argnums=prog["positions"],
+    donate_argnums=() if prog["donate"] is None else _donated(prog),
+  )
   in_ours, out_ours = _axes(prog, positive=False)
   in_stock, out_stock = _axes(prog, positive=True)
   ours = pmap(fun, in_axes=in_ours, out_axes=out_ours, **kw)
@@ -291,13 +360,17 @@ def test_matches_stock_pmap(prog):
     # The lowered stage has the call's (and stock's) output dtypes.
     lowered = ours.lower(*_arguments(prog, seed, statics)).out_info
     stock_lowered = stock_fn.lower(*_arguments(prog, seed, statics)).out_info
-    assert ([(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(lowered)]
-            == [(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(want)]
-            == [(o.shape, o.dtype)
-                for o in jax.tree_util.tree_leaves(stock_lowered)])
+    assert (
+      [(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(lowered)]
+      == [(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(want)]
+      == [(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(stock_lowered)]
+    )
 
 
 def _donated(prog):
-  dyn_positions = [i for i in range(len(prog["args"]) + len(prog["positions"]))
-                   if i not in prog["positions"]]
+  dyn_positions = [
+    i
+    for i in range(len(prog["args"]) + len(prog["positions"]))
+    if i not in prog["positions"]
+  ]
   return (dyn_positions[prog["donate"]],)

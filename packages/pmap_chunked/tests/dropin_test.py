@@ -19,8 +19,9 @@ from jaxworks import pmap_chunked
 from jaxworks.pmap_chunked import pmap
 
 N = 8
-pytestmark = pytest.mark.skipif(jax.device_count() < N,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
+)
 STOCK_PMAP = jax.pmap
 # Parameters pmap_chunked adds after stock's (keyword-only, with defaults).
 EXTRA = ("chunked", "maxsize")
@@ -32,8 +33,11 @@ def test_signature_is_stocks_plus_keyword_only_extras():
   assert len(ours) == len(stock) + len(EXTRA)
   for mine, theirs in zip(ours, stock):
     assert (mine.name, mine.kind, mine.default) == (
-        theirs.name, theirs.kind, theirs.default), (mine, theirs)
-  for mine, name in zip(ours[len(stock):], EXTRA):
+      theirs.name,
+      theirs.kind,
+      theirs.default,
+    ), (mine, theirs)
+  for mine, name in zip(ours[len(stock) :], EXTRA):
     assert mine.name == name
     assert mine.kind is inspect.Parameter.KEYWORD_ONLY
     assert mine.default is not inspect.Parameter.empty
@@ -48,62 +52,94 @@ def _gen(v):
 
 # name -> (call, class to expect when stock's is a private subclass of it)
 CASES = {
-    "not callable": (lambda p: p(3), None),
-    "generator function": (lambda p: p(_gen), None),
-    "staticmethod object": (lambda p: p(staticmethod(lambda v: v)), None),
-    "in_axes leaf not an int": (lambda p: p(lambda v: v, in_axes=0.5), None),
-    "in_axes string leaf": (lambda p: p(lambda v: v, in_axes=("a",)), None),
-    "out_axes leaf not an int": (lambda p: p(lambda v: v, out_axes="a"),
-                                 None),
-    "in_axes too short": (lambda p: p(lambda a, b: a, in_axes=(0,))(x8, x8),
-                          None),
-    "in_axes prefix mismatch": (
-        lambda p: p(lambda a: a, in_axes=({"a": 0},))(x8), None),
-    "in_axes nested length": (
-        lambda p: p(lambda a: a, in_axes=((0, 0, 0),))((x8, x8)), None),
-    "in_axes dict for tuple": (lambda p: p(lambda a: a, in_axes={"a": 0})(x8),
-                               None),
-    "out_axes prefix mismatch": (
-        lambda p: p(lambda a: (a, a), out_axes=(0, 0, 0))(x8), None),
-    "out_axes out of range": (lambda p: p(lambda a: a, out_axes=3)(x8), None),
-    "static out of range": (
-        lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8), None),
-    "static passed by keyword": (
-        lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8, k=1),
-        None),
-    "static not an int": (
-        lambda p: p(lambda a, k: a, static_broadcasted_argnums="1"), None),
-    "static unhashable list": (
-        lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8, [1]),
-        None),
-    "static unhashable array": (
-        lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(
-            x8, np.ones(2)), None),
-    "static and donated": (
-        lambda p: p(lambda a, k: a, static_broadcasted_argnums=1,
-                    donate_argnums=1)(x8, 1), None),
-    "mismatched axis sizes": (
-        lambda p: p(lambda a, b: a + b)(x8, jnp.ones((4, 2))), ValueError),
-    "more than the devices": (lambda p: p(lambda a: a)(jnp.ones(N + 1)),
-                              ValueError),
-    "axis_size disagrees": (lambda p: p(lambda a: a, axis_size=4)(x8), None),
-    "nothing mapped": (lambda p: p(lambda a: a, in_axes=None)(x8), None),
-    "mapped Python scalar": (lambda p: p(lambda a: a)(1.0), None),
-    "mapped 0-d array next to a mapped one": (
-        lambda p: p(lambda a, b: a)(x8, jnp.ones(())), None),
-    "string argument next to a mapped one": (
-        lambda p: p(lambda a, b: a)(x8, "abc"), None),
-    "object argument next to a mapped one": (
-        lambda p: p(lambda a, b: a)(x8, object()), None),
-    "in_axes beyond the rank": (lambda p: p(lambda a: a, in_axes=1)(
-        jnp.ones(N)), None),
-    "0-d keyword argument": (lambda p: p(lambda a: a)(a=jnp.ones(())), None),
-    "empty devices": (lambda p: p(lambda a: a, devices=[]), None),
-    "unhashable axis_name": (lambda p: p(lambda a: a, axis_name=["i"])(x8),
-                             None),
-    "unbound axis name": (
-        lambda p: p(lambda a: jax.lax.psum(a, "j"), axis_name="i")(x8), None),
-    "unknown backend": (lambda p: p(lambda a: a, backend="no_such")(x8), None),
+  "not callable": (lambda p: p(3), None),
+  "generator function": (lambda p: p(_gen), None),
+  "staticmethod object": (lambda p: p(staticmethod(lambda v: v)), None),
+  "in_axes leaf not an int": (lambda p: p(lambda v: v, in_axes=0.5), None),
+  "in_axes string leaf": (lambda p: p(lambda v: v, in_axes=("a",)), None),
+  "out_axes leaf not an int": (lambda p: p(lambda v: v, out_axes="a"), None),
+  "in_axes too short": (
+    lambda p: p(lambda a, b: a, in_axes=(0,))(x8, x8),
+    None,
+  ),
+  "in_axes prefix mismatch": (
+    lambda p: p(lambda a: a, in_axes=({"a": 0},))(x8),
+    None,
+  ),
+  "in_axes nested length": (
+    lambda p: p(lambda a: a, in_axes=((0, 0, 0),))((x8, x8)),
+    None,
+  ),
+  "in_axes dict for tuple": (
+    lambda p: p(lambda a: a, in_axes={"a": 0})(x8),
+    None,
+  ),
+  "out_axes prefix mismatch": (
+    lambda p: p(lambda a: (a, a), out_axes=(0, 0, 0))(x8),
+    None,
+  ),
+  "out_axes out of range": (lambda p: p(lambda a: a, out_axes=3)(x8), None),
+  "static out of range": (
+    lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8),
+    None,
+  ),
+  "static passed by keyword": (
+    lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8, k=1),
+    None,
+  ),
+  "static not an int": (
+    lambda p: p(lambda a, k: a, static_broadcasted_argnums="1"),
+    None,
+  ),
+  "static unhashable list": (
+    lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8, [1]),
+    None,
+  ),
+  "static unhashable array": (
+    lambda p: p(lambda a, k: a, static_broadcasted_argnums=1)(x8, np.ones(2)),
+    None,
+  ),
+  "static and donated": (
+    lambda p: p(lambda a, k: a, static_broadcasted_argnums=1, donate_argnums=1)(
+      x8, 1
+    ),
+    None,
+  ),
+  "mismatched axis sizes": (
+    lambda p: p(lambda a, b: a + b)(x8, jnp.ones((4, 2))),
+    ValueError,
+  ),
+  "more than the devices": (
+    lambda p: p(lambda a: a)(jnp.ones(N + 1)),
+    ValueError,
+  ),
+  "axis_size disagrees": (lambda p: p(lambda a: a, axis_size=4)(x8), None),
+  "nothing mapped": (lambda p: p(lambda a: a, in_axes=None)(x8), None),
+  "mapped Python scalar": (lambda p: p(lambda a: a)(1.0), None),
+  "mapped 0-d array next to a mapped one": (
+    lambda p: p(lambda a, b: a)(x8, jnp.ones(())),
+    None,
+  ),
+  "string argument next to a mapped one": (
+    lambda p: p(lambda a, b: a)(x8, "abc"),
+    None,
+  ),
+  "object argument next to a mapped one": (
+    lambda p: p(lambda a, b: a)(x8, object()),
+    None,
+  ),
+  "in_axes beyond the rank": (
+    lambda p: p(lambda a: a, in_axes=1)(jnp.ones(N)),
+    None,
+  ),
+  "0-d keyword argument": (lambda p: p(lambda a: a)(a=jnp.ones(())), None),
+  "empty devices": (lambda p: p(lambda a: a, devices=[]), None),
+  "unhashable axis_name": (lambda p: p(lambda a: a, axis_name=["i"])(x8), None),
+  "unbound axis name": (
+    lambda p: p(lambda a: jax.lax.psum(a, "j"), axis_name="i")(x8),
+    None,
+  ),
+  "unknown backend": (lambda p: p(lambda a: a, backend="no_such")(x8), None),
 }
 
 
@@ -136,12 +172,12 @@ def test_install_uninstall_and_context_manager():
     assert jax.pmap is STOCK_PMAP and not pmap_chunked.is_installed()
     pmap_chunked.install()
     assert jax.pmap is pmap and pmap_chunked.is_installed()
-    pmap_chunked.install()                              # idempotent
+    pmap_chunked.install()  # idempotent
     np.testing.assert_array_equal(jax.pmap(lambda v: v * 2)(x8), 2 * x8)
     assert isinstance(jax.pmap(lambda v: v), pmap_chunked.Pmapped)
     pmap_chunked.uninstall()
     assert jax.pmap is STOCK_PMAP
-    pmap_chunked.uninstall()                            # idempotent
+    pmap_chunked.uninstall()  # idempotent
     assert jax.pmap is STOCK_PMAP
     # Only jax.pmap changes: the helpers JAX 0.10 removed stay removed.
     with pmap_chunked.installed():
@@ -172,19 +208,28 @@ def test_uninstall_does_not_clobber_a_later_assignment():
 
 def test_stock_callables_are_bound_at_import(monkeypatch):
   """Reassigning the jax.* names pmap_chunked builds on changes nothing."""
+
   def trap(name):
     def called(*args, **kwargs):
       raise AssertionError(f"pmap_chunked looked up jax.{name} at call time")
+
     return called
 
-  for name in ("pmap", "shard_map", "typeof", "devices",
-               "make_array_from_single_device_arrays",
-               "make_array_from_process_local_data"):
+  for name in (
+    "pmap",
+    "shard_map",
+    "typeof",
+    "devices",
+    "make_array_from_single_device_arrays",
+    "make_array_from_process_local_data",
+  ):
     monkeypatch.setattr(jax, name, trap(name))
-  monkeypatch.setattr(jax.sharding, "get_abstract_mesh",
-                      trap("sharding.get_abstract_mesh"))
-  f = pmap(lambda v, k: v * k + jax.lax.psum(v, "i"), "i",
-           static_broadcasted_argnums=1)
+  monkeypatch.setattr(
+    jax.sharding, "get_abstract_mesh", trap("sharding.get_abstract_mesh")
+  )
+  f = pmap(
+    lambda v, k: v * k + jax.lax.psum(v, "i"), "i", static_broadcasted_argnums=1
+  )
   x = np.arange(N, dtype=np.float32)
   np.testing.assert_allclose(f(x, 2), x * 2 + x.sum())
   assert f.lower(x, 2).out_info.shape == (N,)
@@ -193,8 +238,9 @@ def test_stock_callables_are_bound_at_import(monkeypatch):
   devices = STOCK_DEVICES[:4]
   rep = pmap_chunked.device_put_replicated(np.ones(3), devices)
   assert rep.shape == (4, 3)
-  sharded = pmap_chunked.device_put_sharded([np.full(2, k) for k in range(4)],
-                                            devices)
+  sharded = pmap_chunked.device_put_sharded(
+    [np.full(2, k) for k in range(4)], devices
+  )
   np.testing.assert_array_equal(sharded[:, 0], np.arange(4))
 
 
@@ -250,11 +296,19 @@ SWAPPED = textwrap.dedent("""
 def test_plain_swap_of_jit_device_put_and_pmap_in_a_fresh_process(tmp_path):
   script = tmp_path / "swapped.py"
   script.write_text(SWAPPED)
-  env = dict(os.environ,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-  done = subprocess.run([sys.executable, str(script)], env=env,
-                        capture_output=True, text=True, timeout=300)
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+  )
+  done = subprocess.run(
+    [sys.executable, str(script)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0 and "SWAPPED OK" in done.stdout, (
-      done.stdout[-3000:] + done.stderr[-6000:])
+    done.stdout[-3000:] + done.stderr[-6000:]
+  )

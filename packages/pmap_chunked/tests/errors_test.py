@@ -12,8 +12,9 @@ import pytest
 from jaxworks.axis_names import AxisNameError
 from jaxworks.pmap_chunked import pmap
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS)"
+)
 API = "jaxworks.pmap_chunked.pmap"
 
 
@@ -30,21 +31,28 @@ def test_wrong_leading_sizes():
 
 def test_wrong_leading_sizes_in_nested_arguments():
   f = pmap(lambda d: d["x"] + d["y"], in_axes=({"x": 0, "y": 1},))
-  with pytest.raises(ValueError, match=r"args\[0\]\['y'\]: size 3 along axis "
-                     "1"):
+  with pytest.raises(
+    ValueError,
+    match=r"args\[0\]\['y'\]: size 3 along axis "
+    "1",
+  ):
     f({"x": jnp.ones((8, 3)), "y": jnp.ones((8, 3))})
 
 
 def test_too_many_for_the_devices():
-  with pytest.raises(ValueError, match=r"needs 9 devices but only 8 are "
-                     r"available .* at most 8"):
+  with pytest.raises(
+    ValueError,
+    match=r"needs 9 devices but only 8 are "
+    r"available .* at most 8",
+  ):
     pmap(lambda v: v)(jnp.ones(9))
 
 
 def test_devices_argument_of_wrong_length():
   f = pmap(lambda v: v, devices=jax.devices()[:4])
-  with pytest.raises(ValueError, match="mapped axis size is 2 but devices= "
-                     "lists 4 devices"):
+  with pytest.raises(
+    ValueError, match="mapped axis size is 2 but devices= lists 4 devices"
+  ):
     f(jnp.ones(2))
 
 
@@ -59,7 +67,7 @@ def test_bad_devices_argument():
 
 def test_unbound_axis_name_reported_through_axis_names():
   def uses_j(v):
-    return jax.lax.psum(v, "j")   # the line the error must point at
+    return jax.lax.psum(v, "j")  # the line the error must point at
 
   line = uses_j.__code__.co_firstlineno + 1
   with pytest.raises(AxisNameError) as info:
@@ -71,7 +79,7 @@ def test_unbound_axis_name_reported_through_axis_names():
   assert f"errors_test.py:{line}" in msg
   assert err.primitive == "psum" and err.axis_name == "j"
   assert err.bound == ("i",)
-  assert isinstance(err, NameError)      # still a NameError, as JAX raises
+  assert isinstance(err, NameError)  # still a NameError, as JAX raises
 
 
 def test_unbound_axis_name_in_nested_pmap_lists_both_bound_names():
@@ -85,16 +93,21 @@ def test_unbound_axis_name_in_nested_pmap_lists_both_bound_names():
 
 def test_static_argnums_out_of_range_and_unhashable():
   f = pmap(lambda a, b: a, static_broadcasted_argnums=(1,))
-  with pytest.raises(ValueError, match=r"static_broadcasted_argnums=\(1,\) "
-                     r"but was called with 1 positional"):
+  with pytest.raises(
+    ValueError,
+    match=r"static_broadcasted_argnums=\(1,\) "
+    r"but was called with 1 positional",
+  ):
     f(jnp.ones(8))
-  with pytest.raises(TypeError, match="static argument 1 .* must be hashable, "
-                     "got a list"):
+  with pytest.raises(
+    TypeError, match="static argument 1 .* must be hashable, got a list"
+  ):
     f(jnp.ones(8), [1, 2])
   with pytest.raises(TypeError, match="non-negative ints"):
     pmap(lambda a: a, static_broadcasted_argnums=-1)
-  with pytest.raises(ValueError, match="both static_broadcasted_argnums and "
-                     "donate_argnums"):
+  with pytest.raises(
+    ValueError, match="both static_broadcasted_argnums and donate_argnums"
+  ):
     pmap(lambda a, b: a, static_broadcasted_argnums=1, donate_argnums=1)
 
 
@@ -103,15 +116,21 @@ def test_bad_axes_specs():
     pmap(lambda a: a, in_axes="0")
   with pytest.raises(TypeError, match="out_axes must be an int, None"):
     pmap(lambda a: a, out_axes=(0, 1.5))
-  with pytest.raises(ValueError, match=r"in_axes=\(0, 0\) has 2 entries but "
-                     ".* 1 positional"):
+  with pytest.raises(
+    ValueError,
+    match=r"in_axes=\(0, 0\) has 2 entries but "
+    ".* 1 positional",
+  ):
     pmap(lambda a: a, in_axes=(0, 0))(jnp.ones(8))
   with pytest.raises(ValueError, match="not a pytree prefix"):
     pmap(lambda a: a, in_axes=((0, 0),))(jnp.ones(8))
   # The mismatch is located by its path in in_axes.
-  with pytest.raises(ValueError, match=r"key path\s+in_axes\[0\]\s+At that "
-                     "key path, the prefix pytree in_axes has a subtree of "
-                     "type tuple of length 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"key path\s+in_axes\[0\]\s+At that "
+    "key path, the prefix pytree in_axes has a subtree of "
+    "type tuple of length 3",
+  ):
     x = jnp.ones(8)
     pmap(lambda a, b: a, in_axes=((0, 0, 0), 0))((x, x), x)
   with pytest.raises(ValueError, match="out_axes=.* not a pytree prefix"):
@@ -119,35 +138,53 @@ def test_bad_axes_specs():
 
 
 def test_axis_out_of_range():
-  with pytest.raises(ValueError, match=r"shape \(8,\) \(rank 1\) and cannot be "
-                     "mapped over axis 1; use an axis below 1 or give it "
-                     "in_axes=None"):
+  with pytest.raises(
+    ValueError,
+    match=r"shape \(8,\) \(rank 1\) and cannot be "
+    "mapped over axis 1; use an axis below 1 or give it "
+    "in_axes=None",
+  ):
     pmap(lambda a: a, in_axes=1)(jnp.ones(8))
-  with pytest.raises(ValueError, match=r"args\[1\] .* shape \(\) \(rank 0\) "
-                     "and cannot be mapped over axis 0; a scalar has no axis "
-                     "to map: give it in_axes=None"):
+  with pytest.raises(
+    ValueError,
+    match=r"args\[1\] .* shape \(\) \(rank 0\) "
+    "and cannot be mapped over axis 0; a scalar has no axis "
+    "to map: give it in_axes=None",
+  ):
     pmap(lambda a, s: a)(jnp.ones(8), jnp.float32(1))
-  with pytest.raises(ValueError, match="in_axes axis -3 is out of range for "
-                     r"argument args\[0\] of rank 2"):
+  with pytest.raises(
+    ValueError,
+    match="in_axes axis -3 is out of range for "
+    r"argument args\[0\] of rank 2",
+  ):
     pmap(lambda a: a, in_axes=-3)(jnp.ones((8, 2)))
-  with pytest.raises(ValueError, match="out_axes axis 3 is out of range for "
-                     "output"):
+  with pytest.raises(
+    ValueError, match="out_axes axis 3 is out of range for output"
+  ):
     pmap(lambda a: a, out_axes=3)(jnp.ones((8, 2)))
 
 
 def test_cannot_map_a_python_scalar_or_string():
-  with pytest.raises(TypeError, match="cannot be mapped over .* in_axes=None "
-                     ".* static_broadcasted_argnums"):
+  with pytest.raises(
+    TypeError,
+    match="cannot be mapped over .* in_axes=None .* static_broadcasted_argnums",
+  ):
     pmap(lambda a, s: a)(jnp.ones(8), "text")
   # A mapped Python scalar is a rank-0 value, a ValueError as in jax.pmap.
-  with pytest.raises(ValueError, match=r"args\[0\] .* shape \(\) \(rank 0\) "
-                     "and cannot be mapped over axis 0; a scalar has no axis"):
+  with pytest.raises(
+    ValueError,
+    match=r"args\[0\] .* shape \(\) \(rank 0\) "
+    "and cannot be mapped over axis 0; a scalar has no axis",
+  ):
     pmap(lambda a: a)(1.0)
 
 
 def test_chunked_output_without_its_chunk_axis():
-  with pytest.raises(ValueError, match=r"chunked=True\): output .* has "
-                     r"per-device shape \(3,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"chunked=True\): output .* has "
+    r"per-device shape \(3,\)",
+  ):
     pmap(lambda a: a.sum(0), chunked=True)(jnp.ones((8, 3)))
 
 
@@ -182,7 +219,7 @@ def test_failed_trace_keeps_donated_input_and_leaves_no_entry():
     raise RuntimeError("boom in user code")
 
   f = pmap(boom, donate_argnums=0)
-  x = jnp.ones((8, 2))                     # needs moving, and is donated
+  x = jnp.ones((8, 2))  # needs moving, and is donated
   with pytest.raises(RuntimeError, match="boom in user code"):
     f(x)
   assert not x.is_deleted()

@@ -6,11 +6,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxworks.pmap_chunked._src import jax_internals
-
 
 # Any number of devices will do (these also run on a single accelerator).
 DEVICES = jax.devices()[:4]
@@ -22,13 +23,15 @@ def test_weak_array_from_shards_wraps_without_copy_and_keeps_weak_type():
   pieces = [jax.device_put(jnp.asarray(1.5)[None], d) for d in devices]
   assert all(p.weak_type for p in pieces)
   sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d"))
-  out = jax_internals.weak_array_from_shards((N,), pieces[0].dtype, sharding,
-                                             pieces)
+  out = jax_internals.weak_array_from_shards(
+    (N,), pieces[0].dtype, sharding, pieces
+  )
   assert isinstance(out, jax.Array)
   assert out.weak_type and out.dtype == jnp.float32 and out.shape == (N,)
   assert out.sharding == sharding
-  assert ([s.data.unsafe_buffer_pointer() for s in out.addressable_shards]
-          == [p.unsafe_buffer_pointer() for p in pieces])
+  assert [s.data.unsafe_buffer_pointer() for s in out.addressable_shards] == [
+    p.unsafe_buffer_pointer() for p in pieces
+  ]
   np.testing.assert_array_equal(out, [1.5] * N)
   # Weak type behaves as for a Python scalar: it does not promote.
   assert (out + jnp.ones(N, jnp.bfloat16)).dtype == jnp.bfloat16
@@ -52,22 +55,25 @@ def test_jax_device_put_sharded_is_jax_own_rank_preserving_helper():
   np.testing.assert_array_equal(out, np.stack(shards))
   for shard in out.addressable_shards:
     assert shard.data.shape == (1, 2)
-    np.testing.assert_array_equal(shard.data[0],
-                                  shards[devices.index(shard.device)])
+    np.testing.assert_array_equal(
+      shard.data[0], shards[devices.index(shard.device)]
+    )
 
 
 def test_lowered_with_args_info_relabels_a_stock_lowered():
   lowered = jax.jit(lambda a, b: a * b).lower(jnp.ones(3), jnp.float32(2))
   flat = jax.tree_util.tree_leaves(lowered.args_info)
   relabeled = jax_internals.lowered_with_args_info(
-      lowered, ((flat[0],), {"b": flat[1]}))
+    lowered, ((flat[0],), {"b": flat[1]})
+  )
   assert isinstance(relabeled, jax.stages.Lowered)
   assert relabeled.args_info == ((flat[0],), {"b": flat[1]})
   assert relabeled.out_info.shape == lowered.out_info.shape
   assert relabeled.as_text() == lowered.as_text()
-  compiled = relabeled.compile()            # takes the relabeled structure
-  np.testing.assert_array_equal(compiled(jnp.ones(3), b=jnp.float32(2)),
-                                [2.0, 2.0, 2.0])
+  compiled = relabeled.compile()  # takes the relabeled structure
+  np.testing.assert_array_equal(
+    compiled(jnp.ones(3), b=jnp.float32(2)), [2.0, 2.0, 2.0]
+  )
 
 
 def test_arg_info_has_the_arguments_own_aval():
@@ -76,5 +82,8 @@ def test_arg_info_has_the_arguments_own_aval():
   assert info.donated
   assert (info.shape, info.dtype) == ((2, 3), jnp.bfloat16)
   scalar = jax_internals.arg_info(2.0, False)
-  assert (scalar.shape, scalar.dtype, scalar.donated) == ((), jnp.float32,
-                                                          False)
+  assert (scalar.shape, scalar.dtype, scalar.donated) == (
+    (),
+    jnp.float32,
+    False,
+  )

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-
 TIMEOUT_S = 120
 
 WORKER = textwrap.dedent("""
@@ -52,14 +51,23 @@ def test_two_processes_psum_across_processes(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(WORKER)
   env = dict(os.environ)
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+  env.update(
+    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+  )
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=tmp_path)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(script), str(i), str(port)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=env,
+      cwd=tmp_path,
+    )
+    for i in range(2)
+  ]
   outputs = []
   try:
     for p in procs:
@@ -74,7 +82,7 @@ def test_two_processes_psum_across_processes(tmp_path):
   for i, (p, text) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, f"process {i} failed:\n{text[-3000:]}"
     line = next(l for l in text.splitlines() if l.startswith("RESULT "))
-    results.append(json.loads(line[len("RESULT "):]))
+    results.append(json.loads(line[len("RESULT ") :]))
 
   # Each process passes different values (process p: 4p .. 4p + 3), so the
   # psum over all 8 devices (28) differs from either process's own sum (6 or
@@ -87,9 +95,14 @@ def test_two_processes_psum_across_processes(tmp_path):
     assert values == [[4 * pid + k + total] for k in range(4)]
     second_total = sum(k + total for k in range(8))
     again = sorted(v for v in r["again"].values())
-    assert again == [[4 * pid + k + total + 2 * second_total]
-                     for k in range(4)]
-    assert r["cache"] == [1, 1, 1, 0, 256]  # hits, misses, entries, evicted, max
+    assert again == [[4 * pid + k + total + 2 * second_total] for k in range(4)]
+    assert r["cache"] == [
+      1,
+      1,
+      1,
+      0,
+      256,
+    ]  # hits, misses, entries, evicted, max
     # Every device of both processes sees all 8 slices in global order:
     # process p's slices sit at positions 4p .. 4p + 3.
     assert list(r["gathered"].values()) == [[list(map(float, range(8)))]] * 4

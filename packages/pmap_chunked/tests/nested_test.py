@@ -6,20 +6,25 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-import jaxworks.pmap_chunked._src.deps as deps
 from jaxworks.pmap_chunked import pmap
+import jaxworks.pmap_chunked._src.deps as deps
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS)"
+)
 
 
 def body(v):
-  return (jax.lax.psum(v, "j") * 10 + jax.lax.psum(v, "i")
-          + jax.lax.axis_index("i") * 1000 + jax.lax.axis_index("j") * 100)
+  return (
+    jax.lax.psum(v, "j") * 10
+    + jax.lax.psum(v, "i")
+    + jax.lax.axis_index("i") * 1000
+    + jax.lax.axis_index("j") * 100
+  )
 
 
 # Stock jax.pmap 0.10.2 cannot nest (the inner shard_map rejects the outer
@@ -29,8 +34,11 @@ def body(v):
 
 
 def _stock(inner, outer_kwargs=None, inner_kwargs=None):
-  return jax.pmap(jax.vmap(inner, axis_name="j", **(inner_kwargs or {})),
-                  axis_name="i", **(outer_kwargs or {}))
+  return jax.pmap(
+    jax.vmap(inner, axis_name="j", **(inner_kwargs or {})),
+    axis_name="i",
+    **(outer_kwargs or {}),
+  )
 
 
 def test_nested_pmap_on_2d_mesh_matches_stock_pmap_of_vmap(monkeypatch):
@@ -46,7 +54,8 @@ def test_nested_pmap_on_2d_mesh_matches_stock_pmap_of_vmap(monkeypatch):
   expected = _stock(body)(x)
   np.testing.assert_allclose(out, expected)
   np.testing.assert_allclose(
-      out, jax.vmap(jax.vmap(body, axis_name="j"), axis_name="i")(x))
+    out, jax.vmap(jax.vmap(body, axis_name="j"), axis_name="i")(x)
+  )
   mesh = out.sharding.mesh
   assert mesh.axis_names == ("i", "j") and mesh.devices.shape == (2, 4)
   assert list(mesh.devices.flat) == jax.devices()
@@ -59,8 +68,9 @@ def test_nested_pmap_on_2d_mesh_matches_stock_pmap_of_vmap(monkeypatch):
   # to batched_transfer).
   moved = []
   real_put = deps.device_put
-  monkeypatch.setattr(deps, "device_put",
-                      lambda t, s: (moved.append(t), real_put(t, s))[1])
+  monkeypatch.setattr(
+    deps, "device_put", lambda t, s: (moved.append(t), real_put(t, s))[1]
+  )
   again = f(out)
   assert moved == []
   np.testing.assert_allclose(again, _stock(body)(expected))
@@ -70,16 +80,22 @@ def test_nested_pmap_on_2d_mesh_matches_stock_pmap_of_vmap(monkeypatch):
 
 def test_nested_with_inner_in_axes_and_broadcast_argument():
   def outer(v, w):
-    inner = pmap(lambda a, b: a * b + jax.lax.psum(a, "i"), "j",
-                 in_axes=(1, None), out_axes=1)
+    inner = pmap(
+      lambda a, b: a * b + jax.lax.psum(a, "i"),
+      "j",
+      in_axes=(1, None),
+      out_axes=1,
+    )
     return inner(v, w)
 
   x = jnp.arange(2 * 3 * 4.0).reshape(2, 3, 4)
   w = jnp.float32(2.0)
   out = pmap(outer, "i", in_axes=(0, None))(x, w)
-  ref = _stock(lambda a, b: a * b + jax.lax.psum(a, "i"),
-               outer_kwargs=dict(in_axes=(0, None)),
-               inner_kwargs=dict(in_axes=(1, None), out_axes=1))(x, w)
+  ref = _stock(
+    lambda a, b: a * b + jax.lax.psum(a, "i"),
+    outer_kwargs=dict(in_axes=(0, None)),
+    inner_kwargs=dict(in_axes=(1, None), out_axes=1),
+  )(x, w)
   np.testing.assert_allclose(out, ref)
   assert out.sharding.mesh.devices.shape == (2, 4)
 
@@ -108,7 +124,7 @@ def test_nested_pmaps_without_axis_names():
 def test_nested_inner_size_changes_between_calls():
   f = pmap(lambda v: pmap(lambda a: a + jax.lax.axis_index("j"), "j")(v), "i")
   a = f(jnp.zeros((2, 4)))
-  b = f(jnp.zeros((2, 2)))                 # same outer size, inner 4 -> 2
+  b = f(jnp.zeros((2, 2)))  # same outer size, inner 4 -> 2
   stock = _stock(lambda a: a + jax.lax.axis_index("j"))
   np.testing.assert_allclose(a, stock(jnp.zeros((2, 4))))
   np.testing.assert_allclose(b, stock(jnp.zeros((2, 2))))
@@ -118,7 +134,8 @@ def test_nested_inner_size_changes_between_calls():
 def test_nested_inner_with_two_sizes_in_one_call_is_an_error():
   inner = pmap(lambda a: a, "j")
   f = pmap(lambda v, w: (inner(v), inner(w)), "i")
-  with pytest.raises(ValueError, match="axis 'j' with sizes 4 and 2 in one "
-                     "call"):
+  with pytest.raises(
+    ValueError, match="axis 'j' with sizes 4 and 2 in one call"
+  ):
     f(jnp.zeros((2, 4)), jnp.zeros((2, 2)))
   assert f.cache_info().entries == 0

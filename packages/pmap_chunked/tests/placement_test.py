@@ -6,27 +6,34 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import jaxworks.pmap_chunked._src.deps as deps
-from jaxworks.pmap_chunked import device_put_replicated, device_put_sharded
+from jaxworks.pmap_chunked import device_put_replicated
+from jaxworks.pmap_chunked import device_put_sharded
 from jaxworks.pmap_chunked import pmap
+import jaxworks.pmap_chunked._src.deps as deps
+
 # JAX's own helpers (public until 0.9, kept privately in 0.10.2), reached
 # through the package's one module of private JAX names: the reference for
 # "contents equal to what the JAX 0.9 helpers returned". No fallback: if JAX
 # drops them these tests fail rather than silently compare to something else.
-from jaxworks.pmap_chunked._src.jax_internals import (
-    jax_device_put_replicated, jax_device_put_sharded)
+from jaxworks.pmap_chunked._src.jax_internals import jax_device_put_replicated
+from jaxworks.pmap_chunked._src.jax_internals import jax_device_put_sharded
 
 N = 8
-pytestmark = pytest.mark.skipif(jax.device_count() < N,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
+)
 
 
 def _pointers(a):
-  return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+  return {
+    s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards
+  }
 
 
 @pytest.fixture
@@ -58,20 +65,21 @@ def test_pmap_output_feeds_jit_without_copy():
 
 def test_pmap_output_feeds_pmap_without_copy(transfers):
   f = pmap(lambda v: v * 2, "i")
-  g = pmap(lambda v: v + 1, "j", donate_argnums=0)   # other axis name
+  g = pmap(lambda v: v + 1, "j", donate_argnums=0)  # other axis name
   out = f(jnp.ones((N, 256)))
   moved_before = len(transfers)
   before = _pointers(out)
   again = g(out)
-  assert len(transfers) == moved_before               # nothing moved
-  assert _pointers(again) == before                   # donated in place
+  assert len(transfers) == moved_before  # nothing moved
+  assert _pointers(again) == before  # donated in place
   np.testing.assert_allclose(again, 3.0)
 
 
 def test_inputs_already_laid_out_are_not_moved(transfers):
   mesh = Mesh(np.array(jax.devices()), ("k",))
-  x = jax.device_put(np.arange(N * 4.0).reshape(N, 4),
-                     NamedSharding(mesh, P("k")))
+  x = jax.device_put(
+    np.arange(N * 4.0).reshape(N, 4), NamedSharding(mesh, P("k"))
+  )
   w = jax.device_put(np.ones(4), NamedSharding(mesh, P()))
   out = pmap(lambda a, b: a + b, "i", in_axes=(0, None))(x, w)
   np.testing.assert_allclose(out, np.arange(N * 4.0).reshape(N, 4) + 1)
@@ -81,11 +89,16 @@ def test_inputs_already_laid_out_are_not_moved(transfers):
 def test_misplaced_inputs_move_in_one_batched_transfer(transfers, monkeypatch):
   calls = []
   real = deps.device_put
-  monkeypatch.setattr(deps, "device_put",
-                      lambda t, s: (calls.append(len(jax.tree.leaves(t))),
-                                    real(t, s))[1])
-  args = (np.ones((N, 2)), jnp.ones((N, 2)), jax.device_put(jnp.ones((N, 2)),
-                                                            jax.devices()[3]))
+  monkeypatch.setattr(
+    deps,
+    "device_put",
+    lambda t, s: (calls.append(len(jax.tree.leaves(t))), real(t, s))[1],
+  )
+  args = (
+    np.ones((N, 2)),
+    jnp.ones((N, 2)),
+    jax.device_put(jnp.ones((N, 2)), jax.devices()[3]),
+  )
   out = pmap(lambda a, b, c: a + b + c)(*args)
   np.testing.assert_allclose(out, 3.0)
   assert calls == [3]
@@ -100,23 +113,38 @@ def _check_like_jax(ours, ref, stacked_devices):
   assert list(ours.sharding.mesh.devices.flat) == list(stacked_devices)
   assert ours.sharding.is_equivalent_to(ref.sharding, ours.ndim)
   by_device = {s.device: s.data for s in ref.addressable_shards}
-  for s in ours.addressable_shards:       # device k holds row k, as [1, ...]
+  for s in ours.addressable_shards:  # device k holds row k, as [1, ...]
     assert s.data.shape == (1,) + ours.shape[1:]
-    np.testing.assert_array_equal(np.asarray(s.data),
-                                  np.asarray(by_device[s.device]))
+    np.testing.assert_array_equal(
+      np.asarray(s.data), np.asarray(by_device[s.device])
+    )
 
 
-@pytest.mark.parametrize("value", [
-    1.0, 3, True, np.arange(3, dtype=np.int32), np.float32(2.5),
-    jnp.ones((2, 2), jnp.bfloat16), {"a": np.zeros(2), "b": (1.0, 2)}])
+@pytest.mark.parametrize(
+  "value",
+  [
+    1.0,
+    3,
+    True,
+    np.arange(3, dtype=np.int32),
+    np.float32(2.5),
+    jnp.ones((2, 2), jnp.bfloat16),
+    {"a": np.zeros(2), "b": (1.0, 2)},
+  ],
+)
 def test_device_put_replicated_matches_jax_0_9(value):
   devices = jax.devices()
   out = device_put_replicated(value, devices)
   ref = jax_device_put_replicated(value, devices)
   assert jax.tree.structure(out) == jax.tree.structure(ref)
   jax.tree.map(lambda a, r: _check_like_jax(a, r, devices), out, ref)
-  jax.tree.map(lambda a, x: np.testing.assert_array_equal(
-      np.asarray(a), np.stack([np.asarray(x)] * N)), out, value)
+  jax.tree.map(
+    lambda a, x: np.testing.assert_array_equal(
+      np.asarray(a), np.stack([np.asarray(x)] * N)
+    ),
+    out,
+    value,
+  )
 
 
 def test_device_put_sharded_matches_jax_0_9():
@@ -126,33 +154,38 @@ def test_device_put_sharded_matches_jax_0_9():
   ref = jax_device_put_sharded(shards, devices)
   assert jax.tree.structure(out) == jax.tree.structure(ref)
   jax.tree.map(lambda a, r: _check_like_jax(a, r, devices), out, ref)
-  assert out["n"].weak_type                 # Python ints stay weakly typed
+  assert out["n"].weak_type  # Python ints stay weakly typed
   for key in ("x", "n"):
     np.testing.assert_array_equal(
-        np.asarray(out[key]), np.stack([np.asarray(s[key]) for s in shards]))
+      np.asarray(out[key]), np.stack([np.asarray(s[key]) for s in shards])
+    )
 
 
 def test_device_put_helpers_use_one_batched_transfer(monkeypatch):
   calls = []
   real = deps.device_put
-  monkeypatch.setattr(deps, "device_put", lambda t, s: (
-      calls.append(len(jax.tree.leaves(t))), real(t, s))[1])
+  monkeypatch.setattr(
+    deps,
+    "device_put",
+    lambda t, s: (calls.append(len(jax.tree.leaves(t))), real(t, s))[1],
+  )
   devices = jax.devices()[:4]
   tree = {"a": np.ones(3), "b": (2.0, np.arange(4))}
   device_put_replicated(tree, devices)
-  assert calls == [3]                       # every leaf in one call
+  assert calls == [3]  # every leaf in one call
   device_put_sharded([tree] * 4, devices)
-  assert calls == [3, 12]                   # every piece of every leaf
+  assert calls == [3, 12]  # every piece of every leaf
 
 
 def test_device_put_outputs_feed_pmap_without_copy(transfers):
   devices = jax.devices()
   rep = device_put_replicated(np.ones(4, np.float32), devices)
-  sh = device_put_sharded([np.full(4, i, np.float32) for i in range(N)],
-                          devices)
+  sh = device_put_sharded(
+    [np.full(4, i, np.float32) for i in range(N)], devices
+  )
   moved = len(transfers)
   out = pmap(lambda a, b: a * b, "i")(rep, sh)
-  assert len(transfers) == moved          # taken as they are: nothing moved
+  assert len(transfers) == moved  # taken as they are: nothing moved
   np.testing.assert_allclose(out, np.arange(N)[:, None] * np.ones((N, 4)))
 
 
@@ -166,8 +199,11 @@ def test_device_put_sharded_from_device_arrays():
 
 def test_device_put_helpers_validate_arguments():
   devs = jax.devices()[:2]
-  with pytest.raises(ValueError, match=r"len\(shards\) = 3 must equal "
-                     r"len\(devices\) = 2"):
+  with pytest.raises(
+    ValueError,
+    match=r"len\(shards\) = 3 must equal "
+    r"len\(devices\) = 2",
+  ):
     device_put_sharded([1, 2, 3], devs)
   with pytest.raises(ValueError, match="agree in shape and dtype"):
     device_put_sharded([np.ones(2), np.ones(3)], devs)
@@ -190,18 +226,23 @@ def test_device_put_helpers_with_prng_keys_feed_pmap():
   replicated = device_put_replicated(jax.random.key(3), devices)
   assert jax.dtypes.issubdtype(sharded.dtype, jax.dtypes.prng_key)
   assert sharded.shape == replicated.shape == (N,)
-  for ours, ref in ((sharded, jax_device_put_sharded(keys, devices)),
-                    (replicated, jax_device_put_replicated(jax.random.key(3),
-                                                           devices))):
+  for ours, ref in (
+    (sharded, jax_device_put_sharded(keys, devices)),
+    (replicated, jax_device_put_replicated(jax.random.key(3), devices)),
+  ):
     assert ours.dtype == ref.dtype
-    np.testing.assert_array_equal(jax.random.key_data(ours),
-                                  jax.random.key_data(ref))
+    np.testing.assert_array_equal(
+      jax.random.key_data(ours), jax.random.key_data(ref)
+    )
     assert [s.device for s in ours.addressable_shards] == devices
-  np.testing.assert_array_equal(jax.random.key_data(sharded),
-                                jax.random.key_data(jnp.stack(keys)))
   np.testing.assert_array_equal(
-      jax.random.key_data(replicated),
-      np.stack([jax.random.key_data(jax.random.key(3))] * N))
+    jax.random.key_data(sharded), jax.random.key_data(jnp.stack(keys))
+  )
+  np.testing.assert_array_equal(
+    jax.random.key_data(replicated),
+    np.stack([jax.random.key_data(jax.random.key(3))] * N),
+  )
   out = pmap(lambda k: jax.random.normal(k, (2,)))(sharded)
   np.testing.assert_allclose(
-      out, jax.vmap(lambda k: jax.random.normal(k, (2,)))(jnp.stack(keys)))
+    out, jax.vmap(lambda k: jax.random.normal(k, (2,)))(jnp.stack(keys))
+  )

@@ -7,16 +7,19 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxworks.jit_cache
-from jaxworks.pmap_chunked import PmapCacheInfo, pmap
+from jaxworks.pmap_chunked import PmapCacheInfo
+from jaxworks.pmap_chunked import pmap
 
 N = 8
-pytestmark = pytest.mark.skipif(jax.device_count() < N,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
+)
 
 
 def _shard_shapes(a):
@@ -32,20 +35,22 @@ def test_classic_semantics_rank_preserving_shards():
     return jnp.sin(v) * 2
 
   out = pmap(f, axis_name="i")(x)
-  np.testing.assert_allclose(out, jax.pmap(lambda v: jnp.sin(v) * 2)(x),
-                             rtol=1e-6)
-  assert seen == [(100,)]                      # mapped axis removed inside
+  np.testing.assert_allclose(
+    out, jax.pmap(lambda v: jnp.sin(v) * 2)(x), rtol=1e-6
+  )
+  assert seen == [(100,)]  # mapped axis removed inside
   assert out.shape == (N, 100)
-  assert _shard_shapes(out) == [(1, 100)]      # [1, 100] per device
+  assert _shard_shapes(out) == [(1, 100)]  # [1, 100] per device
   assert isinstance(out.sharding, NamedSharding)
   assert out.sharding.spec == P("i")
   assert out.sharding.mesh.axis_names == ("i",)
   assert out.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,)
   assert list(out.sharding.mesh.devices.flat) == jax.devices()[:N]
-  for shard in out.addressable_shards:         # device k holds row k
+  for shard in out.addressable_shards:  # device k holds row k
     k = jax.devices().index(shard.device)
-    np.testing.assert_allclose(shard.data[0], np.sin(np.asarray(x[k])) * 2,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      shard.data[0], np.sin(np.asarray(x[k])) * 2, rtol=1e-6
+    )
 
 
 def test_chunked_body_sees_size_one_axis():
@@ -127,8 +132,9 @@ def test_in_axes_none_nonzero_negative_and_pytrees():
   pair = (jnp.arange(N * 2.0).reshape(N, 2), jnp.float32(3.0))
   h = lambda p, q: p[0] * p[1] + q
   np.testing.assert_allclose(
-      pmap(h, in_axes=prefix)(pair, jnp.ones(2)),
-      jax.pmap(h, in_axes=prefix)(pair, jnp.ones(2)))
+    pmap(h, in_axes=prefix)(pair, jnp.ones(2)),
+    jax.pmap(h, in_axes=prefix)(pair, jnp.ones(2)),
+  )
 
 
 def test_out_axes_none_nonzero_negative_and_pytrees():
@@ -140,33 +146,40 @@ def test_out_axes_none_nonzero_negative_and_pytrees():
   out = pmap(f, "i", out_axes={"a": -1, "b": (1, None)})(x)
   stock = jax.pmap(f, "i", out_axes={"a": 2, "b": (1, None)})(x)
   jax.tree.map(np.testing.assert_allclose, out, stock)
-  jax.tree.map(np.testing.assert_allclose, out, jax.vmap(
-      f, out_axes={"a": -1, "b": (1, None)}, axis_name="i")(x))
+  jax.tree.map(
+    np.testing.assert_allclose,
+    out,
+    jax.vmap(f, out_axes={"a": -1, "b": (1, None)}, axis_name="i")(x),
+  )
   assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, stock)
-  assert out["a"].shape == (2, 3, N) and out["a"].sharding.spec == P(None,
-                                                                     None, "i")
-  assert out["b"][1].shape == ()               # out_axes None: unmapped
+  assert out["a"].shape == (2, 3, N) and out["a"].sharding.spec == P(
+    None, None, "i"
+  )
+  assert out["b"][1].shape == ()  # out_axes None: unmapped
   assert _shard_shapes(out["a"]) == _shard_shapes(stock["a"]) == [(2, 3, 1)]
   assert _shard_shapes(out["b"][0]) == _shard_shapes(stock["b"][0])
   # A non-negative pytree prefix: the very same out_axes as stock pmap.
   same = {"a": 1, "b": 0}
-  jax.tree.map(np.testing.assert_allclose, pmap(f, "i", out_axes=same)(x),
-               jax.pmap(f, "i", out_axes=same)(x))
+  jax.tree.map(
+    np.testing.assert_allclose,
+    pmap(f, "i", out_axes=same)(x),
+    jax.pmap(f, "i", out_axes=same)(x),
+  )
 
 
 def test_chunked_negative_out_axes():
   x = jnp.arange(2 * N * 1.0).reshape(2, N)
   out = pmap(lambda v: v * 2, "i", in_axes=-1, out_axes=-1, chunked=True)(x)
   np.testing.assert_allclose(
-      out, jax.pmap(lambda v: v * 2, "i", in_axes=1, out_axes=1)(x))
+    out, jax.pmap(lambda v: v * 2, "i", in_axes=1, out_axes=1)(x)
+  )
   assert out.sharding.spec == P(None, "i")
 
 
 def test_keyword_arguments_are_mapped_over_axis_zero():
   x = jnp.arange(N * 2.0).reshape(N, 2)
   y = jnp.arange(N * 1.0)
-  out = pmap(lambda a, *, b: a.sum() + b, "i", in_axes=None)(
-      jnp.ones(3), b=y)
+  out = pmap(lambda a, *, b: a.sum() + b, "i", in_axes=None)(jnp.ones(3), b=y)
   np.testing.assert_allclose(out, y + 3)
   g = lambda a, b: a * b[0]
   np.testing.assert_allclose(pmap(g)(x, b=x), jax.pmap(g)(x, b=x))
@@ -177,7 +190,7 @@ def _traced_pmap(make_pmap, **kwargs):
 
   def f(power, v, name):
     traces.append((power, name))
-    return v ** power + len(name)
+    return v**power + len(name)
 
   return make_pmap(f, "i", **kwargs), traces
 
@@ -187,38 +200,49 @@ def test_static_broadcasted_argnums_matches_stock_pmap():
   kwargs = dict(in_axes=(None, 0, None), static_broadcasted_argnums=(0, 2))
   ours, our_traces = _traced_pmap(pmap, **kwargs)
   stock, stock_traces = _traced_pmap(jax.pmap, **kwargs)
-  for args in [(2, x, "a"), (2, x, "a"), (3, x, "a"), (2, x, "bb"),
-               (2, x + 1, "a"), (3, x, "a")]:
+  for args in [
+    (2, x, "a"),
+    (2, x, "a"),
+    (3, x, "a"),
+    (2, x, "bb"),
+    (2, x + 1, "a"),
+    (3, x, "a"),
+  ]:
     np.testing.assert_allclose(ours(*args), stock(*args))
   # A new static value traces again; a seen one (or new data) does not.
   assert our_traces == stock_traces == [(2, "a"), (3, "a"), (2, "bb")]
   # An int works as well as a tuple (and in_axes defaults to 0 for all).
   h = lambda v, k: v + k
-  np.testing.assert_allclose(pmap(h, static_broadcasted_argnums=1)(x, 5),
-                             jax.pmap(h, static_broadcasted_argnums=1)(x, 5))
+  np.testing.assert_allclose(
+    pmap(h, static_broadcasted_argnums=1)(x, 5),
+    jax.pmap(h, static_broadcasted_argnums=1)(x, 5),
+  )
 
 
 def _donation_run(make_pmap):
   """One call with donated, moved, unusable and kept inputs; what survives."""
   ident = make_pmap(lambda t: t)
-  a = ident(jnp.arange(N * 3.0).reshape(N, 3))          # laid out, donated
-  d = {"x": ident(jnp.ones((N, 3))),                     # laid out, donated
-       "y": ident(jnp.arange(N * 1.0))}                  # no output fits it
-  moved = jnp.full((N, 3), 2.0)                          # one device: moved
-  keep = ident(jnp.full((N, 3), 5.0))                    # not donated
+  a = ident(jnp.arange(N * 3.0).reshape(N, 3))  # laid out, donated
+  d = {
+    "x": ident(jnp.ones((N, 3))),  # laid out, donated
+    "y": ident(jnp.arange(N * 1.0)),
+  }  # no output fits it
+  moved = jnp.full((N, 3), 2.0)  # one device: moved
+  keep = ident(jnp.full((N, 3), 5.0))  # not donated
   pointers = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
 
   def f(k, a, d, moved, host, keep):
     return (a * k, d["x"] + d["y"], moved * host, keep + 1)
 
   with warnings.catch_warnings():
-    warnings.simplefilter("ignore")        # "Some donated buffers were not usable"
-    out = make_pmap(f, static_broadcasted_argnums=0,
-                    donate_argnums=(1, 2, 3, 4))(
-                        2.0, a, d, moved, np.full((N, 3), 3.0), keep)
+    warnings.simplefilter("ignore")  # "Some donated buffers were not usable"
+    out = make_pmap(
+      f, static_broadcasted_argnums=0, donate_argnums=(1, 2, 3, 4)
+    )(2.0, a, d, moved, np.full((N, 3), 3.0), keep)
   deleted = [x.is_deleted() for x in (a, d["x"], d["y"], moved, keep)]
-  out_pointers = {s.data.unsafe_buffer_pointer()
-                  for s in out[0].addressable_shards}
+  out_pointers = {
+    s.data.unsafe_buffer_pointer() for s in out[0].addressable_shards
+  }
   return out, deleted, out_pointers == pointers
 
 
@@ -230,7 +254,7 @@ def test_donate_argnums_matches_stock_pmap():
   # leaves; an input that had to be moved is copied and the copy donated (the
   # caller's array survives); a buffer no output can use is not taken.
   assert deleted == stock_deleted == [True, True, False, False, False]
-  assert reused and stock_reused             # output written in a's buffers
+  assert reused and stock_reused  # output written in a's buffers
 
 
 def test_cache_hits_and_trace_count():
@@ -247,15 +271,16 @@ def test_cache_hits_and_trace_count():
   np.testing.assert_allclose(x, 3.0)
   assert traces == [(3,)]
   assert g.cache_info() == PmapCacheInfo(hits=2, misses=1, entries=1)
-  g(jnp.zeros((N, 5)))                         # new shape: same entry, retrace
+  g(jnp.zeros((N, 5)))  # new shape: same entry, retrace
   assert traces == [(3,), (5,)]
-  g(jnp.zeros((4, 5)))                         # new size: new entry
+  g(jnp.zeros((4, 5)))  # new size: new entry
   assert g.cache_info().entries == 2
 
 
 def test_axis_size_without_mapped_arguments():
-  out = pmap(lambda c: c + jax.lax.axis_index("i"), "i", in_axes=None,
-             axis_size=4)(jnp.float32(1.0))
+  out = pmap(
+    lambda c: c + jax.lax.axis_index("i"), "i", in_axes=None, axis_size=4
+  )(jnp.float32(1.0))
   np.testing.assert_allclose(out, [1.0, 2.0, 3.0, 4.0])
 
 
@@ -266,8 +291,9 @@ def test_lower_and_trace():
   text = lowered.as_text()
   assert "all-reduce" in text or "all_reduce" in text
   compiled = lowered.compile()
-  arg = jax.device_put(x, NamedSharding(
-      jax.sharding.Mesh(np.array(jax.devices()), ("i",)), P("i")))
+  arg = jax.device_put(
+    x, NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("i",)), P("i"))
+  )
   np.testing.assert_allclose(compiled(arg), np.full((N, 2), 8.0))
   traced = f.trace(jax.ShapeDtypeStruct((N, 2), jnp.float32))
   assert traced.jaxpr is not None
@@ -279,8 +305,11 @@ def test_inside_jit_and_grad():
   out = jax.jit(lambda a: f(a) + 1)(x)
   np.testing.assert_allclose(out, np.sin(x) * x.sum() + 1, rtol=1e-5)
   g = jax.grad(lambda a: f(a).sum())(x)
-  ref = jax.grad(lambda a: jax.pmap(
-      lambda v: jnp.sin(v) * jax.lax.psum(v, "i"), "i")(a).sum())(x)
+  ref = jax.grad(
+    lambda a: jax.pmap(lambda v: jnp.sin(v) * jax.lax.psum(v, "i"), "i")(
+      a
+    ).sum()
+  )(x)
   np.testing.assert_allclose(g, ref, rtol=1e-5)
 
 
@@ -304,5 +333,6 @@ def test_program_is_traced_and_cached_by_jit_cache():
   f(x)
   f(x)
   assert jaxworks.jit_cache.stats().traces == before + 1
-  assert isinstance(f._entries[next(iter(f._entries))].jitted,
-                    jaxworks.jit_cache.JitFunction)
+  assert isinstance(
+    f._entries[next(iter(f._entries))].jitted, jaxworks.jit_cache.JitFunction
+  )

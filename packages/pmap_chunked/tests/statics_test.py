@@ -13,16 +13,20 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
-from jaxworks.pmap_chunked import PmapCacheInfo, UnhashableStaticError, pmap
-from jaxworks.pmap_chunked._src.pmap import DEFAULT_MAXSIZE, static_key
+from jaxworks.pmap_chunked import PmapCacheInfo
+from jaxworks.pmap_chunked import UnhashableStaticError
+from jaxworks.pmap_chunked import pmap
+from jaxworks.pmap_chunked._src.pmap import DEFAULT_MAXSIZE
+from jaxworks.pmap_chunked._src.pmap import static_key
 
 N = 8
-pytestmark = pytest.mark.skipif(jax.device_count() < N,
-                                reason="needs 8 devices (XLA_FLAGS)")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
+)
 
 
 def _same(ours, stock):
@@ -51,13 +55,13 @@ def test_static_int_float_bool_are_different_programs():
   for k in (1, 1.0, True, np.int32(1), np.float32(1), np.int8(1), 1 + 0j):
     _same(f(x, k), _stock(mul, k, x))
   assert f.cache_info().misses == 7 and f.cache_info().entries == 7
-  _same(f(x, 1.0), _stock(mul, 1.0, x))            # equal value, same type
+  _same(f(x, 1.0), _stock(mul, 1.0, x))  # equal value, same type
   assert f.cache_info().hits == 1
 
 
 def test_static_signed_zero_and_nan():
   x = jnp.ones(N, jnp.float32)
-  inv = lambda v, k: 1 / (v * k)                  # -inf for -0.0
+  inv = lambda v, k: 1 / (v * k)  # -inf for -0.0
   f = pmap(inv, static_broadcasted_argnums=1)
   for k in (0.0, -0.0, np.float32(0.0), np.float32(-0.0)):
     _same(f(x, k), _stock(inv, k, x))
@@ -78,16 +82,22 @@ def test_static_tuples_and_frozensets_of_mixed_types():
 
   f = pmap(fun, static_broadcasted_argnums=1)
   # (1, 2.0) == (1.0, 2) in Python, but the programs' dtypes differ.
-  cases = [(1, 2.0), (1.0, 2), (1, 2), (True, 2), (np.int32(1), 2),
-           frozenset({1, 2.0}), frozenset({1.0, 2})]
+  cases = [
+    (1, 2.0),
+    (1.0, 2),
+    (1, 2),
+    (True, 2),
+    (np.int32(1), 2),
+    frozenset({1, 2.0}),
+    frozenset({1.0, 2}),
+  ]
   for ks in cases:
     for ours, stock in zip(f(x, ks), _stock(fun, ks, x), strict=True):
       _same(ours, stock)
   assert f.cache_info().entries == len(cases)
   nested = pmap(lambda v, ks: v * ks[0][0], static_broadcasted_argnums=1)
   _same(nested(x, ((1,),)), _stock(lambda v, ks: v * ks[0][0], ((1,),), x))
-  _same(nested(x, ((1.0,),)),
-        _stock(lambda v, ks: v * ks[0][0], ((1.0,),), x))
+  _same(nested(x, ((1.0,),)), _stock(lambda v, ks: v * ks[0][0], ((1.0,),), x))
 
 
 def test_static_key_function():
@@ -124,9 +134,9 @@ def test_user_objects_compare_with_their_type_and_eq():
   f = pmap(lambda v, s: v * s.k, static_broadcasted_argnums=1)
   np.testing.assert_array_equal(f(x, Scale(2)), 2 * np.ones(N))
   np.testing.assert_array_equal(f(x, Scale(2)), 2 * np.ones(N))
-  assert f.cache_info().hits == 1                # equal objects: one program
+  assert f.cache_info().hits == 1  # equal objects: one program
   np.testing.assert_array_equal(f(x, OtherScale(2)), 2 * np.ones(N))
-  assert f.cache_info().entries == 2             # another type: another one
+  assert f.cache_info().entries == 2  # another type: another one
 
 
 def test_unhashable_static_is_a_value_error_as_in_stock():
@@ -135,8 +145,9 @@ def test_unhashable_static_is_a_value_error_as_in_stock():
   for bad in ([1], np.ones(2), {"a": 1}):
     with pytest.raises(ValueError) as stock_err:
       stock(jnp.ones(N), bad)
-    with pytest.raises(type(stock_err.value), match="static argument 1 .* "
-                       "must be hashable") as ours:
+    with pytest.raises(
+      type(stock_err.value), match="static argument 1 .* must be hashable"
+    ) as ours:
       f(jnp.ones(N), bad)
     assert isinstance(ours.value, (UnhashableStaticError, TypeError))
 
@@ -168,16 +179,22 @@ def test_lower_args_info_is_the_users_structure_and_compiles():
   f = pmap(lambda v, k, w: v * k + w["a"], static_broadcasted_argnums=1)
   x = jnp.arange(N, dtype=jnp.float32)
   lowered = f.lower(x, 3, {"a": x})
-  stock = jax.pmap(lambda v, k, w: v * k + w["a"],
-                   static_broadcasted_argnums=1).lower(x, 3, {"a": x})
-  assert (jax.tree_util.tree_structure(lowered.args_info)
-          == jax.tree_util.tree_structure(stock.args_info))
-  assert ([a.shape for a in jax.tree_util.tree_leaves(lowered.args_info)]
-          == [a.shape for a in jax.tree_util.tree_leaves(stock.args_info)])
+  stock = jax.pmap(
+    lambda v, k, w: v * k + w["a"], static_broadcasted_argnums=1
+  ).lower(x, 3, {"a": x})
+  assert jax.tree_util.tree_structure(
+    lowered.args_info
+  ) == jax.tree_util.tree_structure(stock.args_info)
+  assert [a.shape for a in jax.tree_util.tree_leaves(lowered.args_info)] == [
+    a.shape for a in jax.tree_util.tree_leaves(stock.args_info)
+  ]
   compiled = lowered.compile()
   np.testing.assert_array_equal(compiled(x, {"a": x}), f(x, 3, {"a": x}))
-  with pytest.raises(TypeError, match=r"Argument 'flat_args\[0\]' compiled "
-                     "with float32.* called with int32"):
+  with pytest.raises(
+    TypeError,
+    match=r"Argument 'flat_args\[0\]' compiled "
+    "with float32.* called with int32",
+  ):
     compiled(x.astype(jnp.int32), {"a": x})
 
 
@@ -187,13 +204,17 @@ def test_program_table_is_an_lru_with_a_bound():
   for k in range(5):
     np.testing.assert_array_equal(f(x, k), np.full(N, k))
   info = f.cache_info()
-  assert (info.entries, info.misses, info.evictions, info.maxsize) == (3, 5,
-                                                                       2, 3)
-  f(x, 3)                                         # held: a hit, now recent
-  f(x, 0)                                         # evicted: built again
+  assert (info.entries, info.misses, info.evictions, info.maxsize) == (
+    3,
+    5,
+    2,
+    3,
+  )
+  f(x, 3)  # held: a hit, now recent
+  f(x, 0)  # evicted: built again
   info = f.cache_info()
   assert (info.hits, info.misses, info.evictions) == (1, 6, 3)
-  f(x, 3)                                         # still held (was recent)
+  f(x, 3)  # still held (was recent)
   assert f.cache_info().hits == 2
   assert pmap(lambda v: v).cache_info().maxsize == DEFAULT_MAXSIZE
   f.clear_cache()
@@ -251,7 +272,7 @@ def test_static_self_of_a_method():
 
 def test_lower_accepts_abstract_values_as_stock():
   aval = jax.ShapeDtypeStruct((N, 2), jnp.float32)
-  shaped = jax.typeof(jnp.ones((N, 2), jnp.float32))   # a ShapedArray
+  shaped = jax.typeof(jnp.ones((N, 2), jnp.float32))  # a ShapedArray
   f = pmap(lambda v: v * 2)
   stock = jax.pmap(lambda v: v * 2)
   for arg in (aval, shaped):
@@ -265,10 +286,13 @@ def test_equivalent_input_sharding_shares_one_program():
   # name (device_put_replicated's, a user's Mesh) is passed under the
   # program's sharding without a copy: one trace, and the outputs of
   # successive calls have the very same sharding object (as stock).
-  from jax.sharding import Mesh, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
   data = np.arange(N * 2.0).reshape(N, 2)
-  users = NamedSharding(Mesh(np.array(jax.devices()), ("batch",)),
-                        P("batch", None))
+  users = NamedSharding(
+    Mesh(np.array(jax.devices()), ("batch",)), P("batch", None)
+  )
   f = pmap(lambda v: v)
   x = jax.device_put(data, users)
   before = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
@@ -279,7 +303,8 @@ def test_equivalent_input_sharding_shares_one_program():
   entry = next(iter(f._entries.values()))
   assert entry.jitted.cache_info().traces == 1
   assert [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == (
-      before)
+    before
+  )
   np.testing.assert_array_equal(out3, data)
   # Donated: passed as it is, and deleted as by stock.
   g = pmap(lambda v: v + 1, donate_argnums=0)

@@ -18,16 +18,16 @@ from jaxworks.batched_transfer._src.plan import TransferPlan as TransferPlan
 from jaxworks.batched_transfer.version import __version__ as __version__
 
 __all__ = [
-    "PlannedGroup",
-    "TransferPlan",
-    "__version__",
-    "device_put",
-    "install",
-    "installed",
-    "is_installed",
-    "place_for",
-    "plan",
-    "restore",
-    "save",
-    "uninstall",
+  "PlannedGroup",
+  "TransferPlan",
+  "__version__",
+  "device_put",
+  "install",
+  "installed",
+  "is_installed",
+  "place_for",
+  "plan",
+  "restore",
+  "save",
+  "uninstall",
 ]

@@ -1,7 +1,7 @@
 """Typed stub of the C++ extension jaxworks.batched_transfer._grouping (cc/grouping.h)."""
 
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 OTHER_KIND: int
 
@@ -24,12 +24,12 @@ class Group:
   def nbytes(self) -> int: ...
 
 def group_leaves(
-    leaves: Sequence[Any],
-    dsts: Sequence[Any],
-    kinds: dict[type, tuple[int, Optional[str], Union[int, str]]],
-    default_dst: Any,
-    devices_attr: str,
-    memory_kind_attr: str = "memory_kind",
+  leaves: Sequence[Any],
+  dsts: Sequence[Any],
+  kinds: dict[type, tuple[int, str | None, int | str]],
+  default_dst: Any,
+  devices_attr: str,
+  memory_kind_attr: str = "memory_kind",
 ) -> list[Group]:
   """Groups leaf indices by (source devices, destination devices, source memory kind,
   destination memory kind, leaf kind), in stable order, with byte counts."""

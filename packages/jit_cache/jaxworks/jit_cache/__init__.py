@@ -9,6 +9,10 @@ Drop-in adoption: ``install()`` makes ``jax.jit`` be ``jit`` for the whole
 program, ``uninstall()`` undoes it, ``installed()`` does both around a block.
 """
 
+from ._src.adopt import install as install
+from ._src.adopt import installed as installed
+from ._src.adopt import is_installed as is_installed
+from ._src.adopt import uninstall as uninstall
 from ._src.api import JitFunction as JitFunction
 from ._src.api import Traced as Traced
 from ._src.api import clear_caches as clear_caches
@@ -18,31 +22,27 @@ from ._src.api import make_jaxpr as make_jaxpr
 from ._src.api import reset_stats as reset_stats
 from ._src.api import set_global_maxsize as set_global_maxsize
 from ._src.api import stats as stats
-from ._src.adopt import install as install
-from ._src.adopt import installed as installed
-from ._src.adopt import is_installed as is_installed
-from ._src.adopt import uninstall as uninstall
 from ._src.cache import CacheInfo as CacheInfo
 from ._src.disk_cache import config as config
 from ._src.disk_cache import set_cache_dir as set_cache_dir
 from .version import __version__ as __version__
 
 __all__ = [
-    "CacheInfo",
-    "JitFunction",
-    "Traced",
-    "clear_caches",
-    "config",
-    "eval_shape",
-    "install",
-    "installed",
-    "is_installed",
-    "jit",
-    "make_jaxpr",
-    "reset_stats",
-    "set_cache_dir",
-    "set_global_maxsize",
-    "stats",
-    "uninstall",
-    "__version__",
+  "CacheInfo",
+  "JitFunction",
+  "Traced",
+  "clear_caches",
+  "config",
+  "eval_shape",
+  "install",
+  "installed",
+  "is_installed",
+  "jit",
+  "make_jaxpr",
+  "reset_stats",
+  "set_cache_dir",
+  "set_global_maxsize",
+  "stats",
+  "uninstall",
+  "__version__",
 ]

@@ -1,6 +1,9 @@
 """Typed stub of the C++ extension jaxworks.jit_cache._signature."""
 
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Sequence
+from typing import Any
 
 class Signature:
   """Signature of one call's flattened arguments; hash precomputed.
@@ -20,11 +23,17 @@ class Signature:
     """One (kind, first, second, committed) tuple per leaf."""
 
 class SignatureBuilder:
-  def __init__(self, array_types: tuple[type, ...], tracer_type: type | None,
-               ndarray_type: type | None, numpy_generic_type: type | None,
-               fallback: Callable[[Any], Hashable] | None) -> None: ...
-  def __call__(self, leaves: Sequence[Any],
-               extra: Hashable = None) -> Signature: ...
+  def __init__(
+    self,
+    array_types: tuple[type, ...],
+    tracer_type: type | None,
+    ndarray_type: type | None,
+    numpy_generic_type: type | None,
+    fallback: Callable[[Any], Hashable] | None,
+  ) -> None: ...
+  def __call__(
+    self, leaves: Sequence[Any], extra: Hashable = None
+  ) -> Signature: ...
   def classify(self, leaf: Any) -> str: ...
 
 class ContextKey:

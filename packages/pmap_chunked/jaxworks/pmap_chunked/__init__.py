@@ -21,16 +21,16 @@ from ._src.api import pmap as pmap
 from .version import __version__ as __version__
 
 __all__ = [
-    "AxisOutOfRangeError",
-    "PmapCacheInfo",
-    "Pmapped",
-    "UnhashableStaticError",
-    "device_put_replicated",
-    "device_put_sharded",
-    "install",
-    "installed",
-    "is_installed",
-    "pmap",
-    "uninstall",
-    "__version__",
+  "AxisOutOfRangeError",
+  "PmapCacheInfo",
+  "Pmapped",
+  "UnhashableStaticError",
+  "device_put_replicated",
+  "device_put_sharded",
+  "install",
+  "installed",
+  "is_installed",
+  "pmap",
+  "uninstall",
+  "__version__",
 ]

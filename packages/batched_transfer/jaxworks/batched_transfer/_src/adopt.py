@@ -9,9 +9,10 @@ JAX's functions at import), so the swap cannot make it call itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 
@@ -70,9 +71,10 @@ def uninstall() -> None:
       return
     if jax.device_put is not _api.device_put:
       raise RuntimeError(
-          "jaxworks.batched_transfer.uninstall: jax.device_put was reassigned after install() "
-          f"(it is now {jax.device_put!r:.80}); not overwriting it. Restore that assignment "
-          "first, or set jax.device_put yourself")
+        "jaxworks.batched_transfer.uninstall: jax.device_put was reassigned after install() "
+        f"(it is now {jax.device_put!r:.80}); not overwriting it. Restore that assignment "
+        "first, or set jax.device_put yourself"
+      )
     jax.device_put = _saved.pop()
 
 

@@ -24,14 +24,22 @@ from jaxworks.batched_transfer._src import transfer
 _API = "jaxworks.batched_transfer"
 
 
-def _prepare(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: Any):
+def _prepare(
+  api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: Any
+):
   req = targets.resolve(api, tree, target, src, donate, may_alias)
   groups = grouping.group_leaves(req.leaves, req.dsts, req.default_dst)
   return req, transfer.classify(req, groups)
 
 
-def device_put(x: Any, device: Any = None, *, src: Any = None, donate: Any = False,
-               may_alias: Any = None) -> Any:
+def device_put(
+  x: Any,
+  device: Any = None,
+  *,
+  src: Any = None,
+  donate: Any = False,
+  may_alias: Any = None,
+) -> Any:
   """Places a pytree on devices with one batched call per group of leaves.
 
   Same signature and contract as `jax.device_put`: the tree is flattened
@@ -75,8 +83,16 @@ def device_put(x: Any, device: Any = None, *, src: Any = None, donate: Any = Fal
   return place(x, device, src=src, donate=donate, may_alias=may_alias)
 
 
-def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False,
-          may_alias: Any = None, copy_host: bool = False, api: str = f"{_API}.device_put") -> Any:
+def place(
+  tree: Any,
+  target: Any = None,
+  *,
+  src: Any = None,
+  donate: Any = False,
+  may_alias: Any = None,
+  copy_host: bool = False,
+  api: str = f"{_API}.device_put",
+) -> Any:
   """device_put, plus `copy_host`: never alias host memory (restore uses it for memory maps)."""
   stock = jax_internals.stock_device_put
   if not jax_internals.trace_state_clean():
@@ -94,7 +110,9 @@ def place(tree: Any, target: Any = None, *, src: Any = None, donate: Any = False
       try:
         return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
       except ValueError as stock_err:
-        raise targets.ArgumentError(f"{err}. jax.device_put says: {stock_err}") from None
+        raise targets.ArgumentError(
+          f"{err}. jax.device_put says: {stock_err}"
+        ) from None
     if not req.leaves:
       return tree
     out = transfer.execute(req, batches, copy_host=copy_host)
@@ -118,7 +136,9 @@ def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   for path, leaf in flat:
     if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:
-      raise transfer.byte_order_error(api, jax.tree_util.keystr(path) or "<root>", leaf.dtype)
+      raise transfer.byte_order_error(
+        api, jax.tree_util.keystr(path) or "<root>", leaf.dtype
+      )
     try:
       jax.typeof(leaf)
     except (TypeError, ValueError, OverflowError) as err:
@@ -126,8 +146,9 @@ def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
       raise type(err)(f"{api}: the leaf at {where}: {err}") from err
 
 
-def plan(tree: Any, target: Any = None, *, donate: Any = False,
-         may_alias: Any = None) -> plan_lib.TransferPlan:
+def plan(
+  tree: Any, target: Any = None, *, donate: Any = False, may_alias: Any = None
+) -> plan_lib.TransferPlan:
   """What `device_put(tree, target)` would do, without moving anything.
 
   Args:
@@ -151,11 +172,14 @@ def plan(tree: Any, target: Any = None, *, donate: Any = False,
     1  jax.Array  already in place       1   16 B          1         0  [0] device -> [0] device
   """
   try:
-    req, batches = _prepare(f"{_API}.plan", tree, target, None, donate, may_alias)
+    req, batches = _prepare(
+      f"{_API}.plan", tree, target, None, donate, may_alias
+    )
   except targets.Delegate:
     raise ValueError(
-        f"{_API}.plan: PartitionSpec and jax.memory.Space targets depend on the mesh context "
-        f"and are placed by jax.device_put; pass a Sharding instead, got {target!r}") from None
+      f"{_API}.plan: PartitionSpec and jax.memory.Space targets depend on the mesh context "
+      f"and are placed by jax.device_put; pass a Sharding instead, got {target!r}"
+    ) from None
   return plan_lib.build_plan(req, batches)
 
 
@@ -176,25 +200,41 @@ def check_against(api: str, tree: Any, expected: Any, what: str) -> None:
     extra = [p for p in got_paths if p not in set(want_paths)]
     detail = []
     if missing:
-      detail.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+      detail.append(
+        f"missing {', '.join(missing[:5])}"
+        + (" ..." if len(missing) > 5 else "")
+      )
     if extra:
-      detail.append(f"unexpected {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
+      detail.append(
+        f"unexpected {', '.join(extra[:5])}"
+        + (" ..." if len(extra) > 5 else "")
+      )
     if not detail:
       detail.append("the same paths in a different container structure")
     raise ValueError(
-        f"{api}: the tree does not match {what}: {'; '.join(detail)}. Expected structure "
-        f"{jax.tree_util.tree_structure(expected)}, got {jax.tree_util.tree_structure(tree)}")
-  for path, x, (_, want) in zip(got_paths, jax.tree_util.tree_leaves(tree), want_flat):
+      f"{api}: the tree does not match {what}: {'; '.join(detail)}. Expected structure "
+      f"{jax.tree_util.tree_structure(expected)}, got {jax.tree_util.tree_structure(tree)}"
+    )
+  for path, x, (_, want) in zip(
+    got_paths, jax.tree_util.tree_leaves(tree), want_flat
+  ):
     shape, dtype = _leaf_shape_dtype(x)
     if shape != tuple(want.shape) or np.dtype(dtype) != np.dtype(want.dtype):
       raise ValueError(
-          f"{api}: the leaf at {path} is {np.dtype(dtype).name}{list(shape)} but {what} "
-          f"expects {np.dtype(want.dtype).name}{list(want.shape)}; cast or reshape it before "
-          "placing")
+        f"{api}: the leaf at {path} is {np.dtype(dtype).name}{list(shape)} but {what} "
+        f"expects {np.dtype(want.dtype).name}{list(want.shape)}; cast or reshape it before "
+        "placing"
+      )
 
 
-def place_for(compiled: Any, tree: Any, *, argnum: int | None = None, donate: Any = False,
-              may_alias: Any = None) -> Any:
+def place_for(
+  compiled: Any,
+  tree: Any,
+  *,
+  argnum: int | None = None,
+  donate: Any = False,
+  may_alias: Any = None,
+) -> Any:
   """Places `tree` exactly in a compiled function's input formats.
 
   Every leaf lands with the sharding and layout of `compiled.input_formats`, so
@@ -227,21 +267,40 @@ def place_for(compiled: Any, tree: Any, *, argnum: int | None = None, donate: An
   formats, kw_formats = compiled.input_formats
   infos, kw_infos = compiled.args_info
   if argnum is not None:
-    if not isinstance(argnum, int) or not -len(formats) <= argnum < len(formats):
-      raise ValueError(f"{api}: argnum {argnum!r} is out of range for a compiled function with "
-                       f"{len(formats)} positional arguments")
-    want_formats, want_infos, what = formats[argnum], infos[argnum], f"argument {argnum}"
+    if not isinstance(argnum, int) or not -len(formats) <= argnum < len(
+      formats
+    ):
+      raise ValueError(
+        f"{api}: argnum {argnum!r} is out of range for a compiled function with "
+        f"{len(formats)} positional arguments"
+      )
+    want_formats, want_infos, what = (
+      formats[argnum],
+      infos[argnum],
+      f"argument {argnum}",
+    )
   elif kw_formats:
-    want_formats, want_infos, what = (formats, kw_formats), (infos, kw_infos), "(args, kwargs)"
+    want_formats, want_infos, what = (
+      (formats, kw_formats),
+      (infos, kw_infos),
+      "(args, kwargs)",
+    )
   else:
-    want_formats, want_infos, what = tuple(formats), tuple(infos), "the positional arguments"
+    want_formats, want_infos, what = (
+      tuple(formats),
+      tuple(infos),
+      "the positional arguments",
+    )
     if isinstance(tree, list):
       tree = tuple(tree)
   check_against(api, tree, want_infos, f"the compiled function's {what}")
   try:
     req, batches = _prepare(api, tree, want_formats, None, donate, may_alias)
-  except targets.Delegate:  # pragma: no cover - compiled formats are always concrete
-    return jax_internals.stock_device_put(tree, want_formats, donate=donate,
-                                          may_alias=may_alias)
+  except (
+    targets.Delegate
+  ):  # pragma: no cover - compiled formats are always concrete
+    return jax_internals.stock_device_put(
+      tree, want_formats, donate=donate, may_alias=may_alias
+    )
   out = transfer.execute(req, batches)
   return req.treedef.unflatten(out)

@@ -17,10 +17,10 @@ baseline of the benchmark.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,18 +36,18 @@ NP_SCALAR = 3  # numpy scalar (numpy.float32(1.0), ...)
 OTHER = _grouping.OTHER_KIND  # anything else: handed to jax.device_put as is
 
 KIND_NAMES = {
-    HOST_ARRAY: "numpy",
-    DEVICE_ARRAY: "jax.Array",
-    PY_SCALAR: "scalar",
-    NP_SCALAR: "numpy scalar",
-    OTHER: "other",
+  HOST_ARRAY: "numpy",
+  DEVICE_ARRAY: "jax.Array",
+  PY_SCALAR: "scalar",
+  NP_SCALAR: "numpy scalar",
+  OTHER: "other",
 }
 
 # How a kind counts bytes: an int >= 0 (fixed), -1 (leaf.nbytes), or an
 # attribute name whose value has .shape and .dtype ("" for the leaf itself).
-SizeRule = Union[int, str]
+SizeRule = int | str
 # type -> (kind, attribute holding the source sharding or None for host kinds, size rule)
-KindsTable = dict[type, tuple[int, Optional[str], SizeRule]]
+KindsTable = dict[type, tuple[int, str | None, SizeRule]]
 _KINDS_CACHE: dict[bool, KindsTable] = {}
 
 
@@ -65,14 +65,17 @@ def kinds_table(x64: bool | None = None) -> KindsTable:
   if table is None:
     wide = 8 if x64 else 4
     table = {
-        np.ndarray: (HOST_ARRAY, None, -1),
-        np.memmap: (HOST_ARRAY, None, -1),
-        jax_internals.ArrayImpl: (DEVICE_ARRAY, jax_internals.SHARDING_ATTR,
-                                  jax_internals.ABSTRACT_VALUE_ATTR),
-        bool: (PY_SCALAR, None, 1),
-        int: (PY_SCALAR, None, wide),
-        float: (PY_SCALAR, None, wide),
-        complex: (PY_SCALAR, None, 2 * wide),
+      np.ndarray: (HOST_ARRAY, None, -1),
+      np.memmap: (HOST_ARRAY, None, -1),
+      jax_internals.ArrayImpl: (
+        DEVICE_ARRAY,
+        jax_internals.SHARDING_ATTR,
+        jax_internals.ABSTRACT_VALUE_ATTR,
+      ),
+      bool: (PY_SCALAR, None, 1),
+      int: (PY_SCALAR, None, wide),
+      float: (PY_SCALAR, None, wide),
+      complex: (PY_SCALAR, None, 2 * wide),
     }
     scalar_types = set(np.sctypeDict.values()) | {jnp.bfloat16.dtype.type}
     for t in scalar_types:
@@ -82,7 +85,9 @@ def kinds_table(x64: bool | None = None) -> KindsTable:
   return table
 
 
-def group_leaves(leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = None) -> list[Any]:
+def group_leaves(
+  leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = None
+) -> list[Any]:
   """Groups leaf indices in C++; see the module docstring.
 
   Args:
@@ -95,8 +100,13 @@ def group_leaves(leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = 
     src_memory_kind, dst_memory_kind, indices, nbytes), by first appearance.
   """
   return _grouping.group_leaves(
-      leaves, dsts, kinds_table(), default_dst, jax_internals.DEVICE_LIST_ATTR,
-      jax_internals.MEMORY_KIND_ATTR)
+    leaves,
+    dsts,
+    kinds_table(),
+    default_dst,
+    jax_internals.DEVICE_LIST_ATTR,
+    jax_internals.MEMORY_KIND_ATTR,
+  )
 
 
 @dataclasses.dataclass
@@ -113,12 +123,12 @@ class PyGroup:
 
 
 def group_leaves_py(
-    leaves: Sequence[Any],
-    dsts: Sequence[Any],
-    kinds: KindsTable,
-    default_dst: Any,
-    devices_attr: str,
-    memory_kind_attr: str = "memory_kind",
+  leaves: Sequence[Any],
+  dsts: Sequence[Any],
+  kinds: KindsTable,
+  default_dst: Any,
+  devices_attr: str,
+  memory_kind_attr: str = "memory_kind",
 ) -> list[PyGroup]:
   """The reference implementation of `_grouping.group_leaves`: the straightforward Python loop."""
   if len(leaves) != len(dsts):
@@ -142,14 +152,18 @@ def group_leaves_py(
         dst_devices, dst_mk = src_devices, src_mk
       else:
         if default_dst is None:
-          raise TypeError(f"leaf {i} is a host value with destination None and no default_dst")
+          raise TypeError(
+            f"leaf {i} is a host value with destination None and no default_dst"
+          )
         dst_devices, dst_mk = placement(default_dst)
     else:
       dst_devices, dst_mk = placement(dst)
     key = (src_devices, dst_devices, src_mk, dst_mk, kind)
     group = groups.get(key)
     if group is None:
-      group = groups[key] = PyGroup(kind, src_devices, dst_devices, src_mk, dst_mk, [], 0)
+      group = groups[key] = PyGroup(
+        kind, src_devices, dst_devices, src_mk, dst_mk, [], 0
+      )
     group.indices.append(i)
     group.nbytes += _size(leaf, size)
   return list(groups.values())
@@ -162,8 +176,15 @@ def _size(leaf: Any, rule: SizeRule) -> int:
   return rule if rule >= 0 else int(leaf.nbytes)
 
 
-def group_leaves_python(leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = None) -> list[PyGroup]:
+def group_leaves_python(
+  leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = None
+) -> list[PyGroup]:
   """`group_leaves` with the pure-Python implementation (for tests and benchmarks)."""
   return group_leaves_py(
-      leaves, dsts, kinds_table(), default_dst, jax_internals.DEVICE_LIST_ATTR,
-      jax_internals.MEMORY_KIND_ATTR)
+    leaves,
+    dsts,
+    kinds_table(),
+    default_dst,
+    jax_internals.DEVICE_LIST_ATTR,
+    jax_internals.MEMORY_KIND_ATTR,
+  )

@@ -28,8 +28,9 @@ def check_jax_version(version: str) -> None:
   if found < MIN_JAX:
     want = ".".join(map(str, MIN_JAX))
     raise RuntimeError(
-        f"jaxworks.batched_transfer needs jax>={want} (its private names are pinned there), "
-        f"found jax {version}; run: pip install -U \"jax>={want}\" \"jaxlib>={want}\"")
+      f"jaxworks.batched_transfer needs jax>={want} (its private names are pinned there), "
+      f'found jax {version}; run: pip install -U "jax>={want}" "jaxlib>={want}"'
+    )
 
 
 check_jax_version(jax.__version__)
@@ -112,14 +113,20 @@ def device_put_aval(aval: Any, sharding: Any) -> Any:
   return _dispatch.update_dp_aval(aval, sharding)
 
 
-def committed_array(arr: Any, aval: Any, sharding: Any, committed: bool = True) -> Any:
+def committed_array(
+  arr: Any, aval: Any, sharding: Any, committed: bool = True
+) -> Any:
   """A jax.Array with `aval` (committed unless told) that shares the buffers of `arr`."""
-  handler = _xc.array_result_handler(aval, sharding, committed=committed, _skip_checks=True)
+  handler = _xc.array_result_handler(
+    aval, sharding, committed=committed, _skip_checks=True
+  )
   return handler(arr)
 
 
 @functools.lru_cache(maxsize=4096)
-def default_layout(dtype: Any, shard_shape: tuple[int, ...], device: Any) -> Any:
+def default_layout(
+  dtype: Any, shard_shape: tuple[int, ...], device: Any
+) -> Any:
   """The runtime's default jax.experimental.layout.Layout for one shard."""
   pjrt_layout = device.client.get_default_layout(dtype, shard_shape, device)
   return _layout.Layout.from_pjrt_layout(pjrt_layout)

@@ -11,10 +11,10 @@ from jaxworks.batched_transfer._src import transfer
 from jaxworks.batched_transfer._src.targets import Request
 
 _ROUTE_TEXT = {
-    transfer.ALIAS: "already in place",
-    transfer.HOST: "host->device",
-    transfer.COPY: "batched copy",
-    transfer.JAX: "jax.device_put",
+  transfer.ALIAS: "already in place",
+  transfer.HOST: "host->device",
+  transfer.COPY: "batched copy",
+  transfer.JAX: "jax.device_put",
 }
 
 
@@ -49,7 +49,9 @@ def _ids_text(ids: tuple[int, ...] | None, memory_kind: str | None) -> str:
   runs, start = [], 0
   for k in range(1, len(ids) + 1):
     if k == len(ids) or ids[k] != ids[k - 1] + 1:
-      runs.append(str(ids[start]) if k - start == 1 else f"{ids[start]}-{ids[k - 1]}")
+      runs.append(
+        str(ids[start]) if k - start == 1 else f"{ids[start]}-{ids[k - 1]}"
+      )
       start = k
   return f"[{','.join(runs)}]" + (f" {memory_kind}" if memory_kind else "")
 
@@ -117,20 +119,46 @@ class TransferPlan:
     return sum(g.copies for g in self.groups)
 
   def __str__(self) -> str:
-    head = (f"TransferPlan: {self.num_leaves} leaves in {len(self.groups)} groups, "
-            f"{format_bytes(self.nbytes)}; {self.copies} copied, {self.zero_copy} zero-copy")
-    rows = [("#", "kind", "route", "leaves", "bytes", "zero-copy", "relayout", "from -> to")]
+    head = (
+      f"TransferPlan: {self.num_leaves} leaves in {len(self.groups)} groups, "
+      f"{format_bytes(self.nbytes)}; {self.copies} copied, {self.zero_copy} zero-copy"
+    )
+    rows = [
+      (
+        "#",
+        "kind",
+        "route",
+        "leaves",
+        "bytes",
+        "zero-copy",
+        "relayout",
+        "from -> to",
+      )
+    ]
     for k, g in enumerate(self.groups):
-      rows.append((str(k), g.kind, g.route, str(g.num_leaves), format_bytes(g.nbytes),
-                   str(g.zero_copy), str(g.relayouts),
-                   f"{_ids_text(g.src_devices, g.src_memory_kind)} -> "
-                   f"{_ids_text(g.dst_devices, g.dst_memory_kind)}"))
+      rows.append(
+        (
+          str(k),
+          g.kind,
+          g.route,
+          str(g.num_leaves),
+          format_bytes(g.nbytes),
+          str(g.zero_copy),
+          str(g.relayouts),
+          f"{_ids_text(g.src_devices, g.src_memory_kind)} -> "
+          f"{_ids_text(g.dst_devices, g.dst_memory_kind)}",
+        )
+      )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [head]
     for r in rows:
-      lines.append("  " + "  ".join(
+      lines.append(
+        "  "
+        + "  ".join(
           cell.rjust(w) if c in (0, 3, 4, 5, 6) else cell.ljust(w)
-          for c, (cell, w) in enumerate(zip(r, widths))).rstrip())
+          for c, (cell, w) in enumerate(zip(r, widths))
+        ).rstrip()
+      )
     return "\n".join(lines)
 
 
@@ -141,15 +169,22 @@ def build_plan(req: Request, batches: list[transfer.Batch]) -> TransferPlan:
     nbytes = _batch_bytes(req, b)
     if b.route == transfer.ALIAS:
       zero = len(b.indices)
-    elif b.route == transfer.COPY and g.src_devices == g.dst_devices and (
-        g.src_memory_kind == g.dst_memory_kind):
+    elif (
+      b.route == transfer.COPY
+      and g.src_devices == g.dst_devices
+      and (g.src_memory_kind == g.dst_memory_kind)
+    ):
       relayout = set(b.relayout)
-      zero = sum(1 for i in b.indices
-                 if req.semantics[i] != jax_internals.ArrayCopySemantics.ALWAYS_COPY
-                 and i not in relayout)
+      zero = sum(
+        1
+        for i in b.indices
+        if req.semantics[i] != jax_internals.ArrayCopySemantics.ALWAYS_COPY
+        and i not in relayout
+      )
     else:
       zero = 0
-    planned.append(PlannedGroup(
+    planned.append(
+      PlannedGroup(
         kind=grouping.KIND_NAMES.get(g.kind, "other"),
         route=_ROUTE_TEXT[b.route],
         src_devices=_device_ids(g.src_devices),
@@ -160,13 +195,17 @@ def build_plan(req: Request, batches: list[transfer.Batch]) -> TransferPlan:
         nbytes=nbytes,
         zero_copy=zero,
         relayouts=len(b.relayout),
-    ))
+      )
+    )
   return TransferPlan(tuple(planned))
 
 
 def _batch_bytes(req: Request, b: transfer.Batch) -> int:
   if len(b.indices) == len(b.group.indices):
     return int(b.group.nbytes)
-  groups = grouping.group_leaves([req.leaves[i] for i in b.indices],
-                                 [req.dsts[i] for i in b.indices], req.default_dst)
+  groups = grouping.group_leaves(
+    [req.leaves[i] for i in b.indices],
+    [req.dsts[i] for i in b.indices],
+    req.default_dst,
+  )
   return sum(g.nbytes for g in groups)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any
+from typing import TextIO
 
 
 def _gib(n: float) -> str:
@@ -27,8 +28,14 @@ class Progress:
   False
   """
 
-  def __init__(self, label: str, total: int, enabled: bool | None = None,
-               stream: TextIO | None = None, width: int = 30):
+  def __init__(
+    self,
+    label: str,
+    total: int,
+    enabled: bool | None = None,
+    stream: TextIO | None = None,
+    width: int = 30,
+  ):
     self.stream: Any = sys.stderr if stream is None else stream
     if enabled is None:
       isatty = getattr(self.stream, "isatty", None)
@@ -42,7 +49,9 @@ class Progress:
   def update(self, nbytes: int) -> None:
     self.done += int(nbytes)
     now = time.perf_counter()
-    if self.enabled and (now - self._last_draw > 0.1 or self.done >= self.total):
+    if self.enabled and (
+      now - self._last_draw > 0.1 or self.done >= self.total
+    ):
       self._last_draw = now
       self._draw(now)
 
@@ -50,9 +59,11 @@ class Progress:
     frac = 1.0 if self.total == 0 else min(self.done / self.total, 1.0)
     filled = int(frac * self.width)
     rate = self.done / max(now - self._start, 1e-9) / 1e9
-    self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
-                      f"{frac * 100:3.0f}% {_gib(self.done)}/{_gib(self.total)} GiB "
-                      f"{rate:.2f} GB/s")
+    self.stream.write(
+      f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
+      f"{frac * 100:3.0f}% {_gib(self.done)}/{_gib(self.total)} GiB "
+      f"{rate:.2f} GB/s"
+    )
     self.stream.flush()
 
   def close(self) -> None:

@@ -22,8 +22,11 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax.experimental.layout import Format, Layout
-from jax.sharding import PartitionSpec, SingleDeviceSharding, Sharding
+from jax.experimental.layout import Format
+from jax.experimental.layout import Layout
+from jax.sharding import PartitionSpec
+from jax.sharding import Sharding
+from jax.sharding import SingleDeviceSharding
 
 from jaxworks.batched_transfer._src import jax_internals
 
@@ -32,8 +35,10 @@ _DONATE = jax_internals.ArrayCopySemantics.DONATE_INPUT
 _COPY = jax_internals.ArrayCopySemantics.ALWAYS_COPY
 
 _TARGET_TYPES = (jax.Device, Sharding, Format, PartitionSpec, jax.memory.Space)
-TARGET_TEXT = ("None, a jax.Device, a jax.sharding.Sharding, a jax.experimental.layout.Format, "
-                "a PartitionSpec or a jax.memory.Space")
+TARGET_TEXT = (
+  "None, a jax.Device, a jax.sharding.Sharding, a jax.experimental.layout.Format, "
+  "a PartitionSpec or a jax.memory.Space"
+)
 _SINGLE_DEVICE: dict[Any, SingleDeviceSharding] = {}
 
 
@@ -62,9 +67,13 @@ class Request:
   tree: Any
   leaves: list[Any]
   treedef: Any
-  raw_targets: list[Any]  # the user's target per leaf (for jax.device_put fallbacks)
+  raw_targets: list[
+    Any
+  ]  # the user's target per leaf (for jax.device_put fallbacks)
   dsts: list[Sharding | None]  # destination sharding per leaf, None = default
-  layouts: list[Any] | None  # destination Layout per leaf (None: no layouts at all)
+  layouts: (
+    list[Any] | None
+  )  # destination Layout per leaf (None: no layouts at all)
   committed: list[bool]
   semantics: list[Any]  # ArrayCopySemantics per leaf
   donate: list[bool]
@@ -90,23 +99,40 @@ def tree_paths(tree: Any) -> list[str]:
   return [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
 
 
-def broadcast_prefix(api: str, what: str, prefix: Any, tree: Any, treedef: Any, n: int, is_leaf,
-                     expected: str) -> list[Any]:
+def broadcast_prefix(
+  api: str,
+  what: str,
+  prefix: Any,
+  tree: Any,
+  treedef: Any,
+  n: int,
+  is_leaf,
+  expected: str,
+) -> list[Any]:
   """One entry of the prefix tree `prefix` per leaf of `tree`."""
   if is_leaf(prefix):
     return [prefix] * n
-  prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
-  if jax.tree_util.treedef_is_leaf(prefix_def) and prefix_leaves and prefix_leaves[0] is prefix:
+  prefix_leaves, prefix_def = jax.tree_util.tree_flatten(
+    prefix, is_leaf=is_leaf
+  )
+  if (
+    jax.tree_util.treedef_is_leaf(prefix_def)
+    and prefix_leaves
+    and prefix_leaves[0] is prefix
+  ):
     # jax.device_put raises ValueError for a target that is none of its kinds.
-    raise ArgumentError(f"{api}: {what} must be {expected} or a pytree prefix of the value "
-                        f"made of them, got {prefix!r} of type {type(prefix).__name__}")
+    raise ArgumentError(
+      f"{api}: {what} must be {expected} or a pytree prefix of the value "
+      f"made of them, got {prefix!r} of type {type(prefix).__name__}"
+    )
   try:
     subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError) as err:
     raise ArgumentError(
-        f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "
-        f"got a {what} with structure {prefix_def}. Pass one {what} for the whole value or a tree "
-        f"that matches the value's containers. ({err})") from None
+      f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "
+      f"got a {what} with structure {prefix_def}. Pass one {what} for the whole value or a tree "
+      f"that matches the value's containers. ({err})"
+    ) from None
   out: list[Any] = []
   for p, sub in zip(prefix_leaves, subtrees):
     out.extend([p] * len(jax.tree_util.tree_leaves(sub)))
@@ -126,9 +152,10 @@ def _check_concrete(api: str, sharding: Sharding) -> None:
   ValueError for it, and so does this package, saying what to pass instead."""
   if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
     raise ArgumentError(
-        f"{api}: the target {sharding} is over an AbstractMesh, which names no devices; "
-        "pass a sharding over a concrete mesh (jax.make_mesh(...)), e.g. "
-        "NamedSharding(mesh, sharding.spec)")
+      f"{api}: the target {sharding} is over an AbstractMesh, which names no devices; "
+      "pass a sharding over a concrete mesh (jax.make_mesh(...)), e.g. "
+      "NamedSharding(mesh, sharding.spec)"
+    )
 
 
 def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
@@ -150,26 +177,34 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
       return None, None, False
     if not isinstance(sharding, Sharding):
       raise ArgumentError(
-          f"{api}: a Format target needs a concrete sharding, got {t}; "
-          "use Format(layout, jax.sharding.SingleDeviceSharding(device)) or a NamedSharding")
+        f"{api}: a Format target needs a concrete sharding, got {t}; "
+        "use Format(layout, jax.sharding.SingleDeviceSharding(device)) or a NamedSharding"
+      )
     _check_concrete(api, sharding)
     if layout is not None and not isinstance(layout, Layout):
       raise ArgumentError(
-          f"{api}: a Format target needs a concrete layout (a jax.experimental.layout.Layout "
-          f"or None), got {layout!r}; use compiled.input_formats to get concrete formats")
+        f"{api}: a Format target needs a concrete layout (a jax.experimental.layout.Layout "
+        f"or None), got {layout!r}; use compiled.input_formats to get concrete formats"
+      )
     return sharding, layout, True
   if isinstance(t, (PartitionSpec, jax.memory.Space)):
     raise Delegate()
   # jax.device_put raises ValueError for a target that is none of its kinds.
-  raise ArgumentError(f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
-                      f"got {t!r} of type {type(t).__name__}")
+  raise ArgumentError(
+    f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
+    f"got {t!r} of type {type(t).__name__}"
+  )
 
 
-def copy_semantics(api: str, may_alias: Any, donate: Any, where: str = "") -> Any:
+def copy_semantics(
+  api: str, may_alias: Any, donate: Any, where: str = ""
+) -> Any:
   """The ArrayCopySemantics of one leaf, by truth value as jax.device_put decides it."""
   if may_alias and donate:
-    raise ArgumentError(f"{api}: may_alias=True and donate=True{where} cannot both be set; "
-                        "donate=True already lets the result reuse the input's buffer")
+    raise ArgumentError(
+      f"{api}: may_alias=True and donate=True{where} cannot both be set; "
+      "donate=True already lets the result reuse the input's buffer"
+    )
   if may_alias is None:
     may_alias = not donate
   if may_alias and not donate:
@@ -177,7 +212,9 @@ def copy_semantics(api: str, may_alias: Any, donate: Any, where: str = "") -> An
   return _DONATE if donate else _COPY
 
 
-def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: Any) -> Request:
+def resolve(
+  api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: Any
+) -> Request:
   """Flattens one device_put call; raises Delegate for calls stock JAX must handle."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   n = len(leaves)
@@ -185,15 +222,34 @@ def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: 
   if n == 0:
     # As in jax.device_put, a tree without leaves only has its prefixes' structure
     # checked: any target, flag or src value is accepted.
-    for what, prefix in (("target", target), ("src", src), ("donate", donate),
-                         ("may_alias", may_alias)):
+    for what, prefix in (
+      ("target", target),
+      ("src", src),
+      ("donate", donate),
+      ("may_alias", may_alias),
+    ):
       if prefix is not None:
-        broadcast_prefix(api, what, prefix, tree, treedef, 0, _is_plain_leaf, TARGET_TEXT)
-    return Request(api=api, tree=tree, leaves=[], treedef=treedef, raw_targets=[], dsts=[],
-                   layouts=None, committed=[], semantics=[], donate=[], may_alias=[], srcs=None,
-                   default_dst=default_dst)
-  raw_targets = broadcast_prefix(api, "target", target, tree, treedef, n, is_target_leaf,
-                                 TARGET_TEXT)
+        broadcast_prefix(
+          api, what, prefix, tree, treedef, 0, _is_plain_leaf, TARGET_TEXT
+        )
+    return Request(
+      api=api,
+      tree=tree,
+      leaves=[],
+      treedef=treedef,
+      raw_targets=[],
+      dsts=[],
+      layouts=None,
+      committed=[],
+      semantics=[],
+      donate=[],
+      may_alias=[],
+      srcs=None,
+      default_dst=default_dst,
+    )
+  raw_targets = broadcast_prefix(
+    api, "target", target, tree, treedef, n, is_target_leaf, TARGET_TEXT
+  )
 
   # Each distinct target object is normalized once (targets are few, leaves many).
   if is_target_leaf(target):
@@ -217,23 +273,47 @@ def resolve(api: str, tree: Any, target: Any, src: Any, donate: Any, may_alias: 
   # eagerly, as in jax.device_put, any value is accepted.
   srcs = None
   if src is not None:
-    srcs = broadcast_prefix(api, "src", src, tree, treedef, n, _is_plain_leaf, TARGET_TEXT)
+    srcs = broadcast_prefix(
+      api, "src", src, tree, treedef, n, _is_plain_leaf, TARGET_TEXT
+    )
 
   # donate and may_alias are read by truth value, as jax.device_put reads them.
-  donate_flat = broadcast_prefix(api, "donate", donate, tree, treedef, n, _is_plain_leaf,
-                                 "a bool")
-  alias_flat = broadcast_prefix(api, "may_alias", may_alias, tree, treedef, n, _is_plain_leaf,
-                                "a bool or None")
+  donate_flat = broadcast_prefix(
+    api, "donate", donate, tree, treedef, n, _is_plain_leaf, "a bool"
+  )
+  alias_flat = broadcast_prefix(
+    api,
+    "may_alias",
+    may_alias,
+    tree,
+    treedef,
+    n,
+    _is_plain_leaf,
+    "a bool or None",
+  )
   if _is_plain_leaf(donate) and _is_plain_leaf(may_alias):
     semantics = [copy_semantics(api, may_alias, donate)] * n if n else []
   else:
     semantics = []
     for i, (m, d) in enumerate(zip(alias_flat, donate_flat)):
       if m and d:
-        copy_semantics(api, m, d, f" for the leaf at {Request.path_of(tree, i)}")
+        copy_semantics(
+          api, m, d, f" for the leaf at {Request.path_of(tree, i)}"
+        )
       semantics.append(copy_semantics(api, m, d))
 
   return Request(
-      api=api, tree=tree, leaves=leaves, treedef=treedef, raw_targets=raw_targets, dsts=dsts,
-      layouts=layouts, committed=committed_flat, semantics=semantics, donate=donate_flat,
-      may_alias=alias_flat, srcs=srcs, default_dst=default_dst)
+    api=api,
+    tree=tree,
+    leaves=leaves,
+    treedef=treedef,
+    raw_targets=raw_targets,
+    dsts=dsts,
+    layouts=layouts,
+    committed=committed_flat,
+    semantics=semantics,
+    donate=donate_flat,
+    may_alias=alias_flat,
+    srcs=srcs,
+    default_dst=default_dst,
+  )

@@ -21,13 +21,13 @@ per destination device set, if their runtime layout differs.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
+import warnings
 
 import jax
-import numpy as np
 from jax.experimental.layout import Format
 from jax.sharding import PartitionSpec
+import numpy as np
 
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals
@@ -57,7 +57,9 @@ class HostEntry:
 
   aval: Any  # of the result
   devices: list[Any]  # the addressable devices, in the sharding's order
-  slices: list[Any] | None  # each device's index; None when all get the whole value
+  slices: (
+    list[Any] | None
+  )  # each device's index; None when all get the whole value
   multihost: bool  # the value must be equal on every process
   # For shardings where several devices hold the same index (replicated mesh axes):
   # (shard aval, SingleDeviceSharding) per device, for copies that are placed device by
@@ -73,7 +75,9 @@ class Batch:
   group: Any  # the _grouping.Group
   route: str
   indices: list[int]
-  relayout: list[int] = dataclasses.field(default_factory=list)  # planned layout changes
+  relayout: list[int] = dataclasses.field(
+    default_factory=list
+  )  # planned layout changes
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
@@ -87,19 +91,24 @@ def host_dtype_ok(dtype: Any) -> bool:
   ok = _HOST_DTYPES.get(dtype)
   if ok is None:
     ok = _HOST_DTYPES[dtype] = bool(
-        dtype != jax.dtypes.float0 and dtype.fields is None and
-        (dtype == np.bool_ or jax.dtypes.issubdtype(dtype, np.number)))
+      dtype != jax.dtypes.float0
+      and dtype.fields is None
+      and (dtype == np.bool_ or jax.dtypes.issubdtype(dtype, np.number))
+    )
   return ok
 
 
 def byte_order_error(api: str, path: str, dtype: Any) -> TypeError:
   return TypeError(
-      f"{api}: the leaf at {path} is a numpy array of non-native byte order ({dtype.str}), "
-      "which JAX does not accept (jax.device_put raises TypeError too); convert it first with "
-      "x.astype(x.dtype.newbyteorder('='))")
+    f"{api}: the leaf at {path} is a numpy array of non-native byte order ({dtype.str}), "
+    "which JAX does not accept (jax.device_put raises TypeError too); convert it first with "
+    "x.astype(x.dtype.newbyteorder('='))"
+  )
 
 
-def same_indices(req: Request, i: int, src: Any, dst: Any, shape: tuple[int, ...]) -> bool:
+def same_indices(
+  req: Request, i: int, src: Any, dst: Any, shape: tuple[int, ...]
+) -> bool:
   """Whether position k of src's device list holds the same index as position k of dst's."""
   key = (src, dst, shape)
   same = _SAME_INDICES.get(key)
@@ -112,8 +121,12 @@ def same_indices(req: Request, i: int, src: Any, dst: Any, shape: tuple[int, ...
     same = True
   else:
     a, b = src.devices_indices_map(shape), dst.devices_indices_map(shape)
-    same = all(a[p] == b[q] for p, q in zip(jax_internals.device_list(src),
-                                            jax_internals.device_list(dst)))
+    same = all(
+      a[p] == b[q]
+      for p, q in zip(
+        jax_internals.device_list(src), jax_internals.device_list(dst)
+      )
+    )
   return _remember(_SAME_INDICES, key, same)
 
 
@@ -126,19 +139,25 @@ class SpecRankError(ValueError, AssertionError):
   """
 
 
-def check_placement(req: Request, i: int, sharding: Any, shape: tuple[int, ...]) -> None:
+def check_placement(
+  req: Request, i: int, sharding: Any, shape: tuple[int, ...]
+) -> None:
   spec = getattr(sharding, "spec", None)
-  if isinstance(spec, PartitionSpec) and any(p is not None for p in spec[len(shape):]):
+  if isinstance(spec, PartitionSpec) and any(
+    p is not None for p in spec[len(shape) :]
+  ):
     raise SpecRankError(
-        f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
-        f"its spec {spec} shards more than the leaf's {len(shape)} dimensions; use a spec of at "
-        f"most {len(shape)} entries")
+      f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
+      f"its spec {spec} shards more than the leaf's {len(shape)} dimensions; use a spec of at "
+      f"most {len(shape)} entries"
+    )
   try:
     sharding.shard_shape(shape)
   except Exception as err:  # the sharding's own message says why
     raise ValueError(
-        f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
-        f"{err}") from None
+      f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
+      f"{err}"
+    ) from None
 
 
 def _index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
@@ -164,13 +183,24 @@ def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:
   if committed:
     aval = jax_internals.device_put_aval(aval, sharding)
   per_device = None
-  if slices is not None and len({_index_key(k) for k in slices}) < len(slices):
+  # Zero-size shards are views at one address, which the forced copy treats as
+  # one shared host buffer too: place those device by device as well.
+  shared = slices is not None and (
+    len({_index_key(k) for k in slices}) < len(slices) or 0 in shape
+  )
+  if shared:
     shard_shape = tuple(sharding.shard_shape(shape))
     shard_aval = jax_internals.ShapedArray(shard_shape, aval.dtype)
     per_device = [(shard_aval, single_device_sharding(d)) for d in devices]
-  multihost = (not sharding.is_fully_addressable and jax.process_count() > 1 and
-               len({d.process_index for d in sharding.device_set}) == jax.process_count())
-  return _remember(_HOST_CACHE, key, HostEntry(aval, devices, slices, multihost, per_device))
+  multihost = (
+    not sharding.is_fully_addressable
+    and jax.process_count() > 1
+    and len({d.process_index for d in sharding.device_set})
+    == jax.process_count()
+  )
+  return _remember(
+    _HOST_CACHE, key, HostEntry(aval, devices, slices, multihost, per_device)
+  )
 
 
 def layout_matches(wanted: Any, actual: Any) -> bool:
@@ -218,7 +248,10 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
     elif g.kind == grouping.DEVICE_ARRAY:
       # Facts shared by the whole group: its source and destination device
       # lists and memory kinds are the same for every leaf.
-      in_place = g.src_devices == g.dst_devices and g.src_memory_kind == g.dst_memory_kind
+      in_place = (
+        g.src_devices == g.dst_devices
+        and g.src_memory_kind == g.dst_memory_kind
+      )
       addressable = _addressable(g.src_devices) and _addressable(g.dst_devices)
       single = len(g.src_devices) == 1 and len(g.dst_devices) == 1
       for i in g.indices:
@@ -227,10 +260,17 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
           routes.setdefault(ALIAS if cs == _REUSE else JAX, []).append(i)
           continue
         layout = None if layouts is None else layouts[i]
-        if (in_place and cs == _REUSE and x.committed and x.sharding == s and
-            (layout is None or _format_matches(x, s, layout))):
+        if (
+          in_place
+          and cs == _REUSE
+          and x.committed
+          and x.sharding == s
+          and (layout is None or _format_matches(x, s, layout))
+        ):
           route = ALIAS
-        elif not addressable or x.is_deleted():  # jax raises the deleted-array error
+        elif (
+          not addressable or x.is_deleted()
+        ):  # jax raises the deleted-array error
           route = JAX
         elif single or same_indices(req, i, x.sharding, s, x.shape):
           route = COPY
@@ -242,7 +282,9 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
     for route, idx in routes.items():
       batch = Batch(g, route, idx)
       if layouts is not None and route != ALIAS:
-        batch.relayout = [i for i in idx if layouts[i] is not None and _needs_relayout(req, i)]
+        batch.relayout = [
+          i for i in idx if layouts[i] is not None and _needs_relayout(req, i)
+        ]
       batches.append(batch)
   return batches
 
@@ -260,13 +302,19 @@ def _needs_relayout(req: Request, i: int) -> bool:
     shape = tuple(np.shape(x))
     dtype = jax.dtypes.canonicalize_dtype(np.result_type(x))
     device = next(iter(jax_internals.device_list(s)))
-    default = jax_internals.default_layout(dtype, tuple(s.shard_shape(shape)), device)
-  except Exception:  # not an array type, or no default layout reported: check after placing
+    default = jax_internals.default_layout(
+      dtype, tuple(s.shard_shape(shape)), device
+    )
+  except (
+    Exception
+  ):  # not an array type, or no default layout reported: check after placing
     return True
   return not layout_matches(layout, default)
 
 
-def execute(req: Request, batches: list[Batch], copy_host: bool = False) -> list[Any]:
+def execute(
+  req: Request, batches: list[Batch], copy_host: bool = False
+) -> list[Any]:
   """Runs the batches; returns the flat results in leaf order.
 
   With `copy_host`, host arrays are always copied. Otherwise the runtime may
@@ -274,7 +322,9 @@ def execute(req: Request, batches: list[Batch], copy_host: bool = False) -> list
   CPU.
   """
   out: list[Any] = [None] * len(req.leaves)
-  fresh = [False] * len(req.leaves)  # result holds a new buffer we may donate to a relayout
+  fresh = [False] * len(
+    req.leaves
+  )  # result holds a new buffer we may donate to a relayout
   delegated: list[int] = []
   multihost: list[Any] = []
   with jax_internals.explicit_device_put_scope():
@@ -298,7 +348,9 @@ def execute(req: Request, batches: list[Batch], copy_host: bool = False) -> list
   return out
 
 
-def _check_host_values(req: Request, host_batches: list[Batch], found: list[Any]) -> None:
+def _check_host_values(
+  req: Request, host_batches: list[Batch], found: list[Any]
+) -> None:
   """Host values going to shardings over all processes must be equal on every process
   (as jax.device_put requires); checked in one collective for the whole call."""
   if jax.process_count() == 1 or not host_batches:
@@ -314,15 +366,28 @@ def _check_host_values(req: Request, host_batches: list[Batch], found: list[Any]
         found.append(x)
   if found:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
     multihost_utils.assert_equal(
-        found, fail_message=f"{req.api}: numpy values placed on shardings that span all "
-        "processes must be equal on every process; pass the same values on each process, or "
-        "place per-process values with jax.make_array_from_process_local_data")
+      found,
+      fail_message=f"{req.api}: numpy values placed on shardings that span all "
+      "processes must be equal on every process; pass the same values on each process, or "
+      "place per-process values with jax.make_array_from_process_local_data",
+    )
 
 
-def _put_host(req: Request, indices: list[int], out: list[Any], fresh: list[bool],
-              copy: bool) -> None:
-  leaves, dsts, committed, default = req.leaves, req.dsts, req.committed, req.default_dst
+def _put_host(
+  req: Request,
+  indices: list[int],
+  out: list[Any],
+  fresh: list[bool],
+  copy: bool,
+) -> None:
+  leaves, dsts, committed, default = (
+    req.leaves,
+    req.dsts,
+    req.committed,
+    req.default_dst,
+  )
   put = jax_internals.batched_device_put
   x64 = jax_internals.enable_x64()
   cache = _HOST_CACHE
@@ -342,15 +407,21 @@ def _put_host(req: Request, indices: list[int], out: list[Any], fresh: list[bool
     if copy and entry.per_device is not None:
       # Each device gets its own copy of its index, then the copies are assembled
       # into one array without another copy.
-      shards = [put(shard_aval, one, [shard], [d], True, True)
-                for (shard_aval, one), shard, d in zip(entry.per_device, shards, devices)]
+      shards = [
+        put(shard_aval, one, [shard], [d], True, True)
+        for (shard_aval, one), shard, d in zip(
+          entry.per_device, shards, devices
+        )
+      ]
       out[i] = put(entry.aval, s, shards, devices, c, False)
     else:
       out[i] = put(entry.aval, s, shards, devices, c, copy)
     fresh[i] = True
 
 
-def _copy_device(req: Request, b: Batch, out: list[Any], fresh: list[bool]) -> None:
+def _copy_device(
+  req: Request, b: Batch, out: list[Any], fresh: list[bool]
+) -> None:
   leaves, dsts, sems = req.leaves, req.dsts, req.semantics
   xs = [leaves[i] for i in b.indices]
   shardings = [dsts[i] for i in b.indices]
@@ -360,8 +431,10 @@ def _copy_device(req: Request, b: Batch, out: list[Any], fresh: list[bool]) -> N
     if s is not last:
       last, last_list = s, jax_internals.device_list(s)
     device_lists.append(last_list)
-  same_place = (b.group.src_devices == b.group.dst_devices and
-                b.group.src_memory_kind == b.group.dst_memory_kind)
+  same_place = (
+    b.group.src_devices == b.group.dst_devices
+    and b.group.src_memory_kind == b.group.dst_memory_kind
+  )
   semantics = [sems[i] for i in b.indices]
   if not same_place:
     # Donation is best effort. A copy to other devices never reuses the input
@@ -377,9 +450,13 @@ def _copy_device(req: Request, b: Batch, out: list[Any], fresh: list[bool]) -> N
     aval = _DST_AVAL.get(key, _MISSING)
     if aval is _MISSING:
       dst_aval = jax_internals.device_put_aval(src_aval, s)
-      aval = _remember(_DST_AVAL, key, None if dst_aval == src_aval else dst_aval)
+      aval = _remember(
+        _DST_AVAL, key, None if dst_aval == src_aval else dst_aval
+      )
     if aval is not None or not y.committed:
-      y = jax_internals.committed_array(y, src_aval if aval is None else aval, s)
+      y = jax_internals.committed_array(
+        y, src_aval if aval is None else aval, s
+      )
     out[i] = y
     fresh[i] = not same_place or sems[i] != _REUSE
 
@@ -388,13 +465,20 @@ def _put_with_jax(req: Request, indices: list[int], out: list[Any]) -> None:
   values = [req.leaves[i] for i in indices]
   # Layouts are applied afterwards by _relayout, on the target devices: jax.device_put
   # cannot relayout an array committed to other devices.
-  targets = [req.raw_targets[i] if req.layouts is None or req.layouts[i] is None
-             else req.dsts[i] for i in indices]
+  targets = [
+    req.raw_targets[i]
+    if req.layouts is None or req.layouts[i] is None
+    else req.dsts[i]
+    for i in indices
+  ]
   srcs = None if req.srcs is None else [req.srcs[i] for i in indices]
   results = jax_internals.stock_device_put(
-      values, targets, src=srcs,
-      donate=[req.donate[i] for i in indices],
-      may_alias=[req.may_alias[i] for i in indices])
+    values,
+    targets,
+    src=srcs,
+    donate=[req.donate[i] for i in indices],
+    may_alias=[req.may_alias[i] for i in indices],
+  )
   for i, y in zip(indices, results):
     out[i] = y
 
@@ -403,7 +487,9 @@ def _identity(*xs: Any) -> tuple[Any, ...]:
   return xs
 
 
-def _relayout(req: Request, batches: list[Batch], out: list[Any], fresh: list[bool]) -> None:
+def _relayout(
+  req: Request, batches: list[Batch], out: list[Any], fresh: list[bool]
+) -> None:
   """One jitted identity per destination device set for leaves whose layout differs."""
   by_devices: dict[Any, list[int]] = {}
   for b in batches:
@@ -411,15 +497,23 @@ def _relayout(req: Request, batches: list[Batch], out: list[Any], fresh: list[bo
       continue
     for i in b.indices:
       layout = req.layouts[i]
-      if layout is not None and not layout_matches(layout, out[i].format.layout):
+      if layout is not None and not layout_matches(
+        layout, out[i].format.layout
+      ):
         by_devices.setdefault(b.group.dst_devices, []).append(i)
   for indices in by_devices.values():
     formats = tuple(Format(req.layouts[i], req.dsts[i]) for i in indices)
-    donate = tuple(k for k, i in enumerate(indices)
-                   if fresh[i] or req.semantics[i] == _DONATE)
+    donate = tuple(
+      k
+      for k, i in enumerate(indices)
+      if fresh[i] or req.semantics[i] == _DONATE
+    )
     with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      ys = jax_internals.stock_jit(_identity, out_shardings=formats, donate_argnums=donate)(
-          *[out[i] for i in indices])
+      warnings.filterwarnings(
+        "ignore", message="Some donated buffers were not usable"
+      )
+      ys = jax_internals.stock_jit(
+        _identity, out_shardings=formats, donate_argnums=donate
+      )(*[out[i] for i in indices])
     for i, y in zip(indices, ys):
       out[i] = y

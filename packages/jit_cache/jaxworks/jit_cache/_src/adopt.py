@@ -9,9 +9,10 @@ swap cannot make it call itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 
@@ -73,9 +74,10 @@ def uninstall() -> None:
       return
     if jax.jit is not _api.jit:
       raise RuntimeError(
-          "jaxworks.jit_cache.uninstall: jax.jit was reassigned after "
-          f"install() (it is now {jax.jit!r:.80}); not overwriting it. "
-          "Restore that assignment first, or set jax.jit yourself")
+        "jaxworks.jit_cache.uninstall: jax.jit was reassigned after "
+        f"install() (it is now {jax.jit!r:.80}); not overwriting it. "
+        "Restore that assignment first, or set jax.jit yourself"
+      )
     jax.jit = _saved.pop()
 
 

@@ -30,15 +30,19 @@ How a call flows (the whole mechanism):
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Iterable
+from collections.abc import Sequence
 import functools
 import inspect
 import os
 import threading
 import time
 import types
+from typing import Any
 import warnings
 import weakref
-from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import jax
 from jax.extend import core as jex_core
@@ -95,12 +99,17 @@ _EXECUTABLES_PER_ENTRY = 16
 _ALIASES_PER_ENTRY = 16
 
 #: Config values named in explain_miss when the trace context differs.
-_EXPLAINED_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision",
-                     "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
-                     "jax_default_device", "jax_default_prng_impl",
-                     "jax_threefry_partitionable")
+_EXPLAINED_CONFIG = (
+  "jax_enable_x64",
+  "jax_default_matmul_precision",
+  "jax_numpy_rank_promotion",
+  "jax_numpy_dtype_promotion",
+  "jax_default_device",
+  "jax_default_prng_impl",
+  "jax_threefry_partitionable",
+)
 
-_REGISTRY: "weakref.WeakSet[_JitCore]" = weakref.WeakSet()
+_REGISTRY: weakref.WeakSet[_JitCore] = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -110,13 +119,34 @@ _REGISTRY_LOCK = threading.Lock()
 class _Entry:
   """One traced program: the cached jaxpr and jit parameters."""
 
-  __slots__ = ("params", "jaxpr", "in_tree", "out_tree", "trace_seconds",
-               "key", "base_key", "sigs", "executables", "axis_sizes",
-               "portable", "lock", "config", "__weakref__")
+  __slots__ = (
+    "params",
+    "jaxpr",
+    "in_tree",
+    "out_tree",
+    "trace_seconds",
+    "key",
+    "base_key",
+    "sigs",
+    "executables",
+    "axis_sizes",
+    "portable",
+    "lock",
+    "config",
+    "__weakref__",
+  )
 
-  def __init__(self, params: dict, in_tree: Any, out_tree: Any,
-               trace_seconds: float, key: Hashable, base_key: Hashable | None,
-               axis_sizes: dict, config: dict):
+  def __init__(
+    self,
+    params: dict,
+    in_tree: Any,
+    out_tree: Any,
+    trace_seconds: float,
+    key: Hashable,
+    base_key: Hashable | None,
+    axis_sizes: dict,
+    config: dict,
+  ):
     self.params = params
     self.jaxpr = params["jaxpr"]
     self.in_tree = in_tree
@@ -125,8 +155,9 @@ class _Entry:
     self.key = key
     self.base_key = base_key
     self.sigs: list[Any] = []
-    self.executables: "collections.OrderedDict[Any, _Executable]" = (
-        collections.OrderedDict())
+    self.executables: collections.OrderedDict[Any, _Executable] = (
+      collections.OrderedDict()
+    )
     self.axis_sizes = axis_sizes
     self.portable: bool | None = None
     self.lock = threading.Lock()
@@ -139,8 +170,9 @@ class _Uncacheable:
 
   __slots__ = ("traced", "params", "consts", "out_tree", "high")
 
-  def __init__(self, traced: Any, params: dict, consts: list, out_tree: Any,
-               high: bool):
+  def __init__(
+    self, traced: Any, params: dict, consts: list, out_tree: Any, high: bool
+  ):
     self.traced = traced
     self.params = params
     self.consts = consts
@@ -149,8 +181,15 @@ class _Uncacheable:
 
 
 class _Executable:
-  __slots__ = ("compiled", "mesh_executable", "const_args", "compile_seconds",
-               "tokens", "warnings", "__weakref__")
+  __slots__ = (
+    "compiled",
+    "mesh_executable",
+    "const_args",
+    "compile_seconds",
+    "tokens",
+    "warnings",
+    "__weakref__",
+  )
 
   def __init__(self, compiled: Any, compile_seconds: float):
     self.compiled = compiled
@@ -158,15 +197,17 @@ class _Executable:
     self.compile_seconds = compile_seconds
     # Token arguments: MeshExecutable.call's argument check cannot take them
     # (it reads .shape), jax.jit calls the executable unchecked; so do we.
-    self.tokens = any(a is ji.abstract_token
-                      for a in _tree_leaves(compiled.in_avals))
+    self.tokens = any(
+      a is ji.abstract_token for a in _tree_leaves(compiled.in_avals)
+    )
     #: Warnings lowering issued that jax.jit would issue again when it lowers
     #: the program anew (unusable donated buffers): replayed on reuse.
     self.warnings: tuple = ()
 
 
-def _loaded_executable(compiled: Any, compile_seconds: float,
-                       replay: tuple) -> _Executable:
+def _loaded_executable(
+  compiled: Any, compile_seconds: float, replay: tuple
+) -> _Executable:
   """An executable record for a ``Compiled`` loaded from the disk cache."""
   exe = _Executable(compiled, compile_seconds)
   exe.warnings = replay
@@ -180,8 +221,9 @@ class _FunctionCache:
     self.maxsize = maxsize
     self.counters = counters
     self.by_sig: dict[Any, _Entry] = {}
-    self.by_key: "collections.OrderedDict[Hashable, _Entry]" = (
-        collections.OrderedDict())
+    self.by_key: collections.OrderedDict[Hashable, _Entry] = (
+      collections.OrderedDict()
+    )
     self.shared: dict[Hashable, list[_Entry]] = {}
     self.lock = threading.RLock()
     self.flight = _cache.SingleFlight()
@@ -269,13 +311,15 @@ def _index_tuple(value: Any, what: str) -> tuple[int, ...]:
     out = tuple(items)
   except TypeError:
     raise TypeError(
-        f"jaxworks.jit_cache.jit: {what} must be an int or a sequence of "
-        f"ints, got {value!r}") from None
+      f"jaxworks.jit_cache.jit: {what} must be an int or a sequence of "
+      f"ints, got {value!r}"
+    ) from None
   for i in out:
     if not isinstance(i, int) or isinstance(i, bool):
       raise TypeError(
-          f"jaxworks.jit_cache.jit: {what} must be an int or a sequence of "
-          f"ints, got {value!r}")
+        f"jaxworks.jit_cache.jit: {what} must be an int or a sequence of "
+        f"ints, got {value!r}"
+      )
   return out
 
 
@@ -287,19 +331,26 @@ def _name_tuple(value: Any, what: str) -> tuple[str, ...]:
     out = tuple(items)
   except TypeError:
     raise TypeError(
-        f"jaxworks.jit_cache.jit: {what} must be a str or a sequence of "
-        f"str, got {value!r}") from None
+      f"jaxworks.jit_cache.jit: {what} must be a str or a sequence of "
+      f"str, got {value!r}"
+    ) from None
   for n in out:
     if not isinstance(n, str):
       raise TypeError(
-          f"jaxworks.jit_cache.jit: {what} must be a str or a sequence of "
-          f"str, got {value!r}")
+        f"jaxworks.jit_cache.jit: {what} must be a str or a sequence of "
+        f"str, got {value!r}"
+      )
   return out
 
 
-def _resolve_argnums(fun: Callable, name: str, sig: inspect.Signature | None,
-                     argnums: Any, argnames: Any, what: str
-                     ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _resolve_argnums(
+  fun: Callable,
+  name: str,
+  sig: inspect.Signature | None,
+  argnums: Any,
+  argnames: Any,
+  what: str,
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
   """Completes argnums from argnames or the reverse, as jax.jit documents."""
   if argnums is None and argnames is None:
     return (), ()
@@ -309,34 +360,49 @@ def _resolve_argnums(fun: Callable, name: str, sig: inspect.Signature | None,
     return nums, names
   params = list(sig.parameters.values())
   kinds = inspect.Parameter
-  positional = [p for p in params
-                if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+  positional = [
+    p
+    for p in params
+    if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+  ]
   if not any(p.kind is kinds.VAR_POSITIONAL for p in params):
     n = len(positional)
     for i in nums:
       if not -n <= i < n:
         raise ValueError(
-            f"jaxworks.jit_cache.jit: {what}_argnums {i} out of range for "
-            f"{name} with {n} positional args; use an index in [{-n}, {n}) "
-            f"or {what}_argnames")
+          f"jaxworks.jit_cache.jit: {what}_argnums {i} out of range for "
+          f"{name} with {n} positional args; use an index in [{-n}, {n}) "
+          f"or {what}_argnames"
+        )
   positional_only = {p.name for p in params if p.kind is kinds.POSITIONAL_ONLY}
   if bad := sorted(set(names) & positional_only):
     raise ValueError(
-        f"jaxworks.jit_cache.jit: {what}_argnames {bad} of {name} are "
-        f"positional-only parameters; use {what}_argnums instead")
+      f"jaxworks.jit_cache.jit: {what}_argnames {bad} of {name} are "
+      f"positional-only parameters; use {what}_argnums instead"
+    )
   if not any(p.kind is kinds.VAR_KEYWORD for p in params):
-    valid = {p.name for p in params
-             if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    valid = {
+      p.name
+      for p in params
+      if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+    }
     if bad := sorted(set(names) - valid):
       raise ValueError(
-          f"jaxworks.jit_cache.jit: {what}_argnames {bad} are not parameters "
-          f"of {name} (it takes {sorted(valid)}); fix the names")
+        f"jaxworks.jit_cache.jit: {what}_argnames {bad} are not parameters "
+        f"of {name} (it takes {sorted(valid)}); fix the names"
+      )
   if argnums is not None and argnames is None:
-    names = tuple(p.name for i, p in enumerate(params)
-                  if p.kind is kinds.POSITIONAL_OR_KEYWORD and i in nums)
+    names = tuple(
+      p.name
+      for i, p in enumerate(params)
+      if p.kind is kinds.POSITIONAL_OR_KEYWORD and i in nums
+    )
   elif argnames is not None and argnums is None:
-    nums = tuple(i for i, p in enumerate(params)
-                 if p.kind is kinds.POSITIONAL_OR_KEYWORD and p.name in names)
+    nums = tuple(
+      i
+      for i, p in enumerate(params)
+      if p.kind is kinds.POSITIONAL_OR_KEYWORD and p.name in names
+    )
   return nums, names
 
 
@@ -391,10 +457,12 @@ def _lower_keeping_donation_warnings(traced: Any) -> tuple[Any, tuple]:
     lowered = traced.lower()
   keep = []
   for w in caught:
-    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
-                           source=w.source)
+    warnings.warn_explicit(
+      w.message, w.category, w.filename, w.lineno, source=w.source
+    )
     if issubclass(w.category, UserWarning) and "donated buffers" in str(
-        w.message):
+      w.message
+    ):
       keep.append(w.message)
   return lowered, tuple(keep)
 
@@ -429,8 +497,9 @@ class _WeakCallable:
     fun = self._ref()
     if fun is None:
       raise RuntimeError(
-          f"jaxworks.jit_cache: function {self.__qualname__} was garbage "
-          "collected; keep a reference to it while you use it")
+        f"jaxworks.jit_cache: function {self.__qualname__} was garbage "
+        "collected; keep a reference to it while you use it"
+      )
     return fun(*args, **kwargs)
 
 
@@ -466,7 +535,7 @@ class Traced:
   @property
   def in_avals(self) -> Any:
     params, consts, _, in_tree, _ = ji.traced_parts(self._traced)
-    avals = params["jaxpr"].in_avals[len(consts):]
+    avals = params["jaxpr"].in_avals[len(consts) :]
     return _tree_unflatten(in_tree, avals)
 
   @property
@@ -481,8 +550,12 @@ class Traced:
   def _consts(self) -> list:
     return ji.traced_parts(self._traced)[1]
 
-  def lower(self, *, lowering_platforms: tuple[str, ...] | None = None,
-            _private_parameters: Any = None) -> jax.stages.Lowered:
+  def lower(
+    self,
+    *,
+    lowering_platforms: tuple[str, ...] | None = None,
+    _private_parameters: Any = None,
+  ) -> jax.stages.Lowered:
     """Lowers to a stock ``jax.stages.Lowered``.
 
     Args:
@@ -495,12 +568,16 @@ class Traced:
     """
     if _private_parameters is None:
       return self._traced.lower(lowering_platforms=lowering_platforms)
-    return self._traced.lower(lowering_platforms=lowering_platforms,
-                              _private_parameters=_private_parameters)
+    return self._traced.lower(
+      lowering_platforms=lowering_platforms,
+      _private_parameters=_private_parameters,
+    )
 
   def __repr__(self) -> str:
-    return f"Traced({self.fun_name}: {self.jaxpr.in_avals} -> " \
-           f"{self.jaxpr.out_avals})"
+    return (
+      f"Traced({self.fun_name}: {self.jaxpr.in_avals} -> "
+      f"{self.jaxpr.out_avals})"
+    )
 
 
 # -------------------------------------------------------------- JitFunction
@@ -511,20 +588,38 @@ class _JitCore:
   dispatcher, stock jit for tracing. Shared by every :class:`JitFunction`
   wrapping that function with those options (see :func:`jit`)."""
 
-  def __init__(self, fun: Callable, name: str, fun_state: tuple, *,
-               static_argnums: Any,
-               static_argnames: Any, donate_argnums: Any, donate_argnames: Any,
-               in_shardings: Any, out_shardings: Any, keep_unused: bool,
-               device: Any, backend: Any, inline: bool,
-               compiler_options: dict[str, Any] | None, maxsize: int):
+  def __init__(
+    self,
+    fun: Callable,
+    name: str,
+    fun_state: tuple,
+    *,
+    static_argnums: Any,
+    static_argnames: Any,
+    donate_argnums: Any,
+    donate_argnames: Any,
+    in_shardings: Any,
+    out_shardings: Any,
+    keep_unused: bool,
+    device: Any,
+    backend: Any,
+    inline: bool,
+    compiler_options: dict[str, Any] | None,
+    maxsize: int,
+  ):
     # `fun` is the user's function, or a _WeakCallable of it for shared cores.
     specs = (static_argnums, static_argnames, donate_argnums, donate_argnames)
-    signature = (None if all(v is None for v in specs)  # the common case
-                 else _signature_of(fun))
-    s_nums, s_names = _resolve_argnums(fun, name, signature, static_argnums,
-                                       static_argnames, "static")
-    _resolve_argnums(fun, name, signature, donate_argnums, donate_argnames,
-                     "donate")
+    signature = (
+      None
+      if all(v is None for v in specs)  # the common case
+      else _signature_of(fun)
+    )
+    s_nums, s_names = _resolve_argnums(
+      fun, name, signature, static_argnums, static_argnames, "static"
+    )
+    _resolve_argnums(
+      fun, name, signature, donate_argnums, donate_argnames, "donate"
+    )
     self.fun_state = fun_state
     self._fun = fun
     self._name = name
@@ -533,10 +628,14 @@ class _JitCore:
     self._has_statics = bool(s_nums or s_names)
     self._maxsize = maxsize
     jax_kwargs: dict[str, Any] = dict(
-        static_argnums=s_nums, static_argnames=s_names,
-        donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-        keep_unused=keep_unused, inline=inline,
-        compiler_options=compiler_options)
+      static_argnums=s_nums,
+      static_argnames=s_names,
+      donate_argnums=donate_argnums,
+      donate_argnames=donate_argnames,
+      keep_unused=keep_unused,
+      inline=inline,
+      compiler_options=compiler_options,
+    )
     if in_shardings is not _UNSET:
       jax_kwargs["in_shardings"] = in_shardings
     if out_shardings is not _UNSET:
@@ -556,8 +655,9 @@ class _JitCore:
     def cache_miss(*args, **kwargs):
       return self_ref()._cache_miss(args, kwargs)  # pylint: disable=protected-access
 
-    self._dispatcher = ji.make_dispatcher(name, fun, cache_miss, s_nums,
-                                          s_names, maxsize)
+    self._dispatcher = ji.make_dispatcher(
+      name, fun, cache_miss, s_nums, s_names, maxsize
+    )
     with _REGISTRY_LOCK:
       _REGISTRY.add(self)
 
@@ -569,9 +669,15 @@ class _JitCore:
     signature = _signature_of(self._fun)
     if signature is None:
       return None
-    return [p.name for p in signature.parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                          inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return [
+      p.name
+      for p in signature.parameters.values()
+      if p.kind
+      in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+      )
+    ]
 
   def _cache_miss(self, args: tuple, kwargs: dict):
     """Everything the C++ dispatcher does not serve (steps 2-5 above)."""
@@ -583,8 +689,7 @@ class _JitCore:
       self._hit(entry)
       self._cache.touch(entry)
     else:
-      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args,
-                               kwargs)
+      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
     top_level = _trace_state_clean()
     if type(entry) is _Uncacheable:  # pylint: disable=unidiomatic-typecheck
       if entry.high or top_level:
@@ -605,14 +710,19 @@ class _JitCore:
       out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
     else:
       out_flat = exe.mesh_executable.call(*exe.const_args, *leaves)
-    fast = ji.fastpath_data(exe.mesh_executable, entry.out_tree, leaves,
-                            out_flat, entry.jaxpr.effects, exe.const_args)
+    fast = ji.fastpath_data(
+      exe.mesh_executable,
+      entry.out_tree,
+      leaves,
+      out_flat,
+      entry.jaxpr.effects,
+      exe.const_args,
+    )
     return entry.out_tree.unflatten(out_flat), fast, False
 
   # -- keys ----------------------------------------------------------------------
 
-  def _split(self, args: tuple, kwargs: dict
-             ) -> tuple[tuple, dict, tuple]:
+  def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
     """(dynamic args, dynamic kwargs, hashable statics key)."""
     statics = []
     if self._static_argnums:
@@ -624,10 +734,12 @@ class _JitCore:
     else:
       dyn_args = args
     if kwargs and self._static_argnames:
-      statics.extend((k, kwargs[k]) for k in sorted(kwargs)
-                     if k in self._static_argnames)
-      dyn_kwargs = {k: v for k, v in kwargs.items()
-                    if k not in self._static_argnames}
+      statics.extend(
+        (k, kwargs[k]) for k in sorted(kwargs) if k in self._static_argnames
+      )
+      dyn_kwargs = {
+        k: v for k, v in kwargs.items() if k not in self._static_argnames
+      }
     else:
       dyn_kwargs = kwargs
     key = tuple((where, type(v), v) for where, v in statics)
@@ -638,14 +750,18 @@ class _JitCore:
         try:
           hash(v)
         except TypeError as e:
-          label = (f"argument {where}" if isinstance(where, int)
-                   else f"argument {where!r}")
+          label = (
+            f"argument {where}"
+            if isinstance(where, int)
+            else f"argument {where!r}"
+          )
           raise ValueError(
-              "jaxworks.jit_cache.jit: Non-hashable static arguments are "
-              f"not supported: static {label} of {self._name} is "
-              f"not hashable: {type(v).__name__} {v!r:.80} ({e}); pass a "
-              "hashable value (for example a tuple instead of a list) or "
-              "make the argument dynamic") from None
+            "jaxworks.jit_cache.jit: Non-hashable static arguments are "
+            f"not supported: static {label} of {self._name} is "
+            f"not hashable: {type(v).__name__} {v!r:.80} ({e}); pass a "
+            "hashable value (for example a tuple instead of a list) or "
+            "make the argument dynamic"
+          ) from None
       raise
     return dyn_args, dyn_kwargs, key
 
@@ -668,8 +784,9 @@ class _JitCore:
     static_idx = {i + n if i < 0 else i for i in self._static_argnums}
     dyn_positions = [i for i in range(n) if i not in static_idx]
     dyn_args = tuple(args[i] for i in dyn_positions)
-    dyn_kwargs = {k: v for k, v in kwargs.items()
-                  if k not in self._static_argnames}
+    dyn_kwargs = {
+      k: v for k, v in kwargs.items() if k not in self._static_argnames
+    }
     flat, _ = _tree_flatten_with_path((dyn_args, dyn_kwargs))
     out = []
     for path, _ in flat:
@@ -689,8 +806,9 @@ class _JitCore:
       out.append(base + _keystr(tuple(path[2:])))
     return out
 
-  def _bad_argument(self, args: tuple, kwargs: dict, leaves: list,
-                    error: Exception) -> Exception:
+  def _bad_argument(
+    self, args: tuple, kwargs: dict, leaves: list, error: Exception
+  ) -> Exception:
     paths = self._leaf_paths(args, kwargs)
     for i, leaf in enumerate(leaves):
       try:
@@ -698,9 +816,10 @@ class _JitCore:
       except TypeError:
         where = paths[i] if i < len(paths) else f"leaf {i}"
         return TypeError(
-            f"jaxworks.jit_cache.jit: argument {where} of {self._name} has "
-            f"type {type(leaf).__name__}, which is not a valid JAX type; mark "
-            "it static (static_argnums/static_argnames) or pass an array")
+          f"jaxworks.jit_cache.jit: argument {where} of {self._name} has "
+          f"type {type(leaf).__name__}, which is not a valid JAX type; mark "
+          "it static (static_argnums/static_argnames) or pass an array"
+        )
     return TypeError(f"jaxworks.jit_cache.jit: {error}")
 
   # -- the trace cache -----------------------------------------------------------
@@ -712,8 +831,16 @@ class _JitCore:
     _cache.GLOBAL_COUNTERS.hits += 1
     _cache.GLOBAL_COUNTERS.time_saved_s += entry.trace_seconds
 
-  def _entry(self, leaves: list, treedef: Any, statics: tuple, ctx: Any,
-             sig: Any, args: tuple, kwargs: dict) -> Any:
+  def _entry(
+    self,
+    leaves: list,
+    treedef: Any,
+    statics: tuple,
+    ctx: Any,
+    sig: Any,
+    args: tuple,
+    kwargs: dict,
+  ) -> Any:
     entry = self._cache.by_sig.get(sig)
     if entry is not None:
       self._hit(entry)
@@ -739,8 +866,9 @@ class _JitCore:
     def lookup():
       entry = cache.by_key.get(key)
       if entry is None and base_key is not None:
-        entry = self._shared_entry(base_key, sizes, spmd, explicit, args,
-                                   kwargs)
+        entry = self._shared_entry(
+          base_key, sizes, spmd, explicit, args, kwargs
+        )
       return entry
 
     def compute():
@@ -769,8 +897,16 @@ class _JitCore:
     if sizes:
       used = _axis_names.used_axis_names(params["jaxpr"])
       axis_sizes = {n: sizes[n] for n in used if n in sizes}
-    entry = _Entry(params, in_tree, out_tree, seconds, key, base_key,
-                   axis_sizes, _config_snapshot())
+    entry = _Entry(
+      params,
+      in_tree,
+      out_tree,
+      seconds,
+      key,
+      base_key,
+      axis_sizes,
+      _config_snapshot(),
+    )
     self._cache.insert(entry)
     return entry
 
@@ -788,16 +924,16 @@ class _JitCore:
       if any(sizes.get(n) != s for n, s in cand.axis_sizes.items()):
         continue
       if cand.portable is None:
-        cand.portable = self._check_portable(cand, spmd, explicit, args,
-                                             kwargs)
+        cand.portable = self._check_portable(cand, spmd, explicit, args, kwargs)
       if cand.portable:
         return cand
     return None
 
   def _check_portable(self, cand, spmd, explicit, args, kwargs) -> bool:
     names = frozenset(cand.axis_sizes)
-    restricted = ji.make_axis_env(cand.axis_sizes, spmd & names,
-                                  explicit & names)
+    restricted = ji.make_axis_env(
+      cand.axis_sizes, spmd & names, explicit & names
+    )
     try:
       with ji.axis_env_set(restricted):
         traced = self._jax.trace(*args, **kwargs)
@@ -808,7 +944,8 @@ class _JitCore:
       return False
     mine = _fingerprint.fingerprint(cand.jaxpr)
     return mine is not None and mine == _fingerprint.fingerprint(
-        params["jaxpr"])
+      params["jaxpr"]
+    )
 
   # -- executables -------------------------------------------------------------------
 
@@ -826,10 +963,16 @@ class _JitCore:
           entry.executables.popitem(last=False)
     return exe
 
-  def _build_executable(self, entry: _Entry, leaves: list,
-                        placement: Any) -> _Executable:
-    traced = ji.make_traced([ji.meta_type(x) for x in leaves], entry.params,
-                            entry.in_tree, entry.out_tree, [])
+  def _build_executable(
+    self, entry: _Entry, leaves: list, placement: Any
+  ) -> _Executable:
+    traced = ji.make_traced(
+      [ji.meta_type(x) for x in leaves],
+      entry.params,
+      entry.in_tree,
+      entry.out_tree,
+      [],
+    )
     counters = self._counters
 
     donates = any(entry.params["donated_invars"])
@@ -853,16 +996,28 @@ class _JitCore:
       return build()
     # Programs holding no user object (callback, array kept by identity) and
     # little constant data outlive their functions in the shared cache.
-    keep = (not program.pins and not params.pins and
-            program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES and
-            _fingerprint.plain(placement.extra.values))
+    keep = (
+      not program.pins
+      and not params.pins
+      and program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES
+      and _fingerprint.plain(placement.extra.values)
+    )
     if keep and _disk.enabled():  # a new process may load it (opt-in)
-      build = _disk.wrap_build(build, _loaded_executable, entry,
-                               entry.in_tree, entry.out_tree, leaves, program,
-                               params, placement.extra.values,
-                               (counters, _cache.GLOBAL_COUNTERS))
+      build = _disk.wrap_build(
+        build,
+        _loaded_executable,
+        entry,
+        entry.in_tree,
+        entry.out_tree,
+        leaves,
+        program,
+        params,
+        placement.extra.values,
+        (counters, _cache.GLOBAL_COUNTERS),
+      )
     exe, reused = _cache.EXECUTABLES.get_or_build(
-        (program, params, placement), build, keep)
+      (program, params, placement), build, keep
+    )
     if reused:
       for warning in exe.warnings:  # what lowering anew would have said
         warnings.warn(warning, stacklevel=4)
@@ -885,9 +1040,15 @@ class _JitCore:
     entry = self._entry(leaves, treedef, statics, ctx, sig, args, kwargs)
     if type(entry) is _Uncacheable:  # pylint: disable=unidiomatic-typecheck
       return Traced(entry.traced)
-    return Traced(ji.make_traced([ji.meta_type(x) for x in leaves],
-                                 entry.params, entry.in_tree, entry.out_tree,
-                                 []))
+    return Traced(
+      ji.make_traced(
+        [ji.meta_type(x) for x in leaves],
+        entry.params,
+        entry.in_tree,
+        entry.out_tree,
+        [],
+      )
+    )
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """``self.trace(*args, **kwargs).lower()``: a stock ``jax.stages.Lowered``."""
@@ -902,9 +1063,11 @@ class _JitCore:
   def cache_info(self) -> _cache.CacheInfo:
     """Counters and sizes of this function's caches."""
     return self._counters.snapshot(
-        entries=len(self._cache), maxsize=self._maxsize,
-        dispatch_entries=ji.dispatcher_size(self._dispatcher),
-        executables=self._cache.executables())
+      entries=len(self._cache),
+      maxsize=self._maxsize,
+      dispatch_entries=ji.dispatcher_size(self._dispatcher),
+      executables=self._cache.executables(),
+    )
 
   def clear_cache(self) -> None:
     """Drops this function's trace entries, C++ dispatch entries, and what
@@ -913,8 +1076,11 @@ class _JitCore:
     Its compiled executables go too, from the shared executable cache as
     well, unless another live function holds them.
     """
-    executables = [exe for entry in list(self._cache.by_key.values())
-                   for exe in list(entry.executables.values())]
+    executables = [
+      exe
+      for entry in list(self._cache.by_key.values())
+      for exe in list(entry.executables.values())
+    ]
     self._cache.clear()
     ji.dispatcher_clear(self._dispatcher)
     self._jax.clear_cache()
@@ -935,12 +1101,13 @@ class _JitCore:
       ``x['w']: dtype float32 -> float64``.
     """
     from . import explain  # pylint: disable=g-import-not-at-top
+
     leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
-    text = explain.explain(self, leaves, treedef, statics, ctx, sig, args,
-                           kwargs)
+    text = explain.explain(
+      self, leaves, treedef, statics, ctx, sig, args, kwargs
+    )
     disk = _disk.note_for(self._cache.by_sig.get(sig))
     return text if disk is None else f"{text}\n  {disk}"
-
 
 
 class _Unusable:
@@ -1011,8 +1178,11 @@ class JitFunction:
 
   def __getstate__(self) -> dict:
     """Pickles as the function and the options (caches are not pickled)."""
-    return {"function_name": _fun_name(self._fun), "fun": self._fun,
-            "options": self._options}
+    return {
+      "function_name": _fun_name(self._fun),
+      "fun": self._fun,
+      "options": self._options,
+    }
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(_make(state["fun"], state["options"]).__dict__)
@@ -1112,8 +1282,11 @@ def _options_key(options: dict) -> Any:
 def _fun_state(fun: Callable) -> tuple:
   """What of a function can change while it stays the same object, and
   changes what tracing it does: its code and defaults (compared by identity)."""
-  return (getattr(fun, "__code__", None), getattr(fun, "__defaults__", None),
-          getattr(fun, "__kwdefaults__", None))
+  return (
+    getattr(fun, "__code__", None),
+    getattr(fun, "__defaults__", None),
+    getattr(fun, "__kwdefaults__", None),
+  )
 
 
 def _same_state(a: tuple, b: tuple) -> bool:
@@ -1122,10 +1295,11 @@ def _same_state(a: tuple, b: tuple) -> bool:
 
 def _weakref_message(fun: Callable, error: Exception) -> str:
   return (
-      f"jaxworks.jit_cache.jit: {error} ({type(fun).__name__} "
-      f"{_safe_repr(fun)}); jit keys its caches by the function weakly, as "
-      "jax.jit does: give the class a '__weakref__' slot, or jit a function "
-      "that calls it, e.g. jit(lambda *a, **k: obj(*a, **k))")
+    f"jaxworks.jit_cache.jit: {error} ({type(fun).__name__} "
+    f"{_safe_repr(fun)}); jit keys its caches by the function weakly, as "
+    "jax.jit does: give the class a '__weakref__' slot, or jit a function "
+    "that calls it, e.g. jit(lambda *a, **k: obj(*a, **k))"
+  )
 
 
 def _safe_repr(obj: Any) -> str:
@@ -1173,16 +1347,23 @@ def _make(fun: Callable, options: dict) -> JitFunction:
 _FUN_DEFAULT = ji.JIT_FUN_DEFAULT
 
 
-def jit(fun: Callable = _FUN_DEFAULT, /, *,
-        in_shardings: Any = _UNSET, out_shardings: Any = _UNSET,
-        static_argnums: int | Sequence[int] | None = None,
-        static_argnames: str | Iterable[str] | None = None,
-        donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None,
-        keep_unused: bool = False, device: Any = None,
-        backend: str | None = None, inline: bool = False,
-        compiler_options: dict[str, Any] | None = None,
-        maxsize: int = DEFAULT_MAXSIZE) -> Any:
+def jit(
+  fun: Callable = _FUN_DEFAULT,
+  /,
+  *,
+  in_shardings: Any = _UNSET,
+  out_shardings: Any = _UNSET,
+  static_argnums: int | Sequence[int] | None = None,
+  static_argnames: str | Iterable[str] | None = None,
+  donate_argnums: int | Sequence[int] | None = None,
+  donate_argnames: str | Iterable[str] | None = None,
+  keep_unused: bool = False,
+  device: Any = None,
+  backend: str | None = None,
+  inline: bool = False,
+  compiler_options: dict[str, Any] | None = None,
+  maxsize: int = DEFAULT_MAXSIZE,
+) -> Any:
   """``jax.jit`` with its own trace cache, executable reuse and cache stats.
 
   The parameters are ``jax.jit``'s: the same names, kinds (``fun``
@@ -1235,25 +1416,35 @@ def jit(fun: Callable = _FUN_DEFAULT, /, *,
   1
   """
   options = dict(
-      in_shardings=in_shardings, out_shardings=out_shardings,
-      static_argnums=static_argnums, static_argnames=static_argnames,
-      donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-      keep_unused=keep_unused, device=device, backend=backend,
-      inline=inline, compiler_options=compiler_options, maxsize=maxsize)
+    in_shardings=in_shardings,
+    out_shardings=out_shardings,
+    static_argnums=static_argnums,
+    static_argnames=static_argnames,
+    donate_argnums=donate_argnums,
+    donate_argnames=donate_argnames,
+    keep_unused=keep_unused,
+    device=device,
+    backend=backend,
+    inline=inline,
+    compiler_options=compiler_options,
+    maxsize=maxsize,
+  )
   if fun is _FUN_DEFAULT:
     return functools.partial(jit, **options)
   _check_function(fun, "jit")
   if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
     raise ValueError(
-        f"jaxworks.jit_cache.jit: maxsize must be an int >= 1, got "
-        f"{maxsize!r}")
+      f"jaxworks.jit_cache.jit: maxsize must be an int >= 1, got {maxsize!r}"
+    )
   return _make(fun, options)
 
 
 #: jit's options at their defaults (the common ``jit(f)``).
 _DEFAULT_OPTIONS = {
-    name: p.default for name, p in inspect.signature(jit).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+  name: p.default
+  for name, p in inspect.signature(jit).parameters.items()
+  if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
 def _check_function(fun: Any, api: str) -> None:
@@ -1261,23 +1452,27 @@ def _check_function(fun: Any, api: str) -> None:
   if isinstance(fun, (staticmethod, classmethod)):
     kind = type(fun).__name__
     raise TypeError(
-        f"jaxworks.jit_cache.{api}: {kind} arguments are not supported, got "
-        f"{_safe_repr(fun)}: Expected a callable value; apply {api} to the "
-        f"function first, then {kind}: {kind}({api}(f))")
+      f"jaxworks.jit_cache.{api}: {kind} arguments are not supported, got "
+      f"{_safe_repr(fun)}: Expected a callable value; apply {api} to the "
+      f"function first, then {kind}: {kind}({api}(f))"
+    )
   if not callable(fun):
     raise TypeError(
-        f"jaxworks.jit_cache.{api}: Expected a callable value, got "
-        f"{type(fun).__name__} {_safe_repr(fun)}; pass a function, as in "
-        f"{api}(f, ...)")
+      f"jaxworks.jit_cache.{api}: Expected a callable value, got "
+      f"{type(fun).__name__} {_safe_repr(fun)}; pass a function, as in "
+      f"{api}(f, ...)"
+    )
   if inspect.isgeneratorfunction(fun):
     raise TypeError(
-        f"jaxworks.jit_cache.{api}: Expected a function, got a generator "
-        f"function: {_fun_name(fun)}; JAX traces a function once, so return "
-        "the values (e.g. stacked) instead of yielding them")
+      f"jaxworks.jit_cache.{api}: Expected a function, got a generator "
+      f"function: {_fun_name(fun)}; JAX traces a function once, so return "
+      "the values (e.g. stacked) instead of yielding them"
+    )
 
 
-def _implicit_jit(fun: Callable, api: str,
-                  static_argnums: Any = None) -> JitFunction:
+def _implicit_jit(
+  fun: Callable, api: str, static_argnums: Any = None
+) -> JitFunction:
   """The shared wrapper make_jaxpr uses for a plain function (a private one
   for functions that are not weakly referenceable, which jax.make_jaxpr
   accepts)."""
@@ -1311,9 +1506,12 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   return jit(fun).eval_shape(*args, **kwargs)
 
 
-def make_jaxpr(fun: Callable, static_argnums: int | Sequence[int] | None = None,
-               axis_env: Sequence[tuple[Any, int]] | None = None,
-               return_shape: bool = False) -> Callable[..., Any]:
+def make_jaxpr(
+  fun: Callable,
+  static_argnums: int | Sequence[int] | None = None,
+  axis_env: Sequence[tuple[Any, int]] | None = None,
+  return_shape: bool = False,
+) -> Callable[..., Any]:
   """``jax.make_jaxpr`` through the trace cache of :func:`jit`.
 
   Like ``jax.make_jaxpr`` (and unlike ``f.trace``), tracers the function closes
@@ -1334,8 +1532,8 @@ def make_jaxpr(fun: Callable, static_argnums: int | Sequence[int] | None = None,
     consts = traced._consts  # pylint: disable=protected-access
     if consts:
       jaxpr = jex_core.ClosedJaxpr(
-          ji.convert_invars_to_constvars(traced.jaxpr.jaxpr, len(consts)),
-          consts)
+        ji.convert_invars_to_constvars(traced.jaxpr.jaxpr, len(consts)), consts
+      )
     else:
       jaxpr = traced.jaxpr
     return (jaxpr, traced.out_info) if return_shape else jaxpr
@@ -1363,10 +1561,11 @@ def stats() -> _cache.CacheInfo:
     for entry in list(f._cache.by_key.values()):  # pylint: disable=protected-access
       executables.update((id(e), e) for e in list(entry.executables.values()))
   return _cache.GLOBAL_COUNTERS.snapshot(
-      entries=sum(len(f._cache) for f in live),  # pylint: disable=protected-access
-      maxsize=_cache.GLOBAL_ENTRIES.maxsize,
-      dispatch_entries=sum(ji.dispatcher_size(f._dispatcher) for f in live),  # pylint: disable=protected-access
-      executables=len(executables))
+    entries=sum(len(f._cache) for f in live),  # pylint: disable=protected-access
+    maxsize=_cache.GLOBAL_ENTRIES.maxsize,
+    dispatch_entries=sum(ji.dispatcher_size(f._dispatcher) for f in live),  # pylint: disable=protected-access
+    executables=len(executables),
+  )
 
 
 def reset_stats() -> None:
@@ -1402,8 +1601,9 @@ _CLEARED_WITH_JAX = _ClearedWithJax()
 ji.register_cache(_CLEARED_WITH_JAX, "jaxworks.jit_cache")
 
 
-def set_global_maxsize(entries: int | None = None,
-                       executables: int | None = None) -> None:
+def set_global_maxsize(
+  entries: int | None = None, executables: int | None = None
+) -> None:
   """Sets the process-wide LRU bounds.
 
   Args:
@@ -1411,11 +1611,13 @@ def set_global_maxsize(entries: int | None = None,
     executables: shared compiled executables (default 1024).
   """
   for value, what in ((entries, "entries"), (executables, "executables")):
-    if value is not None and (not isinstance(value, int) or
-                              isinstance(value, bool) or value < 1):
+    if value is not None and (
+      not isinstance(value, int) or isinstance(value, bool) or value < 1
+    ):
       raise ValueError(
-          f"jaxworks.jit_cache.set_global_maxsize: {what} must be an int >= "
-          f"1, got {value!r}")
+        f"jaxworks.jit_cache.set_global_maxsize: {what} must be an int >= "
+        f"1, got {value!r}"
+      )
   if entries is not None:
     _cache.GLOBAL_ENTRIES.resize(entries)
   if executables is not None:

@@ -21,10 +21,12 @@ computing it, instead of tracing or compiling the same thing several times.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from collections.abc import Hashable
 import dataclasses
 import threading
+from typing import Any
 import weakref
-from typing import Any, Callable, Hashable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +82,21 @@ class Counters:
   """Mutable counters; increments are plain attribute updates (GIL-atomic
   enough for statistics)."""
 
-  __slots__ = ("hits", "misses", "evictions", "traces", "compiles",
-               "executable_reuses", "time_saved_s", "disk_hits",
-               "disk_misses", "disk_rejected", "disk_bytes_read",
-               "disk_bytes_written", "disk_load_s")
+  __slots__ = (
+    "hits",
+    "misses",
+    "evictions",
+    "traces",
+    "compiles",
+    "executable_reuses",
+    "time_saved_s",
+    "disk_hits",
+    "disk_misses",
+    "disk_rejected",
+    "disk_bytes_read",
+    "disk_bytes_written",
+    "disk_load_s",
+  )
 
   def __init__(self):
     self.reset()
@@ -104,16 +117,22 @@ class Counters:
     self.disk_load_s = 0.0
 
   def snapshot(self, **extra: Any) -> CacheInfo:
-    return CacheInfo(hits=self.hits, misses=self.misses,
-                     evictions=self.evictions, traces=self.traces,
-                     compiles=self.compiles,
-                     executable_reuses=self.executable_reuses,
-                     time_saved_s=self.time_saved_s,
-                     disk_hits=self.disk_hits, disk_misses=self.disk_misses,
-                     disk_rejected=self.disk_rejected,
-                     disk_bytes_read=self.disk_bytes_read,
-                     disk_bytes_written=self.disk_bytes_written,
-                     disk_load_s=self.disk_load_s, **extra)
+    return CacheInfo(
+      hits=self.hits,
+      misses=self.misses,
+      evictions=self.evictions,
+      traces=self.traces,
+      compiles=self.compiles,
+      executable_reuses=self.executable_reuses,
+      time_saved_s=self.time_saved_s,
+      disk_hits=self.disk_hits,
+      disk_misses=self.disk_misses,
+      disk_rejected=self.disk_rejected,
+      disk_bytes_read=self.disk_bytes_read,
+      disk_bytes_written=self.disk_bytes_written,
+      disk_load_s=self.disk_load_s,
+      **extra,
+    )
 
 
 #: Process-wide totals (every function adds to these too).
@@ -131,8 +150,9 @@ class SingleFlight:
     self._lock = threading.Lock()
     self._flights: dict[Hashable, tuple[int, threading.Event]] = {}
 
-  def run(self, key: Hashable, lookup: Callable[[], Any],
-          compute: Callable[[], Any]) -> Any:
+  def run(
+    self, key: Hashable, lookup: Callable[[], Any], compute: Callable[[], Any]
+  ) -> Any:
     """Returns ``lookup()`` if not None, else the result of ``compute()``.
 
     ``compute`` is expected to store its result where ``lookup`` finds it;
@@ -178,8 +198,9 @@ class EntryLRU:
 
   def __init__(self, maxsize: int):
     self.maxsize = maxsize
-    self._order: "collections.OrderedDict[weakref.ref, weakref.ref]" = (
-        collections.OrderedDict())
+    self._order: collections.OrderedDict[weakref.ref, weakref.ref] = (
+      collections.OrderedDict()
+    )
     # Re-entrant: a weak reference's callback may run (from the garbage
     # collector) while this thread holds the lock.
     self._lock = threading.RLock()
@@ -249,8 +270,9 @@ class ExecutableCache:
   def __init__(self, maxsize: int):
     self.maxsize = maxsize
     self.evictions = 0
-    self._strong: "collections.OrderedDict[Hashable, Any]" = (
-        collections.OrderedDict())
+    self._strong: collections.OrderedDict[Hashable, Any] = (
+      collections.OrderedDict()
+    )
     self._weak: dict[Hashable, weakref.ref] = {}
     self._lock = threading.RLock()  # re-entrant: see EntryLRU
     self._flight = SingleFlight()
@@ -283,8 +305,9 @@ class ExecutableCache:
       self._strong.popitem(last=False)
       self.evictions += 1
 
-  def get_or_build(self, key: Hashable, build: Callable[[], Any],
-                   keep: bool = True) -> tuple[Any, bool]:
+  def get_or_build(
+    self, key: Hashable, build: Callable[[], Any], keep: bool = True
+  ) -> tuple[Any, bool]:
     """(value, reused): ``reused`` is True when another caller built it."""
     built = []
 

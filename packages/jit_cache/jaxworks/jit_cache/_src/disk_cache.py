@@ -91,15 +91,18 @@ class _Config:
     return os.environ.get(ENV_VAR) or None
 
   def __repr__(self) -> str:
-    return (f"jit_cache.config(cache_dir={self.cache_dir!r}, "
-            f"max_bytes={self.max_bytes})")
+    return (
+      f"jit_cache.config(cache_dir={self.cache_dir!r}, "
+      f"max_bytes={self.max_bytes})"
+    )
 
 
 config = _Config()
 
 
-def set_cache_dir(path: str | os.PathLike | None,
-                  max_bytes: int | None = None) -> None:
+def set_cache_dir(
+  path: str | os.PathLike | None, max_bytes: int | None = None
+) -> None:
   """Turns the persistent executable cache on (a directory) or off (None).
 
   Args:
@@ -114,17 +117,20 @@ def set_cache_dir(path: str | os.PathLike | None,
   """
   if path is not None and not isinstance(path, (str, os.PathLike)):
     raise TypeError(
-        "jaxworks.jit_cache.set_cache_dir: path must be a str, an "
-        f"os.PathLike or None, got {type(path).__name__} {path!r:.80}")
+      "jaxworks.jit_cache.set_cache_dir: path must be a str, an "
+      f"os.PathLike or None, got {type(path).__name__} {path!r:.80}"
+    )
   if max_bytes is not None:
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
       raise TypeError(
-          "jaxworks.jit_cache.set_cache_dir: max_bytes must be an int, got "
-          f"{type(max_bytes).__name__} {max_bytes!r:.80}")
+        "jaxworks.jit_cache.set_cache_dir: max_bytes must be an int, got "
+        f"{type(max_bytes).__name__} {max_bytes!r:.80}"
+      )
     if max_bytes <= 0:
       raise ValueError(
-          "jaxworks.jit_cache.set_cache_dir: max_bytes must be positive, got "
-          f"{max_bytes}; pass None to turn the cache off")
+        "jaxworks.jit_cache.set_cache_dir: max_bytes must be positive, got "
+        f"{max_bytes}; pass None to turn the cache off"
+      )
     config.max_bytes = max_bytes
   config._dir = None if path is None else os.fspath(path)
 
@@ -160,9 +166,12 @@ class _JaxPrimitives:
     self.scanned: set[str] = set()
 
   def _modules(self):
-    names = [n for n in list(sys.modules)
-             if (n.startswith("jax.") or n.startswith("jaxlib."))
-             and n not in self.scanned]
+    names = [
+      n
+      for n in list(sys.modules)
+      if (n.startswith("jax.") or n.startswith("jaxlib."))
+      and n not in self.scanned
+    ]
     names.sort(key=lambda n: (not n.startswith("jax._src.lax"), n))
     return names
 
@@ -211,9 +220,19 @@ _MEMO_LOCK = threading.Lock()
 
 
 def _memoizable(v: Any) -> bool:
-  return isinstance(v, (jex_core.Primitive, ji.AbstractValue,
-                        jax.sharding.Sharding, ji.Mesh, ji.AbstractMesh,
-                        np.dtype, jax.Device, ji.PyTreeDef))
+  return isinstance(
+    v,
+    (
+      jex_core.Primitive,
+      ji.AbstractValue,
+      jax.sharding.Sharding,
+      ji.Mesh,
+      ji.AbstractMesh,
+      np.dtype,
+      jax.Device,
+      ji.PyTreeDef,
+    ),
+  )
 
 
 def _enc_memo(v: Any, out: list, depth: int, encode: Callable) -> None:
@@ -239,8 +258,22 @@ def _enc(v: Any, out: list, depth: int = 0) -> None:
     _enc_value(v, out, depth)
 
 
-_PLAIN = frozenset({type(None), bool, int, str, bytes, float, complex, tuple,
-                    list, dict, frozenset, set})
+_PLAIN = frozenset(
+  {
+    type(None),
+    bool,
+    int,
+    str,
+    bytes,
+    float,
+    complex,
+    tuple,
+    list,
+    dict,
+    frozenset,
+    set,
+  }
+)
 
 
 def _enc_value(v: Any, out: list, depth: int) -> None:
@@ -299,8 +332,9 @@ def _enc_value(v: Any, out: list, depth: int) -> None:
   elif isinstance(v, np.ndarray):
     if v.dtype != object:
       data = np.ascontiguousarray(v).tobytes()
-      out.append(f"nd{v.dtype.str}{v.shape}:"
-                 f"{hashlib.sha256(data).hexdigest()};")
+      out.append(
+        f"nd{v.dtype.str}{v.shape}:{hashlib.sha256(data).hexdigest()};"
+      )
     else:
       out.append(f"no{v.shape}(")
       for x in v.reshape(-1).tolist():
@@ -392,8 +426,14 @@ def _leaf_part(leaf: Any) -> tuple:
   if isinstance(leaf, jax.core.Tracer):
     raise NotPersistable("tracer argument")
   if isinstance(leaf, jax.Array):
-    return ("array", leaf.dtype, tuple(leaf.shape), leaf.weak_type,
-            leaf.sharding, getattr(leaf, "_committed", None))
+    return (
+      "array",
+      leaf.dtype,
+      tuple(leaf.shape),
+      leaf.weak_type,
+      leaf.sharding,
+      getattr(leaf, "_committed", None),
+    )
   if isinstance(leaf, (np.ndarray, np.generic)):
     return ("numpy", leaf.dtype, tuple(np.shape(leaf)))
   if type(leaf) in (bool, int, float, complex):
@@ -411,9 +451,12 @@ _PLAIN_SCALARS = frozenset({type(None), bool, int, float, str})
 def _environment(platforms: Sequence[str]) -> dict:
   """What makes an executable valid besides its program (memoized while
   jax's configuration, the platforms and the environment variables stay)."""
-  state = (tuple(platforms), tuple(jax.config.values.items()),
-           os.environ.get("XLA_FLAGS", ""),
-           os.environ.get("LIBTPU_INIT_ARGS", ""))
+  state = (
+    tuple(platforms),
+    tuple(jax.config.values.items()),
+    os.environ.get("XLA_FLAGS", ""),
+    os.environ.get("LIBTPU_INIT_ARGS", ""),
+  )
   memo = _ENV_MEMO[:]
   if memo:
     try:
@@ -431,11 +474,13 @@ def _environment_uncached(platforms: Sequence[str]) -> dict:
   for platform in sorted(set(platforms)):
     devices = _jax_devices(platform)
     client = devices[0].client
-    backends.append({
+    backends.append(
+      {
         "platform": client.platform,
         "platform_version": client.platform_version,
         "devices": [[x.id, x.process_index, x.device_kind] for x in devices],
-    })
+      }
+    )
   cfg = {}
   for k in sorted(jax.config.values):
     if any(s in k for s in _CONFIG_SKIP):
@@ -449,29 +494,33 @@ def _environment_uncached(platforms: Sequence[str]) -> dict:
     except NotPersistable:
       cfg[k] = repr(v)
   return {
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "jaxworks_jit_cache": _jaxworks_version,
-      "backends": backends,
-      "default_backend": _default_backend(),
-      "process_count": _process_count(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
-      "config": hashlib.sha256(
-          json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "jaxworks_jit_cache": _jaxworks_version,
+    "backends": backends,
+    "default_backend": _default_backend(),
+    "process_count": _process_count(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
+    "config": hashlib.sha256(
+      json.dumps(cfg, sort_keys=True).encode()
+    ).hexdigest(),
   }
 
 
-def make_key(program: Any, params: Any, leaves: Sequence[Any],
-             context: tuple) -> dict:
+def make_key(
+  program: Any, params: Any, leaves: Sequence[Any], context: tuple
+) -> dict:
   """The full key of an executable (raises NotPersistable)."""
   leaf_parts = tuple(_leaf_part(x) for x in leaves)
   platforms = {_default_backend()}
   for part in leaf_parts:
     if part[0] == "array":
       platforms.update(x.platform for x in part[4].device_set)
-  key = {"format": FORMAT_VERSION,
-         "program": _digest((program, params, leaf_parts, context))}
+  key = {
+    "format": FORMAT_VERSION,
+    "program": _digest((program, params, leaf_parts, context)),
+  }
   key.update(_environment(sorted(platforms)))
   return key
 
@@ -489,8 +538,17 @@ def _file_name(key: dict) -> str:
 
 
 class DiskCounters:
-  __slots__ = ("hits", "misses", "rejected", "writes", "bytes_read",
-               "bytes_written", "load_s", "evictions", "unpersistable")
+  __slots__ = (
+    "hits",
+    "misses",
+    "rejected",
+    "writes",
+    "bytes_read",
+    "bytes_written",
+    "load_s",
+    "evictions",
+    "unpersistable",
+  )
 
   def __init__(self):
     self.reset()
@@ -534,12 +592,15 @@ def _why(stored: dict, key: dict) -> str:
   reasons = []
   for field in ("format", "jax", "jaxlib", "jaxworks_jit_cache"):
     if stored.get(field) != key.get(field):
-      reasons.append(f"version mismatch: {field} {stored.get(field)!r} != "
-                     f"{key.get(field)!r}")
+      reasons.append(
+        f"version mismatch: {field} {stored.get(field)!r} != {key.get(field)!r}"
+      )
   for field in ("backends", "default_backend", "process_count"):
     if stored.get(field) != key.get(field):
-      reasons.append(f"different machine: {field} differs (entry: "
-                     f"{json.dumps(stored.get(field))[:120]})")
+      reasons.append(
+        f"different machine: {field} differs (entry: "
+        f"{json.dumps(stored.get(field))[:120]})"
+      )
   for field in ("xla_flags", "libtpu_init_args", "config"):
     if stored.get(field) != key.get(field):
       reasons.append(f"different {field}")
@@ -561,15 +622,17 @@ def read_entry(path: str, key: dict) -> tuple[bytes | None, str]:
   except OSError as e:
     return None, f"unreadable: {e}"
   head = len(MAGIC) + HEADER.size
-  if len(data) < head or data[:len(MAGIC)] != MAGIC:
+  if len(data) < head or data[: len(MAGIC)] != MAGIC:
     return None, "corrupt: bad magic or truncated header"
   fmt, key_len, payload_len, sha = HEADER.unpack_from(data, len(MAGIC))
   if fmt != FORMAT_VERSION:
     return None, f"version mismatch: entry format {fmt} != {FORMAT_VERSION}"
   if len(data) != head + key_len + payload_len:
-    return None, (f"corrupt: {len(data)} bytes, header says "
-                  f"{head + key_len + payload_len} (truncated or extended)")
-  stored_key = data[head:head + key_len]
+    return None, (
+      f"corrupt: {len(data)} bytes, header says "
+      f"{head + key_len + payload_len} (truncated or extended)"
+    )
+  stored_key = data[head : head + key_len]
   if stored_key != _key_bytes(key):
     try:
       stored = json.loads(stored_key)
@@ -578,7 +641,7 @@ def read_entry(path: str, key: dict) -> tuple[bytes | None, str]:
     except ValueError:
       return None, "corrupt: unreadable key"
     return None, _why(stored, key)
-  payload = data[head + key_len:]
+  payload = data[head + key_len :]
   if hashlib.sha256(payload).digest() != sha:
     return None, "corrupt: payload checksum mismatch"
   return payload, ""
@@ -587,10 +650,15 @@ def read_entry(path: str, key: dict) -> tuple[bytes | None, str]:
 def write_entry(directory: str, name: str, key: dict, payload: bytes) -> int:
   """Writes an entry atomically; returns the bytes written."""
   key_bytes = _key_bytes(key)
-  header = MAGIC + HEADER.pack(FORMAT_VERSION, len(key_bytes), len(payload),
-                                hashlib.sha256(payload).digest())
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX + ".part",
-                             dir=directory)
+  header = MAGIC + HEADER.pack(
+    FORMAT_VERSION,
+    len(key_bytes),
+    len(payload),
+    hashlib.sha256(payload).digest(),
+  )
+  fd, tmp = tempfile.mkstemp(
+    prefix=".tmp-", suffix=SUFFIX + ".part", dir=directory
+  )
   try:
     with os.fdopen(fd, "wb") as f:
       f.write(header)
@@ -650,8 +718,11 @@ def evict(directory: str, max_bytes: int, keep: str | None = None) -> int:
 def _siblings(directory: str, key: dict, name: str) -> list[str]:
   prefix = key["program"][:32] + "-"
   try:
-    return [os.path.join(directory, n) for n in os.listdir(directory)
-            if n.startswith(prefix) and n.endswith(SUFFIX) and n != name]
+    return [
+      os.path.join(directory, n)
+      for n in os.listdir(directory)
+      if n.startswith(prefix) and n.endswith(SUFFIX) and n != name
+    ]
   except OSError:
     return []
 
@@ -668,11 +739,18 @@ def _rejected_sibling(directory: str, key: dict, name: str) -> str:
 # ----------------------------------------------------------------- build
 
 
-def wrap_build(build: Callable[[], Any],
-               make: Callable[[Any, float, tuple], Any],
-               owner: Any, in_tree: Any, out_tree: Any, leaves: Sequence[Any],
-               program: Any, params: Any, context: tuple,
-               counters: Sequence[Any] = ()) -> Callable[[], Any]:
+def wrap_build(
+  build: Callable[[], Any],
+  make: Callable[[Any, float, tuple], Any],
+  owner: Any,
+  in_tree: Any,
+  out_tree: Any,
+  leaves: Sequence[Any],
+  program: Any,
+  params: Any,
+  context: tuple,
+  counters: Sequence[Any] = (),
+) -> Callable[[], Any]:
   """``build`` going through the disk cache.
 
   Args:
@@ -714,11 +792,17 @@ def wrap_build(build: Callable[[], Any],
         record = pickle.loads(payload)
         by_id = {d.id: d for d in _jax_devices(record["platform"])}
         compiled = _serialize.deserialize_and_load(
-            record["executable"], in_tree, out_tree,
-            backend=record["platform"],
-            execution_devices=[by_id[i] for i in record["devices"]])
-        exe = make(compiled, record["compile_seconds"],
-                   tuple(UserWarning(m) for m in record["warnings"]))
+          record["executable"],
+          in_tree,
+          out_tree,
+          backend=record["platform"],
+          execution_devices=[by_id[i] for i in record["devices"]],
+        )
+        exe = make(
+          compiled,
+          record["compile_seconds"],
+          tuple(UserWarning(m) for m in record["warnings"]),
+        )
       except Exception as e:  # pylint: disable=broad-except
         reason = f"corrupt: could not load ({type(e).__name__}: {e})"
       else:
@@ -736,9 +820,11 @@ def wrap_build(build: Callable[[], Any],
     count("misses")
     if reason == "absent":
       reason = _rejected_sibling(directory, key, name)
-      note = (f"disk cache: no entry {name}" + (
-          f"; an entry for another environment was rejected: {reason}"
-          if reason else ""))
+      note = f"disk cache: no entry {name}" + (
+        f"; an entry for another environment was rejected: {reason}"
+        if reason
+        else ""
+      )
     else:
       count("rejected")
       note = f"disk cache: entry {name} rejected: {reason}; rewritten"
@@ -750,18 +836,24 @@ def wrap_build(build: Callable[[], Any],
   return through_disk
 
 
-def _store(directory: str, name: str, key: dict, exe: Any,
-           count: Callable[..., None]) -> str:
+def _store(
+  directory: str, name: str, key: dict, exe: Any, count: Callable[..., None]
+) -> str:
   if exe.const_args:
     return " (not written: the executable has constant arguments)"
   try:
     serialized, _, _ = _serialize.serialize(exe.compiled)
     devices = exe.compiled.runtime_executable().local_devices()
-    payload = pickle.dumps({
-        "executable": serialized, "platform": devices[0].platform,
+    payload = pickle.dumps(
+      {
+        "executable": serialized,
+        "platform": devices[0].platform,
         "devices": [d.id for d in devices],
         "compile_seconds": exe.compile_seconds,
-        "warnings": [str(w) for w in exe.warnings]}, protocol=4)
+        "warnings": [str(w) for w in exe.warnings],
+      },
+      protocol=4,
+    )
   except Exception as e:  # pylint: disable=broad-except
     return f" (not written: not serializable: {type(e).__name__}: {e})"
   try:
@@ -771,7 +863,10 @@ def _store(directory: str, name: str, key: dict, exe: Any,
     count("bytes_written", written)
     count("evictions", evict(directory, config.max_bytes, keep=name))
   except OSError as e:
-    warnings.warn(f"jaxworks.jit_cache: could not write the disk cache entry "
-                  f"{name} in {directory}: {e}", RuntimeWarning)
+    warnings.warn(
+      f"jaxworks.jit_cache: could not write the disk cache entry "
+      f"{name} in {directory}: {e}",
+      RuntimeWarning,
+    )
     return f" (not written: {e})"
   return ""

@@ -21,8 +21,12 @@ def _fmt(value: Any) -> str:
   if isinstance(value, np.dtype):
     return value.name
   if isinstance(value, tuple):
-    return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1
-                                                      else "") + ")"
+    return (
+      "("
+      + ", ".join(str(v) for v in value)
+      + ("," if len(value) == 1 else "")
+      + ")"
+    )
   return str(value)
 
 
@@ -35,6 +39,7 @@ def _static_label(where: Any, fn: Any) -> str:
 
 def _context_diffs(entry: Any, old_ctx: Any, ctx: Any) -> list[str]:
   from .api import _config_snapshot  # pylint: disable=g-import-not-at-top
+
   out = []
   now = _config_snapshot()
   for name, value in now.items():
@@ -51,9 +56,11 @@ def _context_diffs(entry: Any, old_ctx: Any, ctx: Any) -> list[str]:
   if not out and old_ctx.values != ctx.values:
     names = ji.trace_context_names()
     if len(old_ctx.values) == len(ctx.values) == len(names):
-      changed = [names[i] for i, (a, b) in
-                 enumerate(zip(old_ctx.values, ctx.values))
-                 if a is not b and a != b]
+      changed = [
+        names[i]
+        for i, (a, b) in enumerate(zip(old_ctx.values, ctx.values))
+        if a is not b and a != b
+      ]
       out.append("tracing context differs in " + ", ".join(changed))
     else:
       out.append("tracing context differs (a context was added since)")
@@ -66,8 +73,9 @@ def _diffs(fn: Any, entry: Any, sig: Any, paths: list[str]) -> list[str]:
   return min(candidates, key=len, default=["(no recorded signature)"])
 
 
-def _diffs_one(fn: Any, entry: Any, old: Any, sig: Any,
-               paths: list[str]) -> list[str]:
+def _diffs_one(
+  fn: Any, entry: Any, old: Any, sig: Any, paths: list[str]
+) -> list[str]:
   old_tree, old_statics, old_ctx = old.extra
   new_tree, new_statics, new_ctx = sig.extra
   out: list[str] = []
@@ -92,8 +100,16 @@ def _diffs_one(fn: Any, entry: Any, old: Any, sig: Any,
   return out
 
 
-def explain(fn: Any, leaves: list, treedef: Any, statics: tuple, ctx: Any,
-            sig: Any, args: tuple, kwargs: dict) -> str:
+def explain(
+  fn: Any,
+  leaves: list,
+  treedef: Any,
+  statics: tuple,
+  ctx: Any,
+  sig: Any,
+  args: tuple,
+  kwargs: dict,
+) -> str:
   """The explanation text for ``fn.explain_miss(*args, **kwargs)``."""
   name = fn._name  # pylint: disable=protected-access
   cache = fn._cache  # pylint: disable=protected-access
@@ -107,9 +123,13 @@ def explain(fn: Any, leaves: list, treedef: Any, statics: tuple, ctx: Any,
   same = cache.by_key.get((avals, treedef, statics, ctx))
   if same is not None:
     lines = _diffs(fn, same, sig, paths)
-    return (f"{name}: hit: the abstract values match a cached trace, which "
-            "is reused (a new placement or leaf kind only needs an "
-            "executable):\n  " + "\n  ".join(lines or ["(no difference)"]))
+    return (
+      f"{name}: hit: the abstract values match a cached trace, which "
+      "is reused (a new placement or leaf kind only needs an "
+      "executable):\n  " + "\n  ".join(lines or ["(no difference)"])
+    )
   best = min((_diffs(fn, e, sig, paths) for e in entries), key=len)
-  return (f"{name}: miss; the nearest of {len(entries)} cached entries "
-          "differs in:\n  " + "\n  ".join(best or ["(no recorded difference)"]))
+  return (
+    f"{name}: miss; the nearest of {len(entries)} cached entries "
+    "differs in:\n  " + "\n  ".join(best or ["(no recorded difference)"])
+  )

@@ -46,12 +46,12 @@ import enum
 import functools
 import hashlib
 import threading
-import weakref
 from typing import Any
+import weakref
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
+import numpy as np
 
 from . import jax_internals as ji
 
@@ -60,17 +60,27 @@ CONTENT_HASH_MAX_BYTES = 1 << 16
 
 #: Parameters that do not affect the lowering of the primal computation.
 _IGNORED_PARAMS = {
-    "custom_jvp_call": frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk"}),
-    "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees", "fwd"}),
+  "custom_jvp_call": frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk"}),
+  "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees", "fwd"}),
 }
 
 #: Top-level modules whose types we trust to compare by value.
 _TRUSTED_MODULES = frozenset({"jax", "jaxlib", "numpy", "ml_dtypes"})
 
 #: JAX's immutable value types, compared with their own ``==``.
-_VALUE_TYPES = (np.dtype, jax.sharding.Sharding, jax.sharding.PartitionSpec,
-                ji.Mesh, ji.AbstractMesh, ji.PyTreeDef, ji.AbstractValue,
-                ji.Effect, ji.UnspecifiedValue, ji.Layout, ji.Format)
+_VALUE_TYPES = (
+  np.dtype,
+  jax.sharding.Sharding,
+  jax.sharding.PartitionSpec,
+  ji.Mesh,
+  ji.AbstractMesh,
+  ji.PyTreeDef,
+  ji.AbstractValue,
+  ji.Effect,
+  ji.UnspecifiedValue,
+  ji.Layout,
+  ji.Format,
+)
 
 
 class NotFingerprintable(Exception):
@@ -127,8 +137,9 @@ class _Identity:
 
 
 def _digest(data: np.ndarray) -> bytes:
-  return hashlib.blake2b(np.ascontiguousarray(data).view(np.uint8).reshape(-1),
-                         digest_size=16).digest()
+  return hashlib.blake2b(
+    np.ascontiguousarray(data).view(np.uint8).reshape(-1), digest_size=16
+  ).digest()
 
 
 def _trusted(t: type) -> bool:
@@ -139,8 +150,7 @@ def _trusted(t: type) -> bool:
 # re-created outer function) whose fingerprints hold no mutable content are
 # fingerprinted once per object. A fingerprint that hashed a numpy array is
 # never memoized: the array may be written to later.
-_MEMO: "weakref.WeakKeyDictionary[Any, Fingerprint]" = (
-    weakref.WeakKeyDictionary())
+_MEMO: weakref.WeakKeyDictionary[Any, Fingerprint] = weakref.WeakKeyDictionary()
 _MEMO_LOCK = threading.Lock()
 
 
@@ -148,9 +158,9 @@ class _Walker:
   """One fingerprint computation: keys values, records what the key holds."""
 
   def __init__(self):
-    self.pins = False       # a user object is held by identity
-    self.nbytes = 0         # bytes keyed by content
-    self.volatile = False   # content of a mutable (numpy) array was hashed
+    self.pins = False  # a user object is held by identity
+    self.nbytes = 0  # bytes keyed by content
+    self.volatile = False  # content of a mutable (numpy) array was hashed
     self.local: dict[int, tuple[Any, Fingerprint]] = {}
 
   def identity(self, v: Any) -> Any:
@@ -172,8 +182,11 @@ class _Walker:
       return self.jaxpr(v)
     if isinstance(v, (int, float, complex)) and _trusted(t):
       # JAX's typed literals (TypedFloat, ...): the value, its type, dtype.
-      base = complex if isinstance(v, complex) else (
-          float if isinstance(v, float) else int)
+      base = (
+        complex
+        if isinstance(v, complex)
+        else (float if isinstance(v, float) else int)
+      )
       return (t, self.value(base(v)), self.value(getattr(v, "dtype", None)))
     if isinstance(v, np.ndarray):
       if v.dtype == object:
@@ -182,8 +195,14 @@ class _Walker:
         raise NotFingerprintable(f"ndarray subclass {t.__name__}")
       self.volatile = True
       self.nbytes += v.nbytes
-      return ("np", t, v.dtype.str, v.shape,
-              bool(getattr(v, "weak_type", False)), _digest(v))
+      return (
+        "np",
+        t,
+        v.dtype.str,
+        v.shape,
+        bool(getattr(v, "weak_type", False)),
+        _digest(v),
+      )
     if isinstance(v, np.generic):
       a = np.asarray(v)
       if a.dtype == object:
@@ -195,8 +214,11 @@ class _Walker:
       # Singletons: compared by identity, never by a user-defined __eq__.
       owner = t if isinstance(v, enum.Enum) else v
       return (t, _Identity(v) if _trusted(owner) else self.identity(v))
-    if t is tuple or t is list or (isinstance(v, tuple) and _trusted(t) and
-                                   hasattr(v, "_fields")):
+    if (
+      t is tuple
+      or t is list
+      or (isinstance(v, tuple) and _trusted(t) and hasattr(v, "_fields"))
+    ):
       return (t, tuple(self.value(x) for x in v))
     if t is dict or t is ji.FrozenDict:
       items = [(self.value(k), self.value(x)) for k, x in v.items()]
@@ -207,11 +229,15 @@ class _Walker:
     if t is slice:
       return (t, self.value(v.start), self.value(v.stop), self.value(v.step))
     if t is functools.partial:
-      return (t, self.value(v.func), self.value(v.args),
-              self.value(v.keywords))
+      return (t, self.value(v.func), self.value(v.args), self.value(v.keywords))
     if dataclasses.is_dataclass(v) and _trusted(t):
-      return (t, tuple((f.name, self.value(getattr(v, f.name)))
-                       for f in dataclasses.fields(v)))
+      return (
+        t,
+        tuple(
+          (f.name, self.value(getattr(v, f.name)))
+          for f in dataclasses.fields(v)
+        ),
+      )
     if isinstance(v, _VALUE_TYPES) and _trusted(t):
       try:
         hash(v)
@@ -223,16 +249,25 @@ class _Walker:
     return (t, self.identity(v))
 
   def array(self, v: Any) -> Any:
-    if (v.nbytes <= CONTENT_HASH_MAX_BYTES and v.is_fully_addressable and
-        not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)):
+    if (
+      v.nbytes <= CONTENT_HASH_MAX_BYTES
+      and v.is_fully_addressable
+      and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)
+    ):
       try:
         a = np.asarray(v)
       except RuntimeError as e:  # deleted (donated) array
         raise NotFingerprintable(f"array: {e}") from None
       self.nbytes += a.nbytes
-      return ("array", a.dtype.str, a.shape, v.weak_type,
-              self.value(v.sharding), getattr(v, "_committed", None),
-              _digest(a))
+      return (
+        "array",
+        a.dtype.str,
+        a.shape,
+        v.weak_type,
+        self.value(v.sharding),
+        getattr(v, "_committed", None),
+        _digest(a),
+      )
     return ("array-id", self.identity(v))
 
   def effects(self, effects: Any) -> Any:
@@ -257,8 +292,11 @@ class _Walker:
 
   def params(self, primitive: Any, params: dict) -> tuple:
     ignored = _IGNORED_PARAMS.get(primitive.name, frozenset())
-    return tuple((name, self.value(params[name]))
-                 for name in sorted(params) if name not in ignored)
+    return tuple(
+      (name, self.value(params[name]))
+      for name in sorted(params)
+      if name not in ignored
+    )
 
   def jaxpr(self, obj: Any) -> Fingerprint:
     """Fingerprint of a (Closed)Jaxpr, memoized when it holds no numpy data."""
@@ -277,8 +315,11 @@ class _Walker:
     self.pins, self.nbytes, self.volatile = False, 0, False
     try:
       if isinstance(obj, jex_core.ClosedJaxpr):
-        key = ("closed", self.jaxpr(obj.jaxpr),
-               tuple(self.value(c) for c in obj.consts))
+        key = (
+          "closed",
+          self.jaxpr(obj.jaxpr),
+          tuple(self.value(c) for c in obj.consts),
+        )
       else:
         key = self.open_jaxpr(obj)
       fp = Fingerprint(key, self.pins, self.nbytes)
@@ -317,13 +358,29 @@ class _Walker:
     for eqn in jaxpr.eqns:
       ins = tuple(use(a) for a in eqn.invars)
       params = self.params(eqn.primitive, eqn.params)
-      outs = tuple(("drop", aval(v.aval)) if isinstance(v, jex_core.DropVar)
-                   else define(v) for v in eqn.outvars)
-      eqns.append((_Identity(eqn.primitive), ins, params, outs,
-                   self.effects(eqn.effects), _Identity(eqn.ctx)))
+      outs = tuple(
+        ("drop", aval(v.aval)) if isinstance(v, jex_core.DropVar) else define(v)
+        for v in eqn.outvars
+      )
+      eqns.append(
+        (
+          _Identity(eqn.primitive),
+          ins,
+          params,
+          outs,
+          self.effects(eqn.effects),
+          _Identity(eqn.ctx),
+        )
+      )
     outvars = tuple(use(a) for a in jaxpr.outvars)
-    return ("jaxpr", constvars, invars, tuple(eqns), outvars,
-            self.effects(jaxpr.effects))
+    return (
+      "jaxpr",
+      constvars,
+      invars,
+      tuple(eqns),
+      outvars,
+      self.effects(jaxpr.effects),
+    )
 
 
 def value_key(v: Any) -> Any:
@@ -351,13 +408,17 @@ def fingerprint(closed_jaxpr: Any) -> Fingerprint | None:
     return None
 
 
-def params_key(params: dict, skip: frozenset = frozenset({"jaxpr"})
-               ) -> Fingerprint | None:
+def params_key(
+  params: dict, skip: frozenset = frozenset({"jaxpr"})
+) -> Fingerprint | None:
   """Key of ``jit_p`` parameters other than ``skip`` (None if unkeyable)."""
   walker = _Walker()
   try:
-    key = tuple((name, walker.value(params[name]))
-                for name in sorted(params) if name not in skip)
+    key = tuple(
+      (name, walker.value(params[name]))
+      for name in sorted(params)
+      if name not in skip
+    )
   except NotFingerprintable:
     return None
   return Fingerprint(key, walker.pins, walker.nbytes)

@@ -7,8 +7,10 @@ changes one fails there, in one obvious place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence
 import inspect as _inspect
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from jax._src import api as _api
 from jax._src import array as _array
@@ -17,15 +19,15 @@ from jax._src import core as _core
 from jax._src import effects as _effects
 from jax._src import mesh as _mesh
 from jax._src import named_sharding as _named_sharding
-from jax._src.frozen_dict import FrozenDict as _FrozenDict
-from jax._src.layout import Format as _Format
-from jax._src.layout import Layout as _Layout
 from jax._src import pjit as _pjit
 from jax._src import stages as _stages
 from jax._src import tree_util as _tree_util
 from jax._src import util as _util
+from jax._src.frozen_dict import FrozenDict as _FrozenDict
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
+from jax._src.layout import Format as _Format
+from jax._src.layout import Layout as _Layout
 from jax._src.lib import _jax
 from jax._src.lib import jax_jit as _jax_jit
 
@@ -61,7 +63,7 @@ def without_axis_env(values: tuple, env: Any) -> tuple | None:
   hits = [i for i, v in enumerate(values) if v is env]
   if len(hits) != 1:
     return None
-  return values[:hits[0]] + values[hits[0] + 1:]
+  return values[: hits[0]] + values[hits[0] + 1 :]
 
 
 def axis_env_in(values: tuple) -> Any:
@@ -83,8 +85,11 @@ eval_trace = _core.eval_trace
 
 def axis_env_parts(env: Any) -> tuple[dict, frozenset, frozenset]:
   """(axis sizes, spmd axis names, explicit mesh axis names) of an AxisEnv."""
-  return (dict(env.axis_sizes), frozenset(env.spmd_axis_names),
-          frozenset(env.explicit_mesh_axis_names))
+  return (
+    dict(env.axis_sizes),
+    frozenset(env.spmd_axis_names),
+    frozenset(env.explicit_mesh_axis_names),
+  )
 
 
 def make_axis_env(sizes: dict, spmd: frozenset, explicit: frozenset) -> Any:
@@ -118,8 +123,12 @@ def disable_jit_on() -> bool:
 
 def debug_modes_on() -> bool:
   """Modes that jax.jit handles on its slow path; we defer to it then."""
-  return bool(_config.debug_nans.value or _config.debug_infs.value or
-              _config.enable_pgle.value or _config.debug_key_reuse.value)
+  return bool(
+    _config.debug_nans.value
+    or _config.debug_infs.value
+    or _config.enable_pgle.value
+    or _config.debug_key_reuse.value
+  )
 
 
 # -- value types the executable fingerprint compares by value -----------------
@@ -161,12 +170,22 @@ def traced_parts(traced: Any) -> tuple[dict, list, tuple, Any, Any]:
   ``params`` are the ``jit_p`` parameters (``jaxpr``, shardings, donation,
   ...); ``consts`` the closed-over tracers jax turned into leading arguments.
   """
-  return (traced._params, list(traced._consts), tuple(traced._meta_tys_flat),  # pylint: disable=protected-access
-          traced._in_tree, traced.out_tree)  # pylint: disable=protected-access
+  return (
+    traced._params,
+    list(traced._consts),
+    tuple(traced._meta_tys_flat),  # pylint: disable=protected-access
+    traced._in_tree,
+    traced.out_tree,
+  )  # pylint: disable=protected-access
 
 
-def make_traced(meta_tys: Sequence[Any], params: dict, in_tree: Any,
-                out_tree: Any, consts: Sequence[Any]) -> Any:
+def make_traced(
+  meta_tys: Sequence[Any],
+  params: dict,
+  in_tree: Any,
+  out_tree: Any,
+  consts: Sequence[Any],
+) -> Any:
   """A jax ``Traced`` from cached parts (no tracing happens)."""
   return _stages.Traced(list(meta_tys), params, in_tree, out_tree, list(consts))
 
@@ -185,7 +204,8 @@ pjit_module = _pjit
 
 #: Move the first n invars of a Jaxpr to constvars (make_jaxpr's closure).
 convert_invars_to_constvars: Callable[[Any, int], Any] = (
-    _pe.convert_invars_to_constvars)
+  _pe.convert_invars_to_constvars
+)
 
 
 # -- compiled executables and the C++ dispatcher -----------------------------------------
@@ -194,23 +214,39 @@ convert_invars_to_constvars: Callable[[Any, int], Any] = (
 def executable_parts(compiled: Any) -> tuple[Any, list]:
   """(MeshExecutable, device-placed const args) of a jax ``Compiled``."""
   mesh_executable = compiled._executable  # pylint: disable=protected-access
-  const_args = mesh_executable.shard_const_args(
-      compiled._params.const_args)  # pylint: disable=protected-access
+  const_args = mesh_executable.shard_const_args(compiled._params.const_args)  # pylint: disable=protected-access
   return mesh_executable, list(const_args)
 
 
-def fastpath_data(mesh_executable: Any, out_tree: Any, args_flat: Sequence[Any],
-                  out_flat: Sequence[Any], effects: Any,
-                  const_args: Sequence[Any]) -> Any:
+def fastpath_data(
+  mesh_executable: Any,
+  out_tree: Any,
+  args_flat: Sequence[Any],
+  out_flat: Sequence[Any],
+  effects: Any,
+  const_args: Sequence[Any],
+) -> Any:
   """What the C++ dispatcher needs to call the executable itself, or None."""
   return _pjit._get_fastpath_data(  # pylint: disable=protected-access
-      mesh_executable, out_tree, list(args_flat), list(out_flat), effects, [],
-      None, list(const_args))
+    mesh_executable,
+    out_tree,
+    list(args_flat),
+    list(out_flat),
+    effects,
+    [],
+    None,
+    list(const_args),
+  )
 
 
-def make_dispatcher(name: str, fun: Callable, cache_miss: Callable,
-                    static_argnums: Sequence[int],
-                    static_argnames: Sequence[str], capacity: int) -> Any:
+def make_dispatcher(
+  name: str,
+  fun: Callable,
+  cache_miss: Callable,
+  static_argnums: Sequence[int],
+  static_argnames: Sequence[str],
+  capacity: int,
+) -> Any:
   """jaxlib's C++ jit dispatcher over our own ``cache_miss``.
 
   Calling it parses the arguments in C++; when the signature was seen at top
@@ -219,9 +255,17 @@ def make_dispatcher(name: str, fun: Callable, cache_miss: Callable,
   None, False)``. ``capacity`` bounds its per-function LRU.
   """
   cache = _jax.PjitFunctionCache(capacity=capacity)
-  return _jax.pjit(name, fun, cache_miss, list(static_argnums),
-                   list(static_argnames), _pxla.JitGlobalCppCacheKeys(),
-                   _tree_util.dispatch_registry, _pxla.cc_shard_arg, cache)
+  return _jax.pjit(
+    name,
+    fun,
+    cache_miss,
+    list(static_argnums),
+    list(static_argnames),
+    _pxla.JitGlobalCppCacheKeys(),
+    _tree_util.dispatch_registry,
+    _pxla.cc_shard_arg,
+    cache,
+  )
 
 
 def dispatcher_size(dispatcher: Any) -> int:
@@ -239,9 +283,14 @@ def jax_parse_arguments(args: tuple, kwargs: dict) -> tuple[Any, list]:
   tree structure jax keys its inner-jit trace cache on (the avals are computed
   separately, in Python, by ``shaped_abstractify``).
   """
-  return _jax_jit.parse_arguments(args, tuple(kwargs.values()),
-                                  tuple(kwargs.keys()), (), (),
-                                  _tree_util.tracing_registry)
+  return _jax_jit.parse_arguments(
+    args,
+    tuple(kwargs.values()),
+    tuple(kwargs.keys()),
+    (),
+    (),
+    _tree_util.tracing_registry,
+  )
 
 
 # -- stock JAX entry points and jit's defaults (issue 12: safe under the swap) --

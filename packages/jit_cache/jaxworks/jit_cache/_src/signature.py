@@ -28,7 +28,8 @@ False
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,8 +54,8 @@ def fallback_key(leaf: Any) -> tuple:
     aval = ji.shaped_abstractify(leaf)
   except TypeError as e:
     raise TypeError(
-        f"value of type {type(leaf).__name__} is not a valid JAX type "
-        f"({e})") from None
+      f"value of type {type(leaf).__name__} is not a valid JAX type ({e})"
+    ) from None
   sharding = getattr(leaf, "sharding", None)
   committed = getattr(leaf, "_committed", None)
   key = (type(leaf), aval, sharding, committed)
@@ -66,9 +67,12 @@ def fallback_key(leaf: Any) -> tuple:
 
 
 _BUILDER = _ext.SignatureBuilder(
-    array_types=(ji.ArrayImpl,), tracer_type=jax.core.Tracer,
-    ndarray_type=np.ndarray, numpy_generic_type=np.generic,
-    fallback=fallback_key)
+  array_types=(ji.ArrayImpl,),
+  tracer_type=jax.core.Tracer,
+  ndarray_type=np.ndarray,
+  numpy_generic_type=np.generic,
+  fallback=fallback_key,
+)
 
 #: signature(leaves: list | tuple, extra: Hashable = None) -> Signature
 signature = _BUILDER
@@ -82,9 +86,14 @@ def leaf_properties(desc: tuple) -> dict[str, Any]:
   ``sharding`` and ``committed`` (``None`` where it does not apply).
   """
   kind, first, second, committed = desc
-  props: dict[str, Any] = {"kind": kind, "shape": None, "dtype": None,
-                           "weak_type": None, "sharding": None,
-                           "committed": None}
+  props: dict[str, Any] = {
+    "kind": kind,
+    "shape": None,
+    "dtype": None,
+    "weak_type": None,
+    "sharding": None,
+    "committed": None,
+  }
   aval = None
   if kind == "jax_array":
     aval = first
@@ -129,8 +138,11 @@ class PySignature:
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, PySignature):
       return NotImplemented
-    return (self._hash == other._hash and self._leaves == other._leaves and
-            self._extra == other._extra)
+    return (
+      self._hash == other._hash
+      and self._leaves == other._leaves
+      and self._extra == other._extra
+    )
 
   def __len__(self) -> int:
     return len(self._leaves)
@@ -155,6 +167,7 @@ def py_signature(leaves: Sequence[Any], extra: Any = None) -> PySignature:
   """``signature`` written in plain Python (reference and benchmark twin)."""
   if not isinstance(leaves, (list, tuple)):
     raise TypeError(
-        "jaxworks.jit_cache signature: leaves must be a list or tuple, got "
-        f"{type(leaves).__name__}")
+      "jaxworks.jit_cache signature: leaves must be a list or tuple, got "
+      f"{type(leaves).__name__}"
+    )
   return PySignature(tuple([_py_leaf(x) for x in leaves]), extra)

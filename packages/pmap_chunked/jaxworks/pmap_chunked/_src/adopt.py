@@ -21,9 +21,10 @@ batched_transfer.device_put``) cannot make it call itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 
@@ -82,9 +83,10 @@ def uninstall() -> None:
       return
     if jax.pmap is not _api.pmap:
       raise RuntimeError(
-          "jaxworks.pmap_chunked.uninstall: jax.pmap was reassigned after "
-          f"install() (it is now {jax.pmap!r:.80}); not overwriting it. "
-          "Restore that assignment first, or set jax.pmap yourself.")
+        "jaxworks.pmap_chunked.uninstall: jax.pmap was reassigned after "
+        f"install() (it is now {jax.pmap!r:.80}); not overwriting it. "
+        "Restore that assignment first, or set jax.pmap yourself."
+      )
     jax.pmap = _saved.pop()
 
 

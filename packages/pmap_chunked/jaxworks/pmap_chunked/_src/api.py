@@ -6,7 +6,11 @@ Examples below assume 8 host devices, e.g.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -20,15 +24,20 @@ PmapCacheInfo = pmap_lib.PmapCacheInfo
 UnhashableStaticError = pmap_lib.UnhashableStaticError
 
 
-def pmap(fun: Callable, axis_name: Hashable | None = None, *,
-         in_axes: Any = 0, out_axes: Any = 0,
-         static_broadcasted_argnums: int | Iterable[int] = (),
-         devices: Sequence[jax.Device] | None = None,
-         backend: str | None = None,
-         axis_size: int | None = None,
-         donate_argnums: int | Iterable[int] = (),
-         chunked: bool = False,
-         maxsize: int = pmap_lib.DEFAULT_MAXSIZE) -> Pmapped:
+def pmap(
+  fun: Callable,
+  axis_name: Hashable | None = None,
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  static_broadcasted_argnums: int | Iterable[int] = (),
+  devices: Sequence[jax.Device] | None = None,
+  backend: str | None = None,
+  axis_size: int | None = None,
+  donate_argnums: int | Iterable[int] = (),
+  chunked: bool = False,
+  maxsize: int = pmap_lib.DEFAULT_MAXSIZE,
+) -> Pmapped:
   """Maps ``fun`` over devices, built as ``jit(shard_map(...))``.
 
   The mapped arguments are split along their ``in_axes`` axis, one slice per
@@ -133,10 +142,18 @@ def pmap(fun: Callable, axis_name: Hashable | None = None, *,
     [3. 3. 3. 3. 3. 3. 3. 3.]
   """
   return Pmapped(
-      fun, axis_name, in_axes=in_axes, out_axes=out_axes,
-      static_broadcasted_argnums=static_broadcasted_argnums,
-      devices=devices, backend=backend, axis_size=axis_size,
-      donate_argnums=donate_argnums, chunked=chunked, maxsize=maxsize)
+    fun,
+    axis_name,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    static_broadcasted_argnums=static_broadcasted_argnums,
+    devices=devices,
+    backend=backend,
+    axis_size=axis_size,
+    donate_argnums=donate_argnums,
+    chunked=chunked,
+    maxsize=maxsize,
+  )
 
 
 def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:
@@ -168,8 +185,9 @@ def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:
   return placement.device_put_replicated(x, devices)
 
 
-def device_put_sharded(shards: Sequence[Any],
-                       devices: Sequence[jax.Device]) -> Any:
+def device_put_sharded(
+  shards: Sequence[Any], devices: Sequence[jax.Device]
+) -> Any:
   """Puts ``shards[i]`` on ``devices[i]``, as one array stacked on axis 0.
 
   The result for each leaf has shape ``(len(devices),) + shards[0].shape``

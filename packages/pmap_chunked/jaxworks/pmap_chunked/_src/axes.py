@@ -7,7 +7,8 @@ with ints and Nones as leaves. Negative ints count from the end of the
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -31,20 +32,24 @@ def check_axes_spec(api: str, what: str, spec: Any) -> Any:
   bad = [l for l in leaves if not (l is None or type(l) is int)]
   if bad:
     raise TypeError(
-        f"{api}: {what} must be an int, None, or a (nested) tuple/list/dict of "
-        f"those, but got {spec!r} (bad leaf {bad[0]!r} of type "
-        f"{type(bad[0]).__name__}); use e.g. {what}=0 or {what}=(0, None).")
+      f"{api}: {what} must be an int, None, or a (nested) tuple/list/dict of "
+      f"those, but got {spec!r} (bad leaf {bad[0]!r} of type "
+      f"{type(bad[0]).__name__}); use e.g. {what}=0 or {what}=(0, None)."
+    )
   return spec
 
 
 def has_negative(spec: Any) -> bool:
-  return any(l is not None and l < 0 for l in
-             jax.tree_util.tree_leaves(spec, is_leaf=_is_none))
+  return any(
+    l is not None and l < 0
+    for l in jax.tree_util.tree_leaves(spec, is_leaf=_is_none)
+  )
 
 
 class _Run:
   """The axes of one subtree's leaves (a class of its own, so that lists in
   a spec are never mistaken for it when flattening)."""
+
   __slots__ = ("axes",)
 
   def __init__(self, axes: list):
@@ -57,34 +62,41 @@ def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
     return [spec] * len(jax.tree_util.tree_leaves(tree))
   try:
     per_subtree = jax.tree_util.tree_map(
-        lambda ax, sub: _Run([ax] * len(jax.tree_util.tree_leaves(sub))),
-        spec, tree, is_leaf=_is_none)
+      lambda ax, sub: _Run([ax] * len(jax.tree_util.tree_leaves(sub))),
+      spec,
+      tree,
+      is_leaf=_is_none,
+    )
   except (ValueError, TypeError) as e:
     # JAX's own description names the spec "tree_map tree": say what it is.
     detail = str(e).replace("tree_map tree", what).rstrip(".")
     raise ValueError(
-        f"{api}: {what}={spec!r} is not a pytree prefix of the "
-        f"{'outputs' if what == 'out_axes' else 'positional arguments'} "
-        f"(structure {jax.tree_util.tree_structure(tree)}): {detail}. Give "
-        f"one entry per "
-        f"{'output' if what == 'out_axes' else 'positional argument'}"
-        " (or a single int/None for all).") from None
+      f"{api}: {what}={spec!r} is not a pytree prefix of the "
+      f"{'outputs' if what == 'out_axes' else 'positional arguments'} "
+      f"(structure {jax.tree_util.tree_structure(tree)}): {detail}. Give "
+      f"one entry per "
+      f"{'output' if what == 'out_axes' else 'positional argument'}"
+      " (or a single int/None for all)."
+    ) from None
   flat = []
   for run in jax.tree_util.tree_leaves(
-      per_subtree, is_leaf=lambda x: isinstance(x, _Run)):
+    per_subtree, is_leaf=lambda x: isinstance(x, _Run)
+  ):
     flat.extend(run.axes)
   return flat
 
 
-def normalize_axis(api: str, what: str, axis: int | None, ndim: int,
-                   where: str) -> int | None:
+def normalize_axis(
+  api: str, what: str, axis: int | None, ndim: int, where: str
+) -> int | None:
   """Maps a possibly negative axis into [0, ndim), with a clear error."""
   if axis is None:
     return None
   if not -ndim <= axis < ndim:
     raise AxisOutOfRangeError(
-        f"{api}: {what} axis {axis} is out of range for {where} of rank "
-        f"{ndim}; use an axis in [{-ndim}, {ndim}) or None to broadcast it.")
+      f"{api}: {what} axis {axis} is out of range for {where} of rank "
+      f"{ndim}; use an axis in [{-ndim}, {ndim}) or None to broadcast it."
+    )
   return axis % ndim
 
 
@@ -101,10 +113,12 @@ def out_specs_for(axis_name: Any, out_axes: Any) -> Any:
   Negative out_axes are sharded at position 0 inside shard_map and moved to
   their final place afterwards (their rank is only known after tracing).
   """
+
   def one(ax):
     if ax is None:
       return P()
     return spec_for_axis(axis_name, 0 if ax < 0 else ax)
+
   return jax.tree_util.tree_map(one, out_axes, is_leaf=_is_none)
 
 

@@ -13,9 +13,9 @@ from jaxworks import jit_cache as _jit_cache
 
 # Minimum versions of the jaxworks packages this package needs.
 MINIMUM_VERSIONS = {
-    "jaxworks.jit_cache": "0.1.0",
-    "jaxworks.batched_transfer": "0.1.0",
-    "jaxworks.axis_names": "0.1.0",
+  "jaxworks.jit_cache": "0.1.0",
+  "jaxworks.batched_transfer": "0.1.0",
+  "jaxworks.axis_names": "0.1.0",
 }
 
 
@@ -35,14 +35,18 @@ def check_version(module_name: str, found: str, minimum: str) -> None:
   """Raises RuntimeError when `found` is older than `minimum`."""
   if _version_tuple(found) < _version_tuple(minimum):
     raise RuntimeError(
-        f"jaxworks.pmap_chunked needs {module_name} >= {minimum}, but "
-        f"{found} is installed; upgrade it, e.g. "
-        f"`pip install -U {module_name.replace('.', '-').replace('_', '-')}`.")
+      f"jaxworks.pmap_chunked needs {module_name} >= {minimum}, but "
+      f"{found} is installed; upgrade it, e.g. "
+      f"`pip install -U {module_name.replace('.', '-').replace('_', '-')}`."
+    )
 
 
 for _module in (_jit_cache, _batched_transfer, _axis_names):
-  check_version(_module.__name__, getattr(_module, "__version__", "0"),
-                MINIMUM_VERSIONS[_module.__name__])
+  check_version(
+    _module.__name__,
+    getattr(_module, "__version__", "0"),
+    MINIMUM_VERSIONS[_module.__name__],
+  )
 del _module
 
 # Bound at import: the jaxworks functions themselves, never ``jax.jit`` or

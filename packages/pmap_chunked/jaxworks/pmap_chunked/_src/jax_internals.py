@@ -23,7 +23,8 @@ moves one of them fails there, in one obvious place.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax._src import api as _api
@@ -31,8 +32,9 @@ from jax._src import array as _array
 from jax._src import core as _core
 
 
-def weak_array_from_shards(shape: tuple, dtype: Any, sharding: Any,
-                           pieces: Sequence[Any]) -> Any:
+def weak_array_from_shards(
+  shape: tuple, dtype: Any, sharding: Any, pieces: Sequence[Any]
+) -> Any:
   """A committed, weakly typed global array made of `pieces` (no copy)."""
   aval = _core.ShapedArray(tuple(shape), dtype, weak_type=True)
   return _array.ArrayImpl(aval, sharding, list(pieces), committed=True)
@@ -43,8 +45,9 @@ def jax_device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
   return _api.device_put_replicated(x, devices)
 
 
-def jax_device_put_sharded(shards: Sequence[Any],
-                           devices: Sequence[Any]) -> Any:
+def jax_device_put_sharded(
+  shards: Sequence[Any], devices: Sequence[Any]
+) -> Any:
   """JAX's own device_put_sharded (private since 0.10): test reference."""
   return _api.device_put_sharded(shards, devices)
 
@@ -54,8 +57,13 @@ def lowered_with_args_info(lowered: Any, args_info: Any) -> Any:
   ``args_info`` pytree (same leaves in the same order); keyword arguments
   allowed (the user's structure is ``(args, kwargs)``)."""
   return jax.stages.Lowered(
-      lowered._lowering, args_info, lowered.out_tree, no_kwargs=False,
-      in_types=lowered._in_types, out_types=lowered._out_types)
+    lowered._lowering,
+    args_info,
+    lowered.out_tree,
+    no_kwargs=False,
+    in_types=lowered._in_types,
+    out_types=lowered._out_types,
+  )
 
 
 def arg_info(x: Any, donated: bool) -> Any:

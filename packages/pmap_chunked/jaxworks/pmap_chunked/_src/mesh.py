@@ -9,14 +9,16 @@ it, adds the axis to its mesh (a 2-D mesh for two levels) and traces again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import functools
 import threading
-from typing import Any, Sequence
+from typing import Any
 
 import jax
+from jax.sharding import AxisType
+from jax.sharding import Mesh
 import numpy as np
-from jax.sharding import AxisType, Mesh
 
 API = "jaxworks.pmap_chunked.pmap"
 
@@ -29,8 +31,9 @@ def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
   """A Mesh with Auto axis types (cached: equal meshes are the same object)."""
   array = np.empty(len(devices), dtype=object)
   array[:] = devices
-  return Mesh(array.reshape(shape), names,
-              axis_types=(AxisType.Auto,) * len(names))
+  return Mesh(
+    array.reshape(shape), names, axis_types=(AxisType.Auto,) * len(names)
+  )
 
 
 def _backend_devices(backend: str | None) -> list:
@@ -38,9 +41,10 @@ def _backend_devices(backend: str | None) -> list:
     return _devices(backend)
   except RuntimeError as e:
     raise RuntimeError(
-        f"{API}: backend={backend!r} has no devices here ({e}); pass "
-        "backend=None for the default backend, or one of the available "
-        "ones.") from None
+      f"{API}: backend={backend!r} has no devices here ({e}); pass "
+      "backend=None for the default backend, or one of the available "
+      "ones."
+    ) from None
 
 
 def process_devices(backend: str | None = None) -> tuple:
@@ -53,48 +57,60 @@ def process_devices(backend: str | None = None) -> tuple:
   return tuple(d for p in sorted(by_process) for d in by_process[p])
 
 
-def select_devices(devices: tuple | None, total: int,
-                   backend: str | None = None) -> tuple:
+def select_devices(
+  devices: tuple | None, total: int, backend: str | None = None
+) -> tuple:
   """The `total` devices a (possibly nested) pmap of that global size uses."""
   if devices is not None:
     if len(devices) != total:
       raise ValueError(
-          f"{API}: the mapped axis size is {total} but devices= lists "
-          f"{len(devices)} devices; the mapped size (times the sizes of nested "
-          f"pmaps) must equal len(devices). Pass {total} devices or resize the "
-          "mapped axis.")
+        f"{API}: the mapped axis size is {total} but devices= lists "
+        f"{len(devices)} devices; the mapped size (times the sizes of nested "
+        f"pmaps) must equal len(devices). Pass {total} devices or resize the "
+        "mapped axis."
+      )
     return devices
   available = process_devices(backend)
   if total > len(available):
     raise ValueError(
-        f"{API}: the mapped axis needs {total} devices but only "
-        f"{len(available)} are available (jax.device_count()); use a mapped "
-        f"size of at most {len(available)}, or split the data into chunks.")
+      f"{API}: the mapped axis needs {total} devices but only "
+      f"{len(available)} are available (jax.device_count()); use a mapped "
+      f"size of at most {len(available)}, or split the data into chunks."
+    )
   return available[:total]
 
 
 def check_devices(api: str, devices: Any) -> tuple:
   """A tuple of distinct jax devices, or an error saying what to pass."""
   if isinstance(devices, jax.Device) or not isinstance(devices, Sequence):
-    raise TypeError(f"{api}: devices must be a sequence of jax devices, got "
-                    f"{devices!r}; pass e.g. jax.devices()[:4].")
+    raise TypeError(
+      f"{api}: devices must be a sequence of jax devices, got "
+      f"{devices!r}; pass e.g. jax.devices()[:4]."
+    )
   devices = tuple(devices)
   if not devices:
-    raise ValueError(f"{api}: devices must be a non-empty sequence, got "
-                     f"{devices!r}; pass e.g. jax.devices()[:4].")
+    raise ValueError(
+      f"{api}: devices must be a non-empty sequence, got "
+      f"{devices!r}; pass e.g. jax.devices()[:4]."
+    )
   bad = [d for d in devices if not isinstance(d, jax.Device)]
   if bad:
-    raise TypeError(f"{api}: devices must hold jax.Device objects, got "
-                    f"{bad[0]!r}; pass e.g. jax.devices()[:4].")
+    raise TypeError(
+      f"{api}: devices must hold jax.Device objects, got "
+      f"{bad[0]!r}; pass e.g. jax.devices()[:4]."
+    )
   if len(set(devices)) != len(devices):
-    raise ValueError(f"{api}: devices lists a device more than once "
-                     f"({list(devices)}); each device may appear only once.")
+    raise ValueError(
+      f"{api}: devices lists a device more than once "
+      f"({list(devices)}); each device may appear only once."
+    )
   return devices
 
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
   """One pmap whose body is being traced."""
+
   axis_name: Any
   size: int
   mesh: Mesh
@@ -105,8 +121,9 @@ class NeedsAxis(Exception):
 
   def __init__(self, axis_name: Any, size: int):
     super().__init__(
-        f"{API}: nested pmap over axis {axis_name!r} (size {size}) needs the "
-        "outer pmap to add that axis to its mesh")
+      f"{API}: nested pmap over axis {axis_name!r} (size {size}) needs the "
+      "outer pmap to add that axis to its mesh"
+    )
     self.axis_name = axis_name
     self.size = size
 

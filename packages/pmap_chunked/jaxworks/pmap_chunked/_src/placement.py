@@ -10,15 +10,18 @@ one global array whose shards keep their rank (shape [1, ...] per device).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import deps
 from . import jax_internals
-from .mesh import check_devices, make_mesh
+from .mesh import check_devices
+from .mesh import make_mesh
 
 # Name of the axis of the meshes device_put_replicated/sharded build. pmap
 # accepts their outputs without a copy whatever its own axis name is: the
@@ -28,8 +31,7 @@ DEVICES_AXIS = "devices"
 # Stock JAX callables bound at import, so reassigning jax.* later (adoption
 # of jaxworks across a program) cannot change what this module calls.
 _make_array_from_process_local_data = jax.make_array_from_process_local_data
-_make_array_from_single_device_arrays = (
-    jax.make_array_from_single_device_arrays)
+_make_array_from_single_device_arrays = jax.make_array_from_single_device_arrays
 
 
 # (array sharding, target sharding, mapped axis, rank) -> bool, for shardings
@@ -38,8 +40,9 @@ _make_array_from_single_device_arrays = (
 _layout_answers: dict = {}
 
 
-def is_laid_out(x: Any, target: NamedSharding, axis_name: Any,
-                axis: int | None) -> bool:
+def is_laid_out(
+  x: Any, target: NamedSharding, axis_name: Any, axis: int | None
+) -> bool:
   """Whether jax.Array `x` can be used as is for an input sharded `target`."""
   sharding = x.sharding
   if sharding == target:
@@ -49,14 +52,18 @@ def is_laid_out(x: Any, target: NamedSharding, axis_name: Any,
   if answer is None:
     if len(_layout_answers) > 4096:
       _layout_answers.clear()
-    answer = _layout_answers[key] = _compatible(sharding, target, axis_name,
-                                                axis, x.ndim)
+    answer = _layout_answers[key] = _compatible(
+      sharding, target, axis_name, axis, x.ndim
+    )
   return answer
 
 
 def _compatible(sharding, target, axis_name, axis, ndim) -> bool:
-  if (isinstance(sharding, NamedSharding) and sharding.mesh == target.mesh
-      and len(target.mesh.axis_names) > 1):
+  if (
+    isinstance(sharding, NamedSharding)
+    and sharding.mesh == target.mesh
+    and len(target.mesh.axis_names) > 1
+  ):
     # A nested pmap's mesh: the array may also be split over the inner axes,
     # as long as this pmap's axis splits exactly the mapped dimension.
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
@@ -72,19 +79,27 @@ def _relabel(x: jax.Array, target: NamedSharding) -> jax.Array:
   """`x` (laid out equivalently to `target`) as an array whose sharding IS
   `target`, sharing its buffers (no copy)."""
   return _make_array_from_single_device_arrays(
-      x.shape, target, [s.data for s in x.addressable_shards])
+    x.shape, target, [s.data for s in x.addressable_shards]
+  )
 
 
 def _can_relabel(x: jax.Array, target: NamedSharding) -> bool:
   # Only a 1-D mesh's equivalence is exact (a nested pmap's mesh accepts
   # arrays also split over inner axes, which keep their own sharding).
-  return (len(target.mesh.axis_names) == 1 and x.is_fully_addressable
-          and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
+  return (
+    len(target.mesh.axis_names) == 1
+    and x.is_fully_addressable
+    and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+  )
 
 
-def place_inputs(leaves: list, targets: Sequence[NamedSharding],
-                 axis_name: Any, in_axes: Sequence[int | None],
-                 donated: frozenset = frozenset()) -> list:
+def place_inputs(
+  leaves: list,
+  targets: Sequence[NamedSharding],
+  axis_name: Any,
+  in_axes: Sequence[int | None],
+  donated: frozenset = frozenset(),
+) -> list:
   """The leaves to call with: misplaced ones moved in one batched transfer.
 
   A moved leaf is a copy; the caller's array is left as it is (also when its
@@ -97,10 +112,14 @@ def place_inputs(leaves: list, targets: Sequence[NamedSharding],
   moves = []
   relabeled = None
   for i, x in enumerate(leaves):
-    if isinstance(x, jax.Array) and is_laid_out(x, targets[i], axis_name,
-                                                in_axes[i]):
-      if (x.sharding != targets[i] and i not in donated
-          and _can_relabel(x, targets[i])):
+    if isinstance(x, jax.Array) and is_laid_out(
+      x, targets[i], axis_name, in_axes[i]
+    ):
+      if (
+        x.sharding != targets[i]
+        and i not in donated
+        and _can_relabel(x, targets[i])
+      ):
         if relabeled is None:
           relabeled = list(leaves)
         relabeled[i] = _relabel(x, targets[i])
@@ -111,11 +130,13 @@ def place_inputs(leaves: list, targets: Sequence[NamedSharding],
   if not moves:
     return leaves
   if jax.process_count() > 1:
-    moved = _place_multiprocess([leaves[i] for i in moves],
-                                [targets[i] for i in moves])
+    moved = _place_multiprocess(
+      [leaves[i] for i in moves], [targets[i] for i in moves]
+    )
   else:
-    moved = deps.device_put([leaves[i] for i in moves],
-                            [targets[i] for i in moves])
+    moved = deps.device_put(
+      [leaves[i] for i in moves], [targets[i] for i in moves]
+    )
   out = list(leaves)
   for i, y in zip(moves, moved):
     out[i] = y
@@ -131,8 +152,11 @@ def _place_multiprocess(values: list, targets: list) -> list:
       out.append(deps.device_put(x, target))
     else:
       local = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
-      out.append(_make_array_from_process_local_data(
-          target, local, global_shape_of(local.shape, target)))
+      out.append(
+        _make_array_from_process_local_data(
+          target, local, global_shape_of(local.shape, target)
+        )
+      )
   return out
 
 
@@ -142,7 +166,7 @@ def global_shape_of(local_shape: tuple, sharding: NamedSharding) -> tuple:
   shape = list(local_shape)
   local_sizes = mesh.local_mesh.shape
   for dim, entry in enumerate(sharding.spec):
-    for name in (entry if isinstance(entry, tuple) else (entry,)):
+    for name in entry if isinstance(entry, tuple) else (entry,):
       if name is not None:
         shape[dim] = shape[dim] // local_sizes[name] * mesh.shape[name]
   return tuple(shape)
@@ -150,20 +174,26 @@ def global_shape_of(local_shape: tuple, sharding: NamedSharding) -> tuple:
 
 def _is_key(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype,
-                                                     jax.dtypes.prng_key)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _unwrap_keys(leaves: list) -> tuple[list, list]:
   """PRNG key arrays travel as their uint32 data; returns (leaves, impls)."""
   impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
-  return ([jax.random.key_data(x) if impl is not None else x
-           for x, impl in zip(leaves, impls)], impls)
+  return (
+    [
+      jax.random.key_data(x) if impl is not None else x
+      for x, impl in zip(leaves, impls)
+    ],
+    impls,
+  )
 
 
 def _rewrap_keys(leaves: list, impls: list) -> list:
-  return [jax.random.wrap_key_data(x, impl=impl) if impl is not None else x
-          for x, impl in zip(leaves, impls)]
+  return [
+    jax.random.wrap_key_data(x, impl=impl) if impl is not None else x
+    for x, impl in zip(leaves, impls)
+  ]
 
 
 def _as_array(x: Any) -> Any:
@@ -177,7 +207,7 @@ def _as_array(x: Any) -> Any:
 
 def _add_leading_axis(x: Any) -> Any:
   if isinstance(x, (bool, int, float, complex)):
-    return jax.numpy.asarray(x)[None]      # keeps the weak type
+    return jax.numpy.asarray(x)[None]  # keeps the weak type
   return x[None]
 
 
@@ -189,8 +219,9 @@ def _stacked_sharding(devices: tuple) -> NamedSharding:
 def _assemble(shape: tuple, sharding: NamedSharding, pieces: list):
   """Wraps per-device [1, ...] buffers as one global array, without copying."""
   if pieces and pieces[0].weak_type:
-    return jax_internals.weak_array_from_shards(shape, pieces[0].dtype,
-                                                sharding, pieces)
+    return jax_internals.weak_array_from_shards(
+      shape, pieces[0].dtype, sharding, pieces
+    )
   return _make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
@@ -208,28 +239,36 @@ def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:
   for leaf, copy in zip(leaves, copies):
     by_device = {s.device: s.data for s in copy.addressable_shards}
     pieces = [by_device[d] for d in devices if d in by_device]
-    out.append(_assemble((len(devices),) + tuple(leaf.shape[1:]), sharding,
-                         pieces))
+    out.append(
+      _assemble((len(devices),) + tuple(leaf.shape[1:]), sharding, pieces)
+    )
   return jax.tree_util.tree_unflatten(tree, _rewrap_keys(out, impls))
 
 
-def device_put_sharded(shards: Sequence[Any],
-                       devices: Sequence[jax.Device]) -> Any:
+def device_put_sharded(
+  shards: Sequence[Any], devices: Sequence[jax.Device]
+) -> Any:
   api = "jaxworks.pmap_chunked.device_put_sharded"
   if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
-    raise TypeError(f"{api}: shards must be a sequence (one entry per device), "
-                    f"got {type(shards).__name__}; pass e.g. [x0, x1, ...].")
+    raise TypeError(
+      f"{api}: shards must be a sequence (one entry per device), "
+      f"got {type(shards).__name__}; pass e.g. [x0, x1, ...]."
+    )
   devices = check_devices(api, devices)
   if len(shards) != len(devices):
-    raise ValueError(f"{api}: len(shards) = {len(shards)} must equal "
-                     f"len(devices) = {len(devices)}; pass one shard per device.")
+    raise ValueError(
+      f"{api}: len(shards) = {len(shards)} must equal "
+      f"len(devices) = {len(devices)}; pass one shard per device."
+    )
   flat = [jax.tree_util.tree_flatten(s) for s in shards]
   tree = flat[0][1]
   for i, (_, t) in enumerate(flat):
     if t != tree:
-      raise ValueError(f"{api}: shards[{i}] has structure {t} but shards[0] "
-                       f"has {tree}; every shard must have the same pytree "
-                       "structure.")
+      raise ValueError(
+        f"{api}: shards[{i}] has structure {t} but shards[0] "
+        f"has {tree}; every shard must have the same pytree "
+        "structure."
+      )
   per_leaf, impls = [], []
   for k in range(tree.num_leaves):
     column, column_impls = _unwrap_keys([f[0][k] for f in flat])
@@ -240,16 +279,19 @@ def device_put_sharded(shards: Sequence[Any],
     for i, t in enumerate(types):
       if t != types[0]:
         raise ValueError(
-            f"{api}: shards must agree in shape and dtype, but leaf {k} of "
-            f"shards[{i}] is {t[1]}{list(t[0])} and of shards[0] is "
-            f"{types[0][1]}{list(types[0][0])}; cast or reshape them to match.")
+          f"{api}: shards must agree in shape and dtype, but leaf {k} of "
+          f"shards[{i}] is {t[1]}{list(t[0])} and of shards[0] is "
+          f"{types[0][1]}{list(types[0][0])}; cast or reshape them to match."
+        )
   # One batched transfer: shard i of every leaf, as [1, ...], to devices[i]
   # (in a multi-process run, only the shards of this process's devices).
-  local = [i for i, d in enumerate(devices)
-           if d.process_index == jax.process_index()]
+  local = [
+    i for i, d in enumerate(devices) if d.process_index == jax.process_index()
+  ]
   pieces = deps.device_put(
-      [[_add_leading_axis(column[i]) for i in local] for column in per_leaf],
-      [[devices[i] for i in local] for _ in per_leaf])
+    [[_add_leading_axis(column[i]) for i in local] for column in per_leaf],
+    [[devices[i] for i in local] for _ in per_leaf],
+  )
   sharding = _stacked_sharding(devices)
   out = []
   for column, placed in zip(per_leaf, pieces):
