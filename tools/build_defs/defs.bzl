@@ -14,7 +14,12 @@ load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxwo
 
 # What every jaxworks wheel requires. jax and jaxlib are bounded above too: each package imports private
 # `jax._src` internals of 0.10 (through its _src/jax_internals.py), and checks the same range at import.
-JAX_REQUIREMENTS = {"jax": "jax>=0.10.2,<0.11", "jaxlib": "jaxlib>=0.10.2,<0.11", "numpy": "numpy>=1.26"}
+JAX_REQUIREMENTS = {
+    "jax": "jax>=0.10.2,<0.11",
+    "jaxlib": "jaxlib>=0.10.2,<0.11",
+    "numpy": "numpy>=1.26",
+    "packaging": "packaging>=22",
+}
 
 BACKENDS = ["cpu", "gpu", "tpu"]
 _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}

@@ -7,6 +7,20 @@ changes one fails there, in one obvious place.
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
+from packaging.specifiers import SpecifierSet as _SpecifierSet
+
+#: The jax/jaxlib releases whose private internals this module is written for.
+SUPPORTED_JAX = ">=0.10.2,<0.11"
+_FOUND = {d: _metadata.version(d) for d in ("jax", "jaxlib")}
+if not all(_SpecifierSet(SUPPORTED_JAX).contains(v) for v in _FOUND.values()):
+  raise ImportError(
+    f"jaxworks.jit_cache supports jax and jaxlib {SUPPORTED_JAX} (it uses their "
+    f"private internals); found {_FOUND}. Install a supported release: "
+    f"pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}'"
+  )
+
 from collections.abc import Callable
 from collections.abc import Sequence
 import inspect as _inspect
@@ -329,7 +343,7 @@ class count_test_events:  # pylint: disable=invalid-name
   def __init__(self, name: str):
     self._name = name
     self._count = 0
-    self._prev = None
+    self._prev: Callable[..., Any] | None = None
 
   def __enter__(self) -> Callable[[], int]:
     self._prev = prev = _util.test_event_listener

@@ -24,6 +24,20 @@ one, so that a JAX upgrade that moves or changes one fails there first:
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
+from packaging.specifiers import SpecifierSet as _SpecifierSet
+
+#: The jax/jaxlib releases whose private internals this module is written for.
+SUPPORTED_JAX = ">=0.10.2,<0.11"
+_FOUND = {d: _metadata.version(d) for d in ("jax", "jaxlib")}
+if not all(_SpecifierSet(SUPPORTED_JAX).contains(v) for v in _FOUND.values()):
+  raise ImportError(
+    f"jaxworks.stages_aot supports jax and jaxlib {SUPPORTED_JAX} (it uses their "
+    f"private internals); found {_FOUND}. Install a supported release: "
+    f"pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}'"
+  )
+
 import jax
 from jax._src import api as _api
 from jax._src.export._export import _export_lowered as export_lowered
@@ -47,7 +61,8 @@ def export_lowering_parameters() -> LoweringParameters:
     for_export=True,
     hoist_constants_as_args=False,
     export_ignore_forward_compatibility=bool(
-      jax.config.jax_export_ignore_forward_compatibility
+      # jax.config's options are dynamic attributes, absent from its stubs.
+      jax.config.jax_export_ignore_forward_compatibility  # type: ignore[attr-defined]
     ),
   )
 
