@@ -495,6 +495,8 @@ def _target_spec(
     )  # JAX gives bools a strong type
   shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
   try:
+    if shape is None:
+      raise TypeError("no shape")
     shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
   except TypeError:
     raise TypeError(

@@ -126,7 +126,8 @@ def broadcast_prefix(
       f"made of them, got {prefix!r} of type {type(prefix).__name__}"
     )
   try:
-    subtrees = prefix_def.flatten_up_to(tree)
+    # jax's stubs for PyTreeDef lack flatten_up_to.
+    subtrees = prefix_def.flatten_up_to(tree)  # type: ignore[attr-defined]
   except (ValueError, TypeError) as err:
     raise ArgumentError(
       f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "

@@ -176,8 +176,9 @@ def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:
   check_placement(req, i, sharding, shape)
   index_map = sharding.addressable_devices_indices_map(shape)
   devices = list(index_map)
-  slices: list[Any] | None = list(index_map.values())
-  if all(all(s == slice(None) for s in idx) for idx in slices):
+  indices = list(index_map.values())
+  slices: list[Any] | None = indices
+  if all(all(s == slice(None) for s in idx) for idx in indices):
     slices = None  # every device gets the whole value
   aval = jax_internals.ShapedArray(shape, jax.dtypes.canonicalize_dtype(dtype))
   if committed:
@@ -291,13 +292,18 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
 
 def _needs_relayout(req: Request, i: int) -> bool:
   """Whether leaf i, placed plainly, would not have its target layout (a prediction)."""
+  if req.layouts is None:
+    raise RuntimeError("_needs_relayout: the request has no target layouts")
   x, s, layout = req.leaves[i], req.dsts[i], req.layouts[i]
   if isinstance(x, jax.Array):
     try:
-      current = x.format.layout
+      # jax's stubs for jax.Array lack .format (ArrayImpl has it).
+      current = x.format.layout  # type: ignore[attr-defined]
     except Exception:  # a layout the runtime does not report
       return True
     return not layout_matches(layout, current)
+  if s is None:  # no target sharding: check after placing
+    return True
   try:
     shape = tuple(np.shape(x))
     dtype = jax.dtypes.canonicalize_dtype(np.result_type(x))
@@ -491,18 +497,21 @@ def _relayout(
   req: Request, batches: list[Batch], out: list[Any], fresh: list[bool]
 ) -> None:
   """One jitted identity per destination device set for leaves whose layout differs."""
+  layouts = req.layouts
+  if layouts is None:
+    raise RuntimeError("_relayout: the request has no target layouts")
   by_devices: dict[Any, list[int]] = {}
   for b in batches:
     if b.route == ALIAS:
       continue
     for i in b.indices:
-      layout = req.layouts[i]
+      layout = layouts[i]
       if layout is not None and not layout_matches(
         layout, out[i].format.layout
       ):
         by_devices.setdefault(b.group.dst_devices, []).append(i)
   for indices in by_devices.values():
-    formats = tuple(Format(req.layouts[i], req.dsts[i]) for i in indices)
+    formats = tuple(Format(layouts[i], req.dsts[i]) for i in indices)
     donate = tuple(
       k
       for k, i in enumerate(indices)

@@ -484,7 +484,8 @@ class _WeakCallable:
     self._ref = weakref.ref(fun) if ref is None else ref
     self.__name__ = _fun_name(fun)
     self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
-    self.__module__ = getattr(fun, "__module__", None)
+    # None when fun has no module (typeshed types __module__ as str only).
+    self.__module__ = getattr(fun, "__module__", None)  # type: ignore[assignment]
 
   @property
   def __wrapped__(self) -> Callable:
@@ -724,7 +725,7 @@ class _JitCore:
 
   def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
     """(dynamic args, dynamic kwargs, hashable statics key)."""
-    statics = []
+    statics: list[Any] = []
     if self._static_argnums:
       n = len(args)
       idx = {i + n if i < 0 else i for i in self._static_argnums}
@@ -1145,6 +1146,8 @@ class JitFunction:
   every call. ``cache_info()`` and ``clear_cache()`` are per (function,
   options).
   """
+
+  __wrapped__: Callable  # set by functools.update_wrapper in __init__
 
   def __init__(self, fun: Callable, core: Any, options: dict):
     functools.update_wrapper(self, fun)

@@ -200,7 +200,7 @@ def _slots(t: type) -> list[str]:
   hit = _SLOTS.get(t)
   if hit is not None:
     return hit
-  names = []
+  names: list[str] = []
   for klass in t.__mro__:
     s = klass.__dict__.get("__slots__", ())
     names.extend([s] if isinstance(s, str) else s)
@@ -299,7 +299,8 @@ def _enc_value(v: Any, out: list, depth: int) -> None:
   elif t is dict or t is ji.FrozenDict:
     items = []
     for k, x in v.items():
-      kp, xp = [], []
+      kp: list[str] = []
+      xp: list[str] = []
       _enc(k, kp, d)
       _enc(x, xp, d)
       items.append("".join(kp) + "=" + "".join(xp))
@@ -399,13 +400,13 @@ def _enc_object(v: Any, out: list, depth: int) -> None:
     out.append(f"E{name}.{v.name};")
     return
   slots = _slots(t)
-  fields = getattr(v, "__dict__", None)
+  fields: dict[str, Any] = getattr(v, "__dict__", None) or {}
   if slots or fields:
     out.append(f"O{name}(")
     for s in slots:
       out.append(f"{s}=")
       _enc(getattr(v, s, None), out, depth)
-    for k in sorted(fields or ()):
+    for k in sorted(fields):
       out.append(f"{k}=")
       _enc(fields[k], out, depth)
     out.append(")")

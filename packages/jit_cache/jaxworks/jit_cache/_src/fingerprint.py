@@ -138,7 +138,9 @@ class _Identity:
 
 def _digest(data: np.ndarray) -> bytes:
   return hashlib.blake2b(
-    np.ascontiguousarray(data).view(np.uint8).reshape(-1), digest_size=16
+    # numpy's stubs declare the buffer protocol only for Python >= 3.12.
+    np.ascontiguousarray(data).view(np.uint8).reshape(-1),  # type: ignore[arg-type]
+    digest_size=16,
   ).digest()
 
 
@@ -182,7 +184,7 @@ class _Walker:
       return self.jaxpr(v)
     if isinstance(v, (int, float, complex)) and _trusted(t):
       # JAX's typed literals (TypedFloat, ...): the value, its type, dtype.
-      base = (
+      base: type = (
         complex
         if isinstance(v, complex)
         else (float if isinstance(v, float) else int)
@@ -301,6 +303,7 @@ class _Walker:
   def jaxpr(self, obj: Any) -> Fingerprint:
     """Fingerprint of a (Closed)Jaxpr, memoized when it holds no numpy data."""
     seen = self.local.get(id(obj))
+    hit: Fingerprint | None
     if seen is not None and seen[0] is obj:
       hit = seen[1]  # holds numpy data: valid for this computation only
       self.volatile = True

@@ -263,14 +263,15 @@ def device_put_sharded(
   flat = [jax.tree_util.tree_flatten(s) for s in shards]
   tree = flat[0][1]
   for i, (_, t) in enumerate(flat):
-    if t != tree:
+    # jax's stubs for PyTreeDef lack __ne__ and num_leaves.
+    if t != tree:  # type: ignore[operator]
       raise ValueError(
         f"{api}: shards[{i}] has structure {t} but shards[0] "
         f"has {tree}; every shard must have the same pytree "
         "structure."
       )
   per_leaf, impls = [], []
-  for k in range(tree.num_leaves):
+  for k in range(tree.num_leaves):  # type: ignore[attr-defined]
     column, column_impls = _unwrap_keys([f[0][k] for f in flat])
     per_leaf.append([_as_array(v) for v in column])
     impls.append(column_impls[0])

@@ -610,6 +610,7 @@ class Pmapped:
     nested: bool,
   ) -> _Entry:
     axis_name = self._axis_name
+    spmd_mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
     if nested:
       mesh, axis_name = self._nested_mesh(size)
       spmd_mesh = _get_abstract_mesh()
@@ -662,7 +663,7 @@ class Pmapped:
     # Keep the user's name for jaxprs and errors, but not their signature
     # (jit checks donate_argnums against it).
     functools.update_wrapper(program, self._fun, updated=())
-    del program.__wrapped__
+    delattr(program, "__wrapped__")
     donate_argnums = self._donated_leaves(treedef, nargs)
     if nested or extra_axes:
       # Inner axes of a nested pmap may shard the inputs too; let jit take
@@ -713,7 +714,8 @@ class Pmapped:
     dyn_args, _ = jax.tree_util.tree_unflatten(
       treedef, [0] * treedef.num_leaves
     )
-    donated, start = [], 0
+    donated: list[int] = []
+    start = 0
     for position, arg in zip(dyn_positions, dyn_args):
       n = len(jax.tree_util.tree_leaves(arg))
       if position in self._donate:

@@ -122,11 +122,13 @@ def _versions() -> dict[str, str]:
     "python": _platform.python_version(),
     "jaxworks.stages_aot": __version__,
   }
+  jit_cache_version = None
   try:
     from jaxworks import jit_cache
   except ImportError:
-    jit_cache = None
-  jit_cache_version = getattr(jit_cache, "__version__", None)
+    pass
+  else:
+    jit_cache_version = getattr(jit_cache, "__version__", None)
   if jit_cache_version is not None:
     versions["jaxworks.jit_cache"] = jit_cache_version
   return versions

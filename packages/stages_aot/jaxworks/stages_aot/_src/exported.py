@@ -9,6 +9,9 @@ whose backward pass calls the exported VJP, itself wrapped the same way).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import jax
 import numpy as np
 
@@ -55,7 +58,7 @@ class Exported:
     self._vjp_order = vjp_order
     self._flat_fn = None
     self._jitted = None
-    self._vjp = None
+    self._vjp: Exported | None = None
     # (name of the function this is a VJP of, how many VJPs deep).
     self._origin = (exported.fun_name, 0)
 
@@ -77,12 +80,16 @@ class Exported:
   @property
   def in_shardings(self) -> tuple[jax.sharding.NamedSharding | None, ...]:
     """Input shardings (``NamedSharding`` over an abstract mesh; None: unspecified)."""
-    return tuple(self._exp.in_shardings_jax(None))
+    # jax's stubs type the mesh as required; None keeps the abstract mesh.
+    shardings = self._exp.in_shardings_jax(None)  # type: ignore[arg-type]
+    return tuple(cast(Sequence[jax.sharding.NamedSharding | None], shardings))
 
   @property
   def out_shardings(self) -> tuple[jax.sharding.NamedSharding | None, ...]:
     """Output shardings (``NamedSharding`` over an abstract mesh; None: unspecified)."""
-    return tuple(self._exp.out_shardings_jax(None))
+    # jax's stubs type the mesh as required; None keeps the abstract mesh.
+    shardings = self._exp.out_shardings_jax(None)  # type: ignore[arg-type]
+    return tuple(cast(Sequence[jax.sharding.NamedSharding | None], shardings))
 
   @property
   def uses_shape_polymorphism(self) -> bool:

@@ -22,7 +22,9 @@ import struct
 import subprocess
 import sys
 import threading
+from typing import IO
 from typing import Any
+from typing import cast
 
 from . import jax_internals
 
@@ -88,7 +90,8 @@ class _Reader:
     if proc is None or self._pid != os.getpid():
       return
     try:
-      proc.stdin.close()
+      # Started with stdin=PIPE, so stdin is a pipe.
+      cast(IO[bytes], proc.stdin).close()
     except OSError:
       pass
     try:
@@ -106,16 +109,19 @@ class _Reader:
     ):
       self._proc = None
       self._start()
+    proc, lines = self._proc, self._lines
+    if proc is None or proc.stdin is None or lines is None:
+      raise RuntimeError("module reader: the child process was not started")
     request = struct.pack("<Q", 1) + struct.pack("<Q", len(blob)) + blob
     try:
-      self._proc.stdin.write(request)
-      self._proc.stdin.flush()
-      line = self._lines.get(timeout=TIMEOUT_S + len(blob) / 2**20)
+      proc.stdin.write(request)
+      proc.stdin.flush()
+      line = lines.get(timeout=TIMEOUT_S + len(blob) / 2**20)
     except (OSError, queue.Empty):
       line = None
     if line is None:
-      self._proc.kill()
-      self._proc.wait()
+      proc.kill()
+      proc.wait()
       self._proc = None
       return None
     (answer,) = json.loads(line)

@@ -36,7 +36,7 @@ _SHORT_TO_NAME = {
   "c64": "complex64",
   "c128": "complex128",
 }
-_NAME_TO_SHORT = {}
+_NAME_TO_SHORT: dict[str, str] = {}
 for _short, _name in _SHORT_TO_NAME.items():
   _NAME_TO_SHORT.setdefault(_name, _short)
 
@@ -69,7 +69,9 @@ def _dtype_for(name: str, spec: str, api: str) -> np.dtype:
     except TypeError:
       dtype = None
     if dtype is not None:
-      if full in _X64_NAMES and not jax.config.jax_enable_x64:
+      # jax.config's options are dynamic attributes, absent from its stubs.
+      x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+      if full in _X64_NAMES and not x64:
         raise ValueError(
           f"{api}: spec {spec!r} asks for {full}, but 64-bit types are disabled "
           "in this process; set JAX_ENABLE_X64=1 (or jax.config.update("

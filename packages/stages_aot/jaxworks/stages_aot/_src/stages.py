@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import os
 from typing import Any
+from typing import cast
 
 import jax
 import jax.extend.source_info_util
@@ -171,7 +172,8 @@ class Traced:
     # Without the export parameters, this flag moves constants out of the
     # module into extra arguments, which jax.export cannot serialize.
     hoisted = not for_export and bool(
-      jax.config.jax_use_simplified_jaxpr_constants
+      # jax.config's options are dynamic attributes, absent from its stubs.
+      jax.config.jax_use_simplified_jaxpr_constants  # type: ignore[attr-defined]
     )
     return Lowered(lowered, self, platforms, constants_hoisted=hoisted)
 
@@ -214,7 +216,8 @@ class Lowered:
     self._traced = traced
     self._platforms = platforms
     self._constants_hoisted = constants_hoisted
-    self._exported = None
+    # (disabled_checks, the stock export with them), once exported.
+    self._exported: tuple[tuple, jax.export.Exported] | None = None
 
   fun_name = property(lambda self: self._traced.fun_name)
   jaxpr = property(lambda self: self._traced.jaxpr)
@@ -391,12 +394,20 @@ def _compile_exported(
   ``target`` with the exported shardings.
   """
   devices = jax.devices(target)
+  in_shardings: Sequence[jax.sharding.Sharding | None]
+  out_shardings: Sequence[jax.sharding.Sharding | None]
   in_shardings = (None,) * len(exp.in_avals)
   out_shardings = (None,) * len(exp.out_avals)
   if exp.nr_devices > 1:
+    # jax's stubs type the mesh as required; None keeps the export's abstract
+    # mesh, and the shardings are then NamedShardings (or None).
+    abstract_shardings = (
+      *exp.in_shardings_jax(None),  # type: ignore[arg-type]
+      *exp.out_shardings_jax(None),  # type: ignore[arg-type]
+    )
     named = [
-      s
-      for s in (*exp.in_shardings_jax(None), *exp.out_shardings_jax(None))
+      cast(jax.sharding.NamedSharding, s)
+      for s in abstract_shardings
       if s is not None
     ]
     if not named or len(devices) < exp.nr_devices:
@@ -419,10 +430,10 @@ def _compile_exported(
     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     for a, s in zip(flat_avals, in_shardings)
   ]
-  args, kwargs = exp.in_tree.unflatten(specs)
-  jitted = jax_internals.stock_jit(
-    exp.call, out_shardings=exp.out_tree.unflatten(out_shardings)
-  )
+  # jax's stubs for PyTreeDef lack unflatten.
+  args, kwargs = exp.in_tree.unflatten(specs)  # type: ignore[attr-defined]
+  out_tree_shardings = exp.out_tree.unflatten(out_shardings)  # type: ignore[attr-defined]
+  jitted = jax_internals.stock_jit(exp.call, out_shardings=out_tree_shardings)
   with jax.default_device(devices[0]):
     return (
       jitted.trace(*args, **kwargs)

@@ -25,8 +25,10 @@ Any failure is a ``ValueError`` saying what is inconsistent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 from typing import Any
+from typing import cast
 
 import jax
 import numpy as np
@@ -130,7 +132,11 @@ def deserialize_checked(blob: bytes) -> list[jax.export.Exported]:
   chained = [levels[-1]]
   for level in reversed(levels[:-1]):
     nxt = chained[-1]
-    chained.append(dataclasses.replace(level, _get_vjp=lambda _, nxt=nxt: nxt))
+
+    def get_vjp(_: Any, nxt: jax.export.Exported = nxt) -> jax.export.Exported:
+      return nxt
+
+    chained.append(dataclasses.replace(level, _get_vjp=get_vjp))
   return chained[::-1]
 
 
@@ -164,7 +170,9 @@ def _check_level(exp: jax.export.Exported) -> None:
     raise Invalid(f"nr_devices {exp.nr_devices!r} is not a positive int")
   if not isinstance(exp.fun_name, str):
     raise Invalid(f"function name {exp.fun_name!r} is not a string")
-  in_tree, out_tree = exp.in_tree, exp.out_tree
+  # jax's stubs for PyTreeDef lack num_leaves and unflatten.
+  in_tree: Any = exp.in_tree
+  out_tree: Any = exp.out_tree
   if in_tree.num_leaves != len(exp.in_avals) or out_tree.num_leaves != len(
     exp.out_avals
   ):
@@ -189,8 +197,16 @@ def _check_level(exp: jax.export.Exported) -> None:
       f"kept input indices {kept} are not sorted, distinct indices below "
       f"{len(exp.in_avals)}"
     )
-  in_shardings = exp.in_shardings_jax(None)
-  out_shardings = exp.out_shardings_jax(None)
+  # jax's stubs type the mesh as required; None keeps the export's abstract
+  # mesh, and the shardings are then NamedShardings (or None).
+  in_shardings = cast(
+    Sequence[jax.sharding.NamedSharding | None],
+    exp.in_shardings_jax(None),  # type: ignore[arg-type]
+  )
+  out_shardings = cast(
+    Sequence[jax.sharding.NamedSharding | None],
+    exp.out_shardings_jax(None),  # type: ignore[arg-type]
+  )
   if len(in_shardings) != len(exp.in_avals) or len(out_shardings) != len(
     exp.out_avals
   ):
