@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxworks.batched_transfer._src import api as _api
+from . import api as _api
 
 _LOCK = threading.Lock()
 # What jax.device_put was before each install() that replaced it.

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxworks.batched_transfer._src import grouping
-from jaxworks.batched_transfer._src import jax_internals
-from jaxworks.batched_transfer._src import plan as plan_lib
-from jaxworks.batched_transfer._src import targets
-from jaxworks.batched_transfer._src import transfer
+from . import grouping
+from . import jax_internals
+from . import plan as plan_lib
+from . import targets
+from . import transfer
 
 _API = "jaxworks.batched_transfer"
 
@@ -42,7 +42,7 @@ def device_put(
 ) -> Any:
   """Places a pytree on devices with one batched call per group of leaves.
 
-  Same signature and contract as `jax.device_put`: the tree is flattened
+  Same signature and contract as ``jax.device_put``: the tree is flattened
   once, its leaves are grouped in C++ by (source devices, destination devices,
   source memory kind, destination memory kind, kind of leaf), and each group
   moves in one batched call. Results come back in the original structure and
@@ -56,7 +56,7 @@ def device_put(
       jax.experimental.layout.Format (sharding and layout), or a pytree prefix
       of these. PartitionSpec and jax.memory.Space targets are handed to
       stock jax.device_put.
-    src: like jax.device_put's `src`: the placement the leaves come from; only
+    src: like jax.device_put's ``src``: the placement the leaves come from; only
       used while tracing (then the whole call is stock jax.device_put).
     donate: bool or pytree prefix of bools: inputs may be consumed.
     may_alias: None, bool or pytree prefix of them: whether a result may share
@@ -66,7 +66,7 @@ def device_put(
     The tree with every leaf placed.
 
   Raises:
-    ValueError: a `device` that is not one of the accepted kinds or not a
+    ValueError: a ``device`` that is not one of the accepted kinds or not a
       prefix of the tree, a shape the sharding cannot split (the error names
       the leaf's tree path), or donate together with may_alias.
     TypeError: a leaf JAX cannot hold (a big-endian numpy array, a string,
@@ -93,7 +93,7 @@ def place(
   copy_host: bool = False,
   api: str = f"{_API}.device_put",
 ) -> Any:
-  """device_put, plus `copy_host`: never alias host memory (restore uses it for memory maps)."""
+  """device_put, plus ``copy_host``: never alias host memory (restore uses it for memory maps)."""
   stock = jax_internals.stock_device_put
   if not jax_internals.trace_state_clean():
     return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
@@ -149,13 +149,13 @@ def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
 def plan(
   tree: Any, target: Any = None, *, donate: Any = False, may_alias: Any = None
 ) -> plan_lib.TransferPlan:
-  """What `device_put(tree, target)` would do, without moving anything.
+  """What ``device_put(tree, target)`` would do, without moving anything.
 
   Args:
     tree: the pytree to place.
-    target: as for `device_put`.
-    donate: as for `device_put`.
-    may_alias: as for `device_put`.
+    target: as for ``device_put``.
+    donate: as for ``device_put``.
+    may_alias: as for ``device_put``.
 
   Returns:
     A TransferPlan: the groups in order with their route, source and
@@ -190,7 +190,7 @@ def _leaf_shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
 
 
 def check_against(api: str, tree: Any, expected: Any, what: str) -> None:
-  """Checks tree structure, shapes and dtypes of `tree` against `expected`
+  """Checks tree structure, shapes and dtypes of ``tree`` against ``expected``
   (a tree of objects with .shape and .dtype); errors name the tree path."""
   got_paths = targets.tree_paths(tree)
   want_flat, _ = jax.tree_util.tree_flatten_with_path(expected)
@@ -235,26 +235,26 @@ def place_for(
   donate: Any = False,
   may_alias: Any = None,
 ) -> Any:
-  """Places `tree` exactly in a compiled function's input formats.
+  """Places ``tree`` exactly in a compiled function's input formats.
 
-  Every leaf lands with the sharding and layout of `compiled.input_formats`, so
-  calling `compiled` on the result passes the buffers through without a copy.
+  Every leaf lands with the sharding and layout of ``compiled.input_formats``, so
+  calling ``compiled`` on the result passes the buffers through without a copy.
 
   Args:
-    compiled: a jax.stages.Compiled (from `jax.jit(f).lower(...).compile()`).
-    tree: the positional arguments of `compiled` as a tuple, or, with `argnum`,
-      the one positional argument `argnum`. For a function with keyword
-      arguments pass `(args, kwargs)`.
-    argnum: place only positional argument `argnum`.
-    donate: as for `device_put`.
-    may_alias: as for `device_put`.
+    compiled: a jax.stages.Compiled (from ``jax.jit(f).lower(...).compile()``).
+    tree: the positional arguments of ``compiled`` as a tuple, or, with ``argnum``,
+      the one positional argument ``argnum``. For a function with keyword
+      arguments pass ``(args, kwargs)``.
+    argnum: place only positional argument ``argnum``.
+    donate: as for ``device_put``.
+    may_alias: as for ``device_put``.
 
   Returns:
-    The placed tree, ready to pass to `compiled`.
+    The placed tree, ready to pass to ``compiled``.
 
   Raises:
     ValueError: a missing or extra leaf, or a leaf whose shape or dtype differs
-      from what `compiled` was compiled for (the message names its tree path).
+      from what ``compiled`` was compiled for (the message names its tree path).
 
   >>> import jax, numpy as np
   >>> f = jax.jit(lambda w, x: w @ x).lower(np.ones((2, 3), np.float32),

@@ -2,11 +2,11 @@
 
 A leaf's key is its tree path joined by "/" ({"params": {"w": ...}} ->
 "params/w"); a lone array is "leaf". In an .npz the key names the member
-`<key>.npy`; in a directory the file `<dir>/<key>.npy`.
+``<key>.npy``; in a directory the file ``<dir>/<key>.npy``.
 
-`restore` reads only the .npy headers first, checks every key, shape and dtype
+``restore`` reads only the .npy headers first, checks every key, shape and dtype
 against the target, and only then streams the data, memory-mapped, in batches
-of at most `max_inflight_bytes`, each placed with one batched device_put.
+of at most ``max_inflight_bytes``, each placed with one batched device_put.
 
 >>> import os, tempfile, jax, numpy as np
 >>> tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.int32)}
@@ -36,10 +36,10 @@ import jax
 from jax.experimental.layout import Format
 import numpy as np
 
-from jaxworks.batched_transfer._src import jax_internals
-from jaxworks.batched_transfer._src import targets
-from jaxworks.batched_transfer._src.api import place
-from jaxworks.batched_transfer._src.progress import Progress
+from . import jax_internals
+from . import targets
+from .api import place
+from .progress import Progress
 
 _API = "jaxworks.batched_transfer"
 _ROOT_KEY = "leaf"
@@ -74,7 +74,7 @@ def _key_part(api: str, entry: Any, path: Any) -> str:
 def leaf_keys(
   api: str, tree: Any
 ) -> tuple[list[str], list[str], list[Any], Any]:
-  """(file keys, tree paths, leaves, treedef) of `tree`; keys are unique."""
+  """(file keys, tree paths, leaves, treedef) of ``tree``; keys are unique."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   keys, paths, leaves = [], [], []
   seen: dict[str, str] = {}
@@ -153,7 +153,7 @@ def _host_array(api: str, path: str, x: Any) -> np.ndarray:
 
 
 def _storable(a: np.ndarray) -> np.ndarray:
-  """`a`, or a raw-bytes view of it when numpy cannot describe its dtype in an .npy header
+  """``a``, or a raw-bytes view of it when numpy cannot describe its dtype in an .npy header
   (bfloat16, float8, int4, ...: their exact names go into the dtype record)."""
   try:
     descr = np.lib.format.dtype_to_descr(a.dtype)
@@ -182,7 +182,7 @@ def _dtype_record(keys: list[str], arrays: list[np.ndarray]) -> bytes:
 def save(
   path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False
 ) -> None:
-  """Writes `tree` to an .npz file (path ends in .npz) or a directory of .npy files.
+  """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
   Args:
     path: "<name>.npz" for one uncompressed archive (members memory-map on
@@ -192,7 +192,7 @@ def save(
     overwrite: replace an existing file or directory of .npy files.
 
   Raises:
-    FileExistsError: `path` exists and overwrite is False.
+    FileExistsError: ``path`` exists and overwrite is False.
     ValueError: a key that cannot name a file, or two paths with one key.
   """
   api = f"{_API}.save"
@@ -512,7 +512,7 @@ def _dtype_text(dtype: np.dtype) -> str:
 
 
 def _x32(dtype: np.dtype) -> np.dtype:
-  """What JAX makes of `dtype` with jax_enable_x64 off."""
+  """What JAX makes of ``dtype`` with jax_enable_x64 off."""
   with jax.enable_x64(False):
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
@@ -579,7 +579,7 @@ def _load(api: str, where: str, key: str, s: _Stored) -> np.ndarray:
 
 
 def _weak(y: Any) -> Any:
-  """`y` with a weak type (as jax.device_put gives a Python scalar), sharing its buffer."""
+  """``y`` with a weak type (as jax.device_put gives a Python scalar), sharing its buffer."""
   return jax_internals.committed_array(
     y, y.aval.update(weak_type=True), y.sharding, committed=y.committed
   )
@@ -593,14 +593,14 @@ def restore(
   max_inflight_bytes: int = 256 * 2**20,
   progress: bool | None = None,
 ) -> Any:
-  """Loads a checkpoint written by `save` onto devices, validated and streamed.
+  """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
 
   Args:
     path: an .npz file or a directory of .npy files.
     target: a pytree whose leaves say what to expect: jax.ShapeDtypeStruct,
       jax.Array or numpy array leaves (their .shape, .dtype and weak_type), or
       Python scalars (a 0-d array of the dtype and weak type jax.device_put
-      gives them), as `jax.eval_shape(init_fn)` returns. Unless `placement`
+      gives them), as ``jax.eval_shape(init_fn)`` returns. Unless ``placement``
       is given, each leaf's .format / .sharding says where it goes (none: the
       default device).
     placement: a device_put target (Device, Sharding, Format or a pytree
@@ -612,7 +612,7 @@ def restore(
       stderr is a terminal).
 
   Returns:
-    A pytree like `target` of placed jax.Arrays (weakly typed where the target
+    A pytree like ``target`` of placed jax.Arrays (weakly typed where the target
     leaf is).
 
   Raises:

@@ -1,8 +1,8 @@
 """Grouping of leaves into batches: the C++ pass and its pure-Python twin.
 
 A leaf's group is the tuple (source devices, destination devices, source memory
-kind, destination memory kind, kind of leaf). `group_leaves` computes all
-groups in one C++ pass (see cc/grouping.h); `group_leaves_py` is the same
+kind, destination memory kind, kind of leaf). ``group_leaves`` computes all
+groups in one C++ pass (see cc/grouping.h); ``group_leaves_py`` is the same
 algorithm in Python, kept as the reference the tests compare against and the
 baseline of the benchmark.
 
@@ -25,8 +25,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxworks.batched_transfer import _grouping
-from jaxworks.batched_transfer._src import jax_internals
+from .. import _grouping
+from . import jax_internals
 
 # Kinds of leaves (the last component of a group key).
 HOST_ARRAY = 0  # numpy.ndarray / numpy.memmap
@@ -54,7 +54,7 @@ _KINDS_CACHE: dict[bool, KindsTable] = {}
 def kinds_table(x64: bool | None = None) -> KindsTable:
   """The exact-type table given to the C++ pass.
 
-  numpy arrays count `.nbytes`; jax.Arrays have their source sharding read and
+  numpy arrays count ``.nbytes``; jax.Arrays have their source sharding read and
   count prod(shape) * itemsize of their abstract value (cheaper than
   jax.Array.nbytes); Python scalars take the size of the dtype JAX gives them
   (which depends on jax_enable_x64).
@@ -96,7 +96,7 @@ def group_leaves(
     default_dst: the Sharding for host leaves whose destination is None.
 
   Returns:
-    A list of `_grouping.Group` (kind, src_devices, dst_devices,
+    A list of ``_grouping.Group`` (kind, src_devices, dst_devices,
     src_memory_kind, dst_memory_kind, indices, nbytes), by first appearance.
   """
   return _grouping.group_leaves(
@@ -111,7 +111,7 @@ def group_leaves(
 
 @dataclasses.dataclass
 class PyGroup:
-  """The pure-Python counterpart of `_grouping.Group`."""
+  """The pure-Python counterpart of ``_grouping.Group``."""
 
   kind: int
   src_devices: Any
@@ -130,7 +130,7 @@ def group_leaves_py(
   devices_attr: str,
   memory_kind_attr: str = "memory_kind",
 ) -> list[PyGroup]:
-  """The reference implementation of `_grouping.group_leaves`: the straightforward Python loop."""
+  """The reference implementation of ``_grouping.group_leaves``: the straightforward Python loop."""
   if len(leaves) != len(dsts):
     raise ValueError(f"got {len(leaves)} leaves but {len(dsts)} dsts")
 
@@ -179,7 +179,7 @@ def _size(leaf: Any, rule: SizeRule) -> int:
 def group_leaves_python(
   leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = None
 ) -> list[PyGroup]:
-  """`group_leaves` with the pure-Python implementation (for tests and benchmarks)."""
+  """``group_leaves`` with the pure-Python implementation (for tests and benchmarks)."""
   return group_leaves_py(
     leaves,
     dsts,

@@ -31,7 +31,7 @@ MIN_JAX = (0, 10, 2)
 
 
 def check_jax_version(version: str) -> None:
-  """Raises an actionable RuntimeError when `version` is older than MIN_JAX.
+  """Raises an actionable RuntimeError when ``version`` is older than MIN_JAX.
 
   >>> check_jax_version("0.10.2")
   >>> check_jax_version("0.4.30")
@@ -123,14 +123,14 @@ def default_device() -> Any:
 
 
 def device_put_aval(aval: Any, sharding: Any) -> Any:
-  """The abstract value jax.device_put gives a result placed with `sharding`."""
+  """The abstract value jax.device_put gives a result placed with ``sharding``."""
   return _dispatch.update_dp_aval(aval, sharding)
 
 
 def committed_array(
   arr: Any, aval: Any, sharding: Any, committed: bool = True
 ) -> Any:
-  """A jax.Array with `aval` (committed unless told) that shares the buffers of `arr`."""
+  """A jax.Array with ``aval`` (committed unless told) that shares the buffers of ``arr``."""
   handler = _xc.array_result_handler(
     aval, sharding, committed=committed, _skip_checks=True
   )

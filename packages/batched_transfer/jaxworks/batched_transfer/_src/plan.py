@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxworks.batched_transfer._src import grouping
-from jaxworks.batched_transfer._src import jax_internals
-from jaxworks.batched_transfer._src import transfer
-from jaxworks.batched_transfer._src.targets import Request
+from . import grouping
+from . import jax_internals
+from . import transfer
+from .targets import Request
 
 _ROUTE_TEXT = {
   transfer.ALIAS: "already in place",

@@ -13,13 +13,13 @@ def _gib(n: float) -> str:
 
 
 class Progress:
-  """Draws `label [#####.....] 50% 0.50/1.00 GiB 1.2 GB/s` on `stream`.
+  """Draws ``label [#####.....] 50% 0.50/1.00 GiB 1.2 GB/s`` on ``stream``.
 
   Args:
     label: text in front of the bar.
     total: the number of bytes that make 100%.
     enabled: True to draw, False to stay silent, None to draw only when
-      `stream` is a terminal (its isatty() is True).
+      ``stream`` is a terminal (its isatty() is True).
     stream: where to draw (default sys.stderr, looked up at construction).
 
   >>> import io

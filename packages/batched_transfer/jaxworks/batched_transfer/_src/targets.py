@@ -1,6 +1,6 @@
 """Turning device_put's arguments into one flat request: a destination per leaf.
 
-`resolve` flattens the value once, broadcasts the target, src, donate and
+``resolve`` flattens the value once, broadcasts the target, src, donate and
 may_alias prefix trees to one entry per leaf (as jax.device_put does), and
 normalizes each distinct target object once: a Device becomes a
 SingleDeviceSharding, a Format is split into its sharding and layout.
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 from jax.sharding import SingleDeviceSharding
 
-from jaxworks.batched_transfer._src import jax_internals
+from . import jax_internals
 
 _REUSE = jax_internals.ArrayCopySemantics.REUSE_INPUT
 _DONATE = jax_internals.ArrayCopySemantics.DONATE_INPUT
@@ -52,7 +52,7 @@ def _is_plain_leaf(t: Any) -> bool:
 
 
 class Delegate(Exception):
-  """Raised by `resolve` when stock jax.device_put must handle the whole call."""
+  """Raised by ``resolve`` when stock jax.device_put must handle the whole call."""
 
 
 class ArgumentError(ValueError):
@@ -83,7 +83,7 @@ class Request:
   _paths: list[str] | None = None
 
   def path(self, i: int) -> str:
-    """The tree path of leaf `i`, as jax.tree_util.keystr writes it."""
+    """The tree path of leaf ``i``, as jax.tree_util.keystr writes it."""
     if self._paths is None:
       self._paths = tree_paths(self.tree)
     return self._paths[i]
@@ -94,7 +94,7 @@ class Request:
 
 
 def tree_paths(tree: Any) -> list[str]:
-  """The keystr path of every leaf of `tree` ("<root>" for a lone leaf)."""
+  """The keystr path of every leaf of ``tree`` ("<root>" for a lone leaf)."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [jax.tree_util.keystr(p) or "<root>" for p, _ in flat]
 
@@ -109,7 +109,7 @@ def broadcast_prefix(
   is_leaf,
   expected: str,
 ) -> list[Any]:
-  """One entry of the prefix tree `prefix` per leaf of `tree`."""
+  """One entry of the prefix tree ``prefix`` per leaf of ``tree``."""
   if is_leaf(prefix):
     return [prefix] * n
   prefix_leaves, prefix_def = jax.tree_util.tree_flatten(

@@ -29,10 +29,10 @@ from jax.experimental.layout import Format
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from jaxworks.batched_transfer._src import grouping
-from jaxworks.batched_transfer._src import jax_internals
-from jaxworks.batched_transfer._src.targets import Request
-from jaxworks.batched_transfer._src.targets import single_device_sharding
+from . import grouping
+from . import jax_internals
+from .targets import Request
+from .targets import single_device_sharding
 
 ALIAS, HOST, COPY, JAX = "alias", "host", "copy", "jax"
 
@@ -205,7 +205,7 @@ def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:
 
 
 def layout_matches(wanted: Any, actual: Any) -> bool:
-  """Whether an array with layout `actual` satisfies a requested layout.
+  """Whether an array with layout ``actual`` satisfies a requested layout.
 
   As in XLA, a requested layout without tiling asks only for the dimension
   order; with tiling it must match exactly.
@@ -323,7 +323,7 @@ def execute(
 ) -> list[Any]:
   """Runs the batches; returns the flat results in leaf order.
 
-  With `copy_host`, host arrays are always copied. Otherwise the runtime may
+  With ``copy_host``, host arrays are always copied. Otherwise the runtime may
   alias a read-only numpy array (a memory map, say) as jax.device_put does on
   CPU.
   """

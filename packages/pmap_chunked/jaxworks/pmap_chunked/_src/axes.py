@@ -2,7 +2,7 @@
 
 An axes spec is an int, None, or a pytree prefix of the arguments (or outputs)
 with ints and Nones as leaves. Negative ints count from the end of the
-*global* array's rank, as in `jax.vmap`.
+*global* array's rank, as in ``jax.vmap``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class _Run:
 
 
 def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
-  """One axis (int or None) per leaf of `tree`, with `spec` a prefix of it."""
+  """One axis (int or None) per leaf of ``tree``, with ``spec`` a prefix of it."""
   if spec is None or type(spec) is int:
     return [spec] * len(jax.tree_util.tree_leaves(tree))
   try:
@@ -101,7 +101,7 @@ def normalize_axis(
 
 
 def spec_for_axis(axis_name: Any, axis: int | None) -> P:
-  """PartitionSpec splitting dimension `axis` over `axis_name` (P() if None)."""
+  """PartitionSpec splitting dimension ``axis`` over ``axis_name`` (P() if None)."""
   if axis is None:
     return P()
   return P(*([None] * axis), axis_name)
@@ -123,6 +123,6 @@ def out_specs_for(axis_name: Any, out_axes: Any) -> Any:
 
 
 def leaf_paths(tree: Any) -> Sequence[str]:
-  """Human-readable paths of the leaves of `tree` (for error messages only)."""
+  """Human-readable paths of the leaves of ``tree`` (for error messages only)."""
   with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [jax.tree_util.keystr(path) for path, _ in with_path]

@@ -32,7 +32,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 def check_version(module_name: str, found: str, minimum: str) -> None:
-  """Raises RuntimeError when `found` is older than `minimum`."""
+  """Raises RuntimeError when ``found`` is older than ``minimum``."""
   if _version_tuple(found) < _version_tuple(minimum):
     raise RuntimeError(
       f"jaxworks.pmap_chunked needs {module_name} >= {minimum}, but "

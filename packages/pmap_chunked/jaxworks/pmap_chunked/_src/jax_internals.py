@@ -3,17 +3,17 @@
 Each name is exercised by tests/jax_internals_test.py, so a JAX upgrade that
 moves one of them fails there, in one obvious place.
 
-- `jax._src.core.ShapedArray` and `jax._src.array.ArrayImpl`: wrapping
+- ``jax._src.core.ShapedArray`` and ``jax._src.array.ArrayImpl``: wrapping
   per-device buffers as one global array that keeps a weak type (public
-  `jax.make_array_from_single_device_arrays` always makes a strong type, while
+  ``jax.make_array_from_single_device_arrays`` always makes a strong type, while
   JAX 0.9's device_put_replicated/sharded kept the weak type of Python scalars).
-- `jax.stages.Lowered`'s private fields (`_lowering`, `_in_types`,
-  `_out_types`) and its constructor, and `jax._src.core.shaped_abstractify`:
-  `Pmapped.lower` relabels the Lowered of its flat-argument program with the
-  user's argument structure and the arguments' own avals (as `jax.pmap`'s own
-  `lower` does), so `args_info` and `.compile()(...)` take the arguments as
+- ``jax.stages.Lowered``'s private fields (``_lowering``, ``_in_types``,
+  ``_out_types``) and its constructor, and ``jax._src.core.shaped_abstractify``:
+  ``Pmapped.lower`` relabels the Lowered of its flat-argument program with the
+  user's argument structure and the arguments' own avals (as ``jax.pmap``'s own
+  ``lower`` does), so ``args_info`` and ``.compile()(...)`` take the arguments as
   the user passes them.
-- `jax._src.api.device_put_replicated` / `device_put_sharded`: JAX's own
+- ``jax._src.api.device_put_replicated`` / ``device_put_sharded``: JAX's own
   helpers, removed from the public API in 0.10.0 but still kept privately.
   The package does not use them; they are the reference its tests compare
   this package's helpers with ("contents equal to what the JAX 0.9 helpers
@@ -49,7 +49,7 @@ from jax._src import core as _core
 def weak_array_from_shards(
   shape: tuple, dtype: Any, sharding: Any, pieces: Sequence[Any]
 ) -> Any:
-  """A committed, weakly typed global array made of `pieces` (no copy)."""
+  """A committed, weakly typed global array made of ``pieces`` (no copy)."""
   aval = _core.ShapedArray(tuple(shape), dtype, weak_type=True)
   return _array.ArrayImpl(aval, sharding, list(pieces), committed=True)
 
@@ -67,7 +67,7 @@ def jax_device_put_sharded(
 
 
 def lowered_with_args_info(lowered: Any, args_info: Any) -> Any:
-  """A copy of stock ``jax.stages.Lowered`` `lowered` with another
+  """A copy of stock ``jax.stages.Lowered`` ``lowered`` with another
   ``args_info`` pytree (same leaves in the same order); keyword arguments
   allowed (the user's structure is ``(args, kwargs)``)."""
   return jax.stages.Lowered(
@@ -81,6 +81,6 @@ def lowered_with_args_info(lowered: Any, args_info: Any) -> Any:
 
 
 def arg_info(x: Any, donated: bool) -> Any:
-  """The ``jax.stages.ArgInfo`` of argument leaf `x`, with its own aval (not
+  """The ``jax.stages.ArgInfo`` of argument leaf ``x``, with its own aval (not
   the one the program was lowered with, which carries the mesh sharding)."""
   return jax.stages.ArgInfo(_core.shaped_abstractify(x), donated)

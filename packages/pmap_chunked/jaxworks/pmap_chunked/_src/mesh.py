@@ -3,7 +3,7 @@
 A top-level pmap runs on a mesh whose first axis is its own axis name. A pmap
 called while another one is tracing its body (a nested pmap) does not make a
 mesh of its own: it runs over one more axis of the outer pmap's mesh. When that
-axis is missing, the nested pmap raises `NeedsAxis`; the top-level pmap catches
+axis is missing, the nested pmap raises ``NeedsAxis``; the top-level pmap catches
 it, adds the axis to its mesh (a 2-D mesh for two levels) and traces again.
 """
 
@@ -48,7 +48,7 @@ def _backend_devices(backend: str | None) -> list:
 
 
 def process_devices(backend: str | None = None) -> tuple:
-  """All devices (of `backend`), those of process 0 first, then 1, ... ."""
+  """All devices (of ``backend``), those of process 0 first, then 1, ... ."""
   if jax.process_count() == 1:
     return tuple(_backend_devices(backend))
   by_process: dict[int, list] = {}
@@ -60,7 +60,7 @@ def process_devices(backend: str | None = None) -> tuple:
 def select_devices(
   devices: tuple | None, total: int, backend: str | None = None
 ) -> tuple:
-  """The `total` devices a (possibly nested) pmap of that global size uses."""
+  """The ``total`` devices a (possibly nested) pmap of that global size uses."""
   if devices is not None:
     if len(devices) != total:
       raise ValueError(

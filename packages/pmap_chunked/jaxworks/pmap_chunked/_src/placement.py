@@ -43,7 +43,7 @@ _layout_answers: dict = {}
 def is_laid_out(
   x: Any, target: NamedSharding, axis_name: Any, axis: int | None
 ) -> bool:
-  """Whether jax.Array `x` can be used as is for an input sharded `target`."""
+  """Whether jax.Array ``x`` can be used as is for an input sharded ``target``."""
   sharding = x.sharding
   if sharding == target:
     return True
@@ -76,8 +76,8 @@ def _compatible(sharding, target, axis_name, axis, ndim) -> bool:
 
 
 def _relabel(x: jax.Array, target: NamedSharding) -> jax.Array:
-  """`x` (laid out equivalently to `target`) as an array whose sharding IS
-  `target`, sharing its buffers (no copy)."""
+  """``x`` (laid out equivalently to ``target``) as an array whose sharding IS
+  ``target``, sharing its buffers (no copy)."""
   return _make_array_from_single_device_arrays(
     x.shape, target, [s.data for s in x.addressable_shards]
   )

@@ -7,8 +7,8 @@ The mechanism, in one place:
 2. A cache entry per (argument structure, axes, n, static arguments) holds a
    Mesh with Auto axes, one NamedSharding per leaf (the mapped dimension split
    over the pmap axis, so every device holds a [.., 1, ..] chunk: shards keep
-   their rank) and a `jaxworks.jit_cache.jit` of `shard_map(body)`.
-3. `body` runs per device. With chunked=False it squeezes the size-1 mapped
+   their rank) and a ``jaxworks.jit_cache.jit`` of ``shard_map(body)``.
+3. ``body`` runs per device. With chunked=False it squeezes the size-1 mapped
    axis before calling the user function and re-inserts it at out_axes
    afterwards (classic pmap semantics); with chunked=True the user function
    sees and returns the size-1 axis itself.
@@ -582,7 +582,7 @@ class Pmapped:
   def _more_axes(
     self, entry: _Entry, need: mesh_lib.NeedsAxis, demanded: dict
   ) -> tuple:
-    """The nested axes for the next attempt, adding or resizing `need`'s."""
+    """The nested axes for the next attempt, adding or resizing ``need``'s."""
     name, size = need.axis_name, need.size
     if name == entry.axis_name or demanded.get(name, size) != size:
       raise ValueError(
