@@ -170,6 +170,7 @@ def jaxworks_python_repositories(requirements = "@jaxworks//:requirements_lock.t
     """
     venv_repository(name = "pypi", requirements = requirements)
     alias_repository(name = "pypi_dev", requirements = requirements, hub = "pypi")
+    pybind11_repository(name = "pybind11", venv_marker = "@pypi//:pip_freeze.txt")
 
 def jaxworks_accelerator_repositories(gpu_requirements, tpu_requirements):
     """@pypi_gpu and @pypi_tpu: the virtualenvs of --config=gpu / --config=tpu.
@@ -179,4 +180,3 @@ def jaxworks_accelerator_repositories(gpu_requirements, tpu_requirements):
     """
     venv_repository(name = "pypi_gpu", requirements = gpu_requirements)
     venv_repository(name = "pypi_tpu", requirements = tpu_requirements)
-    pybind11_repository(name = "pybind11", venv_marker = "@pypi//:pip_freeze.txt")
