@@ -434,25 +434,7 @@ def test_a_file_that_changes_after_validation_gets_a_clear_error(
     bt.restore(tmp_path / "d", like({"w": np.zeros(64, np.float32)}))
 
 
-ML_DTYPES = [
-  np.dtype(t)
-  for t in (
-    jnp.bfloat16,
-    ml_dtypes.float8_e5m2,
-    ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e4m3fnuz,
-    ml_dtypes.float8_e5m2fnuz,
-    ml_dtypes.float8_e4m3b11fnuz,
-    ml_dtypes.float8_e3m4,
-    ml_dtypes.float8_e4m3,
-    ml_dtypes.float8_e8m0fnu,
-    ml_dtypes.float4_e2m1fn,
-    ml_dtypes.int4,
-    ml_dtypes.uint4,
-    ml_dtypes.int2,
-    ml_dtypes.uint2,
-  )
-]
+from dtypes import ML_DTYPES  # noqa: E402
 
 
 def test_every_ml_dtype_round_trips_under_its_exact_name(path):

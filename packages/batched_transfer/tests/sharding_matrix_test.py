@@ -1,6 +1,8 @@
 """Every PartitionSpec shape on 1-D and 2-D meshes (replicated axes included), every dtype, both
 checkpoint formats: restore and device_put place exactly what jax.device_put places."""
 
+# Every numpy and ml_dtypes type jax.device_put accepts on CPU (float6_* are not placeable).
+from dtypes import DTYPES
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -9,41 +11,6 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-
-# Every numpy and ml_dtypes type jax.device_put accepts on CPU (float6_* are not placeable).
-DTYPES = [
-  np.dtype(t)
-  for t in (
-    np.bool_,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-    np.float16,
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.complex128,
-    ml_dtypes.bfloat16,
-    ml_dtypes.float8_e5m2,
-    ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e4m3fnuz,
-    ml_dtypes.float8_e5m2fnuz,
-    ml_dtypes.float8_e4m3b11fnuz,
-    ml_dtypes.float8_e3m4,
-    ml_dtypes.float8_e4m3,
-    ml_dtypes.float8_e8m0fnu,
-    ml_dtypes.float4_e2m1fn,
-    ml_dtypes.int4,
-    ml_dtypes.uint4,
-    ml_dtypes.int2,
-    ml_dtypes.uint2,
-  )
-]
 
 # (mesh shape, axis names, specs): every way to split or replicate a rank-2 array.
 MESHES = [
