@@ -117,12 +117,16 @@ def _dev_label(name):
 
 def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
     """A benchmark: a py_binary printing medians and ratios against stock JAX, plus `<name>_smoke_cpu`, a test that
-    runs it with --quick so it cannot rot (it asserts nothing about speed)."""
+    runs it with --quick so it cannot rot (it asserts nothing about speed).
+
+    It depends on //benchmarks:support (`import jaxworks_bench`: timing helpers, the JSON rows written with
+    --json PATH). List it in benchmarks/BUILD.bazel's _BENCHMARKS so //benchmarks:all runs it."""
+    deps = deps + [_dev_label(p) for p in pypi] + ["//benchmarks:support"]
     py_binary(
         name = name,
         srcs = srcs,
         main = srcs[0],
-        deps = deps + [_dev_label(p) for p in pypi],
+        deps = deps,
         visibility = ["//benchmarks:__pkg__"],  # //benchmarks:all runs every package's benchmark
         **kwargs
     )
@@ -131,7 +135,7 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         srcs = srcs,
         main = srcs[0],
         args = ["--quick"],
-        deps = deps + [_dev_label(p) for p in pypi],
+        deps = deps,
         env = _backend_env("cpu", 8),
         tags = ["cpu", "benchmark"],
         size = "medium",
