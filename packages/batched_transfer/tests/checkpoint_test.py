@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src import checkpoint
+from jaxworks.batched_transfer._src import checkpoint_files
+from jaxworks.batched_transfer._src import checkpoint_restore as checkpoint
 
 
 def sample_tree():
@@ -419,13 +420,13 @@ def test_a_file_that_changes_after_validation_gets_a_clear_error(
 ):
   bt.save(tmp_path / "d", {"w": np.arange(64, dtype=np.float32)})
   file = tmp_path / "d" / "w.npy"
-  real = checkpoint._load
+  real = checkpoint_files.load
 
   def shrink_then_load(api, where, key, s):
     file.write_bytes(file.read_bytes()[:100])
     return real(api, where, key, s)
 
-  monkeypatch.setattr(checkpoint, "_load", shrink_then_load)
+  monkeypatch.setattr(checkpoint_files, "load", shrink_then_load)
   with pytest.raises(
     ValueError,
     match=r"restore: the leaf at \['w'\] \(key 'w'\): reading .*"
@@ -500,7 +501,7 @@ def test_raw_void_data_without_a_dtype_record_is_refused(tmp_path):
 )
 def test_a_damaged_dtype_record_is_refused(tmp_path, record):
   bt.save(tmp_path / "d", {"x": np.zeros(4, np.float32)})
-  (tmp_path / "d" / checkpoint.DTYPE_RECORD).write_bytes(record)
+  (tmp_path / "d" / checkpoint_files.DTYPE_RECORD).write_bytes(record)
   with pytest.raises(
     ValueError, match="jaxworks.batched_transfer.restore: .*(damaged|knows)"
   ):

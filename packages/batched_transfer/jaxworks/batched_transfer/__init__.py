@@ -11,8 +11,8 @@ from ._src.adopt import uninstall as uninstall
 from ._src.api import device_put as device_put
 from ._src.api import place_for as place_for
 from ._src.api import plan as plan
-from ._src.checkpoint import restore as restore
 from ._src.checkpoint import save as save
+from ._src.checkpoint_restore import restore as restore
 from ._src.plan import PlannedGroup as PlannedGroup
 from ._src.plan import TransferPlan as TransferPlan
 from .version import __version__ as __version__

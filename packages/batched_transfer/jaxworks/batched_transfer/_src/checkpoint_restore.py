@@ -1,0 +1,285 @@
+"""restore: a checkpoint written by save onto devices, validated and streamed.
+
+``restore`` reads only the .npy headers first, checks every key, shape and dtype
+against the target, and only then streams the data, memory-mapped, in batches
+of at most ``max_inflight_bytes``, each placed with one batched device_put.
+
+>>> import os, shutil, tempfile, jax, numpy as np
+>>> from jaxworks.batched_transfer import save
+>>> tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.int32)}
+>>> path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
+>>> save(path, tree)
+>>> like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+>>> out = restore(path, like, placement=jax.devices()[1])
+>>> out["w"].devices(), np.asarray(out["w"])[1].tolist()
+({CpuDevice(id=1)}, [3.0, 4.0, 5.0])
+>>> shutil.rmtree(os.path.dirname(path))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+from jax.experimental.layout import Format
+import numpy as np
+
+from . import checkpoint_files as files
+from . import jax_internals
+from . import targets
+from .api import place
+from .checkpoint import leaf_keys
+from .checkpoint import python_scalar_dtype
+from .progress import Progress
+
+_API = "jaxworks.batched_transfer"
+
+
+def _placement_of(leaf: Any) -> Any:
+  fmt = getattr(leaf, "format", None)
+  if isinstance(fmt, Format) and fmt.sharding is not None:
+    return fmt if fmt.layout is not None else fmt.sharding
+  return getattr(leaf, "sharding", None)
+
+
+def _target_spec(
+  api: str, where: str, x: Any
+) -> tuple[tuple[int, ...], np.dtype, bool]:
+  """(shape, dtype, weak_type) a target leaf asks for."""
+  scalar_dtype = python_scalar_dtype(x)
+  if (
+    scalar_dtype is not None
+  ):  # as jax.device_put places it, and save stores it
+    return (
+      (),
+      scalar_dtype,
+      not isinstance(x, bool),
+    )  # JAX gives bools a strong type
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  try:
+    if shape is None:
+      raise TypeError("no shape")
+    shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+      f"{api}: the target leaf at {where} is {x!r:.80} of type {type(x).__name__}, which has no "
+      "shape and dtype; use jax.ShapeDtypeStruct, an array or a Python scalar "
+      "(jax.eval_shape(init_fn) gives such a tree)"
+    ) from None
+  return shape, dtype, bool(getattr(x, "weak_type", False))
+
+
+def _dtype_text(dtype: np.dtype) -> str:
+  return dtype.name if dtype.isnative else dtype.str
+
+
+def _x32(dtype: np.dtype) -> np.dtype:
+  """What JAX makes of ``dtype`` with jax_enable_x64 off."""
+  with jax.enable_x64(False):
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _check_leaf(
+  api: str,
+  where: str,
+  key: str,
+  s: files.Stored,
+  shape: tuple[int, ...],
+  dtype: np.dtype,
+) -> None:
+  """Shape, dtype and data extent of one stored array against its target leaf."""
+  if s.exact is None and s.dtype.kind == "V" and s.dtype.fields is None:
+    raise ValueError(
+      f"{api}: the leaf at {where} (key {key!r}) is stored in {s.where} as raw "
+      f"{s.dtype.itemsize}-byte values with no dtype record, so its type is unknown (several "
+      f"types are {s.dtype.itemsize} bytes wide); write the checkpoint with "
+      "jaxworks.batched_transfer.save, which records exact dtype names"
+    )
+  stored = s.value_dtype
+  # The target may name the stored dtype as JAX canonicalizes it (float32 for float64 data
+  # with jax_enable_x64 off, as jax.eval_shape reports it): the data is then placed as
+  # jax.device_put places it.
+  same = (
+    stored == dtype or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
+  )
+  if s.shape != shape or not same:
+    hint = ""
+    if (
+      s.shape == shape and jax_internals.enable_x64() and _x32(stored) == dtype
+    ):
+      hint = (
+        f". With jax_enable_x64 on, {dtype.name} data is not {stored.name}: restore "
+        f"into a target leaf of dtype {stored.name}, or outside jax.enable_x64"
+      )
+    raise ValueError(
+      f"{api}: the leaf at {where} (key {key!r}) is stored as "
+      f"{_dtype_text(stored)}{list(s.shape)} but the target expects "
+      f"{dtype.name}{list(shape)}{hint}"
+    )
+  if s.data_bytes != s.nbytes:
+    raise ValueError(
+      f"{api}: the leaf at {where} (key {key!r}): {s.where} holds {s.data_bytes} bytes of "
+      f"data but its header ({_dtype_text(stored)}{list(s.shape)}) needs {s.nbytes}; the file "
+      "is truncated or damaged. Nothing was placed"
+    )
+
+
+def _weak(y: Any) -> Any:
+  """``y`` with a weak type (as jax.device_put gives a Python scalar), sharing its buffer."""
+  return jax_internals.committed_array(
+    y, y.aval.update(weak_type=True), y.sharding, committed=y.committed
+  )
+
+
+def restore(
+  path: str | os.PathLike[str],
+  target: Any,
+  *,
+  placement: Any = None,
+  max_inflight_bytes: int = 256 * 2**20,
+  progress: bool | None = None,
+) -> Any:
+  """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
+
+  Args:
+    path: an .npz file or a directory of .npy files.
+    target: a pytree whose leaves say what to expect: jax.ShapeDtypeStruct,
+      jax.Array or numpy array leaves (their .shape, .dtype and weak_type), or
+      Python scalars (a 0-d array of the dtype and weak type jax.device_put
+      gives them), as ``jax.eval_shape(init_fn)`` returns. Unless ``placement``
+      is given, each leaf's .format / .sharding says where it goes (none: the
+      default device).
+    placement: a device_put target (Device, Sharding, Format or a pytree
+      prefix of them) overriding the target leaves' placement.
+    max_inflight_bytes: the most bytes read and transferred at once; a batch
+      is placed and finished before the next is read. A single larger leaf
+      goes alone.
+    progress: draw a progress bar on stderr: True, False, or None (only when
+      stderr is a terminal).
+
+  Returns:
+    A pytree like ``target`` of placed jax.Arrays (weakly typed where the target
+    leaf is).
+
+  Raises:
+    ValueError: a key missing from or extra in the file, a shape or exact
+      dtype that differs from the target's, or data shorter or longer than its
+      header says (the message names the tree path and the file); raised
+      before any array is placed.
+    TypeError: a target leaf with no shape and dtype.
+  """
+  api = f"{_API}.restore"
+  path = os.fspath(path)
+  if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+    raise ValueError(
+      f"{api}: max_inflight_bytes must be a positive int, got "
+      f"{max_inflight_bytes!r}"
+    )
+  keys, paths, leaves, treedef = leaf_keys(api, target)
+  specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
+  if os.path.isdir(path):
+    stored, record = files.open_directory(api, path)
+  elif os.path.isfile(path):
+    stored, record = files.open_npz(api, path)
+  else:
+    raise FileNotFoundError(
+      f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
+      "directory of .npy files written by save)"
+    )
+  files.apply_record(api, path, stored, record)
+
+  # 1. Validate everything before placing anything.
+  missing = [(p, k) for p, k in zip(paths, keys) if k not in stored]
+  if missing:
+    listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
+    raise ValueError(
+      f"{api}: {len(missing)} leaves of the target are missing from {path!r}: "
+      f"{listed}{' ...' if len(missing) > 5 else ''}"
+    )
+  extra = sorted(set(stored) - set(keys))
+  if extra:
+    raise ValueError(
+      f"{api}: {path!r} holds {len(extra)} arrays the target has no leaf for: "
+      f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
+      "target with these leaves"
+    )
+  if placement is None:
+    places = [_placement_of(x) for x in leaves]
+  else:
+    places = targets.broadcast_prefix(
+      api,
+      "placement",
+      placement,
+      target,
+      treedef,
+      len(leaves),
+      targets.is_target_leaf,
+      targets.TARGET_TEXT,
+    )
+  normalized: dict[int, Any] = {}
+  for p, where, key, (want_shape, want_dtype, _) in zip(
+    places, paths, keys, specs
+  ):
+    _check_leaf(api, where, key, stored[key], want_shape, want_dtype)
+    if id(p) not in normalized:
+      try:
+        normalized[id(p)] = targets.normalize_target(api, p)
+      except targets.Delegate:
+        raise ValueError(
+          f"{api}: placement {p!r} at {where} depends on the mesh context; pass "
+          "a Sharding"
+        ) from None
+      except ValueError as err:
+        raise ValueError(
+          f"{err} (the placement of the leaf at {where}; a target leaf's "
+          "sharding is its placement unless placement= is given)"
+        ) from None
+    sharding = normalized[id(p)][0]
+    if sharding is not None:
+      try:
+        sharding.shard_shape(want_shape)
+      except Exception as err:  # the sharding's own message says why
+        raise ValueError(
+          f"{api}: the leaf at {where} with shape {want_shape} cannot be "
+          f"placed on {sharding}: {err}"
+        ) from None
+
+  # 2. Stream: read (memory-mapped) and place batch by batch.
+  out: list[Any] = [None] * len(leaves)
+  bar = Progress(
+    "restore", sum(stored[k].nbytes for k in keys), enabled=progress
+  )
+  batch: list[int] = []
+  batch_bytes = 0
+
+  def flush() -> None:
+    arrays = [
+      files.load(api, paths[i], keys[i], stored[keys[i]]) for i in batch
+    ]
+    # A copy, not an alias of the mapped file: the arrays must not change (or fault) when
+    # the file is rewritten, and max_inflight_bytes bounds real reads.
+    placed = place(arrays, [places[i] for i in batch], copy_host=True, api=api)
+    jax.block_until_ready(placed)
+    for i, y in zip(batch, placed):
+      out[i] = _weak(y) if specs[i][2] else y
+    bar.update(sum(stored[keys[i]].nbytes for i in batch))
+
+  try:
+    for i, key in enumerate(keys):
+      nbytes = stored[key].nbytes
+      if batch and batch_bytes + nbytes > max_inflight_bytes:
+        flush()
+        batch, batch_bytes = [], 0
+      batch.append(i)
+      batch_bytes += nbytes
+    if batch:
+      flush()
+  except BaseException:
+    for y in out:  # nothing stays half-placed
+      if isinstance(y, jax.Array) and not y.is_deleted():
+        y.delete()
+    raise
+  finally:
+    bar.close()
+  return treedef.unflatten(out)
