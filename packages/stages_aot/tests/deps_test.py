@@ -29,7 +29,7 @@ def test_jit_cache_is_loaded_and_recent_enough():
   import jaxworks.jit_cache as jit_cache
 
   assert deps.load_jit_cache() is jit_cache
-  assert deps._version_tuple(jit_cache.__version__) >= deps._version_tuple(
-    deps.MIN_JIT_CACHE_VERSION
+  deps.check_version(
+    "jaxworks.jit_cache", jit_cache.__version__, deps.MIN_JIT_CACHE_VERSION
   )
   assert entry.default_jit() is jit_cache.jit

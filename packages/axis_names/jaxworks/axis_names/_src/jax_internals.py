@@ -30,19 +30,9 @@ directly by the other modules; only what has no public door lives here:
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
+from . import deps as _deps
 
-from packaging.specifiers import SpecifierSet as _SpecifierSet
-
-#: The jax/jaxlib releases whose private internals this module is written for.
-SUPPORTED_JAX = ">=0.10.2,<0.11"
-_FOUND = {d: _metadata.version(d) for d in ("jax", "jaxlib")}
-if not all(_SpecifierSet(SUPPORTED_JAX).contains(v) for v in _FOUND.values()):
-  raise ImportError(
-    f"jaxworks.axis_names supports jax and jaxlib {SUPPORTED_JAX} (it uses their "
-    f"private internals); found {_FOUND}. Install a supported release: "
-    f"pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}'"
-  )
+_deps.check_jax()  # before any private JAX name is imported
 
 import re
 

@@ -7,56 +7,21 @@ transfer code. Everything else in the package uses public JAX only.
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
+from . import deps as _deps
 
-from packaging.specifiers import SpecifierSet as _SpecifierSet
-
-#: The jax/jaxlib releases whose private internals this module is written for.
-SUPPORTED_JAX = ">=0.10.2,<0.11"
-_FOUND = {d: _metadata.version(d) for d in ("jax", "jaxlib")}
-if not all(_SpecifierSet(SUPPORTED_JAX).contains(v) for v in _FOUND.values()):
-  raise ImportError(
-    f"jaxworks.batched_transfer supports jax and jaxlib {SUPPORTED_JAX} (it uses their "
-    f"private internals); found {_FOUND}. Install a supported release: "
-    f"pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}'"
-  )
+_deps.check_jax()  # before any private JAX name is imported
 
 import functools
-import re
 from typing import Any
 
-import jax
-
-MIN_JAX = (0, 10, 2)
-
-
-def check_jax_version(version: str) -> None:
-  """Raises an actionable RuntimeError when ``version`` is older than MIN_JAX.
-
-  >>> check_jax_version("0.10.2")
-  >>> check_jax_version("0.4.30")
-  Traceback (most recent call last):
-  RuntimeError: jaxworks.batched_transfer needs jax>=0.10.2 (its private names are pinned there), found jax 0.4.30; run: pip install -U "jax>=0.10.2" "jaxlib>=0.10.2"
-  """
-  found = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
-  if found < MIN_JAX:
-    want = ".".join(map(str, MIN_JAX))
-    raise RuntimeError(
-      f"jaxworks.batched_transfer needs jax>={want} (its private names are pinned there), "
-      f'found jax {version}; run: pip install -U "jax>={want}" "jaxlib>={want}"'
-    )
-
-
-check_jax_version(jax.__version__)
-
-from jax._src import api as _api  # noqa: E402  (after the version check)
-from jax._src import array as _array  # noqa: E402
-from jax._src import config as _config  # noqa: E402
-from jax._src import core as _core  # noqa: E402
-from jax._src import dispatch as _dispatch  # noqa: E402
-from jax._src import layout as _layout  # noqa: E402
-from jax._src.interpreters import pxla as _pxla  # noqa: E402
-from jax._src.lib import xla_client as _xc  # noqa: E402
+from jax._src import api as _api
+from jax._src import array as _array
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src import layout as _layout
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import xla_client as _xc
 
 # Stock JAX's device_put and jit, taken from where JAX defines them, not from
 # the `jax` module's attributes: a program may assign jaxworks' functions (or

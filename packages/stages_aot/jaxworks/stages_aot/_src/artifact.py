@@ -26,16 +26,15 @@ import hashlib
 import json
 import os
 import pathlib
-import platform as _platform
 import secrets
 import shutil
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
 
 from ..version import __version__
+from . import deps
 from .exported import Exported
 from .exported import deserialize
 from .exported import read_own_serialization
@@ -114,26 +113,6 @@ def _values_json(names, avals, shardings) -> list[dict[str, Any]]:
   ]
 
 
-def _versions() -> dict[str, str]:
-  versions = {
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "numpy": np.__version__,
-    "python": _platform.python_version(),
-    "jaxworks.stages_aot": __version__,
-  }
-  jit_cache_version = None
-  try:
-    from jaxworks import jit_cache
-  except ImportError:
-    pass
-  else:
-    jit_cache_version = getattr(jit_cache, "__version__", None)
-  if jit_cache_version is not None:
-    versions["jaxworks.jit_cache"] = jit_cache_version
-  return versions
-
-
 def _levels(exported: Exported) -> list[Exported]:
   levels = [exported]
   for _ in range(exported.vjp_order):
@@ -196,7 +175,7 @@ def build_manifest(
     "format": FORMAT,
     "format_version": FORMAT_VERSION,
     **_program_fields(exported),
-    "versions": _versions(),
+    "versions": deps.written_by(),
     "files": {
       name: {"sha256": _sha256(data), "size": len(data)}
       for name, data in sorted(files.items())

@@ -1,21 +1,38 @@
-"""Minimum versions of the jaxworks packages this package depends on."""
+"""The releases jaxworks.stages_aot needs, and the ones an artifact records.
+
+``jax_internals`` calls ``check_jax`` before it imports any private JAX name;
+``load_jit_cache`` imports the one jaxworks package this one uses;
+``written_by`` is the ``versions`` field of an artifact's manifest. Installed
+distributions are read with ``importlib.metadata``, a jaxworks package's
+release from the module that was imported, and versions are compared by
+``packaging`` (PEP 440 order: ``0.10.0`` comes after ``0.9.1``).
+"""
 
 from __future__ import annotations
 
+from importlib import metadata
+import platform
+
+from packaging.specifiers import SpecifierSet
+
+from ..version import __version__
+
+#: The jax/jaxlib releases whose private internals this package is written for.
+SUPPORTED_JAX = ">=0.10.2,<0.11"
+_JAX_RANGE = SpecifierSet(SUPPORTED_JAX, prereleases=True)  # nightlies too
 #: jaxworks.jit_cache is the entry point of the stages (``jit(f).trace(...)``).
 MIN_JIT_CACHE_VERSION = "0.1.0"
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-  parts = []
-  for piece in version.split("."):
-    digits = "".join(ch for ch in piece if ch.isdigit())
-    if not digits:
-      break
-    parts.append(int(digits))
-    if digits != piece:
-      break
-  return tuple(parts)
+def check_jax() -> None:
+  """Raises ImportError unless the installed jax and jaxlib are supported."""
+  found = {d: metadata.version(d) for d in ("jax", "jaxlib")}
+  if not all(v in _JAX_RANGE for v in found.values()):
+    raise ImportError(
+      f"jaxworks.stages_aot supports jax and jaxlib {SUPPORTED_JAX} (it uses "
+      f"their private internals); found {found}. Install a supported "
+      f"release: pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}'"
+    )
 
 
 def check_version(package: str, installed: str, minimum: str) -> None:
@@ -27,7 +44,7 @@ def check_version(package: str, installed: str, minimum: str) -> None:
   ...
   RuntimeError: jaxworks.stages_aot needs jaxworks.jit_cache >= 0.1.0, but 0.0.9 is installed; upgrade it (pip install -U 'jaxworks-jit-cache>=0.1.0')
   """
-  if _version_tuple(installed) < _version_tuple(minimum):
+  if installed not in SpecifierSet(f">={minimum}", prereleases=True):
     dist = package.replace(".", "-").replace("_", "-")
     raise RuntimeError(
       f"jaxworks.stages_aot needs {package} >= {minimum}, but {installed} is "
@@ -63,3 +80,16 @@ def load_jit_cache():
     )
   check_version("jaxworks.jit_cache", version, MIN_JIT_CACHE_VERSION)
   return module
+
+
+def written_by() -> dict[str, str]:
+  """The releases that write an artifact (its manifest's ``versions``).
+
+  jax, jaxlib and numpy as installed, the Python version, and the jaxworks
+  packages as imported.
+  """
+  versions = {d: metadata.version(d) for d in ("jax", "jaxlib", "numpy")}
+  versions["python"] = platform.python_version()
+  versions["jaxworks.stages_aot"] = __version__
+  versions["jaxworks.jit_cache"] = load_jit_cache().__version__
+  return versions

@@ -24,19 +24,9 @@ one, so that a JAX upgrade that moves or changes one fails there first:
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
+from . import deps as _deps
 
-from packaging.specifiers import SpecifierSet as _SpecifierSet
-
-#: The jax/jaxlib releases whose private internals this module is written for.
-SUPPORTED_JAX = ">=0.10.2,<0.11"
-_FOUND = {d: _metadata.version(d) for d in ("jax", "jaxlib")}
-if not all(_SpecifierSet(SUPPORTED_JAX).contains(v) for v in _FOUND.values()):
-  raise ImportError(
-    f"jaxworks.stages_aot supports jax and jaxlib {SUPPORTED_JAX} (it uses their "
-    f"private internals); found {_FOUND}. Install a supported release: "
-    f"pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}'"
-  )
+_deps.check_jax()  # before any private JAX name is imported
 
 import jax
 from jax._src import api as _api
