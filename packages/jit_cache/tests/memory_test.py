@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxworks import jit_cache
 from jaxworks.jit_cache import jit
-from jaxworks.jit_cache._src import api
 from jaxworks.jit_cache._src import cache
+from jaxworks.jit_cache._src import executables
 from jaxworks.jit_cache._src import fingerprint
 
 MIB = 1 << 20
@@ -46,18 +46,18 @@ def _exercise(f, x):
 def test_forty_deleted_functions_leave_no_entries_and_no_pinned_executables():
   jit_cache.clear_caches()
   x = jnp.ones(4)
-  before_entries = len(_live(api._Entry))  # pylint: disable=protected-access
+  before_entries = len(_live(cache.Entry))  # pylint: disable=protected-access
   fs = []
   for k in range(40):
     big = jnp.full((32768,), float(k))  # 128 KiB: kept by identity (pins)
     fs.append(jit(lambda v, big=big: v + big[:4]))
     fs[-1](x)
   assert jit_cache.stats().executables == 40
-  assert len(_live(api._Executable)) == 40  # pylint: disable=protected-access
+  assert len(_live(executables.Executable)) == 40  # pylint: disable=protected-access
   del fs
   gc.collect()
-  assert len(_live(api._Executable)) == 0  # pylint: disable=protected-access
-  assert len(_live(api._Entry)) == before_entries  # pylint: disable=protected-access
+  assert len(_live(executables.Executable)) == 0  # pylint: disable=protected-access
+  assert len(_live(cache.Entry)) == before_entries  # pylint: disable=protected-access
   s = jit_cache.stats()
   assert s.executables == 0
   assert s.entries == len(cache.GLOBAL_ENTRIES)
@@ -72,15 +72,15 @@ def test_forty_deleted_plain_functions_only_keep_bounded_shared_programs():
   del fs, f
   gc.collect()
   assert len(cache.GLOBAL_ENTRIES) == 0
-  held = len(_live(api._Executable))  # pylint: disable=protected-access
+  held = len(_live(executables.Executable))  # pylint: disable=protected-access
   assert held == jit_cache.stats().executables == 40  # the shared LRU
   jit_cache.set_global_maxsize(executables=8)
   try:
-    assert len(_live(api._Executable)) == 8  # pylint: disable=protected-access
+    assert len(_live(executables.Executable)) == 8  # pylint: disable=protected-access
   finally:
     jit_cache.set_global_maxsize(executables=cache.DEFAULT_EXECUTABLE_MAXSIZE)
   jit_cache.clear_caches()
-  assert len(_live(api._Executable)) == 0  # pylint: disable=protected-access
+  assert len(_live(executables.Executable)) == 0  # pylint: disable=protected-access
   assert jit_cache.stats().executables == 0
 
 
@@ -170,5 +170,5 @@ def test_clear_caches_empties_every_cache():
   assert (s.entries, s.executables, s.dispatch_entries) == (0, 0, 0)
   assert len(cache.GLOBAL_ENTRIES) == 0 and len(cache.EXECUTABLES) == 0
   assert len(fingerprint._MEMO) == 0  # pylint: disable=protected-access
-  assert len(_live(api._Executable)) == 0  # pylint: disable=protected-access
+  assert len(_live(executables.Executable)) == 0  # pylint: disable=protected-access
   np.testing.assert_array_equal(f(jnp.ones(2)), jnp.sin(jnp.ones(2)) + 5)

@@ -14,7 +14,6 @@ from ._src.adopt import installed as installed
 from ._src.adopt import is_installed as is_installed
 from ._src.adopt import uninstall as uninstall
 from ._src.api import JitFunction as JitFunction
-from ._src.api import Traced as Traced
 from ._src.api import clear_caches as clear_caches
 from ._src.api import eval_shape as eval_shape
 from ._src.api import jit as jit
@@ -25,6 +24,7 @@ from ._src.api import stats as stats
 from ._src.cache import CacheInfo as CacheInfo
 from ._src.disk_cache import config as config
 from ._src.disk_cache import set_cache_dir as set_cache_dir
+from ._src.stages import Traced as Traced
 from .version import __version__ as __version__
 
 __all__ = [

@@ -16,6 +16,11 @@ Three structures, all thread-safe:
 
 ``SingleFlight`` makes concurrent callers with the same key wait for the one
 computing it, instead of tracing or compiling the same thing several times.
+
+Per function: ``FunctionCache`` holds its trace entries (``Entry``: a cached
+jaxpr with its jit parameters and executables per placement), LRU by abstract
+key and indexed by argument ``Signature``; ``Uncacheable`` is a trace used
+once and never stored.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ import dataclasses
 import threading
 from typing import Any
 import weakref
+
+import jax
+
+_jax_config = jax.config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,3 +365,180 @@ class ExecutableCache:
 
 DEFAULT_EXECUTABLE_MAXSIZE = 1024
 EXECUTABLES = ExecutableCache(DEFAULT_EXECUTABLE_MAXSIZE)
+
+# ------------------------------------------------ per-function trace entries
+
+#: Signatures that may point at one trace entry.
+ALIASES_PER_ENTRY = 16
+
+#: Config values named in explain_miss when the trace context differs.
+EXPLAINED_CONFIG = (
+  "jax_enable_x64",
+  "jax_default_matmul_precision",
+  "jax_numpy_rank_promotion",
+  "jax_numpy_dtype_promotion",
+  "jax_default_device",
+  "jax_default_prng_impl",
+  "jax_threefry_partitionable",
+)
+
+
+def config_snapshot() -> dict[str, Any]:
+  """The ``EXPLAINED_CONFIG`` values now (kept per entry for explain_miss)."""
+  out = {}
+  for name in EXPLAINED_CONFIG:
+    try:
+      out[name] = getattr(_jax_config, name)
+    except AttributeError:
+      pass
+  return out
+
+
+class Entry:
+  """One traced program: the cached jaxpr and jit parameters."""
+
+  __slots__ = (
+    "params",
+    "jaxpr",
+    "in_tree",
+    "out_tree",
+    "trace_seconds",
+    "key",
+    "base_key",
+    "sigs",
+    "executables",
+    "axis_sizes",
+    "portable",
+    "lock",
+    "config",
+    "__weakref__",
+  )
+
+  def __init__(
+    self,
+    params: dict,
+    in_tree: Any,
+    out_tree: Any,
+    trace_seconds: float,
+    key: Hashable,
+    base_key: Hashable | None,
+    axis_sizes: dict,
+    config: dict,
+  ):
+    self.params = params
+    self.jaxpr = params["jaxpr"]
+    self.in_tree = in_tree
+    self.out_tree = out_tree
+    self.trace_seconds = trace_seconds
+    self.key = key
+    self.base_key = base_key
+    self.sigs: list[Any] = []
+    self.executables: collections.OrderedDict[Any, Any] = (
+      collections.OrderedDict()
+    )
+    self.axis_sizes = axis_sizes
+    self.portable: bool | None = None
+    self.lock = threading.Lock()
+    self.config = config
+
+
+class Uncacheable:
+  """A trace that must not be cached (closes over outer tracers, or uses
+  mutable refs): used once, never stored."""
+
+  __slots__ = ("traced", "params", "consts", "out_tree", "high")
+
+  def __init__(
+    self, traced: Any, params: dict, consts: list, out_tree: Any, high: bool
+  ):
+    self.traced = traced
+    self.params = params
+    self.consts = consts
+    self.out_tree = out_tree
+    self.high = high
+
+
+class FunctionCache:
+  """Trace entries of one function: LRU by abstract key, indexed by Signature."""
+
+  def __init__(self, maxsize: int, counters: Counters):
+    self.maxsize = maxsize
+    self.counters = counters
+    self.by_sig: dict[Any, Entry] = {}
+    self.by_key: collections.OrderedDict[Hashable, Entry] = (
+      collections.OrderedDict()
+    )
+    self.shared: dict[Hashable, list[Entry]] = {}
+    self.lock = threading.RLock()
+    self.flight = SingleFlight()
+
+  def __len__(self) -> int:
+    return len(self.by_key)
+
+  def touch(self, entry: Entry) -> None:
+    try:
+      self.by_key.move_to_end(entry.key)
+    except KeyError:
+      pass
+    GLOBAL_ENTRIES.touch(entry)
+
+  def insert(self, entry: Entry) -> None:
+    victims = []
+    with self.lock:
+      self.by_key[entry.key] = entry
+      if entry.base_key is not None:
+        self.shared.setdefault(entry.base_key, []).append(entry)
+      while len(self.by_key) > self.maxsize:
+        victims.append(next(iter(self.by_key.values())))
+        self._remove(victims[-1])
+    for victim in victims:
+      GLOBAL_ENTRIES.discard(victim)
+      self._count_eviction()
+    GLOBAL_ENTRIES.add(entry, self)
+
+  def alias(self, sig: Any, entry: Entry) -> None:
+    with self.lock:
+      if self.by_key.get(entry.key) is not entry:
+        return  # evicted meanwhile
+      self.by_sig[sig] = entry
+      entry.sigs.append(sig)
+      if len(entry.sigs) > ALIASES_PER_ENTRY:
+        self.by_sig.pop(entry.sigs.pop(0), None)
+
+  def _remove(self, entry: Entry) -> None:
+    if self.by_key.get(entry.key) is entry:
+      del self.by_key[entry.key]
+    for sig in entry.sigs:
+      if self.by_sig.get(sig) is entry:
+        del self.by_sig[sig]
+    if entry.base_key is not None:
+      peers = self.shared.get(entry.base_key, [])
+      if entry in peers:
+        peers.remove(entry)
+      if not peers:
+        self.shared.pop(entry.base_key, None)
+
+  def _count_eviction(self) -> None:
+    self.counters.evictions += 1
+    GLOBAL_COUNTERS.evictions += 1
+
+  def evict(self, entry: Entry, from_global: bool = False) -> None:
+    with self.lock:
+      present = self.by_key.get(entry.key) is entry
+      self._remove(entry)
+    if present:
+      self._count_eviction()
+    if not from_global:
+      GLOBAL_ENTRIES.discard(entry)
+
+  def clear(self) -> None:
+    with self.lock:
+      entries = list(self.by_key.values())
+      self.by_sig.clear()
+      self.by_key.clear()
+      self.shared.clear()
+    for entry in entries:
+      GLOBAL_ENTRIES.discard(entry)
+
+  def executables(self) -> int:
+    return sum(len(e.executables) for e in list(self.by_key.values()))

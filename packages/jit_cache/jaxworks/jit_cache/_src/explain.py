@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import cache as _cache
 from . import jax_internals as ji
 from . import signature as _sig
 
@@ -38,10 +39,8 @@ def _static_label(where: Any, fn: Any) -> str:
 
 
 def _context_diffs(entry: Any, old_ctx: Any, ctx: Any) -> list[str]:
-  from .api import _config_snapshot  # pylint: disable=g-import-not-at-top
-
   out = []
-  now = _config_snapshot()
+  now = _cache.config_snapshot()
   for name, value in now.items():
     if name in entry.config and entry.config[name] != value:
       out.append(f"config {name}: {entry.config[name]} -> {value}")

@@ -1,0 +1,567 @@
+"""The machinery of one jitted function: ``_JitCore``.
+
+How a call flows (the whole mechanism):
+
+1. ``f(*args)`` at top level enters jaxlib's C++ dispatcher, built once per
+   function over our ``_cache_miss``. A signature it has seen runs the stored
+   executable without any Python (fast re-dispatch). Under a trace
+   ``JitFunction`` goes to ``_cache_miss`` directly.
+2. Otherwise ``_cache_miss`` splits static arguments, flattens the rest and
+   asks the C++ extension for a ``Signature`` (kind, aval, sharding, committed
+   per leaf + tree structure, statics and JAX's trace context).
+3. Trace cache: ``Signature`` -> entry. On a miss the abstract values decide
+   (an entry traced for other placements or leaf kinds with the same avals is
+   reused), then entries traced under another axis environment whose jaxpr uses
+   the same axis sizes (found with ``jaxworks.axis_names``), and only then JAX
+   traces the Python function, once even with many threads asking.
+4. Under an outer trace, a hit re-emits the cached jaxpr with
+   ``jit_p.bind(*args, **cached_params)``: neither the Python function nor
+   JAX's parameter inference runs again.
+5. At top level the entry's executable is looked up by placement, then in the
+   process-wide executable cache by structural fingerprint (jaxpr structure,
+   literals, constants, parameters, placement, context): a re-created closure
+   reuses what an earlier one compiled. With a cache directory set
+   (``set_cache_dir``, opt-in), a program keyed by content alone is then
+   looked up on disk (``disk_cache.py``) before it is lowered and compiled,
+   and written there after. The result goes back to the C++ dispatcher as its
+   fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+import inspect
+import os
+import threading
+import time
+from typing import Any
+import weakref
+
+import jax
+from jax.extend import source_info_util as jex_source_info
+from jax.extend.core import primitives as jex_primitives
+
+from .. import _signature as _ext
+from . import argnums as _argnums
+from . import cache as _cache
+from . import deps as _deps
+from . import disk_cache as _disk
+from . import executables as _executables
+from . import explain
+from . import fingerprint as _fingerprint
+from . import jax_internals as ji
+from . import signature as _sig
+from . import stages as _stages
+
+_axis_names = _deps.load_axis_names()
+
+#: This package's directory (jaxworks/jit_cache/). Its frames are not user
+#: code: source locations in jaxprs and lowered modules skip them, as they skip
+#: jax's own, and name the user's call instead of our dispatch code.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+jex_source_info.register_exclusion(PACKAGE_DIR)
+
+_jit_p = jex_primitives.jit_p
+# Hot-path names bound once.
+_flatten = ji.tracing_registry.flatten
+_trace_context = ji.trace_context
+_trace_state_clean = ji.trace_state_clean
+_debug_modes_on = ji.debug_modes_on
+_signature = _sig.signature
+_CONTEXT = _ext.ContextInterner(16)
+# Stock JAX callables bound at import, never looked up on ``jax`` at call time:
+# after ``jax.jit = jit_cache.jit`` (the drop-in swap) they are still stock's.
+_stock_jit = ji.stock_jit
+_Tracer = jax.core.Tracer
+_test_event = ji.test_event
+
+#: Default of in_shardings/out_shardings: stock jax.jit's own default object.
+UNSET: Any = ji.UNSPECIFIED
+
+#: Every live core (for ``stats()``, ``reset_stats()``, ``clear_caches()``).
+REGISTRY: weakref.WeakSet[_JitCore] = weakref.WeakSet()
+REGISTRY_LOCK = threading.Lock()
+
+
+def _counting(fun: Callable, counters: _cache.Counters) -> Callable:
+  """``fun``, counting its executions (= traces) in ``counters``."""
+
+  @functools.wraps(fun)
+  def traced_fun(*args, **kwargs):
+    counters.traces += 1
+    _cache.GLOBAL_COUNTERS.traces += 1
+    return fun(*args, **kwargs)
+
+  # functools.wraps skips what `fun` lacks (a partial has no __name__): keep
+  # the name jax.jit would report for `fun` itself.
+  traced_fun.__name__ = _argnums.fun_name(fun)
+  traced_fun.__qualname__ = getattr(fun, "__qualname__", traced_fun.__name__)
+  return traced_fun
+
+
+class _WeakCallable:
+  """Calls a weakly held function.
+
+  A function's shared :class:`_JitCore` (its trace cache, dispatcher and stock
+  jit) lives as long as the function and must not keep it alive itself: it
+  calls the function through this proxy. ``__wrapped__`` leads to the function
+  while it lives, so JAX's debug info (name, source location, signature) is
+  the function's own.
+
+  Raises:
+    TypeError: ``fun`` is not weakly referenceable.
+  """
+
+  def __init__(self, fun: Callable, ref: Any = None):
+    self._ref = weakref.ref(fun) if ref is None else ref
+    self.__name__ = _argnums.fun_name(fun)
+    self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
+    # None when fun has no module (typeshed types __module__ as str only).
+    self.__module__ = getattr(fun, "__module__", None)  # type: ignore[assignment]
+
+  @property
+  def __wrapped__(self) -> Callable:
+    fun = self._ref()
+    if fun is None:
+      raise AttributeError("__wrapped__")
+    return fun
+
+  def __call__(self, *args, **kwargs):
+    fun = self._ref()
+    if fun is None:
+      raise RuntimeError(
+        f"jaxworks.jit_cache: function {self.__qualname__} was garbage "
+        "collected; keep a reference to it while you use it"
+      )
+    return fun(*args, **kwargs)
+
+
+class _JitCore:
+  """The machinery of one (function, jit options): trace cache, C++
+  dispatcher, stock jit for tracing. Shared by every :class:`JitFunction`
+  wrapping that function with those options (see :func:`jit`)."""
+
+  def __init__(
+    self,
+    fun: Callable,
+    name: str,
+    fun_state: tuple,
+    *,
+    static_argnums: Any,
+    static_argnames: Any,
+    donate_argnums: Any,
+    donate_argnames: Any,
+    in_shardings: Any,
+    out_shardings: Any,
+    keep_unused: bool,
+    device: Any,
+    backend: Any,
+    inline: bool,
+    compiler_options: dict[str, Any] | None,
+    maxsize: int,
+  ):
+    # `fun` is the user's function, or a _WeakCallable of it for shared cores.
+    specs = (static_argnums, static_argnames, donate_argnums, donate_argnames)
+    signature = (
+      None
+      if all(v is None for v in specs)  # the common case
+      else _argnums.signature_of(fun)
+    )
+    s_nums, s_names = _argnums.resolve_argnums(
+      fun, name, signature, static_argnums, static_argnames, "static"
+    )
+    _argnums.resolve_argnums(
+      fun, name, signature, donate_argnums, donate_argnames, "donate"
+    )
+    self.fun_state = fun_state
+    self._fun = fun
+    self._name = name
+    self._static_argnums = s_nums
+    self._static_argnames = frozenset(s_names)
+    self._has_statics = bool(s_nums or s_names)
+    self._maxsize = maxsize
+    jax_kwargs: dict[str, Any] = dict(
+      static_argnums=s_nums,
+      static_argnames=s_names,
+      donate_argnums=donate_argnums,
+      donate_argnames=donate_argnames,
+      keep_unused=keep_unused,
+      inline=inline,
+      compiler_options=compiler_options,
+    )
+    if in_shardings is not UNSET:
+      jax_kwargs["in_shardings"] = in_shardings
+    if out_shardings is not UNSET:
+      jax_kwargs["out_shardings"] = out_shardings
+    if device is not None:
+      jax_kwargs["device"] = device
+    if backend is not None:
+      jax_kwargs["backend"] = backend
+    self._counters = _cache.Counters()
+    # jax.jit does the rest of the per-function preprocessing once, here; we
+    # ask it to trace on misses (through a wrapper that counts the Python
+    # executions) and defer to it in its debug modes.
+    self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
+    self._cache = _cache.FunctionCache(maxsize, self._counters)
+    self_ref = weakref.ref(self)
+
+    def cache_miss(*args, **kwargs):
+      return self_ref()._cache_miss(args, kwargs)  # pylint: disable=protected-access
+
+    self._dispatcher = ji.make_dispatcher(
+      name, fun, cache_miss, s_nums, s_names, maxsize
+    )
+    with REGISTRY_LOCK:
+      REGISTRY.add(self)
+
+  # -- calling ---------------------------------------------------------------
+
+  @functools.cached_property
+  def _param_names(self) -> list[str] | None:
+    """Positional parameter names (for messages only; computed on demand)."""
+    signature = _argnums.signature_of(self._fun)
+    if signature is None:
+      return None
+    return [
+      p.name
+      for p in signature.parameters.values()
+      if p.kind
+      in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+      )
+    ]
+
+  def _cache_miss(self, args: tuple, kwargs: dict):
+    """Everything the C++ dispatcher does not serve (steps 2-5 above)."""
+    if _debug_modes_on():
+      return self._jax(*args, **kwargs), None, False
+    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
+    entry = self._cache.by_sig.get(sig)
+    if entry is not None:  # the hot path of inner calls, inlined
+      self._hit(entry)
+      self._cache.touch(entry)
+    else:
+      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
+    top_level = _trace_state_clean()
+    if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
+      if entry.high or top_level:
+        return self._jax(*args, **kwargs), None, False
+      out_flat = _jit_p.bind(*entry.consts, *leaves, **entry.params)
+      return entry.out_tree.unflatten(out_flat), None, False
+    if not top_level:
+      out_flat = _jit_p.bind(*leaves, **entry.params)
+      return entry.out_tree.unflatten(out_flat), None, False
+    for leaf in leaves:
+      if isinstance(leaf, _Tracer):
+        # A tracer at top level escaped its trace: jax.jit's error says where
+        # it was created.
+        return self._jax(*args, **kwargs), None, False
+    _test_event("jit_cpp_cache_miss")  # as jax.jit's Python call path does
+    exe = self._executable(entry, leaves, ctx)
+    if exe.tokens:
+      out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
+    else:
+      out_flat = exe.mesh_executable.call(*exe.const_args, *leaves)
+    fast = ji.fastpath_data(
+      exe.mesh_executable,
+      entry.out_tree,
+      leaves,
+      out_flat,
+      entry.jaxpr.effects,
+      exe.const_args,
+    )
+    return entry.out_tree.unflatten(out_flat), fast, False
+
+  # -- keys ----------------------------------------------------------------------
+
+  def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+    """(dynamic args, dynamic kwargs, hashable statics key)."""
+    return _argnums.split_statics(
+      args, kwargs, self._static_argnums, self._static_argnames, self._name
+    )
+
+  def _key(self, args: tuple, kwargs: dict):
+    if self._has_statics:
+      dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
+    else:
+      dyn_args, dyn_kwargs, statics = args, kwargs, ()
+    leaves, treedef = _flatten((dyn_args, dyn_kwargs))
+    ctx = _CONTEXT(_trace_context())
+    try:
+      sig = _signature(leaves, (treedef, statics, ctx))
+    except TypeError as e:
+      raise self._bad_argument(args, kwargs, leaves, e) from None
+    return leaves, treedef, statics, ctx, sig
+
+  def _leaf_paths(self, args: tuple, kwargs: dict) -> list[str]:
+    """Readable path of each dynamic leaf, e.g. ``x['w']`` or ``args[2][0]``."""
+    return _argnums.leaf_paths(
+      args,
+      kwargs,
+      self._static_argnums,
+      self._static_argnames,
+      self._param_names,
+    )
+
+  def _bad_argument(
+    self, args: tuple, kwargs: dict, leaves: list, error: Exception
+  ) -> Exception:
+    paths = self._leaf_paths(args, kwargs)
+    for i, leaf in enumerate(leaves):
+      try:
+        _sig.signature([leaf])
+      except TypeError:
+        where = paths[i] if i < len(paths) else f"leaf {i}"
+        return TypeError(
+          f"jaxworks.jit_cache.jit: argument {where} of {self._name} has "
+          f"type {type(leaf).__name__}, which is not a valid JAX type; mark "
+          "it static (static_argnums/static_argnames) or pass an array"
+        )
+    return TypeError(f"jaxworks.jit_cache.jit: {error}")
+
+  # -- the trace cache -----------------------------------------------------------
+
+  def _hit(self, entry: _cache.Entry) -> None:
+    counters = self._counters
+    counters.hits += 1
+    counters.time_saved_s += entry.trace_seconds
+    _cache.GLOBAL_COUNTERS.hits += 1
+    _cache.GLOBAL_COUNTERS.time_saved_s += entry.trace_seconds
+
+  def _entry(
+    self,
+    leaves: list,
+    treedef: Any,
+    statics: tuple,
+    ctx: Any,
+    sig: Any,
+    args: tuple,
+    kwargs: dict,
+  ) -> Any:
+    entry = self._cache.by_sig.get(sig)
+    if entry is not None:
+      self._hit(entry)
+      self._cache.touch(entry)
+      return entry
+    return self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
+
+  def _entry_slow(self, leaves, treedef, statics, ctx, sig, args, kwargs):
+    avals = tuple(ji.shaped_abstractify(x) for x in leaves)
+    key = (avals, treedef, statics, ctx)
+    # The axis environment is read where JAX keeps it, never by its position
+    # in the trace context (user contexts append to that tuple).
+    env = ji.current_axis_env()
+    sizes, spmd, explicit = ji.axis_env_parts(env)
+    base_key = None
+    if sizes:
+      rest = ji.without_axis_env(ctx.values, env)
+      if rest is not None:
+        base_key = (avals, treedef, statics, _CONTEXT(rest), spmd, explicit)
+    cache = self._cache
+    computed = []
+
+    def lookup():
+      entry = cache.by_key.get(key)
+      if entry is None and base_key is not None:
+        entry = self._shared_entry(
+          base_key, sizes, spmd, explicit, args, kwargs
+        )
+      return entry
+
+    def compute():
+      computed.append(True)
+      return self._trace_new(key, base_key, sizes, args, kwargs)
+
+    entry = cache.flight.run(key, lookup, compute)
+    if type(entry) is _cache.Entry:  # pylint: disable=unidiomatic-typecheck
+      if not computed:
+        self._hit(entry)
+        cache.touch(entry)
+      cache.alias(sig, entry)
+    return entry
+
+  def _trace_new(self, key, base_key, sizes, args, kwargs) -> Any:
+    t0 = time.perf_counter()
+    traced = self._jax.trace(*args, **kwargs)
+    seconds = time.perf_counter() - t0
+    self._counters.misses += 1
+    _cache.GLOBAL_COUNTERS.misses += 1
+    params, consts, _, in_tree, out_tree = ji.traced_parts(traced)
+    high = ji.is_high(params["jaxpr"])
+    if consts or high:
+      return _cache.Uncacheable(traced, params, consts, out_tree, high)
+    axis_sizes = {}
+    if sizes:
+      used = _axis_names.used_axis_names(params["jaxpr"])
+      axis_sizes = {n: sizes[n] for n in used if n in sizes}
+    entry = _cache.Entry(
+      params,
+      in_tree,
+      out_tree,
+      seconds,
+      key,
+      base_key,
+      axis_sizes,
+      _cache.config_snapshot(),
+    )
+    self._cache.insert(entry)
+    return entry
+
+  def _shared_entry(self, base_key, sizes, spmd, explicit, args, kwargs):
+    """An entry traced under another axis environment, if it applies here.
+
+    An entry applies when the axis names its jaxpr uses have the same sizes
+    here. A jaxpr can also depend on names it does not mention (for example
+    ``lax.axis_size('i')`` folds to a literal), so before the first sharing
+    the function is traced once more under an environment holding only the
+    used names: the entry is shared only when that trace succeeds and gives a
+    structurally identical jaxpr.
+    """
+    for cand in list(self._cache.shared.get(base_key, ())):
+      if any(sizes.get(n) != s for n, s in cand.axis_sizes.items()):
+        continue
+      if cand.portable is None:
+        cand.portable = self._check_portable(cand, spmd, explicit, args, kwargs)
+      if cand.portable:
+        return cand
+    return None
+
+  def _check_portable(self, cand, spmd, explicit, args, kwargs) -> bool:
+    names = frozenset(cand.axis_sizes)
+    restricted = ji.make_axis_env(
+      cand.axis_sizes, spmd & names, explicit & names
+    )
+    try:
+      with ji.axis_env_set(restricted):
+        traced = self._jax.trace(*args, **kwargs)
+    except Exception:  # pylint: disable=broad-except
+      return False  # needs more of the environment than the names it uses
+    params, consts, _, _, _ = ji.traced_parts(traced)
+    if consts:
+      return False
+    mine = _fingerprint.fingerprint(cand.jaxpr)
+    return mine is not None and mine == _fingerprint.fingerprint(
+      params["jaxpr"]
+    )
+
+  # -- executables -------------------------------------------------------------------
+
+  def _executable(
+    self, entry: _cache.Entry, leaves: list, ctx: Any
+  ) -> _executables.Executable:
+    placement = _sig.signature(leaves, ctx)
+    exe = entry.executables.get(placement)
+    if exe is not None:
+      return exe
+    with entry.lock:
+      exe = entry.executables.get(placement)
+      if exe is None:
+        exe = _executables.build(entry, leaves, placement, self._counters)
+        entry.executables[placement] = exe
+        if len(entry.executables) > _executables.EXECUTABLES_PER_ENTRY:
+          entry.executables.popitem(last=False)
+    return exe
+
+  # -- stages ------------------------------------------------------------------------
+
+  def trace(self, *args, **kwargs) -> _stages.Traced:
+    """Traces for these arguments (cached), without compiling.
+
+    Shares the trace cache with calls: ``f.trace(x)`` then ``f(x)`` traces
+    the Python function once. Tracers the function closes over become leading
+    inputs of ``Traced.jaxpr`` (``make_jaxpr`` keeps them as constants).
+    """
+    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
+    entry = self._entry(leaves, treedef, statics, ctx, sig, args, kwargs)
+    if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
+      return _stages.Traced(entry.traced)
+    return _stages.Traced(
+      ji.make_traced(
+        [ji.meta_type(x) for x in leaves],
+        entry.params,
+        entry.in_tree,
+        entry.out_tree,
+        [],
+      )
+    )
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    """``self.trace(*args, **kwargs).lower()``: a stock ``jax.stages.Lowered``."""
+    return self.trace(*args, **kwargs).lower()
+
+  def eval_shape(self, *args, **kwargs) -> Any:
+    """Output ``jax.ShapeDtypeStruct`` pytree, from the shared trace cache."""
+    return self.trace(*args, **kwargs).out_info
+
+  # -- observability -----------------------------------------------------------------
+
+  def cache_info(self) -> _cache.CacheInfo:
+    """Counters and sizes of this function's caches."""
+    return self._counters.snapshot(
+      entries=len(self._cache),
+      maxsize=self._maxsize,
+      dispatch_entries=ji.dispatcher_size(self._dispatcher),
+      executables=self._cache.executables(),
+    )
+
+  def clear_cache(self) -> None:
+    """Drops this function's trace entries, C++ dispatch entries, and what
+    JAX's own tracing caches hold for it (so the next call runs Python).
+
+    Its compiled executables go too, from the shared executable cache as
+    well, unless another live function holds them.
+    """
+    executables = [
+      exe
+      for entry in list(self._cache.by_key.values())
+      for exe in list(entry.executables.values())
+    ]
+    self._cache.clear()
+    ji.dispatcher_clear(self._dispatcher)
+    self._jax.clear_cache()
+    _cache.EXECUTABLES.discard(executables)
+
+  def dispatch_size(self) -> int:
+    return ji.dispatcher_size(self._dispatcher)
+
+  def clear_dispatch(self) -> None:
+    ji.dispatcher_clear(self._dispatcher)
+
+  def explain_miss(self, *args, **kwargs) -> str:
+    """Why a call with these arguments would (not) hit the trace cache.
+
+    Returns:
+      ``"<name>: hit ..."``, or ``"<name>: miss ..."`` followed by one line per
+      difference from the nearest cached entry, such as
+      ``x['w']: dtype float32 -> float64``.
+    """
+    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
+    text = explain.explain(
+      self, leaves, treedef, statics, ctx, sig, args, kwargs
+    )
+    disk = _disk.note_for(self._cache.by_sig.get(sig))
+    return text if disk is None else f"{text}\n  {disk}"
+
+
+class _Unusable:
+  """Stands in for the core of a function jit cannot reference weakly: as
+  with ``jax.jit``, building the wrapper works and using it raises."""
+
+  def __init__(self, message: str):
+    self._message = message
+
+  def _fail(self, *args, **kwargs) -> Any:
+    raise TypeError(self._message)
+
+  _dispatcher = _cache_miss = _split = trace = lower = eval_shape = _fail
+  explain_miss = cache_info = _fail
+
+  def dispatch_size(self) -> int:
+    return 0
+
+  def clear_cache(self) -> None:
+    pass
+
+  clear_dispatch = clear_cache

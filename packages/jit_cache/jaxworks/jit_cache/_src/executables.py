@@ -1,0 +1,149 @@
+"""Compiled executables of trace entries: building, sharing, replaying.
+
+``build`` lowers and compiles an entry for one argument placement. Programs
+with a structural fingerprint go through the process-wide
+``cache.EXECUTABLES`` (a re-created closure reuses what an earlier one
+compiled) and, with a cache directory set, the disk cache
+(``disk_cache.py``), which a new process can load.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+import warnings
+
+import jax
+
+from . import cache as _cache
+from . import disk_cache as _disk
+from . import fingerprint as _fingerprint
+from . import jax_internals as ji
+
+_tree_leaves = jax.tree_util.tree_leaves
+
+#: Executables kept per trace entry (one per argument placement).
+EXECUTABLES_PER_ENTRY = 16
+
+
+class Executable:
+  """A compiled program and what calling it needs."""
+
+  __slots__ = (
+    "compiled",
+    "mesh_executable",
+    "const_args",
+    "compile_seconds",
+    "tokens",
+    "warnings",
+    "__weakref__",
+  )
+
+  def __init__(self, compiled: Any, compile_seconds: float):
+    self.compiled = compiled
+    self.mesh_executable, self.const_args = ji.executable_parts(compiled)
+    self.compile_seconds = compile_seconds
+    # Token arguments: MeshExecutable.call's argument check cannot take them
+    # (it reads .shape), jax.jit calls the executable unchecked; so do we.
+    self.tokens = any(
+      a is ji.abstract_token for a in _tree_leaves(compiled.in_avals)
+    )
+    #: Warnings lowering issued that jax.jit would issue again when it lowers
+    #: the program anew (unusable donated buffers): replayed on reuse.
+    self.warnings: tuple = ()
+
+
+def loaded_executable(
+  compiled: Any, compile_seconds: float, replay: tuple
+) -> Executable:
+  """An executable record for a ``Compiled`` loaded from the disk cache."""
+  exe = Executable(compiled, compile_seconds)
+  exe.warnings = replay
+  return exe
+
+
+def lower_keeping_donation_warnings(traced: Any) -> tuple[Any, tuple]:
+  """``traced.lower()`` and the "donated buffers were not usable" warnings it
+  issued (as they were issued: every warning is shown as usual).
+
+  Only programs that donate come here. ``catch_warnings`` is process-wide:
+  a warning another thread issues meanwhile is recorded and shown from here.
+  """
+  with warnings.catch_warnings(record=True) as caught:
+    lowered = traced.lower()
+  keep = []
+  for w in caught:
+    warnings.warn_explicit(
+      w.message, w.category, w.filename, w.lineno, source=w.source
+    )
+    if issubclass(w.category, UserWarning) and "donated buffers" in str(
+      w.message
+    ):
+      keep.append(w.message)
+  return lowered, tuple(keep)
+
+
+def build(
+  entry: Any, leaves: list, placement: Any, counters: _cache.Counters
+) -> Executable:
+  """The executable of ``entry`` for arguments ``leaves`` placed as
+  ``placement``: reused from the shared (or disk) cache or compiled."""
+  traced = ji.make_traced(
+    [ji.meta_type(x) for x in leaves],
+    entry.params,
+    entry.in_tree,
+    entry.out_tree,
+    [],
+  )
+
+  donates = any(entry.params["donated_invars"])
+
+  def build() -> Executable:
+    t0 = time.perf_counter()
+    if donates:
+      lowered, replay = lower_keeping_donation_warnings(traced)
+    else:
+      lowered, replay = traced.lower(), ()
+    compiled = lowered.compile()
+    exe = Executable(compiled, time.perf_counter() - t0)
+    exe.warnings = replay
+    counters.compiles += 1
+    _cache.GLOBAL_COUNTERS.compiles += 1
+    return exe
+
+  program = _fingerprint.fingerprint(entry.jaxpr)
+  params = _fingerprint.params_key(entry.params)
+  if program is None or params is None:
+    return build()
+  # Programs holding no user object (callback, array kept by identity) and
+  # little constant data outlive their functions in the shared cache.
+  keep = (
+    not program.pins
+    and not params.pins
+    and program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES
+    and _fingerprint.plain(placement.extra.values)
+  )
+  if keep and _disk.enabled():  # a new process may load it (opt-in)
+    build = _disk.wrap_build(
+      build,
+      loaded_executable,
+      entry,
+      entry.in_tree,
+      entry.out_tree,
+      leaves,
+      program,
+      params,
+      placement.extra.values,
+      (counters, _cache.GLOBAL_COUNTERS),
+    )
+  exe, reused = _cache.EXECUTABLES.get_or_build(
+    (program, params, placement), build, keep
+  )
+  if reused:
+    for warning in exe.warnings:  # what lowering anew would have said
+      warnings.warn(warning, stacklevel=4)
+    counters.executable_reuses += 1
+    counters.time_saved_s += exe.compile_seconds
+    _cache.GLOBAL_COUNTERS.executable_reuses += 1
+    _cache.GLOBAL_COUNTERS.time_saved_s += exe.compile_seconds
+  return exe
