@@ -9,7 +9,9 @@ with a ``pmap_chunked`` step that ``psum``s gradients over the named axis
 ``'batch'`` (whose collectives ``axis_names`` reports), while ``jit_cache``
 counts inner-jit hits and reuses the executable of a re-created step; the step
 is exported for cpu and tpu (``stages_aot``) and the cpu artifact reloaded and
-run. It ends with a side-by-side timing table against stock JAX.
+run. It ends with a side-by-side timing table against stock JAX, timed with
+``jaxworks_bench`` (benchmarks/support/, //benchmarks:support; outside Bazel,
+put that file beside this one or on PYTHONPATH).
 
 Every section checks its result against stock JAX; a failed check prints
 ``CHECK FAILED`` with the section and what differed, and the exit status is 1.
@@ -23,13 +25,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import jaxworks_bench as jb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxworks import axis_names  # noqa: E402
@@ -191,33 +193,6 @@ def named_axis_effects(closed_jaxpr):
     for e in closed_jaxpr.effects
     if type(e).__name__ == "NamedAxisEffect"
   )
-
-
-# ----------------------------------------------------------------------- timing
-
-
-def _timed(fn, inner):
-  """Seconds per call of `inner` back-to-back calls (waiting for the last result)."""
-  start = time.perf_counter()
-  for _ in range(inner - 1):
-    fn()
-  jax.block_until_ready(fn())
-  return (time.perf_counter() - start) / inner
-
-
-def median_pair(ours, stock, repeats, inner=1):
-  """Medians over interleaved repeats of (jaxworks, stock) seconds per call."""
-  t_ours, t_stock = [], []
-  for _ in range(repeats):
-    t_ours.append(_timed(ours, inner))
-    t_stock.append(_timed(stock, inner))
-  return statistics.median(t_ours), statistics.median(t_stock)
-
-
-def fmt_time(seconds):
-  if seconds >= 1e-3:
-    return f"{seconds * 1e3:.1f} ms"
-  return f"{seconds * 1e6:.1f} us"
 
 
 # ------------------------------------------------------------------------ sections
@@ -410,7 +385,7 @@ def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
   stock_out = jax.block_until_ready(stock_again(params, batch))
   stock = time.perf_counter() - start
   print(
-    f"   first call of a re-created step: jaxworks {fmt_time(ours)}, stock jax.pmap {fmt_time(stock)}"
+    f"   first call of a re-created step: jaxworks {jb.fmt_seconds(ours)}, stock jax.pmap {jb.fmt_seconds(stock)}"
   )
   print("   jit_cache.stats() around it:")
   for field in ("hits", "misses", "traces", "compiles", "executable_reuses"):
@@ -476,7 +451,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     make_train_step(jax.jit(dense)), axis_env=[(AXIS, N_DEVICES)]
   )(params, local_batch)
   axis_names.used_axis_names(closed)
-  ours, stock = median_pair(
+  ours, stock = jb.median_pair(
     lambda: axis_names.used_axis_names(closed),
     lambda: named_axis_effects(closed),
     repeats=5,
@@ -506,7 +481,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     ),
     "batched_transfer.device_put equals jax.device_put on the timing tree",
   )
-  ours, stock = median_pair(
+  ours, stock = jb.median_pair(
     lambda: bt.device_put(tree, sharding),
     lambda: jax.device_put(tree, sharding),
     repeats=7,
@@ -536,16 +511,22 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     close(jit_cache.jit(make_chain())(x), jax.jit(make_chain())(x)),
     "jit_cache.jit equals jax.jit",
   )
-  ours, stock = median_pair(
+  ours, stock = jb.median_pair(
     lambda: jit_cache.jit(make_chain())(x),
     lambda: jax.jit(make_chain())(x),
     repeats=5,
   )
   rows.append(
-    ("jit_cache", "first call of a re-created function", ours, stock, "jax.jit")
+    (
+      "jit_cache",
+      "first call of a re-created function (in-process reuse)",
+      ours,
+      stock,
+      "jax.jit",
+    )
   )
   f_ours, f_stock = jit_cache.jit(make_chain()), jax.jit(make_chain())
-  ours, stock = median_pair(
+  ours, stock = jb.median_pair(
     lambda: f_ours(x), lambda: f_stock(x), repeats=7, inner=200
   )
   rows.append(("jit_cache", "cached call", ours, stock, "jax.jit"))
@@ -564,7 +545,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
       x
     ).serialize()
 
-  ours, stock = median_pair(
+  ours, stock = jb.median_pair(
     lambda: np.frombuffer(export_ours(), np.uint8),
     lambda: np.frombuffer(export_stock(), np.uint8),
     repeats=5,
@@ -586,7 +567,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     ),
     "the pmap_chunked step equals jax.pmap's on the restored inputs",
   )
-  ours, stock = median_pair(
+  ours, stock = jb.median_pair(
     lambda: step(restored, batch_on_devices),
     lambda: stock_step(restored, batch_on_devices),
     repeats=7,
@@ -597,15 +578,15 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
   )
 
   print(
-    f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; ratio < 1: jaxworks faster\n"
+    f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; speedup = stock / jaxworks, > 1: jaxworks faster\n"
   )
   print(
-    "   | package | measure | jaxworks | stock JAX | stock call | jaxworks / stock |"
+    "   | package | measure | jaxworks | stock JAX | stock call | speedup |"
   )
   print("   |---|---|---:|---:|---|---:|")
   for package, measure, ours, stock, what in rows:
     print(
-      f"   | {package} | {measure} | {fmt_time(ours)} | {fmt_time(stock)} | {what} | {ours / stock:.2f} |"
+      f"   | {package} | {measure} | {jb.fmt_seconds(ours)} | {jb.fmt_seconds(stock)} | {what} | {jb.fmt_speedup(stock / ours)} |"
     )
   check(
     len({r[0] for r in rows}) == 5,

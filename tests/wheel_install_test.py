@@ -319,11 +319,14 @@ def test_extensions_export_only_their_init_function(tmp_path):
 
 
 def test_combined_wheel_runs_the_tour(tmp_path_factory, tmp_path):
-  """The tour, copied out of the repository, runs against the installed combined wheel alone."""
+  """The tour, copied out of the repository, runs against the installed combined wheel alone (beside jaxworks_bench)."""
   python = _installed_python("combined", tmp_path_factory)
   tour = tmp_path / "tour.py"
   with open(os.environ["JAXWORKS_TOUR"], encoding="utf-8") as f:
     tour.write_text(f.read())
+  # Its timing helpers (//benchmarks:support) are not part of any wheel.
+  with open(os.environ["JAXWORKS_BENCH_SUPPORT"], encoding="utf-8") as f:
+    (tmp_path / "jaxworks_bench.py").write_text(f.read())
   out = subprocess.run(
     [python, str(tour)],
     cwd=str(tmp_path),

@@ -7,19 +7,21 @@ levels deep (default 50) with ``L`` elementwise equations per level, so
 Jaxprs are assembled from traced template equations (tracing 100k distinct
 equations would dominate the run), with effects set as JAX sets them.
 
-Printed side by side (medians of repeats, GC off while timing, one
-process):
+Rows (``jaxworks_bench``; medians of repeats, GC off while timing):
 
-* ``used_axis_names`` first query (cold cache) and repeated query, at
-  1k/10k/100k equations and depth 50, then at 10k equations by depth;
-* a naive top-down walk of the whole program per query (no memo);
-* reading JAX's own ``jaxpr.effects`` (free at query time: JAX pays at
-  trace time, shown as JAX's tracing cost per equation for scale);
-* ``rename_axes`` of 'i' with the analysis warm, against a full top-down
-  rebuild of every equation (what ``core.subst_axis_names`` did), with how
-  much of the program the rename had to rebuild.
+* stock-jax: ``used_axis_names`` on an analysed program (a repeated query)
+  against reading and filtering JAX's own ``jaxpr.effects``, which JAX fills
+  while tracing;
+* naive: the first ``used_axis_names`` query (cold cache, the analysis
+  itself) against a top-down walk of the whole program written here (no
+  memo), at 1k/10k/100k equations and depth 50, then at 10k by depth;
+* naive: ``rename_axes`` of 'i' with the analysis warm, against a full
+  top-down rebuild of every equation (what ``core.subst_axis_names`` did).
 
-Usage: ``python axis_names_bench.py [--quick]``
+Notes: the cold query per equation, JAX's tracing cost per equation (for
+scale), how much of the program a rename rebuilt.
+
+Usage: ``python axis_names_bench.py [--quick] [--json PATH]``
 """
 
 import os
@@ -29,7 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 
@@ -38,12 +39,13 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Var
 import jax.numpy as jnp
+import jaxworks_bench as jb
 
 from jaxworks.axis_names import rename_axes
 from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import analysis
 from jaxworks.axis_names._src import jax_internals
-from jaxworks.axis_names._src import rename
+from jaxworks.axis_names._src import rename_rewrite
 from jaxworks.axis_names._src import rules
 
 sys.setrecursionlimit(10000)
@@ -177,35 +179,6 @@ def touched(old, new):
   return in_jaxprs, rebuilt
 
 
-def median_time(fn, repeats, setup=None, loops=1):
-  """Median over ``repeats`` of the seconds per call of ``fn()``.
-
-  Each repeat times ``loops`` calls in a row. The cyclic GC is off while
-  timing (as in ``timeit``), so a collection of the large live heap is not
-  billed to whichever call happens to trigger it.
-  """
-  times = []
-  for _ in range(repeats):
-    if setup is not None:
-      setup()
-    gc.collect()
-    gc.disable()
-    try:
-      t0 = time.perf_counter()
-      for _ in range(loops):
-        fn()
-      times.append((time.perf_counter() - t0) / loops)
-    finally:
-      gc.enable()
-  return statistics.median(times)
-
-
-def fmt(seconds):
-  if seconds < 1e-3:
-    return f"{seconds * 1e6:.2f} us"
-  return f"{seconds * 1e3:.2f} ms"
-
-
 def trace_cost_per_eqn(n=1000):
   def f(x):
     for _ in range(n):
@@ -220,7 +193,7 @@ def trace_cost_per_eqn(n=1000):
 def frozen(program):
   """``program``, with every live object moved out of the GC's reach.
 
-  ``median_time`` collects before each repeat; freezing the (large, never
+  ``jb.median_time`` collects before each repeat; freezing the (large, never
   freed) programs keeps those collections from rescanning them.
   """
   gc.collect()
@@ -228,24 +201,30 @@ def frozen(program):
   return program
 
 
-def query_row(closed, repeats, fast_loops):
-  """(equations, cold, cold per eqn, repeated, naive, naive/repeated, effects)."""
+def query_times(closed, repeats, fast_loops):
+  """(equations, cold query, repeated query, naive walk, jaxpr.effects) s."""
   top = closed.jaxpr
   total = count_eqns(top)
   assert used_axis_names(closed) == {"i"} == naive_names(top)
   assert jax_internals.named_axis_effect_names(closed.effects) == {"i"}
-  cold = median_time(
+  cold = jb.median_time(
     lambda: used_axis_names(closed), repeats, setup=analysis.clear_cache
   )
   used_axis_names(closed)
-  warm = median_time(lambda: used_axis_names(closed), repeats, loops=fast_loops)
-  naive = median_time(lambda: naive_names(top), repeats)
-  effects = median_time(
+  warm = jb.median_time(
+    lambda: used_axis_names(closed), repeats, inner=fast_loops
+  )
+  naive = jb.median_time(lambda: naive_names(top), repeats)
+  effects = jb.median_time(
     lambda: jax_internals.named_axis_effect_names(closed.effects),
     repeats,
-    loops=fast_loops,
+    inner=fast_loops,
   )
-  return total, cold, cold / total, warm, naive, naive / warm, effects
+  return total, cold, warm, naive, effects
+
+
+EFFECTS = "jaxpr.effects (NamedAxisEffect names)"
+WALK = "top-down walk of the whole program (no memo)"
 
 
 def main(argv=None):
@@ -255,74 +234,74 @@ def main(argv=None):
     action="store_true",
     help="small sizes, few repeats (a test runs this)",
   )
+  jb.add_arguments(ap)
   args = ap.parse_args(argv)
   sizes = (1_000, 5_000) if args.quick else (1_000, 10_000, 100_000)
   repeats = 3 if args.quick else 15
   fast_loops = 1000
+  report = jb.Report("axis_names", "axis_names_bench")
 
-  print(f"jax {jax.__version__}; 1% of equations use 'i'\n")
-  rows_q, rows_d, rows_r = [], [], []
+  per_eqn = []
   for n in sizes:
     closed = frozen(make_program(n))
     top = closed.jaxpr
-    rows_q.append(query_row(closed, repeats, fast_loops))
-    total = rows_q[-1][0]
+    total, cold, warm, naive, effects = query_times(closed, repeats, fast_loops)
+    per_eqn.append(cold / total)
+    report.add(
+      f"used_axis_names, repeated query, {total:,} equations, depth 50",
+      warm,
+      effects,
+      "stock-jax",
+      EFFECTS,
+    )
+    report.add(
+      f"used_axis_names, first query (cold), {total:,} equations, depth 50",
+      cold,
+      naive,
+      "naive",
+      WALK,
+    )
 
     mapping = {"i": "k"}
     new = rename_axes(closed, mapping)
     assert used_axis_names(new) == {"k"}
     in_jaxprs, rebuilt = touched(top, new.jaxpr)
-    ours = median_time(
-      lambda: rename_axes(closed, mapping), repeats, setup=rename._RENAMED.clear
+    ours = jb.median_time(
+      lambda: rename_axes(closed, mapping),
+      repeats,
+      setup=rename_rewrite._RENAMED.clear,
     )
-    full = median_time(lambda: full_rebuild(top, mapping), repeats)
-    rows_r.append((total, in_jaxprs / total, rebuilt, ours, full, ours / full))
+    full = jb.median_time(lambda: full_rebuild(top, mapping), repeats)
+    report.add(
+      f"rename_axes({{'i': 'k'}}), analysis warm, {total:,} equations "
+      f"({rebuilt:,} rebuilt, {in_jaxprs / total:.0%} in rebuilt jaxprs)",
+      ours,
+      full,
+      "naive",
+      "full top-down rebuild (core.subst_axis_names' way)",
+    )
   depth_size = sizes[1]
-  for depth in (1, 10, 50):
-    rows_d.append(
-      (depth,)
-      + query_row(
-        frozen(make_program(depth_size, depth=depth)), repeats, fast_loops
-      )
+  for depth in (1, 10):
+    closed = frozen(make_program(depth_size, depth=depth))
+    total, cold, _, naive, _ = query_times(closed, repeats, fast_loops)
+    per_eqn.append(cold / total)
+    report.add(
+      f"used_axis_names, first query (cold), {total:,} equations, "
+      f"depth {depth}",
+      cold,
+      naive,
+      "naive",
+      WALK,
     )
-
-  header = (
-    "| first query (cold) | per equation | repeated query "
-    "| naive top-down walk | naive / repeated | read jaxpr.effects |"
+  report.note(
+    "The first (cold) query costs "
+    f"{jb.fmt_seconds(min(per_eqn))} - {jb.fmt_seconds(max(per_eqn))} per "
+    "equation across sizes and depths; JAX's whole tracing cost per equation, "
+    "for scale (it fills jaxpr.effects while tracing): "
+    f"{jb.fmt_seconds(trace_cost_per_eqn(200 if args.quick else 1000))}."
   )
-  rule = "|---:|---:|---:|---:|---:|---:|---:|"
-  print("## used_axis_names, nesting depth 50\n")
-  print("| equations " + header)
-  print(rule)
-  for total, cold, per, warm, naive, ratio, eff in rows_q:
-    print(
-      f"| {total:,} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
-      f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |"
-    )
-  print(f"\n## used_axis_names, {rows_d[0][1]:,} equations by nesting depth\n")
-  print("| depth " + header)
-  print(rule)
-  for depth, _, cold, per, warm, naive, ratio, eff in rows_d:
-    print(
-      f"| {depth} | {fmt(cold)} | {fmt(per)} | {fmt(warm)} | "
-      f"{fmt(naive)} | {ratio:,.0f}x | {fmt(eff)} |"
-    )
-  print(
-    f"\nJAX's whole tracing cost per equation, for scale (it fills "
-    f"jaxpr.effects while tracing): "
-    f"{fmt(trace_cost_per_eqn(200 if args.quick else 1000))}.\n"
-  )
-  print("## rename_axes({'i': 'k'}) with the analysis warm, nesting depth 50\n")
-  print(
-    "| equations | in rebuilt jaxprs | equations rebuilt | rename_axes "
-    "| full rebuild | rename / full |"
-  )
-  print("|---:|---:|---:|---:|---:|---:|")
-  for total, frac, rebuilt, ours, full, ratio in rows_r:
-    print(
-      f"| {total:,} | {frac:.1%} | {rebuilt:,} | {fmt(ours)} | "
-      f"{fmt(full)} | {ratio:.3f} |"
-    )
+  report.note(f"jax {jax.__version__}; 1% of equations use 'i'.")
+  report.finish(args)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ Rows:
     ``stages_aot.trace(f, x).lower().export()`` vs ``jax.export.export(jax.jit(f))(x)``.
 
 Every repeat uses a fresh function object, so no trace or lowering cache is
-hit; ours and stock alternate within each repeat; garbage is collected between
-repeats, not inside the timer. Prints medians (ms) and the
-ratio ours / stock as a markdown table.
+hit; ours and stock alternate within each repeat (``jaxworks_bench.median_pair``);
+garbage is collected between repeats, not inside the timer. Prints the rows
+(reference: stock JAX) as a markdown table; ``--json PATH`` writes them.
 
-Usage: python stages_aot_bench.py [--quick] [--eqns N] [--repeats R]
+Usage: python stages_aot_bench.py [--quick] [--eqns N] [--repeats R] [--json PATH]
 """
 
 import os
@@ -19,12 +19,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
-import gc
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+import jaxworks_bench as jb
 
 from jaxworks import stages_aot
 
@@ -54,37 +52,17 @@ def make_qr_fun(n_calls):
   return qrs
 
 
-def timed(fn):
-  # As timeit does: no garbage collection inside the timer (the garbage of
-  # earlier cases would otherwise be charged to whichever call triggers it).
-  gc.disable()
-  try:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-  finally:
-    gc.enable()
+EXPORT_GOAL = 1 / 1.1  # export costs at most 1.1x what jax.export costs
 
 
 def measure(cases, repeats):
-  """cases: {name: setup -> (ours_thunk, stock_thunk)}; returns medians in ms."""
+  """cases: {name: setup -> (ours_thunk, stock_thunk)}; medians in seconds."""
   results = {}
   for name, setup in cases.items():
-    ours, stock = [], []
-    for r in range(repeats + 1):  # the first repeat warms up
-      gc.collect()
-      ours_fn, stock_fn = setup()
-      pair = [(ours, ours_fn), (stock, stock_fn)]
-      if r % 2:
-        pair.reverse()
-      for sink, fn in pair:
-        t = timed(fn)
-        if r:
-          sink.append(t)
-    results[name] = (
-      1e3 * statistics.median(ours),
-      1e3 * statistics.median(stock),
-    )
+    ours_fn, stock_fn = setup()  # a warm-up repeat, not timed
+    ours_fn()
+    stock_fn()
+    results[name] = jb.median_pair(None, None, repeats, setup=setup)
   return results
 
 
@@ -93,6 +71,7 @@ def main(argv=None):
   parser.add_argument(
     "--quick", action="store_true", help="small sizes, few repeats (< 20 s)"
   )
+  jb.add_arguments(parser)
   parser.add_argument("--eqns", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=None)
   args = parser.parse_args(argv)
@@ -152,23 +131,29 @@ def main(argv=None):
     ),
   }
   results = measure(cases, repeats)
-  print(
-    f"jax {jax.__version__}, jaxworks.stages_aot {stages_aot.__version__}, "
-    f"median of {repeats} repeats, fresh function per repeat"
-  )
-  print()
-  print("| case | stages_aot (ms) | stock JAX (ms) | ratio |")
-  print("|---|---:|---:|---:|")
+  report = jb.Report("stages_aot", "stages_aot_bench")
   for name, (ours, stock) in results.items():
-    print(f"| {name} | {ours:.1f} | {stock:.1f} | {ours / stock:.2f} |")
+    export = name.startswith("trace+lower+export")
+    report.add(
+      name,
+      ours,
+      stock,
+      "stock-jax",
+      "jax.export.export" if export else "jax.jit(f).trace(x).lower",
+      goal=EXPORT_GOAL if export else None,
+    )
   names = list(results)
-  print()
   for label, (a, b) in [("elementwise chain", (0, 1)), ("qr", (2, 3))]:
     r1, r3 = results[names[a]], results[names[b]]
-    print(
-      f"lowering for 3 platforms / 1 platform ({label}): stages_aot "
-      f"{r3[0] / r1[0]:.2f}x, stock {r3[1] / r1[1]:.2f}x"
+    report.note(
+      f"Lowering for 3 platforms / 1 platform ({label}): stages_aot "
+      f"{r3[0] / r1[0]:.2f}x, stock {r3[1] / r1[1]:.2f}x."
     )
+  report.note(
+    f"Median of {repeats} repeats, a fresh function per repeat (no trace or "
+    "lowering cache hit)."
+  )
+  report.finish(args)
   return results
 
 
