@@ -91,9 +91,12 @@ def place(
   donate: Any = False,
   may_alias: Any = None,
   copy_host: bool = False,
+  private_host: bool = False,
   api: str = f"{_API}.device_put",
 ) -> Any:
-  """device_put, plus ``copy_host``: never alias host memory (restore uses it for memory maps)."""
+  """device_put, plus ``copy_host``: never alias host memory; and
+  ``private_host``: the numpy leaves are the caller's own buffers, which a
+  device may take over, but never two devices one buffer (restore's reads)."""
   stock = jax_internals.stock_device_put
   if not jax_internals.trace_state_clean():
     return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
@@ -115,7 +118,9 @@ def place(
         ) from None
     if not req.leaves:
       return tree
-    out = transfer.execute(req, batches, copy_host=copy_host)
+    out = transfer.execute(
+      req, batches, copy_host=copy_host, private_host=private_host
+    )
   except (ValueError, TypeError, AssertionError):
     # Report what jax.device_put would report first: a bad leaf, then the first leaf (in
     # tree order) its sharding cannot hold. Groups are placed in another order.

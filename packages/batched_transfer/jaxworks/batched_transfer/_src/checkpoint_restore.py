@@ -1,8 +1,10 @@
 """restore: a checkpoint written by save onto devices, validated and streamed.
 
 ``restore`` reads only the .npy headers first, checks every key, shape and dtype
-against the target, and only then streams the data, memory-mapped, in batches
-of at most ``max_inflight_bytes``, each placed with one batched device_put.
+against the target, and only then streams the data: batches of at most half of
+``max_inflight_bytes`` are read on a background thread straight into new
+aligned host buffers, the next batch while the previous one is placed with one
+batched device_put.
 
 >>> import os, shutil, tempfile, jax, numpy as np
 >>> from jaxworks.batched_transfer import save
@@ -27,6 +29,7 @@ import numpy as np
 
 from . import checkpoint_files as files
 from . import jax_internals
+from . import prefetch
 from . import targets
 from .api import place
 from .checkpoint import leaf_keys
@@ -152,9 +155,9 @@ def restore(
       default device).
     placement: a device_put target (Device, Sharding, Format or a pytree
       prefix of them) overriding the target leaves' placement.
-    max_inflight_bytes: the most bytes read and transferred at once; a batch
-      is placed and finished before the next is read. A single larger leaf
-      goes alone.
+    max_inflight_bytes: the most bytes read and not yet placed at once. The
+      data is read in batches of at most half of it, the next batch while
+      the previous one is placed; a single larger leaf is read alone.
     progress: draw a progress bar on stderr: True, False, or None (only when
       stderr is a terminal).
 
@@ -245,41 +248,65 @@ def restore(
           f"placed on {sharding}: {err}"
         ) from None
 
-  # 2. Stream: read (memory-mapped) and place batch by batch.
+  # 2. Stream: batches of at most half the budget; a background thread reads
+  # the next batch (straight into new aligned buffers) while one is placed.
+  # The buffers are restore's own, so placing them may alias them (on CPU the
+  # device array takes the buffer over: no second copy).
+  sizes = [stored[k].nbytes for k in keys]
+  batches = split_batches(sizes, max(1, max_inflight_bytes // 2))
   out: list[Any] = [None] * len(leaves)
-  bar = Progress(
-    "restore", sum(stored[k].nbytes for k in keys), enabled=progress
-  )
-  batch: list[int] = []
-  batch_bytes = 0
+  bar = Progress("restore", sum(sizes), enabled=progress)
+  readers = files.Files()
 
-  def flush() -> None:
-    arrays = [
-      files.load(api, paths[i], keys[i], stored[keys[i]]) for i in batch
+  def read_batch(k: int) -> list[np.ndarray]:
+    return [
+      files.load(api, paths[i], keys[i], stored[keys[i]], readers)
+      for i in batches[k]
     ]
-    # A copy, not an alias of the mapped file: the arrays must not change (or fault) when
-    # the file is rewritten, and max_inflight_bytes bounds real reads.
-    placed = place(arrays, [places[i] for i in batch], copy_host=True, api=api)
-    jax.block_until_ready(placed)
-    for i, y in zip(batch, placed):
-      out[i] = _weak(y) if specs[i][2] else y
-    bar.update(sum(stored[keys[i]].nbytes for i in batch))
 
+  reader = prefetch.BatchReader(
+    read_batch, [sum(sizes[i] for i in b) for b in batches], max_inflight_bytes
+  )
   try:
-    for i, key in enumerate(keys):
-      nbytes = stored[key].nbytes
-      if batch and batch_bytes + nbytes > max_inflight_bytes:
-        flush()
-        batch, batch_bytes = [], 0
-      batch.append(i)
-      batch_bytes += nbytes
-    if batch:
-      flush()
+    for k, batch in enumerate(batches):
+      arrays = reader.take(k)
+      placed = place(
+        arrays, [places[i] for i in batch], private_host=True, api=api
+      )
+      del arrays
+      jax.block_until_ready(placed)
+      reader.release(k)
+      for i, y in zip(batch, placed):
+        out[i] = _weak(y) if specs[i][2] else y
+      bar.update(sum(sizes[i] for i in batch))
   except BaseException:
+    reader.close()
     for y in out:  # nothing stays half-placed
       if isinstance(y, jax.Array) and not y.is_deleted():
         y.delete()
     raise
   finally:
+    reader.close()
+    readers.close()
     bar.close()
   return treedef.unflatten(out)
+
+
+def split_batches(sizes: list[int], limit: int) -> list[list[int]]:
+  """Consecutive indices in batches of at most ``limit`` bytes (a larger one alone).
+
+  >>> split_batches([3, 3, 3, 9, 1], 6)
+  [[0, 1], [2], [3], [4]]
+  """
+  batches: list[list[int]] = []
+  batch: list[int] = []
+  total = 0
+  for i, n in enumerate(sizes):
+    if batch and total + n > limit:
+      batches.append(batch)
+      batch, total = [], 0
+    batch.append(i)
+    total += n
+  if batch:
+    batches.append(batch)
+  return batches

@@ -319,13 +319,19 @@ def _needs_relayout(req: Request, i: int) -> bool:
 
 
 def execute(
-  req: Request, batches: list[Batch], copy_host: bool = False
+  req: Request,
+  batches: list[Batch],
+  copy_host: bool = False,
+  private_host: bool = False,
 ) -> list[Any]:
   """Runs the batches; returns the flat results in leaf order.
 
   With ``copy_host``, host arrays are always copied. Otherwise the runtime may
-  alias a read-only numpy array (a memory map, say) as jax.device_put does on
-  CPU.
+  alias a numpy array (a memory map, say) as jax.device_put does on CPU. With
+  ``private_host`` (the numpy arrays are the caller's own buffers), a shard may
+  alias its host buffer, but devices that hold the same index (replicated
+  mesh axes) each get a copy: one buffer backing several shards would let a
+  donation on one device change another's input.
   """
   out: list[Any] = [None] * len(req.leaves)
   fresh = [False] * len(
@@ -341,7 +347,7 @@ def execute(
         for i in b.indices:
           out[i] = req.leaves[i]
       elif b.route == HOST:
-        _put_host(req, b.indices, out, fresh, copy_host)
+        _put_host(req, b.indices, out, fresh, copy_host, private_host)
       elif b.route == COPY:
         _copy_device(req, b, out, fresh)
       else:
@@ -387,6 +393,7 @@ def _put_host(
   out: list[Any],
   fresh: list[bool],
   copy: bool,
+  private: bool = False,
 ) -> None:
   leaves, dsts, committed, default = (
     req.leaves,
@@ -410,7 +417,13 @@ def _put_host(
       shards = [x] * len(devices)
     else:
       shards = [x[k] for k in slices]
-    if copy and entry.per_device is not None:
+    copy_x = copy or (
+      private
+      and (
+        entry.per_device is not None or (slices is None and len(devices) > 1)
+      )
+    )
+    if copy_x and entry.per_device is not None:
       # Each device gets its own copy of its index, then the copies are assembled
       # into one array without another copy.
       shards = [
@@ -421,7 +434,7 @@ def _put_host(
       ]
       out[i] = put(entry.aval, s, shards, devices, c, False)
     else:
-      out[i] = put(entry.aval, s, shards, devices, c, copy)
+      out[i] = put(entry.aval, s, shards, devices, c, copy_x)
     fresh[i] = True
 
 

@@ -1,0 +1,110 @@
+"""Reading ahead on one background thread, within a byte budget.
+
+``restore`` reads batch k+1 of a checkpoint while batch k is placed. Batches
+are fixed before reading starts (every process of a multi-process restore
+places the same batches, in the same order); only when each one is read
+depends on timing.
+
+>>> sizes = [4, 4, 4]
+>>> with BatchReader(lambda k: f"batch {k}", sizes, budget=8) as reader:
+...   for k in range(len(sizes)):
+...     print(reader.take(k))
+...     reader.release(k)
+batch 0
+batch 1
+batch 2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import threading
+from typing import Any
+
+THREAD_NAME = "jaxworks-restore-reader"
+
+
+class BatchReader:
+  """Reads batches 0, 1, ... in order on a background thread.
+
+  A batch's bytes count from when its reading starts until ``release(k)``.
+  Reading a batch waits until the bytes counted plus its own fit in
+  ``budget``, or until nothing is counted (a batch larger than the budget is
+  read alone). With batches of at most half the budget, one batch is read
+  while the previous one is used.
+
+  The consumer calls ``take(k)`` then ``release(k)`` for k = 0, 1, ...; an
+  exception raised by ``read_batch`` is raised by ``take`` (the same object,
+  so the same class); ``close()`` (or leaving the ``with`` block) stops the
+  thread and waits for it, also when the consumer stops early.
+  """
+
+  def __init__(
+    self,
+    read_batch: Callable[[int], Any],
+    sizes: list[int],
+    budget: int,
+  ) -> None:
+    self._read_batch = read_batch
+    self._sizes = list(sizes)
+    self._budget = budget
+    self._cond = threading.Condition()
+    self._ready: dict[int, Any] = {}
+    self._counted = 0
+    self._error: BaseException | None = None
+    self._stop = False
+    self._thread = threading.Thread(
+      target=self._run, name=THREAD_NAME, daemon=True
+    )
+    self._thread.start()
+
+  def __enter__(self) -> BatchReader:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def _run(self) -> None:
+    try:
+      for k, size in enumerate(self._sizes):
+        with self._cond:
+          while (
+            not self._stop
+            and self._counted
+            and self._counted + size > self._budget
+          ):
+            self._cond.wait()
+          if self._stop:
+            return
+          self._counted += size
+        result = self._read_batch(k)
+        with self._cond:
+          self._ready[k] = result
+          self._cond.notify_all()
+    except BaseException as err:  # handed to the consumer by take()
+      with self._cond:
+        self._error = err
+        self._cond.notify_all()
+
+  def take(self, k: int) -> Any:
+    """Batch k once it is read; raises what reading raised instead."""
+    with self._cond:
+      while k not in self._ready and self._error is None:
+        self._cond.wait()
+      if self._error is not None:
+        raise self._error
+      return self._ready.pop(k)
+
+  def release(self, k: int) -> None:
+    """Batch k is used: its bytes no longer count against the budget."""
+    with self._cond:
+      self._counted -= self._sizes[k]
+      self._cond.notify_all()
+
+  def close(self) -> None:
+    """Stops reading (a batch being read is finished first) and joins."""
+    with self._cond:
+      self._stop = True
+      self._cond.notify_all()
+    self._thread.join()
+    self._ready.clear()

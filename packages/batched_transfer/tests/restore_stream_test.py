@@ -1,0 +1,303 @@
+"""restore's streaming: reading into aligned buffers, overlap, budget, errors."""
+
+import os
+import threading
+import time
+import zipfile
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src import checkpoint_files
+from jaxworks.batched_transfer._src import checkpoint_restore
+from jaxworks.batched_transfer._src import prefetch
+
+
+def like(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def reader_threads():
+  return [t for t in threading.enumerate() if t.name == prefetch.THREAD_NAME]
+
+
+@pytest.fixture(autouse=True)
+def no_reader_thread_left():
+  before = threading.active_count()
+  yield
+  assert reader_threads() == []
+  assert threading.active_count() == before
+
+
+class Spy:
+  """Records reads (files.load) and placements (place) of one restore."""
+
+  def __init__(self, monkeypatch, on_place=None, on_load=None):
+    self.lock = threading.Lock()
+    self.loaded, self.placed, self.results = [], [], []
+    real_load, real_place = checkpoint_files.load, checkpoint_restore.place
+
+    def load(api, where, key, s, files):
+      if on_load is not None:
+        on_load(key)
+      a = real_load(api, where, key, s, files)
+      with self.lock:
+        self.loaded.append(key)
+      return a
+
+    def place(leaves, target=None, **kwargs):
+      if on_place is not None:
+        on_place(len(self.placed))
+      out = real_place(leaves, target, **kwargs)
+      with self.lock:
+        self.placed.append(list(leaves))
+        self.results.extend(out)
+      return out
+
+    monkeypatch.setattr(checkpoint_files, "load", load)
+    monkeypatch.setattr(checkpoint_restore, "place", place)
+
+
+@pytest.mark.parametrize("fmt", ["dir", "npz"])
+def test_data_lands_in_aligned_buffers_that_the_device_takes_over(
+  tmp_path, monkeypatch, fmt
+):
+  tree = {
+    "a": np.arange(1000, dtype=np.float32),
+    "b": np.asfortranarray(np.arange(12, dtype=np.int16).reshape(3, 4)),
+    "c": np.ones((5, 3), ml_dtypes.bfloat16),  # raw bytes + the dtype record
+  }
+  path = tmp_path / ("c.npz" if fmt == "npz" else "c")
+  bt.save(path, tree)
+  spy = Spy(monkeypatch)
+  device = jax.devices()[3]
+  out = bt.restore(path, like(tree), placement=device)
+  leaves = [x for batch in spy.placed for x in batch]
+  assert len(leaves) == 3
+  for x, y, key in zip(leaves, spy.results, ["a", "b", "c"]):
+    assert type(x) is np.ndarray and not isinstance(x.base, np.memmap)
+    assert x.ctypes.data % checkpoint_files.ALIGN == 0
+    # On CPU the device array is the buffer restore read into: no second copy.
+    if x.flags.c_contiguous:
+      assert y.unsafe_buffer_pointer() == x.ctypes.data, key
+    np.testing.assert_array_equal(np.asarray(out[key]), tree[key])
+    assert out[key].devices() == {device}
+
+
+def test_compressed_members_are_inflated_in_the_reader(tmp_path, monkeypatch):
+  tree = {"a": np.arange(100, dtype=np.int64), "b": np.ones(3, np.uint8)}
+  np.savez_compressed(tmp_path / "c.npz", **tree)
+  spy = Spy(monkeypatch)
+  with jax.enable_x64(True):
+    out = bt.restore(tmp_path / "c.npz", like(tree))
+    for k in tree:
+      assert out[k].dtype == tree[k].dtype
+      np.testing.assert_array_equal(np.asarray(out[k]), tree[k])
+  assert sorted(spy.loaded) == ["a", "b"]
+
+
+def test_big_endian_data_is_swapped_in_its_own_buffer(tmp_path, monkeypatch):
+  os.mkdir(tmp_path / "d")
+  x = np.arange(4096, dtype=">f4").reshape(64, 64)
+  np.save(tmp_path / "d" / "x.npy", x)
+  spy = Spy(monkeypatch)
+  out = bt.restore(
+    tmp_path / "d", {"x": jax.ShapeDtypeStruct((64, 64), np.float32)}
+  )
+  (placed,) = spy.placed[0]
+  assert placed.dtype == np.dtype("float32") and placed.dtype.isnative
+  assert placed.ctypes.data % checkpoint_files.ALIGN == 0
+  np.testing.assert_array_equal(np.asarray(out["x"]), x.astype(np.float32))
+
+
+def test_batches_are_half_the_budget_and_reads_stay_within_it(
+  tmp_path, monkeypatch
+):
+  tree = [np.full(256, k, np.float32) for k in range(10)]  # 1 KiB each
+  tree.insert(6, np.zeros(2048, np.float32))  # 8 KiB: more than the budget
+  bt.save(tmp_path / "s.npz", tree)
+  state = {"in_flight": 0, "peak": 0, "before_big": None}
+  lock = threading.Lock()
+
+  def on_load(key):
+    nbytes = 8192 if key == "6" else 1024
+    with lock:
+      if key == "6":
+        state["before_big"] = state["in_flight"]
+      state["in_flight"] += nbytes
+      if key != "6":
+        state["peak"] = max(state["peak"], state["in_flight"])
+
+  spy = Spy(monkeypatch, on_load=on_load)
+  real_place = checkpoint_restore.place
+
+  def place_then_count(leaves, target=None, **kwargs):
+    out = real_place(leaves, target, **kwargs)
+    jax.block_until_ready(out)
+    with lock:
+      state["in_flight"] -= sum(x.nbytes for x in leaves)
+    return out
+
+  monkeypatch.setattr(checkpoint_restore, "place", place_then_count)
+  out = bt.restore(tmp_path / "s.npz", like(tree), max_inflight_bytes=4096)
+  # batches of at most 2 KiB; the 8 KiB leaf alone, read when nothing else is
+  # in flight; every other read within the 4 KiB budget
+  sizes = [sum(x.nbytes for x in b) for b in spy.placed]
+  assert sizes == [2048, 2048, 2048, 8192, 2048, 2048]
+  assert state["before_big"] == 0 and 0 < state["peak"] <= 4096
+  assert state["in_flight"] == 0
+  assert [int(np.asarray(x)[0]) for x in out] == [
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+    0,
+    6,
+    7,
+    8,
+    9,
+  ]
+  assert checkpoint_restore.split_batches(
+    [1024] * 6 + [8192] + [1024] * 4, 2048
+  ) == [[0, 1], [2, 3], [4, 5], [6], [7, 8], [9, 10]]
+
+
+def test_the_next_batch_is_read_while_one_is_placed(tmp_path, monkeypatch):
+  tree = [np.full(256, k, np.float32) for k in range(6)]  # 3 batches of 2
+  bt.save(tmp_path / "d", tree)
+  started = [threading.Event() for _ in range(3)]
+  overlapped = []
+
+  def on_load(key):
+    started[int(key) // 2].set()
+
+  def on_place(k):
+    if k + 1 < len(started):  # placing batch k waits for batch k+1's read
+      overlapped.append(started[k + 1].wait(timeout=10))
+
+  Spy(monkeypatch, on_place=on_place, on_load=on_load)
+  out = bt.restore(tmp_path / "d", like(tree), max_inflight_bytes=4096)
+  assert overlapped == [True, True]
+  assert [int(np.asarray(x)[0]) for x in out] == list(range(6))
+
+
+@pytest.mark.parametrize(
+  "error", [ValueError, MemoryError, KeyboardInterrupt, OSError]
+)
+def test_an_error_in_the_reader_surfaces_with_nothing_half_done(
+  tmp_path, monkeypatch, error
+):
+  tree = [np.full(256, k, np.float32) for k in range(8)]
+  bt.save(tmp_path / "d", tree)
+
+  def on_load(key):
+    if key == "5":
+      if error is ValueError:  # a real one: the file shrank after validation
+        (tmp_path / "d" / "5.npy").write_bytes(b"\x93NUMPY")
+      else:
+        raise error("injected")
+
+  spy = Spy(monkeypatch, on_load=on_load)
+  with pytest.raises(error) as info:
+    bt.restore(tmp_path / "d", like(tree), max_inflight_bytes=4096)
+  if error is ValueError:
+    assert "restore: the leaf at [5] (key '5'): reading" in str(info.value)
+    assert "the file changed or is damaged" in str(info.value)
+  assert spy.results and all(y.is_deleted() for y in spy.results)
+
+
+def test_an_error_while_placing_stops_the_reader(tmp_path, monkeypatch):
+  tree = [np.full(256, k, np.float32) for k in range(40)]
+  bt.save(tmp_path / "d", tree)
+
+  def on_place(k):
+    if k == 1:
+      raise RuntimeError("device fell over")
+
+  spy = Spy(monkeypatch, on_place=on_place)
+  with pytest.raises(RuntimeError, match="device fell over"):
+    bt.restore(tmp_path / "d", like(tree), max_inflight_bytes=4096)
+  # batch 1 was read, at most batch 2 besides; the rest never
+  assert len(spy.loaded) <= 6
+  assert spy.results and all(y.is_deleted() for y in spy.results)
+
+
+def test_a_damaged_compressed_member_is_a_value_error(tmp_path):
+  path = tmp_path / "c.npz"
+  rng = np.random.default_rng(0)  # big and incompressible: opening reads
+  a = rng.standard_normal(2**18).astype(np.float32)  # only the start
+  np.savez_compressed(path, a=a)
+  like_a = {"a": jax.ShapeDtypeStruct(a.shape, a.dtype)}
+  with zipfile.ZipFile(path) as zf:
+    (info,) = zf.infolist()
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    end = start + info.compress_size
+  raw = bytearray(path.read_bytes())
+  raw[end - 24 : end - 4] = b"\xff" * 20  # the deflated data, after the header
+  path.write_bytes(bytes(raw))
+  with pytest.raises(ValueError) as info:
+    bt.restore(path, like_a)
+  text = str(info.value)
+  assert text.startswith("jaxworks.batched_transfer.restore: the leaf at ['a']")
+  assert "reading member 'a.npy'" in text and "failed" in text
+
+
+# ----------------------------------------------------------------------------- BatchReader
+
+
+def test_batch_reader_keeps_to_its_budget_and_reads_a_large_batch_alone():
+  sizes = [3, 3, 3, 10, 3, 3]
+  lock = threading.Lock()
+  state = {"counted": 0, "log": []}
+
+  def read(k):
+    with lock:
+      state["counted"] += sizes[k]
+      state["log"].append((k, state["counted"]))
+    return k
+
+  with prefetch.BatchReader(read, sizes, budget=6) as reader:
+    for k in range(len(sizes)):
+      assert reader.take(k) == k
+      time.sleep(0.01)  # give the reader a chance to run ahead
+      with lock:
+        state["counted"] -= sizes[k]
+      reader.release(k)
+  log = dict(state["log"])
+  assert log[3] == 10  # alone
+  assert all(v <= 6 for k, v in log.items() if k != 3)
+  assert reader_threads() == []
+
+
+def test_batch_reader_close_while_blocked_stops_reading():
+  calls = []
+  reader = prefetch.BatchReader(lambda k: calls.append(k), [5, 5, 5], budget=5)
+  reader.take(0)  # never released: batch 1 cannot start
+  time.sleep(0.05)
+  reader.close()
+  assert calls == [0] and reader_threads() == []
+
+
+def test_batch_reader_hands_over_the_exception_object():
+  err = LookupError("no such batch")
+  taken = threading.Event()
+
+  def read(k):
+    if k == 1:
+      taken.wait(timeout=10)
+      raise err
+    return k
+
+  with prefetch.BatchReader(read, [1, 1, 1], budget=100) as reader:
+    assert reader.take(0) == 0
+    taken.set()
+    with pytest.raises(LookupError) as info:
+      reader.take(1)
+    assert info.value is err
+    with pytest.raises(LookupError):  # and for every later batch
+      reader.take(2)
