@@ -92,10 +92,10 @@ def test_ruff_lint():
 def test_clang_format():
   sources = sorted(
     str(p.relative_to(ROOT))
-    for p in ROOT.glob("packages/*/cc/*")
+    for p in [*ROOT.glob("packages/*/cc/*"), *ROOT.glob("tools/cc/*")]
     if p.suffix in (".h", ".cc")
   )
-  assert len(sources) >= 6, sources
+  assert len(sources) >= 7, sources
   out = _run(
     [_tool("clang-format"), "--dry-run", "--Werror", "--style=file", *sources]
   )

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "tools/cc/attr_reader.h"
+
 namespace py = pybind11;
 
 namespace jaxworks::batched_transfer {
@@ -211,44 +213,10 @@ class IdentityCache {
   std::vector<py::object> keys_;  // the references, in insertion order
 };
 
-// Reads one attribute of objects of one exact type. When the type uses the
-// generic attribute lookup and the attribute is a property defined on the
-// type, that lookup always ends in the property's getter, so the getter is
-// called directly (jax.Array's ._sharding and .aval are such properties; this
-// saves about a third of each read).
-class AttrReader {
- public:
-  AttrReader() = default;
-  AttrReader(PyTypeObject* type, py::object name) : name_(std::move(name)) {
-    if (type->tp_getattro != PyObject_GenericGetAttr ||
-        !PyUnicode_CheckExact(name_.ptr()))
-      return;
-    PyObject* descr =
-        _PyType_Lookup(type, name_.ptr());  // borrowed; no error set
-    if (descr == nullptr || !Py_IS_TYPE(descr, &PyProperty_Type)) return;
-    PyObject* fget = PyObject_GetAttrString(descr, "fget");
-    if (fget == nullptr) {
-      PyErr_Clear();
-      return;
-    }
-    getter_ = py::reinterpret_steal<py::object>(fget);
-    if (getter_.is_none()) getter_ = py::object();
-  }
-
-  const py::object& name() const { return name_; }
-
-  // getattr(obj, name) as a new reference; throws error_already_set on failure.
-  py::object operator()(py::handle obj) const {
-    PyObject* v = getter_ ? PyObject_CallOneArg(getter_.ptr(), obj.ptr())
-                          : PyObject_GetAttr(obj.ptr(), name_.ptr());
-    if (v == nullptr) throw py::error_already_set();
-    return py::reinterpret_steal<py::object>(v);
-  }
-
- private:
-  py::object name_;
-  py::object getter_;  // the property's fget, or null
-};
+// Attribute reads through the type's cached data descriptor (jax.Array's
+// ._sharding and .aval are properties: their getters are called directly),
+// re-checked against the type's version tag (tools/cc/attr_reader.h).
+using ::jaxworks::cc::AttrReader;
 
 enum class SizeRule { kFixed, kNbytes, kShapeDtype };
 

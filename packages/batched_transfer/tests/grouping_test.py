@@ -272,6 +272,31 @@ def test_property_getters_are_read_like_getattr():
   assert isinstance(info.value.__cause__, AttributeError)
 
 
+def test_a_property_replaced_during_the_call_is_read_anew():
+  # The C++ readers cache the type's descriptor. Assigning another property to
+  # the class (here from inside the getter, in the middle of the call) changes
+  # the type's version tag, so the leaves after it are read through the new
+  # property, as getattr reads them.
+  a, b = _Sharding(("d0",)), _Sharding(("d1",))
+
+  class Swapping:
+    nbytes = 1
+
+    @property
+    def sharding(self):
+      type(self).sharding = property(lambda self: b)
+      return a
+
+  kinds = {Swapping: (1, "sharding", -1)}
+  groups = _grouping.group_leaves(
+    [Swapping() for _ in range(3)], [None] * 3, kinds, None, "devs"
+  )
+  assert [(g.src_devices, list(g.indices)) for g in groups] == [
+    (("d0",), [0]),
+    (("d1",), [1, 2]),
+  ]
+
+
 def test_fresh_sharding_objects_beyond_the_identity_cache():
   # More distinct sharding objects than the C++ identity caches hold (4096),
   # each freed right after use, so their addresses get reused: the groups must

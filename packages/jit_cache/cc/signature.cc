@@ -1,7 +1,6 @@
 #include "signature.h"
 
 #include <Python.h>
-#include <structmember.h>
 
 #include <utility>
 
@@ -26,23 +25,6 @@ size_t HashRound(size_t acc, size_t value) {
   uint64_t a = static_cast<uint64_t>(acc) + static_cast<uint64_t>(value) * kP2;
   a = (a << 31) | (a >> 33);
   return static_cast<size_t>(a * kP1);
-}
-
-// A __slots__ member of type "object, AttributeError when unset", and the
-// flag of members whose reads raise an audit event.
-#ifdef Py_T_OBJECT_EX  // Python >= 3.12
-constexpr int kObjectSlot = Py_T_OBJECT_EX;
-constexpr int kAuditedRead = Py_AUDIT_READ;
-#else
-constexpr int kObjectSlot = T_OBJECT_EX;
-constexpr int kAuditedRead = READ_RESTRICTED;
-#endif
-
-// A new reference from `reader`, or the Python error it set, thrown.
-py::object ReadOrThrow(AttrReader& reader, PyObject* obj) {
-  PyObject* r = reader.Read(obj);
-  if (r == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(r);
 }
 
 size_t PyHash(py::handle obj) {
@@ -188,61 +170,6 @@ std::string Signature::Repr() const {
          "])";
 }
 
-// ---------------------------------------------------------------- AttrReader
-
-AttrReader::AttrReader(PyTypeObject* type, py::object name)
-    : type_(py::reinterpret_borrow<py::object>(
-          reinterpret_cast<PyObject*>(type))),
-      name_(std::move(name)) {
-  Refresh();
-}
-
-void AttrReader::Refresh() {
-  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(type_.ptr());
-  // Borrowed reference or null; never sets an exception.
-  PyObject* descr = _PyType_Lookup(type, name_.ptr());
-  descr_ = py::object();
-  fget_ = py::object();
-  call_ = nullptr;
-  get_ = nullptr;
-  slot_offset_ = -1;
-  // Only data descriptors (property, slot member, getset) win over an
-  // instance __dict__, so only those may bypass the generic lookup.
-  if (descr != nullptr && Py_TYPE(descr)->tp_descr_get != nullptr &&
-      Py_TYPE(descr)->tp_descr_set != nullptr) {
-    descr_ = py::reinterpret_borrow<py::object>(descr);
-    get_ = Py_TYPE(descr)->tp_descr_get;
-    // A __slots__ member holding an object, readable without an audit hook.
-    if (Py_TYPE(descr) == &PyMemberDescr_Type) {
-      const PyMemberDef* member =
-          reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
-      if (member->type == kObjectSlot && (member->flags & kAuditedRead) == 0) {
-        slot_offset_ = member->offset;
-      }
-    }
-    // A property: call its getter directly (property.__get__ only forwards).
-    if (Py_TYPE(descr) == &PyProperty_Type) {
-      PyObject* fget = PyObject_GetAttrString(descr, "fget");
-      if (fget == nullptr) {
-        PyErr_Clear();
-      } else if (fget == Py_None) {
-        Py_DECREF(fget);
-      } else {
-        fget_ = py::reinterpret_steal<py::object>(fget);
-        call_ = PyVectorcall_Function(fget);  // null: no vectorcall support
-      }
-    }
-  }
-  version_tag_ = type->tp_version_tag;  // 0: no valid tag, refresh next time
-}
-
-int AttrReader::Traverse(visitproc visit, void* arg) const {
-  Py_VISIT(type_.ptr());
-  Py_VISIT(descr_.ptr());
-  Py_VISIT(fget_.ptr());
-  return 0;
-}
-
 // ---------------------------------------------------------- SignatureBuilder
 
 SignatureBuilder::SignatureBuilder(py::tuple array_types,
@@ -324,7 +251,7 @@ void SignatureBuilder::TracerLeaf(AttrReader& aval, PyObject* obj,
   // are interned by JAX: identity is a sound hash (a non-interned aval type
   // could only cost a miss, never a wrong hit).
   out.kind = LeafKind::kTracer;
-  out.first = ReadOrThrow(aval, obj);
+  out.first = aval(obj);
   out.hash = static_cast<size_t>(out.kind) + PointerHash(out.first.ptr()) * kP1;
 }
 
@@ -335,8 +262,8 @@ void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
   for (const ArrayReaders& r : array_readers_) {
     if (Py_TYPE(obj) != r.type) continue;
     out.kind = LeafKind::kJaxArray;
-    out.first = ReadOrThrow(r.aval, obj);
-    out.second = ReadOrThrow(r.sharding, obj);
+    out.first = r.aval(obj);
+    out.second = r.sharding(obj);
     PyObject* committed = r.committed.Read(obj);
     if (committed == nullptr) throw py::error_already_set();
     int truth = committed == Py_True    ? 1

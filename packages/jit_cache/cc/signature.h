@@ -42,6 +42,8 @@
 #include <utility>
 #include <vector>
 
+#include "tools/cc/attr_reader.h"
+
 namespace jaxworks::jit_cache {
 
 namespace py = pybind11;
@@ -104,59 +106,9 @@ class Signature {
   bool has_tracer_;
 };
 
-// Reads one attribute of objects of one exact type through the type's data
-// descriptor, looked up once (skipping the generic attribute lookup) and
-// revalidated with the type's version tag. A __slots__ member is loaded from
-// the slot offset its descriptor publishes (what member_get does); a
-// property's getter is called through its vectorcall entry point directly.
-// Falls back to PyObject_GetAttr when the attribute is not a data descriptor.
-// `obj` must be of exactly the reader's type.
-class AttrReader {
- public:
-  AttrReader(PyTypeObject* type, py::object name);
-
-  // A new reference, or nullptr with a Python error set.
-  PyObject* Read(PyObject* obj) {
-    if (version_tag_ == 0 ||
-        reinterpret_cast<PyTypeObject*>(type_.ptr())->tp_version_tag !=
-            version_tag_) {
-      Refresh();
-    }
-    if (slot_offset_ >= 0) {
-      PyObject* value = *reinterpret_cast<PyObject**>(
-          reinterpret_cast<char*>(obj) + slot_offset_);
-      if (value != nullptr) {
-        Py_INCREF(value);
-        return value;
-      }  // an empty slot: the descriptor raises its AttributeError
-      return get_(descr_.ptr(), obj, type_.ptr());
-    }
-    if (call_ != nullptr) {
-      PyObject* r = call_(fget_.ptr(), &obj, 1, nullptr);
-      if (r == nullptr && !PyErr_Occurred()) {
-        PyErr_SetString(PyExc_SystemError, "attribute getter failed");
-      }
-      return r;
-    }
-    if (fget_) return PyObject_Vectorcall(fget_.ptr(), &obj, 1, nullptr);
-    if (get_ != nullptr) return get_(descr_.ptr(), obj, type_.ptr());
-    return PyObject_GetAttr(obj, name_.ptr());
-  }
-
-  int Traverse(visitproc visit, void* arg) const;
-
- private:
-  void Refresh();
-
-  py::object type_;  // keeps the type (and its pointer) alive
-  py::object name_;
-  py::object descr_;  // cached data descriptor, or null
-  py::object fget_;   // the descriptor's getter when it is a property
-  vectorcallfunc call_ = nullptr;  // fget_'s vectorcall entry point
-  descrgetfunc get_ = nullptr;
-  Py_ssize_t slot_offset_ = -1;  // a plain object slot's offset, or -1
-  unsigned int version_tag_ = 0;
-};
+// Attribute reads through the type's cached data descriptor, re-checked
+// against the type's version tag (tools/cc/attr_reader.h).
+using ::jaxworks::cc::AttrReader;
 
 // Builds Signatures. It is told the Python types it recognises, and gets an
 // optional fallback callable for other leaves: fallback(leaf) returns a

@@ -175,6 +175,34 @@ def test_attribute_reads_follow_the_type():
   del Sub.aval
   assert builder([t]).describe()[0][1] == "a1"
 
+
+def test_attribute_reads_run_getattr_and_getattribute_like_python():
+  """A type's ``__getattr__`` runs when the descriptor raises AttributeError;
+  a type that overrides ``__getattribute__`` is read through it (getattr)."""
+
+  class Lazy:
+    @property
+    def aval(self):
+      raise AttributeError("not computed")
+
+    def __getattr__(self, name):
+      return f"hook:{name}"
+
+  class Custom:
+    aval = property(lambda self: "property")
+
+    def __getattribute__(self, name):
+      return (
+        "getattribute"
+        if name == "aval"
+        else object.__getattribute__(self, name)
+      )
+
+  for cls in (Lazy, Custom):
+    builder = ext.SignatureBuilder((), cls, None, None, None)
+    assert builder([cls()]).describe()[0][1] == getattr(cls(), "aval")
+  assert getattr(Lazy(), "aval") == "hook:aval"
+
   class Truthy:
     def __init__(self, value):
       self.value = value
