@@ -37,29 +37,6 @@ def test_weak_array_from_shards_wraps_without_copy_and_keeps_weak_type():
   assert (out + jnp.ones(N, jnp.bfloat16)).dtype == jnp.bfloat16
 
 
-def test_jax_device_put_replicated_is_jax_own_rank_preserving_helper():
-  devices = DEVICES
-  out = jax_internals.jax_device_put_replicated(np.arange(3.0), devices)
-  assert out.shape == (N, 3)
-  np.testing.assert_array_equal(out, np.stack([np.arange(3.0)] * N))
-  assert [s.device for s in out.addressable_shards] == devices
-  assert {s.data.shape for s in out.addressable_shards} == {(1, 3)}
-  assert jax_internals.jax_device_put_replicated(2.0, devices).weak_type
-
-
-def test_jax_device_put_sharded_is_jax_own_rank_preserving_helper():
-  devices = DEVICES[::-1]
-  shards = [np.full(2, k, np.int32) for k in range(N)]
-  out = jax_internals.jax_device_put_sharded(shards, devices)
-  assert out.shape == (N, 2) and out.dtype == np.int32
-  np.testing.assert_array_equal(out, np.stack(shards))
-  for shard in out.addressable_shards:
-    assert shard.data.shape == (1, 2)
-    np.testing.assert_array_equal(
-      shard.data[0], shards[devices.index(shard.device)]
-    )
-
-
 def test_lowered_with_args_info_relabels_a_stock_lowered():
   lowered = jax.jit(lambda a, b: a * b).lower(jnp.ones(3), jnp.float32(2))
   flat = jax.tree_util.tree_leaves(lowered.args_info)

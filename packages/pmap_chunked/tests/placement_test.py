@@ -17,13 +17,6 @@ from jaxworks.pmap_chunked import device_put_sharded
 from jaxworks.pmap_chunked import pmap
 import jaxworks.pmap_chunked._src.deps as deps
 
-# JAX's own helpers (public until 0.9, kept privately in 0.10.2), reached
-# through the package's one module of private JAX names: the reference for
-# "contents equal to what the JAX 0.9 helpers returned". No fallback: if JAX
-# drops them these tests fail rather than silently compare to something else.
-from jaxworks.pmap_chunked._src.jax_internals import jax_device_put_replicated
-from jaxworks.pmap_chunked._src.jax_internals import jax_device_put_sharded
-
 N = 8
 pytestmark = pytest.mark.skipif(
   jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
@@ -104,20 +97,22 @@ def test_misplaced_inputs_move_in_one_batched_transfer(transfers, monkeypatch):
   assert calls == [3]
 
 
-def _check_like_jax(ours, ref, stacked_devices):
-  """`ours` has JAX's helper's contents, type and per-device layout."""
-  assert ours.shape == ref.shape and ours.dtype == ref.dtype
-  assert ours.weak_type == ref.weak_type
-  np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+def _check_like_jax(ours, rows, stacked_devices):
+  """`ours` is what JAX 0.9's helpers returned for `rows` (one per device):
+  the rows stacked on a new leading axis, with the dtype and weak type that
+  ``jax.device_put`` gives a row, row k on device k as a [1, ...] shard."""
+  rows = [jax.device_put(r) for r in rows]
+  assert ours.shape == (len(rows),) + rows[0].shape
+  assert ours.dtype == rows[0].dtype and ours.weak_type == rows[0].weak_type
+  np.testing.assert_array_equal(np.asarray(ours), np.stack(rows))
   assert isinstance(ours.sharding, NamedSharding)
   assert list(ours.sharding.mesh.devices.flat) == list(stacked_devices)
-  assert ours.sharding.is_equivalent_to(ref.sharding, ours.ndim)
-  by_device = {s.device: s.data for s in ref.addressable_shards}
+  stacked = NamedSharding(Mesh(np.array(stacked_devices), ("k",)), P("k"))
+  assert ours.sharding.is_equivalent_to(stacked, ours.ndim)
+  row_on = dict(zip(stacked_devices, rows))
   for s in ours.addressable_shards:  # device k holds row k, as [1, ...]
     assert s.data.shape == (1,) + ours.shape[1:]
-    np.testing.assert_array_equal(
-      np.asarray(s.data), np.asarray(by_device[s.device])
-    )
+    np.testing.assert_array_equal(np.asarray(s.data)[0], row_on[s.device])
 
 
 @pytest.mark.parametrize(
@@ -135,9 +130,8 @@ def _check_like_jax(ours, ref, stacked_devices):
 def test_device_put_replicated_matches_jax_0_9(value):
   devices = jax.devices()
   out = device_put_replicated(value, devices)
-  ref = jax_device_put_replicated(value, devices)
-  assert jax.tree.structure(out) == jax.tree.structure(ref)
-  jax.tree.map(lambda a, r: _check_like_jax(a, r, devices), out, ref)
+  assert jax.tree.structure(out) == jax.tree.structure(value)
+  jax.tree.map(lambda a, v: _check_like_jax(a, [v] * N, devices), out, value)
   jax.tree.map(
     lambda a, x: np.testing.assert_array_equal(
       np.asarray(a), np.stack([np.asarray(x)] * N)
@@ -151,9 +145,8 @@ def test_device_put_sharded_matches_jax_0_9():
   devices = jax.devices()[2:6]
   shards = [{"x": np.full((2, 3), i, np.float32), "n": i} for i in range(4)]
   out = device_put_sharded(shards, devices)
-  ref = jax_device_put_sharded(shards, devices)
-  assert jax.tree.structure(out) == jax.tree.structure(ref)
-  jax.tree.map(lambda a, r: _check_like_jax(a, r, devices), out, ref)
+  assert jax.tree.structure(out) == jax.tree.structure(shards[0])
+  jax.tree.map(lambda a, *r: _check_like_jax(a, r, devices), out, *shards)
   assert out["n"].weak_type  # Python ints stay weakly typed
   for key in ("x", "n"):
     np.testing.assert_array_equal(
@@ -193,7 +186,7 @@ def test_device_put_sharded_from_device_arrays():
   devices = jax.devices()
   shards = [jnp.arange(3) + i for i in range(N)]
   out = device_put_sharded(shards, devices)
-  _check_like_jax(out, jax_device_put_sharded(shards, devices), devices)
+  _check_like_jax(out, shards, devices)
   np.testing.assert_array_equal(out, np.stack([np.asarray(s) for s in shards]))
 
 
@@ -226,14 +219,8 @@ def test_device_put_helpers_with_prng_keys_feed_pmap():
   replicated = device_put_replicated(jax.random.key(3), devices)
   assert jax.dtypes.issubdtype(sharded.dtype, jax.dtypes.prng_key)
   assert sharded.shape == replicated.shape == (N,)
-  for ours, ref in (
-    (sharded, jax_device_put_sharded(keys, devices)),
-    (replicated, jax_device_put_replicated(jax.random.key(3), devices)),
-  ):
-    assert ours.dtype == ref.dtype
-    np.testing.assert_array_equal(
-      jax.random.key_data(ours), jax.random.key_data(ref)
-    )
+  for ours in (sharded, replicated):
+    assert ours.dtype == keys[0].dtype
     assert [s.device for s in ours.addressable_shards] == devices
   np.testing.assert_array_equal(
     jax.random.key_data(sharded), jax.random.key_data(jnp.stack(keys))

@@ -13,12 +13,6 @@ moves one of them fails there, in one obvious place.
   user's argument structure and the arguments' own avals (as ``jax.pmap``'s own
   ``lower`` does), so ``args_info`` and ``.compile()(...)`` take the arguments as
   the user passes them.
-- ``jax._src.api.device_put_replicated`` / ``device_put_sharded``: JAX's own
-  helpers, removed from the public API in 0.10.0 but still kept privately.
-  The package does not use them; they are the reference its tests compare
-  this package's helpers with ("contents equal to what the JAX 0.9 helpers
-  returned"). They are looked up when called, not at import, so a JAX that
-  drops them fails those tests (AttributeError) but not the package.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax._src import api as _api
 from jax._src import array as _array
 from jax._src import core as _core
 
@@ -42,18 +35,6 @@ def weak_array_from_shards(
   """A committed, weakly typed global array made of ``pieces`` (no copy)."""
   aval = _core.ShapedArray(tuple(shape), dtype, weak_type=True)
   return _array.ArrayImpl(aval, sharding, list(pieces), committed=True)
-
-
-def jax_device_put_replicated(x: Any, devices: Sequence[Any]) -> Any:
-  """JAX's own device_put_replicated (private since 0.10): test reference."""
-  return _api.device_put_replicated(x, devices)
-
-
-def jax_device_put_sharded(
-  shards: Sequence[Any], devices: Sequence[Any]
-) -> Any:
-  """JAX's own device_put_sharded (private since 0.10): test reference."""
-  return _api.device_put_sharded(shards, devices)
 
 
 def lowered_with_args_info(lowered: Any, args_info: Any) -> Any:
