@@ -10,6 +10,7 @@ A README's figures block sits between the two marker lines ``BEGIN`` and
 ``END``; everything outside them is prose the generator never touches.
 """
 
+import io
 import json
 import pathlib
 import re
@@ -279,8 +280,7 @@ def render_all(root, packages, chart=True):
     if not path.exists() or path.read_text() != text:
       path.write_text(text)
       written.append(rel)
-  if chart:
-    write_chart(docs, root / CHART)
+  if chart and write_chart(docs, root / CHART):
     written.append(CHART)
   return written
 
@@ -291,7 +291,10 @@ def _label(row, width=80):
 
 
 def write_chart(docs, path):
-  """Two panels of horizontal bars on a log axis, from parity (1x)."""
+  """Two panels of horizontal bars on a log axis, from parity (1x).
+
+  Returns whether ``path`` changed (an identical PNG is not rewritten).
+  """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
@@ -352,6 +355,11 @@ def write_chart(docs, path):
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
   axes[0, 0].legend(handles, list(colors), fontsize=7, loc="lower right")
   fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=90, bbox_inches="tight")
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
   plt.close(fig)
+  if path.exists() and path.read_bytes() == buffer.getvalue():
+    return False
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_bytes(buffer.getvalue())
+  return True
