@@ -7,13 +7,14 @@ import re
 
 import pytest
 
-PACKAGES = [
-  "axis_names",
-  "batched_transfer",
-  "jit_cache",
-  "stages_aot",
-  "pmap_chunked",
-]
+# The package list Bazel uses (packages.bzl), so a new package is checked too.
+with open("packages.bzl", encoding="utf-8") as _f:
+  PACKAGES = ast.literal_eval(
+    re.search(r"^PACKAGES = (\[.*?\])", _f.read(), re.M | re.S).group(1)
+  )
+
+#: The most lines a source file under packages/*/jaxworks may have.
+MAX_LINES = 600
 
 
 def _files(pkg, pattern):
@@ -108,3 +109,111 @@ def test_anatomy_and_version(pkg):
   assert row.group(1) == version, (
     f"README.md says {pkg} {row.group(1)}, version.py says {version}"
   )
+
+
+def test_package_list_is_complete():
+  on_disk = sorted(
+    d
+    for d in os.listdir("packages")
+    if os.path.exists(os.path.join("packages", d, "BUILD.bazel"))
+  )
+  assert sorted(PACKAGES) == on_disk, (on_disk, PACKAGES)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_source_file_over_the_line_limit(pkg):
+  sources = _files(pkg, "jaxworks/**/*.py")
+  assert sources, f"no sources found for {pkg}"
+  too_long = {}
+  for path in sources:
+    with open(path, encoding="utf-8") as f:
+      n = sum(1 for _ in f)
+    if n > MAX_LINES:
+      too_long[path] = n
+  assert not too_long, (
+    f"files over {MAX_LINES} lines (split them by concern): {too_long}"
+  )
+
+
+def _sections(path):
+  """``{"## heading": body}`` of a Markdown file (level-2 headings; a line
+  starting with ``## `` inside a fenced code block is not a heading)."""
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  sections, heading, fenced = {}, None, False
+  for line in lines:
+    if line.startswith("```"):
+      fenced = not fenced
+    if line.startswith("## ") and not fenced:
+      heading = line.strip()
+      sections[heading] = ""
+    elif heading is not None:
+      sections[heading] += line + "\n"
+  return sections
+
+
+def _layout(pkg):
+  return _sections(os.path.join("packages", pkg, "README.md")).get("## Layout")
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_readme_explains_how_it_works_and_the_layout(pkg):
+  sections = _sections(os.path.join("packages", pkg, "README.md"))
+  for heading in ("## How it works", "## Layout"):
+    assert heading in sections, (
+      f"packages/{pkg}/README.md has no '{heading}' section"
+    )
+    assert sections[heading].strip(), f"{pkg}: '{heading}' is empty"
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_layout_names_exactly_the_modules_there_are(pkg):
+  layout = _layout(pkg)
+  assert layout is not None, f"packages/{pkg}/README.md has no Layout"
+  src = os.path.join("packages", pkg, "jaxworks", pkg, "_src")
+  modules = {
+    f"_src/{name}"
+    for name in os.listdir(src)
+    if name.endswith(".py") and name != "__init__.py"
+  }
+  named = set(re.findall(r"\b_src/\w+\.py\b", layout))
+  assert not modules - named, (
+    f"packages/{pkg}/README.md Layout does not list {sorted(modules - named)}"
+  )
+  assert not named - modules, (
+    f"packages/{pkg}/README.md Layout lists {sorted(named - modules)}, "
+    "which do not exist"
+  )
+
+
+def _package_map():
+  """``{pkg: {column: cell}}`` of the root README's package map."""
+  with open("README.md", encoding="utf-8") as f:
+    text = f.read()
+  m = re.search(
+    r"^## Package map\n+(\|.*?\n)(\|[-| ]+\|\n)((?:\|.*\n)+)", text, re.M
+  )
+  assert m, "README.md has no package map table under '## Package map'"
+  columns = [c.strip() for c in m.group(1).strip().strip("|").split("|")]
+  rows = {}
+  for line in m.group(3).splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    name = re.match(r"\[`(\w+)`\]", cells[0])
+    if name:
+      rows[name.group(1)] = dict(zip(columns, cells))
+  return columns, rows
+
+
+def test_package_map_names_each_entry_module():
+  columns, rows = _package_map()
+  assert "entry module" in columns, f"package map columns: {columns}"
+  assert sorted(rows) == sorted(PACKAGES), sorted(rows)
+  for pkg, row in rows.items():
+    cell = row["entry module"].strip("`")
+    assert re.fullmatch(rf"jaxworks/{pkg}/[\w/]+\.py", cell), (
+      f"README.md package map: {pkg}'s entry module {cell!r} is not a "
+      f"module path like jaxworks/{pkg}/_src/api.py"
+    )
+    assert os.path.exists(os.path.join("packages", pkg, cell)), (
+      f"README.md package map: {pkg}'s entry module {cell} does not exist"
+    )
