@@ -1,59 +1,85 @@
-"""Side-by-side benchmark of jaxworks.batched_transfer against stock JAX.
+"""Side-by-side benchmark of jaxworks.batched_transfer (one process).
 
-Prints three markdown tables (medians of interleaved repeats, one process):
-  1. device_put of 10/100/1000 leaves: numpy -> one device, device -> device,
-     numpy -> NamedSharding; jaxworks vs jax.device_put of the list and vs a
-     per-leaf jax.device_put loop.
-  2. grouping 10k/100k leaves: the C++ pass vs the same algorithm in Python.
-  3. restore of a directory of .npy files in GB/s vs reading them with numpy.
+Rows (``jaxworks_bench``; medians of interleaved repeats; speedup =
+reference / jaxworks, so above 1 jaxworks is faster):
 
-Run: python batched_transfer_bench.py [--quick]
+* device_put of 10/100/1000 small leaves (numpy -> one device, device ->
+  device, numpy -> NamedSharding): against ``jax.device_put`` of the same list
+  (stock-jax; goal: at most 1.1x its time) and a per-leaf ``jax.device_put``
+  loop (naive; goal at 1000 leaves for numpy -> one device and device ->
+  device: at least 2x faster).
+* grouping of 10k/100k leaves: the C++ pass against the same algorithm in
+  Python (ablation; goal: at least 10x).
+* restore of a directory of .npy files (page cache warm), files -> arrays on
+  devices with the target shardings (one device; rows split over 8 devices):
+  against the raw read of the same files (naive: each whole file read with
+  ``os.preadv`` into a new 64-byte-aligned host buffer and nothing else: no
+  parsing, no checks, no placing; an unaligned buffer reads up to 3x slower
+  here; goal: restore at least 0.9x its bandwidth), against
+  ``np.load`` + ``jax.device_put`` (stock-jax), and against orbax-checkpoint's
+  ``StandardCheckpointer`` restoring the same tree onto the same shardings
+  from its own files, saved first in the same temporary directory (peer).
+
+Usage: batched_transfer_bench.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
-import statistics
-import tempfile
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402  (XLA_FLAGS must be set first)
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
+import jaxworks_bench as jb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
 from jaxworks.batched_transfer._src import grouping  # noqa: E402
 
+PACKAGE = "batched_transfer"
+LIST_GOAL = 1 / 1.1  # at most 1.1x jax.device_put of the list
+LOOP_GOAL = 2.0  # at least 2x faster than a per-leaf loop (1000 leaves)
+GROUPING_GOAL = 10.0  # C++ at least 10x the Python twin
+RAW_READ_GOAL = 0.9  # restore at least 0.9x the raw read bandwidth
+
 
 def interleaved_medians(fns: dict, repeats: int) -> dict:
-  """Median seconds of each fn, running them in rotating order each round."""
-  times = {k: [] for k in fns}
+  """Median seconds of each fn, running them in rotating order each round.
+
+  Each result is awaited and dropped before the next call; the GC is off
+  while timing (garbage of earlier calls is collected between calls).
+  """
+  times: dict = {k: [] for k in fns}
   names = list(fns)
-  for k in names:  # warm up caches and compilations
-    jax.block_until_ready(fns[k]())
+  for k in names:  # warm up caches, compilations and the page cache
+    jb.ready(fns[k]())
   for r in range(repeats):
     for k in names[r % len(names) :] + names[: r % len(names)]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(fns[k]())
-      times[k].append(time.perf_counter() - t0)
+      gc.collect()
+      gc.disable()
+      try:
+        t0 = time.perf_counter()
+        jb.ready(fns[k]())
+        times[k].append(time.perf_counter() - t0)
+      finally:
+        gc.enable()
   return {k: statistics.median(v) for k, v in times.items()}
 
 
-def transfer_table(sizes, repeats) -> list[str]:
+def transfer_rows(report: jb.Report, sizes, repeats) -> None:
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("x",))
   named = NamedSharding(mesh, P("x"))
-  rows = [
-    "| case | leaves | jaxworks ms | jax.device_put(list) ms | per-leaf loop ms | "
-    "jaxworks / list | loop / jaxworks |",
-    "|---|---:|---:|---:|---:|---:|---:|",
-  ]
   rng = np.random.default_rng(0)
   for n in sizes:
     host = [rng.standard_normal((8, 32)).astype(np.float32) for _ in range(n)]
@@ -61,7 +87,7 @@ def transfer_table(sizes, repeats) -> list[str]:
     cases = [
       ("numpy -> one device", host, devices[1]),
       ("device -> device", on0, devices[2]),
-      ("numpy -> NamedSharding", host, named),
+      ("numpy -> NamedSharding over 8", host, named),
     ]
     for name, tree, target in cases:
       reps = max(5, repeats * 100 // max(n, 100))
@@ -73,15 +99,21 @@ def transfer_table(sizes, repeats) -> list[str]:
         },
         reps,
       )
-      rows.append(
-        f"| {name} | {n} | {m['ours'] * 1e3:.2f} | {m['list'] * 1e3:.2f} | "
-        f"{m['loop'] * 1e3:.2f} | {m['ours'] / m['list']:.2f}x | "
-        f"{m['loop'] / m['ours']:.2f}x |"
+      case = f"device_put {n} leaves {name}"
+      report.add(
+        case, m["ours"], m["list"], "stock-jax", "jax.device_put(list)",
+        goal=LIST_GOAL,
+      )  # fmt: skip
+      loop_goal = (
+        LOOP_GOAL if n == 1000 and not name.endswith("over 8") else None
       )
-  return rows
+      report.add(
+        f"{case} (vs a loop)", m["ours"], m["loop"], "naive",
+        "per-leaf jax.device_put loop", goal=loop_goal,
+      )  # fmt: skip
 
 
-def grouping_table(sizes, repeats) -> list[str]:
+def grouping_rows(report: jb.Report, sizes, repeats) -> None:
   """C++ pass vs the straightforward Python loop (same keys, same byte counts).
 
   Inputs: numpy leaves of a checkpoint going to one device; jax.Arrays on 8
@@ -102,10 +134,6 @@ def grouping_table(sizes, repeats) -> list[str]:
   jax.block_until_ready(dev_pool)
   shardings = [SingleDeviceSharding(d) for d in devices[:4]] + [None]
   default = SingleDeviceSharding(devices[0])
-  rows = [
-    "| leaves | input | C++ ms | pure Python ms | speedup | groups |",
-    "|---:|---|---:|---:|---:|---:|",
-  ]
   for n in sizes:
     picks = rng.integers(0, 2, n)
     inputs = [
@@ -136,41 +164,118 @@ def grouping_table(sizes, repeats) -> list[str]:
         repeats,
       )
       groups = len(grouping.group_leaves(leaves, dsts, default))
-      rows.append(
-        f"| {n} | {name} | {m['cpp'] * 1e3:.2f} | {m['py'] * 1e3:.2f} | "
-        f"{m['py'] / m['cpp']:.1f}x | {groups} |"
-      )
-  return rows
+      report.add(
+        f"grouping {n} leaves, {name} ({groups} groups)", m["cpp"], m["py"],
+        "ablation", "the same grouping in pure Python", goal=GROUPING_GOAL,
+      )  # fmt: skip
 
 
-def restore_table(total_bytes, files, repeats) -> list[str]:
+def aligned_bytes(size: int) -> np.ndarray:
+  """A new uint8 buffer of ``size`` bytes starting on a 64-byte boundary."""
+  raw = np.empty(size + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start : start + size]
+
+
+def raw_read(files: list[str]) -> list[np.ndarray]:
+  """Each file's bytes in a new aligned host buffer: os.preadv, nothing else."""
+  out = []
+  for name in files:
+    fd = os.open(name, os.O_RDONLY)
+    try:
+      buf = aligned_bytes(os.fstat(fd).st_size)
+      view, done = memoryview(buf), 0
+      while done < buf.size:
+        n = os.preadv(fd, [view[done:]], done)
+        if n == 0:
+          raise EOFError(name)
+        done += n
+    finally:
+      os.close(fd)
+    out.append(buf)
+  return out
+
+
+def reused_read(files: list[str], bufs: list[np.ndarray]) -> None:
+  """The same reads into buffers allocated (and touched) once, for the note."""
+  for name, buf in zip(files, bufs):
+    with open(name, "rb", buffering=0) as f:
+      f.readinto(buf)
+
+
+def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",))
   tmp = tempfile.mkdtemp(prefix="bt-bench-")
   try:
-    per = total_bytes // files // 4
-    tree = {f"t{k:03d}": np.full(per, k, np.float32) for k in range(files)}
+    cols = 1024
+    rows = total_bytes // n_files // 4 // cols // len(devices) * len(devices)
+    tree = {
+      f"t{k:03d}": np.full((rows, cols), k, np.float32) for k in range(n_files)
+    }
     path = os.path.join(tmp, "ckpt")
     bt.save(path, tree)
+    files = sorted(
+      os.path.join(path, n) for n in os.listdir(path) if n.endswith(".npy")
+    )
+    keys = [os.path.basename(f)[:-4] for f in files]
+    nbytes = rows * cols * 4 * n_files
+    size = f"{n_files} .npy files, {nbytes / 2**20:.0f} MiB"
+    checkpointer = ocp.StandardCheckpointer()
+    orbax_path = os.path.join(tmp, "orbax")
+    checkpointer.save(orbax_path, tree)
+    checkpointer.wait_until_finished()
     del tree
-    names = sorted(n for n in os.listdir(path) if n.endswith(".npy"))
-    like = {n[:-4]: jax.ShapeDtypeStruct((per,), np.float32) for n in names}
-    nbytes = per * 4 * files
-    device = jax.devices()[0]
-    out = {}
-
-    def ours():
-      out["x"] = bt.restore(path, like, placement=device, progress=False)
-      return out["x"]
-
-    def numpy_read():
-      return [np.load(os.path.join(path, n)) for n in names]
-
-    m = interleaved_medians({"restore": ours, "numpy": numpy_read}, repeats)
-    return [
-      "| checkpoint | restore GB/s | numpy read GB/s | restore / numpy |",
-      "|---|---:|---:|---:|",
-      f"| {files} .npy files, {nbytes / 2**30:.2f} GiB | {nbytes / m['restore'] / 1e9:.2f} | "
-      f"{nbytes / m['numpy'] / 1e9:.2f} | {m['numpy'] / m['restore']:.2f}x |",
-    ]
+    reused = [aligned_bytes(os.path.getsize(f)) for f in files]
+    for where, sharding in [
+      ("one device", SingleDeviceSharding(devices[0])),
+      (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
+    ]:
+      like = {
+        k: jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
+        for k in keys
+      }
+      m = interleaved_medians(
+        {
+          "restore": lambda: bt.restore(path, like, progress=False),
+          "raw": lambda: raw_read(files),
+          "stock": lambda: jax.device_put(
+            {k: np.load(f) for k, f in zip(keys, files)},
+            {k: sharding for k in keys},
+          ),
+          "orbax": lambda: checkpointer.restore(orbax_path, like),
+          "reused": lambda: reused_read(files, reused),
+        },
+        repeats,
+      )
+      case = f"restore {size} -> {where}"
+      report.add(
+        f"{case} (vs raw read)", m["restore"], m["raw"], "naive",
+        "raw read of the files' bytes into new host buffers",
+        goal=RAW_READ_GOAL,
+      )  # fmt: skip
+      report.add(
+        f"{case} (vs stock)", m["restore"], m["stock"], "stock-jax",
+        "np.load + jax.device_put",
+      )  # fmt: skip
+      report.add(
+        f"{case} (vs orbax)", m["restore"], m["orbax"], "peer",
+        "orbax StandardCheckpointer",
+      )  # fmt: skip
+      gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
+      report.note(
+        f"restore {where}: {gbs['restore']:.2f} GB/s; raw read into new "
+        f"buffers {gbs['raw']:.2f} GB/s (restore {m['raw'] / m['restore']:.2f}x"
+        f" of it, goal >= {RAW_READ_GOAL}x: "
+        f"{'yes' if m['raw'] / m['restore'] >= RAW_READ_GOAL else 'no'}); "
+        f"np.load + jax.device_put {gbs['stock']:.2f} GB/s; orbax "
+        f"{gbs['orbax']:.2f} GB/s. For scale, the same reads into buffers "
+        f"allocated and touched once: {gbs['reused']:.2f} GB/s (restore "
+        f"{m['reused'] / m['restore']:.2f}x of it; a restore's arrays are new "
+        "memory, which the kernel must zero and map first)."
+      )
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -178,32 +283,27 @@ def restore_table(total_bytes, files, repeats) -> list[str]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
-    "--quick", action="store_true", help="small sizes, few repeats (< 20 s)"
+    "--quick", action="store_true", help="small sizes, few repeats (< 30 s)"
   )
+  jb.add_arguments(parser)
   args = parser.parse_args()
   start = time.perf_counter()
   print(
-    f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
-    f"jaxworks.batched_transfer {bt.__version__}{' (quick)' if args.quick else ''}\n"
+    f"jax {jax.__version__}, {jax.device_count()} "
+    f"{jax.devices()[0].platform} devices, jaxworks.batched_transfer "
+    f"{bt.__version__}{' (quick)' if args.quick else ''}"
   )
+  report = jb.Report(PACKAGE, "batched_transfer_bench")
   if args.quick:
-    transfer = transfer_table([10, 100], repeats=5)
-    group = grouping_table([10_000], repeats=3)
-    restore = restore_table(32 * 2**20, 8, repeats=2)
+    transfer_rows(report, [10, 100], repeats=5)
+    grouping_rows(report, [10_000], repeats=3)
+    restore_rows(report, 32 * 2**20, 8, repeats=3)
   else:
-    transfer = transfer_table([10, 100, 1000], repeats=30)
-    group = grouping_table([10_000, 100_000], repeats=7)
-    restore = restore_table(2**30, 16, repeats=3)
-  print(
-    "device_put (goal: jaxworks / list <= 1.1x everywhere; loop / jaxworks >= 2x at 1000 "
-    "leaves for numpy -> one device and device -> device)\n"
-  )
-  print("\n".join(transfer))
-  print("\ngrouping (goal: C++ >= 10x pure Python)\n")
-  print("\n".join(group))
-  print("\nrestore of an .npy directory vs numpy reading the same files\n")
-  print("\n".join(restore))
-  print(f"\n(total {time.perf_counter() - start:.1f} s)")
+    transfer_rows(report, [10, 100, 1000], repeats=30)
+    grouping_rows(report, [10_000, 100_000], repeats=7)
+    restore_rows(report, 2**30, 16, repeats=5)
+  report.note(f"total {time.perf_counter() - start:.1f} s")
+  report.finish(args)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,20 @@ def test_batches_are_half_the_budget_and_reads_stay_within_it(
   ) == [[0, 1], [2, 3], [4, 5], [6], [7, 8], [9, 10]]
 
 
+@pytest.mark.parametrize("budget, threaded", [(2**20, False), (4096, True)])
+def test_one_batch_is_read_on_the_calling_thread(
+  tmp_path, monkeypatch, budget, threaded
+):
+  tree = [np.full(256, k, np.float32) for k in range(6)]
+  bt.save(tmp_path / "d", tree)
+  readers = set()
+  Spy(monkeypatch, on_load=lambda key: readers.add(threading.current_thread()))
+  out = bt.restore(tmp_path / "d", like(tree), max_inflight_bytes=budget)
+  names = {t.name for t in readers}
+  assert names == ({prefetch.THREAD_NAME} if threaded else {"MainThread"})
+  assert [int(np.asarray(x)[0]) for x in out] == list(range(6))
+
+
 def test_the_next_batch_is_read_while_one_is_placed(tmp_path, monkeypatch):
   tree = [np.full(256, k, np.float32) for k in range(6)]  # 3 batches of 2
   bt.save(tmp_path / "d", tree)

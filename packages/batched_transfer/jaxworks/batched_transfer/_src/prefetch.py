@@ -36,7 +36,9 @@ class BatchReader:
   The consumer calls ``take(k)`` then ``release(k)`` for k = 0, 1, ...; an
   exception raised by ``read_batch`` is raised by ``take`` (the same object,
   so the same class); ``close()`` (or leaving the ``with`` block) stops the
-  thread and waits for it, also when the consumer stops early.
+  thread and waits for it, also when the consumer stops early. With one
+  batch there is nothing to overlap: ``take(0)`` reads it on the calling
+  thread, and no thread is started.
   """
 
   def __init__(
@@ -53,10 +55,12 @@ class BatchReader:
     self._counted = 0
     self._error: BaseException | None = None
     self._stop = False
-    self._thread = threading.Thread(
-      target=self._run, name=THREAD_NAME, daemon=True
-    )
-    self._thread.start()
+    self._thread: threading.Thread | None = None
+    if len(self._sizes) > 1:
+      self._thread = threading.Thread(
+        target=self._run, name=THREAD_NAME, daemon=True
+      )
+      self._thread.start()
 
   def __enter__(self) -> BatchReader:
     return self
@@ -88,6 +92,8 @@ class BatchReader:
 
   def take(self, k: int) -> Any:
     """Batch k once it is read; raises what reading raised instead."""
+    if self._thread is None:
+      return self._read_batch(k)
     with self._cond:
       while k not in self._ready and self._error is None:
         self._cond.wait()
@@ -106,5 +112,6 @@ class BatchReader:
     with self._cond:
       self._stop = True
       self._cond.notify_all()
-    self._thread.join()
+    if self._thread is not None:
+      self._thread.join()
     self._ready.clear()
