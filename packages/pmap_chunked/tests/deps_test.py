@@ -2,6 +2,7 @@
 
 import pytest
 
+from jaxworks.pmap_chunked._src import dep_check
 from jaxworks.pmap_chunked._src import deps
 
 
@@ -19,11 +20,19 @@ def test_dependencies_are_the_real_packages():
 def test_too_old_dependency_is_an_actionable_error():
   with pytest.raises(
     RuntimeError,
-    match=r"needs jaxworks.jit_cache >= 0.1.0, "
+    match=r"jaxworks.pmap_chunked needs jaxworks.jit_cache >= 0.1.0, "
     r"but 0.0.9 is installed; upgrade it",
   ):
-    deps.check_version("jaxworks.jit_cache", "0.0.9", "0.1.0")
-  deps.check_version("jaxworks.jit_cache", "0.1.0", "0.1.0")
-  deps.check_version("jaxworks.jit_cache", "0.10.0rc1", "0.2.0")
+    dep_check.check_version(
+      "jaxworks.pmap_chunked", "jaxworks.jit_cache", "0.0.9", "0.1.0"
+    )
+  dep_check.check_version(
+    "jaxworks.pmap_chunked", "jaxworks.jit_cache", "0.1.0", "0.1.0"
+  )
+  dep_check.check_version(
+    "jaxworks.pmap_chunked", "jaxworks.jit_cache", "0.10.0rc1", "0.2.0"
+  )
   with pytest.raises(RuntimeError):
-    deps.check_version("jaxworks.jit_cache", "0.1.0", "0.1.1")
+    dep_check.check_version(
+      "jaxworks.pmap_chunked", "jaxworks.jit_cache", "0.1.0", "0.1.1"
+    )

@@ -1,0 +1,1 @@
+../../../../../tools/py/dep_check.py

@@ -1,0 +1,95 @@
+"""Version checks shared by the jaxworks packages: one source, a copy in each.
+
+Every package carries this file as ``jaxworks.<pkg>._src.dep_check`` (in the
+repository a link to ``tools/py/dep_check.py``, in each wheel a copy), the way
+both C++ extensions compile ``tools/cc/attr_reader.h``: the packages are
+versioned separately and share no code at run time. What a package needs is
+declared in its own ``_src/deps.py``.
+
+Installed distributions are read with ``importlib.metadata``; a jaxworks
+package's release is the ``__version__`` of the module that was imported (a
+source checkout has no distribution metadata). Versions are compared by
+``packaging`` in PEP 440 order, pre-releases included: ``0.10.0rc1`` comes
+after ``0.9.1`` and before ``0.10.0``; a nightly of a supported jax passes.
+
+>>> check_version("jaxworks.stages_aot", "jaxworks.jit_cache", "0.10.0rc1", "0.9.1")
+>>> check_version("jaxworks.stages_aot", "jaxworks.jit_cache", "0.0.9", "0.1.0")
+Traceback (most recent call last):
+...
+RuntimeError: jaxworks.stages_aot needs jaxworks.jit_cache >= 0.1.0, but 0.0.9 is installed; upgrade it (pip install -U 'jaxworks-jit-cache>=0.1.0')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import metadata
+from types import ModuleType
+
+from packaging.specifiers import SpecifierSet
+
+
+def _dist(module_name: str) -> str:
+  """The distribution of a jaxworks module: ``jaxworks.jit_cache`` ->
+  ``jaxworks-jit-cache``."""
+  return module_name.replace(".", "-").replace("_", "-")
+
+
+def check_jax(package: str, supported: str) -> None:
+  """Raises ImportError unless the installed jax and jaxlib are ``supported``.
+
+  ``package`` (``"jaxworks.jit_cache"``) is the one that uses their private
+  internals; call this before importing any.
+  """
+  found = {d: metadata.version(d) for d in ("jax", "jaxlib")}
+  spec = SpecifierSet(supported, prereleases=True)
+  if not all(v in spec for v in found.values()):
+    raise ImportError(
+      f"{package} supports jax and jaxlib {supported} (it uses their private "
+      f"internals); found {found}. Install a supported release: "
+      f"pip install 'jax{supported}' 'jaxlib{supported}'"
+    )
+
+
+def check_version(
+  package: str, dependency: str, found: str, minimum: str
+) -> None:
+  """Raises an actionable RuntimeError when ``found`` < ``minimum``.
+
+  ``package`` needs ``dependency`` (both module names) at ``minimum`` or
+  later; an unreadable ``found`` counts as too old.
+  """
+  if found not in SpecifierSet(f">={minimum}", prereleases=True):
+    raise RuntimeError(
+      f"{package} needs {dependency} >= {minimum}, but {found} is installed; "
+      f"upgrade it (pip install -U '{_dist(dependency)}>={minimum}')"
+    )
+
+
+def missing(
+  package: str, dependency: str, minimum: str, error: Exception
+) -> RuntimeError:
+  """The RuntimeError for a dependency that could not be imported (raise it
+  ``from error``)."""
+  return RuntimeError(
+    f"{package} needs {dependency} >= {minimum}, which could not be imported "
+    f"({error}); install it (pip install '{_dist(dependency)}>={minimum}')"
+  )
+
+
+def require(
+  package: str, module: ModuleType, minimum: str, attrs: Sequence[str] = ()
+) -> ModuleType:
+  """Returns ``module`` (an imported jaxworks dependency) once it has a
+  ``__version__`` >= ``minimum`` and the attributes ``attrs``; raises an
+  actionable RuntimeError otherwise (an incomplete install: reinstall)."""
+  version = getattr(module, "__version__", None)
+  absent = [a for a in attrs if not hasattr(module, a)]
+  if version is None or absent:
+    where = list(getattr(module, "__path__", []))
+    raise RuntimeError(
+      f"{package}: {module.__name__} found at {where} is incomplete (no "
+      f"{', '.join(absent or ['__version__'])}); reinstall it (pip install "
+      f"--force-reinstall '{_dist(module.__name__)}>={minimum}')"
+    )
+  check_version(package, module.__name__, version, minimum)
+  return module
