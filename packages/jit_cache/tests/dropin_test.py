@@ -512,17 +512,3 @@ def test_escaped_tracer_raises_like_stock():
       f(jnp.ones(()), leaked[0])
     errors.append(e.value)
   assert type(errors[0]) is type(errors[1])
-
-
-def test_cpp_cache_misses_counted_like_stock():
-  from jaxworks.jit_cache._src import jax_internals as ji  # pylint: disable=g-import-not-at-top
-
-  counts = []
-  for j in (STOCK_JIT, jit):
-    f = j(lambda x, y: x * 7 + y)
-    with ji.count_test_events("jit_cpp_cache_miss") as count:
-      f(1.0, 2.0)
-      f(3.0, 4.0)
-      f(jnp.ones(2), 1.0)
-    counts.append(count())
-  assert counts[0] == counts[1] == 2

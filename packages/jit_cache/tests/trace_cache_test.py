@@ -35,7 +35,7 @@ class Counting:
 @pytest.fixture
 def infer_params_calls(monkeypatch):
   """Counts calls of jax.jit's parameter inference (pjit._infer_params)."""
-  pjit = ji.pjit_module
+  pjit = ji._pjit  # jax._src.pjit, as jax_internals binds it
   calls = []
   original = pjit._infer_params
 

@@ -79,8 +79,6 @@ def axis_env_in(values: tuple) -> Any:
 #: True at top level (no transformation or staging in progress).
 trace_state_clean: Callable[[], bool] = _core.trace_state_clean
 
-AxisEnv = _core.AxisEnv
-
 #: The current trace is ``current_trace.value``; ``eval_trace`` at top level.
 #: (A ~35 ns check, used before the full ``trace_state_clean``.)
 current_trace = _core.trace_state_strong_ref
@@ -202,10 +200,6 @@ def is_high(closed_jaxpr: Any) -> bool:
 #: Argument metadata (aval, sharding, layout, committed) jit lowers with.
 meta_type: Callable[[Any], Any] = _pjit.convert_to_metaty
 
-#: jax.jit's implementation module; tests count calls of its parameter
-#: inference ``_infer_params``, which a trace-cache hit must not run.
-pjit_module = _pjit
-
 #: Move the first n invars of a Jaxpr to constvars (make_jaxpr's closure).
 convert_invars_to_constvars: Callable[[Any, int], Any] = (
   _pe.convert_invars_to_constvars
@@ -324,28 +318,3 @@ def register_cache(cache: Any, what: str) -> None:
 #: name of a stock event, e.g. ``"jit_cpp_cache_miss"`` when jit runs a
 #: program from Python because its C++ dispatcher missed.
 test_event: Callable[..., None] = _util.test_event
-
-
-class count_test_events:  # pylint: disable=invalid-name
-  """Context manager counting JAX test events named ``name`` (for tests);
-  ``with count_test_events("jit_cpp_cache_miss") as count: ...; count()``."""
-
-  def __init__(self, name: str):
-    self._name = name
-    self._count = 0
-    self._prev: Callable[..., Any] | None = None
-
-  def __enter__(self) -> Callable[[], int]:
-    self._prev = prev = _util.test_event_listener
-
-    def listener(name, *args):
-      if name == self._name:
-        self._count += 1
-      if prev is not None:
-        prev(name, *args)
-
-    _util.test_event_listener = listener
-    return lambda: self._count
-
-  def __exit__(self, *exc) -> None:
-    _util.test_event_listener = self._prev
