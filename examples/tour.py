@@ -400,6 +400,47 @@ def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
   )
   check(close(out, stock_out), "its result equals stock jax.pmap's")
   check(after.hits > before.hits, "its trace hit the inner-jit cache")
+  warm_start_in_a_second_process()
+
+
+# A program run by two new processes sharing jaxworks' disk cache (JAXWORKS_JIT_CACHE_DIR): the first
+# compiles and writes the executable, the second loads it (no lowering, no compile).
+WARM_START = """
+import json, time
+import jax, jax.numpy as jnp, numpy as np
+from jaxworks import jit_cache
+def loss(w, x):
+  return jnp.mean(jnp.tanh(x @ w) ** 2)
+w, x = jnp.full((16, 4), 0.1), jnp.arange(32.0).reshape(2, 16) / 32
+start = time.perf_counter()
+grad = np.asarray(jit_cache.jit(jax.grad(loss))(w, x))
+seconds = time.perf_counter() - start
+jit_cache.config.flush()
+s = jit_cache.stats()
+print(json.dumps({"s": seconds, "hits": s.disk_hits, "compiles": s.compiles, "grad": grad.tolist()}))
+"""
+
+
+def warm_start_in_a_second_process():
+  with tempfile.TemporaryDirectory(prefix="jaxworks_tour_cache_") as cache:
+    env = {"JAXWORKS_JIT_CACHE_DIR": cache}
+    _, first = jb.run_fresh(WARM_START, env=env)
+    _, second = jb.run_fresh(WARM_START, env=env)
+  print(
+    f"   warm start in a second process (disk cache): first process {jb.fmt_seconds(first['s'])} "
+    f"(compiled, {first['compiles']} compile), second {jb.fmt_seconds(second['s'])} "
+    f"({second['hits']} disk hit, {second['compiles']} compiles)"
+  )
+  check(
+    first["compiles"] == 1 and second["hits"] == 1 and second["compiles"] == 0,
+    "the second process loaded the executable from the disk cache (no compile)",
+  )
+  w, x = jnp.full((16, 4), 0.1), jnp.arange(32.0).reshape(2, 16) / 32
+  stock = jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)))(w, x)
+  check(
+    np.array_equal(np.asarray(second["grad"], np.float32), np.asarray(stock)),
+    "its result equals stock jax.jit's, bit for bit",
+  )
 
 
 def export_step(

@@ -11,8 +11,9 @@ Prints a markdown table of medians and ratios:
   leaves (jax Arrays, and tracers as seen by inner calls), and our argument
   key (flatten + signature) against jax's own C++ argument parsing.
 
-Usage: ``python jit_cache_bench.py [--quick]`` (``--quick``: small repeat
-counts, a few seconds).
+Usage: ``python jit_cache_bench.py [--quick] [--json PATH]`` (``--quick``:
+small repeat counts, a few seconds); rows in the schema of
+``benchmarks/support/jaxworks_bench.py``.
 """
 
 import os
@@ -27,6 +28,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import jaxworks_bench as jb
 
 from jaxworks import jit_cache
 from jaxworks.jit_cache._src import jax_internals as ji
@@ -52,27 +54,7 @@ def _side_by_side(fn_a, fn_b, repeats: int, number: int) -> tuple[float, float]:
   return statistics.median(a), statistics.median(b)
 
 
-def _fmt_time(seconds: float) -> str:
-  if seconds >= 1e-3:
-    return f"{seconds * 1e3:.2f} ms"
-  return f"{seconds * 1e6:.2f} us"
-
-
-ROWS = []
-
-
-def _row(name, stock, ours, ratio, goal, met):
-  """met: True/False against a goal, None for rows that only report."""
-  ROWS.append(
-    (
-      name,
-      stock,
-      ours,
-      ratio,
-      goal,
-      "-" if met is None else "yes" if met else "no",
-    )
-  )
+REPORT = jb.Report("jit_cache", "jit_cache_bench")
 
 
 def bench_add_chain(quick: bool) -> None:
@@ -99,14 +81,13 @@ def bench_add_chain(quick: bool) -> None:
   our_iter()
   repeats = 3 if quick else 15
   t_stock, t_ours = _side_by_side(stock_iter, our_iter, repeats, 1)
-  ratio = t_stock / t_ours
-  _row(
+  REPORT.add(
     "jit_add_chain (trace + compile/reuse + run)",
-    _fmt_time(t_stock),
-    _fmt_time(t_ours),
-    f"{ratio:.1f}x faster",
-    ">= 5x faster",
-    ratio >= 5,
+    t_ours,
+    t_stock,
+    "stock-jax",
+    "jax.jit",
+    goal=5.0,
   )
 
   def stock_trace():
@@ -120,14 +101,13 @@ def bench_add_chain(quick: bool) -> None:
   t_stock, t_ours = _side_by_side(
     stock_trace, our_trace, 3 if quick else 15, 2 if quick else 5
   )
-  ratio = t_stock / t_ours
-  _row(
+  REPORT.add(
     "jit_add_chain, trace-only phase",
-    _fmt_time(t_stock),
-    _fmt_time(t_ours),
-    f"{ratio:.2f}x faster",
-    "no slower (>= 1x)",
-    ratio >= 1.0,
+    t_ours,
+    t_stock,
+    "stock-jax",
+    "jax.jit",
+    goal=1.0,
   )
 
 
@@ -150,14 +130,13 @@ def bench_call_overhead(quick: bool) -> None:
     t_stock, t_ours = _side_by_side(
       lambda: stock(*args), lambda: ours(*args), 5 if quick else 21, number
     )
-    ratio = t_ours / t_stock
-    _row(
+    REPORT.add(
       f"cached call, {n} array args",
-      _fmt_time(t_stock),
-      _fmt_time(t_ours),
-      f"{ratio:.2f}x",
-      "<= 1.5x",
-      ratio <= 1.5,
+      t_ours,
+      t_stock,
+      "stock-jax",
+      "jax.jit",
+      goal=1 / 1.5,
     )
 
 
@@ -173,15 +152,13 @@ def bench_signature(quick: bool) -> None:
       repeats,
       number,
     )
-    ratio = t_py / t_cpp
-    goal = ">= 5x" if n == 100 else "(report)"
-    _row(
-      f"signature, {n} jax Array leaves (Python twin vs C++)",
-      _fmt_time(t_py),
-      _fmt_time(t_cpp),
-      f"{ratio:.1f}x faster",
-      goal,
-      ratio >= 5 if n == 100 else None,
+    REPORT.add(
+      f"signature, {n} jax Array leaves (C++ vs its Python twin)",
+      t_cpp,
+      t_py,
+      "ablation",
+      "pure-Python signature",
+      goal=5.0 if n == 100 else None,
     )
 
   tracer_rows = []
@@ -201,15 +178,13 @@ def bench_signature(quick: bool) -> None:
 
   jax.make_jaxpr(under_trace)(*[jnp.ones((2,))] * 1000)
   for n, t_py, t_cpp in tracer_rows:
-    ratio = t_py / t_cpp
-    goal = ">= 5x" if n == 100 else "(report)"
-    _row(
-      f"signature, {n} tracer leaves (Python twin vs C++)",
-      _fmt_time(t_py),
-      _fmt_time(t_cpp),
-      f"{ratio:.1f}x faster",
-      goal,
-      ratio >= 5 if n == 100 else None,
+    REPORT.add(
+      f"signature, {n} tracer leaves (C++ vs its Python twin)",
+      t_cpp,
+      t_py,
+      "ablation",
+      "pure-Python signature",
+      goal=5.0 if n == 100 else None,
     )
 
   def key_rows(label, args, number):
@@ -225,24 +200,21 @@ def bench_signature(quick: bool) -> None:
       return tuple(ji.shaped_abstractify(x) for x in dyn)
 
     t_stock, t_ours = _side_by_side(stock_parse, ours, repeats, number)
-    ratio = t_ours / t_stock
-    _row(
-      f"argument key, {label}: jax parse_arguments vs ours",
-      _fmt_time(t_stock),
-      _fmt_time(t_ours),
-      f"{ratio:.2f}x",
-      "<= 2x (goal)",
-      ratio <= 2,
+    REPORT.add(
+      f"argument key, {label}: ours vs jax parse_arguments",
+      t_ours,
+      t_stock,
+      "stock-jax",
+      "jax parse_arguments",
+      goal=1 / 2,
     )
     t_stock, t_ours = _side_by_side(stock_full, ours, repeats, number)
-    ratio = t_ours / t_stock
-    _row(
-      f"argument key, {label}: jax parse_arguments + avals vs ours",
-      _fmt_time(t_stock),
-      _fmt_time(t_ours),
-      f"{ratio:.2f}x",
-      "(report)",
-      None,
+    REPORT.add(
+      f"argument key, {label}: ours vs jax parse_arguments + avals",
+      t_ours,
+      t_stock,
+      "stock-jax",
+      "jax parse_arguments + avals",
     )
 
   for n in (10, 100, 1000):
@@ -261,24 +233,18 @@ def bench_signature(quick: bool) -> None:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    "--quick", action="store_true", help="few repeats, small sizes (seconds)"
-  )
+  jb.add_arguments(parser)
   opts = parser.parse_args(argv)
   t0 = time.perf_counter()
   bench_add_chain(opts.quick)
   bench_call_overhead(opts.quick)
   bench_signature(opts.quick)
-  print(
+  REPORT.note(
     f"jaxworks.jit_cache {jit_cache.__version__} vs jax {jax.__version__}"
     f" on {jax.devices()[0].platform} ({len(jax.devices())} devices); "
-    f"medians{' (--quick)' if opts.quick else ''}\n"
+    f"medians; total {time.perf_counter() - t0:.1f} s"
   )
-  print("| benchmark | jax.jit / reference | jit_cache | ratio | goal | met |")
-  print("|---|---|---|---|---|---|")
-  for row in ROWS:
-    print("| " + " | ".join(row) + " |")
-  print(f"\n(total {time.perf_counter() - t0:.1f} s)")
+  REPORT.finish(opts)
   return 0
 
 

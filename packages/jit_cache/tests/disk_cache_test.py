@@ -20,6 +20,7 @@ import pytest
 
 from jaxworks import jit_cache
 from jaxworks.jit_cache._src import disk_cache
+from jaxworks.jit_cache._src import disk_key
 from jaxworks.jit_cache._src import fingerprint
 
 WORKER = os.path.join(
@@ -86,6 +87,8 @@ def test_second_process_loads_without_lowering_or_compiling(tmp_path):
   assert second["stats"]["disk_hits"] == 2
   assert second["stats"]["compiles"] == 0
   assert second["stats"]["disk_bytes_read"] > 0
+  assert 0 < second["stats"]["disk_load_s"] < 60
+  assert first["stats"]["disk_load_s"] == 0
   assert "disk cache: loaded" in second["explain"][0]
   assert second["results"] == first["results"]
   assert "P('i'" in second["results"][1][2]
@@ -170,7 +173,7 @@ def _rewrite_key(data, change):
   )
   key = json.loads(bytes(data[head : head + key_len]))
   change(key)
-  new_key = disk_cache._key_bytes(key)
+  new_key = disk_key.key_bytes(key)
   return (
     disk_cache.MAGIC
     + disk_cache.HEADER.pack(fmt, len(new_key), payload_len, sha)
@@ -227,6 +230,25 @@ def _names(result):
     line.split("disk cache: no entry ")[1].split()[0]
     for line in result["explain"]
   ]
+
+
+def test_background_write_is_flushed_at_exit(tmp_path):
+  run = _run(tmp_path, "chain9", env={"WORKER_NO_FLUSH": "1"})
+  assert run["stats"]["disk_misses"] == 1
+  (name,) = _entries(tmp_path)  # written by the exit handler at the latest
+  _assert_valid(os.path.join(tmp_path, name))
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+  again = _run(tmp_path, "chain9")
+  assert again["stats"]["disk_hits"] == 1 and again["lowered"] == [0]
+
+
+def test_keys_do_not_depend_on_the_hash_seed(tmp_path):
+  # Sets and dicts in a key are encoded sorted: another PYTHONHASHSEED (str
+  # hashes, set order) gives the same key, so the entry is found.
+  _run(tmp_path, "chain10,sharded", env={"PYTHONHASHSEED": "1"})
+  again = _run(tmp_path, "chain10,sharded", env={"PYTHONHASHSEED": "2"})
+  assert again["stats"]["disk_hits"] == 2, again["explain"]
+  assert again["lowered"] == [0, 0]
 
 
 def test_off_by_default(tmp_path):
@@ -343,3 +365,64 @@ def test_read_entry_rejects_garbage(tmp_path):
   other = dict(key, jax="0.0.0")
   payload, reason = disk_cache.read_entry(str(path), other)
   assert payload is None and "version mismatch: jax" in reason
+
+
+def test_background_writes_and_flush(tmp_path, cache_off):
+  jit_cache.set_cache_dir(tmp_path / "bg")
+  x = jnp.arange(3.0)
+  jit_cache.jit(lambda v: v * 3.0 + 11.0)(x)
+  assert jit_cache.config.flush(timeout=60)
+  assert len(_entries(tmp_path / "bg")) == 1
+  jit_cache.config.background_writes = False
+  try:
+    jit_cache.set_cache_dir(tmp_path / "fg")
+    jit_cache.jit(lambda v: v * 3.0 + 12.0)(x)
+    assert len(_entries(tmp_path / "fg")) == 1  # before the call returned
+  finally:
+    jit_cache.config.background_writes = True
+  assert "background_writes=True" in repr(jit_cache.config)
+
+
+def test_failed_write_warns_and_explains(tmp_path, cache_off):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  jit_cache.set_cache_dir(blocker / "sub")
+  f = jit_cache.jit(lambda v: v * 3.0 + 13.0)
+  x = jnp.arange(3.0)
+  with pytest.warns(RuntimeWarning, match="could not write the disk cache"):
+    jit_cache.config.background_writes = False
+    try:
+      np.testing.assert_array_equal(f(x), x * 3.0 + 13.0)
+    finally:
+      jit_cache.config.background_writes = True
+  assert "not written" in f.explain_miss(x)
+
+
+def test_encoding_is_canonical_and_typed():
+  a = (1, "x", (2.5, None))
+  b = (1, "x", (2.5, None))
+  shared = (a, a)
+  assert disk_key.encode(shared) == disk_key.encode((a, b))
+  texts = {disk_key.encode(v) for v in (1, 1.0, True, "1", b"1", (1,), [1])}
+  assert len(texts) == 7
+  assert disk_key.encode(-0.0) != disk_key.encode(0.0)
+  assert disk_key.encode(frozenset({"a", "b", "c"})) == disk_key.encode(
+    frozenset(["c", "b", "a"])
+  )
+  assert disk_key.encode({"b": 1, "a": 2}) == disk_key.encode({"a": 2, "b": 1})
+
+  class Mine:
+    pass
+
+  for bad in (Mine(), Mine, lambda: 0, jnp.ones(2)):
+    with pytest.raises(disk_key.NotPersistable):
+      disk_key.encode(bad)
+
+
+def test_jax_primitives_are_found_user_ones_are_not():
+  from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
+
+  assert disk_key.PRIMITIVES.contains(jax.lax.add_p)
+  assert disk_key.PRIMITIVES.contains(jex_core.primitives.jit_p)
+  mine = jex_core.Primitive("add")  # a user primitive named like jax's
+  assert not disk_key.PRIMITIVES.contains(mine)

@@ -3,12 +3,16 @@ the disk cache and prints what happened as one JSON line.
 
 Usage: disk_cache_worker.py CACHE_DIR|- PROGRAM[,PROGRAM...] [MAX_BYTES]
 
+With ``WORKER_NO_FLUSH=1`` the stats are read without waiting for the
+background writes (which the exit handler then flushes).
+
 PROGRAM is ``chain<k>`` (100 chained adds of ``k``) or ``callback``. Lowerings
 and XLA compilations are counted with jax's monitoring events before stock
 ``jax.jit`` runs the same program for the bitwise comparison.
 """
 
 import json
+import os
 import sys
 
 import jax
@@ -76,6 +80,8 @@ def main():
       [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()]
     )
     out["explain"].append(f.explain_miss(program(name)[2]))
+  if not os.environ.get("WORKER_NO_FLUSH"):  # else flushed at exit
+    jit_cache.config.flush()  # entries are written in the background
   s = jit_cache.stats()
   out["stats"] = {
     k: getattr(s, k)
@@ -85,6 +91,7 @@ def main():
       "disk_rejected",
       "disk_bytes_read",
       "disk_bytes_written",
+      "disk_load_s",
       "compiles",
     )
   }

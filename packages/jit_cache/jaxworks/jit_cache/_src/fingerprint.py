@@ -164,6 +164,11 @@ class _Walker:
     self.nbytes = 0  # bytes keyed by content
     self.volatile = False  # content of a mutable (numpy) array was hashed
     self.local: dict[int, tuple[Any, Fingerprint]] = {}
+    # Containers keyed in this computation, by id (the jaxpr holds them, so
+    # an id names one object): the same parameters of many equations (a
+    # hundred calls to one inner function) are keyed once, and the keys
+    # share the result.
+    self.seen: dict[Any, tuple[Any, Any, bool, int, bool]] = {}
 
   def identity(self, v: Any) -> Any:
     self.pins = True
@@ -178,6 +183,24 @@ class _Walker:
       return (t, v.hex())
     if t is complex:
       return (t, v.real.hex(), v.imag.hex())
+    if t is tuple or t is dict or t is list or t is ji.FrozenDict:
+      hit = self.seen.get(id(v))
+      if hit is not None and hit[0] is v:
+        self.pins |= hit[2]
+        self.nbytes += hit[3]
+        self.volatile |= hit[4]
+        return hit[1]
+      outer = (self.pins, self.nbytes, self.volatile)
+      self.pins, self.nbytes, self.volatile = False, 0, False
+      try:
+        key = self._container(v, t)
+      finally:
+        mine = (self.pins, self.nbytes, self.volatile)
+        self.pins = outer[0] or mine[0]
+        self.nbytes = outer[1] + mine[1]
+        self.volatile = outer[2] or mine[2]
+      self.seen[id(v)] = (v, key, *mine)
+      return key
     if isinstance(v, jax.core.Tracer):
       raise NotFingerprintable("tracer")
     if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
@@ -250,6 +273,13 @@ class _Walker:
     # else: the same object or not at all.
     return (t, self.identity(v))
 
+  def _container(self, v: Any, t: type) -> Any:
+    if t is dict or t is ji.FrozenDict:
+      items = [(self.value(k), self.value(x)) for k, x in v.items()]
+      items.sort(key=repr)
+      return (t, tuple(items))
+    return (t, tuple(self.value(x) for x in v))
+
   def array(self, v: Any) -> Any:
     if (
       v.nbytes <= CONTENT_HASH_MAX_BYTES
@@ -293,12 +323,31 @@ class _Walker:
     return aval
 
   def params(self, primitive: Any, params: dict) -> tuple:
+    # Equations of one primitive whose parameters are the same objects
+    # share one key (ids are stable: the jaxpr holds the values).
+    memo = (id(primitive), *params, *map(id, params.values()))
+    hit = self.seen.get(memo)  # type: ignore[call-overload]
+    if hit is not None and hit[0] is primitive:
+      self.pins |= hit[2]
+      self.nbytes += hit[3]
+      self.volatile |= hit[4]
+      return hit[1]
+    outer = (self.pins, self.nbytes, self.volatile)
+    self.pins, self.nbytes, self.volatile = False, 0, False
     ignored = _IGNORED_PARAMS.get(primitive.name, frozenset())
-    return tuple(
-      (name, self.value(params[name]))
-      for name in sorted(params)
-      if name not in ignored
-    )
+    try:
+      key = tuple(
+        (name, self.value(params[name]))
+        for name in sorted(params)
+        if name not in ignored
+      )
+    finally:
+      mine = (self.pins, self.nbytes, self.volatile)
+      self.pins = outer[0] or mine[0]
+      self.nbytes = outer[1] + mine[1]
+      self.volatile = outer[2] or mine[2]
+    self.seen[memo] = (primitive, key, *mine)  # type: ignore[index]
+    return key
 
   def jaxpr(self, obj: Any) -> Fingerprint:
     """Fingerprint of a (Closed)Jaxpr, memoized when it holds no numpy data."""
