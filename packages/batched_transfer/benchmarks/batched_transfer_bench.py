@@ -19,6 +19,10 @@ reference / jaxworks, so above 1 jaxworks is faster):
   ``np.load`` + ``jax.device_put`` (stock-jax), and against orbax-checkpoint's
   ``StandardCheckpointer`` restoring the same tree onto the same shardings
   from its own files, saved first in the same temporary directory (peer).
+  orbax runs in a process of its own (same devices, same medians): left in
+  this process, its threads and allocations made the jaxworks restores timed
+  after it 3-15x slower here (their page faults stalled; the raw reads were
+  not slowed), which would have flattered orbax.
 
 Usage: batched_transfer_bench.py [--quick] [--json PATH]
 """
@@ -203,9 +207,43 @@ def reused_read(files: list[str], bufs: list[np.ndarray]) -> None:
       f.readinto(buf)
 
 
-def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+# Saves the tree with orbax, then times StandardCheckpointer.restore onto each
+# sharding (as restore_rows builds them); prints {where: median seconds}.
+_ORBAX = """
+import gc, json, os, statistics, sys, time
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax, numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
+tmp, n_files, rows, cols, repeats = sys.argv[1:]
+n_files, rows, cols, repeats = int(n_files), int(rows), int(cols), int(repeats)
+devices = jax.devices()
+mesh = jax.make_mesh((len(devices),), ("x",))
+keys = [f"t{k:03d}" for k in range(n_files)]
+path = os.path.join(tmp, "orbax")
+ckpt = ocp.StandardCheckpointer()
+ckpt.save(path, {k: np.full((rows, cols), i, np.float32)
+                 for i, k in enumerate(keys)})
+ckpt.wait_until_finished()
+out = {}
+for where, sharding in [("one device", SingleDeviceSharding(devices[0])),
+                        ("rows", NamedSharding(mesh, P("x")))]:
+  like = {k: jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
+          for k in keys}
+  jax.block_until_ready(ckpt.restore(path, like))
+  times = []
+  for _ in range(repeats):
+    gc.collect()
+    t0 = time.perf_counter()
+    jax.block_until_ready(ckpt.restore(path, like))
+    times.append(time.perf_counter() - t0)
+  out[where] = statistics.median(times)
+print(json.dumps(out))
+"""
 
+
+def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("x",))
   tmp = tempfile.mkdtemp(prefix="bt-bench-")
@@ -223,11 +261,10 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
     keys = [os.path.basename(f)[:-4] for f in files]
     nbytes = rows * cols * 4 * n_files
     size = f"{n_files} .npy files, {nbytes / 2**20:.0f} MiB"
-    checkpointer = ocp.StandardCheckpointer()
-    orbax_path = os.path.join(tmp, "orbax")
-    checkpointer.save(orbax_path, tree)
-    checkpointer.wait_until_finished()
     del tree
+    _, orbax_s = jb.run_fresh(
+      _ORBAX, args=[tmp, str(n_files), str(rows), str(cols), str(repeats)]
+    )
     reused = [aligned_bytes(os.path.getsize(f)) for f in files]
     for where, sharding in [
       ("one device", SingleDeviceSharding(devices[0])),
@@ -245,11 +282,11 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
             {k: np.load(f) for k, f in zip(keys, files)},
             {k: sharding for k in keys},
           ),
-          "orbax": lambda: checkpointer.restore(orbax_path, like),
           "reused": lambda: reused_read(files, reused),
         },
         repeats,
       )
+      m["orbax"] = orbax_s["one device" if where == "one device" else "rows"]
       case = f"restore {size} -> {where}"
       report.add(
         f"{case} (vs raw read)", m["restore"], m["raw"], "naive",
@@ -262,7 +299,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       )  # fmt: skip
       report.add(
         f"{case} (vs orbax)", m["restore"], m["orbax"], "peer",
-        "orbax StandardCheckpointer",
+        "orbax StandardCheckpointer (own process)",
       )  # fmt: skip
       gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
       report.note(

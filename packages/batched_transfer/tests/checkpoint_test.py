@@ -274,8 +274,9 @@ def test_progress_bar_only_on_a_terminal(
 
 
 def test_restored_arrays_do_not_alias_the_files(tmp_path):
-  # On CPU, jax.device_put aliases read-only numpy memory (a memory map) instead of copying;
-  # restore copies, so rewriting a file in place cannot change (or fault) restored arrays.
+  # On CPU, jax.device_put aliases numpy memory (a memory map too) instead of copying;
+  # restore reads into buffers of its own, so rewriting a file in place cannot change (or
+  # fault) restored arrays.
   bt.save(tmp_path / "d", {"a": np.arange(4096, dtype=np.float32)})
   out = bt.restore(tmp_path / "d", like({"a": np.zeros(4096, np.float32)}))
   np.save(

@@ -1,5 +1,8 @@
 """Every private JAX name in _src/jax_internals.py, checked against JAX 0.10.2's behaviour."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -165,3 +168,23 @@ def jax_internals_is_stock(bound, public, name):
     and bound.__module__ == "jax._src.api"
     and bound.__name__ == name
   )
+
+
+def test_release_dropped_host_buffers_frees_aliased_numpy_memory():
+  was_enabled = gc.isenabled()
+  gc.disable()  # Python's gc would release it too (jaxlib's gc callback)
+  try:
+    raw = np.ones(2**16 + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4  # aligned: the CPU runtime aliases it
+    host = raw[start : start + 2**16]
+    alive = weakref.ref(raw)
+    y = jax.device_put(host, jax.devices()[0])
+    assert y.unsafe_buffer_pointer() == host.ctypes.data
+    jax.block_until_ready(y)
+    del raw, host, y
+    assert alive() is not None  # jaxlib still holds the numpy memory
+    ji.release_dropped_host_buffers()
+    assert alive() is None
+  finally:
+    if was_enabled:
+      gc.enable()

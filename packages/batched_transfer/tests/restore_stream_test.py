@@ -1,8 +1,10 @@
 """restore's streaming: reading into aligned buffers, overlap, budget, errors."""
 
+import gc
 import os
 import threading
 import time
+import weakref
 import zipfile
 
 import jax
@@ -85,6 +87,34 @@ def test_data_lands_in_aligned_buffers_that_the_device_takes_over(
       assert y.unsafe_buffer_pointer() == x.ctypes.data, key
     np.testing.assert_array_equal(np.asarray(out[key]), tree[key])
     assert out[key].devices() == {device}
+
+
+def test_buffers_of_a_dropped_restore_are_released_before_the_next(
+  tmp_path, monkeypatch
+):
+  tree = {"a": np.arange(2**16, dtype=np.float32)}
+  bt.save(tmp_path / "d", tree)
+  seen = []  # whether the first restore's buffer is alive when a read starts
+  spy = Spy(monkeypatch, on_load=lambda key: seen.append(alive() is not None))
+  alive = lambda: None  # noqa: E731
+  was_enabled = gc.isenabled()
+  gc.disable()  # Python's gc would release them too (jaxlib's gc callback)
+  try:
+    first = bt.restore(tmp_path / "d", like(tree))
+    (buffer,) = spy.placed[0]
+    alive = weakref.ref(buffer.base)
+    assert first["a"].unsafe_buffer_pointer() == buffer.ctypes.data
+    del first, buffer
+    spy.placed.clear()
+    spy.results.clear()
+    assert alive() is not None  # jaxlib still holds the memory
+    seen.clear()
+    second = bt.restore(tmp_path / "d", like(tree))
+    assert seen == [False]  # released before reading
+    np.testing.assert_array_equal(np.asarray(second["a"]), tree["a"])
+  finally:
+    if was_enabled:
+      gc.enable()
 
 
 def test_compressed_members_are_inflated_in_the_reader(tmp_path, monkeypatch):

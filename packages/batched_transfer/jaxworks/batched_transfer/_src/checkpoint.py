@@ -159,8 +159,9 @@ def save(
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
   Args:
-    path: "<name>.npz" for one uncompressed archive (members memory-map on
-      restore), anything else for a directory with one "<key>.npy" per leaf.
+    path: "<name>.npz" for one uncompressed archive (restore reads its
+      members in place), anything else for a directory with one "<key>.npy"
+      per leaf.
     tree: a pytree of arrays (numpy, jax.Array, scalars). Device arrays are
       fetched one at a time.
     overwrite: replace an existing file or directory of .npy files.

@@ -252,6 +252,9 @@ def restore(
   # the next batch (straight into new aligned buffers) while one is placed.
   # The buffers are restore's own, so placing them may alias them (on CPU the
   # device array takes the buffer over: no second copy).
+  # Host buffers of arrays already dropped (earlier restores, on CPU) go first,
+  # not at Python's next garbage collection.
+  jax_internals.release_dropped_host_buffers()
   sizes = [stored[k].nbytes for k in keys]
   batches = split_batches(sizes, max(1, max_inflight_bytes // 2))
   out: list[Any] = [None] * len(leaves)

@@ -21,6 +21,7 @@ from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import layout as _layout
 from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import _jax
 from jax._src.lib import xla_client as _xc
 
 # Stock JAX's device_put and jit, taken from where JAX defines them, not from
@@ -109,3 +110,13 @@ def default_layout(
   """The runtime's default jax.experimental.layout.Layout for one shard."""
   pjrt_layout = device.client.get_default_layout(dtype, shard_shape, device)
   return _layout.Layout.from_pjrt_layout(pjrt_layout)
+
+
+def release_dropped_host_buffers() -> None:
+  """Drops jaxlib's references to the host buffers of arrays already gone.
+
+  On CPU an array placed from numpy memory without a copy keeps that memory;
+  when the array is deleted, jaxlib defers releasing it to its next garbage
+  collection (a ``gc`` callback). This releases it now.
+  """
+  _jax.collect_garbage()
