@@ -86,13 +86,13 @@ class _JaxPrimitives:
   def _jax_modules(self) -> list[str]:
     if len(sys.modules) != self.seen_modules:
       self.seen_modules = len(sys.modules)
-      names = [
-        n
-        for n in list(sys.modules)
-        if n.startswith("jax.") or n.startswith("jaxlib.")
+      names = [n for n in list(sys.modules) if n.startswith("jax")]
+      first = [n for n in _LIKELY if n in sys.modules]
+      lax = [n for n in names if n.startswith("jax._src.lax.")]
+      rest = [
+        n for n in names if n.startswith("jax.") or n.startswith("jaxlib.")
       ]
-      names.sort(key=lambda n: (not n.startswith("jax._src.lax"), n))
-      self.modules = names
+      self.modules = list(dict.fromkeys(first + lax + rest))
     return self.modules
 
   def contains(self, prim: Any) -> bool:
@@ -118,6 +118,20 @@ class _JaxPrimitives:
           return True
       return False
 
+
+#: Where jax defines most primitives (looked at first).
+_LIKELY = (
+  "jax._src.lax.lax",
+  "jax._src.pjit",
+  "jax._src.core",
+  "jax._src.ad_util",
+  "jax._src.custom_derivatives",
+  "jax._src.lax.slicing",
+  "jax._src.lax.control_flow.loops",
+  "jax._src.lax.control_flow.conditionals",
+  "jax._src.prng",
+  "jax._src.random",
+)
 
 PRIMITIVES = _JaxPrimitives()
 
