@@ -64,9 +64,9 @@ def test_inner_jit_traced_once_per_pmap_trace_then_hits():
   before = jit_cache.stats()
   out2 = f(x + 1)
   after = jit_cache.stats()
-  assert f.cache_info() == pmap_chunked.PmapCacheInfo(
-    hits=1, misses=1, entries=1
-  )
+  info = f.cache_info()
+  assert type(info) is jit_cache.CacheInfo  # one cache-info type
+  assert (info.hits, info.misses, info.entries) == (1, 1, 1)
   assert (after.traces, after.compiles) == (before.traces, before.compiles)
   assert layer.cache_info().traces == 1 and len(runs) == 1
   np.testing.assert_allclose(
@@ -82,9 +82,9 @@ def test_new_shape_is_a_new_trace_of_the_same_pmap_entry():
   f(_x(32))
   # pmap_chunked's entry is keyed by structure and mapped size (8), not by shape: it is reused, and its
   # jit_cache program traces the new shape, where the inner jit misses once and hits twice.
-  assert f.cache_info() == pmap_chunked.PmapCacheInfo(
-    hits=1, misses=1, entries=1
-  )
+  info = f.cache_info()
+  assert type(info) is jit_cache.CacheInfo  # one cache-info type
+  assert (info.hits, info.misses, info.entries) == (1, 1, 1)
   assert jit_cache.stats().compiles == before.compiles + 1
   info = layer.cache_info()
   assert (info.misses, info.hits, info.traces, info.entries) == (2, 4, 2, 2)

@@ -302,3 +302,64 @@ def test_jaxworks_jit_counts_cpp_cache_misses_like_stock():
       f(ones, 1.0)
     counts.append(count())
   assert counts[0] == counts[1] == 2
+
+
+# -- the stage family ------------------------------------------------------------
+
+
+def _sin_matmul(x):
+  return jnp.sin(x) @ x.T
+
+
+_SPEC = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+
+
+def test_export_lowering_parameters_fields():
+  params = ji.export_lowering_parameters()
+  assert params.for_export is True and params.hoist_constants_as_args is False
+  assert params.export_ignore_forward_compatibility is False
+
+
+def test_lower_for_export_and_its_platforms():
+  traced = jax.jit(_sin_matmul).trace(_SPEC)
+  lowered = ji.lower_for_export(traced, ("cpu", "tpu"))
+  assert type(lowered) is jax.stages.Lowered
+  assert ji.lowering_platforms(lowered) == ("cpu", "tpu")
+  # The same module as stock's lowering for these platforms here.
+  stock = traced.lower(lowering_platforms=("cpu", "tpu"))
+  assert lowered.as_text() == stock.as_text()
+
+
+def test_export_lowered_equals_jax_export():
+  traced = jax.jit(_sin_matmul).trace(_SPEC)
+  lowered = ji.lower_for_export(traced, ("cpu", "cuda"))
+  ours = ji.export_lowered(
+    lowered, traced.jaxpr, traced.fun_name, disabled_checks=()
+  )
+  stock = jax.export.export(jax.jit(_sin_matmul), platforms=("cpu", "cuda"))(
+    _SPEC
+  )
+  assert isinstance(ours, jax.export.Exported)
+  assert ours.platforms == ("cpu", "cuda") and ours.fun_name == "_sin_matmul"
+  assert bytes(ours.serialize()) == bytes(stock.serialize())
+  x = np.arange(12, dtype=np.float32).reshape(3, 4)
+  np.testing.assert_allclose(ours.call(x), _sin_matmul(x), rtol=1e-6)
+
+
+def test_stage_as_shares_the_stock_state():
+  class MyTraced(jax.stages.Traced):
+    pass
+
+  class MyCompiled(jax.stages.Compiled):
+    pass
+
+  traced = jax.jit(_sin_matmul).trace(_SPEC)
+  mine = ji.stage_as(MyTraced, traced)
+  assert type(mine) is MyTraced and mine.jaxpr is traced.jaxpr
+  assert mine.in_tree == traced.in_tree and mine.out_avals == traced.out_avals
+  compiled = traced.lower().compile()
+  mc = ji.stage_as(MyCompiled, compiled)
+  x = np.ones((3, 4), np.float32)
+  np.testing.assert_array_equal(mc(x), compiled(x))
+  assert mc.input_formats == compiled.input_formats
+  assert mc.runtime_executable() is compiled.runtime_executable()

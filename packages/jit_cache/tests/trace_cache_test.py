@@ -183,39 +183,24 @@ def test_trace_lower_cross_platform():
   assert isinstance(both, jax.stages.Lowered)
 
 
-def test_trace_lower_passes_private_parameters_through():
-  """Traced.lower(_private_parameters=...) reaches jax's lowering unchanged
-  (jaxworks.stages_aot lowers with jax.export's parameters through it)."""
+def test_trace_lower_has_no_private_parameter_and_lowers_as_stock():
+  """Traced.lower takes lowering_platforms only (the export lowering
+  parameters are internal); the module equals stock's on these programs."""
   import inspect  # pylint: disable=g-import-not-at-top
 
-  from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
-
-  params = mlir.LoweringParameters(
-    override_lowering_rules=(
-      (
-        jax.lax.sin_p,
-        mlir.lower_fun(lambda v, accuracy: jnp.cos(v), multiple_results=False),
-      ),
-    )
-  )
   f = jit(jnp.sin)
   x = jnp.ones(4)
-  assert "_private_parameters" in inspect.signature(f.trace(x).lower).parameters
-  default = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
-  ours = (
-    f.trace(x)
-    .lower(lowering_platforms=("cpu",), _private_parameters=params)
-    .as_text()
-  )
-  stock = (
-    jax.jit(jnp.sin)
-    .trace(x)
-    .lower(lowering_platforms=("cpu",), _private_parameters=params)
-    .as_text()
-  )
-  assert "stablehlo.sine" in default and "cosine" not in default
-  assert "stablehlo.cosine" in ours and "stablehlo.sine" not in ours
-  assert ours == stock
+  traced = f.trace(x)
+  assert list(inspect.signature(traced.lower).parameters) == [
+    "lowering_platforms"
+  ]
+  with pytest.raises(TypeError, match="_private_parameters"):
+    traced.lower(_private_parameters=None)  # pylint: disable=unexpected-keyword-arg
+  for platforms in (None, ("cpu",), ("cpu", "cuda")):
+    ours = traced.lower(lowering_platforms=platforms)
+    stock = jax.jit(jnp.sin).trace(x).lower(lowering_platforms=platforms)
+    assert ours.as_text() == stock.as_text()
+    assert ours.platforms == (platforms or ("cpu",))
 
 
 def test_source_locations_name_the_user_call_not_jit_cache():

@@ -37,22 +37,6 @@ def test_weak_array_from_shards_wraps_without_copy_and_keeps_weak_type():
   assert (out + jnp.ones(N, jnp.bfloat16)).dtype == jnp.bfloat16
 
 
-def test_lowered_with_args_info_relabels_a_stock_lowered():
-  lowered = jax.jit(lambda a, b: a * b).lower(jnp.ones(3), jnp.float32(2))
-  flat = jax.tree_util.tree_leaves(lowered.args_info)
-  relabeled = jax_internals.lowered_with_args_info(
-    lowered, ((flat[0],), {"b": flat[1]})
-  )
-  assert isinstance(relabeled, jax.stages.Lowered)
-  assert relabeled.args_info == ((flat[0],), {"b": flat[1]})
-  assert relabeled.out_info.shape == lowered.out_info.shape
-  assert relabeled.as_text() == lowered.as_text()
-  compiled = relabeled.compile()  # takes the relabeled structure
-  np.testing.assert_array_equal(
-    compiled(jnp.ones(3), b=jnp.float32(2)), [2.0, 2.0, 2.0]
-  )
-
-
 def test_arg_info_has_the_arguments_own_aval():
   info = jax_internals.arg_info(jnp.ones((2, 3), jnp.bfloat16), True)
   assert isinstance(info, jax.stages.ArgInfo)

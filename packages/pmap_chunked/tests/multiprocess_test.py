@@ -35,7 +35,10 @@ WORKER = textwrap.dedent("""
         "out": shards(out),
         "again": shards(again),
         "gathered": shards(gathered),
-        "cache": list(f.cache_info()),
+        "cache": [
+          getattr(f.cache_info(), k)
+          for k in ("hits", "misses", "entries", "evictions", "maxsize")
+        ],
     }), flush=True)
     jax.distributed.shutdown()
 """)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxworks.jit_cache
-from jaxworks.pmap_chunked import PmapCacheInfo
+from jaxworks.pmap_chunked import CacheInfo
 from jaxworks.pmap_chunked import pmap
 
 N = 8
@@ -270,7 +270,12 @@ def test_cache_hits_and_trace_count():
     x = g(x)
   np.testing.assert_allclose(x, 3.0)
   assert traces == [(3,)]
-  assert g.cache_info() == PmapCacheInfo(hits=2, misses=1, entries=1)
+  info = g.cache_info()
+  assert type(info) is CacheInfo and CacheInfo is jaxworks.jit_cache.CacheInfo
+  assert (info.hits, info.misses, info.entries, info.evictions) == (2, 1, 1, 0)
+  # The program's own jit cache: one trace, one compile, served since.
+  assert (info.traces, info.compiles + info.executable_reuses) == (1, 1)
+  assert info.maxsize == 256
   g(jnp.zeros((N, 5)))  # new shape: same entry, retrace
   assert traces == [(3,), (5,)]
   g(jnp.zeros((4, 5)))  # new size: new entry
@@ -336,3 +341,22 @@ def test_program_is_traced_and_cached_by_jit_cache():
   assert isinstance(
     f._entries[next(iter(f._entries))].jitted, jaxworks.jit_cache.JitFunction
   )
+
+
+def test_pmap_cache_info_is_a_deprecated_alias_and_stats_sums():
+  import jaxworks.pmap_chunked as pc
+
+  with pytest.warns(DeprecationWarning, match="PmapCacheInfo is deprecated"):
+    assert pc.PmapCacheInfo is jaxworks.jit_cache.CacheInfo
+  import gc
+
+  g = pmap(lambda v: v * 2)
+  gc.collect()  # no other pmapped function dies between the two snapshots
+  before = pc.stats()
+  g(jnp.ones((N, 2)))
+  g(jnp.ones((N, 2)))
+  after = pc.stats()
+  assert type(after) is jaxworks.jit_cache.CacheInfo
+  assert (after.hits - before.hits, after.misses - before.misses) == (1, 1)
+  built = after.compiles + after.executable_reuses
+  assert built - (before.compiles + before.executable_reuses) == 1

@@ -4,8 +4,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,55 +16,6 @@ def f(x):
 
 
 SPEC = jax.ShapeDtypeStruct((3, 4), jnp.float32)
-
-
-def test_lowering_parameters_fields():
-  params = jax_internals.export_lowering_parameters()
-  assert isinstance(params, jax_internals.LoweringParameters)
-  assert params.for_export is True and params.hoist_constants_as_args is False
-  assert params.export_ignore_forward_compatibility is False
-
-
-def test_stock_traced_lower_takes_private_parameters():
-  sig = inspect.signature(jax.stages.Traced.lower)
-  assert (
-    "_private_parameters" in sig.parameters
-    and "lowering_platforms" in sig.parameters
-  )
-  lowered = (
-    jax.jit(f)
-    .trace(SPEC)
-    .lower(
-      lowering_platforms=("cpu", "tpu"),
-      _private_parameters=jax_internals.export_lowering_parameters(),
-    )
-  )
-  assert isinstance(lowered, jax.stages.Lowered)
-
-
-def test_export_lowered_equals_jax_export():
-  sig = inspect.signature(jax_internals.export_lowered)
-  assert list(sig.parameters)[:4] == [
-    "lowered",
-    "jaxpr",
-    "fun_name",
-    "disabled_checks",
-  ]
-  traced = jax.jit(f).trace(SPEC)
-  lowered = traced.lower(
-    lowering_platforms=("cpu", "cuda"),
-    _private_parameters=jax_internals.export_lowering_parameters(),
-  )
-  ours = jax_internals.export_lowered(
-    lowered, traced.jaxpr, traced.fun_name, disabled_checks=()
-  )
-  stock = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(SPEC)
-  assert isinstance(ours, jax.export.Exported)
-  assert ours.platforms == ("cpu", "cuda") and ours.fun_name == "f"
-  assert bytes(ours.serialize()) == bytes(stock.serialize())
-  assert ours.has_vjp()
-  x = np.arange(12, dtype=np.float32).reshape(3, 4)
-  np.testing.assert_allclose(ours.call(x), f(x), rtol=1e-6)
 
 
 def test_stock_jit_is_jax_jit():

@@ -1,28 +1,32 @@
 """jaxworks.pmap_chunked: pmap as jit(shard_map) with rank-preserving shards.
 
 Public API: :func:`pmap`, :func:`device_put_replicated`,
-:func:`device_put_sharded`, the :class:`Pmapped` / :class:`PmapCacheInfo`
-types they return, and the adoption API :func:`install` /
+:func:`device_put_sharded`, the :class:`Pmapped` type ``pmap`` returns,
+``CacheInfo`` (``jaxworks.jit_cache.CacheInfo``, what ``cache_info()`` and
+:func:`stats` return), and the adoption API :func:`install` /
 :func:`uninstall` / :func:`installed` (``jax.pmap = pmap_chunked.pmap``,
-reversibly).
+reversibly). ``Pmapped.trace``/``lower`` return jit_cache's stage family.
 """
+
+import warnings as _warnings
 
 from ._src.adopt import install as install
 from ._src.adopt import installed as installed
 from ._src.adopt import is_installed as is_installed
 from ._src.adopt import uninstall as uninstall
 from ._src.api import AxisOutOfRangeError as AxisOutOfRangeError
-from ._src.api import PmapCacheInfo as PmapCacheInfo
+from ._src.api import CacheInfo as CacheInfo
 from ._src.api import Pmapped as Pmapped
 from ._src.api import UnhashableStaticError as UnhashableStaticError
 from ._src.api import device_put_replicated as device_put_replicated
 from ._src.api import device_put_sharded as device_put_sharded
 from ._src.api import pmap as pmap
+from ._src.api import stats as stats
 from .version import __version__ as __version__
 
 __all__ = [
   "AxisOutOfRangeError",
-  "PmapCacheInfo",
+  "CacheInfo",
   "Pmapped",
   "UnhashableStaticError",
   "device_put_replicated",
@@ -31,6 +35,23 @@ __all__ = [
   "installed",
   "is_installed",
   "pmap",
+  "stats",
   "uninstall",
   "__version__",
 ]
+
+
+def __getattr__(name: str):
+  if name == "PmapCacheInfo":
+    _warnings.warn(
+      "jaxworks.pmap_chunked.PmapCacheInfo is deprecated since 0.2.0: "
+      "cache_info() returns jaxworks.jit_cache.CacheInfo (also exported as "
+      "jaxworks.pmap_chunked.CacheInfo), with the same hits, misses, "
+      "entries, evictions and maxsize; use CacheInfo",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return CacheInfo
+  raise AttributeError(
+    f"module 'jaxworks.pmap_chunked' has no attribute {name!r}"
+  )

@@ -18,7 +18,6 @@ import types
 from typing import Any
 import weakref
 
-import jax
 from jax.extend import core as jex_core
 
 from . import argnums as _argnums
@@ -107,8 +106,10 @@ class JitFunction:
     """
     return self._core.trace(*args, **kwargs)
 
-  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-    """``self.trace(*args, **kwargs).lower()``: a stock ``jax.stages.Lowered``.
+  def lower(self, *args, **kwargs) -> _stages.Lowered:
+    """``self.trace(*args, **kwargs).lower()``: a jaxworks ``Lowered`` (a
+    ``jax.stages.Lowered`` with ``fun_name``, ``jaxpr``, ``platforms`` and
+    ``export()``).
 
     Its ``compile()`` prunes unused arguments unless ``keep_unused=True``, as
     ``jax.jit``'s does.
@@ -159,12 +160,14 @@ _CORES_LOCK = threading.Lock()
 _CORES_PER_FUNCTION = 32
 
 
-def _forget_cores(fun_id: int, ref: Any) -> None:
+def _forget_cores(fun_id: int, ref: Any, cores: dict = _CORES) -> None:
   # A weakref callback: runs when the function dies, possibly inside a
   # garbage collection, so it takes no lock (dict operations are atomic).
-  item = _CORES.get(fun_id)
+  # ``cores`` is bound at definition: at interpreter exit the module's
+  # globals may already be gone when the last functions die.
+  item = cores.get(fun_id)
   if item is not None and item[0] is ref:
-    _CORES.pop(fun_id, None)
+    cores.pop(fun_id, None)
 
 
 def _freeze(value: Any) -> Any:

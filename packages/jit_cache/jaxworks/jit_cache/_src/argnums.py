@@ -17,23 +17,51 @@ _tree_flatten_with_path = jax.tree_util.tree_flatten_with_path
 _keystr = jax.tree_util.keystr
 
 
-def index_tuple(value: Any, what: str) -> tuple[int, ...]:
+def check_argnums(
+  value: Any,
+  what: str,
+  *,
+  api: str = "jaxworks.jit_cache.jit",
+  nonnegative: bool = False,
+) -> tuple[int, ...]:
+  """An argnums option as a tuple of ints (public as ``check_argnums``).
+
+  Args:
+    value: None, an int or a sequence of ints.
+    what: the option's name for messages, e.g. ``"static_argnums"``.
+    api: the public API name messages start with.
+    nonnegative: reject negative positions (as ``pmap`` does).
+
+  Returns:
+    The ints, in the order given (``()`` for None).
+
+  Raises:
+    TypeError: anything else, naming the option, the value and the fix.
+
+  >>> check_argnums(1, "static_argnums")
+  (1,)
+  >>> check_argnums([2, 0], "donate_argnums")
+  (2, 0)
+  """
   if value is None:
     return ()
   items = (value,) if isinstance(value, int) else value
   try:
     out = tuple(items)
   except TypeError:
+    out = None
+  if out is None or any(
+    not isinstance(i, int) or isinstance(i, bool) for i in out
+  ):
     raise TypeError(
-      f"jaxworks.jit_cache.jit: {what} must be an int or a sequence of "
-      f"ints, got {value!r}"
-    ) from None
-  for i in out:
-    if not isinstance(i, int) or isinstance(i, bool):
-      raise TypeError(
-        f"jaxworks.jit_cache.jit: {what} must be an int or a sequence of "
-        f"ints, got {value!r}"
-      )
+      f"{api}: {what} must be an int or a sequence of ints, got "
+      f"{value!r}; pass e.g. {what}=(1,)"
+    )
+  if nonnegative and any(i < 0 for i in out):
+    raise TypeError(
+      f"{api}: {what} must hold non-negative ints (positions of positional "
+      f"arguments), got {value!r}; pass e.g. {what}=(1,)"
+    )
   return out
 
 
@@ -68,7 +96,7 @@ def resolve_argnums(
   """Completes argnums from argnames or the reverse, as jax.jit documents."""
   if argnums is None and argnames is None:
     return (), ()
-  nums = index_tuple(argnums, f"{what}_argnums")
+  nums = check_argnums(argnums, f"{what}_argnums")
   names = name_tuple(argnames, f"{what}_argnames")
   if sig is None:
     return nums, names

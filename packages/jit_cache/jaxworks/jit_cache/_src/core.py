@@ -476,8 +476,8 @@ class _JitCore:
     leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
     entry = self._entry(leaves, treedef, statics, ctx, sig, args, kwargs)
     if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
-      return _stages.Traced(entry.traced)
-    return _stages.Traced(
+      return _stages.Traced.from_traced(entry.traced)
+    return _stages.Traced.from_traced(
       ji.make_traced(
         [ji.meta_type(x) for x in leaves],
         entry.params,
@@ -487,8 +487,8 @@ class _JitCore:
       )
     )
 
-  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-    """``self.trace(*args, **kwargs).lower()``: a stock ``jax.stages.Lowered``."""
+  def lower(self, *args, **kwargs) -> _stages.Lowered:
+    """``self.trace(*args, **kwargs).lower()``: a jaxworks ``Lowered``."""
     return self.trace(*args, **kwargs).lower()
 
   def eval_shape(self, *args, **kwargs) -> Any:

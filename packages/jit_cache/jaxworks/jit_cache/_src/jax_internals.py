@@ -27,7 +27,9 @@ from jax._src import pjit as _pjit
 from jax._src import stages as _stages
 from jax._src import tree_util as _tree_util
 from jax._src import util as _util
+from jax._src.export import _export as _export_impl
 from jax._src.frozen_dict import FrozenDict as _FrozenDict
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
 from jax._src.layout import Format as _Format
@@ -204,6 +206,63 @@ meta_type: Callable[[Any], Any] = _pjit.convert_to_metaty
 convert_invars_to_constvars: Callable[[Any, int], Any] = (
   _pe.convert_invars_to_constvars
 )
+
+
+# -- the stage family (stages.py) ----------------------------------------------------
+
+
+def export_lowering_parameters() -> Any:
+  """Lowering parameters equal to those of ``jax.export.export``: constants
+  stay in the module (never hoisted into arguments), and Mosaic/Pallas TPU
+  kernels use their forward-compatible form."""
+  return _mlir.LoweringParameters(
+    for_export=True,
+    hoist_constants_as_args=False,
+    export_ignore_forward_compatibility=bool(
+      _config.export_ignore_forward_compatibility.value
+    ),
+  )
+
+
+def lower_for_export(traced: Any, platforms: tuple[str, ...] | None) -> Any:
+  """``jax.stages.Traced.lower`` with :func:`export_lowering_parameters`
+  (a parameter JAX keeps private), so the result can be exported as is."""
+  return _stages.Traced.lower(
+    traced,
+    lowering_platforms=platforms,
+    _private_parameters=export_lowering_parameters(),
+  )
+
+
+def lowering_platforms(lowered: Any) -> tuple[str, ...] | None:
+  """The platforms a stock ``jax.stages.Lowered`` was lowered for (None when
+  JAX did not record them)."""
+  platforms = getattr(lowered._lowering, "_platforms", None)  # pylint: disable=protected-access
+  return None if platforms is None else tuple(platforms)
+
+
+#: ``jax.export``'s step after lowering: (stock Lowered, jaxpr, function name,
+#: disabled checks) -> ``jax.export.Exported``, without lowering again.
+export_lowered: Callable[..., Any] = _export_impl._export_lowered  # pylint: disable=protected-access
+
+
+def stage_as(cls: type, stage: Any) -> Any:
+  """A ``cls`` object with the state of stock stage ``stage``.
+
+  ``cls`` subclasses the stock class of ``stage`` (``jax.stages.Traced``,
+  ``Lowered`` or ``Compiled``) and adds only methods and ``__dict__``
+  entries; the stock state (its ``__slots__`` and ``__dict__``) is shared,
+  not copied, so every stock method works on the result as on ``stage``.
+  """
+  out = object.__new__(cls)
+  for klass in type(stage).__mro__:
+    slots = getattr(klass, "__slots__", ())
+    for name in (slots,) if isinstance(slots, str) else slots:
+      if name in ("__dict__", "__weakref__") or not hasattr(stage, name):
+        continue
+      setattr(out, name, getattr(stage, name))
+  out.__dict__.update(getattr(stage, "__dict__", {}))
+  return out
 
 
 # -- compiled executables and the C++ dispatcher -----------------------------------------

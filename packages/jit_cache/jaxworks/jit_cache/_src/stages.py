@@ -1,86 +1,344 @@
-"""The stages of a jitted function: ``Traced`` (``f.trace(...)``)."""
+"""The stage family: ``Traced`` -> ``Lowered`` -> ``Compiled``.
+
+Each class subclasses its ``jax.stages`` counterpart and shares the stock
+object's state (``jax_internals.stage_as``), so every stock attribute and
+method is there with the stock signature and result, and ``isinstance(x,
+jax.stages.Lowered)`` holds. The additions:
+
+* ``Traced.lower(lowering_platforms=...)`` lowers for any of cpu, cuda, rocm
+  and tpu from any host, with ``jax.export``'s lowering parameters, and
+  returns a ``Lowered`` that keeps ``fun_name``, ``jaxpr`` and ``platforms``;
+* ``Lowered.compile(compiler_options=None, *, platform=None)`` compiles a
+  multi-platform lowering for one present platform;
+* ``Lowered.export()`` exports that very lowering (no second lowering) through
+  the exporter that ``jaxworks.stages_aot`` registers when it is imported
+  (:func:`register_exporter`); jit_cache never imports stages_aot.
+
+Every entry point (``jit_cache.jit(f).trace/lower``, ``stages_aot.trace``,
+``pmap_chunked.pmap(f).trace/lower``) returns these classes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
 
 from . import jax_internals as ji
+from . import lowering as _lowering
+from . import platforms as _platforms
 
-_tree_unflatten = jax.tree_util.tree_unflatten
+_StockTraced = jax.stages.Traced
+_StockLowered = jax.stages.Lowered
+_StockCompiled = jax.stages.Compiled
+_DisabledSafetyCheck = jax.export.DisabledSafetyCheck
+_tree_leaves = jax.tree_util.tree_leaves
+
+#: The exporter ``Lowered.export`` hands its ``jax.export.Exported`` to (set by
+#: ``jaxworks.stages_aot`` through :func:`register_exporter`).
+_EXPORTER: list[Callable[..., Any]] = []
 
 
-class Traced:
-  """A traced function specialised to argument types (``f.trace(...)``).
+def register_exporter(exporter: Callable[..., Any]) -> None:
+  """Sets what ``Lowered.export()`` returns (``jaxworks.stages_aot`` calls this
+  when imported; users need not).
 
-  Attributes:
-    jaxpr: the ``ClosedJaxpr``. Tracers the function closes over (when traced
-      under another transformation) are leading inputs, not constants.
-    fun_name: name of the traced function.
-    in_avals: abstract values of the dynamic arguments, as the pytree
-      ``(args, kwargs)`` (static arguments left out).
-    out_info: output ``jax.ShapeDtypeStruct`` pytree.
-    args_info: jax's ``ArgInfo`` pytree (aval and donation per argument).
+  Args:
+    exporter: called as ``exporter(exported, vjp_order=n)`` with the stock
+      ``jax.export.Exported`` of the lowering; its result is what
+      ``Lowered.export`` returns.
+  """
+  if not callable(exporter):
+    raise TypeError(
+      "jaxworks.jit_cache.register_exporter: expected a callable "
+      f"exporter(exported, vjp_order=...), got {type(exporter).__name__}"
+    )
+  _EXPORTER[:] = [exporter]
+
+
+def _avals_text(avals: Any) -> str:
+  """``f32[2,3], i32[]`` for a pytree of abstract values."""
+  return ", ".join(
+    a.str_short(short_dtypes=True) if hasattr(a, "str_short") else str(a)
+    for a in _tree_leaves(avals)
+  )
+
+
+class Traced(_StockTraced):
+  """A function traced for specific argument types (``f.trace(...)``).
+
+  A ``jax.stages.Traced`` (every stock attribute: ``jaxpr``, ``fun_name``,
+  ``in_avals``, ``out_info``, ``args_info``, ...), whose :meth:`lower` takes
+  any lowering platforms and returns a jaxworks :class:`Lowered`. Tracers
+  the function closes over (when traced under another transformation) are
+  leading inputs of ``jaxpr``, as in stock JAX.
   """
 
-  __slots__ = ("_traced",)
+  @classmethod
+  def from_traced(cls, traced: Any) -> Traced:
+    """Enters the family from a stock ``jax.jit(f).trace(...)`` (a jaxworks
+    ``Traced`` is returned as is).
 
-  def __init__(self, traced: Any):
-    self._traced = traced
-
-  @property
-  def jaxpr(self) -> jex_core.ClosedJaxpr:
-    return self._traced.jaxpr
-
-  @property
-  def fun_name(self) -> str:
-    return self._traced.fun_name
-
-  @property
-  def in_avals(self) -> Any:
-    params, consts, _, in_tree, _ = ji.traced_parts(self._traced)
-    avals = params["jaxpr"].in_avals[len(consts) :]
-    return _tree_unflatten(in_tree, avals)
-
-  @property
-  def out_info(self) -> Any:
-    return self._traced.out_info
-
-  @property
-  def args_info(self) -> Any:
-    return self._traced.args_info
-
-  @property
-  def _consts(self) -> list:
-    return ji.traced_parts(self._traced)[1]
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxworks import jit_cache
+    >>> t = jit_cache.Traced.from_traced(jax.jit(jnp.cos).trace(jnp.zeros(3)))
+    >>> t.lower(lowering_platforms=("tpu",)).platforms
+    ('tpu',)
+    """
+    if isinstance(traced, Traced):
+      return traced
+    if isinstance(traced, _StockTraced):
+      return ji.stage_as(cls, traced)
+    raise TypeError(
+      "jaxworks.jit_cache.Traced.from_traced: expected the result of "
+      "jaxworks.jit_cache.jit(f).trace(*args) or jax.jit(f).trace(*args), "
+      f"got {type(traced).__name__}; trace the function first"
+    )
 
   def lower(
-    self,
-    *,
-    lowering_platforms: tuple[str, ...] | None = None,
-    _private_parameters: Any = None,
-  ) -> jax.stages.Lowered:
-    """Lowers to a stock ``jax.stages.Lowered``.
+    self, *, lowering_platforms: tuple[str, ...] | None = None
+  ) -> Lowered:
+    """Lowers for the given platforms; this host need not have them.
 
     Args:
-      lowering_platforms: platforms to lower for, e.g. ``("tpu",)`` or
-        ``("cpu", "cuda")``; default: those of the arguments.
-      _private_parameters: a ``jax.interpreters.mlir.LoweringParameters``,
-        passed through to ``jax.stages.Traced.lower`` as is (private in jax
-        too; ``jaxworks.stages_aot`` lowers with ``jax.export``'s parameters
-        through it). Default: jax's default lowering.
+      lowering_platforms: a tuple with any of ``'cpu'``, ``'cuda'``,
+        ``'rocm'`` and ``'tpu'``; None for the platform of the arguments
+        (as stock). With more than one platform, the module takes a platform
+        index as its first argument (the ``jax.export`` calling convention).
+
+    Returns:
+      A :class:`Lowered` (a ``jax.stages.Lowered``).
+
+    Raises:
+      TypeError, ValueError: bad ``lowering_platforms``.
     """
-    if _private_parameters is None:
-      return self._traced.lower(lowering_platforms=lowering_platforms)
-    return self._traced.lower(
-      lowering_platforms=lowering_platforms,
-      _private_parameters=_private_parameters,
+    api = "jaxworks.jit_cache.Traced.lower"
+    platforms = (
+      None
+      if lowering_platforms is None
+      else _platforms.canonical_platforms(lowering_platforms, api=api)
+    )
+    stock = ji.lower_for_export(self, platforms)
+    if platforms is None:
+      platforms = ji.lowering_platforms(stock) or (
+        _lowering.default_platform(),
+      )
+    return Lowered.from_lowered(
+      stock, fun_name=self.fun_name, jaxpr=self.jaxpr, platforms=platforms
     )
 
   def __repr__(self) -> str:
     return (
-      f"Traced({self.fun_name}: {self.jaxpr.in_avals} -> "
-      f"{self.jaxpr.out_avals})"
+      f"Traced({self.fun_name}({_avals_text(self.jaxpr.in_avals)}) -> "
+      f"({_avals_text(self.jaxpr.out_avals)}))"
+    )
+
+
+class Lowered(_StockLowered):
+  """A lowering for one or more platforms, carrying its program.
+
+  A ``jax.stages.Lowered`` plus:
+
+  Attributes:
+    fun_name: the name of the lowered function.
+    jaxpr: the ``ClosedJaxpr`` it was lowered from.
+    platforms: the platforms it was lowered for.
+  """
+
+  @classmethod
+  def from_lowered(
+    cls,
+    lowered: jax.stages.Lowered,
+    *,
+    fun_name: str,
+    jaxpr: Any,
+    platforms: Sequence[str],
+  ) -> Lowered:
+    """A jaxworks ``Lowered`` sharing the state of stock ``lowered``.
+
+    Args:
+      lowered: a ``jax.stages.Lowered`` (or a jaxworks one).
+      fun_name: the function's name.
+      jaxpr: the ``ClosedJaxpr`` it was lowered from.
+      platforms: the platforms it was lowered for.
+    """
+    if not isinstance(lowered, _StockLowered):
+      raise TypeError(
+        "jaxworks.jit_cache.Lowered.from_lowered: expected a "
+        f"jax.stages.Lowered, got {type(lowered).__name__}"
+      )
+    out = ji.stage_as(cls, lowered)
+    out.__dict__.update(
+      _jw_fun_name=fun_name,
+      _jw_jaxpr=jaxpr,
+      _jw_platforms=tuple(platforms),
+      _jw_exported=None,
+    )
+    return out
+
+  fun_name = property(lambda self: self._jw_fun_name)
+  jaxpr = property(lambda self: self._jw_jaxpr)
+  platforms = property(lambda self: self._jw_platforms)
+
+  def compile(
+    self,
+    compiler_options: dict[str, Any] | None = None,
+    *,
+    device_assignment: tuple[Any, ...] | None = None,
+    platform: str | None = None,
+  ) -> Compiled:
+    """Compiles for a platform that is both lowered for and present here.
+
+    A lowering for the default backend alone compiles as
+    ``jax.stages.Lowered.compile`` does. Otherwise (several platforms, or a
+    present platform that is not the default backend) the exported module
+    is compiled with its platform index fixed to ``platform``: the program
+    that runs is the multi-platform module itself (argument donation is not
+    kept then).
+
+    Args:
+      compiler_options: XLA compiler options, as stock.
+      device_assignment: as stock (single-platform lowerings only).
+      platform: the platform to compile for; None picks the default
+        backend if lowered for, else the first present lowered platform.
+
+    Returns:
+      A :class:`Compiled` (a ``jax.stages.Compiled``).
+
+    Raises:
+      ValueError: the platform is not lowered for or not present (the
+        message lists the platforms present), or the inputs have symbolic
+        dimensions.
+    """
+    api = "jaxworks.jit_cache.Lowered.compile"
+    target = _platforms.choose_platform(
+      self.platforms, platform, api=api, fun_name=self.fun_name
+    )
+    symbolic = _lowering.symbolic_inputs(self.in_avals)
+    if symbolic:
+      raise ValueError(
+        f"{api}: {self.fun_name!r} was lowered with symbolic dimensions "
+        f"({', '.join(symbolic)}), which XLA cannot compile; trace with "
+        "concrete shapes to compile, or export() and call the exported "
+        "function with concrete arrays"
+      )
+    if self.platforms == (target,) and target == _lowering.default_platform():
+      stock = super().compile(
+        compiler_options, device_assignment=device_assignment
+      )
+    else:
+      if device_assignment is not None:
+        raise ValueError(
+          f"{api}: device_assignment applies to a lowering for the default "
+          f"backend alone; {self.fun_name!r} was lowered for "
+          f"{self.platforms}: lower for ({target!r},) to pass one"
+        )
+      stock = _lowering.compile_exported(
+        self._stock_export(()), target, self.in_avals, api, compiler_options
+      )
+    return Compiled.from_compiled(
+      stock, fun_name=self.fun_name, platform=target, lowered_for=self.platforms
+    )
+
+  def _stock_export(self, disabled_checks: tuple) -> jax.export.Exported:
+    cached = self._jw_exported
+    if cached is not None and cached[0] == disabled_checks:
+      return cached[1]
+    exp = ji.export_lowered(
+      self, self.jaxpr, self.fun_name, disabled_checks=disabled_checks
+    )
+    self._jw_exported = (disabled_checks, exp)
+    return exp
+
+  def export(
+    self,
+    *,
+    vjp_order: int = 0,
+    disabled_checks: Sequence[jax.export.DisabledSafetyCheck] = (),
+  ) -> Any:
+    """Exports this lowering as a serializable program (no second lowering).
+
+    Needs ``jaxworks.stages_aot`` imported (it registers the exporter).
+
+    Args:
+      vjp_order: how many orders of VJP the serialized form includes.
+      disabled_checks: ``jax.export.DisabledSafetyCheck`` objects.
+
+    Returns:
+      A ``jaxworks.stages_aot.Exported``.
+
+    Raises:
+      RuntimeError: jaxworks.stages_aot is not imported.
+    """
+    api = "jaxworks.jit_cache.Lowered.export"
+    if (
+      isinstance(vjp_order, bool)
+      or not isinstance(vjp_order, int)
+      or vjp_order < 0
+    ):
+      raise ValueError(
+        f"{api}: vjp_order must be an int >= 0, got {vjp_order!r}; use 0 "
+        "(no derivatives) or 1 (one order of jax.grad)"
+      )
+    checks = tuple(disabled_checks)
+    for c in checks:
+      if not isinstance(c, _DisabledSafetyCheck):
+        raise TypeError(
+          f"{api}: disabled_checks must hold jax.export.DisabledSafetyCheck "
+          f"objects, got {c!r}; e.g. "
+          "jax.export.DisabledSafetyCheck.custom_call('my_target')"
+        )
+    if not _EXPORTER:
+      raise RuntimeError(
+        f"{api}: exporting needs jaxworks.stages_aot, which is not imported; "
+        "install it (pip install jaxworks-stages-aot) and `from jaxworks "
+        "import stages_aot` before calling export()"
+      )
+    return _EXPORTER[0](self._stock_export(checks), vjp_order=vjp_order)
+
+  def __repr__(self) -> str:
+    return (
+      f"Lowered({self.fun_name}({_avals_text(self.in_avals)}), "
+      f"platforms={self.platforms})"
+    )
+
+
+class Compiled(_StockCompiled):
+  """An executable for one present platform; call it like the function.
+
+  A ``jax.stages.Compiled`` plus:
+
+  Attributes:
+    fun_name: the function name.
+    platform: the platform it was compiled for.
+    lowered_for: the platforms of the lowering it came from.
+  """
+
+  @classmethod
+  def from_compiled(
+    cls,
+    compiled: jax.stages.Compiled,
+    *,
+    fun_name: str,
+    platform: str,
+    lowered_for: Sequence[str],
+  ) -> Compiled:
+    """A jaxworks ``Compiled`` sharing the state of stock ``compiled``."""
+    if not isinstance(compiled, _StockCompiled):
+      raise TypeError(
+        "jaxworks.jit_cache.Compiled.from_compiled: expected a "
+        f"jax.stages.Compiled, got {type(compiled).__name__}"
+      )
+    out = ji.stage_as(cls, compiled)
+    out.__dict__.update(
+      fun_name=fun_name, platform=platform, lowered_for=tuple(lowered_for)
+    )
+    return out
+
+  def __repr__(self) -> str:
+    return (
+      f"Compiled({self.fun_name}, platform={self.platform!r}, "
+      f"lowered_for={self.lowered_for})"
     )

@@ -14,14 +14,16 @@ from typing import Any
 
 import jax
 
+from . import arguments
 from . import axes as axes_lib
 from . import placement
 from . import pmap as pmap_lib
 
 AxisOutOfRangeError = axes_lib.AxisOutOfRangeError
 Pmapped = pmap_lib.Pmapped
-PmapCacheInfo = pmap_lib.PmapCacheInfo
-UnhashableStaticError = pmap_lib.UnhashableStaticError
+CacheInfo = pmap_lib.CacheInfo
+stats = pmap_lib.stats
+UnhashableStaticError = arguments.UnhashableStaticError
 
 
 def pmap(

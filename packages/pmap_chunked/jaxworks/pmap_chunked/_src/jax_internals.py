@@ -7,12 +7,11 @@ moves one of them fails there, in one obvious place.
   per-device buffers as one global array that keeps a weak type (public
   ``jax.make_array_from_single_device_arrays`` always makes a strong type, while
   JAX 0.9's device_put_replicated/sharded kept the weak type of Python scalars).
-- ``jax.stages.Lowered``'s private fields (``_lowering``, ``_in_types``,
-  ``_out_types``) and its constructor, and ``jax._src.core.shaped_abstractify``:
-  ``Pmapped.lower`` relabels the Lowered of its flat-argument program with the
-  user's argument structure and the arguments' own avals (as ``jax.pmap``'s own
-  ``lower`` does), so ``args_info`` and ``.compile()(...)`` take the arguments as
-  the user passes them.
+- ``jax._src.core.shaped_abstractify``: ``Pmapped.lower`` describes the
+  arguments of its flat-argument program with the user's argument structure and
+  the arguments' own avals (as ``jax.pmap``'s own ``lower`` does), so
+  ``args_info`` and ``.compile()(...)`` take the arguments as the user passes
+  them.
 """
 
 from __future__ import annotations
@@ -35,20 +34,6 @@ def weak_array_from_shards(
   """A committed, weakly typed global array made of ``pieces`` (no copy)."""
   aval = _core.ShapedArray(tuple(shape), dtype, weak_type=True)
   return _array.ArrayImpl(aval, sharding, list(pieces), committed=True)
-
-
-def lowered_with_args_info(lowered: Any, args_info: Any) -> Any:
-  """A copy of stock ``jax.stages.Lowered`` ``lowered`` with another
-  ``args_info`` pytree (same leaves in the same order); keyword arguments
-  allowed (the user's structure is ``(args, kwargs)``)."""
-  return jax.stages.Lowered(
-    lowered._lowering,
-    args_info,
-    lowered.out_tree,
-    no_kwargs=False,
-    in_types=lowered._in_types,
-    out_types=lowered._out_types,
-  )
 
 
 def arg_info(x: Any, donated: bool) -> Any:

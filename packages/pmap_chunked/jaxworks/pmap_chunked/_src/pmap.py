@@ -21,29 +21,29 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+import copy
 import dataclasses
 import functools
 import inspect
-import math
-import struct
 import threading
 import types
 from typing import Any
-from typing import NamedTuple
+import weakref
 
 import jax
-from jax import lax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-import numpy as np
+
+from jaxworks import jit_cache
 
 from . import axes as axes_lib
 from . import deps
 from . import jax_internals
 from . import mesh as mesh_lib
 from . import placement
-
-API = "jaxworks.pmap_chunked.pmap"
+from .arguments import API
+from .arguments import Arguments
+from .arguments import static_key
+from .programs import Entry
+from .programs import Programs
 
 # Axis name of a pmap given no axis_name (as in jax.pmap, one shared name, so
 # outputs of one anonymous pmap have exactly the input sharding of another).
@@ -53,102 +53,19 @@ ANONYMOUS_AXIS = "_pmap_axis"
 # jaxworks.jit_cache.jit's per-function trace entries.
 DEFAULT_MAXSIZE = 256
 
-# Stock JAX callables this module builds on, bound once at import: a program
-# that later assigns jaxworks' functions to ``jax.jit``/``jax.pmap``/... (or
-# replaces ``jax.shard_map``) cannot make this module call itself.
-_shard_map = jax.shard_map
-_get_abstract_mesh = jax.sharding.get_abstract_mesh
-_typeof = jax.typeof
+#: The cache-info type of jit_cache, one for both packages.
+CacheInfo = jit_cache.CacheInfo
+#: CacheInfo fields a pmapped function sums over its programs' jit caches
+#: (the rest describe its own program table).
+_PROGRAM_FIELDS = tuple(
+  f.name
+  for f in dataclasses.fields(CacheInfo)
+  if f.name not in ("hits", "misses", "evictions", "entries", "maxsize")
+)
 
-
-class PmapCacheInfo(NamedTuple):
-  """Counters of one pmapped function's cache.
-
-  Attributes:
-    hits: calls that found their compiled program in the cache.
-    misses: calls that had to build a new program (trace and compile).
-    entries: distinct programs held (argument structures, sizes, statics).
-    evictions: programs dropped because the table was full (LRU order).
-    maxsize: the bound on ``entries`` (``pmap(..., maxsize=...)``).
-  """
-
-  hits: int
-  misses: int
-  entries: int
-  evictions: int = 0
-  maxsize: int = DEFAULT_MAXSIZE
-
-
-class UnhashableStaticError(ValueError, TypeError):
-  """A static argument of a pmapped function is not hashable.
-
-  A ``ValueError`` as ``jax.pmap`` raises, and a ``TypeError`` as Python
-  raises for ``hash()`` of such a value (and as earlier jaxworks versions
-  raised), so code catching either keeps working.
-  """
-
-
-def static_key(value: Any) -> Any:
-  """The cache key of one static argument: its type and its value.
-
-  Python's ``==`` says ``1 == 1.0 == True`` and ``0.0 == -0.0``, but each of
-  those traces to a different program (dtype, sign), so the type of the value
-  (and of every element of a tuple or frozenset) is part of the key and floats
-  are compared by their bits (``-0.0`` is not ``0.0``; a NaN equals a NaN with
-  the same bits). Other values are compared as JAX compares static
-  arguments: by type, ``__hash__`` and ``__eq__``.
-  """
-  kind = type(value)
-  if kind is float:
-    return (kind, struct.pack("<d", value))
-  if kind is complex:
-    return (kind, struct.pack("<dd", value.real, value.imag))
-  if isinstance(value, np.generic):
-    # NumPy scalars: by dtype and bytes (np.float32(-0.0) vs np.float32(0.0)).
-    if value.dtype != object:
-      return (kind, value.dtype, value.tobytes())
-    return (kind, value)
-  if isinstance(value, tuple):
-    return (kind, tuple(static_key(v) for v in value))
-  if isinstance(value, frozenset):
-    return (kind, frozenset(static_key(v) for v in value))
-  return (kind, value)
-
-
-@dataclasses.dataclass
-class _Entry:
-  """What one argument structure/size/static-values combination runs."""
-
-  mesh: jax.sharding.Mesh
-  axis_name: Any
-  in_axes: tuple
-  in_shardings: tuple
-  size: int
-  extra_axes: tuple  # ((name, size), ...) added for nested pmaps
-  jitted: Any
-  donated: frozenset = frozenset()  # indices of donated leaves
-
-
-def _index_tuple(what: str, value: Any) -> tuple[int, ...]:
-  if value is None:
-    return ()
-  items = (value,) if isinstance(value, int) else value
-  try:
-    items = tuple(items)
-  except TypeError:
-    raise TypeError(
-      f"{API}: {what} must be an int or a sequence of ints, got "
-      f"{value!r}; pass e.g. {what}=(1,)."
-    ) from None
-  for i in items:
-    if type(i) is not int or i < 0:
-      raise TypeError(
-        f"{API}: {what} must hold non-negative ints (positions "
-        f"of positional arguments), got {value!r}; pass e.g. "
-        f"{what}=(1,)."
-      )
-  return tuple(sorted(set(items)))
-
+#: Every live pmapped function (for :func:`stats`).
+_REGISTRY: weakref.WeakSet[Pmapped] = weakref.WeakSet()
+_REGISTRY_LOCK = threading.Lock()
 
 _Tracer = jax.core.Tracer
 
@@ -157,7 +74,7 @@ def _is_tracer(x: Any) -> bool:
   return isinstance(x, _Tracer)
 
 
-class Pmapped:
+class Pmapped(Arguments, Programs):
   """A function mapped over devices by :func:`jaxworks.pmap_chunked.pmap`.
 
   Calling it runs the mapped function; ``lower`` and ``trace`` give the
@@ -229,10 +146,10 @@ class Pmapped:
     self._out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
     self._negative_in = axes_lib.has_negative(self._in_axes)
     self._negative_out = axes_lib.has_negative(self._out_axes)
-    self._statics = _index_tuple(
+    self._statics = _argnums(
       "static_broadcasted_argnums", static_broadcasted_argnums
     )
-    self._donate = _index_tuple("donate_argnums", donate_argnums)
+    self._donate = _argnums("donate_argnums", donate_argnums)
     both = set(self._statics) & set(self._donate)
     if both:
       raise ValueError(
@@ -247,7 +164,7 @@ class Pmapped:
     self._axis_size = axis_size
     self._chunked = chunked
     self._maxsize = maxsize
-    # Program table (LRU): key -> _Entry; and the flat in_axes of each
+    # Program table (LRU): key -> Entry; and the flat in_axes of each
     # argument structure (bounded the same way).
     self._entries: collections.OrderedDict = collections.OrderedDict()
     self._flat_axes: collections.OrderedDict = collections.OrderedDict()
@@ -256,6 +173,8 @@ class Pmapped:
     self._misses = 0
     self._evictions = 0
     functools.update_wrapper(self, fun, updated=())
+    with _REGISTRY_LOCK:
+      _REGISTRY.add(self)
 
   # ----------------------------------------------------------------- calling
 
@@ -268,27 +187,41 @@ class Pmapped:
       return self
     return types.MethodType(self, instance)
 
-  def lower(self, *args, **kwargs):
+  def lower(self, *args, **kwargs) -> jit_cache.Lowered:
     """Lowers the program a call with these arguments would run.
 
-    Returns the ``Lowered`` stage of the underlying ``jaxworks.jit_cache.jit``
-    (arguments may be arrays or ``jax.ShapeDtypeStruct``s).
+    Returns a ``jaxworks.jit_cache.Lowered`` (the one stage family: a
+    ``jax.stages.Lowered`` with ``fun_name``, ``jaxpr``, ``platforms``,
+    ``compile(platform=...)`` and ``export()``) whose ``args_info`` describes
+    the arguments as passed (arrays or ``jax.ShapeDtypeStruct``s), so its
+    ``compile()`` takes them as a call does.
     """
     return self._run("lower", args, kwargs)
 
-  def trace(self, *args, **kwargs):
-    """Traces the program a call with these arguments would run."""
+  def trace(self, *args, **kwargs) -> jit_cache.Traced:
+    """Traces the program a call with these arguments would run (a
+    ``jaxworks.jit_cache.Traced`` of the program over the flat argument
+    leaves)."""
     return self._run("trace", args, kwargs)
 
-  def cache_info(self) -> PmapCacheInfo:
-    """Hits, misses, entries, evictions and maxsize of this function's
-    program table."""
-    return PmapCacheInfo(
-      self._hits,
-      self._misses,
-      len(self._entries),
-      self._evictions,
-      self._maxsize,
+  def cache_info(self) -> jit_cache.CacheInfo:
+    """This function's cache counters, as ``jaxworks.jit_cache.CacheInfo``.
+
+    ``hits``, ``misses``, ``entries``, ``evictions`` and ``maxsize`` describe
+    its program table (one program per argument structure, mapped size and
+    static values); the other fields (``traces``, ``compiles``,
+    ``executable_reuses``, ...) are summed over those programs' jit caches.
+    """
+    with self._lock:
+      entries = list(self._entries.values())
+    programs = [e.jitted.cache_info() for e in entries]
+    return CacheInfo(
+      hits=self._hits,
+      misses=self._misses,
+      evictions=self._evictions,
+      entries=len(entries),
+      maxsize=self._maxsize,
+      **{f: sum(getattr(p, f) for p in programs) for f in _PROGRAM_FIELDS},
     )
 
   def clear_cache(self) -> None:
@@ -373,7 +306,7 @@ class Pmapped:
       return out
 
   def _run_entry(
-    self, how: str, entry: _Entry, leaves: list, treedef, tracing: bool
+    self, how: str, entry: Entry, leaves: list, treedef, tracing: bool
   ):
     if how != "call":
       stage = getattr(entry.jitted, how)(
@@ -386,12 +319,10 @@ class Pmapped:
         donated = [
           a.donated for a in jax.tree_util.tree_leaves(stage.args_info)
         ]
-        stage = jax_internals.lowered_with_args_info(
-          stage,
-          jax.tree_util.tree_unflatten(
-            treedef,
-            [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)],
-          ),
+        stage = copy.copy(stage)  # the same lowering, described anew
+        stage.args_info = jax.tree_util.tree_unflatten(
+          treedef,
+          [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)],
         )
       return stage
     if tracing:
@@ -406,449 +337,6 @@ class Pmapped:
       )
     )
 
-  # ------------------------------------------------------------ arguments
-
-  def _parse(self, args: tuple, kwargs: dict):
-    """Static values, flat dynamic leaves, their structure, axes and size."""
-    statics = self._statics
-    if statics:
-      if statics[-1] >= len(args):
-        raise ValueError(
-          f"{API}: {self._name()} has static_broadcasted_argnums="
-          f"{statics} but was called with {len(args)} positional "
-          f"argument(s); pass every static argument positionally."
-        )
-      static_vals = tuple(args[i] for i in statics)
-      try:
-        hash(static_vals)
-      except TypeError:
-        bad = next(i for i in statics if not _hashable(args[i]))
-        raise UnhashableStaticError(
-          f"{API}: Non-hashable static arguments are not supported: static "
-          f"argument {bad} of {self._name()} (static_broadcasted_argnums) "
-          f"must be hashable, got a {type(args[bad]).__name__}; pass a "
-          "hashable value (e.g. a tuple instead of a list) or make it a "
-          "mapped argument."
-        ) from None
-      dyn = tuple(a for i, a in enumerate(args) if i not in statics)
-    else:
-      static_vals = ()
-      dyn = args
-    leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-    flat = self._lookup(self._flat_axes, (treedef, len(args)))
-    if flat is None:
-      flat = self._flat_in_axes(args, dyn, kwargs, len(leaves))
-      self._store(self._flat_axes, (treedef, len(args)), flat, count=False)
-    if self._negative_in:
-      flat = tuple(self._normalize_in(flat, leaves, dyn, kwargs))
-    size = None
-    for i, ax in enumerate(flat):
-      if ax is None:
-        continue
-      try:
-        n = leaves[i].shape[ax]
-      except (AttributeError, IndexError, TypeError):
-        self._raise_bad_leaf(i, ax, leaves, dyn, kwargs)
-      if size is None:
-        size = n
-      elif n != size:
-        self._raise_sizes(flat, leaves, dyn, kwargs)
-    return (
-      static_vals,
-      leaves,
-      treedef,
-      flat,
-      self._global_size(size, leaves, flat),
-    )
-
-  def _flat_in_axes(self, args, dyn, kwargs, num_leaves) -> tuple:
-    in_axes = self._in_axes
-    if isinstance(in_axes, tuple):
-      if len(in_axes) != len(args):
-        keywords = (
-          f" (and {len(kwargs)} keyword argument(s): each argument passed "
-          "by keyword is mapped over its axis 0 and has no in_axes entry; "
-          "pass them positionally to give them one)"
-          if kwargs
-          else ""
-        )
-        raise ValueError(
-          f"{API}: in_axes={in_axes!r} has {len(in_axes)} entries but "
-          f"{self._name()} was called with {len(args)} positional "
-          f"argument(s){keywords}; give one entry per positional argument "
-          "(static ones included) or a single int/None for all."
-        )
-      in_axes = tuple(
-        a for i, a in enumerate(in_axes) if i not in self._statics
-      )
-    elif in_axes is not None and type(in_axes) is not int:
-      raise ValueError(
-        f"{API}: in_axes={in_axes!r} must be an int, None or a tuple with "
-        "one entry per positional argument; wrap it as in_axes=(spec,) for "
-        "a single argument."
-      )
-    flat = axes_lib.broadcast_axes(API, "in_axes", in_axes, dyn)
-    flat += [0] * (num_leaves - len(flat))  # keyword arguments: axis 0
-    return tuple(flat)
-
-  def _normalize_in(self, flat, leaves, dyn, kwargs):
-    for i, (ax, x) in enumerate(zip(flat, leaves)):
-      if ax is not None and ax < 0:
-        ndim = len(getattr(x, "shape", ()))
-        if ax < -ndim:
-          where = _pretty(axes_lib.leaf_paths((dyn, kwargs))[i])
-          axes_lib.normalize_axis(API, "in_axes", ax, ndim, f"argument {where}")
-        yield ax + ndim
-      else:
-        yield ax
-
-  def _global_size(self, size, leaves, flat) -> int:
-    if size is None:
-      if self._axis_size is None:
-        raise ValueError(
-          f"{API}: {self._name()} has no mapped argument (every in_axes is "
-          "None), so the mapped size is unknown; pass axis_size=<number of "
-          "devices> to pmap or map at least one argument."
-        )
-      return self._axis_size
-    if jax.process_count() > 1:
-      first = next(x for x, ax in zip(leaves, flat) if ax is not None)
-      if not (isinstance(first, jax.Array) and not first.is_fully_addressable):
-        local = (
-          sum(d.process_index == jax.process_index() for d in self._devices)
-          if self._devices
-          else jax.local_device_count()
-        )
-        if size != local:
-          raise ValueError(
-            f"{API}: {self._name()} got a process-local mapped size of "
-            f"{size} but this process has {local} participating devices; "
-            "pass one slice per local device, or a global jax.Array."
-          )
-        size = (
-          len(self._devices) if self._devices else (size * jax.process_count())
-        )
-    if self._axis_size is not None and self._axis_size != size:
-      raise ValueError(
-        f"{API}: axis_size={self._axis_size} but the mapped arguments of "
-        f"{self._name()} have mapped size {size}; pass axis_size={size} or "
-        "resize the arguments."
-      )
-    return size
-
-  def _raise_bad_leaf(self, i, ax, leaves, dyn, kwargs):
-    where = _pretty(axes_lib.leaf_paths((dyn, kwargs))[i])
-    x = leaves[i]
-    shape = getattr(x, "shape", None)
-    if shape is None and isinstance(x, (bool, int, float, complex)):
-      shape = ()  # a Python scalar: a rank-0 value
-    if shape is None:
-      raise TypeError(
-        f"{API}: argument {where} of {self._name()} is a "
-        f"{type(x).__name__}, which cannot be mapped over (in_axes={ax}); "
-        "pass an array, give it in_axes=None to broadcast it, or list its "
-        "position in static_broadcasted_argnums."
-      )
-    fix = (
-      f"use an axis below {len(shape)} or"
-      if shape
-      else "a scalar has no axis to map:"
-    )
-    raise axes_lib.AxisOutOfRangeError(
-      f"{API}: argument {where} of {self._name()} has shape "
-      f"{tuple(shape)} (rank {len(shape)}) and cannot be mapped over axis "
-      f"{ax}; {fix} give it in_axes=None to broadcast it."
-    )
-
-  def _raise_sizes(self, flat, leaves, dyn, kwargs):
-    paths = axes_lib.leaf_paths((dyn, kwargs))
-    sizes = [
-      f"{_pretty(p)}: size {x.shape[ax]} along axis {ax}"
-      for p, x, ax in zip(paths, leaves, flat)
-      if ax is not None
-    ]
-    raise ValueError(
-      f"{API}: the mapped arguments of {self._name()} disagree on the "
-      f"mapped size ({'; '.join(sizes)}); every mapped argument needs the "
-      "same size along its in_axes axis (the number of devices)."
-    )
-
-  # ------------------------------------------------------------- programs
-
-  def _context_key(self):
-    frames = mesh_lib.frames()
-    return (frames[-1].mesh, tuple(f.axis_name for f in frames))
-
-  def _more_axes(
-    self, entry: _Entry, need: mesh_lib.NeedsAxis, demanded: dict
-  ) -> tuple:
-    """The nested axes for the next attempt, adding or resizing ``need``'s."""
-    name, size = need.axis_name, need.size
-    if name == entry.axis_name or demanded.get(name, size) != size:
-      raise ValueError(
-        f"{API}: nested pmaps inside {self._name()} map axis {name!r} with "
-        f"sizes {demanded.get(name, entry.size)} and {size} in one call; a "
-        "nested axis needs one size per call and a name distinct from the "
-        "enclosing pmaps'."
-      )
-    demanded[name] = size
-    others = tuple((n, s) for n, s in entry.extra_axes if n != name)
-    if len(others) == len(entry.extra_axes):
-      return entry.extra_axes + ((name, size),)
-    # The argument shapes changed since this entry was built: resize the axis.
-    return tuple((n, size if n == name else s) for n, s in entry.extra_axes)
-
-  def _build(
-    self,
-    static_vals,
-    treedef,
-    in_axes,
-    size,
-    nargs,
-    *,
-    extra_axes: tuple,
-    nested: bool,
-  ) -> _Entry:
-    axis_name = self._axis_name
-    spmd_mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
-    if nested:
-      mesh, axis_name = self._nested_mesh(size)
-      spmd_mesh = _get_abstract_mesh()
-    else:
-      sizes = (size,) + tuple(s for _, s in extra_axes)
-      devices = mesh_lib.select_devices(
-        self._devices, math.prod(sizes), self._backend
-      )
-      mesh = mesh_lib.make_mesh(
-        devices, sizes, (axis_name,) + tuple(n for n, _ in extra_axes)
-      )
-      spmd_mesh = mesh
-    in_specs = tuple(axes_lib.spec_for_axis(axis_name, ax) for ax in in_axes)
-    in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-
-    negative_moves: list = []
-    body = functools.partial(
-      self._body,
-      axis_name,
-      static_vals,
-      treedef,
-      in_axes,
-      size,
-      mesh,
-      nargs,
-      negative_moves,
-    )
-    mapped = _shard_map(
-      body,
-      mesh=spmd_mesh,
-      in_specs=in_specs,
-      out_specs=axes_lib.out_specs_for(axis_name, self._out_axes),
-      axis_names={axis_name},
-      check_vma=False,
-    )
-    # The program takes the flat argument leaves (named flat_args in JAX's
-    # argument-mismatch errors, as for jax.pmap).
-    if self._negative_out:
-
-      def program(*flat_args):
-        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*flat_args))
-        for i, dest in negative_moves:
-          out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
-        return jax.tree_util.tree_unflatten(out_tree, out_leaves)
-    else:
-
-      def program(*flat_args):
-        return mapped(*flat_args)
-
-    # Keep the user's name for jaxprs and errors, but not their signature
-    # (jit checks donate_argnums against it).
-    functools.update_wrapper(program, self._fun, updated=())
-    delattr(program, "__wrapped__")
-    donate_argnums = self._donated_leaves(treedef, nargs)
-    if nested or extra_axes:
-      # Inner axes of a nested pmap may shard the inputs too; let jit take
-      # each input's own layout instead of pinning the outer axis only.
-      jitted = deps.jit(program, donate_argnums=donate_argnums)
-    else:
-      jitted = deps.jit(
-        program, donate_argnums=donate_argnums, in_shardings=in_shardings
-      )
-    return _Entry(
-      mesh=mesh,
-      axis_name=axis_name,
-      in_axes=in_axes,
-      in_shardings=in_shardings,
-      size=size,
-      extra_axes=extra_axes,
-      jitted=jitted,
-      donated=frozenset(donate_argnums),
-    )
-
-  def _nested_mesh(self, size: int):
-    """The enclosing mesh and this pmap's axis name in it (nested calls)."""
-    frames = mesh_lib.frames()
-    axis_name = self._axis_name
-    bound = [f.axis_name for f in frames]
-    if axis_name in bound:
-      if not self._anonymous:
-        raise ValueError(
-          f"{API}: nested pmap reuses axis name {axis_name!r}, already "
-          f"bound by an enclosing pmap (bound: {bound}); give the inner "
-          "pmap its own axis_name."
-        )
-      axis_name = f"{axis_name}_{len(frames)}"  # nobody can refer to it
-    if self._devices is not None:
-      raise ValueError(
-        f"{API}: a nested pmap cannot take devices= (got "
-        f"{list(self._devices)}); pass devices to the outermost pmap only, "
-        "listing the devices of all nested axes."
-      )
-    mesh = frames[-1].mesh
-    if mesh.shape.get(axis_name) != size:
-      raise mesh_lib.NeedsAxis(axis_name, size)
-    return mesh, axis_name
-
-  def _donated_leaves(self, treedef, nargs) -> tuple[int, ...]:
-    """Indices of the flat leaves that belong to donated positional args."""
-    dyn_positions = [i for i in range(nargs) if i not in self._statics]
-    dyn_args, _ = jax.tree_util.tree_unflatten(
-      treedef, [0] * treedef.num_leaves
-    )
-    donated: list[int] = []
-    start = 0
-    for position, arg in zip(dyn_positions, dyn_args):
-      n = len(jax.tree_util.tree_leaves(arg))
-      if position in self._donate:
-        donated.extend(range(start, start + n))
-      start += n
-    return tuple(donated)
-
-  def _body(
-    self,
-    axis_name,
-    static_vals,
-    treedef,
-    in_axes,
-    size,
-    mesh,
-    nargs,
-    negative_moves,
-    *local,
-  ):
-    """Per-device program: the user function between squeeze/expand_dims."""
-    if not self._chunked:
-      local = [
-        x if ax is None else lax.squeeze(x, (ax,))
-        for x, ax in zip(local, in_axes)
-      ]
-    dyn_args, kwargs = jax.tree_util.tree_unflatten(treedef, local)
-    args = _merge_statics(self._statics, static_vals, dyn_args, nargs)
-    frames = mesh_lib.frames()
-    frames.append(mesh_lib.Frame(axis_name, size, mesh))
-    try:
-      out = self._fun(*args, **kwargs)
-    finally:
-      frames.pop()
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    out_axes = axes_lib.broadcast_axes(API, "out_axes", self._out_axes, out)
-    paths = None
-    negative_moves.clear()
-    result = []
-    for i, (y, ax) in enumerate(zip(out_leaves, out_axes)):
-      y = jnp.asarray(y)
-      if ax is None:
-        result.append(y)
-        continue
-      rank = y.ndim if self._chunked else y.ndim + 1
-      if not -rank <= ax < rank:
-        paths = paths or axes_lib.leaf_paths(out)
-        axes_lib.normalize_axis(
-          API, "out_axes", ax, rank, f"output result{paths[i]}"
-        )
-      dest = ax % rank
-      if self._chunked:
-        if y.shape[dest] != 1:
-          paths = paths or axes_lib.leaf_paths(out)
-          raise ValueError(
-            f"{API}(chunked=True): output result{paths[i]} of "
-            f"{self._name()} has per-device shape {y.shape}, but with "
-            f"chunked=True an output mapped along out_axes={ax} must keep "
-            "its size-1 device chunk on that axis; return x[None] or "
-            "x.reshape(1, ...), or use chunked=False."
-          )
-        if ax < 0:
-          y = jnp.moveaxis(y, dest, 0)
-      else:
-        y = lax.expand_dims(y, (0 if ax < 0 else dest,))
-      if ax < 0:
-        negative_moves.append((i, dest))
-      result.append(y)
-    return jax.tree_util.tree_unflatten(out_tree, result)
-
-  # ------------------------------------------------------------ helpers
-
-  def _abstract(self, x, sharding):
-    """The ShapeDtypeStruct ``lower``/``trace`` stage for one argument leaf,
-    with its weak type (a Python scalar stays weak, as in a call)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-      if x.sharding is not None:
-        return x
-      return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type
-      )
-    if (
-      not isinstance(x, (jax.Array, np.ndarray, np.generic))
-      and hasattr(x, "shape")
-      and hasattr(x, "dtype")
-    ):
-      # An abstract value (e.g. jax.core.ShapedArray), as jax.pmap accepts.
-      return jax.ShapeDtypeStruct(
-        x.shape,
-        x.dtype,
-        sharding=sharding,
-        weak_type=getattr(x, "weak_type", False),
-      )
-    aval = _typeof(x)
-    return jax.ShapeDtypeStruct(
-      aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
-    )
-
-  def _diagnose(
-    self, err, static_vals, treedef, in_axes, size, nargs, leaves, entry
-  ):
-    """Re-reports an unbound axis name through jaxworks.axis_names."""
-    local = []
-    for x, ax in zip(leaves, in_axes):
-      shape = list(jnp.shape(x))
-      if ax is not None:
-        shape[ax] = 1
-      local.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
-    bound = mesh_lib.bound_axis_sizes()
-    bound[entry.axis_name] = size
-    bound.update(dict(entry.extra_axes))
-    body = functools.partial(
-      self._body,
-      entry.axis_name,
-      static_vals,
-      treedef,
-      in_axes,
-      size,
-      entry.mesh,
-      nargs,
-      [],
-    )
-    functools.update_wrapper(body, self._fun, updated=())
-    try:
-      deps.check_axis_names(body, *local, axis_sizes=bound)
-    except deps.AxisNameError as found:
-      found.args = (
-        f"{API}: {self._name()} (axis_name="
-        f"{entry.axis_name!r}) uses an unbound axis name: "
-        f"{found.axis_name}. {found}",
-      ) + found.args[1:]
-      raise found from None
-    raise err
-
   def _name(self) -> str:
     return getattr(self._fun, "__qualname__", None) or repr(self._fun)
 
@@ -859,28 +347,18 @@ class Pmapped:
     )
 
 
-def _merge_statics(statics, static_vals, dyn_args, nargs) -> list:
-  if not statics:
-    return list(dyn_args)
-  dyn_iter = iter(dyn_args)
-  static_of = dict(zip(statics, static_vals))
-  return [
-    static_of[i] if i in static_of else next(dyn_iter) for i in range(nargs)
-  ]
+def _argnums(what: str, value: Any) -> tuple[int, ...]:
+  """An argnums option of pmap: non-negative positions, sorted, distinct."""
+  nums = jit_cache.check_argnums(value, what, api=API, nonnegative=True)
+  return tuple(sorted(set(nums)))
 
 
-def _hashable(x) -> bool:
-  try:
-    hash(x)
-  except TypeError:
-    return False
-  return True
-
-
-def _pretty(path: str) -> str:
-  """'[0][1]' (positional) / '[1]['k']' (keyword) -> args[1] / kwargs['k']."""
-  if path.startswith("[0]"):
-    return "args" + path[3:]
-  if path.startswith("[1]"):
-    return "kwargs" + path[3:]
-  return path
+def stats() -> jit_cache.CacheInfo:
+  """Process-wide counters: the sum of every live pmapped function's
+  :meth:`Pmapped.cache_info` (``maxsize`` is the largest bound)."""
+  with _REGISTRY_LOCK:
+    infos = [f.cache_info() for f in list(_REGISTRY)]
+  fields = [f.name for f in dataclasses.fields(CacheInfo)]
+  totals = {n: sum(getattr(i, n) for i in infos) for n in fields}
+  totals["maxsize"] = max((i.maxsize for i in infos), default=0)
+  return CacheInfo(**totals)

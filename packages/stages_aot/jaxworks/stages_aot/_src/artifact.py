@@ -33,12 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxworks import jit_cache
+
 from ..version import __version__
 from . import deps
 from .exported import Exported
 from .exported import deserialize
 from .exported import read_own_serialization
-from .platforms import present_platforms
 from .specs import format_aval
 
 MANIFEST_FILE = "manifest.json"
@@ -208,7 +209,7 @@ class Artifact:
   @property
   def runnable_platforms(self) -> tuple[str, ...]:
     """The artifact's platforms that are present on this host."""
-    present = present_platforms()
+    present = jit_cache.present_platforms()
     return tuple(p for p in self.platforms if p in present)
 
   def call(self, *args, **kwargs):
@@ -222,7 +223,7 @@ class Artifact:
   def summary(self) -> str:
     """A human-readable description of the artifact."""
     m = self.manifest
-    present = present_platforms()
+    present = jit_cache.present_platforms()
     lo = jax.export.minimum_supported_calling_convention_version
     hi = jax.export.maximum_supported_calling_convention_version
     plats = ", ".join(
@@ -375,7 +376,7 @@ def save_artifact(
 
 
 def _platform_message(path, platforms, what: str) -> str:
-  present = present_platforms()
+  present = jit_cache.present_platforms()
   return (
     f"jaxworks.stages_aot: cannot {what} artifact {path}: it was exported for "
     f"{tuple(platforms)}, and this host has {present}; re-export with --platform "
@@ -575,7 +576,7 @@ def load_artifact(directory, *, require_platform: bool = True) -> Artifact:
       "different exports: re-export the artifact"
     )
   if require_platform and not any(
-    p in present_platforms() for p in exported.platforms
+    p in jit_cache.present_platforms() for p in exported.platforms
   ):
     raise ArtifactError(_platform_message(path, exported.platforms, "load"))
   return Artifact(path, manifest, exported)

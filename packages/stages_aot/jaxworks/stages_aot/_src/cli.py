@@ -20,14 +20,13 @@ import traceback
 
 import numpy as np
 
+from jaxworks import jit_cache
+
 from ..version import __version__
 from .artifact import ArtifactError
 from .artifact import check_destination
 from .artifact import load_artifact
 from .artifact import save_artifact
-from .platforms import KNOWN_PLATFORMS
-from .platforms import canonical_platforms
-from .platforms import present_platforms
 from .specs import format_aval
 from .specs import is_concrete
 from .specs import parse_arg_specs
@@ -103,7 +102,7 @@ def _build_parser() -> argparse.ArgumentParser:
     action="append",
     default=[],
     metavar="PLATFORM",
-    help=f"repeat for several; one of {', '.join(KNOWN_PLATFORMS)} "
+    help=f"repeat for several; one of {', '.join(jit_cache.KNOWN_PLATFORMS)} "
     "(default: this host's default backend)",
   )
   exp.add_argument(
@@ -194,7 +193,9 @@ def _cmd_export(ns, out) -> int:
   fun = _import_target(ns.target)
   try:
     specs = parse_arg_specs(ns.arg, api="--arg")
-    platforms = canonical_platforms(ns.platform or None, api="--platform")
+    platforms = jit_cache.canonical_platforms(
+      ns.platform or None, api="--platform"
+    )
   except (TypeError, ValueError) as e:
     raise CliError(str(e)) from None
   if ns.vjp_order < 0:
@@ -203,7 +204,7 @@ def _cmd_export(ns, out) -> int:
     check_destination(ns.out, overwrite=ns.overwrite, api="--out")
   except ArtifactError as e:
     raise CliError(str(e)) from None
-  present = present_platforms()
+  present = jit_cache.present_platforms()
   shown = ", ".join(format_aval(s) for s in specs)
   print(f"tracing {ns.target}({shown})", file=out, flush=True)
   traced = _stage(f"trace of {ns.target}({shown})", trace, fun, *specs)

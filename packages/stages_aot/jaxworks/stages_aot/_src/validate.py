@@ -33,8 +33,9 @@ from typing import cast
 import jax
 import numpy as np
 
+from jaxworks import jit_cache
+
 from . import module_reader
-from .platforms import KNOWN_PLATFORMS
 from .specs import format_aval
 
 # Bound at import: a program that swaps jax's entry points keeps this one.
@@ -161,10 +162,10 @@ def _check_level(exp: jax.export.Exported) -> None:
   if (
     not platforms
     or len(set(platforms)) != len(platforms)
-    or any(p not in KNOWN_PLATFORMS for p in platforms)
+    or any(p not in jit_cache.KNOWN_PLATFORMS for p in platforms)
   ):
     raise Invalid(
-      f"platforms {platforms!r} are not distinct names from {KNOWN_PLATFORMS}"
+      f"platforms {platforms!r} are not distinct names from {jit_cache.KNOWN_PLATFORMS}"
     )
   if not isinstance(exp.nr_devices, int) or exp.nr_devices < 1:
     raise Invalid(f"nr_devices {exp.nr_devices!r} is not a positive int")

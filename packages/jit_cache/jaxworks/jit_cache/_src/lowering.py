@@ -1,0 +1,104 @@
+"""Compiling a lowering for a platform other than the default backend.
+
+A module lowered for several platforms takes a platform index as its first
+argument (the ``jax.export`` calling convention); stock ``Lowered.compile``
+cannot compile it. :func:`compile_exported` compiles the exported form of the
+module with the index fixed to one present platform, placing inputs and
+outputs with the exported shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from typing import cast
+
+import jax
+import numpy as np
+
+from . import jax_internals as ji
+
+# Stock JAX callables bound at import (never looked up at call time).
+_stock_jit = ji.stock_jit
+_devices = jax.devices
+_default_device = jax.default_device
+_default_export_platform = jax.export.default_export_platform
+_is_symbolic_dim = jax.export.is_symbolic_dim
+
+
+def symbolic_inputs(in_avals: Any) -> list[str]:
+  """The input avals with symbolic dimensions, as text (for messages)."""
+  out = []
+  for a in jax.tree_util.tree_leaves(in_avals):
+    shape = getattr(a, "shape", ())
+    if any(_is_symbolic_dim(d) for d in shape):
+      out.append(a.str_short(short_dtypes=True))
+  return out
+
+
+def compile_exported(
+  exp: jax.export.Exported,
+  target: str,
+  in_avals: Any,
+  api: str,
+  compiler_options: dict[str, Any] | None = None,
+) -> jax.stages.Compiled:
+  """Compiles an exported module for ``target``, its platform index fixed.
+
+  ``exp.call`` inlines the module and passes the index of ``target``; inputs
+  and outputs are placed on a mesh of the first ``exp.nr_devices`` devices of
+  ``target`` with the exported shardings.
+  """
+  devices = _devices(target)
+  in_shardings: Sequence[jax.sharding.Sharding | None]
+  out_shardings: Sequence[jax.sharding.Sharding | None]
+  in_shardings = (None,) * len(exp.in_avals)
+  out_shardings = (None,) * len(exp.out_avals)
+  if exp.nr_devices > 1:
+    # jax's stubs type the mesh as required; None keeps the export's abstract
+    # mesh, and the shardings are then NamedShardings (or None).
+    abstract_shardings = (
+      *exp.in_shardings_jax(None),  # type: ignore[arg-type]
+      *exp.out_shardings_jax(None),  # type: ignore[arg-type]
+    )
+    named = [
+      cast(jax.sharding.NamedSharding, s)
+      for s in abstract_shardings
+      if s is not None
+    ]
+    if not named or len(devices) < exp.nr_devices:
+      raise ValueError(
+        f"{api}: cannot place the multi-platform module of {exp.fun_name!r} "
+        f"on {exp.nr_devices} {target} devices (this host has "
+        f"{len(devices)}, and the module has {len(named)} input/output "
+        f"shardings); lower for ({target!r},) alone to compile it"
+      )
+    abstract = named[0].mesh
+    mesh = jax.sharding.Mesh(
+      np.array(devices[: exp.nr_devices]).reshape(abstract.axis_sizes),
+      abstract.axis_names,
+      axis_types=abstract.axis_types,
+    )
+    in_shardings = exp.in_shardings_jax(mesh)
+    out_shardings = exp.out_shardings_jax(mesh)
+  flat_avals = jax.tree_util.tree_leaves(in_avals)
+  specs = [
+    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    for a, s in zip(flat_avals, in_shardings)
+  ]
+  # jax's stubs for PyTreeDef lack unflatten.
+  args, kwargs = exp.in_tree.unflatten(specs)  # type: ignore[attr-defined]
+  out_tree_shardings = exp.out_tree.unflatten(out_shardings)  # type: ignore[attr-defined]
+  jitted = _stock_jit(exp.call, out_shardings=out_tree_shardings)
+  with _default_device(devices[0]):
+    return (
+      jitted.trace(*args, **kwargs)
+      .lower(lowering_platforms=(target,))
+      .compile(compiler_options)
+    )
+
+
+def default_platform() -> str:
+  """This process's default platform, as lowering names it (``cuda``, not
+  ``gpu``)."""
+  return _default_export_platform()

@@ -1,0 +1,323 @@
+"""The programs a pmap runs: a ``jaxworks.jit_cache.jit`` of ``shard_map``.
+
+``Pmapped`` inherits :class:`Programs`: ``_build`` makes the mesh, the
+per-leaf shardings and the jitted ``shard_map(body)`` for one argument
+structure/size/static-values combination (an :class:`Entry`); ``_body`` is
+the per-device program around the user's function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+import numpy as np
+
+from . import axes as axes_lib
+from . import deps
+from . import mesh as mesh_lib
+from .arguments import API
+from .arguments import merge_statics
+
+# Stock JAX callables this module builds on, bound once at import: a program
+# that later assigns jaxworks' functions to ``jax.jit``/``jax.pmap``/... (or
+# replaces ``jax.shard_map``) cannot make this module call itself.
+_shard_map = jax.shard_map
+_get_abstract_mesh = jax.sharding.get_abstract_mesh
+_typeof = jax.typeof
+
+
+@dataclasses.dataclass
+class Entry:
+  """What one argument structure/size/static-values combination runs."""
+
+  mesh: jax.sharding.Mesh
+  axis_name: Any
+  in_axes: tuple
+  in_shardings: tuple
+  size: int
+  extra_axes: tuple  # ((name, size), ...) added for nested pmaps
+  jitted: Any
+  donated: frozenset = frozenset()  # indices of donated leaves
+
+
+class Programs:
+  """Program building of :class:`~.pmap.Pmapped` (a mixin)."""
+
+  def _context_key(self):
+    frames = mesh_lib.frames()
+    return (frames[-1].mesh, tuple(f.axis_name for f in frames))
+
+  def _more_axes(
+    self, entry: Entry, need: mesh_lib.NeedsAxis, demanded: dict
+  ) -> tuple:
+    """The nested axes for the next attempt, adding or resizing ``need``'s."""
+    name, size = need.axis_name, need.size
+    if name == entry.axis_name or demanded.get(name, size) != size:
+      raise ValueError(
+        f"{API}: nested pmaps inside {self._name()} map axis {name!r} with "
+        f"sizes {demanded.get(name, entry.size)} and {size} in one call; a "
+        "nested axis needs one size per call and a name distinct from the "
+        "enclosing pmaps'."
+      )
+    demanded[name] = size
+    others = tuple((n, s) for n, s in entry.extra_axes if n != name)
+    if len(others) == len(entry.extra_axes):
+      return entry.extra_axes + ((name, size),)
+    # The argument shapes changed since this entry was built: resize the axis.
+    return tuple((n, size if n == name else s) for n, s in entry.extra_axes)
+
+  def _build(
+    self,
+    static_vals,
+    treedef,
+    in_axes,
+    size,
+    nargs,
+    *,
+    extra_axes: tuple,
+    nested: bool,
+  ) -> Entry:
+    axis_name = self._axis_name
+    spmd_mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+    if nested:
+      mesh, axis_name = self._nested_mesh(size)
+      spmd_mesh = _get_abstract_mesh()
+    else:
+      sizes = (size,) + tuple(s for _, s in extra_axes)
+      devices = mesh_lib.select_devices(
+        self._devices, math.prod(sizes), self._backend
+      )
+      mesh = mesh_lib.make_mesh(
+        devices, sizes, (axis_name,) + tuple(n for n, _ in extra_axes)
+      )
+      spmd_mesh = mesh
+    in_specs = tuple(axes_lib.spec_for_axis(axis_name, ax) for ax in in_axes)
+    in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
+
+    negative_moves: list = []
+    body = functools.partial(
+      self._body,
+      axis_name,
+      static_vals,
+      treedef,
+      in_axes,
+      size,
+      mesh,
+      nargs,
+      negative_moves,
+    )
+    mapped = _shard_map(
+      body,
+      mesh=spmd_mesh,
+      in_specs=in_specs,
+      out_specs=axes_lib.out_specs_for(axis_name, self._out_axes),
+      axis_names={axis_name},
+      check_vma=False,
+    )
+    # The program takes the flat argument leaves (named flat_args in JAX's
+    # argument-mismatch errors, as for jax.pmap).
+    if self._negative_out:
+
+      def program(*flat_args):
+        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*flat_args))
+        for i, dest in negative_moves:
+          out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
+        return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+    else:
+
+      def program(*flat_args):
+        return mapped(*flat_args)
+
+    # Keep the user's name for jaxprs and errors, but not their signature
+    # (jit checks donate_argnums against it).
+    functools.update_wrapper(program, self._fun, updated=())
+    delattr(program, "__wrapped__")
+    donate_argnums = self._donated_leaves(treedef, nargs)
+    if nested or extra_axes:
+      # Inner axes of a nested pmap may shard the inputs too; let jit take
+      # each input's own layout instead of pinning the outer axis only.
+      jitted = deps.jit(program, donate_argnums=donate_argnums)
+    else:
+      jitted = deps.jit(
+        program, donate_argnums=donate_argnums, in_shardings=in_shardings
+      )
+    return Entry(
+      mesh=mesh,
+      axis_name=axis_name,
+      in_axes=in_axes,
+      in_shardings=in_shardings,
+      size=size,
+      extra_axes=extra_axes,
+      jitted=jitted,
+      donated=frozenset(donate_argnums),
+    )
+
+  def _nested_mesh(self, size: int):
+    """The enclosing mesh and this pmap's axis name in it (nested calls)."""
+    frames = mesh_lib.frames()
+    axis_name = self._axis_name
+    bound = [f.axis_name for f in frames]
+    if axis_name in bound:
+      if not self._anonymous:
+        raise ValueError(
+          f"{API}: nested pmap reuses axis name {axis_name!r}, already "
+          f"bound by an enclosing pmap (bound: {bound}); give the inner "
+          "pmap its own axis_name."
+        )
+      axis_name = f"{axis_name}_{len(frames)}"  # nobody can refer to it
+    if self._devices is not None:
+      raise ValueError(
+        f"{API}: a nested pmap cannot take devices= (got "
+        f"{list(self._devices)}); pass devices to the outermost pmap only, "
+        "listing the devices of all nested axes."
+      )
+    mesh = frames[-1].mesh
+    if mesh.shape.get(axis_name) != size:
+      raise mesh_lib.NeedsAxis(axis_name, size)
+    return mesh, axis_name
+
+  def _donated_leaves(self, treedef, nargs) -> tuple[int, ...]:
+    """Indices of the flat leaves that belong to donated positional args."""
+    dyn_positions = [i for i in range(nargs) if i not in self._statics]
+    dyn_args, _ = jax.tree_util.tree_unflatten(
+      treedef, [0] * treedef.num_leaves
+    )
+    donated: list[int] = []
+    start = 0
+    for position, arg in zip(dyn_positions, dyn_args):
+      n = len(jax.tree_util.tree_leaves(arg))
+      if position in self._donate:
+        donated.extend(range(start, start + n))
+      start += n
+    return tuple(donated)
+
+  def _body(
+    self,
+    axis_name,
+    static_vals,
+    treedef,
+    in_axes,
+    size,
+    mesh,
+    nargs,
+    negative_moves,
+    *local,
+  ):
+    """Per-device program: the user function between squeeze/expand_dims."""
+    if not self._chunked:
+      local = [
+        x if ax is None else lax.squeeze(x, (ax,))
+        for x, ax in zip(local, in_axes)
+      ]
+    dyn_args, kwargs = jax.tree_util.tree_unflatten(treedef, local)
+    args = merge_statics(self._statics, static_vals, dyn_args, nargs)
+    frames = mesh_lib.frames()
+    frames.append(mesh_lib.Frame(axis_name, size, mesh))
+    try:
+      out = self._fun(*args, **kwargs)
+    finally:
+      frames.pop()
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out_axes = axes_lib.broadcast_axes(API, "out_axes", self._out_axes, out)
+    paths = None
+    negative_moves.clear()
+    result = []
+    for i, (y, ax) in enumerate(zip(out_leaves, out_axes)):
+      y = jnp.asarray(y)
+      if ax is None:
+        result.append(y)
+        continue
+      rank = y.ndim if self._chunked else y.ndim + 1
+      if not -rank <= ax < rank:
+        paths = paths or axes_lib.leaf_paths(out)
+        axes_lib.normalize_axis(
+          API, "out_axes", ax, rank, f"output result{paths[i]}"
+        )
+      dest = ax % rank
+      if self._chunked:
+        if y.shape[dest] != 1:
+          paths = paths or axes_lib.leaf_paths(out)
+          raise ValueError(
+            f"{API}(chunked=True): output result{paths[i]} of "
+            f"{self._name()} has per-device shape {y.shape}, but with "
+            f"chunked=True an output mapped along out_axes={ax} must keep "
+            "its size-1 device chunk on that axis; return x[None] or "
+            "x.reshape(1, ...), or use chunked=False."
+          )
+        if ax < 0:
+          y = jnp.moveaxis(y, dest, 0)
+      else:
+        y = lax.expand_dims(y, (0 if ax < 0 else dest,))
+      if ax < 0:
+        negative_moves.append((i, dest))
+      result.append(y)
+    return jax.tree_util.tree_unflatten(out_tree, result)
+
+  def _abstract(self, x, sharding):
+    """The ShapeDtypeStruct ``lower``/``trace`` stage for one argument leaf,
+    with its weak type (a Python scalar stays weak, as in a call)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+      if x.sharding is not None:
+        return x
+      return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type
+      )
+    if (
+      not isinstance(x, (jax.Array, np.ndarray, np.generic))
+      and hasattr(x, "shape")
+      and hasattr(x, "dtype")
+    ):
+      # An abstract value (e.g. jax.core.ShapedArray), as jax.pmap accepts.
+      return jax.ShapeDtypeStruct(
+        x.shape,
+        x.dtype,
+        sharding=sharding,
+        weak_type=getattr(x, "weak_type", False),
+      )
+    aval = _typeof(x)
+    return jax.ShapeDtypeStruct(
+      aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
+    )
+
+  def _diagnose(
+    self, err, static_vals, treedef, in_axes, size, nargs, leaves, entry
+  ):
+    """Re-reports an unbound axis name through jaxworks.axis_names."""
+    local = []
+    for x, ax in zip(leaves, in_axes):
+      shape = list(jnp.shape(x))
+      if ax is not None:
+        shape[ax] = 1
+      local.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
+    bound = mesh_lib.bound_axis_sizes()
+    bound[entry.axis_name] = size
+    bound.update(dict(entry.extra_axes))
+    body = functools.partial(
+      self._body,
+      entry.axis_name,
+      static_vals,
+      treedef,
+      in_axes,
+      size,
+      entry.mesh,
+      nargs,
+      [],
+    )
+    functools.update_wrapper(body, self._fun, updated=())
+    try:
+      deps.check_axis_names(body, *local, axis_sizes=bound)
+    except deps.AxisNameError as found:
+      found.args = (
+        f"{API}: {self._name()} (axis_name="
+        f"{entry.axis_name!r}) uses an unbound axis name: "
+        f"{found.axis_name}. {found}",
+      ) + found.args[1:]
+      raise found from None
+    raise err
