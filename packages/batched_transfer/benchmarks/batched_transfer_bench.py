@@ -80,7 +80,7 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
   return {k: statistics.median(v) for k, v in times.items()}
 
 
-def transfer_rows(report: jb.Report, sizes, repeats) -> None:
+def transfer_rows(report: jb.Report, sizes, repeats, min_reps=5) -> None:
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("x",))
   named = NamedSharding(mesh, P("x"))
@@ -94,7 +94,7 @@ def transfer_rows(report: jb.Report, sizes, repeats) -> None:
       ("numpy -> NamedSharding over 8", host, named),
     ]
     for name, tree, target in cases:
-      reps = max(5, repeats * 100 // max(n, 100))
+      reps = max(min_reps, repeats * 100 // max(n, 100))
       m = interleaved_medians(
         {
           "ours": lambda: bt.device_put(tree, target),
@@ -332,9 +332,9 @@ def main() -> None:
   )
   report = jb.Report(PACKAGE, "batched_transfer_bench")
   if args.quick:
-    transfer_rows(report, [10, 100], repeats=5)
+    transfer_rows(report, [10, 100], repeats=3, min_reps=3)
     grouping_rows(report, [10_000], repeats=3)
-    restore_rows(report, 32 * 2**20, 8, repeats=3)
+    restore_rows(report, 32 * 2**20, 8, repeats=2)
   else:
     transfer_rows(report, [10, 100, 1000], repeats=30)
     grouping_rows(report, [10_000, 100_000], repeats=7)
