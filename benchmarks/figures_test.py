@@ -45,6 +45,15 @@ def test_every_results_file_is_valid_and_listed():
     assert (doc["package"], doc["benchmark"]) in LISTED, doc["benchmark"]
 
 
+def test_every_listed_benchmark_has_results():
+  have = {d["benchmark"] for d in render.load_results(ROOT)}
+  missing = sorted(b for _, b in LISTED if b not in have)
+  assert not missing, (
+    f"no benchmarks/results/<name>.json for {missing}: run `./tools/bazel "
+    f"run //benchmarks:all -- --only {','.join(missing)}` and check it in"
+  )
+
+
 def test_every_jaxworks_benchmark_is_listed():
   declared = set()
   for build in sorted(ROOT.glob("packages/*/BUILD.bazel")):

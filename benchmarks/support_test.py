@@ -1,6 +1,7 @@
 """jaxworks_bench: the row schema refuses what it should, timing helpers time."""
 
 import argparse
+import io
 import json
 import math
 import re
@@ -142,3 +143,17 @@ def test_run_fresh_returns_the_last_json_line():
 )
 def test_fmt_seconds(seconds, text):
   assert jb.fmt_seconds(seconds) == text
+
+
+def test_a_relative_json_path_goes_to_test_tmpdir_under_bazel_test(
+  tmp_path, monkeypatch
+):
+  monkeypatch.delenv("BUILD_WORKING_DIRECTORY", raising=False)
+  monkeypatch.setenv("TEST_TMPDIR", str(tmp_path))
+  report = jb.Report("p", "b")
+  report.add("c", 1.0, 2.0, "stock-jax", "jax.jit")
+  report.finish(json_path="rows.json", file=io.StringIO())
+  assert jb.validate_document(json.loads((tmp_path / "rows.json").read_text()))
+  monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path / "ws"))
+  report.finish(json_path="rows.json", file=io.StringIO())
+  assert (tmp_path / "ws" / "rows.json").exists()

@@ -440,7 +440,9 @@ class Report:
 
     ``args`` is the parsed namespace of ``add_arguments`` (its ``json`` and
     ``quick``); ``json_path``/``quick`` override it. A relative path is
-    taken from the directory ``bazel run`` was started in.
+    taken from the directory ``bazel run`` was started in (under ``bazel
+    test``, from TEST_TMPDIR). The document is validated before it is
+    written and again as read back.
     """
     if json_path is None and args is not None:
       json_path = getattr(args, "json", None)
@@ -457,15 +459,24 @@ class Report:
     for note in self.notes:
       print(f"\n{note}", file=out)
     if json_path:
-      path = pathlib.Path(json_path)
-      if not path.is_absolute():
-        path = (
-          pathlib.Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / path
-        )
+      path = _output_path(json_path)
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_text(json.dumps(doc, indent=1) + "\n")
+      validate_document(json.loads(path.read_text()))  # what readers get
       print(f"\nwrote {path}", file=out)
     return doc
+
+
+def _output_path(name):
+  """``name`` made absolute: relative to where ``bazel run`` was started,
+  under ``bazel test`` to the test's TEST_TMPDIR, else to the cwd."""
+  path = pathlib.Path(name)
+  if path.is_absolute():
+    return path
+  for var in ("BUILD_WORKING_DIRECTORY", "TEST_TMPDIR"):
+    if os.environ.get(var):
+      return pathlib.Path(os.environ[var]) / path
+  return path.resolve()
 
 
 def main(argv=None):

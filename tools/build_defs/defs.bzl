@@ -117,7 +117,8 @@ def _dev_label(name):
 
 def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
     """A benchmark: a py_binary printing medians and ratios against stock JAX, plus `<name>_smoke_cpu`, a test that
-    runs it with --quick so it cannot rot (it asserts nothing about speed).
+    runs it with --quick --json (into TEST_TMPDIR) so it cannot rot: its rows must pass the schema (it asserts
+    nothing about speed).
 
     It depends on //benchmarks:support (`import jaxworks_bench`: timing helpers, the JSON rows written with
     --json PATH). List it in benchmarks/BUILD.bazel's _BENCHMARKS so //benchmarks:all runs it."""
@@ -134,7 +135,7 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         name = name + "_smoke_cpu",
         srcs = srcs,
         main = srcs[0],
-        args = ["--quick"],
+        args = ["--quick", "--json", name + "_rows.json"],
         deps = deps,
         env = _backend_env("cpu", 8),
         tags = ["cpu", "benchmark"],
