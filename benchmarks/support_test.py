@@ -157,3 +157,8 @@ def test_a_relative_json_path_goes_to_test_tmpdir_under_bazel_test(
   monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path / "ws"))
   report.finish(json_path="rows.json", file=io.StringIO())
   assert (tmp_path / "ws" / "rows.json").exists()
+
+
+def test_timed_call_returns_the_result():
+  seconds, value = jb.timed_call(lambda: [1, 2])
+  assert value == [1, 2] and seconds >= 0

@@ -375,15 +375,11 @@ def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
   # when it rebuilds its step (e.g. in a loop over runs). jax.pmap traces, lowers and compiles again;
   # jaxworks traces (hitting the inner-jit cache) and reuses the compiled executable.
   before = jit_cache.stats()
-  start = time.perf_counter()
-  again = pmapped_step(layer)
-  out = jax.block_until_ready(again(restored, batch_on_devices))
-  ours = time.perf_counter() - start
+  ours, out = jb.timed_call(
+    lambda: pmapped_step(layer)(restored, batch_on_devices)
+  )
   after = jit_cache.stats()
-  start = time.perf_counter()
-  stock_again = stock_train_step()
-  stock_out = jax.block_until_ready(stock_again(params, batch))
-  stock = time.perf_counter() - start
+  stock, stock_out = jb.timed_call(lambda: stock_train_step()(params, batch))
   print(
     f"   first call of a re-created step: jaxworks {jb.fmt_seconds(ours)}, stock jax.pmap {jb.fmt_seconds(stock)}"
   )

@@ -8,6 +8,7 @@ then ``import jaxworks_bench``.
 Timing::
 
     per_call(fn, inner=100)            # seconds per call, last result awaited
+    timed_call(fn)                     # (seconds, result) of one call
     median_time(fn, repeats=7, inner=100, setup=None)
     median_pair(ours, reference, repeats=7, inner=1, setup=None)
     run_fresh(code)                    # a snippet in a new Python process
@@ -87,6 +88,13 @@ def per_call(fn, inner=1):
     fn()
   ready(fn())
   return (time.perf_counter() - start) / inner
+
+
+def timed_call(fn):
+  """``(seconds, result)`` of one call of ``fn()``, its result awaited."""
+  start = time.perf_counter()
+  result = ready(fn())
+  return time.perf_counter() - start, result
 
 
 class _GcOff:
