@@ -426,3 +426,20 @@ def test_jax_primitives_are_found_user_ones_are_not():
   assert disk_key.PRIMITIVES.contains(jex_core.primitives.jit_p)
   mine = jex_core.Primitive("add")  # a user primitive named like jax's
   assert not disk_key.PRIMITIVES.contains(mine)
+
+
+def test_entry_for_another_device_count_is_not_used(tmp_path):
+  # Another machine shape: the same program with 4 host devices instead of
+  # 8. The key differs (devices, XLA_FLAGS), so the 8-device entry is never
+  # loaded, and explain_miss names why the sibling entry does not apply.
+  _run(tmp_path, "chain11")
+  four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  other = _run(tmp_path, "chain11", env=four)
+  assert other["stats"]["disk_hits"] == 0 and other["lowered"] == [1]
+  assert (
+    "an entry for another environment was rejected" in (other["explain"][0])
+  ), other["explain"][0]
+  assert "different machine" in other["explain"][0]
+  assert len(_entries(tmp_path)) == 2  # one per machine shape
+  again = _run(tmp_path, "chain11", env=four)
+  assert again["stats"]["disk_hits"] == 1 and again["lowered"] == [0]
