@@ -338,7 +338,7 @@ def main() -> None:
   else:
     transfer_rows(report, [10, 100, 1000], repeats=30)
     grouping_rows(report, [10_000, 100_000], repeats=7)
-    restore_rows(report, 2**30, 16, repeats=5)
+    restore_rows(report, 2**30, 16, repeats=9)
   report.note(f"total {time.perf_counter() - start:.1f} s")
   report.finish(args)
 
