@@ -86,13 +86,13 @@ class _JaxPrimitives:
   def _jax_modules(self) -> list[str]:
     if len(sys.modules) != self.seen_modules:
       self.seen_modules = len(sys.modules)
-      names = [n for n in list(sys.modules) if n.startswith("jax")]
-      first = [n for n in _LIKELY if n in sys.modules]
-      lax = [n for n in names if n.startswith("jax._src.lax.")]
-      rest = [
-        n for n in names if n.startswith("jax.") or n.startswith("jaxlib.")
+      names = [
+        n
+        for n in list(sys.modules)
+        if n.startswith("jax.") or n.startswith("jaxlib.")
       ]
-      self.modules = list(dict.fromkeys(first + lax + rest))
+      lax = [n for n in names if n.startswith("jax._src.lax.")]
+      self.modules = list(dict.fromkeys(lax + names))
     return self.modules
 
   def contains(self, prim: Any) -> bool:
@@ -101,6 +101,10 @@ class _JaxPrimitives:
         return True
       attr = f"{prim.name}_p"
       modules = sys.modules
+      for name in _LIKELY:  # without listing every module first
+        if getattr(modules.get(name), attr, None) is prim:
+          self.known[id(prim)] = prim
+          return True
       names = self._jax_modules()
       for name in names:
         if getattr(modules.get(name), attr, None) is prim:
