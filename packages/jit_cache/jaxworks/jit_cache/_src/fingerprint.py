@@ -168,7 +168,7 @@ class _Walker:
     # an id names one object): the same parameters of many equations (a
     # hundred calls to one inner function) are keyed once, and the keys
     # share the result.
-    self.seen: dict[Any, tuple[Any, Any, bool, int, bool]] = {}
+    self.seen: dict[Any, tuple] = {}
 
   def identity(self, v: Any) -> Any:
     self.pins = True
@@ -326,7 +326,7 @@ class _Walker:
     # Equations of one primitive whose parameters are the same objects
     # share one key (ids are stable: the jaxpr holds the values).
     memo = (id(primitive), *params, *map(id, params.values()))
-    hit = self.seen.get(memo)  # type: ignore[call-overload]
+    hit = self.seen.get(memo)
     if hit is not None and hit[0] is primitive:
       self.pins |= hit[2]
       self.nbytes += hit[3]
@@ -346,7 +346,8 @@ class _Walker:
       self.pins = outer[0] or mine[0]
       self.nbytes = outer[1] + mine[1]
       self.volatile = outer[2] or mine[2]
-    self.seen[memo] = (primitive, key, *mine)  # type: ignore[index]
+    # The entry holds the values, so their ids cannot be reused meanwhile.
+    self.seen[memo] = (primitive, key, *mine, tuple(params.values()))
     return key
 
   def jaxpr(self, obj: Any) -> Fingerprint:
