@@ -20,6 +20,7 @@ import functools
 from typing import Any
 import weakref
 
+import jax
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
 from jax.extend.core import JaxprEqn
@@ -27,6 +28,9 @@ from jax.extend.core import JaxprEqn
 from . import deep
 from . import jax_internals
 from . import rules
+
+_Traced = jax.stages.Traced
+_Lowered = jax.stages.Lowered
 
 _EMPTY: frozenset = frozenset()
 
@@ -318,8 +322,32 @@ def jaxpr_axis_names(jaxpr: Jaxpr) -> frozenset:
   return _NAMES.get(jaxpr)
 
 
-def closed_or_open_names(x) -> frozenset | None:
-  """Names for a ``ClosedJaxpr``/``Jaxpr``; None for anything else."""
+def stage_jaxpr(x: Any, api: str) -> Any:
+  """The ``ClosedJaxpr`` of a stage (``x`` itself for anything else).
+
+  A ``jax.stages.Traced`` (stock or jaxworks', from ``jit_cache.jit(f)``,
+  ``stages_aot.trace`` or ``pmap_chunked.pmap(f)``) and jaxworks' ``Lowered``
+  carry their jaxpr; a stock ``jax.stages.Lowered`` does not.
+  """
+  if isinstance(x, _Traced):
+    return x.jaxpr
+  if isinstance(x, _Lowered):
+    jaxpr = getattr(x, "jaxpr", None)
+    if not isinstance(jaxpr, ClosedJaxpr):
+      raise TypeError(
+        f"{api}: a stock jax.stages.Lowered carries no jaxpr; pass the "
+        "Traced it came from (jax.jit(f).trace(...)), or jaxworks' Lowered "
+        "(jaxworks.jit_cache.jit(f).lower(...)), which keeps it"
+      )
+    return jaxpr
+  return x
+
+
+def closed_or_open_names(
+  x, api: str = "jaxworks.axis_names"
+) -> frozenset | None:
+  """Names for a ``ClosedJaxpr``/``Jaxpr`` or a stage; None for anything else."""
+  x = stage_jaxpr(x, api)
   if type(x) is ClosedJaxpr or isinstance(x, ClosedJaxpr):
     j = x.jaxpr
   elif isinstance(x, Jaxpr):

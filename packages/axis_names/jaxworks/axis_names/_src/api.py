@@ -44,7 +44,9 @@ def used_axis_names(
   bound with a placeholder size while tracing).
 
   Args:
-    x: a ``Jaxpr``, a ``ClosedJaxpr`` or a callable.
+    x: a ``Jaxpr``, a ``ClosedJaxpr``, a ``Traced`` (from ``jax.jit``,
+      ``jaxworks.jit_cache.jit``, ``stages_aot.trace`` or
+      ``pmap_chunked.pmap``), jaxworks' ``Lowered``, or a callable.
     *args: example arguments when ``x`` is a callable.
     axis_sizes: optional ``{name: size}`` to trace ``x`` with, when its
       output shapes depend on axis sizes.
@@ -64,7 +66,7 @@ def used_axis_names(
   >>> sorted(used_axis_names(jaxpr))
   ['i', 'j']
   """
-  names = analysis.closed_or_open_names(x)
+  names = analysis.closed_or_open_names(x, _API)
   if names is not None:
     if args or kwargs or axis_sizes is not None:
       raise TypeError(

@@ -22,6 +22,7 @@ import jax
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
 
+from . import analysis
 from . import jax_internals
 from .errors import AxisNameError
 
@@ -115,11 +116,13 @@ def jaxpr_of(
   api: str,
   fix: str,
 ) -> Jaxpr:
-  """The Jaxpr of a Jaxpr, a ClosedJaxpr, or a callable traced on its args.
+  """The Jaxpr of a Jaxpr, a ClosedJaxpr, a stage (``Traced``, jaxworks'
+  ``Lowered``), or a callable traced on its args.
 
   An unbound name that tracing cannot recover from becomes an
   ``AxisNameError`` naming ``api``, the user's line and ``fix``.
   """
+  fun = analysis.stage_jaxpr(fun, api)
   if isinstance(fun, (ClosedJaxpr, Jaxpr)):
     if args or kwargs:
       raise TypeError(

@@ -22,6 +22,7 @@ from . import targets
 from . import transfer
 
 _API = "jaxworks.batched_transfer"
+_Compiled = jax.stages.Compiled
 
 
 def _prepare(
@@ -246,7 +247,10 @@ def place_for(
   calling ``compiled`` on the result passes the buffers through without a copy.
 
   Args:
-    compiled: a jax.stages.Compiled (from ``jax.jit(f).lower(...).compile()``).
+    compiled: a ``jax.stages.Compiled``: from ``jax.jit(f).lower(...).compile()``
+      or from any jaxworks entry point (``jit_cache.jit(f).lower(...)``,
+      ``stages_aot.trace(f, ...).lower(...)``, ``pmap_chunked.pmap(f).lower(...)``,
+      then ``.compile()``), whose ``Compiled`` subclasses it.
     tree: the positional arguments of ``compiled`` as a tuple, or, with ``argnum``,
       the one positional argument ``argnum``. For a function with keyword
       arguments pass ``(args, kwargs)``.
@@ -269,6 +273,13 @@ def place_for(
   True
   """
   api = f"{_API}.place_for"
+  if not isinstance(compiled, _Compiled):
+    raise TypeError(
+      f"{api}: expected a jax.stages.Compiled, got {type(compiled).__name__}; "
+      "compile the function first: jax.jit(f).lower(*args).compile(), or "
+      "any jaxworks entry point's .lower(...).compile() (jit_cache, "
+      "stages_aot, pmap_chunked)"
+    )
   formats, kw_formats = compiled.input_formats
   infos, kw_infos = compiled.args_info
   if argnum is not None:
