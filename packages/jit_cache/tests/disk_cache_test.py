@@ -443,3 +443,30 @@ def test_entry_for_another_device_count_is_not_used(tmp_path):
   assert len(_entries(tmp_path)) == 2  # one per machine shape
   again = _run(tmp_path, "chain11", env=four)
   assert again["stats"]["disk_hits"] == 1 and again["lowered"] == [0]
+
+
+def test_repeated_inner_calls_keep_what_their_parameters_hold(
+  tmp_path, cache_off
+):
+  # Equations with the same parameter objects share one fingerprint key;
+  # what those parameters hold (a host callback, by identity) still counts
+  # for every equation: the program is never persisted.
+  def cb(a):
+    return np.asarray(a) * 2
+
+  inner = jax.jit(lambda v: jax.pure_callback(cb, v, v))
+  jit_cache.set_cache_dir(tmp_path)
+  f = jit_cache.jit(lambda v: inner(inner(v) + 1.0))
+  x = jnp.arange(4.0)
+  np.testing.assert_array_equal(f(x), (x * 2 + 1) * 2)
+  jit_cache.config.flush()
+  assert _entries(tmp_path) == []
+  jaxpr = jax.make_jaxpr(lambda v: inner(inner(v) + 1.0))(x)
+  fp = fingerprint.fingerprint(jaxpr)
+  assert fp is not None and fp.pins
+  # Without the callback the same shape of program is persisted.
+  plain = jax.jit(lambda v: v * 2.0)
+  g = jit_cache.jit(lambda v: plain(plain(v) + 1.0))
+  np.testing.assert_array_equal(g(x), (x * 2 + 1) * 2)
+  jit_cache.config.flush()
+  assert len(_entries(tmp_path)) == 1
