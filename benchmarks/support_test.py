@@ -162,3 +162,11 @@ def test_a_relative_json_path_goes_to_test_tmpdir_under_bazel_test(
 def test_timed_call_returns_the_result():
   seconds, value = jb.timed_call(lambda: [1, 2])
   assert value == [1, 2] and seconds >= 0
+
+
+def test_median_interleaved_rotates_the_order():
+  order = []
+  fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
+  out = jb.median_interleaved(fns, repeats=3, warmup=True)
+  assert sorted(out) == ["a", "b", "c"] and all(t > 0 for t in out.values())
+  assert order == list("abc") + list("abc") + list("bca") + list("cab")

@@ -11,6 +11,7 @@ Timing::
     timed_call(fn)                     # (seconds, result) of one call
     median_time(fn, repeats=7, inner=100, setup=None)
     median_pair(ours, reference, repeats=7, inner=1, setup=None)
+    median_interleaved({"a": fa, "b": fb, "c": fc}, repeats=7, inner=1)
     run_fresh(code)                    # a snippet in a new Python process
 
 Rows (one schema, ``ROW_FIELDS``; ``speedup`` = reference / jaxworks, so
@@ -150,6 +151,27 @@ def median_pair(ours, reference, repeats, inner=1, setup=None, gc_off=True):
       with _GcOff(gc_off):
         sink.append(per_call(fn, inner))
   return statistics.median(t_ours), statistics.median(t_ref)
+
+
+def median_interleaved(fns, repeats, inner=1, warmup=False, gc_off=True):
+  """``{name: median seconds per call}`` of several thunks, interleaved.
+
+  ``fns`` maps names to thunks. Each repeat times every thunk once
+  (``per_call(fn, inner)``), the order rotated by one per repeat, so all
+  share the drift of a busy machine and none is always first. With
+  ``warmup`` each thunk runs once, untimed, before the first repeat.
+  """
+  names = list(fns)
+  if warmup:
+    for name in names:
+      ready(fns[name]())
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:
+      with _GcOff(gc_off):
+        times[name].append(per_call(fns[name], inner))
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_fresh(code, args=(), env=None, timeout=600):
