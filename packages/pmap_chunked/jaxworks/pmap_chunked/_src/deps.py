@@ -21,7 +21,7 @@ SUPPORTED_JAX = ">=0.10.2,<0.11"
 
 # Minimum versions of the jaxworks packages this package needs.
 MINIMUM_VERSIONS = {
-  "jaxworks.jit_cache": "0.1.0",
+  "jaxworks.jit_cache": "0.3.0",  # the stage family, CacheInfo, check_argnums
   "jaxworks.batched_transfer": "0.1.0",
   "jaxworks.axis_names": "0.1.0",
 }

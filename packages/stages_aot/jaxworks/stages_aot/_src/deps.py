@@ -18,7 +18,7 @@ _PACKAGE = "jaxworks.stages_aot"
 #: The jax/jaxlib releases whose private internals this package is written for.
 SUPPORTED_JAX = ">=0.10.2,<0.11"
 #: jaxworks.jit_cache is the entry point of the stages (``jit(f).trace(...)``).
-MIN_JIT_CACHE_VERSION = "0.1.0"
+MIN_JIT_CACHE_VERSION = "0.3.0"
 
 
 def check_jax() -> None:
