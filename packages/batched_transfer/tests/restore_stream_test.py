@@ -211,6 +211,16 @@ def test_one_batch_is_read_on_the_calling_thread(
   assert [int(np.asarray(x)[0]) for x in out] == list(range(6))
 
 
+def test_batches_are_capped_whatever_the_budget(tmp_path, monkeypatch):
+  tree = [np.full(256, k, np.float32) for k in range(5)]  # 1 KiB each
+  bt.save(tmp_path / "d", tree)
+  monkeypatch.setattr(checkpoint_restore, "BATCH_CAP", 2048)
+  spy = Spy(monkeypatch)
+  out = bt.restore(tmp_path / "d", like(tree))  # default budget: 256 MiB
+  assert [len(b) for b in spy.placed] == [2, 2, 1]
+  assert [int(np.asarray(x)[0]) for x in out] == list(range(5))
+
+
 def test_the_next_batch_is_read_while_one_is_placed(tmp_path, monkeypatch):
   tree = [np.full(256, k, np.float32) for k in range(6)]  # 3 batches of 2
   bt.save(tmp_path / "d", tree)

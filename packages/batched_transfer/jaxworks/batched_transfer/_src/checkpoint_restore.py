@@ -2,9 +2,9 @@
 
 ``restore`` reads only the .npy headers first, checks every key, shape and dtype
 against the target, and only then streams the data: batches of at most half of
-``max_inflight_bytes`` are read on a background thread straight into new
-aligned host buffers, the next batch while the previous one is placed with one
-batched device_put.
+``max_inflight_bytes`` (and at most ``BATCH_CAP``) are read on a background
+thread straight into new aligned host buffers, ahead of the batch being placed
+with one batched device_put.
 
 >>> import os, shutil, tempfile, jax, numpy as np
 >>> from jaxworks.batched_transfer import save
@@ -37,6 +37,9 @@ from .checkpoint import python_scalar_dtype
 from .progress import Progress
 
 _API = "jaxworks.batched_transfer"
+# The most bytes in one batch, whatever the budget: smaller batches let
+# reading overlap placing in checkpoints of a few batches' size too.
+BATCH_CAP = 16 * 2**20
 
 
 def _placement_of(leaf: Any) -> Any:
@@ -156,8 +159,9 @@ def restore(
     placement: a device_put target (Device, Sharding, Format or a pytree
       prefix of them) overriding the target leaves' placement.
     max_inflight_bytes: the most bytes read and not yet placed at once. The
-      data is read in batches of at most half of it, the next batch while
-      the previous one is placed; a single larger leaf is read alone.
+      data is read in batches of at most half of it (and at most 16 MiB),
+      the next batches while one is placed; a single larger leaf is read
+      alone.
     progress: draw a progress bar on stderr: True, False, or None (only when
       stderr is a terminal).
 
@@ -256,7 +260,8 @@ def restore(
   # not at Python's next garbage collection.
   jax_internals.release_dropped_host_buffers()
   sizes = [stored[k].nbytes for k in keys]
-  batches = split_batches(sizes, max(1, max_inflight_bytes // 2))
+  limit = min(max(1, max_inflight_bytes // 2), BATCH_CAP)
+  batches = split_batches(sizes, limit)
   out: list[Any] = [None] * len(leaves)
   bar = Progress("restore", sum(sizes), enabled=progress)
   readers = files.Files()
