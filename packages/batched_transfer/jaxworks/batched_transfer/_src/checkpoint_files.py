@@ -275,7 +275,7 @@ class Files:
       return a
     array, flat = aligned_empty(s.shape, s.dtype, s.fortran)
     if flat.size:
-      fd, view, done = self._open(s.file), memoryview(flat), 0
+      fd, view, done = self._open(s.file), flat.data, 0
       while done < flat.size:  # read() returns at most about 2 GiB at a time
         n = os.preadv(fd, [view[done:]], s.offset + done)
         if n == 0:
