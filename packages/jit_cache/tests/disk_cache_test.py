@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -470,3 +471,32 @@ def test_repeated_inner_calls_keep_what_their_parameters_hold(
   np.testing.assert_array_equal(g(x), (x * 2 + 1) * 2)
   jit_cache.config.flush()
   assert len(_entries(tmp_path)) == 1
+
+
+def test_executable_is_serialized_before_it_runs(
+  tmp_path, cache_off, monkeypatch
+):
+  # Serializing an executable while it runs for the first time can miss
+  # code XLA materializes lazily; only the file write may be in the
+  # background. Record where and when serialization happens.
+  seen = []
+  serialize = disk_cache._serialize.serialize
+
+  def recording(compiled):
+    seen.append((threading.get_ident(), len(ran)))
+    return serialize(compiled)
+
+  ran = []
+  monkeypatch.setattr(disk_cache._serialize, "serialize", recording)
+  jit_cache.set_cache_dir(tmp_path)
+
+  def f(v):
+    ran.append(1)  # traced once: before any run
+    return v * 5.0 + 1.0
+
+  x = jnp.arange(3.0)
+  out = jit_cache.jit(f)(x)
+  assert seen == [(threading.get_ident(), 1)]
+  jit_cache.config.flush()
+  assert len(_entries(tmp_path)) == 1
+  np.testing.assert_array_equal(out, x * 5.0 + 1.0)
