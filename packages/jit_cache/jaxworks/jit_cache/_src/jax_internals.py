@@ -254,7 +254,7 @@ def stage_as(cls: type, stage: Any) -> Any:
   entries; the stock state (its ``__slots__`` and ``__dict__``) is shared,
   not copied, so every stock method works on the result as on ``stage``.
   """
-  out = object.__new__(cls)
+  out: Any = object.__new__(cls)
   for klass in type(stage).__mro__:
     slots = getattr(klass, "__slots__", ())
     for name in (slots,) if isinstance(slots, str) else slots:

@@ -97,7 +97,8 @@ class Traced(_StockTraced):
       f"got {type(traced).__name__}; trace the function first"
     )
 
-  def lower(
+  # The stock signature without JAX's private ``_private_parameters``.
+  def lower(  # type: ignore[override]
     self, *, lowering_platforms: tuple[str, ...] | None = None
   ) -> Lowered:
     """Lowers for the given platforms; this host need not have them.
@@ -146,6 +147,11 @@ class Lowered(_StockLowered):
     jaxpr: the ``ClosedJaxpr`` it was lowered from.
     platforms: the platforms it was lowered for.
   """
+
+  _jw_fun_name: str
+  _jw_jaxpr: Any
+  _jw_platforms: tuple[str, ...]
+  _jw_exported: tuple[tuple, jax.export.Exported] | None
 
   @classmethod
   def from_lowered(
@@ -315,6 +321,10 @@ class Compiled(_StockCompiled):
     platform: the platform it was compiled for.
     lowered_for: the platforms of the lowering it came from.
   """
+
+  fun_name: str
+  platform: str
+  lowered_for: tuple[str, ...]
 
   @classmethod
   def from_compiled(

@@ -7,6 +7,8 @@ name the argument by its path (``args[1]['w']``) and say the fix.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 import struct
 from typing import Any
 
@@ -54,7 +56,29 @@ def static_key(value: Any) -> Any:
   return (kind, value)
 
 
-class Arguments:
+class PmapState:
+  """What ``Pmapped``'s constructor checked and keeps, read by its mixins."""
+
+  _fun: Callable
+  _axis_name: Any
+  _anonymous: bool
+  _in_axes: Any
+  _out_axes: Any
+  _negative_in: bool
+  _negative_out: bool
+  _statics: tuple[int, ...]
+  _donate: tuple[int, ...]
+  _devices: Any
+  _backend: str | None
+  _axis_size: int | None
+  _chunked: bool
+  _flat_axes: collections.OrderedDict
+  _lookup: Callable[..., Any]
+  _store: Callable[..., None]
+  _name: Callable[[], str]
+
+
+class Arguments(PmapState):
   """Argument parsing of :class:`~.pmap.Pmapped` (a mixin)."""
 
   def _parse(self, args: tuple, kwargs: dict):

@@ -23,6 +23,7 @@ from . import axes as axes_lib
 from . import deps
 from . import mesh as mesh_lib
 from .arguments import API
+from .arguments import PmapState
 from .arguments import merge_statics
 
 # Stock JAX callables this module builds on, bound once at import: a program
@@ -47,7 +48,7 @@ class Entry:
   donated: frozenset = frozenset()  # indices of donated leaves
 
 
-class Programs:
+class Programs(PmapState):
   """Program building of :class:`~.pmap.Pmapped` (a mixin)."""
 
   def _context_key(self):

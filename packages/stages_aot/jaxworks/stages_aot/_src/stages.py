@@ -16,6 +16,11 @@ import os
 import jax
 import jax.extend.source_info_util
 
+from jaxworks.jit_cache import Compiled as Compiled
+from jaxworks.jit_cache import Lowered as Lowered
+from jaxworks.jit_cache import Traced as Traced
+from jaxworks.jit_cache import register_exporter
+
 from . import entry
 from .exported import Exported
 
@@ -91,9 +96,6 @@ def export_stock(exported: jax.export.Exported, *, vjp_order: int) -> Exported:
   return Exported(exported, vjp_order=vjp_order)
 
 
-Traced = entry.jit_cache.Traced
-Lowered = entry.jit_cache.Lowered
-Compiled = entry.jit_cache.Compiled
-entry.jit_cache.register_exporter(export_stock)
+register_exporter(export_stock)
 
 __all__ = ["Compiled", "Lowered", "Traced", "trace"]
