@@ -281,6 +281,26 @@ def test_an_error_while_placing_stops_the_reader(tmp_path, monkeypatch):
   assert spy.results and all(y.is_deleted() for y in spy.results)
 
 
+def test_an_error_while_waiting_for_a_batch_deletes_it_too(
+  tmp_path, monkeypatch
+):
+  tree = [np.full(256, k, np.float32) for k in range(6)]
+  bt.save(tmp_path / "d", tree)
+  spy = Spy(monkeypatch)
+  real_wait, waits = jax.block_until_ready, []
+
+  def wait(x):
+    waits.append(x)
+    if len(waits) == 2:  # the second batch is placed, then its transfer fails
+      raise RuntimeError("transfer failed")
+    return real_wait(x)
+
+  monkeypatch.setattr(checkpoint_restore.jax, "block_until_ready", wait)
+  with pytest.raises(RuntimeError, match="transfer failed"):
+    bt.restore(tmp_path / "d", like(tree), max_inflight_bytes=4096)
+  assert len(spy.results) == 4 and all(y.is_deleted() for y in spy.results)
+
+
 def test_a_damaged_compressed_member_is_a_value_error(tmp_path):
   path = tmp_path / "c.npz"
   rng = np.random.default_rng(0)  # big and incompressible: opening reads

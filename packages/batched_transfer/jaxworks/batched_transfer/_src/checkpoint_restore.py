@@ -252,8 +252,8 @@ def restore(
           f"placed on {sharding}: {err}"
         ) from None
 
-  # 2. Stream: batches of at most half the budget; a background thread reads
-  # the next batch (straight into new aligned buffers) while one is placed.
+  # 2. Stream: batches of at most half the budget (and BATCH_CAP); a background
+  # thread reads ahead (straight into new aligned buffers) while one is placed.
   # The buffers are restore's own, so placing them may alias them (on CPU the
   # device array takes the buffer over: no second copy).
   # Host buffers of arrays already dropped (earlier restores, on CPU) go first,
@@ -282,10 +282,13 @@ def restore(
         arrays, [places[i] for i in batch], private_host=True, api=api
       )
       del arrays
+      for i, y in zip(batch, placed):
+        out[i] = y  # from here on deleted if anything fails
       jax.block_until_ready(placed)
       reader.release(k)
-      for i, y in zip(batch, placed):
-        out[i] = _weak(y) if specs[i][2] else y
+      for i in batch:
+        if specs[i][2]:
+          out[i] = _weak(out[i])
       bar.update(sum(sizes[i] for i in batch))
   except BaseException:
     reader.close()
