@@ -62,18 +62,23 @@ GROUPING_GOAL = 10.0  # C++ at least 10x the Python twin
 RAW_READ_GOAL = 0.9  # restore at least 0.9x the raw read bandwidth
 
 
-def interleaved_medians(fns: dict, repeats: int) -> dict:
+def interleaved_medians(fns: dict, repeats: int, tight: int = 0) -> dict:
   """Median seconds of each fn, running them in rotating order each round.
 
-  Each result is awaited and dropped before the next call; the GC is off
-  while timing (garbage of earlier calls is collected between calls).
+  With ``tight``, the first ``tight`` fns rotate among themselves and run
+  back to back at the start of each round (the others follow), so that a
+  slow spell of a shared machine hits the compared ones alike. Each result
+  is awaited and dropped before the next call; the GC is off while timing
+  (garbage of earlier calls is collected between calls).
   """
   times: dict = {k: [] for k in fns}
   names = list(fns)
   for k in names:  # warm up caches, compilations and the page cache
     jb.ready(fns[k]())
+  head, rest = (names[:tight], names[tight:]) if tight else (names, [])
   for r in range(repeats):
-    for k in names[r % len(names) :] + names[: r % len(names)]:
+    order = head[r % len(head) :] + head[: r % len(head)] + rest
+    for k in order:
       gc.collect()
       gc.disable()
       try:
@@ -302,6 +307,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
           "reused": lambda: reused_read(files, reused),
         },
         repeats,
+        tight=3,
       )
       m["orbax"] = orbax_s["one device" if where == "one device" else "rows"]
       m["raw"] = min(m["raw_main"], m["raw_thread"])
