@@ -4,18 +4,18 @@ Every package imports private ``jax._src`` internals of jax 0.10 (through its ``
 checks the installed jax and jaxlib against the range its wheels require (``jax>=0.10.2,<0.11``) before touching them.
 """
 
+import ast
+import re
 import subprocess
 import sys
 
 import pytest
 
-PACKAGES = [
-  "axis_names",
-  "batched_transfer",
-  "jit_cache",
-  "stages_aot",
-  "pmap_chunked",
-]
+# The package list Bazel uses (packages.bzl), so a new package is checked too.
+with open("packages.bzl", encoding="utf-8") as _f:
+  PACKAGES = ast.literal_eval(
+    re.search(r"^PACKAGES = (\[.*?\])", _f.read(), re.M | re.S).group(1)
+  )
 
 _PROBE = r"""
 import importlib.metadata, sys

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
-import threading
-from typing import Any
 
 import jax
 
 from . import api as _api
+from . import swap as _swap
 
-_LOCK = threading.Lock()
-# What jax.device_put was before each install() that replaced it.
-_saved: list[Any] = []
+#: The one name install() replaces (the mechanism: ``_src/swap.py``, shared
+#: by every jaxworks package that adopts a JAX entry point).
+_SWAP = _swap.Swap(
+  "jaxworks.batched_transfer", [(jax, "device_put", _api.device_put)]
+)
 
 
 def is_installed() -> bool:
   """True while ``jax.device_put`` is :func:`jaxworks.batched_transfer.device_put`."""
-  return jax.device_put is _api.device_put
+  return _SWAP.is_installed()
 
 
 def install() -> None:
@@ -48,11 +49,7 @@ def install() -> None:
   >>> jax.device_put is batched_transfer.device_put
   False
   """
-  with _LOCK:
-    if jax.device_put is _api.device_put:
-      return
-    _saved.append(jax.device_put)
-    jax.device_put = _api.device_put
+  _SWAP.install()
 
 
 def uninstall() -> None:
@@ -66,16 +63,7 @@ def uninstall() -> None:
       ``install()``; it is left as it is (restore that assignment first, or
       assign ``jax.device_put`` yourself).
   """
-  with _LOCK:
-    if not _saved:
-      return
-    if jax.device_put is not _api.device_put:
-      raise RuntimeError(
-        "jaxworks.batched_transfer.uninstall: jax.device_put was reassigned after install() "
-        f"(it is now {jax.device_put!r:.80}); not overwriting it. Restore that assignment "
-        "first, or set jax.device_put yourself"
-      )
-    jax.device_put = _saved.pop()
+  _SWAP.uninstall()
 
 
 @contextlib.contextmanager
@@ -93,11 +81,5 @@ def installed() -> Iterator[None]:
   >>> jax.device_put is batched_transfer.device_put
   False
   """
-  with _LOCK:
-    before = jax.device_put
-    jax.device_put = _api.device_put
-  try:
+  with _SWAP.installed():
     yield
-  finally:
-    with _LOCK:
-      jax.device_put = before

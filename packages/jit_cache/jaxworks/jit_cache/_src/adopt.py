@@ -11,22 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
-import threading
-from typing import Any
 
 import jax
 
 from . import api as _api
+from . import swap as _swap
 
-_LOCK = threading.Lock()
-#: What ``jax.jit`` was before ``install()`` replaced it (None: not installed
-#: by us).
-_saved: list[Any] = []
+#: The one name install() replaces (the mechanism: ``_src/swap.py``, shared
+#: by every jaxworks package that adopts a JAX entry point).
+_SWAP = _swap.Swap("jaxworks.jit_cache", [(jax, "jit", _api.jit)])
 
 
 def is_installed() -> bool:
   """True while ``jax.jit`` is :func:`jaxworks.jit_cache.jit`."""
-  return jax.jit is _api.jit
+  return _SWAP.is_installed()
 
 
 def install() -> None:
@@ -50,11 +48,7 @@ def install() -> None:
   >>> jax.jit is jit_cache.jit
   False
   """
-  with _LOCK:
-    if jax.jit is _api.jit:
-      return
-    _saved.append(jax.jit)
-    jax.jit = _api.jit
+  _SWAP.install()
 
 
 def uninstall() -> None:
@@ -69,16 +63,7 @@ def uninstall() -> None:
       ``install()``; it is left as it is (assign it yourself, or call
       ``uninstall()`` after restoring it).
   """
-  with _LOCK:
-    if not _saved:
-      return
-    if jax.jit is not _api.jit:
-      raise RuntimeError(
-        "jaxworks.jit_cache.uninstall: jax.jit was reassigned after "
-        f"install() (it is now {jax.jit!r:.80}); not overwriting it. "
-        "Restore that assignment first, or set jax.jit yourself"
-      )
-    jax.jit = _saved.pop()
+  _SWAP.uninstall()
 
 
 @contextlib.contextmanager
@@ -97,11 +82,5 @@ def installed() -> Iterator[None]:
   >>> jax.jit is jit_cache.jit
   False
   """
-  with _LOCK:
-    before = jax.jit
-    jax.jit = _api.jit
-  try:
+  with _SWAP.installed():
     yield
-  finally:
-    with _LOCK:
-      jax.jit = before

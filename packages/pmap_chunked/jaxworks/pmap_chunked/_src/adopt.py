@@ -23,21 +23,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
-import threading
-from typing import Any
 
 import jax
 
 from . import api as _api
+from . import swap as _swap
 
-_LOCK = threading.Lock()
-# What jax.pmap was before each install() that replaced it (a stack).
-_saved: list[Any] = []
+#: The one name install() replaces (the mechanism: ``_src/swap.py``, shared
+#: by every jaxworks package that adopts a JAX entry point).
+_SWAP = _swap.Swap("jaxworks.pmap_chunked", [(jax, "pmap", _api.pmap)])
 
 
 def is_installed() -> bool:
   """True while ``jax.pmap`` is :func:`jaxworks.pmap_chunked.pmap`."""
-  return jax.pmap is _api.pmap
+  return _SWAP.is_installed()
 
 
 def install() -> None:
@@ -60,11 +59,7 @@ def install() -> None:
   >>> jax.pmap is pmap_chunked.pmap
   False
   """
-  with _LOCK:
-    if jax.pmap is _api.pmap:
-      return
-    _saved.append(jax.pmap)
-    jax.pmap = _api.pmap
+  _SWAP.install()
 
 
 def uninstall() -> None:
@@ -78,16 +73,7 @@ def uninstall() -> None:
       ``install()``; it is left as it is (restore that assignment first, or
       set ``jax.pmap`` yourself).
   """
-  with _LOCK:
-    if not _saved:
-      return
-    if jax.pmap is not _api.pmap:
-      raise RuntimeError(
-        "jaxworks.pmap_chunked.uninstall: jax.pmap was reassigned after "
-        f"install() (it is now {jax.pmap!r:.80}); not overwriting it. "
-        "Restore that assignment first, or set jax.pmap yourself."
-      )
-    jax.pmap = _saved.pop()
+  _SWAP.uninstall()
 
 
 @contextlib.contextmanager
@@ -105,11 +91,5 @@ def installed() -> Iterator[None]:
   >>> jax.pmap is pmap_chunked.pmap
   False
   """
-  with _LOCK:
-    before = jax.pmap
-    jax.pmap = _api.pmap
-  try:
+  with _SWAP.installed():
     yield
-  finally:
-    with _LOCK:
-      jax.pmap = before
