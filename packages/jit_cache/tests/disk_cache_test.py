@@ -500,3 +500,27 @@ def test_executable_is_serialized_before_it_runs(
   jit_cache.config.flush()
   assert len(_entries(tmp_path)) == 1
   np.testing.assert_array_equal(out, x * 5.0 + 1.0)
+
+
+def test_executable_from_jax_persistent_cache_is_not_written(tmp_path):
+  # XLA:CPU cannot serialize again an executable loaded from JAX's own
+  # persistent cache: written, such an entry failed when run in the next
+  # process ("Function add_add_fusion not found").
+  jax_cache = {
+    "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+  }
+  ours = tmp_path / "ours"
+  ours.mkdir()
+  _run("-", "chain5", env=jax_cache)  # fills JAX's cache only
+  assert os.listdir(tmp_path / "jax")
+  both = _run(ours, "chain5", env=jax_cache)  # JAX's cache hit, ours missed
+  assert both["stats"]["disk_misses"] == 1
+  assert _entries(ours) == []
+  assert "JAX's persistent compilation cache" in both["explain"][0]
+  fresh = _run(ours, "chain5")  # compiles: written
+  assert fresh["compiled"] == [1] and len(_entries(ours)) == 1
+  warm = _run(ours, "chain5", env=jax_cache)
+  assert warm["stats"]["disk_hits"] == 1 and warm["compiled"] == [0]
+  assert warm["results"] == fresh["results"] == both["results"]

@@ -268,6 +268,42 @@ if hasattr(os, "register_at_fork"):  # the child has no writer thread
   os.register_at_fork(after_in_child=WRITER._reset)  # pylint: disable=protected-access
 
 
+# ------------------------------------------ JAX's persistent cache hits
+
+# An executable that XLA:CPU loaded from JAX's persistent compilation cache
+# serializes into bytes whose executable fails when loaded and run ("Function
+# ... fusion not found"), so such an executable is never written here. JAX
+# records a monitoring event for each hit, on the thread that compiles.
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_PROBE = "/jaxworks/jit_cache/listener_probe"
+
+
+class _ThreadEvents(threading.local):
+  count = 0
+
+
+_events = _ThreadEvents()
+
+
+def _on_event(event: str, **_: Any) -> None:
+  if event in (_JAX_CACHE_HIT, _PROBE):
+    _events.count += 1
+
+
+def _jax_cache_events() -> int:
+  """This thread's count of JAX cache hits (and probes) so far.
+
+  Records a probe event first: when it does not arrive, the listener was
+  never registered or ``jax.monitoring.clear_event_listeners()`` removed it,
+  and it is registered (again).
+  """
+  before = _events.count
+  jax.monitoring.record_event(_PROBE)
+  if _events.count == before:
+    jax.monitoring.register_event_listener(_on_event)
+  return _events.count
+
+
 # ----------------------------------------------------------------- build
 
 
@@ -329,7 +365,20 @@ def wrap_build(
     else:
       _count(counters, "rejected")
       note = f"disk cache: entry {name} rejected: {reason}; rewritten"
+    hits = _jax_cache_events()
     exe = build()
+    if _events.count != hits:
+      _count(counters, "unpersistable")
+      _note(
+        owner,
+        _amend(
+          note,
+          " (not written: the executable came from JAX's persistent "
+          "compilation cache, and XLA cannot serialize such an executable "
+          "again; it is written by a process that compiles it)",
+        ),
+      )
+      return exe
     _note(owner, note)
     _write(directory, name, key, exe, counters, owner, note)
     return exe
