@@ -170,3 +170,11 @@ def test_median_interleaved_rotates_the_order():
   out = jb.median_interleaved(fns, repeats=3, warmup=True)
   assert sorted(out) == ["a", "b", "c"] and all(t > 0 for t in out.values())
   assert order == list("abc") + list("abc") + list("bca") + list("cab")
+
+
+def test_median_interleaved_rotates_only_the_first_k():
+  order = []
+  fns = {k: (lambda k=k: order.append(k)) for k in "abcd"}
+  out = jb.median_interleaved(fns, repeats=3, rotate=2)
+  assert sorted(out) == list("abcd")
+  assert order == list("abcd") + list("bacd") + list("abcd")

@@ -153,22 +153,29 @@ def median_pair(ours, reference, repeats, inner=1, setup=None, gc_off=True):
   return statistics.median(t_ours), statistics.median(t_ref)
 
 
-def median_interleaved(fns, repeats, inner=1, warmup=False, gc_off=True):
+def median_interleaved(
+  fns, repeats, inner=1, warmup=False, gc_off=True, rotate=None
+):
   """``{name: median seconds per call}`` of several thunks, interleaved.
 
   ``fns`` maps names to thunks. Each repeat times every thunk once
   (``per_call(fn, inner)``), the order rotated by one per repeat, so all
   share the drift of a busy machine and none is always first. With
-  ``warmup`` each thunk runs once, untimed, before the first repeat.
+  ``warmup`` each thunk runs once, untimed, before the first repeat. With
+  ``rotate=k`` only the first ``k`` thunks rotate, back to back at the start
+  of each repeat (the ones compared most closely share a slow spell of the
+  machine alike); the others follow in their given order.
   """
   names = list(fns)
   if warmup:
     for name in names:
       ready(fns[name]())
   times = {name: [] for name in names}
+  head = names[:rotate] if rotate else names
+  rest = names[len(head) :]
   for r in range(repeats):
-    shift = r % len(names)
-    for name in names[shift:] + names[:shift]:
+    shift = r % len(head)
+    for name in head[shift:] + head[:shift] + rest:
       with _GcOff(gc_off):
         times[name].append(per_call(fns[name], inner))
   return {name: statistics.median(t) for name, t in times.items()}

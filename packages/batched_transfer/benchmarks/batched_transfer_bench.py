@@ -38,9 +38,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -62,34 +60,6 @@ GROUPING_GOAL = 10.0  # C++ at least 10x the Python twin
 RAW_READ_GOAL = 0.9  # restore at least 0.9x the raw read bandwidth
 
 
-def interleaved_medians(fns: dict, repeats: int, tight: int = 0) -> dict:
-  """Median seconds of each fn, running them in rotating order each round.
-
-  With ``tight``, the first ``tight`` fns rotate among themselves and run
-  back to back at the start of each round (the others follow), so that a
-  slow spell of a shared machine hits the compared ones alike. Each result
-  is awaited and dropped before the next call; the GC is off while timing
-  (garbage of earlier calls is collected between calls).
-  """
-  times: dict = {k: [] for k in fns}
-  names = list(fns)
-  for k in names:  # warm up caches, compilations and the page cache
-    jb.ready(fns[k]())
-  head, rest = (names[:tight], names[tight:]) if tight else (names, [])
-  for r in range(repeats):
-    order = head[r % len(head) :] + head[: r % len(head)] + rest
-    for k in order:
-      gc.collect()
-      gc.disable()
-      try:
-        t0 = time.perf_counter()
-        jb.ready(fns[k]())
-        times[k].append(time.perf_counter() - t0)
-      finally:
-        gc.enable()
-  return {k: statistics.median(v) for k, v in times.items()}
-
-
 def transfer_rows(report: jb.Report, sizes, repeats, min_reps=5) -> None:
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("x",))
@@ -105,13 +75,14 @@ def transfer_rows(report: jb.Report, sizes, repeats, min_reps=5) -> None:
     ]
     for name, tree, target in cases:
       reps = max(min_reps, repeats * 100 // max(n, 100))
-      m = interleaved_medians(
+      m = jb.median_interleaved(
         {
           "ours": lambda: bt.device_put(tree, target),
           "list": lambda: jax.device_put(tree, target),
           "loop": lambda: [jax.device_put(x, target) for x in tree],
         },
         reps,
+        warmup=True,
       )
       case = f"device_put {n} leaves {name}"
       report.add(
@@ -170,12 +141,13 @@ def grouping_rows(report: jb.Report, sizes, repeats) -> None:
       ),
     ]
     for name, leaves, dsts in inputs:
-      m = interleaved_medians(
+      m = jb.median_interleaved(
         {
           "cpp": lambda: grouping.group_leaves(leaves, dsts, default),
           "py": lambda: grouping.group_leaves_python(leaves, dsts, default),
         },
         repeats,
+        warmup=True,
       )
       groups = len(grouping.group_leaves(leaves, dsts, default))
       report.add(
@@ -295,7 +267,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
         k: jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
         for k in keys
       }
-      m = interleaved_medians(
+      m = jb.median_interleaved(
         {
           "restore": lambda: bt.restore(path, like, progress=False),
           "raw_main": lambda: raw_read(files),
@@ -307,7 +279,8 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
           "reused": lambda: reused_read(files, reused),
         },
         repeats,
-        tight=3,
+        warmup=True,
+        rotate=3,
       )
       m["orbax"] = orbax_s["one device" if where == "one device" else "rows"]
       m["raw"] = min(m["raw_main"], m["raw_thread"])

@@ -22,7 +22,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
-import statistics
 import sys
 import time
 
@@ -35,23 +34,9 @@ from jaxworks.jit_cache._src import jax_internals as ji
 from jaxworks.jit_cache._src import signature as sigmod
 
 
-def _median_seconds(fn, repeats: int, number: int) -> float:
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(number):
-      fn()
-    times.append((time.perf_counter() - t0) / number)
-  return statistics.median(times)
-
-
-def _side_by_side(fn_a, fn_b, repeats: int, number: int) -> tuple[float, float]:
-  """Medians of interleaved repeats (noise on a shared machine hits both)."""
-  a, b = [], []
-  for _ in range(repeats):
-    a.append(_median_seconds(fn_a, 1, number))
-    b.append(_median_seconds(fn_b, 1, number))
-  return statistics.median(a), statistics.median(b)
+def _pair(fn_a, fn_b, repeats: int, number: int) -> tuple[float, float]:
+  """Interleaved medians of seconds per call (jaxworks_bench.median_pair)."""
+  return jb.median_pair(fn_a, fn_b, repeats, inner=number)
 
 
 REPORT = jb.Report("jit_cache", "jit_cache_bench")
@@ -80,7 +65,7 @@ def bench_add_chain(quick: bool) -> None:
   stock_iter()
   our_iter()
   repeats = 3 if quick else 15
-  t_stock, t_ours = _side_by_side(stock_iter, our_iter, repeats, 1)
+  t_stock, t_ours = _pair(stock_iter, our_iter, repeats, 1)
   REPORT.add(
     "jit_add_chain (trace + compile/reuse + run)",
     t_ours,
@@ -98,7 +83,7 @@ def bench_add_chain(quick: bool) -> None:
 
   stock_trace()
   our_trace()
-  t_stock, t_ours = _side_by_side(
+  t_stock, t_ours = _pair(
     stock_trace, our_trace, 3 if quick else 15, 2 if quick else 5
   )
   REPORT.add(
@@ -127,7 +112,7 @@ def bench_call_overhead(quick: bool) -> None:
     number = {1: 2000, 10: 1000, 100: 300}[n]
     if quick:
       number //= 10
-    t_stock, t_ours = _side_by_side(
+    t_stock, t_ours = _pair(
       lambda: stock(*args), lambda: ours(*args), 5 if quick else 21, number
     )
     REPORT.add(
@@ -146,7 +131,7 @@ def bench_signature(quick: bool) -> None:
   for n in (10, 100, 1000):
     leaves = [jnp.full((i % 5 + 1,), 1.0) for i in range(n)]
     number = max(2, (2000 if not quick else 200) // n)
-    t_py, t_cpp = _side_by_side(
+    t_py, t_cpp = _pair(
       lambda: sigmod.py_signature(leaves, extra),
       lambda: sigmod.signature(leaves, extra),
       repeats,
@@ -167,7 +152,7 @@ def bench_signature(quick: bool) -> None:
     for n in (10, 100, 1000):
       leaves = list(xs[:n])
       number = max(2, (2000 if not quick else 200) // n)
-      t_py, t_cpp = _side_by_side(
+      t_py, t_cpp = _pair(
         lambda: sigmod.py_signature(leaves, extra),
         lambda: sigmod.signature(leaves, extra),
         repeats,
@@ -199,7 +184,7 @@ def bench_signature(quick: bool) -> None:
       _, dyn = ji.jax_parse_arguments(args, {})
       return tuple(ji.shaped_abstractify(x) for x in dyn)
 
-    t_stock, t_ours = _side_by_side(stock_parse, ours, repeats, number)
+    t_stock, t_ours = _pair(stock_parse, ours, repeats, number)
     REPORT.add(
       f"argument key, {label}: ours vs jax parse_arguments",
       t_ours,
@@ -208,7 +193,7 @@ def bench_signature(quick: bool) -> None:
       "jax parse_arguments",
       goal=1 / 2,
     )
-    t_stock, t_ours = _side_by_side(stock_full, ours, repeats, number)
+    t_stock, t_ours = _pair(stock_full, ours, repeats, number)
     REPORT.add(
       f"argument key, {label}: ours vs jax parse_arguments + avals",
       t_ours,
