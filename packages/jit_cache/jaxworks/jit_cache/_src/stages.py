@@ -10,7 +10,9 @@ jax.stages.Lowered)`` holds. The additions:
   returns a ``Lowered`` that keeps ``fun_name``, ``jaxpr`` and ``platforms``;
 * ``Lowered.compile(compiler_options=None, *, platform=None)`` compiles a
   multi-platform lowering for one present platform;
-* ``Lowered.export()`` exports that very lowering (no second lowering) through
+* ``Lowered.export()`` exports the lowering (a lowering made without
+  ``lowering_platforms`` is stock's own, for this host's compile path, and is
+  lowered once more with export parameters) through
   the exporter that ``jaxworks.stages_aot`` registers when it is imported
   (:func:`register_exporter`); jit_cache never imports stages_aot.
 
@@ -121,14 +123,22 @@ class Traced(_StockTraced):
       if lowering_platforms is None
       else _platforms.canonical_platforms(lowering_platforms, api=api)
     )
-    stock = ji.lower_for_export(self, platforms)
     if platforms is None:
+      # For this host: stock's own lowering, so that compile() and
+      # serialize_executable behave as jax.jit's; export() lowers once more.
+      stock = super().lower()
       platforms = ji.lowering_platforms(stock) or (
         _lowering.default_platform(),
       )
-    return Lowered.from_lowered(
+      traced = self
+    else:
+      stock = ji.lower_for_export(self, platforms)
+      traced = None
+    out = Lowered.from_lowered(
       stock, fun_name=self.fun_name, jaxpr=self.jaxpr, platforms=platforms
     )
+    out.__dict__["_jw_traced"] = traced
+    return out
 
   def __repr__(self) -> str:
     return (
@@ -152,6 +162,7 @@ class Lowered(_StockLowered):
   _jw_jaxpr: Any
   _jw_platforms: tuple[str, ...]
   _jw_exported: tuple[tuple, jax.export.Exported] | None
+  _jw_traced: Traced | None  # set when lowered with stock's parameters
 
   @classmethod
   def from_lowered(
@@ -181,6 +192,7 @@ class Lowered(_StockLowered):
       _jw_jaxpr=jaxpr,
       _jw_platforms=tuple(platforms),
       _jw_exported=None,
+      _jw_traced=None,
     )
     return out
 
@@ -252,8 +264,11 @@ class Lowered(_StockLowered):
     cached = self._jw_exported
     if cached is not None and cached[0] == disabled_checks:
       return cached[1]
+    source: Any = self
+    if self._jw_traced is not None:  # lowered as jax.jit lowers: again
+      source = ji.lower_for_export(self._jw_traced, self.platforms)
     exp = ji.export_lowered(
-      self, self.jaxpr, self.fun_name, disabled_checks=disabled_checks
+      source, self.jaxpr, self.fun_name, disabled_checks=disabled_checks
     )
     self._jw_exported = (disabled_checks, exp)
     return exp
@@ -264,7 +279,7 @@ class Lowered(_StockLowered):
     vjp_order: int = 0,
     disabled_checks: Sequence[jax.export.DisabledSafetyCheck] = (),
   ) -> Any:
-    """Exports this lowering as a serializable program (no second lowering).
+    """Exports this lowering as a serializable program.
 
     Needs ``jaxworks.stages_aot`` imported (it registers the exporter).
 
