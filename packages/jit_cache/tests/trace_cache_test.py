@@ -203,6 +203,29 @@ def test_trace_lower_has_no_private_parameter_and_lowers_as_stock():
     assert ours.platforms == (platforms or ("cpu",))
 
 
+def test_lower_without_platforms_compiles_and_serializes_as_stock():
+  """A lowering for this host is stock's own: its executable serializes as
+  jax.jit's does, and refuses a closed-over ref with stock's ValueError
+  (an export lowering made it a pytree error)."""
+  from jax.experimental import serialize_executable as se  # pylint: disable=g-import-not-at-top
+
+  x_ref = jax.new_ref(0)
+
+  def f(x):
+    x_ref[...] += x
+
+  for wrap in (jit, jax.jit):
+    with pytest.raises(ValueError, match="serialize with a closed-over"):
+      se.serialize(wrap(f).lower(1).compile())
+  g = jit(lambda v: jnp.sin(v) * 2)
+  x = jnp.arange(4.0)
+  blob, in_tree, out_tree = se.serialize(g.lower(x).compile())
+  loaded = se.deserialize_and_load(
+    blob, in_tree, out_tree, execution_devices=jax.devices()[:1]
+  )
+  np.testing.assert_array_equal(loaded(x), jax.jit(lambda v: jnp.sin(v) * 2)(x))
+
+
 def test_source_locations_name_the_user_call_not_jit_cache():
   """Equations jit_cache emits carry the caller's line, as jax.jit's do."""
   from jax.extend import source_info_util  # pylint: disable=g-import-not-at-top

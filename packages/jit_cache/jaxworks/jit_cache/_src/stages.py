@@ -234,7 +234,7 @@ class Lowered(_StockLowered):
     target = _platforms.choose_platform(
       self.platforms, platform, api=api, fun_name=self.fun_name
     )
-    symbolic = _lowering.symbolic_inputs(self.in_avals)
+    symbolic = _lowering.symbolic_inputs(self.jaxpr.in_avals)
     if symbolic:
       raise ValueError(
         f"{api}: {self.fun_name!r} was lowered with symbolic dimensions "
@@ -321,7 +321,7 @@ class Lowered(_StockLowered):
 
   def __repr__(self) -> str:
     return (
-      f"Lowered({self.fun_name}({_avals_text(self.in_avals)}), "
+      f"Lowered({self.fun_name}({_avals_text(self.jaxpr.in_avals)}), "
       f"platforms={self.platforms})"
     )
 
