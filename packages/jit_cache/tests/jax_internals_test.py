@@ -363,3 +363,20 @@ def test_stage_as_shares_the_stock_state():
   np.testing.assert_array_equal(mc(x), compiled(x))
   assert mc.input_formats == compiled.input_formats
   assert mc.runtime_executable() is compiled.runtime_executable()
+
+
+def test_primitive_modules_define_primitives():
+  import importlib  # pylint: disable=g-import-not-at-top
+
+  for name in ji.PRIMITIVE_MODULES:
+    module = importlib.import_module(name)
+    defined = [
+      v
+      for k, v in vars(module).items()
+      if k.endswith("_p") and isinstance(v, jax.extend.core.Primitive)
+    ]
+    assert defined, name
+  assert (
+    jax.lax.sin_p
+    is vars(importlib.import_module(ji.PRIMITIVE_MODULES[0]))["sin_p"]
+  )

@@ -101,7 +101,7 @@ class _JaxPrimitives:
         return True
       attr = f"{prim.name}_p"
       modules = sys.modules
-      for name in _LIKELY:  # without listing every module first
+      for name in ji.PRIMITIVE_MODULES:  # before listing every module
         if getattr(modules.get(name), attr, None) is prim:
           self.known[id(prim)] = prim
           return True
@@ -122,20 +122,6 @@ class _JaxPrimitives:
           return True
       return False
 
-
-#: Where jax defines most primitives (looked at first).
-_LIKELY = (
-  "jax._src.lax.lax",
-  "jax._src.pjit",
-  "jax._src.core",
-  "jax._src.ad_util",
-  "jax._src.custom_derivatives",
-  "jax._src.lax.slicing",
-  "jax._src.lax.control_flow.loops",
-  "jax._src.lax.control_flow.conditionals",
-  "jax._src.prng",
-  "jax._src.random",
-)
 
 PRIMITIVES = _JaxPrimitives()
 

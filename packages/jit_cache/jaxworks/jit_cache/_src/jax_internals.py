@@ -208,6 +208,23 @@ convert_invars_to_constvars: Callable[[Any, int], Any] = (
 )
 
 
+# -- the disk cache's keys (disk_key.py) ------------------------------------------
+
+#: jax's modules that define most of its primitives (as ``<name>_p``): the
+#: disk cache's key looks for a primitive there before scanning every module.
+PRIMITIVE_MODULES = (
+  "jax._src.lax.lax",
+  "jax._src.pjit",
+  "jax._src.core",
+  "jax._src.ad_util",
+  "jax._src.custom_derivatives",
+  "jax._src.lax.slicing",
+  "jax._src.lax.control_flow.loops",
+  "jax._src.lax.control_flow.conditionals",
+  "jax._src.random",
+)
+
+
 # -- the stage family (stages.py) ----------------------------------------------------
 
 
