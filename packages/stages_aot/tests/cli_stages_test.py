@@ -8,15 +8,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import pathlib
 import re
 import stat
-import subprocess
-import sys
 
+from cli_runner import run_cli
 import pytest
-
-import jaxworks.stages_aot as sa
 
 FAILING_MODULE = """
 import jax
@@ -49,35 +45,6 @@ def workdir(tmp_path):
   )
   (tmp_path / "a_file").write_text("not a directory\n")
   return tmp_path
-
-
-def run_cli(workdir, *args, umask=-1):
-  passed = [
-    os.path.abspath(p)
-    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if p
-  ]
-  portions = [
-    os.path.abspath(p)
-    for p in sys.path
-    if p and os.path.isdir(os.path.join(p, "jaxworks"))
-  ]
-  paths = (
-    [str(workdir), str(pathlib.Path(sa.__file__).resolve().parents[2])]
-    + passed
-    + portions
-  )
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), JAX_PLATFORMS="cpu")
-  env.pop("BUILD_WORKING_DIRECTORY", None)
-  return subprocess.run(
-    [sys.executable, "-m", "jaxworks.stages_aot", *args],
-    cwd=workdir,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    umask=umask,
-  )
 
 
 # Lines that XLA's C++ logging may add to stderr (glog format), not the CLI's.

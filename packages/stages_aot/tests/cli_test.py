@@ -6,16 +6,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import io
 import json
-import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
+from cli_runner import run_cli
 import numpy as np
 import pytest
 
-import jaxworks.stages_aot as sa
 from jaxworks.stages_aot._src import cli
 
 MODULE = textwrap.dedent(
@@ -66,37 +63,6 @@ def workdir(tmp_path):
   (tmp_path / "cli_demo_mod.py").write_text(MODULE)
   (tmp_path / "cli_failing_mod.py").write_text(FAILING_MODULE)
   return tmp_path
-
-
-def run_cli(workdir, *args, cwd=None, **env_vars):
-  # The subprocess runs in workdir: pass PYTHONPATH through as absolute paths,
-  # plus every sys.path entry holding a part of the jaxworks namespace.
-  passed = [
-    os.path.abspath(p)
-    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if p
-  ]
-  portions = [
-    os.path.abspath(p)
-    for p in sys.path
-    if p and os.path.isdir(os.path.join(p, "jaxworks"))
-  ]
-  paths = (
-    [str(workdir), str(pathlib.Path(sa.__file__).resolve().parents[2])]
-    + passed
-    + portions
-  )
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), JAX_PLATFORMS="cpu")
-  env.pop("BUILD_WORKING_DIRECTORY", None)  # set only by the tests that want it
-  env.update(env_vars)
-  return subprocess.run(
-    [sys.executable, "-m", "jaxworks.stages_aot", *args],
-    cwd=cwd or workdir,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
 
 
 def test_export_inspect_run_end_to_end(workdir):
