@@ -19,6 +19,8 @@ reference / jaxworks, so above 1 jaxworks is faster):
   counts: glibc gives each thread its own heap, and a thread's heap can hand
   back freed memory without new page faults, which made a threaded read of
   4 MiB files 2x faster here; goal: restore at least 0.9x its bandwidth),
+  against the same raw read by as many threads as restore reads with, in
+  8 MiB chunks (naive, no goal: what restore's own threads could reach),
   against
   ``np.load`` + ``jax.device_put`` (stock-jax), and against orbax-checkpoint's
   ``StandardCheckpointer`` restoring the same tree onto the same shardings
@@ -38,6 +40,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -51,6 +54,7 @@ import jaxworks_bench as jb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+from jaxworks.batched_transfer._src import checkpoint_files  # noqa: E402
 from jaxworks.batched_transfer._src import grouping  # noqa: E402
 
 PACKAGE = "batched_transfer"
@@ -182,6 +186,33 @@ def raw_read(files: list[str]) -> list[np.ndarray]:
   return out
 
 
+def raw_read_parallel(files: list[str], threads: int) -> list[np.ndarray]:
+  """raw_read with ``threads`` threads reading 8 MiB chunks of each file
+  (the split restore uses; the reference for restore's own threads)."""
+  chunk = 8 * 2**20
+  out = []
+  with ThreadPoolExecutor(threads) as pool:
+    for name in files:
+      fd = os.open(name, os.O_RDONLY)
+      try:
+        buf = aligned_bytes(os.fstat(fd).st_size)
+        view = memoryview(buf)
+
+        def read(lo: int, fd=fd, view=view) -> None:
+          hi, done = min(lo + chunk, len(view)), lo
+          while done < hi:
+            n = os.preadv(fd, [view[done:hi]], done)
+            if n == 0:
+              raise EOFError(name)
+            done += n
+
+        list(pool.map(read, range(0, buf.size, chunk)))
+      finally:
+        os.close(fd)
+      out.append(buf)
+  return out
+
+
 def raw_read_on_a_thread(files: list[str]) -> list[np.ndarray]:
   """raw_read on a new thread (as restore reads on its reader thread)."""
   out: list = []
@@ -259,6 +290,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       _ORBAX, args=[tmp, str(n_files), str(rows), str(cols), str(repeats)]
     )
     reused = [aligned_bytes(os.path.getsize(f)) for f in files]
+    threads = checkpoint_files.default_read_threads()
     for where, sharding in [
       ("one device", SingleDeviceSharding(devices[0])),
       (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
@@ -272,6 +304,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
           "restore": lambda: bt.restore(path, like, progress=False),
           "raw_main": lambda: raw_read(files),
           "raw_thread": lambda: raw_read_on_a_thread(files),
+          "raw_par": lambda: raw_read_parallel(files, threads),
           "stock": lambda: jax.device_put(
             {k: np.load(f) for k, f in zip(keys, files)},
             {k: sharding for k in keys},
@@ -291,6 +324,12 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
         goal=RAW_READ_GOAL,
       )  # fmt: skip
       report.add(
+        f"{case} (vs raw read, {threads} threads)", m["restore"],
+        m["raw_par"], "naive",
+        f"raw read of the files by {threads} threads in 8 MiB chunks (as "
+        "restore reads them)",
+      )  # fmt: skip
+      report.add(
         f"{case} (vs stock)", m["restore"], m["stock"], "stock-jax",
         "np.load + jax.device_put",
       )  # fmt: skip
@@ -302,7 +341,9 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       report.note(
         f"restore {where}: {gbs['restore']:.2f} GB/s; raw read into new "
         f"buffers {gbs['raw']:.2f} GB/s (calling thread "
-        f"{gbs['raw_main']:.2f}, new thread {gbs['raw_thread']:.2f}; "
+        f"{gbs['raw_main']:.2f}, new thread {gbs['raw_thread']:.2f}, "
+        f"{threads} threads in chunks {gbs['raw_par']:.2f}; restore reads "
+        f"with {threads} threads; "
         f"restore {m['raw'] / m['restore']:.2f}x"
         f" of it, goal >= {RAW_READ_GOAL}x: "
         f"{'yes' if m['raw'] / m['restore'] >= RAW_READ_GOAL else 'no'}); "

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import re
 import threading
 import time
 import weakref
@@ -319,6 +320,114 @@ def test_a_damaged_compressed_member_is_a_value_error(tmp_path):
   text = str(info.value)
   assert text.startswith("jaxworks.batched_transfer.restore: the leaf at ['a']")
   assert "reading member 'a.npy'" in text and "failed" in text
+
+
+# ----------------------------------------------------------------------------- chunked reads
+
+
+def chunk_threads():
+  return [
+    t
+    for t in threading.enumerate()
+    if t.name.startswith(checkpoint_files.READ_THREAD_PREFIX)
+  ]
+
+
+class ChunkSpy:
+  """Records (thread name, lo, hi) of every chunk read."""
+
+  def __init__(self, monkeypatch, delay=0.0):
+    self.lock = threading.Lock()
+    self.reads = []
+    real = checkpoint_files._read_range
+
+    def read_range(fd, view, offset, lo, hi):
+      time.sleep(delay)  # lets the other threads take chunks too
+      real(fd, view, offset, lo, hi)
+      with self.lock:
+        self.reads.append((threading.current_thread().name, lo, hi))
+
+    monkeypatch.setattr(checkpoint_files, "_read_range", read_range)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_a_large_file_is_read_in_chunks_by_several_threads(
+  tmp_path, monkeypatch, threads
+):
+  rng = np.random.default_rng(threads)
+  tree = {
+    "big": rng.standard_normal((64, 33)).astype(np.float32),  # 8448 bytes
+    "small": np.arange(7, dtype=np.int8),
+  }
+  bt.save(tmp_path / "d", tree)
+  monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
+  spy = ChunkSpy(monkeypatch, delay=0.01)
+  out = bt.restore(tmp_path / "d", like(tree), read_threads=threads)
+  for k, x in tree.items():
+    np.testing.assert_array_equal(np.asarray(out[k]), x)
+  big = sorted((lo, hi) for name, lo, hi in spy.reads if hi - lo != 7)
+  # The chunks tile the array exactly once.
+  assert big == [(lo, min(lo + 1000, 8448)) for lo in range(0, 8448, 1000)]
+  names = {name for name, lo, hi in spy.reads if hi - lo != 7}
+  assert len(names) == min(threads, 9) and "MainThread" in names
+  assert chunk_threads() == []  # the pool is joined when restore returns
+
+
+def test_one_read_thread_reads_each_file_in_one_piece(tmp_path, monkeypatch):
+  tree = {"big": np.arange(5000, dtype=np.float32)}
+  bt.save(tmp_path / "d", tree)
+  monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
+  spy = ChunkSpy(monkeypatch)
+  out = bt.restore(tmp_path / "d", like(tree), read_threads=1)
+  np.testing.assert_array_equal(np.asarray(out["big"]), tree["big"])
+  assert spy.reads == [("MainThread", 0, 20000)]
+
+
+def test_a_chunk_that_fails_fails_the_restore_after_every_thread_stopped(
+  tmp_path, monkeypatch
+):
+  tree = {"big": np.arange(5000, dtype=np.float32)}
+  bt.save(tmp_path / "d", tree)
+  monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
+  file = tmp_path / "d" / "big.npy"
+  real = checkpoint_files._read_range
+  active = []
+  shrunk = threading.Event()
+
+  def read_range(fd, view, offset, lo, hi):
+    active.append(1)
+    try:
+      if lo == 0:  # the file shrinks after validation, while being read
+        os.truncate(file, 5000)
+        shrunk.set()
+      assert shrunk.wait(timeout=10)
+      real(fd, view, offset, lo, hi)
+    finally:
+      active.pop()
+
+  monkeypatch.setattr(checkpoint_files, "_read_range", read_range)
+  spy = Spy(monkeypatch)
+  with pytest.raises(
+    ValueError,
+    match=r"restore: the leaf at \['big'\] \(key 'big'\): reading .*big\.npy' "
+    r"failed: the data ends .* bytes early .*the file changed or is damaged",
+  ):
+    bt.restore(tmp_path / "d", like(tree), read_threads=4)
+  assert active == [] and chunk_threads() == []
+  assert spy.placed == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
+def test_read_threads_must_be_a_positive_int(tmp_path, bad):
+  bt.save(tmp_path / "d", {"a": np.ones(3, np.float32)})
+  with pytest.raises(
+    ValueError,
+    match=r"jaxworks\.batched_transfer\.restore: read_threads must be a "
+    r"positive int or None, got " + re.escape(repr(bad)),
+  ):
+    bt.restore(
+      tmp_path / "d", like({"a": np.ones(3, np.float32)}), read_threads=bad
+    )
 
 
 # ----------------------------------------------------------------------------- BatchReader

@@ -9,10 +9,12 @@ array can take that buffer over instead of copying it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
 import struct
+import threading
 from typing import Any
 import zipfile
 import zlib
@@ -242,22 +244,46 @@ def aligned_empty(
   return array, flat
 
 
+#: Bytes per read call when one array is read by several threads.
+CHUNK = 8 * 2**20
+
+
+def default_read_threads() -> int:
+  """Threads reading one checkpoint: the CPU count, at most 8."""
+  return max(1, min(8, os.cpu_count() or 1))
+
+
 class Files:
   """Reads stored arrays into new aligned buffers; keeps the last file open
-  (an .npz is one file for all its members). Not thread-safe: one per thread."""
+  (an .npz is one file for all its members).
 
-  def __init__(self) -> None:
+  An array of more than one ``CHUNK`` is read by ``threads`` threads at once
+  (the calling thread and a pool of ``threads - 1``), each reading chunks
+  with ``os.preadv`` into its part of the buffer: copying from the page
+  cache and faulting in the new buffer's pages are CPU work, which a single
+  thread does at a fraction of what several cores do. ``read`` is called
+  from one thread at a time; ``close()`` shuts the pool down (joins it).
+  """
+
+  def __init__(self, threads: int = 1) -> None:
     self._path: str | None = None
     self._fd = -1
+    self._threads = threads
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
   def close(self) -> None:
     if self._fd >= 0:
       os.close(self._fd)
     self._path, self._fd = None, -1
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
 
   def _open(self, path: str) -> int:
     if path != self._path:
-      self.close()
+      if self._fd >= 0:
+        os.close(self._fd)
+        self._fd = -1
       self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
       self._path = path
     return self._fd
@@ -275,16 +301,69 @@ class Files:
       return a
     array, flat = aligned_empty(s.shape, s.dtype, s.fortran)
     if flat.size:
-      fd, view, done = self._open(s.file), flat.data, 0
-      while done < flat.size:  # read() returns at most about 2 GiB at a time
-        n = os.preadv(fd, [view[done:]], s.offset + done)
-        if n == 0:
-          raise EOFError(
-            f"the data ends {flat.size - done} bytes early (at byte "
-            f"{s.offset + done} of the file)"
-          )
-        done += n
+      fd = self._open(s.file)
+      chunks = [
+        (lo, min(lo + CHUNK, flat.size)) for lo in range(0, flat.size, CHUNK)
+      ]
+      workers = min(self._threads, len(chunks))
+      if workers <= 1:
+        _read_range(fd, flat.data, s.offset, 0, flat.size)
+      else:
+        self._read_chunks(fd, flat.data, s.offset, chunks, workers)
     return array
+
+  def _read_chunks(
+    self, fd: int, view: memoryview, offset: int, chunks: list, workers: int
+  ) -> None:
+    """Reads ``chunks`` on ``workers`` threads (this one included); raises the
+    first error after every thread has stopped touching the buffer."""
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+        self._threads - 1, thread_name_prefix=READ_THREAD_PREFIX
+      )
+    todo = iter(chunks)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+      while True:
+        with lock:
+          if errors:
+            return
+          lo_hi = next(todo, None)
+        if lo_hi is None:
+          return
+        try:
+          _read_range(fd, view, offset, *lo_hi)
+        except BaseException as err:  # raised below, on the calling thread
+          with lock:
+            errors.append(err)
+          return
+
+    futures = [self._pool.submit(work) for _ in range(workers - 1)]
+    work()
+    concurrent.futures.wait(futures)
+    if errors:
+      raise errors[0]
+
+
+#: Name prefix of the threads that read chunks of one array.
+READ_THREAD_PREFIX = "jaxworks-restore-chunk"
+
+
+def _read_range(
+  fd: int, view: memoryview, offset: int, lo: int, hi: int
+) -> None:
+  """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]``."""
+  done = lo
+  while done < hi:  # read() returns at most about 2 GiB at a time
+    n = os.preadv(fd, [view[done:hi]], offset + done)
+    if n == 0:
+      raise EOFError(
+        f"the data ends {hi - done} bytes early (at byte {offset + done} of "
+        "the file)"
+      )
+    done += n
 
 
 def load(api: str, where: str, key: str, s: Stored, files: Files) -> np.ndarray:

@@ -144,6 +144,7 @@ def restore(
   *,
   placement: Any = None,
   max_inflight_bytes: int = 256 * 2**20,
+  read_threads: int | None = None,
   progress: bool | None = None,
 ) -> Any:
   """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
@@ -162,6 +163,8 @@ def restore(
       data is read in batches of at most half of it (and at most 16 MiB),
       the next batches while one is placed; a single larger leaf is read
       alone.
+    read_threads: threads reading one array's file at once (default: the
+      CPU count, at most 8); 1 reads each file on one thread.
     progress: draw a progress bar on stderr: True, False, or None (only when
       stderr is a terminal).
 
@@ -182,6 +185,17 @@ def restore(
     raise ValueError(
       f"{api}: max_inflight_bytes must be a positive int, got "
       f"{max_inflight_bytes!r}"
+    )
+  if read_threads is None:
+    read_threads = files.default_read_threads()
+  elif (
+    isinstance(read_threads, bool)
+    or not isinstance(read_threads, int)
+    or read_threads <= 0
+  ):
+    raise ValueError(
+      f"{api}: read_threads must be a positive int or None, got "
+      f"{read_threads!r}"
     )
   keys, paths, leaves, treedef = leaf_keys(api, target)
   specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
@@ -253,7 +267,8 @@ def restore(
         ) from None
 
   # 2. Stream: batches of at most half the budget (and BATCH_CAP); a background
-  # thread reads ahead (straight into new aligned buffers) while one is placed.
+  # thread reads ahead (straight into new aligned buffers, a large file by
+  # read_threads threads at once) while one is placed.
   # The buffers are restore's own, so placing them may alias them (on CPU the
   # device array takes the buffer over: no second copy).
   # Host buffers of arrays already dropped (earlier restores, on CPU) go first,
@@ -264,7 +279,7 @@ def restore(
   batches = split_batches(sizes, limit)
   out: list[Any] = [None] * len(leaves)
   bar = Progress("restore", sum(sizes), enabled=progress)
-  readers = files.Files()
+  readers = files.Files(read_threads)
 
   def read_batch(k: int) -> list[np.ndarray]:
     return [
