@@ -6,7 +6,11 @@ Usage: disk_cache_worker.py CACHE_DIR|- PROGRAM[,PROGRAM...] [MAX_BYTES]
 With ``WORKER_NO_FLUSH=1`` the stats are read without waiting for the
 background writes (which the exit handler then flushes).
 
-PROGRAM is ``chain<k>`` (100 chained adds of ``k``) or ``callback``. Lowerings
+PROGRAM is ``chain<k>`` (100 chained adds of ``k``), ``mlp<k>`` (an MLP
+training step, forward, backward and an Adam-like update with powers, hidden
+width ``8 + k``), ``sharded`` or ``callback``. With ``WORKER_REPEAT=N`` each
+program is called N times (its entry is serialized on the writer thread while
+these calls run). Lowerings
 and XLA compilations are counted with jax's monitoring events before stock
 ``jax.jit`` runs the same program for the bitwise comparison.
 """
@@ -44,6 +48,19 @@ def with_callback(x):
   return y + 1.0
 
 
+def mlp_step(params, x, y):
+  def loss(p):
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    logp = jax.nn.log_softmax(h @ p["w2"])
+    return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(y, logp.shape[-1]), -1))
+
+  value, grads = jax.value_and_grad(loss)(params)
+  new = jax.tree.map(
+    lambda p, g: p - 1e-2 * g / (jnp.sqrt(g**2) + 1e-8) ** 0.5, params, grads
+  )
+  return new, value
+
+
 def program(name):
   """(function, jit options, input) of a program name."""
   x = jnp.arange(8, dtype=jnp.float32)
@@ -53,6 +70,16 @@ def program(name):
     mesh = jax.make_mesh((8,), ("i",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
     return chain(3.0), {"donate_argnums": 0}, jax.device_put(x, sharding)
+  if name.startswith("mlp"):
+    width = 8 + int(name[len("mlp") :])
+    key = jax.random.key(0)
+    params = {
+      "w1": jax.random.normal(key, (8, width)),
+      "b1": jnp.zeros((width,)),
+      "w2": jax.random.normal(jax.random.fold_in(key, 1), (width, 4)),
+    }
+    y = jnp.arange(8) % 4
+    return (lambda a: mlp_step(params, a.reshape(1, 8) * 0.1, y[:1])), {}, x
   return chain(float(name[len("chain") :])), {}, x
 
 
@@ -73,7 +100,11 @@ def main():
     f = jit_cache.jit(fun, **options)
     del events[:]
     r = f(x)
-    y = np.asarray(r)
+    for _ in range(int(os.environ.get("WORKER_REPEAT", "1")) - 1):
+      again = f(x)
+      assert jax.tree.map(np.asarray, again) is not None
+    y = np.concatenate([np.ravel(a) for a in jax.tree.leaves(r)])
+    r = jax.tree.leaves(r)[0]
     out["lowered"].append(events.count(LOWER_EVENT))
     out["compiled"].append(events.count(COMPILE_EVENT))
     out["results"].append(
@@ -99,7 +130,8 @@ def main():
   for name in names:
     fun, options, x = program(name)
     r = jax.jit(fun, **options)(x)
-    y = np.asarray(r)
+    y = np.concatenate([np.ravel(a) for a in jax.tree.leaves(r)])
+    r = jax.tree.leaves(r)[0]
     out["stock"].append(
       [str(y.dtype), y.tobytes().hex(), str(r.sharding), x.is_deleted()]
     )

@@ -10,10 +10,10 @@ On a hit the first call of a new process costs: tracing, the fingerprint,
 the key (``disk_key.py``: one pass over the fingerprint), reading one file
 and checking it (``disk_store.py``: exact key comparison, payload checksum),
 and deserializing the executable. Nothing is lowered, hashed as HLO or
-compiled. On a miss the program is compiled as usual and serialized (before
-it first runs); writing the new entry happens on a background thread
-(``config.flush()`` waits for it; writes are flushed at exit), so a miss
-costs about what ``jax.jit``'s first call costs. A write that fails leaves no entry (the
+compiled. On a miss the program is compiled as usual; serializing and
+writing the new entry happen on a background thread (``config.flush()``
+waits for them; writes are flushed at exit), so a miss costs about what
+``jax.jit``'s first call costs plus the key. A write that fails leaves no entry (the
 rename is the last step) and warns; it never changes a result.
 
 Any mismatch (truncated file, flipped byte, another version, another
@@ -440,39 +440,39 @@ def _write(
   owner: Any,
   note: Any,
 ) -> None:
-  """Writes the entry of ``exe``; the note of ``owner`` says when it could
-  not be written.
+  """Writes the entry of ``exe`` (serialized, pickled, written and evicted
+  on the writer thread unless configured otherwise); the note of ``owner``
+  says when it could not be written.
 
-  The executable is serialized here, before the call that compiled it runs
-  it: one serialized on the writer thread while it ran for the first time
-  gave, once, an entry whose executable failed to run when loaded ("Function
-  ... not found" on CPU). Only pickling the record, the file write and
-  eviction run on the writer thread, unless configured otherwise.
+  Serializing reads the compiled executable and may run while a call runs
+  it (tested with many programs, each loaded by a new process and compared
+  with ``jax.jit``). What XLA:CPU cannot serialize again are executables
+  loaded from JAX's persistent cache, which are never written (see above).
   """
   if exe.const_args:
     _note(owner, _amend(note, " (not written: it has constant arguments)"))
-    return
-  try:
-    serialized, _, _ = _serialize.serialize(exe.compiled)
-    devices = exe.compiled.runtime_executable().local_devices()
-    record = {
-      "executable": serialized,
-      "platform": devices[0].platform,
-      "devices": [d.id for d in devices],
-      "compile_seconds": exe.compile_seconds,
-      "warnings": [str(w) for w in exe.warnings],
-    }
-  except Exception as e:  # pylint: disable=broad-except
-    problem = f" (not written: not serializable: {type(e).__name__}: {e})"
-    _note(owner, _amend(note, problem))
     return
   owner_ref = weakref.ref(owner) if owner is not None else None
   max_bytes = config.max_bytes
 
   def job() -> None:
+    target = owner_ref() if owner_ref is not None else None
+    try:
+      serialized, _, _ = _serialize.serialize(exe.compiled)
+      devices = exe.compiled.runtime_executable().local_devices()
+      record = {
+        "executable": serialized,
+        "platform": devices[0].platform,
+        "devices": [d.id for d in devices],
+        "compile_seconds": exe.compile_seconds,
+        "warnings": [str(w) for w in exe.warnings],
+      }
+    except Exception as e:  # pylint: disable=broad-except
+      problem = f" (not written: not serializable: {type(e).__name__}: {e})"
+      _note(target, _amend(note, problem))
+      return
     problem = _write_record(directory, name, key, record, counters, max_bytes)
     if problem:
-      target = owner_ref() if owner_ref is not None else None
       _note(target, _amend(note, problem))
 
   if config.background_writes:
