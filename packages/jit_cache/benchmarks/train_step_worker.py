@@ -8,7 +8,12 @@ Usage::
 Prints one JSON object: ``first_s`` (from wrapping the step function to its
 first result being ready), ``import_s`` (jax and the wrapper's package), and
 ``sweep_s`` (with ``--task sweep``: 8 configurations from a cold start,
-the step function re-created and run once per configuration). Also imported by the benchmark
+the step function re-created and run once per configuration). With ``--task
+phases`` (the MLP, ``--jit jax`` or ``jaxworks``) the first step is taken in
+stages, each timed: ``trace_s``, ``lower_s`` and ``compile_s`` (jax: lowering,
+then compiling or loading from its cache) or ``load_s`` (jaxworks: the call
+after the trace, which keys, looks up and loads or compiles), and ``run_s``
+(the first run, until its result is ready). Also imported by the benchmark
 for the model and the in-process cases.
 
 The model: a 3-layer MLP (64-256-256-10, GELU, softmax cross-entropy) on a
@@ -125,6 +130,42 @@ def wrapper(name):
   raise ValueError(f"train_step_worker: --jit {name!r}")
 
 
+def phases(jit, name: str, args: tuple) -> dict:
+  """The first step of a new process in timed stages (see the docstring)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  f = jit(make_step())
+  t0 = time.perf_counter()
+  traced = f.trace(*args)
+  t1 = time.perf_counter()
+  if name == "jax":
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    out = compiled(*args)
+    t4 = time.perf_counter()
+    jax.block_until_ready(out)
+    t5 = time.perf_counter()
+    return {
+      "trace_s": t1 - t0,
+      "lower_s": t2 - t1,
+      "compile_s": t3 - t2,
+      "run_s": t5 - t3,
+      "first_s": t5 - t0,
+    }
+  out = f(*args)  # the trace is cached: keys, looks up, loads or compiles
+  t2 = time.perf_counter()
+  jax.block_until_ready(out)
+  t3 = time.perf_counter()
+  return {
+    "trace_s": t1 - t0,
+    "load_s": t2 - t1,
+    "run_s": t3 - t2,
+    "first_s": t3 - t0,
+  }
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--jit", required=True)
@@ -159,15 +200,19 @@ def main(argv=None):
     params, opt, x, y, hp = init()
     configs = [hparams(lr, b1) for lr, b1 in SWEEP]
     jax.block_until_ready((params, opt, x, y, configs))
-    if opts.task != "sweep":
+    if opts.task == "phases":
+      out.update(phases(jit, opts.jit, (params, opt, x, y, configs[0])))
+      configs = []
+    elif opts.task != "sweep":
       configs = configs[:1]
     times = []
     for hp in configs:  # the step function re-created per configuration
       t0 = time.perf_counter()
       jax.block_until_ready(jit(make_step())(params, opt, x, y, hp))
       times.append(time.perf_counter() - t0)
-    out["first_s"] = times[0]
-    out["sweep_s"] = sum(times)
+    if times:
+      out["first_s"] = times[0]
+      out["sweep_s"] = sum(times)
   if opts.jw_cache:
     from jaxworks import jit_cache  # pylint: disable=g-import-not-at-top
 
