@@ -144,7 +144,6 @@ def phases(jit, name: str, args: tuple) -> dict:
     compiled = lowered.compile()
     t3 = time.perf_counter()
     out = compiled(*args)
-    t4 = time.perf_counter()
     jax.block_until_ready(out)
     t5 = time.perf_counter()
     return {
