@@ -334,18 +334,30 @@ def chunk_threads():
 
 
 class ChunkSpy:
-  """Records (thread name, lo, hi) of every chunk read."""
+  """Records (thread name, lo, hi) of every chunk read.
 
-  def __init__(self, monkeypatch, delay=0.0):
+  With ``meet=n``, each thread's first chunk waits until ``n`` threads hold a
+  chunk at once (a barrier), so a test sees the threads read concurrently
+  however the machine schedules them; a broken barrier fails the read.
+  """
+
+  def __init__(self, monkeypatch, meet=None):
     self.lock = threading.Lock()
     self.reads = []
+    barrier = threading.Barrier(meet) if meet else None
+    seen = set()
     real = checkpoint_files._read_range
 
     def read_range(fd, view, offset, lo, hi):
-      time.sleep(delay)  # lets the other threads take chunks too
+      me = threading.current_thread().name
+      with self.lock:
+        first = me not in seen
+        seen.add(me)
+      if barrier is not None and first:
+        barrier.wait(timeout=60)
       real(fd, view, offset, lo, hi)
       with self.lock:
-        self.reads.append((threading.current_thread().name, lo, hi))
+        self.reads.append((me, lo, hi))
 
     monkeypatch.setattr(checkpoint_files, "_read_range", read_range)
 
@@ -355,21 +367,21 @@ def test_a_large_file_is_read_in_chunks_by_several_threads(
   tmp_path, monkeypatch, threads
 ):
   rng = np.random.default_rng(threads)
-  tree = {
-    "big": rng.standard_normal((64, 33)).astype(np.float32),  # 8448 bytes
-    "small": np.arange(7, dtype=np.int8),
-  }
+  tree = {"big": rng.standard_normal((64, 33)).astype(np.float32)}  # 8448 B
   bt.save(tmp_path / "d", tree)
   monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
-  spy = ChunkSpy(monkeypatch, delay=0.01)
+  spy = ChunkSpy(monkeypatch, meet=threads)
   out = bt.restore(tmp_path / "d", like(tree), read_threads=threads)
-  for k, x in tree.items():
-    np.testing.assert_array_equal(np.asarray(out[k]), x)
-  big = sorted((lo, hi) for name, lo, hi in spy.reads if hi - lo != 7)
+  np.testing.assert_array_equal(np.asarray(out["big"]), tree["big"])
+  big = sorted((lo, hi) for name, lo, hi in spy.reads)
   # The chunks tile the array exactly once.
   assert big == [(lo, min(lo + 1000, 8448)) for lo in range(0, 8448, 1000)]
-  names = {name for name, lo, hi in spy.reads if hi - lo != 7}
-  assert len(names) == min(threads, 9) and "MainThread" in names
+  # All `threads` threads (the caller and threads - 1 of the pool) held a
+  # chunk at the same time: the barrier of `threads` parties let them through.
+  names = {name for name, lo, hi in spy.reads}
+  assert len(names) == threads and "MainThread" in names
+  pool = names - {"MainThread"}
+  assert all(n.startswith(checkpoint_files.READ_THREAD_PREFIX) for n in pool)
   assert chunk_threads() == []  # the pool is joined when restore returns
 
 
