@@ -358,8 +358,9 @@ def test_bad_argument_error_names_path():
   f = jit(lambda x, cfg: x)
   with pytest.raises(
     TypeError,
-    match=r"argument cfg\['name'\] of <lambda> "
-    r"has type str, which is not a valid JAX type",
+    match=r"argument to <lambda> .* of type <class 'str'> and was passed to "
+    r"the function at path cfg\['name'\]\. It is not a valid JAX type; mark "
+    r"the argument static",
   ):
     f(jnp.ones(1), {"name": "abc"})
 

@@ -158,7 +158,7 @@ def test_same_exception_class_as_stock(name):
     ("not_weakrefable_call", "jit", "_Slots"),
     ("unhashable_static_argnum", "jit", "list [1]"),
     ("static_argnums_out_of_range", "jit", "static_argnums 2"),
-    ("str_argument", "jit", "type str"),
+    ("str_argument", "jit", "type <class 'str'>"),
   ],
 )
 def test_messages_name_api_value_and_fix(name, api, value):
@@ -167,6 +167,29 @@ def test_messages_name_api_value_and_fix(name, api, value):
   assert text.startswith(f"jaxworks.jit_cache.{api}: "), text
   assert value in text, text
   assert ";" in text  # the fix follows the diagnosis
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "str_argument",
+    "object_argument",
+    "dtype_argument",
+    "str_in_pytree_argument",
+  ],
+)
+def test_bad_argument_message_keeps_stocks_sentence(name):
+  # Code written against stock may match its wording; jit_cache keeps stock's
+  # first sentence (naming the function by name, not by its repr) and adds the
+  # fix after it.
+  stock = str(_raised(lambda: ERROR_CASES[name](STOCK_JIT)))
+  ours = str(_raised(lambda: ERROR_CASES[name](jit)))
+  first = stock.splitlines()[0].replace(repr(_ident), _ident.__name__)
+  assert ours.startswith("jaxworks.jit_cache.jit: " + first + " "), (
+    ours,
+    first,
+  )
+  assert "mark the argument static" in ours
 
 
 # ------------------------------------------------------------- donation

@@ -312,3 +312,30 @@ def test_plain_swap_of_jit_device_put_and_pmap_in_a_fresh_process(tmp_path):
   assert done.returncode == 0 and "SWAPPED OK" in done.stdout, (
     done.stdout[-3000:] + done.stderr[-6000:]
   )
+
+
+# Errors whose stock message a user's code may match: jaxworks keeps stock's
+# sentence whole and adds the function, the value and the fix after it.
+STOCK_SENTENCE_CASES = {
+  "empty devices": lambda p: p(lambda a: a, devices=[]),
+  "no argument leaves": lambda p: p(lambda a: a)({}),
+  "every in_axes None": lambda p: p(lambda a: a, in_axes=None)(x8),
+  "static argument by keyword": lambda p: p(
+    lambda a, b: a + b, static_broadcasted_argnums=(1,)
+  )(jnp.ones((1, 1)), b=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STOCK_SENTENCE_CASES))
+def test_stock_message_is_kept_whole(name):
+  call = STOCK_SENTENCE_CASES[name]
+  with pytest.raises(ValueError) as stock_err:
+    call(STOCK_PMAP)
+  with pytest.raises(ValueError) as ours:
+    call(pmap)
+  message = str(ours.value)
+  assert message.startswith("jaxworks.pmap_chunked.pmap: "), message
+  assert str(stock_err.value) in message
+  assert len(message) > len("jaxworks.pmap_chunked.pmap: ") + len(
+    str(stock_err.value)
+  )  # and says more: the function, the value or the fix

@@ -315,9 +315,11 @@ class _JitCore:
       except TypeError:
         where = paths[i] if i < len(paths) else f"leaf {i}"
         return TypeError(
-          f"jaxworks.jit_cache.jit: argument {where} of {self._name} has "
-          f"type {type(leaf).__name__}, which is not a valid JAX type; mark "
-          "it static (static_argnums/static_argnames) or pass an array"
+          f"jaxworks.jit_cache.jit: Error interpreting argument to "
+          f"{self._name} as an abstract array. The problematic value is of "
+          f"type {type(leaf)} and was passed to the function at path "
+          f"{where}. It is not a valid JAX type; mark the argument static "
+          "(static_argnums/static_argnames) or pass an array."
         )
     return TypeError(f"jaxworks.jit_cache.jit: {error}")
 

@@ -87,9 +87,12 @@ class Arguments(PmapState):
     if statics:
       if statics[-1] >= len(args):
         raise ValueError(
-          f"{API}: {self._name()} has static_broadcasted_argnums="
-          f"{statics} but was called with {len(args)} positional "
-          f"argument(s); pass every static argument positionally."
+          f"{API}: pmapped function has static_broadcasted_argnums="
+          f"{statics} but was called with only {len(args)} positional "
+          f"argument{'' if len(args) == 1 else 's'}. All static broadcasted "
+          f"arguments must be passed positionally. Pass argument "
+          f"{statics[-1]} of {self._name()} (and every one before it) by "
+          "position."
         )
       static_vals = tuple(args[i] for i in statics)
       try:
@@ -179,9 +182,11 @@ class Arguments(PmapState):
     if size is None:
       if self._axis_size is None:
         raise ValueError(
-          f"{API}: {self._name()} has no mapped argument (every in_axes is "
-          "None), so the mapped size is unknown; pass axis_size=<number of "
-          "devices> to pmap or map at least one argument."
+          f"{API}: pmap requires at least one argument with a mapped axis. "
+          f"No argument leaf of {self._name()} is mapped (its in_axes are "
+          "None, or it has no array leaves), so the mapped size is unknown; "
+          "pass axis_size=<number of devices> to pmap or map at least one "
+          "array argument."
         )
       return self._axis_size
     if jax.process_count() > 1:

@@ -90,8 +90,9 @@ def check_devices(api: str, devices: Any) -> tuple:
   devices = tuple(devices)
   if not devices:
     raise ValueError(
-      f"{api}: devices must be a non-empty sequence, got "
-      f"{devices!r}; pass e.g. jax.devices()[:4]."
+      f"{api}: 'devices' argument to {api.rpartition('.')[2]} must be "
+      f"non-empty, or None. Got {devices!r}; pass a non-empty sequence of "
+      "devices, e.g. jax.devices()[:4]."
     )
   bad = [d for d in devices if not isinstance(d, jax.Device)]
   if bad:
