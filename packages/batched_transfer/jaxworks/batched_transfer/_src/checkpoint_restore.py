@@ -32,6 +32,7 @@ from . import jax_internals
 from . import prefetch
 from . import targets
 from .api import place
+from .checkpoint import commit
 from .checkpoint import leaf_keys
 from .checkpoint import python_scalar_dtype
 from .progress import Progress
@@ -199,6 +200,8 @@ def restore(
     )
   keys, paths, leaves, treedef = leaf_keys(api, target)
   specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
+  if not os.path.lexists(path):
+    commit.recover(path)  # the old copy of a save killed between two renames
   if os.path.isdir(path):
     stored, record = files.open_directory(api, path)
   elif os.path.isfile(path):

@@ -1,0 +1,195 @@
+"""Durable, atomic replacement of a checkpoint at a path, and its temporary names.
+
+A save writes the new checkpoint under a temporary name beside the target,
+fsyncs its files and directories, and only then makes it visible in one
+atomic step:
+
+* a file (.npz): ``rename`` over the target, then fsync of the parent;
+* a directory: ``renameat2(RENAME_EXCHANGE)`` swaps the new directory and the
+  old one in one step, so the path always names a complete checkpoint; the
+  old one, now under a temporary name, is deleted after the parent is
+  fsynced. Where the kernel or file system cannot exchange (not Linux, or
+  ``EINVAL``), the old directory is renamed aside first and the new one
+  renamed in; a save killed between the two leaves only the aside copy,
+  which the next save (or ``recover``, which restore calls) renames back.
+
+Every temporary name starts with ``.<name>.jaxworks-`` (``<name>`` the
+target's base name) and ends in a random token; a save holds an exclusive
+``flock`` on the parent directory while it writes, so the temporaries it
+finds are those of saves that died, and it deletes them (nothing else).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+
+_TAG = ".jaxworks-"
+NEW, OLD = "new", "old"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def check_local(api: str, path: str) -> None:
+  """Raises ValueError for a URL (``gs://...``), which save cannot write."""
+  if _URL.match(path):
+    raise ValueError(
+      f"{api}: {path!r} is a URL; save writes local (or mounted) file "
+      "systems only: save to a local directory and copy it to the bucket "
+      "(e.g. gcloud storage cp -r), or mount the bucket (e.g. gcsfuse) and "
+      "save to the mounted path"
+    )
+
+
+def fsync_path(path: str) -> None:
+  """fsync a file or directory by path."""
+  fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def make_parents(parent: str) -> None:
+  """Creates ``parent`` and missing ancestors, each made durable in its own parent."""
+  missing = []
+  p = parent
+  while not os.path.isdir(p):
+    missing.append(p)
+    up = os.path.dirname(p)
+    if up == p:
+      break
+    p = up
+  os.makedirs(parent, exist_ok=True)
+  for d in reversed(missing):
+    fsync_path(os.path.dirname(d))
+
+
+def fsync_tree(root: str) -> None:
+  """fsync every file under ``root`` and every directory, deepest first."""
+  for dirpath, _, names in os.walk(root, topdown=False):
+    for name in names:
+      fsync_path(os.path.join(dirpath, name))
+    fsync_path(dirpath)
+
+
+def temp_name(path: str, kind: str, suffix: str = "") -> str:
+  """A new temporary path beside ``path``: ``.<name>.jaxworks-<kind>-<token>``."""
+  parent, name = os.path.split(path)
+  token = secrets.token_hex(8)
+  return os.path.join(parent, f".{name}{_TAG}{kind}-{token}{suffix}")
+
+
+def _temp_pattern(name: str) -> re.Pattern[str]:
+  return re.compile(
+    re.escape(f".{name}{_TAG}") + r"(new|old)-[0-9a-f]{16}(\.npz)?$"
+  )
+
+
+def temporaries(path: str) -> list[tuple[str, str]]:
+  """(kind, path) of the temporaries saves to ``path`` left beside it."""
+  parent, name = os.path.split(path)
+  pattern = _temp_pattern(name)
+  try:
+    entries = os.listdir(parent or ".")
+  except FileNotFoundError:
+    return []
+  out = []
+  for entry in sorted(entries):
+    m = pattern.match(entry)
+    if m:
+      out.append((m.group(1), os.path.join(parent, entry)))
+  return out
+
+
+def remove(path: str) -> None:
+  """Deletes a file or directory tree; a missing one is fine."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(path)
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+  """Holds the exclusive save lock of ``path``'s parent directory (one save
+  into a directory at a time, all processes of this host; released by the
+  kernel if the process dies). Leaves no file behind."""
+  parent = os.path.dirname(path) or "."
+  fd = os.open(parent, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
+
+
+def recover(path: str) -> bool:
+  """Renames back the old checkpoint a save killed between its two renames
+  left aside (only where ``path`` is missing); True if it did."""
+  if os.path.lexists(path):
+    return False
+  asides = [p for kind, p in temporaries(path) if kind == OLD]
+  if not asides:
+    return False
+  # Newest first: an aside is always a complete checkpoint that was at path.
+  asides.sort(key=lambda p: os.lstat(p).st_mtime_ns, reverse=True)
+  try:
+    os.rename(asides[0], path)
+  except FileNotFoundError:  # another process recovered it first
+    return os.path.lexists(path)
+  fsync_path(os.path.dirname(path) or ".")
+  return True
+
+
+def clean(path: str) -> None:
+  """Under the lock: puts back an aside checkpoint if ``path`` is missing,
+  then deletes every temporary of earlier saves to ``path``."""
+  recover(path)
+  for _, p in temporaries(path):
+    remove(p)
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps two directory entries; False where the system cannot."""
+  fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+  if fn is None:
+    return False
+  r = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+  if r == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+    return False
+  raise OSError(err, os.strerror(err), a, None, b)
+
+
+def publish(tmp: str, path: str) -> None:
+  """Makes the complete, fsynced ``tmp`` the checkpoint at ``path``, durably.
+
+  The parent is fsynced before the old checkpoint is deleted, so a power
+  loss leaves the old or the new one at ``path``, never neither.
+  """
+  parent = os.path.dirname(path) or "."
+  if os.path.isdir(tmp) and os.path.lexists(path):
+    if _exchange(tmp, path):
+      fsync_path(parent)
+      remove(tmp)  # now the old checkpoint
+      return
+    aside = temp_name(path, OLD)
+    os.rename(path, aside)
+    os.rename(tmp, path)
+    fsync_path(parent)
+    remove(aside)
+    return
+  os.replace(tmp, path)
+  fsync_path(parent)

@@ -1,0 +1,120 @@
+"""Saves running in the background: their handles, errors, and process exit.
+
+Each non-blocking save writes on a thread of its own (not a daemon thread:
+the interpreter joins it before exiting, so a pending save finishes first).
+An error in the background is kept on the handle (``wait()`` raises it) and,
+until some ``wait()`` or ``save`` raised it, in a list the next ``save``
+raises from. At exit, errors nobody saw are printed to stderr.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable
+import sys
+import threading
+
+#: Name prefix of the threads that write non-blocking saves.
+THREAD_PREFIX = "jaxworks-save"
+
+_lock = threading.Lock()
+_pending: set[SaveHandle] = set()
+_unseen: list[SaveHandle] = []
+
+
+class SaveHandle:
+  """A save running in the background (``save(..., blocking=False)``)."""
+
+  def __init__(self, path: str) -> None:
+    self.path = path
+    self._event = threading.Event()
+    self._error: BaseException | None = None
+
+  def done(self) -> bool:
+    """True once the save finished (durably, or with an error)."""
+    return self._event.is_set()
+
+  def wait(self, timeout: float | None = None) -> None:
+    """Waits until the checkpoint is durable at ``path``.
+
+    Raises:
+      TimeoutError: ``timeout`` seconds passed first.
+      BaseException: the error the save met in the background (each call).
+    """
+    if not self._event.wait(timeout):
+      raise TimeoutError(
+        f"jaxworks.batched_transfer.SaveHandle.wait: the save to "
+        f"{self.path!r} did not finish within {timeout} s"
+      )
+    if self._error is not None:
+      _seen(self)
+      raise self._error
+
+  def __repr__(self) -> str:
+    state = "done" if self.done() else "pending"
+    if self._error is not None:
+      state = f"failed: {self._error!r}"
+    return f"SaveHandle({self.path!r}, {state})"
+
+
+def _seen(handle: SaveHandle) -> None:
+  with _lock:
+    if handle in _unseen:
+      _unseen.remove(handle)
+
+
+def start(path: str, work: Callable[[], None]) -> SaveHandle:
+  """Runs ``work`` on a new thread; returns its handle."""
+  handle = SaveHandle(path)
+
+  def run() -> None:
+    try:
+      work()
+    except BaseException as err:  # kept for wait() and the next save
+      err.add_note(
+        f"(raised in the background by save(..., blocking=False) to {path!r})"
+      )
+      handle._error = err
+      with _lock:
+        _unseen.append(handle)
+    finally:
+      with _lock:
+        _pending.discard(handle)
+      handle._event.set()
+
+  with _lock:
+    _pending.add(handle)
+  threading.Thread(target=run, name=f"{THREAD_PREFIX}-{path}").start()
+  return handle
+
+
+def raise_background_error(api: str) -> None:
+  """Raises the error of the earliest failed background save no one saw yet."""
+  with _lock:
+    if not _unseen:
+      return
+    handle = _unseen.pop(0)
+  assert handle._error is not None
+  raise handle._error
+
+
+def wait_all(timeout: float | None = None) -> None:
+  """Waits for every pending save (their errors stay with their handles)."""
+  with _lock:
+    handles = list(_pending)
+  for h in handles:
+    h._event.wait(timeout)
+
+
+@atexit.register
+def _at_exit() -> None:
+  wait_all()
+  with _lock:
+    unseen = list(_unseen)
+    _unseen.clear()
+  for h in unseen:
+    print(
+      f"jaxworks.batched_transfer: the background save to {h.path!r} "
+      f"failed and no one waited for it: {h._error!r}",
+      file=sys.stderr,
+    )

@@ -1,0 +1,413 @@
+"""save: a pytree to an .npz file or a directory of .npy files, durably.
+
+Device-to-host copies of every device leaf start at once (within the byte
+budget), several threads write and fsync the files, and the checkpoint
+becomes visible in one atomic step (see commit). With ``blocking=False`` the
+call returns once every leaf is on the host, and a background thread writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from typing import Any
+import zipfile
+
+import jax
+import numpy as np
+
+from .. import checkpoint_files
+from . import commit
+from . import pending
+from .keys import leaf_keys
+from .keys import python_scalar_dtype
+
+_API = "jaxworks.batched_transfer"
+DEFAULT_INFLIGHT = 1024 * 2**20
+#: Name prefix of the threads that write files.
+WRITE_THREAD_PREFIX = "jaxworks-save-write"
+
+
+def default_write_threads() -> int:
+  """Threads writing one checkpoint: the CPU count, at most 8."""
+  return max(1, min(8, os.cpu_count() or 1))
+
+
+def _check_leaf(api: str, path: str, x: Any) -> None:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    raise ValueError(
+      f"{api}: the leaf at {path} spans devices of other processes; gather it "
+      "first (jax.experimental.multihost_utils.process_allgather) or save "
+      "per process"
+    )
+
+
+def _nbytes(x: Any) -> int:
+  return int(getattr(x, "nbytes", 0) or 0)
+
+
+def _start_copy(x: Any) -> None:
+  if isinstance(x, jax.Array) and not x.is_deleted():
+    x.copy_to_host_async()
+
+
+def _on_cpu(x: jax.Array) -> bool:
+  return all(
+    getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set
+  )
+
+
+def host_array(
+  api: str, path: str, x: Any, private: bool = False
+) -> np.ndarray:
+  """The host value of one leaf; ``private``: a copy nothing else can change
+  (numpy leaves, and CPU device arrays whose host value is their buffer)."""
+  scalar_dtype = python_scalar_dtype(x)
+  if scalar_dtype is not None:
+    # Stored as jax.device_put would place it (and jax.eval_shape describes it).
+    try:
+      return np.asarray(x, dtype=scalar_dtype)
+    except OverflowError as err:
+      raise OverflowError(
+        f"{api}: the Python scalar {x!r} at {path} does not fit "
+        f"{scalar_dtype.name}, the dtype JAX gives it ({err}); pass a numpy "
+        "array of a wider dtype or enable jax_enable_x64"
+      ) from None
+  if isinstance(x, jax.Array):
+    a = np.asarray(x)
+    copy = private and _on_cpu(x)
+  else:
+    a = np.asarray(x)
+    copy = private
+  if not a.dtype.isnative:
+    raise TypeError(
+      f"{api}: the leaf at {path} has non-native byte order ({a.dtype.str}), "
+      "which JAX does not accept (jax.device_put raises TypeError); convert "
+      "it first with x.astype(x.dtype.newbyteorder('='))"
+    )
+  return np.array(a, copy=True, order="K") if copy else a
+
+
+def _storable(a: np.ndarray) -> np.ndarray:
+  """``a``, or a raw-bytes view of it when numpy cannot describe its dtype in
+  an .npy header (bfloat16, float8, int4, ...: their exact names go into the
+  dtype record)."""
+  try:
+    descr = np.lib.format.dtype_to_descr(a.dtype)
+    if np.lib.format.descr_to_dtype(descr) == a.dtype:
+      return a
+  except (TypeError, ValueError):
+    pass
+  return a.view(np.dtype(f"V{a.dtype.itemsize}"))
+
+
+def _write_npy(f: Any, a: np.ndarray) -> None:
+  np.lib.format.write_array(f, _storable(a), allow_pickle=False)
+
+
+def dtype_record(dtypes: dict[str, np.dtype]) -> bytes:
+  return json.dumps(
+    {
+      "format": checkpoint_files.RECORD_FORMAT,
+      "dtypes": {k: d.name for k, d in dtypes.items()},
+    },
+    indent=0,
+    sort_keys=True,
+  ).encode()
+
+
+def write_file(file: str, write: Any) -> None:
+  """Creates ``file``, lets ``write(f)`` fill it, and fsyncs it."""
+  with open(file, "wb") as f:
+    write(f)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class _Leaves:
+  """Host values of the leaves in order: device-to-host copies are started
+  ahead of use while the bytes started and not yet written fit the budget."""
+
+  def __init__(
+    self, api: str, paths: list[str], leaves: list[Any], budget: int | None
+  ) -> None:
+    self.api, self.paths, self.leaves = api, paths, leaves
+    self.sizes = [_nbytes(x) for x in leaves]
+    self.budget = budget
+    self.started = 0
+    self.inflight = 0
+    self.cond = threading.Condition()
+
+  def _start_ahead(self, i: int) -> None:
+    ahead = sum(self.sizes[i : self.started])
+    while self.started < len(self.leaves) and (
+      self.started == i
+      or self.budget is None
+      or ahead + self.sizes[self.started] <= self.budget
+    ):
+      _start_copy(self.leaves[self.started])
+      ahead += self.sizes[self.started]
+      self.started += 1
+
+  def take(self, i: int) -> np.ndarray:
+    """The host value of leaf ``i``, once it fits the budget."""
+    with self.cond:
+      while (
+        self.budget is not None
+        and self.inflight
+        and self.inflight + self.sizes[i] > self.budget
+      ):
+        self.cond.wait()
+      self.inflight += self.sizes[i]
+    self._start_ahead(i)
+    x = self.leaves[i]
+    if isinstance(x, np.ndarray):
+      return x  # checked by save
+    return host_array(self.api, self.paths[i], x)
+
+  def done(self, i: int) -> None:
+    with self.cond:
+      self.inflight -= self.sizes[i]
+      self.cond.notify_all()
+
+
+def _write_directory(
+  tmp: str,
+  keys: list[str],
+  take: Any,
+  done: Any,
+  threads: int,
+) -> dict[str, np.dtype]:
+  """Writes every leaf as ``tmp/<key>.npy`` on ``threads`` threads.
+
+  Plain threads, not concurrent.futures: a non-blocking save may still be
+  writing while the interpreter exits, when executors refuse new work.
+  """
+  dtypes: dict[str, np.dtype] = {}
+  for key in keys:
+    sub = os.path.dirname(os.path.join(tmp, *key.split("/")))
+    os.makedirs(sub, exist_ok=True)
+  todo: queue.Queue = queue.Queue(maxsize=threads)
+  errors: list[BaseException] = []
+
+  def work() -> None:
+    while True:
+      item = todo.get()
+      if item is None:
+        return
+      i, a = item
+      try:
+        if not errors:
+          file = os.path.join(tmp, *keys[i].split("/")) + ".npy"
+          write_file(file, lambda f: _write_npy(f, a))
+      except BaseException as err:  # raised below, on the calling thread
+        errors.append(err)
+      finally:
+        del a, item
+        done(i)
+
+  workers = [
+    threading.Thread(target=work, name=f"{WRITE_THREAD_PREFIX}-{n}")
+    for n in range(min(threads, max(1, len(keys))))
+  ]
+  for w in workers:
+    w.start()
+  try:
+    for i in range(len(keys)):
+      if errors:
+        break
+      a = take(i)
+      dtypes[keys[i]] = a.dtype
+      todo.put((i, a))
+      del a
+  finally:
+    for _ in workers:
+      todo.put(None)
+    for w in workers:
+      w.join()
+  if errors:
+    raise errors[0]
+  return dtypes
+
+
+def _write_npz(tmp: str, keys: list[str], take: Any, done: Any) -> None:
+  dtypes = {}
+
+  def fill(f: Any) -> None:
+    with zipfile.ZipFile(
+      f, "w", compression=zipfile.ZIP_STORED, allowZip64=True
+    ) as zf:
+      for i, key in enumerate(keys):
+        a = take(i)
+        dtypes[key] = a.dtype
+        with zf.open(key + ".npy", "w", force_zip64=True) as member:
+          _write_npy(member, a)
+        del a
+        done(i)
+      zf.writestr(checkpoint_files.DTYPE_RECORD, dtype_record(dtypes))
+
+  write_file(tmp, fill)
+
+
+def write_checkpoint(
+  path: str,
+  keys: list[str],
+  take: Any,
+  done: Any,
+  threads: int,
+) -> None:
+  """Writes, fsyncs and publishes a checkpoint at ``path`` under its lock;
+  removes what earlier saves to ``path`` left behind."""
+  with commit.locked(path):
+    commit.clean(path)
+    npz = path.endswith(".npz")
+    tmp = commit.temp_name(path, commit.NEW, ".npz" if npz else "")
+    try:
+      if npz:
+        _write_npz(tmp, keys, take, done)
+      else:
+        os.mkdir(tmp)
+        dtypes = _write_directory(tmp, keys, take, done, threads)
+        record = dtype_record(dtypes)
+        write_file(
+          os.path.join(tmp, checkpoint_files.DTYPE_RECORD),
+          lambda f: f.write(record),
+        )
+        for dirpath, _, _ in os.walk(tmp, topdown=False):
+          commit.fsync_path(dirpath)
+      commit.publish(tmp, path)
+    except BaseException:
+      commit.remove(tmp)
+      raise
+
+
+def check_target(api: str, path: str, overwrite: bool) -> None:
+  """Refuses URLs, an existing path without overwrite, and a directory save
+  did not write; creates missing parent directories."""
+  if os.path.lexists(path) and not overwrite:
+    raise FileExistsError(
+      f"{api}: {path!r} exists; pass overwrite=True to replace it"
+    )
+  if os.path.lexists(path) and not path.endswith(".npz"):
+    _check_replaceable(api, path)
+  parent = os.path.dirname(os.path.abspath(path))
+  if os.path.lexists(parent) and not os.path.isdir(parent):
+    raise FileExistsError(
+      f"{api}: cannot save to {path!r}: {parent!r} is not a directory"
+    )
+  commit.make_parents(parent)
+
+
+def _positive(api: str, name: str, value: Any, none_ok: bool) -> None:
+  if value is None and none_ok:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(
+      f"{api}: {name} must be a positive int{' or None' if none_ok else ''}, "
+      f"got {value!r}"
+    )
+
+
+def save(
+  path: str | os.PathLike[str],
+  tree: Any,
+  *,
+  overwrite: bool = False,
+  blocking: bool = True,
+  write_threads: int | None = None,
+  max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
+) -> pending.SaveHandle | None:
+  """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
+
+  The checkpoint becomes visible at ``path`` in one atomic step after its
+  files and directories are fsynced; with ``overwrite=True`` a save killed
+  at any point leaves the complete old or the complete new checkpoint at
+  ``path`` (see the README, "Crash safety and durability"). When the save
+  is finished (the call with ``blocking=True``, ``wait()`` of the handle
+  otherwise) the data is durable: the files, their directories and the
+  parent directory are fsynced.
+
+  Args:
+    path: "<name>.npz" for one uncompressed archive (restore reads its
+      members in place), anything else for a directory with one "<key>.npy"
+      per leaf. Missing parent directories are created. URLs (``gs://...``)
+      are refused: save writes local or mounted file systems.
+    tree: a pytree of arrays (numpy, jax.Array, scalars).
+    overwrite: replace an existing file or directory written by save.
+    blocking: True: return when the checkpoint is durable. False: return
+      once every leaf has been copied to host memory (the caller may then
+      donate, delete or change the arrays), with a ``SaveHandle`` whose
+      ``wait()`` returns when the checkpoint is durable; a background thread
+      writes. An error in the background is raised by ``wait()`` and by the
+      next ``save``; pending saves finish before the process exits.
+    write_threads: threads writing files of a directory checkpoint at once
+      (default: the CPU count, at most 8).
+    max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
+      host and not yet written at once (None: no limit); device-to-host
+      copies are started this far ahead of the writers. A non-blocking save
+      holds the whole tree in host memory until it is written.
+
+  Returns:
+    None when ``blocking``, else a ``SaveHandle``.
+
+  Raises:
+    FileExistsError: ``path`` exists and overwrite is False, or it is not a
+      checkpoint save wrote.
+    ValueError: a key that cannot name a file, two paths with one key, a URL,
+      or a leaf spanning devices of other processes.
+  """
+  api = f"{_API}.save"
+  pending.raise_background_error(api)
+  path = os.fspath(path)
+  commit.check_local(api, path)
+  path = path.rstrip(os.sep) or path
+  _positive(api, "write_threads", write_threads, True)
+  _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
+  threads = write_threads or default_write_threads()
+  keys, paths, leaves, _ = leaf_keys(api, tree)
+  # Host leaves are checked (and scalars converted) before anything is written.
+  for i, (where, x) in enumerate(zip(paths, leaves)):
+    _check_leaf(api, where, x)
+    if not isinstance(x, jax.Array):
+      leaves[i] = host_array(api, where, x, private=not blocking)
+  check_target(api, path, overwrite)
+  if blocking:
+    staged = _Leaves(api, paths, leaves, max_inflight_bytes)
+    write_checkpoint(path, keys, staged.take, staged.done, threads)
+    return None
+  # Every device-to-host copy at once; then private host copies of all.
+  for x in leaves:
+    _start_copy(x)
+  arrays = [
+    x if isinstance(x, np.ndarray) else host_array(api, where, x, private=True)
+    for where, x in zip(paths, leaves)
+  ]
+  del leaves
+
+  def take(i: int) -> np.ndarray:
+    return arrays[i]
+
+  def done(i: int) -> None:
+    arrays[i] = None  # type: ignore[call-overload]  # freed once written
+
+  return pending.start(
+    path, lambda: write_checkpoint(path, keys, take, done, threads)
+  )
+
+
+def _check_replaceable(api: str, path: str) -> None:
+  if not os.path.isdir(path) or os.path.islink(path):
+    raise FileExistsError(
+      f"{api}: {path!r} exists and is not a directory; remove it first"
+    )
+  for root, _, files in os.walk(path):
+    for name in files:
+      if not name.endswith(".npy") and not (
+        root == path and name == checkpoint_files.DTYPE_RECORD
+      ):
+        raise FileExistsError(
+          f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is not "
+          "an .npy file; overwrite only replaces directories written by save"
+        )

@@ -1,0 +1,268 @@
+"""save: durability (fsync), parents and URLs, failures, threads and budget,
+and save(..., blocking=False)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import pending
+from jaxworks.batched_transfer._src.checkpoint import saver as save_mod
+
+
+def like(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree
+  )
+
+
+def tree_of(seed, n=4):
+  rng = np.random.default_rng(seed)
+  return {
+    f"k{i}": {"w": rng.standard_normal((64, 8)).astype(np.float32)}
+    for i in range(n)
+  }
+
+
+def check(path, tree):
+  out = bt.restore(path, like(tree))
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+  """(inode, kind) of everything fsynced, in order."""
+  seen = []
+  real = os.fsync
+
+  def fsync(fd):
+    st = os.fstat(fd)
+    seen.append(
+      (st.st_ino, "dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+    )
+    return real(fd)
+
+  monkeypatch.setattr(os, "fsync", fsync)
+  return seen
+
+
+@pytest.mark.parametrize("name", ["ckpt", "ckpt.npz"])
+def test_save_returns_only_when_everything_is_fsynced(tmp_path, fsyncs, name):
+  path = str(tmp_path / name)
+  for overwrite in (False, True):
+    fsyncs.clear()
+    bt.save(
+      path, {"a": np.ones(3), "sub": {"b": np.zeros(2)}}, overwrite=overwrite
+    )
+    log = list(fsyncs)
+    inodes = [i for i, _ in log]
+    parent = os.stat(tmp_path).st_ino
+    if name.endswith(".npz"):
+      must = [os.stat(path).st_ino]
+    else:
+      must = [
+        os.stat(os.path.join(root, f)).st_ino
+        for root, _, files in os.walk(path)
+        for f in files
+      ] + [os.stat(path).st_ino, os.stat(os.path.join(path, "sub")).st_ino]
+    for ino in must:
+      assert ino in inodes, (ino, log)
+    # The parent last: after the data and the rename.
+    assert inodes[-1] == parent, log
+    assert max(inodes.index(i) for i in must) < len(inodes) - 1
+
+
+def test_missing_parents_are_created(tmp_path):
+  for path in (tmp_path / "a" / "b" / "ckpt", tmp_path / "c" / "d" / "x.npz"):
+    bt.save(path, {"x": np.arange(3, dtype=np.int32)})
+    check(str(path), {"x": np.arange(3, dtype=np.int32)})
+
+
+@pytest.mark.parametrize(
+  "url", ["gs://bucket/ckpt", "s3://b/x.npz", "file:///tmp/x"]
+)
+def test_a_url_is_refused_naming_the_path_and_the_fix(tmp_path, url):
+  with pytest.raises(ValueError, match="is a URL") as info:
+    bt.save(url, {"x": np.arange(3, dtype=np.int32)})
+  assert repr(url) in str(info.value) and "mount the bucket" in str(info.value)
+  assert "jaxworks.batched_transfer.save" in str(info.value)
+
+
+def test_a_file_as_parent_is_named(tmp_path):
+  (tmp_path / "f").write_text("x")
+  with pytest.raises(FileExistsError, match="is not a directory"):
+    bt.save(tmp_path / "f" / "ckpt", {"x": np.arange(3, dtype=np.int32)})
+
+
+@pytest.mark.parametrize("name", ["ckpt", "ckpt.npz"])
+def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_nothing(
+  tmp_path, monkeypatch, name
+):
+  path = str(tmp_path / name)
+  old = tree_of(0)
+  bt.save(path, old)
+  real = save_mod._write_npy
+  calls = []
+
+  def failing(f, a):
+    calls.append(1)
+    if len(calls) == 3:
+      raise OSError(28, "No space left on device")
+    real(f, a)
+
+  monkeypatch.setattr(save_mod, "_write_npy", failing)
+  with pytest.raises(OSError, match="No space left"):
+    bt.save(path, tree_of(1), overwrite=True, write_threads=2)
+  check(path, old)
+  assert sorted(os.listdir(tmp_path)) == [name]
+
+
+def test_the_save_lock_serializes_saves_of_one_directory(tmp_path):
+  """Two threads saving one path over and over: every result is whole."""
+  path = str(tmp_path / "ckpt")
+  trees = [tree_of(0), tree_of(1, n=6)]
+  errors = []
+
+  def loop(t):
+    try:
+      for _ in range(10):
+        bt.save(path, t, overwrite=True)
+    except BaseException as e:  # reported below
+      errors.append(e)
+
+  threads = [threading.Thread(target=loop, args=(t,)) for t in trees]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == []
+  keys = set(os.listdir(path))
+  tree = trees[0] if len(keys) == 5 else trees[1]
+  check(path, tree)
+  assert commit.temporaries(path) == []
+
+
+def test_device_copies_start_ahead_within_the_budget(tmp_path, monkeypatch):
+  xs = {
+    f"x{i:02d}": jnp.full((256,), i, jnp.float32) for i in range(12)
+  }  # 1 KiB each
+  events = []
+  real_start = save_mod._start_copy
+  monkeypatch.setattr(
+    save_mod, "_start_copy", lambda x: (events.append("start"), real_start(x))
+  )
+  real_take = save_mod._Leaves.take
+
+  def take(self, i):
+    events.append(("take", i, self.inflight))
+    return real_take(self, i)
+
+  monkeypatch.setattr(save_mod._Leaves, "take", take)
+  bt.save(tmp_path / "c", xs, max_inflight_bytes=3 * 1024)
+  check(str(tmp_path / "c"), xs)
+  started = 0
+  for e in events:
+    if e == "start":
+      started += 1
+    else:
+      _, i, inflight = e
+      assert inflight <= 3 * 1024
+      assert started - i <= 3  # never more than the budget ahead
+  events.clear()
+  bt.save(tmp_path / "d", xs, max_inflight_bytes=None)
+  assert events[1:13] == ["start"] * 12  # no budget: every copy at once
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [{"write_threads": 0}, {"max_inflight_bytes": -1}, {"write_threads": True}],
+)
+def test_bad_arguments(tmp_path, kwargs):
+  with pytest.raises(ValueError, match="must be a positive int"):
+    bt.save(tmp_path / "x", {"a": np.ones(2, np.float32)}, **kwargs)
+
+
+# ----------------------------------------------------------------- blocking=False
+
+
+def test_non_blocking_save_lets_the_caller_change_and_delete_the_leaves(
+  tmp_path,
+):
+  host = np.arange(1 << 16, dtype=np.float32)
+  dev = jax.device_put(np.arange(1 << 16, dtype=np.int32), jax.devices()[2])
+  expected = {"host": host.copy(), "dev": np.asarray(dev).copy()}
+  handle = bt.save(tmp_path / "c", {"host": host, "dev": dev}, blocking=False)
+  assert isinstance(handle, bt.SaveHandle)
+  host[:] = -1  # the caller owns its arrays again
+  dev.delete()
+  handle.wait()
+  assert handle.done()
+  check(str(tmp_path / "c"), expected)
+
+
+def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
+  tmp_path, monkeypatch
+):
+  def boom(*args):
+    raise OSError(5, "Input/output error")
+
+  monkeypatch.setattr(save_mod, "write_checkpoint", boom)
+  h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
+  h._event.wait()
+  with pytest.raises(OSError, match="Input/output error") as info:
+    bt.save(tmp_path / "b", {"x": np.ones(2, np.float32)}, blocking=False)
+  assert "blocking=False" in " ".join(getattr(info.value, "__notes__", []))
+  with pytest.raises(OSError, match="Input/output error"):
+    h.wait()  # the handle keeps its error
+  monkeypatch.undo()
+  pending.wait_all()
+  pending._unseen.clear()  # the second save's error, seen here
+  bt.save(tmp_path / "c", {"x": np.ones(2, np.float32)})  # no old error left
+
+
+def test_wait_with_a_timeout(tmp_path, monkeypatch):
+  gate = threading.Event()
+  real = save_mod.write_checkpoint
+  monkeypatch.setattr(
+    save_mod, "write_checkpoint", lambda *a: (gate.wait(), real(*a))
+  )
+  h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
+  with pytest.raises(TimeoutError, match="did not finish within"):
+    h.wait(timeout=0.01)
+  assert not h.done()
+  gate.set()
+  h.wait()
+  check(str(tmp_path / "a"), {"x": np.ones(2, np.float32)})
+
+
+def test_the_process_exit_waits_for_pending_saves(tmp_path):
+  script = textwrap.dedent(f"""
+      import numpy as np
+      from jaxworks import batched_transfer as bt
+      from jaxworks.batched_transfer._src.checkpoint import saver as m
+      real = m.write_checkpoint
+      def slow(*a):
+        import time; time.sleep(0.5); real(*a)
+      m.write_checkpoint = slow
+      bt.save({str(tmp_path / "c")!r}, {{"x": np.arange(100000.0, dtype=np.float32)}}, blocking=False)
+      print("returned", flush=True)
+  """)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+  out = subprocess.run(
+    [sys.executable, "-c", script],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 0 and "returned" in out.stdout, out.stderr
+  check(str(tmp_path / "c"), {"x": np.arange(100000.0, dtype=np.float32)})
