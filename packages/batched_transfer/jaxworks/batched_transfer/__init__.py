@@ -1,6 +1,7 @@
 """jaxworks.batched_transfer: a pytree onto devices in one batched operation.
 
 Public API: device_put, plan, place_for, save, restore, SaveHandle,
+CheckpointManager,
 TransferPlan, PlannedGroup;
 install, uninstall, installed, is_installed (swap jax.device_put program-wide).
 """
@@ -12,6 +13,7 @@ from ._src.adopt import uninstall as uninstall
 from ._src.api import device_put as device_put
 from ._src.api import place_for as place_for
 from ._src.api import plan as plan
+from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from ._src.checkpoint.pending import SaveHandle as SaveHandle
 from ._src.checkpoint.saver import save as save
 from ._src.checkpoint_restore import restore as restore
@@ -20,6 +22,7 @@ from ._src.plan import TransferPlan as TransferPlan
 from .version import __version__ as __version__
 
 __all__ = [
+  "CheckpointManager",
   "PlannedGroup",
   "SaveHandle",
   "TransferPlan",

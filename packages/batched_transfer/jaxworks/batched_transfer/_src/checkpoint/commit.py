@@ -32,7 +32,7 @@ import secrets
 import shutil
 
 _TAG = ".jaxworks-"
-NEW, OLD = "new", "old"
+NEW, OLD, DELETED = "new", "old", "del"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -89,15 +89,13 @@ def temp_name(path: str, kind: str, suffix: str = "") -> str:
 
 
 def _temp_pattern(name: str) -> re.Pattern[str]:
+  """Temporary names of saves to ``name`` (a regular expression)."""
   return re.compile(
-    re.escape(f".{name}{_TAG}") + r"(new|old)-[0-9a-f]{16}(\.npz)?$"
+    r"\." + name + re.escape(_TAG) + r"(new|old|del)-[0-9a-f]{16}(\.npz)?$"
   )
 
 
-def temporaries(path: str) -> list[tuple[str, str]]:
-  """(kind, path) of the temporaries saves to ``path`` left beside it."""
-  parent, name = os.path.split(path)
-  pattern = _temp_pattern(name)
+def _scan(parent: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
   try:
     entries = os.listdir(parent or ".")
   except FileNotFoundError:
@@ -108,6 +106,26 @@ def temporaries(path: str) -> list[tuple[str, str]]:
     if m:
       out.append((m.group(1), os.path.join(parent, entry)))
   return out
+
+
+def temporaries(path: str) -> list[tuple[str, str]]:
+  """(kind, path) of the temporaries saves to ``path`` left beside it."""
+  parent, name = os.path.split(path)
+  return _scan(parent, _temp_pattern(re.escape(name)))
+
+
+def step_temporaries(directory: str) -> list[tuple[str, str]]:
+  """(kind, path) of the temporaries of numbered steps in ``directory``."""
+  return _scan(directory, _temp_pattern(r"\d+"))
+
+
+def delete(path: str) -> None:
+  """Deletes a checkpoint so that no half-deleted one is ever at ``path``:
+  renamed to a temporary name first (durably), then removed."""
+  gone = temp_name(path, DELETED)
+  os.rename(path, gone)
+  fsync_path(os.path.dirname(path) or ".")
+  remove(gone)
 
 
 def remove(path: str) -> None:

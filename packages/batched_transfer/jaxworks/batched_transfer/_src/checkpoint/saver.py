@@ -8,6 +8,7 @@ call returns once every leaf is on the host, and a background thread writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import json
 import os
 import queue
@@ -363,6 +364,30 @@ def save(
   path = os.fspath(path)
   commit.check_local(api, path)
   path = path.rstrip(os.sep) or path
+  return run_save(
+    api,
+    path,
+    tree,
+    overwrite=overwrite,
+    blocking=blocking,
+    write_threads=write_threads,
+    max_inflight_bytes=max_inflight_bytes,
+  )
+
+
+def run_save(
+  api: str,
+  path: str,
+  tree: Any,
+  *,
+  overwrite: bool,
+  blocking: bool,
+  write_threads: int | None,
+  max_inflight_bytes: int | None,
+  after: Callable[[], None] | None = None,
+) -> pending.SaveHandle | None:
+  """save's work; ``after`` runs once the checkpoint is published (on the
+  writing thread, under no lock)."""
   _positive(api, "write_threads", write_threads, True)
   _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or default_write_threads()
@@ -376,6 +401,8 @@ def save(
   if blocking:
     staged = _Leaves(api, paths, leaves, max_inflight_bytes)
     write_checkpoint(path, keys, staged.take, staged.done, threads)
+    if after is not None:
+      after()
     return None
   # Every device-to-host copy at once; then private host copies of all.
   for x in leaves:
@@ -392,9 +419,12 @@ def save(
   def done(i: int) -> None:
     arrays[i] = None  # type: ignore[call-overload]  # freed once written
 
-  return pending.start(
-    path, lambda: write_checkpoint(path, keys, take, done, threads)
-  )
+  def work() -> None:
+    write_checkpoint(path, keys, take, done, threads)
+    if after is not None:
+      after()
+
+  return pending.start(path, work)
 
 
 def _check_replaceable(api: str, path: str) -> None:
