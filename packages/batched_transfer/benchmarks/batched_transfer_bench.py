@@ -30,7 +30,11 @@ reference / jaxworks, so above 1 jaxworks is faster):
   after it 3-15x slower here (their page faults stalled; the raw reads were
   not slowed), which would have flattered orbax.
 
-Usage: batched_transfer_bench.py [--quick] [--json PATH]
+save: bt.save (durable) against numpy.save of the same bytes (without and
+  with fsync) and orbax's save (own process); save(blocking=False)'s blocked
+  time against orbax's async save call.
+
+Usage: batched_transfer_bench.py [--quick] [--save-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ LIST_GOAL = 1 / 1.1  # at most 1.1x jax.device_put of the list
 LOOP_GOAL = 2.0  # at least 2x faster than a per-leaf loop (1000 leaves)
 GROUPING_GOAL = 10.0  # C++ at least 10x the Python twin
 RAW_READ_GOAL = 0.9  # restore at least 0.9x the raw read bandwidth
+SAVE_RAW_GOAL = 0.8  # sync save at least 0.8x numpy.save's bandwidth
 
 
 def transfer_rows(report: jb.Report, sizes, repeats, min_reps=5) -> None:
@@ -357,10 +362,157 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Times orbax's StandardCheckpointer save of the same tree: the call (what an
+# async save blocks the caller) and save + wait_until_finished (the whole
+# write); prints {where: {"blocked": s, "total": s}}.
+_ORBAX_SAVE = """
+import gc, json, os, shutil, statistics, sys, time
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax, numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
+tmp, n_leaves, rows, cols, repeats = sys.argv[1:]
+n_leaves, rows, cols, repeats = int(n_leaves), int(rows), int(cols), int(repeats)
+devices = jax.devices()
+mesh = jax.make_mesh((len(devices),), ("x",))
+ckpt = ocp.StandardCheckpointer()
+out = {}
+for where, sharding in [("one device", SingleDeviceSharding(devices[0])),
+                        ("rows", NamedSharding(mesh, P("x")))]:
+  tree = {f"t{k:04d}": jax.device_put(np.full((rows, cols), k, np.float32), sharding)
+          for k in range(n_leaves)}
+  blocked, total = [], []
+  for r in range(repeats + 1):
+    path = os.path.join(tmp, f"orbax-{r}")
+    gc.collect()
+    t0 = time.perf_counter()
+    ckpt.save(path, tree)
+    t1 = time.perf_counter()
+    ckpt.wait_until_finished()
+    t2 = time.perf_counter()
+    shutil.rmtree(path)
+    if r:  # the first is a warm-up
+      blocked.append(t1 - t0)
+      total.append(t2 - t0)
+  out[where] = {"blocked": statistics.median(blocked),
+                "total": statistics.median(total)}
+print(json.dumps(out))
+"""
+
+
+def _numpy_save(path: str, arrays: dict, fsync: bool) -> None:
+  os.makedirs(path, exist_ok=True)
+  for k, a in arrays.items():
+    with open(os.path.join(path, k + ".npy"), "wb") as f:
+      np.save(f, a)
+      if fsync:
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
+  """bt.save (sync and blocking=False) against numpy.save of the same bytes
+  and against orbax's save, one device and rows over every device."""
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",))
+  tmp = tempfile.mkdtemp(prefix="bt-bench-save-")
+  try:
+    cols = 256 if n_leaves > 100 else 1024
+    rows = total_bytes // n_leaves // 4 // cols // len(devices) * len(devices)
+    rows = max(rows, len(devices))
+    nbytes = rows * cols * 4 * n_leaves
+    size = f"{n_leaves} leaves, {nbytes / 2**20:.0f} MiB"
+    _, orbax_s = jb.run_fresh(
+      _ORBAX_SAVE,
+      args=[tmp, str(n_leaves), str(rows), str(cols), str(repeats)],
+    )
+    for where, sharding in [
+      ("one device", SingleDeviceSharding(devices[0])),
+      (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
+    ]:
+      tree = {
+        f"t{k:04d}": jax.device_put(
+          np.full((rows, cols), k, np.float32), sharding
+        )
+        for k in range(n_leaves)
+      }
+      path = os.path.join(tmp, "bt")
+      handles = []
+
+      def async_save() -> None:
+        handles.append(bt.save(path, tree, overwrite=True, blocking=False))
+
+      def finish() -> None:
+        while handles:
+          handles.pop().wait()
+
+      m = jb.median_interleaved(
+        {
+          "sync": lambda: bt.save(path, tree, overwrite=True),
+          "numpy": lambda: _numpy_save(
+            os.path.join(tmp, "np"), jax.device_get(tree), False
+          ),
+          "numpy_fsync": lambda: _numpy_save(
+            os.path.join(tmp, "npf"), jax.device_get(tree), True
+          ),
+          "copy": lambda: [
+            np.array(x, copy=True) for x in jax.device_get(tree).values()
+          ],
+        },
+        repeats,
+        warmup=True,
+        rotate=3,
+      )
+      blocked = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        async_save()
+        blocked.append(time.perf_counter() - t0)
+        finish()
+      m["async_blocked"] = sorted(blocked)[len(blocked) // 2]
+      key = "one device" if where == "one device" else "rows"
+      m["orbax"] = orbax_s[key]["total"]
+      m["orbax_blocked"] = orbax_s[key]["blocked"]
+      case = f"save {size} -> {where}"
+      report.add(
+        f"{case} (vs numpy.save)", m["sync"], m["numpy"], "naive",
+        "numpy.save of the same arrays, no fsync", goal=SAVE_RAW_GOAL,
+      )  # fmt: skip
+      report.add(
+        f"{case} (vs numpy.save + fsync)", m["sync"], m["numpy_fsync"],
+        "naive", "numpy.save of the same arrays, each file fsynced",
+      )  # fmt: skip
+      report.add(
+        f"{case} (vs orbax)", m["sync"], m["orbax"], "peer",
+        "orbax StandardCheckpointer save + wait_until_finished (own process)",
+        goal=1.0,
+      )  # fmt: skip
+      report.add(
+        f"{case}, blocking=False: time blocked (vs orbax)",
+        m["async_blocked"], m["orbax_blocked"], "peer",
+        "orbax StandardCheckpointer.save call (async; own process)", goal=1.0,
+      )  # fmt: skip
+      gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
+      report.note(
+        f"save {size} {where}: sync {gbs['sync']:.2f} GB/s (durable: files, "
+        f"directories and parent fsynced); numpy.save {gbs['numpy']:.2f} GB/s, "
+        f"with fsync {gbs['numpy_fsync']:.2f}; orbax {gbs['orbax']:.2f} GB/s. "
+        f"blocking=False blocks {m['async_blocked'] * 1e3:.1f} ms (a host "
+        f"copy of the tree takes {m['copy'] * 1e3:.1f} ms), orbax's async "
+        f"save {m['orbax_blocked'] * 1e3:.1f} ms."
+      )
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     "--quick", action="store_true", help="small sizes, few repeats (< 30 s)"
+  )
+  parser.add_argument(
+    "--save-only", action="store_true", help="only the save rows"
   )
   jb.add_arguments(parser)
   args = parser.parse_args()
@@ -371,14 +523,22 @@ def main() -> None:
     f"{bt.__version__}{' (quick)' if args.quick else ''}"
   )
   report = jb.Report(PACKAGE, "batched_transfer_bench")
-  if args.quick:
+  if args.save_only:
+    scale = (32 * 2**20, 2) if args.quick else (2**30, 5)
+    save_rows(report, scale[0], 16, repeats=scale[1])
+    save_rows(report, scale[0] // 8, 1000, repeats=scale[1])
+  elif args.quick:
     transfer_rows(report, [10, 100], repeats=3, min_reps=3)
     grouping_rows(report, [10_000], repeats=3)
     restore_rows(report, 32 * 2**20, 8, repeats=2)
+    save_rows(report, 32 * 2**20, 16, repeats=2)
+    save_rows(report, 4 * 2**20, 1000, repeats=2)
   else:
     transfer_rows(report, [10, 100, 1000], repeats=30)
     grouping_rows(report, [10_000, 100_000], repeats=7)
     restore_rows(report, 2**30, 16, repeats=9)
+    save_rows(report, 2**30, 16, repeats=5)
+    save_rows(report, 128 * 2**20, 1000, repeats=5)
   report.note(f"total {time.perf_counter() - start:.1f} s")
   report.finish(args)
 

@@ -188,3 +188,17 @@ def test_release_dropped_host_buffers_frees_aliased_numpy_memory():
   finally:
     if was_enabled:
       gc.enable()
+
+
+def test_distributed_client_is_none_before_initialize():
+  # One process, jax.distributed not initialized; the two-process use (key-value
+  # store, barriers) is covered by multiprocess_save_test.
+  assert ji.distributed_client() is None
+  assert hasattr(ji._distributed.global_state, "client")
+  for name in (
+    "key_value_set",
+    "blocking_key_value_get",
+    "wait_at_barrier",
+    "key_value_dir_get",
+  ):
+    assert hasattr(ji._jax.DistributedRuntimeClient, name), name

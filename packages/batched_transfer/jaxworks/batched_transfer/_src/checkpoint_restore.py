@@ -35,6 +35,7 @@ from .api import place
 from .checkpoint import commit
 from .checkpoint import leaf_keys
 from .checkpoint import python_scalar_dtype
+from .checkpoint import sharded
 from .progress import Progress
 
 _API = "jaxworks.batched_transfer"
@@ -202,6 +203,22 @@ def restore(
   specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
   if not os.path.lexists(path):
     commit.recover(path)  # the old copy of a save killed between two renames
+  manifest = sharded.read_manifest(api, path) if os.path.isdir(path) else None
+  if manifest is not None:  # written by several processes: shard files
+    return sharded.restore_tree(
+      api,
+      path,
+      manifest,
+      target,
+      treedef,
+      leaves,
+      keys,
+      paths,
+      specs,
+      placement,
+      _placement_of,
+      _weak,
+    )
   if os.path.isdir(path):
     stored, record = files.open_directory(api, path)
   elif os.path.isfile(path):

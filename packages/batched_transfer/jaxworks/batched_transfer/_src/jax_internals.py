@@ -19,6 +19,7 @@ from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
+from jax._src import distributed as _distributed
 from jax._src import layout as _layout
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lib import _jax
@@ -120,3 +121,9 @@ def release_dropped_host_buffers() -> None:
   collection (a ``gc`` callback). This releases it now.
   """
   _jax.collect_garbage()
+
+
+def distributed_client() -> Any:
+  """jax.distributed's client (key-value store, barriers), or None before
+  jax.distributed.initialize(). multihost_utils reads it the same way."""
+  return _distributed.global_state.client

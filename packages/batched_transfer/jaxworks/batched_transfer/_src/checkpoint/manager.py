@@ -13,6 +13,8 @@ import os
 import re
 from typing import Any
 
+import jax
+
 from ..checkpoint_restore import restore
 from . import commit
 from . import pending
@@ -134,9 +136,10 @@ class CheckpointManager:
       raise FileExistsError(
         f"{api}: step {step} exists in {self.directory!r}; delete(step) first"
       )
-    with commit.locked(path):  # what killed saves of any step left
-      for _, p in commit.step_temporaries(self.directory):
-        commit.remove(p)
+    if jax.process_index() == 0:  # what killed saves of any step left
+      with commit.locked(path):  # (process 0 alone: it commits)
+        for _, p in commit.step_temporaries(self.directory):
+          commit.remove(p)
     self._handle = saver.run_save(
       api,
       path,

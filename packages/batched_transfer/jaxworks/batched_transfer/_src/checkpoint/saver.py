@@ -22,6 +22,7 @@ import numpy as np
 from .. import checkpoint_files
 from . import commit
 from . import pending
+from . import sharded
 from .keys import leaf_keys
 from .keys import python_scalar_dtype
 
@@ -34,15 +35,6 @@ WRITE_THREAD_PREFIX = "jaxworks-save-write"
 def default_write_threads() -> int:
   """Threads writing one checkpoint: the CPU count, at most 8."""
   return max(1, min(8, os.cpu_count() or 1))
-
-
-def _check_leaf(api: str, path: str, x: Any) -> None:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    raise ValueError(
-      f"{api}: the leaf at {path} spans devices of other processes; gather it "
-      "first (jax.experimental.multihost_utils.process_allgather) or save "
-      "per process"
-    )
 
 
 def _nbytes(x: Any) -> int:
@@ -319,6 +311,7 @@ def save(
   blocking: bool = True,
   write_threads: int | None = None,
   max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
+  barrier_timeout_s: float = 300.0,
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
@@ -350,14 +343,23 @@ def save(
       copies are started this far ahead of the writers. A non-blocking save
       holds the whole tree in host memory until it is written.
 
+    barrier_timeout_s: with arrays spanning processes (jax.distributed),
+      how long a process waits for the others to finish writing, and for
+      process 0's commit, before it raises (nothing is committed then).
+
+  Arrays spanning several processes: every process calls save with the
+  same path and tree; each writes the shards its devices hold, process 0
+  the manifest, and the commit follows a barrier of jax.distributed (see
+  the README, "Checkpoints written by several processes").
+
   Returns:
     None when ``blocking``, else a ``SaveHandle``.
 
   Raises:
     FileExistsError: ``path`` exists and overwrite is False, or it is not a
       checkpoint save wrote.
-    ValueError: a key that cannot name a file, two paths with one key, a URL,
-      or a leaf spanning devices of other processes.
+    ValueError: a key that cannot name a file, two paths with one key, or a
+      URL.
   """
   api = f"{_API}.save"
   pending.raise_background_error(api)
@@ -372,6 +374,7 @@ def save(
     blocking=blocking,
     write_threads=write_threads,
     max_inflight_bytes=max_inflight_bytes,
+    barrier_timeout_s=barrier_timeout_s,
   )
 
 
@@ -384,6 +387,7 @@ def run_save(
   blocking: bool,
   write_threads: int | None,
   max_inflight_bytes: int | None,
+  barrier_timeout_s: float = 300.0,
   after: Callable[[], None] | None = None,
 ) -> pending.SaveHandle | None:
   """save's work; ``after`` runs once the checkpoint is published (on the
@@ -394,10 +398,25 @@ def run_save(
   keys, paths, leaves, _ = leaf_keys(api, tree)
   # Host leaves are checked (and scalars converted) before anything is written.
   for i, (where, x) in enumerate(zip(paths, leaves)):
-    _check_leaf(api, where, x)
     if not isinstance(x, jax.Array):
       leaves[i] = host_array(api, where, x, private=not blocking)
   check_target(api, path, overwrite)
+  if sharded.spans_processes(leaves):
+    if path.endswith(".npz"):
+      raise ValueError(
+        f"{api}: {path!r}: arrays spanning processes are saved as a "
+        "directory (one file per shard); drop the .npz suffix"
+      )
+    return sharded.save_across_processes(
+      api,
+      path,
+      keys,
+      leaves,
+      blocking=blocking,
+      threads=threads,
+      barrier_timeout_s=barrier_timeout_s,
+      after=after,
+    )
   if blocking:
     staged = _Leaves(api, paths, leaves, max_inflight_bytes)
     write_checkpoint(path, keys, staged.take, staged.done, threads)

@@ -1,0 +1,383 @@
+"""Checkpoints of arrays that span processes (jax.distributed), and their restore.
+
+Save, called by every process with the same tree: process 0 takes the save
+lock, cleans leftovers and makes the temporary directory, whose name the
+others read from the distributed key-value store. Each process writes the
+shards its devices hold (a shard several devices hold once, by the first of
+them in the sharding's device order) as ``<key>.shards/<n>.npy``; process 0
+also writes every array that does not span processes as ``<key>.npy``. All
+fsync what they wrote, post their status and meet at a barrier of the
+distributed client (``barrier_timeout_s``). Process 0 then writes the
+manifest (``jaxworks_manifest.json``, which says how the shard files tile
+each array) and the dtype record, fsyncs, and commits with save's atomic
+rename; the others return once it posted the outcome. A process that dies
+leaves the others with an error after the timeout and no committed
+checkpoint.
+
+Restore of a checkpoint with a manifest builds each array with
+``jax.make_array_from_callback``: each process reads, for each of its
+devices, only the parts of the shard files that overlap that device's slice
+(through a read-only memory map of each file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import contextlib
+import itertools
+import json
+import os
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import checkpoint_files
+from .. import jax_internals
+from .. import targets
+from . import commit
+from . import pending
+
+MANIFEST = "jaxworks_manifest.json"
+MANIFEST_FORMAT = 1
+_seq = itertools.count()
+_seq_lock = threading.Lock()
+
+
+def spans_processes(leaves: list[Any]) -> bool:
+  return any(
+    isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves
+  )
+
+
+def _bounds(idx: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(idx, shape))
+
+
+def shard_plan(x: jax.Array) -> list[tuple[tuple[tuple[int, int], ...], Any]]:
+  """(bounds, writer device) of each distinct shard, in the sharding's
+  device order: the same on every process."""
+  seen: dict[tuple[tuple[int, int], ...], Any] = {}
+  for d, idx in x.sharding.devices_indices_map(x.shape).items():
+    b = _bounds(idx, x.shape)
+    if b not in seen:
+      seen[b] = d
+  return list(seen.items())
+
+
+def _client(api: str) -> Any:
+  client = jax_internals.distributed_client()
+  if client is None:
+    raise ValueError(
+      f"{api}: a leaf spans devices of several processes but "
+      "jax.distributed is not initialized; call jax.distributed.initialize()"
+    )
+  return client
+
+
+def plan_save(
+  api: str, keys: list[str], leaves: list[Any]
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+  """(manifest, [(file stem, host value getter)] this process writes)."""
+  pid = jax.process_index()
+  arrays: dict[str, Any] = {}
+  mine: list[tuple[str, Any]] = []
+  for key, x in zip(keys, leaves):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      by_device = {s.device: s for s in x.addressable_shards}
+      shards = []
+      for n, (bounds, device) in enumerate(shard_plan(x)):
+        stem = f"{key}.shards/{n}"
+        shards.append(
+          {
+            "file": stem + ".npy",
+            "start": [lo for lo, _ in bounds],
+            "shape": [hi - lo for lo, hi in bounds],
+          }
+        )
+        if device.process_index == pid:
+          shard = by_device[device]
+          mine.append((stem, lambda s=shard: np.asarray(s.data)))
+      shape, dtype = x.shape, x.dtype
+    else:
+      a = np.asarray(x)
+      shape, dtype = a.shape, a.dtype
+      shards = [
+        {"file": key + ".npy", "start": [0] * a.ndim, "shape": list(a.shape)}
+      ]
+      if pid == 0:
+        mine.append((key, lambda a=a: a))
+    arrays[key] = {
+      "shape": list(shape),
+      "dtype": np.dtype(dtype).name,
+      "shards": shards,
+    }
+  manifest = {
+    "format": MANIFEST_FORMAT,
+    "processes": jax.process_count(),
+    "arrays": arrays,
+  }
+  return manifest, mine
+
+
+def save_across_processes(
+  api: str,
+  path: str,
+  keys: list[str],
+  leaves: list[Any],
+  *,
+  blocking: bool,
+  threads: int,
+  barrier_timeout_s: float,
+  after: Any = None,
+) -> pending.SaveHandle | None:
+  """The collective save (see the module docstring)."""
+  from .saver import _write_directory  # saver imports this module
+
+  client = _client(api)
+  pid = jax.process_index()
+  with _seq_lock:
+    prefix = f"jaxworks/batched_transfer/save/{next(_seq)}"
+  manifest, mine = plan_save(api, keys, leaves)
+  if not blocking:  # every host copy now: the caller may reuse the arrays
+    values = [np.array(get(), copy=True) for _, get in mine]
+    mine = [(stem, lambda v=v: v) for (stem, _), v in zip(mine, values)]
+    del values
+  timeout_ms = int(barrier_timeout_s * 1000)
+
+  def work() -> None:
+    with contextlib.ExitStack() as stack:
+      if pid == 0:
+        stack.enter_context(commit.locked(path))
+        commit.clean(path)
+        tmp = commit.temp_name(path, commit.NEW)
+        os.mkdir(tmp)
+        client.key_value_set(f"{prefix}/tmp", os.path.basename(tmp))
+      else:
+        name = client.blocking_key_value_get(f"{prefix}/tmp", timeout_ms)
+        tmp = os.path.join(os.path.dirname(path), name)
+      status = "ok"
+      try:
+        stems = [stem for stem, _ in mine]
+        values = [get for _, get in mine]
+        _write_directory(
+          tmp, stems, lambda i: values[i](), lambda i: None, threads
+        )
+        for dirpath, _, _ in os.walk(tmp, topdown=False):
+          commit.fsync_path(dirpath)
+      except Exception as err:  # posted, then raised below
+        status = f"process {pid}: {err!r}"
+        failure: BaseException | None = err
+      else:
+        failure = None
+      client.key_value_set(f"{prefix}/status/{pid}", status)
+      try:
+        client.wait_at_barrier(f"{prefix}/written", timeout_ms)
+      except Exception as err:
+        if pid == 0:
+          commit.remove(tmp)
+        raise TimeoutError(
+          f"{api}: not every process finished writing {path!r} within "
+          f"{barrier_timeout_s} s (barrier_timeout_s): {err}; nothing was "
+          "committed"
+        ) from None
+      if pid == 0:
+        outcome = _commit(api, client, prefix, tmp, path, manifest)
+        client.key_value_set(f"{prefix}/done", outcome)
+      else:
+        outcome = client.blocking_key_value_get(f"{prefix}/done", timeout_ms)
+      if failure is not None:
+        raise failure
+      if outcome != "ok":
+        raise RuntimeError(f"{api}: the save to {path!r} failed: {outcome}")
+    if after is not None and pid == 0:
+      after()
+
+  if blocking:
+    work()
+    return None
+  return pending.start(path, work)
+
+
+def _commit(
+  api: str, client: Any, prefix: str, tmp: str, path: str, manifest: dict
+) -> str:
+  """Process 0: the manifest, fsync, the atomic rename; the outcome."""
+  statuses = dict(client.key_value_dir_get(f"{prefix}/status/"))
+  failed = [v for v in statuses.values() if v != "ok"]
+  if failed or len(statuses) != manifest["processes"]:
+    commit.remove(tmp)
+    return "; ".join(failed) or f"statuses: {statuses}"
+  try:
+    dtypes = {k: a["dtype"] for k, a in manifest["arrays"].items()}
+    record = json.dumps(
+      {"format": checkpoint_files.RECORD_FORMAT, "dtypes": dtypes},
+      indent=0,
+      sort_keys=True,
+    ).encode()
+    for name, data in (
+      (MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode()),
+      (checkpoint_files.DTYPE_RECORD, record),
+    ):
+      with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    commit.fsync_path(tmp)
+    commit.publish(tmp, path)
+  except Exception as err:  # posted to every process
+    commit.remove(tmp)
+    return f"process 0: {err!r}"
+  return "ok"
+
+
+# ------------------------------------------------------------------- restore
+
+
+def read_manifest(api: str, path: str) -> dict | None:
+  file = os.path.join(path, MANIFEST)
+  if not os.path.isfile(file):
+    return None
+  try:
+    with open(file, "rb") as f:
+      manifest = json.loads(f.read().decode())
+    if manifest.get("format") != MANIFEST_FORMAT:
+      raise ValueError(f"unknown format {manifest.get('format')!r}")
+    for a in manifest["arrays"].values():
+      a["dtype"] = np.dtype(a["dtype"])
+  except (ValueError, KeyError, TypeError, AttributeError) as err:
+    raise ValueError(
+      f"{api}: the manifest {file!r} is damaged ({err}); write the checkpoint "
+      "again"
+    ) from None
+  return manifest
+
+
+def _read_region(
+  api: str, path: str, key: str, entry: dict, idx: tuple
+) -> np.ndarray:
+  shape = tuple(entry["shape"])
+  want = _bounds(idx, shape)
+  out = np.empty([hi - lo for lo, hi in want], entry["dtype"])
+  for shard in entry["shards"]:
+    lo = shard["start"]
+    hi = [a + n for a, n in zip(lo, shard["shape"])]
+    inter = [(max(a, w0), min(b, w1)) for a, b, (w0, w1) in zip(lo, hi, want)]
+    if any(a >= b for a, b in inter):
+      continue
+    file = os.path.join(path, shard["file"])
+    try:
+      data = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+      raise ValueError(
+        f"{api}: the shard file {file!r} of {key!r} is not readable: {err}"
+      ) from None
+    if data.shape != tuple(shard["shape"]):
+      raise ValueError(
+        f"{api}: the shard file {file!r} of {key!r} holds {list(data.shape)}, "
+        f"the manifest says {shard['shape']}; the checkpoint is damaged"
+      )
+    src = tuple(slice(a - s, b - s) for (a, b), s in zip(inter, lo))
+    dst = tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))
+    part = np.asarray(data[src])
+    if part.dtype.kind == "V":
+      part = part.view(entry["dtype"])
+    out[dst] = part
+  return out
+
+
+def restore_tree(
+  api: str,
+  path: str,
+  manifest: dict,
+  target: Any,
+  treedef: Any,
+  leaves: list[Any],
+  keys: list[str],
+  paths: list[str],
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+  placement: Any,
+  placement_of: Any,
+  weak: Any,
+) -> Any:
+  """restore's path for a checkpoint with a manifest (several processes wrote it)."""
+  if placement is None:
+    places = [placement_of(x) for x in leaves]
+  else:
+    places = targets.broadcast_prefix(
+      api,
+      "placement",
+      placement,
+      target,
+      treedef,
+      len(leaves),
+      targets.is_target_leaf,
+      targets.TARGET_TEXT,
+    )
+  out = restore(api, path, manifest, keys, paths, specs, places)
+  return treedef.unflatten(
+    [weak(y) if spec[2] else y for y, spec in zip(out, specs)]
+  )
+
+
+def restore(
+  api: str,
+  path: str,
+  manifest: dict,
+  keys: list[str],
+  paths: list[str],
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+  places: list[Any],
+) -> list[jax.Array]:
+  """The arrays of a manifest checkpoint onto ``places`` (validated first)."""
+  arrays = manifest["arrays"]
+  missing = [k for k in keys if k not in arrays]
+  extra = sorted(set(arrays) - set(keys))
+  if missing or extra:
+    raise ValueError(
+      f"{api}: the target and {path!r} disagree: missing from the "
+      f"checkpoint {missing[:5]}, not in the target {extra[:5]}"
+    )
+  shardings = []
+  for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
+    entry = arrays[key]
+    stored = entry["dtype"]
+    same = (
+      stored == dtype
+      or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
+    )
+    if tuple(entry["shape"]) != shape or not same:
+      raise ValueError(
+        f"{api}: the leaf at {where} (key {key!r}) is stored as "
+        f"{stored.name}{entry['shape']} but the target expects "
+        f"{dtype.name}{list(shape)}"
+      )
+    sharding, layout, _ = targets.normalize_target(api, p)
+    if sharding is None:
+      sharding = targets.single_device_sharding(jax.devices()[0])
+    if layout is not None:
+      raise ValueError(
+        f"{api}: the leaf at {where}: restoring a checkpoint written by "
+        "several processes onto a layout is not supported; pass a Sharding"
+      )
+    shardings.append(sharding)
+  out: list[jax.Array] = []
+  for key, (shape, dtype, _), sharding in zip(keys, specs, shardings):
+    region = _region_reader(api, path, key, arrays[key], dtype)
+    out.append(
+      jax.make_array_from_callback(shape, sharding, region, dtype=dtype)
+    )
+  return out
+
+
+def _region_reader(
+  api: str, path: str, key: str, entry: dict, dtype: np.dtype
+) -> Callable[[Any], np.ndarray]:
+  """The callback giving the slice ``idx`` of one array, as ``dtype``."""
+
+  def region(idx: Any) -> np.ndarray:
+    a = _read_region(api, path, key, entry, idx)
+    return a if a.dtype == dtype else a.astype(dtype)
+
+  return region
