@@ -96,6 +96,7 @@ WORKER = VALUES + textwrap.dedent("""
 
     # A process that never arrives: the other gets TimeoutError, nothing is committed.
     lost = out  # global arrays made with no collective (device_put's check is one)
+    bt.save(f"{base}/sync", out, overwrite=True)  # replaces a manifest checkpoint
     if process_id == 0:
       try:
         bt.save(f"{base}/lost", lost, barrier_timeout_s=3)
@@ -185,7 +186,7 @@ def test_two_processes_save_and_restore(tmp_path):
       assert (
         got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes()
       )
-  with open(os.path.join(base, "sync", "jaxworks_manifest.json")) as f:
+  with open(os.path.join(base, "async", "jaxworks_manifest.json")) as f:
     manifest = json.load(f)
   assert manifest["processes"] == 2
   assert len(manifest["arrays"]["w"]["shards"]) == 8

@@ -454,7 +454,8 @@ def _check_replaceable(api: str, path: str) -> None:
   for root, _, files in os.walk(path):
     for name in files:
       if not name.endswith(".npy") and not (
-        root == path and name == checkpoint_files.DTYPE_RECORD
+        root == path
+        and name in (checkpoint_files.DTYPE_RECORD, sharded.MANIFEST)
       ):
         raise FileExistsError(
           f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is not "

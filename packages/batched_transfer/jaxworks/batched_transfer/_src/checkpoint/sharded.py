@@ -182,17 +182,20 @@ def save_across_processes(
           f"{barrier_timeout_s} s (barrier_timeout_s): {err}; nothing was "
           "committed"
         ) from None
-      if pid == 0:
+      if pid == 0:  # under the lock
         outcome = _commit(api, client, prefix, tmp, path, manifest)
+    if pid == 0:
+      try:  # retention before the others return: they see its result
+        if outcome == "ok" and after is not None:
+          after()
+      finally:
         client.key_value_set(f"{prefix}/done", outcome)
-      else:
-        outcome = client.blocking_key_value_get(f"{prefix}/done", timeout_ms)
-      if failure is not None:
-        raise failure
-      if outcome != "ok":
-        raise RuntimeError(f"{api}: the save to {path!r} failed: {outcome}")
-    if after is not None and pid == 0:
-      after()
+    else:
+      outcome = client.blocking_key_value_get(f"{prefix}/done", timeout_ms)
+    if failure is not None:
+      raise failure
+    if outcome != "ok":
+      raise RuntimeError(f"{api}: the save to {path!r} failed: {outcome}")
 
   if blocking:
     work()
