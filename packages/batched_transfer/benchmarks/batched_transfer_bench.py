@@ -524,15 +524,18 @@ def main() -> None:
   )
   report = jb.Report(PACKAGE, "batched_transfer_bench")
   if args.save_only:
-    scale = (32 * 2**20, 2) if args.quick else (2**30, 5)
-    save_rows(report, scale[0], 16, repeats=scale[1])
-    save_rows(report, scale[0] // 8, 1000, repeats=scale[1])
+    if args.quick:
+      save_rows(report, 32 * 2**20, 16, repeats=2)
+      save_rows(report, 2**20, 100, repeats=2)
+    else:
+      save_rows(report, 2**30, 16, repeats=3)
+      save_rows(report, 128 * 2**20, 1000, repeats=3)
   elif args.quick:
     transfer_rows(report, [10, 100], repeats=3, min_reps=3)
     grouping_rows(report, [10_000], repeats=3)
     restore_rows(report, 32 * 2**20, 8, repeats=2)
     save_rows(report, 32 * 2**20, 16, repeats=2)
-    save_rows(report, 4 * 2**20, 1000, repeats=2)
+    save_rows(report, 2**20, 100, repeats=2)
   else:
     transfer_rows(report, [10, 100, 1000], repeats=30)
     grouping_rows(report, [10_000, 100_000], repeats=7)
