@@ -27,9 +27,6 @@ def test_trace_context_and_the_axis_env():
   assert [n for n, v in zip(names, ctx) if v is env] == ["axis_env_state"]
   assert ji.current_axis_env() is env  # interned
   assert ji.axis_env_in(ctx) is env
-  rest = ji.without_axis_env(ctx, env)
-  assert len(rest) == len(ctx) - 1 and all(v is not env for v in rest)
-  assert ji.without_axis_env(ctx + (env,), env) is None  # ambiguous
   seen = []
   jax.vmap(lambda x: seen.append(ji.current_axis_env()) or x, axis_name="i")(
     jnp.ones(3)
@@ -44,13 +41,6 @@ def test_trace_context_and_the_axis_env():
 
 
 def test_axis_env_helpers():
-  env = ji.make_axis_env({"i": 4}, frozenset(), frozenset())
-  assert ji.axis_env_parts(env) == ({"i": 4}, frozenset(), frozenset())
-  seen = []
-  with ji.axis_env_set(env):
-    seen.append(ji.current_axis_env())
-    assert env in ji.trace_context()
-  assert seen[0] is env and ji.current_axis_env() is not env
   with ji.extend_axis_env([("j", 2)]):
     assert ji.axis_env_parts(ji.current_axis_env())[0] == {"j": 2}
 
@@ -70,10 +60,8 @@ def test_value_types_of_the_fingerprint():
   assert all(isinstance(e, ji.Effect) for e in eqns["debug_print"].effects)
   assert isinstance(eqns["jit"].params["in_shardings"][0], ji.UnspecifiedValue)
   assert isinstance(eqns["jit"].params["compiler_options_kvs"], tuple)
-  assert isinstance(
-    ji.make_axis_env({"i": 1}, frozenset(), frozenset()).axis_sizes,
-    ji.FrozenDict,
-  )
+  with ji.extend_axis_env([("i", 1)]):
+    assert isinstance(ji.current_axis_env().axis_sizes, ji.FrozenDict)
   assert ji.Layout is jax.experimental.layout.Layout
   assert ji.Format is jax.experimental.layout.Format
 

@@ -98,6 +98,13 @@ def compile_exported(
     )
 
 
+def platform_name(device: Any) -> str:
+  """The platform of ``device`` as lowering names it (``cuda``, not
+  ``gpu``)."""
+  platform = device.platform
+  return "cuda" if platform == "gpu" else platform
+
+
 def default_platform() -> str:
   """This process's default platform, as lowering names it (``cuda``, not
   ``gpu``)."""
