@@ -434,16 +434,20 @@ def test_trace_keeps_options_of_a_jit_cache_function():
   )
 
 
-def test_lower_has_no_private_parameter():
-  # Export lowering parameters are jit_cache's business (its jax_internals):
-  # no public lower() signature carries JAX's private parameter.
+def test_lower_takes_stocks_parameters():
+  # Traced.lower has stock's signature, JAX's private parameter included
+  # (jax.export passes it to any Traced); lowering stays stock's.
   import inspect
+
+  import jax
 
   from jaxworks import jit_cache
 
-  traced = sa.trace(lambda x: jnp.sin(x) * 2, np.ones(3, np.float32))
-  assert list(inspect.signature(traced.lower).parameters) == [
-    "lowering_platforms"
+  x = np.ones(3, np.float32)
+  traced = sa.trace(lambda v: jnp.sin(v) * 2, x)
+  params = lambda f: [  # noqa: E731
+    (p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()
   ]
+  assert params(traced.lower) == params(jax.jit(lambda v: v).trace(x).lower)
   assert sa.Lowered is jit_cache.Lowered and sa.Compiled is jit_cache.Compiled
   assert "stablehlo.sine" in traced.lower().as_text()
