@@ -260,3 +260,18 @@ def test_compile_with_device_assignment_of_an_abstract_mesh_lowering():
     )
     results.append(_bits(compiled(arr)))
   assert results[0] == results[1]
+
+
+def test_argument_layout_is_part_of_the_executable_key():
+  from jax.experimental.layout import Format  # pylint: disable=g-import-not-at-top
+  from jax.experimental.layout import Layout  # pylint: disable=g-import-not-at-top
+
+  def run(jit_):
+    g = jit_(lambda a, b: a @ b)
+    dev = jax.devices()[0]
+    a = jax.device_put(jnp.arange(12.0).reshape(3, 4), dev)
+    b = jax.device_put(jnp.ones((4, 2)), dev)
+    col = jax.device_put(a, Format(Layout(major_to_minor=(1, 0)), a.sharding))
+    return [_bits(g(a, b)), _bits(g(col, b)), _bits(g(a, b))]
+
+  _both(run)

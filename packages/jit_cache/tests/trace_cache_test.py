@@ -193,7 +193,8 @@ def test_trace_lower_takes_stocks_parameters_and_lowers_as_stock():
   x = jnp.ones(4)
   traced = f.trace(x)
   params = lambda f: [  # noqa: E731
-    (p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()
+    (p.name, p.kind, p.default)
+    for p in inspect.signature(f).parameters.values()
   ]
   assert params(traced.lower) == params(jax.jit(jnp.sin).trace(x).lower)
   for platforms in (None, ("cpu",), ("cpu", "cuda")):

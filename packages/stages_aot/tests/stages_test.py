@@ -446,7 +446,8 @@ def test_lower_takes_stocks_parameters():
   x = np.ones(3, np.float32)
   traced = sa.trace(lambda v: jnp.sin(v) * 2, x)
   params = lambda f: [  # noqa: E731
-    (p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()
+    (p.name, p.kind, p.default)
+    for p in inspect.signature(f).parameters.values()
   ]
   assert params(traced.lower) == params(jax.jit(lambda v: v).trace(x).lower)
   assert sa.Lowered is jit_cache.Lowered and sa.Compiled is jit_cache.Compiled

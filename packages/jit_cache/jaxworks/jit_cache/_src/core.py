@@ -420,15 +420,18 @@ class _JitCore:
   def _executable(
     self, entry: _cache.Entry, leaves: list, ctx: Any
   ) -> _executables.Executable:
+    # Placement: shardings, committedness and context (the signature), and
+    # the layouts of committed arrays, which stock's lowering reads too.
     placement = _sig.signature(leaves, ctx)
-    exe = entry.executables.get(placement)
+    key = (placement, ji.layouts_key(leaves))
+    exe = entry.executables.get(key)
     if exe is not None:
       return exe
     with entry.lock:
-      exe = entry.executables.get(placement)
+      exe = entry.executables.get(key)
       if exe is None:
-        exe = _executables.build(entry, leaves, placement, self._counters)
-        entry.executables[placement] = exe
+        exe = _executables.build(entry, leaves, key, self._counters)
+        entry.executables[key] = exe
         if len(entry.executables) > _executables.EXECUTABLES_PER_ENTRY:
           entry.executables.popitem(last=False)
     return exe

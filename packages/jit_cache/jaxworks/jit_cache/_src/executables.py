@@ -141,7 +141,7 @@ def build(
     not program.pins
     and not params.pins
     and program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES
-    and _fingerprint.plain(placement.extra.values)
+    and _fingerprint.plain(placement[0].extra.values)
   )
   if keep and _disk.enabled():  # a new process may load it (opt-in)
     build = _disk.wrap_build(
@@ -153,7 +153,7 @@ def build(
       leaves,
       program,
       params,
-      placement.extra.values,
+      placement[0].extra.values,
       (counters, _cache.GLOBAL_COUNTERS),
     )
   exe, reused = _cache.EXECUTABLES.get_or_build(

@@ -121,6 +121,22 @@ def clear_in_shardings_cache() -> None:
   _pjit._process_in_axis_resources.cache_clear()  # pylint: disable=protected-access
 
 
+_ArrayImpl = _array.ArrayImpl
+
+
+def layouts_key(leaves: Sequence[Any]) -> tuple | None:
+  """The layouts of the committed jax Arrays among ``leaves`` (what stock's
+  lowering reads from its arguments); None when there is none."""
+  out = None
+  for i, x in enumerate(leaves):
+    if type(x) is _ArrayImpl and x._committed:  # pylint: disable=protected-access,unidiomatic-typecheck
+      fmt = x.format
+      layout = None if fmt is None else fmt.layout
+      if layout is not None:
+        out = (out or ()) + ((i, layout),)
+  return out
+
+
 #: True at top level (no transformation or staging in progress).
 trace_state_clean: Callable[[], bool] = _core.trace_state_clean
 
