@@ -136,13 +136,16 @@ def _numpy_args(args, jit_kwargs):
 
 
 def _column_major(args, jit_kwargs):
-  """Gives the first 2-D array argument a column-major ``Format``."""
+  """Gives the first 2-D array argument a column-major ``Format``, commits
+  the others."""
   del jit_kwargs
   done = []
 
   def fmt(a):
-    if done or not isinstance(a, jax.Array) or a.ndim != 2:
+    if not isinstance(a, jax.Array) or a.ndim != 2:
       return a
+    if done:  # committed like the first, default layout
+      return jax.device_put(a, a.sharding)
     done.append(a)
     return jax.device_put(a, Format(Layout(major_to_minor=(1, 0)), a.sharding))
 
@@ -150,13 +153,13 @@ def _column_major(args, jit_kwargs):
 
 
 def _row_major(args, jit_kwargs):
-  """Commits every 2-D array argument with its default (row-major) layout."""
+  """Commits every 2-D array argument, its layout left the default."""
   del jit_kwargs
 
   def fmt(a):
     if not isinstance(a, jax.Array) or a.ndim != 2:
       return a
-    return jax.device_put(a, Format(Layout(major_to_minor=(0, 1)), a.sharding))
+    return jax.device_put(a, a.sharding)
 
   return _map_arrays(fmt, args)
 
@@ -366,9 +369,9 @@ def dimensions() -> dict[str, Dimension]:
       State("precision bfloat16", lambda: jax.default_matmul_precision("bfloat16")),
     ), frozenset({"matrix", "linalg", "precision"})),
     Dimension("layout_column_major", (
-      State("default layout"),
+      State("default layout, committed", prep=_row_major),
       State("column-major Format", prep=_column_major),
-      State("row-major Format, committed", prep=_row_major),
+      State("default layout, uncommitted"),
     ), frozenset({"matrix", "sharded"})),
     Dimension("committed", (
       State("uncommitted"),
