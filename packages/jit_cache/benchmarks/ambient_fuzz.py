@@ -34,18 +34,39 @@ import ambient_harness as harness
 def _parse(argv):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-  p.add_argument("--cases", type=int, default=200,
-                 help="number of random cases (default 200)")
-  p.add_argument("--max-dims", type=int, default=3,
-                 help="most dimensions combined in one case (default 3)")
-  p.add_argument("--case", action="append", default=[],
-                 help="run this case key (as printed) instead; repeatable")
-  p.add_argument("--keep-caches", action="store_true",
-                 help="do not clear jaxworks' caches between cases")
-  p.add_argument("--no-shrink", action="store_true",
-                 help="print mismatches without shrinking them")
-  p.add_argument("--list", action="store_true",
-                 help="list the programs and dimensions, then exit")
+  p.add_argument(
+    "--cases",
+    type=int,
+    default=200,
+    help="number of random cases (default 200)",
+  )
+  p.add_argument(
+    "--max-dims",
+    type=int,
+    default=3,
+    help="most dimensions combined in one case (default 3)",
+  )
+  p.add_argument(
+    "--case",
+    action="append",
+    default=[],
+    help="run this case key (as printed) instead; repeatable",
+  )
+  p.add_argument(
+    "--keep-caches",
+    action="store_true",
+    help="do not clear jaxworks' caches between cases",
+  )
+  p.add_argument(
+    "--no-shrink",
+    action="store_true",
+    help="print mismatches without shrinking them",
+  )
+  p.add_argument(
+    "--list",
+    action="store_true",
+    help="list the programs and dimensions, then exit",
+  )
   args = p.parse_args(argv)
   if args.cases < 0:
     p.error(f"--cases must be >= 0, got {args.cases}")
@@ -74,12 +95,18 @@ def main(argv=None) -> int:
     first = found[0] if args.no_shrink else harness.shrink(found[0])
     print(first.line(), flush=True)
     print("  " + first.repro(), flush=True)
-    cls = (first.case.program, first.case.dims, harness.diff(first.stock, first.ours))
+    cls = (
+      first.case.program,
+      first.case.dims,
+      harness.diff(first.stock, first.ours),
+    )
     classes.setdefault(cls, first)
     print(f"  [{n}/{len(cases)}]", flush=True)
   took = time.perf_counter() - t0
-  print(f"{len(cases)} cases in {took:.1f} s; {len(classes)} distinct "
-        f"mismatch classes (program, dimensions, first differing field):")
+  print(
+    f"{len(cases)} cases in {took:.1f} s; {len(classes)} distinct "
+    f"mismatch classes (program, dimensions, first differing field):"
+  )
   for (prog, dims, field), m in sorted(classes.items()):
     print(f"  {prog} under {'+'.join(dims)}: {field}: {m.repro()}")
   return 1 if classes else 0

@@ -9,9 +9,10 @@ step runs, inside that step's ambient state (so ``default_device``, x64 and
 ``set_mesh`` apply to them as they would in user code).
 """
 
+from collections.abc import Callable
 import dataclasses
 import struct
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax import lax
@@ -112,9 +113,7 @@ def p_linalg_qr(v):
 @program("linalg", "matrix")
 def p_linalg_cholesky(v):
   del v
-  return Inst(
-    lambda a: jnp.linalg.cholesky(a), lambda: (jnp.asarray(_spd()),)
-  )
+  return Inst(lambda a: jnp.linalg.cholesky(a), lambda: (jnp.asarray(_spd()),))
 
 
 @program("linalg", "matrix")
@@ -204,7 +203,9 @@ def p_debug_callback(v):
   del v
 
   def f(x):
-    jax.debug.callback(lambda y: SINK.append(("debug", np.asarray(y).tobytes())), x)
+    jax.debug.callback(
+      lambda y: SINK.append(("debug", np.asarray(y).tobytes())), x
+    )
     return x * 3
 
   return Inst(f, lambda: (jnp.arange(3.0),))
@@ -270,7 +271,9 @@ def p_custom_jvp_grad(v):
     return jnp.sin(x)
 
   g.defjvp(lambda p, t: (g(p[0]), 2.0 * t[0]))
-  return Inst(lambda x: jax.grad(lambda y: g(y).sum())(x), lambda: (jnp.arange(3.0),))
+  return Inst(
+    lambda x: jax.grad(lambda y: g(y).sum())(x), lambda: (jnp.arange(3.0),)
+  )
 
 
 @program("autodiff")
@@ -282,7 +285,9 @@ def p_custom_vjp_grad(v):
     return x * x
 
   g.defvjp(lambda x: (x * x, x), lambda r, ct: (ct * 3.0 * r,))
-  return Inst(lambda x: jax.grad(lambda y: g(y).sum())(x), lambda: (jnp.arange(3.0),))
+  return Inst(
+    lambda x: jax.grad(lambda y: g(y).sum())(x), lambda: (jnp.arange(3.0),)
+  )
 
 
 @program("autodiff")
@@ -320,7 +325,9 @@ def p_cond(v):
 def p_while_loop(v):
   del v
   return Inst(
-    lambda x: lax.while_loop(lambda c: c[0] < 10, lambda c: (c[0] + 1, c[1] * 1.5), (0, x)),
+    lambda x: lax.while_loop(
+      lambda c: c[0] < 10, lambda c: (c[0] + 1, c[1] * 1.5), (0, x)
+    ),
     lambda: (jnp.arange(3.0),),
   )
 
@@ -418,13 +425,17 @@ def p_mesh_probe(v):
 @program("sharded")
 def p_sharded_elementwise(v):
   del v
-  return Inst(lambda x: jnp.tanh(x) * 2, lambda: (jnp.arange(16.0).reshape(8, 2),))
+  return Inst(
+    lambda x: jnp.tanh(x) * 2, lambda: (jnp.arange(16.0).reshape(8, 2),)
+  )
 
 
 @program("sharded")
 def p_sharded_reduce(v):
   del v
-  return Inst(lambda x: (x.sum(0), x.max()), lambda: (jnp.arange(16.0).reshape(8, 2),))
+  return Inst(
+    lambda x: (x.sum(0), x.max()), lambda: (jnp.arange(16.0).reshape(8, 2),)
+  )
 
 
 @program("sharded", "mesh")
@@ -589,7 +600,8 @@ def p_weak_scalar(v):
 def p_int8_promotion(v):
   del v
   return Inst(
-    lambda x, y: (x + 3, x * y), lambda: (jnp.int8(5), jnp.arange(3, dtype=jnp.int8))
+    lambda x, y: (x + 3, x * y),
+    lambda: (jnp.int8(5), jnp.arange(3, dtype=jnp.int8)),
   )
 
 
@@ -602,9 +614,7 @@ def p_arange_in_body(v):
 @program("dtype")
 def p_rank_promotion(v):
   del v
-  return Inst(
-    lambda x, y: x + y, lambda: (jnp.ones((3, 2)), jnp.arange(2.0))
-  )
+  return Inst(lambda x, y: x + y, lambda: (jnp.ones((3, 2)), jnp.arange(2.0)))
 
 
 @program("dtype")

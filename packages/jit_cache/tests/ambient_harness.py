@@ -20,19 +20,20 @@ host callbacks saw, and the exception class when either raises.
 case with the ``ambient_fuzz`` binary.
 """
 
+from collections.abc import Callable
+from collections.abc import Iterator
 import contextlib
 import dataclasses
 import itertools
 import random
-from typing import Any, Callable, Iterator
+from typing import Any
 
+import ambient_corpus as corpus
 import jax
 from jax.experimental.layout import Format
 from jax.experimental.layout import Layout
-import jax.numpy as jnp
 import numpy as np
 
-import ambient_corpus as corpus
 from jaxworks import jit_cache
 from jaxworks.jit_cache._src import jax_internals as ji
 
@@ -115,7 +116,8 @@ def _commit(dev_index):
     dev = _devices()[dev_index]
     return tuple(
       _map_arrays(lambda a: jax.device_put(a, dev), a)
-      if i in _dynamic(args, jit_kwargs) else a
+      if i in _dynamic(args, jit_kwargs)
+      else a
       for i, a in enumerate(args)
     )
 
@@ -299,119 +301,216 @@ def dimensions() -> dict[str, Dimension]:
   all8 = lambda: devs()
   perm8 = lambda: [devs()[i] for i in (1, 0, 3, 2, 5, 4, 7, 6)]
   dims = [
-    Dimension("set_mesh_other_devices", (
-      State("set_mesh(first4)", _set_mesh(first4)),
-      State("set_mesh(last4)", _set_mesh(last4)),
-    )),
-    Dimension("set_mesh_permuted", (
-      State("set_mesh(first4)", _set_mesh(first4)),
-      State("set_mesh(first4 reversed)", _set_mesh(rev4)),
-    )),
-    Dimension("set_mesh_2d", (
-      State("set_mesh(2x4 i,k)", _set_mesh(all8, ("i", "k"), (2, 4))),
-      State("set_mesh(2x4 i,k permuted)", _set_mesh(perm8, ("i", "k"), (2, 4))),
-    )),
-    Dimension("set_mesh_vs_none", (
-      State("no mesh"),
-      State("set_mesh(all8)", _set_mesh(all8)),
-    )),
-    Dimension("with_mesh_permuted", (
-      State("with mesh(all8)", _with_mesh(all8)),
-      State("with mesh(all8 permuted)", _with_mesh(perm8)),
-    )),
-    Dimension("abstract_mesh", (
-      State("no mesh"),
-      State("use_abstract_mesh(8 i)", _abstract_mesh((8,), ("i",))),
-    ), frozenset({"mesh", "axis"})),
-    Dimension("axis_vmap", (
-      State("j unbound"),
-      State("vmap(axis_name=j)", wrap=_under_vmap("j")),
-    )),
-    Dimension("axis_vmap_other_name", (
-      State("vmap(axis_name=k)", wrap=_under_vmap("k")),
-      State("vmap(axis_name=j)", wrap=_under_vmap("j")),
-    )),
-    Dimension("outer_jit_vs_vmap", (
-      State("under outer jax.jit", wrap=_under_outer_jit),
-      State("vmap(axis_name=j)", wrap=_under_vmap("j")),
-    )),
-    Dimension("axis_shard_map", (
-      State("j unbound"),
-      State("shard_map(axis j)", wrap=_under_shard_map("j")),
-    )),
-    Dimension("axis_shard_map_other_name", (
-      State("shard_map(axis k)", wrap=_under_shard_map("k")),
-      State("shard_map(axis j)", wrap=_under_shard_map("j")),
-    ), frozenset({"axis"})),
-    Dimension("debug_nans", (
-      State("debug_nans off"),
-      State("debug_nans on", lambda: jax.debug_nans(True)),
-    )),
-    Dimension("debug_infs", (
-      State("debug_infs off"),
-      State("debug_infs on", lambda: jax.debug_infs(True)),
-    )),
-    Dimension("transfer_guard", (
-      State("transfer_guard allow", lambda: jax.transfer_guard("allow")),
-      State("transfer_guard disallow", lambda: jax.transfer_guard("disallow")),
-    )),
-    Dimension("transfer_guard_numpy", (
-      State("numpy args, allow", prep=_numpy_args),
-      State("numpy args, disallow", lambda: jax.transfer_guard("disallow"),
-            prep=_numpy_args),
-    )),
-    Dimension("default_device", (
-      State("default_device(0)", _first_device()),
-      State("default_device(5)", _nearby_device()),
-    )),
-    Dimension("matmul_precision", (
-      State("precision highest", lambda: jax.default_matmul_precision("highest")),
-      State("precision bfloat16", lambda: jax.default_matmul_precision("bfloat16")),
-    ), frozenset({"matrix", "linalg", "precision"})),
-    Dimension("layout_column_major", (
-      State("default layout, committed", prep=_row_major),
-      State("column-major Format", prep=_column_major),
-      State("default layout, uncommitted"),
-    ), frozenset({"matrix", "sharded"})),
-    Dimension("committed", (
-      State("uncommitted"),
-      State("committed to device 2", prep=_commit(2)),
-    )),
-    Dimension("committed_devices", (
-      State("committed to device 1", prep=_commit(1)),
-      State("committed to device 6", prep=_commit(6)),
-    )),
-    Dimension("sharded_args", (
-      State("sharded over all8", prep=_sharded(all8)),
-      State("sharded over all8 permuted", prep=_sharded(perm8)),
-    )),
-    Dimension("shape_dtype_struct_args", (
-      State("array args"),
-      State("ShapeDtypeStruct args", prep=_sds),
-    )),
-    Dimension("closure_variant", (
-      State("variant 0", variant=0),
-      State("variant 1", variant=1),
-    ), frozenset({"consts", "ref"})),
-    Dimension("user_context", (
-      State("user_context None"),
-      State("user_context 1", lambda: USER(1)),
-    )),
-    Dimension("xla_metadata", (
-      State("no xla metadata"),
-      State("xla_metadata(a=1)", lambda: _xla_metadata()),
-    )),
+    Dimension(
+      "set_mesh_other_devices",
+      (
+        State("set_mesh(first4)", _set_mesh(first4)),
+        State("set_mesh(last4)", _set_mesh(last4)),
+      ),
+    ),
+    Dimension(
+      "set_mesh_permuted",
+      (
+        State("set_mesh(first4)", _set_mesh(first4)),
+        State("set_mesh(first4 reversed)", _set_mesh(rev4)),
+      ),
+    ),
+    Dimension(
+      "set_mesh_2d",
+      (
+        State("set_mesh(2x4 i,k)", _set_mesh(all8, ("i", "k"), (2, 4))),
+        State(
+          "set_mesh(2x4 i,k permuted)", _set_mesh(perm8, ("i", "k"), (2, 4))
+        ),
+      ),
+    ),
+    Dimension(
+      "set_mesh_vs_none",
+      (
+        State("no mesh"),
+        State("set_mesh(all8)", _set_mesh(all8)),
+      ),
+    ),
+    Dimension(
+      "with_mesh_permuted",
+      (
+        State("with mesh(all8)", _with_mesh(all8)),
+        State("with mesh(all8 permuted)", _with_mesh(perm8)),
+      ),
+    ),
+    Dimension(
+      "abstract_mesh",
+      (
+        State("no mesh"),
+        State("use_abstract_mesh(8 i)", _abstract_mesh((8,), ("i",))),
+      ),
+      frozenset({"mesh", "axis"}),
+    ),
+    Dimension(
+      "axis_vmap",
+      (
+        State("j unbound"),
+        State("vmap(axis_name=j)", wrap=_under_vmap("j")),
+      ),
+    ),
+    Dimension(
+      "axis_vmap_other_name",
+      (
+        State("vmap(axis_name=k)", wrap=_under_vmap("k")),
+        State("vmap(axis_name=j)", wrap=_under_vmap("j")),
+      ),
+    ),
+    Dimension(
+      "outer_jit_vs_vmap",
+      (
+        State("under outer jax.jit", wrap=_under_outer_jit),
+        State("vmap(axis_name=j)", wrap=_under_vmap("j")),
+      ),
+    ),
+    Dimension(
+      "axis_shard_map",
+      (
+        State("j unbound"),
+        State("shard_map(axis j)", wrap=_under_shard_map("j")),
+      ),
+    ),
+    Dimension(
+      "axis_shard_map_other_name",
+      (
+        State("shard_map(axis k)", wrap=_under_shard_map("k")),
+        State("shard_map(axis j)", wrap=_under_shard_map("j")),
+      ),
+      frozenset({"axis"}),
+    ),
+    Dimension(
+      "debug_nans",
+      (
+        State("debug_nans off"),
+        State("debug_nans on", lambda: jax.debug_nans(True)),
+      ),
+    ),
+    Dimension(
+      "debug_infs",
+      (
+        State("debug_infs off"),
+        State("debug_infs on", lambda: jax.debug_infs(True)),
+      ),
+    ),
+    Dimension(
+      "transfer_guard",
+      (
+        State("transfer_guard allow", lambda: jax.transfer_guard("allow")),
+        State(
+          "transfer_guard disallow", lambda: jax.transfer_guard("disallow")
+        ),
+      ),
+    ),
+    Dimension(
+      "transfer_guard_numpy",
+      (
+        State("numpy args, allow", prep=_numpy_args),
+        State(
+          "numpy args, disallow",
+          lambda: jax.transfer_guard("disallow"),
+          prep=_numpy_args,
+        ),
+      ),
+    ),
+    Dimension(
+      "default_device",
+      (
+        State("default_device(0)", _first_device()),
+        State("default_device(5)", _nearby_device()),
+      ),
+    ),
+    Dimension(
+      "matmul_precision",
+      (
+        State(
+          "precision highest", lambda: jax.default_matmul_precision("highest")
+        ),
+        State(
+          "precision bfloat16", lambda: jax.default_matmul_precision("bfloat16")
+        ),
+      ),
+      frozenset({"matrix", "linalg", "precision"}),
+    ),
+    Dimension(
+      "layout_column_major",
+      (
+        State("default layout, committed", prep=_row_major),
+        State("column-major Format", prep=_column_major),
+        State("default layout, uncommitted"),
+      ),
+      frozenset({"matrix", "sharded"}),
+    ),
+    Dimension(
+      "committed",
+      (
+        State("uncommitted"),
+        State("committed to device 2", prep=_commit(2)),
+      ),
+    ),
+    Dimension(
+      "committed_devices",
+      (
+        State("committed to device 1", prep=_commit(1)),
+        State("committed to device 6", prep=_commit(6)),
+      ),
+    ),
+    Dimension(
+      "sharded_args",
+      (
+        State("sharded over all8", prep=_sharded(all8)),
+        State("sharded over all8 permuted", prep=_sharded(perm8)),
+      ),
+    ),
+    Dimension(
+      "shape_dtype_struct_args",
+      (
+        State("array args"),
+        State("ShapeDtypeStruct args", prep=_sds),
+      ),
+    ),
+    Dimension(
+      "closure_variant",
+      (
+        State("variant 0", variant=0),
+        State("variant 1", variant=1),
+      ),
+      frozenset({"consts", "ref"}),
+    ),
+    Dimension(
+      "user_context",
+      (
+        State("user_context None"),
+        State("user_context 1", lambda: USER(1)),
+      ),
+    ),
+    Dimension(
+      "xla_metadata",
+      (
+        State("no xla metadata"),
+        State("xla_metadata(a=1)", lambda: _xla_metadata()),
+      ),
+    ),
   ]
   for name, alt in trace_context_flags():
-    dims.append(Dimension(f"cfg:{name}", (
-      State(f"{name} default"),
-      State(f"{name}={alt!r}", (lambda n=name, a=alt: _config(n, a))),
-    )))
+    dims.append(
+      Dimension(
+        f"cfg:{name}",
+        (
+          State(f"{name} default"),
+          State(f"{name}={alt!r}", (lambda n=name, a=alt: _config(n, a))),
+        ),
+      )
+    )
   return {d.name: d for d in dims}
 
 
 def _xla_metadata():
   from jax.experimental import xla_metadata  # pylint: disable=g-import-not-at-top
+
   return xla_metadata.set_xla_metadata(a=1)
 
 
@@ -429,24 +528,33 @@ def _leaf_summary(x):
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
       data = jax.random.key_data(x)
     host = np.asarray(data)
-    shards = tuple(
-      (s.device.id, str(s.index)) for s in x.addressable_shards
-    )
+    shards = tuple((s.device.id, str(s.index)) for s in x.addressable_shards)
     sharding = x.sharding
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
     mesh_desc = None
     if mesh is not None:
-      mesh_desc = (tuple(mesh.axis_names), tuple(mesh.devices.shape),
-                   tuple(d.id for d in mesh.devices.flat))
+      mesh_desc = (
+        tuple(mesh.axis_names),
+        tuple(mesh.devices.shape),
+        tuple(d.id for d in mesh.devices.flat),
+      )
     try:
       layout = str(x.format.layout)
     except Exception as e:  # pylint: disable=broad-except
       layout = f"<{type(e).__name__}>"
     return (
-      "Array", str(dtype), tuple(x.shape), jax.typeof(x).weak_type,
-      _bits(host), type(sharding).__name__,
-      str(spec), mesh_desc, shards, x.committed, layout,
+      "Array",
+      str(dtype),
+      tuple(x.shape),
+      jax.typeof(x).weak_type,
+      _bits(host),
+      type(sharding).__name__,
+      str(spec),
+      mesh_desc,
+      shards,
+      x.committed,
+      layout,
     )
   if isinstance(x, np.ndarray):
     return ("ndarray", str(x.dtype), x.shape, _bits(x))
@@ -467,8 +575,12 @@ def outcome(fn: Callable[[], Any]) -> tuple:
       pass
     return ("raises", type(e).__module__ + "." + type(e).__qualname__)
   leaves, tree = jax.tree.flatten(out)
-  return ("ok", str(tree), tuple(_leaf_summary(l) for l in leaves),
-          tuple(corpus.SINK))
+  return (
+    "ok",
+    str(tree),
+    tuple(_leaf_summary(l) for l in leaves),
+    tuple(corpus.SINK),
+  )
 
 
 def short(o: tuple, limit: int = 300) -> str:
@@ -500,8 +612,19 @@ def diff(a: tuple, b: tuple) -> str:
     return "outcome"
   if a[1] != b[1]:
     return "tree"
-  names = ("kind", "dtype", "shape", "weak_type", "bits", "sharding type",
-           "spec", "mesh devices", "shard devices", "committed", "layout")
+  names = (
+    "kind",
+    "dtype",
+    "shape",
+    "weak_type",
+    "bits",
+    "sharding type",
+    "spec",
+    "mesh devices",
+    "shard devices",
+    "committed",
+    "layout",
+  )
   for i, (x, y) in enumerate(zip(a[2], b[2])):
     for name, u, w in zip(names, x, y):
       if u != w:
@@ -561,9 +684,12 @@ def repro_line(case: Case) -> str:
   )
 
 
-def cases_for(program: str, dims: tuple[str, ...],
-              table: dict[str, Dimension] | None = None,
-              picks: tuple[tuple[int, int], ...] | None = None) -> list[Case]:
+def cases_for(
+  program: str,
+  dims: tuple[str, ...],
+  table: dict[str, Dimension] | None = None,
+  picks: tuple[tuple[int, int], ...] | None = None,
+) -> list[Case]:
   """Both orders x both modes of ``program`` under ``dims`` (states A, B).
 
   ``picks`` gives, per dimension, the indices of its states A and B
@@ -584,7 +710,7 @@ def parse_case(key: str, table: dict[str, Dimension] | None = None) -> Case:
   """Inverse of ``Case.key``."""
   prog = key.split(":")[0]
   # Dimension names may hold ':' (cfg:...): split from the right.
-  dims_s, label, mode = key[len(prog) + 1:].rsplit(":", 2)
+  dims_s, label, mode = key[len(prog) + 1 :].rsplit(":", 2)
   dims, picks = [], []
   for d in dims_s.split("+"):
     name, _, p = d.partition("@")
@@ -648,7 +774,8 @@ def run_case(case: Case, fresh: bool = True) -> list[Mismatch]:
   ours = _run(case, jit_cache.jit)
   return [
     Mismatch(case, i, s, o)
-    for i, (s, o) in enumerate(zip(stock, ours)) if s != o
+    for i, (s, o) in enumerate(zip(stock, ours))
+    if s != o
   ]
 
 
@@ -682,8 +809,16 @@ def random_cases(seed: int, n: int, max_dims: int = 3) -> Iterator[Case]:
 
 
 def _family(dim: str) -> str:
-  for fam in ("mesh", "axis", "transfer_guard", "committed", "sharded",
-              "shape_dtype", "layout", "default_device"):
+  for fam in (
+    "mesh",
+    "axis",
+    "transfer_guard",
+    "committed",
+    "sharded",
+    "shape_dtype",
+    "layout",
+    "default_device",
+  ):
     if fam in dim:
       return fam
   return dim

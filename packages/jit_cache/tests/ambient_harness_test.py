@@ -20,11 +20,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import random
 
+import ambient_corpus as corpus
+import ambient_harness as harness
 import jax
 import pytest
 
-import ambient_corpus as corpus
-import ambient_harness as harness
 from jaxworks.jit_cache._src import jax_internals as ji
 
 SEED = 0
@@ -129,7 +129,8 @@ def test_every_trace_context_entry_is_a_dimension():
   names = ji.trace_context_names()
   assert "jax_enable_x64" in names and "axis_env_state" in names
   missing = [
-    n for n in names
+    n
+    for n in names
     if f"cfg:{n}" not in table
     and n not in harness.NON_FLAG_CONTEXT
     and n not in harness.SKIPPED_FLAGS
@@ -176,9 +177,7 @@ def test_case_keys_round_trip():
     ]
 
 
-@pytest.mark.parametrize(
-  "prog,dim", PAIRS, ids=[f"{d}-{p}" for p, d in PAIRS]
-)
+@pytest.mark.parametrize("prog,dim", PAIRS, ids=[f"{d}-{p}" for p, d in PAIRS])
 def test_ambient(prog, dim):
   table = harness.dimensions()
   found = []
