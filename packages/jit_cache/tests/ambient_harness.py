@@ -234,6 +234,8 @@ def _first_device():
 # Alternative values of trace-context options that are not booleans.
 _ALTERNATIVES = {
   "jax_random_seed_offset": 7,
+  "jax_optimization_level": "O1",
+  "jax_memory_fitting_level": "O1",
   "jax_embedded_constants_max_bytes": 0,
   "jax_pgle_profiling_runs": 1,
   "jax_explicit_x64_dtypes": "allow",
@@ -259,6 +261,7 @@ NON_FLAG_CONTEXT = {
   "user_context": "dimension user_context",
   "axis_env_state": "dimensions axis_vmap, axis_shard_map",
   "jax_default_device": "dimension default_device (and cfg: below)",
+  "concrete mesh (jax.set_mesh)": "dimensions set_mesh_*",
 }
 
 # Flags whose alternative value cannot run a program here.
