@@ -208,7 +208,7 @@ def test_jax_export_of_a_jaxworks_jit_equals_stocks():
 
 
 def test_private_lowering_parameters_are_honoured():
-  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
 
   x = jnp.ones(3)
   params = mlir.LoweringParameters(for_export=True)

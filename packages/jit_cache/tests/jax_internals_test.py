@@ -14,6 +14,7 @@ import jax.experimental.layout
 from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxworks.jit_cache._src import jax_internals as ji
 
@@ -368,3 +369,43 @@ def test_primitive_modules_define_primitives():
     jax.lax.sin_p
     is vars(importlib.import_module(ji.PRIMITIVE_MODULES[0]))["sin_p"]
   )
+
+
+def test_jit_only_key_states_are_in_the_context():
+  names = ji.trace_context_names()
+  assert names[-3:] == (
+    "concrete mesh (jax.set_mesh)",
+    "jax_optimization_level",
+    "jax_memory_fitting_level",
+  )
+  mesh = jax.make_mesh((2,), ("i",), devices=jax.devices()[:2])
+  before = ji.trace_context()
+  with jax.set_mesh(mesh):
+    inside = ji.trace_context()
+  assert inside[-3] == mesh and before[-3] != mesh
+  assert ji.trace_context() == before
+
+
+def test_argument_checks_and_layouts():
+  x = jnp.ones((2, 3))
+  assert (
+    type(x) in ji.shard_arg_handlers and np.ndarray in ji.shard_arg_handlers
+  )
+  assert ji.can_pass_to_executable(1.5) and ji.can_pass_to_executable(x)
+  assert not ji.can_pass_to_executable(jax.ShapeDtypeStruct((2,), jnp.float32))
+  assert ji.layouts_key([x, 1.0]) is None  # uncommitted
+  y = jax.device_put(x, jax.devices()[0])
+  key = ji.layouts_key([1.0, y])
+  assert key is not None and key[0][0] == 1 and key[0][1] == y.format.layout
+
+
+def test_static_eq_collision_is_recognised_and_the_cache_clears():
+  text = (
+    "Exception raised while checking equality of metadata fields of pytree. "
+    "Make sure that metadata fields are hashable"
+  )
+  assert ji.is_static_eq_collision(ValueError(text))
+  assert not ji.is_static_eq_collision(ValueError("other"))
+  jax.jit(lambda x, s: x, static_argnums=1).trace(jnp.ones(1), "static")
+  ji.clear_in_shardings_cache()  # the name exists and empties it
+  jax.jit(lambda x, s: x, static_argnums=1).trace(jnp.ones(1), "static")

@@ -116,24 +116,31 @@ def _rss_mib() -> float:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def test_six_hundred_dead_closures_cost_what_the_bound_allows():
+def test_dead_closures_cost_what_the_byte_bound_allows():
   # Issue 21: 600 tiny distinct closures grew the process by 129 MiB (stock:
-  # 0.6 MiB): their executables stayed in a cache bounded by count alone.
+  # 0.6 MiB): their executables stayed in a cache bounded by count alone. With
+  # the old count bound (1024) and a byte bound of 8 MiB, 250 dead closures
+  # (about 50 MiB of executables) may grow the process by 8 MiB plus slack.
   jit_cache.clear_caches()
   x = jnp.ones(3)
   for k in range(20):  # warm up allocator and JAX's own caches
     jit(lambda v, k=k: v * float(-k) + 1.0)(x)
-  gc.collect()
-  before = _rss_mib()
-  for k in range(600):
-    jit(lambda v, k=k: v * float(k) + 1.0)(x)
-  gc.collect()
-  grown = _rss_mib() - before
-  bound = cache.DEFAULT_EXECUTABLE_MAXBYTES / 2**20
-  assert jit_cache.stats().executables <= cache.DEFAULT_EXECUTABLE_MAXSIZE
-  # The kept executables plus slack for JAX's own per-program caches; the
-  # bug grew by about 130 MiB.
-  assert grown < bound + 24, f"grew by {grown:.1f} MiB"
+  jit_cache.set_global_maxsize(executables=1024, executable_bytes=8 << 20)
+  try:
+    gc.collect()
+    before = _rss_mib()
+    for k in range(250):
+      jit(lambda v, k=k: v * float(k) + 1.0)(x)
+    gc.collect()
+    grown = _rss_mib() - before
+    assert cache.EXECUTABLES.nbytes <= 8 << 20
+    assert grown < 8 + 20, f"grew by {grown:.1f} MiB"
+  finally:
+    jit_cache.set_global_maxsize(
+      executables=cache.DEFAULT_EXECUTABLE_MAXSIZE,
+      executable_bytes=cache.DEFAULT_EXECUTABLE_MAXBYTES,
+    )
+    jit_cache.clear_caches()
 
 
 def test_deleted_functions_constants_are_freed():

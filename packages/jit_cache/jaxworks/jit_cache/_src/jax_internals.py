@@ -127,14 +127,14 @@ _ArrayImpl = _array.ArrayImpl
 def layouts_key(leaves: Sequence[Any]) -> tuple | None:
   """The layouts of the committed jax Arrays among ``leaves`` (what stock's
   lowering reads from its arguments); None when there is none."""
-  out = None
+  out: list[tuple[int, Any]] = []
   for i, x in enumerate(leaves):
     if type(x) is _ArrayImpl and x._committed:  # pylint: disable=protected-access,unidiomatic-typecheck
       fmt = x.format
       layout = None if fmt is None else fmt.layout
       if layout is not None:
-        out = (out or ()) + ((i, layout),)
-  return out
+        out.append((i, layout))
+  return tuple(out) if out else None
 
 
 #: True at top level (no transformation or staging in progress).
