@@ -35,6 +35,7 @@ from .api import place
 from .checkpoint import leaf_keys
 from .checkpoint import python_scalar_dtype
 from .progress import Progress
+from .transfer import placement_error
 
 _API = "jaxworks.batched_transfer"
 # The most bytes in one batch, whatever the budget: smaller batches let
@@ -276,9 +277,12 @@ def _validate(
       try:
         sharding.shard_shape(want_shape)
       except Exception as err:  # the sharding's own message says why
-        raise ValueError(
+        raise placement_error(
+          err,
+          sharding,
+          want_shape,
           f"{api}: the leaf at {where} with shape {want_shape} cannot be "
-          f"placed on {sharding}: {err}"
+          f"placed on {sharding}: {err}",
         ) from None
   return places
 
