@@ -94,7 +94,11 @@ CASES = {
     on(EXPLICIT, "x"),
     {},
   ),
-  "indivisible, mixed, explicit axis": lambda: (f32(3, 4), on(MIXED, "a", "b"), {}),
+  "indivisible, mixed, explicit axis": lambda: (
+    f32(3, 4),
+    on(MIXED, "a", "b"),
+    {},
+  ),
   "indivisible, mixed, auto axis": lambda: (f32(2, 6), on(MIXED, "a", "b"), {}),
   "indivisible, mixed, tuple": lambda: (f32(4), on(MIXED, ("a", "b")), {}),
   "indivisible, fewer devices": lambda: (f32(6), on(HALF, "x"), {}),

@@ -77,9 +77,9 @@ def test_a_checkpoint_replaced_while_restoring_is_read_whole_or_refused(
     # 300 restores that found a checkpoint (a save may be between deleting
     # the old one and renaming the new one in), 20 of them successful (a
     # restore that validated an even version raised).
-    while (
-      len(results) + len(errors) < 300 or len(results) < 20
-    ) and len(results) + len(errors) + missing < 100_000:
+    while (len(results) + len(errors) < 300 or len(results) < 20) and len(
+      results
+    ) + len(errors) + missing < 100_000:
       try:
         # One 64 KiB leaf per batch: reading and placing interleave.
         out = bt.restore(path, target, max_inflight_bytes=2**17)
@@ -167,7 +167,10 @@ def test_what_is_not_a_regular_file_is_refused_without_blocking(
   assert not thread.is_alive(), "restore blocked on a FIFO"
   (err,) = raised
   text = str(err)
-  assert text.startswith(API) and str(fifo if where != "checkpoint" else path) in text
+  assert (
+    text.startswith(API)
+    and str(fifo if where != "checkpoint" else path) in text
+  )
   assert "regular file" in text
 
 
@@ -220,9 +223,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
 
 
 def _growth_mib(path, how, n):
-  env = dict(
-    os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)
-  )
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
   out = subprocess.run(
     [sys.executable, "-c", _MEMORY_SCRIPT, str(path), how, str(n)],
     env=env,

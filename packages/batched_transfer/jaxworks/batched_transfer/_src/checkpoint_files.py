@@ -20,6 +20,7 @@ import os
 import stat
 import struct
 import threading
+import typing
 from typing import Any
 import zipfile
 import zlib
@@ -90,7 +91,9 @@ def stamp(st: os.stat_result) -> tuple[int, ...]:
   return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _open_file(name: str, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+def _open_file(
+  name: str, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
   """(descriptor, fstat) of a regular file; a FIFO's open does not block."""
   fd = os.open(name, _OPEN_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
   try:
@@ -490,7 +493,7 @@ class Files:
       array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
       view, done = flat.data, 0
       while done < flat.size:
-        n = f.readinto(view[done:])
+        n = typing.cast(Any, f).readinto(view[done:])  # a ZipExtFile
         if not n:
           raise EOFError(f"the data ends {flat.size - done} bytes early")
         done += n

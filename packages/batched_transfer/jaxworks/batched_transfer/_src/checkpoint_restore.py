@@ -177,7 +177,11 @@ def restore(
     ValueError: a key missing from or extra in the file, a shape or exact
       dtype that differs from the target's, or data shorter or longer than its
       header says (the message names the tree path and the file); raised
-      before any array is placed.
+      before any array is placed. Also a file that is not a regular file, or
+      one replaced or modified after it was validated (the data is read
+      through the descriptors validated: a checkpoint replaced at ``path``
+      meanwhile is read whole as validated); nothing stays placed.
+    FileNotFoundError: nothing at ``path``.
     TypeError: a target leaf with no shape and dtype.
   """
   api = f"{_API}.restore"
@@ -204,12 +208,27 @@ def restore(
   with files.open_checkpoint(api, path) as opened:
     files.apply_record(api, path, opened.stored, opened.record)
     places = _validate(
-      api, path, opened.stored, target, placement, keys, paths, leaves,
-      treedef, specs,
+      api,
+      path,
+      opened.stored,
+      target,
+      placement,
+      keys,
+      paths,
+      leaves,
+      treedef,
+      specs,
     )
     out = _stream(
-      api, opened.stored, keys, paths, places, specs, max_inflight_bytes,
-      read_threads, progress,
+      api,
+      opened.stored,
+      keys,
+      paths,
+      places,
+      specs,
+      max_inflight_bytes,
+      read_threads,
+      progress,
     )
   return treedef.unflatten(out)
 
