@@ -14,7 +14,6 @@ import jax.experimental.layout
 from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxworks.jit_cache._src import jax_internals as ji
 
