@@ -74,7 +74,9 @@ def _creation(make, **options):
     return type(e)
 
 
-@pytest.mark.parametrize("what", ["static_broadcasted_argnums", "donate_argnums"])
+@pytest.mark.parametrize(
+  "what", ["static_broadcasted_argnums", "donate_argnums"]
+)
 @pytest.mark.parametrize("value", ARGNUMS, ids=repr)
 def test_argnums_accepted_or_refused_as_stock(what, value):
   stock = _creation(jax.pmap, **{what: value})
@@ -112,15 +114,27 @@ def _call(make, static, donate):
   x, y = _sharded(), _sharded()
   b = 3 if static in (1, True) else y
   in_axes = (0, None) if static in (1, True) else 0
-  make(f, in_axes=in_axes, static_broadcasted_argnums=static,
-       donate_argnums=donate)(x, b)
+  make(
+    f, in_axes=in_axes, static_broadcasted_argnums=static, donate_argnums=donate
+  )(x, b)
   return seen, x.is_deleted(), y.is_deleted()
 
 
 @pytest.mark.parametrize(
   "static, donate",
-  [(-1, ()), (-2, ()), (1, ()), (True, ()), ((), -1), ((), 0), ((), True),
-   ((), (0, 1)), (True, 0), (1, -1), ((), np.int64(1))],
+  [
+    (-1, ()),
+    (-2, ()),
+    (1, ()),
+    (True, ()),
+    ((), -1),
+    ((), 0),
+    ((), True),
+    ((), (0, 1)),
+    (True, 0),
+    (1, -1),
+    ((), np.int64(1)),
+  ],
 )
 def test_argnums_mean_what_they_mean_for_stock(static, donate):
   """A negative position names no argument (jax.pmap counts none from the

@@ -70,6 +70,9 @@ _REGISTRY_LOCK = threading.Lock()
 
 _Tracer = jax.core.Tracer
 _config = jax.config
+# Read as a jax.config attribute: the thread-local `with jax.debug_nans(...)`
+# value as well as the global one.
+_DEBUG_NANS = "jax_debug_nans"
 
 
 def _is_tracer(x: Any) -> bool:
@@ -311,7 +314,7 @@ class Pmapped(Arguments, Programs):
     nested = bool(mesh_lib.frames())
     tracing = nested or any(map(_is_tracer, leaves))
     # As jax.pmap, no donation while jax.debug_nans is on (read per call).
-    donating = bool(self._donate) and not _config.jax_debug_nans
+    donating = bool(self._donate) and not getattr(_config, _DEBUG_NANS)
     key = (
       treedef,
       in_axes,
