@@ -67,6 +67,21 @@ KINDS = {
     lambda: (_placed(), 3.0),
   ),
   "numpy_int64": (lambda x: x + 1, 0, lambda: (np.arange(N),)),
+  "numpy_broadcast": (
+    lambda x, w: x * w,
+    (0, None),
+    lambda: (_placed(), np.arange(3, dtype=np.float32)[:, None]),
+  ),
+  "pytree_mixed": (
+    lambda t: t["a"] + t["b"],
+    0,
+    lambda: ({"a": _placed(), "b": np.ones(N, np.float32)},),
+  ),
+  "prng_keys": (
+    lambda k: jax.random.uniform(k),
+    0,
+    lambda: (jax.random.split(jax.random.key(0), N),),
+  ),
   "on_right_devices": (lambda x: x * 2, 0, lambda: (_placed(),)),
   "uncommitted_on_device_0": (
     lambda x: x * 2,
