@@ -271,6 +271,7 @@ CONTEXTS = {
   "set_mesh": lambda: jax.set_mesh(_MESH_2D),
   "with_mesh": lambda: _MESH_AUTO,
   "x64": lambda: jax.enable_x64(True),
+  "debug_infs": lambda: jax.debug_infs(True),
 }
 PROGRAMS = {
   "scale": (lambda x, s: x * s, dict(in_axes=(0, None)), (np.arange(8.0), 2)),
@@ -323,13 +324,6 @@ def test_axis_probe_under_vmap_as_stock():
     np.testing.assert_array_equal(p(jnp.ones(N)), np.zeros(N))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=AssertionError,
-  reason="jaxworks.jit_cache raises its InternalFloatingPointError when "
-  "debug_infs/debug_nans is switched on after a first call (issue 21 point "
-  "1, fixed in jit_cache, not here): remove this mark with that fix",
-)
 def test_debug_infs_switched_on_later_raises_floating_point_error():
   for p in (jax.pmap(lambda x: 1 / x), pmap(lambda x: 1 / x)):
     p(np.arange(N, dtype=np.float32))

@@ -83,10 +83,13 @@ class _PmapTraced(jit_cache.Traced):
   """``Pmapped.trace``'s result: a ``jaxworks.jit_cache.Traced`` that JAX's
   own exporters refuse, as they refuse ``jax.pmap``."""
 
-  def lower(  # type: ignore[override]
-    self, *, lowering_platforms: tuple[str, ...] | None = None, **private
+  def lower(
+    self,
+    *,
+    lowering_platforms: tuple[str, ...] | None = None,
+    _private_parameters: Any = None,
   ) -> jit_cache.Lowered:
-    if private:
+    if _private_parameters is not None:
       # Only JAX itself passes private parameters (jax.export.export does):
       # stock raises ValueError for a pmap there (it is no jit result).
       raise ValueError(
