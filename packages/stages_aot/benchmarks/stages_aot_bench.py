@@ -9,7 +9,7 @@ Rows:
     reading its ``exported.bin`` and ``jax.export.deserialize``: the default
     (modules recorded in the manifest read in-process) and ``isolate=True``
     with the module reader's child process started cold (the cost every
-    load paid before 0.1.2).
+    load paid before).
 
 Every repeat uses a fresh function object, so no trace or lowering cache is
 hit; ours and stock alternate within each repeat (``jaxworks_bench.median_pair``);
