@@ -177,3 +177,16 @@ def test_busy_child_is_not_stopped(exported, fresh_reader, monkeypatch):
     time.sleep(0.5)
   assert len(fresh_reader) == 1
   assert module_reader.child_pid() == fresh_reader[0]
+
+
+def test_in_process_and_child_readers_answer_alike(exported, fresh_reader):
+  modules = [
+    bytes(exported.jax_exported.mlir_module_serialized),
+    bytes(exported.jax_exported.vjp().mlir_module_serialized),
+  ]
+  trusted = frozenset(hashlib.sha256(m).hexdigest() for m in modules)
+  here = module_reader.describe_modules(modules, trusted=trusted)
+  assert fresh_reader == []
+  there = module_reader.describe_modules(modules, trusted=trusted, isolate=True)
+  assert len(fresh_reader) == 1
+  assert here == there and all("inputs" in a for a in here), here
