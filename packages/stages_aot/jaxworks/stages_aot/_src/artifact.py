@@ -17,9 +17,8 @@ agrees with the manifest (avals, shardings, trees, the sha256 of each order's
 module) and with ``module.stablehlo.mlir``; and a platform of the artifact is
 present on this host. Each failure raises :class:`ArtifactError` saying what to
 do.
-Modules whose sha256 the manifest records are read in-process, others (all,
-with ``isolate=True``) in the module reader's child process: the recorded sha256
-guards against accidents, not against a writer of both program and manifest.
+Modules whose sha256 the manifest records are read in-process, others (all
+with ``isolate``) in a child: that guards against accidents, not an attacker.
 """
 
 from __future__ import annotations
@@ -544,7 +543,9 @@ def _recorded_modules(manifest: dict[str, Any]) -> frozenset[str]:
   """The sha256 of each module the manifest records (its ``levels``)."""
   lvls = manifest.get("levels")
   lvls = lvls if isinstance(lvls, list) else []
-  return frozenset(v.get("module_sha256") for v in lvls if isinstance(v, dict))
+  return frozenset(
+    str(v.get("module_sha256")) for v in lvls if isinstance(v, dict)
+  )
 
 
 def load_artifact(
