@@ -318,6 +318,21 @@ def test_lower_for_export_and_its_platforms():
   assert lowered.as_text() == stock.as_text()
 
 
+def test_lowering_committed_and_with_committed():
+  x = np.arange(12, dtype=np.float32).reshape(3, 4)
+  uncommitted = jax.jit(_sin_matmul).trace(x).lower()
+  committed = jax.jit(_sin_matmul).trace(jax.device_put(x, jax.devices()[0]))
+  assert ji.lowering_committed(uncommitted) is False
+  assert ji.lowering_committed(committed.lower()) is True
+  assert uncommitted.compile()(x).committed is False
+  flipped = ji.with_committed(uncommitted, True)
+  assert type(flipped) is jax.stages.Lowered
+  assert flipped.compile()(x).committed is True
+  # The original lowering (which JAX may cache and share) is unchanged.
+  assert ji.lowering_committed(uncommitted) is False
+  assert uncommitted.compile()(x).committed is False
+
+
 def test_export_lowered_equals_jax_export():
   traced = jax.jit(_sin_matmul).trace(_SPEC)
   lowered = ji.lower_for_export(traced, ("cpu", "cuda"))

@@ -13,6 +13,7 @@ _deps.check_jax()  # before any private JAX name is imported
 
 from collections.abc import Callable
 from collections.abc import Sequence
+import copy as _copy
 import inspect as _inspect
 from typing import Any
 
@@ -296,6 +297,28 @@ def lowering_platforms(lowered: Any) -> tuple[str, ...] | None:
   JAX did not record them)."""
   platforms = getattr(lowered._lowering, "_platforms", None)  # pylint: disable=protected-access
   return None if platforms is None else tuple(platforms)
+
+
+def lowering_committed(lowered: Any) -> bool:
+  """Whether the outputs of stock ``lowered``'s executable are committed
+  (JAX decides it when lowering, from the jaxpr's shardings)."""
+  return bool(lowered._lowering.compile_args["committed"])  # pylint: disable=protected-access
+
+
+def with_committed(lowered: Any, committed: bool) -> Any:
+  """A copy of stock ``lowered`` whose executable's outputs are ``committed``.
+
+  The lowering (which JAX may cache and share) is copied, not changed.
+  """
+  computation = _copy.copy(lowered._lowering)  # pylint: disable=protected-access
+  computation.compile_args = {
+    **computation.compile_args,
+    "committed": committed,
+  }
+  computation._executable = None  # pylint: disable=protected-access
+  out = _copy.copy(lowered)
+  out._lowering = computation  # pylint: disable=protected-access
+  return out
 
 
 #: ``jax.export``'s step after lowering: (stock Lowered, jaxpr, function name,

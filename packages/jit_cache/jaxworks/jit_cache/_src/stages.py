@@ -283,7 +283,12 @@ class Lowered(_StockLowered):
           f"{self.platforms}: lower for ({target!r},) to pass one"
         )
       stock = _lowering.compile_exported(
-        self._stock_export(()), target, self.in_avals, api, compiler_options
+        self._stock_export(()),
+        target,
+        self.in_avals,
+        api,
+        compiler_options,
+        committed=ji.lowering_committed(self),  # as stock's compile
       )
     return Compiled.from_compiled(
       stock, fun_name=self.fun_name, platform=target, lowered_for=self.platforms
