@@ -58,8 +58,8 @@ import jaxworks_bench as jb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
-from jaxworks.batched_transfer._src import checkpoint_files  # noqa: E402
 from jaxworks.batched_transfer._src import grouping  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files  # noqa: E402
 
 PACKAGE = "batched_transfer"
 LIST_GOAL = 1 / 1.1  # at most 1.1x jax.device_put of the list

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src import checkpoint_files
-from jaxworks.batched_transfer._src import checkpoint_restore as checkpoint
+from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
+from jaxworks.batched_transfer._src.checkpoint import restore as checkpoint
 from jaxworks.batched_transfer._src.prefetch import THREAD_NAME
 
 

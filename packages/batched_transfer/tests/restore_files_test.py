@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src import checkpoint_files
+from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
 
 API = "jaxworks.batched_transfer.restore"
 

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src import checkpoint_files
-from jaxworks.batched_transfer._src import checkpoint_restore
 from jaxworks.batched_transfer._src import prefetch
+from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
+from jaxworks.batched_transfer._src.checkpoint import (
+  restore as checkpoint_restore,
+)
 
 
 def like(tree):

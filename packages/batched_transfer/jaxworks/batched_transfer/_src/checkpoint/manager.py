@@ -15,10 +15,10 @@ from typing import Any
 
 import jax
 
-from ..checkpoint_restore import restore
 from . import commit
 from . import pending
 from . import saver
+from .restore import restore
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
 _STEP = re.compile(r"^(0|[1-9][0-9]*)$")

@@ -19,8 +19,8 @@ import zipfile
 import jax
 import numpy as np
 
-from .. import checkpoint_files
 from . import commit
+from . import files as checkpoint_files
 from . import pending
 from . import sharded
 from .keys import leaf_keys

@@ -33,10 +33,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import checkpoint_files
 from .. import jax_internals
 from .. import targets
 from . import commit
+from . import files as checkpoint_files
 from . import pending
 
 MANIFEST = "jaxworks_manifest.json"

@@ -27,17 +27,17 @@ import jax
 from jax.experimental.layout import Format
 import numpy as np
 
-from . import checkpoint_files as files
-from . import jax_internals
-from . import prefetch
-from . import targets
-from .api import place
-from .checkpoint import commit
-from .checkpoint import leaf_keys
-from .checkpoint import python_scalar_dtype
-from .checkpoint import sharded
-from .progress import Progress
-from .transfer import placement_error
+from .. import jax_internals
+from .. import prefetch
+from .. import targets
+from ..api import place
+from ..progress import Progress
+from ..transfer import placement_error
+from . import commit
+from . import files
+from . import sharded
+from .keys import leaf_keys
+from .keys import python_scalar_dtype
 
 _API = "jaxworks.batched_transfer"
 # The most bytes in one batch, whatever the budget: smaller batches let
