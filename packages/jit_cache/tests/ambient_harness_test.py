@@ -187,3 +187,17 @@ def test_ambient(prog, dim):
   for m in found:
     lines += [m.line(), "  " + m.repro()]
   assert not found, "\n".join(lines)
+
+
+# A few cases with several dimensions at once (derandomized: SEED); deeper
+# runs of this kind are ambient_fuzz's.
+RANDOM = list(harness.random_cases(SEED, 6, max_dims=3))
+
+
+@pytest.mark.parametrize("key", [c.key() for c in RANDOM])
+def test_ambient_combined(key):
+  found = harness.run_case(harness.parse_case(key))
+  lines = []
+  for m in found:
+    lines += [m.line(), "  " + m.repro()]
+  assert not found, "\n".join(lines)
