@@ -12,11 +12,9 @@ load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
 load("@rules_python//python:defs.bzl", "py_binary", "py_library", "py_test")
 load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxworks_wheel")
 
-# What every jaxworks wheel requires. jax and jaxlib are bounded above too: each package imports private
-# `jax._src` internals of 0.10 (through its _src/jax_internals.py), and checks the same range at import.
+# What the jaxworks wheels require. jax and jaxlib get the range of the package's _src/deps.py (SUPPORTED_JAX, the
+# one its import check uses), and each jaxworks dependency the minimum declared there (MINIMUM_VERSIONS).
 JAX_REQUIREMENTS = {
-    "jax": "jax>=0.10.2,<0.11",
-    "jaxlib": "jaxlib>=0.10.2,<0.11",
     "numpy": "numpy>=1.26",
     "packaging": "packaging>=22",
 }
@@ -170,6 +168,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         distribution = "jaxworks-" + name.replace("_", "-"),
         library = ":" + name,
         version_file = "jaxworks/{}/version.py".format(name),
+        deps_file = "jaxworks/{}/_src/deps.py".format(name),
         package_root = native.package_name(),
         requires = [JAX_REQUIREMENTS.get(p, p) for p in pypi],
         deps = [_dist_label(d) for d in deps],

@@ -7,7 +7,8 @@ leaves one owner per file. The wheel is written into a directory `<name>/` under
 version is read from version.py at build time.
 """
 
-# Where the project is published; each wheel's METADATA lists these (plus its own changelog).
+# Where the project is published, defined here only: each wheel's METADATA lists it (plus its own changelog), and
+# the relative links of each long description (its README) are made absolute under it.
 PROJECT_URL = "https://github.com/jaxworks/jaxworks"
 
 JaxworksDistInfo = provider(
@@ -15,6 +16,7 @@ JaxworksDistInfo = provider(
     fields = {
         "distribution": "distribution name, e.g. jaxworks-jit-cache",
         "version_file": "File: the package's version.py",
+        "deps_file": "File: the package's _src/deps.py (SUPPORTED_JAX, MINIMUM_VERSIONS)",
         "package_root": "workspace-relative directory whose jaxworks/ tree the wheel holds",
         "files": "depset of Files (sources, stubs, extensions) of the library and its deps",
         "requires": "list of PyPI requirement strings",
@@ -30,6 +32,7 @@ def _dist_impl(ctx):
     return [JaxworksDistInfo(
         distribution = ctx.attr.distribution,
         version_file = ctx.file.version_file,
+        deps_file = ctx.file.deps_file,
         package_root = ctx.attr.package_root,
         files = files,
         requires = ctx.attr.requires,
@@ -44,6 +47,7 @@ jaxworks_dist = rule(
         "distribution": attr.string(mandatory = True),
         "library": attr.label(mandatory = True),
         "version_file": attr.label(allow_single_file = [".py"], mandatory = True),
+        "deps_file": attr.label(allow_single_file = [".py"], mandatory = True),
         "package_root": attr.string(mandatory = True),
         "requires": attr.string_list(),
         "deps": attr.label_list(providers = [JaxworksDistInfo]),
@@ -72,6 +76,8 @@ def _wheel_impl(ctx):
     readme = ctx.file.readme or (None if meta else dists[0].readme)
     if readme:
         args.add("--readme", readme)
+        args.add("--base-url", PROJECT_URL)
+        args.add("--readme-dir", readme.owner.package)
         inputs.append(readme)
     args.add("--project-url", "Homepage, " + PROJECT_URL)
     args.add("--project-url", "Source, " + PROJECT_URL)
@@ -87,6 +93,8 @@ def _wheel_impl(ctx):
         if d.package_root:
             args.add("--project-url", "Changelog, {}/blob/main/{}/CHANGELOG.md".format(PROJECT_URL, d.package_root))
         args.add_all(d.requires, before_each = "--requires")
+        args.add("--deps-file", d.deps_file)
+        inputs.append(d.deps_file)
         args.add_all(d.entry_points, before_each = "--entry-point")
         for dep in d.deps:
             # Requires-Dist on another jaxworks wheel, with its current version as the minimum.

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import os
 import pathlib
+import posixpath
 import re
 import sys
 import tempfile
@@ -40,6 +41,74 @@ def read_version(path):
   if not match:
     sys.exit(f'wheelmaker: no `__version__ = "X.Y.Z"` line in {path}')
   return match.group(1)
+
+
+def read_deps(path):
+  """``SUPPORTED_JAX`` and ``MINIMUM_VERSIONS`` of a package's _src/deps.py.
+
+  The one declaration both the import-time check and the wheel's
+  Requires-Dist are made from.
+  """
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  found = {}
+  for node in tree.body:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      for t in targets:
+        if isinstance(t, ast.Name) and t.id in (
+          "SUPPORTED_JAX",
+          "MINIMUM_VERSIONS",
+        ):
+          found[t.id] = ast.literal_eval(node.value)
+  if set(found) != {"SUPPORTED_JAX", "MINIMUM_VERSIONS"}:
+    sys.exit(
+      f"wheelmaker: {path} must declare SUPPORTED_JAX (a string) and "
+      "MINIMUM_VERSIONS (a dict literal, module name -> version)"
+    )
+  return found["SUPPORTED_JAX"], found["MINIMUM_VERSIONS"]
+
+
+_SKIP = re.compile(
+  r"<!-- not-on-pypi -->.*?<!-- /not-on-pypi -->\n?", re.S
+)
+_COMMENT = re.compile(r"<!--.*?-->\n?", re.S)
+_LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+# A benchmark's repository command, as the figures name it: only its name.
+_BENCH_RUN = re.compile(r"`(?:\./tools/)?bazel\s+run\s+//packages/\w+:(\w+)`")
+
+
+def long_description(text, base_url, readme_dir):
+  """The README as an index shows it: no Bazel, absolute links.
+
+  Blocks between ``<!-- not-on-pypi -->`` and ``<!-- /not-on-pypi -->`` (the
+  repository's own build commands) and HTML comments are left out, a
+  benchmark's command `bazel run //packages/P:NAME` becomes `NAME`; a relative
+  link ``](path)`` becomes ``](<base_url>/blob/main/<readme_dir>/path)``.
+  Fails if the result still mentions Bazel.
+  """
+  text = _COMMENT.sub("", _SKIP.sub("", text))
+  text = _BENCH_RUN.sub(r"`\1`", text)
+
+  def absolute(m):
+    target = m.group(2)
+    if re.match(r"^[a-z][a-z0-9+.-]*:|^#", target):
+      return m.group(0)
+    path = posixpath.normpath(posixpath.join(readme_dir, target))
+    if path.startswith("../"):
+      sys.exit(f"wheelmaker: link {target!r} leaves the repository")
+    return f"{m.group(1)}{base_url}/blob/main/{path}{m.group(3)}"
+
+  text = _LINK.sub(absolute, text)
+  text = re.sub(r"\n{3,}", "\n\n", text)
+  for n, line in enumerate(text.splitlines(), 1):
+    if "bazel" in line.lower():
+      sys.exit(
+        f"wheelmaker: the long description mentions Bazel (line {n} after "
+        f"filtering: {line.strip()!r}); put that part of the README between "
+        "<!-- not-on-pypi --> and <!-- /not-on-pypi -->"
+      )
+  return text
 
 
 def _record_hash(data):
@@ -125,6 +194,9 @@ def main(argv=None):
   p.add_argument("--version-file")
   p.add_argument("--summary", default="")
   p.add_argument("--readme", help="Markdown long description")
+  p.add_argument("--base-url", default="", help="where relative links point")
+  p.add_argument("--readme-dir", default="", help="the README's directory")
+  p.add_argument("--deps-file", help="the package's _src/deps.py")
   p.add_argument("--license-file", required=True)
   p.add_argument("--requires", action="append", default=[])
   p.add_argument(
@@ -151,9 +223,23 @@ def main(argv=None):
 
   version = a.version or read_version(a.version_file)
   requires = list(a.requires)
-  for item in a.requires_dist_from:
-    dist, vfile = item.split("=", 1)
-    requires.append(f"{dist}>={read_version(vfile)}")
+  if a.deps_file:
+    supported_jax, minimums = read_deps(a.deps_file)
+    # jax and jaxlib: the range the import check accepts.
+    requires = [r + supported_jax if r in ("jax", "jaxlib") else r for r in requires]
+    declared = {m.replace(".", "-").replace("_", "-"): v for m, v in minimums.items()}
+    built = {item.split("=", 1)[0] for item in a.requires_dist_from}
+    if set(declared) != built:
+      sys.exit(
+        f"wheelmaker: {a.deps_file} declares {sorted(declared)} but the "
+        f"BUILD deps are {sorted(built)}; make them agree"
+      )
+    for dist in sorted(declared):
+      requires.append(f"{dist}>={declared[dist]}")
+  else:
+    for item in a.requires_dist_from:
+      dist, vfile = item.split("=", 1)
+      requires.append(f"{dist}>={read_version(vfile)}")
   for item in a.pins_from:
     dist, vfile = item.split("=", 1)
     requires.append(f"{dist}=={read_version(vfile)}")
@@ -194,7 +280,7 @@ def main(argv=None):
   if a.readme:
     metadata.append("Description-Content-Type: text/markdown")
     with open(a.readme, encoding="utf-8") as f:
-      description = f.read()
+      description = long_description(f.read(), a.base_url, a.readme_dir)
   metadata_text = "\n".join(metadata) + "\n\n" + description
   entry_points = _entry_points(a.entry_point)
 
