@@ -232,9 +232,9 @@ def test_metadata_is_complete(kind):
     # Read on an index: absolute links, pip commands, no Bazel.
     assert "bazel" not in description.lower(), name
     links = re.findall(r"\]\(([^)\s]+)\)", description)
-    assert links and all(
-      u.startswith(("https://", "#")) for u in links
-    ), [u for u in links if not u.startswith(("https://", "#"))]
+    assert links and all(u.startswith(("https://", "#")) for u in links), [
+      u for u in links if not u.startswith(("https://", "#"))
+    ]
     assert "pip install jaxworks" in description, name
     assert (
       "add-ons for JAX" not in fields["Summary"][0] or kind == "combined"
@@ -455,7 +455,11 @@ def test_import_check_asks_for_the_metadata_minimum(breakage, tmp_path):
     )
   else:
     version_py = subprocess.run(
-      [python, "-c", "import jaxworks.axis_names.version as v; print(v.__file__)"],
+      [
+        python,
+        "-c",
+        "import jaxworks.axis_names.version as v; print(v.__file__)",
+      ],
       check=True,
       capture_output=True,
       text=True,

@@ -17,12 +17,13 @@ import pathlib
 import posixpath
 import re
 import sys
+import tarfile
 import tempfile
+import tomllib
 import zipfile
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.M)
-_LINUX_TAG = "cp311-cp311-linux_x86_64"
 _CLASSIFIERS = [
   "Development Status :: 4 - Beta",
   "Intended Audience :: Developers",
@@ -30,6 +31,8 @@ _CLASSIFIERS = [
   "Operating System :: POSIX :: Linux",
   "Programming Language :: Python :: 3",
   "Programming Language :: Python :: 3.11",
+  "Programming Language :: Python :: 3.12",
+  "Programming Language :: Python :: 3.13",
   "Topic :: Scientific/Engineering :: Artificial Intelligence",
   "Typing :: Typed",
 ]
@@ -69,9 +72,7 @@ def read_deps(path):
   return found["SUPPORTED_JAX"], found["MINIMUM_VERSIONS"]
 
 
-_SKIP = re.compile(
-  r"<!-- not-on-pypi -->.*?<!-- /not-on-pypi -->\n?", re.S
-)
+_SKIP = re.compile(r"<!-- not-on-pypi -->.*?<!-- /not-on-pypi -->\n?", re.S)
 _COMMENT = re.compile(r"<!--.*?-->\n?", re.S)
 _LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 # A benchmark's repository command, as the figures name it: only its name.
@@ -175,6 +176,47 @@ def manylinux_tag(wheel_path):
   return policy
 
 
+def check_pyproject(path, distribution, summary, requires):
+  """Fails unless the checked-in pyproject.toml says what the wheel says."""
+  with open(path, "rb") as f:
+    project = tomllib.load(f)["project"]
+  want = {
+    "name": distribution,
+    "description": summary,
+    "dependencies": sorted(requires),
+  }
+  got = {
+    "name": project.get("name"),
+    "description": project.get("description"),
+    "dependencies": sorted(project.get("dependencies", [])),
+  }
+  for key, value in want.items():
+    if got[key] != value:
+      sys.exit(
+        f"wheelmaker: {path}: [project] {key} is {got[key]!r}, but the "
+        f"wheel has {value!r}; make them agree"
+      )
+
+
+def write_sdist(out, base, members):
+  """A reproducible .tar.gz: ``base/`` + sorted members, fixed mtime/owner."""
+  import gzip
+  import io
+
+  raw = io.BytesIO()
+  with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tf:
+    for name, data in members:
+      info = tarfile.TarInfo(f"{base}/{name}")
+      info.size = len(data)
+      info.mtime = 315532800  # 1980-01-01, as the wheels
+      info.mode = 0o644
+      info.uname = info.gname = ""
+      tf.addfile(info, io.BytesIO(data))
+  with open(out, "wb") as f:
+    with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+      gz.write(raw.getvalue())
+
+
 def _entry_points(items):
   """'group:name=module:attr' items -> entry_points.txt text."""
   groups = {}
@@ -193,6 +235,7 @@ def main(argv=None):
   p.add_argument("--version")
   p.add_argument("--version-file")
   p.add_argument("--summary", default="")
+  p.add_argument("--python-tag", default="cp311", help="of a wheel with a .so")
   p.add_argument("--readme", help="Markdown long description")
   p.add_argument("--base-url", default="", help="where relative links point")
   p.add_argument("--readme-dir", default="", help="the README's directory")
@@ -219,6 +262,13 @@ def main(argv=None):
   )
   p.add_argument("--files", required=True, help="lines: SOURCE<TAB>PATH")
   p.add_argument("--out-dir", required=True)
+  p.add_argument(
+    "--sdist",
+    action="store_true",
+    help="write the sdist (the --files sources, pyproject.toml, setup.py)",
+  )
+  p.add_argument("--pyproject", help="the sdist's pyproject.toml")
+  p.add_argument("--setup-py", help="the sdist's setup.py (extensions)")
   a = p.parse_args(argv)
 
   version = a.version or read_version(a.version_file)
@@ -226,8 +276,12 @@ def main(argv=None):
   if a.deps_file:
     supported_jax, minimums = read_deps(a.deps_file)
     # jax and jaxlib: the range the import check accepts.
-    requires = [r + supported_jax if r in ("jax", "jaxlib") else r for r in requires]
-    declared = {m.replace(".", "-").replace("_", "-"): v for m, v in minimums.items()}
+    requires = [
+      r + supported_jax if r in ("jax", "jaxlib") else r for r in requires
+    ]
+    declared = {
+      m.replace(".", "-").replace("_", "-"): v for m, v in minimums.items()
+    }
     built = {item.split("=", 1)[0] for item in a.requires_dist_from}
     if set(declared) != built:
       sys.exit(
@@ -270,9 +324,7 @@ def main(argv=None):
     f"Summary: {package_summary(files) or a.summary}",
     "License-Expression: Apache-2.0",
     "License-File: LICENSE",
-    "Requires-Python: >=3.11,<3.12"
-    if has_extension
-    else "Requires-Python: >=3.11",
+    "Requires-Python: >=3.11",
   ] + [f"Classifier: {c}" for c in _CLASSIFIERS]
   metadata += [f"Project-URL: {u}" for u in a.project_url]
   metadata += [f"Requires-Dist: {r}" for r in requires]
@@ -283,6 +335,30 @@ def main(argv=None):
       description = long_description(f.read(), a.base_url, a.readme_dir)
   metadata_text = "\n".join(metadata) + "\n\n" + description
   entry_points = _entry_points(a.entry_point)
+
+  if a.sdist:
+    summary = package_summary(files) or a.summary
+    check_pyproject(a.pyproject, a.distribution, summary, requires)
+    extra = [
+      ("PKG-INFO", metadata_text.encode()),
+      ("README.md", description.encode()),
+    ]
+    with open(a.pyproject, "rb") as f:
+      extra.append(("pyproject.toml", f.read()))
+    if a.setup_py:
+      with open(a.setup_py, "rb") as f:
+        extra.append(("setup.py", f.read()))
+    os.makedirs(a.out_dir, exist_ok=True)
+    base = f"{dist_name}-{version}"
+    members = [(d, data) for d, data in files if not d.endswith(".so")]
+    members = [
+      ("LICENSE", data) if d.endswith("/licenses/LICENSE") else (d, data)
+      for d, data in members
+    ]
+    write_sdist(
+      os.path.join(a.out_dir, base + ".tar.gz"), base, sorted(members + extra)
+    )
+    return
 
   def wheel_text(tag):
     return (
@@ -300,17 +376,18 @@ def main(argv=None):
   os.makedirs(a.out_dir, exist_ok=True)
   if has_extension:
     with tempfile.TemporaryDirectory() as tmp:
-      probe = os.path.join(tmp, f"{dist_name}-{version}-{_LINUX_TAG}.whl")
+      linux_tag = f"{a.python_tag}-{a.python_tag}-linux_x86_64"
+      probe = os.path.join(tmp, f"{dist_name}-{version}-{linux_tag}.whl")
       _zip(
         probe,
         files,
         dist_info,
         metadata_text,
-        wheel_text(_LINUX_TAG),
+        wheel_text(linux_tag),
         entry_points,
       )
       platform = manylinux_tag(probe)
-    tag = f"cp311-cp311-{platform}"
+    tag = f"{a.python_tag}-{a.python_tag}-{platform}"
   else:
     tag = "py3-none-any"
   out = os.path.join(a.out_dir, f"{dist_name}-{version}-{tag}.whl")
