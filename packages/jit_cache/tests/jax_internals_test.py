@@ -27,9 +27,6 @@ def test_trace_context_and_the_axis_env():
   assert [n for n, v in zip(names, ctx) if v is env] == ["axis_env_state"]
   assert ji.current_axis_env() is env  # interned
   assert ji.axis_env_in(ctx) is env
-  rest = ji.without_axis_env(ctx, env)
-  assert len(rest) == len(ctx) - 1 and all(v is not env for v in rest)
-  assert ji.without_axis_env(ctx + (env,), env) is None  # ambiguous
   seen = []
   jax.vmap(lambda x: seen.append(ji.current_axis_env()) or x, axis_name="i")(
     jnp.ones(3)
@@ -44,13 +41,6 @@ def test_trace_context_and_the_axis_env():
 
 
 def test_axis_env_helpers():
-  env = ji.make_axis_env({"i": 4}, frozenset(), frozenset())
-  assert ji.axis_env_parts(env) == ({"i": 4}, frozenset(), frozenset())
-  seen = []
-  with ji.axis_env_set(env):
-    seen.append(ji.current_axis_env())
-    assert env in ji.trace_context()
-  assert seen[0] is env and ji.current_axis_env() is not env
   with ji.extend_axis_env([("j", 2)]):
     assert ji.axis_env_parts(ji.current_axis_env())[0] == {"j": 2}
 
@@ -70,10 +60,8 @@ def test_value_types_of_the_fingerprint():
   assert all(isinstance(e, ji.Effect) for e in eqns["debug_print"].effects)
   assert isinstance(eqns["jit"].params["in_shardings"][0], ji.UnspecifiedValue)
   assert isinstance(eqns["jit"].params["compiler_options_kvs"], tuple)
-  assert isinstance(
-    ji.make_axis_env({"i": 1}, frozenset(), frozenset()).axis_sizes,
-    ji.FrozenDict,
-  )
+  with ji.extend_axis_env([("i", 1)]):
+    assert isinstance(ji.current_axis_env().axis_sizes, ji.FrozenDict)
   assert ji.Layout is jax.experimental.layout.Layout
   assert ji.Format is jax.experimental.layout.Format
 
@@ -330,6 +318,21 @@ def test_lower_for_export_and_its_platforms():
   assert lowered.as_text() == stock.as_text()
 
 
+def test_lowering_committed_and_with_committed():
+  x = np.arange(12, dtype=np.float32).reshape(3, 4)
+  uncommitted = jax.jit(_sin_matmul).trace(x).lower()
+  committed = jax.jit(_sin_matmul).trace(jax.device_put(x, jax.devices()[0]))
+  assert ji.lowering_committed(uncommitted) is False
+  assert ji.lowering_committed(committed.lower()) is True
+  assert uncommitted.compile()(x).committed is False
+  flipped = ji.with_committed(uncommitted, True)
+  assert type(flipped) is jax.stages.Lowered
+  assert flipped.compile()(x).committed is True
+  # The original lowering (which JAX may cache and share) is unchanged.
+  assert ji.lowering_committed(uncommitted) is False
+  assert uncommitted.compile()(x).committed is False
+
+
 def test_export_lowered_equals_jax_export():
   traced = jax.jit(_sin_matmul).trace(_SPEC)
   lowered = ji.lower_for_export(traced, ("cpu", "cuda"))
@@ -380,3 +383,43 @@ def test_primitive_modules_define_primitives():
     jax.lax.sin_p
     is vars(importlib.import_module(ji.PRIMITIVE_MODULES[0]))["sin_p"]
   )
+
+
+def test_jit_only_key_states_are_in_the_context():
+  names = ji.trace_context_names()
+  assert names[-3:] == (
+    "concrete mesh (jax.set_mesh)",
+    "jax_optimization_level",
+    "jax_memory_fitting_level",
+  )
+  mesh = jax.make_mesh((2,), ("i",), devices=jax.devices()[:2])
+  before = ji.trace_context()
+  with jax.set_mesh(mesh):
+    inside = ji.trace_context()
+  assert inside[-3] == mesh and before[-3] != mesh
+  assert ji.trace_context() == before
+
+
+def test_argument_checks_and_layouts():
+  x = jnp.ones((2, 3))
+  assert (
+    type(x) in ji.shard_arg_handlers and np.ndarray in ji.shard_arg_handlers
+  )
+  assert ji.can_pass_to_executable(1.5) and ji.can_pass_to_executable(x)
+  assert not ji.can_pass_to_executable(jax.ShapeDtypeStruct((2,), jnp.float32))
+  assert ji.layouts_key([x, 1.0]) is None  # uncommitted
+  y = jax.device_put(x, jax.devices()[0])
+  key = ji.layouts_key([1.0, y])
+  assert key is not None and key[0][0] == 1 and key[0][1] == y.format.layout
+
+
+def test_static_eq_collision_is_recognised_and_the_cache_clears():
+  text = (
+    "Exception raised while checking equality of metadata fields of pytree. "
+    "Make sure that metadata fields are hashable"
+  )
+  assert ji.is_static_eq_collision(ValueError(text))
+  assert not ji.is_static_eq_collision(ValueError("other"))
+  jax.jit(lambda x, s: x, static_argnums=1).trace(jnp.ones(1), "static")
+  ji.clear_in_shardings_cache()  # the name exists and empties it
+  jax.jit(lambda x, s: x, static_argnums=1).trace(jnp.ones(1), "static")

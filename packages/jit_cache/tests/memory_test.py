@@ -19,6 +19,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxworks import jit_cache
 from jaxworks.jit_cache import jit
@@ -69,11 +70,15 @@ def test_forty_deleted_plain_functions_only_keep_bounded_shared_programs():
   fs = [jit(lambda v, k=k: v * float(k)) for k in range(40)]
   for f in fs:
     f(x)
+  assert jit_cache.stats().executables == 40  # all live
   del fs, f
   gc.collect()
   assert len(cache.GLOBAL_ENTRIES) == 0
   held = len(_live(executables.Executable))  # pylint: disable=protected-access
-  assert held == jit_cache.stats().executables == 40  # the shared LRU
+  # Only the most recent few outlive their functions (for re-created
+  # closures): the count bound.
+  assert held == jit_cache.stats().executables
+  assert held == cache.DEFAULT_EXECUTABLE_MAXSIZE
   jit_cache.set_global_maxsize(executables=8)
   try:
     assert len(_live(executables.Executable)) == 8  # pylint: disable=protected-access
@@ -82,6 +87,60 @@ def test_forty_deleted_plain_functions_only_keep_bounded_shared_programs():
   jit_cache.clear_caches()
   assert len(_live(executables.Executable)) == 0  # pylint: disable=protected-access
   assert jit_cache.stats().executables == 0
+
+
+def test_kept_executables_are_bounded_by_bytes():
+  jit_cache.clear_caches()
+  per = executables.estimated_bytes
+  x = jnp.ones(4)
+  jit_cache.set_global_maxsize(executable_bytes=3 * (300 << 10))
+  try:
+    for k in range(10):
+      jit(lambda v, k=k: v * float(k) + 2.0)(x)
+    gc.collect()
+    held = _live(executables.Executable)  # pylint: disable=protected-access
+    assert 1 <= len(held) <= 3
+    assert sum(per(e) for e in held) <= 3 * (300 << 10)
+    assert cache.EXECUTABLES.nbytes == sum(per(e) for e in held)
+  finally:
+    jit_cache.set_global_maxsize(
+      executable_bytes=cache.DEFAULT_EXECUTABLE_MAXBYTES
+    )
+    jit_cache.clear_caches()
+  with pytest.raises(ValueError, match="executable_bytes must be an int"):
+    jit_cache.set_global_maxsize(executable_bytes=0)
+
+
+def _rss_mib() -> float:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_dead_closures_cost_what_the_byte_bound_allows():
+  # Issue 21: 600 tiny distinct closures grew the process by 129 MiB (stock:
+  # 0.6 MiB): their executables stayed in a cache bounded by count alone. With
+  # the old count bound (1024) and a byte bound of 8 MiB, 250 dead closures
+  # (about 50 MiB of executables) may grow the process by 8 MiB plus slack.
+  jit_cache.clear_caches()
+  x = jnp.ones(3)
+  for k in range(20):  # warm up allocator and JAX's own caches
+    jit(lambda v, k=k: v * float(-k) + 1.0)(x)
+  jit_cache.set_global_maxsize(executables=1024, executable_bytes=8 << 20)
+  try:
+    gc.collect()
+    before = _rss_mib()
+    for k in range(250):
+      jit(lambda v, k=k: v * float(k) + 1.0)(x)
+    gc.collect()
+    grown = _rss_mib() - before
+    assert cache.EXECUTABLES.nbytes <= 8 << 20
+    assert grown < 8 + 20, f"grew by {grown:.1f} MiB"
+  finally:
+    jit_cache.set_global_maxsize(
+      executables=cache.DEFAULT_EXECUTABLE_MAXSIZE,
+      executable_bytes=cache.DEFAULT_EXECUTABLE_MAXBYTES,
+    )
+    jit_cache.clear_caches()
 
 
 def test_deleted_functions_constants_are_freed():

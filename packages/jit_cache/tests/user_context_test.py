@@ -105,16 +105,16 @@ def test_user_context_read_by_the_traced_function():
       )
 
 
-def test_axis_env_sharing_with_user_context():
+def test_axis_env_and_user_context_both_key_the_trace():
   body = Counting(lambda x: jnp.sin(x) * 2)
   f = jit(body)
-  for size in (3, 5, 7):
-    with USER(size % 2):
+  for size, user in ((3, 1), (5, 1), (3, 1), (3, 0)):
+    with USER(user):
       out = jax.vmap(f, axis_name="i")(jnp.ones((size, 2)))
     np.testing.assert_allclose(out, jnp.sin(jnp.ones((size, 2))) * 2)
-  # One trace under USER(1) (sizes 3, 5, 7 all have USER == 1), plus one
-  # check before the entry is shared with another axis size.
-  assert body.n == 2
+  # One trace per (axis environment, user context), as stock jit: (3, 1),
+  # (5, 1) and (3, 0); the repeated (3, 1) is a hit.
+  assert body.n == 3
 
 
 def test_explain_miss_names_the_user_context():

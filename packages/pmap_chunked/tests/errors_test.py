@@ -103,8 +103,8 @@ def test_static_argnums_out_of_range_and_unhashable():
     TypeError, match="static argument 1 .* must be hashable, got a list"
   ):
     f(jnp.ones(8), [1, 2])
-  with pytest.raises(TypeError, match="non-negative ints"):
-    pmap(lambda a: a, static_broadcasted_argnums=-1)
+  with pytest.raises(TypeError, match="must be an int or a collection"):
+    pmap(lambda a: a, static_broadcasted_argnums=[1.5])
   with pytest.raises(
     ValueError, match="both static_broadcasted_argnums and donate_argnums"
   ):

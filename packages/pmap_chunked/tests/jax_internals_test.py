@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
+import pytest
 
 from jaxworks.pmap_chunked._src import jax_internals
 
@@ -48,3 +49,25 @@ def test_arg_info_has_the_arguments_own_aval():
     jnp.float32,
     False,
   )
+
+
+def test_uncommitted_view_shares_buffers_and_is_uncommitted():
+  sharding = NamedSharding(Mesh(np.array(DEVICES), ("d",)), P("d"))
+  x = jax.device_put(np.arange(N, dtype=np.float32), sharding)
+  assert x.committed
+  view = jax_internals.uncommitted_view(x)
+  assert isinstance(view, jax.Array) and not view.committed
+  assert view.sharding == sharding and view.dtype == x.dtype
+  assert [s.data.unsafe_buffer_pointer() for s in view.addressable_shards] == [
+    s.data.unsafe_buffer_pointer() for s in x.addressable_shards
+  ]
+  np.testing.assert_array_equal(view, np.arange(N))
+  # jit moves an uncommitted array to the devices it needs (a committed one
+  # elsewhere is refused).
+  one = jax.device_put(np.arange(N, dtype=np.float32), DEVICES[1])
+  with pytest.raises(ValueError):
+    jax.jit(lambda v: v, in_shardings=sharding)(one)
+  out = jax.jit(lambda v: v, in_shardings=sharding)(
+    jax_internals.uncommitted_view(one)
+  )
+  assert out.sharding == sharding

@@ -4,7 +4,12 @@ Rows:
   * lowering a 1000-equation function for 1 platform (cpu) and for 3
     (cpu, cuda, tpu): ``stages_aot`` Traced.lower vs ``jax.jit(f).trace(x).lower``;
   * trace + lower + export + serialize + deserialize of the same function:
-    ``stages_aot.trace(f, x).lower().export()`` vs ``jax.export.export(jax.jit(f))(x)``.
+    ``stages_aot.trace(f, x).lower().export()`` vs ``jax.export.export(jax.jit(f))(x)``;
+  * ``load_artifact`` of an artifact (exported for cpu, VJP order 1) vs
+    reading its ``exported.bin`` and ``jax.export.deserialize``: the default
+    (modules recorded in the manifest read in-process) and ``isolate=True``
+    with the module reader's child process started cold (the cost every
+    load paid before).
 
 Every repeat uses a fresh function object, so no trace or lowering cache is
 hit; ours and stock alternate within each repeat (``jaxworks_bench.median_pair``);
@@ -19,12 +24,15 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import pathlib
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import jaxworks_bench as jb
 
 from jaxworks import stages_aot
+from jaxworks.stages_aot._src import module_reader
 
 _OPS = (jnp.sin, jnp.cos, jnp.tanh, lambda v: v * 1.001)
 
@@ -111,6 +119,30 @@ def main(argv=None):
 
     return setup
 
+  scratch = tempfile.TemporaryDirectory(prefix="stages_aot_bench-")
+  saved = [0]
+
+  def load_case(isolate):
+    def setup():
+      saved[0] += 1
+      path = pathlib.Path(scratch.name) / f"art{saved[0]}"
+      exp = (
+        stages_aot.trace(make_fun(n), x)
+        .lower(lowering_platforms=("cpu",))
+        .export(vjp_order=1)
+      )
+      stages_aot.save_artifact(exp, path)
+      module_reader._READER.stop()  # a cold child for isolate=True,
+      module_reader._READER._cache.clear()  # and no answer cached
+      return (
+        lambda: stages_aot.load_artifact(path, isolate=isolate),
+        lambda: jax.export.deserialize(
+          bytearray((path / "exported.bin").read_bytes())
+        ),
+      )
+
+    return setup
+
   one, three = ("cpu",), ("cpu", "cuda", "tpu")
   cases = {
     f"lower, {n} eqns, 1 platform (cpu)": lower_case(one),
@@ -129,17 +161,28 @@ def main(argv=None):
     f"trace+lower+export+serialize+deserialize, {n} eqns, cpu+cuda+tpu": export_case(
       three
     ),
+    f"load_artifact, {n} eqns, vjp order 1": load_case(False),
+    f"load_artifact(isolate=True), cold child, {n} eqns, vjp order 1": load_case(
+      True
+    ),
   }
-  results = measure(cases, repeats)
+  with scratch:
+    results = measure(cases, repeats)
   report = jb.Report("stages_aot", "stages_aot_bench")
   for name, (ours, stock) in results.items():
     export = name.startswith("trace+lower+export")
+    if name.startswith("load_artifact"):
+      reference = "file read + jax.export.deserialize"
+    elif export:
+      reference = "jax.export.export"
+    else:
+      reference = "jax.jit(f).trace(x).lower"
     report.add(
       name,
       ours,
       stock,
       "stock-jax",
-      "jax.export.export" if export else "jax.jit(f).trace(x).lower",
+      reference,
       goal=EXPORT_GOAL if export else None,
     )
   names = list(results)

@@ -1,6 +1,6 @@
 """The CLI's failures, one per stage, each through a subprocess, and the umask.
 
-Every failure exits with status 1 and prints one line naming the stage (import,
+Every stage failure exits with status 1 and prints one line naming the stage (import,
 trace, lowering for platform P, export, save), not a traceback.
 """
 

@@ -182,32 +182,40 @@ def main_in_process(workdir, monkeypatch, *argv):
   monkeypatch.chdir(workdir)
   monkeypatch.syspath_prepend(str(workdir))
   out = io.StringIO()
-  code = cli.main(list(argv), out=out)
+  try:
+    code = cli.main(list(argv), out=out)
+  except SystemExit as e:  # argparse's usage errors
+    code = e.code
   return code, out.getvalue()
 
 
 @pytest.mark.parametrize(
-  "argv, message",
+  "argv, message, status",
   [
     (
       ["export", "cli_demo_mod", "--out", "o"],
       "target 'cli_demo_mod' must be MODULE:FUNCTION",
+      2,
     ),
     (
       ["export", "no_such_mod_xyz:f", "--out", "o"],
       "cannot import module 'no_such_mod_xyz'",
+      1,
     ),
     (
       ["export", "cli_demo_mod:nope", "--out", "o"],
       "has no attribute 'nope' (missing 'nope'); available: count, jnp, predict",
+      1,
     ),
     (
       ["export", "cli_demo_mod:count", "--arg", "f32[4", "--out", "o"],
       "--arg: cannot parse argument spec 'f32[4'",
+      2,
     ),
     (
       ["export", "cli_demo_mod:count", "--arg", "q8[4]", "--out", "o"],
       "--arg: unknown dtype 'q8' in spec 'q8[4]'",
+      2,
     ),
     (
       [
@@ -221,6 +229,7 @@ def main_in_process(workdir, monkeypatch, *argv):
         "o",
       ],
       "'gpu' is ambiguous",
+      2,
     ),
     (
       [
@@ -233,17 +242,18 @@ def main_in_process(workdir, monkeypatch, *argv):
         "--out",
         "o",
       ],
-      "--vjp-order must be >= 0, got -1",
+      "argument --vjp-order: must be an integer >= 0, got '-1'; pass e.g. 0",
+      2,
     ),
-    (["inspect", "missing_dir"], "missing_dir is not a directory"),
+    (["inspect", "missing_dir"], "missing_dir is not a directory", 1),
   ],
 )
-def test_cli_errors(workdir, monkeypatch, capsys, argv, message):
+def test_cli_errors(workdir, monkeypatch, capsys, argv, message, status):
   code, _ = main_in_process(workdir, monkeypatch, *argv)
-  assert code == 1
+  assert code == status
   err = capsys.readouterr().err
   assert err.startswith(f"jaxworks-aot {argv[0]}: error: ")
-  assert message in err
+  assert message in err and err.count("\n") == 1
 
 
 def test_run_input_checks(workdir, monkeypatch, capsys):
@@ -269,7 +279,8 @@ def test_run_input_checks(workdir, monkeypatch, capsys):
     ),
     (
       ["--arg", "f32[2]"],
-      "--arg 0 (f32[2]) has dtype float32, but input args[0] of 'count' is i32[n]",
+      "--arg 0 (f32[2]) has dtype float32, but input args[0] of 'count' is "
+      "i32[n]; pass int32 values",
     ),
     (
       ["--arg", "i32[m]"],
@@ -277,8 +288,9 @@ def test_run_input_checks(workdir, monkeypatch, capsys):
     ),
   ]:
     code, _ = main_in_process(workdir, monkeypatch, "run", "art", *argv)
-    assert code == 1
-    assert message in capsys.readouterr().err
+    assert code == 2  # the command line is wrong
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
   code, out = main_in_process(
     workdir, monkeypatch, "run", "art", "--arg", "i32[3]", "--seed", "5"
   )

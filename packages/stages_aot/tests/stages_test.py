@@ -434,16 +434,64 @@ def test_trace_keeps_options_of_a_jit_cache_function():
   )
 
 
-def test_lower_has_no_private_parameter():
-  # Export lowering parameters are jit_cache's business (its jax_internals):
-  # no public lower() signature carries JAX's private parameter.
+def test_lower_takes_stocks_parameters():
+  # Traced.lower has stock's signature, JAX's private parameter included
+  # (jax.export passes it to any Traced); lowering stays stock's.
   import inspect
+
+  import jax
 
   from jaxworks import jit_cache
 
-  traced = sa.trace(lambda x: jnp.sin(x) * 2, np.ones(3, np.float32))
-  assert list(inspect.signature(traced.lower).parameters) == [
-    "lowering_platforms"
+  x = np.ones(3, np.float32)
+  traced = sa.trace(lambda v: jnp.sin(v) * 2, x)
+  params = lambda f: [  # noqa: E731
+    (p.name, p.kind, p.default)
+    for p in inspect.signature(f).parameters.values()
   ]
+  assert params(traced.lower) == params(jax.jit(lambda v: v).trace(x).lower)
   assert sa.Lowered is jit_cache.Lowered and sa.Compiled is jit_cache.Compiled
   assert "stablehlo.sine" in traced.lower().as_text()
+
+
+def _committed_cases():
+  x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  return {
+    "numpy": x,
+    "uncommitted jax array": jnp.asarray(x),
+    "committed to a device": jax.device_put(x, jax.devices()[0]),
+    "sharded": jax.device_put(x, NamedSharding(mesh, P("i"))),
+  }
+
+
+@pytest.mark.parametrize("case", list(_committed_cases()))
+@pytest.mark.parametrize(
+  "platforms", [None, ("cpu",), ("cpu", "tpu"), ("cuda", "cpu")]
+)
+def test_compiled_outputs_committed_as_stock(case, platforms):
+  """Stock compiles one platform; its committedness and sharding are the
+  reference for every lowering of the same function and argument."""
+  x = _committed_cases()[case]
+
+  def f(v):
+    return jnp.sin(v) * 2
+
+  stock = jax.jit(f).trace(x).lower().compile()(x)
+  kw = {} if platforms is None else {"lowering_platforms": platforms}
+  ours = sa.trace(f, x).lower(**kw).compile()(x)
+  assert ours.committed == stock.committed
+  assert ours._committed == stock._committed
+  assert ours.sharding == stock.sharding
+  np.testing.assert_array_equal(ours, stock)
+
+
+def test_multi_platform_compile_leaves_jax_export_call_as_stock():
+  """The committedness fix copies the lowering: a jit of the same exported
+  function (which JAX caches) keeps stock's committed outputs."""
+  x = np.ones((8, 4), np.float32)
+  lowered = sa.trace(jnp.sin, x).lower(lowering_platforms=("cpu", "tpu"))
+  exp = lowered.export().jax_exported
+  assert lowered.compile()(x).committed is False
+  assert jax.jit(exp.call)(x).committed is True  # stock's own behaviour
+  assert lowered.compile()(x).committed is False

@@ -122,9 +122,10 @@ def place(
     out = transfer.execute(
       req, batches, copy_host=copy_host, private_host=private_host
     )
-  except (ValueError, TypeError, AssertionError):
+  except (ValueError, TypeError, AssertionError, jax.errors.JaxRuntimeError):
     # Report what jax.device_put would report first: a bad leaf, then the first leaf (in
-    # tree order) its sharding cannot hold. Groups are placed in another order.
+    # tree order) its sharding cannot hold. Groups are placed in another order. (A
+    # runtime error from a leaf of a type JAX does not hold is its TypeError.)
     _raise_for_a_bad_leaf(api, tree)
     if req is not None:
       transfer.check_placements_in_order(req)

@@ -1,10 +1,13 @@
 """The checkpoint files: .npy headers in a directory or an .npz, the dtype record.
 
-Opening a checkpoint reads only headers: each array becomes a ``Stored`` with
-its shape, header dtype, order, and where its data lies. ``Files.read`` then
-reads an array's bytes straight into a new 64-byte-aligned host buffer (one
-``preadv`` loop, no memory map and no second copy), so that on CPU the placed
-array can take that buffer over instead of copying it.
+``open_checkpoint`` opens a checkpoint once and reads only headers: each array
+becomes a ``Stored`` with its shape, header dtype, order, where its data lies
+and the descriptor the header came from. ``Files.read`` then reads an array's
+bytes through that descriptor (not the path, which a save may have pointed at
+a new checkpoint since) straight into a new 64-byte-aligned host buffer of its
+own memory map (one ``preadv`` loop, no second copy), so that on CPU the
+placed array can take that buffer over, and the memory goes back to the OS
+when the array goes.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import mmap
 import os
+import stat
 import struct
 import threading
+import typing
 from typing import Any
 import zipfile
 import zlib
@@ -41,10 +47,17 @@ class Stored:
   fortran: bool
   where: str  # "'<file>'" or "member '<name>' of '<file>'", for messages
   data_bytes: int  # the bytes of data present after the header
-  file: str  # the file holding the data
-  offset: int  # where the data starts in ``file``
+  file: str  # the path of the file holding the data, for messages
+  offset: int  # where the data starts in the file
   member: str | None  # a compressed .npz member (read through zipfile), or None
   exact: np.dtype | None = None  # the dtype the record names (None: no record)
+  # The descriptor the header was read from (-1: closed after validation, to
+  # be opened again as ``name`` relative to ``dir_fd`` and checked to be the
+  # same file), and (device, inode, size, mtime) of the file when validated.
+  fd: int = -1
+  dir_fd: int = -1
+  name: str = ""
+  stamp: tuple[int, ...] = ()
 
   @property
   def nbytes(self) -> int:
@@ -66,31 +79,133 @@ def _read_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
   return np.lib.format.read_array_header_2_0(f)
 
 
-def open_directory(
-  api: str, path: str
-) -> tuple[dict[str, Stored], bytes | None]:
-  out: dict[str, Stored] = {}
-  record = None
-  for root, dirs, files in os.walk(path):
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+# Descriptors a directory checkpoint keeps open from validation to reading;
+# files past this many are opened again when read (a process may open only
+# RLIMIT_NOFILE files, often 1024).
+HELD_FILES = 256
+
+
+def stamp(st: os.stat_result) -> tuple[int, ...]:
+  """What identifies a file's contents: device, inode, size, modification time."""
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _open_file(
+  name: str, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
+  """(descriptor, fstat) of a regular file; a FIFO's open does not block."""
+  fd = os.open(name, _OPEN_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      raise ValueError("it is not a regular file")
+    return fd, st
+  except BaseException:
+    os.close(fd)
+    raise
+
+
+def _read_all(fd: int, size: int) -> bytes:
+  """The first ``size`` bytes of a file (fewer if it is shorter)."""
+  parts, done = [], 0
+  while done < size:
+    b = os.pread(fd, size - done, done)
+    if not b:
+      break
+    parts.append(b)
+    done += len(b)
+  return b"".join(parts)
+
+
+class Opened:
+  """A checkpoint opened once: every header was read from a descriptor held
+  here, and the data is read through the same descriptors, so a checkpoint
+  replaced at its path (a save with overwrite=True) while restore runs is
+  read whole as it was validated, or fails; ``close()`` closes them."""
+
+  def __init__(self) -> None:
+    self.fds: list[int] = []
+    self.stored: dict[str, Stored] = {}
+    self.record: bytes | None = None
+
+  def close(self) -> None:
+    fds, self.fds = self.fds, []
+    for fd in fds:
+      os.close(fd)
+
+  def __enter__(self) -> Opened:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+
+def open_checkpoint(api: str, path: str) -> Opened:
+  """Opens ``path`` (a directory of .npy files or an .npz) and reads its headers."""
+  try:
+    fd = os.open(path, _OPEN_FLAGS | os.O_NONBLOCK)
+  except FileNotFoundError:
+    raise FileNotFoundError(
+      f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
+      "directory of .npy files written by save)"
+    ) from None
+  opened = Opened()
+  opened.fds.append(fd)
+  try:
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+      _open_directory(api, path, fd, opened)
+    elif stat.S_ISREG(mode):
+      _open_npz(api, path, fd, opened)
+    else:
+      raise ValueError(
+        f"{api}: {path!r} is neither a directory nor a regular file; restore "
+        "reads an .npz file or a directory of .npy files written by save"
+      )
+  except BaseException:
+    opened.close()
+    raise
+  return opened
+
+
+def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
+  out = opened.stored
+  for root, dirs, names, root_fd in os.fwalk(".", dir_fd=top):
     dirs.sort()
-    for name in sorted(files):
-      file = os.path.join(root, name)
-      if root == path and name == DTYPE_RECORD:
-        with open(file, "rb") as f:
-          record = f.read()
+    for name in sorted(names):
+      rel = os.path.normpath(os.path.join(root, name))
+      file = os.path.join(path, rel)
+      if not name.endswith(".npy") and rel != DTYPE_RECORD:
         continue
-      if not name.endswith(".npy"):
-        continue
-      key = os.path.relpath(file, path)[:-4].replace(os.sep, "/")
       try:
-        with open(file, "rb") as f:
+        fd, st = _open_file(name, root_fd)
+      except (OSError, ValueError) as err:
+        raise ValueError(
+          f"{api}: {file!r} cannot be read: {err}; restore reads regular "
+          "files written by save"
+        ) from None
+      if rel == DTYPE_RECORD:
+        try:
+          opened.record = _read_all(fd, st.st_size)
+        finally:
+          os.close(fd)
+        continue
+      key = rel[:-4].replace(os.sep, "/")
+      try:
+        with open(fd, "rb", closefd=False) as f:
           shape, fortran, dtype = _read_header(f)
           offset = f.tell()
-          size = os.fstat(f.fileno()).st_size
       except (OSError, ValueError, EOFError) as err:
+        os.close(fd)
         raise ValueError(
           f"{api}: {file!r} is not a readable .npy file: {err}"
         ) from None
+      if len(opened.fds) <= HELD_FILES:
+        opened.fds.append(fd)
+      else:  # opened again, relative to the directory, when read
+        os.close(fd)
+        fd = -1
       if dtype.hasobject:
         raise ValueError(
           f"{api}: {file!r} holds Python objects, which restore does not load"
@@ -100,30 +215,35 @@ def open_directory(
         dtype,
         fortran,
         repr(file),
-        size - offset,
+        st.st_size - offset,
         file,
         offset,
         None,
+        fd=fd,
+        dir_fd=top,
+        name=rel,
+        stamp=stamp(st),
       )
-  return out, record
 
 
-def open_npz(api: str, path: str) -> tuple[dict[str, Stored], bytes | None]:
-  out: dict[str, Stored] = {}
-  record = None
+def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
+  out = opened.stored
+  st = os.fstat(fd)
+  file_size = st.st_size
+  raw = open(fd, "rb", closefd=False)
   try:
-    zf = zipfile.ZipFile(path)
+    zf = zipfile.ZipFile(raw)
   except (OSError, zipfile.BadZipFile) as err:
+    raw.close()
     raise ValueError(
       f"{api}: {path!r} is not a readable .npz file: {err}"
     ) from None
-  with zf, open(path, "rb") as raw:
-    file_size = os.fstat(raw.fileno()).st_size
+  with zf, raw:
     for info in zf.infolist():
       where = f"member {info.filename!r} of {path!r}"
       try:
         if info.filename == DTYPE_RECORD:
-          record = zf.read(info)
+          opened.record = zf.read(info)
           continue
         if not info.filename.endswith(".npy"):
           continue
@@ -167,9 +287,17 @@ def open_npz(api: str, path: str) -> tuple[dict[str, Stored], bytes | None]:
       if dtype.hasobject:
         raise ValueError(f"{api}: {where} holds Python objects")
       out[key] = Stored(
-        tuple(shape), dtype, fortran, where, data_bytes, path, offset, member
+        tuple(shape),
+        dtype,
+        fortran,
+        where,
+        data_bytes,
+        path,
+        offset,
+        member,
+        fd=fd,
+        stamp=stamp(st),
       )
-  return out, record
 
 
 def apply_record(
@@ -227,21 +355,59 @@ def apply_record(
 ALIGN = (
   64  # what the CPU runtime needs to take a host buffer over without a copy
 )
+#: An array of at least this many bytes gets a memory map of its own; smaller
+#: ones are carved out of shared maps of ``SLAB`` bytes.
+OWN_MAP = 64 * 2**10
+SLAB = 2**20
+
+
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+  return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+
+
+class HostMemory:
+  """New host buffers for the arrays of one restore, in anonymous memory maps.
+
+  Not from malloc: restore's buffers are allocated on its reader thread and
+  freed wherever the placed arrays die, and glibc keeps such memory in the
+  reader thread's arena (a new thread each restore, up to 8 arenas per core)
+  for reuse there: 16 leaves of 4 MiB grew the process by 3-6 MiB per dropped
+  restore, to 800 MiB, which ``malloc_trim`` did not return. A map goes back
+  to the OS when the last array using it is collected. Maps are page-aligned;
+  small arrays share one (``ALIGN``-aligned inside it) so that a 4-byte leaf
+  does not take a page. Used by one thread at a time.
+  """
+
+  def __init__(self) -> None:
+    self._slab: mmap.mmap | None = None
+    self._used = SLAB
+
+  def empty(
+    self, shape: tuple[int, ...], dtype: np.dtype, fortran: bool = False
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """(array, its bytes): a new uninitialized array whose data starts on an
+    ``ALIGN``-byte boundary, and a flat uint8 view of the same memory."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= OWN_MAP:
+      buf, start = _anonymous_map(nbytes), 0
+    else:
+      start = self._used + (-self._used % ALIGN)
+      if self._slab is None or start + nbytes > SLAB:
+        self._slab, start = _anonymous_map(SLAB), 0
+      buf = self._slab
+      self._used = start + nbytes
+    flat = np.ndarray((nbytes,), np.uint8, buffer=buf, offset=start)
+    array = np.ndarray(
+      shape, dtype, buffer=buf, offset=start, order="F" if fortran else "C"
+    )
+    return array, flat
 
 
 def aligned_empty(
   shape: tuple[int, ...], dtype: np.dtype, fortran: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-  """(array, its bytes): a new uninitialized array whose data starts on an
-  ``ALIGN``-byte boundary, and a flat uint8 view of the same memory."""
-  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(nbytes + ALIGN, np.uint8)
-  start = -raw.ctypes.data % ALIGN
-  flat = raw[start : start + nbytes]
-  array = np.ndarray(
-    shape, dtype, buffer=flat.data, order="F" if fortran else "C"
-  )
-  return array, flat
+  """``HostMemory().empty``: one array in memory of its own."""
+  return HostMemory().empty(shape, dtype, fortran)
 
 
 #: Bytes per read call when one array is read by several threads.
@@ -254,8 +420,8 @@ def default_read_threads() -> int:
 
 
 class Files:
-  """Reads stored arrays into new aligned buffers; keeps the last file open
-  (an .npz is one file for all its members).
+  """Reads stored arrays into new aligned buffers (``HostMemory``), through the
+  descriptors their headers were read from.
 
   An array of more than one ``CHUNK`` is read by ``threads`` threads at once
   (the calling thread and a pool of ``threads - 1``), each reading chunks
@@ -266,42 +432,38 @@ class Files:
   """
 
   def __init__(self, threads: int = 1) -> None:
-    self._path: str | None = None
-    self._fd = -1
     self._threads = threads
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._memory = HostMemory()
 
   def close(self) -> None:
-    if self._fd >= 0:
-      os.close(self._fd)
-    self._path, self._fd = None, -1
     if self._pool is not None:
       self._pool.shutdown(wait=True)
       self._pool = None
 
-  def _open(self, path: str) -> int:
-    if path != self._path:
-      if self._fd >= 0:
-        os.close(self._fd)
-        self._fd = -1
-      self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-      self._path = path
-    return self._fd
-
   def read(self, s: Stored) -> np.ndarray:
-    """The bytes of ``s`` as an array of its header dtype, in a buffer of its own."""
-    if s.member is not None:
-      with zipfile.ZipFile(s.file) as zf, zf.open(s.member) as f:
-        a = np.lib.format.read_array(f, allow_pickle=False)
-      if a.shape != s.shape or a.dtype != s.dtype:
-        raise ValueError(
-          f"it now holds {a.dtype.str}{list(a.shape)}, not "
-          f"{s.dtype.str}{list(s.shape)}"
-        )
-      return a
-    array, flat = aligned_empty(s.shape, s.dtype, s.fortran)
+    """The bytes of ``s`` as an array of its header dtype, in a buffer of its
+    own; raises ValueError if the file is not the one validated, or changed."""
+    fd = s.fd
+    if fd < 0:  # closed after validation: the same file must be there
+      fd, st = _open_file(s.name, s.dir_fd)
+    try:
+      if s.fd < 0 and stamp(st) != s.stamp:
+        raise ValueError("it was replaced after restore validated it")
+      if s.member is not None:
+        array = self._inflate(fd, s)
+      else:
+        array = self._read_stored(fd, s)
+      if stamp(os.fstat(fd)) != s.stamp:
+        raise ValueError("it was modified while restore read it")
+    finally:
+      if fd != s.fd:
+        os.close(fd)
+    return array
+
+  def _read_stored(self, fd: int, s: Stored) -> np.ndarray:
+    array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
     if flat.size:
-      fd = self._open(s.file)
       chunks = [
         (lo, min(lo + CHUNK, flat.size)) for lo in range(0, flat.size, CHUNK)
       ]
@@ -310,6 +472,33 @@ class Files:
         _read_range(fd, flat.data, s.offset, 0, flat.size)
       else:
         self._read_chunks(fd, flat.data, s.offset, chunks, workers)
+    return array
+
+  def _inflate(self, fd: int, s: Stored) -> np.ndarray:
+    """A compressed .npz member, inflated into a new buffer (exactly its
+    header's bytes: more or fewer data, or a bad checksum, raise)."""
+    if s.member is None:
+      raise ValueError("_inflate: not a compressed member")
+    with (
+      open(fd, "rb", closefd=False) as raw,
+      zipfile.ZipFile(raw) as zf,
+      zf.open(s.member) as f,
+    ):
+      shape, fortran, dtype = _read_header(f)
+      if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
+        raise ValueError(
+          f"it now holds {dtype.str}{list(shape)}, not "
+          f"{s.dtype.str}{list(s.shape)}"
+        )
+      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+      view, done = flat.data, 0
+      while done < flat.size:
+        n = typing.cast(Any, f).readinto(view[done:])  # a ZipExtFile
+        if not n:
+          raise EOFError(f"the data ends {flat.size - done} bytes early")
+        done += n
+      if f.read(1):  # also checks the member's CRC
+        raise ValueError("it holds more data than its header describes")
     return array
 
   def _read_chunks(

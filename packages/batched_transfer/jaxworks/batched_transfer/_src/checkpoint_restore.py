@@ -35,6 +35,7 @@ from .api import place
 from .checkpoint import leaf_keys
 from .checkpoint import python_scalar_dtype
 from .progress import Progress
+from .transfer import placement_error
 
 _API = "jaxworks.batched_transfer"
 # The most bytes in one batch, whatever the budget: smaller batches let
@@ -176,7 +177,11 @@ def restore(
     ValueError: a key missing from or extra in the file, a shape or exact
       dtype that differs from the target's, or data shorter or longer than its
       header says (the message names the tree path and the file); raised
-      before any array is placed.
+      before any array is placed. Also a file that is not a regular file, or
+      one replaced or modified after it was validated (the data is read
+      through the descriptors validated: a checkpoint replaced at ``path``
+      meanwhile is read whole as validated); nothing stays placed.
+    FileNotFoundError: nothing at ``path``.
     TypeError: a target leaf with no shape and dtype.
   """
   api = f"{_API}.restore"
@@ -199,18 +204,48 @@ def restore(
     )
   keys, paths, leaves, treedef = leaf_keys(api, target)
   specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
-  if os.path.isdir(path):
-    stored, record = files.open_directory(api, path)
-  elif os.path.isfile(path):
-    stored, record = files.open_npz(api, path)
-  else:
-    raise FileNotFoundError(
-      f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
-      "directory of .npy files written by save)"
+  # Opened once: the data is read through the descriptors validated here.
+  with files.open_checkpoint(api, path) as opened:
+    files.apply_record(api, path, opened.stored, opened.record)
+    places = _validate(
+      api,
+      path,
+      opened.stored,
+      target,
+      placement,
+      keys,
+      paths,
+      leaves,
+      treedef,
+      specs,
     )
-  files.apply_record(api, path, stored, record)
+    out = _stream(
+      api,
+      opened.stored,
+      keys,
+      paths,
+      places,
+      specs,
+      max_inflight_bytes,
+      read_threads,
+      progress,
+    )
+  return treedef.unflatten(out)
 
-  # 1. Validate everything before placing anything.
+
+def _validate(
+  api: str,
+  path: str,
+  stored: dict[str, files.Stored],
+  target: Any,
+  placement: Any,
+  keys: list[str],
+  paths: list[str],
+  leaves: list[Any],
+  treedef: Any,
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+) -> list[Any]:
+  """Checks every key, shape, dtype, extent and placement; the placements."""
   missing = [(p, k) for p, k in zip(paths, keys) if k not in stored]
   if missing:
     listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
@@ -261,14 +296,31 @@ def restore(
       try:
         sharding.shard_shape(want_shape)
       except Exception as err:  # the sharding's own message says why
-        raise ValueError(
+        raise placement_error(
+          err,
+          sharding,
+          want_shape,
           f"{api}: the leaf at {where} with shape {want_shape} cannot be "
-          f"placed on {sharding}: {err}"
+          f"placed on {sharding}: {err}",
         ) from None
+  return places
 
-  # 2. Stream: batches of at most half the budget (and BATCH_CAP); a background
-  # thread reads ahead (straight into new aligned buffers, a large file by
-  # read_threads threads at once) while one is placed.
+
+def _stream(
+  api: str,
+  stored: dict[str, files.Stored],
+  keys: list[str],
+  paths: list[str],
+  places: list[Any],
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+  max_inflight_bytes: int,
+  read_threads: int,
+  progress: bool | None,
+) -> list[Any]:
+  """Reads and places the validated arrays; the placed leaves in order."""
+  # Batches of at most half the budget (and BATCH_CAP); a background
+  # thread reads ahead (straight into new aligned buffers of their own memory
+  # maps, a large file by read_threads threads at once) while one is placed.
   # The buffers are restore's own, so placing them may alias them (on CPU the
   # device array takes the buffer over: no second copy).
   # Host buffers of arrays already dropped (earlier restores, on CPU) go first,
@@ -277,7 +329,7 @@ def restore(
   sizes = [stored[k].nbytes for k in keys]
   limit = min(max(1, max_inflight_bytes // 2), BATCH_CAP)
   batches = split_batches(sizes, limit)
-  out: list[Any] = [None] * len(leaves)
+  out: list[Any] = [None] * len(keys)
   bar = Progress("restore", sum(sizes), enabled=progress)
   readers = files.Files(read_threads)
 
@@ -315,7 +367,7 @@ def restore(
     reader.close()
     readers.close()
     bar.close()
-  return treedef.unflatten(out)
+  return out
 
 
 def split_batches(sizes: list[int], limit: int) -> list[list[int]]:

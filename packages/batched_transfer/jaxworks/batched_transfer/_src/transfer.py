@@ -21,11 +21,14 @@ per destination device set, if their runtime layout differs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 import warnings
 
 import jax
 from jax.experimental.layout import Format
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
@@ -88,10 +91,19 @@ def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
 
 
 def host_dtype_ok(dtype: Any) -> bool:
+  """Whether the host fast path can take arrays of ``dtype``: a numeric or
+  bool type that JAX holds (not float128, complex256, timedelta64, ... which
+  the runtime would fail on where jax.device_put raises TypeError)."""
   ok = _HOST_DTYPES.get(dtype)
   if ok is None:
+    try:
+      jax.typeof(np.empty(0, dtype))
+      valid = True
+    except (TypeError, ValueError):
+      valid = False
     ok = _HOST_DTYPES[dtype] = bool(
-      dtype != jax.dtypes.float0
+      valid
+      and dtype != jax.dtypes.float0
       and dtype.fields is None
       and (dtype == np.bool_ or jax.dtypes.issubdtype(dtype, np.number))
     )
@@ -154,10 +166,50 @@ def check_placement(
   try:
     sharding.shard_shape(shape)
   except Exception as err:  # the sharding's own message says why
-    raise ValueError(
-      f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} on {sharding}: "
-      f"{err}"
+    raise placement_error(
+      err,
+      sharding,
+      shape,
+      f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} "
+      f"on {sharding}: {err}",
     ) from None
+
+
+def placement_error(
+  err: Exception, sharding: Any, shape: tuple[int, ...], message: str
+) -> Exception:
+  """``message`` as the error jax.device_put raises where ``sharding`` cannot
+  split ``shape``: a plain ValueError where a dimension is indivisible by the
+  Explicit mesh axes of a NamedSharding (JAX checks those first, when it
+  makes the abstract value), else the class ``sharding.shard_shape`` raised
+  (jax's IndivisibleError, a ValueError subclass, e.g. for Auto axes)."""
+  if isinstance(err, ValueError) and not _explicit_indivisible(sharding, shape):
+    try:
+      new = type(err)(message)
+    except Exception:  # a constructor that takes other arguments
+      return ValueError(message)
+    if str(new) == message:
+      return new
+  return ValueError(message)
+
+
+def _explicit_indivisible(sharding: Any, shape: tuple[int, ...]) -> bool:
+  """Whether the Explicit mesh axes of a NamedSharding leave a dimension of
+  ``shape`` indivisible."""
+  if not isinstance(sharding, NamedSharding):
+    return False
+  mesh = sharding.mesh
+  explicit = {
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == AxisType.Explicit
+  }
+  for entry, n in zip(sharding.spec, shape):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    ways = math.prod(mesh.shape[a] for a in names if a in explicit)
+    if n % ways:
+      return True
+  return False
 
 
 def _index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:

@@ -80,6 +80,13 @@ class JitFunction:
       return self
     return types.MethodType(self, obj)
 
+  @property
+  def __signature__(self) -> inspect.Signature | None:
+    """The function's signature, as stock's jit object reports it (so
+    ``inspect.signature(f, follow_wrapped=False)`` works; None when the
+    function has none)."""
+    return _argnums.signature_of(self._fun)
+
   def __repr__(self) -> str:
     try:
       return f"<JitFunction of {self.__wrapped__!r}>"
@@ -177,8 +184,8 @@ def _freeze(value: Any) -> Any:
     return (t, tuple(_freeze(v) for v in value))
   if t is dict:
     return (t, tuple((k, _freeze(v)) for k, v in value.items()))
-  if t is float:
-    return (t, value.hex())  # -0.0 and 0.0 differ
+  if t is float:  # by bits: -0.0, NaN signs and payloads differ
+    return (t, _fingerprint.float_bits(value))
   hash(value)
   return (t, value)
 
@@ -514,23 +521,31 @@ ji.register_cache(_CLEARED_WITH_JAX, "jaxworks.jit_cache")
 
 
 def set_global_maxsize(
-  entries: int | None = None, executables: int | None = None
+  entries: int | None = None,
+  executables: int | None = None,
+  executable_bytes: int | None = None,
 ) -> None:
-  """Sets the process-wide LRU bounds.
+  """Sets the process-wide bounds.
 
   Args:
     entries: trace entries across all functions (default 4096).
-    executables: shared compiled executables (default 1024).
+    executables: compiled executables kept after every function that used
+      them is gone, for re-created closures (default 16). Executables of live
+      functions are not counted: they go with their functions.
+    executable_bytes: the estimated memory those kept executables may hold
+      (default 32 MiB).
   """
-  for value, what in ((entries, "entries"), (executables, "executables")):
+  api = "jaxworks.jit_cache.set_global_maxsize"
+  for value, what in (
+    (entries, "entries"),
+    (executables, "executables"),
+    (executable_bytes, "executable_bytes"),
+  ):
     if value is not None and (
       not isinstance(value, int) or isinstance(value, bool) or value < 1
     ):
-      raise ValueError(
-        f"jaxworks.jit_cache.set_global_maxsize: {what} must be an int >= "
-        f"1, got {value!r}"
-      )
+      raise ValueError(f"{api}: {what} must be an int >= 1, got {value!r}")
   if entries is not None:
     _cache.GLOBAL_ENTRIES.resize(entries)
-  if executables is not None:
-    _cache.EXECUTABLES.resize(executables)
+  if executables is not None or executable_bytes is not None:
+    _cache.EXECUTABLES.resize(executables, executable_bytes)

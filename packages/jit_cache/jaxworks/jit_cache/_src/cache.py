@@ -272,16 +272,22 @@ class ExecutableCache:
     that is while a trace entry of a live function holds it (weak tier);
   * executables marked ``keep`` (programs that hold no user object: no host
     callback, no array by identity, little constant data) also stay in a
-    bounded LRU after their functions are gone, so a closure re-created after
-    the previous one died still reuses them (strong tier, ``maxsize``).
+    small LRU after their functions are gone, so a closure re-created after
+    the previous one died still reuses them (strong tier). It is bounded by
+    count (``maxsize``) and by estimated bytes (``maxbytes``): a process that
+    makes thousands of distinct short-lived programs keeps only the most
+    recent few, as stock JAX keeps none.
   """
 
-  def __init__(self, maxsize: int):
+  def __init__(self, maxsize: int, maxbytes: int):
     self.maxsize = maxsize
+    self.maxbytes = maxbytes
     self.evictions = 0
+    self.nbytes = 0  # estimated bytes held by the strong tier
     self._strong: collections.OrderedDict[Hashable, Any] = (
       collections.OrderedDict()
     )
+    self._sizes: dict[Hashable, int] = {}
     self._weak: dict[Hashable, weakref.ref] = {}
     self._lock = threading.RLock()  # re-entrant: see EntryLRU
     self._flight = SingleFlight()
@@ -295,7 +301,9 @@ class ExecutableCache:
       ref = self._weak.get(key)
       return None if ref is None else ref()
 
-  def put(self, key: Hashable, value: Any, keep: bool = True) -> None:
+  def put(
+    self, key: Hashable, value: Any, keep: bool = True, nbytes: int = 0
+  ) -> None:
     def forget(ref, key=key):
       with self._lock:
         if self._weak.get(key) is ref:
@@ -307,22 +315,35 @@ class ExecutableCache:
       if keep:
         self._strong[key] = value
         self._strong.move_to_end(key)
+        self.nbytes += nbytes - self._sizes.get(key, 0)
+        self._sizes[key] = nbytes
         self._trim_locked()
 
+  def _drop_locked(self, key: Hashable) -> None:
+    del self._strong[key]
+    self.nbytes -= self._sizes.pop(key, 0)
+
   def _trim_locked(self) -> None:
-    while len(self._strong) > self.maxsize:
-      self._strong.popitem(last=False)
+    while self._strong and (
+      len(self._strong) > self.maxsize or self.nbytes > self.maxbytes
+    ):
+      self._drop_locked(next(iter(self._strong)))
       self.evictions += 1
 
   def get_or_build(
-    self, key: Hashable, build: Callable[[], Any], keep: bool = True
+    self,
+    key: Hashable,
+    build: Callable[[], Any],
+    keep: bool = True,
+    size: Callable[[Any], int] = lambda value: 0,
   ) -> tuple[Any, bool]:
-    """(value, reused): ``reused`` is True when another caller built it."""
+    """(value, reused): ``reused`` is True when another caller built it.
+    ``size(value)`` estimates the bytes a built value holds."""
     built = []
 
     def compute():
       value = build()
-      self.put(key, value, keep)
+      self.put(key, value, keep, size(value) if keep else 0)
       built.append(True)
       return value
 
@@ -332,6 +353,8 @@ class ExecutableCache:
   def clear(self) -> None:
     with self._lock:
       self._strong.clear()
+      self._sizes.clear()
+      self.nbytes = 0
       self._weak.clear()
 
   def discard(self, values: list[Any]) -> None:
@@ -340,11 +363,16 @@ class ExecutableCache:
     ids = {id(v) for v in values}
     with self._lock:
       for key in [k for k, v in self._strong.items() if id(v) in ids]:
-        del self._strong[key]
+        self._drop_locked(key)
 
-  def resize(self, maxsize: int) -> None:
+  def resize(
+    self, maxsize: int | None = None, maxbytes: int | None = None
+  ) -> None:
     with self._lock:
-      self.maxsize = maxsize
+      if maxsize is not None:
+        self.maxsize = maxsize
+      if maxbytes is not None:
+        self.maxbytes = maxbytes
       self._trim_locked()
 
   def live(self) -> list[Any]:
@@ -363,8 +391,13 @@ class ExecutableCache:
     return len(self.live())
 
 
-DEFAULT_EXECUTABLE_MAXSIZE = 1024
-EXECUTABLES = ExecutableCache(DEFAULT_EXECUTABLE_MAXSIZE)
+#: Defaults of the strong tier: executables of dead functions kept for
+#: re-created closures (a sweep needs the last few, not thousands).
+DEFAULT_EXECUTABLE_MAXSIZE = 16
+DEFAULT_EXECUTABLE_MAXBYTES = 32 << 20
+EXECUTABLES = ExecutableCache(
+  DEFAULT_EXECUTABLE_MAXSIZE, DEFAULT_EXECUTABLE_MAXBYTES
+)
 
 # ------------------------------------------------ per-function trace entries
 
@@ -404,11 +437,8 @@ class Entry:
     "out_tree",
     "trace_seconds",
     "key",
-    "base_key",
     "sigs",
     "executables",
-    "axis_sizes",
-    "portable",
     "lock",
     "config",
     "__weakref__",
@@ -421,8 +451,6 @@ class Entry:
     out_tree: Any,
     trace_seconds: float,
     key: Hashable,
-    base_key: Hashable | None,
-    axis_sizes: dict,
     config: dict,
   ):
     self.params = params
@@ -431,13 +459,10 @@ class Entry:
     self.out_tree = out_tree
     self.trace_seconds = trace_seconds
     self.key = key
-    self.base_key = base_key
     self.sigs: list[Any] = []
     self.executables: collections.OrderedDict[Any, Any] = (
       collections.OrderedDict()
     )
-    self.axis_sizes = axis_sizes
-    self.portable: bool | None = None
     self.lock = threading.Lock()
     self.config = config
 
@@ -468,7 +493,6 @@ class FunctionCache:
     self.by_key: collections.OrderedDict[Hashable, Entry] = (
       collections.OrderedDict()
     )
-    self.shared: dict[Hashable, list[Entry]] = {}
     self.lock = threading.RLock()
     self.flight = SingleFlight()
 
@@ -486,8 +510,6 @@ class FunctionCache:
     victims = []
     with self.lock:
       self.by_key[entry.key] = entry
-      if entry.base_key is not None:
-        self.shared.setdefault(entry.base_key, []).append(entry)
       while len(self.by_key) > self.maxsize:
         victims.append(next(iter(self.by_key.values())))
         self._remove(victims[-1])
@@ -511,12 +533,6 @@ class FunctionCache:
     for sig in entry.sigs:
       if self.by_sig.get(sig) is entry:
         del self.by_sig[sig]
-    if entry.base_key is not None:
-      peers = self.shared.get(entry.base_key, [])
-      if entry in peers:
-        peers.remove(entry)
-      if not peers:
-        self.shared.pop(entry.base_key, None)
 
   def _count_eviction(self) -> None:
     self.counters.evictions += 1
@@ -536,7 +552,6 @@ class FunctionCache:
       entries = list(self.by_key.values())
       self.by_sig.clear()
       self.by_key.clear()
-      self.shared.clear()
     for entry in entries:
       GLOBAL_ENTRIES.discard(entry)
 

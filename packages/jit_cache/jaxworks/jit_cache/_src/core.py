@@ -49,7 +49,6 @@ from . import deps as _deps
 from . import disk_cache as _disk
 from . import executables as _executables
 from . import explain
-from . import fingerprint as _fingerprint
 from . import jax_internals as ji
 from . import signature as _sig
 from . import stages as _stages
@@ -75,6 +74,7 @@ _CONTEXT = _ext.ContextInterner(16)
 _stock_jit = ji.stock_jit
 _Tracer = jax.core.Tracer
 _test_event = ji.test_event
+_shard_arg_handlers = ji.shard_arg_handlers
 
 #: Default of in_shardings/out_shardings: stock jax.jit's own default object.
 UNSET: Any = ji.UNSPECIFIED
@@ -253,11 +253,15 @@ class _JitCore:
     if not top_level:
       out_flat = _jit_p.bind(*leaves, **entry.params)
       return entry.out_tree.unflatten(out_flat), None, False
-    for leaf in leaves:
+    for i, leaf in enumerate(leaves):
+      if type(leaf) in _shard_arg_handlers:
+        continue
       if isinstance(leaf, _Tracer):
         # A tracer at top level escaped its trace: jax.jit's error says where
         # it was created.
         return self._jax(*args, **kwargs), None, False
+      if not ji.can_pass_to_executable(leaf):
+        raise self._not_a_jax_type(args, kwargs, i, leaf)
     _test_event("jit_cpp_cache_miss")  # as jax.jit's Python call path does
     exe = self._executable(entry, leaves, ctx)
     if exe.tokens:
@@ -323,6 +327,20 @@ class _JitCore:
         )
     return TypeError(f"jaxworks.jit_cache.jit: {error}")
 
+  def _not_a_jax_type(self, args, kwargs, i, leaf) -> TypeError:
+    """Stock's TypeError for an argument that has an abstract value but is
+    no value (``jax.ShapeDtypeStruct``), raised before any compile."""
+    paths = self._leaf_paths(args, kwargs)
+    where = paths[i] if i < len(paths) else f"leaf {i}"
+    aval = ji.shaped_abstractify(leaf)
+    return TypeError(
+      f"jaxworks.jit_cache.jit: Argument '{where}' of shape "
+      f"{aval.str_short()} of type {type(leaf)} is not a valid JAX type. "
+      f"{self._name} was called with it; pass an array of that shape and "
+      "dtype (a jax.ShapeDtypeStruct describes an argument for .trace(), "
+      ".lower() and .eval_shape(), not for a call)."
+    )
+
   # -- the trace cache -----------------------------------------------------------
 
   def _hit(self, entry: _cache.Entry) -> None:
@@ -350,33 +368,20 @@ class _JitCore:
     return self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
 
   def _entry_slow(self, leaves, treedef, statics, ctx, sig, args, kwargs):
+    # The key holds the whole context, the axis environment included: a
+    # function may read any bound axis name (``lax.axis_size`` in a
+    # ``try``), so an entry is never shared across axis environments, as
+    # with stock jit.
     avals = tuple(ji.shaped_abstractify(x) for x in leaves)
     key = (avals, treedef, statics, ctx)
-    # The axis environment is read where JAX keeps it, never by its position
-    # in the trace context (user contexts append to that tuple).
-    env = ji.current_axis_env()
-    sizes, spmd, explicit = ji.axis_env_parts(env)
-    base_key = None
-    if sizes:
-      rest = ji.without_axis_env(ctx.values, env)
-      if rest is not None:
-        base_key = (avals, treedef, statics, _CONTEXT(rest), spmd, explicit)
     cache = self._cache
     computed = []
 
-    def lookup():
-      entry = cache.by_key.get(key)
-      if entry is None and base_key is not None:
-        entry = self._shared_entry(
-          base_key, sizes, spmd, explicit, args, kwargs
-        )
-      return entry
-
     def compute():
       computed.append(True)
-      return self._trace_new(key, base_key, sizes, args, kwargs)
+      return self._trace_new(key, args, kwargs)
 
-    entry = cache.flight.run(key, lookup, compute)
+    entry = cache.flight.run(key, lambda: cache.by_key.get(key), compute)
     if type(entry) is _cache.Entry:  # pylint: disable=unidiomatic-typecheck
       if not computed:
         self._hit(entry)
@@ -384,9 +389,19 @@ class _JitCore:
       cache.alias(sig, entry)
     return entry
 
-  def _trace_new(self, key, base_key, sizes, args, kwargs) -> Any:
+  def _trace_new(self, key, args, kwargs) -> Any:
     t0 = time.perf_counter()
-    traced = self._jax.trace(*args, **kwargs)
+    try:
+      traced = self._jax.trace(*args, **kwargs)
+    except ValueError as e:
+      if not (self._has_statics and ji.is_static_eq_collision(e)):
+        raise
+      # A process-wide cache inside stock's tracing compared our static
+      # argument with another function's one of equal hash, and the static's
+      # __eq__ raised. Stock's own first call never meets that entry; ours
+      # should not either.
+      ji.clear_in_shardings_cache()
+      traced = self._jax.trace(*args, **kwargs)
     seconds = time.perf_counter() - t0
     self._counters.misses += 1
     _cache.GLOBAL_COUNTERS.misses += 1
@@ -394,74 +409,29 @@ class _JitCore:
     high = ji.is_high(params["jaxpr"])
     if consts or high:
       return _cache.Uncacheable(traced, params, consts, out_tree, high)
-    axis_sizes = {}
-    if sizes:
-      used = _axis_names.used_axis_names(params["jaxpr"])
-      axis_sizes = {n: sizes[n] for n in used if n in sizes}
     entry = _cache.Entry(
-      params,
-      in_tree,
-      out_tree,
-      seconds,
-      key,
-      base_key,
-      axis_sizes,
-      _cache.config_snapshot(),
+      params, in_tree, out_tree, seconds, key, _cache.config_snapshot()
     )
     self._cache.insert(entry)
     return entry
-
-  def _shared_entry(self, base_key, sizes, spmd, explicit, args, kwargs):
-    """An entry traced under another axis environment, if it applies here.
-
-    An entry applies when the axis names its jaxpr uses have the same sizes
-    here. A jaxpr can also depend on names it does not mention (for example
-    ``lax.axis_size('i')`` folds to a literal), so before the first sharing
-    the function is traced once more under an environment holding only the
-    used names: the entry is shared only when that trace succeeds and gives a
-    structurally identical jaxpr.
-    """
-    for cand in list(self._cache.shared.get(base_key, ())):
-      if any(sizes.get(n) != s for n, s in cand.axis_sizes.items()):
-        continue
-      if cand.portable is None:
-        cand.portable = self._check_portable(cand, spmd, explicit, args, kwargs)
-      if cand.portable:
-        return cand
-    return None
-
-  def _check_portable(self, cand, spmd, explicit, args, kwargs) -> bool:
-    names = frozenset(cand.axis_sizes)
-    restricted = ji.make_axis_env(
-      cand.axis_sizes, spmd & names, explicit & names
-    )
-    try:
-      with ji.axis_env_set(restricted):
-        traced = self._jax.trace(*args, **kwargs)
-    except Exception:  # pylint: disable=broad-except
-      return False  # needs more of the environment than the names it uses
-    params, consts, _, _, _ = ji.traced_parts(traced)
-    if consts:
-      return False
-    mine = _fingerprint.fingerprint(cand.jaxpr)
-    return mine is not None and mine == _fingerprint.fingerprint(
-      params["jaxpr"]
-    )
 
   # -- executables -------------------------------------------------------------------
 
   def _executable(
     self, entry: _cache.Entry, leaves: list, ctx: Any
   ) -> _executables.Executable:
+    # Placement: shardings, committedness and context (the signature), and
+    # the layouts of committed arrays, which stock's lowering reads too.
     placement = _sig.signature(leaves, ctx)
-    exe = entry.executables.get(placement)
+    key = (placement, ji.layouts_key(leaves))
+    exe = entry.executables.get(key)
     if exe is not None:
       return exe
     with entry.lock:
-      exe = entry.executables.get(placement)
+      exe = entry.executables.get(key)
       if exe is None:
-        exe = _executables.build(entry, leaves, placement, self._counters)
-        entry.executables[placement] = exe
+        exe = _executables.build(entry, leaves, key, self._counters)
+        entry.executables[key] = exe
         if len(entry.executables) > _executables.EXECUTABLES_PER_ENTRY:
           entry.executables.popitem(last=False)
     return exe

@@ -10,8 +10,8 @@ compared in a way user code cannot fool:
   type, XLA metadata, abstract mesh, ...), by identity: JAX interns it, so
   equal contexts are one object;
 * the same primitive objects and parameters: scalars compared with their type
-  (``1``, ``1.0`` and ``True`` differ, floats by ``float.hex`` so ``-0.0`` and
-  ``nan`` are exact), tuples, lists, dicts, JAX's named tuples and JAX's
+  (``1``, ``1.0`` and ``True`` differ, floats by their IEEE bit pattern, so
+  ``-0.0``, ``nan``, ``-nan`` and every NaN payload are told apart), tuples, lists, dicts, JAX's named tuples and JAX's
   dataclasses (such as the wrapper of a host callback) field by field,
   sub-jaxprs recursively, ``functools.partial`` by function, arguments and
   keywords, JAX's own value types (dtypes, shardings, meshes, avals, tree
@@ -45,6 +45,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import struct
 import threading
 from typing import Any
 import weakref
@@ -136,6 +137,15 @@ class _Identity:
     return isinstance(other, _Identity) and other.obj is self.obj
 
 
+_DOUBLE = struct.Struct("<d")
+
+
+def float_bits(v: float) -> bytes:
+  """The IEEE 754 bit pattern of ``v``: keeps the sign of zero and of NaN and
+  the NaN payload, which ``float.hex``, ``==`` and ``hash`` all lose."""
+  return _DOUBLE.pack(v)
+
+
 def _digest(data: np.ndarray) -> bytes:
   return hashlib.blake2b(
     # numpy's stubs declare the buffer protocol only for Python >= 3.12.
@@ -180,9 +190,9 @@ class _Walker:
     if v is None or t is str or t is bytes or t is bool or t is int:
       return (t, v)
     if t is float:
-      return (t, v.hex())
+      return (t, float_bits(v))
     if t is complex:
-      return (t, v.real.hex(), v.imag.hex())
+      return (t, float_bits(v.real), float_bits(v.imag))
     if t is tuple or t is dict or t is list or t is ji.FrozenDict:
       hit = self.seen.get(id(v))
       if hit is not None and hit[0] is v:

@@ -13,6 +13,7 @@ _deps.check_jax()  # before any private JAX name is imported
 
 from collections.abc import Callable
 from collections.abc import Sequence
+import copy as _copy
 import inspect as _inspect
 from typing import Any
 
@@ -20,6 +21,7 @@ from jax._src import api as _api
 from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import effects as _effects
 from jax._src import mesh as _mesh
 from jax._src import named_sharding as _named_sharding
@@ -45,12 +47,38 @@ from jax._src.lib import jax_jit as _jax_jit
 #: JAX's business (a user context appends an element for the rest of the
 #: process): never read an element by position. Elements are the same objects
 #: from call to call while no config changes.
-trace_context: Callable[[], tuple] = _config.trace_context
+_stock_trace_context: Callable[[], tuple] = _config.trace_context
+# What stock's jit key holds beyond the trace context (every config state made
+# with include_in_jit_key but not include_in_trace_context): the concrete mesh
+# of ``jax.set_mesh`` (it decides where outputs go, through ``ctx_mesh``) and
+# the compiler's optimization and memory-fitting levels.
+_JIT_ONLY = (
+  ("concrete mesh (jax.set_mesh)", _config.device_context),
+  ("jax_optimization_level", _config.optimization_level),
+  ("jax_memory_fitting_level", _config.memory_fitting_level),
+)
+_device_context = _config.device_context
+_optimization_level = _config.optimization_level
+_memory_fitting_level = _config.memory_fitting_level
+
+
+def trace_context() -> tuple:
+  """Every config value stock's jit key holds: JAX's trace context, then the
+  jit-only states (see ``_JIT_ONLY``)."""
+  return (
+    *_stock_trace_context(),
+    _device_context.value,
+    _optimization_level.value,
+    _memory_fitting_level.value,
+  )
 
 
 def trace_context_names() -> tuple[str, ...]:
   """Names of the ``trace_context()`` elements, in order (for messages)."""
-  return tuple(_config.trace_context_names())
+  return (
+    *_config.trace_context_names(),
+    *(name for name, _ in _JIT_ONLY),
+  )
 
 
 def current_axis_env() -> Any:
@@ -59,23 +87,55 @@ def current_axis_env() -> Any:
   return _core.trace_ctx.axis_env
 
 
-def without_axis_env(values: tuple, env: Any) -> tuple | None:
-  """``values`` (a trace context) with the axis environment ``env`` removed.
-
-  The element is found by identity, not by position. None when ``env`` is not
-  exactly one element (a user context holding that very object): then nothing
-  may be shared across axis environments.
-  """
-  hits = [i for i, v in enumerate(values) if v is env]
-  if len(hits) != 1:
-    return None
-  return values[: hits[0]] + values[hits[0] + 1 :]
-
-
 def axis_env_in(values: tuple) -> Any:
   """The ``AxisEnv`` element of a recorded trace context (None if not one)."""
   envs = [v for v in values if type(v) is _core.AxisEnv]  # pylint: disable=unidiomatic-typecheck
   return envs[0] if len(envs) == 1 else None
+
+
+#: Types a compiled executable takes as arguments, as they are (a dict keyed
+#: by type; other values are canonicalized first).
+shard_arg_handlers: dict = _pxla.shard_arg_handlers
+
+
+def can_pass_to_executable(value: Any) -> bool:
+  """Whether stock jit can pass ``value`` to an executable (after dtype
+  canonicalization), as its own argument check decides."""
+  try:
+    return type(_dtypes.canonicalize_value(value)) in _pxla.shard_arg_handlers
+  except _dtypes.InvalidInputException:
+    return False
+
+
+def is_static_eq_collision(error: ValueError) -> bool:
+  """Whether ``error`` is stock tracing's failure to compare two argument
+  trees whose static leaves have equal hashes and an ``__eq__`` that
+  raises."""
+  return str(error).startswith(
+    "Exception raised while checking equality of metadata fields"
+  )
+
+
+def clear_in_shardings_cache() -> None:
+  """Empties stock jit's process-wide cache of processed input shardings
+  (keyed by argument trees, static arguments included)."""
+  _pjit._process_in_axis_resources.cache_clear()  # pylint: disable=protected-access
+
+
+_ArrayImpl = _array.ArrayImpl
+
+
+def layouts_key(leaves: Sequence[Any]) -> tuple | None:
+  """The layouts of the committed jax Arrays among ``leaves`` (what stock's
+  lowering reads from its arguments); None when there is none."""
+  out: list[tuple[int, Any]] = []
+  for i, x in enumerate(leaves):
+    if type(x) is _ArrayImpl and x._committed:  # pylint: disable=protected-access,unidiomatic-typecheck
+      fmt = x.format
+      layout = None if fmt is None else fmt.layout
+      if layout is not None:
+        out.append((i, layout))
+  return tuple(out) if out else None
 
 
 #: True at top level (no transformation or staging in progress).
@@ -94,25 +154,6 @@ def axis_env_parts(env: Any) -> tuple[dict, frozenset, frozenset]:
     frozenset(env.spmd_axis_names),
     frozenset(env.explicit_mesh_axis_names),
   )
-
-
-def make_axis_env(sizes: dict, spmd: frozenset, explicit: frozenset) -> Any:
-  return _core.AxisEnv(_FrozenDict(sizes), frozenset(spmd), frozenset(explicit))
-
-
-class axis_env_set:  # pylint: disable=invalid-name
-  """Context manager: replace the current axis environment, then restore it."""
-
-  def __init__(self, env: Any):
-    self._env = env
-    self._prev = None
-
-  def __enter__(self):
-    self._prev = _core.trace_ctx.axis_env
-    _core.trace_ctx.set_axis_env(self._env)
-
-  def __exit__(self, *exc):
-    _core.trace_ctx.set_axis_env(self._prev)
 
 
 def extend_axis_env(pairs: Sequence[tuple[Any, int]]):
@@ -258,6 +299,28 @@ def lowering_platforms(lowered: Any) -> tuple[str, ...] | None:
   return None if platforms is None else tuple(platforms)
 
 
+def lowering_committed(lowered: Any) -> bool:
+  """Whether the outputs of stock ``lowered``'s executable are committed
+  (JAX decides it when lowering, from the jaxpr's shardings)."""
+  return bool(lowered._lowering.compile_args["committed"])  # pylint: disable=protected-access
+
+
+def with_committed(lowered: Any, committed: bool) -> Any:
+  """A copy of stock ``lowered`` whose executable's outputs are ``committed``.
+
+  The lowering (which JAX may cache and share) is copied, not changed.
+  """
+  computation = _copy.copy(lowered._lowering)  # pylint: disable=protected-access
+  computation.compile_args = {
+    **computation.compile_args,
+    "committed": committed,
+  }
+  computation._executable = None  # pylint: disable=protected-access
+  out = _copy.copy(lowered)
+  out._lowering = computation  # pylint: disable=protected-access
+  return out
+
+
 #: ``jax.export``'s step after lowering: (stock Lowered, jaxpr, function name,
 #: disabled checks) -> ``jax.export.Exported``, without lowering again.
 export_lowered: Callable[..., Any] = _export_impl._export_lowered  # pylint: disable=protected-access
@@ -329,7 +392,7 @@ def make_dispatcher(
   None, False)``. ``capacity`` bounds its per-function LRU.
   """
   cache = _jax.PjitFunctionCache(capacity=capacity)
-  return _jax.pjit(
+  dispatcher = _jax.pjit(
     name,
     fun,
     cache_miss,
@@ -340,6 +403,11 @@ def make_dispatcher(
     _pxla.cc_shard_arg,
     cache,
   )
+  # JAX's NaN/Inf post-hook (debug_nans, debug_infs on the C++ fast path)
+  # re-runs ``dispatcher._fun`` de-optimized to raise FloatingPointError at
+  # the offending operation; without it the hook re-raises its internal error.
+  dispatcher._fun = fun  # pylint: disable=protected-access
+  return dispatcher
 
 
 def dispatcher_size(dispatcher: Any) -> int:

@@ -42,12 +42,15 @@ def compile_exported(
   in_avals: Any,
   api: str,
   compiler_options: dict[str, Any] | None = None,
+  committed: bool | None = None,
 ) -> jax.stages.Compiled:
   """Compiles an exported module for ``target``, its platform index fixed.
 
   ``exp.call`` inlines the module and passes the index of ``target``; inputs
   and outputs are placed on a mesh of the first ``exp.nr_devices`` devices of
-  ``target`` with the exported shardings.
+  ``target`` with the exported shardings. ``committed``: whether outputs are
+  committed (None: as JAX decides for a jit of ``exp.call``, which is always
+  committed).
   """
   devices = _devices(target)
   in_shardings: Sequence[jax.sharding.Sharding | None]
@@ -91,11 +94,17 @@ def compile_exported(
   out_tree_shardings = exp.out_tree.unflatten(out_shardings)  # type: ignore[attr-defined]
   jitted = _stock_jit(exp.call, out_shardings=out_tree_shardings)
   with _default_device(devices[0]):
-    return (
-      jitted.trace(*args, **kwargs)
-      .lower(lowering_platforms=(target,))
-      .compile(compiler_options)
-    )
+    lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(target,))
+    if committed is not None:
+      lowered = ji.with_committed(lowered, committed)
+    return lowered.compile(compiler_options)
+
+
+def platform_name(device: Any) -> str:
+  """The platform of ``device`` as lowering names it (``cuda``, not
+  ``gpu``)."""
+  platform = device.platform
+  return "cuda" if platform == "gpu" else platform
 
 
 def default_platform() -> str:

@@ -99,9 +99,14 @@ class Traced(_StockTraced):
       f"got {type(traced).__name__}; trace the function first"
     )
 
-  # The stock signature without JAX's private ``_private_parameters``.
-  def lower(  # type: ignore[override]
-    self, *, lowering_platforms: tuple[str, ...] | None = None
+  # Stock's signature, JAX's private ``_private_parameters`` included: JAX's
+  # own modules (``jax.export``, ``jax.experimental``) pass it to any
+  # ``jax.stages.Traced`` and expect it honoured. It is not documented here.
+  def lower(
+    self,
+    *,
+    lowering_platforms: tuple[str, ...] | None = None,
+    _private_parameters: Any = None,
   ) -> Lowered:
     """Lowers for the given platforms; this host need not have them.
 
@@ -123,7 +128,19 @@ class Traced(_StockTraced):
       if lowering_platforms is None
       else _platforms.canonical_platforms(lowering_platforms, api=api)
     )
-    if platforms is None:
+    traced: Traced | None
+    if _private_parameters is not None:
+      # JAX's own caller: stock's lowering with exactly its parameters.
+      stock = super().lower(
+        lowering_platforms=platforms, _private_parameters=_private_parameters
+      )
+      platforms = (
+        ji.lowering_platforms(stock)
+        or platforms
+        or (_lowering.default_platform(),)
+      )
+      traced = self
+    elif platforms is None:
       # For this host: stock's own lowering, so that compile() and
       # serialize_executable behave as jax.jit's; export() lowers once more.
       stock = super().lower()
@@ -231,6 +248,18 @@ class Lowered(_StockLowered):
         dimensions.
     """
     api = "jaxworks.jit_cache.Lowered.compile"
+    if device_assignment is not None and len(self.platforms) == 1:
+      # As stock: the given devices decide where the program runs (a
+      # lowering over an abstract mesh for another platform included).
+      stock = super().compile(
+        compiler_options, device_assignment=device_assignment
+      )
+      return Compiled.from_compiled(
+        stock,
+        fun_name=self.fun_name,
+        platform=_lowering.platform_name(device_assignment[0]),
+        lowered_for=self.platforms,
+      )
     target = _platforms.choose_platform(
       self.platforms, platform, api=api, fun_name=self.fun_name
     )
@@ -254,7 +283,12 @@ class Lowered(_StockLowered):
           f"{self.platforms}: lower for ({target!r},) to pass one"
         )
       stock = _lowering.compile_exported(
-        self._stock_export(()), target, self.in_avals, api, compiler_options
+        self._stock_export(()),
+        target,
+        self.in_avals,
+        api,
+        compiler_options,
+        committed=ji.lowering_committed(self),  # as stock's compile
       )
     return Compiled.from_compiled(
       stock, fun_name=self.fun_name, platform=target, lowered_for=self.platforms

@@ -12,6 +12,11 @@ moves one of them fails there, in one obvious place.
   the arguments' own avals (as ``jax.pmap``'s own ``lower`` does), so
   ``args_info`` and ``.compile()(...)`` take the arguments as the user passes
   them.
+- ``jax._src.array.ArrayImpl`` again: ``uncommitted_view`` re-wraps a
+  committed array's buffers as an uncommitted array (no copy), so that
+  ``jit`` moves it to the program's devices itself, as an implicit transfer
+  that ``jax.transfer_guard`` checks (the public ``device_put`` is an
+  explicit one, which ``"disallow"`` lets through).
 """
 
 from __future__ import annotations
@@ -40,3 +45,10 @@ def arg_info(x: Any, donated: bool) -> Any:
   """The ``jax.stages.ArgInfo`` of argument leaf ``x``, with its own aval (not
   the one the program was lowered with, which carries the mesh sharding)."""
   return jax.stages.ArgInfo(_core.shaped_abstractify(x), donated)
+
+
+def uncommitted_view(x: Any) -> Any:
+  """``x``'s buffers as an uncommitted array with its aval and sharding."""
+  return _array.ArrayImpl(
+    x.aval, x.sharding, [s.data for s in x.addressable_shards], committed=False
+  )

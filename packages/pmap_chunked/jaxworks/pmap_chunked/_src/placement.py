@@ -32,6 +32,15 @@ DEVICES_AXIS = "devices"
 # of jaxworks across a program) cannot change what this module calls.
 _make_array_from_process_local_data = jax.make_array_from_process_local_data
 _make_array_from_single_device_arrays = jax.make_array_from_single_device_arrays
+_config = jax.config
+
+# The transfer guard options a pmap's input transfers are checked against
+# (read through jax.config, which sees the thread-local `with
+# jax.transfer_guard(...)` levels as well as the global ones).
+_GUARDS = (
+  "jax_transfer_guard_host_to_device",
+  "jax_transfer_guard_device_to_device",
+)
 
 
 # (array sharding, target sharding, mapped axis, rank) -> bool, for shardings
@@ -93,6 +102,26 @@ def _can_relabel(x: jax.Array, target: NamedSharding) -> bool:
   )
 
 
+def transfer_guarded() -> bool:
+  """Whether a host-to-device or device-to-device transfer guard other than
+  ``"allow"`` is in force on this thread."""
+  return any(getattr(_config, name) not in (None, "allow") for name in _GUARDS)
+
+
+def _implicit(x: Any) -> Any:
+  """A misplaced leaf as ``jit`` should receive it to move it implicitly."""
+  if (
+    isinstance(x, jax.Array)
+    and getattr(x, "committed", False)
+    and x.is_fully_addressable
+    and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+  ):
+    # jit refuses a committed array on other devices (stock jax.pmap raises
+    # ValueError); uncommitted, jit moves it like any other input.
+    return jax_internals.uncommitted_view(x)
+  return x
+
+
 def place_inputs(
   leaves: list,
   targets: Sequence[NamedSharding],
@@ -108,6 +137,12 @@ def place_inputs(
   mesh or axis name over the same devices) is passed under the target
   sharding without a copy, so one program (and one output sharding object)
   serves both; donated leaves are passed as they are.
+
+  Under a transfer guard (``jax.transfer_guard``, ``..._host_to_device``,
+  ``..._device_to_device``) other than ``"allow"``, misplaced leaves are
+  left to the jitted program, which moves them as ``jax.pmap``'s program
+  does: implicit transfers, which the guard logs or refuses as it does for
+  ``jax.pmap``.
   """
   moves = []
   relabeled = None
@@ -133,6 +168,8 @@ def place_inputs(
     moved = _place_multiprocess(
       [leaves[i] for i in moves], [targets[i] for i in moves]
     )
+  elif transfer_guarded():
+    moved = [_implicit(leaves[i]) for i in moves]
   else:
     moved = deps.device_put(
       [leaves[i] for i in moves], [targets[i] for i in moves]

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import operator
 import threading
 import types
 from typing import Any
@@ -68,10 +69,53 @@ _REGISTRY: weakref.WeakSet[Pmapped] = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
 
 _Tracer = jax.core.Tracer
+_config = jax.config
+# Read as a jax.config attribute: the thread-local `with jax.debug_nans(...)`
+# value as well as the global one.
+_DEBUG_NANS = "jax_debug_nans"
 
 
 def _is_tracer(x: Any) -> bool:
   return isinstance(x, _Tracer)
+
+
+class _PmapTraced(jit_cache.Traced):
+  """``Pmapped.trace``'s result: a ``jaxworks.jit_cache.Traced`` that JAX's
+  own exporters refuse, as they refuse ``jax.pmap``."""
+
+  def lower(
+    self,
+    *,
+    lowering_platforms: tuple[str, ...] | None = None,
+    _private_parameters: Any = None,
+  ) -> jit_cache.Lowered:
+    if _private_parameters is not None:
+      # Only JAX itself passes private parameters (jax.export.export does):
+      # stock raises ValueError for a pmap there (it is no jit result).
+      raise ValueError(
+        "Function to be exported must be the result of `jit` but is: "
+        f"{API} of {self.fun_name}; jax.export.export takes a jit result, "
+        "and jax.pmap raises this ValueError too. Export the pmap's program "
+        "with pmapped.lower(*args).export() (jaxworks.stages_aot), or export "
+        "jax.jit(jax.shard_map(...)) of the function."
+      )
+    return super().lower(lowering_platforms=lowering_platforms)
+
+
+def _fun_name(fun: Any) -> str:
+  """``fun``'s ``__name__`` as jax.pmap's wrapper takes it (a partial's is
+  its function's)."""
+  name = getattr(fun, "__name__", None)
+  if isinstance(name, str):
+    return name
+  if isinstance(fun, functools.partial):
+    return _fun_name(fun.func)
+  return "<unnamed function>"
+
+
+def _any_arguments(*args, **kwargs):
+  """The code object of ``Pmapped``'s signature (see there); never called."""
+  del args, kwargs
 
 
 class Pmapped(Arguments, Programs):
@@ -81,6 +125,16 @@ class Pmapped(Arguments, Programs):
   ``jaxworks.jit_cache`` stages of the program a call would run, and
   ``cache_info()`` reports this function's cache counters.
   """
+
+  # inspect.signature(p, follow_wrapped=False) reads these (and the
+  # instance's __name__ and __annotations__, copied from fun) as it reads
+  # the plain ``(*args, **kwargs)`` function jax.pmap returns; without them
+  # it takes an object with __get__ for a builtin and raises ValueError.
+  # With follow_wrapped=True (the default) it follows __wrapped__ to fun's
+  # own signature, as for jax.pmap.
+  __code__ = _any_arguments.__code__
+  __defaults__ = None
+  __kwdefaults__ = None
 
   def __init__(
     self,
@@ -146,17 +200,21 @@ class Pmapped(Arguments, Programs):
     self._out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
     self._negative_in = axes_lib.has_negative(self._in_axes)
     self._negative_out = axes_lib.has_negative(self._out_axes)
-    self._statics = _argnums(
+    statics = _index_tuple(
       "static_broadcasted_argnums", static_broadcasted_argnums
     )
-    self._donate = _argnums("donate_argnums", donate_argnums)
-    both = set(self._statics) & set(self._donate)
+    donate = _index_tuple("donate_argnums", donate_argnums)
+    both = set(statics) & set(donate)
     if both:
       raise ValueError(
         f"{API}: argument(s) {sorted(both)} are in both "
         "static_broadcasted_argnums and donate_argnums; a static argument "
         "has no buffer to donate, remove it from one of them."
       )
+    # As in jax.pmap, a negative position names no argument (positions are
+    # not counted from the end).
+    self._statics = _positions(statics)
+    self._donate = _positions(donate)
     self._devices = (
       None if devices is None else mesh_lib.check_devices(API, devices)
     )
@@ -173,6 +231,12 @@ class Pmapped(Arguments, Programs):
     self._misses = 0
     self._evictions = 0
     functools.update_wrapper(self, fun, updated=())
+    # As jax.pmap's wrapper: a name and annotations (fun's, or none) even
+    # when fun has none of its own (a functools.partial, a callable object).
+    if not isinstance(getattr(self, "__name__", None), str):
+      self.__name__ = _fun_name(fun)
+    if not isinstance(vars(self).get("__annotations__"), dict):
+      self.__annotations__ = {}
     with _REGISTRY_LOCK:
       _REGISTRY.add(self)
 
@@ -252,6 +316,8 @@ class Pmapped(Arguments, Programs):
     static_vals, leaves, treedef, in_axes, size = self._parse(args, kwargs)
     nested = bool(mesh_lib.frames())
     tracing = nested or any(map(_is_tracer, leaves))
+    # As jax.pmap, no donation while jax.debug_nans is on (read per call).
+    donating = bool(self._donate) and not getattr(_config, _DEBUG_NANS)
     key = (
       treedef,
       in_axes,
@@ -259,6 +325,7 @@ class Pmapped(Arguments, Programs):
       static_key(static_vals),
       len(args),
       self._context_key() if nested else None,
+      donating,
     )
     entry = self._lookup(self._entries, key)
     built = entry is None
@@ -271,6 +338,7 @@ class Pmapped(Arguments, Programs):
         len(args),
         extra_axes=(),
         nested=nested,
+        donating=donating,
       )
     demanded: dict = {}
     while True:
@@ -287,6 +355,7 @@ class Pmapped(Arguments, Programs):
           len(args),
           nested=False,
           extra_axes=self._more_axes(entry, need, demanded),
+          donating=donating,
         )
         built = True
         continue
@@ -324,6 +393,9 @@ class Pmapped(Arguments, Programs):
           treedef,
           [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)],
         )
+      elif how == "trace":
+        stage = copy.copy(stage)
+        stage.__class__ = _PmapTraced
       return stage
     if tracing:
       return entry.jitted(*leaves)
@@ -347,10 +419,27 @@ class Pmapped(Arguments, Programs):
     )
 
 
-def _argnums(what: str, value: Any) -> tuple[int, ...]:
-  """An argnums option of pmap: non-negative positions, sorted, distinct."""
-  nums = jit_cache.check_argnums(value, what, api=API, nonnegative=True)
-  return tuple(sorted(set(nums)))
+def _index_tuple(what: str, value: Any) -> tuple[int, ...]:
+  """An argnums option as ints, accepting what ``jax.pmap`` accepts: an int
+  or an iterable of them, where anything with ``__index__`` (a bool, a numpy
+  or concrete JAX integer) counts as an int."""
+  try:
+    return (operator.index(value),)
+  except TypeError:
+    pass
+  try:
+    return tuple(map(operator.index, value))
+  except TypeError:
+    raise TypeError(
+      f"{API}: {what} must be an int or a collection of ints, got "
+      f"{value!r} of type {type(value).__name__}; pass e.g. {what}=(1,)."
+    ) from None
+
+
+def _positions(nums: tuple[int, ...]) -> tuple[int, ...]:
+  """The argument positions an argnums option names: sorted, distinct,
+  negative ones dropped."""
+  return tuple(sorted({i for i in nums if i >= 0}))
 
 
 def stats() -> jit_cache.CacheInfo:

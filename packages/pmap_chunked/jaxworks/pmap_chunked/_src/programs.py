@@ -84,6 +84,7 @@ class Programs(PmapState):
     *,
     extra_axes: tuple,
     nested: bool,
+    donating: bool = True,
   ) -> Entry:
     axis_name = self._axis_name
     spmd_mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
@@ -140,7 +141,7 @@ class Programs(PmapState):
     # (jit checks donate_argnums against it).
     functools.update_wrapper(program, self._fun, updated=())
     delattr(program, "__wrapped__")
-    donate_argnums = self._donated_leaves(treedef, nargs)
+    donate_argnums = self._donated_leaves(treedef, nargs) if donating else ()
     if nested or extra_axes:
       # Inner axes of a nested pmap may shard the inputs too; let jit take
       # each input's own layout instead of pinning the outer axis only.

@@ -17,6 +17,8 @@ agrees with the manifest (avals, shardings, trees, the sha256 of each order's
 module) and with ``module.stablehlo.mlir``; and a platform of the artifact is
 present on this host. Each failure raises :class:`ArtifactError` saying what to
 do.
+Modules whose sha256 the manifest records are read in-process, others (all
+with ``isolate``) in a child: that guards against accidents, not an attacker.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from jaxworks import jit_cache
 from ..version import __version__
 from . import deps
 from .exported import Exported
-from .exported import deserialize
+from .exported import deserialize_trusting
 from .exported import read_own_serialization
 from .specs import format_aval
 
@@ -537,7 +539,18 @@ def _check_agreement(
     )
 
 
-def load_artifact(directory, *, require_platform: bool = True) -> Artifact:
+def _recorded_modules(manifest: dict[str, Any]) -> frozenset[str]:
+  """The sha256 of each module the manifest records (its ``levels``)."""
+  lvls = manifest.get("levels")
+  lvls = lvls if isinstance(lvls, list) else []
+  return frozenset(
+    str(v.get("module_sha256")) for v in lvls if isinstance(v, dict)
+  )
+
+
+def load_artifact(
+  directory, *, require_platform: bool = True, isolate: bool = False
+) -> Artifact:
   """Loads and validates an artifact directory.
 
   Args:
@@ -545,6 +558,9 @@ def load_artifact(directory, *, require_platform: bool = True) -> Artifact:
     require_platform: also require that a platform of the artifact is
       present on this host (False to inspect, e.g., a tpu-only artifact on
       a CPU machine).
+    isolate: read every StableHLO module in the module reader's child
+      process, also those whose sha256 the manifest records; for artifacts
+      from a source that could write both the program and its manifest.
 
   Returns:
     The :class:`Artifact`.
@@ -563,7 +579,9 @@ def load_artifact(directory, *, require_platform: bool = True) -> Artifact:
   contents = _check_files(path, manifest, api)
   _check_calling_convention(manifest, api, path)
   try:
-    exported = deserialize(contents[EXPORTED_FILE])
+    exported = deserialize_trusting(
+      contents[EXPORTED_FILE], _recorded_modules(manifest), isolate=isolate
+    )
   except ValueError as e:
     raise ArtifactError(
       f"{api}: {path / EXPORTED_FILE} does not deserialize: {e}"

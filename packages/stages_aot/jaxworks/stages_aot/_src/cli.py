@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import re
+import stat
 import sys
 import time
 import traceback
@@ -39,7 +40,28 @@ PROG = "jaxworks-aot"
 
 
 class CliError(Exception):
-  """A user error: printed as one line, exit status 1."""
+  """A failure found in a file, the artifact or a stage: one line, status 1."""
+
+  status = 1
+
+
+class UsageError(CliError):
+  """The command line itself is wrong (a flag or spec): one line, status 2."""
+
+  status = 2
+
+
+def _non_negative_int(text: str) -> int:
+  """argparse type: an integer >= 0 (argparse names the flag)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise argparse.ArgumentTypeError(
+      f"must be an integer >= 0, got {text!r}; pass e.g. 0"
+    )
+  return value
 
 
 def _one_line(e: BaseException, limit: int = 600) -> str:
@@ -59,13 +81,26 @@ def _stage(name: str, fn, *args, **kwargs):
     raise CliError(f"{name} failed: {_one_line(e)}") from e
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors as one line (no usage block), exit status 2."""
+
+  def error(self, message: str):  # type: ignore[override]
+    self.exit(
+      2,
+      f"{self.prog}: error: {' '.join(message.split())}; see "
+      f"'{self.prog} --help'\n",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
     prog=PROG,
     description="Ahead-of-time export of JAX functions to versioned artifact "
     "directories, for cpu, cuda, rocm and tpu, from any host.",
     epilog="Also runs as 'python -m jaxworks.stages_aot'. "
-    "'%(prog)s COMMAND --help' explains each command.",
+    "'%(prog)s COMMAND --help' explains each command. Exit status: 0 ok, 2 "
+    "the command line is wrong (a flag, a spec), 1 a file, the artifact, the "
+    "function or a stage failed.",
   )
   parser.add_argument(
     "--version", action="version", version=f"jaxworks.stages_aot {__version__}"
@@ -112,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
   )
   exp.add_argument(
     "--vjp-order",
-    type=int,
+    type=_non_negative_int,
     default=0,
     metavar="N",
     help="orders of VJP to include (1: the loaded function supports jax.grad)",
@@ -153,7 +188,10 @@ def _build_parser() -> argparse.ArgumentParser:
     help="one per input: 'f32[4,128]' or path/to/array.npy",
   )
   run.add_argument(
-    "--seed", type=int, default=0, help="seed of the random inputs (default 0)"
+    "--seed",
+    type=_non_negative_int,
+    default=0,
+    help="seed of the random inputs, an integer >= 0 (default 0)",
   )
   run.add_argument(
     "--save", metavar="FILE.npz", help="also save the outputs to this .npz file"
@@ -164,7 +202,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _import_target(target: str):
   module_name, sep, attr_path = target.partition(":")
   if not sep or not module_name or not attr_path:
-    raise CliError(
+    raise UsageError(
       f"target {target!r} must be MODULE:FUNCTION, e.g. mypkg.model:predict"
     )
   if os.getcwd() not in sys.path:
@@ -199,9 +237,7 @@ def _cmd_export(ns, out) -> int:
       ns.platform or None, api="--platform"
     )
   except (TypeError, ValueError) as e:
-    raise CliError(str(e)) from None
-  if ns.vjp_order < 0:
-    raise CliError(f"--vjp-order must be >= 0, got {ns.vjp_order}")
+    raise UsageError(str(e)) from None
   try:  # before any work: fail now, not after lowering, if --out is taken
     check_destination(ns.out, overwrite=ns.overwrite, api="--out")
   except ArtifactError as e:
@@ -295,7 +331,7 @@ def _run_inputs(ns, artifact) -> tuple[list[np.ndarray], list[str]]:
       if not is_concrete(a.shape)
     ]
     if symbolic:
-      raise CliError(
+      raise UsageError(
         f"inputs have symbolic shapes ({'; '.join(symbolic)}); pass one --arg "
         f"per input with concrete shapes, e.g. --arg '{_concrete_example(inputs[0]['aval'])}'"
       )
@@ -303,38 +339,112 @@ def _run_inputs(ns, artifact) -> tuple[list[np.ndarray], list[str]]:
     return arrays, [f"{v['name']}={v['aval']} (random)" for v in inputs]
   if len(ns.arg) != len(inputs):
     expected = ", ".join(v["aval"] for v in inputs)
-    raise CliError(
+    raise UsageError(
       f"{artifact.fun_name!r} takes {len(inputs)} inputs ({expected}), got "
       f"{len(ns.arg)} --arg; pass one --arg per input"
     )
   arrays, described = [], []
-  for i, (arg, info) in enumerate(zip(ns.arg, inputs)):
-    if arg.endswith(".npy"):
-      try:
-        array = np.load(arg, allow_pickle=False)
-      except (OSError, ValueError) as e:
-        raise CliError(f"--arg {i}: cannot load {arg!r}: {e}") from None
-      source = arg
+  avals = artifact.exported.in_avals
+  for i, (arg, info, aval) in enumerate(zip(ns.arg, inputs, avals)):
+    where = f"--arg {i} ({arg})"
+    if _names_a_file(arg):
+      array, source, error = _load_npy(where, arg), arg, CliError
     else:
       try:
         (spec,) = parse_arg_specs([arg], api=f"--arg {i}")
       except (TypeError, ValueError) as e:
-        raise CliError(str(e)) from None
+        raise UsageError(str(e)) from None
       if not is_concrete(spec.shape):
-        raise CliError(
+        raise UsageError(
           f"--arg {i} {arg!r} has symbolic dimensions; give concrete sizes "
           f"such as '{_concrete_example(arg)}'"
         )
-      array = _random_array(rng, spec.shape, spec.dtype)
-      source = "random"
+      array, source, error = (
+        _random_array(rng, spec.shape, spec.dtype),
+        "random",
+        UsageError,
+      )
     if np.dtype(array.dtype).name != info["dtype"]:
-      raise CliError(
-        f"--arg {i} ({arg}) has dtype {np.dtype(array.dtype).name}, but input "
-        f"{info['name']} of {artifact.fun_name!r} is {info['aval']}"
+      raise error(
+        f"{where} has dtype {np.dtype(array.dtype).name}, but input "
+        f"{info['name']} of {artifact.fun_name!r} is {info['aval']}; pass "
+        f"{info['dtype']} values"
+      )
+    if len(array.shape) != len(aval.shape) or any(
+      isinstance(d, int) and d != n for d, n in zip(aval.shape, array.shape)
+    ):
+      raise error(
+        f"{where} has shape {tuple(array.shape)}, but input {info['name']} of "
+        f"{artifact.fun_name!r} is {info['aval']}; pass an array of that shape"
       )
     arrays.append(array)
     described.append(f"{info['name']}={format_aval(array)} ({source})")
   return arrays, described
+
+
+def _names_a_file(arg: str) -> bool:
+  """Whether a run --arg names a file (a spec such as 'f32[4]' never does)."""
+  return arg.endswith((".npy", ".npz")) or os.sep in arg or os.path.lexists(arg)
+
+
+def _load_npy(where: str, path: str) -> np.ndarray:
+  """Reads one array from a .npy file; any problem is a one-line CliError."""
+  if path.endswith(".npz"):
+    raise CliError(
+      f"{where} is an .npz archive; save the one input array with numpy.save "
+      "to a .npy file and pass that"
+    )
+  try:
+    # Non-blocking, so that a FIFO is refused below instead of waited on.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+  except FileNotFoundError:
+    raise CliError(
+      f"{where}: no such file; pass a .npy file written by numpy.save, or a "
+      "spec such as 'f32[4,128]'"
+    ) from None
+  except OSError as e:
+    raise CliError(
+      f"{where}: cannot open it ({e.strerror}); check the path and its "
+      "permissions"
+    ) from None
+  mode = os.fstat(fd).st_mode
+  if not stat.S_ISREG(mode):
+    os.close(fd)
+    kind = (
+      "a directory"
+      if stat.S_ISDIR(mode)
+      else "a FIFO"
+      if stat.S_ISFIFO(mode)
+      else "not a regular file"
+    )
+    raise CliError(f"{where} is {kind}; pass a .npy file written by numpy.save")
+  with os.fdopen(fd, "rb") as f:
+    if f.read(6) != b"\x93NUMPY":
+      raise CliError(
+        f"{where} is not a .npy file (no NPY header); write the input with "
+        "numpy.save"
+      )
+    f.seek(0)
+    try:
+      array = np.load(f, allow_pickle=False)
+    except ValueError as e:
+      if "allow_pickle" in str(e):
+        raise CliError(
+          f"{where} holds an object array, which cannot be an input; save "
+          "a numeric array (e.g. numpy.save(path, x.astype(numpy.float32)))"
+        ) from None
+      raise CliError(
+        f"{where} is damaged or truncated ({_one_line(e)}); write it again "
+        "with numpy.save"
+      ) from None
+    except (OSError, EOFError) as e:
+      raise CliError(
+        f"{where} cannot be read ({_one_line(e)}); write it again with "
+        "numpy.save"
+      ) from None
+  if not array.dtype.isnative:  # e.g. big-endian '>f4': same values, native
+    array = array.astype(array.dtype.newbyteorder("="))
+  return array
 
 
 def _concrete_example(spec: str) -> str:
@@ -363,7 +473,11 @@ def _cmd_run(ns, out) -> int:
   try:
     result = artifact.call(*args, **kwargs)
   except (TypeError, ValueError) as e:
-    raise CliError(" ".join(str(e).split())) from e
+    expected = ", ".join(v["aval"] for v in artifact.manifest["inputs"])
+    raise CliError(
+      f"the --arg inputs do not fit {artifact.fun_name!r} ({expected}): "
+      f"{_one_line(e)}; pass inputs of those shapes and dtypes"
+    ) from e
   except Exception as e:
     raise CliError(
       f"call of {artifact.fun_name!r} failed: {_one_line(e)}"
@@ -392,12 +506,12 @@ def main(argv: Sequence[str] | None = None, *, out=None) -> int:
     return command(ns, out)
   except CliError as e:
     print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
-    cause = e.__cause__
+    cause, status = e.__cause__, e.status
   except Exception as e:  # outside any named stage: still one line
     print(f"{PROG} {ns.command}: error: {_one_line(e)}", file=sys.stderr)
-    cause = e
+    cause, status = e, 1
   if ns.traceback and cause is not None:
     traceback.print_exception(
       type(cause), cause, cause.__traceback__, file=sys.stderr
     )
-  return 1
+  return status

@@ -242,8 +242,25 @@ def deserialize(blob: bytes | bytearray) -> Exported:
       f"jaxworks.stages_aot.deserialize: expected bytes from Exported.serialize(), "
       f"got {type(blob).__name__}"
     )
+  return deserialize_trusting(blob, frozenset(), isolate=True)
+
+
+def deserialize_trusting(
+  blob: bytes | bytearray | memoryview,
+  trusted_modules: frozenset[str],
+  *,
+  isolate: bool,
+) -> Exported:
+  """:func:`deserialize`, reading the modules in ``trusted_modules`` here.
+
+  ``trusted_modules`` holds sha256 digests of StableHLO modules that may be
+  read in this process; every other module (all of them with ``isolate``)
+  is read in the module reader's child process.
+  """
   try:
-    levels = validate.deserialize_checked(bytes(blob))
+    levels = validate.deserialize_checked(
+      bytes(blob), trusted_modules=trusted_modules, isolate=isolate
+    )
   except validate.Invalid as e:
     raise ValueError(
       f"jaxworks.stages_aot.deserialize: {len(blob)} bytes are not a valid serialized "

@@ -30,21 +30,27 @@ __all__ = [
 stock_jit = _api.jit
 
 
-#: The child process of ``module_reader``: says ``ready`` once its imports are
-#: done, then reads requests from stdin (a count,
-#: then length-prefixed serialized StableHLO modules, little-endian uint64s)
-#: and answers each with one JSON line: per module, an error or the module's
-#: verification result, its integer attributes and the types of ``main``. Its
-#: address space is capped per module, so that a damaged length cannot make
-#: it take the machine's memory.
+#: The child process of ``module_reader``, run as
+#: ``python -P -c MODULE_READER_SOURCE PATH`` where PATH is
+#: ``module_describe.py`` (loaded by path: the child never imports jax). It says
+#: ``ready`` once its imports are done, then reads requests from stdin (a
+#: count, then length-prefixed serialized StableHLO modules, little-endian
+#: uint64s) and answers each with one JSON line: per module,
+#: ``module_describe.describe_safely``'s answer. Its address space is capped
+#: per module, so that a damaged length cannot make it take the machine's
+#: memory. It exits when stdin closes (the parent closes it when idle).
 MODULE_READER_SOURCE = r"""
-import json, struct, sys
+import importlib.util, json, struct, sys
 from jaxlib import _jax
 from jaxlib.mlir import ir
 try:
     import resource
 except ImportError:
     resource = None
+
+spec = importlib.util.spec_from_file_location("module_describe", sys.argv[1])
+module_describe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module_describe)
 
 def limit_memory(size):
     # A damaged length can make the reader allocate without end: cap the
@@ -66,55 +72,6 @@ def read(n):
         sys.exit(0)
     return data
 
-def text(obj):
-    try:
-        return str(obj)
-    except Exception:
-        return "(not UTF-8)"
-
-def describe_type(t):
-    try:
-        tensor = ir.RankedTensorType(t)
-    except Exception:
-        return {"text": text(t)}
-    return {"text": text(t), "shape": list(tensor.shape),
-            "element": text(tensor.element_type)}
-
-def describe(blob):
-    diagnostics = []
-    def on_diagnostic(d):
-        diagnostics.append(text(d.message))
-        return True
-    with ir.Context() as ctx:
-        ctx.allow_unregistered_dialects = True
-        handler = ctx.attach_diagnostic_handler(on_diagnostic)
-        try:
-            try:
-                module = _jax.mlir.deserialize_portable_artifact(blob)
-            except Exception as e:
-                return {"error": "; ".join(diagnostics) or text(e)}
-            if not module.operation.verify():
-                return {"error": "does not verify: " + "; ".join(diagnostics)}
-            attrs = module.operation.attributes
-            ints = {}
-            for name in ("mhlo.num_partitions", "mhlo.num_replicas"):
-                if name in attrs:
-                    ints[name] = ir.IntegerAttr(attrs[name]).value
-            main = None
-            for op in module.body.operations:
-                op_attrs = op.operation.attributes
-                if ("sym_name" in op_attrs and "function_type" in op_attrs
-                        and ir.StringAttr(op_attrs["sym_name"]).value == "main"):
-                    main = ir.FunctionType(ir.TypeAttr(op_attrs["function_type"]).value)
-            if main is None:
-                return {"error": "no main function"}
-            return {"attributes": ints,
-                    "inputs": [describe_type(t) for t in main.inputs],
-                    "results": [describe_type(t) for t in main.results],
-                    "dynamic": ir.ShapedType.get_dynamic_size()}
-        finally:
-            handler.detach()
-
 sys.stdout.write("ready\n")
 sys.stdout.flush()
 while True:
@@ -124,10 +81,8 @@ while True:
         (size,) = struct.unpack("<Q", read(8))
         blob = read(size)
         limit_memory(size)
-        try:
-            answers.append(describe(blob))
-        except Exception as e:
-            answers.append({"error": type(e).__name__ + ": " + text(e)})
+        answers.append(module_describe.describe_safely(
+            blob, _jax.mlir.deserialize_portable_artifact, ir))
     sys.stdout.write(json.dumps(answers) + "\n")
     sys.stdout.flush()
 """

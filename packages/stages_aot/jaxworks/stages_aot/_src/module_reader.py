@@ -1,13 +1,19 @@
-"""Reads untrusted serialized StableHLO modules in a child process.
+"""Reads serialized StableHLO modules, in-process or in a child process.
 
 The StableHLO bytecode reader that ``jax.export`` and XLA use trusts its
 input: some damaged modules crash it (a segmentation fault takes the whole
-process down) or make it loop. :func:`describe_modules` therefore hands the
-bytes to a long-lived child process (``jax_internals.MODULE_READER_SOURCE``),
-which deserializes and verifies each module and reports the types of its
-``main`` function. A module that crashes or stalls the child is reported as
-unreadable, and the next request starts a fresh child. Answers are cached by
-the sha256 of the bytes, so loading the same program twice costs one read.
+process down) or make it loop. :func:`describe_modules` therefore hands
+untrusted bytes to a child process (``jax_internals.MODULE_READER_SOURCE``,
+running ``module_describe.py``), which deserializes and verifies each module
+and reports the types of its ``main`` function. A module that crashes or
+stalls the child is reported as unreadable, and the next request starts a
+fresh child. The child exits once it has been idle for
+:data:`IDLE_TIMEOUT_S` seconds. Answers are cached by the sha256 of the
+bytes, so reading the same untrusted module twice costs one read.
+
+Modules whose sha256 the caller vouches for (``trusted``: an artifact whose
+manifest records that sha256, see ``artifact.load_artifact``) are read
+in-process by the same code, unless the caller asks for isolation.
 """
 
 from __future__ import annotations
@@ -22,15 +28,24 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import IO
 from typing import Any
 from typing import cast
 
+from jax.extend.mlir import deserialize_portable_artifact
+from jax.extend.mlir import ir as mlir_ir
+
 from . import jax_internals
+from . import module_describe
 
 #: Seconds a request may take before the child is considered stuck (plus
 #: one second per MiB of module).
 TIMEOUT_S = 30.0
+
+#: Seconds without a request after which the child process is stopped (the
+#: next untrusted module starts a fresh one).
+IDLE_TIMEOUT_S = 5.0
 
 _CACHE_SIZE = 256
 
@@ -46,6 +61,8 @@ class _Reader:
     self._pid = None  # the process that started the child (not a fork of it)
     self._lines: queue.Queue | None = None
     self._cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+    self._last_use = 0.0
+    self._timer: threading.Timer | None = None
 
   def _start(self) -> None:
     env = dict(os.environ)
@@ -53,7 +70,13 @@ class _Reader:
     flags = ["-P"] if sys.version_info >= (3, 11) else []
     try:
       proc = subprocess.Popen(
-        [sys.executable, *flags, "-c", jax_internals.MODULE_READER_SOURCE],
+        [
+          sys.executable,
+          *flags,
+          "-c",
+          jax_internals.MODULE_READER_SOURCE,
+          module_describe.__file__,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -127,34 +150,80 @@ class _Reader:
     (answer,) = json.loads(line)
     return answer
 
+  def _stop_if_idle(self) -> None:
+    with self._lock:
+      self._timer = None
+      left = self._last_use + IDLE_TIMEOUT_S - time.monotonic()
+      if left > 0:
+        self._arm(left)
+      else:
+        self.stop()
+
+  def _arm(self, delay: float) -> None:
+    """Stops the child after ``delay`` seconds unless it was used since."""
+    if self._timer is None and self._proc is not None:
+      timer = threading.Timer(delay, self._stop_if_idle)
+      timer.daemon = True
+      timer.name = "stages_aot-module-reader-idle"
+      self._timer = timer
+      timer.start()
+
   def describe(self, blobs: list[bytes]) -> list[dict[str, Any]]:
     keys = [hashlib.sha256(b).hexdigest() for b in blobs]
     with self._lock:
-      for blob, key in zip(blobs, keys):
-        if key in self._cache:
-          continue
-        # One module at a time, so that a crash blames the right one;
-        # a second try in a fresh child rules out a child that died
-        # for another reason.
+      try:
+        return self._describe(blobs, keys)
+      finally:
+        self._last_use = time.monotonic()
+        self._arm(IDLE_TIMEOUT_S)
+
+  def _describe(
+    self, blobs: list[bytes], keys: list[str]
+  ) -> list[dict[str, Any]]:
+    for blob, key in zip(blobs, keys):
+      if key in self._cache:
+        continue
+      # One module at a time, so that a crash blames the right one;
+      # a second try in a fresh child rules out a child that died
+      # for another reason.
+      answer = self._ask(blob)
+      if answer is None:
         answer = self._ask(blob)
-        if answer is None:
-          answer = self._ask(blob)
-        if answer is None:
-          answer = {"error": "the StableHLO reader crashed or stalled on it"}
-        self._cache[key] = answer
-        while len(self._cache) > _CACHE_SIZE:
-          self._cache.popitem(last=False)
-      for k in keys:
-        self._cache.move_to_end(k)
-      return [self._cache[k] for k in keys]
+      if answer is None:
+        answer = {"error": "the StableHLO reader crashed or stalled on it"}
+      self._cache[key] = answer
+      while len(self._cache) > _CACHE_SIZE:
+        self._cache.popitem(last=False)
+    for k in keys:
+      self._cache.move_to_end(k)
+    return [self._cache[k] for k in keys]
 
 
 _READER = _Reader()
 atexit.register(_READER.stop)
 
 
-def describe_modules(blobs: list[bytes]) -> list[dict[str, Any]]:
-  """Describes serialized StableHLO modules, read in a child process.
+def child_pid() -> int | None:
+  """The process id of the reader's child process, None when none runs."""
+  proc = _READER._proc
+  return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def describe_modules(
+  blobs: list[bytes],
+  *,
+  trusted: frozenset[str] = frozenset(),
+  isolate: bool = False,
+) -> list[dict[str, Any]]:
+  """Describes serialized StableHLO modules.
+
+  Args:
+    blobs: the serialized modules.
+    trusted: sha256 hex digests of modules the caller vouches for (they come
+      from a file whose recorded sha256 matched): those are read in this
+      process, unless ``isolate``. Every other module is read in the child
+      process.
+    isolate: read every module in the child process.
 
   Raises:
     ReaderUnavailable: the child process cannot be started.
@@ -166,4 +235,20 @@ def describe_modules(blobs: list[bytes]) -> list[dict[str, Any]]:
     type is ``{"text", "shape", "element"}`` (``shape`` and ``element`` for
     ranked tensors; ``dynamic`` marks an unknown dimension in ``shape``).
   """
-  return _READER.describe([bytes(b) for b in blobs])
+  blobs = [bytes(b) for b in blobs]
+  local = [
+    not isolate and hashlib.sha256(b).hexdigest() in trusted for b in blobs
+  ]
+  answers: list[dict[str, Any] | None] = [None] * len(blobs)
+  if any(local):
+    context = mlir_ir.Context()  # one per call: a context keeps what it read
+    for i, blob in enumerate(blobs):
+      if local[i]:
+        answers[i] = module_describe.describe_safely(
+          blob, deserialize_portable_artifact, mlir_ir, context
+        )
+  rest = [b for b, here in zip(blobs, local) if not here]
+  if rest:
+    isolated = iter(_READER.describe(rest))
+    answers = [a if here else next(isolated) for a, here in zip(answers, local)]
+  return cast(list[dict[str, Any]], answers)

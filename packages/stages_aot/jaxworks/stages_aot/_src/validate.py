@@ -83,8 +83,20 @@ class Invalid(ValueError):
   """The deserialized program is inconsistent (the message says how)."""
 
 
-def deserialize_checked(blob: bytes) -> list[jax.export.Exported]:
+def deserialize_checked(
+  blob: bytes,
+  *,
+  trusted_modules: frozenset[str] = frozenset(),
+  isolate: bool = False,
+) -> list[jax.export.Exported]:
   """Deserializes ``blob`` and every VJP level in it, and validates each.
+
+  Args:
+    blob: what ``jax.export.Exported.serialize`` wrote.
+    trusted_modules: sha256 digests of modules that may be read in this
+      process (see ``module_reader.describe_modules``); others are read in
+      the child process.
+    isolate: read every module in the child process.
 
   Returns:
     The levels, primal first; the ``vjp()`` of each returns the next one
@@ -115,7 +127,9 @@ def deserialize_checked(blob: bytes) -> list[jax.export.Exported]:
       raise Invalid(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
   try:
     infos = module_reader.describe_modules(
-      [lvl.mlir_module_serialized for lvl in levels]
+      [lvl.mlir_module_serialized for lvl in levels],
+      trusted=trusted_modules,
+      isolate=isolate,
     )
   except module_reader.ReaderUnavailable as e:
     raise RuntimeError(

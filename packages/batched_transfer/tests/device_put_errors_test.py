@@ -1,0 +1,185 @@
+"""device_put raises the exception classes stock jax.device_put raises.
+
+A differential list of bad inputs: leaves of types JAX does not hold, shapes
+a sharding cannot split (over Explicit, Auto and mixed mesh axes), specs of
+the wrong rank, targets, prefixes and flags stock rejects.
+"""
+
+import jax
+from jax.experimental.layout import Format
+from jax.experimental.layout import Layout
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
+import numpy as np
+import pytest
+
+from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src import jax_internals
+
+stock = jax_internals.stock_device_put
+DEVICES = jax.devices()
+EXPLICIT = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+AUTO = Mesh(np.array(DEVICES), ("x",))  # Auto axes
+MIXED = jax.make_mesh(
+  (2, 4), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto)
+)
+HALF = Mesh(np.array(DEVICES[4:]), ("x",))
+
+
+def f32(*shape):
+  return np.ones(shape, np.float32)
+
+
+def on(mesh, *spec):
+  return NamedSharding(mesh, P(*spec))
+
+
+def deleted():
+  x = jax.numpy.ones(3)
+  x.delete()
+  return x
+
+
+# name -> () -> (value, target, keyword arguments)
+CASES = {
+  # Leaves of types JAX does not hold.
+  "longdouble": lambda: (np.ones(3, np.longdouble), None, {}),
+  "longdouble->device": lambda: (np.ones(3, np.longdouble), DEVICES[1], {}),
+  "longdouble->sharding": lambda: (
+    np.ones(8, np.longdouble),
+    on(EXPLICIT, "x"),
+    {},
+  ),
+  "complex256": lambda: (np.ones(3, np.clongdouble), None, {}),
+  "timedelta64": lambda: (np.ones(3, "timedelta64[s]"), DEVICES[2], {}),
+  "datetime64": lambda: (np.zeros(3, "datetime64[D]"), None, {}),
+  "object": lambda: (np.array([object()] * 3), None, {}),
+  "object->device": lambda: (np.array([1, 2], dtype=object), DEVICES[1], {}),
+  "str": lambda: (np.array(["a", "b"]), None, {}),
+  "bytes": lambda: (np.array([b"a", b"b"]), DEVICES[0], {}),
+  "void": lambda: (np.zeros(3, "V4"), None, {}),
+  "structured": lambda: (np.zeros(3, [("a", "i4")]), None, {}),
+  "big-endian": lambda: (np.ones(3, ">f4"), DEVICES[1], {}),
+  "python str": lambda: ("abc", None, {}),
+  "python object": lambda: (object(), None, {}),
+  "python int too big": lambda: (2**70, None, {}),
+  "one bad leaf among good": lambda: (
+    [f32(3), np.ones(3, np.longdouble), f32(2)],
+    DEVICES[1],
+    {},
+  ),
+  "bad leaf and bad sharding": lambda: (
+    [f32(7), np.ones(3, np.longdouble)],
+    on(EXPLICIT, "x"),
+    {},
+  ),
+  # Shapes a sharding cannot split.
+  "indivisible, explicit": lambda: (f32(7), on(EXPLICIT, "x"), {}),
+  "indivisible, auto": lambda: (f32(7), on(AUTO, "x"), {}),
+  "indivisible, auto, device array": lambda: (
+    jax.numpy.ones(7),
+    on(AUTO, "x"),
+    {},
+  ),
+  "indivisible, auto, committed elsewhere": lambda: (
+    jax.device_put(f32(7), DEVICES[3]),
+    on(AUTO, "x"),
+    {},
+  ),
+  "indivisible, explicit, device array": lambda: (
+    jax.numpy.ones(7),
+    on(EXPLICIT, "x"),
+    {},
+  ),
+  "indivisible, mixed, explicit axis": lambda: (
+    f32(3, 4),
+    on(MIXED, "a", "b"),
+    {},
+  ),
+  "indivisible, mixed, auto axis": lambda: (f32(2, 6), on(MIXED, "a", "b"), {}),
+  "indivisible, mixed, tuple": lambda: (f32(4), on(MIXED, ("a", "b")), {}),
+  "indivisible, fewer devices": lambda: (f32(6), on(HALF, "x"), {}),
+  "indivisible, second leaf": lambda: (
+    {"a": f32(8), "b": f32(9)},
+    on(AUTO, "x"),
+    {},
+  ),
+  "indivisible, int4": lambda: (np.ones(7, jax.numpy.int4), on(AUTO, "x"), {}),
+  # Specs of the wrong rank.
+  "rank, explicit": lambda: (f32(8), on(MIXED, "a", "b"), {}),
+  "rank, auto": lambda: (f32(8), on(AUTO, None, "x"), {}),
+  "rank 0": lambda: (np.float32(1), on(EXPLICIT, "x"), {}),
+  "rank, device array": lambda: (jax.numpy.ones(8), on(MIXED, "a", "b"), {}),
+  # Targets, prefixes and flags.
+  "target str": lambda: (f32(3), "cpu", {}),
+  "target int": lambda: (f32(3), 3, {}),
+  "target prefix": lambda: ({"a": f32(3)}, [DEVICES[0]], {}),
+  "abstract mesh": lambda: (
+    f32(8),
+    NamedSharding(EXPLICIT.abstract_mesh, P("x")),
+    {},
+  ),
+  "layout of another rank": lambda: (
+    f32(2, 3),
+    Format(Layout((0,)), SingleDeviceSharding(DEVICES[0])),
+    {},
+  ),
+  "donate and may_alias": lambda: (
+    f32(3),
+    DEVICES[0],
+    {"donate": True, "may_alias": True},
+  ),
+  "deleted array": lambda: (deleted(), DEVICES[1], {}),
+  # Not errors: both must succeed.
+  "divisible, auto": lambda: (f32(8, 2), on(AUTO, "x"), {}),
+  "fewer devices": lambda: (f32(8), on(HALF, "x"), {}),
+  "int4 divisible": lambda: (np.ones(8, jax.numpy.int4), on(AUTO, "x"), {}),
+}
+
+# Where this package raises a subclass of stock's class, on purpose: the
+# message names the API, the leaf and the fix (targets.ArgumentError is a
+# ValueError; transfer.SpecRankError is a ValueError and an AssertionError).
+SUBCLASSES_OK = {"ArgumentError", "SpecRankError"}
+
+
+def outcome(fn, value, target, kwargs):
+  try:
+    return jax.block_until_ready(fn(value, target, **kwargs))
+  except Exception as err:  # compared with stock's below
+    return err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_same_exception_class_as_stock(name):
+  want = outcome(stock, *CASES[name]())
+  got = outcome(bt.device_put, *CASES[name]())
+  if not isinstance(want, Exception):
+    assert not isinstance(got, Exception), got
+    for y, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert y.sharding == x.sharding
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    return
+  assert isinstance(got, Exception), f"stock raised {want!r}; got {got!r}"
+  assert isinstance(got, type(want)), (want, got)
+  if type(got).__name__ not in SUBCLASSES_OK:
+    assert type(got) is type(want), (want, got)
+
+
+def test_the_classes_this_issue_named():
+  bad = np.ones(3, np.longdouble)
+  with pytest.raises(TypeError) as info:
+    bt.device_put(bad)
+  assert type(info.value) is TypeError
+  assert str(info.value).startswith(
+    "jaxworks.batched_transfer.device_put: the leaf at <root>"
+  )
+  indivisible = type(outcome(stock, f32(7), on(AUTO, "x"), {}))
+  assert indivisible is not ValueError and issubclass(indivisible, ValueError)
+  with pytest.raises(indivisible, match=r"device_put: cannot place the leaf"):
+    bt.device_put(f32(7), on(AUTO, "x"))
+  with pytest.raises(ValueError) as info:
+    bt.device_put(f32(7), on(EXPLICIT, "x"))
+  assert type(info.value) is ValueError
