@@ -146,6 +146,42 @@ def test_hubs_are_namespaced_and_dev_hub_is_a_dev_dependency():
   assert hubs[dev_var][dev_hub] == "requirements_lock.txt"
 
 
+def _venv_bzl():
+  return (ROOT / "tools" / "build_defs" / "venv.bzl").read_text()
+
+
+def _function_body(text, name):
+  m = re.search(rf"^def {name}\(.*?(?=^\S)", text + "\nEND", re.M | re.S)
+  assert m, f"venv.bzl has no {name}()"
+  return m.group(0)
+
+
+def test_workspace_mode_takes_jaxworks_names_and_maps_them_as_bzlmod_does():
+  """WORKSPACE mode: the repositories a consumer gets are all jaxworks_*, and
+  the repo_mapping it is told to use sends the BUILD files' apparent names
+  to the same hubs as MODULE.bazel's use_repo."""
+  text = _venv_bzl()
+  for fn in (
+    "jaxworks_python_repositories",
+    "jaxworks_accelerator_repositories",
+  ):
+    names = re.findall(r'\bname = "([^"]+)"', _function_body(text, fn))
+    assert names and all(n.startswith("jaxworks_") for n in names), (fn, names)
+  mapping = ast.literal_eval(
+    re.search(r"^JAXWORKS_REPO_MAPPING = (\{.*?\})", text, re.M | re.S).group(1)
+  )
+  by_apparent = {a: r for _, a, r in _use_repos(_module())}
+  for apparent in ("pypi", "pypi_dev"):
+    assert mapping["@" + apparent] == "@" + by_apparent[apparent], apparent
+  assert set(mapping) == {"@pypi", "@pypi_dev", "@pybind11"}, mapping
+  assert all(v.startswith("@jaxworks_") for v in mapping.values()), mapping
+  # The default lock a consumer gets is the runtime lock.
+  default = re.search(
+    r'def jaxworks_python_repositories\(\s*requirements = "([^"]+)"', text
+  )
+  assert default and default.group(1).endswith(":requirements_runtime.txt")
+
+
 def test_runtime_lock_agrees_with_the_development_lock():
   runtime, full = (
     _lock("requirements_runtime.txt"),

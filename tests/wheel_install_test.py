@@ -229,6 +229,13 @@ def test_metadata_is_complete(kind):
     ), name
     assert fields["Description-Content-Type"] == ["text/markdown"], name
     assert description.lstrip().startswith("# jaxworks"), name
+    # Read on an index: absolute links, pip commands, no Bazel.
+    assert "bazel" not in description.lower(), name
+    links = re.findall(r"\]\(([^)\s]+)\)", description)
+    assert links and all(u.startswith(("https://", "#")) for u in links), [
+      u for u in links if not u.startswith(("https://", "#"))
+    ]
+    assert "pip install jaxworks" in description, name
     assert (
       "add-ons for JAX" not in fields["Summary"][0] or kind == "combined"
     ), f"{name}: generic Summary"
@@ -350,7 +357,8 @@ def test_console_script_runs_after_pip_install(tmp_path_factory, tmp_path):
     env=_clean_env(),
   )
   assert out.returncode == 0, out.stderr
-  assert "export" in out.stdout and "usage:" in out.stdout
+  assert out.stdout.startswith("usage: jaxworks-aot "), out.stdout
+  assert "export" in out.stdout and "bazel" not in out.stdout.lower()
 
 
 _IMPORT_STATE = r"""
@@ -422,3 +430,61 @@ def test_combined_then_per_package_then_uninstall_either(remove, tmp_path):
     assert check.returncode != 0 and "jaxworks-jit-cache" in check.stdout, (
       check.stdout
     )
+
+
+def _requires_dist(wheel):
+  return dict(
+    re.findall(
+      r"^Requires-Dist: (jaxworks-[a-z-]+)>=([0-9.]+)$", _metadata(wheel), re.M
+    )
+  )
+
+
+@pytest.mark.parametrize("breakage", ["missing", "too_old"])
+def test_import_check_asks_for_the_metadata_minimum(breakage, tmp_path):
+  """With axis_names uninstalled (or older than required), every package that
+  needs it fails at import with a RuntimeError naming the minimum its METADATA
+  requires and the pip command that fixes it."""
+  python = _make_venv(str(tmp_path / "venv"))
+  _pip_install(python, *_wheels("per_package"))
+  if breakage == "missing":
+    subprocess.run(
+      [python, "-m", "pip", "uninstall", "-y", "-q", "jaxworks-axis-names"],
+      check=True,
+      env=_clean_env(),
+    )
+  else:
+    version_py = subprocess.run(
+      [
+        python,
+        "-c",
+        "import jaxworks.axis_names.version as v; print(v.__file__)",
+      ],
+      check=True,
+      capture_output=True,
+      text=True,
+      env=_clean_env(),
+    ).stdout.strip()
+    pathlib.Path(version_py).write_text('__version__ = "0.0.1"\n')
+  checked = 0
+  for w in _wheels("per_package"):
+    minimum = _requires_dist(w).get("jaxworks-axis-names")
+    if minimum is None:
+      continue
+    package = os.path.basename(w).split("-")[0].removeprefix("jaxworks_")
+    out = subprocess.run(
+      [python, "-c", f"import jaxworks.{package}"],
+      cwd=str(tmp_path),
+      capture_output=True,
+      text=True,
+      env=_clean_env(),
+    )
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: jaxworks.{package}: "), out.stderr
+    assert f"jaxworks.axis_names >= {minimum} " in last, last
+    fix = last.rpartition("Fix: ")[2]
+    assert fix.startswith("pip install -U ") and (
+      f"'jaxworks-axis-names>={minimum}'" in fix
+    ), last
+    checked += 1
+  assert checked == 2, "jit_cache and pmap_chunked require axis_names"

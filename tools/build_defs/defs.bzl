@@ -10,13 +10,12 @@
 
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
 load("@rules_python//python:defs.bzl", "py_binary", "py_library", "py_test")
-load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxworks_wheel")
+load("//tools/build_defs:portable.bzl", "PYTHON_VERSIONS", "cpython_headers", "python_tag", "zig_extension")
+load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxworks_sdist", "jaxworks_wheel")
 
-# What every jaxworks wheel requires. jax and jaxlib are bounded above too: each package imports private
-# `jax._src` internals of 0.10 (through its _src/jax_internals.py), and checks the same range at import.
+# What the jaxworks wheels require. jax and jaxlib get the range of the package's _src/deps.py (SUPPORTED_JAX, the
+# one its import check uses), and each jaxworks dependency the minimum declared there (MINIMUM_VERSIONS).
 JAX_REQUIREMENTS = {
-    "jax": "jax>=0.10.2,<0.11",
-    "jaxlib": "jaxlib>=0.10.2,<0.11",
     "numpy": "numpy>=1.26",
     "packaging": "packaging>=22",
 }
@@ -142,8 +141,12 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         size = "medium",
     )
 
-def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"], entry_points = []):
-    """A jaxworks package: the public py_library `:<name>`, its wheel `:wheel`, doctests, and per-backend suites.
+def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"], entry_points = [], cc_srcs = []):
+    """A jaxworks package: the public py_library `:<name>`, its wheel `:wheel`, its sdist `:sdist`, doctests, and
+    per-backend suites.
+
+    The sdist is built from `pyproject.toml` (and `setup.py` where the package has extensions, whose C++ sources and
+    headers `cc_srcs` lists) beside the BUILD file.
 
     `entry_points` go into the wheel's entry_points.txt, as "group:name=module:attr"
     (e.g. "console_scripts:jaxworks-aot=jaxworks.stages_aot.__main__:main").
@@ -170,6 +173,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         distribution = "jaxworks-" + name.replace("_", "-"),
         library = ":" + name,
         version_file = "jaxworks/{}/version.py".format(name),
+        deps_file = "jaxworks/{}/_src/deps.py".format(name),
         package_root = native.package_name(),
         requires = [JAX_REQUIREMENTS.get(p, p) for p in pypi],
         deps = [_dist_label(d) for d in deps],
@@ -177,9 +181,39 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         entry_points = entry_points,
         visibility = ["//visibility:public"],
     )
-    jaxworks_wheel(
-        name = "wheel",
-        dists = [":dist"],
+    if not extensions:
+        jaxworks_wheel(
+            name = "wheel",
+            dists = [":dist"],
+            visibility = ["//visibility:public"],
+        )
+    else:
+        # One wheel per CPython: `:wheel` (cp311) and `:wheel_cp312`, `:wheel_cp313`, each with the extensions built
+        # by zig against that CPython's headers for jaxlib's glibc baseline (tools/build_defs/portable.bzl).
+        for version in PYTHON_VERSIONS:
+            tag = python_tag(version)
+            for ext in extensions:
+                zig_extension(
+                    name = "{}_{}".format(ext.lstrip(":").replace("/", "_"), tag),
+                    module = ext.lstrip(":"),
+                    srcs = cc_srcs,
+                    python = version,
+                    python_headers = cpython_headers(version),
+                    visibility = ["//visibility:private"],
+                )
+            jaxworks_wheel(
+                name = "wheel" if version == PYTHON_VERSIONS[0] else "wheel_" + tag,
+                dists = [":dist"],
+                python_tag = tag,
+                extension_files = [":{}_{}".format(ext.lstrip(":").replace("/", "_"), tag) for ext in extensions],
+                visibility = ["//visibility:public"],
+            )
+    jaxworks_sdist(
+        name = "sdist",
+        dist = ":dist",
+        pyproject = "pyproject.toml",
+        setup_py = "setup.py" if extensions else None,
+        cc_srcs = cc_srcs,
         visibility = ["//visibility:public"],
     )
 

@@ -14,14 +14,16 @@ import base64
 import hashlib
 import os
 import pathlib
+import posixpath
 import re
 import sys
+import tarfile
 import tempfile
+import tomllib
 import zipfile
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.M)
-_LINUX_TAG = "cp311-cp311-linux_x86_64"
 _CLASSIFIERS = [
   "Development Status :: 4 - Beta",
   "Intended Audience :: Developers",
@@ -29,6 +31,8 @@ _CLASSIFIERS = [
   "Operating System :: POSIX :: Linux",
   "Programming Language :: Python :: 3",
   "Programming Language :: Python :: 3.11",
+  "Programming Language :: Python :: 3.12",
+  "Programming Language :: Python :: 3.13",
   "Topic :: Scientific/Engineering :: Artificial Intelligence",
   "Typing :: Typed",
 ]
@@ -40,6 +44,72 @@ def read_version(path):
   if not match:
     sys.exit(f'wheelmaker: no `__version__ = "X.Y.Z"` line in {path}')
   return match.group(1)
+
+
+def read_deps(path):
+  """``SUPPORTED_JAX`` and ``MINIMUM_VERSIONS`` of a package's _src/deps.py.
+
+  The one declaration both the import-time check and the wheel's
+  Requires-Dist are made from.
+  """
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  found = {}
+  for node in tree.body:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      for t in targets:
+        if isinstance(t, ast.Name) and t.id in (
+          "SUPPORTED_JAX",
+          "MINIMUM_VERSIONS",
+        ):
+          found[t.id] = ast.literal_eval(node.value)
+  if set(found) != {"SUPPORTED_JAX", "MINIMUM_VERSIONS"}:
+    sys.exit(
+      f"wheelmaker: {path} must declare SUPPORTED_JAX (a string) and "
+      "MINIMUM_VERSIONS (a dict literal, module name -> version)"
+    )
+  return found["SUPPORTED_JAX"], found["MINIMUM_VERSIONS"]
+
+
+_SKIP = re.compile(r"<!-- not-on-pypi -->.*?<!-- /not-on-pypi -->\n?", re.S)
+_COMMENT = re.compile(r"<!--.*?-->\n?", re.S)
+_LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+# A benchmark's repository command, as the figures name it: only its name.
+_BENCH_RUN = re.compile(r"`(?:\./tools/)?bazel\s+run\s+//packages/\w+:(\w+)`")
+
+
+def long_description(text, base_url, readme_dir):
+  """The README as an index shows it: no Bazel, absolute links.
+
+  Blocks between ``<!-- not-on-pypi -->`` and ``<!-- /not-on-pypi -->`` (the
+  repository's own build commands) and HTML comments are left out, a
+  benchmark's command `bazel run //packages/P:NAME` becomes `NAME`; a relative
+  link ``](path)`` becomes ``](<base_url>/blob/main/<readme_dir>/path)``.
+  Fails if the result still mentions Bazel.
+  """
+  text = _COMMENT.sub("", _SKIP.sub("", text))
+  text = _BENCH_RUN.sub(r"`\1`", text)
+
+  def absolute(m):
+    target = m.group(2)
+    if re.match(r"^[a-z][a-z0-9+.-]*:|^#", target):
+      return m.group(0)
+    path = posixpath.normpath(posixpath.join(readme_dir, target))
+    if path.startswith("../"):
+      sys.exit(f"wheelmaker: link {target!r} leaves the repository")
+    return f"{m.group(1)}{base_url}/blob/main/{path}{m.group(3)}"
+
+  text = _LINK.sub(absolute, text)
+  text = re.sub(r"\n{3,}", "\n\n", text)
+  for n, line in enumerate(text.splitlines(), 1):
+    if "bazel" in line.lower():
+      sys.exit(
+        f"wheelmaker: the long description mentions Bazel (line {n} after "
+        f"filtering: {line.strip()!r}); put that part of the README between "
+        "<!-- not-on-pypi --> and <!-- /not-on-pypi -->"
+      )
+  return text
 
 
 def _record_hash(data):
@@ -106,6 +176,47 @@ def manylinux_tag(wheel_path):
   return policy
 
 
+def check_pyproject(path, distribution, summary, requires):
+  """Fails unless the checked-in pyproject.toml says what the wheel says."""
+  with open(path, "rb") as f:
+    project = tomllib.load(f)["project"]
+  want = {
+    "name": distribution,
+    "description": summary,
+    "dependencies": sorted(requires),
+  }
+  got = {
+    "name": project.get("name"),
+    "description": project.get("description"),
+    "dependencies": sorted(project.get("dependencies", [])),
+  }
+  for key, value in want.items():
+    if got[key] != value:
+      sys.exit(
+        f"wheelmaker: {path}: [project] {key} is {got[key]!r}, but the "
+        f"wheel has {value!r}; make them agree"
+      )
+
+
+def write_sdist(out, base, members):
+  """A reproducible .tar.gz: ``base/`` + sorted members, fixed mtime/owner."""
+  import gzip
+  import io
+
+  raw = io.BytesIO()
+  with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tf:
+    for name, data in members:
+      info = tarfile.TarInfo(f"{base}/{name}")
+      info.size = len(data)
+      info.mtime = 315532800  # 1980-01-01, as the wheels
+      info.mode = 0o644
+      info.uname = info.gname = ""
+      tf.addfile(info, io.BytesIO(data))
+  with open(out, "wb") as f:
+    with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+      gz.write(raw.getvalue())
+
+
 def _entry_points(items):
   """'group:name=module:attr' items -> entry_points.txt text."""
   groups = {}
@@ -124,7 +235,11 @@ def main(argv=None):
   p.add_argument("--version")
   p.add_argument("--version-file")
   p.add_argument("--summary", default="")
+  p.add_argument("--python-tag", default="cp311", help="of a wheel with a .so")
   p.add_argument("--readme", help="Markdown long description")
+  p.add_argument("--base-url", default="", help="where relative links point")
+  p.add_argument("--readme-dir", default="", help="the README's directory")
+  p.add_argument("--deps-file", help="the package's _src/deps.py")
   p.add_argument("--license-file", required=True)
   p.add_argument("--requires", action="append", default=[])
   p.add_argument(
@@ -147,13 +262,38 @@ def main(argv=None):
   )
   p.add_argument("--files", required=True, help="lines: SOURCE<TAB>PATH")
   p.add_argument("--out-dir", required=True)
+  p.add_argument(
+    "--sdist",
+    action="store_true",
+    help="write the sdist (the --files sources, pyproject.toml, setup.py)",
+  )
+  p.add_argument("--pyproject", help="the sdist's pyproject.toml")
+  p.add_argument("--setup-py", help="the sdist's setup.py (extensions)")
   a = p.parse_args(argv)
 
   version = a.version or read_version(a.version_file)
   requires = list(a.requires)
-  for item in a.requires_dist_from:
-    dist, vfile = item.split("=", 1)
-    requires.append(f"{dist}>={read_version(vfile)}")
+  if a.deps_file:
+    supported_jax, minimums = read_deps(a.deps_file)
+    # jax and jaxlib: the range the import check accepts.
+    requires = [
+      r + supported_jax if r in ("jax", "jaxlib") else r for r in requires
+    ]
+    declared = {
+      m.replace(".", "-").replace("_", "-"): v for m, v in minimums.items()
+    }
+    built = {item.split("=", 1)[0] for item in a.requires_dist_from}
+    if set(declared) != built:
+      sys.exit(
+        f"wheelmaker: {a.deps_file} declares {sorted(declared)} but the "
+        f"BUILD deps are {sorted(built)}; make them agree"
+      )
+    for dist in sorted(declared):
+      requires.append(f"{dist}>={declared[dist]}")
+  else:
+    for item in a.requires_dist_from:
+      dist, vfile = item.split("=", 1)
+      requires.append(f"{dist}>={read_version(vfile)}")
   for item in a.pins_from:
     dist, vfile = item.split("=", 1)
     requires.append(f"{dist}=={read_version(vfile)}")
@@ -184,9 +324,7 @@ def main(argv=None):
     f"Summary: {package_summary(files) or a.summary}",
     "License-Expression: Apache-2.0",
     "License-File: LICENSE",
-    "Requires-Python: >=3.11,<3.12"
-    if has_extension
-    else "Requires-Python: >=3.11",
+    "Requires-Python: >=3.11",
   ] + [f"Classifier: {c}" for c in _CLASSIFIERS]
   metadata += [f"Project-URL: {u}" for u in a.project_url]
   metadata += [f"Requires-Dist: {r}" for r in requires]
@@ -194,9 +332,33 @@ def main(argv=None):
   if a.readme:
     metadata.append("Description-Content-Type: text/markdown")
     with open(a.readme, encoding="utf-8") as f:
-      description = f.read()
+      description = long_description(f.read(), a.base_url, a.readme_dir)
   metadata_text = "\n".join(metadata) + "\n\n" + description
   entry_points = _entry_points(a.entry_point)
+
+  if a.sdist:
+    summary = package_summary(files) or a.summary
+    check_pyproject(a.pyproject, a.distribution, summary, requires)
+    extra = [
+      ("PKG-INFO", metadata_text.encode()),
+      ("README.md", description.encode()),
+    ]
+    with open(a.pyproject, "rb") as f:
+      extra.append(("pyproject.toml", f.read()))
+    if a.setup_py:
+      with open(a.setup_py, "rb") as f:
+        extra.append(("setup.py", f.read()))
+    os.makedirs(a.out_dir, exist_ok=True)
+    base = f"{dist_name}-{version}"
+    members = [(d, data) for d, data in files if not d.endswith(".so")]
+    members = [
+      ("LICENSE", data) if d.endswith("/licenses/LICENSE") else (d, data)
+      for d, data in members
+    ]
+    write_sdist(
+      os.path.join(a.out_dir, base + ".tar.gz"), base, sorted(members + extra)
+    )
+    return
 
   def wheel_text(tag):
     return (
@@ -214,17 +376,18 @@ def main(argv=None):
   os.makedirs(a.out_dir, exist_ok=True)
   if has_extension:
     with tempfile.TemporaryDirectory() as tmp:
-      probe = os.path.join(tmp, f"{dist_name}-{version}-{_LINUX_TAG}.whl")
+      linux_tag = f"{a.python_tag}-{a.python_tag}-linux_x86_64"
+      probe = os.path.join(tmp, f"{dist_name}-{version}-{linux_tag}.whl")
       _zip(
         probe,
         files,
         dist_info,
         metadata_text,
-        wheel_text(_LINUX_TAG),
+        wheel_text(linux_tag),
         entry_points,
       )
       platform = manylinux_tag(probe)
-    tag = f"cp311-cp311-{platform}"
+    tag = f"{a.python_tag}-{a.python_tag}-{platform}"
   else:
     tag = "py3-none-any"
   out = os.path.join(a.out_dir, f"{dist_name}-{version}-{tag}.whl")

@@ -21,7 +21,9 @@ RuntimeError: jaxworks.stages_aot needs jaxworks.jit_cache >= 0.1.0, but 0.0.9 i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence
+import importlib
 from importlib import metadata
 from types import ModuleType
 
@@ -93,3 +95,58 @@ def require(
     )
   check_version(package, module.__name__, version, minimum)
   return module
+
+
+def load(
+  package: str,
+  minimums: Mapping[str, str],
+  attrs: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, ModuleType]:
+  """Imports every jaxworks dependency in ``minimums`` (module name ->
+  minimum version) and checks each; returns them by module name.
+
+  Every missing, too old or incomplete dependency is reported in one
+  RuntimeError that ends with the one ``pip install`` command fixing them
+  all. An ImportError raised inside a dependency for another reason (an
+  unsupported jax, say) propagates unchanged.
+  """
+  modules: dict[str, ModuleType] = {}
+  problems: list[str] = []
+  fixes: list[str] = []
+  for name, minimum in minimums.items():
+    try:
+      module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+      if e.name is None or not name.startswith(e.name):
+        raise
+      problems.append(f"{name} >= {minimum} is not installed")
+      fixes.append(f"'{_dist(name)}>={minimum}'")
+      continue
+    except RuntimeError as e:
+      # The dependency's own check failed; its message names its fix.
+      problems.append(f"{name} could not be imported ({e})")
+      fixes.append(f"'{_dist(name)}>={minimum}'")
+      continue
+    version = getattr(module, "__version__", None)
+    absent = [a for a in (attrs or {}).get(name, ()) if not hasattr(module, a)]
+    if version is None or absent:
+      where = list(getattr(module, "__path__", []))
+      problems.append(
+        f"{name} found at {where} is incomplete (no "
+        f"{', '.join(absent or ['__version__'])})"
+      )
+      fixes.insert(0, "--force-reinstall")
+      fixes.append(f"'{_dist(name)}>={minimum}'")
+    elif version not in SpecifierSet(f">={minimum}", prereleases=True):
+      problems.append(
+        f"{name} >= {minimum} is needed, but {version} is installed"
+      )
+      fixes.append(f"'{_dist(name)}>={minimum}'")
+    else:
+      modules[name] = module
+  if problems:
+    fix = " ".join(dict.fromkeys(fixes))
+    raise RuntimeError(
+      f"{package}: {'; '.join(problems)}. Fix: pip install -U {fix}"
+    )
+  return modules

@@ -19,7 +19,7 @@ import pytest
 from jaxworks import stages_aot as sa
 from jaxworks.stages_aot._src import cli
 
-PROG = "python -m jaxworks.stages_aot"
+PROG = "jaxworks-aot"
 X = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
 W = np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)
 

@@ -90,9 +90,7 @@ def test_each_failing_stage_is_one_line_and_exit_1(workdir, argv, message):
   assert r.returncode == 1, (r.stdout, r.stderr)
   lines = [l for l in r.stderr.splitlines() if not GLOG_LINE.match(l)]
   assert len(lines) == 1, r.stderr
-  assert lines[0].startswith(
-    "python -m jaxworks.stages_aot export: error: " + message
-  ), lines[0]
+  assert lines[0].startswith("jaxworks-aot export: error: " + message), lines[0]
   assert "Traceback" not in r.stderr
   assert not (workdir / "art").exists()
 

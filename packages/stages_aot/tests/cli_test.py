@@ -252,7 +252,7 @@ def test_cli_errors(workdir, monkeypatch, capsys, argv, message, status):
   code, _ = main_in_process(workdir, monkeypatch, *argv)
   assert code == status
   err = capsys.readouterr().err
-  assert err.startswith(f"python -m jaxworks.stages_aot {argv[0]}: error: ")
+  assert err.startswith(f"jaxworks-aot {argv[0]}: error: ")
   assert message in err and err.count("\n") == 1
 
 
@@ -344,7 +344,7 @@ def test_traceback_flag_shows_the_failing_stage(workdir, monkeypatch, capsys):
   err = capsys.readouterr().err
   assert code == 1
   assert err.startswith(
-    "python -m jaxworks.stages_aot export: error: trace of cli_failing_mod:trace_fails(f32[3]) failed: TypeError"
+    "jaxworks-aot export: error: trace of cli_failing_mod:trace_fails(f32[3]) failed: TypeError"
   )
   assert "Traceback (most recent call last)" in err and "in trace_fails" in err
 

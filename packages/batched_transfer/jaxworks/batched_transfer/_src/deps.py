@@ -10,6 +10,9 @@ from . import dep_check
 
 #: The jax/jaxlib releases whose private internals this package is written for.
 SUPPORTED_JAX = ">=0.10.2,<0.11"
+#: The jaxworks packages this one needs (none). The wheel's Requires-Dist is
+#: made from this declaration and ``SUPPORTED_JAX`` (tools/build_defs).
+MINIMUM_VERSIONS: dict[str, str] = {}
 
 
 def check_jax() -> None:

@@ -11,8 +11,11 @@ from . import dep_check
 _PACKAGE = "jaxworks.jit_cache"
 #: The jax/jaxlib releases whose private internals this package is written for.
 SUPPORTED_JAX = ">=0.10.2,<0.11"
-#: jaxworks.axis_names provides ``used_axis_names(closed_jaxpr)`` since 0.1.0.
-MIN_AXIS_NAMES = "0.1.0"
+#: The jaxworks packages this one needs, with the minimum of each (the
+#: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
+MINIMUM_VERSIONS = {
+  "jaxworks.axis_names": "0.2.0",  # used_axis_names(closed_jaxpr)
+}
 
 
 def check_jax() -> None:
@@ -22,9 +25,4 @@ def check_jax() -> None:
 
 def load_axis_names():
   """Imports jaxworks.axis_names, checking its version."""
-  try:
-    from jaxworks import axis_names  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    name = "jaxworks.axis_names"
-    raise dep_check.missing(_PACKAGE, name, MIN_AXIS_NAMES, e) from e
-  return dep_check.require(_PACKAGE, axis_names, MIN_AXIS_NAMES)
+  return dep_check.load(_PACKAGE, MINIMUM_VERSIONS)["jaxworks.axis_names"]

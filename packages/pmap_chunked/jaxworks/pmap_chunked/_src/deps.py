@@ -9,21 +9,18 @@ outdated install fails at import with an error that says what to upgrade.
 
 from __future__ import annotations
 
-from jaxworks import axis_names as _axis_names
-from jaxworks import batched_transfer as _batched_transfer
-from jaxworks import jit_cache as _jit_cache
-
 from . import dep_check
 
 _PACKAGE = "jaxworks.pmap_chunked"
 #: The jax/jaxlib releases whose private internals this package is written for.
 SUPPORTED_JAX = ">=0.10.2,<0.11"
 
-# Minimum versions of the jaxworks packages this package needs.
+#: The jaxworks packages this one needs, with the minimum of each (the
+#: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
 MINIMUM_VERSIONS = {
+  "jaxworks.axis_names": "0.2.0",
+  "jaxworks.batched_transfer": "0.2.0",
   "jaxworks.jit_cache": "0.3.0",  # the stage family, CacheInfo, check_argnums
-  "jaxworks.batched_transfer": "0.1.0",
-  "jaxworks.axis_names": "0.1.0",
 }
 
 
@@ -32,9 +29,12 @@ def check_jax() -> None:
   dep_check.check_jax(_PACKAGE, SUPPORTED_JAX)
 
 
-for _module in (_jit_cache, _batched_transfer, _axis_names):
-  dep_check.require(_PACKAGE, _module, MINIMUM_VERSIONS[_module.__name__])
-del _module
+# Every missing or outdated one is named in one error, with its pip command.
+_modules = dep_check.load(_PACKAGE, MINIMUM_VERSIONS)
+_axis_names = _modules["jaxworks.axis_names"]
+_batched_transfer = _modules["jaxworks.batched_transfer"]
+_jit_cache = _modules["jaxworks.jit_cache"]
+del _modules
 
 # Bound at import: the jaxworks functions themselves, never ``jax.jit`` or
 # ``jax.device_put`` looked up later (those may be swapped for these).

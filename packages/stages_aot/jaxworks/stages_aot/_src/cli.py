@@ -1,4 +1,5 @@
-"""Command line: ``python -m jaxworks.stages_aot {export,inspect,run}``.
+"""Command line: ``jaxworks-aot {export,inspect,run}`` (or ``python -m
+jaxworks.stages_aot``).
 
 export   trace MODULE:FUNCTION for --arg specs, lower for each --platform (one
          progress line per platform), export and write an artifact directory.
@@ -33,7 +34,9 @@ from .specs import is_concrete
 from .specs import parse_arg_specs
 from .stages import trace
 
-PROG = "python -m jaxworks.stages_aot"
+#: The console script of the wheel; ``python -m jaxworks.stages_aot`` is the
+#: same program and names itself the same way.
+PROG = "jaxworks-aot"
 
 
 class CliError(Exception):
@@ -94,11 +97,10 @@ def _build_parser() -> argparse.ArgumentParser:
     prog=PROG,
     description="Ahead-of-time export of JAX functions to versioned artifact "
     "directories, for cpu, cuda, rocm and tpu, from any host.",
-    epilog="In the jaxworks repository, the same CLI is the Bazel binary: "
-    "./tools/bazel run //packages/stages_aot:cli -- COMMAND ... (relative paths "
-    "are taken from where you run it). '%(prog)s COMMAND --help' explains each "
-    "command. Exit status: 0 ok, 2 the command line is wrong (a flag, a spec), "
-    "1 a file, the artifact, the function or a stage failed.",
+    epilog="Also runs as 'python -m jaxworks.stages_aot'. "
+    "'%(prog)s COMMAND --help' explains each command. Exit status: 0 ok, 2 "
+    "the command line is wrong (a flag, a spec), 1 a file, the artifact, the "
+    "function or a stage failed.",
   )
   parser.add_argument(
     "--version", action="version", version=f"jaxworks.stages_aot {__version__}"

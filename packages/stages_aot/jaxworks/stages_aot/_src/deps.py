@@ -17,8 +17,12 @@ from . import dep_check
 _PACKAGE = "jaxworks.stages_aot"
 #: The jax/jaxlib releases whose private internals this package is written for.
 SUPPORTED_JAX = ">=0.10.2,<0.11"
-#: jaxworks.jit_cache is the entry point of the stages (``jit(f).trace(...)``).
-MIN_JIT_CACHE_VERSION = "0.3.0"
+#: The jaxworks packages this one needs, with the minimum of each (the
+#: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
+MINIMUM_VERSIONS = {
+  "jaxworks.jit_cache": "0.3.0",  # the stages' entry, jit(f).trace(...)
+}
+MIN_JIT_CACHE_VERSION = MINIMUM_VERSIONS["jaxworks.jit_cache"]
 
 
 def check_jax() -> None:
@@ -36,14 +40,8 @@ def load_jit_cache():
     RuntimeError: jaxworks.jit_cache is missing, incomplete (no ``jit``) or
       older than :data:`MIN_JIT_CACHE_VERSION`.
   """
-  try:
-    from jaxworks import jit_cache
-  except ImportError as e:
-    name = "jaxworks.jit_cache"
-    raise dep_check.missing(_PACKAGE, name, MIN_JIT_CACHE_VERSION, e) from e
-  return dep_check.require(
-    _PACKAGE, jit_cache, MIN_JIT_CACHE_VERSION, attrs=("jit",)
-  )
+  name = "jaxworks.jit_cache"
+  return dep_check.load(_PACKAGE, MINIMUM_VERSIONS, {name: ("jit",)})[name]
 
 
 def written_by() -> dict[str, str]:

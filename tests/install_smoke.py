@@ -1,0 +1,28 @@
+"""The smoke test an installed jaxworks passes (sdist_test, python_matrix_test).
+
+Run as ``python -c SMOKE`` from a neutral directory in a virtualenv holding
+the five packages: every package imports from that virtualenv, and one call
+through each C++ extension's API equals stock JAX's result.
+"""
+
+SMOKE = r"""
+import os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jaxworks import axis_names, batched_transfer, jit_cache, pmap_chunked
+from jaxworks import stages_aot
+from jaxworks.batched_transfer import _grouping
+from jaxworks.jit_cache import _signature
+for m in (_grouping, _signature, jit_cache, stages_aot):
+  assert m.__file__.startswith(sys.prefix), (m.__file__, sys.prefix)
+assert _signature.__file__.endswith(".so") and _grouping.__file__.endswith(".so")
+f = lambda x, y: jnp.sin(x) * y + 1
+x = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+np.testing.assert_array_equal(jit_cache.jit(f)(x, 2.0), jax.jit(f)(x, 2.0))
+tree = {"w": x, "b": np.ones(3, np.float32)}
+device = jax.devices()[-1]
+got, want = batched_transfer.device_put(tree, device), jax.device_put(tree, device)
+for k in tree:
+  assert got[k].devices() == {device}
+  np.testing.assert_array_equal(got[k], want[k])
+print("smoke ok", sys.version_info[:2], jax.__version__)
+"""
