@@ -123,24 +123,24 @@ class Traced(_StockTraced):
       TypeError, ValueError: bad ``lowering_platforms``.
     """
     api = "jaxworks.jit_cache.Traced.lower"
-    platforms = (
-      None
-      if lowering_platforms is None
-      else _platforms.canonical_platforms(lowering_platforms, api=api)
-    )
     traced: Traced | None
+    platforms: tuple[str, ...] | None
     if _private_parameters is not None:
-      # JAX's own caller: stock's lowering with exactly its parameters.
+      # JAX's own caller: stock's lowering with exactly its arguments, the
+      # platform names unchecked (jax.export passes names of its own).
       stock = super().lower(
-        lowering_platforms=platforms, _private_parameters=_private_parameters
+        lowering_platforms=lowering_platforms,
+        _private_parameters=_private_parameters,
       )
-      platforms = (
-        ji.lowering_platforms(stock)
-        or platforms
-        or (_lowering.default_platform(),)
+      platforms = ji.lowering_platforms(stock) or tuple(
+        lowering_platforms or (_lowering.default_platform(),)
       )
       traced = self
-    elif platforms is None:
+    elif lowering_platforms is not None:
+      platforms = _platforms.canonical_platforms(lowering_platforms, api=api)
+      stock = ji.lower_for_export(self, platforms)
+      traced = None
+    else:
       # For this host: stock's own lowering, so that compile() and
       # serialize_executable behave as jax.jit's; export() lowers once more.
       stock = super().lower()
@@ -148,9 +148,6 @@ class Traced(_StockTraced):
         _lowering.default_platform(),
       )
       traced = self
-    else:
-      stock = ji.lower_for_export(self, platforms)
-      traced = None
     out = Lowered.from_lowered(
       stock, fun_name=self.fun_name, jaxpr=self.jaxpr, platforms=platforms
     )
