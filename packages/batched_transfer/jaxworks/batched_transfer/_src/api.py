@@ -21,6 +21,10 @@ from . import plan as plan_lib
 from . import targets
 from . import transfer
 
+# Stock JAX callables bound at import (the drop-in contract: never looked up
+# on ``jax`` at call time).
+_typeof = jax.typeof
+
 _API = "jaxworks.batched_transfer"
 _Compiled = jax.stages.Compiled
 
@@ -147,7 +151,7 @@ def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
         api, jax.tree_util.keystr(path) or "<root>", leaf.dtype
       )
     try:
-      jax.typeof(leaf)
+      _typeof(leaf)
     except (TypeError, ValueError, OverflowError) as err:
       where = jax.tree_util.keystr(path) or "<root>"
       raise type(err)(f"{api}: the leaf at {where}: {err}") from err

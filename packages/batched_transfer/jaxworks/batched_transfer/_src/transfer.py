@@ -37,6 +37,10 @@ from . import jax_internals
 from .targets import Request
 from .targets import single_device_sharding
 
+# Stock JAX callables bound at import (the drop-in contract: never looked up
+# on ``jax`` at call time).
+_typeof = jax.typeof
+
 ALIAS, HOST, COPY, JAX = "alias", "host", "copy", "jax"
 
 _REUSE = jax_internals.ArrayCopySemantics.REUSE_INPUT
@@ -97,7 +101,7 @@ def host_dtype_ok(dtype: Any) -> bool:
   ok = _HOST_DTYPES.get(dtype)
   if ok is None:
     try:
-      jax.typeof(np.empty(0, dtype))
+      _typeof(np.empty(0, dtype))
       valid = True
     except (TypeError, ValueError):
       valid = False
@@ -220,7 +224,7 @@ def check_placements_in_order(req: Request) -> None:
   """Raises the placement error of the first leaf, in tree order, that has one (error path)."""
   for i, (x, s) in enumerate(zip(req.leaves, req.dsts)):
     if s is not None:
-      check_placement(req, i, s, tuple(jax.typeof(x).shape))
+      check_placement(req, i, s, tuple(_typeof(x).shape))
 
 
 def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:

@@ -39,6 +39,11 @@ from . import commit
 from . import files as checkpoint_files
 from . import pending
 
+# Stock JAX callables bound at import (the drop-in contract: never looked up
+# on ``jax`` at call time).
+_devices = jax.devices
+_make_array_from_callback = jax.make_array_from_callback
+
 MANIFEST = "jaxworks_manifest.json"
 MANIFEST_FORMAT = 1
 _seq = itertools.count()
@@ -358,7 +363,7 @@ def restore(
       )
     sharding, layout, _ = targets.normalize_target(api, p)
     if sharding is None:
-      sharding = targets.single_device_sharding(jax.devices()[0])
+      sharding = targets.single_device_sharding(_devices()[0])
     if layout is not None:
       raise ValueError(
         f"{api}: the leaf at {where}: restoring a checkpoint written by "
@@ -368,9 +373,7 @@ def restore(
   out: list[jax.Array] = []
   for key, (shape, dtype, _), sharding in zip(keys, specs, shardings):
     region = _region_reader(api, path, key, arrays[key], dtype)
-    out.append(
-      jax.make_array_from_callback(shape, sharding, region, dtype=dtype)
-    )
+    out.append(_make_array_from_callback(shape, sharding, region, dtype=dtype))
   return out
 
 
