@@ -399,8 +399,8 @@ def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
   warm_start_in_a_second_process()
 
 
-# A program run by two new processes sharing jaxworks' disk cache (JAXWORKS_JIT_CACHE_DIR): the first
-# compiles and writes the executable, the second loads it (no lowering, no compile).
+# A program run by two new processes sharing a cache directory (JAXWORKS_JIT_CACHE_DIR turns on JAX's persistent
+# compilation cache): the first compiles and writes every executable, the second loads them (no XLA compile).
 WARM_START = """
 import json, time
 import jax, jax.numpy as jnp, numpy as np
@@ -411,9 +411,8 @@ w, x = jnp.full((16, 4), 0.1), jnp.arange(32.0).reshape(2, 16) / 32
 start = time.perf_counter()
 grad = np.asarray(jit_cache.jit(jax.grad(loss))(w, x))
 seconds = time.perf_counter() - start
-jit_cache.config.flush()
 s = jit_cache.stats()
-print(json.dumps({"s": seconds, "hits": s.disk_hits, "compiles": s.compiles, "grad": grad.tolist()}))
+print(json.dumps({"s": seconds, "hits": s.persistent_hits, "misses": s.persistent_misses, "grad": grad.tolist()}))
 """
 
 
@@ -423,13 +422,13 @@ def warm_start_in_a_second_process():
     _, first = jb.run_fresh(WARM_START, env=env)
     _, second = jb.run_fresh(WARM_START, env=env)
   print(
-    f"   warm start in a second process (disk cache): first process {jb.fmt_seconds(first['s'])} "
-    f"(compiled, {first['compiles']} compile), second {jb.fmt_seconds(second['s'])} "
-    f"({second['hits']} disk hit, {second['compiles']} compiles)"
+    f"   warm start in a second process (JAX's persistent cache): first process {jb.fmt_seconds(first['s'])} "
+    f"({first['misses']} entries written), second {jb.fmt_seconds(second['s'])} "
+    f"({second['hits']} loaded, {second['misses']} written)"
   )
   check(
-    first["compiles"] == 1 and second["hits"] == 1 and second["compiles"] == 0,
-    "the second process loaded the executable from the disk cache (no compile)",
+    first["misses"] >= 1 and first["hits"] == 0 and second["hits"] >= 1 and second["misses"] == 0,
+    "the second process loaded every executable from the persistent cache (no compile)",
   )
   w, x = jnp.full((16, 4), 0.1), jnp.arange(32.0).reshape(2, 16) / 32
   stock = jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)))(w, x)

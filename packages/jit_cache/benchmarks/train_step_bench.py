@@ -337,7 +337,6 @@ def in_process_cases(report, quick: bool) -> None:
         lambda: jax.jit(chain_fn())(x),
         4 if quick else 30,
       )
-      jit_cache.config.flush()
       jit_cache.set_cache_dir(None)
     report.add(
       "first call of a never-seen program in-process (miss overhead), "

@@ -215,10 +215,9 @@ def main(argv=None):
   if opts.jw_cache:
     from jaxworks import jit_cache  # pylint: disable=g-import-not-at-top
 
-    jit_cache.config.flush()
     s = jit_cache.stats()
-    out["disk_hits"] = s.disk_hits
-    out["disk_misses"] = s.disk_misses
+    out["persistent_hits"] = s.persistent_hits
+    out["persistent_misses"] = s.persistent_misses
   print(json.dumps(out))
   return 0
 

@@ -391,6 +391,6 @@ def test_jax_errors_pass_through():
 
 
 def test_public_api_surface():
-  assert jit_cache.__version__ == "0.3.0"
+  assert jit_cache.__version__ == "0.4.0"
   for name in jit_cache.__all__:
     assert hasattr(jit_cache, name), name

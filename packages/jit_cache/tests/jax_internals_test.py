@@ -368,21 +368,40 @@ def test_stage_as_shares_the_stock_state():
   assert mc.runtime_executable() is compiled.runtime_executable()
 
 
-def test_primitive_modules_define_primitives():
-  import importlib  # pylint: disable=g-import-not-at-top
+def test_reset_persistent_cache_takes_a_late_directory(tmp_path):
+  # JAX decides at its first compile whether its persistent cache is used;
+  # without the reset a directory set later is ignored.
+  jax.jit(lambda v: v - 7.25)(1.0).block_until_ready()  # decided: no cache
+  assert not ji.persistent_cache_enabled()
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    assert ji.persistent_cache_enabled()
+    ji.reset_persistent_cache()
+    jax.jit(lambda v: v * 3.5 - 1.125)(2.0).block_until_ready()
+    assert any(p.name.endswith("-cache") for p in tmp_path.iterdir())
+  finally:
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    ji.reset_persistent_cache()
+  assert not ji.persistent_cache_enabled()
 
-  for name in ji.PRIMITIVE_MODULES:
-    module = importlib.import_module(name)
-    defined = [
-      v
-      for k, v in vars(module).items()
-      if k.endswith("_p") and isinstance(v, jax.extend.core.Primitive)
-    ]
-    assert defined, name
-  assert (
-    jax.lax.sin_p
-    is vars(importlib.import_module(ji.PRIMITIVE_MODULES[0]))["sin_p"]
-  )
+
+def test_has_host_callbacks():
+  def noisy(v):
+    jax.debug.print("v={v}", v=v)
+    return v + 1
+
+  x = jnp.ones(3)
+  assert ji.has_host_callbacks(jax.jit(noisy).lower(x).compile())
+  assert not ji.has_host_callbacks(jax.jit(jnp.sin).lower(x).compile())
+
+
+def test_hide_frames_of(tmp_path):
+  from jax._src import traceback_util  # pylint: disable=g-import-not-at-top
+
+  ji.hide_frames_of(str(tmp_path))
+  assert str(tmp_path) in traceback_util._exclude_paths  # pylint: disable=protected-access
 
 
 def test_jit_only_key_states_are_in_the_context():

@@ -28,8 +28,8 @@ from ._src.api import set_global_maxsize as set_global_maxsize
 from ._src.api import stats as stats
 from ._src.argnums import check_argnums as check_argnums
 from ._src.cache import CacheInfo as CacheInfo
-from ._src.disk_cache import config as config
-from ._src.disk_cache import set_cache_dir as set_cache_dir
+from ._src.persistent import config as config
+from ._src.persistent import set_cache_dir as set_cache_dir
 from ._src.platforms import KNOWN_PLATFORMS as KNOWN_PLATFORMS
 from ._src.platforms import canonical_platforms as canonical_platforms
 from ._src.platforms import present_platforms as present_platforms

@@ -13,9 +13,11 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 import functools
 import inspect
+import os
 import threading
 import types
 from typing import Any
+from typing import overload
 import weakref
 
 from jax.extend import core as jex_core
@@ -25,12 +27,13 @@ from . import cache as _cache
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
 from . import stages as _stages
-from .core import REGISTRY
-from .core import REGISTRY_LOCK
+from . import stats as _stats
 from .core import UNSET as _UNSET
 from .core import _JitCore
 from .core import _Unusable
 from .core import _WeakCallable
+from .stats import reset_stats as reset_stats
+from .stats import stats as stats
 
 _current_trace = ji.current_trace
 _eval_trace = ji.eval_trace
@@ -62,6 +65,7 @@ class JitFunction:
     self._core = core
     self._options = options
 
+  @ji.api_boundary
   def __call__(self, *args, **kwargs):
     core = self._core
     if _current_trace.value is not _eval_trace and not _disable_jit_on():
@@ -104,6 +108,7 @@ class JitFunction:
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(_make(state["fun"], state["options"]).__dict__)
 
+  @ji.api_boundary
   def trace(self, *args, **kwargs) -> _stages.Traced:
     """Traces for these arguments (cached), without compiling.
 
@@ -113,6 +118,7 @@ class JitFunction:
     """
     return self._core.trace(*args, **kwargs)
 
+  @ji.api_boundary
   def lower(self, *args, **kwargs) -> _stages.Lowered:
     """``self.trace(*args, **kwargs).lower()``: a jaxworks ``Lowered`` (a
     ``jax.stages.Lowered`` with ``fun_name``, ``jaxpr``, ``platforms`` and
@@ -123,6 +129,7 @@ class JitFunction:
     """
     return self._core.lower(*args, **kwargs)
 
+  @ji.api_boundary
   def eval_shape(self, *args, **kwargs) -> Any:
     """Output ``jax.ShapeDtypeStruct`` pytree, from the shared trace cache."""
     return self._core.eval_shape(*args, **kwargs)
@@ -266,6 +273,47 @@ def _make(fun: Callable, options: dict) -> JitFunction:
 _FUN_DEFAULT = ji.JIT_FUN_DEFAULT
 
 
+# Typed as stock's: a function gives a JitFunction (whose ``trace``,
+# ``lower``, ``eval_shape`` and ``cache_info`` type checkers see), no
+# function a decorator.
+@overload
+def jit(
+  fun: Callable,
+  /,
+  *,
+  in_shardings: Any = ...,
+  out_shardings: Any = ...,
+  static_argnums: int | Sequence[int] | None = ...,
+  static_argnames: str | Iterable[str] | None = ...,
+  donate_argnums: int | Sequence[int] | None = ...,
+  donate_argnames: str | Iterable[str] | None = ...,
+  keep_unused: bool = ...,
+  device: Any = ...,
+  backend: str | None = ...,
+  inline: bool = ...,
+  compiler_options: dict[str, Any] | None = ...,
+  maxsize: int = ...,
+) -> JitFunction: ...
+
+
+@overload
+def jit(
+  *,
+  in_shardings: Any = ...,
+  out_shardings: Any = ...,
+  static_argnums: int | Sequence[int] | None = ...,
+  static_argnames: str | Iterable[str] | None = ...,
+  donate_argnums: int | Sequence[int] | None = ...,
+  donate_argnames: str | Iterable[str] | None = ...,
+  keep_unused: bool = ...,
+  device: Any = ...,
+  backend: str | None = ...,
+  inline: bool = ...,
+  compiler_options: dict[str, Any] | None = ...,
+  maxsize: int = ...,
+) -> Callable[[Callable], JitFunction]: ...
+
+
 def jit(
   fun: Callable = _FUN_DEFAULT,
   /,
@@ -282,7 +330,7 @@ def jit(
   inline: bool = False,
   compiler_options: dict[str, Any] | None = None,
   maxsize: int = DEFAULT_MAXSIZE,
-) -> Any:
+) -> JitFunction | Callable[[Callable], JitFunction]:
   """``jax.jit`` with its own trace cache, executable reuse and cache stats.
 
   The parameters are ``jax.jit``'s: the same names, kinds (``fun``
@@ -461,39 +509,6 @@ def make_jaxpr(
   return make_jaxpr_f
 
 
-def _live_functions() -> list[_JitCore]:
-  with REGISTRY_LOCK:
-    return list(REGISTRY)
-
-
-def stats() -> _cache.CacheInfo:
-  """Process-wide counters (since import or ``reset_stats()``) and sizes.
-
-  ``entries``/``maxsize`` are trace entries across all live functions and the
-  global bound; ``executables`` the compiled executables held (by live
-  functions' entries or by the shared cache), each counted once;
-  ``evictions`` counts trace entries dropped by either bound.
-  """
-  live = _live_functions()
-  executables = {id(e): e for e in _cache.EXECUTABLES.live()}
-  for f in live:
-    for entry in list(f._cache.by_key.values()):  # pylint: disable=protected-access
-      executables.update((id(e), e) for e in list(entry.executables.values()))
-  return _cache.GLOBAL_COUNTERS.snapshot(
-    entries=sum(len(f._cache) for f in live),  # pylint: disable=protected-access
-    maxsize=_cache.GLOBAL_ENTRIES.maxsize,
-    dispatch_entries=sum(ji.dispatcher_size(f._dispatcher) for f in live),  # pylint: disable=protected-access
-    executables=len(executables),
-  )
-
-
-def reset_stats() -> None:
-  """Zeroes the process-wide and every function's counters."""
-  _cache.GLOBAL_COUNTERS.reset()
-  for f in _live_functions():
-    f._counters.reset()  # pylint: disable=protected-access
-
-
 def clear_caches() -> None:
   """Drops every trace entry, dispatch entry and shared executable.
 
@@ -501,7 +516,7 @@ def clear_caches() -> None:
   dispatch entries and JAX tracing caches, the process-wide entry order, the
   shared executable cache and the fingerprint memo.
   """
-  for f in _live_functions():
+  for f in _stats.live_functions():
     f.clear_cache()
   _cache.GLOBAL_ENTRIES.clear()
   _cache.EXECUTABLES.clear()
@@ -518,6 +533,10 @@ class _ClearedWithJax:
 
 _CLEARED_WITH_JAX = _ClearedWithJax()
 ji.register_cache(_CLEARED_WITH_JAX, "jaxworks.jit_cache")
+
+# JAX's filtered tracebacks hide jit_cache's frames as they hide JAX's own: a
+# user error under jit_cache.jit shows the user's frames, not ours.
+ji.hide_frames_of(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def set_global_maxsize(

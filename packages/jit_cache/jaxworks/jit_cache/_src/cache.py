@@ -59,13 +59,14 @@ class CacheInfo:
       in ``stats()``: the shared executable cache).
     time_saved_s: tracing and compile time avoided by hits and reuses, in
       seconds (measured when the entry was first built).
-    disk_hits: executables loaded from the persistent disk cache (no
-      lowering, no compile).
-    disk_misses: disk cache lookups that compiled (no entry, or one rejected).
-    disk_rejected: disk entries found but rejected (corrupt, truncated,
-      another version or machine); see ``explain_miss``.
-    disk_bytes_read, disk_bytes_written: entry bytes loaded and written.
-    disk_load_s: seconds spent reading and loading disk entries.
+    persistent_hits: compiles served by JAX's persistent compilation cache
+      (``jax.monitoring`` event ``/jax/compilation_cache/cache_hits``; in
+      ``stats()``: every compile of the process, eager and library jits too).
+    persistent_misses: compiles written to it (``.../cache_misses``).
+    persistent_load_s: seconds spent retrieving its entries
+      (``.../cache_retrieval_time_sec``).
+    persistent_time_saved_s: (``stats()`` only) compile time its hits saved,
+      as JAX estimates it (``.../compile_time_saved_sec``).
   """
 
   hits: int = 0
@@ -79,12 +80,10 @@ class CacheInfo:
   dispatch_entries: int = 0
   executables: int = 0
   time_saved_s: float = 0.0
-  disk_hits: int = 0
-  disk_misses: int = 0
-  disk_rejected: int = 0
-  disk_bytes_read: int = 0
-  disk_bytes_written: int = 0
-  disk_load_s: float = 0.0
+  persistent_hits: int = 0
+  persistent_misses: int = 0
+  persistent_load_s: float = 0.0
+  persistent_time_saved_s: float = 0.0
 
 
 class Counters:
@@ -99,12 +98,9 @@ class Counters:
     "compiles",
     "executable_reuses",
     "time_saved_s",
-    "disk_hits",
-    "disk_misses",
-    "disk_rejected",
-    "disk_bytes_read",
-    "disk_bytes_written",
-    "disk_load_s",
+    "persistent_hits",
+    "persistent_misses",
+    "persistent_load_s",
   )
 
   def __init__(self):
@@ -118,12 +114,9 @@ class Counters:
     self.compiles = 0
     self.executable_reuses = 0
     self.time_saved_s = 0.0
-    self.disk_hits = 0
-    self.disk_misses = 0
-    self.disk_rejected = 0
-    self.disk_bytes_read = 0
-    self.disk_bytes_written = 0
-    self.disk_load_s = 0.0
+    self.persistent_hits = 0
+    self.persistent_misses = 0
+    self.persistent_load_s = 0.0
 
   def snapshot(self, **extra: Any) -> CacheInfo:
     return CacheInfo(
@@ -134,13 +127,12 @@ class Counters:
       compiles=self.compiles,
       executable_reuses=self.executable_reuses,
       time_saved_s=self.time_saved_s,
-      disk_hits=self.disk_hits,
-      disk_misses=self.disk_misses,
-      disk_rejected=self.disk_rejected,
-      disk_bytes_read=self.disk_bytes_read,
-      disk_bytes_written=self.disk_bytes_written,
-      disk_load_s=self.disk_load_s,
-      **extra,
+      **{
+        "persistent_hits": self.persistent_hits,
+        "persistent_misses": self.persistent_misses,
+        "persistent_load_s": self.persistent_load_s,
+        **extra,
+      },
     )
 
 

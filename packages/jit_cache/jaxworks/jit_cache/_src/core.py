@@ -20,10 +20,9 @@ How a call flows (the whole mechanism):
 5. At top level the entry's executable is looked up by placement, then in the
    process-wide executable cache by structural fingerprint (jaxpr structure,
    literals, constants, parameters, placement, context): a re-created closure
-   reuses what an earlier one compiled. With a cache directory set
-   (``set_cache_dir``, opt-in), a program keyed by content alone is then
-   looked up on disk (``disk_cache.py``) before it is lowered and compiled,
-   and written there after. The result goes back to the C++ dispatcher as its
+   reuses what an earlier one compiled. A compile goes through JAX's
+   persistent compilation cache when ``set_cache_dir`` turned it on
+   (``persistent.py``). The result goes back to the C++ dispatcher as its
    fast path.
 """
 
@@ -46,10 +45,10 @@ from .. import _signature as _ext
 from . import argnums as _argnums
 from . import cache as _cache
 from . import deps as _deps
-from . import disk_cache as _disk
 from . import executables as _executables
 from . import explain
 from . import jax_internals as ji
+from . import persistent as _persistent
 from . import signature as _sig
 from . import stages as _stages
 
@@ -513,8 +512,8 @@ class _JitCore:
     text = explain.explain(
       self, leaves, treedef, statics, ctx, sig, args, kwargs
     )
-    disk = _disk.note_for(self._cache.by_sig.get(sig))
-    return text if disk is None else f"{text}\n  {disk}"
+    note = _persistent.note_for(self._cache.by_sig.get(sig), self._counters)
+    return text if note is None else f"{text}\n  {note}"
 
 
 class _Unusable:

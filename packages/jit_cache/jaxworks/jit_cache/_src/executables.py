@@ -3,8 +3,8 @@
 ``build`` lowers and compiles an entry for one argument placement. Programs
 with a structural fingerprint go through the process-wide
 ``cache.EXECUTABLES`` (a re-created closure reuses what an earlier one
-compiled) and, with a cache directory set, the disk cache
-(``disk_cache.py``), which a new process can load.
+compiled). Every compile goes through JAX's persistent compilation cache when
+``set_cache_dir`` turned it on (``persistent.py`` records what it did).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import warnings
 import jax
 
 from . import cache as _cache
-from . import disk_cache as _disk
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
+from . import persistent as _persistent
 
 _tree_leaves = jax.tree_util.tree_leaves
 
@@ -52,15 +52,6 @@ class Executable:
     #: Warnings lowering issued that jax.jit would issue again when it lowers
     #: the program anew (unusable donated buffers): replayed on reuse.
     self.warnings: tuple = ()
-
-
-def loaded_executable(
-  compiled: Any, compile_seconds: float, replay: tuple
-) -> Executable:
-  """An executable record for a ``Compiled`` loaded from the disk cache."""
-  exe = Executable(compiled, compile_seconds, _tree_leaves(compiled.in_avals))
-  exe.warnings = replay
-  return exe
 
 
 def lower_keeping_donation_warnings(traced: Any) -> tuple[Any, tuple]:
@@ -107,7 +98,7 @@ def build(
   entry: Any, leaves: list, placement: Any, counters: _cache.Counters
 ) -> Executable:
   """The executable of ``entry`` for arguments ``leaves`` placed as
-  ``placement``: reused from the shared (or disk) cache or compiled."""
+  ``placement``: reused from the shared cache or compiled."""
   traced = ji.make_traced(
     [ji.meta_type(x) for x in leaves],
     entry.params,
@@ -131,6 +122,7 @@ def build(
     _cache.GLOBAL_COUNTERS.compiles += 1
     return exe
 
+  build = _persistent.observed(build, entry, counters)
   program = _fingerprint.fingerprint(entry.jaxpr)
   params = _fingerprint.params_key(entry.params)
   if program is None or params is None:
@@ -143,23 +135,11 @@ def build(
     and program.nbytes <= _fingerprint.CONTENT_HASH_MAX_BYTES
     and _fingerprint.plain(placement[0].extra.values)
   )
-  if keep and _disk.enabled():  # a new process may load it (opt-in)
-    build = _disk.wrap_build(
-      build,
-      loaded_executable,
-      entry,
-      entry.in_tree,
-      entry.out_tree,
-      leaves,
-      program,
-      params,
-      placement[0].extra.values,
-      (counters, _cache.GLOBAL_COUNTERS),
-    )
   exe, reused = _cache.EXECUTABLES.get_or_build(
     (program, params, placement), build, keep, size=estimated_bytes
   )
   if reused:
+    _persistent.note_reused(entry, counters)
     for warning in exe.warnings:  # what lowering anew would have said
       warnings.warn(warning, stacklevel=4)
     counters.executable_reuses += 1

@@ -16,9 +16,11 @@ from collections.abc import Sequence
 import copy as _copy
 import inspect as _inspect
 from typing import Any
+from typing import TypeVar
 
 from jax._src import api as _api
 from jax._src import array as _array
+from jax._src import compilation_cache as _compilation_cache
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
@@ -27,6 +29,7 @@ from jax._src import mesh as _mesh
 from jax._src import named_sharding as _named_sharding
 from jax._src import pjit as _pjit
 from jax._src import stages as _stages
+from jax._src import traceback_util as _traceback_util
 from jax._src import tree_util as _tree_util
 from jax._src import util as _util
 from jax._src.export import _export as _export_impl
@@ -249,21 +252,43 @@ convert_invars_to_constvars: Callable[[Any, int], Any] = (
 )
 
 
-# -- the disk cache's keys (disk_key.py) ------------------------------------------
+# -- JAX's persistent compilation cache (persistent.py) -------------------------
 
-#: jax's modules that define most of its primitives (as ``<name>_p``): the
-#: disk cache's key looks for a primitive there before scanning every module.
-PRIMITIVE_MODULES = (
-  "jax._src.lax.lax",
-  "jax._src.pjit",
-  "jax._src.core",
-  "jax._src.ad_util",
-  "jax._src.custom_derivatives",
-  "jax._src.lax.slicing",
-  "jax._src.lax.control_flow.loops",
-  "jax._src.lax.control_flow.conditionals",
-  "jax._src.random",
-)
+
+def reset_persistent_cache() -> None:
+  """Makes JAX decide anew, at the next compile, whether its persistent
+  cache is used and where (it decides once per process otherwise)."""
+  _compilation_cache.reset_cache()
+
+
+def persistent_cache_enabled() -> bool:
+  """Whether JAX's persistent compilation cache has a directory and is on."""
+  return bool(_compilation_cache.is_persistent_cache_enabled())
+
+
+def has_host_callbacks(compiled: Any) -> bool:
+  """Whether a ``jax.stages.Compiled`` calls back into Python (JAX never
+  writes such an executable to its persistent cache)."""
+  call = getattr(compiled._executable, "unsafe_call", None)  # pylint: disable=protected-access
+  return bool(getattr(call, "has_host_callbacks", False))
+
+
+# -- traceback filtering ---------------------------------------------------------
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def api_boundary(fun: _F) -> _F:
+  """``fun`` as an API boundary: JAX filters the traceback of an exception
+  raised below it (the outermost boundary wins)."""
+  return _traceback_util.api_boundary(fun)
+
+
+def hide_frames_of(path: str) -> None:
+  """Hides frames from files under ``path`` in JAX's filtered tracebacks, as
+  JAX hides its own."""
+  _traceback_util.register_exclusion(path)
 
 
 # -- the stage family (stages.py) ----------------------------------------------------
