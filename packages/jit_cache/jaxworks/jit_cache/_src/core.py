@@ -389,6 +389,7 @@ class _JitCore:
     return entry
 
   def _trace_new(self, key, args, kwargs) -> Any:
+    explain.log_miss(self, args, kwargs)  # with jax_explain_cache_misses on
     t0 = time.perf_counter()
     try:
       traced = self._jax.trace(*args, **kwargs)

@@ -7,13 +7,21 @@ the argument path and property: ``x['w']: dtype float32 -> float64``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import cache as _cache
+from . import closures as _closures
 from . import jax_internals as ji
 from . import signature as _sig
+
+#: jit_cache's own cache misses and reuses are logged here (at WARNING, as
+#: JAX logs its own) while ``jax_explain_cache_misses`` is on; never otherwise.
+logger = logging.getLogger("jaxworks.jit_cache")
+_jax_config = jax.config
 
 _PROPERTIES = ("kind", "shape", "dtype", "weak_type", "sharding", "committed")
 
@@ -117,7 +125,9 @@ def explain(
   paths = fn._leaf_paths(args, kwargs)  # pylint: disable=protected-access
   entries = list(cache.by_key.values())
   if not entries:
-    return f"{name}: miss: nothing is cached for {name} yet"
+    return _closures.explain_new_function(fn, name) or (
+      f"{name}: miss: nothing is cached for {name} yet"
+    )
   avals = tuple(ji.shaped_abstractify(x) for x in leaves)
   same = cache.by_key.get((avals, treedef, statics, ctx))
   if same is not None:
@@ -131,4 +141,47 @@ def explain(
   return (
     f"{name}: miss; the nearest of {len(entries)} cached entries "
     "differs in:\n  " + "\n  ".join(best or ["(no recorded difference)"])
+  )
+
+
+def _explaining() -> bool:
+  return bool(_jax_config.jax_explain_cache_misses)
+
+
+def _defined_at(fn: Any) -> str:
+  fun = _closures.function_of(fn)
+  code = getattr(fun, "__code__", None)
+  if code is None:
+    return fn._name  # pylint: disable=protected-access
+  return f"{fn._name} defined at {code.co_filename}:{code.co_firstlineno}"  # pylint: disable=protected-access
+
+
+def log_miss(fn: Any, args: tuple, kwargs: dict) -> None:
+  """With ``jax_explain_cache_misses`` on, logs why ``fn`` traces now."""
+  if not _explaining():
+    return
+  try:
+    leaves, treedef, statics, ctx, sig = fn._key(args, kwargs)  # pylint: disable=protected-access
+    text = explain(fn, leaves, treedef, statics, ctx, sig, args, kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    text = f"(no explanation: {type(e).__name__}: {e})"
+  _, _, why = text.partition(": miss")
+  lines = why.lstrip(":;").strip().splitlines() or [text]
+  logger.warning(
+    "JIT_CACHE TRACING CACHE MISS for %s:\n  %s",
+    _defined_at(fn),
+    "\n  ".join(lines),
+  )
+
+
+def log_reuse(counters: Any) -> None:
+  """With ``jax_explain_cache_misses`` on, logs that the function owning
+  ``counters`` reused an executable instead of compiling."""
+  if not _explaining():
+    return
+  fn = _closures.owner_of(counters)
+  logger.warning(
+    "JIT_CACHE EXECUTABLE REUSE for %s:\n  not compiled: a structurally "
+    "identical program was compiled in this process",
+    _defined_at(fn) if fn is not None else "a jit_cache function",
   )

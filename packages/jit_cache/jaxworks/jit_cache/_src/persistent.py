@@ -30,6 +30,8 @@ import weakref
 
 import jax
 
+from . import closures as _closures
+from . import explain as _explain
 from . import jax_internals as ji
 
 _config_update = jax.config.update
@@ -387,6 +389,7 @@ def observed(build: Callable[[], Any], entry: Any, counters: Any) -> Callable:
         requests, exe
       )
     _note((entry, counters), text)
+    _closures.remember(counters)  # for explain_miss of re-created functions
     return exe
 
   return build_observed
@@ -399,6 +402,8 @@ def note_reused(entry: Any, counters: Any) -> None:
     "persistent cache: not consulted: reused an executable compiled in this "
     "process for a structurally identical program",
   )
+  _closures.remember(counters)
+  _explain.log_reuse(counters)
 
 
 def _why_not(requests: int, exe: Any) -> str:
