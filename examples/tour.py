@@ -427,7 +427,10 @@ def warm_start_in_a_second_process():
     f"({second['hits']} loaded, {second['misses']} written)"
   )
   check(
-    first["misses"] >= 1 and first["hits"] == 0 and second["hits"] >= 1 and second["misses"] == 0,
+    first["misses"] >= 1
+    and first["hits"] == 0
+    and second["hits"] >= 1
+    and second["misses"] == 0,
     "the second process loaded every executable from the persistent cache (no compile)",
   )
   w, x = jnp.full((16, 4), 0.1), jnp.arange(32.0).reshape(2, 16) / 32

@@ -13,6 +13,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import pytest
 
+from jaxworks import axis_names
 from jaxworks.axis_names import AxisNameError
 from jaxworks.axis_names import check_axis_names
 
@@ -201,7 +202,8 @@ def test_operand_not_divisible_by_axis_size():
   with pytest.raises(AxisNameError) as info:
     check_axis_names(uses_scatter, X, axis_sizes={"i": 3})
   e = info.value
-  assert (e.primitive, e.axis_name, e.bound) == ("reduce_scatter", "i", ("i",))
+  # As written (psum_scatter), not the primitive's name (reduce_scatter).
+  assert (e.primitive, e.axis_name, e.bound) == ("psum_scatter", "i", ("i",))
   assert e.location.startswith(
     f"{HERE}:{_line_of(uses_scatter, 'splits dimension 0')} "
   )
@@ -249,3 +251,52 @@ def test_bad_axis_sizes():
     check_axis_names(uses_batch, X, axis_sizes={"i": -1})
   with pytest.raises(TypeError, match="check_axis_names: expected a Jaxpr"):
     check_axis_names("not a function")
+
+
+def test_error_class_is_both_stock_classes():
+  assert issubclass(axis_names.AxisNameError, NameError)
+  assert issubclass(axis_names.AxisNameError, AssertionError)
+
+
+def _shard_mapped(collective):
+  mesh = jax.make_mesh(
+    (8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+
+  def body(x):
+    y = collective(x, "btach")  # misspelled
+    return y
+
+  return jax.shard_map(
+    body, mesh=mesh, in_specs=jax.P("batch"), out_specs=jax.P()
+  )
+
+
+def test_misspelled_name_inside_shard_map():
+  f = _shard_mapped(jax.lax.pmean)
+  x = jnp.arange(8.0)
+  with pytest.raises(AssertionError):  # stock: a bare AssertionError
+    jax.make_jaxpr(f)(x)
+  with pytest.raises(axis_names.AxisNameError) as info:
+    axis_names.check_axis_names(f, x)
+  e = info.value
+  assert isinstance(e, AssertionError) and isinstance(e, NameError)
+  assert (e.primitive, e.axis_name, e.bound) == ("pmean", "btach", ("batch",))
+  assert "check_test.py:" in e.location and "(body)" in e.location
+  assert "did you mean 'batch'?" in str(e)
+  assert str(e).count("btach") == 1  # listed once
+
+
+def test_diagnose_outside_shard_map_names_what_was_written():
+  def f(x):
+    return jax.lax.pmean(x, "i") + jax.lax.pmean(x, "i")
+
+  x = jnp.ones(3)
+  with pytest.raises(NameError) as info:
+    jax.make_jaxpr(f)(x)
+  found = axis_names.diagnose(info.value, f, x, api="my.api")
+  assert isinstance(found, axis_names.AxisNameError)
+  # Two equations, one problem (same collective, name and line): once.
+  assert str(found).startswith("my.api: pmean uses axis name 'i' at ")
+  assert len(found.problems) == 1 and found.primitive == "pmean"
+  assert axis_names.diagnose(ValueError("x"), f, x) is None

@@ -147,3 +147,48 @@ def test_rule_callables_are_wrapped_funs():
   assert isinstance(wrapped, ji.WrappedFun)
   assert wrapped.call_wrapped(1, 2) == ["called", 1, 2]
   assert wrapped.debug_info == bwd.debug_info
+
+
+def _misspelled_in_shard_map():
+  mesh = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
+  return jax.shard_map(
+    lambda x: lax.pmean(x, "btach"),
+    mesh=mesh,
+    in_specs=P("batch"),
+    out_specs=P(),
+  )
+
+
+def test_unbound_in_shard_map_reads_stock_assertion():
+  f = _misspelled_in_shard_map()
+  with ji.traceback_filtering_off():
+    with pytest.raises(AssertionError) as info:
+      jax.jit(f)(X)
+  assert ji.unbound_in_shard_map(info.value) == (("btach",), ("batch",))
+  assert ji.unbound_in_shard_map(AssertionError()) is None
+  assert ji.unbound_in_shard_map(NameError("x")) is None
+
+
+def test_unfiltered_traceback_and_filtering_off():
+  f = _misspelled_in_shard_map()
+  before = jax.config.jax_traceback_filtering
+  jax.config.update("jax_traceback_filtering", "remove_frames")
+  try:
+    with pytest.raises(AssertionError) as info:
+      jax.jit(f)(X)
+  finally:
+    jax.config.update("jax_traceback_filtering", before)
+  err = info.value
+  assert ji.unfiltered_traceback(err) is err.__cause__.__traceback__
+  assert ji.unbound_in_shard_map(err) == (("btach",), ("batch",))
+  plain = ValueError()
+  assert ji.unfiltered_traceback(plain) is plain.__traceback__
+  with ji.traceback_filtering_off():
+    assert jax.config.jax_traceback_filtering == "off"
+
+
+def test_user_call_names_the_function_the_user_called():
+  closed = jax.make_jaxpr(lambda x: lax.pmean(x, "i"), axis_env=[("i", 2)])(X)
+  psum = next(e for e in closed.eqns if e.primitive.name == "psum")
+  assert ji.user_call(psum.source_info) == "pmean"
+  assert ji.user_call(None) is None

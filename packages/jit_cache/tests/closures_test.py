@@ -49,7 +49,9 @@ def test_defaults_and_arrays():
   small = np.arange(4.0, dtype=np.float32)
   make(1.5, small)(w)
   text = make(1.5, small + 1).explain_miss(w)
-  assert "closed-over constant `table` (cell 1): float32[4] [0.0, 1.0, 2.0, " in text
+  assert (
+    "closed-over constant `table` (cell 1): float32[4] [0.0, 1.0, 2.0, " in text
+  )
   assert "-> float32[4] [1.0, 2.0, 3.0, 4.0]" in text
 
   def make_k(k):

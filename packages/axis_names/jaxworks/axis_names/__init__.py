@@ -11,6 +11,7 @@ from ._src.api import CollectiveReport as CollectiveReport
 from ._src.api import CollectiveStat as CollectiveStat
 from ._src.api import check_axis_names as check_axis_names
 from ._src.api import collective_report as collective_report
+from ._src.api import diagnose as diagnose
 from ._src.api import rename_axes as rename_axes
 from ._src.api import used_axis_names as used_axis_names
 from .version import __version__ as __version__
@@ -21,6 +22,7 @@ __all__ = [
   "CollectiveStat",
   "check_axis_names",
   "collective_report",
+  "diagnose",
   "rename_axes",
   "used_axis_names",
   "__version__",

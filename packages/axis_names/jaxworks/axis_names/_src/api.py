@@ -14,6 +14,7 @@ from jax.extend.core import Jaxpr
 from . import analysis
 from . import tracing
 from .check import check_axis_names as check_axis_names
+from .check import diagnose as diagnose
 from .errors import AxisNameError as AxisNameError
 from .rename import rename_axes as rename_axes
 from .report import CollectiveReport as CollectiveReport

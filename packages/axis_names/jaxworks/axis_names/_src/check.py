@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import difflib
 from typing import Any
 
+import jax
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
 from jax.extend.core import JaxprEqn
@@ -31,6 +32,19 @@ from . import tracing
 from .errors import AxisNameError
 
 _API = "jaxworks.axis_names.check_axis_names"
+
+
+def written(eqn: JaxprEqn) -> str:
+  """The collective as the user wrote it (``pmean``; its equation is a
+  ``psum``), or the primitive's name."""
+  name = jax_internals.user_call(eqn.source_info)
+  if (
+    name
+    and name != eqn.primitive.name
+    and callable(getattr(jax.lax, name, None))
+  ):
+    return name
+  return eqn.primitive.name
 
 
 def location(eqn: JaxprEqn) -> str | None:
@@ -179,7 +193,7 @@ def problems_in(
     if not names:
       continue
     bound = tuple(e)
-    prim = eqn.primitive.name
+    prim = written(eqn)
     for n in names:
       if n not in e:
         problems.append(
@@ -215,6 +229,12 @@ def format_problem(prim, name, bound, loc, detail) -> str:
 def raise_problems(
   problems, api: str, cause: BaseException | None = None
 ) -> None:
+  raise problems_error(problems, api) from cause
+
+
+def problems_error(problems, api: str) -> AxisNameError:
+  """The AxisNameError listing ``problems``, each once."""
+  problems = list(dict.fromkeys(problems))
   prim, name, bound, loc, detail = problems[0]
   lines = [format_problem(*p) for p in problems]
   if any(p[4].startswith("unbound") for p in problems):
@@ -238,14 +258,14 @@ def raise_problems(
       + "\n  - ".join(lines)
       + f"\n{fix}"
     )
-  raise AxisNameError(
+  return AxisNameError(
     msg,
     primitive=prim,
     axis_name=name,
     bound=bound,
     location=loc,
     problems=problems,
-  ) from cause
+  )
 
 
 def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
@@ -334,6 +354,11 @@ def check_axis_names(
   except AxisNameError:
     raise
   except Exception as e:  # noqa: BLE001 - re-raised unless sizes explain it
+    found = diagnose(e, api=_API) or _diagnose_again(
+      e, fun, args, kwargs, sizes
+    )
+    if found is not None:
+      raise found from e
     if not isinstance(fun, (ClosedJaxpr, Jaxpr)):
       _raise_if_sizes_misfit(fun, args, kwargs, sizes, e)
     raise
@@ -341,3 +366,66 @@ def check_axis_names(
   if problems:
     raise_problems(problems, _API)
   return analysis.jaxpr_axis_names(jaxpr)
+
+
+def _diagnose_again(err, fun, args, kwargs, sizes) -> AxisNameError | None:
+  """``diagnose`` of a stock ``AssertionError`` whose traceback JAX filtered:
+  the function is traced again with the frames kept."""
+  if not isinstance(err, AssertionError) or not callable(fun):
+    return None
+  try:
+    with jax_internals.traceback_filtering_off():
+      tracing.trace(fun, args, kwargs, sizes, _API)
+  except AssertionError as again:
+    return diagnose(again, api=_API)
+  except Exception:  # noqa: BLE001 - another failure: not diagnosable
+    return None
+  return None
+
+
+def diagnose(
+  err: BaseException,
+  fun: Callable | None = None,
+  *args: Any,
+  api: str = "jaxworks.axis_names.diagnose",
+  **kwargs: Any,
+) -> AxisNameError | None:
+  """The diagnostic for an error JAX raised for an unbound axis name.
+
+  For entry points that trace user code (``jaxworks.jit_cache.jit``): JAX
+  raises a ``NameError`` for an unbound axis name, and a bare
+  ``AssertionError`` for one inside a ``shard_map``. This returns what
+  ``check_axis_names`` would raise instead (``file:line``, "did you mean",
+  the collective as written), an ``AxisNameError``, which is an instance of
+  both, so the caller can raise it from ``err``; None for other errors.
+
+  Args:
+    err: the exception, with its traceback (unfiltered: call this below
+      the outermost JAX API boundary).
+    fun, *args, **kwargs: the function traced and its arguments; a
+      ``NameError`` is diagnosed by tracing it again (every problem listed).
+    api: the entry point named in the message.
+  """
+  if isinstance(err, AxisNameError):
+    return None
+  found = jax_internals.unbound_in_shard_map(err)
+  if found is not None:
+    names, bound = found
+    loc, called = tracing.user_call_of_exception(err)
+    prim = called if callable(getattr(jax.lax, called or "", None)) else None
+    problems = [
+      (prim or "a collective", n, bound, loc, f"unbound{_describe(n, bound)}")
+      for n in names
+      if n not in bound
+    ]
+    return problems_error(problems, api) if problems else None
+  if fun is None or jax_internals.unbound_axis_name(err) is None:
+    return None
+  try:
+    check_axis_names(fun, *args, **kwargs)
+  except AxisNameError as e:
+    e.args = (e.args[0].replace(_API, api, 1),) + e.args[1:]
+    return e
+  except Exception:  # noqa: BLE001 - not diagnosable: the caller re-raises
+    return None
+  return None

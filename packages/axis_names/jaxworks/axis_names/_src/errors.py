@@ -6,14 +6,18 @@ from collections.abc import Hashable
 from collections.abc import Sequence
 
 
-class AxisNameError(NameError):
+class AxisNameError(NameError, AssertionError):
   """An axis name is used where it is not bound, or with the wrong size.
 
-  A subclass of ``NameError`` because that is what JAX raises for an unbound
-  axis name at trace time, so ``except NameError`` handlers keep working.
+  A subclass of ``NameError`` and ``AssertionError`` because those are what
+  JAX raises for an unbound axis name at trace time (``NameError`` outside a
+  ``shard_map``, a bare ``AssertionError`` inside one), so ``except`` clauses
+  written for stock JAX keep working.
 
   Attributes:
-    primitive: name of the primitive that uses the axis (e.g. ``"psum"``).
+    primitive: the collective that uses the axis as the user wrote it
+      (``"pmean"``, whose equation is a ``psum``), else the primitive's
+      name.
     axis_name: the offending axis name.
     bound: the axis names bound where the primitive is used, in order.
     location: ``"file:line (function)"`` of the user's code, or None.

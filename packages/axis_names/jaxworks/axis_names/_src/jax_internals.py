@@ -13,6 +13,9 @@ directly by the other modules; only what has no public door lives here:
   code (not JAX, not this package), for "file:line" in messages.
 * ``unbound_axis_name``: the axis name in the ``NameError`` JAX raises at
   trace time for an unbound name (JAX only puts it in the message text).
+* ``unbound_in_shard_map``: the names and mesh axes of the bare
+  ``AssertionError`` JAX raises for a collective over an unbound name inside
+  a ``shard_map`` (read from the locals of ``core.pvary``'s frame).
 * ``eqn_context_mesh`` / ``eqn_context_with_mesh``: the abstract mesh an
   equation was traced under, and a copy of its context with another mesh.
 * ``literal_value_with_aval``: a literal's typed value with a renamed aval.
@@ -34,13 +37,16 @@ from . import deps as _deps
 
 _deps.check_jax()  # before any private JAX name is imported
 
+import os
 import re
 
 from jax._src import ad_util as _ad_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
+from jax._src import traceback_util as _traceback_util
 import numpy as np
 
 NamedAxisEffect = _core.NamedAxisEffect
@@ -70,6 +76,19 @@ def user_location(source_info) -> tuple[str, int, str] | None:
   return (frame.file_name, frame.start_line, frame.function_name)
 
 
+def user_call(source_info) -> str | None:
+  """Name of the function the innermost user frame called (``pmean`` for
+  the ``psum`` equation it created), or None."""
+  traceback = getattr(source_info, "traceback", None)
+  frames = getattr(traceback, "frames", None)
+  if not frames:
+    return None
+  for i, frame in enumerate(frames):  # innermost first
+    if _source_info_util.is_user_filename(frame.file_name):
+      return frames[i - 1].function_name if i > 0 else None
+  return None
+
+
 # JAX 0.10.2 messages: "Found an unbound axis name: i. To fix this, ..." and
 # "unbound axis name: i". The name is printed with str(), so only string names
 # can be recovered from it.
@@ -82,6 +101,46 @@ def unbound_axis_name(err: BaseException) -> str | None:
     return None
   m = _UNBOUND_RE.search(str(err))
   return m.group(1).strip() if m else None
+
+
+_CORE_FILE = os.path.abspath(_core.__file__)
+
+
+def unfiltered_traceback(err: BaseException):
+  """``err``'s traceback with JAX's frames: JAX's traceback filtering
+  ("remove_frames") keeps it on an ``UnfilteredStackTrace`` cause."""
+  cause = err.__cause__
+  if isinstance(cause, _traceback_util.UnfilteredStackTrace):
+    return cause.__traceback__
+  return err.__traceback__
+
+
+def traceback_filtering_off():
+  """Context in which JAX leaves tracebacks whole (``jax_traceback_filtering``
+  off, for this thread)."""
+  return _config.traceback_filtering("off")
+
+
+def unbound_in_shard_map(err: BaseException) -> tuple[tuple, tuple] | None:
+  """``(axis names, mesh axis names)`` of JAX's bare ``AssertionError`` for
+  a collective over names that are not axes of the ``shard_map``'s mesh, or
+  None for any other error."""
+  if not isinstance(err, AssertionError):
+    return None
+  tb = unfiltered_traceback(err)
+  while tb is not None:
+    frame = tb.tb_frame
+    code = frame.f_code
+    if code.co_name == "pvary" and (
+      os.path.abspath(code.co_filename) == _CORE_FILE
+    ):
+      axes = frame.f_locals.get("axes")
+      mesh = frame.f_locals.get("cur_mesh")
+      names = getattr(mesh, "axis_names", None)
+      if isinstance(axes, tuple) and isinstance(names, tuple):
+        return axes, names
+    tb = tb.tb_next
+  return None
 
 
 def eqn_context_mesh(ctx):

@@ -187,3 +187,15 @@ def user_location_of_exception(err: BaseException) -> str | None:
     if _is_user_file(fr.filename):
       return f"{fr.filename}:{fr.lineno} ({fr.name})"
   return None
+
+
+def user_call_of_exception(err: BaseException) -> tuple[str | None, str | None]:
+  """``(file:line (function), name)`` of the innermost user frame in a
+  traceback and of the function it called there (``pmean``), or Nones."""
+  frames = _traceback.extract_tb(jax_internals.unfiltered_traceback(err))
+  for i in range(len(frames) - 1, -1, -1):
+    fr = frames[i]
+    if _is_user_file(fr.filename):
+      called = frames[i + 1].name if i + 1 < len(frames) else None
+      return f"{fr.filename}:{fr.lineno} ({fr.name})", called
+  return None, None

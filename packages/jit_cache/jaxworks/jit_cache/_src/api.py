@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 import functools
 import inspect
-import os
 import threading
 import types
 from typing import Any
@@ -23,6 +22,7 @@ import weakref
 from jax.extend import core as jex_core
 
 from . import argnums as _argnums
+from . import boundary as _boundary
 from . import cache as _cache
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
@@ -65,7 +65,7 @@ class JitFunction:
     self._core = core
     self._options = options
 
-  @ji.api_boundary
+  @_boundary.entry_point
   def __call__(self, *args, **kwargs):
     core = self._core
     if _current_trace.value is not _eval_trace and not _disable_jit_on():
@@ -108,7 +108,7 @@ class JitFunction:
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(_make(state["fun"], state["options"]).__dict__)
 
-  @ji.api_boundary
+  @_boundary.entry_point
   def trace(self, *args, **kwargs) -> _stages.Traced:
     """Traces for these arguments (cached), without compiling.
 
@@ -118,7 +118,7 @@ class JitFunction:
     """
     return self._core.trace(*args, **kwargs)
 
-  @ji.api_boundary
+  @_boundary.entry_point
   def lower(self, *args, **kwargs) -> _stages.Lowered:
     """``self.trace(*args, **kwargs).lower()``: a jaxworks ``Lowered`` (a
     ``jax.stages.Lowered`` with ``fun_name``, ``jaxpr``, ``platforms`` and
@@ -129,7 +129,7 @@ class JitFunction:
     """
     return self._core.lower(*args, **kwargs)
 
-  @ji.api_boundary
+  @_boundary.entry_point
   def eval_shape(self, *args, **kwargs) -> Any:
     """Output ``jax.ShapeDtypeStruct`` pytree, from the shared trace cache."""
     return self._core.eval_shape(*args, **kwargs)
@@ -533,10 +533,6 @@ class _ClearedWithJax:
 
 _CLEARED_WITH_JAX = _ClearedWithJax()
 ji.register_cache(_CLEARED_WITH_JAX, "jaxworks.jit_cache")
-
-# JAX's filtered tracebacks hide jit_cache's frames as they hide JAX's own: a
-# user error under jit_cache.jit shows the user's frames, not ours.
-ji.hide_frames_of(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def set_global_maxsize(

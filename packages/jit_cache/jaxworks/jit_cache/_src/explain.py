@@ -145,7 +145,7 @@ def explain(
 
 
 def _explaining() -> bool:
-  return bool(_jax_config.jax_explain_cache_misses)
+  return bool(getattr(_jax_config, "jax_explain_cache_misses"))
 
 
 def _defined_at(fn: Any) -> str:

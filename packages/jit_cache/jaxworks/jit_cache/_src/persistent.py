@@ -299,12 +299,12 @@ def _on_event(event: str, **_: Any) -> None:
     TOTALS.misses += 1
 
 
-def _on_duration(event: str, duration: float, **_: Any) -> None:
+def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
   if event == TIME_SAVED:
-    TOTALS.time_saved_s += duration
+    TOTALS.time_saved_s += duration_secs
   elif event == RETRIEVAL:
-    TOTALS.retrieval_s += duration
-    _events.retrieval_s += duration
+    TOTALS.retrieval_s += duration_secs
+    _events.retrieval_s += duration_secs
 
 
 def ensure_listening() -> None:
@@ -371,9 +371,7 @@ def observed(build: Callable[[], Any], entry: Any, counters: Any) -> Callable:
     before = list(_events.counts)
     retrieval = _events.retrieval_s
     exe = build()
-    requests, hits, misses = (
-      _events.counts[i] - before[i] for i in (1, 2, 3)
-    )
+    requests, hits, misses = (_events.counts[i] - before[i] for i in (1, 2, 3))
     if hits:
       counters.persistent_hits += hits
       counters.persistent_load_s += _events.retrieval_s - retrieval
@@ -421,15 +419,17 @@ def _why_not(requests: int, exe: Any) -> str:
       "jax_enable_compilation_cache=False)"
     )
   if jax.process_index() != 0:
-    return "only process 0 writes entries (this is process " + str(
-      jax.process_index()
-    ) + ")"
+    return (
+      "only process 0 writes entries (this is process "
+      + str(jax.process_index())
+      + ")"
+    )
   if ji.has_host_callbacks(exe.compiled):
     return (
       "it uses host callbacks (jax.debug.print, jax.pure_callback, "
       "io_callback), which JAX never writes to its cache"
     )
-  minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+  minimum = getattr(jax.config, "jax_persistent_cache_min_compile_time_secs")
   if exe.compile_seconds < minimum:
     return (
       f"it compiled in {exe.compile_seconds:.3f} s, under "
@@ -438,6 +438,6 @@ def _why_not(requests: int, exe: Any) -> str:
     )
   return (
     "its entry is smaller than jax_persistent_cache_min_entry_size_bytes="
-    f"{jax.config.jax_persistent_cache_min_entry_size_bytes} "
+    f"{getattr(jax.config, 'jax_persistent_cache_min_entry_size_bytes')} "
     "(jit_cache.config.min_entry_size_bytes), or writing it failed"
   )

@@ -1,0 +1,66 @@
+"""Axis-name mistakes under jit_cache.jit: axis_names' diagnostic, as an
+instance of what stock raises."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxworks import axis_names
+from jaxworks import jit_cache
+
+MESH = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def body(x):
+  y = jax.lax.pmean(x, "btach")  # misspelled
+  return y * 2
+
+
+STEP = jax.shard_map(
+  body, mesh=MESH, in_specs=jax.P("batch"), out_specs=jax.P()
+)
+
+
+@pytest.mark.parametrize("how", ["call", "trace", "lower", "eval_shape"])
+def test_misspelled_axis_in_shard_map(how):
+  x = jnp.arange(8.0)
+  with pytest.raises(AssertionError) as stock:
+    getattr(jax.jit(STEP), how)(x) if how != "call" else jax.jit(STEP)(x)
+  assert type(stock.value) is AssertionError  # stock: bare, no message
+  f = jit_cache.jit(STEP)
+  with pytest.raises(axis_names.AxisNameError) as info:
+    getattr(f, how)(x) if how != "call" else f(x)
+  e = info.value
+  assert isinstance(e, AssertionError) and isinstance(e, NameError)
+  assert (e.primitive, e.axis_name, e.bound) == ("pmean", "btach", ("batch",))
+  msg = str(e)
+  assert msg.startswith("jaxworks.jit_cache.jit: pmean uses axis name 'btach'")
+  assert "axis_errors_test.py:" in msg and "(body)" in msg
+  assert "did you mean 'batch'?" in msg
+  assert msg.count("pmean uses") == 1 and "psum" not in msg
+  assert e.__cause__ is not None
+
+
+def test_unbound_axis_outside_any_binder():
+  def f(x):
+    return jax.lax.pmax(x, "data") + jax.lax.pmax(x, "data")
+
+  x = jnp.ones(3)
+  with pytest.raises(NameError) as stock:
+    jax.jit(f)(x)
+  assert type(stock.value) is NameError
+  with pytest.raises(axis_names.AxisNameError) as info:
+    jit_cache.jit(f)(x)
+  assert isinstance(info.value, NameError)
+  assert info.value.primitive == "pmax"
+  assert len(info.value.problems) == 1  # one line: listed once
+
+
+def test_under_an_outer_trace_the_error_is_stocks():
+  def f(x):
+    return jax.lax.psum(x, "i")
+
+  inner = jit_cache.jit(f)
+  with pytest.raises(NameError) as info:
+    jax.make_jaxpr(lambda v: inner(v) + 1)(jnp.ones(2))
+  assert type(info.value) is NameError  # JAX's own, for the outer tracer
