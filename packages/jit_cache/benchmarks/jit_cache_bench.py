@@ -10,6 +10,8 @@ Prints a markdown table of medians and ratios:
 * the signature extension against its pure-Python twin at 10, 100 and 1000
   leaves (jax Arrays, and tracers as seen by inner calls), and our argument
   key (flatten + signature) against jax's own C++ argument parsing.
+* the import time ``import jaxworks.jit_cache`` adds to ``import jax``, in
+  new processes.
 
 Usage: ``python jit_cache_bench.py [--quick] [--json PATH]`` (``--quick``:
 small repeat counts, a few seconds); rows in the schema of
@@ -227,6 +229,47 @@ def bench_signature(quick: bool) -> None:
   jax.make_jaxpr(key_under_trace)(*[jnp.ones((2,))] * 100)
 
 
+_IMPORT = """
+import json, sys, time
+t0 = time.perf_counter()
+import jax
+t1 = time.perf_counter()
+if sys.argv[1] == "jaxworks":
+  import jaxworks.jit_cache
+t2 = time.perf_counter()
+print(json.dumps([t1 - t0, t2 - t0]))
+"""
+
+
+def bench_import(quick: bool) -> None:
+  """``import jax; import jaxworks.jit_cache`` against ``import jax``, each
+  in new processes, interleaved (the goal: at most 30 ms added)."""
+  ours, stock, added = [], [], []
+  for i in range(5 if quick else 15):
+    for which in ("jaxworks", "stock") if i % 2 else ("stock", "jaxworks"):
+      _, (t_jax, t_all) = jb.run_fresh(_IMPORT, args=(which,))
+      if which == "jaxworks":
+        ours.append(t_all)
+        added.append(t_all - t_jax)
+      else:
+        stock.append(t_all)
+  med = sorted(ours)[len(ours) // 2]
+  ref = sorted(stock)[len(stock) // 2]
+  REPORT.add(
+    "import jax + import jaxworks.jit_cache, new process (import time)",
+    med,
+    ref,
+    "stock-jax",
+    "import jax",
+    goal=ref / (ref + 0.030),  # at most 30 ms added
+  )
+  REPORT.note(
+    "import jaxworks.jit_cache adds "
+    f"{1e3 * sorted(added)[len(added) // 2]:.1f} ms to import jax (median of "
+    f"{len(added)} new processes; names are imported when first used)"
+  )
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   jb.add_arguments(parser)
@@ -235,6 +278,7 @@ def main(argv=None) -> int:
   bench_add_chain(opts.quick)
   bench_call_overhead(opts.quick)
   bench_signature(opts.quick)
+  bench_import(opts.quick)
   REPORT.note(
     f"jaxworks.jit_cache {jit_cache.__version__} vs jax {jax.__version__}"
     f" on {jax.devices()[0].platform} ({len(jax.devices())} devices); "

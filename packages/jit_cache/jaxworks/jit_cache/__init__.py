@@ -14,30 +14,85 @@ any host) and ``compile()`` a :class:`Compiled`: subclasses of the
 ``jax.stages`` classes, the one family every jaxworks package returns.
 """
 
-from ._src.adopt import install as install
-from ._src.adopt import installed as installed
-from ._src.adopt import is_installed as is_installed
-from ._src.adopt import uninstall as uninstall
-from ._src.api import JitFunction as JitFunction
-from ._src.api import clear_caches as clear_caches
-from ._src.api import eval_shape as eval_shape
-from ._src.api import jit as jit
-from ._src.api import make_jaxpr as make_jaxpr
-from ._src.api import reset_stats as reset_stats
-from ._src.api import set_global_maxsize as set_global_maxsize
-from ._src.api import stats as stats
-from ._src.argnums import check_argnums as check_argnums
-from ._src.cache import CacheInfo as CacheInfo
-from ._src.persistent import config as config
-from ._src.persistent import set_cache_dir as set_cache_dir
-from ._src.platforms import KNOWN_PLATFORMS as KNOWN_PLATFORMS
-from ._src.platforms import canonical_platforms as canonical_platforms
-from ._src.platforms import present_platforms as present_platforms
-from ._src.stages import Compiled as Compiled
-from ._src.stages import Lowered as Lowered
-from ._src.stages import Traced as Traced
-from ._src.stages import register_exporter as register_exporter
+import os as _os
+from typing import TYPE_CHECKING
+
 from .version import __version__ as __version__
+
+if TYPE_CHECKING:
+  from ._src.adopt import install as install
+  from ._src.adopt import installed as installed
+  from ._src.adopt import is_installed as is_installed
+  from ._src.adopt import uninstall as uninstall
+  from ._src.api import JitFunction as JitFunction
+  from ._src.api import clear_caches as clear_caches
+  from ._src.api import eval_shape as eval_shape
+  from ._src.api import jit as jit
+  from ._src.api import make_jaxpr as make_jaxpr
+  from ._src.api import reset_stats as reset_stats
+  from ._src.api import set_global_maxsize as set_global_maxsize
+  from ._src.api import stats as stats
+  from ._src.argnums import check_argnums as check_argnums
+  from ._src.cache import CacheInfo as CacheInfo
+  from ._src.persistent import config as config
+  from ._src.persistent import set_cache_dir as set_cache_dir
+  from ._src.platforms import KNOWN_PLATFORMS as KNOWN_PLATFORMS
+  from ._src.platforms import canonical_platforms as canonical_platforms
+  from ._src.platforms import present_platforms as present_platforms
+  from ._src.stages import Compiled as Compiled
+  from ._src.stages import Lowered as Lowered
+  from ._src.stages import Traced as Traced
+  from ._src.stages import register_exporter as register_exporter
+
+# Names are imported when first used (PEP 562), so ``import
+# jaxworks.jit_cache`` costs little on top of ``import jax``; the first use
+# of any name (``jit_cache.jit``) imports the package's modules.
+_LAZY = {
+  "install": "_src.adopt",
+  "installed": "_src.adopt",
+  "is_installed": "_src.adopt",
+  "uninstall": "_src.adopt",
+  "JitFunction": "_src.api",
+  "clear_caches": "_src.api",
+  "eval_shape": "_src.api",
+  "jit": "_src.api",
+  "make_jaxpr": "_src.api",
+  "reset_stats": "_src.api",
+  "set_global_maxsize": "_src.api",
+  "stats": "_src.api",
+  "check_argnums": "_src.argnums",
+  "CacheInfo": "_src.cache",
+  "config": "_src.persistent",
+  "set_cache_dir": "_src.persistent",
+  "KNOWN_PLATFORMS": "_src.platforms",
+  "canonical_platforms": "_src.platforms",
+  "present_platforms": "_src.platforms",
+  "Compiled": "_src.stages",
+  "Lowered": "_src.stages",
+  "Traced": "_src.stages",
+  "register_exporter": "_src.stages",
+}
+
+
+def __getattr__(name: str):
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(
+      f"module 'jaxworks.jit_cache' has no attribute {name!r}"
+    )
+  import importlib  # pylint: disable=g-import-not-at-top
+
+  value = getattr(importlib.import_module("." + module, __name__), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
+
+if _os.environ.get("JAXWORKS_JIT_CACHE_DIR"):
+  from ._src import persistent as _persistent  # noqa: F401  (applies it)
 
 __all__ = [
   "CacheInfo",

@@ -31,11 +31,19 @@ import weakref
 import jax
 
 from . import closures as _closures
-from . import explain as _explain
-from . import jax_internals as ji
 
 _config_update = jax.config.update
 _monitoring = jax.monitoring
+_process_index = jax.process_index
+
+
+def _ji():
+  """``jax_internals``, imported when first needed: importing
+  ``jaxworks.jit_cache`` (this module with it) stays cheap."""
+  from . import jax_internals  # pylint: disable=g-import-not-at-top
+
+  return jax_internals
+
 
 #: Environment variable naming the cache directory (read at import).
 ENV_VAR = "JAXWORKS_JIT_CACHE_DIR"
@@ -90,7 +98,7 @@ class _Config:
     self._values[name] = value
     if self._dir is not None:
       _config_update(self._JAX_NAMES[name], value)
-      ji.reset_persistent_cache()
+      _ji().reset_persistent_cache()
 
   min_compile_time_secs = property(
     lambda self: self._get("min_compile_time_secs"),
@@ -184,7 +192,7 @@ def set_cache_dir(
   if path is None:
     config._dir = None  # pylint: disable=protected-access
     _config_update("jax_compilation_cache_dir", None)
-    ji.reset_persistent_cache()
+    _ji().reset_persistent_cache()
     return
   directory = os.path.abspath(os.fspath(path))
   _prepare(directory)
@@ -192,7 +200,7 @@ def set_cache_dir(
   for name, jax_name in _Config._JAX_NAMES.items():  # pylint: disable=protected-access
     _config_update(jax_name, config._values[name])  # pylint: disable=protected-access
   _config_update("jax_compilation_cache_dir", directory)
-  ji.reset_persistent_cache()
+  _ji().reset_persistent_cache()
 
 
 def _prepare(directory: str) -> None:
@@ -401,13 +409,15 @@ def note_reused(entry: Any, counters: Any) -> None:
     "process for a structurally identical program",
   )
   _closures.remember(counters)
-  _explain.log_reuse(counters)
+  from . import explain  # pylint: disable=g-import-not-at-top
+
+  explain.log_reuse(counters)
 
 
 def _why_not(requests: int, exe: Any) -> str:
   """Why a compile neither read nor wrote an entry (JAX logs the reason
   only at DEBUG level; this derives it from the settings)."""
-  if not ji.persistent_cache_enabled():
+  if not _ji().persistent_cache_enabled():
     return (
       "JAX's persistent compilation cache is off "
       "(jit_cache.set_cache_dir(path) or JAXWORKS_JIT_CACHE_DIR turns it on)"
@@ -418,13 +428,13 @@ def _why_not(requests: int, exe: Any) -> str:
       "that cannot serialize executables, or the cache disabled by "
       "jax_enable_compilation_cache=False)"
     )
-  if jax.process_index() != 0:
+  if _process_index() != 0:
     return (
       "only process 0 writes entries (this is process "
-      + str(jax.process_index())
+      + str(_process_index())
       + ")"
     )
-  if ji.has_host_callbacks(exe.compiled):
+  if _ji().has_host_callbacks(exe.compiled):
     return (
       "it uses host callbacks (jax.debug.print, jax.pure_callback, "
       "io_callback), which JAX never writes to its cache"
