@@ -2,23 +2,27 @@
 
 Usage::
 
-  train_step_worker.py --jit {jax,jaxworks,equinox} --program {mlp,chain}
-      [--task {first,sweep}] [--jax-cache DIR] [--jw-cache DIR]
+  train_step_worker.py --jit {jax,jaxworks,equinox}
+      --program {mlp,transformer,chain} [--task {first,sweep}]
+      [--jax-cache DIR] [--jw-cache DIR]
 
-Prints one JSON object: ``first_s`` (from wrapping the step function to its
-first result being ready), ``import_s`` (jax and the wrapper's package), and
-``sweep_s`` (with ``--task sweep``: 8 configurations from a cold start,
-the step function re-created and run once per configuration). With ``--task
-phases`` (the MLP, ``--jit jax`` or ``jaxworks``) the first step is taken in
-stages, each timed: ``trace_s``, ``lower_s`` and ``compile_s`` (jax: lowering,
-then compiling or loading from its cache) or ``load_s`` (jaxworks: the call
-after the trace, which keys, looks up and loads or compiles), and ``run_s``
-(the first run, until its result is ready). Also imported by the benchmark
-for the model and the in-process cases.
+Prints one JSON object: ``script_s`` (the time to first result of the whole
+script, from before ``import jax``: the imports, model init with
+``jax.random``, eager operations, the train step and an eval step, until
+their results are ready), ``first_s`` (from wrapping the step function to
+its first result), ``import_s`` (jax and the wrapper's package), and
+``sweep_s`` (with ``--task sweep``: 8 configurations from a cold start, the
+step function re-created and run once per configuration). ``--jax-cache DIR``
+turns on JAX's persistent compilation cache with ``jax.config`` (minimum
+compile time and entry size 0); ``--jw-cache DIR`` with
+``jit_cache.set_cache_dir`` (the same cache, since jit_cache 0.4.0). Also
+imported by the benchmark for the models and the in-process cases.
 
-The model: a 3-layer MLP (64-256-256-10, GELU, softmax cross-entropy) on a
-batch of 32, one training step = forward, backward and a hand-written Adam
-update, in plain JAX.
+The models, in plain JAX, one training step = forward, backward and a
+hand-written Adam update: a 3-layer MLP (64-256-256-10, GELU, softmax
+cross-entropy) on a batch of 32; a 4-layer transformer block stack (d_model
+256, 4 heads, MLP 1024, pre-LayerNorm, causal attention, sequence 64, batch
+8, vocabulary 512).
 """
 
 import argparse
@@ -33,6 +37,12 @@ SIZES = (64, 256, 256, 10)
 BATCH = 32
 #: The sweep: (learning rate, beta1) per configuration, passed as arguments.
 SWEEP = [(lr, b1) for lr in (1e-3, 3e-4, 1e-4, 3e-5) for b1 in (0.9, 0.95)]
+
+
+#: The transformer: layers, d_model, heads, MLP width, sequence, batch, vocab.
+TRANSFORMER = dict(
+  layers=4, d=256, heads=4, mlp=1024, seq=64, batch=8, vocab=512
+)
 
 
 def init(sizes=SIZES, batch=BATCH, seed=0):
@@ -54,24 +64,92 @@ def init(sizes=SIZES, batch=BATCH, seed=0):
   return params, opt, x, y, hparams(*SWEEP[0])
 
 
+def init_transformer(seed=0, cfg=TRANSFORMER):
+  """(params, opt_state, tokens, targets, hparams) for the transformer."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  d, mlp, vocab = cfg["d"], cfg["mlp"], cfg["vocab"]
+  key = jax.random.key(seed)
+
+  def dense(k, a, b):
+    return jax.random.normal(k, (a, b), jnp.float32) / jnp.sqrt(float(a))
+
+  keys = iter(jax.random.split(key, 6 * cfg["layers"] + 3))
+  layers = []
+  for _ in range(cfg["layers"]):
+    layers.append(
+      {
+        "qkv": dense(next(keys), d, 3 * d),
+        "out": dense(next(keys), d, d),
+        "up": dense(next(keys), d, mlp),
+        "down": dense(next(keys), mlp, d),
+        "ln1": jnp.ones((d,)),
+        "ln2": jnp.ones((d,)),
+      }
+    )
+  params = {
+    "embed": dense(next(keys), vocab, d),
+    "layers": layers,
+    "head": dense(next(keys), d, vocab),
+  }
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  opt = (zeros, zeros, jnp.zeros((), jnp.int32))
+  shape = (cfg["batch"], cfg["seq"])
+  tokens = jax.random.randint(next(keys), shape, 0, vocab)
+  targets = jnp.roll(tokens, -1, axis=1)
+  return params, opt, tokens, targets, hparams(*SWEEP[0])
+
+
+def transformer_loss(params, tokens, targets, heads=TRANSFORMER["heads"]):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def norm(h, scale):
+    mu = h.mean(-1, keepdims=True)
+    var = ((h - mu) ** 2).mean(-1, keepdims=True)
+    return (h - mu) * jax.lax.rsqrt(var + 1e-5) * scale
+
+  h = params["embed"][tokens]
+  b, t, d = h.shape
+  mask = jnp.tril(jnp.ones((t, t), bool))
+  for layer in params["layers"]:
+    q, k, v = jnp.split(norm(h, layer["ln1"]) @ layer["qkv"], 3, -1)
+    q, k, v = (z.reshape(b, t, heads, d // heads) for z in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d / heads)
+    att = jax.nn.softmax(jnp.where(mask, scores, -1e9), -1)
+    mixed = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
+    h = h + mixed @ layer["out"]
+    h = h + jax.nn.gelu(norm(h, layer["ln2"]) @ layer["up"]) @ layer["down"]
+  logp = jax.nn.log_softmax(h @ params["head"])
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+
 def hparams(lr, b1):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   return {"lr": jnp.float32(lr), "b1": jnp.float32(b1)}
 
 
-def make_step(b2=0.999, eps=1e-8):
-  """A new train step function (a new closure on every call)."""
+def mlp_loss(params, x, y):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  def loss(params, x, y):
-    h = x
-    for layer in params[:-1]:
-      h = jax.nn.gelu(h @ layer["w"] + layer["b"])
-    logits = h @ params[-1]["w"] + params[-1]["b"]
-    logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(y, logits.shape[-1]), -1))
+  h = x
+  for layer in params[:-1]:
+    h = jax.nn.gelu(h @ layer["w"] + layer["b"])
+  logits = h @ params[-1]["w"] + params[-1]["b"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(y, logits.shape[-1]), -1))
+
+
+def make_step(b2=0.999, eps=1e-8, loss=None):
+  """A new train step function (a new closure on every call) of ``loss``
+  (default: the MLP's)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  loss = mlp_loss if loss is None else loss
 
   def step(params, opt, x, y, hp):
     value, grads = jax.value_and_grad(loss)(params, x, y)
@@ -130,41 +208,6 @@ def wrapper(name):
   raise ValueError(f"train_step_worker: --jit {name!r}")
 
 
-def phases(jit, name: str, args: tuple) -> dict:
-  """The first step of a new process in timed stages (see the docstring)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  f = jit(make_step())
-  t0 = time.perf_counter()
-  traced = f.trace(*args)
-  t1 = time.perf_counter()
-  if name == "jax":
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    out = compiled(*args)
-    jax.block_until_ready(out)
-    t5 = time.perf_counter()
-    return {
-      "trace_s": t1 - t0,
-      "lower_s": t2 - t1,
-      "compile_s": t3 - t2,
-      "run_s": t5 - t3,
-      "first_s": t5 - t0,
-    }
-  out = f(*args)  # the trace is cached: keys, looks up, loads or compiles
-  t2 = time.perf_counter()
-  jax.block_until_ready(out)
-  t3 = time.perf_counter()
-  return {
-    "trace_s": t1 - t0,
-    "load_s": t2 - t1,
-    "run_s": t3 - t2,
-    "first_s": t3 - t0,
-  }
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--jit", required=True)
@@ -174,7 +217,7 @@ def main(argv=None):
   parser.add_argument("--jw-cache", default=None)
   opts = parser.parse_args(argv)
 
-  t0 = time.perf_counter()
+  t_start = t0 = time.perf_counter()
   import jax  # pylint: disable=g-import-not-at-top
 
   if opts.jax_cache:
@@ -196,22 +239,26 @@ def main(argv=None):
     jax.block_until_ready(jit(make())(x))
     out["first_s"] = time.perf_counter() - t0
   else:
-    params, opt, x, y, hp = init()
+    model = init_transformer if opts.program == "transformer" else init
+    loss = transformer_loss if opts.program == "transformer" else mlp_loss
+    params, opt, x, y, hp = model()
+    x = x + 0 if opts.program == "mlp" else x * 1  # an eager operation
     configs = [hparams(lr, b1) for lr, b1 in SWEEP]
     jax.block_until_ready((params, opt, x, y, configs))
-    if opts.task == "phases":
-      out.update(phases(jit, opts.jit, (params, opt, x, y, configs[0])))
-      configs = []
-    elif opts.task != "sweep":
+    if opts.task != "sweep":
       configs = configs[:1]
     times = []
     for hp in configs:  # the step function re-created per configuration
       t0 = time.perf_counter()
-      jax.block_until_ready(jit(make_step())(params, opt, x, y, hp))
+      new = jit(make_step(loss=loss))(params, opt, x, y, hp)
+      jax.block_until_ready(new)
       times.append(time.perf_counter() - t0)
     if times:
       out["first_s"] = times[0]
       out["sweep_s"] = sum(times)
+      # The script's eval step, then its time to first result.
+      jax.block_until_ready(jit(loss)(new[0], x, y))
+      out["script_s"] = time.perf_counter() - t_start
   if opts.jw_cache:
     from jaxworks import jit_cache  # pylint: disable=g-import-not-at-top
 
