@@ -96,8 +96,8 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
     ("transformer", "4-layer transformer block train step, d_model 256"),
     ("chain", "jit_add_chain"),
   ]
-  if quick:  # --quick: the MLP only
-    programs = programs[:1]
+  if quick:  # --quick (the smoke test): jit_add_chain only, seconds
+    programs = programs[2:]
   for program, label in programs:
     jax_dir = os.path.join(tmp, program, "jax")
     jw_dir = os.path.join(tmp, program, "jw")
@@ -159,6 +159,8 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
 def sweep_cases(report, quick: bool, tmp: str) -> None:
   """8 configurations in a new process, the step re-created per
   configuration, hyperparameters passed as arguments."""
+  if quick:  # --quick (the smoke test): no new-process sweep
+    return
   jax_dir = os.path.join(tmp, "sweep", "jax")
   jw_dir = os.path.join(tmp, "sweep", "jw")
   s = ("--task", "sweep")
@@ -169,10 +171,9 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
     "jw": ("--jit", "jaxworks", *s),
     "jax_warm": ("--jit", "jax", "--jax-cache", jax_dir, *s),
     "jw_warm": ("--jit", "jaxworks", "--jw-cache", jw_dir, *s),
+    "eqx": ("--jit", "equinox", *s),
   }
-  if not quick:
-    scenarios["eqx"] = ("--jit", "equinox", *s)
-  t = medians(scenarios, 1 if quick else 3, "sweep_s")
+  t = medians(scenarios, 3, "sweep_s")
   case = "sweep of 8 configurations (step re-created per configuration), "
   report.add(
     case + "new process", t["jw"], t["jax"], "stock-jax", "jax.jit", goal=5.0
@@ -186,14 +187,13 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
     JAX_CACHE,
     goal=2.0,
   )
-  if "eqx" in t:
-    report.add(
-      case + "new process, vs equinox",
-      t["jw"],
-      t["eqx"],
-      "peer",
-      "equinox.filter_jit",
-    )
+  report.add(
+    case + "new process, vs equinox",
+    t["jw"],
+    t["eqx"],
+    "peer",
+    "equinox.filter_jit",
+  )
 
 
 def in_process_cases(report, quick: bool) -> None:

@@ -359,8 +359,13 @@ class Pmapped(Arguments, Programs):
         )
         built = True
         continue
-      except deps.AxisNameError:
-        raise
+      except deps.AxisNameError as err:
+        if str(err).startswith(API):  # already pmap's own diagnostic
+          raise
+        # jit_cache's (a top-level call of its jit): re-reported as pmap's.
+        self._diagnose(
+          err, static_vals, treedef, in_axes, size, len(args), leaves, entry
+        )
       except NameError as err:
         self._diagnose(
           err, static_vals, treedef, in_axes, size, len(args), leaves, entry
