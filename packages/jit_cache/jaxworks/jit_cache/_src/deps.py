@@ -14,7 +14,7 @@ SUPPORTED_JAX = ">=0.10.2,<0.11"
 #: The jaxworks packages this one needs, with the minimum of each (the
 #: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
 MINIMUM_VERSIONS = {
-  "jaxworks.axis_names": "0.2.0",  # diagnose (axis-name errors at the entry points)
+  "jaxworks.axis_names": "0.3.0",  # diagnose (axis-name errors at the entry points)
 }
 
 

@@ -20,7 +20,7 @@ SUPPORTED_JAX = ">=0.10.2,<0.11"
 #: The jaxworks packages this one needs, with the minimum of each (the
 #: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
 MINIMUM_VERSIONS = {
-  "jaxworks.jit_cache": "0.3.0",  # the stages' entry, jit(f).trace(...)
+  "jaxworks.jit_cache": "0.4.0",  # committed outputs of multi-platform compiles; the stages' entry, jit(f).trace(...)
 }
 MIN_JIT_CACHE_VERSION = MINIMUM_VERSIONS["jaxworks.jit_cache"]
 
