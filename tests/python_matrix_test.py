@@ -1,4 +1,5 @@
-"""The wheels on every CPython jaxworks builds for, as a user installs them.
+"""(The sdists also build with pip on 3.12 and 3.13 here, and pass the smoke test.)
+The wheels on every CPython jaxworks builds for, as a user installs them.
 
 For CPython 3.11, 3.12 and 3.13 (the interpreters of @jaxworks_cpython_*): a
 fresh virtualenv of that Python gets jax and jaxlib 0.10.2 from the package
@@ -151,3 +152,24 @@ def test_tour_runs_from_the_combined_wheel(version, tmp_path_factory, tmp_path):
     [python, str(tmp_path / "tour.py")], cwd=str(tmp_path), timeout=1200
   )
   assert "All checks passed" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("version", ["3.12", "3.13"])
+def test_sdists_build_with_pip_and_pass_the_smoke_test(version, tmp_path):
+  # On 3.11 //tests:sdist_test does the same (and compares files with the
+  # wheels): here the two extensions compile from source for 3.12 and 3.13.
+  _run([_interpreter(version), "-m", "venv", str(tmp_path / "venv")])
+  python = str(tmp_path / "venv" / "bin" / "python")
+  pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+  _run([*pip, "jax==0.10.2", "jaxlib==0.10.2", "packaging"], timeout=1800)
+  sdists = []
+  for d in os.environ["JAXWORKS_SDIST_DIRS"].split():
+    sdists += glob.glob(os.path.join(d, "*.tar.gz"))
+  assert len(sdists) == 5, sdists
+  names = ",".join(
+    os.path.basename(s).split("-")[0].replace("_", "-") for s in sdists
+  )
+  _run([*pip, "--no-deps", "--no-binary", names, *sorted(sdists)], timeout=1800)
+  out = _run([python, "-c", SMOKE], cwd=str(tmp_path))
+  assert f"smoke ok ({version.replace('.', ', ')})" in out, out
+  _run([python, "-m", "pip", "check"])
