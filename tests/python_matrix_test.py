@@ -1,5 +1,4 @@
-"""(The sdists also build with pip on 3.12 and 3.13 here, and pass the smoke test.)
-The wheels on every CPython jaxworks builds for, as a user installs them.
+"""The wheels on every CPython jaxworks builds for, as a user installs them.
 
 For CPython 3.11, 3.12 and 3.13 (the interpreters of @jaxworks_cpython_*): a
 fresh virtualenv of that Python gets jax and jaxlib 0.10.2 from the package
@@ -7,8 +6,9 @@ index and the combined ``jaxworks`` wheel with the per-package wheels from the
 build (``--find-links``), pip choosing the extension wheels by their own tags;
 the smoke test runs there, and on 3.12 and 3.13 the tour too. Every extension
 wheel carries the manylinux tag auditwheel computes for it, no newer than
-jaxlib's manylinux_2_27. Slow (three virtualenvs with jaxlib): a manual
-target that .ci/run runs.
+jaxlib's manylinux_2_27. The five sdists build with pip on 3.12 and 3.13 and
+pass the smoke test (3.11: //tests:sdist_test). Slow (virtualenvs with
+jaxlib): a manual target that .ci/run runs.
 """
 
 import glob
