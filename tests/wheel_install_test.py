@@ -277,6 +277,10 @@ def test_manylinux_tag_is_the_one_auditwheel_verifies():
   )
 
 
+def _version(text):
+  return tuple(int(p) for p in text.split("."))
+
+
 def test_per_package_requires_dist_names_jaxworks_dependencies():
   for w in _wheels("per_package"):
     with zipfile.ZipFile(w) as zf:
@@ -286,10 +290,14 @@ def test_per_package_requires_dist_names_jaxworks_dependencies():
     for dep in re.findall(
       r"^Requires-Dist: (jaxworks-[a-z-]+)>=([0-9.]+)$", metadata, re.M
     ):
-      assert any(
-        os.path.basename(o).startswith(dep[0].replace("-", "_") + "-" + dep[1])
+      built = [
+        os.path.basename(o).split("-")[1]
         for o in _wheels("per_package")
-      ), f"{os.path.basename(w)} requires {dep} which is not built"
+        if os.path.basename(o).startswith(dep[0].replace("-", "_") + "-")
+      ]
+      assert len(built) == 1 and _version(built[0]) >= _version(dep[1]), (
+        f"{os.path.basename(w)} requires {dep}; built: {built}"
+      )
 
 
 @pytest.mark.parametrize("kind", ["per_package", "combined"])

@@ -21,10 +21,13 @@ RuntimeError: jaxworks.stages_aot needs jaxworks.jit_cache >= 0.1.0, but 0.0.9 i
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping
 from collections.abc import Sequence
 import importlib
 from importlib import metadata
+import importlib.util
+import os
 from types import ModuleType
 
 from packaging.specifiers import SpecifierSet
@@ -97,13 +100,45 @@ def require(
   return module
 
 
+def _submodule_only(name: str, submodule: str) -> ModuleType:
+  """``<name>.<submodule>`` (a module holding ``__version__ = "x.y.z"``)
+  read without running ``<name>``'s ``__init__``: the package is found, not
+  imported, and the submodule's one assignment is read as a literal."""
+  spec = importlib.util.find_spec(name)
+  if spec is None:
+    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+  module = ModuleType(f"{name}.{submodule}")
+  for location in spec.submodule_search_locations or ():
+    path = os.path.join(location, f"{submodule}.py")
+    if not os.path.isfile(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read(1 << 16))
+    for node in tree.body:
+      if (
+        isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+        and isinstance(node.value, ast.Constant)
+      ):
+        module.__version__ = str(node.value.value)  # type: ignore[attr-defined]
+    module.__path__ = [location]  # type: ignore[attr-defined]
+    break
+  return module
+
+
 def load(
   package: str,
   minimums: Mapping[str, str],
   attrs: Mapping[str, Sequence[str]] | None = None,
+  *,
+  submodule: str | None = None,
 ) -> dict[str, ModuleType]:
   """Imports every jaxworks dependency in ``minimums`` (module name ->
   minimum version) and checks each; returns them by module name.
+
+  With ``submodule`` (``"version"``), only ``<dependency>.<submodule>`` is
+  imported and checked (a cheap check at import time; the dependency itself
+  is imported when first used).
 
   Every missing, too old or incomplete dependency is reported in one
   RuntimeError that ends with the one ``pip install`` command fixing them
@@ -115,7 +150,11 @@ def load(
   fixes: list[str] = []
   for name, minimum in minimums.items():
     try:
-      module = importlib.import_module(name)
+      module = (
+        importlib.import_module(name)
+        if submodule is None
+        else _submodule_only(name, submodule)
+      )
     except ModuleNotFoundError as e:
       if e.name is None or not name.startswith(e.name):
         raise

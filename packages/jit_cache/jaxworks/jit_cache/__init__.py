@@ -17,7 +17,14 @@ any host) and ``compile()`` a :class:`Compiled`: subclasses of the
 import os as _os
 from typing import TYPE_CHECKING
 
+from ._src import deps as _deps
 from .version import __version__ as __version__
+
+# Checked at import, as before names became lazy: an unsupported jax/jaxlib
+# raises ImportError and a missing or too old jaxworks.axis_names a
+# RuntimeError naming the pip command, here rather than at the first use.
+_deps.check_jax()
+_deps.check_versions()
 
 if TYPE_CHECKING:
   from ._src.adopt import install as install

@@ -14,13 +14,20 @@ SUPPORTED_JAX = ">=0.10.2,<0.11"
 #: The jaxworks packages this one needs, with the minimum of each (the
 #: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
 MINIMUM_VERSIONS = {
-  "jaxworks.axis_names": "0.3.0",  # diagnose (axis-name errors at the entry points)
+  # diagnose (axis-name errors at the entry points)
+  "jaxworks.axis_names": "0.3.0",
 }
 
 
 def check_jax() -> None:
   """Raises ImportError unless the installed jax and jaxlib are supported."""
   dep_check.check_jax(_PACKAGE, SUPPORTED_JAX)
+
+
+def check_versions() -> None:
+  """Checks the jaxworks packages this one needs by their version modules
+  (without importing them: that happens at first use)."""
+  dep_check.load(_PACKAGE, MINIMUM_VERSIONS, submodule="version")
 
 
 def load_axis_names():
