@@ -90,7 +90,9 @@ def test_logs_misses_and_reuses_only_when_jax_explains(caplog, capsys):
   finally:
     jax.config.update("jax_explain_cache_misses", False)
   ours = [r for r in caplog.records if r.name == "jaxworks.jit_cache"]
-  assert [r.levelname for r in ours] == ["WARNING"] * 3
+  # INFO: JAX's own WARNING explains the trace miss; upstream tests count
+  # the WARNING records.
+  assert [r.levelname for r in ours] == ["INFO"] * 3
   first, second, reuse = (r.getMessage() for r in ours)
   assert first.startswith("JIT_CACHE TRACING CACHE MISS for step defined at ")
   assert "closed-over constant `lr` (cell 0): 0.5 -> 0.75" in first

@@ -167,7 +167,7 @@ def log_miss(fn: Any, args: tuple, kwargs: dict) -> None:
     text = f"(no explanation: {type(e).__name__}: {e})"
   _, _, why = text.partition(": miss")
   lines = why.lstrip(":;").strip().splitlines() or [text]
-  logger.warning(
+  logger.info(
     "JIT_CACHE TRACING CACHE MISS for %s:\n  %s",
     _defined_at(fn),
     "\n  ".join(lines),
@@ -180,7 +180,7 @@ def log_reuse(counters: Any) -> None:
   if not _explaining():
     return
   fn = _closures.owner_of(counters)
-  logger.warning(
+  logger.info(
     "JIT_CACHE EXECUTABLE REUSE for %s:\n  not compiled: a structurally "
     "identical program was compiled in this process",
     _defined_at(fn) if fn is not None else "a jit_cache function",
