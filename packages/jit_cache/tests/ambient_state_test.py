@@ -290,3 +290,22 @@ def test_jax_export_with_a_platform_name_of_its_own():
     except Exception as e:  # pylint: disable=broad-except
       outcomes.append((type(e), str(e)))
   assert outcomes[0] == outcomes[1]
+
+
+def test_compile_of_an_abstract_mesh_lowering_without_devices_raises_stocks():
+  amesh = jax.sharding.AbstractMesh(
+    (2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+  spec = jax.ShapeDtypeStruct(
+    (8, 2), jnp.float32, sharding=jax.NamedSharding(amesh, jax.P("x"))
+  )
+  errors = []
+  for jit_ in JITS.values():
+    lowered = (
+      jit_(lambda v: v * 2).trace(spec).lower(lowering_platforms=("tpu",))
+    )
+    with pytest.raises(Exception) as e:
+      lowered.compile()
+    errors.append((type(e.value), str(e.value)))
+  assert errors[0] == errors[1]
+  assert "device_assignment" in errors[0][1]

@@ -257,6 +257,15 @@ class Lowered(_StockLowered):
         platform=_lowering.platform_name(device_assignment[0]),
         lowered_for=self.platforms,
       )
+    if (
+      platform is None
+      and len(self.platforms) == 1
+      and self.platforms[0] not in _platforms.present_platforms()
+    ):
+      # Where stock refuses (a lowering over an abstract mesh needs a
+      # device_assignment), its exception, as it raises it; where stock
+      # would compile for another backend, jaxworks refuses (below).
+      super().compile(compiler_options)
     target = _platforms.choose_platform(
       self.platforms, platform, api=api, fun_name=self.fun_name
     )
