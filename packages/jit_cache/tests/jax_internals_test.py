@@ -460,3 +460,18 @@ def test_static_eq_collision_is_recognised_and_the_cache_clears():
   jax.jit(lambda x, s: x, static_argnums=1).trace(jnp.ones(1), "static")
   ji.clear_in_shardings_cache()  # the name exists and empties it
   jax.jit(lambda x, s: x, static_argnums=1).trace(jnp.ones(1), "static")
+
+
+def test_dispatcher_takes_the_cpp_cache_object_in_context():
+  from jaxlib import _jax  # pylint: disable=g-import-not-at-top
+
+  from jaxworks.jit_cache import jit  # pylint: disable=g-import-not-at-top
+
+  with ji.jit_cpp_cache_obj(_jax.PjitFunctionCache(capacity=4)):
+    f = jit(lambda x: x * 2)
+  g = jit(lambda x: x * 3)
+  for i in range(5):
+    f(np.arange(i))
+    g(np.arange(i))
+  assert f._cache_size() == 4  # the context's cache, capacity 4
+  assert g._cache_size() == 5  # its own

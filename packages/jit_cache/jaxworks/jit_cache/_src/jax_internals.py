@@ -401,6 +401,12 @@ def fastpath_data(
   )
 
 
+#: The user context holding a C++ jit cache object for the functions wrapped
+#: under it (``with jit_cpp_cache_obj(cache): f = jit(g)``), as stock's jit
+#: reads it.
+jit_cpp_cache_obj = _config.jax_jit_cpp_cache_obj
+
+
 def make_dispatcher(
   name: str,
   fun: Callable,
@@ -416,7 +422,11 @@ def make_dispatcher(
   ``cache_miss(*args, **kwargs)``, which returns ``(outputs, fastpath_data or
   None, False)``. ``capacity`` bounds its per-function LRU.
   """
-  cache = _jax.PjitFunctionCache(capacity=capacity)
+  # A C++ cache object the user put in context (``jax_jit_cpp_cache_obj``)
+  # when the function was wrapped serves it, as it serves stock's jit.
+  cache = jit_cpp_cache_obj.value
+  if cache is None:
+    cache = _jax.PjitFunctionCache(capacity=capacity)
   dispatcher = _jax.pjit(
     name,
     fun,
