@@ -160,8 +160,20 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(version, tmp_path):
   # wheels): here the two extensions compile from source for 3.12 and 3.13.
   _run([_interpreter(version), "-m", "venv", str(tmp_path / "venv")])
   python = str(tmp_path / "venv" / "bin" / "python")
-  pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-  _run([*pip, "jax==0.10.2", "jaxlib==0.10.2", "packaging"], timeout=1800)
+  pip = [
+    python,
+    "-m",
+    "pip",
+    "install",
+    "--disable-pip-version-check",
+    "--no-cache-dir",
+    "-q",
+  ]
+  # The runtime requirements of the five (pip check below), from the index.
+  _run(
+    [*pip, "jax==0.10.2", "jaxlib==0.10.2", "packaging", "flatbuffers"],
+    timeout=1800,
+  )
   sdists = []
   for d in os.environ["JAXWORKS_SDIST_DIRS"].split():
     sdists += glob.glob(os.path.join(d, "*.tar.gz"))
@@ -169,7 +181,16 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(version, tmp_path):
   names = ",".join(
     os.path.basename(s).split("-")[0].replace("_", "-") for s in sdists
   )
-  _run([*pip, "--no-deps", "--no-binary", names, *sorted(sdists)], timeout=1800)
+  out = subprocess.run(
+    [*pip, "--no-deps", "--no-binary", names, *sorted(sdists)],
+    capture_output=True,
+    text=True,
+    env=_clean_env(),
+    timeout=1800,
+  )
+  assert out.returncode == 0, "\n".join(
+    (out.stdout + out.stderr).splitlines()[-60:]
+  )
   out = _run([python, "-c", SMOKE], cwd=str(tmp_path))
   assert f"smoke ok ({version.replace('.', ', ')})" in out, out
   _run([python, "-m", "pip", "check"])
