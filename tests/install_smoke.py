@@ -1,9 +1,25 @@
-"""The smoke test an installed jaxworks passes (sdist_test, python_matrix_test).
+"""The smoke test an installed jaxworks passes (sdist_test, python_matrix_test),
+and the clean environment the install tests run pip and Python in.
 
 Run as ``python -c SMOKE`` from a neutral directory in a virtualenv holding
 the five packages: every package imports from that virtualenv, and one call
 through each C++ extension's API equals stock JAX's result.
 """
+
+import os
+
+
+def clean_env() -> dict:
+  """This environment without what would leak the build's Python, pip or JAX
+  settings into a fresh virtualenv; CPU JAX."""
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("PYTHON", "PIP_", "RUNFILES", "JAX_", "XLA_"))
+  }
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
 
 SMOKE = r"""
 import os, sys

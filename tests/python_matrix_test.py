@@ -22,6 +22,7 @@ from auditwheel.architecture import Architecture
 from auditwheel.libc import Libc
 from auditwheel.wheel_abi import analyze_wheel_abi
 from install_smoke import SMOKE
+from install_smoke import clean_env
 import pytest
 
 VERSIONS = ["3.11", "3.12", "3.13"]
@@ -43,19 +44,9 @@ def _interpreter(version):
   raise AssertionError(f"no CPython {version} given")
 
 
-def _clean_env():
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("PYTHON", "PIP_", "RUNFILES", "JAX_", "XLA_"))
-  }
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
 def _run(args, **kwargs):
   out = subprocess.run(
-    args, capture_output=True, text=True, env=_clean_env(), **kwargs
+    args, capture_output=True, text=True, env=clean_env(), **kwargs
   )
   assert out.returncode == 0, (args, out.stdout[-3000:], out.stderr[-3000:])
   return out.stdout
@@ -185,7 +176,7 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(version, tmp_path):
     [*pip, "--no-deps", "--no-binary", names, *sorted(sdists)],
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
     timeout=1800,
   )
   assert out.returncode == 0, "\n".join(

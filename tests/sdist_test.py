@@ -18,6 +18,7 @@ import tarfile
 import zipfile
 
 from install_smoke import SMOKE
+from install_smoke import clean_env
 import pytest
 
 
@@ -26,16 +27,6 @@ def _found(env, pattern):
   for d in os.environ[env].split():
     found += glob.glob(os.path.join(d, pattern))
   return sorted(found)
-
-
-def _clean_env():
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("PYTHON", "PIP_", "RUNFILES", "JAX_", "XLA_"))
-  }
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
 
 
 def _dist(path):
@@ -79,7 +70,7 @@ def test_each_sdist_holds_exactly_its_wheels_python_files():
 def test_sdists_build_with_pip_and_pass_the_smoke_test(tmp_path):
   venv = tmp_path / "venv"
   subprocess.run(
-    [sys.executable, "-m", "venv", str(venv)], check=True, env=_clean_env()
+    [sys.executable, "-m", "venv", str(venv)], check=True, env=clean_env()
   )
   python = str(venv / "bin" / "python")
   site = subprocess.run(
@@ -108,7 +99,7 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(tmp_path):
     ],
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
     timeout=900,
   )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -117,9 +108,7 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(tmp_path):
     cwd=str(tmp_path),
     capture_output=True,
     text=True,
-    env=dict(
-      _clean_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8"
-    ),
+    env=dict(clean_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8"),
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   assert "smoke ok" in run.stdout
@@ -127,7 +116,7 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(tmp_path):
     [python, "-m", "pip", "check"],
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
   )
   assert check.returncode == 0, check.stdout
 

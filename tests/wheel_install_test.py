@@ -21,6 +21,7 @@ import zipfile
 from auditwheel.architecture import Architecture
 from auditwheel.libc import Libc
 from auditwheel.wheel_abi import analyze_wheel_abi
+from install_smoke import clean_env
 import pytest
 
 # One real call into each extension, by module name; an extension without an entry fails the test.
@@ -60,16 +61,6 @@ def _wheels(kind):
   return combined if kind == "combined" else per_package
 
 
-def _clean_env():
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("PYTHON", "PIP_", "RUNFILES", "JAX_", "XLA_"))
-  }
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
 def _wheel_dirs():
   return sorted(
     {os.path.dirname(w) for w in _wheels("combined") + _wheels("per_package")}
@@ -91,13 +82,13 @@ def _pip_install(python, *args):
       *args,
     ],
     check=True,
-    env=_clean_env(),
+    env=clean_env(),
   )
 
 
 def _make_venv(root):
   subprocess.run(
-    [sys.executable, "-m", "venv", root], check=True, env=_clean_env()
+    [sys.executable, "-m", "venv", root], check=True, env=clean_env()
   )
   python = os.path.join(root, "bin", "python")
   site = subprocess.run(
@@ -105,7 +96,7 @@ def _make_venv(root):
     check=True,
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
   ).stdout.strip()
   # jax, jaxlib and numpy from the build's virtualenv; jaxworks only from the wheels.
   with open(os.path.join(site, "_build_venv.pth"), "w") as f:
@@ -157,7 +148,7 @@ def _install_and_probe(kind, tmp_path_factory, tmp_path):
     check=True,
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
   )
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -347,7 +338,7 @@ def test_combined_wheel_runs_the_tour(tmp_path_factory, tmp_path):
     cwd=str(tmp_path),
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
     timeout=600,
   )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -362,7 +353,7 @@ def test_console_script_runs_after_pip_install(tmp_path_factory, tmp_path):
     cwd=str(tmp_path),
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
   )
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("usage: jaxworks-aot "), out.stdout
@@ -391,7 +382,7 @@ def _import_state(python, cwd):
     check=True,
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
   )
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -409,7 +400,7 @@ def test_combined_then_per_package_then_uninstall_either(remove, tmp_path):
   subprocess.run(
     [python, "-m", "pip", "uninstall", "-y", "-q", remove],
     check=True,
-    env=_clean_env(),
+    env=clean_env(),
   )
   state = _import_state(python, tmp_path)
   site = subprocess.run(
@@ -417,7 +408,7 @@ def test_combined_then_per_package_then_uninstall_either(remove, tmp_path):
     check=True,
     capture_output=True,
     text=True,
-    env=_clean_env(),
+    env=clean_env(),
   ).stdout.strip()
   if remove == "jaxworks":
     # The metapackage owned no file: every package stays, whole.
@@ -433,7 +424,7 @@ def test_combined_then_per_package_then_uninstall_either(remove, tmp_path):
       [python, "-m", "pip", "check"],
       capture_output=True,
       text=True,
-      env=_clean_env(),
+      env=clean_env(),
     )
     assert check.returncode != 0 and "jaxworks-jit-cache" in check.stdout, (
       check.stdout
@@ -459,7 +450,7 @@ def test_import_check_asks_for_the_metadata_minimum(breakage, tmp_path):
     subprocess.run(
       [python, "-m", "pip", "uninstall", "-y", "-q", "jaxworks-axis-names"],
       check=True,
-      env=_clean_env(),
+      env=clean_env(),
     )
   else:
     version_py = subprocess.run(
@@ -471,7 +462,7 @@ def test_import_check_asks_for_the_metadata_minimum(breakage, tmp_path):
       check=True,
       capture_output=True,
       text=True,
-      env=_clean_env(),
+      env=clean_env(),
     ).stdout.strip()
     pathlib.Path(version_py).write_text('__version__ = "0.0.1"\n')
   checked = 0
@@ -485,7 +476,7 @@ def test_import_check_asks_for_the_metadata_minimum(breakage, tmp_path):
       cwd=str(tmp_path),
       capture_output=True,
       text=True,
-      env=_clean_env(),
+      env=clean_env(),
     )
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"RuntimeError: jaxworks.{package}: "), out.stderr

@@ -18,6 +18,7 @@ SingleDeviceSharding, a Format is split into its sharding and layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 from typing import Any
 
@@ -317,4 +318,29 @@ def resolve(
     may_alias=alias_flat,
     srcs=srcs,
     default_dst=default_dst,
+  )
+
+
+def resolve_placement(
+  api: str,
+  placement: Any,
+  target: Any,
+  treedef: Any,
+  leaves: list[Any],
+  placement_of: Callable[[Any], Any],
+) -> list[Any]:
+  """One placement per leaf of a restore target: ``placement_of(leaf)``
+  when ``placement`` is None, else ``placement`` broadcast as a tree prefix
+  of ``target``."""
+  if placement is None:
+    return [placement_of(x) for x in leaves]
+  return broadcast_prefix(
+    api,
+    "placement",
+    placement,
+    target,
+    treedef,
+    len(leaves),
+    is_target_leaf,
+    TARGET_TEXT,
   )

@@ -280,19 +280,9 @@ def _validate(
       f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
       "target with these leaves"
     )
-  if placement is None:
-    places = [_placement_of(x) for x in leaves]
-  else:
-    places = targets.broadcast_prefix(
-      api,
-      "placement",
-      placement,
-      target,
-      treedef,
-      len(leaves),
-      targets.is_target_leaf,
-      targets.TARGET_TEXT,
-    )
+  places = targets.resolve_placement(
+    api, placement, target, treedef, leaves, _placement_of
+  )
   normalized: dict[int, Any] = {}
   for p, where, key, (want_shape, want_dtype, _) in zip(
     places, paths, keys, specs

@@ -310,19 +310,9 @@ def restore_tree(
   weak: Any,
 ) -> Any:
   """restore's path for a checkpoint with a manifest (several processes wrote it)."""
-  if placement is None:
-    places = [placement_of(x) for x in leaves]
-  else:
-    places = targets.broadcast_prefix(
-      api,
-      "placement",
-      placement,
-      target,
-      treedef,
-      len(leaves),
-      targets.is_target_leaf,
-      targets.TARGET_TEXT,
-    )
+  places = targets.resolve_placement(
+    api, placement, target, treedef, leaves, placement_of
+  )
   out = restore(api, path, manifest, keys, paths, specs, places)
   return treedef.unflatten(
     [weak(y) if spec[2] else y for y, spec in zip(out, specs)]
