@@ -14,6 +14,7 @@ import pytest
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import hostvalue
 from jaxworks.batched_transfer._src.checkpoint import pending
 from jaxworks.batched_transfer._src.checkpoint import saver as save_mod
 
@@ -110,7 +111,7 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_nothing(
   path = str(tmp_path / name)
   old = tree_of(0)
   bt.save(path, old)
-  real = save_mod._write_npy
+  real = hostvalue.write_npy
   calls = []
 
   def failing(f, a):
@@ -119,7 +120,7 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_nothing(
       raise OSError(28, "No space left on device")
     real(f, a)
 
-  monkeypatch.setattr(save_mod, "_write_npy", failing)
+  monkeypatch.setattr(hostvalue, "write_npy", failing)
   with pytest.raises(OSError, match="No space left"):
     bt.save(path, tree_of(1), overwrite=True, write_threads=2)
   check(path, old)
@@ -156,9 +157,9 @@ def test_device_copies_start_ahead_within_the_budget(tmp_path, monkeypatch):
     f"x{i:02d}": jnp.full((256,), i, jnp.float32) for i in range(12)
   }  # 1 KiB each
   events = []
-  real_start = save_mod._start_copy
+  real_start = hostvalue.start_copy
   monkeypatch.setattr(
-    save_mod, "_start_copy", lambda x: (events.append("start"), real_start(x))
+    hostvalue, "start_copy", lambda x: (events.append("start"), real_start(x))
   )
   real_take = save_mod._Leaves.take
 
@@ -207,6 +208,75 @@ def test_non_blocking_save_lets_the_caller_change_and_delete_the_leaves(
   handle.wait()
   assert handle.done()
   check(str(tmp_path / "c"), expected)
+
+
+def _sharded(values, spec, mesh_shape=(8,)):
+  names = ("a", "b")[: len(mesh_shape)]
+  mesh = jax.make_mesh(mesh_shape, names)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+  return jax.device_put(values, sharding)
+
+
+SHARDINGS = {
+  "rows": lambda v: _sharded(v, ("a",)),
+  "columns": lambda v: _sharded(v, (None, "a")),
+  "grid": lambda v: _sharded(v, ("a", "b"), (4, 2)),
+  "rows, replicated twice": lambda v: _sharded(v, ("a",), (4, 2)),
+  "replicated": lambda v: _sharded(v, ()),
+  "one device": lambda v: jax.device_put(v, jax.devices()[3]),
+}
+
+
+@pytest.mark.parametrize("where", list(SHARDINGS))
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("name", ["ckpt", "ckpt.npz"])
+def test_sharded_leaves_are_written_as_their_whole_array(
+  tmp_path, where, blocking, name
+):
+  rng = np.random.default_rng(0)
+  values = {
+    "f32": rng.standard_normal((16, 24)).astype(np.float32),
+    "bf16": rng.standard_normal((8, 8)).astype(jnp.bfloat16),
+  }
+  tree = {k: SHARDINGS[where](v) for k, v in values.items()}
+  h = bt.save(tmp_path / name, tree, blocking=blocking)
+  if h is not None:
+    h.wait()
+  check(str(tmp_path / name), values)
+  if name == "ckpt":  # numpy reads each file as the whole array
+    a = np.load(tmp_path / name / "f32.npy")
+    assert a.tobytes() == values["f32"].tobytes()
+
+
+def test_the_host_value_of_a_cpu_array_is_its_buffer_not_a_copy():
+  x = SHARDINGS["rows"](np.arange(64.0, dtype=np.float32).reshape(16, 4))
+  value = hostvalue.of(x)
+  assert isinstance(value, hostvalue.Shards) and value.by_rows()
+  pointers = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+  assert {a.ctypes.data for _, a in value.pieces} == pointers
+  y = jax.device_put(np.arange(4.0), jax.devices()[1])
+  assert hostvalue.of(y).ctypes.data == y.unsafe_buffer_pointer()
+
+
+def test_donating_the_leaves_of_a_non_blocking_save_keeps_what_it_writes(
+  tmp_path,
+):
+  """The next training step donates and updates the saved arrays in place
+  while the save writes them: the checkpoint holds the values at the call."""
+  rng = np.random.default_rng(1)
+  values = {
+    "w": rng.standard_normal((64, 32)).astype(np.float32),
+    "b": rng.standard_normal((32,)).astype(np.float32),
+  }
+  tree = {"w": SHARDINGS["rows"](values["w"]), "b": jnp.asarray(values["b"])}
+  step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2.0 + 1.0, t),
+                 donate_argnums=0)  # fmt: skip
+  handle = bt.save(tmp_path / "c", tree, blocking=False)
+  for _ in range(3):
+    tree = step(tree)
+  handle.wait()
+  check(str(tmp_path / "c"), values)
+  assert float(tree["b"][0]) == pytest.approx(values["b"][0] * 8.0 + 7.0)
 
 
 def test_a_background_error_is_raised_by_wait_and_by_the_next_save(

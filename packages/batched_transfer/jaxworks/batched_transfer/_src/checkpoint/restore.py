@@ -35,7 +35,7 @@ from ..progress import Progress
 from ..transfer import placement_error
 from . import commit
 from . import files
-from . import sharded
+from . import sharded_restore
 from .keys import leaf_keys
 from .keys import python_scalar_dtype
 
@@ -208,9 +208,11 @@ def restore(
   specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
   if not os.path.lexists(path):
     commit.recover(path)  # the old copy of a save killed between two renames
-  manifest = sharded.read_manifest(api, path) if os.path.isdir(path) else None
+  manifest = (
+    sharded_restore.read_manifest(api, path) if os.path.isdir(path) else None
+  )
   if manifest is not None:  # written by several processes: shard files
-    return sharded.restore_tree(
+    return sharded_restore.restore_tree(
       api,
       path,
       manifest,

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import commit
 from . import files as checkpoint_files
+from . import hostvalue
 from . import pending
 from . import sharded
 from .keys import leaf_keys
@@ -41,22 +42,12 @@ def _nbytes(x: Any) -> int:
   return int(getattr(x, "nbytes", 0) or 0)
 
 
-def _start_copy(x: Any) -> None:
-  if isinstance(x, jax.Array) and not x.is_deleted():
-    x.copy_to_host_async()
-
-
-def _on_cpu(x: jax.Array) -> bool:
-  return all(
-    getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set
-  )
-
-
 def host_array(
   api: str, path: str, x: Any, private: bool = False
-) -> np.ndarray:
+) -> np.ndarray | hostvalue.Shards:
   """The host value of one leaf; ``private``: a copy nothing else can change
-  (numpy leaves, and CPU device arrays whose host value is their buffer)."""
+  (for numpy leaves; a jax.Array's host value is its own immutable buffers,
+  see hostvalue)."""
   scalar_dtype = python_scalar_dtype(x)
   if scalar_dtype is not None:
     # Stored as jax.device_put would place it (and jax.eval_shape describes it).
@@ -69,35 +60,15 @@ def host_array(
         "array of a wider dtype or enable jax_enable_x64"
       ) from None
   if isinstance(x, jax.Array):
-    a = np.asarray(x)
-    copy = private and _on_cpu(x)
-  else:
-    a = np.asarray(x)
-    copy = private
+    return hostvalue.of(x)
+  a = np.asarray(x)
   if not a.dtype.isnative:
     raise TypeError(
       f"{api}: the leaf at {path} has non-native byte order ({a.dtype.str}), "
       "which JAX does not accept (jax.device_put raises TypeError); convert "
       "it first with x.astype(x.dtype.newbyteorder('='))"
     )
-  return np.array(a, copy=True, order="K") if copy else a
-
-
-def _storable(a: np.ndarray) -> np.ndarray:
-  """``a``, or a raw-bytes view of it when numpy cannot describe its dtype in
-  an .npy header (bfloat16, float8, int4, ...: their exact names go into the
-  dtype record)."""
-  try:
-    descr = np.lib.format.dtype_to_descr(a.dtype)
-    if np.lib.format.descr_to_dtype(descr) == a.dtype:
-      return a
-  except (TypeError, ValueError):
-    pass
-  return a.view(np.dtype(f"V{a.dtype.itemsize}"))
-
-
-def _write_npy(f: Any, a: np.ndarray) -> None:
-  np.lib.format.write_array(f, _storable(a), allow_pickle=False)
+  return np.array(a, copy=True, order="K") if private else a
 
 
 def dtype_record(dtypes: dict[str, np.dtype]) -> bytes:
@@ -140,11 +111,11 @@ class _Leaves:
       or self.budget is None
       or ahead + self.sizes[self.started] <= self.budget
     ):
-      _start_copy(self.leaves[self.started])
+      hostvalue.start_copy(self.leaves[self.started])
       ahead += self.sizes[self.started]
       self.started += 1
 
-  def take(self, i: int) -> np.ndarray:
+  def take(self, i: int) -> np.ndarray | hostvalue.Shards:
     """The host value of leaf ``i``, once it fits the budget."""
     with self.cond:
       while (
@@ -194,7 +165,7 @@ def _write_directory(
       try:
         if not errors:
           file = os.path.join(tmp, *keys[i].split("/")) + ".npy"
-          write_file(file, lambda f: _write_npy(f, a))
+          write_file(file, lambda f: hostvalue.write_npy(f, a))
       except BaseException as err:  # raised below, on the calling thread
         errors.append(err)
       finally:
@@ -236,7 +207,7 @@ def _write_npz(tmp: str, keys: list[str], take: Any, done: Any) -> None:
         a = take(i)
         dtypes[key] = a.dtype
         with zf.open(key + ".npy", "w", force_zip64=True) as member:
-          _write_npy(member, a)
+          hostvalue.write_npy(member, a)
         del a
         done(i)
       zf.writestr(checkpoint_files.DTYPE_RECORD, dtype_record(dtypes))
@@ -423,16 +394,17 @@ def run_save(
     if after is not None:
       after()
     return None
-  # Every device-to-host copy at once; then private host copies of all.
+  # Every device-to-host copy at once; then the host value of each (numpy
+  # leaves were copied above; device buffers are held, see hostvalue).
   for x in leaves:
-    _start_copy(x)
+    hostvalue.start_copy(x)
   arrays = [
     x if isinstance(x, np.ndarray) else host_array(api, where, x, private=True)
     for where, x in zip(paths, leaves)
   ]
   del leaves
 
-  def take(i: int) -> np.ndarray:
+  def take(i: int) -> np.ndarray | hostvalue.Shards:
     return arrays[i]
 
   def done(i: int) -> None:

@@ -1,4 +1,4 @@
-"""Checkpoints of arrays that span processes (jax.distributed), and their restore.
+"""Checkpoints of arrays that span processes (jax.distributed): the save.
 
 Save, called by every process with the same tree: process 0 takes the save
 lock, cleans leftovers and makes the temporary directory, whose name the
@@ -12,17 +12,11 @@ manifest (``jaxworks_manifest.json``, which says how the shard files tile
 each array) and the dtype record, fsyncs, and commits with save's atomic
 rename; the others return once it posted the outcome. A process that dies
 leaves the others with an error after the timeout and no committed
-checkpoint.
-
-Restore of a checkpoint with a manifest builds each array with
-``jax.make_array_from_callback``: each process reads, for each of its
-devices, only the parts of the shard files that overlap that device's slice
-(through a read-only memory map of each file).
+checkpoint. Their restore is sharded_restore.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import contextlib
 import itertools
 import json
@@ -34,15 +28,9 @@ import jax
 import numpy as np
 
 from .. import jax_internals
-from .. import targets
 from . import commit
 from . import files as checkpoint_files
 from . import pending
-
-# Stock JAX callables bound at import (the drop-in contract: never looked up
-# on ``jax`` at call time).
-_devices = jax.devices
-_make_array_from_callback = jax.make_array_from_callback
 
 MANIFEST = "jaxworks_manifest.json"
 MANIFEST_FORMAT = 1
@@ -56,7 +44,7 @@ def spans_processes(leaves: list[Any]) -> bool:
   )
 
 
-def _bounds(idx: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def bounds(idx: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
   return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(idx, shape))
 
 
@@ -65,7 +53,7 @@ def shard_plan(x: jax.Array) -> list[tuple[tuple[tuple[int, int], ...], Any]]:
   device order: the same on every process."""
   seen: dict[tuple[tuple[int, int], ...], Any] = {}
   for d, idx in x.sharding.devices_indices_map(x.shape).items():
-    b = _bounds(idx, x.shape)
+    b = bounds(idx, x.shape)
     if b not in seen:
       seen[b] = d
   return list(seen.items())
@@ -238,142 +226,3 @@ def _commit(
     commit.remove(tmp)
     return f"process 0: {err!r}"
   return "ok"
-
-
-# ------------------------------------------------------------------- restore
-
-
-def read_manifest(api: str, path: str) -> dict | None:
-  file = os.path.join(path, MANIFEST)
-  if not os.path.isfile(file):
-    return None
-  try:
-    with open(file, "rb") as f:
-      manifest = json.loads(f.read().decode())
-    if manifest.get("format") != MANIFEST_FORMAT:
-      raise ValueError(f"unknown format {manifest.get('format')!r}")
-    for a in manifest["arrays"].values():
-      a["dtype"] = np.dtype(a["dtype"])
-  except (ValueError, KeyError, TypeError, AttributeError) as err:
-    raise ValueError(
-      f"{api}: the manifest {file!r} is damaged ({err}); write the checkpoint "
-      "again"
-    ) from None
-  return manifest
-
-
-def _read_region(
-  api: str, path: str, key: str, entry: dict, idx: tuple
-) -> np.ndarray:
-  shape = tuple(entry["shape"])
-  want = _bounds(idx, shape)
-  out = np.empty([hi - lo for lo, hi in want], entry["dtype"])
-  for shard in entry["shards"]:
-    lo = shard["start"]
-    hi = [a + n for a, n in zip(lo, shard["shape"])]
-    inter = [(max(a, w0), min(b, w1)) for a, b, (w0, w1) in zip(lo, hi, want)]
-    if any(a >= b for a, b in inter):
-      continue
-    file = os.path.join(path, shard["file"])
-    try:
-      data = np.load(file, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:
-      raise ValueError(
-        f"{api}: the shard file {file!r} of {key!r} is not readable: {err}"
-      ) from None
-    if data.shape != tuple(shard["shape"]):
-      raise ValueError(
-        f"{api}: the shard file {file!r} of {key!r} holds {list(data.shape)}, "
-        f"the manifest says {shard['shape']}; the checkpoint is damaged"
-      )
-    src = tuple(slice(a - s, b - s) for (a, b), s in zip(inter, lo))
-    dst = tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))
-    part = np.asarray(data[src])
-    if part.dtype.kind == "V":
-      part = part.view(entry["dtype"])
-    out[dst] = part
-  return out
-
-
-def restore_tree(
-  api: str,
-  path: str,
-  manifest: dict,
-  target: Any,
-  treedef: Any,
-  leaves: list[Any],
-  keys: list[str],
-  paths: list[str],
-  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  placement: Any,
-  placement_of: Any,
-  weak: Any,
-) -> Any:
-  """restore's path for a checkpoint with a manifest (several processes wrote it)."""
-  places = targets.resolve_placement(
-    api, placement, target, treedef, leaves, placement_of
-  )
-  out = restore(api, path, manifest, keys, paths, specs, places)
-  return treedef.unflatten(
-    [weak(y) if spec[2] else y for y, spec in zip(out, specs)]
-  )
-
-
-def restore(
-  api: str,
-  path: str,
-  manifest: dict,
-  keys: list[str],
-  paths: list[str],
-  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  places: list[Any],
-) -> list[jax.Array]:
-  """The arrays of a manifest checkpoint onto ``places`` (validated first)."""
-  arrays = manifest["arrays"]
-  missing = [k for k in keys if k not in arrays]
-  extra = sorted(set(arrays) - set(keys))
-  if missing or extra:
-    raise ValueError(
-      f"{api}: the target and {path!r} disagree: missing from the "
-      f"checkpoint {missing[:5]}, not in the target {extra[:5]}"
-    )
-  shardings = []
-  for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
-    entry = arrays[key]
-    stored = entry["dtype"]
-    same = (
-      stored == dtype
-      or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
-    )
-    if tuple(entry["shape"]) != shape or not same:
-      raise ValueError(
-        f"{api}: the leaf at {where} (key {key!r}) is stored as "
-        f"{stored.name}{entry['shape']} but the target expects "
-        f"{dtype.name}{list(shape)}"
-      )
-    sharding, layout, _ = targets.normalize_target(api, p)
-    if sharding is None:
-      sharding = targets.single_device_sharding(_devices()[0])
-    if layout is not None:
-      raise ValueError(
-        f"{api}: the leaf at {where}: restoring a checkpoint written by "
-        "several processes onto a layout is not supported; pass a Sharding"
-      )
-    shardings.append(sharding)
-  out: list[jax.Array] = []
-  for key, (shape, dtype, _), sharding in zip(keys, specs, shardings):
-    region = _region_reader(api, path, key, arrays[key], dtype)
-    out.append(_make_array_from_callback(shape, sharding, region, dtype=dtype))
-  return out
-
-
-def _region_reader(
-  api: str, path: str, key: str, entry: dict, dtype: np.dtype
-) -> Callable[[Any], np.ndarray]:
-  """The callback giving the slice ``idx`` of one array, as ``dtype``."""
-
-  def region(idx: Any) -> np.ndarray:
-    a = _read_region(api, path, key, entry, idx)
-    return a if a.dtype == dtype else a.astype(dtype)
-
-  return region

@@ -1,0 +1,109 @@
+"""The host value save writes for a jax.Array: its distinct shards, in place.
+
+A shard on a CPU device is host memory already, and ``np.asarray`` of it is
+a view, not a copy. The view keeps the buffer alive after ``delete()``, and
+JAX does not donate a buffer that a host view still references (the call
+that asked for the donation copies instead), so a view is as safe to write
+in the background as a private copy and costs nothing to take. On an
+accelerator ``np.asarray`` is the device-to-host copy.
+
+An array held by one device is written as its one view. A sharded array is
+written shard by shard after the .npy header when its shards tile it by
+leading rows (the bytes of each shard are then one contiguous run of the
+file), and is assembled in the writing thread otherwise: never in the
+caller's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class Shards:
+  """The distinct shards of a fully addressable jax.Array, as host views."""
+
+  def __init__(self, x: jax.Array) -> None:
+    self.shape = tuple(x.shape)
+    self.dtype = np.dtype(x.dtype)
+    self.nbytes = int(x.nbytes)
+    self.pieces: list[tuple[tuple[int, ...], np.ndarray]] = []
+    for s in x.addressable_shards:
+      if s.replica_id == 0:
+        start = tuple(i.indices(n)[0] for i, n in zip(s.index, self.shape))
+        self.pieces.append((start, np.asarray(s.data)))
+    self.pieces.sort(key=lambda p: p[0])
+
+  def by_rows(self) -> bool:
+    """Whether the pieces, in order, are consecutive blocks of whole rows."""
+    row = 0
+    for start, a in self.pieces:
+      if start[0] != row or start[1:] != (0,) * (len(self.shape) - 1):
+        return False
+      if a.shape[1:] != self.shape[1:]:
+        return False
+      row += a.shape[0]
+    return row == self.shape[0]
+
+  def assemble(self) -> np.ndarray:
+    out = np.empty(self.shape, self.dtype)
+    for start, a in self.pieces:
+      out[tuple(slice(i, i + n) for i, n in zip(start, a.shape))] = a
+    return out
+
+
+def start_copy(x: Any) -> None:
+  """Starts the device-to-host copy of a live jax.Array (no-op otherwise)."""
+  if isinstance(x, jax.Array) and not x.is_deleted():
+    x.copy_to_host_async()
+
+
+def of(x: jax.Array) -> np.ndarray | Shards:
+  """The host value of ``x``: a view (or copy, off CPU) of its one buffer,
+  or its shards when several devices hold parts of it."""
+  if len(x.sharding.device_set) == 1 or not x.is_fully_addressable:
+    return np.asarray(x)
+  shards = Shards(x)
+  if len(shards.pieces) == 1:
+    return shards.pieces[0][1]
+  return shards
+
+
+def _raw(a: np.ndarray) -> memoryview:
+  """The C-order bytes of ``a``, without a copy when it is contiguous."""
+  return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _storable_dtype(dtype: np.dtype) -> np.dtype:
+  """``dtype``, or raw bytes of its size when an .npy header cannot name it
+  (bfloat16, float8, int4, ...: the dtype record names them)."""
+  try:
+    descr = np.lib.format.dtype_to_descr(dtype)
+    if np.lib.format.descr_to_dtype(descr) == dtype:
+      return dtype
+  except (TypeError, ValueError):
+    pass
+  return np.dtype(f"V{dtype.itemsize}")
+
+
+def write_npy(f: Any, value: np.ndarray | Shards) -> None:
+  """Writes ``value`` to the binary file object ``f`` as one .npy file."""
+  if isinstance(value, Shards) and not value.by_rows():
+    value = value.assemble()
+  stored = _storable_dtype(value.dtype)
+  if isinstance(value, np.ndarray):
+    np.lib.format.write_array(f, value.view(stored), allow_pickle=False)
+    return
+  header = {
+    "descr": np.lib.format.dtype_to_descr(stored),
+    "fortran_order": False,
+    "shape": value.shape,
+  }
+  try:
+    np.lib.format.write_array_header_1_0(f, header)
+  except ValueError:  # a header over 64 KiB
+    np.lib.format.write_array_header_2_0(f, header)
+  for _, a in value.pieces:
+    f.write(_raw(a))
