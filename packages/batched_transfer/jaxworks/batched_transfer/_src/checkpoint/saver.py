@@ -302,8 +302,9 @@ def save(
     tree: a pytree of arrays (numpy, jax.Array, scalars).
     overwrite: replace an existing file or directory written by save.
     blocking: True: return when the checkpoint is durable. False: return
-      once every leaf has been copied to host memory (the caller may then
-      donate, delete or change the arrays), with a ``SaveHandle`` whose
+      once every leaf is in host memory (the caller may then donate, delete
+      or change the arrays; CPU device buffers are held, not copied: see
+      hostvalue), with a ``SaveHandle`` whose
       ``wait()`` returns when the checkpoint is durable; a background thread
       writes. An error in the background is raised by ``wait()`` and by the
       next ``save``; pending saves finish before the process exits.
@@ -313,7 +314,6 @@ def save(
       host and not yet written at once (None: no limit); device-to-host
       copies are started this far ahead of the writers. A non-blocking save
       holds the whole tree in host memory until it is written.
-
     barrier_timeout_s: with arrays spanning processes (jax.distributed),
       how long a process waits for the others to finish writing, and for
       process 0's commit, before it raises (nothing is committed then).
