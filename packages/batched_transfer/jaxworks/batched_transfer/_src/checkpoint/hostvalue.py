@@ -73,7 +73,7 @@ def of(x: jax.Array) -> np.ndarray | Shards:
 
 def _raw(a: np.ndarray) -> memoryview:
   """The C-order bytes of ``a``, without a copy when it is contiguous."""
-  return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+  return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
 
 
 def _storable_dtype(dtype: np.dtype) -> np.dtype:
