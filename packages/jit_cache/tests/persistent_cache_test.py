@@ -290,3 +290,54 @@ def test_environment_variable_turns_the_cache_on(tmp_path):
   ).stdout.split()
   assert out == [str(d), str(d)]
   assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+_FAST_MATH = (
+  "--xla_cpu_enable_fast_math=true --xla_cpu_fast_math_honor_nans=false "
+  "--xla_cpu_fast_math_honor_infs=false"
+)
+_FLAGS_SCRIPT = """
+import os, sys
+import numpy as np
+mode, directory, out, flags = sys.argv[1:]
+if mode == "write":  # the backend starts with the flags
+  os.environ["XLA_FLAGS"] = flags
+else:
+  os.environ.pop("XLA_FLAGS", None)
+import jax, jax.numpy as jnp
+from jaxworks import jit_cache
+jax.devices()  # the backend starts: its flags are fixed from here on
+if mode == "read":  # changed after the start: not the flags in effect
+  os.environ["XLA_FLAGS"] = flags
+jit = jax.jit
+if mode != "stock":
+  jit_cache.set_cache_dir(directory)
+  jit = jit_cache.jit
+x = jnp.array([1.0, float("nan"), float("inf"), 0.0, -2.5], jnp.float32)
+f = jit(lambda x: (jnp.isnan(x), jnp.isinf(x), x / x, jnp.exp(x * 3.3)))
+np.savez(out, *[np.asarray(a) for a in f(x)])
+"""
+
+
+def test_xla_flags_changed_after_the_backend_started_do_not_pick_entries(
+  tmp_path,
+):
+  """The key must follow the flags the backend compiles with, not the
+  environment variable: an entry compiled with fast math by a process that
+  started with it is not loaded by one that set the variable later."""
+
+  def run(mode):
+    out = tmp_path / f"{mode}.npz"
+    proc = subprocess.run(
+      [sys.executable, "-c", _FLAGS_SCRIPT, mode, str(tmp_path / "c"),
+       str(out), _FAST_MATH],
+      capture_output=True, text=True, env=_env(), timeout=180, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(out) as f:
+      return {k: f[k] for k in f.files}
+
+  written = run("write")
+  stock = run("stock")
+  assert written["arr_0"].tolist() != stock["arr_0"].tolist()  # fast math
+  _assert_bitwise(run("read"), stock)
