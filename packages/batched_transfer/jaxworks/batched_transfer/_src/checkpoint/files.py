@@ -34,6 +34,8 @@ _ZIP_LOCAL_HEADER = struct.Struct(
 # the directory): .npy headers cannot name bfloat16, float8_*, int4, ... types.
 DTYPE_RECORD = "jaxworks_dtypes.json"
 RECORD_FORMAT = 1
+# sharded.MANIFEST: a checkpoint holding it is read by sharded_restore.
+MANIFEST_NAME = "jaxworks_manifest.json"
 
 
 @dataclasses.dataclass
@@ -176,6 +178,11 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
     for name in sorted(names):
       rel = os.path.normpath(os.path.join(root, name))
       file = os.path.join(path, rel)
+      if rel == MANIFEST_NAME:  # swapped in since restore looked for one
+        raise ValueError(
+          f"{api}: {path!r} was replaced by a checkpoint several processes "
+          "wrote while restore opened it; call restore again"
+        )
       if not name.endswith(".npy") and rel != DTYPE_RECORD:
         continue
       try:

@@ -35,6 +35,7 @@ from ..progress import Progress
 from ..transfer import placement_error
 from . import commit
 from . import files
+from . import manifest
 from . import sharded_restore
 from .keys import leaf_keys
 from .keys import python_scalar_dtype
@@ -208,14 +209,11 @@ def restore(
   specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
   if not os.path.lexists(path):
     commit.recover(path)  # the old copy of a save killed between two renames
-  manifest = (
-    sharded_restore.read_manifest(api, path) if os.path.isdir(path) else None
-  )
-  if manifest is not None:  # written by several processes: shard files
+  opened_manifest = manifest.open_manifest(api, path)
+  if opened_manifest is not None:  # written by several processes: shard files
     return sharded_restore.restore_tree(
       api,
-      path,
-      manifest,
+      opened_manifest,
       target,
       treedef,
       leaves,
@@ -225,6 +223,10 @@ def restore(
       placement,
       _placement_of,
       _weak,
+      max_inflight_bytes,
+      read_threads,
+      progress,
+      BATCH_CAP,
     )
   # Opened once: the data is read through the descriptors validated here.
   with files.open_checkpoint(api, path) as opened:

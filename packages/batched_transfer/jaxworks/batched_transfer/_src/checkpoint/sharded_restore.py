@@ -1,87 +1,65 @@
 """Restore of a checkpoint that several processes wrote (it has a manifest).
 
-Each array is built with ``jax.make_array_from_callback``: each process
-reads, for each of its devices, only the parts of the shard files that
-overlap that device's slice (through a read-only memory map of each file).
+Everything is validated before anything is placed: the manifest, every key,
+shape and dtype against the target, each placement, and the .npy header of
+every shard file this process needs (manifest.py opens them relative to the
+checkpoint directory's descriptor). Then, as restore's other path, batches are
+read on a background thread ahead of the batch being placed: for each array,
+the region each of this process's devices holds is read with ``preadv`` from
+the overlapping shard files (through the descriptors validated, by
+``read_threads`` threads) straight into a new aligned host buffer, and the
+regions are placed with one batched transfer per array (on CPU a device takes
+its buffer over: no copy). A target with a layout (a ``Format``) is relaid out
+on its devices afterwards, as device_put does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-import json
+import concurrent.futures
+import dataclasses
+import math
 import os
 from typing import Any
 
 import jax
+from jax.experimental.layout import Format
 import numpy as np
 
+from .. import jax_internals
+from .. import prefetch
 from .. import targets
-from .sharded import MANIFEST
-from .sharded import MANIFEST_FORMAT
+from ..api import place
+from ..progress import Progress
+from ..transfer import placement_error
+from . import files
+from .manifest import Bounds
+from .manifest import Entry
+from .manifest import Manifest
+from .manifest import read_tasks
 from .sharded import bounds
 
-# Stock JAX callables bound at import (the drop-in contract: never looked up
-# on ``jax`` at call time).
-_devices = jax.devices
-_make_array_from_callback = jax.make_array_from_callback
 
+@dataclasses.dataclass
+class _Leaf:
+  key: str
+  entry: Entry
+  sharding: Any
+  layout: Any
+  aval: Any
+  committed: bool
+  devices: list[Any]
+  regions: list[Bounds]  # per device
+  pieces: dict[Bounds, list]  # per distinct region: (Stored, Shard)
 
-def read_manifest(api: str, path: str) -> dict | None:
-  file = os.path.join(path, MANIFEST)
-  if not os.path.isfile(file):
-    return None
-  try:
-    with open(file, "rb") as f:
-      manifest = json.loads(f.read().decode())
-    if manifest.get("format") != MANIFEST_FORMAT:
-      raise ValueError(f"unknown format {manifest.get('format')!r}")
-    for a in manifest["arrays"].values():
-      a["dtype"] = np.dtype(a["dtype"])
-  except (ValueError, KeyError, TypeError, AttributeError) as err:
-    raise ValueError(
-      f"{api}: the manifest {file!r} is damaged ({err}); write the checkpoint "
-      "again"
-    ) from None
-  return manifest
-
-
-def _read_region(
-  api: str, path: str, key: str, entry: dict, idx: tuple
-) -> np.ndarray:
-  shape = tuple(entry["shape"])
-  want = bounds(idx, shape)
-  out = np.empty([hi - lo for lo, hi in want], entry["dtype"])
-  for shard in entry["shards"]:
-    lo = shard["start"]
-    hi = [a + n for a, n in zip(lo, shard["shape"])]
-    inter = [(max(a, w0), min(b, w1)) for a, b, (w0, w1) in zip(lo, hi, want)]
-    if any(a >= b for a, b in inter):
-      continue
-    file = os.path.join(path, shard["file"])
-    try:
-      data = np.load(file, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:
-      raise ValueError(
-        f"{api}: the shard file {file!r} of {key!r} is not readable: {err}"
-      ) from None
-    if data.shape != tuple(shard["shape"]):
-      raise ValueError(
-        f"{api}: the shard file {file!r} of {key!r} holds {list(data.shape)}, "
-        f"the manifest says {shard['shape']}; the checkpoint is damaged"
-      )
-    src = tuple(slice(a - s, b - s) for (a, b), s in zip(inter, lo))
-    dst = tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))
-    part = np.asarray(data[src])
-    if part.dtype.kind == "V":
-      part = part.view(entry["dtype"])
-    out[dst] = part
-  return out
+  @property
+  def nbytes(self) -> int:
+    size = self.entry.dtype.itemsize
+    return sum(math.prod(b - a for a, b in r) * size for r in self.pieces)
 
 
 def restore_tree(
   api: str,
-  path: str,
-  manifest: dict,
+  opened: Manifest,
   target: Any,
   treedef: Any,
   leaves: list[Any],
@@ -91,72 +69,247 @@ def restore_tree(
   placement: Any,
   placement_of: Any,
   weak: Any,
+  max_inflight_bytes: int,
+  read_threads: int,
+  progress: bool | None,
+  batch_cap: int,
 ) -> Any:
   """restore's path for a checkpoint with a manifest (several processes wrote it)."""
-  places = targets.resolve_placement(
-    api, placement, target, treedef, leaves, placement_of
-  )
-  out = restore(api, path, manifest, keys, paths, specs, places)
+  with opened:
+    places = targets.resolve_placement(
+      api, placement, target, treedef, leaves, placement_of
+    )
+    plan = _plan(api, opened, keys, paths, specs, places)
+    limit = min(max(1, max_inflight_bytes // 2), batch_cap)
+    out = _stream(
+      api, opened, plan, limit, max_inflight_bytes, read_threads, progress
+    )
   return treedef.unflatten(
     [weak(y) if spec[2] else y for y, spec in zip(out, specs)]
   )
 
 
-def restore(
+def _plan(
   api: str,
-  path: str,
-  manifest: dict,
+  opened: Manifest,
   keys: list[str],
   paths: list[str],
   specs: list[tuple[tuple[int, ...], np.dtype, bool]],
   places: list[Any],
-) -> list[jax.Array]:
-  """The arrays of a manifest checkpoint onto ``places`` (validated first)."""
-  arrays = manifest["arrays"]
-  missing = [k for k in keys if k not in arrays]
-  extra = sorted(set(arrays) - set(keys))
-  if missing or extra:
+) -> list[_Leaf]:
+  """Checks keys, shapes, dtypes, placements and shard files; what to read."""
+  path, arrays = opened.path, opened.arrays
+  missing = [(p, k) for p, k in zip(paths, keys) if k not in arrays]
+  if missing:
+    listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
     raise ValueError(
-      f"{api}: the target and {path!r} disagree: missing from the "
-      f"checkpoint {missing[:5]}, not in the target {extra[:5]}"
+      f"{api}: {len(missing)} leaves of the target are missing from {path!r}: "
+      f"{listed}{' ...' if len(missing) > 5 else ''}"
     )
-  shardings = []
+  extra = sorted(set(arrays) - set(keys))
+  if extra:
+    raise ValueError(
+      f"{api}: {path!r} holds {len(extra)} arrays the target has no leaf for: "
+      f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
+      "target with these leaves"
+    )
+  normalized: dict[int, Any] = {}
+  plan = []
   for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
     entry = arrays[key]
-    stored = entry["dtype"]
+    stored = entry.dtype
     same = (
       stored == dtype
       or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
     )
-    if tuple(entry["shape"]) != shape or not same:
+    if entry.shape != shape or not same:
       raise ValueError(
         f"{api}: the leaf at {where} (key {key!r}) is stored as "
-        f"{stored.name}{entry['shape']} but the target expects "
+        f"{stored.name}{list(entry.shape)} but the target expects "
         f"{dtype.name}{list(shape)}"
       )
-    sharding, layout, _ = targets.normalize_target(api, p)
+    if id(p) not in normalized:
+      try:
+        normalized[id(p)] = targets.normalize_target(api, p)
+      except targets.Delegate:
+        raise ValueError(
+          f"{api}: placement {p!r} at {where} depends on the mesh context; "
+          "pass a Sharding"
+        ) from None
+      except ValueError as err:
+        raise ValueError(
+          f"{err} (the placement of the leaf at {where}; a target leaf's "
+          "sharding is its placement unless placement= is given)"
+        ) from None
+    sharding, layout, committed = normalized[id(p)]
     if sharding is None:
-      sharding = targets.single_device_sharding(_devices()[0])
-    if layout is not None:
-      raise ValueError(
-        f"{api}: the leaf at {where}: restoring a checkpoint written by "
-        "several processes onto a layout is not supported; pass a Sharding"
-      )
-    shardings.append(sharding)
-  out: list[jax.Array] = []
-  for key, (shape, dtype, _), sharding in zip(keys, specs, shardings):
-    region = _region_reader(api, path, key, arrays[key], dtype)
-    out.append(_make_array_from_callback(shape, sharding, region, dtype=dtype))
+      sharding = targets.single_device_sharding(jax_internals.default_device())
+    try:
+      sharding.shard_shape(shape)
+      index_map = sharding.addressable_devices_indices_map(shape)
+    except Exception as err:  # the sharding's own message says why
+      raise placement_error(
+        err,
+        sharding,
+        shape,
+        f"{api}: the leaf at {where} with shape {shape} cannot be placed on "
+        f"{sharding}: {err}",
+      ) from None
+    aval = jax_internals.ShapedArray(
+      shape, jax.dtypes.canonicalize_dtype(stored)
+    )
+    if committed:
+      aval = jax_internals.device_put_aval(aval, sharding)
+    regions = [bounds(idx, shape) for idx in index_map.values()]
+    pieces = {r: opened.pieces(key, entry, r) for r in dict.fromkeys(regions)}
+    plan.append(
+      _Leaf(
+        key, entry, sharding, layout, aval, committed, list(index_map),
+        regions, pieces,
+      )  # fmt: skip
+    )
+  return plan
+
+
+def _stream(
+  api: str,
+  opened: Manifest,
+  plan: list[_Leaf],
+  limit: int,
+  max_inflight_bytes: int,
+  read_threads: int,
+  progress: bool | None,
+) -> list[Any]:
+  """Reads (ahead, on a background thread) and places; the arrays in order."""
+  jax_internals.release_dropped_host_buffers()
+  sizes = [leaf.nbytes for leaf in plan]
+  batches = _split(sizes, limit)
+  pool = concurrent.futures.ThreadPoolExecutor(
+    read_threads, thread_name_prefix=files.READ_THREAD_PREFIX
+  )
+  bar = Progress("restore", sum(sizes), enabled=progress)
+  memory = files.HostMemory()
+
+  def read_batch(k: int) -> list[dict[Bounds, np.ndarray]]:
+    return _read(api, opened, [plan[i] for i in batches[k]], memory, pool)
+
+  reader = prefetch.BatchReader(
+    read_batch, [sum(sizes[i] for i in b) for b in batches], max_inflight_bytes
+  )
+  out: list[Any] = [None] * len(plan)
+  try:
+    for k, batch in enumerate(batches):
+      regions = reader.take(k)
+      placed = []
+      for i, bufs in zip(batch, regions):
+        out[i] = _put(api, plan[i], bufs)  # from here on deleted on failure
+        placed.append(out[i])
+      del regions
+      jax.block_until_ready(placed)
+      reader.release(k)
+      bar.update(sum(sizes[i] for i in batch))
+  except BaseException:
+    reader.close()
+    for y in out:  # nothing stays half-placed
+      if isinstance(y, jax.Array) and not y.is_deleted():
+        y.delete()
+    raise
+  finally:
+    reader.close()
+    pool.shutdown(wait=True)
+    bar.close()
   return out
 
 
-def _region_reader(
-  api: str, path: str, key: str, entry: dict, dtype: np.dtype
-) -> Callable[[Any], np.ndarray]:
-  """The callback giving the slice ``idx`` of one array, as ``dtype``."""
+def _split(sizes: list[int], limit: int) -> list[list[int]]:
+  batches: list[list[int]] = []
+  total = 0
+  for i, n in enumerate(sizes):
+    if not batches or total + n > limit:
+      batches.append([])
+      total = 0
+    batches[-1].append(i)
+    total += n
+  return batches
 
-  def region(idx: Any) -> np.ndarray:
-    a = _read_region(api, path, key, entry, idx)
-    return a if a.dtype == dtype else a.astype(dtype)
 
-  return region
+def _read(
+  api: str,
+  opened: Manifest,
+  leaves: list[_Leaf],
+  memory: files.HostMemory,
+  pool: concurrent.futures.ThreadPoolExecutor,
+) -> list[dict[Bounds, np.ndarray]]:
+  """The distinct regions of ``leaves``, each in a new aligned buffer."""
+  used = {s.name: s for leaf in leaves for p in leaf.pieces.values() for s, _ in p}
+  fds: dict[str, int] = {}
+  try:
+    for name, s in used.items():
+      fd = s.fd
+      if fd < 0:  # closed after validation: the same file must be there
+        fd = _reopen(api, s)
+      fds[name] = fd
+    out, tasks = [], []
+    for leaf in leaves:
+      bufs = {}
+      for want, pieces in leaf.pieces.items():
+        shape = tuple(b - a for a, b in want)
+        buf, _ = memory.empty(shape, leaf.entry.dtype)
+        bufs[want] = buf
+        tasks += read_tasks(pieces, want, buf, fds, files.CHUNK)
+      out.append(bufs)
+    try:
+      for f in [pool.submit(t) for t in tasks]:
+        f.result()
+      for name, s in used.items():
+        if files.stamp(os.fstat(fds[name])) != s.stamp:
+          raise ValueError("it was modified while restore read it")
+    except (OSError, ValueError, EOFError) as err:
+      raise ValueError(
+        f"{api}: reading the shard files of {[x.key for x in leaves][:5]} in "
+        f"{opened.path!r} failed: {err}; a file changed or is damaged since "
+        "restore validated it"
+      ) from None
+  finally:
+    for name, fd in fds.items():
+      if fd != used[name].fd:
+        os.close(fd)
+  return out
+
+
+def _reopen(api: str, s: files.Stored) -> int:
+  try:
+    fd, st = files._open_file(s.name, s.dir_fd)
+  except (OSError, ValueError) as err:
+    raise ValueError(f"{api}: {s.where} cannot be read: {err}") from None
+  if files.stamp(st) != s.stamp:
+    os.close(fd)
+    raise ValueError(
+      f"{api}: {s.where} was replaced after restore validated it; restore "
+      "again"
+    )
+  return fd
+
+
+def _put(api: str, leaf: _Leaf, bufs: dict[Bounds, np.ndarray]) -> Any:
+  """One array from its regions (a device may take its buffer over)."""
+  put = jax_internals.batched_device_put
+  shards = [bufs[r] for r in leaf.regions]
+  devices = leaf.devices
+  with jax_internals.explicit_device_put_scope():
+    if len(bufs) < len(shards) or 0 in leaf.aval.shape:
+      # A region several devices hold: each gets a copy of its own (a buffer
+      # backing two shards would let a donation on one change the other).
+      memory_kind = leaf.sharding.memory_kind
+      shards = [
+        put(
+          jax_internals.ShapedArray(x.shape, leaf.aval.dtype),
+          jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind),
+          [x], [d], True, True,
+        )
+        for x, d in zip(shards, devices)
+      ]  # fmt: skip
+    y = put(leaf.aval, leaf.sharding, shards, devices, leaf.committed, False)
+  if leaf.layout is not None:
+    y = place(y, Format(leaf.layout, leaf.sharding), donate=True, api=api)
+  return y
