@@ -38,7 +38,8 @@ save: bt.save (durable) against numpy.save of the same bytes with each file
   values: orbax compresses, and constant arrays flattered it 3x.
   save(blocking=False)'s blocked time against orbax's async save call.
 
-Usage: batched_transfer_bench.py [--quick] [--save-only] [--json PATH]
+Usage: batched_transfer_bench.py [--quick] [--save-only] [--restore-only]
+  [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -249,15 +253,18 @@ import jax, numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
-tmp, n_files, rows, cols, repeats = sys.argv[1:]
+tmp, n_files, rows, cols, repeats, kind = sys.argv[1:]
 n_files, rows, cols, repeats = int(n_files), int(rows), int(cols), int(repeats)
 devices = jax.devices()
 mesh = jax.make_mesh((len(devices),), ("x",))
 keys = [f"t{k:03d}" for k in range(n_files)]
 path = os.path.join(tmp, "orbax")
 ckpt = ocp.StandardCheckpointer()
-ckpt.save(path, {k: np.full((rows, cols), i, np.float32)
-                 for i, k in enumerate(keys)})
+def value(i):  # random values: orbax compresses, constant arrays flatter it
+  if kind == "random":
+    return np.random.default_rng(i).random((rows, cols), np.float32)
+  return np.full((rows, cols), i, np.float32)
+ckpt.save(path, {k: value(i) for i, k in enumerate(keys)})
 ckpt.wait_until_finished()
 out = {}
 for where, sharding in [("one device", SingleDeviceSharding(devices[0])),
@@ -296,7 +303,8 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
     size = f"{n_files} .npy files, {nbytes / 2**20:.0f} MiB"
     del tree
     _, orbax_s = jb.run_fresh(
-      _ORBAX, args=[tmp, str(n_files), str(rows), str(cols), str(repeats)]
+      _ORBAX,
+      args=[tmp, str(n_files), str(rows), str(cols), str(repeats), "full"],
     )
     reused = [aligned_bytes(os.path.getsize(f)) for f in files]
     threads = checkpoint_files.default_read_threads()
@@ -361,6 +369,119 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
         f"allocated and touched once: {gbs['reused']:.2f} GB/s (restore "
         f"{m['reused'] / m['restore']:.2f}x of it; a restore's arrays are new "
         "memory, which the kernel must zero and map first)."
+      )
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# One of two jax.distributed processes (4 CPU devices each) saving the
+# benchmark's random tree, rows over the 8 devices: a manifest checkpoint.
+_TWO_PROCESS_SAVE = """
+import os, sys
+pid, port, path, n_files, rows, cols = sys.argv[1:]
+n_files, rows, cols = int(n_files), int(rows), int(cols)
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                           num_processes=2, process_id=int(pid),
+                           initialization_timeout=120)
+from jaxworks import batched_transfer as bt
+sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+tree = {}
+for i in range(n_files):
+  v = np.random.default_rng(i).random((rows, cols), np.float32)
+  tree[f"t{i:03d}"] = jax.make_array_from_callback(
+      v.shape, sharding, lambda idx, v=v: v[idx])
+bt.save(path, tree)
+print("saved", flush=True)
+"""
+
+
+def _save_two_processes(path, n_files, rows, cols) -> None:
+  """The random tree saved by two jax.distributed processes at ``path``."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  env["JAX_PLATFORMS"] = "cpu"
+  args = [path, str(n_files), str(rows), str(cols)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _TWO_PROCESS_SAVE, str(pid), str(port), *args],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for pid in (0, 1)
+  ]
+  for proc in procs:
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+      raise RuntimeError(f"the two-process save failed:\n{out[-3000:]}")
+
+
+def manifest_restore_rows(report: jb.Report, total_bytes, n_files, repeats):
+  """restore of a tree (random values) two processes wrote (a manifest
+  checkpoint) by this one process, against orbax's restore of the same tree
+  and against restore of the same tree one process wrote."""
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",))
+  tmp = tempfile.mkdtemp(prefix="bt-bench-")
+  try:
+    cols = 1024
+    rows = total_bytes // n_files // 4 // cols // 8 * 8
+    nbytes = rows * cols * 4 * n_files
+    keys = [f"t{i:03d}" for i in range(n_files)]
+    two = os.path.join(tmp, "two")
+    _save_two_processes(two, n_files, rows, cols)
+    one = os.path.join(tmp, "one")
+    bt.save(
+      one,
+      {
+        k: np.random.default_rng(i).random((rows, cols), np.float32)
+        for i, k in enumerate(keys)
+      },
+    )
+    _, orbax_s = jb.run_fresh(
+      _ORBAX,
+      args=[tmp, str(n_files), str(rows), str(cols), str(repeats), "random"],
+    )
+    size = f"{n_files} leaves, {nbytes / 2**20:.0f} MiB, random"
+    for where, sharding in [
+      ("one device", SingleDeviceSharding(devices[0])),
+      (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
+    ]:
+      like = {
+        k: jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
+        for k in keys
+      }
+      m = jb.median_interleaved(
+        {
+          "two": lambda: bt.restore(two, like, progress=False),
+          "one": lambda: bt.restore(one, like, progress=False),
+        },
+        repeats,
+        warmup=True,
+      )
+      m["orbax"] = orbax_s["one device" if where == "one device" else "rows"]
+      case = f"restore, written by 2 processes, {size} -> {where}"
+      report.add(
+        f"{case} (vs orbax)", m["two"], m["orbax"], "peer",
+        "orbax StandardCheckpointer restore of the same tree (own process)",
+        goal=3.0,
+      )  # fmt: skip
+      report.add(
+        f"{case} (vs written by 1 process)", m["two"], m["one"], "naive",
+        "restore of the same tree written by one process",
+      )  # fmt: skip
+      gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
+      report.note(
+        f"restore {where}, written by two processes: {gbs['two']:.2f} GB/s; "
+        f"written by one {gbs['one']:.2f} GB/s; orbax {gbs['orbax']:.2f} GB/s "
+        f"({m['orbax'] / m['two']:.2f}x, goal >= 3x)."
       )
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -522,6 +643,9 @@ def main() -> None:
   parser.add_argument(
     "--save-only", action="store_true", help="only the save rows"
   )
+  parser.add_argument(
+    "--restore-only", action="store_true", help="only the restore rows"
+  )
   jb.add_arguments(parser)
   args = parser.parse_args()
   start = time.perf_counter()
@@ -538,16 +662,25 @@ def main() -> None:
     else:
       save_rows(report, 2**30, 16, repeats=3)
       save_rows(report, 128 * 2**20, 1000, repeats=3)
+  elif args.restore_only:
+    if args.quick:
+      restore_rows(report, 32 * 2**20, 8, repeats=2)
+      manifest_restore_rows(report, 64 * 2**20, 16, repeats=2)
+    else:
+      restore_rows(report, 2**30, 16, repeats=9)
+      manifest_restore_rows(report, 2**30, 16, repeats=9)
   elif args.quick:
     transfer_rows(report, [10, 100], repeats=3, min_reps=3)
     grouping_rows(report, [10_000], repeats=3)
     restore_rows(report, 32 * 2**20, 8, repeats=2)
+    manifest_restore_rows(report, 64 * 2**20, 16, repeats=2)
     save_rows(report, 32 * 2**20, 16, repeats=2)
     save_rows(report, 2**20, 100, repeats=2)
   else:
     transfer_rows(report, [10, 100, 1000], repeats=30)
     grouping_rows(report, [10_000, 100_000], repeats=7)
     restore_rows(report, 2**30, 16, repeats=9)
+    manifest_restore_rows(report, 2**30, 16, repeats=9)
     save_rows(report, 2**30, 16, repeats=5)
     save_rows(report, 128 * 2**20, 1000, repeats=5)
   report.note(f"total {time.perf_counter() - start:.1f} s")

@@ -317,9 +317,7 @@ def _restore_in_thread(path, target, **kw):
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "truncated",
                                   "longer", "header", "missing"])  # fmt: skip
-def test_a_bad_shard_file_is_refused_before_anything_is_placed(
-  tmp_path, kind
-):
+def test_a_bad_shard_file_is_refused_before_anything_is_placed(tmp_path, kind):
   v = version(1, leaves=2, n=64)
   write_manifest_checkpoint(tmp_path / "c", v)
   bad = tmp_path / "c" / "l1.shards" / "2.npy"
@@ -338,9 +336,7 @@ def test_a_bad_shard_file_is_refused_before_anything_is_placed(
   elif kind == "header":
     bad.write_bytes(b"\x93NUMPY garbage")
   before = len(jax.live_arrays())
-  text = _restore_in_thread(
-    tmp_path / "c", like(v), placement=jax.devices()[1]
-  )
+  text = _restore_in_thread(tmp_path / "c", like(v), placement=jax.devices()[1])
   assert text.startswith(API) and str(bad) in text, text
   assert len(jax.live_arrays()) == before  # nothing stays placed
 

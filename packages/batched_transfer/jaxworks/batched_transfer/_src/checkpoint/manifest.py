@@ -80,7 +80,9 @@ def parse(data: bytes) -> dict[str, Entry]:
   """The arrays a manifest describes; ValueError/KeyError/TypeError if damaged."""
   m = json.loads(data.decode())
   if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
-    raise ValueError(f"unknown format {m.get('format') if isinstance(m, dict) else m!r:.40}")
+    raise ValueError(
+      f"unknown format {m.get('format') if isinstance(m, dict) else m!r:.40}"
+    )
   arrays = m["arrays"]
   if not isinstance(arrays, dict):
     raise TypeError("'arrays' is not an object")
@@ -98,7 +100,9 @@ def parse(data: bytes) -> dict[str, Entry]:
       start = _ints(s["start"], len(shape), f"the start of {file!r}")
       sshape = _ints(s["shape"], len(shape), f"the shape of {file!r}")
       if any(b + n > d for b, n, d in zip(start, sshape, shape)):
-        raise ValueError(f"the shard {file!r} lies outside {key!r} {list(shape)}")
+        raise ValueError(
+          f"the shard {file!r} lies outside {key!r} {list(shape)}"
+        )
       shards.append(Shard(file, start, sshape))
     _check_grid(key, shape, shards)
     out[key] = Entry(shape, dtype, shards)
@@ -244,8 +248,7 @@ class Manifest:
         )
       if bad:
         raise ValueError(
-          f"{api}: the shard file {file!r} of {key!r} {bad}. Nothing was "
-          "placed"
+          f"{api}: the shard file {file!r} of {key!r} {bad}. Nothing was placed"
         )
     except BaseException:
       os.close(fd)
@@ -327,7 +330,10 @@ def read_tasks(
         n = min(chunk, run - a)
         tasks.append(
           _run_task(
-            fds, name, s.offset + src_off + a, dst[dst_off + a : dst_off + a + n]
+            fds,
+            name,
+            s.offset + src_off + a,
+            dst[dst_off + a : dst_off + a + n],
           )
         )
   return tasks
@@ -376,7 +382,9 @@ def _block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst):
       src = src[tuple(slice(a, a + n) for a, n in zip(lo, ext))]
     else:
       src = block.reshape((rows,) + sshape[1:])
-      src = src[(slice(None),) + tuple(slice(a, a + n) for a, n in zip(lo[1:], ext[1:]))]
+      src = src[
+        (slice(None),) + tuple(slice(a, a + n) for a, n in zip(lo[1:], ext[1:]))
+      ]
     region = dst.reshape(dshape)
     region[tuple(slice(a, a + n) for a, n in zip(dlo, ext))] = src
 

@@ -164,8 +164,15 @@ def _plan(
     pieces = {r: opened.pieces(key, entry, r) for r in dict.fromkeys(regions)}
     plan.append(
       _Leaf(
-        key, entry, sharding, layout, aval, committed, list(index_map),
-        regions, pieces,
+        key,
+        entry,
+        sharding,
+        layout,
+        aval,
+        committed,
+        list(index_map),
+        regions,
+        pieces,
       )  # fmt: skip
     )
   return plan
@@ -241,7 +248,9 @@ def _read(
   pool: concurrent.futures.ThreadPoolExecutor,
 ) -> list[dict[Bounds, np.ndarray]]:
   """The distinct regions of ``leaves``, each in a new aligned buffer."""
-  used = {s.name: s for leaf in leaves for p in leaf.pieces.values() for s, _ in p}
+  used = {
+    s.name: s for leaf in leaves for p in leaf.pieces.values() for s, _ in p
+  }
   fds: dict[str, int] = {}
   try:
     for name, s in used.items():
@@ -285,8 +294,7 @@ def _reopen(api: str, s: files.Stored) -> int:
   if files.stamp(st) != s.stamp:
     os.close(fd)
     raise ValueError(
-      f"{api}: {s.where} was replaced after restore validated it; restore "
-      "again"
+      f"{api}: {s.where} was replaced after restore validated it; restore again"
     )
   return fd
 
