@@ -368,8 +368,21 @@ OWN_MAP = 64 * 2**10
 SLAB = 2**20
 
 
+#: Maps of at least this many bytes ask for transparent huge pages: the
+#: kernel zeroes and maps a restore's new memory 2 MiB at a time (a 1 GiB
+#: restore spent most of its time in 4 KiB page faults).
+HUGE_PAGE = 2 * 2**20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
 def _anonymous_map(nbytes: int) -> mmap.mmap:
-  return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+  m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+  if nbytes >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
+    try:
+      m.madvise(_MADV_HUGEPAGE)
+    except OSError:  # huge pages switched off: the map keeps 4 KiB pages
+      pass
+  return m
 
 
 class HostMemory:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import io
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from .sharded import MANIFEST_FORMAT
 MAX_MANIFEST_BYTES = 256 * 2**20
 #: Runs of fewer bytes are read as one block of whole rows and copied.
 SMALL_RUN = 256 * 2**10
+_MAX_HEADER = 12 + 10_000  # numpy reads headers of at most 10,000 bytes
 _DIR_FLAGS = (
   os.O_RDONLY
   | getattr(os, "O_DIRECTORY", 0)
@@ -188,6 +190,7 @@ class Manifest:
     self.api, self.path, self.dir_fd, self.arrays = api, path, dir_fd, arrays
     self.stored: dict[str, files.Stored] = {}
     self._held = 0
+    self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
 
   def close(self) -> None:
     for s in self.stored.values():
@@ -219,9 +222,7 @@ class Manifest:
       ) from None
     try:
       try:
-        with open(fd, "rb", closefd=False) as f:
-          shape, fortran, dtype = files._read_header(f)
-          offset = f.tell()
+        shape, fortran, dtype, offset = self._header(fd)
       except (OSError, ValueError, EOFError) as err:
         raise ValueError(
           f"{api}: the shard file {file!r} of {key!r} is not a readable .npy "
@@ -260,6 +261,28 @@ class Manifest:
       s.fd = -1
     self.stored[shard.file] = s
     return s
+
+  def _header(self, fd: int) -> tuple[Any, bool, np.dtype, int]:
+    """(shape, fortran, dtype, data offset) of the .npy file ``fd``: parsed
+    once per distinct header (the shards of an array share theirs)."""
+    head = os.pread(fd, 12, 0)
+    if len(head) < 10 or head[:6] != b"\x93NUMPY":
+      raise ValueError("it has no .npy magic string")
+    if head[6] == 1:
+      size = 10 + int.from_bytes(head[8:10], "little")
+    elif len(head) == 12:
+      size = 12 + int.from_bytes(head[8:12], "little")
+    else:
+      raise EOFError("the header is cut short")
+    if size > _MAX_HEADER:
+      raise ValueError(f"its header is {size} bytes, more than numpy writes")
+    raw = os.pread(fd, size, 0)
+    parsed = self._headers.get(raw)
+    if parsed is None:
+      parsed = files._read_header(io.BytesIO(raw)) + (size,)
+      if len(raw) == size:  # a whole header (else the line above raised)
+        self._headers[raw] = parsed
+    return parsed
 
   def pieces(
     self, key: str, entry: Entry, want: Bounds
