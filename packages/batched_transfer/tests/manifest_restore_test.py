@@ -5,8 +5,10 @@ headers and manifest validated before anything is placed, read through the
 descriptors validated (whole old or whole new data while a save replaces it).
 
 One checkpoint is written by two real processes (jax.distributed on
-127.0.0.1, 4 CPU devices each); the file tests write the same layout with
-numpy (``write_manifest_checkpoint``), which is quicker."""
+127.0.0.1, 4 CPU devices each), which also read it back onto shardings and
+layouts over both (each opening only the shard files its devices need); the
+file tests write the same layout with numpy (``write_manifest_checkpoint``),
+which is quicker."""
 
 import json
 import os
@@ -63,6 +65,46 @@ WORKER = textwrap.dedent("""
              "r": NamedSharding(mesh2, P("a")),       # each row on 2 devices
              "s": NamedSharding(mesh, P())}
     bt.save(path, {k: jax.device_put(v, where[k]) for k, v in values().items()})
+
+    # Read back by both processes onto other shardings (w in rows: this
+    # process's devices hold rows 8 * pid.. 8 * pid + 7); each opens only the
+    # shard files its devices need.
+    import os
+    import numpy as np
+    from jax.experimental.layout import Format, Layout
+    v = values()
+    other = {"w": NamedSharding(mesh, P("x")),
+             "h": NamedSharding(mesh, P()),
+             "r": NamedSharding(mesh2, P("b")),
+             "s": None}
+    like = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=other[k])
+            for k, x in v.items()}
+    opened, real_open = [], os.open
+    def spy(file, *a, **k):
+      opened.append(str(file))
+      return real_open(file, *a, **k)
+    os.open = spy
+    try:
+      out = bt.restore(path, like)
+    finally:
+      os.open = real_open
+    for k, x in out.items():
+      for s in x.addressable_shards:
+        assert np.asarray(s.data).tobytes() == v[k][s.index].tobytes(), k
+    w = sorted(f for f in opened if f.startswith("w.shards/"))
+    assert w == [f"w.shards/{n}.npy" for n in range(4 * pid, 4 * pid + 4)], w
+
+    # A column-major layout over both processes, as stock places it.
+    fmt = Format(Layout((0, 1)), NamedSharding(mesh2, P("a")))
+    out = bt.restore(path, like, placement={"w": fmt, "h": fmt, "r": None,
+                                            "s": None})
+    for k in ("w", "h"):
+      stock = jax.device_put(v[k], fmt)
+      assert out[k].format == stock.format, (out[k].format, stock.format)
+      assert out[k].format.layout.major_to_minor == (0, 1)
+      for s, t in zip(out[k].addressable_shards, stock.addressable_shards):
+        assert s.index == t.index and s.device == t.device
+        assert np.asarray(s.data).tobytes() == np.asarray(t.data).tobytes()
     print("WORKER-OK", pid, flush=True)
 """)
 
