@@ -33,6 +33,7 @@ from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
 from jaxworks.batched_transfer._src.checkpoint import manifest
 from jaxworks.batched_transfer._src.checkpoint import sharded
+from jaxworks.batched_transfer._src.checkpoint import sharded_restore
 
 API = "jaxworks.batched_transfer.restore"
 
@@ -457,3 +458,32 @@ def test_only_the_files_of_this_process_devices_are_opened(
     f"l0.shards/{i}.npy" for i in range(8)
   )
   assert checkpoint_files.MANIFEST_NAME == sharded.MANIFEST
+
+
+@pytest.mark.parametrize("how", ["modified", "replaced"])
+def test_a_shard_file_changed_after_validation_is_refused(
+  tmp_path, monkeypatch, how
+):
+  if how == "replaced":  # opened again when read, and checked to be the same
+    monkeypatch.setattr(checkpoint_files, "HELD_FILES", 0)
+  v = version(1, leaves=2, n=64)
+  write_manifest_checkpoint(tmp_path / "c", v)
+  bad = tmp_path / "c" / "l0.shards" / "1.npy"
+  real = sharded_restore._read
+
+  def change_then_read(*args):  # after validation, before the batch is read
+    data = bad.read_bytes()
+    if how == "modified":  # in place: same inode, new size
+      with open(bad, "ab") as f:
+        f.write(b"\0" * 8)
+    else:  # a new file, same size, at the name
+      bad.unlink()
+      bad.write_bytes(data)
+    return real(*args)
+
+  monkeypatch.setattr(sharded_restore, "_read", change_then_read)
+  with pytest.raises(ValueError) as err:
+    bt.restore(tmp_path / "c", like(v))
+  text = str(err.value)
+  assert text.startswith(API) and str(bad) in text, text
+  assert ("modified" if how == "modified" else "replaced") in text

@@ -354,7 +354,7 @@ def read_tasks(
         tasks.append(
           _run_task(
             fds,
-            name,
+            s,
             s.offset + src_off + a,
             dst[dst_off + a : dst_off + a + n],
           )
@@ -378,9 +378,14 @@ def _tail_bytes(ext: tuple, sshape: tuple, dshape: tuple) -> int:
   return math.prod(ext[_tail_dim(ext, sshape, dshape) :])
 
 
-def _run_task(fds: dict[str, int], name: str, offset: int, view: np.ndarray):
+def _run_task(
+  fds: dict[str, int], s: files.Stored, offset: int, view: np.ndarray
+) -> Callable[[], None]:
   def task() -> None:
-    files._read_range(fds[name], view.data, offset, 0, view.size)
+    try:
+      files._read_range(fds[s.name], view.data, offset, 0, view.size)
+    except (OSError, EOFError) as err:
+      raise ValueError(f"{s.where} failed: {err}") from None
 
   return task
 
@@ -396,7 +401,10 @@ def _block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst):
       rows, first = ext[0], lo[0]
     block = np.empty(math.prod(sshape[1:]) * rows, np.uint8)
     start = first * math.prod(sshape[1:])
-    files._read_range(fds[name], block.data, s.offset + start, 0, block.size)
+    try:
+      files._read_range(fds[name], block.data, s.offset + start, 0, block.size)
+    except (OSError, EOFError) as err:
+      raise ValueError(f"{s.where} failed: {err}") from None
     if s.fortran:  # the bytes of each element stay together
       n = len(sshape) - 1
       src = block.reshape(sshape[:-1][::-1] + sshape[-1:]).transpose(

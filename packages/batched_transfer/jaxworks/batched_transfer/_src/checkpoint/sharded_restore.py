@@ -267,18 +267,21 @@ def _read(
         bufs[want] = buf
         tasks += read_tasks(pieces, want, buf, fds, files.CHUNK)
       out.append(bufs)
+    futures = [pool.submit(t) for t in tasks]
+    concurrent.futures.wait(futures)  # every read ends before fds close
     try:
-      for f in [pool.submit(t) for t in tasks]:
+      for f in futures:
         f.result()
-      for name, s in used.items():
-        if files.stamp(os.fstat(fds[name])) != s.stamp:
-          raise ValueError("it was modified while restore read it")
     except (OSError, ValueError, EOFError) as err:
       raise ValueError(
-        f"{api}: reading the shard files of {[x.key for x in leaves][:5]} in "
-        f"{opened.path!r} failed: {err}; a file changed or is damaged since "
-        "restore validated it"
+        f"{api}: reading {err}; the file changed or is damaged since restore "
+        "validated it"
       ) from None
+    for name, s in used.items():
+      if files.stamp(os.fstat(fds[name])) != s.stamp:
+        raise ValueError(
+          f"{api}: {s.where} was modified while restore read it; restore again"
+        )
   finally:
     for name, fd in fds.items():
       if fd != used[name].fd:
