@@ -14,9 +14,12 @@ path while restore runs is read whole as it was validated, or refused.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
+from collections.abc import Iterator
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -55,6 +58,19 @@ class Entry:
   shape: tuple[int, ...]
   dtype: np.dtype
   shards: list[Shard]
+  # The grid: the shards' distinct starts along each dimension, sorted, and
+  # the shard at each combination of starts.
+  starts: list[list[int]] = dataclasses.field(default_factory=list)
+  at: dict[tuple[int, ...], Shard] = dataclasses.field(default_factory=dict)
+
+  def overlapping(self, want: Bounds) -> Iterator[Shard]:
+    """The shards that overlap the region ``want`` (none if it is empty)."""
+    ranges = [
+      range(bisect.bisect_right(st, w0) - 1, bisect.bisect_left(st, w1))
+      for st, (w0, w1) in zip(self.starts, want)
+    ]
+    for idx in itertools.product(*ranges):
+      yield self.at[tuple(st[i] for st, i in zip(self.starts, idx))]
 
 
 def _ints(v: Any, n: int | None, what: str) -> tuple[int, ...]:
@@ -107,7 +123,8 @@ def parse(data: bytes) -> dict[str, Entry]:
         )
       shards.append(Shard(file, start, sshape))
     _check_grid(key, shape, shards)
-    out[key] = Entry(shape, dtype, shards)
+    starts = [sorted({x.start[d] for x in shards}) for d in range(len(shape))]
+    out[key] = Entry(shape, dtype, shards, starts, {x.start: x for x in shards})
   return out
 
 
@@ -242,7 +259,7 @@ class Manifest:
         or (dtype.isnative and header == entry.dtype)
       ):
         bad = f"holds {dtype.str}, the manifest says {entry.dtype.name}"
-      elif s.data_bytes != s.nbytes:
+      elif s.data_bytes != math.prod(s.shape) * dtype.itemsize:
         bad = (
           f"holds {s.data_bytes} bytes of data but its header needs "
           f"{s.nbytes}; it is truncated or damaged"
@@ -290,7 +307,7 @@ class Manifest:
     """The validated shard files overlapping the region ``want`` of ``key``
     (ValueError if they do not cover it)."""
     out, covered = [], 0
-    for shard in entry.shards:
+    for shard in entry.overlapping(want):
       inter = _intersect(shard, want)
       if inter is None:
         continue

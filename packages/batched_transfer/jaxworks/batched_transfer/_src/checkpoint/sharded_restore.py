@@ -260,12 +260,9 @@ def _read(
       fds[name] = fd
     out, tasks = [], []
     for leaf in leaves:
-      bufs = {}
+      bufs = _buffers(memory, leaf)
       for want, pieces in leaf.pieces.items():
-        shape = tuple(b - a for a, b in want)
-        buf, _ = memory.empty(shape, leaf.entry.dtype)
-        bufs[want] = buf
-        tasks += read_tasks(pieces, want, buf, fds, files.CHUNK)
+        tasks += read_tasks(pieces, want, bufs[want], fds, files.CHUNK)
       out.append(bufs)
     futures = [pool.submit(t) for t in tasks]
     concurrent.futures.wait(futures)  # every read ends before fds close
@@ -286,6 +283,23 @@ def _read(
     for name, fd in fds.items():
       if fd != used[name].fd:
         os.close(fd)
+  return out
+
+
+def _buffers(memory: files.HostMemory, leaf: _Leaf) -> dict[Bounds, Any]:
+  """A new aligned buffer per distinct region of ``leaf``: parts of one map
+  of their own for an array of ``OWN_MAP`` bytes or more (huge pages for the
+  whole array, however small its regions), else from ``memory``'s slabs."""
+  dtype = leaf.entry.dtype
+  shapes = {r: tuple(b - a for a, b in r) for r in leaf.pieces}
+  sizes = {r: math.prod(x) * dtype.itemsize for r, x in shapes.items()}
+  total = sum(n + (-n % files.ALIGN) for n in sizes.values())
+  if len(shapes) == 1 or total < files.OWN_MAP:
+    return {r: memory.empty(x, dtype)[0] for r, x in shapes.items()}
+  buf, offset, out = files._anonymous_map(total), 0, {}
+  for r, x in shapes.items():
+    out[r] = np.ndarray(x, dtype, buffer=buf, offset=offset)
+    offset += sizes[r] + (-sizes[r] % files.ALIGN)
   return out
 
 
