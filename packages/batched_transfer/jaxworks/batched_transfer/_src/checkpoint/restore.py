@@ -154,7 +154,10 @@ def restore(
   """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
 
   Args:
-    path: an .npz file or a directory of .npy files.
+    path: an .npz file or a directory of .npy files, or a directory that
+      several processes wrote (a manifest and shard files), read onto the
+      same kinds of targets, each process reading only what its devices
+      hold.
     target: a pytree whose leaves say what to expect: jax.ShapeDtypeStruct,
       jax.Array or numpy array leaves (their .shape, .dtype and weak_type), or
       Python scalars (a 0-d array of the dtype and weak type jax.device_put
