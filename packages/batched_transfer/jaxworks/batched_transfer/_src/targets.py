@@ -198,6 +198,23 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
   )
 
 
+def restore_target(api: str, t: Any, where: str) -> tuple[Any, Any, bool]:
+  """``normalize_target`` for the placement of restore's leaf at ``where``,
+  with restore's words for a target it cannot take."""
+  try:
+    return normalize_target(api, t)
+  except Delegate:
+    raise ValueError(
+      f"{api}: placement {t!r} at {where} depends on the mesh context; pass "
+      "a Sharding"
+    ) from None
+  except ValueError as err:
+    raise ValueError(
+      f"{err} (the placement of the leaf at {where}; a target leaf's "
+      "sharding is its placement unless placement= is given)"
+    ) from None
+
+
 def copy_semantics(
   api: str, may_alias: Any, donate: Any, where: str = ""
 ) -> Any:

@@ -84,3 +84,24 @@ def python_scalar_dtype(x: Any) -> np.dtype | None:
     if isinstance(x, t):
       return np.dtype(jax.dtypes.canonicalize_dtype(_PY_SCALARS[t]))
   return None  # pragma: no cover - the isinstance above covers every case
+
+
+def check_keys(
+  api: str, path: str, keys: list[str], paths: list[str], stored: Any
+) -> None:
+  """Raises ValueError naming the target leaves missing from the checkpoint
+  at ``path`` (whose keys are ``stored``), else the arrays it has no leaf for."""
+  missing = [(p, k) for p, k in zip(paths, keys) if k not in stored]
+  if missing:
+    listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
+    raise ValueError(
+      f"{api}: {len(missing)} leaves of the target are missing from {path!r}: "
+      f"{listed}{' ...' if len(missing) > 5 else ''}"
+    )
+  extra = sorted(set(stored) - set(keys))
+  if extra:
+    raise ValueError(
+      f"{api}: {path!r} holds {len(extra)} arrays the target has no leaf for: "
+      f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
+      "target with these leaves"
+    )

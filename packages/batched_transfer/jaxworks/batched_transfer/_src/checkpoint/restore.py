@@ -37,6 +37,7 @@ from . import commit
 from . import files
 from . import manifest
 from . import sharded_restore
+from .keys import check_keys
 from .keys import leaf_keys
 from .keys import python_scalar_dtype
 
@@ -273,20 +274,7 @@ def _validate(
   specs: list[tuple[tuple[int, ...], np.dtype, bool]],
 ) -> list[Any]:
   """Checks every key, shape, dtype, extent and placement; the placements."""
-  missing = [(p, k) for p, k in zip(paths, keys) if k not in stored]
-  if missing:
-    listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
-    raise ValueError(
-      f"{api}: {len(missing)} leaves of the target are missing from {path!r}: "
-      f"{listed}{' ...' if len(missing) > 5 else ''}"
-    )
-  extra = sorted(set(stored) - set(keys))
-  if extra:
-    raise ValueError(
-      f"{api}: {path!r} holds {len(extra)} arrays the target has no leaf for: "
-      f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
-      "target with these leaves"
-    )
+  check_keys(api, path, keys, paths, stored)
   places = targets.resolve_placement(
     api, placement, target, treedef, leaves, _placement_of
   )
@@ -296,18 +284,7 @@ def _validate(
   ):
     _check_leaf(api, where, key, stored[key], want_shape, want_dtype)
     if id(p) not in normalized:
-      try:
-        normalized[id(p)] = targets.normalize_target(api, p)
-      except targets.Delegate:
-        raise ValueError(
-          f"{api}: placement {p!r} at {where} depends on the mesh context; pass "
-          "a Sharding"
-        ) from None
-      except ValueError as err:
-        raise ValueError(
-          f"{err} (the placement of the leaf at {where}; a target leaf's "
-          "sharding is its placement unless placement= is given)"
-        ) from None
+      normalized[id(p)] = targets.restore_target(api, p, where)
     sharding = normalized[id(p)][0]
     if sharding is not None:
       try:

@@ -32,6 +32,7 @@ from ..api import place
 from ..progress import Progress
 from ..transfer import placement_error
 from . import files
+from .keys import check_keys
 from .manifest import Bounds
 from .manifest import Entry
 from .manifest import Manifest
@@ -99,20 +100,7 @@ def _plan(
 ) -> list[_Leaf]:
   """Checks keys, shapes, dtypes, placements and shard files; what to read."""
   path, arrays = opened.path, opened.arrays
-  missing = [(p, k) for p, k in zip(paths, keys) if k not in arrays]
-  if missing:
-    listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
-    raise ValueError(
-      f"{api}: {len(missing)} leaves of the target are missing from {path!r}: "
-      f"{listed}{' ...' if len(missing) > 5 else ''}"
-    )
-  extra = sorted(set(arrays) - set(keys))
-  if extra:
-    raise ValueError(
-      f"{api}: {path!r} holds {len(extra)} arrays the target has no leaf for: "
-      f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
-      "target with these leaves"
-    )
+  check_keys(api, path, keys, paths, arrays)
   normalized: dict[int, Any] = {}
   plan = []
   for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
@@ -129,18 +117,7 @@ def _plan(
         f"{dtype.name}{list(shape)}"
       )
     if id(p) not in normalized:
-      try:
-        normalized[id(p)] = targets.normalize_target(api, p)
-      except targets.Delegate:
-        raise ValueError(
-          f"{api}: placement {p!r} at {where} depends on the mesh context; "
-          "pass a Sharding"
-        ) from None
-      except ValueError as err:
-        raise ValueError(
-          f"{err} (the placement of the leaf at {where}; a target leaf's "
-          "sharding is its placement unless placement= is given)"
-        ) from None
+      normalized[id(p)] = targets.restore_target(api, p, where)
     sharding, layout, committed = normalized[id(p)]
     if sharding is None:
       sharding = targets.single_device_sharding(jax_internals.default_device())
