@@ -29,6 +29,11 @@ reference / jaxworks, so above 1 jaxworks is faster):
   this process, its threads and allocations made the jaxworks restores timed
   after it 3-15x slower here (their page faults stalled; the raw reads were
   not slowed), which would have flattered orbax.
+* restore of a checkpoint two processes wrote (jax.distributed, 4 CPU
+  devices each, rows over the 8; random values): by this one process onto
+  one device and rows over 8 devices, against orbax's restore of the same
+  random tree (peer, own process; goal: at least 3x faster) and against
+  restore of the same tree one process wrote (naive).
 
 save: bt.save (durable) against numpy.save of the same bytes with each file
   fsynced (goal: at least 0.8x its bandwidth; durable against durable) and
