@@ -68,12 +68,13 @@ WORKER = VALUES + textwrap.dedent("""
              "h": NamedSharding(mesh, P(None, None)),
              "r": NamedSharding(mesh2, P("a")),
              "n": NamedSharding(mesh, P())}
-    opened = []
-    real_load = np.load
-    def load(file, *a, **k):
+    import os
+    opened = []  # the files restore opens (shard files: relative to the checkpoint)
+    real_open = os.open
+    def spy_open(file, *a, **k):
       opened.append(str(file))
-      return real_load(file, *a, **k)
-    np.load = load
+      return real_open(file, *a, **k)
+    os.open = spy_open
     for path, step in ((f"{base}/sync", 0), (f"{base}/async", 1), (None, 3)):
       v = values(step)
       like = {k: jax.ShapeDtypeStruct(v[k].shape, v[k].dtype, sharding=other[k]) for k in v}
@@ -82,15 +83,15 @@ WORKER = VALUES + textwrap.dedent("""
         assert x.sharding == other[k], k
         for s in x.addressable_shards:
           assert np.asarray(s.data).tobytes() == v[k][s.index].tobytes(), (k, path)
-    np.load = real_load
+    os.open = real_open
     # Rows of w: this process's devices hold rows 8*pid..8*pid+7 with rows
     # over mesh (the restore of "sync" onto rows reads 4 of the 8 row files).
-    opened.clear(); np.load = load
+    opened.clear(); os.open = spy_open
     v = values(0)
     like = {k: jax.ShapeDtypeStruct(v[k].shape, v[k].dtype, sharding=other[k]) for k in v}
     like["w"] = jax.ShapeDtypeStruct((16, 4), np.float32, sharding=shardings["w"])
     out = bt.restore(f"{base}/sync", like)
-    np.load = real_load
+    os.open = real_open
     w_files = sorted(f.rsplit("/", 1)[1] for f in opened if "w.shards" in f)
     assert w_files == [f"{n}.npy" for n in range(4 * process_id, 4 * process_id + 4)], w_files
 
