@@ -329,3 +329,53 @@ def test_a_failure_on_one_process_is_raised_by_all_at_once(tmp_path):
       assert got[k].tobytes() == want[k].tobytes(), (path, k)
   assert sorted(os.listdir(base)) == ["c", "run"]
   assert sorted(os.listdir(os.path.join(base, "run"))) == ["5"]
+
+
+DONATE_WORKER = SETUP + textwrap.dedent("""
+    # What a non-blocking save holds: the host views of the shards
+    # (recorded as (buffer, view) addresses), no private copies.
+    held = []
+    real_of = hostvalue.of
+    def of(x):
+      out = real_of(x)
+      held.append((x.unsafe_buffer_pointer(), out.ctypes.data))
+      return out
+    hostvalue.of = of
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    tree = placed(0)
+    del tree["n"]  # a host leaf: not donated
+    h = bt.save(f"{base}/async", tree, blocking=False)
+    mine = len(held)
+    for _ in range(3):  # the next steps donate and overwrite the arrays
+      tree = step(tree)
+    h.wait()
+    assert mine == 4 + 4 + 1 * (process_id == 0), held  # w, h shards; r once
+    assert all(buf == view for buf, view in held), held
+    mgr = bt.CheckpointManager(f"{base}/run")
+    for s in (1, 2):
+      assert mgr.save(s, tree)  # steps 1, 2 hold the values after 3, 6 steps
+      tree = step(step(step(tree)))
+    mgr.wait_until_finished()
+    print("WORKER-OK", process_id, flush=True)
+""")
+
+
+def test_a_non_blocking_save_holds_views_while_the_next_steps_donate(
+  tmp_path,
+):
+  """save(blocking=False) across processes holds each shard's host view (no
+  copy); the next steps donate and overwrite the arrays while it writes, and
+  the checkpoints hold the values at the calls."""
+  base = str(tmp_path)
+  _run_two(DONATE_WORKER, base)
+  namespace: dict = {}
+  exec(VALUES, namespace)
+  want = {k: v for k, v in namespace["values"](0).items() if k != "n"}
+  for path in ("async", "run/1", "run/2"):
+    got = _numpy_read(os.path.join(base, path))
+    assert sorted(got) == sorted(want)
+    for k in want:
+      assert got[k].dtype == want[k].dtype
+      assert got[k].tobytes() == want[k].tobytes(), (path, k)
+    for _ in range(3):  # three steps, rounded as the device rounds
+      want = {k: (v * 2 + 1).astype(v.dtype) for k, v in want.items()}
