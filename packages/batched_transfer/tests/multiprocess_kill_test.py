@@ -82,7 +82,7 @@ WORKER = VALUES + textwrap.dedent("""
         tree = placed(step)
         mgr.save(step, tree, blocking=bool(step % 2))
         bt.save(f"{base}/ow", tree, overwrite=True, barrier_timeout_s=timeout)
-        print("saved", step, flush=True)
+        print("saved", step, time.monotonic(), flush=True)
     except BaseException as err:
       text = f"{type(err).__name__}: {err}".replace("\\n", " ")
       print("ERROR", time.monotonic(), text, flush=True)
@@ -195,7 +195,7 @@ def _lane(base, seed):
   seen = {"kills": 0, "leftovers": 0, "survivor": [], "log": []}
   left: list[str] = []
   latest_seen = 0
-  span = 0.4
+  cycles: list[float] = []  # seconds of one loop (a step and the path)
   for trial in range(TRIALS + 1):
     first = bt.CheckpointManager(os.path.join(base, "run")).latest_step() or 0
     pair = _Pair(base, first + 1, once=trial == TRIALS)
@@ -216,6 +216,8 @@ def _lane(base, seed):
         )
         break
       kind = kinds[trial]
+      # Kill times cover three loops: every moment of both saves.
+      span = 3 * (float(np.median(cycles)) if cycles else 0.15)
       delay = rng.uniform(0, span)
       time.sleep(delay)
       victims = [0, 1] if kind == "both" else [int(kind)]
@@ -227,7 +229,7 @@ def _lane(base, seed):
       seen["kills"] += len(victims)
       seen["log"].append(
         f"{os.path.basename(base)} trial {trial}: kill {kind} after "
-        f"{delay:.3f} s (start {took:.1f} s)"
+        f"{delay:.3f} s of {span:.3f} (start {took:.1f} s)"
       )
       if kind != "both":  # the survivor: an error, not a hang
         survivor = 1 - victims[0]
@@ -264,6 +266,10 @@ def _lane(base, seed):
     # committed (s - 1 is kept: max_to_keep=2 keeps s - 1 and s).
     if saved:
       assert steps[-1] >= saved[-1] - 1, (base, trial, steps, saved)
+    times = [
+      float(x.split()[2]) for x in pair.lines[0] if x.startswith("saved")
+    ]
+    cycles += list(np.diff(times))
     assert steps[-1] >= latest_seen, (base, trial, steps, latest_seen)
     latest_seen = steps[-1]
     # The latest step restores bit for bit.
