@@ -316,12 +316,15 @@ def save(
       holds the whole tree in host memory until it is written.
     barrier_timeout_s: with arrays spanning processes (jax.distributed),
       how long a process waits for the others to finish writing, and for
-      process 0's commit, before it raises (nothing is committed then).
+      process 0's commit, before it raises ``TimeoutError`` (a process
+      that died; nothing is committed then).
 
   Arrays spanning several processes: every process calls save with the
   same path and tree; each writes the shards its devices hold, process 0
-  the manifest, and the commit follows a barrier of jax.distributed (see
-  the README, "Checkpoints written by several processes").
+  the manifest, and commits once every process posted its status in
+  jax.distributed's key-value store. An error on any process is raised by
+  every process at once, the others' ``RuntimeError`` naming it (see the
+  README, "Checkpoints written by several processes").
 
   Returns:
     None when ``blocking``, else a ``SaveHandle``.
