@@ -152,6 +152,7 @@ class CheckpointManager:
     if not force and not self.should_save(step):
       if failed is not None:
         raise failed
+      pending.raise_background_error(api)
       return False
     path = self._path(step)
 
