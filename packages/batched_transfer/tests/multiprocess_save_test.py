@@ -136,8 +136,9 @@ def _numpy_read(path):
   return out
 
 
-def test_two_processes_save_and_restore(tmp_path):
-  base = str(tmp_path)
+def _run_two(worker, base, timeout=150):
+  """Runs ``worker`` (python source; argv: process id, port, base) as the
+  two processes of a jax.distributed job; asserts both printed WORKER-OK."""
   env = dict(os.environ)
   env.update(
     JAX_PLATFORMS="cpu",
@@ -145,17 +146,10 @@ def test_two_processes_save_and_restore(tmp_path):
     PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
   )
   port = str(_free_port())
+  dump = f"import faulthandler; faulthandler.dump_traceback_later({timeout - 30}, exit=True)\n"
   procs = [
     subprocess.Popen(
-      [
-        sys.executable,
-        "-c",
-        "import faulthandler; faulthandler.dump_traceback_later(120, exit=True)\n"
-        + WORKER,
-        str(i),
-        port,
-        base,
-      ],
+      [sys.executable, "-c", dump + worker, str(i), port, base],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -166,14 +160,20 @@ def test_two_processes_save_and_restore(tmp_path):
   outputs = []
   try:
     for p in procs:
-      outputs.append(p.communicate(timeout=150)[0])
+      outputs.append(p.communicate(timeout=timeout)[0])
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
         p.communicate()
-  for i, (p, text) in enumerate(zip(procs, outputs)):
+  for i, text in enumerate(outputs):
     assert f"WORKER-OK {i}" in text, f"process {i}:\n{text[-4000:]}"
+  return outputs
+
+
+def test_two_processes_save_and_restore(tmp_path):
+  base = str(tmp_path)
+  _run_two(WORKER, base)
 
   namespace: dict = {}
   exec(VALUES, namespace)
@@ -210,3 +210,173 @@ def test_two_processes_save_and_restore(tmp_path):
   for k, x in out.items():
     assert np.asarray(x).tobytes() == want[k].tobytes(), k
   assert out["h"].dtype == ml_dtypes.bfloat16
+
+
+SETUP = VALUES + textwrap.dedent("""
+    import os, sys, time
+    process_id, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=process_id, initialization_timeout=60)
+    from jaxworks import batched_transfer as bt
+    from jaxworks.batched_transfer._src.checkpoint import commit, hostvalue, sharded
+    mesh = jax.make_mesh((8,), ("x",))
+
+    def placed(step=0):
+      v = values(step)
+      s = {"w": NamedSharding(mesh, P("x")), "h": NamedSharding(mesh, P("x")),
+           "r": NamedSharding(mesh, P()), "n": None}
+      return {k: v[k] if s[k] is None else jax.device_put(v[k], s[k]) for k in v}
+""")
+
+FAIL_WORKER = SETUP + textwrap.dedent("""
+    def inject(pid, owner, name, what):
+      # owner.name raises OSError(what) once, on process pid only.
+      real = getattr(owner, name)
+      def boom(*a, **k):
+        setattr(owner, name, real)
+        raise OSError(5, what)
+      if process_id == pid:
+        setattr(owner, name, boom)
+
+    def expect(pid, what, call, path):
+      # Every process raises within seconds (the timeout is 60 s); the
+      # failing process its own error, the others one naming it.
+      t0 = time.monotonic()
+      try:
+        call()
+      except Exception as err:
+        took, text = time.monotonic() - t0, str(err)
+      else:
+        raise SystemExit(f"no error for {what}")
+      assert took < 10, (what, took)
+      assert what in text, (what, text)
+      if process_id != pid:
+        assert f"failed on process {pid}" in text, text
+        assert "jaxworks.batched_transfer" in text and repr(path) in text, text
+      print("FAILED-FAST", what, round(took, 3), flush=True)
+
+    def save(name, step, **kw):
+      return bt.save(f"{base}/{name}", placed(step), overwrite=True,
+                     barrier_timeout_s=60, **kw)
+
+    # Each failure is followed by a save with the same processes that works.
+    cases = [(1, sharded, "plan_save", "boom-plan"),
+             (0, commit, "clean", "boom-clean"),
+             (0, commit, "temp_name", "boom-mkdir"),
+             (1, hostvalue, "write_npy", "boom-write"),
+             (0, commit, "publish", "boom-commit")]
+    for n, (pid, owner, name, what) in enumerate(cases):
+      inject(pid, owner, name, what)
+      expect(pid, what, lambda: save("c", 10 + n), f"{base}/c")
+      save("c", n)
+    # A non-blocking save whose host copy fails on process 1 (in the call):
+    # process 0's handle fails in the background; no one waits for it, so
+    # process 0's next save raises it, inside that collective save, and so
+    # process 1's raises too (in step); then a save works.
+    path = f"{base}/c"
+    inject(1, hostvalue, "start_copy", "boom-copy")
+    if process_id == 1:
+      expect(1, "boom-copy", lambda: save("c", 20, blocking=False), path)
+    else:
+      save("c", 20, blocking=False)._event.wait()  # failed, not seen
+    expect(0, "boom-copy", lambda: save("c", 21), path)
+    save("c", 5)
+    # The manager: retention fails on process 0 after the commit; a
+    # non-blocking step whose host copy fails on process 1, whose error
+    # process 0 raises at its next step; then steps work.
+    mgr = bt.CheckpointManager(f"{base}/run", max_to_keep=1, barrier_timeout_s=60)
+    assert mgr.save(1, placed(1), blocking=True)
+    if process_id == 0:
+      def retain():
+        raise OSError(5, "boom-retain")
+      mgr._retain = retain
+    expect(0, "boom-retain", lambda: mgr.save(2, placed(2), blocking=True),
+           f"{base}/run/2")
+    mgr.__dict__.pop("_retain", None)
+    inject(1, hostvalue, "start_copy", "boom-step")
+    if process_id == 1:
+      expect(1, "boom-step", lambda: mgr.save(3, placed(3)), f"{base}/run/3")
+    else:
+      assert mgr.save(3, placed(3))
+    def step4():
+      mgr.save(4, placed(4))
+      mgr.wait_until_finished()  # process 1: its error is in the background
+    expect(0, "boom-step", step4, f"{base}/run/4")
+    assert mgr.save(5, placed(5))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [5], mgr.all_steps()
+    print("WORKER-OK", process_id, flush=True)
+""")
+
+
+def test_a_failure_on_one_process_is_raised_by_all_at_once(tmp_path):
+  """Each process fails in turn at some stage of a collective save (barrier
+  timeout 60 s): both raise within seconds, the others naming the failing
+  process, and the next save of the same processes works (their save
+  numbers stay in step)."""
+  base = str(tmp_path)
+  outputs = _run_two(FAIL_WORKER, base)
+  for i, text in enumerate(outputs):
+    assert text.count("FAILED-FAST") == 8 + 2 * i, text
+  namespace: dict = {}
+  exec(VALUES, namespace)
+  for path, step in (("c", 5), ("run/5", 5)):
+    got = _numpy_read(os.path.join(base, path))
+    want = namespace["values"](step)
+    for k in want:
+      assert got[k].tobytes() == want[k].tobytes(), (path, k)
+  assert sorted(os.listdir(base)) == ["c", "run"]
+  assert sorted(os.listdir(os.path.join(base, "run"))) == ["5"]
+
+
+DONATE_WORKER = SETUP + textwrap.dedent("""
+    # What a non-blocking save holds: the host views of the shards
+    # (recorded as (buffer, view) addresses), no private copies.
+    held = []
+    real_of = hostvalue.of
+    def of(x):
+      out = real_of(x)
+      held.append((x.unsafe_buffer_pointer(), out.ctypes.data))
+      return out
+    hostvalue.of = of
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    tree = placed(0)
+    del tree["n"]  # a host leaf: not donated
+    h = bt.save(f"{base}/async", tree, blocking=False)
+    mine = len(held)
+    for _ in range(3):  # the next steps donate and overwrite the arrays
+      tree = step(tree)
+    h.wait()
+    assert mine == 4 + 4 + 1 * (process_id == 0), held  # w, h shards; r once
+    assert all(buf == view for buf, view in held), held
+    mgr = bt.CheckpointManager(f"{base}/run")
+    for s in (1, 2):
+      assert mgr.save(s, tree)  # steps 1, 2 hold the values after 3, 6 steps
+      tree = step(step(step(tree)))
+    mgr.wait_until_finished()
+    print("WORKER-OK", process_id, flush=True)
+""")
+
+
+def test_a_non_blocking_save_holds_views_while_the_next_steps_donate(
+  tmp_path,
+):
+  """save(blocking=False) across processes holds each shard's host view (no
+  copy); the next steps donate and overwrite the arrays while it writes, and
+  the checkpoints hold the values at the calls."""
+  base = str(tmp_path)
+  _run_two(DONATE_WORKER, base)
+  namespace: dict = {}
+  exec(VALUES, namespace)
+  want = {k: v for k, v in namespace["values"](0).items() if k != "n"}
+  for path in ("async", "run/1", "run/2"):
+    got = _numpy_read(os.path.join(base, path))
+    assert sorted(got) == sorted(want)
+    for k in want:
+      assert got[k].dtype == want[k].dtype
+      assert got[k].tobytes() == want[k].tobytes(), (path, k)
+    for _ in range(3):  # three steps, rounded as the device rounds
+      want = {k: (v * 2 + 1).astype(v.dtype) for k, v in want.items()}

@@ -53,6 +53,9 @@ class CheckpointManager:
       older ones are deleted after a newer step committed.
     keep_period: also keep every step divisible by this (None: none).
     save_interval_steps: ``should_save(step)`` is true for multiples of it.
+    barrier_timeout_s: with trees spanning processes (jax.distributed), how
+      long a process waits for the others in a save before it raises (see
+      ``save``).
   """
 
   def __init__(
@@ -62,6 +65,7 @@ class CheckpointManager:
     max_to_keep: int | None = None,
     keep_period: int | None = None,
     save_interval_steps: int = 1,
+    barrier_timeout_s: float = 300.0,
   ) -> None:
     directory = os.fspath(directory)
     commit.check_local(_API, directory)
@@ -72,6 +76,14 @@ class CheckpointManager:
     if interval is None:
       raise ValueError(f"{_API}: save_interval_steps must be a positive int")
     self.save_interval_steps = interval
+    if isinstance(barrier_timeout_s, bool) or not (
+      isinstance(barrier_timeout_s, (int, float)) and barrier_timeout_s > 0
+    ):
+      raise ValueError(
+        f"{_API}: barrier_timeout_s must be a positive number of seconds, "
+        f"got {barrier_timeout_s!r}"
+      )
+    self.barrier_timeout_s = float(barrier_timeout_s)
     if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
       raise FileExistsError(
         f"{_API}: {directory!r} exists and is not a directory"
@@ -127,19 +139,36 @@ class CheckpointManager:
     """
     api = f"{_API}.save"
     step = _step(api, step)
-    self.wait_until_finished()
-    pending.raise_background_error(api)
+    # The previous save finishes first (should_save sees its step); its
+    # error is raised before anything else, inside the collective save when
+    # the tree spans processes (so every process raises it there, in step).
+    handle, self._handle = self._handle, None
+    failed: BaseException | None = None
+    if handle is not None:
+      try:
+        handle.wait()
+      except BaseException as err:  # raised below
+        failed = err
     if not force and not self.should_save(step):
+      if failed is not None:
+        raise failed
+      pending.raise_background_error(api)
       return False
     path = self._path(step)
-    if os.path.lexists(path):
-      raise FileExistsError(
-        f"{api}: step {step} exists in {self.directory!r}; delete(step) first"
-      )
-    if jax.process_index() == 0:  # what killed saves of any step left
-      with commit.locked(path):  # (process 0 alone: it commits)
-        for _, p in commit.step_temporaries(self.directory):
-          commit.remove(p)
+
+    def prelude() -> None:
+      if failed is not None:
+        raise failed
+      pending.raise_background_error(api)
+      if os.path.lexists(path):
+        raise FileExistsError(
+          f"{api}: step {step} exists in {self.directory!r}; delete(step) first"
+        )
+      if jax.process_index() == 0:  # what killed saves of any step left
+        with commit.locked(path):  # (process 0 alone: it commits)
+          for _, p in commit.step_temporaries(self.directory):
+            commit.remove(p)
+
     self._handle = saver.run_save(
       api,
       path,
@@ -148,6 +177,8 @@ class CheckpointManager:
       blocking=blocking,
       write_threads=None,
       max_inflight_bytes=saver.DEFAULT_INFLIGHT,
+      barrier_timeout_s=self.barrier_timeout_s,
+      prelude=prelude,
       after=self._retain,
     )
     return True

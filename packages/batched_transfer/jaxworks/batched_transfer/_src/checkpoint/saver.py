@@ -316,12 +316,15 @@ def save(
       holds the whole tree in host memory until it is written.
     barrier_timeout_s: with arrays spanning processes (jax.distributed),
       how long a process waits for the others to finish writing, and for
-      process 0's commit, before it raises (nothing is committed then).
+      process 0's commit, before it raises ``TimeoutError`` (a process
+      that died; nothing is committed then).
 
   Arrays spanning several processes: every process calls save with the
   same path and tree; each writes the shards its devices hold, process 0
-  the manifest, and the commit follows a barrier of jax.distributed (see
-  the README, "Checkpoints written by several processes").
+  the manifest, and commits once every process posted its status in
+  jax.distributed's key-value store. An error on any process is raised by
+  every process at once, the others' ``RuntimeError`` naming it (see the
+  README, "Checkpoints written by several processes").
 
   Returns:
     None when ``blocking``, else a ``SaveHandle``.
@@ -333,7 +336,6 @@ def save(
       URL.
   """
   api = f"{_API}.save"
-  pending.raise_background_error(api)
   path = os.fspath(path)
   commit.check_local(api, path)
   path = path.rstrip(os.sep) or path
@@ -346,6 +348,7 @@ def save(
     write_threads=write_threads,
     max_inflight_bytes=max_inflight_bytes,
     barrier_timeout_s=barrier_timeout_s,
+    prelude=lambda: pending.raise_background_error(api),
   )
 
 
@@ -359,19 +362,29 @@ def run_save(
   write_threads: int | None,
   max_inflight_bytes: int | None,
   barrier_timeout_s: float = 300.0,
+  prelude: Callable[[], None] | None = None,
   after: Callable[[], None] | None = None,
 ) -> pending.SaveHandle | None:
-  """save's work; ``after`` runs once the checkpoint is published (on the
-  writing thread, under no lock)."""
+  """save's work. ``prelude`` runs first (it raises errors of earlier
+  saves); ``after`` once the checkpoint is published (on the writing
+  thread, under no lock). Across processes both run inside the collective
+  save, whose every error reaches every process (see sharded)."""
   _positive(api, "write_threads", write_threads, True)
   _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or default_write_threads()
   keys, paths, leaves, _ = leaf_keys(api, tree)
-  # Host leaves are checked (and scalars converted) before anything is written.
-  for i, (where, x) in enumerate(zip(paths, leaves)):
-    if not isinstance(x, jax.Array):
-      leaves[i] = host_array(api, where, x, private=not blocking)
-  check_target(api, path, overwrite)
+
+  def prepare(leaves: list[Any]) -> list[Any]:
+    if prelude is not None:
+      prelude()
+    # Host leaves are checked (and scalars converted) before anything is
+    # written.
+    for i, (where, x) in enumerate(zip(paths, leaves)):
+      if not isinstance(x, jax.Array):
+        leaves[i] = host_array(api, where, x, private=not blocking)
+    check_target(api, path, overwrite)
+    return leaves
+
   if sharded.spans_processes(leaves):
     if path.endswith(".npz"):
       raise ValueError(
@@ -383,11 +396,13 @@ def run_save(
       path,
       keys,
       leaves,
+      prepare=prepare,
       blocking=blocking,
       threads=threads,
       barrier_timeout_s=barrier_timeout_s,
       after=after,
     )
+  leaves = prepare(leaves)
   if blocking:
     staged = _Leaves(api, paths, leaves, max_inflight_bytes)
     write_checkpoint(path, keys, staged.take, staged.done, threads)
