@@ -33,7 +33,7 @@ from jaxworks.batched_transfer._src.checkpoint import commit
 LANES = 2
 TRIALS = 16  # per lane: 32 kills
 TIMEOUT_S = 3.0  # barrier_timeout_s of the saves
-SLACK_S = 4.0  # scheduling on a busy machine
+SLACK_S = 15.0  # scheduling on a busy machine (CI runs tests side by side)
 
 VALUES = textwrap.dedent("""
     import numpy as np

@@ -33,9 +33,16 @@ DEFAULT_INFLIGHT = 1024 * 2**20
 WRITE_THREAD_PREFIX = "jaxworks-save-write"
 
 
+#: Threads writing one checkpoint by default. Writing and fsyncing wait on
+#: the disk with the GIL released, so more threads than CPUs help: 1 GiB in
+#: 16 files took 0.5-0.6 s on 2 threads and 0.41-0.45 s on 8 on a 2-core
+#: machine here.
+DEFAULT_WRITE_THREADS = 8
+
+
 def default_write_threads() -> int:
-  """Threads writing one checkpoint: the CPU count, at most 8."""
-  return max(1, min(8, os.cpu_count() or 1))
+  """Threads writing one checkpoint: 8, whatever the CPU count."""
+  return DEFAULT_WRITE_THREADS
 
 
 def _nbytes(x: Any) -> int:
@@ -309,7 +316,7 @@ def save(
       writes. An error in the background is raised by ``wait()`` and by the
       next ``save``; pending saves finish before the process exits.
     write_threads: threads writing files of a directory checkpoint at once
-      (default: the CPU count, at most 8).
+      (default: 8; writing waits on the disk, not on CPUs).
     max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
       host and not yet written at once (None: no limit); device-to-host
       copies are started this far ahead of the writers. A non-blocking save
