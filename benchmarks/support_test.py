@@ -4,7 +4,9 @@ import argparse
 import io
 import json
 import math
+import os
 import re
+import sys
 
 import jaxworks_bench as jb
 import pytest
@@ -178,3 +180,19 @@ def test_median_interleaved_rotates_only_the_first_k():
   out = jb.median_interleaved(fns, repeats=3, rotate=2)
   assert sorted(out) == list("abcd")
   assert order == list("abcd") + list("bacd") + list("abcd")
+
+
+def test_fresh_env_caches_bytecode_in_one_directory_per_run(monkeypatch):
+  monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+  env = jb.fresh_env({"X_EXTRA": "1"})
+  assert "PYTHONDONTWRITEBYTECODE" not in env
+  assert os.path.isdir(env["PYTHONPYCACHEPREFIX"])
+  assert jb.fresh_env()["PYTHONPYCACHEPREFIX"] == env["PYTHONPYCACHEPREFIX"]
+  assert env["X_EXTRA"] == "1"
+  assert env["PYTHONPATH"].split(os.pathsep)[0] == next(
+    p for p in sys.path if p
+  )
+  _, written = jb.run_fresh(
+    "import sys, json; print(json.dumps(sys.dont_write_bytecode))"
+  )
+  assert written is False

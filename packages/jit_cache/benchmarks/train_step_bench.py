@@ -55,8 +55,7 @@ PKG = "jit_cache"
 
 def fresh(*args: str) -> dict:
   """Runs the worker in a new process; returns its JSON result."""
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+  env = jb.fresh_env()  # bytecode cached as in an installed package
   env.pop("JAXWORKS_JIT_CACHE_DIR", None)
   proc = subprocess.run(
     [sys.executable, WORKER, *args],

@@ -1,6 +1,10 @@
 """Axis-name mistakes under jit_cache.jit: axis_names' diagnostic, as an
 instance of what stock raises."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -64,3 +68,32 @@ def test_under_an_outer_trace_the_error_is_stocks():
   with pytest.raises(NameError) as info:
     jax.make_jaxpr(lambda v: inner(v) + 1)(jnp.ones(2))
   assert type(info.value) is NameError  # JAX's own, for the outer tracer
+
+
+def test_a_call_that_works_imports_neither_axis_names_nor_jax_extend():
+  """axis_names is imported for the first axis-name error; ``jax.extend``
+  (which imports Pallas: ~14 ms) never by jit_cache's own path."""
+  code = (
+    "import sys, jax, jax.numpy as jnp\n"
+    "from jaxworks import jit_cache\n"
+    "f = jit_cache.jit(lambda x: jnp.sin(x) * 2)\n"
+    "f(jnp.ones(3)).block_until_ready()\n"
+    "f.lower(jnp.ones(3)).compile()\n"
+    "print(sorted(m for m in sys.modules if m.startswith("
+    "('jax.extend', 'jaxworks.axis_names._src.api', 'jax._src.pallas'))))\n"
+    "def bad(x):\n"
+    "  return jax.lax.psum(x, 'batch')\n"
+    "try:\n"
+    "  jit_cache.jit(bad)(1.0)\n"
+    "except NameError as e:\n"
+    "  print(type(e).__name__)\n"
+  )
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+  proc = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    timeout=120, check=False,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  assert lines[0] == "[]", lines
+  assert lines[1] == axis_names.AxisNameError.__name__, lines

@@ -475,3 +475,25 @@ def test_dispatcher_takes_the_cpp_cache_object_in_context():
     g(np.arange(i))
   assert f._cache_size() == 4  # the context's cache, capacity 4
   assert g._cache_size() == 5  # its own
+
+
+def test_jax_extend_names_are_the_same_objects():
+  import jax.extend.backend
+  import jax.extend.core
+  import jax.extend.source_info_util
+
+  assert ji.ClosedJaxpr is jax.extend.core.ClosedJaxpr
+  assert ji.Jaxpr is jax.extend.core.Jaxpr
+  assert ji.Literal is jax.extend.core.Literal
+  assert ji.DropVar is jax.extend.core.DropVar
+  assert ji.jit_p is primitives.jit_p
+  assert (
+    ji.register_source_exclusion
+    is jax.extend.source_info_util.register_exclusion
+  )
+  assert ji.backends is jax.extend.backend.backends
+  assert set(ji.backends()) >= {"cpu"}
+  closed = jax.make_jaxpr(lambda x: x + 1.0)(1.0)
+  assert isinstance(closed, ji.ClosedJaxpr)
+  assert isinstance(closed.jaxpr, ji.Jaxpr)
+  assert isinstance(closed.jaxpr.eqns[0].invars[1], ji.Literal)

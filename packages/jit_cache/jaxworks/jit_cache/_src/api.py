@@ -19,8 +19,6 @@ from typing import Any
 from typing import overload
 import weakref
 
-from jax.extend import core as jex_core
-
 from . import argnums as _argnums
 from . import boundary as _boundary
 from . import cache as _cache
@@ -498,7 +496,7 @@ def make_jaxpr(
       traced = wrapped.trace(*args, **kwargs)
     consts = traced._consts  # pylint: disable=protected-access
     if consts:
-      jaxpr = jex_core.ClosedJaxpr(
+      jaxpr = ji.ClosedJaxpr(
         ji.convert_invars_to_constvars(traced.jaxpr.jaxpr, len(consts)), consts
       )
     else:

@@ -6,7 +6,8 @@ user error shows the user's frames as under ``jax.jit``. An unbound axis
 name in a top-level call raises ``jaxworks.axis_names``' diagnostic
 instead of stock's bare ``AssertionError`` (inside a ``shard_map``) or
 ``NameError``; under an outer trace, the error is stock's, for the code
-that traces to handle.
+that traces to handle. ``jaxworks.axis_names`` is imported for the first
+such error (it is not on the path of a call that works).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import os
 
 from . import deps as _deps
 from . import jax_internals as ji
-
-_axis_names = _deps.load_axis_names()
 
 API = "jaxworks.jit_cache.jit"
 
@@ -40,7 +39,9 @@ def entry_point(method: Callable) -> Callable:
     except (NameError, AssertionError) as e:
       if ji.current_trace.value is not ji.eval_trace:
         raise  # an outer trace (axis_names' own, a user's) handles it
-      found = _axis_names.diagnose(e, self._fun, *args, api=API, **kwargs)  # pylint: disable=protected-access
+      found = _deps.load_axis_names().diagnose(
+        e, self._fun, *args, api=API, **kwargs
+      )  # pylint: disable=protected-access
       if found is None:
         raise
       raise found from e

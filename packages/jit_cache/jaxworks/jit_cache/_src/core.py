@@ -38,13 +38,10 @@ from typing import Any
 import weakref
 
 import jax
-from jax.extend import source_info_util as jex_source_info
-from jax.extend.core import primitives as jex_primitives
 
 from .. import _signature as _ext
 from . import argnums as _argnums
 from . import cache as _cache
-from . import deps as _deps
 from . import executables as _executables
 from . import explain
 from . import jax_internals as ji
@@ -52,15 +49,13 @@ from . import persistent as _persistent
 from . import signature as _sig
 from . import stages as _stages
 
-_axis_names = _deps.load_axis_names()
-
 #: This package's directory (jaxworks/jit_cache/). Its frames are not user
 #: code: source locations in jaxprs and lowered modules skip them, as they skip
 #: jax's own, and name the user's call instead of our dispatch code.
 PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-jex_source_info.register_exclusion(PACKAGE_DIR)
+ji.register_source_exclusion(PACKAGE_DIR)
 
-_jit_p = jex_primitives.jit_p
+_jit_p = ji.jit_p
 # Hot-path names bound once.
 _flatten = ji.tracing_registry.flatten
 _trace_context = ji.trace_context

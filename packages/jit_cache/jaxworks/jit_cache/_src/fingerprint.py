@@ -51,7 +51,6 @@ from typing import Any
 import weakref
 
 import jax
-from jax.extend import core as jex_core
 import numpy as np
 
 from . import jax_internals as ji
@@ -213,7 +212,7 @@ class _Walker:
       return key
     if isinstance(v, jax.core.Tracer):
       raise NotFingerprintable("tracer")
-    if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+    if isinstance(v, (ji.ClosedJaxpr, ji.Jaxpr)):
       return self.jaxpr(v)
     if isinstance(v, (int, float, complex)) and _trusted(t):
       # JAX's typed literals (TypedFloat, ...): the value, its type, dtype.
@@ -377,7 +376,7 @@ class _Walker:
     outer = (self.pins, self.nbytes, self.volatile)
     self.pins, self.nbytes, self.volatile = False, 0, False
     try:
-      if isinstance(obj, jex_core.ClosedJaxpr):
+      if isinstance(obj, ji.ClosedJaxpr):
         key = (
           "closed",
           self.jaxpr(obj.jaxpr),
@@ -408,7 +407,7 @@ class _Walker:
       return (ids[v], aval(v.aval))
 
     def use(a: Any) -> Any:
-      if isinstance(a, jex_core.Literal):
+      if isinstance(a, ji.Literal):
         return ("lit", self.value(a.val), aval(a.aval))
       try:
         return ids[a]
@@ -422,7 +421,7 @@ class _Walker:
       ins = tuple(use(a) for a in eqn.invars)
       params = self.params(eqn.primitive, eqn.params)
       outs = tuple(
-        ("drop", aval(v.aval)) if isinstance(v, jex_core.DropVar) else define(v)
+        ("drop", aval(v.aval)) if isinstance(v, ji.DropVar) else define(v)
         for v in eqn.outvars
       )
       eqns.append(

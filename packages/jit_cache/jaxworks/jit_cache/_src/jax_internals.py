@@ -28,10 +28,12 @@ from jax._src import effects as _effects
 from jax._src import mesh as _mesh
 from jax._src import named_sharding as _named_sharding
 from jax._src import pjit as _pjit
+from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import traceback_util as _traceback_util
 from jax._src import tree_util as _tree_util
 from jax._src import util as _util
+from jax._src import xla_bridge as _xla_bridge
 from jax._src.export import _export as _export_impl
 from jax._src.frozen_dict import FrozenDict as _FrozenDict
 from jax._src.interpreters import mlir as _mlir
@@ -41,6 +43,22 @@ from jax._src.layout import Format as _Format
 from jax._src.layout import Layout as _Layout
 from jax._src.lib import _jax
 from jax._src.lib import jax_jit as _jax_jit
+
+# -- names of jax.extend, without importing jax.extend --------------------------
+# ``import jax.extend`` (or any ``jax.extend.*``) imports every submodule,
+# Pallas's included: about 14 ms of a new process's time on the first use of
+# ``jit``. These are the same objects (tests/jax_internals_test.py checks
+# each against its jax.extend name).
+
+ClosedJaxpr = _core.ClosedJaxpr
+Jaxpr = _core.Jaxpr
+Literal = _core.Literal
+DropVar = _core.DropVar
+jit_p = _pjit.jit_p
+#: jax.extend.source_info_util.register_exclusion
+register_source_exclusion = _source_info_util.register_exclusion
+#: jax.extend.backend.backends
+backends = _xla_bridge.backends
 
 # -- tracing context -----------------------------------------------------------
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.extend.backend
+
+from . import jax_internals as ji
 
 #: The platforms ``Traced.lower`` can lower for, on any host.
 KNOWN_PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
@@ -89,7 +90,7 @@ def present_platforms() -> tuple[str, ...]:
   True
   """
   present = []
-  for client in jax.extend.backend.backends().values():
+  for client in ji.backends().values():
     platform = client.platform
     if platform == "gpu":
       platform = "rocm" if "rocm" in client.platform_version.lower() else "cuda"
