@@ -234,11 +234,16 @@ def test_sharded_leaves_are_written_as_their_whole_array(
   tmp_path, where, blocking, name
 ):
   rng = np.random.default_rng(0)
-  values = {
-    "f32": rng.standard_normal((16, 24)).astype(np.float32),
+  values = {  # held shard by shard (>= 1 MiB), and copied whole (smaller)
+    "f32": rng.standard_normal((512, 768)).astype(np.float32),
     "bf16": rng.standard_normal((8, 8)).astype(jnp.bfloat16),
+    "bf16_big": rng.standard_normal((256, 2048)).astype(jnp.bfloat16),
   }
   tree = {k: SHARDINGS[where](v) for k, v in values.items()}
+  kinds = {k: type(hostvalue.of(x)).__name__ for k, x in tree.items()}
+  sharded = where not in ("replicated", "one device")
+  assert kinds["f32"] == ("Shards" if sharded else "ndarray"), kinds
+  assert kinds["bf16"] == "ndarray", kinds
   h = bt.save(tmp_path / name, tree, blocking=blocking)
   if h is not None:
     h.wait()
@@ -249,7 +254,7 @@ def test_sharded_leaves_are_written_as_their_whole_array(
 
 
 def test_the_host_value_of_a_cpu_array_is_its_buffer_not_a_copy():
-  x = SHARDINGS["rows"](np.arange(64.0, dtype=np.float32).reshape(16, 4))
+  x = SHARDINGS["rows"](np.arange(2**18, dtype=np.float32).reshape(1024, 256))
   value = hostvalue.of(x)
   assert isinstance(value, hostvalue.Shards) and value.by_rows()
   pointers = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}

@@ -7,7 +7,8 @@ that asked for the donation copies instead), so a view is as safe to write
 in the background as a private copy and costs nothing to take. On an
 accelerator ``np.asarray`` is the device-to-host copy.
 
-An array held by one device is written as its one view. A sharded array is
+An array held by one device is written as its one view. A sharded array (of
+at least 1 MiB: a smaller one is copied whole, which is cheaper) is
 written shard by shard after the .npy header when its shards tile it by
 leading rows (the bytes of each shard are then one contiguous run of the
 file), and is assembled in the writing thread otherwise: never in the
@@ -60,10 +61,22 @@ def start_copy(x: Any) -> None:
     x.copy_to_host_async()
 
 
+#: A sharded array smaller than this is assembled by one ``np.asarray`` (a
+#: copy of at most 1 MiB) instead of held shard by shard: the Python work per
+#: shard (about 9 us) costs more than copying it. 1,000 leaves of 128 KiB
+#: over 8 devices: 71 ms shard by shard, 6-18 ms assembled, here.
+SHARDS_MIN_BYTES = 1 << 20
+
+
 def of(x: jax.Array) -> np.ndarray | Shards:
   """The host value of ``x``: a view (or copy, off CPU) of its one buffer,
-  or its shards when several devices hold parts of it."""
-  if len(x.sharding.device_set) == 1 or not x.is_fully_addressable:
+  or, for an array of at least ``SHARDS_MIN_BYTES`` that several devices
+  hold parts of, its shards."""
+  if (
+    len(x.sharding.device_set) == 1
+    or not x.is_fully_addressable
+    or x.nbytes < SHARDS_MIN_BYTES
+  ):
     return np.asarray(x)
   shards = Shards(x)
   if len(shards.pieces) == 1:
