@@ -178,6 +178,23 @@ def grouping_rows(report: jb.Report, sizes, repeats) -> None:
       )  # fmt: skip
 
 
+def placements() -> list[tuple[str, jax.sharding.Sharding]]:
+  """(name, sharding) of the two placements every checkpoint row times: one
+  device, and rows over every device."""
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("x",))
+  return [
+    ("one device", SingleDeviceSharding(devices[0])),
+    (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
+  ]
+
+
+def _like(keys, shape, sharding) -> dict:
+  return {
+    k: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for k in keys
+  }
+
+
 def aligned_bytes(size: int) -> np.ndarray:
   """A new uint8 buffer of ``size`` bytes starting on a 64-byte boundary."""
   raw = np.empty(size + 64, np.uint8)
@@ -290,7 +307,6 @@ print(json.dumps(out))
 
 def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
   devices = jax.devices()
-  mesh = jax.make_mesh((len(devices),), ("x",))
   tmp = tempfile.mkdtemp(prefix="bt-bench-")
   try:
     cols = 1024
@@ -313,14 +329,8 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
     )
     reused = [aligned_bytes(os.path.getsize(f)) for f in files]
     threads = checkpoint_files.default_read_threads()
-    for where, sharding in [
-      ("one device", SingleDeviceSharding(devices[0])),
-      (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
-    ]:
-      like = {
-        k: jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
-        for k in keys
-      }
+    for where, sharding in placements():
+      like = _like(keys, (rows, cols), sharding)
       m = jb.median_interleaved(
         {
           "restore": lambda: bt.restore(path, like, progress=False),
@@ -432,8 +442,6 @@ def manifest_restore_rows(report: jb.Report, total_bytes, n_files, repeats):
   """restore of a tree (random values) two processes wrote (a manifest
   checkpoint) by this one process, against orbax's restore of the same tree
   and against restore of the same tree one process wrote."""
-  devices = jax.devices()
-  mesh = jax.make_mesh((len(devices),), ("x",))
   tmp = tempfile.mkdtemp(prefix="bt-bench-")
   try:
     cols = 1024
@@ -455,14 +463,8 @@ def manifest_restore_rows(report: jb.Report, total_bytes, n_files, repeats):
       args=[tmp, str(n_files), str(rows), str(cols), str(repeats), "random"],
     )
     size = f"{n_files} leaves, {nbytes / 2**20:.0f} MiB, random"
-    for where, sharding in [
-      ("one device", SingleDeviceSharding(devices[0])),
-      (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
-    ]:
-      like = {
-        k: jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding)
-        for k in keys
-      }
+    for where, sharding in placements():
+      like = _like(keys, (rows, cols), sharding)
       m = jb.median_interleaved(
         {
           "two": lambda: bt.restore(two, like, progress=False),
@@ -546,7 +548,6 @@ def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
   """bt.save (sync and blocking=False) against numpy.save of the same bytes
   and against orbax's save, one device and rows over every device."""
   devices = jax.devices()
-  mesh = jax.make_mesh((len(devices),), ("x",))
   tmp = tempfile.mkdtemp(prefix="bt-bench-save-")
   try:
     cols = 256 if n_leaves > 100 else 1024
@@ -558,10 +559,7 @@ def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
       _ORBAX_SAVE,
       args=[tmp, str(n_leaves), str(rows), str(cols), str(repeats)],
     )
-    for where, sharding in [
-      ("one device", SingleDeviceSharding(devices[0])),
-      (f"rows over {len(devices)} devices", NamedSharding(mesh, P("x"))),
-    ]:
+    for where, sharding in placements():
       rng = np.random.default_rng(0)  # the bytes orbax writes (not zeros:
       # orbax compresses; trained weights do not compress)
       tree = {

@@ -195,9 +195,14 @@ def test_batches_are_half_the_budget_and_reads_stay_within_it(
     8,
     9,
   ]
-  assert checkpoint_restore.split_batches(
-    [1024] * 6 + [8192] + [1024] * 4, 2048
-  ) == [[0, 1], [2, 3], [4, 5], [6], [7, 8], [9, 10]]
+  assert prefetch.split_batches([1024] * 6 + [8192] + [1024] * 4, 2048) == [
+    [0, 1],
+    [2, 3],
+    [4, 5],
+    [6],
+    [7, 8],
+    [9, 10],
+  ]
 
 
 @pytest.mark.parametrize("budget, threaded", [(2**20, False), (4096, True)])

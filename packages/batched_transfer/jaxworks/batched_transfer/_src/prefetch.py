@@ -21,6 +21,8 @@ from collections.abc import Callable
 import threading
 from typing import Any
 
+import jax
+
 THREAD_NAME = "jaxworks-restore-reader"
 
 
@@ -115,3 +117,56 @@ class BatchReader:
     if self._thread is not None:
       self._thread.join()
     self._ready.clear()
+
+
+def split_batches(sizes: list[int], limit: int) -> list[list[int]]:
+  """Consecutive indices in batches of at most ``limit`` bytes (a larger one alone).
+
+  >>> split_batches([3, 3, 3, 9, 1], 6)
+  [[0, 1], [2], [3], [4]]
+  """
+  batches: list[list[int]] = []
+  batch: list[int] = []
+  total = 0
+  for i, n in enumerate(sizes):
+    if batch and total + n > limit:
+      batches.append(batch)
+      batch, total = [], 0
+    batch.append(i)
+    total += n
+  if batch:
+    batches.append(batch)
+  return batches
+
+
+def place_batches(
+  reader: BatchReader,
+  batches: list[list[int]],
+  place_batch: Callable[[list[int], Any], None],
+  out: list[Any],
+  after_batch: Callable[[list[int]], None],
+) -> None:
+  """Places the data ``reader`` reads for each batch, in order.
+
+  ``place_batch(batch, data)`` stores each array it places in ``out[i]`` as
+  soon as it exists. A batch's data is released once its arrays are ready;
+  then ``after_batch(batch)`` runs. On any failure the reader is closed and
+  every array in ``out`` is deleted (nothing stays half-placed) before the
+  error propagates; the reader is closed in any case.
+  """
+  try:
+    for k, batch in enumerate(batches):
+      data = reader.take(k)
+      place_batch(batch, data)
+      del data
+      jax.block_until_ready([out[i] for i in batch])
+      reader.release(k)
+      after_batch(batch)
+  except BaseException:
+    reader.close()
+    for y in out:
+      if isinstance(y, jax.Array) and not y.is_deleted():
+        y.delete()
+    raise
+  finally:
+    reader.close()

@@ -322,7 +322,7 @@ def _stream(
   jax_internals.release_dropped_host_buffers()
   sizes = [stored[k].nbytes for k in keys]
   limit = min(max(1, max_inflight_bytes // 2), BATCH_CAP)
-  batches = split_batches(sizes, limit)
+  batches = prefetch.split_batches(sizes, limit)
   out: list[Any] = [None] * len(keys)
   bar = Progress("restore", sum(sizes), enabled=progress)
   readers = files.Files(read_threads)
@@ -336,49 +336,23 @@ def _stream(
   reader = prefetch.BatchReader(
     read_batch, [sum(sizes[i] for i in b) for b in batches], max_inflight_bytes
   )
+
+  def place_batch(batch: list[int], arrays: Any) -> None:
+    placed = place(
+      arrays, [places[i] for i in batch], private_host=True, api=api
+    )
+    for i, y in zip(batch, placed):
+      out[i] = y  # from here on deleted if anything fails
+
+  def after_batch(batch: list[int]) -> None:
+    for i in batch:
+      if specs[i][2]:
+        out[i] = _weak(out[i])
+    bar.update(sum(sizes[i] for i in batch))
+
   try:
-    for k, batch in enumerate(batches):
-      arrays = reader.take(k)
-      placed = place(
-        arrays, [places[i] for i in batch], private_host=True, api=api
-      )
-      del arrays
-      for i, y in zip(batch, placed):
-        out[i] = y  # from here on deleted if anything fails
-      jax.block_until_ready(placed)
-      reader.release(k)
-      for i in batch:
-        if specs[i][2]:
-          out[i] = _weak(out[i])
-      bar.update(sum(sizes[i] for i in batch))
-  except BaseException:
-    reader.close()
-    for y in out:  # nothing stays half-placed
-      if isinstance(y, jax.Array) and not y.is_deleted():
-        y.delete()
-    raise
+    prefetch.place_batches(reader, batches, place_batch, out, after_batch)
   finally:
-    reader.close()
     readers.close()
     bar.close()
   return out
-
-
-def split_batches(sizes: list[int], limit: int) -> list[list[int]]:
-  """Consecutive indices in batches of at most ``limit`` bytes (a larger one alone).
-
-  >>> split_batches([3, 3, 3, 9, 1], 6)
-  [[0, 1], [2], [3], [4]]
-  """
-  batches: list[list[int]] = []
-  batch: list[int] = []
-  total = 0
-  for i, n in enumerate(sizes):
-    if batch and total + n > limit:
-      batches.append(batch)
-      batch, total = [], 0
-    batch.append(i)
-    total += n
-  if batch:
-    batches.append(batch)
-  return batches

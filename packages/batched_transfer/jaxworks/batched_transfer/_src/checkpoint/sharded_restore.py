@@ -167,7 +167,7 @@ def _stream(
   """Reads (ahead, on a background thread) and places; the arrays in order."""
   jax_internals.release_dropped_host_buffers()
   sizes = [leaf.nbytes for leaf in plan]
-  batches = _split(sizes, limit)
+  batches = prefetch.split_batches(sizes, limit)
   pool = concurrent.futures.ThreadPoolExecutor(
     read_threads, thread_name_prefix=files.READ_THREAD_PREFIX
   )
@@ -181,40 +181,23 @@ def _stream(
     read_batch, [sum(sizes[i] for i in b) for b in batches], max_inflight_bytes
   )
   out: list[Any] = [None] * len(plan)
+
+  def place_batch(batch: list[int], regions: Any) -> None:
+    for i, bufs in zip(batch, regions):
+      out[i] = _put(api, plan[i], bufs)  # from here on deleted on failure
+
   try:
-    for k, batch in enumerate(batches):
-      regions = reader.take(k)
-      placed = []
-      for i, bufs in zip(batch, regions):
-        out[i] = _put(api, plan[i], bufs)  # from here on deleted on failure
-        placed.append(out[i])
-      del regions
-      jax.block_until_ready(placed)
-      reader.release(k)
-      bar.update(sum(sizes[i] for i in batch))
-  except BaseException:
-    reader.close()
-    for y in out:  # nothing stays half-placed
-      if isinstance(y, jax.Array) and not y.is_deleted():
-        y.delete()
-    raise
+    prefetch.place_batches(
+      reader,
+      batches,
+      place_batch,
+      out,
+      lambda batch: bar.update(sum(sizes[i] for i in batch)),
+    )
   finally:
-    reader.close()
     pool.shutdown(wait=True)
     bar.close()
   return out
-
-
-def _split(sizes: list[int], limit: int) -> list[list[int]]:
-  batches: list[list[int]] = []
-  total = 0
-  for i, n in enumerate(sizes):
-    if not batches or total + n > limit:
-      batches.append([])
-      total = 0
-    batches[-1].append(i)
-    total += n
-  return batches
 
 
 def _read(
