@@ -12,7 +12,6 @@ which is quicker."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 import ml_dtypes
+from multiprocess_util import free_port
 import numpy as np
 import pytest
 
@@ -110,19 +110,13 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_process_checkpoint(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("mp") / "ckpt")
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
   env["JAX_PLATFORMS"] = "cpu"
-  port = str(_free_port())
+  port = str(free_port())
   here = os.path.dirname(os.path.abspath(__file__))
   procs = [
     subprocess.Popen(

@@ -15,16 +15,16 @@ are fixed and each kill is printed.
 """
 
 import concurrent.futures
-import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import jax
+from multiprocess_util import free_port
+from multiprocess_util import numpy_read
 import numpy as np
 
 from jaxworks import batched_transfer as bt
@@ -97,34 +97,10 @@ exec(VALUES, namespace)
 values = namespace["values"]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _numpy_read(path):
-  """Every array of a multi-process checkpoint, with numpy and json alone."""
-  with open(os.path.join(path, "jaxworks_manifest.json")) as f:
-    manifest = json.load(f)
-  out = {}
-  for key, entry in manifest["arrays"].items():
-    dtype = np.dtype(entry["dtype"])
-    a = np.empty(entry["shape"], dtype)
-    for shard in entry["shards"]:
-      data = np.load(os.path.join(path, shard["file"]))
-      where = tuple(
-        slice(s, s + n) for s, n in zip(shard["start"], shard["shape"])
-      )
-      a[where] = data.view(dtype) if data.dtype.kind == "V" else data
-    out[key] = a
-  return out
-
-
 def _check_exact(path, step=None):
   """The checkpoint at ``path`` holds the values of its step, bit for bit;
   returns the step."""
-  got = _numpy_read(path)
+  got = numpy_read(path)
   if step is None:
     step = int(got["step"])
   want = values(step)
@@ -145,7 +121,7 @@ class _Pair:
       XLA_FLAGS="--xla_force_host_platform_device_count=4",
       PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
     )
-    port = str(_free_port())
+    port = str(free_port())
     self.procs = [
       subprocess.Popen(
         [sys.executable, "-c", WORKER, str(i), port, base, str(first)]

@@ -6,7 +6,6 @@ devices need), by this one process, and by numpy alone."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import ml_dtypes
+from multiprocess_util import free_port
+from multiprocess_util import numpy_read
 import numpy as np
 
 from jaxworks import batched_transfer as bt
@@ -112,30 +113,6 @@ WORKER = VALUES + textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _numpy_read(path):
-  """Every array of a multi-process checkpoint, with numpy and json alone."""
-  with open(os.path.join(path, "jaxworks_manifest.json")) as f:
-    manifest = json.load(f)
-  out = {}
-  for key, entry in manifest["arrays"].items():
-    dtype = np.dtype(entry["dtype"])  # ml_dtypes names need ml_dtypes imported
-    a = np.empty(entry["shape"], dtype)
-    for shard in entry["shards"]:
-      data = np.load(os.path.join(path, shard["file"]))
-      where = tuple(
-        slice(s, s + n) for s, n in zip(shard["start"], shard["shape"])
-      )
-      a[where] = data.view(dtype) if data.dtype.kind == "V" else data
-    out[key] = a
-  return out
-
-
 def _run_two(worker, base, timeout=150):
   """Runs ``worker`` (python source; argv: process id, port, base) as the
   two processes of a jax.distributed job; asserts both printed WORKER-OK."""
@@ -145,7 +122,7 @@ def _run_two(worker, base, timeout=150):
     XLA_FLAGS="--xla_force_host_platform_device_count=4",
     PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
   )
-  port = str(_free_port())
+  port = str(free_port())
   dump = f"import faulthandler; faulthandler.dump_traceback_later({timeout - 30}, exit=True)\n"
   procs = [
     subprocess.Popen(
@@ -180,7 +157,7 @@ def test_two_processes_save_and_restore(tmp_path):
   values = namespace["values"]
   # numpy alone
   for path, step in (("sync", 0), ("async", 1), ("run/3", 3)):
-    got = _numpy_read(os.path.join(base, path))
+    got = numpy_read(os.path.join(base, path))
     want = values(step)
     assert sorted(got) == sorted(want)
     for k in want:
@@ -324,7 +301,7 @@ def test_a_failure_on_one_process_is_raised_by_all_at_once(tmp_path):
   namespace: dict = {}
   exec(VALUES, namespace)
   for path, step in (("c", 5), ("run/5", 5)):
-    got = _numpy_read(os.path.join(base, path))
+    got = numpy_read(os.path.join(base, path))
     want = namespace["values"](step)
     for k in want:
       assert got[k].tobytes() == want[k].tobytes(), (path, k)
@@ -373,7 +350,7 @@ def test_a_non_blocking_save_holds_views_while_the_next_steps_donate(
   exec(VALUES, namespace)
   want = {k: v for k, v in namespace["values"](0).items() if k != "n"}
   for path in ("async", "run/1", "run/2"):
-    got = _numpy_read(os.path.join(base, path))
+    got = numpy_read(os.path.join(base, path))
     assert sorted(got) == sorted(want)
     for k in want:
       assert got[k].dtype == want[k].dtype

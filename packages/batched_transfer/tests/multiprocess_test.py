@@ -3,13 +3,13 @@ a NamedSharding that spans both, by device_put and by restore, including partly 
 shardings (every PartitionSpec shape on a 2-D mesh) of several dtypes from both formats."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import jax.numpy as jnp
 import ml_dtypes
+from multiprocess_util import free_port
 import numpy as np
 
 from jaxworks import batched_transfer as bt
@@ -98,12 +98,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_place_a_global_tree(tmp_path):
   rng = np.random.default_rng(0)
   ckpt = str(tmp_path / "ckpt.npz")
@@ -137,7 +131,7 @@ def test_two_processes_place_a_global_tree(tmp_path):
     XLA_FLAGS="--xla_force_host_platform_device_count=4",
     PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
   )
-  port = str(_free_port())
+  port = str(free_port())
   procs = [
     subprocess.Popen(
       [sys.executable, "-c", WORKER, str(i), port, ckpt, ckpt2],
