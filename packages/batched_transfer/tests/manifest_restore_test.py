@@ -26,6 +26,7 @@ from jax.sharding import SingleDeviceSharding
 import ml_dtypes
 from multiprocess_util import free_port
 import numpy as np
+from overwrite_race import restore_while_replacing
 import pytest
 
 from jaxworks import batched_transfer as bt
@@ -287,47 +288,23 @@ def test_a_manifest_checkpoint_replaced_while_restoring_is_read_whole(
   write_manifest_checkpoint(path, version(1))
   target = like(version(1))
   placement = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
-  stop = threading.Event()
-  saved = [1]
-  failures = []
 
-  def saver():  # two manifest checkpoints, then a single-process save
-    try:
-      while not stop.is_set():
-        v = saved[-1] + 1
-        if v % 3 == 0:
-          bt.save(path, version(v), overwrite=True)
-        else:
-          tmp = str(tmp_path / f"new{v}")
-          write_manifest_checkpoint(tmp, version(v), rows=8 if v % 4 else 2)
-          commit.publish(tmp, path)
-        saved.append(v)
-        stop.wait(0.005)
-    except BaseException as err:  # reported below, on the test's thread
-      failures.append(err)
+  def save_version(v):  # two manifest checkpoints, then a single-process save
+    if v % 3 == 0:
+      bt.save(path, version(v), overwrite=True)
+    else:
+      tmp = str(tmp_path / f"new{v}")
+      write_manifest_checkpoint(tmp, version(v), rows=8 if v % 4 else 2)
+      commit.publish(tmp, path)
 
-  thread = threading.Thread(target=saver)
-  thread.start()
-  results, errors, missing = [], [], 0
-  try:
-    while (
-      len(results) + len(errors) < 200 or len(results) < 20 or len(saved) <= 10
-    ) and len(results) + len(errors) + missing < 100_000:
-      try:
-        out = bt.restore(
-          path, target, placement=placement, max_inflight_bytes=2**17
-        )
-      except FileNotFoundError:
-        missing += 1
-      except ValueError as err:
-        errors.append(err)
-      else:
-        results.append(version_of(out))
-  finally:
-    stop.set()
-    thread.join()
-  assert failures == []
-  assert len(saved) > 10
+  results, errors, _ = restore_while_replacing(
+    save_version,
+    lambda: bt.restore(
+      path, target, placement=placement, max_inflight_bytes=2**17
+    ),
+    version_of,
+    attempts=200,
+  )
   assert None not in results, f"{results.count(None)} restores mixed versions"
   read = [r for r in results if r % 3]  # manifest checkpoints read
   assert len(read) >= 5 and len(set(results)) > 2, results

@@ -8,6 +8,7 @@ import threading
 
 import jax
 import numpy as np
+from overwrite_race import restore_while_replacing
 import pytest
 
 from jaxworks import batched_transfer as bt
@@ -56,45 +57,13 @@ def test_a_checkpoint_replaced_while_restoring_is_read_whole_or_refused(
   path = tmp_path / ("c.npz" if fmt == "npz" else "c")
   bt.save(path, version(1))
   target = like(version(1))
-  stop = threading.Event()
-  saved = [1]
-  failures = []
-
-  def saver():
-    try:
-      while not stop.is_set():
-        v = saved[-1] + 1
-        bt.save(path, version(v), overwrite=True)
-        saved.append(v)
-        stop.wait(0.005)  # let restores find a checkpoint at the path
-    except BaseException as err:  # reported below, on the test's thread
-      failures.append(err)
-
-  thread = threading.Thread(target=saver)
-  thread.start()
-  results, errors, missing = [], [], 0
-  try:
-    # 300 restores that found a checkpoint (a save may be between deleting
-    # the old one and renaming the new one in), 20 of them successful (a
-    # restore that validated an even version raised).
-    # Also until 11 saves replaced it (durable saves fsync: slower).
-    while (
-      len(results) + len(errors) < 300 or len(results) < 20 or len(saved) <= 10
-    ) and len(results) + len(errors) + missing < 100_000:
-      try:
-        # One 64 KiB leaf per batch: reading and placing interleave.
-        out = bt.restore(path, target, max_inflight_bytes=2**17)
-      except FileNotFoundError:
-        missing += 1
-      except ValueError as err:
-        errors.append(err)
-      else:
-        results.append(version_of(out))
-  finally:
-    stop.set()
-    thread.join()
-  assert failures == []
-  assert len(saved) > 10  # the checkpoint did change while restores ran
+  # One 64 KiB leaf per batch: reading and placing interleave.
+  results, errors, _ = restore_while_replacing(
+    lambda v: bt.save(path, version(v), overwrite=True),
+    lambda: bt.restore(path, target, max_inflight_bytes=2**17),
+    version_of,
+    attempts=300,
+  )
   assert None not in results, f"{results.count(None)} restores mixed versions"
   assert len(results) >= 20 and len(set(results)) > 1
   for err in errors:  # clear errors: validation's, or "changed"
