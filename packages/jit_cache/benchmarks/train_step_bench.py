@@ -11,7 +11,8 @@ several processes, interleaved):
   operations, the train step, an eval step) in a new process: warm with
   JAX's persistent compilation cache turned on by ``jax.config``
   (``jax.jit``) or by ``jit_cache.set_cache_dir`` (``jit_cache.jit``; since
-  0.4.0 the same cache: at most 1.0x), and cold;
+  0.4.0 the same cache, and since 0.5.0 a call site's first call
+  deserializes its entry while it traces: at most 1.0x), and cold;
 * a sweep of 8 configurations in a new process, the step function
   re-created per configuration (hyperparameters are arguments): against
   ``jax.jit`` (goal 5x) and ``jax.jit`` with JAX's cache warm (goal 2x);

@@ -16,6 +16,7 @@ import jax.experimental.layout
 from jax.extend.core import primitives
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxworks.jit_cache._src import jax_internals as ji
 
@@ -497,3 +498,42 @@ def test_jax_extend_names_are_the_same_objects():
   assert isinstance(closed, ji.ClosedJaxpr)
   assert isinstance(closed.jaxpr, ji.Jaxpr)
   assert isinstance(closed.jaxpr.eqns[0].invars[1], ji.Literal)
+
+
+def test_warm_start_prefetch_names(tmp_path):
+  backend = ji.get_backend("cpu")
+  assert backend.platform == "cpu"
+  devices = ji.DeviceList((jax.devices()[0],))
+  assert list(devices) == [jax.devices()[0]]
+  calls = []
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    ji.reset_persistent_cache()
+
+    def spy(read, key, options, backend, devices):
+      got = read(key, options, backend, devices)
+      calls.append((key, options, backend, devices, got))
+      return got
+
+    ji.wrap_cache_read(lambda *a: pytest.fail("replaced"))
+    ji.wrap_cache_read(spy)  # replaces the one before
+    f = lambda v: v * 2.5 - 0.75  # noqa: E731
+    jax.jit(f)(1.0).block_until_ready()
+    jax.clear_caches()
+    jax.jit(f)(1.0).block_until_ready()  # read from the cache
+  finally:
+    ji.wrap_cache_read(lambda read, *a: read(*a))
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    ji.reset_persistent_cache()
+  assert len(calls) == 2 and calls[0][4] == (None, None)
+  key, options, backend, devices, (exe, compile_time) = calls[1]
+  assert list(devices) == [jax.devices()[0]] and backend.platform == "cpu"
+  again = ji.compile_options_from_bytes(options.SerializeAsString())
+  assert again.SerializeAsString() == options.SerializeAsString()
+  entry = (tmp_path / (key + "-cache")).read_bytes()
+  serialized, t = ji.executable_and_time(entry)
+  assert t == compile_time and isinstance(serialized, bytes)
+  loaded = backend.deserialize_executable(serialized, devices, again)
+  assert type(loaded) is type(exe)

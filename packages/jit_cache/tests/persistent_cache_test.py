@@ -87,6 +87,12 @@ def test_warm_process_runs_linalg_random_and_keys_like_stock(tmp_path, stock):
   assert warm_stats["persistent_misses"] == 0
   assert warm_stats["persistent_load_s"] > 0
   assert warm_stats["compiles"] == cold_stats["compiles"]  # counted, loaded
+  # Each jit_cache function's first call deserialized its entry while it
+  # traced (prefetch.py); the callback program has no entry to prefetch.
+  assert cold_stats["persistent_prefetched"] == 0
+  assert warm_stats["persistent_prefetched"] == 8  # all but the callback's
+  hints = os.listdir(d / "jaxworks-hints")
+  assert len(hints) >= 8 and all(h.endswith(".json") for h in hints)
   assert any(n.endswith("-cache") for n in os.listdir(d))
 
 
@@ -144,8 +150,10 @@ def test_planted_files_neither_hang_execute_nor_crash(tmp_path, stock, plant):
   # or a 64 GiB sparse file replaces every file that is not JAX's: JAX reads
   # no other name (jaxworks' old cache hung on a FIFO and raised MemoryError
   # on a huge file in place of its own entries).
-  for name in os.listdir(d):
-    path = d / name
+  hints = d / "jaxworks-hints"
+  assert any(hints.iterdir())
+  for path in [*d.iterdir(), *hints.iterdir()]:
+    name = path.name
     if name == ".lockfile" or not path.is_file():
       continue
     if plant == "pickle":
@@ -164,8 +172,9 @@ def test_planted_files_neither_hang_execute_nor_crash(tmp_path, stock, plant):
   two_hours_ago = time.time() - 7200
   os.utime(other_tmp, (two_hours_ago, two_hours_ago))
 
-  warm, _ = _worker("jaxworks", d, tmp_path / "warm.npz", timeout=300)
+  warm, warm_stats = _worker("jaxworks", d, tmp_path / "warm.npz", timeout=300)
   _assert_bitwise(warm, stock)
+  assert warm_stats["persistent_prefetched"] == 0  # no hint was usable
   assert not marker.exists()  # nothing was unpickled
   assert other_tmp.read_bytes() == b"not ours"  # never deleted
   assert (d / "planted.jwx").exists()

@@ -65,6 +65,9 @@ class CacheInfo:
     persistent_misses: compiles written to it (``.../cache_misses``).
     persistent_load_s: seconds spent retrieving its entries
       (``.../cache_retrieval_time_sec``).
+    persistent_prefetched: (``stats()`` only) hits whose executable
+      ``jit_cache.jit`` had deserialized while the function traced (a
+      function's first call in a warm process; ``prefetch.py``).
     persistent_time_saved_s: (``stats()`` only) compile time its hits saved,
       as JAX estimates it (``.../compile_time_saved_sec``).
   """
@@ -84,6 +87,7 @@ class CacheInfo:
   persistent_misses: int = 0
   persistent_load_s: float = 0.0
   persistent_time_saved_s: float = 0.0
+  persistent_prefetched: int = 0
 
 
 class Counters:

@@ -22,8 +22,9 @@ How a call flows (the whole mechanism):
    literals, constants, parameters, placement, context): a re-created closure
    reuses what an earlier one compiled. A compile goes through JAX's
    persistent compilation cache when ``set_cache_dir`` turned it on
-   (``persistent.py``). The result goes back to the C++ dispatcher as its
-   fast path.
+   (``persistent.py``); a call site's first top-level call deserializes the
+   entry it read last time while it traces (``prefetch.py``). The result
+   goes back to the C++ dispatcher as its fast path.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from . import executables as _executables
 from . import explain
 from . import jax_internals as ji
 from . import persistent as _persistent
+from . import prefetch as _prefetch
 from . import signature as _sig
 from . import stages as _stages
 
@@ -236,8 +238,18 @@ class _JitCore:
     if entry is not None:  # the hot path of inner calls, inlined
       self._hit(entry)
       self._cache.touch(entry)
-    else:
+      return self._run(entry, leaves, ctx, args, kwargs)
+    if not _trace_state_clean():
       entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
+      return self._run(entry, leaves, ctx, args, kwargs)
+    # A top-level miss may compile: in a warm process its executable is read
+    # from JAX's persistent cache while it traces (prefetch.py).
+    with _prefetch.first_compile(self._fun, leaves, treedef, statics):
+      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
+      return self._run(entry, leaves, ctx, args, kwargs)
+
+  def _run(self, entry: Any, leaves: list, ctx: Any, args: tuple, kwargs):
+    """Runs ``entry`` on ``leaves`` (binds it under a trace)."""
     top_level = _trace_state_clean()
     if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
       if entry.high or top_level:

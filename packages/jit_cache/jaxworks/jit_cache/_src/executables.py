@@ -19,6 +19,7 @@ from . import cache as _cache
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
 from . import persistent as _persistent
+from . import prefetch as _prefetch
 
 _tree_leaves = jax.tree_util.tree_leaves
 
@@ -115,7 +116,8 @@ def build(
       lowered, replay = lower_keeping_donation_warnings(traced)
     else:
       lowered, replay = traced.lower(), ()
-    compiled = lowered.compile()
+    with _prefetch.building():
+      compiled = lowered.compile()
     exe = Executable(compiled, time.perf_counter() - t0, entry.jaxpr.in_avals)
     exe.warnings = replay
     counters.compiles += 1

@@ -291,6 +291,43 @@ def has_host_callbacks(compiled: Any) -> bool:
   return bool(getattr(call, "has_host_callbacks", False))
 
 
+# -- warm-start prefetch (prefetch.py) ------------------------------------------
+
+get_backend = _xla_bridge.get_backend
+DeviceList = _jax.DeviceList
+compile_options_from_bytes = _jax.CompileOptions.ParseFromString
+
+
+_cache_read_wrapper: list[Callable | None] = [None]
+
+
+def wrap_cache_read(wrapper: Callable) -> None:
+  """Routes each read of JAX's persistent cache through
+  ``wrapper(read, cache_key, compile_options, backend, devices)``, where
+  ``read`` is JAX's own; replaces the wrapper set before."""
+  _cache_read_wrapper[0] = wrapper
+  read = _compilation_cache.get_executable_and_time
+  if getattr(read, "jaxworks_wrapped", False):
+    return
+
+  def get_executable_and_time(cache_key, compile_options, backend, devices):
+    wrap = _cache_read_wrapper[0]
+    if wrap is None:
+      return read(cache_key, compile_options, backend, devices)
+    return wrap(read, cache_key, compile_options, backend, devices)
+
+  get_executable_and_time.jaxworks_wrapped = True  # type: ignore[attr-defined]
+  _compilation_cache.get_executable_and_time = get_executable_and_time
+
+
+def executable_and_time(entry: bytes) -> tuple[bytes, int]:
+  """(serialized executable, compile time) in the bytes of an entry file of
+  JAX's persistent cache (``<key>-cache``)."""
+  return _compilation_cache.extract_executable_and_time(
+    _compilation_cache.decompress_executable(entry)
+  )
+
+
 # -- traceback filtering ---------------------------------------------------------
 
 

@@ -69,6 +69,9 @@ class _Config:
       while the cache is on (default 0).
     max_bytes: ``jax_compilation_cache_max_size`` (default -1: no bound; a
       bound needs the ``filelock`` package, which JAX's eviction uses).
+    prefetch: whether a function's first call in a process deserializes its
+      executable from the cache while it traces (default True; see
+      ``prefetch.py``).
   """
 
   _JAX_NAMES = {
@@ -84,6 +87,7 @@ class _Config:
       "min_entry_size_bytes": 0,
       "max_bytes": -1,
     }
+    self._prefetch = True
 
   @property
   def cache_dir(self) -> str | None:
@@ -99,6 +103,19 @@ class _Config:
     if self._dir is not None:
       _config_update(self._JAX_NAMES[name], value)
       _ji().reset_persistent_cache()
+
+  @property
+  def prefetch(self) -> bool:
+    return self._prefetch
+
+  @prefetch.setter
+  def prefetch(self, value: bool) -> None:
+    if not isinstance(value, bool):
+      raise TypeError(
+        "jaxworks.jit_cache.config.prefetch must be True or False, got "
+        f"{type(value).__name__} {value!r:.80}"
+      )
+    self._prefetch = value
 
   min_compile_time_secs = property(
     lambda self: self._get("min_compile_time_secs"),
@@ -117,7 +134,7 @@ class _Config:
     return (
       f"jit_cache.config(cache_dir={self.cache_dir!r}, "
       + ", ".join(f"{k}={v!r}" for k, v in self._values.items())
-      + ")"
+      + f", prefetch={self.prefetch!r})"
     )
 
 
@@ -269,13 +286,20 @@ _apply_environment()
 class _Totals:
   """JAX's persistent-cache events since import or ``reset()``."""
 
-  __slots__ = ("requests", "hits", "misses", "time_saved_s", "retrieval_s")
+  __slots__ = (
+    "requests",
+    "hits",
+    "misses",
+    "prefetched",
+    "time_saved_s",
+    "retrieval_s",
+  )
 
   def __init__(self):
     self.reset()
 
   def reset(self) -> None:
-    self.requests = self.hits = self.misses = 0
+    self.requests = self.hits = self.misses = self.prefetched = 0
     self.time_saved_s = self.retrieval_s = 0.0
 
 
@@ -332,6 +356,7 @@ def totals() -> dict[str, Any]:
   return {
     "persistent_hits": TOTALS.hits,
     "persistent_misses": TOTALS.misses,
+    "persistent_prefetched": TOTALS.prefetched,
     "persistent_time_saved_s": TOTALS.time_saved_s,
     "persistent_load_s": TOTALS.retrieval_s,
   }
@@ -384,6 +409,10 @@ def observed(build: Callable[[], Any], entry: Any, counters: Any) -> Callable:
       counters.persistent_hits += hits
       counters.persistent_load_s += _events.retrieval_s - retrieval
       text = "persistent cache: loaded from JAX's persistent compilation cache"
+      from . import prefetch  # pylint: disable=g-import-not-at-top
+
+      if prefetch.took():
+        text += " (deserialized while the function traced and lowered)"
     elif misses:
       counters.persistent_misses += misses
       text = (

@@ -1,0 +1,261 @@
+"""Warm-start prefetch (``_src/prefetch.py``): a function's first call in a
+process deserializes its entry of JAX's persistent cache while it traces.
+
+Each "new process" here is simulated in-process by clearing every in-memory
+cache (jaxworks' and JAX's) and the record of call sites compiled; the
+cross-process corpus (linalg, ``jax.random``, callbacks, key arguments) is in
+``persistent_cache_test``. Every hint below that is wrong, planted or hostile
+must leave results bit for bit like stock's, take nothing, and leave no
+thread behind.
+"""
+
+import base64
+import json
+import os
+import threading
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxworks import jit_cache
+from jaxworks.jit_cache._src import jax_internals as ji
+from jaxworks.jit_cache._src import prefetch
+
+
+def step(w, x, lr):
+  loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  return w - lr * g, loss
+
+
+def other(v):
+  return jnp.cos(v) * 2.5 + 1.0
+
+
+W = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+X = np.linspace(0, 2, 32, dtype=np.float32).reshape(4, 8)
+ARGS = (W, X, np.float32(0.1))
+
+
+def new_process() -> None:
+  """What a new process starts without: every in-memory cache."""
+  jax.clear_caches()
+  jit_cache.clear_caches()
+  prefetch._SEEN.clear()  # pylint: disable=protected-access
+
+
+def prefetched() -> int:
+  return jit_cache.stats().persistent_prefetched
+
+
+def no_prefetch_threads() -> bool:
+  return not any(t.name == "jaxworks-prefetch" for t in threading.enumerate())
+
+
+def call(fun=step, args=ARGS):
+  new_process()
+  f = jit_cache.jit(fun)
+  return f, jax.tree.map(np.asarray, f(*args))
+
+
+def same(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(
+    x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(la, lb)
+  )
+
+
+@pytest.fixture
+def cache(tmp_path):
+  jit_cache.set_cache_dir(tmp_path / "cache")
+  yield tmp_path / "cache"
+  jit_cache.set_cache_dir(None)
+  jit_cache.config.prefetch = True
+
+
+@pytest.fixture(scope="module")
+def stock():
+  return jax.tree.map(np.asarray, jax.jit(step)(*ARGS))
+
+
+@pytest.fixture(scope="module")
+def stock_other():
+  return np.asarray(jax.jit(other)(W))
+
+
+def hint_path(cache, fun=step, args=ARGS):
+  leaves, treedef = jax.tree.flatten((args, {}))
+  return (
+    cache
+    / prefetch.HINTS
+    / (prefetch.digest(fun, leaves, treedef, ()) + ".json")
+  )
+
+
+def test_warm_first_call_takes_the_prefetched_executable(cache, stock):
+  _, cold = call()
+  assert same(cold, stock)
+  hint = json.loads(hint_path(cache).read_text())
+  assert hint["key"].startswith("jit_step-") and hint["devices"] == [0]
+  assert oct(os.stat(cache / prefetch.HINTS).st_mode & 0o777) == "0o700"
+  before = prefetched()
+  f, warm = call()
+  assert same(warm, stock)
+  assert prefetched() == before + 1
+  assert "deserialized while the function traced" in f.explain_miss(*ARGS)
+  assert no_prefetch_threads()
+  # An unchanged hint is not written again.
+  mtime = os.stat(hint_path(cache)).st_mtime_ns
+  call()
+  assert os.stat(hint_path(cache)).st_mtime_ns == mtime
+
+
+def test_recreated_closures_prefetch_once(cache, monkeypatch):
+  def make(scale):
+    def scaled(v):
+      return jnp.sin(v) * scale
+
+    return scaled
+
+  x = jnp.arange(4.0)
+  new_process()
+  jit_cache.jit(make(2.0))(x)  # cold: writes the hint
+  new_process()
+  started = []
+  real = prefetch._Prefetch  # pylint: disable=protected-access
+
+  class Counting(real):
+    def __init__(self, hint, *rest):
+      started.append(hint["key"])
+      super().__init__(hint, *rest)
+
+  monkeypatch.setattr(prefetch, "_Prefetch", Counting)
+  before = prefetched()
+  for scale in (2.0, 2.0, 2.0):  # the step re-created per configuration
+    out = jit_cache.jit(make(scale))(x)
+    assert np.asarray(out).tobytes() == np.asarray(jnp.sin(x) * 2.0).tobytes()
+  assert len(started) == 1 and prefetched() == before + 1
+
+
+def test_off_when_configured_off(cache, stock):
+  jit_cache.config.prefetch = False
+  call()
+  before = prefetched()
+  _, out = call()
+  assert same(out, stock) and prefetched() == before
+  assert not (cache / prefetch.HINTS).exists()
+  with pytest.raises(TypeError, match="config.prefetch must be True or False"):
+    jit_cache.config.prefetch = "yes"
+
+
+def _planted_hints(cache, valid):
+  """Hostile or wrong contents for the hint of ``step``."""
+  other_key = json.loads(hint_path(cache, other, (W,)).read_text())["key"]
+  return {
+    "garbage": b"\x80\x00not json",
+    "truncated": json.dumps(valid)[:40].encode(),
+    "wrong format": json.dumps(dict(valid, format="other/1")).encode(),
+    "path in key": json.dumps(dict(valid, key="../../etc/passwd")).encode(),
+    "negative device": json.dumps(dict(valid, devices=[-1])).encode(),
+    "unknown device": json.dumps(dict(valid, devices=[9999])).encode(),
+    "another device": json.dumps(dict(valid, devices=[1])).encode(),
+    "bad options": json.dumps(dict(valid, options="!!")).encode(),
+    "options not a proto": json.dumps(dict(valid, options="AAEC")).encode(),
+    "unknown platform": json.dumps(dict(valid, platform="nope")).encode(),
+    "another program's entry": json.dumps(dict(valid, key=other_key)).encode(),
+    "missing entry": json.dumps(
+      dict(valid, key="jit_step-" + "0" * 64)
+    ).encode(),
+  }
+
+
+def test_planted_hints_take_nothing_and_results_match(cache, stock):
+  call(other, (W,))  # an entry of another program
+  call()
+  path = hint_path(cache)
+  valid = json.loads(path.read_text())
+  for what, data in _planted_hints(cache, valid).items():
+    path.write_bytes(data)
+    before = prefetched()
+    _, out = call()
+    assert same(out, stock), what
+    assert prefetched() == before, what
+    assert no_prefetch_threads(), what
+    # The compile wrote a correct hint back.
+    assert json.loads(path.read_text()) == valid, what
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "sparse", "directory"])
+def test_hints_that_are_not_regular_files_are_not_read(cache, stock, kind):
+  call()
+  path = hint_path(cache)
+  valid = path.read_bytes()
+  path.unlink()
+  if kind == "symlink":
+    target = cache.parent / "elsewhere.json"
+    target.write_bytes(valid)
+    os.symlink(target, path)
+  elif kind == "fifo":
+    os.mkfifo(path)  # opened for reading without O_NONBLOCK, this blocks
+  elif kind == "sparse":
+    with open(path, "wb") as f:
+      f.truncate(64 << 30)
+  else:
+    path.mkdir()
+  assert prefetch.read_hint(str(path)) is None
+  before = prefetched()
+  _, out = call()
+  assert same(out, stock) and prefetched() == before
+  assert no_prefetch_threads()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user")
+@pytest.mark.parametrize("who", ["another user", "group-writable"])
+def test_hints_others_could_write_are_not_read(cache, stock, who):
+  call()
+  path = hint_path(cache)
+  if who == "another user":
+    os.chown(path, 12345, 12345)
+  else:
+    os.chmod(path, 0o620)
+  assert prefetch.read_hint(str(path)) is None
+  before = prefetched()
+  _, out = call()
+  assert same(out, stock) and prefetched() == before
+
+
+@pytest.mark.parametrize("change", ["num_replicas", "profile_version"])
+def test_a_hint_for_other_options_is_not_taken(cache, stock, change):
+  call()
+  path = hint_path(cache)
+  valid = json.loads(path.read_text())
+  # The same entry with other compile options than JAX asks with: refused
+  # before deserializing (replicas) or deserialized and then refused.
+  proto = ji.compile_options_from_bytes(base64.b64decode(valid["options"]))
+  setattr(proto, change, getattr(proto, change) + 2)
+  path.write_text(
+    json.dumps(
+      dict(valid, options=base64.b64encode(proto.SerializeAsString()).decode())
+    )
+  )
+  before = prefetched()
+  _, out = call()
+  assert same(out, stock) and prefetched() == before
+  assert no_prefetch_threads()
+
+
+def test_cache_reads_of_other_compiles_pass_through(stock_other, cache):
+  call()  # installs the read hook
+  before = jit_cache.stats()
+  new_process()
+  out = jax.jit(other)(W)  # stock jit, no prefetch pending
+  after = jit_cache.stats()
+  assert np.asarray(out).tobytes() == stock_other.tobytes()
+  assert after.persistent_prefetched == before.persistent_prefetched
+  assert after.persistent_hits + after.persistent_misses > (
+    before.persistent_hits + before.persistent_misses
+  )
