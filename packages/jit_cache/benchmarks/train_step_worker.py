@@ -272,6 +272,7 @@ def main(argv=None):
     s = jit_cache.stats()
     out["persistent_hits"] = s.persistent_hits
     out["persistent_misses"] = s.persistent_misses
+    out["persistent_prefetched"] = s.persistent_prefetched
   print(json.dumps(out))
   return 0
 

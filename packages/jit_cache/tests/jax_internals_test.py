@@ -501,8 +501,11 @@ def test_jax_extend_names_are_the_same_objects():
 
 
 def test_warm_start_prefetch_names(tmp_path):
-  backend = ji.get_backend("cpu")
-  assert backend.platform == "cpu"
+  jnp.ones(1).block_until_ready()  # the backend started
+  backend = ji.initialized_backend("cpu")
+  assert backend is jax.devices()[0].client and backend.platform == "cpu"
+  assert ji.initialized_backend("tpu") is None
+  assert ji.distributed_client() is None  # no jax.distributed here
   devices = ji.DeviceList((jax.devices()[0],))
   assert list(devices) == [jax.devices()[0]]
   calls = []

@@ -77,8 +77,9 @@ def test_warm_process_runs_linalg_random_and_keys_like_stock(tmp_path, stock):
   # kernels not registered when loading without lowering) and raised
   # AttributeError on a typed PRNG key argument.
   d = tmp_path / "cache"
-  cold, cold_stats = _worker("jaxworks", d, tmp_path / "cold.npz")
-  warm, warm_stats = _worker("jaxworks", d, tmp_path / "warm.npz")
+  out = tmp_path / "out.npz"  # the same command line twice
+  cold, cold_stats = _worker("jaxworks", d, out)
+  warm, warm_stats = _worker("jaxworks", d, out)
   _assert_bitwise(cold, stock)
   _assert_bitwise(warm, stock)
   assert cold_stats["persistent_hits"] == 0
@@ -87,12 +88,16 @@ def test_warm_process_runs_linalg_random_and_keys_like_stock(tmp_path, stock):
   assert warm_stats["persistent_misses"] == 0
   assert warm_stats["persistent_load_s"] > 0
   assert warm_stats["compiles"] == cold_stats["compiles"]  # counted, loaded
-  # Each jit_cache function's first call deserialized its entry while it
-  # traced (prefetch.py); the callback program has no entry to prefetch.
+  # Entries were deserialized before JAX asked (prefetch.py): at least each
+  # jit_cache function's (the callback program has no entry), and those of
+  # eager operations the process prefetch reached first.
   assert cold_stats["persistent_prefetched"] == 0
-  assert warm_stats["persistent_prefetched"] == 8  # all but the callback's
+  assert (
+    8 <= warm_stats["persistent_prefetched"] <= warm_stats["persistent_hits"]
+  )
   hints = os.listdir(d / "jaxworks-hints")
-  assert len(hints) >= 8 and all(h.endswith(".json") for h in hints)
+  assert len(hints) >= 9 and all(h.endswith(".json") for h in hints)
+  assert sum(h.startswith("process-") for h in hints) == 1
   assert any(n.endswith("-cache") for n in os.listdir(d))
 
 

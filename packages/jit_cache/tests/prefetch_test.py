@@ -12,6 +12,8 @@ thread behind.
 import base64
 import json
 import os
+import subprocess
+import sys
 import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 
 from jaxworks import jit_cache
+from jaxworks.jit_cache._src import hints
 from jaxworks.jit_cache._src import jax_internals as ji
 from jaxworks.jit_cache._src import prefetch
 
@@ -89,10 +92,11 @@ def stock_other():
 
 def hint_path(cache, fun=step, args=ARGS):
   leaves, treedef = jax.tree.flatten((args, {}))
+  short = lambda x: ji.shaped_abstractify(x).str_short()  # noqa: E731
   return (
     cache
-    / prefetch.HINTS
-    / (prefetch.digest(fun, leaves, treedef, ()) + ".json")
+    / hints.HINTS
+    / (hints.site_digest(fun, leaves, treedef, (), short) + ".json")
   )
 
 
@@ -101,7 +105,7 @@ def test_warm_first_call_takes_the_prefetched_executable(cache, stock):
   assert same(cold, stock)
   hint = json.loads(hint_path(cache).read_text())
   assert hint["key"].startswith("jit_step-") and hint["devices"] == [0]
-  assert oct(os.stat(cache / prefetch.HINTS).st_mode & 0o777) == "0o700"
+  assert oct(os.stat(cache / hints.HINTS).st_mode & 0o777) == "0o700"
   before = prefetched()
   f, warm = call()
   assert same(warm, stock)
@@ -126,14 +130,14 @@ def test_recreated_closures_prefetch_once(cache, monkeypatch):
   jit_cache.jit(make(2.0))(x)  # cold: writes the hint
   new_process()
   started = []
-  real = prefetch._Prefetch  # pylint: disable=protected-access
+  real = prefetch._Loader  # pylint: disable=protected-access
 
   class Counting(real):
-    def __init__(self, hint, *rest):
-      started.append(hint["key"])
-      super().__init__(hint, *rest)
+    def __init__(self, reads, *rest):
+      started.extend(r.key for r in reads)
+      super().__init__(reads, *rest)
 
-  monkeypatch.setattr(prefetch, "_Prefetch", Counting)
+  monkeypatch.setattr(prefetch, "_Loader", Counting)
   before = prefetched()
   for scale in (2.0, 2.0, 2.0):  # the step re-created per configuration
     out = jit_cache.jit(make(scale))(x)
@@ -147,7 +151,7 @@ def test_off_when_configured_off(cache, stock):
   before = prefetched()
   _, out = call()
   assert same(out, stock) and prefetched() == before
-  assert not (cache / prefetch.HINTS).exists()
+  assert not (cache / hints.HINTS).exists()
   with pytest.raises(TypeError, match="config.prefetch must be True or False"):
     jit_cache.config.prefetch = "yes"
 
@@ -206,7 +210,7 @@ def test_hints_that_are_not_regular_files_are_not_read(cache, stock, kind):
       f.truncate(64 << 30)
   else:
     path.mkdir()
-  assert prefetch.read_hint(str(path)) is None
+  assert hints.read_site(str(path)) is None
   before = prefetched()
   _, out = call()
   assert same(out, stock) and prefetched() == before
@@ -222,7 +226,7 @@ def test_hints_others_could_write_are_not_read(cache, stock, who):
     os.chown(path, 12345, 12345)
   else:
     os.chmod(path, 0o620)
-  assert prefetch.read_hint(str(path)) is None
+  assert hints.read_site(str(path)) is None
   before = prefetched()
   _, out = call()
   assert same(out, stock) and prefetched() == before
@@ -259,3 +263,123 @@ def test_cache_reads_of_other_compiles_pass_through(stock_other, cache):
   assert after.persistent_hits + after.persistent_misses > (
     before.persistent_hits + before.persistent_misses
   )
+
+
+def _script(directory):
+  """A process's start: eager ops and library jits, then the step."""
+  new_process()
+  jit_cache.set_cache_dir(directory)  # reads the process hint
+  prefetch._PROCESS.begin()  # pylint: disable=protected-access  # as a first read does
+  loader = prefetch._PROCESS.loader  # pylint: disable=protected-access
+  if loader is not None:  # let it finish: every read can then be taken
+    for item in loader.items:
+      item.done.wait(30)
+  a = jax.random.normal(jax.random.key(0), (8, 8))
+  out = jit_cache.jit(step)(*ARGS)
+  return jax.tree.map(np.asarray, (a, out))
+
+
+def test_process_start_prefetches_what_the_last_run_read(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["/somewhere/train.py", "--steps", "3"])
+  d = tmp_path / "cache"
+  before = prefetched()
+  cold = _script(d)
+  reads = len(prefetch._PROCESS.reads)  # pylint: disable=protected-access
+  jit_cache.set_cache_dir(None)  # writes the process hint, as exit does
+  assert prefetched() == before and reads >= 3
+  (path,) = (d / hints.HINTS).glob("process-*.json")
+  assert len(hints.read_process(str(path))) == reads
+  warm = _script(d)
+  assert same(warm, cold)
+  assert prefetched() == before + reads  # every read, the step's included
+  jit_cache.set_cache_dir(None)
+  assert no_prefetch_threads() and not prefetch._PENDING  # pylint: disable=protected-access
+  # Another command line has no process hint yet: only the step is
+  # prefetched, from its call site's hint; then it has a hint of its own.
+  monkeypatch.setattr(sys, "argv", ["/somewhere/eval.py"])
+  _script(d)
+  assert prefetched() == before + reads + 1
+  jit_cache.set_cache_dir(None)
+  assert len(list((d / hints.HINTS).glob("process-*.json"))) == 2
+
+
+def test_what_a_process_does_not_ask_for_is_dropped(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["/somewhere/train.py"])
+  monkeypatch.setattr(prefetch, "LINGER_S", 0.2)
+  d = tmp_path / "cache"
+  _script(d)
+  jit_cache.set_cache_dir(None)
+  new_process()
+  jit_cache.set_cache_dir(d)
+  assert prefetch._PROCESS.loader is None  # pylint: disable=protected-access  # until a first read
+  prefetch._PROCESS.begin()  # pylint: disable=protected-access
+  loader = prefetch._PROCESS.loader  # pylint: disable=protected-access
+  assert loader is not None and len(loader.items) >= 3
+  loader.thread.join(30)  # the list done, then 0.2 s of nothing asked
+  assert not loader.thread.is_alive()
+  assert all(i.state == "dropped" and i.result is None for i in loader.items)
+  assert not prefetch._PENDING  # pylint: disable=protected-access
+  # Taking a later item drops the earlier ones that were not asked for.
+  jit_cache.set_cache_dir(None)
+  new_process()
+  monkeypatch.setattr(prefetch, "LINGER_S", 30.0)
+  jit_cache.set_cache_dir(d)
+  prefetch._PROCESS.begin()  # pylint: disable=protected-access
+  loader = prefetch._PROCESS.loader  # pylint: disable=protected-access
+  for item in loader.items:
+    item.done.wait(30)
+  before = prefetched()
+  out = jax.tree.map(np.asarray, jit_cache.jit(step)(*ARGS))  # no eager ops
+  assert prefetched() == before + 1
+  last = max(
+    i.position for i in loader.items if i.read.key.startswith("jit_step")
+  )
+  assert all(i.state == "dropped" for i in loader.items[:last])
+  jit_cache.set_cache_dir(None)  # stops it at once
+  assert no_prefetch_threads() and not prefetch._PENDING  # pylint: disable=protected-access
+  assert same(out, jax.tree.map(np.asarray, jax.jit(step)(*ARGS)))
+
+
+_JOB = """
+import json, sys, time
+import jax, jax.numpy as jnp
+from jaxworks import jit_cache
+from jaxworks.jit_cache._src import jax_internals as ji
+
+jit_cache.set_cache_dir(sys.argv[1])
+time.sleep(0.3)
+started = ji.initialized_backend("cpu") is not None
+x = jnp.sin(jnp.arange(3.0)) * 2.0
+y = jit_cache.jit(lambda v: jnp.cos(v) + 1.0)(x)
+print(json.dumps({
+  "started": started,
+  "y": [float(v) for v in y],
+  "prefetched": jit_cache.stats().persistent_prefetched,
+}))
+"""
+
+
+def test_a_new_process_prefetch_starts_no_backend(tmp_path):
+  # jax.distributed.initialize must come before any backend starts: the
+  # prefetch waits for the process's first read of the cache.
+  script = tmp_path / "job.py"
+  script.write_text(_JOB)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+  env.pop("JAXWORKS_JIT_CACHE_DIR", None)
+
+  def run():
+    proc = subprocess.run(
+      [sys.executable, str(script), str(tmp_path / "cache")],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=120,
+      check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+  cold, warm = run(), run()
+  assert not cold["started"] and not warm["started"]
+  assert warm["y"] == cold["y"]
+  assert cold["prefetched"] == 0 and warm["prefetched"] >= 2

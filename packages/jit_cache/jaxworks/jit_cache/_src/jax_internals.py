@@ -23,6 +23,7 @@ from jax._src import array as _array
 from jax._src import compilation_cache as _compilation_cache
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import distributed as _distributed
 from jax._src import dtypes as _dtypes
 from jax._src import effects as _effects
 from jax._src import mesh as _mesh
@@ -293,7 +294,18 @@ def has_host_callbacks(compiled: Any) -> bool:
 
 # -- warm-start prefetch (prefetch.py) ------------------------------------------
 
-get_backend = _xla_bridge.get_backend
+
+def initialized_backend(platform: str) -> Any:
+  """The backend of ``platform`` if JAX has started it, else None (a
+  prefetch never starts one: ``jax.distributed.initialize`` must come first)."""
+  return _xla_bridge._backends.get(platform)  # pylint: disable=protected-access
+
+
+def distributed_client() -> Any:
+  """``jax.distributed``'s client, or None before (or without) it."""
+  return _distributed.global_state.client
+
+
 DeviceList = _jax.DeviceList
 compile_options_from_bytes = _jax.CompileOptions.ParseFromString
 

@@ -182,7 +182,9 @@ def set_cache_dir(
 
   For the whole process: every compile (``jit_cache.jit``, ``jax.jit``,
   eager operations) looks up and writes entries there. Takes effect at the
-  next compile, also when the process compiled before.
+  next compile, also when the process compiled before. In the background it
+  deserializes the entries that the last run of the same command line read
+  first, until JAX asks for them (``prefetch.py``; ``config.prefetch``).
 
   A missing directory is created with mode 0700 (its missing parents too).
   An existing one that another user owns, or that group or others may write
@@ -210,6 +212,7 @@ def set_cache_dir(
     config._dir = None  # pylint: disable=protected-access
     _config_update("jax_compilation_cache_dir", None)
     _ji().reset_persistent_cache()
+    _start_prefetch()
     return
   directory = os.path.abspath(os.fspath(path))
   _prepare(directory)
@@ -218,6 +221,14 @@ def set_cache_dir(
     _config_update(jax_name, config._values[name])  # pylint: disable=protected-access
   _config_update("jax_compilation_cache_dir", directory)
   _ji().reset_persistent_cache()
+  _start_prefetch()
+
+
+def _start_prefetch() -> None:
+  """The process prefetch of the directory now in use (prefetch.py)."""
+  from . import prefetch  # pylint: disable=g-import-not-at-top
+
+  prefetch.start_process()
 
 
 def _prepare(directory: str) -> None:

@@ -1,72 +1,58 @@
-"""Warm starts: an executable read from JAX's persistent cache while its
-function is traced and lowered.
+"""Warm starts: entries of JAX's persistent cache deserialized before JAX
+asks for them.
 
 JAX finds a program in its persistent cache only after tracing, lowering and
 hashing it; only then does it read and deserialize the executable, which for
 a training step takes as long as the trace (150 ms for a 4-layer transformer
-block step on CPU). A ``jit_cache.jit`` function's first call in a process
-does both at once:
+block step on CPU), and for each eager operation and library jit a few
+milliseconds more. jit_cache records which entries were read (``hints.py``)
+and, in the next process, deserializes them on a background thread
+(``deserialize_executable`` releases the GIL) while this one traces:
 
-* After a compile that went through the cache, process 0 writes a *hint*:
-  ``<cache dir>/jaxworks-hints/<digest>.json`` names the entry JAX used, with
-  the compile options and devices it was read with. The digest covers what
-  is known before tracing: JAX's version, the function's code and location,
-  and the arguments' tree, shapes, dtypes and statics. A hint is JSON; it
-  holds no code.
-* At the first call for the same digest in a later process, a background
-  thread deserializes that entry (``deserialize_executable`` releases the
-  GIL) while this thread traces and lowers.
-* JAX's own cache read then takes the prefetched executable only when it asks
-  for the same key with the same compile options and devices, which is what
-  it would have deserialized itself. Anything else (no hint, a stale or
-  planted one, a failure in the background) is dropped and JAX reads its
-  entry as always. The call waits for its prefetch before it returns, so
-  nothing outlives it.
+* **A call site's first call.** A ``jit_cache.jit`` function's first
+  top-level call prefetches the entry its call site read last time, and
+  waits for that prefetch before it returns.
+* **A process's start.** ``set_cache_dir`` prefetches, in order, the entries
+  the last run of the same command line read (eager operations, library
+  jits, jit_cache's and ``jax.jit``'s programs). What the process passes by
+  without asking for is dropped; what is left is dropped ``LINGER_S``
+  seconds after the list is done, when the cache is switched, and at exit.
 
-Trust: a hint is read only from a regular file of at most ``MAX_HINT_BYTES``
-that the current user owns and nobody else may write, never through a link,
-and never blocks (a FIFO is not waited on); entries are read the same way.
-Another user who can write into the cache directory (``set_cache_dir`` warns
-about such a directory) cannot plant a hint; XLA aborts on compile options
-that contradict the executable, so a hint the user forged by hand could, as
-an entry forged by hand could crash stock JAX. Hints are replaced atomically;
-a process killed while writing one leaves at most a ``.tmp-*`` file of its
-own, which nothing reads. Bounded caches (``max_bytes``) and
-``jax_compilation_cache_check_contents`` are left to JAX's own reads.
+JAX's own read takes a prefetched executable only when it asks for the same
+key with the same compile options and devices, which is what it would have
+deserialized itself. Anything else (no hint, a stale or planted one, a
+failure in the background) is dropped, and JAX reads its entry as always.
+XLA aborts the process on compile options that contradict an executable:
+hints are read only from files the user owns that nobody else may write
+(``hints.py``), and options that contradict themselves are refused before
+XLA sees them. Bounded caches (``max_bytes``) and
+``jax_compilation_cache_check_contents`` are left to JAX's own reads (its
+bookkeeping is in them).
 """
 
 from __future__ import annotations
 
-import base64
+import atexit
 import contextlib
-import hashlib
-import json
 import os
-import re
-import stat
-import tempfile
 import threading
 from typing import Any
 
 import jax
 
+from . import hints as _hints
 from . import persistent as _persistent
 
-HINTS = "jaxworks-hints"
-MAX_HINT_BYTES = 1 << 16
-#: Entries larger than this are left to JAX's own read.
-MAX_ENTRY_BYTES = 1 << 31
-FORMAT = "jaxworks-hint/1"
-_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,511}\Z")
+#: Seconds a process prefetch keeps what nobody asked for after its list.
+LINGER_S = 30.0
 _NULL = contextlib.nullcontext()
-
-#: Digests of the call sites compiled in this process: later misses of the
-#: same site (a re-created closure) reuse in-process and need no prefetch.
+#: Call sites compiled in this process: later misses of the same site (a
+#: re-created closure) reuse in-process and need no prefetch.
 _SEEN: set[str] = set()
 _SEEN_MAX = 4096
 _LOCK = threading.Lock()
-#: JAX cache key -> the prefetch that will answer JAX's read of it.
-_PENDING: dict[str, _Prefetch] = {}
+#: JAX cache key -> the item that answers JAX's read of it.
+_PENDING: dict[str, _Item] = {}
 _local = threading.local()
 _config = jax.config
 _process_index = jax.process_index
@@ -81,7 +67,7 @@ def _ji():
 def hints_dir() -> str | None:
   """The hint directory of JAX's persistent cache, or None where there is
   nothing to prefetch from: no cache, one not on a local file system, or one
-  that checks or bounds its entries on each read (JAX's LRU bookkeeping)."""
+  that checks or bounds its entries on each read."""
   directory = getattr(_config, "jax_compilation_cache_dir")
   if not directory or "://" in directory:
     return None
@@ -89,36 +75,187 @@ def hints_dir() -> str | None:
     return None
   if getattr(_config, "jax_compilation_cache_check_contents"):
     return None
-  return os.path.join(directory, HINTS)
+  return os.path.join(directory, _hints.HINTS)
 
 
-def digest(fun: Any, leaves: list, treedef: Any, statics: tuple) -> str | None:
-  """What a hint is filed under: the function's code and the arguments'
-  structure, abstract values and statics (None when ``fun`` has no code)."""
-  target, code = fun, None
-  for _ in range(8):  # through jit_cache's proxy, decorators and partials
-    code = getattr(target, "__code__", None)
-    inner = getattr(target, "__wrapped__", None) or getattr(
-      target, "func", None
+# ------------------------------------------------------------ prefetching
+
+
+class _Item:
+  """One entry to deserialize, and its result once done."""
+
+  __slots__ = ("read", "position", "loader", "state", "result", "done")
+
+  def __init__(self, read: _hints.Read, position: int, loader: _Loader):
+    self.read, self.position, self.loader = read, position, loader
+    self.state = "queued"  # -> running -> done, or dropped
+    self.result: tuple | None = None  # (backend, executable, compile time)
+    self.done = threading.Event()
+
+  def take(self, options: Any, backend: Any, devices: Any) -> tuple | None:
+    """(executable, compile time) if this is what JAX asks for, else None;
+    waits for a deserialization under way."""
+    r = self.read
+    if (
+      tuple(d.id for d in devices) != r.devices
+      or r.platform != backend.platform
+      or options.SerializeAsString() != r.options
+    ):
+      with _LOCK:
+        self.drop()  # a result still under way is discarded by its loader
+      return None
+    self.done.wait()
+    with _LOCK:
+      result, self.result = self.result, None
+      self.state = "dropped"
+    if result is None or result[0] is not backend:
+      return None
+    return result[1:]
+
+  def drop(self) -> None:
+    """Under ``_LOCK``."""
+    if _PENDING.get(self.read.key) is self:
+      del _PENDING[self.read.key]
+    self.state, self.result = "dropped", None
+    self.done.set()
+
+
+class _Loader:
+  """A background thread deserializing ``reads`` in order, keeping what
+  it made for ``linger`` seconds (None: until ``stop``)."""
+
+  def __init__(
+    self, reads: list[_hints.Read], entries: str, linger: float | None
+  ):
+    self.entries, self.linger = entries, linger
+    self.items = [_Item(r, i, self) for i, r in enumerate(reads)]
+    self._stop = threading.Event()
+    self.thread = threading.Thread(
+      target=self._run, name="jaxworks-prefetch", daemon=True
     )
-    if code is not None or inner is None:
-      break
-    target = inner
-  if code is None:
-    return None
-  ji = _ji()
-  parts = [
-    jax.__version__,
-    getattr(fun, "__module__", "") or "",
-    getattr(fun, "__qualname__", "") or "",
-    code.co_filename,
-    str(code.co_firstlineno),
-    hashlib.sha256(code.co_code).hexdigest(),
-    str(treedef),
-    ",".join(ji.shaped_abstractify(x).str_short() for x in leaves),
-    repr(statics)[:4096],
-  ]
-  return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
+
+  def start(self) -> bool:
+    """Registers its items (in place of another loader's that has not
+    started on the same key) and starts."""
+    with _LOCK:
+      mine = []
+      for item in self.items:
+        other = _PENDING.get(item.read.key)
+        if other is not None and other.state != "queued":
+          continue  # under way or done: that one answers JAX
+        if other is not None:
+          other.drop()
+        _PENDING[item.read.key] = item
+        mine.append(item)
+      self.items = mine
+    if not self.items:
+      return False
+    try:
+      self.thread.start()
+    except RuntimeError:  # no thread to be had: JAX reads as always
+      self.stop()
+      return False
+    return True
+
+  def _run(self) -> None:
+    try:
+      self._load()
+    finally:  # whatever happens, nobody waits on an item forever
+      self._drop_all()
+      with _LOCK:
+        for item in self.items:
+          item.done.set()
+
+  def _load(self) -> None:
+    for item in self.items:
+      if self._stop.is_set():
+        break
+      with _LOCK:
+        if item.state != "queued":
+          continue
+        item.state = "running"
+      result = _deserialize(item.read, self.entries)
+      with _LOCK:
+        if item.state == "running":
+          item.state, item.result = "done", result
+          if result is None:
+            item.drop()
+      item.done.set()
+    self._stop.wait(self.linger)
+    self._drop_all()
+
+  def passed(self, position: int) -> None:
+    """JAX asked for the item at ``position``: those before it that it did
+    not ask for are not coming."""
+    with _LOCK:
+      for item in self.items:
+        if item.position < position and item.state in ("queued", "done"):
+          item.drop()
+
+  def _drop_all(self) -> None:
+    with _LOCK:
+      for item in self.items:
+        if item.state != "running":
+          item.drop()
+
+  def stop(self) -> None:
+    """Drops everything and waits for the thread (nothing outlives it)."""
+    self._stop.set()
+    self._drop_all()
+    if self.thread.is_alive() and self.thread is not threading.current_thread():
+      self.thread.join()
+    self._drop_all()
+
+
+def _deserialize(read: _hints.Read, entries: str) -> tuple | None:
+  """(backend, executable, compile time) of ``read``'s entry, or None."""
+  try:
+    ji = _ji()
+    backend = ji.initialized_backend(read.platform)
+    if backend is None or ji.distributed_client() is not None:
+      return None  # never start a backend; one process at a time
+    by_id = {d.id: d for d in backend.devices()}
+    devices = ji.DeviceList(tuple(by_id[i] for i in read.devices))
+    options = ji.compile_options_from_bytes(read.options)
+    # XLA aborts the process on options that contradict themselves.
+    if options.num_replicas != 1 or options.num_partitions != len(devices):
+      return None
+    entry = _hints.read_regular(
+      os.path.join(entries, read.key + "-cache"), _hints.MAX_ENTRY_BYTES
+    )
+    if entry is None:
+      return None
+    serialized, compile_time = ji.executable_and_time(entry)
+    exe = backend.deserialize_executable(serialized, devices, options)
+    return backend, exe, compile_time
+  except Exception:  # pylint: disable=broad-except
+    return None  # JAX reads the entry itself and reports what is wrong
+
+
+def _cache_read(read, cache_key, compile_options, backend, devices):
+  """JAX's persistent-cache read: recorded, and answered by a matching
+  prefetch."""
+  if getattr(_local, "building", False):
+    _local.read = (cache_key, compile_options, backend, devices)
+  _PROCESS.record(cache_key, compile_options, backend, devices)
+  if _PROCESS.waiting:
+    _PROCESS.begin()
+  with _LOCK:
+    item = _PENDING.pop(cache_key, None)
+    if item is not None and item.state == "queued" and item.position:
+      item.drop()  # others first: JAX is as quick to read it itself
+      item = None
+  if item is not None:
+    got = item.take(compile_options, backend, devices)
+    item.loader.passed(item.position)
+    if got is not None:
+      _persistent.TOTALS.prefetched += 1
+      _local.taken = True
+      return got
+  return read(cache_key, compile_options, backend, devices)
+
+
+# ---------------------------------------------------------- call sites
 
 
 def first_compile(fun: Any, leaves: list, treedef: Any, statics: tuple) -> Any:
@@ -132,8 +269,10 @@ def first_compile(fun: Any, leaves: list, treedef: Any, statics: tuple) -> Any:
   directory = hints_dir()
   if directory is None or not _ji().persistent_cache_enabled():
     return _NULL
+  abstractify = _ji().shaped_abstractify
   try:
-    name = digest(fun, leaves, treedef, statics)
+    short = lambda x: abstractify(x).str_short()  # noqa: E731
+    name = _hints.site_digest(fun, leaves, treedef, statics, short)
   except Exception:  # pylint: disable=broad-except
     return _NULL  # an abstract value without a short form: no prefetch
   if name is None:
@@ -148,65 +287,39 @@ def first_compile(fun: Any, leaves: list, treedef: Any, statics: tuple) -> Any:
 
 
 class _Session:
-  """One call's prefetch and what JAX read during it."""
+  """One call's prefetch, and the hint of what JAX read for it."""
 
   def __init__(self, directory: str, name: str):
     self.path = os.path.join(directory, name + ".json")
     self.entries = os.path.dirname(directory)
-    self.hint: dict | None = None
-    self.prefetch: _Prefetch | None = None
-    self.read: tuple | None = None  # (key, options, backend, devices)
+    self.hint: _hints.Read | None = None
+    self.loader: _Loader | None = None
 
   def __enter__(self) -> _Session:
-    _local.session = self
+    _local.session, _local.read = self, None
     _ji().wrap_cache_read(_cache_read)
-    self.hint = read_hint(self.path)
+    self.hint = _hints.read_site(self.path)
     if self.hint is not None:
-      p = _Prefetch(self.hint, self.entries)
-      try:
-        p.thread.start()
-      except RuntimeError:  # no thread to be had: JAX reads as always
-        return self
-      self.prefetch = p
-      with _LOCK:
-        _PENDING.setdefault(p.key, p)
+      loader = _Loader([self.hint], self.entries, None)  # until __exit__
+      self.loader = loader if loader.start() else None
     return self
 
   def __exit__(self, *exc: Any) -> None:
     _local.session = None
-    p = self.prefetch
-    if p is not None:
-      with _LOCK:
-        if _PENDING.get(p.key) is p:
-          del _PENDING[p.key]
-      p.thread.join()  # nothing runs in the background after the call
-      p.result = None
-    if self.read is not None and exc[0] is None:
-      self._write()
-
-  def _write(self) -> None:
-    assert self.read is not None
-    key, options, backend, devices = self.read
-    hint = {
-      "format": FORMAT,
-      "key": key,
-      "platform": backend.platform,
-      "devices": [d.id for d in devices],
-      "options": base64.b64encode(options.SerializeAsString()).decode(),
-    }
-    if self.hint is not None and all(
-      self.hint[k] == v for k, v in hint.items()
-    ):
+    if self.loader is not None:
+      self.loader.stop()
+    seen, _local.read = _local.read, None
+    if seen is None or exc[0] is not None or _process_index() != 0:
       return
-    if _process_index() != 0:
-      return
-    write_hint(self.path, hint)
+    read = _hints.of_call(*seen)
+    if read != self.hint:
+      _hints.write_site(self.path, read)
 
 
 @contextlib.contextmanager
 def building():
-  """Marks the compile of the session's function: the cache read it makes is
-  the one its hint names."""
+  """Marks the compile of a call site: the cache read it makes is the one
+  its hint names."""
   _local.building, _local.taken = True, False
   try:
     yield
@@ -219,147 +332,86 @@ def took() -> bool:
   return getattr(_local, "taken", False)
 
 
-def _cache_read(read, cache_key, compile_options, backend, devices):
-  """JAX's persistent-cache read, answered by a matching prefetch."""
-  session = getattr(_local, "session", None)
-  if session is not None and getattr(_local, "building", False):
-    session.read = (cache_key, compile_options, backend, devices)
-  with _LOCK:
-    p = _PENDING.pop(cache_key, None)
-  if p is not None:
-    got = p.take(compile_options, backend, devices)
-    if got is not None:
-      _persistent.TOTALS.prefetched += 1
-      _local.taken = True
-      return got
-  return read(cache_key, compile_options, backend, devices)
+# ------------------------------------------------------------- processes
 
 
-class _Prefetch:
-  """A background deserialization of one entry of JAX's cache."""
+class _Process:
+  """This process's reads of the cache, and its prefetch at start."""
 
-  def __init__(self, hint: dict, entries: str):
-    self.entries = entries
-    self.key: str = hint["key"]
-    self.platform: str = hint["platform"]
-    self.device_ids: tuple = tuple(hint["devices"])
-    self.options: bytes = hint["options_bytes"]
-    self.backend: Any = None
-    self.result: tuple | None = None
-    self.thread = threading.Thread(
-      target=self._run, name="jaxworks-prefetch", daemon=True
-    )
+  def __init__(self):
+    self.loader: _Loader | None = None
+    self.loaded: list[_hints.Read] = []
+    self.reads: list[tuple] = []
+    self.path: str | None = None
+    self.waiting = False  # for the first read to start the prefetch
 
-  def _run(self) -> None:
+  def start(self) -> None:
+    """At ``set_cache_dir``: reads the hint of this command line. The
+    prefetch starts at the first read of the cache (the backend is up then,
+    and ``jax.distributed`` initialized or not: a prefetch never starts a
+    backend)."""
+    self.stop()
+    directory, name = hints_dir(), _hints.process_digest()
+    if directory is None or name is None or not _persistent.config.prefetch:
+      return
+    self.path = os.path.join(directory, name + ".json")
+    _ji().wrap_cache_read(_cache_read)
+    self.loaded = _hints.read_process(self.path)
+    self.waiting = bool(self.loaded)
+
+  def begin(self) -> None:
+    with _LOCK:
+      if not self.waiting:
+        return
+      self.waiting = False
+    directory = os.path.dirname(self.path or "")
+    loader = _Loader(self.loaded, os.path.dirname(directory), LINGER_S)
+    self.loader = loader if loader.start() else None
+
+  def record(self, key, options, backend, devices) -> None:
+    if self.path is not None and len(self.reads) < _hints.MAX_READS:
+      self.reads.append((key, options, backend, devices))
+
+  def stop(self) -> None:
+    """Drops the prefetch and writes the hint of the reads so far."""
+    self.waiting = False
+    loader, self.loader = self.loader, None
+    if loader is not None:
+      loader.stop()
+    path, self.path = self.path, None
+    reads, self.reads = self.reads, []
+    if path is None or not reads or _process_index() != 0:
+      return
     try:
-      ji = _ji()
-      backend = ji.get_backend(self.platform)
-      by_id = {d.id: d for d in backend.devices()}
-      devices = ji.DeviceList(tuple(by_id[i] for i in self.device_ids))
-      options = ji.compile_options_from_bytes(self.options)
-      # XLA aborts the process on options that contradict themselves; a
-      # hint this user wrote holds the options JAX read its entry with.
-      if options.num_replicas != 1 or options.num_partitions != len(devices):
-        return
-      entry = read_regular(
-        os.path.join(self.entries, self.key + "-cache"), MAX_ENTRY_BYTES
-      )
-      if entry is None:
-        return
-      serialized, compile_time = ji.executable_and_time(entry)
-      exe = backend.deserialize_executable(serialized, devices, options)
-      self.backend, self.result = backend, (exe, compile_time)
+      now = [_hints.of_call(*r) for r in reads]
     except Exception:  # pylint: disable=broad-except
-      # JAX reads the entry itself and reports what is wrong with it.
-      self.result = None
-
-  def take(self, compile_options, backend, devices) -> tuple | None:
-    """The executable, if it is what JAX asks for; else None."""
-    if tuple(d.id for d in devices) != self.device_ids:
-      return None
-    if compile_options.SerializeAsString() != self.options:
-      return None
-    self.thread.join()
-    if self.backend is not backend:
-      return None
-    result, self.result = self.result, None
-    return result
+      return  # a backend gone at exit: no hint this time
+    if now != self.loaded:
+      _hints.write_process(path, now)
 
 
-def read_regular(path: str, limit: int, own: bool = False) -> bytes | None:
-  """The bytes of ``path`` if it is a regular file (not a link) of at most
-  ``limit`` bytes (and, with ``own``, one that this user owns and nobody
-  else may write), else None. Never blocks on a FIFO or device."""
-  flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-  flags |= getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-  try:
-    fd = os.open(path, flags)
-  except OSError:
-    return None
-  chunks: list[bytes] = []
-  try:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-      return None
-    getuid = getattr(os, "getuid", None)
-    if own and getuid is not None:
-      if st.st_uid != getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return None
-    left = st.st_size + 1
-    while left > 0:  # a file that grew after fstat is refused below
-      chunk = os.read(fd, min(left, 1 << 24))
-      if not chunk:
-        break
-      chunks.append(chunk)
-      left -= len(chunk)
-  except OSError:
-    return None
-  finally:
-    os.close(fd)
-  data = b"".join(chunks)
-  return data if len(data) <= limit else None
+_PROCESS = _Process()
+atexit.register(_PROCESS.stop)
 
 
-def read_hint(path: str) -> dict | None:
-  """The hint at ``path`` if it is a valid one that this user wrote, else
-  None."""
-  data = read_regular(path, MAX_HINT_BYTES, own=True)
-  if data is None:
-    return None
-  try:
-    hint = json.loads(data)
-    ok = (
-      isinstance(hint, dict)
-      and hint.get("format") == FORMAT
-      and isinstance(hint.get("key"), str)
-      and _KEY.match(hint["key"]) is not None
-      and isinstance(hint.get("platform"), str)
-      and isinstance(hint.get("devices"), list)
-      and 0 < len(hint["devices"]) <= 1 << 16
-      and all(type(i) is int and i >= 0 for i in hint["devices"])  # pylint: disable=unidiomatic-typecheck
-      and isinstance(hint.get("options"), str)
-    )
-    if not ok:
-      return None
-    options = base64.b64decode(hint["options"], validate=True)
-  except ValueError:  # JSON, Unicode or base64
-    return None
-  return dict(hint, options_bytes=options)
+def _after_fork_in_child() -> None:
+  """A forked child has none of the parent's threads: nothing it could
+  wait on is left pending, and the lock starts free."""
+  global _LOCK
+  _LOCK = threading.Lock()
+  for item in list(_PENDING.values()):
+    item.state, item.result = "dropped", None
+    item.done.set()
+  _PENDING.clear()
+  _PROCESS.loader, _PROCESS.waiting, _PROCESS.path = None, False, None
+  _PROCESS.reads = []
 
 
-def write_hint(path: str, hint: dict) -> None:
-  """Replaces the hint at ``path`` atomically (best effort: a hint only
-  saves time)."""
-  directory = os.path.dirname(path)
-  try:
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-  except OSError:
-    return
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump({k: v for k, v in hint.items() if k != "options_bytes"}, f)
-    os.replace(tmp, path)
-  except OSError:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def start_process() -> None:
+  """Called by ``set_cache_dir``: the process prefetch of the directory
+  now in use (or none)."""
+  _PROCESS.start()
