@@ -90,7 +90,9 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
   train step, an eval step) in new processes: warm with JAX's persistent
   cache turned on through jax.config (jax.jit) or through
   jit_cache.set_cache_dir (jit_cache.jit: the same cache), and cold."""
-  repeats = 1 if quick else 5
+  # Warm runs are short and their spread (imports, the machine) is as large
+  # as the effects measured: more of them, interleaved.
+  warm_repeats, cold_repeats = (1, 1) if quick else (11, 5)
   programs = [
     ("mlp", "MLP train step"),
     ("transformer", "4-layer transformer block train step, d_model 256"),
@@ -110,17 +112,21 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
       },
       1,
     )
-    scenarios = {
+    warm = {
       "jax_warm": ("--jit", "jax", "--jax-cache", jax_dir, *p),
       "jw_warm": ("--jit", "jaxworks", "--jw-cache", jw_dir, *p),
+    }
+    if program == "mlp" and not quick:
+      warm["eqx_warm"] = ("--jit", "equinox", "--jax-cache", jax_dir, *p)
+    cold = {
       "jax_cold": ("--jit", "jax", *p),
       "jw_cold": ("--jit", "jaxworks", *p),
     }
-    if program == "mlp" and not quick:
-      scenarios["eqx_warm"] = ("--jit", "equinox", "--jax-cache", jax_dir, *p)
     field = "first_s" if program == "chain" else "script_s"
     what = "first call" if program == "chain" else "time to first result"
-    t = medians(scenarios, repeats, field)
+    t = medians(warm, warm_repeats, field)
+    prefetched = medians({"jw": warm["jw_warm"]}, 1, "persistent_prefetched")
+    t.update(medians(cold, cold_repeats, field))
     report.add(
       f"{label}: {what} of a warm new process: jaxworks (set_cache_dir: "
       "JAX's cache) vs JAX's persistent cache",
@@ -148,7 +154,10 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
         "equinox.filter_jit",
       )
     report.note(
-      f"{label}, {what} in new processes (medians of {repeats}): cold "
+      f"{label}, {what} in new processes (medians of {warm_repeats} warm, "
+      f"{cold_repeats} cold runs; a warm jaxworks process answered "
+      f"{prefetched['jw']:.0f} of JAX's cache reads with entries it had "
+      "deserialized ahead): cold "
       f"jax.jit {jb.fmt_seconds(t['jax_cold'])}, cold jaxworks "
       f"{jb.fmt_seconds(t['jw_cold'])}, warm JAX cache "
       f"{jb.fmt_seconds(t['jax_warm'])}, warm jaxworks (the same cache) "
@@ -173,7 +182,7 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
     "jw_warm": ("--jit", "jaxworks", "--jw-cache", jw_dir, *s),
     "eqx": ("--jit", "equinox", *s),
   }
-  t = medians(scenarios, 3, "sweep_s")
+  t = medians(scenarios, 5, "sweep_s")
   case = "sweep of 8 configurations (step re-created per configuration), "
   report.add(
     case + "new process", t["jw"], t["jax"], "stock-jax", "jax.jit", goal=5.0

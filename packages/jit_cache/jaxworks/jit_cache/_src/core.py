@@ -235,9 +235,12 @@ class _JitCore:
       return self._jax(*args, **kwargs), None, False
     leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
     entry = self._cache.by_sig.get(sig)
-    if entry is not None:  # the hot path of inner calls, inlined
+    if entry is not None:
       self._hit(entry)
       self._cache.touch(entry)
+      if not _trace_state_clean():  # the hot path of inner calls, inlined
+        out_flat = _jit_p.bind(*leaves, **entry.params)
+        return entry.out_tree.unflatten(out_flat), None, False
       return self._run(entry, leaves, ctx, args, kwargs)
     if not _trace_state_clean():
       entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
