@@ -182,7 +182,7 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
     "jw_warm": ("--jit", "jaxworks", "--jw-cache", jw_dir, *s),
     "eqx": ("--jit", "equinox", *s),
   }
-  t = medians(scenarios, 5, "sweep_s")
+  t = medians(scenarios, 7, "sweep_s")
   case = "sweep of 8 configurations (step re-created per configuration), "
   report.add(
     case + "new process", t["jw"], t["jax"], "stock-jax", "jax.jit", goal=5.0
