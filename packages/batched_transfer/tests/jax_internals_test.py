@@ -200,5 +200,7 @@ def test_distributed_client_is_none_before_initialize():
     "blocking_key_value_get",
     "wait_at_barrier",
     "key_value_dir_get",
+    "key_value_increment",
+    "key_value_delete",
   ):
     assert hasattr(ji._jax.DistributedRuntimeClient, name), name

@@ -96,6 +96,13 @@ WORKER = VALUES + textwrap.dedent("""
     w_files = sorted(f.rsplit("/", 1)[1] for f in opened if "w.shards" in f)
     assert w_files == [f"{n}.npy" for n in range(4 * process_id, 4 * process_id + 4)], w_files
 
+    # Every finished save's keys are gone from the coordinator's store.
+    from jaxworks.batched_transfer._src import jax_internals as ji
+    client = ji.distributed_client()
+    client.wait_at_barrier("saves-done", 60_000)
+    left = client.key_value_dir_get("jaxworks/batched_transfer/save/")
+    assert left == [], left
+
     # A process that never arrives: the other gets TimeoutError, nothing is committed.
     lost = out  # global arrays made with no collective (device_put's check is one)
     bt.save(f"{base}/sync", out, overwrite=True)  # replaces a manifest checkpoint
@@ -285,6 +292,12 @@ FAIL_WORKER = SETUP + textwrap.dedent("""
     assert mgr.save(5, placed(5))
     mgr.wait_until_finished()
     assert mgr.all_steps() == [5], mgr.all_steps()
+    # Failed saves too leave no keys once both processes raised.
+    from jaxworks.batched_transfer._src import jax_internals as ji
+    client = ji.distributed_client()
+    client.wait_at_barrier("saves-done", 60_000)
+    left = client.key_value_dir_get("jaxworks/batched_transfer/save/")
+    assert left == [], left
     print("WORKER-OK", process_id, flush=True)
 """)
 

@@ -19,8 +19,11 @@ the commit, or the error of whichever process failed first, anywhere in the
 save, or gave up waiting. Every process waits by polling the store for the
 keys it needs and that outcome, so all of them raise as soon as one failed;
 a process that died leaves the others with a TimeoutError after
-``barrier_timeout_s`` and no committed checkpoint. Their restore is
-sharded_restore.
+``barrier_timeout_s`` and no committed checkpoint. Once a process is done
+with a save's keys (returned or raised), it counts itself in
+``<prefix>/released``; the last of them deletes the prefix, so a job that
+saves for days keeps no keys of finished saves in the coordinator (a save a
+process never joined keeps its few keys). Their restore is sharded_restore.
 """
 
 from __future__ import annotations
@@ -187,6 +190,14 @@ class _Board:
         "all raise"
       )
 
+  def release(self) -> None:
+    """This process no longer reads the save's keys; the last process to
+    release them deletes them (each read its outcome before)."""
+    with contextlib.suppress(Exception):  # a dead store keeps nothing
+      key = f"{self.prefix}/released"
+      if self.client.key_value_increment(key, 1) >= self.count:
+        self.client.key_value_delete(self.prefix)
+
   def check(self, entries: dict[str, str]) -> None:
     """Raises the error of a failed outcome in ``entries``."""
     value = entries.get("outcome")
@@ -268,6 +279,7 @@ def save_across_processes(
       mine = [(stem, _host(x)) for stem, x in mine]
   except BaseException as err:
     board.fail(err, _NOTHING)
+    board.release()
     raise
   del leaves
 
@@ -277,6 +289,8 @@ def save_across_processes(
     except BaseException as err:
       board.fail(err, "")  # the notes were set where it was known
       raise
+    finally:
+      board.release()
 
   if blocking:
     work()
