@@ -14,8 +14,9 @@ several processes, interleaved):
   0.4.0 the same cache, and since 0.5.0 a call site's first call
   deserializes its entry while it traces: at most 1.0x), and cold;
 * a sweep of 8 configurations in a new process, the step function
-  re-created per configuration (hyperparameters are arguments): against
-  ``jax.jit`` (goal 5x) and ``jax.jit`` with JAX's cache warm (goal 2x);
+  re-created per configuration (hyperparameters are arguments), per
+  re-created configuration against ``jax.jit`` (goal 5x) and ``jax.jit``
+  with JAX's cache warm (goal 2x), and whole (see ``sweep_cases``);
 
 and in this process: the step function re-created (against ``jax.jit`` and
 ``equinox.filter_jit``), the first call of never-seen programs (miss
@@ -74,15 +75,29 @@ def fresh(*args: str) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def medians(scenarios: dict, repeats: int, field: str = "first_s") -> dict:
-  """Median ``field`` per scenario, the scenarios interleaved per repeat."""
-  times: dict = {name: [] for name in scenarios}
+def runs(scenarios: dict, repeats: int) -> dict:
+  """The worker's results per scenario, the scenarios interleaved per
+  repeat."""
+  results: dict = {name: [] for name in scenarios}
   for r in range(repeats):
     for name, args in scenarios.items():
       if callable(args):  # arguments of repeat r (e.g. a fresh directory)
         args = args(r)
-      times[name].append(fresh(*args)[field])
-  return {name: statistics.median(t) for name, t in times.items()}
+      results[name].append(fresh(*args))
+  return results
+
+
+def median_of(results: dict, field: str) -> dict:
+  """Median ``field`` per scenario of ``runs``' results."""
+  return {
+    name: statistics.median(r[field] for r in rs)
+    for name, rs in results.items()
+  }
+
+
+def medians(scenarios: dict, repeats: int, field: str = "first_s") -> dict:
+  """Median ``field`` per scenario, the scenarios interleaved per repeat."""
+  return median_of(runs(scenarios, repeats), field)
 
 
 def new_process_cases(report, quick: bool, tmp: str) -> None:
@@ -167,7 +182,16 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
 
 def sweep_cases(report, quick: bool, tmp: str) -> None:
   """8 configurations in a new process, the step re-created per
-  configuration, hyperparameters passed as arguments."""
+  configuration, hyperparameters passed as arguments.
+
+  The goals (issue 22: 5x against ``jax.jit``, 2x against ``jax.jit`` with
+  JAX's cache on, where 15.6x and 2.5x had been measured) are per
+  re-created configuration: the configurations after the first, which
+  jaxworks reuses and stock compiles (or loads from its cache). The first
+  configuration compiles on both sides, so a whole sweep's ratio is bounded
+  by (C + 7 S) / (C + 7 r) for a first call C, a stock configuration S and a
+  reuse r (at most 8x, about 5-6x for this step on 2 cores); it is printed
+  too, without a goal."""
   if quick:  # --quick (the smoke test): no new-process sweep
     return
   jax_dir = os.path.join(tmp, "sweep", "jax")
@@ -182,26 +206,59 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
     "jw_warm": ("--jit", "jaxworks", "--jw-cache", jw_dir, *s),
     "eqx": ("--jit", "equinox", *s),
   }
-  t = medians(scenarios, 7, "sweep_s")
-  case = "sweep of 8 configurations (step re-created per configuration), "
+  results = runs(scenarios, 7)
+  rest = median_of(results, "sweep_rest_s")
+  whole = median_of(results, "sweep_s")
+  first = median_of(results, "first_s")
+  case = "sweep of 8 configurations in a new process (step re-created per "
+  per_config = "configuration), per re-created configuration (the 7 after "
+  per_config += "the first)"
+  warm = ", JAX's persistent cache on and warm for both "
+  warm += "(jit_cache.set_cache_dir / jax.config)"
   report.add(
-    case + "new process", t["jw"], t["jax"], "stock-jax", "jax.jit", goal=5.0
+    case + per_config,
+    rest["jw"],
+    rest["jax"],
+    "stock-jax",
+    "jax.jit",
+    goal=5.0,
   )
   report.add(
-    case + "new process, JAX's persistent cache on and warm for both "
-    "(jit_cache.set_cache_dir / jax.config)",
-    t["jw_warm"],
-    t["jax_warm"],
+    case + per_config + warm,
+    rest["jw_warm"],
+    rest["jax_warm"],
     "stock-jax",
     JAX_CACHE,
     goal=2.0,
   )
+  whole_sweep = "configuration), whole sweep (the first configuration "
+  whole_sweep += "compiles on both sides)"
   report.add(
-    case + "new process, vs equinox",
-    t["jw"],
-    t["eqx"],
+    case + whole_sweep, whole["jw"], whole["jax"], "stock-jax", "jax.jit"
+  )
+  report.add(
+    case + whole_sweep + warm,
+    whole["jw_warm"],
+    whole["jax_warm"],
+    "stock-jax",
+    JAX_CACHE,
+  )
+  report.add(
+    case + whole_sweep + ", vs equinox",
+    whole["jw"],
+    whole["eqx"],
     "peer",
     "equinox.filter_jit",
+  )
+  report.note(
+    "Sweep in new processes (medians of 7, interleaved): first "
+    f"configuration jax.jit {jb.fmt_seconds(first['jax'])}, jaxworks "
+    f"{jb.fmt_seconds(first['jw'])}; the 7 re-created configurations after "
+    f"it jax.jit {jb.fmt_seconds(rest['jax'])}, jaxworks "
+    f"{jb.fmt_seconds(rest['jw'])} (warm cache: "
+    f"{jb.fmt_seconds(rest['jax_warm'])} and "
+    f"{jb.fmt_seconds(rest['jw_warm'])}). A whole sweep's ratio is bounded "
+    "by the first compile both sides pay: (C + 7 S) / (C + 7 r) <= 8x."
   )
 
 
