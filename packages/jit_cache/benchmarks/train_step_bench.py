@@ -106,16 +106,20 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
   cache turned on through jax.config (jax.jit) or through
   jit_cache.set_cache_dir (jit_cache.jit: the same cache), and cold."""
   # Warm runs are short and their spread (imports, the machine) is as large
-  # as the effects measured: more of them, interleaved.
-  warm_repeats, cold_repeats = (1, 1) if quick else (11, 5)
+  # as the effects measured: more of them, interleaved; most for
+  # jit_add_chain, whose first call takes 20-80 ms of a 2 s process.
   programs = [
-    ("mlp", "MLP train step"),
-    ("transformer", "4-layer transformer block train step, d_model 256"),
-    ("chain", "jit_add_chain"),
+    ("mlp", "MLP train step", (11, 7)),
+    (
+      "transformer",
+      "4-layer transformer block train step, d_model 256",
+      (11, 7),
+    ),
+    ("chain", "jit_add_chain", (21, 11)),
   ]
   if quick:  # --quick (the smoke test): jit_add_chain only, seconds
-    programs = programs[2:]
-  for program, label in programs:
+    programs = [("chain", "jit_add_chain", (1, 1))]
+  for program, label, (warm_repeats, cold_repeats) in programs:
     jax_dir = os.path.join(tmp, program, "jax")
     jw_dir = os.path.join(tmp, program, "jw")
     p = ("--program", program)
