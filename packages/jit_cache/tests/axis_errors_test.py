@@ -1,10 +1,7 @@
 """Axis-name mistakes under jit_cache.jit: axis_names' diagnostic, as an
 instance of what stock raises."""
 
-import os
-import subprocess
-import sys
-
+import child
 import jax
 import jax.numpy as jnp
 import pytest
@@ -88,12 +85,6 @@ def test_a_call_that_works_imports_neither_axis_names_nor_jax_extend():
     "except NameError as e:\n"
     "  print(type(e).__name__)\n"
   )
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-  proc = subprocess.run(
-    [sys.executable, "-c", code], capture_output=True, text=True, env=env,
-    timeout=120, check=False,
-  )  # fmt: skip
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = proc.stdout.strip().splitlines()
+  lines = child.run("-c", code, timeout=120).stdout.strip().splitlines()
   assert lines[0] == "[]", lines
   assert lines[1] == axis_names.AxisNameError.__name__, lines

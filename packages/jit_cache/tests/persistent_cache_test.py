@@ -9,10 +9,9 @@ import json
 import os
 import pickle
 import stat
-import subprocess
-import sys
 import time
 
+import child
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,24 +26,14 @@ WORKER = os.path.join(
 
 
 def _env(extra=None):
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(sys.path)
-  env.pop(persistent.ENV_VAR, None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  env.update(extra or {})
-  return env
+  drop = (persistent.ENV_VAR, "JAX_COMPILATION_CACHE_DIR")
+  return child.env(drop, **(extra or {}))
 
 
 def _worker(mode, directory, out, timeout=180):
-  proc = subprocess.run(
-    [sys.executable, WORKER, mode, str(directory), str(out)],
-    capture_output=True,
-    text=True,
-    env=_env(),
-    timeout=timeout,
-    check=False,
+  proc = child.run(
+    WORKER, mode, str(directory), str(out), child_env=_env(), timeout=timeout
   )
-  assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
   stats = json.loads(proc.stdout.strip().splitlines()[-1])
   with np.load(out) as f:
     return {k: f[k] for k in f.files}, stats
@@ -295,12 +284,8 @@ def test_environment_variable_turns_the_cache_on(tmp_path):
     "from jaxworks import jit_cache\n"
     "print(jit_cache.config.cache_dir, jax.config.jax_compilation_cache_dir)"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    env=_env({persistent.ENV_VAR: str(d)}),
-    check=True,
+  out = child.run(
+    "-c", code, child_env=_env({persistent.ENV_VAR: str(d)})
   ).stdout.split()
   assert out == [str(d), str(d)]
   assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
@@ -342,12 +327,10 @@ def test_xla_flags_changed_after_the_backend_started_do_not_pick_entries(
 
   def run(mode):
     out = tmp_path / f"{mode}.npz"
-    proc = subprocess.run(
-      [sys.executable, "-c", _FLAGS_SCRIPT, mode, str(tmp_path / "c"),
-       str(out), _FAST_MATH],
-      capture_output=True, text=True, env=_env(), timeout=180, check=False,
+    child.run(
+      "-c", _FLAGS_SCRIPT, mode, str(tmp_path / "c"), str(out), _FAST_MATH,
+      child_env=_env(),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(out) as f:
       return {k: f[k] for k in f.files}
 

@@ -12,13 +12,13 @@ thread behind.
 import base64
 import json
 import os
-import subprocess
 import sys
 import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import child
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,19 +364,10 @@ def test_a_new_process_prefetch_starts_no_backend(tmp_path):
   # prefetch waits for the process's first read of the cache.
   script = tmp_path / "job.py"
   script.write_text(_JOB)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-  env.pop("JAXWORKS_JIT_CACHE_DIR", None)
+  env = child.env(drop=("JAXWORKS_JIT_CACHE_DIR",))
 
   def run():
-    proc = subprocess.run(
-      [sys.executable, str(script), str(tmp_path / "cache")],
-      capture_output=True,
-      text=True,
-      env=env,
-      timeout=120,
-      check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = child.run(str(script), str(tmp_path / "cache"), child_env=env)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
   cold, warm = run(), run()

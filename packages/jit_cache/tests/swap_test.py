@@ -13,11 +13,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import ast
 import pathlib
-import subprocess
-import sys
 import textwrap
 import types
 
+import child
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,16 +195,7 @@ _SUBPROCESS = textwrap.dedent("""
 
 def test_plain_assignment_in_a_fresh_process():
   tests = str(pathlib.Path(__file__).resolve().parent)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-  proc = subprocess.run(
-    [sys.executable, "-c", _SUBPROCESS.format(tests=tests)],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  proc = child.run("-c", _SUBPROCESS.format(tests=tests), timeout=600)
   assert "cases 9" in proc.stdout
   assert "RecursionError" not in proc.stderr
 
