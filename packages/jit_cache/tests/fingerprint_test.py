@@ -69,6 +69,29 @@ def test_constants_by_content_or_identity():
   assert fp(lambda v: big1 @ v, y) != fp(lambda v: big2 @ v, y)
 
 
+def test_numpy_content_keys_around_the_raw_bytes_bound():
+  # Up to 64 bytes an array is keyed by its bytes, above by a digest: either
+  # way equal content gives equal keys and one flipped bit different keys
+  # (NaN payloads and the sign of zero included).
+  vk = fpmod.value_key
+  for n in (1, 16, 17, 1000):  # float32: 4, 64, 68 and 4000 bytes
+    a = np.linspace(-1, 1, n, dtype=np.float32)
+    b = a.copy()
+    assert vk(a) == vk(b)
+    b.view(np.uint32)[-1] ^= 1
+    assert vk(a) != vk(b)
+  assert vk(np.float32(0.0)) != vk(np.float32(-0.0))
+  nan = np.array([np.nan], np.float32)
+  other_nan = nan.copy()
+  other_nan.view(np.uint32)[0] |= 1  # another payload
+  assert np.isnan(other_nan[0]) and vk(nan) != vk(other_nan)
+  assert vk(np.zeros(4, np.int8)) != vk(np.zeros((2, 2), np.int8))
+  assert vk(np.zeros(4, np.int8)) != vk(np.zeros(2, np.int16))
+  assert vk(np.asarray(np.arange(6.0).reshape(2, 3)).T) == vk(
+    np.ascontiguousarray(np.arange(6.0).reshape(2, 3).T)
+  )
+
+
 def test_value_keys():
   vk = fpmod.value_key
   assert vk(1) != vk(1.0) != vk(True)

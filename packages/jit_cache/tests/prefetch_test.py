@@ -48,7 +48,7 @@ def new_process() -> None:
   """What a new process starts without: every in-memory cache."""
   jax.clear_caches()
   jit_cache.clear_caches()
-  prefetch._SEEN.clear()  # pylint: disable=protected-access
+  prefetch.forget_sites()
 
 
 def prefetched() -> int:
@@ -138,11 +138,23 @@ def test_recreated_closures_prefetch_once(cache, monkeypatch):
       super().__init__(reads, *rest)
 
   monkeypatch.setattr(prefetch, "_Loader", Counting)
+  digests = []
+  real_digest = hints.site_digest
+  monkeypatch.setattr(
+    hints, "site_digest", lambda *a: digests.append(1) or real_digest(*a)
+  )
   before = prefetched()
   for scale in (2.0, 2.0, 2.0):  # the step re-created per configuration
     out = jit_cache.jit(make(scale))(x)
     assert np.asarray(out).tobytes() == np.asarray(jnp.sin(x) * 2.0).tobytes()
   assert len(started) == 1 and prefetched() == before + 1
+  # The site is known after the first: later misses skip its digest.
+  assert len(digests) == 1
+  jit_cache.jit(make(3.0))(jnp.arange(5.0))  # another site of the code
+  assert len(digests) == 2
+  prefetch.forget_sites()
+  jit_cache.jit(make(4.0))(x)
+  assert len(digests) == 3
 
 
 def test_off_when_configured_off(cache, stock):

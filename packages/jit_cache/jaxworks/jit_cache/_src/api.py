@@ -518,6 +518,7 @@ def clear_caches() -> None:
     f.clear_cache()
   _cache.GLOBAL_ENTRIES.clear()
   _cache.EXECUTABLES.clear()
+  _cache.REAPER.flush()  # what evictions handed over is freed too
   _fingerprint.clear_memo()
 
 

@@ -28,8 +28,6 @@ _HISTORY: collections.OrderedDict[tuple, collections.deque] = (
   collections.OrderedDict()
 )
 _LOCK = threading.Lock()
-#: id(counters) -> weak reference to the core that owns them.
-_OWNERS: dict[int, Any] = {}
 
 
 def _code_key(fun: Any) -> tuple | None:
@@ -88,24 +86,8 @@ def _describe(fun: Any) -> tuple:
 
 def owner_of(counters: Any) -> Any:
   """The core whose counters these are (None if it died)."""
-  ref = _OWNERS.get(id(counters))
-  core = ref() if ref is not None else None
-  if core is not None and core._counters is counters:  # pylint: disable=protected-access
-    return core
-  from .core import REGISTRY  # pylint: disable=g-import-not-at-top
-  from .core import REGISTRY_LOCK  # pylint: disable=g-import-not-at-top
-
-  with REGISTRY_LOCK:
-    cores = list(REGISTRY)
-  if len(_OWNERS) > 4 * len(cores) + 64:  # forget the dead ones
-    for k, r in list(_OWNERS.items()):
-      if r() is None:
-        _OWNERS.pop(k, None)
-  for core in cores:
-    if core._counters is counters:  # pylint: disable=protected-access
-      _OWNERS[id(counters)] = weakref.ref(core)
-      return core
-  return None
+  ref = counters.owner
+  return ref() if ref is not None else None
 
 
 def function_of(core: Any) -> Any:

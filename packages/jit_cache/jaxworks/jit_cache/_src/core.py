@@ -201,6 +201,7 @@ class _JitCore:
     self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
     self._cache = _cache.FunctionCache(maxsize, self._counters)
     self_ref = weakref.ref(self)
+    self._counters.owner = self_ref
 
     def cache_miss(*args, **kwargs):
       return self_ref()._cache_miss(args, kwargs)  # pylint: disable=protected-access
@@ -247,7 +248,7 @@ class _JitCore:
       return self._run(entry, leaves, ctx, args, kwargs)
     # A top-level miss may compile: in a warm process its executable is read
     # from JAX's persistent cache while it traces (prefetch.py).
-    with _prefetch.first_compile(self._fun, leaves, treedef, statics):
+    with _prefetch.first_compile(self._fun, leaves, treedef, statics, sig):
       entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
       return self._run(entry, leaves, ctx, args, kwargs)
 
@@ -276,7 +277,7 @@ class _JitCore:
     if exe.tokens:
       out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
     else:
-      out_flat = exe.mesh_executable.call(*exe.const_args, *leaves)
+      out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
     fast = ji.fastpath_data(
       exe.mesh_executable,
       entry.out_tree,

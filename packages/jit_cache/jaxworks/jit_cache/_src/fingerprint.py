@@ -137,6 +137,7 @@ class _Identity:
 
 
 _DOUBLE = struct.Struct("<d")
+_NO_EFFECTS: frozenset = frozenset()
 
 
 def float_bits(v: float) -> bytes:
@@ -145,7 +146,18 @@ def float_bits(v: float) -> bytes:
   return _DOUBLE.pack(v)
 
 
+#: Arrays of at most this many bytes are keyed by their bytes themselves
+#: (cheaper than a digest; the dtype and shape in the key fix which form a
+#: given array gets).
+_RAW_MAX_BYTES = 64
+
+#: numpy array types whose content is keyed (filled as they are first met).
+_ARRAY_TYPES: set[type] = set()
+
+
 def _digest(data: np.ndarray) -> bytes:
+  if data.nbytes <= _RAW_MAX_BYTES:
+    return data.tobytes()  # C order, as the digest below
   return hashlib.blake2b(
     # numpy's stubs declare the buffer protocol only for Python >= 3.12.
     np.ascontiguousarray(data).view(np.uint8).reshape(-1),  # type: ignore[arg-type]
@@ -178,6 +190,8 @@ class _Walker:
     # hundred calls to one inner function) are keyed once, and the keys
     # share the result.
     self.seen: dict[Any, tuple] = {}
+    self.avals: dict[int, Any] = {}  # hashable avals met, by id
+    self.idents: dict[int, _Identity] = {}  # primitives and contexts, by id
 
   def identity(self, v: Any) -> Any:
     self.pins = True
@@ -210,6 +224,8 @@ class _Walker:
         self.volatile = outer[2] or mine[2]
       self.seen[id(v)] = (v, key, *mine)
       return key
+    if t in _ARRAY_TYPES:  # literals: the most common value after scalars
+      return self.ndarray(v, t)
     if isinstance(v, jax.core.Tracer):
       raise NotFingerprintable("tracer")
     if isinstance(v, (ji.ClosedJaxpr, ji.Jaxpr)):
@@ -223,20 +239,10 @@ class _Walker:
       )
       return (t, self.value(base(v)), self.value(getattr(v, "dtype", None)))
     if isinstance(v, np.ndarray):
-      if v.dtype == object:
-        raise NotFingerprintable("object array")
       if t is not np.ndarray and not t.__module__.startswith("jax"):
         raise NotFingerprintable(f"ndarray subclass {t.__name__}")
-      self.volatile = True
-      self.nbytes += v.nbytes
-      return (
-        "np",
-        t,
-        v.dtype.str,
-        v.shape,
-        bool(getattr(v, "weak_type", False)),
-        _digest(v),
-      )
+      _ARRAY_TYPES.add(t)
+      return self.ndarray(v, t)
     if isinstance(v, np.generic):
       a = np.asarray(v)
       if a.dtype == object:
@@ -282,6 +288,21 @@ class _Walker:
     # else: the same object or not at all.
     return (t, self.identity(v))
 
+  def ndarray(self, v: np.ndarray, t: type) -> Any:
+    """Key of a numpy array (or JAX's numpy-backed literal) by content."""
+    if v.dtype.hasobject:
+      raise NotFingerprintable("object array")
+    self.volatile = True
+    self.nbytes += v.nbytes
+    return (
+      "np",
+      t,
+      v.dtype.str,
+      v.shape,
+      bool(getattr(v, "weak_type", False)),
+      _digest(v),
+    )
+
   def _container(self, v: Any, t: type) -> Any:
     if t is dict or t is ji.FrozenDict:
       items = [(self.value(k), self.value(x)) for k, x in v.items()]
@@ -312,6 +333,8 @@ class _Walker:
     return ("array-id", self.identity(v))
 
   def effects(self, effects: Any) -> Any:
+    if not effects:
+      return _NO_EFFECTS
     out = []
     for e in effects:
       if isinstance(e, ji.Effect) and _trusted(type(e)):
@@ -325,10 +348,13 @@ class _Walker:
     return frozenset(out)
 
   def aval(self, aval: Any) -> Any:
+    if id(aval) in self.avals:  # JAX interns avals: most are met again
+      return aval
     try:
       hash(aval)
     except TypeError:
       raise NotFingerprintable(f"unhashable aval {aval}") from None
+    self.avals[id(aval)] = aval  # held: the id names this object meanwhile
     return aval
 
   def params(self, primitive: Any, params: dict) -> tuple:
@@ -400,41 +426,51 @@ class _Walker:
 
   def open_jaxpr(self, jaxpr: Any) -> tuple:
     ids: dict[Any, int] = {}
-    aval = self.aval
+    aval, value, idents = self.aval, self.value, self.idents
+    literal, drop = ji.Literal, ji.DropVar
 
     def define(v: Any) -> tuple:
-      ids[v] = len(ids)
-      return (ids[v], aval(v.aval))
+      n = ids[v] = len(ids)
+      return (n, aval(v.aval))
 
     def use(a: Any) -> Any:
-      if isinstance(a, ji.Literal):
-        return ("lit", self.value(a.val), aval(a.aval))
-      try:
-        return ids[a]
-      except KeyError:
-        raise NotFingerprintable("unbound variable") from None
+      if isinstance(a, literal):
+        return ("lit", value(a.val), aval(a.aval))
+      n = ids.get(a)
+      if n is None:
+        raise NotFingerprintable("unbound variable")
+      return n
 
-    constvars = tuple(define(v) for v in jaxpr.constvars)
-    invars = tuple(define(v) for v in jaxpr.invars)
+    def ident(obj: Any) -> _Identity:
+      # An id names one object while the jaxpr holding it lives.
+      got = idents.get(id(obj))
+      if got is None:
+        got = idents[id(obj)] = _Identity(obj)
+      return got
+
+    constvars = tuple([define(v) for v in jaxpr.constvars])
+    invars = tuple([define(v) for v in jaxpr.invars])
     eqns = []
     for eqn in jaxpr.eqns:
-      ins = tuple(use(a) for a in eqn.invars)
+      ins = tuple([use(a) for a in eqn.invars])
       params = self.params(eqn.primitive, eqn.params)
       outs = tuple(
-        ("drop", aval(v.aval)) if isinstance(v, ji.DropVar) else define(v)
-        for v in eqn.outvars
+        [
+          ("drop", aval(v.aval)) if isinstance(v, drop) else define(v)
+          for v in eqn.outvars
+        ]
       )
       eqns.append(
         (
-          _Identity(eqn.primitive),
+          ident(eqn.primitive),
           ins,
           params,
           outs,
           self.effects(eqn.effects),
-          _Identity(eqn.ctx),
+          ident(eqn.ctx),
         )
       )
-    outvars = tuple(use(a) for a in jaxpr.outvars)
+    outvars = tuple([use(a) for a in jaxpr.outvars])
     return (
       "jaxpr",
       constvars,

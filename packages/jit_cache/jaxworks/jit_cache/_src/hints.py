@@ -67,21 +67,28 @@ def of_call(key: str, options: Any, backend: Any, devices: Any) -> Read:
   )
 
 
+def code_of(fun: Any) -> Any:
+  """The code object of ``fun``, found through jit_cache's weak proxy,
+  decorators and partials (None when there is none)."""
+  target = fun
+  for _ in range(8):
+    code = getattr(target, "__code__", None)
+    inner = getattr(target, "__wrapped__", None) or getattr(
+      target, "func", None
+    )
+    if code is not None or inner is None:
+      return code
+    target = inner
+  return None
+
+
 def site_digest(
   fun: Any, leaves: list, treedef: Any, statics: tuple, short: Any
 ) -> str | None:
   """A call site's hint name: the function's code and the arguments'
   structure, abstract values (``short(leaf)``) and statics; None when
   ``fun`` has no code."""
-  target, code = fun, None
-  for _ in range(8):  # through jit_cache's proxy, decorators and partials
-    code = getattr(target, "__code__", None)
-    inner = getattr(target, "__wrapped__", None) or getattr(
-      target, "func", None
-    )
-    if code is not None or inner is None:
-      break
-    target = inner
+  code = code_of(fun)
   if code is None:
     return None
   parts = [

@@ -50,6 +50,10 @@ _NULL = contextlib.nullcontext()
 #: re-created closure) reuse in-process and need no prefetch.
 _SEEN: set[str] = set()
 _SEEN_MAX = 4096
+#: (id of the code, hash of the call signature) of calls whose site is in
+#: ``_SEEN``: a re-created closure's miss skips the site digest. A collision
+#: (a code object freed and its id reused) only skips a prefetch.
+_SEEN_CALLS: set[tuple[int, int]] = set()
 _LOCK = threading.Lock()
 #: JAX cache key -> the item that answers JAX's read of it.
 _PENDING: dict[str, _Item] = {}
@@ -258,13 +262,21 @@ def _cache_read(read, cache_key, compile_options, backend, devices):
 # ---------------------------------------------------------- call sites
 
 
-def first_compile(fun: Any, leaves: list, treedef: Any, statics: tuple) -> Any:
+def first_compile(
+  fun: Any, leaves: list, treedef: Any, statics: tuple, sig: Any
+) -> Any:
   """A context for a top-level call that may compile: prefetches while it
-  runs when a hint exists, and writes or refreshes the hint afterwards."""
+  runs when a hint exists, and writes or refreshes the hint afterwards.
+  ``sig`` is the call's dispatch signature (equal signatures of one code
+  give one site)."""
   if (
     not _persistent.config.prefetch
     or getattr(_local, "session", None) is not None
   ):
+    return _NULL
+  code = _hints.code_of(fun)
+  call = (id(code), hash(sig))
+  if call in _SEEN_CALLS:
     return _NULL
   directory = hints_dir()
   if directory is None or not _ji().persistent_cache_enabled():
@@ -278,12 +290,22 @@ def first_compile(fun: Any, leaves: list, treedef: Any, statics: tuple) -> Any:
   if name is None:
     return _NULL
   with _LOCK:
-    if name in _SEEN:
-      return _NULL
     if len(_SEEN) >= _SEEN_MAX:
       _SEEN.clear()
+      _SEEN_CALLS.clear()
+    _SEEN_CALLS.add(call)
+    if name in _SEEN:
+      return _NULL
     _SEEN.add(name)
   return _Session(directory, name)
+
+
+def forget_sites() -> None:
+  """Forgets which call sites compiled in this process (their next first
+  call prefetches and writes its hint again)."""
+  with _LOCK:
+    _SEEN.clear()
+    _SEEN_CALLS.clear()
 
 
 class _Session:
