@@ -27,13 +27,14 @@ from jaxworks.jit_cache import jit
 from jaxworks.jit_cache._src import cache
 from jaxworks.jit_cache._src import executables
 from jaxworks.jit_cache._src import fingerprint
+from jaxworks.jit_cache._src import reaper
 
 MIB = 1 << 20
 
 
 def _live(cls, flush=True):
   if flush:  # evicted executables are freed on the reaper thread
-    assert cache.REAPER.flush(timeout=60)
+    assert reaper.REAPER.flush(timeout=60)
   gc.collect()
   return [o for o in gc.get_objects() if type(o) is cls]  # pylint: disable=unidiomatic-typecheck
 
@@ -115,7 +116,7 @@ def test_kept_executables_are_bounded_by_bytes():
 
 
 def _rss_mib() -> float:
-  assert cache.REAPER.flush(timeout=60)
+  assert reaper.REAPER.flush(timeout=60)
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
@@ -257,7 +258,7 @@ def test_evicted_executables_are_freed_on_the_reaper_thread():
     assert ref() is not None  # kept for a re-created closure
     jit(lambda v: v * 4.0 + 0.5)(x)
     jit(lambda v: v * 5.0 + 0.5)(x)  # the third evicts the first
-    assert cache.REAPER.flush(timeout=60)
+    assert reaper.REAPER.flush(timeout=60)
     assert ref() is None and freed_on == ["jaxworks-reaper"]
   finally:
     jit_cache.set_global_maxsize(executables=cache.DEFAULT_EXECUTABLE_MAXSIZE)
@@ -276,15 +277,15 @@ class _Freed:
 
 def test_reaper_frees_in_the_caller_once_closed_and_restarts_after_fork():
   log = []
-  reaper = cache.Reaper()
-  reaper.drop([_Freed(log)])
-  assert reaper.flush(timeout=60) and log == ["jaxworks-reaper"]
+  stage = reaper.Reaper()
+  stage.drop([_Freed(log)])
+  assert stage.flush(timeout=60) and log == ["jaxworks-reaper"]
   # A forked child has no reaper thread: it starts its own.
-  reaper.after_fork_in_child()
-  assert reaper.flush(timeout=0)  # nothing pending in the child
-  reaper.drop([_Freed(log)])
-  assert reaper.flush(timeout=60) and log == ["jaxworks-reaper"] * 2
+  stage.after_fork_in_child()
+  assert stage.flush(timeout=0)  # nothing pending in the child
+  stage.drop([_Freed(log)])
+  assert stage.flush(timeout=60) and log == ["jaxworks-reaper"] * 2
   # At exit: pending values are freed, and later ones in the caller.
-  reaper.close()
-  reaper.drop([_Freed(log)])
+  stage.close()
+  stage.drop([_Freed(log)])
   assert log[-1] == threading.current_thread().name

@@ -24,6 +24,7 @@ from . import boundary as _boundary
 from . import cache as _cache
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
+from . import reaper as _reaper
 from . import stages as _stages
 from . import stats as _stats
 from .core import UNSET as _UNSET
@@ -518,7 +519,7 @@ def clear_caches() -> None:
     f.clear_cache()
   _cache.GLOBAL_ENTRIES.clear()
   _cache.EXECUTABLES.clear()
-  _cache.REAPER.flush()  # what evictions handed over is freed too
+  _reaper.REAPER.flush()  # what evictions handed over is freed too
   _fingerprint.clear_memo()
 
 
