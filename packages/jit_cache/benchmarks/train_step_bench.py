@@ -107,7 +107,8 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
   jit_cache.set_cache_dir (jit_cache.jit: the same cache), and cold."""
   # Warm runs are short and their spread (imports, the machine) is as large
   # as the effects measured: more of them, interleaved; most for
-  # jit_add_chain, whose first call takes 20-80 ms of a 2 s process.
+  # jit_add_chain, whose first call takes 20-80 ms of a 2 s process (with 21
+  # warm runs its ratio ranged 0.84x-1.14x over four runs of this bench).
   programs = [
     ("mlp", "MLP train step", (11, 7)),
     (
@@ -115,7 +116,7 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
       "4-layer transformer block train step, d_model 256",
       (11, 7),
     ),
-    ("chain", "jit_add_chain", (21, 11)),
+    ("chain", "jit_add_chain", (41, 11)),
   ]
   if quick:  # --quick (the smoke test): jit_add_chain only, seconds
     programs = [("chain", "jit_add_chain", (1, 1))]
