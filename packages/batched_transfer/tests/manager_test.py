@@ -1,11 +1,18 @@
 """CheckpointManager: steps, retention, should_save, restore, delete, errors,
-and a training loop killed (SIGKILL) at 30 random moments."""
+metrics and best_fn, keep_time_interval, should_save_fn and save_on_steps,
+named items, step names, read-only managers, and a training loop killed
+(SIGKILL) at 30 random moments."""
 
+import datetime
+import inspect
+import json
 import os
 import random
 import subprocess
 import sys
 import textwrap
+import threading
+import warnings
 
 import jax
 import numpy as np
@@ -81,8 +88,18 @@ def test_placement_and_bad_arguments(tmp_path):
     bt.CheckpointManager("gs://bucket/run")
   with pytest.raises(TypeError, match="step must be an int"):
     mgr.save("3", {})
-  with pytest.raises(TypeError, match="pass target="):
-    mgr.restore()
+  with pytest.raises(TypeError, match="pass the tree to save, or items="):
+    mgr.save(3)
+  with pytest.raises(TypeError, match="not both"):
+    mgr.save(3, {"w": 1}, items={"a": {"w": 1}})
+  with pytest.raises(ValueError, match="best_mode must be 'max' or 'min'"):
+    bt.CheckpointManager(tmp_path, best_mode="lowest")
+  with pytest.raises(TypeError, match="keep_time_interval must be a datetime"):
+    bt.CheckpointManager(tmp_path, keep_time_interval=60)
+  with pytest.raises(ValueError, match="step_prefix must be"):
+    bt.CheckpointManager(tmp_path, step_prefix="a/b")
+  with pytest.raises(ValueError, match="reserved for the step's metrics"):
+    bt.CheckpointManager(tmp_path, item_names=["__jaxworks_metrics__"])
 
 
 def test_a_failed_background_save_is_raised_by_the_next_call(
@@ -184,3 +201,266 @@ def test_a_killed_training_loop_leaves_only_complete_steps(tmp_path):
   mgr.save(latest[-1] + 1, tree(latest[-1] + 1), blocking=True)
   assert commit.step_temporaries(directory) == []
   assert all(n.isdigit() for n in os.listdir(directory)), os.listdir(directory)
+
+
+needs_partial_restore = pytest.mark.skipif(
+  "partial_restore" not in inspect.signature(bt.restore).parameters,
+  reason="bt.restore(partial_restore=) is not implemented yet",
+)
+needs_metadata = pytest.mark.skipif(
+  not hasattr(bt, "metadata"), reason="bt.metadata is not implemented yet"
+)
+
+
+def small(step):
+  return {"w": np.full((3,), step, np.float32), "n": np.arange(4) + step}
+
+
+SMALL = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small(0))
+
+
+def test_metrics_are_stored_with_the_step_and_rank_it(tmp_path):
+  mgr = bt.CheckpointManager(
+    tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min"
+  )
+  losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.7}
+  for step, loss in losses.items():
+    assert mgr.save(step, small(step), metrics={"loss": np.float32(loss)})
+  mgr.wait_until_finished()
+  assert mgr.all_steps() == [2, 4]  # the two lowest losses
+  assert mgr.best_step() == 2
+  assert mgr.metrics(4) == {"loss": pytest.approx(0.3)}
+  # The metrics leaf is in the step's checkpoint (one commit), and restore
+  # leaves it out; a target missing a stored leaf is still refused.
+  record = json.loads((tmp_path / "4" / "jaxworks_dtypes.json").read_text())
+  assert json.loads(record["values"]["__jaxworks_metrics__"])["metrics"] == {
+    "loss": pytest.approx(0.3)
+  }
+  out = mgr.restore(4, target=SMALL)
+  assert sorted(out) == ["n", "w"] and float(out["w"][0]) == 4.0
+  with pytest.raises(ValueError, match="n"):
+    mgr.restore(4, target={"w": SMALL["w"]})
+  # A new manager reads the metrics back from disk.
+  again = bt.CheckpointManager(
+    tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min"
+  )
+  assert again.best_step() == 2 and again.metrics(2) == {
+    "loss": pytest.approx(0.1)
+  }
+  # Without best_fn, best_step is the latest step (as orbax).
+  assert bt.CheckpointManager(tmp_path).best_step() == 4
+
+
+def test_steps_without_metrics_and_keep_checkpoints_without_metrics(tmp_path):
+  def run(keep):
+    d = tmp_path / str(keep)
+    mgr = bt.CheckpointManager(
+      d,
+      max_to_keep=2,
+      best_fn=lambda m: m["acc"],
+      keep_checkpoints_without_metrics=keep,
+    )
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      mgr.save(1, small(1), blocking=True)  # no metrics
+    assert any("without metrics=" in str(w.message) for w in seen)
+    for step, acc in ((2, 0.5), (3, 0.9), (4, 0.7)):
+      mgr.save(step, small(step), metrics={"acc": acc}, blocking=True)
+    return mgr.all_steps(), mgr.best_step()
+
+  assert run(True) == ([1, 3, 4], 3)
+  assert run(False) == ([3, 4], 3)
+
+
+def test_metrics_need_a_dict_tree_and_json(tmp_path):
+  mgr = bt.CheckpointManager(tmp_path)
+  with pytest.raises(TypeError, match=r"must be a dict.*items=\{'state'"):
+    mgr.save(1, [np.zeros(2)], metrics={"loss": 1.0})
+  with pytest.raises(ValueError, match="reserved"):
+    mgr.save(1, {"__jaxworks_metrics__": np.zeros(2)}, metrics={"a": 1})
+  with pytest.raises(TypeError, match="JSON cannot store"):
+    mgr.save(1, small(1), metrics={"f": object()})
+  assert mgr.all_steps() == []
+  # Items carry metrics whatever the item's tree is.
+  mgr.save(
+    1, items={"state": [np.zeros(2)]}, metrics={"a": [1, 2]}, blocking=True
+  )
+  assert mgr.metrics(1) == {"a": [1, 2]}
+
+
+def test_keep_time_interval_keeps_a_step_every_interval(tmp_path):
+  mgr = bt.CheckpointManager(
+    tmp_path, max_to_keep=1, keep_time_interval=datetime.timedelta(seconds=30)
+  )
+  t0 = 1_700_000_000
+  # Commit times (the step directories' mtimes): every 10 s.
+  for step in range(1, 8):
+    mgr.save(step, small(step), blocking=True)
+    os.utime(tmp_path / str(step), (t0 + 10 * step, t0 + 10 * step))
+  # Kept by time: 1 (the first), 4 (30 s after 1), 7 (30 s after 4); 7 is
+  # the newest too. Steps 2, 3, 5, 6 went when a newer step committed.
+  mgr.save(8, small(8), blocking=True)  # now: long after 7
+  assert mgr.all_steps() == [1, 4, 7, 8]
+
+
+def test_should_save_fn_and_save_on_steps(tmp_path):
+  seen = []
+
+  def fn(step, last):
+    seen.append((step, last))
+    return step % 5 == 0
+
+  mgr = bt.CheckpointManager(
+    tmp_path / "fn", should_save_fn=fn, save_on_steps=[3]
+  )
+  saved = [s for s in range(1, 12) if mgr.save(s, small(s))]
+  mgr.wait_until_finished()
+  assert saved == [5, 10]  # should_save_fn overrides save_on_steps
+  assert seen[:5] == [(1, None), (2, None), (3, None), (4, None), (5, None)]
+  assert seen[5] == (6, 5)  # the pending save counts as saved
+  mgr = bt.CheckpointManager(
+    tmp_path / "on", save_interval_steps=4, save_on_steps={3, 6, 7}
+  )
+  saved = [s for s in range(1, 10) if mgr.save(s, small(s))]
+  mgr.wait_until_finished()
+  assert saved == [1, 3, 4, 6, 7, 8]  # the first step, as orbax
+  assert mgr.should_save(12) and not mgr.should_save(11)
+
+
+@needs_partial_restore
+def test_named_items_are_one_step_and_restore_alone(tmp_path):
+  mgr = bt.CheckpointManager(tmp_path, item_names=("params", "opt", "data"))
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  opt = [np.ones(3, np.float32), np.zeros(2, np.int32)]
+  assert mgr.save(
+    1, items={"params": params, "opt": opt}, metrics={"loss": 0.5}
+  )
+  mgr.wait_until_finished()
+  assert sorted(os.listdir(tmp_path)) == ["1"]  # one step, one commit
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  out = mgr.restore(1, items={"params": like})
+  assert list(out) == ["params"]
+  np.testing.assert_array_equal(out["params"]["w"], params["w"])
+  both = mgr.restore(items={"params": like, "opt": None})
+  assert sorted(both) == ["opt", "params"]
+  for a, b in zip(both["opt"], opt):
+    assert np.asarray(a).dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(KeyError, match=r"no item 'data'.*\['opt', 'params'\]"):
+    mgr.restore(1, items={"data": None})
+  with pytest.raises(ValueError, match="not one of item_names"):
+    mgr.save(2, items={"other": params})
+
+
+@needs_partial_restore
+@needs_metadata
+def test_named_items_with_str_and_int_leaves(tmp_path):
+  mgr = bt.CheckpointManager(tmp_path)
+  data = {"epoch": 3, "file": "shard-0007.tfrecord", "offsets": [10, 20]}
+  mgr.save(5, items={"params": {"w": np.ones(2)}, "data": data}, blocking=True)
+  out = mgr.restore(5, items={"data": None})
+  assert out == {"data": data}
+  assert jax.tree.map(type, out) == jax.tree.map(type, {"data": data})
+  # Metadata: the str as stored, arrays and Python scalars as their
+  # ShapeDtypeStruct (as bt.metadata).
+  meta = mgr.item_metadata(5)
+  assert meta["data"]["file"] == data["file"]
+  assert meta["data"]["epoch"] == jax.ShapeDtypeStruct((), np.int32)
+  assert meta["params"]["w"] == jax.ShapeDtypeStruct((2,), np.float64)
+
+
+@needs_metadata
+def test_metadata_reads_no_arrays_and_reload(tmp_path):
+  mgr = bt.CheckpointManager(tmp_path, best_fn=lambda m: m["acc"])
+  mgr.save(1, small(1), metrics={"acc": 0.25}, blocking=True)
+  meta = mgr.metadata(1)
+  assert meta.step == 1 and meta.metrics == {"acc": 0.25}
+  assert meta.item_metadata == SMALL  # no metrics leaf in it
+  assert meta.commit_timestamp_nsecs == os.stat(tmp_path / "1").st_mtime_ns
+  assert mgr.metadata() == meta  # the latest
+  # Another manager replaces step 1: reload() forgets what was read.
+  other = bt.CheckpointManager(tmp_path)
+  other.delete(1)
+  other.save(1, small(1), metrics={"acc": 0.75}, blocking=True)
+  assert mgr.metrics(1) == {"acc": 0.25}  # cached
+  mgr.reload()
+  assert mgr.metrics(1) == {"acc": 0.75}
+
+
+def test_is_saving_in_progress_and_check_for_errors(tmp_path, monkeypatch):
+  mgr = bt.CheckpointManager(tmp_path)
+  gate = threading.Event()
+  real = saver.write_checkpoint
+  fail = []
+
+  def slow(*a, **k):
+    gate.wait(30)
+    if fail:
+      raise OSError(28, "No space left on device")
+    return real(*a, **k)
+
+  monkeypatch.setattr(saver, "write_checkpoint", slow)
+  assert not mgr.is_saving_in_progress()
+  mgr.save(1, small(1))
+  assert mgr.is_saving_in_progress()
+  mgr.check_for_errors()  # running: nothing to raise, and no wait
+  gate.set()
+  mgr.wait_until_finished()
+  assert not mgr.is_saving_in_progress() and mgr.all_steps() == [1]
+  gate.clear()
+  fail.append(1)
+  mgr.save(2, small(2))
+  gate.set()
+  while mgr.is_saving_in_progress():
+    pass
+  with pytest.raises(OSError, match="No space left"):
+    mgr.check_for_errors()
+  mgr.check_for_errors()  # raised once
+  mgr.wait_until_finished()
+  assert mgr.all_steps() == [1]
+
+
+def test_step_prefix_and_fixed_length(tmp_path):
+  mgr = bt.CheckpointManager(
+    tmp_path, step_prefix="ckpt", step_format_fixed_length=8, max_to_keep=2
+  )
+  (tmp_path / "7").mkdir()  # not of the format: not a step, left alone
+  (tmp_path / "ckpt_7").mkdir()
+  (tmp_path / "ckpt_000000007").mkdir()
+  (tmp_path / ".ckpt_00000009.jaxworks-new-0123456789abcdef").mkdir()
+  assert mgr.all_steps() == []
+  for step in (100, 200, 300):
+    mgr.save(step, small(step))
+  mgr.wait_until_finished()
+  assert mgr.all_steps() == [200, 300]
+  assert sorted(os.listdir(tmp_path)) == [
+    "7",
+    "ckpt_000000007",
+    "ckpt_00000200",
+    "ckpt_00000300",
+    "ckpt_7",
+  ]
+  assert float(mgr.restore(300, target=SMALL)["w"][0]) == 300.0
+  mgr.delete(200)
+  assert mgr.all_steps() == [300]
+  mgr.save(123456789, small(1), blocking=True)  # longer than 8 digits
+  assert os.path.isdir(tmp_path / "ckpt_123456789")
+  assert mgr.all_steps() == [300, 123456789]
+
+
+def test_read_only_never_writes(tmp_path):
+  missing = tmp_path / "missing"
+  ro = bt.CheckpointManager(missing, read_only=True, max_to_keep=1)
+  assert not missing.exists() and ro.all_steps() == []
+  assert ro.latest_step() is None and not ro.should_save(1)
+  with pytest.warns(UserWarning, match="read only"):
+    assert ro.save(1, small(1), force=True) is False
+  assert not missing.exists()
+  rw = bt.CheckpointManager(tmp_path / "run")
+  for step in (1, 2):
+    rw.save(step, small(step), blocking=True)
+  ro = bt.CheckpointManager(tmp_path / "run", read_only=True, max_to_keep=1)
+  with pytest.warns(UserWarning, match="not deleted"):
+    assert ro.delete(1) is None
+  assert ro.all_steps() == [1, 2]
+  assert float(ro.restore(target=SMALL)["w"][0]) == 2.0

@@ -11,6 +11,7 @@ file tests write the same layout with numpy (``write_manifest_checkpoint``),
 which is quicker."""
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -295,7 +296,7 @@ def test_a_manifest_checkpoint_replaced_while_restoring_is_read_whole(
     else:
       tmp = str(tmp_path / f"new{v}")
       write_manifest_checkpoint(tmp, version(v), rows=8 if v % 4 else 2)
-      commit.publish(tmp, path)
+      commit.publish("test", tmp, path)
 
   results, errors, _ = restore_while_replacing(
     save_version,
@@ -458,3 +459,33 @@ def test_a_shard_file_changed_after_validation_is_refused(
   text = str(err.value)
   assert text.startswith(API) and str(bad) in text, text
   assert ("modified" if how == "modified" else "replaced") in text
+
+
+@pytest.mark.parametrize("target", ["rows", "columns", "replicated", "none"])
+def test_a_flipped_byte_in_a_shard_file_fails_its_checksum(
+  two_process_checkpoint, tmp_path, target
+):
+  # Each shard file's CRC-32C chunks are in the manifest; a region that
+  # covers a chunk whole is checked by the thread that read it, the rest
+  # by reading the chunk again (rows: whole files; columns: parts of them).
+  path = tmp_path / "ckpt"
+  shutil.copytree(two_process_checkpoint, path)
+  m = json.loads((path / sharded.MANIFEST).read_text())
+  shard = m["arrays"]["w"]["shards"][3]
+  assert isinstance(shard["crc32c"], list) and len(shard["crc32c"]) == 1
+  with open(path / shard["file"], "r+b") as f:
+    f.seek(-5, os.SEEK_END)
+    b = f.read(1)
+    f.seek(-5, os.SEEK_END)
+    f.write(bytes([b[0] ^ 1]))
+  where = {"rows": NamedSharding(jax.make_mesh((8,), ("x",)), P("x")),
+           "columns": NamedSharding(jax.make_mesh((8,), ("x",)), P(None, "x")),
+           "replicated": NamedSharding(jax.make_mesh((8,), ("x",)), P()),
+           "none": None}[target]  # fmt: skip
+  v = values()
+  with pytest.raises(ValueError, match=r"w.shards/3.npy.*fails the checksum"):
+    bt.restore(path, like(v), placement={"w": where, "h": None, "r": None,
+                                          "s": None})  # fmt: skip
+  out = bt.restore(path, like(v), verify=False)
+  assert np.asarray(out["w"]).tobytes() != v["w"].tobytes()
+  np.testing.assert_array_equal(np.asarray(out["r"]), v["r"])

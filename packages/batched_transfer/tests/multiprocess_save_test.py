@@ -376,3 +376,91 @@ def test_a_non_blocking_save_holds_views_while_the_next_steps_donate(
       assert got[k].tobytes() == want[k].tobytes(), (path, k)
     for _ in range(3):  # three steps, rounded as the device rounds
       want = {k: (v * 2 + 1).astype(v.dtype) for k, v in want.items()}
+
+
+HOST_TREES = textwrap.dedent("""
+    import os, sys
+    process_id, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=process_id, initialization_timeout=60)
+    from jaxworks import batched_transfer as bt
+    from jaxworks.batched_transfer._src.checkpoint import hostvalue
+
+    writes = []
+    real_write = hostvalue.write_npy
+    def counting(f, value):
+      writes.append(getattr(f, "name", "?"))
+      return real_write(f, value)
+    hostvalue.write_npy = counting
+
+    # A tree with no cross-process array, saved by both processes: written
+    # once (process 0), after both trees were found equal. (Both processes
+    # used to write it: FileExistsError on one, depending on timing.)
+    host = {"a": np.arange(6, dtype=np.int32), "cfg": {"run": "exp-42", "seed": 3},
+            "none": None}
+    bt.save(f"{base}/host", host)
+    assert (len(writes) > 0) == (process_id == 0), writes
+    out = bt.restore(f"{base}/host")
+    assert out["cfg"] == {"run": "exp-42", "seed": 3} and out["none"] is None
+    np.testing.assert_array_equal(np.asarray(out["a"]), host["a"])
+    # The manager: the same step, once, listed on both.
+    mgr = bt.CheckpointManager(f"{base}/run", max_to_keep=1)
+    for step in (1, 2):
+      assert mgr.save(step, host)
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [2], mgr.all_steps()
+    h = bt.save(f"{base}/host-async", host, blocking=False)
+    h.wait()
+
+    def expect(fn, cls, text):
+      try:
+        fn()
+      except cls as err:
+        assert text in str(err), (text, err)
+      else:
+        raise SystemExit(f"no {cls.__name__}: {text}")
+
+    # Values that differ between the processes: refused by both, nothing
+    # committed (process 0 would have written its own and dropped 1's).
+    differ = {"a": np.arange(6) + process_id}
+    expect(lambda: bt.save(f"{base}/differ", differ),
+           ValueError if process_id == 0 else RuntimeError,
+           "differs between process 0 and process 1")
+    differ_str = {"run": f"p{process_id}"}
+    expect(lambda: bt.save(f"{base}/differ", differ_str),
+           ValueError if process_id == 0 else RuntimeError,
+           "save different trees")
+    assert not os.path.exists(f"{base}/differ")
+    # Per-process checkpoints: collective=False, each process alone.
+    bt.save(f"{base}/own-{process_id}", differ, collective=False)
+    got = bt.restore(f"{base}/own-{process_id}")
+    assert int(np.asarray(got["a"])[0]) == process_id
+
+    # Two leaves, one file: a host leaf at key "w.shards/0" and shard 0 of
+    # the sharded array "w" (both processes restored w with rows replaced).
+    mesh = jax.make_mesh((8,), ("x",))
+    wv = np.arange(64.0, dtype=np.float32).reshape(16, 4)
+    w = jax.device_put(wv, NamedSharding(mesh, P("x")))
+    clash = {"w": w, "w.shards": {"0": np.zeros((2, 4), np.float32)}}
+    expect(lambda: bt.save(f"{base}/clash", clash), ValueError,
+           "'w.shards/0.npy'")
+    assert not os.path.exists(f"{base}/clash")
+    # str and None leaves beside sharded arrays.
+    bt.save(f"{base}/mixed", {"w": w, "note": "hello", "none": None})
+    out = bt.restore(f"{base}/mixed", {"w": jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                                                 sharding=w.sharding),
+                                       "note": ""})
+    assert out["note"] == "hello"
+    for s in out["w"].addressable_shards:
+      assert np.asarray(s.data).tobytes() == wv[s.index].tobytes()
+    print("WORKER-OK", process_id, flush=True)
+""")
+
+
+def test_trees_that_span_no_processes_are_written_once(tmp_path):
+  _run_two(HOST_TREES, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "run")) == ["2"]
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]

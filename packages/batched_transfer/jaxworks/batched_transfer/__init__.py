@@ -1,6 +1,6 @@
 """jaxworks.batched_transfer: a pytree onto devices in one batched operation.
 
-Public API: device_put, plan, place_for, save, restore, SaveHandle,
+Public API: device_put, plan, place_for, save, restore, metadata, SaveHandle,
 CheckpointManager,
 TransferPlan, PlannedGroup;
 install, uninstall, installed, is_installed (swap jax.device_put program-wide).
@@ -15,6 +15,7 @@ from ._src.api import place_for as place_for
 from ._src.api import plan as plan
 from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from ._src.checkpoint.pending import SaveHandle as SaveHandle
+from ._src.checkpoint.restore import metadata as metadata
 from ._src.checkpoint.restore import restore as restore
 from ._src.checkpoint.saver import save as save
 from ._src.plan import PlannedGroup as PlannedGroup
@@ -31,6 +32,7 @@ __all__ = [
   "install",
   "installed",
   "is_installed",
+  "metadata",
   "place_for",
   "plan",
   "restore",

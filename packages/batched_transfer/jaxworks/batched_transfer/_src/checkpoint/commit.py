@@ -34,6 +34,7 @@ import shutil
 _TAG = ".jaxworks-"
 NEW, OLD, DELETED = "new", "old", "del"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -177,12 +178,12 @@ def clean(path: str) -> None:
     remove(p)
 
 
-def _exchange(a: str, b: str) -> bool:
-  """Atomically swaps two directory entries; False where the system cannot."""
+def _renameat2(a: str, b: str, flags: int) -> bool:
+  """renameat2(a, b, flags); False where the system cannot do it."""
   fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
   if fn is None:
     return False
-  r = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+  r = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags)
   if r == 0:
     return True
   err = ctypes.get_errno()
@@ -191,13 +192,50 @@ def _exchange(a: str, b: str) -> bool:
   raise OSError(err, os.strerror(err), a, None, b)
 
 
-def publish(tmp: str, path: str) -> None:
-  """Makes the complete, fsynced ``tmp`` the checkpoint at ``path``, durably.
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps two directory entries; False where the system cannot."""
+  return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _exists(api: str, path: str) -> FileExistsError:
+  return FileExistsError(
+    f"{api}: {path!r} was created while this save wrote (by another "
+    "process or thread); nothing was replaced and this save was not "
+    "committed: pass overwrite=True to replace it, or save elsewhere"
+  )
+
+
+def _rename_new(api: str, tmp: str, path: str) -> None:
+  """Renames ``tmp`` to ``path``, never replacing anything there."""
+  try:
+    if _renameat2(tmp, path, _RENAME_NOREPLACE):
+      return
+  except FileExistsError:
+    raise _exists(api, path) from None
+  if os.path.isdir(tmp):  # no renameat2: other saves wait for our lock
+    if os.path.lexists(path):
+      raise _exists(api, path)
+    os.rename(tmp, path)
+    return
+  try:
+    os.link(tmp, path)  # a file: link() never replaces
+  except FileExistsError:
+    raise _exists(api, path) from None
+  os.unlink(tmp)
+
+
+def publish(api: str, tmp: str, path: str, overwrite: bool = True) -> None:
+  """Makes the complete, fsynced ``tmp`` the checkpoint at ``path``, durably;
+  without ``overwrite`` only where nothing is at ``path`` (FileExistsError).
 
   The parent is fsynced before the old checkpoint is deleted, so a power
   loss leaves the old or the new one at ``path``, never neither.
   """
   parent = os.path.dirname(path) or "."
+  if not overwrite:
+    _rename_new(api, tmp, path)
+    fsync_path(parent)
+    return
   if os.path.isdir(tmp) and os.path.lexists(path):
     if _exchange(tmp, path):
       fsync_path(parent)

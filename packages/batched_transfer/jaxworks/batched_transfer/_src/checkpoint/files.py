@@ -27,13 +27,14 @@ import zlib
 
 import numpy as np
 
+from . import checksum
+from . import record as record_lib
+
 _ZIP_LOCAL_HEADER = struct.Struct(
   "<4s5H3L2H"
 )  # 30 bytes; last two: name and extra lengths
-# The exact dtype name of every leaf, next to the arrays (a member of the .npz, a file in
-# the directory): .npy headers cannot name bfloat16, float8_*, int4, ... types.
-DTYPE_RECORD = "jaxworks_dtypes.json"
-RECORD_FORMAT = 1
+# The record (record.py): exact dtype names, non-array leaves, checksums.
+DTYPE_RECORD = record_lib.NAME
 # sharded.MANIFEST: a checkpoint holding it is read by sharded_restore.
 MANIFEST_NAME = "jaxworks_manifest.json"
 
@@ -60,6 +61,12 @@ class Stored:
   dir_fd: int = -1
   name: str = ""
   stamp: tuple[int, ...] = ()
+  # What the data is checked against when read: the record's CRC-32C of
+  # each chunk of a file's data, or an .npz member's CRC-32 (zip's own) with
+  # the CRC-32 of its .npy header, where the data continues it.
+  sums: list[int] | None = None
+  zip_crc: int | None = None
+  header_crc: int = 0
 
   @property
   def nbytes(self) -> int:
@@ -269,6 +276,8 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
           raw.seek(start)
           shape, fortran, dtype = _read_header(raw)
           offset = raw.tell()
+          raw.seek(start)
+          header_crc = zlib.crc32(raw.read(offset - start))
           # The member's data ends where the archive says it does, and never past the file.
           end = min(
             start + info.file_size, start + info.compress_size, file_size
@@ -279,7 +288,7 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
           with zf.open(info) as f:
             shape, fortran, dtype = _read_header(f)
             data_bytes = info.file_size - f.tell()
-          offset, member = 0, info.filename
+          offset, member, header_crc = 0, info.filename, 0
       except (
         OSError,
         ValueError,
@@ -304,59 +313,54 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
         member,
         fd=fd,
         stamp=stamp(st),
+        zip_crc=info.CRC if member is None else None,
+        header_crc=header_crc,
       )
 
 
 def apply_record(
-  api: str, path: str, stored: dict[str, Stored], record: bytes | None
-) -> None:
-  """Sets each stored array's exact dtype from the dtype record written by save."""
-  if record is None:
-    return
-  where = f"the dtype record {DTYPE_RECORD!r} of {path!r}"
-  try:
-    data = json.loads(record.decode())
-    names = data["dtypes"]
-    if data.get("format") != RECORD_FORMAT or not isinstance(names, dict):
-      raise ValueError(f"unknown format {data.get('format')!r}")
-  except (
-    UnicodeDecodeError,
-    ValueError,
-    KeyError,
-    TypeError,
-    AttributeError,
-  ) as err:
-    raise ValueError(
-      f"{api}: {where} is damaged ({err}); it was written by "
-      "jaxworks.batched_transfer.save: write the checkpoint again"
-    ) from None
+  api: str, path: str, stored: dict[str, Stored], data: bytes | None
+) -> record_lib.Record:
+  """The record written by save (an empty one if there is none); sets each
+  stored array's exact dtype and checksums from it."""
+  if data is None:
+    return record_lib.Record()
+  where = f"the record {DTYPE_RECORD!r} of {path!r}"
+  record = record_lib.decode(api, where, data)
   for key, s in stored.items():
-    name = names.get(key)
+    s.sums = record.crc32c.get(key)
+    name = record.dtypes.get(key)
     if name is None:
       continue
-    try:
-      exact = np.dtype(name) if isinstance(name, str) else None
-    except TypeError:
-      exact = None
-    if (
-      exact is None
-      or exact.name != name
-      or exact.hasobject
-      or exact.fields is not None
-    ):
-      raise ValueError(
-        f"{api}: {where} names the dtype {name!r} for key {key!r}, which is not "
-        "a dtype numpy or ml_dtypes knows; is a newer ml_dtypes needed?"
-      )
+    s.exact = exact_dtype(api, where, key, name)
     header = s.dtype.newbyteorder("=")
-    if exact.itemsize != s.dtype.itemsize or (
-      header.kind != "V" and header != exact
+    if s.exact.itemsize != s.dtype.itemsize or (
+      header.kind != "V" and header != s.exact
     ):
       raise ValueError(
         f"{api}: {s.where} has a header of dtype {s.dtype.str} but {where} "
         f"says {name}; the checkpoint is damaged"
       )
-    s.exact = exact
+  return record
+
+
+def exact_dtype(api: str, where: str, key: str, name: Any) -> np.dtype:
+  """The dtype a record names for ``key``; ValueError if numpy does not know it."""
+  try:
+    exact = np.dtype(name) if isinstance(name, str) else None
+  except TypeError:
+    exact = None
+  if (
+    exact is None
+    or exact.name != name
+    or exact.hasobject
+    or exact.fields is not None
+  ):
+    raise ValueError(
+      f"{api}: {where} names the dtype {name!r} for key {key!r}, which is not "
+      "a dtype numpy or ml_dtypes knows; is a newer ml_dtypes needed?"
+    )
+  return exact
 
 
 ALIGN = (
@@ -430,8 +434,9 @@ def aligned_empty(
   return HostMemory().empty(shape, dtype, fortran)
 
 
-#: Bytes per read call when one array is read by several threads.
-CHUNK = 8 * 2**20
+#: Bytes per read call when one array is read by several threads (a chunk
+#: of the checksums: each thread checks what it read).
+CHUNK = checksum.CHUNK
 
 
 def default_read_threads() -> int:
@@ -451,8 +456,9 @@ class Files:
   from one thread at a time; ``close()`` shuts the pool down (joins it).
   """
 
-  def __init__(self, threads: int = 1) -> None:
+  def __init__(self, threads: int = 1, verify: bool = True) -> None:
     self._threads = threads
+    self._verify = verify
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._memory = HostMemory()
 
@@ -470,10 +476,15 @@ class Files:
     try:
       if s.fd < 0 and stamp(st) != s.stamp:
         raise ValueError("it was replaced after restore validated it")
-      if s.member is not None:
-        array = self._inflate(fd, s)
-      else:
-        array = self._read_stored(fd, s)
+      try:
+        if s.member is not None:
+          array = self._inflate(fd, s)
+        else:
+          array = self._read_stored(fd, s)
+      except checksum.Mismatch:
+        if stamp(os.fstat(fd)) != s.stamp:  # the likelier cause, named
+          raise ValueError("it was modified while restore read it") from None
+        raise
       if stamp(os.fstat(fd)) != s.stamp:
         raise ValueError("it was modified while restore read it")
     finally:
@@ -483,6 +494,7 @@ class Files:
 
   def _read_stored(self, fd: int, s: Stored) -> np.ndarray:
     array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+    sums = s.sums if self._verify else None
     if flat.size:
       chunks = [
         (lo, min(lo + CHUNK, flat.size)) for lo in range(0, flat.size, CHUNK)
@@ -490,8 +502,21 @@ class Files:
       workers = min(self._threads, len(chunks))
       if workers <= 1:
         _read_range(fd, flat.data, s.offset, 0, flat.size)
+        checksum.check(sums, flat.data)
+      elif CHUNK == checksum.CHUNK:  # each thread checks the chunks it read
+        self._read_chunks(fd, flat.data, s.offset, chunks, workers, sums)
       else:
-        self._read_chunks(fd, flat.data, s.offset, chunks, workers)
+        self._read_chunks(fd, flat.data, s.offset, chunks, workers, None)
+        checksum.check(sums, flat.data)
+    elif sums:
+      raise checksum.Mismatch("it holds no data, but the record has checksums")
+    if self._verify and s.zip_crc is not None:
+      got = zlib.crc32(flat.data, s.header_crc)
+      if got != s.zip_crc:
+        raise checksum.Mismatch(
+          f"its CRC-32 is {got:#010x}, the archive recorded {s.zip_crc:#010x}: "
+          "the file is damaged"
+        )
     return array
 
   def _inflate(self, fd: int, s: Stored) -> np.ndarray:
@@ -522,7 +547,13 @@ class Files:
     return array
 
   def _read_chunks(
-    self, fd: int, view: memoryview, offset: int, chunks: list, workers: int
+    self,
+    fd: int,
+    view: memoryview,
+    offset: int,
+    chunks: list,
+    workers: int,
+    sums: list[int] | None,
   ) -> None:
     """Reads ``chunks`` on ``workers`` threads (this one included); raises the
     first error after every thread has stopped touching the buffer."""
@@ -544,6 +575,9 @@ class Files:
           return
         try:
           _read_range(fd, view, offset, *lo_hi)
+          checksum.check(
+            sums, view[lo_hi[0] : lo_hi[1]], lo_hi[0] // CHUNK
+          )
         except BaseException as err:  # raised below, on the calling thread
           with lock:
             errors.append(err)

@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import checksum
+
 
 class Shards:
   """The distinct shards of a fully addressable jax.Array, as host views."""
@@ -101,22 +103,40 @@ def _storable_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(f"V{dtype.itemsize}")
 
 
-def write_npy(f: Any, value: np.ndarray | Shards) -> None:
-  """Writes ``value`` to the binary file object ``f`` as one .npy file."""
-  if isinstance(value, Shards) and not value.by_rows():
-    value = value.assemble()
-  stored = _storable_dtype(value.dtype)
-  if isinstance(value, np.ndarray):
-    np.lib.format.write_array(f, value.view(stored), allow_pickle=False)
-    return
+def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype, fortran: bool):
   header = {
-    "descr": np.lib.format.dtype_to_descr(stored),
-    "fortran_order": False,
-    "shape": value.shape,
+    "descr": np.lib.format.dtype_to_descr(dtype),
+    "fortran_order": fortran,
+    "shape": shape,
   }
   try:
     np.lib.format.write_array_header_1_0(f, header)
   except ValueError:  # a header over 64 KiB
     np.lib.format.write_array_header_2_0(f, header)
-  for _, a in value.pieces:
-    f.write(_raw(a))
+
+
+def write_npy(f: Any, value: np.ndarray | Shards) -> list[int]:
+  """Writes ``value`` to the binary file object ``f`` as one .npy file;
+  returns the checksums of its data (checksum.Sums).
+
+  The data goes through ``f.write`` (numpy's ``tofile`` would lose the
+  errno of a failed write: ENOSPC, EFBIG)."""
+  if isinstance(value, Shards) and not value.by_rows():
+    value = value.assemble()
+  stored = _storable_dtype(value.dtype)
+  sums = checksum.Sums()
+  if isinstance(value, np.ndarray):
+    a = value.view(stored)
+    fortran = a.flags.f_contiguous and not a.flags.c_contiguous
+    _header(f, a.shape, stored, bool(fortran))
+    pieces = [a.T if fortran else a]
+  else:
+    _header(f, value.shape, stored, False)
+    pieces = [a.view(stored) for _, a in value.pieces]
+  for a in pieces:
+    raw = _raw(a)
+    for lo in range(0, len(raw), checksum.CHUNK):
+      part = raw[lo : lo + checksum.CHUNK]
+      f.write(part)
+      sums.update(part)
+  return sums.done()

@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import record
+
 _API = "jaxworks.batched_transfer"
-_ROOT_KEY = "leaf"
+ROOT_KEY = "leaf"
 
 
 def _key_part(api: str, entry: Any, path: Any) -> str:
@@ -35,15 +37,22 @@ def _key_part(api: str, entry: Any, path: Any) -> str:
   return text
 
 
+def saved_leaf(x: Any) -> bool:
+  """What save records as a leaf besides jax's leaves: None, and empty
+  dicts, lists and tuples (which restore without a target rebuilds)."""
+  return x is None or (type(x) in (dict, list, tuple) and not x)
+
+
 def leaf_keys(
-  api: str, tree: Any
+  api: str, tree: Any, is_leaf: Any = None
 ) -> tuple[list[str], list[str], list[Any], Any]:
-  """(file keys, tree paths, leaves, treedef) of ``tree``; keys are unique."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  """(file keys, tree paths, leaves, treedef) of ``tree``; keys are unique.
+  ``is_leaf`` as for jax.tree_util (save passes ``saved_leaf``)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   keys, paths, leaves = [], [], []
   seen: dict[str, str] = {}
   for path, leaf in flat:
-    key = "/".join(_key_part(api, e, path) for e in path) or _ROOT_KEY
+    key = "/".join(_key_part(api, e, path) for e in path) or ROOT_KEY
     where = jax.tree_util.keystr(path) or "<root>"
     if key in seen:
       raise ValueError(
@@ -55,6 +64,38 @@ def leaf_keys(
     paths.append(where)
     leaves.append(leaf)
   return keys, paths, leaves, treedef
+
+
+def path_kinds(tree: Any) -> list[str]:
+  """The kinds of each leaf's path entries (record.path_kinds), in the order
+  of ``leaf_keys(api, tree, saved_leaf)``."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=saved_leaf)
+  return [record.path_kinds(p) for p, _ in flat]
+
+
+def check_files(api: str, named: list[tuple[str, str]]) -> None:
+  """Raises ValueError unless the files ``(relative file name, tree path)``
+  are distinct and none of them is also a directory another one lies in:
+  the keys of a checkpoint name its files one to one."""
+  files: dict[str, str] = {}
+  dirs: dict[str, str] = {}
+  for file, where in named:
+    if file in files:
+      raise ValueError(
+        f"{api}: the leaves at {files[file]} and {where} would both be "
+        f"written to the file {file!r}; rename one of them in the tree"
+      )
+    files[file] = where
+    parts = file.split("/")
+    for i in range(1, len(parts)):
+      dirs.setdefault("/".join(parts[:i]), where)
+  for file, where in files.items():
+    if file in dirs:
+      raise ValueError(
+        f"{api}: the leaf at {where} would be written to the file {file!r}, "
+        f"which the leaf at {dirs[file]} needs as a directory; rename one of "
+        "them in the tree"
+      )
 
 
 _PY_SCALARS = {
@@ -86,11 +127,36 @@ def python_scalar_dtype(x: Any) -> np.dtype | None:
   return None  # pragma: no cover - the isinstance above covers every case
 
 
+def cast_to(stored: np.dtype, want: np.dtype) -> np.dtype | None:
+  """The dtype to cast stored data to before placing, or None: data of the
+  target's dtype, or of one JAX canonicalizes to it (float64 data into a
+  float32 target with x64 off), is placed as it is (device_put converts)."""
+  if stored == want or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == want:
+    return None
+  return want
+
+
+def astype(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """``a.astype(dtype)``, through float64 (complex128) where numpy has no
+  direct cast between two ml_dtypes types (int4 -> uint4)."""
+  try:
+    return a.astype(dtype)
+  except TypeError:
+    wide = np.complex128 if a.dtype.kind == "c" else np.float64
+    return a.astype(wide).astype(dtype)
+
+
 def check_keys(
-  api: str, path: str, keys: list[str], paths: list[str], stored: Any
+  api: str,
+  path: str,
+  keys: list[str],
+  paths: list[str],
+  stored: Any,
+  partial: bool = False,
 ) -> None:
   """Raises ValueError naming the target leaves missing from the checkpoint
-  at ``path`` (whose keys are ``stored``), else the arrays it has no leaf for."""
+  at ``path`` (whose keys are ``stored``), else (unless ``partial``) the
+  entries it has no leaf for."""
   missing = [(p, k) for p, k in zip(paths, keys) if k not in stored]
   if missing:
     listed = ", ".join(f"{p} (key {k!r})" for p, k in missing[:5])
@@ -98,10 +164,11 @@ def check_keys(
       f"{api}: {len(missing)} leaves of the target are missing from {path!r}: "
       f"{listed}{' ...' if len(missing) > 5 else ''}"
     )
-  extra = sorted(set(stored) - set(keys))
+  extra = [] if partial else sorted(set(stored) - set(keys))
   if extra:
     raise ValueError(
-      f"{api}: {path!r} holds {len(extra)} arrays the target has no leaf for: "
+      f"{api}: {path!r} holds {len(extra)} leaves the target has no leaf for: "
       f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; restore into a "
-      "target with these leaves"
+      "target with these leaves, or pass partial_restore=True to restore the "
+      "target's leaves alone"
     )

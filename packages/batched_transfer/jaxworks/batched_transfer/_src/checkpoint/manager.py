@@ -1,27 +1,61 @@
 """CheckpointManager: numbered steps in a directory, saved in the background,
 committed atomically, kept by retention rules (names as orbax's).
 
-Each step is a checkpoint directory ``<directory>/<step>`` written by save:
-it appears under that name only once complete and durable (the atomic
-rename is the commit), so every listed step is whole. Retention runs after
-a step committed and deletes a step by renaming it away first.
+Each step is a checkpoint directory ``<directory>/<name>`` written by save
+(``<name>`` is the step, or ``<step_prefix>_<step>``, zero padded to
+``step_format_fixed_length`` digits): it appears under that name only once
+complete and durable (the atomic rename is the commit), so every listed step
+is whole. Retention runs after a step committed and deletes a step by
+renaming it away first.
+
+Named items of one step (``save(step, items={"params": ..., ...})``) are the
+one tree ``{name: item}``, so a step is still one checkpoint and one commit.
+The metrics of a step (``save(..., metrics=...)``) are stored in the same
+checkpoint, as the top-level str leaf ``METRICS_KEY`` (their JSON text, in
+the checkpoint's record), so they commit with the step's arrays or not at
+all; restore leaves that leaf out. In a multi-process job process 0's
+metrics are the step's (as orbax writes them from its primary host). A step's time (for ``keep_time_interval``) is its
+directory's modification time: the time its last file was written, just
+before the commit.
+
+In a multi-process job (jax.distributed) every process makes the same calls:
+a save is collective (see saver and sharded); retention runs on process 0
+inside the save, before the others return; ``delete`` is collective too
+(process 0 deletes, the others wait for its outcome).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
+import contextlib
+import dataclasses
+import datetime
+import json
 import os
 import re
+import threading
 from typing import Any
+import warnings
 
 import jax
+import numpy as np
 
 from . import commit
 from . import pending
+from . import record as record_lib
 from . import saver
+from . import sharded
+from .keys import leaf_keys
+from .restore import read_record
 from .restore import restore
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
-_STEP = re.compile(r"^(0|[1-9][0-9]*)$")
+#: The top-level key of a step's tree that holds its metrics (JSON as uint8).
+METRICS_KEY = "__jaxworks_metrics__"
+_METRICS_FORMAT = 1
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9_.+=-]+$")
 
 
 def _positive_or_none(name: str, value: Any) -> int | None:
@@ -43,19 +77,102 @@ def _step(api: str, step: Any) -> int:
   return step
 
 
+def _callable_or_none(name: str, value: Any) -> Any:
+  if value is not None and not callable(value):
+    raise TypeError(
+      f"{_API}: {name} must be a callable or None, got {value!r:.80}"
+    )
+  return value
+
+
+def _metrics_json(api: str, metrics: Any) -> str:
+  """The JSON text of ``metrics`` (arrays and numpy scalars as lists and
+  numbers); TypeError naming what JSON cannot hold."""
+
+  def convert(x: Any) -> Any:
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+      return np.asarray(x).tolist()
+    raise TypeError(
+      f"{api}: metrics hold {x!r:.60} of type {type(x).__name__}, which JSON "
+      "cannot store; pass a dict of numbers, strings, lists and dicts"
+    )
+
+  try:
+    return json.dumps(
+      {"format": _METRICS_FORMAT, "metrics": metrics},
+      default=convert,
+      sort_keys=True,
+    )
+  except ValueError as err:  # a circular reference
+    raise TypeError(
+      f"{api}: metrics cannot be written as JSON: {err}"
+    ) from None
+
+
+def _python_leaves(api: str, path: str) -> dict[str, str]:
+  """key -> Python type name of the leaves of the checkpoint at ``path``
+  that were Python scalars (from its record; no array data is read)."""
+  return dict(read_record(api, path)[1].python)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """What ``CheckpointManager.metadata(step)`` says about a step, read
+  without its array data (the names of orbax's ``StepMetadata``).
+
+  Attributes:
+    step: the step.
+    item_metadata: the saved tree (``{name: item}`` for named items) with a
+      jax.ShapeDtypeStruct for each array and the value of each str, None or
+      Python scalar leaf.
+    metrics: the metrics saved with the step (decoded JSON), or None.
+    commit_timestamp_nsecs: the step's commit time (its directory's
+      modification time), in nanoseconds since the epoch.
+  """
+
+  step: int
+  item_metadata: Any
+  metrics: Any
+  commit_timestamp_nsecs: int
+
+
 class CheckpointManager:
   """Saves numbered steps of a training job under ``directory``.
 
+  The options are the keyword arguments of orbax's
+  ``CheckpointManagerOptions`` with the same names and meanings.
+
   Args:
-    directory: where the steps go, one subdirectory ``<step>`` each (created
-      with its parents if missing). Local or mounted file systems only.
-    max_to_keep: keep at most this many of the newest steps (None: all);
-      older ones are deleted after a newer step committed.
+    directory: where the steps go, one subdirectory per step (created with
+      its parents if missing, unless ``read_only``). Local or mounted file
+      systems only.
+    max_to_keep: keep at most this many steps (None: all): the newest, or
+      with ``best_fn`` the best; the others are deleted after a newer step
+      committed, unless another rule keeps them.
     keep_period: also keep every step divisible by this (None: none).
     save_interval_steps: ``should_save(step)`` is true for multiples of it.
-    barrier_timeout_s: with trees spanning processes (jax.distributed), how
-      long a process waits for the others in a save before it raises (see
-      ``save``).
+    barrier_timeout_s: in a multi-process job (jax.distributed), how long a
+      process waits for the others in a save or ``delete`` before it raises.
+    best_fn: metrics -> float: ranks the steps saved with ``metrics=``;
+      retention keeps the ``max_to_keep`` best and ``best_step()`` is the
+      best (None: the newest are kept).
+    best_mode: ``"max"`` (the highest ``best_fn`` is best) or ``"min"``.
+    keep_checkpoints_without_metrics: with ``best_fn``, never delete a step
+      saved without metrics (False: such steps go first).
+    keep_time_interval: a datetime.timedelta: also keep the oldest step and
+      every step committed at least this long (whole seconds, as orbax)
+      after the previous step kept this way.
+    should_save_fn: ``(step, last_saved_step or None) -> bool`` decides
+      ``should_save`` instead of ``save_interval_steps`` and
+      ``save_on_steps``.
+    save_on_steps: steps always saved (a container of ints).
+    step_prefix: name steps ``<step_prefix>_<step>`` (None: ``<step>``).
+    step_format_fixed_length: zero pad the step to this many digits
+      (``ckpt_00000100``); None: no padding. Only names of exactly this
+      format are steps.
+    read_only: never write: ``save`` and ``delete`` warn and do nothing,
+      retention never runs, the directory is never created.
+    item_names: the names ``save(items=...)`` may use (None: any).
   """
 
   def __init__(
@@ -66,6 +183,16 @@ class CheckpointManager:
     keep_period: int | None = None,
     save_interval_steps: int = 1,
     barrier_timeout_s: float = 300.0,
+    best_fn: Callable[[Any], float] | None = None,
+    best_mode: str = "max",
+    keep_checkpoints_without_metrics: bool = True,
+    keep_time_interval: datetime.timedelta | None = None,
+    should_save_fn: Callable[[int, int | None], bool] | None = None,
+    save_on_steps: Iterable[int] | None = None,
+    step_prefix: str | None = None,
+    step_format_fixed_length: int | None = None,
+    read_only: bool = False,
+    item_names: Any = None,
   ) -> None:
     directory = os.fspath(directory)
     commit.check_local(_API, directory)
@@ -84,22 +211,113 @@ class CheckpointManager:
         f"got {barrier_timeout_s!r}"
       )
     self.barrier_timeout_s = float(barrier_timeout_s)
+    self.best_fn = _callable_or_none("best_fn", best_fn)
+    if best_mode not in ("max", "min"):
+      raise ValueError(
+        f"{_API}: best_mode must be 'max' or 'min', got {best_mode!r}"
+      )
+    self.best_mode = best_mode
+    self.keep_checkpoints_without_metrics = bool(
+      keep_checkpoints_without_metrics
+    )
+    if keep_time_interval is not None and not isinstance(
+      keep_time_interval, datetime.timedelta
+    ):
+      raise TypeError(
+        f"{_API}: keep_time_interval must be a datetime.timedelta or None, "
+        f"got {keep_time_interval!r}; e.g. datetime.timedelta(hours=1)"
+      )
+    self.keep_time_interval = keep_time_interval
+    self.should_save_fn = _callable_or_none("should_save_fn", should_save_fn)
+    try:
+      self.save_on_steps = frozenset(save_on_steps or ())
+    except TypeError:
+      raise TypeError(
+        f"{_API}: save_on_steps must be a container of steps, got "
+        f"{save_on_steps!r:.80}"
+      ) from None
+    if step_prefix is not None and (
+      not isinstance(step_prefix, str) or not _NAME_CHARS.match(step_prefix)
+    ):
+      raise ValueError(
+        f"{_API}: step_prefix must be a non-empty str of letters, digits and "
+        f"'_.+=-', or None, got {step_prefix!r}"
+      )
+    self.step_prefix = step_prefix
+    self.step_format_fixed_length = _positive_or_none(
+      "step_format_fixed_length", step_format_fixed_length
+    )
+    self.read_only = bool(read_only)
+    if item_names is not None:
+      if isinstance(item_names, str):
+        item_names = (item_names,)
+      item_names = tuple(item_names)
+      for name in item_names:
+        self._check_item_name(_API, name)
+    self.item_names = item_names
     if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
       raise FileExistsError(
         f"{_API}: {directory!r} exists and is not a directory"
       )
-    commit.make_parents(self.directory)
+    if not self.read_only:
+      commit.make_parents(self.directory)
+    head = re.escape(self._name_head())
+    self._name = re.compile(rf"^{head}([0-9]+)$")
+    self._temps = commit._temp_pattern(rf"{head}[0-9]+")
     self._handle: pending.SaveHandle | None = None
+    self._pending_step: int | None = None
+    self._lock = threading.Lock()
+    self._metrics_cache: dict[int, tuple[int, Any] | None] = {}
+
+  # Step names.
+
+  def _name_head(self) -> str:
+    return "" if self.step_prefix is None else f"{self.step_prefix}_"
+
+  def _step_name(self, step: int) -> str:
+    n = self.step_format_fixed_length
+    return self._name_head() + (f"{step:0{n}d}" if n else str(step))
 
   def _path(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return os.path.join(self.directory, self._step_name(step))
+
+  def _parse(self, name: str) -> int | None:
+    m = self._name.match(name)
+    if m is None:
+      return None
+    step = int(m.group(1))
+    return step if self._step_name(step) == name else None
+
+  def _check_item_name(self, api: str, name: Any) -> None:
+    if (
+      not isinstance(name, str)
+      or not name
+      or name in (".", "..")
+      or any(c in name for c in "/\\\0")
+    ):
+      raise ValueError(
+        f"{api}: an item name must be a non-empty str naming a file (no '/', "
+        f"'\\\\' or NUL), got {name!r}"
+      )
+    if name == METRICS_KEY:
+      raise ValueError(
+        f"{api}: the item name {name!r} is reserved for the step's metrics; "
+        "rename the item"
+      )
+
+  # Listing.
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending (a step being written is not one)."""
+    try:
+      names = os.listdir(self.directory)
+    except FileNotFoundError:
+      return []
     steps = []
-    for name in os.listdir(self.directory):
-      if _STEP.match(name) and os.path.isdir(self._path(int(name))):
-        steps.append(int(name))
+    for name in names:
+      step = self._parse(name)
+      if step is not None and os.path.isdir(os.path.join(self.directory, name)):
+        steps.append(step)
     return sorted(steps)
 
   def latest_step(self) -> int | None:
@@ -107,23 +325,56 @@ class CheckpointManager:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def should_save(self, step: int) -> bool:
-    """True for a multiple of save_interval_steps newer than every saved step."""
-    step = _step(f"{_API}.should_save", step)
+  def reload(self) -> None:
+    """Forgets what this manager read of its steps (their metrics), for a
+    directory another manager or process changed; the steps themselves are
+    read from the directory at every call."""
+    with self._lock:
+      self._metrics_cache.clear()
+
+  def _last_saved(self) -> int | None:
     latest = self.latest_step()
-    if latest is not None and step <= latest:
+    if self._handle is not None and self._pending_step is not None:
+      if latest is None or self._pending_step > latest:
+        return self._pending_step
+    return latest
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step)`` saves (orbax's rules).
+
+    False with ``read_only`` and for a step not newer than every saved (or
+    pending) one; else ``should_save_fn(step, last_saved_step)`` if given,
+    otherwise true for a multiple of ``save_interval_steps``, a step in
+    ``save_on_steps``, or the first step of an empty directory.
+    """
+    step = _step(f"{_API}.should_save", step)
+    if self.read_only:
       return False
-    return step % self.save_interval_steps == 0
+    last = self._last_saved()
+    if last is not None and step <= last:
+      return False
+    if self.should_save_fn is not None:
+      return bool(self.should_save_fn(step, last))
+    return (
+      step % self.save_interval_steps == 0
+      or step in self.save_on_steps
+      or last is None
+    )
+
+  # Saving.
 
   def save(
     self,
     step: int,
-    tree: Any,
+    tree: Any = None,
     *,
+    items: Mapping[str, Any] | None = None,
+    metrics: Any = None,
     blocking: bool = False,
     force: bool = False,
   ) -> bool:
-    """Saves ``tree`` as ``step`` if ``should_save(step)`` (or ``force``).
+    """Saves ``tree`` (or the named ``items``) as ``step`` if
+    ``should_save(step)`` (or ``force``).
 
     Waits for this manager's previous save first (raising its error). With
     ``blocking=False`` it returns once the leaves are in host memory and
@@ -131,14 +382,54 @@ class CheckpointManager:
     step is listed once complete and durable; retention then deletes the
     steps it no longer keeps.
 
+    Args:
+      step: the step, an int >= 0.
+      tree: the pytree to save (or pass ``items``).
+      items: named items saved together as one step (one commit), e.g.
+        ``{"params": params, "opt_state": opt_state, "data": {"epoch": 3}}``;
+        ``restore(step, items=...)`` reads any of them.
+      metrics: JSON-able metrics of the step (numbers, strings, lists,
+        dicts; arrays become lists) for ``best_fn``; stored in the step's
+        checkpoint (the tree must be a dict, or use ``items``).
+      blocking: wait until the step is committed.
+      force: save even if ``should_save(step)`` is false.
+
     Returns:
-      True if a save was started, False if ``should_save`` said no.
+      True if a save was started, False if ``should_save`` said no (or the
+      manager is ``read_only``).
 
     Raises:
       FileExistsError: the step exists already.
     """
     api = f"{_API}.save"
     step = _step(api, step)
+    if self.read_only:
+      warnings.warn(
+        f"{api}: {self.directory!r} is read only (read_only=True); step "
+        f"{step} is not saved",
+        stacklevel=2,
+      )
+      return False
+    tree = self._tree(api, tree, items)
+    record = None
+    if metrics is not None:
+      if not isinstance(tree, dict):
+        raise TypeError(
+          f"{api}: metrics are stored beside the tree's top-level keys, so "
+          f"the tree must be a dict, got {type(tree).__name__}; pass "
+          "items={'state': tree} instead"
+        )
+      if METRICS_KEY in tree:
+        raise ValueError(
+          f"{api}: the key {METRICS_KEY!r} is reserved for the step's "
+          "metrics; rename it in the tree"
+        )
+      tree = {**tree, METRICS_KEY: _metrics_json(api, metrics)}
+    elif self.best_fn is not None:
+      warnings.warn(
+        f"{api}: best_fn is set but step {step} is saved without metrics=",
+        stacklevel=2,
+      )
     # The previous save finishes first (should_save sees its step); its
     # error is raised before anything else, inside the collective save when
     # the tree spans processes (so every process raises it there, in step).
@@ -166,9 +457,11 @@ class CheckpointManager:
         )
       if jax.process_index() == 0:  # what killed saves of any step left
         with commit.locked(path):  # (process 0 alone: it commits)
-          for _, p in commit.step_temporaries(self.directory):
+          for _, p in commit._scan(self.directory, self._temps):
             commit.remove(p)
 
+    with self._lock:
+      self._metrics_cache.pop(step, None)
     self._handle = saver.run_save(
       api,
       path,
@@ -180,20 +473,124 @@ class CheckpointManager:
       barrier_timeout_s=self.barrier_timeout_s,
       prelude=prelude,
       after=self._retain,
+      primary_keys=(METRICS_KEY,),
     )
+    self._pending_step = step
     return True
 
-  def _retain(self) -> None:
-    """Deletes the steps the retention rules no longer keep."""
-    if self.max_to_keep is None:
-      return
-    steps = self.all_steps()
-    keep = set(steps[-self.max_to_keep :])
+  def _tree(self, api: str, tree: Any, items: Any) -> Any:
+    if items is None:
+      if tree is None:
+        raise TypeError(f"{api}: pass the tree to save, or items=")
+      return tree
+    if tree is not None:
+      raise TypeError(f"{api}: pass the tree or items=, not both")
+    if not isinstance(items, Mapping) or not items:
+      raise TypeError(
+        f"{api}: items must be a non-empty dict of item name -> pytree, got "
+        f"{items!r:.80}"
+      )
+    for name in items:
+      self._check_item_name(api, name)
+      if self.item_names is not None and name not in self.item_names:
+        raise ValueError(
+          f"{api}: the item {name!r} is not one of item_names "
+          f"{list(self.item_names)}; add it to item_names"
+        )
+    return dict(items)
+
+  # Metrics and retention.
+
+  def _record(self, step: int) -> tuple[int, Any] | None:
+    """(0, decoded metrics) of ``step`` from its record (a str leaf), or
+    None when it has none (cached until reload())."""
+    with self._lock:
+      if step in self._metrics_cache:
+        return self._metrics_cache[step]
+    path = self._path(step)
+    text = read_record(f"{_API}.metrics", path)[1].values.get(METRICS_KEY)
+    value = None
+    if text is not None:
+      try:
+        decoded = json.loads(text)
+        if not isinstance(decoded, dict) or decoded.get("format") != 1:
+          raise ValueError("not a metrics record of format 1")
+      except ValueError as err:
+        raise ValueError(
+          f"{_API}: the metrics of step {step} in {path!r} cannot be read "
+          f"({err}); delete the step or restore it with bt.restore"
+        ) from None
+      value = (0, decoded["metrics"])
+    with self._lock:
+      self._metrics_cache[step] = value
+    return value
+
+  def metrics(self, step: int) -> Any:
+    """The metrics saved with ``step`` (decoded JSON), or None."""
+    step = _step(f"{_API}.metrics", step)
+    record = self._record(step)
+    return None if record is None else record[1]
+
+  def _commit_ns(self, step: int) -> int:
+    return os.stat(self._path(step)).st_mtime_ns
+
+  def _ranked(self, steps: list[int]) -> tuple[list[int], list[int]]:
+    """(steps without metrics, steps with metrics from worst to best)."""
+    assert self.best_fn is not None
+    best_fn = self.best_fn
+    without, scored = [], []
+    for s in steps:
+      m = self.metrics(s)
+      if m is None:
+        without.append(s)
+      else:
+        scored.append((s, m))
+    scored.sort(key=lambda sm: best_fn(sm[1]), reverse=self.best_mode == "min")
+    return without, [s for s, _ in scored]
+
+  def best_step(self) -> int | None:
+    """The best step by ``best_fn`` of its metrics (None if no step has
+    metrics); without ``best_fn``, ``latest_step()`` (as orbax)."""
+    if self.best_fn is None:
+      return self.latest_step()
+    _, ranked = self._ranked(self.all_steps())
+    return ranked[-1] if ranked else None
+
+  def _to_remove(self, steps: list[int]) -> list[int]:
+    """The steps the retention rules no longer keep (orbax's rules: any
+    rule that keeps a step keeps it)."""
+    n = self.max_to_keep
+    if n is None or self.read_only:
+      return []
+    keep: set[int] = set()
+    if self.best_fn is None or len(steps) <= n:
+      keep.update(steps[-n:])
+    else:
+      without, ranked = self._ranked(steps)
+      keep.update(ranked[-n:])
+      if self.keep_checkpoints_without_metrics:
+        keep.update(without)
     if self.keep_period is not None:
       keep.update(s for s in steps if s % self.keep_period == 0)
-    for s in steps:
-      if s not in keep:
-        self.delete(s)
+    if self.keep_time_interval is not None and steps:
+      interval_ns = int(self.keep_time_interval.total_seconds()) * 10**9
+      last = None
+      for s in steps:
+        try:
+          t = self._commit_ns(s)
+        except FileNotFoundError:
+          continue
+        if last is None or t - last >= interval_ns:
+          keep.add(s)
+          last = t
+    return [s for s in steps if s not in keep]
+
+  def _retain(self) -> None:
+    """Deletes the steps the retention rules no longer keep (process 0)."""
+    for s in self._to_remove(self.all_steps()):
+      self._delete_local(s, missing_ok=True)
+
+  # Waiting and errors.
 
   def wait_until_finished(self) -> None:
     """Waits for the pending save; raises its error (once)."""
@@ -201,26 +598,22 @@ class CheckpointManager:
     if handle is not None:
       handle.wait()
 
-  def restore(
-    self,
-    step: int | None = None,
-    target: Any = None,
-    *,
-    placement: Any = None,
-    **kwargs: Any,
-  ) -> Any:
-    """Restores ``step`` (default: the latest committed one) onto devices;
-    ``target``, ``placement`` and ``kwargs`` as for ``restore``.
+  def is_saving_in_progress(self) -> bool:
+    """True while this manager's last save is still being written."""
+    handle = self._handle
+    return handle is not None and not handle.done()
 
-    Raises:
-      FileNotFoundError: no committed step (or not ``step``).
-    """
-    api = f"{_API}.restore"
-    if target is None:
-      raise TypeError(
-        f"{api}: pass target=, a tree of jax.ShapeDtypeStruct (e.g. "
-        "jax.eval_shape(init_fn)) saying what to load"
-      )
+  def check_for_errors(self) -> None:
+    """Raises the error of this manager's finished background save (once),
+    without waiting for one still running."""
+    handle = self._handle
+    if handle is not None and handle.done():
+      self._handle = None
+      handle.wait()
+
+  # Reading.
+
+  def _existing(self, api: str, step: int | None) -> tuple[int, str]:
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -228,22 +621,215 @@ class CheckpointManager:
           f"{api}: no committed step in {self.directory!r}"
         )
     step = _step(api, step)
-    if not os.path.isdir(self._path(step)):
+    path = self._path(step)
+    if not os.path.isdir(path):
       raise FileNotFoundError(
         f"{api}: no step {step} in {self.directory!r}; the committed steps "
         f"are {self.all_steps()}"
       )
-    return restore(self._path(step), target, placement=placement, **kwargs)
+    return step, path
+
+  def _stored(self, path: str) -> Any:
+    from ... import metadata  # the package's (restore imports this module)
+
+    tree = metadata(path)
+    if isinstance(tree, dict):
+      tree.pop(METRICS_KEY, None)
+    return tree
+
+  def restore(
+    self,
+    step: int | None = None,
+    target: Any = None,
+    *,
+    items: Mapping[str, Any] | None = None,
+    placement: Any = None,
+    **kwargs: Any,
+  ) -> Any:
+    """Restores ``step`` (default: the latest committed one) onto devices.
+
+    Args:
+      step: the step (None: the latest).
+      target: as for ``restore``: a tree of jax.ShapeDtypeStruct (e.g.
+        ``jax.eval_shape(init_fn)``) saying what to load; None: every leaf
+        as saved (arrays on the default device).
+      items: instead of ``target``, for a step saved with ``items=``: a dict
+        of the item names to restore -> each one's target, or None to
+        restore that item as saved. Returns a dict of those items only.
+      placement: as for ``restore``.
+      **kwargs: as for ``restore`` (e.g. ``partial_restore=True``).
+
+    Raises:
+      FileNotFoundError: no committed step (or not ``step``).
+      KeyError: an item the step does not hold.
+    """
+    api = f"{_API}.restore"
+    step, path = self._existing(api, step)
+    if items is not None:
+      return self._restore_items(
+        api, step, path, target, items, placement, kwargs
+      )
+    record = self._record(step)
+    if target is None:
+      out = restore(path, None, placement=placement, **kwargs)
+    elif record is None or kwargs.get("partial_restore"):
+      out = restore(path, target, placement=placement, **kwargs)
+    elif isinstance(target, Mapping):
+      # The metrics leaf joins the target, so every other stored leaf must
+      # still be in it (as restore checks without partial_restore).
+      out = restore(
+        path, {**target, METRICS_KEY: ""}, placement=placement, **kwargs
+      )
+    else:
+      out = restore(
+        path, target, placement=placement, partial_restore=True, **kwargs
+      )
+    if isinstance(out, dict):
+      out.pop(METRICS_KEY, None)
+    return out
+
+  def _restore_items(
+    self,
+    api: str,
+    step: int,
+    path: str,
+    target: Any,
+    items: Any,
+    placement: Any,
+    kwargs: dict[str, Any],
+  ) -> dict[str, Any]:
+    if target is not None:
+      raise TypeError(f"{api}: pass target= or items=, not both")
+    if not isinstance(items, Mapping) or not items:
+      raise TypeError(
+        f"{api}: items must be a non-empty dict of item name -> target (or "
+        f"None), got {items!r:.80}"
+      )
+    stored = (
+      self._stored(path) if any(t is None for t in items.values()) else None
+    )
+    like: dict[str, Any] = {}
+    for name, t in items.items():
+      self._check_item_name(api, name)
+      if t is None:
+        if not isinstance(stored, dict) or name not in stored:
+          held = sorted(stored) if isinstance(stored, dict) else []
+          raise KeyError(
+            f"{api}: step {step} in {self.directory!r} holds no item "
+            f"{name!r}; its items are {held}"
+          )
+        like[name] = stored[name]
+      else:
+        like[name] = t
+    kwargs = {**kwargs, "partial_restore": True}
+    try:
+      out = restore(path, like, placement=placement, **kwargs)
+    except ValueError as err:
+      if stored is None:
+        stored = self._stored(path)
+      missing = [
+        n for n in like if not isinstance(stored, dict) or n not in stored
+      ]
+      if missing:
+        held = sorted(stored) if isinstance(stored, dict) else []
+        raise KeyError(
+          f"{api}: step {step} in {self.directory!r} holds no item "
+          f"{missing[0]!r}; its items are {held}"
+        ) from err
+      raise
+
+    # Items restored as saved: Python scalar leaves back as Python scalars
+    # (as restore without a target gives them).
+    python = None
+    for name, t in items.items():
+      if t is None:
+        if python is None:
+          python = _python_leaves(api, path)
+        if python:
+          keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
+          leaves = [
+            record_lib.PYTHON_TYPES[python[k]](np.asarray(x).item())
+            if k in python
+            else x
+            for k, x in zip(keys, leaves)
+          ]
+          out[name] = treedef.unflatten(leaves)[name]
+    return dict(out)
+
+  def metadata(self, step: int | None = None) -> StepMetadata:
+    """The metadata of ``step`` (default: the latest), reading no array data.
+
+    Raises:
+      FileNotFoundError: no committed step (or not ``step``).
+    """
+    api = f"{_API}.metadata"
+    step, path = self._existing(api, step)
+    return StepMetadata(
+      step=step,
+      item_metadata=self._stored(path),
+      metrics=self.metrics(step),
+      commit_timestamp_nsecs=self._commit_ns(step),
+    )
+
+  def item_metadata(self, step: int) -> Any:
+    """``metadata(step).item_metadata``: the saved tree (``{name: item}``)
+    with jax.ShapeDtypeStruct for arrays, reading no array data."""
+    return self.metadata(_step(f"{_API}.item_metadata", step)).item_metadata
+
+  # Deleting.
+
+  def _delete_local(self, step: int, missing_ok: bool = False) -> None:
+    api = f"{_API}.delete"
+    path = self._path(step)
+    with commit.locked(path):
+      if not os.path.isdir(path):
+        if missing_ok:
+          return
+        raise FileNotFoundError(
+          f"{api}: no step {step} in {self.directory!r}; the committed steps "
+          f"are {self.all_steps()}"
+        )
+      commit.delete(path)
+    with self._lock:
+      self._metrics_cache.pop(step, None)
 
   def delete(self, step: int) -> None:
-    """Deletes a committed step (renamed away first: never half listed)."""
+    """Deletes a committed step (renamed away first: never half listed).
+
+    Waits for this manager's pending save first (whose retention may
+    delete steps). In a multi-process job every process calls it: process
+    0 deletes once every process called it, the others return once it did
+    (or raise RuntimeError naming its error). With ``read_only`` it warns
+    and does nothing.
+
+    Raises:
+      FileNotFoundError: no such step.
+    """
     api = f"{_API}.delete"
     step = _step(api, step)
-    path = self._path(step)
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f"{api}: no step {step} in {self.directory!r}")
-    with commit.locked(path):
-      commit.delete(path)
+    if self.read_only:
+      warnings.warn(
+        f"{api}: {self.directory!r} is read only (read_only=True); step "
+        f"{step} is not deleted",
+        stacklevel=2,
+      )
+      return
+    handle = self._handle
+    if handle is not None:  # its retention decides first; its error stays
+      with contextlib.suppress(Exception):  # for the next call to raise
+        handle.wait()
+    if jax.process_count() > 1:
+      sharded.run_collective(
+        api,
+        "delete",
+        self._path(step),
+        lambda: self._delete_local(step),
+        self.barrier_timeout_s,
+      )
+      with self._lock:
+        self._metrics_cache.pop(step, None)
+      return
+    self._delete_local(step)
 
   def close(self) -> None:
     """Waits for the pending save."""
@@ -259,5 +845,12 @@ class CheckpointManager:
     return (
       f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep}, "
       f"keep_period={self.keep_period}, "
-      f"save_interval_steps={self.save_interval_steps})"
+      f"save_interval_steps={self.save_interval_steps}"
+      + (
+        f", best_fn={self.best_fn!r}, best_mode={self.best_mode!r}"
+        if self.best_fn is not None
+        else ""
+      )
+      + (", read_only=True" if self.read_only else "")
+      + ")"
     )

@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from . import checksum
 from . import files
+from . import record as record_lib
 from .sharded import MANIFEST
 from .sharded import MANIFEST_FORMAT
 
@@ -51,6 +53,7 @@ class Shard:
   file: str  # relative to the checkpoint directory
   start: tuple[int, ...]
   shape: tuple[int, ...]
+  crc32c: tuple[int, ...] | None = None  # checksums of its data (checksum)
 
 
 @dataclasses.dataclass
@@ -121,7 +124,10 @@ def parse(data: bytes) -> dict[str, Entry]:
         raise ValueError(
           f"the shard {file!r} lies outside {key!r} {list(shape)}"
         )
-      shards.append(Shard(file, start, sshape))
+      sums = s.get("crc32c")
+      if sums is not None:
+        sums = _ints(sums, None, f"the checksums of {file!r}")
+      shards.append(Shard(file, start, sshape, sums))
     _check_grid(key, shape, shards)
     starts = [sorted({x.start[d] for x in shards}) for d in range(len(shape))]
     out[key] = Entry(shape, dtype, shards, starts, {x.start: x for x in shards})
@@ -224,6 +230,38 @@ class Manifest:
   def __exit__(self, *exc: Any) -> None:
     self.close()
 
+  def read_record(self) -> record_lib.Record:
+    """The checkpoint's record (read relative to the directory), checked
+    against the manifest's dtypes; an empty one where there is none."""
+    file = os.path.join(self.path, record_lib.NAME)
+    try:
+      fd, st = files._open_file(record_lib.NAME, self.dir_fd)
+    except FileNotFoundError:
+      return record_lib.Record()
+    except (OSError, ValueError) as err:
+      raise ValueError(
+        f"{self.api}: the record {file!r} cannot be read: {err}; write the "
+        "checkpoint again"
+      ) from None
+    try:
+      data = files._read_all(fd, min(st.st_size, MAX_MANIFEST_BYTES) + 1)
+    finally:
+      os.close(fd)
+    where = f"the record {record_lib.NAME!r} of {self.path!r}"
+    if len(data) > MAX_MANIFEST_BYTES:
+      raise ValueError(f"{self.api}: {where} is too large: it is damaged")
+    record = record_lib.decode(self.api, where, data)
+    for key, name in record.dtypes.items():
+      entry = self.arrays.get(key)
+      if entry is not None and files.exact_dtype(
+        self.api, where, key, name
+      ) != entry.dtype:
+        raise ValueError(
+          f"{self.api}: {where} says {name} for {key!r} but the manifest "
+          f"says {entry.dtype.name}; the checkpoint is damaged"
+        )
+    return record
+
   def open_shard(self, key: str, entry: Entry, shard: Shard) -> files.Stored:
     """The validated shard file (opened relative to the directory)."""
     s = self.stored.get(shard.file)
@@ -249,6 +287,7 @@ class Manifest:
         tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
         offset, None, fd=fd, dir_fd=self.dir_fd, name=shard.file,
         stamp=files.stamp(st),
+        sums=None if shard.crc32c is None else list(shard.crc32c),
       )  # fmt: skip
       header = dtype.newbyteorder("=")
       bad = ""
@@ -335,9 +374,13 @@ def read_tasks(
   out: np.ndarray,
   fds: dict[str, int],
   chunk: int,
+  verified: set[tuple[str, int]] | None = None,
 ) -> list[Callable[[], None]]:
   """Calls that together read the region ``want`` into ``out`` (C order, of
-  the region's shape) from the shard files, through ``fds`` (by file name)."""
+  the region's shape) from the shard files, through ``fds`` (by file name).
+
+  With ``verified`` (a set), a call that reads one whole checksum chunk of
+  a file checks it, and ``(file name, chunk)`` is added to the set."""
   itemsize = out.dtype.itemsize
   dst = out.reshape(-1).view(np.uint8) if out.size else None
   tasks: list[Callable[[], None]] = []
@@ -368,12 +411,22 @@ def read_tasks(
       dst_off += dlo[k] * dstr[k]
       for a in range(0, run, chunk):
         n = min(chunk, run - a)
+        at = src_off + a  # in the file's data
+        whole = (
+          verified is not None
+          and s.sums is not None
+          and at % checksum.CHUNK == 0
+          and n == min(checksum.CHUNK, s.nbytes - at)
+        )
+        if whole:
+          verified.add((name, at // checksum.CHUNK))
         tasks.append(
           _run_task(
             fds,
             s,
-            s.offset + src_off + a,
+            s.offset + at,
             dst[dst_off + a : dst_off + a + n],
+            at // checksum.CHUNK if whole else None,
           )
         )
   return tasks
@@ -396,15 +449,43 @@ def _tail_bytes(ext: tuple, sshape: tuple, dshape: tuple) -> int:
 
 
 def _run_task(
-  fds: dict[str, int], s: files.Stored, offset: int, view: np.ndarray
+  fds: dict[str, int],
+  s: files.Stored,
+  offset: int,
+  view: np.ndarray,
+  chunk: int | None = None,
 ) -> Callable[[], None]:
+  """Reads ``view.size`` bytes at ``offset``; checks them as checksum chunk
+  ``chunk`` of the file (None: no check)."""
+
   def task() -> None:
     try:
       files._read_range(fds[s.name], view.data, offset, 0, view.size)
-    except (OSError, EOFError) as err:
+      if chunk is not None:
+        checksum.check(s.sums, view.data, chunk)
+    except (OSError, EOFError, ValueError) as err:
       raise ValueError(f"{s.where} failed: {err}") from None
 
   return task
+
+
+def verify_tasks(
+  used: dict[str, files.Stored],
+  fds: dict[str, int],
+  verified: set[tuple[str, int]],
+) -> list[Callable[[], None]]:
+  """Calls that check the checksum chunks of the files in ``used`` that no
+  read call checked (regions that cut through a chunk): each reads its
+  chunk into a scratch buffer."""
+  tasks: list[Callable[[], None]] = []
+  for name, s in used.items():
+    if s.sums is None:
+      continue
+    for k, at in enumerate(range(0, s.nbytes, checksum.CHUNK)):
+      if (name, k) not in verified:
+        n = min(checksum.CHUNK, s.nbytes - at)
+        tasks.append(_run_task(fds, s, s.offset + at, np.empty(n, np.uint8), k))
+  return tasks
 
 
 def _block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
+import os
 import sys
 import threading
 
@@ -20,6 +21,40 @@ THREAD_PREFIX = "jaxworks-save"
 _lock = threading.Lock()
 _pending: set[SaveHandle] = set()
 _unseen: list[SaveHandle] = []
+# The paths that saves of this process are writing, and how many saves each.
+_reserved: dict[str, int] = {}
+
+
+class Reservation:
+  """A path a save of this process is writing, from the call until its
+  commit (or failure); ``release()`` once."""
+
+  def __init__(self, path: str) -> None:
+    self.path = path
+    self._held = True
+
+  def release(self) -> None:
+    with _lock:
+      if self._held:
+        self._held = False
+        _reserved[self.path] -= 1
+        if not _reserved[self.path]:
+          del _reserved[self.path]
+
+
+def reserve(api: str, path: str, overwrite: bool) -> Reservation:
+  """Reserves ``path`` for a save; without ``overwrite``, FileExistsError if
+  a save of this process (one with ``blocking=False`` still writing) holds
+  it: that save will create the path, which this one may not replace."""
+  key = os.path.abspath(path)
+  with _lock:
+    if key in _reserved and not overwrite:
+      raise FileExistsError(
+        f"{api}: a save to {path!r} is still being written (blocking=False); "
+        "wait() for it, save elsewhere, or pass overwrite=True to replace it"
+      )
+    _reserved[key] = _reserved.get(key, 0) + 1
+  return Reservation(key)
 
 
 class SaveHandle:

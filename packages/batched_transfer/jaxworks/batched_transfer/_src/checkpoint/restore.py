@@ -37,6 +37,10 @@ from . import commit
 from . import files
 from . import manifest
 from . import sharded_restore
+from . import record as record_lib
+from .keys import ROOT_KEY
+from .keys import astype
+from .keys import cast_to
 from .keys import check_keys
 from .keys import leaf_keys
 from .keys import python_scalar_dtype
@@ -76,7 +80,8 @@ def _target_spec(
     raise TypeError(
       f"{api}: the target leaf at {where} is {x!r:.80} of type {type(x).__name__}, which has no "
       "shape and dtype; use jax.ShapeDtypeStruct, an array or a Python scalar "
-      "(jax.eval_shape(init_fn) gives such a tree)"
+      "(jax.eval_shape(init_fn) gives such a tree; a str target leaf stands "
+      "for a str leaf that save stored, and this one is an array)"
     ) from None
   return shape, dtype, bool(getattr(x, "weak_type", False))
 
@@ -85,21 +90,16 @@ def _dtype_text(dtype: np.dtype) -> str:
   return dtype.name if dtype.isnative else dtype.str
 
 
-def _x32(dtype: np.dtype) -> np.dtype:
-  """What JAX makes of ``dtype`` with jax_enable_x64 off."""
-  with jax.enable_x64(False):
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-
-
 def _check_leaf(
   api: str,
+  path: str,
   where: str,
   key: str,
   s: files.Stored,
   shape: tuple[int, ...],
-  dtype: np.dtype,
 ) -> None:
-  """Shape, dtype and data extent of one stored array against its target leaf."""
+  """Shape, dtype and data extent of one stored array against its target
+  leaf (a dtype other than the stored one is a cast, see load)."""
   if s.exact is None and s.dtype.kind == "V" and s.dtype.fields is None:
     raise ValueError(
       f"{api}: the leaf at {where} (key {key!r}) is stored in {s.where} as raw "
@@ -107,33 +107,103 @@ def _check_leaf(
       f"types are {s.dtype.itemsize} bytes wide); write the checkpoint with "
       "jaxworks.batched_transfer.save, which records exact dtype names"
     )
-  stored = s.value_dtype
-  # The target may name the stored dtype as JAX canonicalizes it (float32 for float64 data
-  # with jax_enable_x64 off, as jax.eval_shape reports it): the data is then placed as
-  # jax.device_put places it.
-  same = (
-    stored == dtype or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
-  )
-  if s.shape != shape or not same:
-    hint = ""
-    if (
-      s.shape == shape and jax_internals.enable_x64() and _x32(stored) == dtype
-    ):
-      hint = (
-        f". With jax_enable_x64 on, {dtype.name} data is not {stored.name}: restore "
-        f"into a target leaf of dtype {stored.name}, or outside jax.enable_x64"
-      )
+  if s.shape != shape:
     raise ValueError(
-      f"{api}: the leaf at {where} (key {key!r}) is stored as "
-      f"{_dtype_text(stored)}{list(s.shape)} but the target expects "
-      f"{dtype.name}{list(shape)}{hint}"
+      f"{api}: the leaf at {where} (key {key!r}) is stored in {s.where} as "
+      f"{_dtype_text(s.value_dtype)}{list(s.shape)} but the target expects "
+      f"shape {list(shape)}; restore into a target of the stored shape "
+      "(bt.metadata(path) lists them)"
     )
   if s.data_bytes != s.nbytes:
     raise ValueError(
       f"{api}: the leaf at {where} (key {key!r}): {s.where} holds {s.data_bytes} bytes of "
-      f"data but its header ({_dtype_text(stored)}{list(s.shape)}) needs {s.nbytes}; the file "
+      f"data but its header ({_dtype_text(s.value_dtype)}{list(s.shape)}) needs {s.nbytes}; the file "
       "is truncated or damaged. Nothing was placed"
     )
+
+
+class Target:
+  """A restore target's leaves sorted against a checkpoint: the arrays to
+  read (indices into the flat target), the leaves stored by value (``str``
+  and None), and, without a target, one built from the checkpoint's record
+  (arrays as saved; Python scalars back as their type)."""
+
+  def __init__(
+    self,
+    api: str,
+    path: str,
+    target: Any,
+    arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
+    record: record_lib.Record,
+    partial: bool,
+  ) -> None:
+    self.python: dict[int, type] = {}
+    built = target is None
+    if built:
+      target = _as_saved(arrays, record)
+    keys, paths, leaves, self.treedef = leaf_keys(api, target)
+    self.target, self.keys, self.paths, self.leaves = target, keys, paths, leaves
+    stored = set(arrays) | {k for k, v in record.values.items() if v is not None}
+    check_keys(api, path, keys, paths, stored, partial and not built)
+    self.values: dict[int, str] = {}
+    self.arrays: list[int] = []
+    for i, (key, where, x) in enumerate(zip(keys, paths, leaves)):
+      if key in record.values:
+        if not isinstance(x, str):
+          raise ValueError(
+            f"{api}: the leaf at {where} (key {key!r}) is stored in {path!r} "
+            f"as the str {record.values[key]!r:.40} but the target expects "
+            f"{_describe(x)}; put a str in the target there"
+          )
+        self.values[i] = record.values[key]  # type: ignore[assignment]
+        continue
+      if built and key in record.python:
+        self.python[i] = record_lib.PYTHON_TYPES[record.python[key]]
+      self.arrays.append(i)
+
+  def pick(self, items: list[Any]) -> list[Any]:
+    """``items`` (one per target leaf) of the array leaves."""
+    return [items[i] for i in self.arrays]
+
+  def finish(self, placed: list[Any]) -> Any:
+    """The restored tree from the placed arrays (in ``arrays`` order)."""
+    out: list[Any] = [None] * len(self.leaves)
+    for i, value in self.values.items():
+      out[i] = value
+    for i, y in zip(self.arrays, placed):
+      t = self.python.get(i)
+      out[i] = y if t is None else t(np.asarray(y).item())
+    return self.treedef.unflatten(out)
+
+
+def _describe(x: Any) -> str:
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  if shape is not None and dtype is not None:
+    return f"an array {np.dtype(dtype).name}{list(shape)}"
+  return f"{x!r:.40}"
+
+
+def _as_saved(
+  arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
+  record: record_lib.Record,
+) -> Any:
+  """The tree a checkpoint holds, with a jax.ShapeDtypeStruct per array
+  (restore without a target, and ``metadata``)."""
+  tree = record.tree
+  if tree is None:  # written before the record had it: dicts by key
+    keys = sorted(set(arrays) | set(record.values))
+    if keys == [ROOT_KEY]:
+      tree = [(ROOT_KEY, "")]
+    else:
+      tree = [(k, "d" * len(k.split("/"))) for k in keys]
+
+  def leaf(key: str) -> Any:
+    if key in record.values:
+      return record.values[key]
+    shape, dtype = arrays[key]
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+  return record_lib.rebuild(tree, leaf)
 
 
 def _weak(y: Any) -> Any:
@@ -145,9 +215,11 @@ def _weak(y: Any) -> Any:
 
 def restore(
   path: str | os.PathLike[str],
-  target: Any,
+  target: Any = None,
   *,
   placement: Any = None,
+  partial_restore: bool = False,
+  verify: bool = True,
   max_inflight_bytes: int = 256 * 2**20,
   read_threads: int | None = None,
   progress: bool | None = None,
@@ -162,11 +234,23 @@ def restore(
     target: a pytree whose leaves say what to expect: jax.ShapeDtypeStruct,
       jax.Array or numpy array leaves (their .shape, .dtype and weak_type), or
       Python scalars (a 0-d array of the dtype and weak type jax.device_put
-      gives them), as ``jax.eval_shape(init_fn)`` returns. Unless ``placement``
-      is given, each leaf's .format / .sharding says where it goes (none: the
-      default device).
+      gives them), as ``jax.eval_shape(init_fn)`` returns; ``str`` leaves
+      where str leaves were saved. A dtype other than the stored one is a
+      cast (numpy's ``astype``). Unless ``placement`` is given, each leaf's
+      .format / .sharding says where it goes (none: the default device).
+      None: the tree as saved (nested dicts, lists for sequences), every
+      array on the default device (or ``placement``), str and None leaves
+      as saved, Python scalars as their Python type.
     placement: a device_put target (Device, Sharding, Format or a pytree
       prefix of them) overriding the target leaves' placement.
+    partial_restore: let ``target`` name a subset of the stored leaves (a
+      subtree, say ``{"params": ...}`` of a checkpoint that also holds
+      ``opt_state``): only those are read. False: a stored leaf the target
+      lacks raises ValueError.
+    verify: check every array's data against the checksums save recorded
+      (CRC-32C of each 8 MiB of a directory checkpoint's files, the CRC-32
+      of each .npz member), in the threads that read it; a mismatch raises
+      ValueError naming the file and nothing stays placed.
     max_inflight_bytes: the most bytes read and not yet placed at once. The
       data is read in batches of at most half of it (and at most 16 MiB),
       the next batches while one is placed; a single larger leaf is read
@@ -178,16 +262,17 @@ def restore(
 
   Returns:
     A pytree like ``target`` of placed jax.Arrays (weakly typed where the target
-    leaf is).
+    leaf is), with the stored values at its str leaves.
 
   Raises:
-    ValueError: a key missing from or extra in the file, a shape or exact
-      dtype that differs from the target's, or data shorter or longer than its
-      header says (the message names the tree path and the file); raised
-      before any array is placed. Also a file that is not a regular file, or
-      one replaced or modified after it was validated (the data is read
-      through the descriptors validated: a checkpoint replaced at ``path``
-      meanwhile is read whole as validated); nothing stays placed.
+    ValueError: a key missing from or extra in the file, a shape that
+      differs from the target's, data shorter or longer than its header
+      says, or data failing its checksum (the message names the tree path,
+      the checkpoint and the file); raised before any array is placed
+      (checksums: while reading, and nothing stays placed). Also a file that
+      is not a regular file, or one replaced or modified after it was
+      validated (the data is read through the descriptors validated: a
+      checkpoint replaced at ``path`` meanwhile is read whole as validated).
     FileNotFoundError: nothing at ``path``.
     TypeError: a target leaf with no shape and dtype.
   """
@@ -209,44 +294,53 @@ def restore(
       f"{api}: read_threads must be a positive int or None, got "
       f"{read_threads!r}"
     )
-  keys, paths, leaves, treedef = leaf_keys(api, target)
-  specs = [_target_spec(api, where, x) for where, x in zip(paths, leaves)]
   if not os.path.lexists(path):
     commit.recover(path)  # the old copy of a save killed between two renames
   opened_manifest = manifest.open_manifest(api, path)
   if opened_manifest is not None:  # written by several processes: shard files
-    return sharded_restore.restore_tree(
-      api,
-      opened_manifest,
-      target,
-      treedef,
-      leaves,
-      keys,
-      paths,
-      specs,
-      placement,
-      _placement_of,
-      _weak,
-      max_inflight_bytes,
-      read_threads,
-      progress,
-      BATCH_CAP,
-    )
+    with opened_manifest:
+      record = opened_manifest.read_record()
+      arrays = {k: (e.shape, e.dtype) for k, e in opened_manifest.arrays.items()}
+      t = Target(api, path, target, arrays, record, partial_restore)
+      specs = [
+        _target_spec(api, where, x)
+        for where, x in zip(t.pick(t.paths), t.pick(t.leaves))
+      ]
+      places = t.pick(
+        targets.resolve_placement(
+          api, placement, t.target, t.treedef, t.leaves, _placement_of
+        )
+      )
+      placed = sharded_restore.restore_arrays(
+        api,
+        opened_manifest,
+        t.pick(t.keys),
+        t.pick(t.paths),
+        specs,
+        places,
+        _weak,
+        max_inflight_bytes,
+        read_threads,
+        progress,
+        BATCH_CAP,
+        verify,
+      )
+    return t.finish(placed)
   # Opened once: the data is read through the descriptors validated here.
   with files.open_checkpoint(api, path) as opened:
-    files.apply_record(api, path, opened.stored, opened.record)
-    places = _validate(
-      api,
-      path,
-      opened.stored,
-      target,
-      placement,
-      keys,
-      paths,
-      leaves,
-      treedef,
-      specs,
+    record = files.apply_record(api, path, opened.stored, opened.record)
+    arrays = {k: (s.shape, s.value_dtype) for k, s in opened.stored.items()}
+    t = Target(api, path, target, arrays, record, partial_restore)
+    keys, paths = t.pick(t.keys), t.pick(t.paths)
+    specs = [
+      _target_spec(api, where, x) for where, x in zip(paths, t.pick(t.leaves))
+    ]
+    places = t.pick(
+      targets.resolve_placement(
+        api, placement, t.target, t.treedef, t.leaves, _placement_of
+      )
     )
+    _validate(api, path, opened.stored, places, keys, paths, specs)
     out = _stream(
       api,
       opened.stored,
@@ -257,32 +351,61 @@ def restore(
       max_inflight_bytes,
       read_threads,
       progress,
+      verify,
     )
-  return treedef.unflatten(out)
+  return t.finish(out)
+
+
+def metadata(path: str | os.PathLike[str]) -> Any:
+  """The tree a checkpoint holds, read from its headers, manifest and record
+  only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype) per
+  array, the stored value per ``str`` or None leaf, nested as ``restore``
+  without a target nests it. A Python scalar leaf is the ShapeDtypeStruct of
+  its 0-d array.
+
+  >>> import os, tempfile, numpy as np
+  >>> from jaxworks.batched_transfer import save
+  >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  >>> save(path, {"w": np.zeros((2, 3), np.float32), "run": "exp-42"})
+  >>> metadata(path)
+  {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
+  """
+  api = f"{_API}.metadata"
+  return _as_saved(*read_record(api, os.fspath(path)))
+
+
+def read_record(
+  api: str, path: str
+) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], record_lib.Record]:
+  """(key -> (shape, exact dtype) of every array, the record) of the
+  checkpoint at ``path``, from its headers, manifest and record only."""
+  if not os.path.lexists(path):
+    commit.recover(path)
+  opened_manifest = manifest.open_manifest(api, path)
+  if opened_manifest is not None:
+    with opened_manifest:
+      record = opened_manifest.read_record()
+      arrays = {k: (e.shape, e.dtype) for k, e in opened_manifest.arrays.items()}
+  else:
+    with files.open_checkpoint(api, path) as opened:
+      record = files.apply_record(api, path, opened.stored, opened.record)
+      arrays = {k: (s.shape, s.value_dtype) for k, s in opened.stored.items()}
+  return arrays, record
 
 
 def _validate(
   api: str,
   path: str,
   stored: dict[str, files.Stored],
-  target: Any,
-  placement: Any,
+  places: list[Any],
   keys: list[str],
   paths: list[str],
-  leaves: list[Any],
-  treedef: Any,
   specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-) -> list[Any]:
-  """Checks every key, shape, dtype, extent and placement; the placements."""
-  check_keys(api, path, keys, paths, stored)
-  places = targets.resolve_placement(
-    api, placement, target, treedef, leaves, _placement_of
-  )
+) -> None:
+  """Checks every array's shape, extent and placement."""
   normalized: dict[int, Any] = {}
-  for p, where, key, (want_shape, want_dtype, _) in zip(
-    places, paths, keys, specs
-  ):
-    _check_leaf(api, where, key, stored[key], want_shape, want_dtype)
+  for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
+    _check_leaf(api, path, where, key, stored[key], want_shape)
     if id(p) not in normalized:
       normalized[id(p)] = targets.restore_target(api, p, where)
     sharding = normalized[id(p)][0]
@@ -297,7 +420,6 @@ def _validate(
           f"{api}: the leaf at {where} with shape {want_shape} cannot be "
           f"placed on {sharding}: {err}",
         ) from None
-  return places
 
 
 def _stream(
@@ -310,6 +432,7 @@ def _stream(
   max_inflight_bytes: int,
   read_threads: int,
   progress: bool | None,
+  verify: bool = True,
 ) -> list[Any]:
   """Reads and places the validated arrays; the placed leaves in order."""
   # Batches of at most half the budget (and BATCH_CAP); a background
@@ -325,13 +448,15 @@ def _stream(
   batches = prefetch.split_batches(sizes, limit)
   out: list[Any] = [None] * len(keys)
   bar = Progress("restore", sum(sizes), enabled=progress)
-  readers = files.Files(read_threads)
+  readers = files.Files(read_threads, verify)
+  casts = [cast_to(stored[k].value_dtype, spec[1]) for k, spec in zip(keys, specs)]
 
   def read_batch(k: int) -> list[np.ndarray]:
-    return [
-      files.load(api, paths[i], keys[i], stored[keys[i]], readers)
-      for i in batches[k]
-    ]
+    out = []
+    for i in batches[k]:
+      a = files.load(api, paths[i], keys[i], stored[keys[i]], readers)
+      out.append(a if casts[i] is None else astype(a, casts[i]))
+    return out
 
   reader = prefetch.BatchReader(
     read_batch, [sum(sizes[i] for i in b) for b in batches], max_inflight_bytes

@@ -9,7 +9,7 @@ call returns once every leaf is on the host, and a background thread writes.
 from __future__ import annotations
 
 from collections.abc import Callable
-import json
+import errno
 import os
 import queue
 import threading
@@ -20,12 +20,15 @@ import jax
 import numpy as np
 
 from . import commit
-from . import files as checkpoint_files
 from . import hostvalue
 from . import pending
+from . import record as record_lib
 from . import sharded
+from .keys import check_files
 from .keys import leaf_keys
+from .keys import path_kinds
 from .keys import python_scalar_dtype
+from .keys import saved_leaf
 
 _API = "jaxworks.batched_transfer"
 DEFAULT_INFLIGHT = 1024 * 2**20
@@ -68,7 +71,21 @@ def host_array(
       ) from None
   if isinstance(x, jax.Array):
     return hostvalue.of(x)
+  if not isinstance(x, (np.ndarray, np.generic)):
+    raise TypeError(
+      f"{api}: the leaf at {path} is {x!r:.60} of type {type(x).__name__}, "
+      "which save cannot store; save arrays, Python scalars (bool, int, "
+      "float, complex), str or None (convert it, e.g. with str() or "
+      "np.asarray())"
+    )
   a = np.asarray(x)
+  if not storable(a.dtype):
+    raise TypeError(
+      f"{api}: the leaf at {path} is an array of dtype {a.dtype}, which JAX "
+      "does not hold and restore could not place; save arrays of bool, "
+      "integer, floating, complex or ml_dtypes types (convert strings to "
+      "str leaves)"
+    )
   if not a.dtype.isnative:
     raise TypeError(
       f"{api}: the leaf at {path} has non-native byte order ({a.dtype.str}), "
@@ -78,23 +95,94 @@ def host_array(
   return np.array(a, copy=True, order="K") if private else a
 
 
-def dtype_record(dtypes: dict[str, np.dtype]) -> bytes:
-  return json.dumps(
-    {
-      "format": checkpoint_files.RECORD_FORMAT,
-      "dtypes": {k: d.name for k, d in dtypes.items()},
-    },
-    indent=0,
-    sort_keys=True,
-  ).encode()
+def storable(dtype: np.dtype) -> bool:
+  """Whether arrays of ``dtype`` can be saved: the numeric types JAX holds,
+  ml_dtypes' included (not strings, objects, datetimes, raw bytes, records)."""
+  if dtype.kind in "biufc":
+    return True
+  return (
+    dtype.kind == "V"
+    and dtype.fields is None
+    and not isinstance(dtype, np.dtypes.VoidDType)
+  )
 
 
-def write_file(file: str, write: Any) -> None:
-  """Creates ``file``, lets ``write(f)`` fill it, and fsyncs it."""
-  with open(file, "wb") as f:
-    write(f)
-    f.flush()
-    os.fsync(f.fileno())
+class Leaves:
+  """A tree's leaves as save sorts them: the arrays (with their keys and
+  paths) and the record's parts for the rest (``str`` and ``None`` leaves
+  by value, which arrays were Python scalars, the tree's nesting)."""
+
+  def __init__(self, api: str, tree: Any) -> None:
+    keys, paths, leaves, _ = leaf_keys(api, tree, saved_leaf)
+    kinds = path_kinds(tree)
+    self.record = record_lib.Record(tree=[])
+    self.keys: list[str] = []
+    self.paths: list[str] = []
+    self.leaves: list[Any] = []
+    for key, where, x, k in zip(keys, paths, leaves, kinds):
+      empty = record_lib.EMPTY.get(type(x)) if x is not None else None
+      self.record.tree.append((key, k) if empty is None else (key, k, empty))
+      if empty is not None:
+        continue
+      if x is None or isinstance(x, str):
+        self.record.values[key] = x
+        continue
+      if python_scalar_dtype(x) is not None:
+        self.record.python[key] = _base(x)
+      self.keys.append(key)
+      self.paths.append(where)
+      self.leaves.append(x)
+
+
+def _base(x: Any) -> str:
+  """The name of ``x``'s Python scalar type (for a subclass, such as an
+  IntEnum, the type it comes from)."""
+  for name in ("bool", "int", "float", "complex"):
+    if isinstance(x, record_lib.PYTHON_TYPES[name]):
+      return name
+  raise TypeError(type(x).__name__)  # pragma: no cover - python_scalar_dtype
+
+
+_FIXES = {
+  errno.ENOSPC: "free space on that file system, or save elsewhere",
+  errno.EDQUOT: "free space within your disk quota, or save elsewhere",
+  errno.EFBIG: "raise the file-size limit (ulimit -f, RLIMIT_FSIZE) or save "
+  "to a file system that holds larger files",
+}
+
+
+def write_error(
+  api: str, path: str, file: str, err: OSError
+) -> OSError:
+  """The OSError to raise for a failed write of ``file`` of the checkpoint
+  at ``path``: the errno kept, the checkpoint, the file and the fix named."""
+  code = err.errno
+  fix = _FIXES.get(code, "check the file system, then save again")
+  text = err.strerror or (os.strerror(code) if code else str(err))
+  out = OSError(
+    code,
+    f"{api}: writing the checkpoint {path!r} failed: {text} while writing "
+    f"{file!r}; {fix}. Nothing was committed: the checkpoint that was at "
+    "the path (if any) is still there",
+    file,
+  )
+  return out
+
+
+def write_file(api: str, path: str, file: str, write: Any) -> Any:
+  """Creates ``file``, lets ``write(f)`` fill it, and fsyncs it; returns what
+  ``write`` returned. A failed write raises ``write_error``'s OSError (naming
+  ``file``: a temporary name inside or beside the checkpoint ``path``)."""
+  try:
+    with open(file, "wb") as f:
+      out = write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    return out
+  except OSError as err:
+    if err.errno is None:  # not a failed system call: as it is
+      raise
+    raise write_error(api, path, file, err) from err
 
 
 class _Leaves:
@@ -144,19 +232,23 @@ class _Leaves:
       self.cond.notify_all()
 
 
-def _write_directory(
+def write_directory(
+  api: str,
+  path: str,
   tmp: str,
   keys: list[str],
   take: Any,
   done: Any,
   threads: int,
-) -> dict[str, np.dtype]:
-  """Writes every leaf as ``tmp/<key>.npy`` on ``threads`` threads.
+) -> tuple[dict[str, np.dtype], dict[str, list[int]]]:
+  """Writes every leaf as ``tmp/<key>.npy`` on ``threads`` threads; the
+  dtypes and the checksums of the files' data, by key.
 
   Plain threads, not concurrent.futures: a non-blocking save may still be
   writing while the interpreter exits, when executors refuse new work.
   """
   dtypes: dict[str, np.dtype] = {}
+  sums: dict[str, list[int]] = {}
   for key in keys:
     sub = os.path.dirname(os.path.join(tmp, *key.split("/")))
     os.makedirs(sub, exist_ok=True)
@@ -171,8 +263,11 @@ def _write_directory(
       i, a = item
       try:
         if not errors:
-          file = os.path.join(tmp, *keys[i].split("/")) + ".npy"
-          write_file(file, lambda f: hostvalue.write_npy(f, a))
+          name = keys[i] + ".npy"
+          file = os.path.join(tmp, *name.split("/"))
+          sums[keys[i]] = write_file(
+            api, path, file, lambda f: hostvalue.write_npy(f, a)
+          )
       except BaseException as err:  # raised below, on the calling thread
         errors.append(err)
       finally:
@@ -200,11 +295,19 @@ def _write_directory(
       w.join()
   if errors:
     raise errors[0]
-  return dtypes
+  return dtypes, sums
 
 
-def _write_npz(tmp: str, keys: list[str], take: Any, done: Any) -> None:
-  dtypes = {}
+def _write_npz(
+  api: str,
+  path: str,
+  tmp: str,
+  keys: list[str],
+  take: Any,
+  done: Any,
+  record: record_lib.Record,
+) -> None:
+  dtypes = record.dtypes
 
   def fill(f: Any) -> None:
     with zipfile.ZipFile(
@@ -212,43 +315,49 @@ def _write_npz(tmp: str, keys: list[str], take: Any, done: Any) -> None:
     ) as zf:
       for i, key in enumerate(keys):
         a = take(i)
-        dtypes[key] = a.dtype
+        dtypes[key] = a.dtype.name
         with zf.open(key + ".npy", "w", force_zip64=True) as member:
-          hostvalue.write_npy(member, a)
+          hostvalue.write_npy(member, a)  # the archive's CRC-32 guards it
         del a
         done(i)
-      zf.writestr(checkpoint_files.DTYPE_RECORD, dtype_record(dtypes))
+      zf.writestr(record_lib.NAME, record_lib.encode(record))
 
-  write_file(tmp, fill)
+  write_file(api, path, tmp, fill)
 
 
 def write_checkpoint(
+  api: str,
   path: str,
   keys: list[str],
   take: Any,
   done: Any,
   threads: int,
+  record: record_lib.Record,
+  overwrite: bool,
 ) -> None:
-  """Writes, fsyncs and publishes a checkpoint at ``path`` under its lock;
-  removes what earlier saves to ``path`` left behind."""
+  """Writes, fsyncs and publishes a checkpoint at ``path`` under its lock
+  (replacing one only with ``overwrite``); removes what earlier saves to
+  ``path`` left behind."""
   with commit.locked(path):
     commit.clean(path)
     npz = path.endswith(".npz")
     tmp = commit.temp_name(path, commit.NEW, ".npz" if npz else "")
     try:
       if npz:
-        _write_npz(tmp, keys, take, done)
+        _write_npz(api, path, tmp, keys, take, done, record)
       else:
         os.mkdir(tmp)
-        dtypes = _write_directory(tmp, keys, take, done, threads)
-        record = dtype_record(dtypes)
+        dtypes, record.crc32c = write_directory(
+          api, path, tmp, keys, take, done, threads
+        )
+        record.dtypes = {k: dtypes[k].name for k in keys}
+        data = record_lib.encode(record)
         write_file(
-          os.path.join(tmp, checkpoint_files.DTYPE_RECORD),
-          lambda f: f.write(record),
+          api, path, os.path.join(tmp, record_lib.NAME), lambda f: f.write(data)
         )
         for dirpath, _, _ in os.walk(tmp, topdown=False):
           commit.fsync_path(dirpath)
-      commit.publish(tmp, path)
+      commit.publish(api, tmp, path, overwrite)
     except BaseException:
       commit.remove(tmp)
       raise
@@ -290,6 +399,7 @@ def save(
   write_threads: int | None = None,
   max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
   barrier_timeout_s: float = 300.0,
+  collective: bool | None = None,
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
@@ -306,8 +416,16 @@ def save(
       members in place), anything else for a directory with one "<key>.npy"
       per leaf. Missing parent directories are created. URLs (``gs://...``)
       are refused: save writes local or mounted file systems.
-    tree: a pytree of arrays (numpy, jax.Array, scalars).
+    tree: a pytree whose leaves are arrays (numpy or jax.Array of the
+      numeric and ml_dtypes types JAX holds), Python scalars (stored as the
+      0-d array jax.device_put makes of them, and their type), ``str`` or
+      None (stored by value); any other leaf raises TypeError naming its
+      tree path before anything is written.
     overwrite: replace an existing file or directory written by save.
+      Without it the commit never replaces anything: a path that exists,
+      or that a pending ``blocking=False`` save of this process will
+      write, raises FileExistsError in the call, and a checkpoint another
+      process committed at the path meanwhile makes this one fail.
     blocking: True: return when the checkpoint is durable. False: return
       once every leaf is in host memory (the caller may then donate, delete
       or change the arrays; CPU device buffers are held, not copied: see
@@ -325,6 +443,13 @@ def save(
       how long a process waits for the others to finish writing, and for
       process 0's commit, before it raises ``TimeoutError`` (a process
       that died; nothing is committed then).
+    collective: whether every process of a jax.distributed job saves this
+      one checkpoint together (None: when jax.distributed runs more than
+      one process). A collective save of a tree whose arrays span no
+      processes is written once, by process 0, after every process's
+      leaves were checked to be equal to process 0's. False: this process
+      writes the checkpoint alone (its own path; arrays spanning processes
+      are refused).
 
   Arrays spanning several processes: every process calls save with the
   same path and tree; each writes the shards its devices hold, process 0
@@ -355,6 +480,7 @@ def save(
     write_threads=write_threads,
     max_inflight_bytes=max_inflight_bytes,
     barrier_timeout_s=barrier_timeout_s,
+    collective=collective,
     prelude=lambda: pending.raise_background_error(api),
   )
 
@@ -369,17 +495,23 @@ def run_save(
   write_threads: int | None,
   max_inflight_bytes: int | None,
   barrier_timeout_s: float = 300.0,
+  collective: bool | None = None,
   prelude: Callable[[], None] | None = None,
   after: Callable[[], None] | None = None,
+  primary_keys: tuple[str, ...] = (),
 ) -> pending.SaveHandle | None:
   """save's work. ``prelude`` runs first (it raises errors of earlier
   saves); ``after`` once the checkpoint is published (on the writing
   thread, under no lock). Across processes both run inside the collective
-  save, whose every error reaches every process (see sharded)."""
+  save, whose every error reaches every process (see sharded); the leaves
+  of ``primary_keys`` are process 0's and need not agree."""
   _positive(api, "write_threads", write_threads, True)
   _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or default_write_threads()
-  keys, paths, leaves, _ = leaf_keys(api, tree)
+  sorted_leaves = Leaves(api, tree)
+  keys, paths, record = sorted_leaves.keys, sorted_leaves.paths, sorted_leaves.record
+  leaves = sorted_leaves.leaves
+  held: list[pending.Reservation] = []
 
   def prepare(leaves: list[Any]) -> list[Any]:
     if prelude is not None:
@@ -390,40 +522,66 @@ def run_save(
       if not isinstance(x, jax.Array):
         leaves[i] = host_array(api, where, x, private=not blocking)
     check_target(api, path, overwrite)
+    held.append(pending.reserve(api, path, overwrite))
     return leaves
 
-  if sharded.spans_processes(leaves):
+  if collective is None:
+    collective = sharded.multi_process()
+  spans = sharded.spans_processes(leaves)
+  if spans and not collective:
+    raise ValueError(
+      f"{api}: {path!r}: with collective=False this process saves alone, "
+      "but the tree has arrays spanning devices of several processes; let "
+      "every process call save (collective=None)"
+    )
+  if collective and (spans or sharded.multi_process()):
     if path.endswith(".npz"):
       raise ValueError(
-        f"{api}: {path!r}: arrays spanning processes are saved as a "
-        "directory (one file per shard); drop the .npz suffix"
+        f"{api}: {path!r}: a checkpoint several processes save together is "
+        "a directory (one file per shard); drop the .npz suffix"
       )
     return sharded.save_across_processes(
       api,
       path,
       keys,
+      paths,
       leaves,
+      record,
       prepare=prepare,
       blocking=blocking,
       threads=threads,
       barrier_timeout_s=barrier_timeout_s,
+      overwrite=overwrite,
+      release=lambda: [r.release() for r in held],
       after=after,
+      primary_keys=primary_keys,
     )
+  if not path.endswith(".npz"):
+    check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])
   leaves = prepare(leaves)
   if blocking:
-    staged = _Leaves(api, paths, leaves, max_inflight_bytes)
-    write_checkpoint(path, keys, staged.take, staged.done, threads)
+    try:
+      staged = _Leaves(api, paths, leaves, max_inflight_bytes)
+      write_checkpoint(
+        api, path, keys, staged.take, staged.done, threads, record, overwrite
+      )
+    finally:
+      held[0].release()
     if after is not None:
       after()
     return None
-  # Every device-to-host copy at once; then the host value of each (numpy
-  # leaves were copied above; device buffers are held, see hostvalue).
-  for x in leaves:
-    hostvalue.start_copy(x)
-  arrays = [
-    x if isinstance(x, np.ndarray) else host_array(api, where, x, private=True)
-    for where, x in zip(paths, leaves)
-  ]
+  try:
+    # Every device-to-host copy at once; then the host value of each (numpy
+    # leaves were copied above; device buffers are held, see hostvalue).
+    for x in leaves:
+      hostvalue.start_copy(x)
+    arrays = [
+      x if isinstance(x, np.ndarray) else host_array(api, where, x, private=True)
+      for where, x in zip(paths, leaves)
+    ]
+  except BaseException:
+    held[0].release()
+    raise
   del leaves
 
   def take(i: int) -> np.ndarray | hostvalue.Shards:
@@ -433,7 +591,12 @@ def run_save(
     arrays[i] = None  # type: ignore[call-overload]  # freed once written
 
   def work() -> None:
-    write_checkpoint(path, keys, take, done, threads)
+    try:
+      write_checkpoint(
+        api, path, keys, take, done, threads, record, overwrite
+      )
+    finally:
+      held[0].release()
     if after is not None:
       after()
 
@@ -449,7 +612,7 @@ def _check_replaceable(api: str, path: str) -> None:
     for name in files:
       if not name.endswith(".npy") and not (
         root == path
-        and name in (checkpoint_files.DTYPE_RECORD, sharded.MANIFEST)
+        and name in (record_lib.NAME, sharded.MANIFEST)
       ):
         raise FileExistsError(
           f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is not "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -41,10 +42,12 @@ import jax
 import numpy as np
 
 from .. import jax_internals
+from . import checksum
 from . import commit
-from . import files as checkpoint_files
 from . import hostvalue
 from . import pending
+from . import record as record_lib
+from .keys import check_files
 
 MANIFEST = "jaxworks_manifest.json"
 MANIFEST_FORMAT = 1
@@ -56,6 +59,13 @@ POLL_S = (0.001, 0.005)
 #: Seconds between two looks for a failed process while this one writes.
 WRITE_CHECK_S = 0.05
 _NOTHING = "; nothing was committed"
+
+
+def multi_process() -> bool:
+  """Whether this is one of several processes of a jax.distributed job."""
+  return (
+    jax_internals.distributed_client() is not None and jax.process_count() > 1
+  )
 
 
 def spans_processes(leaves: list[Any]) -> bool:
@@ -90,14 +100,18 @@ def _client(api: str) -> Any:
 
 
 def plan_save(
-  api: str, keys: list[str], leaves: list[Any]
-) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-  """(manifest, [(file stem, numpy array or jax.Array)] this process writes):
-  a shard's one-device array, or a whole leaf that spans no processes."""
+  api: str, keys: list[str], paths: list[str], leaves: list[Any]
+) -> tuple[dict[str, Any], list[tuple[str, Any]], list[tuple[str, Any]]]:
+  """(manifest, [(file stem, numpy array or jax.Array)] this process writes,
+  [(key, value)] of the leaves that span no processes, which process 0
+  writes and every process checks): a shard's one-device array, or a whole
+  leaf that spans no processes."""
   pid = jax.process_index()
   arrays: dict[str, Any] = {}
   mine: list[tuple[str, Any]] = []
-  for key, x in zip(keys, leaves):
+  whole: list[tuple[str, Any]] = []
+  named: list[tuple[str, str]] = []
+  for key, where, x in zip(keys, paths, leaves):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       by_device = {s.device: s for s in x.addressable_shards}
       shards = []
@@ -110,12 +124,15 @@ def plan_save(
             "shape": [hi - lo for lo, hi in b],
           }
         )
+        named.append((stem + ".npy", where))
         if device.process_index == pid:
           mine.append((stem, by_device[device].data))
     else:
       shards = [
         {"file": key + ".npy", "start": [0] * x.ndim, "shape": list(x.shape)}
       ]
+      named.append((key + ".npy", where))
+      whole.append((key, x))
       if pid == 0:
         mine.append((key, x))
     arrays[key] = {
@@ -123,12 +140,19 @@ def plan_save(
       "dtype": np.dtype(x.dtype).name,
       "shards": shards,
     }
+  check_files(api, named)
   manifest = {
     "format": MANIFEST_FORMAT,
     "processes": jax.process_count(),
     "arrays": arrays,
   }
-  return manifest, mine
+  return manifest, mine, whole
+
+
+def _digest(x: Any) -> list[int]:
+  """The checksums of a whole leaf's data as save writes it (C order)."""
+  a = np.asarray(x)
+  return checksum.of(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
 def _host(x: Any) -> np.ndarray | hostvalue.Shards:
@@ -255,42 +279,75 @@ def save_across_processes(
   api: str,
   path: str,
   keys: list[str],
+  paths: list[str],
   leaves: list[Any],
+  record: record_lib.Record,
   *,
   prepare: Callable[[list[Any]], list[Any]],
   blocking: bool,
   threads: int,
   barrier_timeout_s: float,
+  overwrite: bool = True,
+  release: Callable[[], Any] | None = None,
   after: Callable[[], None] | None = None,
+  primary_keys: tuple[str, ...] = (),
 ) -> pending.SaveHandle | None:
   """The collective save (see the module docstring). ``prepare(leaves)``
   runs first, on every process: the checks of the call (an error there is
-  every process's), and the leaves to write."""
+  every process's), and the leaves to write. ``release`` runs once this
+  process is done with the save. The leaves of ``primary_keys`` are
+  process 0's: they are not checked against the other processes'."""
   client = _client(api)
   with _seq_lock:  # before anything that can fail (module docstring)
     seq = next(_seq)
   board = _Board(api, path, client, seq, barrier_timeout_s)
+
+  def done() -> None:
+    board.release()
+    if release is not None:
+      release()
+
   try:
     leaves = prepare(leaves)
-    manifest, mine = plan_save(api, keys, leaves)
+    manifest, mine, whole = plan_save(api, keys, paths, leaves)
+    if board.pid == 0:
+      whole = []  # process 0 writes them: its checksums are the reference
+    whole = [(k, x) for k, x in whole if k not in primary_keys]
     if not blocking:  # every host value now: the caller may reuse the arrays
-      for _, x in mine:
+      for _, x in mine + whole:
         hostvalue.start_copy(x)
       mine = [(stem, _host(x)) for stem, x in mine]
+      whole = [(key, np.asarray(x)) for key, x in whole]
   except BaseException as err:
     board.fail(err, _NOTHING)
-    board.release()
+    done()
     raise
   del leaves
+  # What every process must agree on: the manifest (keys, shapes, dtypes,
+  # shardings) and the leaves that are not arrays.
+  agreed = dataclasses.replace(
+    record,
+    values={k: v for k, v in record.values.items() if k not in primary_keys},
+  )
+  arrays = {
+    k: v for k, v in manifest["arrays"].items() if k not in primary_keys
+  }
+  plan = checksum.crc(
+    json.dumps(arrays, sort_keys=True).encode() + record_lib.encode(agreed)
+  )
+  where = dict(zip(keys, paths))
 
   def work() -> None:
     try:
-      _collective(board, path, manifest, mine, threads, after)
+      _collective(
+        board, path, manifest, record, mine, whole, plan, where, threads,
+        overwrite, after,
+      )  # fmt: skip
     except BaseException as err:
       board.fail(err, "")  # the notes were set where it was known
       raise
     finally:
-      board.release()
+      done()
 
   if blocking:
     work()
@@ -302,11 +359,16 @@ def _collective(
   board: _Board,
   path: str,
   manifest: dict,
+  record: record_lib.Record,
   mine: list[tuple[str, Any]],
+  whole: list[tuple[str, Any]],
+  plan: int,
+  where: dict[str, str],
   threads: int,
+  overwrite: bool,
   after: Callable[[], None] | None,
 ) -> None:
-  from .saver import _write_directory  # saver imports this module
+  from .saver import write_directory  # saver imports this module
 
   pid = board.pid
   with contextlib.ExitStack() as stack:
@@ -328,19 +390,28 @@ def _collective(
         board.look()
         return _host(values[i])
 
-      _write_directory(tmp, stems, take, lambda i: None, threads)
+      _, sums = write_directory(
+        board.api, path, tmp, stems, take, lambda i: None, threads
+      )
       for dirpath, _, _ in os.walk(tmp, topdown=False):
         commit.fsync_path(dirpath)
       values.clear()  # the host values held for a non-blocking save
       mine.clear()
-      board.post(f"status/{pid}", "ok")
+      same = {key: _digest(x) for key, x in whole}
+      whole.clear()
+      status = {"plan": plan, "crc32c": sums, "same": same}
+      board.post(f"status/{pid}", json.dumps(status))
       if pid == 0:
-        board.wait(
+        entries = board.wait(
           [f"status/{p}" for p in range(board.count)],
           "finish writing",
           _NOTHING,
         )
-        _commit(tmp, path, manifest)
+        statuses = [
+          json.loads(entries[f"status/{p}"]) for p in range(board.count)
+        ]
+        _check_agreement(board, statuses, sums, where)
+        _commit(board.api, tmp, path, manifest, record, statuses, overwrite)
         tmp = None
     except BaseException as err:
       if tmp is not None and pid == 0:  # under the lock
@@ -360,21 +431,120 @@ def _collective(
     board.wait(["outcome"], "commit", note)
 
 
-def _commit(tmp: str, path: str, manifest: dict) -> None:
-  """Process 0: the manifest, the dtype record, fsync, the atomic rename."""
-  dtypes = {k: a["dtype"] for k, a in manifest["arrays"].items()}
-  record = json.dumps(
-    {"format": checkpoint_files.RECORD_FORMAT, "dtypes": dtypes},
-    indent=0,
-    sort_keys=True,
-  ).encode()
+def _check_agreement(
+  board: _Board,
+  statuses: list[dict],
+  sums: dict[str, list[int]],
+  where: dict[str, str],
+) -> None:
+  """Process 0: raises ValueError unless every process saved the same tree
+  (keys, shapes, dtypes, shardings and non-array leaves) and the same values
+  of the leaves that span no processes, which process 0 alone wrote."""
+  for p, status in enumerate(statuses):
+    if status["plan"] != statuses[0]["plan"]:
+      raise ValueError(
+        f"{board.api}: processes 0 and {p} save different trees to "
+        f"{board.path!r} (keys, shapes, dtypes, shardings or the str/None/"
+        "scalar leaves differ); every process must pass the same tree"
+      )
+    for key, digest in status["same"].items():
+      if digest != sums[key]:
+        raise ValueError(
+          f"{board.api}: the leaf at {where[key]} (key {key!r}) spans no "
+          f"processes and differs between process 0 and process {p}; such a "
+          "leaf is written once, by process 0, so it must be equal on every "
+          "process (as jax.device_put requires of host values): make it "
+          "equal, or save it with collective=False to a path of each process"
+        )
+
+
+def _commit(
+  api: str,
+  tmp: str,
+  path: str,
+  manifest: dict,
+  record: record_lib.Record,
+  statuses: list[dict],
+  overwrite: bool,
+) -> None:
+  """Process 0: the manifest (with every shard file's checksums), the
+  record, fsync, the atomic rename."""
+  sums = {}
+  for status in statuses:
+    sums.update(status["crc32c"])
+  for entry in manifest["arrays"].values():
+    for shard in entry["shards"]:
+      shard["crc32c"] = sums[shard["file"][: -len(".npy")]]
+  record.dtypes = {k: a["dtype"] for k, a in manifest["arrays"].items()}
   for name, data in (
     (MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode()),
-    (checkpoint_files.DTYPE_RECORD, record),
+    (record_lib.NAME, record_lib.encode(record)),
   ):
     with open(os.path.join(tmp, name), "wb") as f:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
   commit.fsync_path(tmp)
-  commit.publish(tmp, path)
+  commit.publish(api, tmp, path, overwrite)
+
+
+def run_collective(
+  api: str, what: str, path: str, fn: Callable[[], None], timeout_s: float
+) -> None:
+  """Runs ``fn`` once for every process of the job: a collective call that
+  every process makes in the same order as its collective saves (it takes
+  the next sequence number of theirs). Each process posts that it arrived;
+  process 0 waits for all of them (so no process is still before the call,
+  e.g. reading what ``fn`` deletes), runs ``fn()`` and posts its outcome;
+  the others wait for it (at most ``timeout_s``) and raise RuntimeError
+  naming process 0's error if it failed (TimeoutError, posted, if it never
+  came); process 0 raises its own error."""
+  client = _client(api)
+  with _seq_lock:  # as save_across_processes: numbers stay in step
+    seq = next(_seq)
+  board = _Board(api, path, client, seq, timeout_s)
+  try:
+    board.post(f"status/{board.pid}", "arrived")
+    if board.pid == 0:
+      try:
+        board.wait(
+          [f"status/{p}" for p in range(board.count)],
+          f"call {what} too",
+          "; nothing was done",
+        )
+        fn()
+      except BaseException as err:
+        board.fail(err, "")
+        raise
+      board.check({"outcome": json.dumps(board.settle({"ok": True}))})
+      return
+    deadline = time.monotonic() + timeout_s
+    pause = POLL_S[0]
+    while True:
+      value = board.entries().get("outcome")
+      if value is not None:
+        outcome = json.loads(value)
+        if outcome.get("ok"):
+          return
+        board.settled = True
+        cls = TimeoutError if outcome.get("timeout") else RuntimeError
+        raise cls(
+          f"{api}: {what} of {path!r} failed on process "
+          f"{outcome['process']}: {outcome['error']}"
+        )
+      if time.monotonic() >= deadline:
+        late = TimeoutError(
+          f"{api}: process {board.pid} waited {timeout_s} s "
+          f"(barrier_timeout_s) for process 0 to {what} {path!r}"
+        )
+        outcome = board.settle(
+          {"process": board.pid, "timeout": True, "error": str(late)}
+        )
+        if outcome.get("ok"):
+          return
+        board.settled = True
+        raise late
+      time.sleep(pause)
+      pause = min(2 * pause, POLL_S[1])
+  finally:
+    board.release()

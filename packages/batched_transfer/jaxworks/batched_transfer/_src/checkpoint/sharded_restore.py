@@ -32,11 +32,14 @@ from ..api import place
 from ..progress import Progress
 from ..transfer import placement_error
 from . import files
-from .keys import check_keys
+from .keys import astype
+from .keys import cast_to
 from .manifest import Bounds
 from .manifest import Entry
 from .manifest import Manifest
 from .manifest import read_tasks
+from .manifest import verify_tasks
+from .sharded import MANIFEST
 from .sharded import bounds
 
 
@@ -51,6 +54,7 @@ class _Leaf:
   devices: list[Any]
   regions: list[Bounds]  # per device
   pieces: dict[Bounds, list]  # per distinct region: (Stored, Shard)
+  cast: np.dtype | None = None  # the target's dtype, where it differs
 
   @property
   def nbytes(self) -> int:
@@ -58,36 +62,29 @@ class _Leaf:
     return sum(math.prod(b - a for a, b in r) * size for r in self.pieces)
 
 
-def restore_tree(
+def restore_arrays(
   api: str,
   opened: Manifest,
-  target: Any,
-  treedef: Any,
-  leaves: list[Any],
   keys: list[str],
   paths: list[str],
   specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  placement: Any,
-  placement_of: Any,
+  places: list[Any],
   weak: Any,
   max_inflight_bytes: int,
   read_threads: int,
   progress: bool | None,
   batch_cap: int,
-) -> Any:
-  """restore's path for a checkpoint with a manifest (several processes wrote it)."""
-  with opened:
-    places = targets.resolve_placement(
-      api, placement, target, treedef, leaves, placement_of
-    )
-    plan = _plan(api, opened, keys, paths, specs, places)
-    limit = min(max(1, max_inflight_bytes // 2), batch_cap)
-    out = _stream(
-      api, opened, plan, limit, max_inflight_bytes, read_threads, progress
-    )
-  return treedef.unflatten(
-    [weak(y) if spec[2] else y for y, spec in zip(out, specs)]
-  )
+  verify: bool,
+) -> list[Any]:
+  """restore's path for a checkpoint with a manifest (several processes
+  wrote it): the arrays of ``keys``, placed (restore sorted the target)."""
+  plan = _plan(api, opened, keys, paths, specs, places)
+  limit = min(max(1, max_inflight_bytes // 2), batch_cap)
+  out = _stream(
+    api, opened, plan, limit, max_inflight_bytes, read_threads, progress,
+    verify,
+  )  # fmt: skip
+  return [weak(y) if spec[2] else y for y, spec in zip(out, specs)]
 
 
 def _plan(
@@ -98,24 +95,22 @@ def _plan(
   specs: list[tuple[tuple[int, ...], np.dtype, bool]],
   places: list[Any],
 ) -> list[_Leaf]:
-  """Checks keys, shapes, dtypes, placements and shard files; what to read."""
+  """Checks shapes, placements and shard files; what to read."""
   path, arrays = opened.path, opened.arrays
-  check_keys(api, path, keys, paths, arrays)
   normalized: dict[int, Any] = {}
   plan = []
   for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
     entry = arrays[key]
     stored = entry.dtype
-    same = (
-      stored == dtype
-      or np.dtype(jax.dtypes.canonicalize_dtype(stored)) == dtype
-    )
-    if entry.shape != shape or not same:
+    if entry.shape != shape:
       raise ValueError(
-        f"{api}: the leaf at {where} (key {key!r}) is stored as "
-        f"{stored.name}{list(entry.shape)} but the target expects "
-        f"{dtype.name}{list(shape)}"
+        f"{api}: the leaf at {where} (key {key!r}) is stored in the "
+        f"checkpoint {path!r} (its manifest {MANIFEST!r}) as "
+        f"{stored.name}{list(entry.shape)} but the target expects shape "
+        f"{list(shape)}; restore into a target of the stored shape "
+        "(bt.metadata(path) lists them)"
       )
+    cast = cast_to(stored, dtype)
     if id(p) not in normalized:
       normalized[id(p)] = targets.restore_target(api, p, where)
     sharding, layout, committed = normalized[id(p)]
@@ -133,7 +128,7 @@ def _plan(
         f"{sharding}: {err}",
       ) from None
     aval = jax_internals.ShapedArray(
-      shape, jax.dtypes.canonicalize_dtype(stored)
+      shape, jax.dtypes.canonicalize_dtype(stored if cast is None else cast)
     )
     if committed:
       aval = jax_internals.device_put_aval(aval, sharding)
@@ -150,6 +145,7 @@ def _plan(
         list(index_map),
         regions,
         pieces,
+        cast,
       )  # fmt: skip
     )
   return plan
@@ -163,6 +159,7 @@ def _stream(
   max_inflight_bytes: int,
   read_threads: int,
   progress: bool | None,
+  verify: bool = True,
 ) -> list[Any]:
   """Reads (ahead, on a background thread) and places; the arrays in order."""
   jax_internals.release_dropped_host_buffers()
@@ -175,7 +172,9 @@ def _stream(
   memory = files.HostMemory()
 
   def read_batch(k: int) -> list[dict[Bounds, np.ndarray]]:
-    return _read(api, opened, [plan[i] for i in batches[k]], memory, pool)
+    return _read(
+      api, opened, [plan[i] for i in batches[k]], memory, pool, verify
+    )
 
   reader = prefetch.BatchReader(
     read_batch, [sum(sizes[i] for i in b) for b in batches], max_inflight_bytes
@@ -206,6 +205,7 @@ def _read(
   leaves: list[_Leaf],
   memory: files.HostMemory,
   pool: concurrent.futures.ThreadPoolExecutor,
+  verify: bool = True,
 ) -> list[dict[Bounds, np.ndarray]]:
   """The distinct regions of ``leaves``, each in a new aligned buffer."""
   used = {
@@ -219,11 +219,16 @@ def _read(
         fd = _reopen(api, s)
       fds[name] = fd
     out, tasks = [], []
+    verified: set[tuple[str, int]] | None = set() if verify else None
     for leaf in leaves:
       bufs = _buffers(memory, leaf)
       for want, pieces in leaf.pieces.items():
-        tasks += read_tasks(pieces, want, bufs[want], fds, files.CHUNK)
+        tasks += read_tasks(
+          pieces, want, bufs[want], fds, files.CHUNK, verified
+        )
       out.append(bufs)
+    if verified is not None:  # chunks that no read covered whole
+      tasks += verify_tasks(used, fds, verified)
     futures = [pool.submit(t) for t in tasks]
     concurrent.futures.wait(futures)  # every read ends before fds close
     try:
@@ -279,6 +284,8 @@ def _reopen(api: str, s: files.Stored) -> int:
 def _put(api: str, leaf: _Leaf, bufs: dict[Bounds, np.ndarray]) -> Any:
   """One array from its regions (a device may take its buffer over)."""
   put = jax_internals.batched_device_put
+  if leaf.cast is not None:
+    bufs = {r: astype(b, leaf.cast) for r, b in bufs.items()}
   shards = [bufs[r] for r in leaf.regions]
   devices = leaf.devices
   with jax_internals.explicit_device_put_scope():

@@ -1,0 +1,87 @@
+"""Checksums of checkpoint data: CRC-32C of every ``CHUNK`` bytes of a file's
+data (what follows its .npy header).
+
+A list per file, not one value: restore reads an array's chunks on several
+threads at once, and each thread checks the chunks it read (``crc32c``
+releases the GIL and runs at memory speed with the CPU's CRC instruction).
+The writer computes them as it writes, in its writer thread.
+
+>>> sums = Sums()
+>>> sums.update(b"abc"); sums.update(b"def")
+>>> sums.done() == of(memoryview(b"abcdef"))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import crc32c
+
+#: Bytes per checksum (and per read call of one array's file).
+CHUNK = 8 * 2**20
+#: The record's name for the algorithm (a reader that knows none of the
+#: names it finds refuses nothing and checks nothing: it cannot).
+ALGORITHM = "crc32c"
+
+
+def crc(data: Any, value: int = 0) -> int:
+  """CRC-32C of ``data`` (a bytes-like object), continuing from ``value``."""
+  return crc32c.crc32c(data, value)
+
+
+def of(view: memoryview) -> list[int]:
+  """The checksums of ``view``'s bytes, one per ``CHUNK``."""
+  view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+  return [crc(view[lo : lo + CHUNK]) for lo in range(0, len(view), CHUNK)]
+
+
+class Sums:
+  """Checksums of a stream of bytes, one per ``CHUNK``, as it is written."""
+
+  def __init__(self) -> None:
+    self._sums: list[int] = []
+    self._value = 0
+    self._filled = 0
+
+  def update(self, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+      n = min(len(view), CHUNK - self._filled)
+      self._value = crc(view[:n], self._value)
+      self._filled += n
+      view = view[n:]
+      if self._filled == CHUNK:
+        self._sums.append(self._value)
+        self._value, self._filled = 0, 0
+
+  def done(self) -> list[int]:
+    """The checksums of everything written."""
+    if self._filled:
+      self._sums.append(self._value)
+      self._value, self._filled = 0, 0
+    return list(self._sums)
+
+
+class Mismatch(ValueError):
+  """Data that fails its checksum."""
+
+
+def check(
+  expected: list[int] | None, view: memoryview, first: int = 0
+) -> None:
+  """Raises ValueError unless the chunks ``first, first + 1, ...`` whose bytes
+  ``view`` holds (whole chunks, the last one maybe short) match ``expected``."""
+  if expected is None:
+    return
+  view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+  for k, lo in enumerate(range(0, len(view), CHUNK), first):
+    got = crc(view[lo : lo + CHUNK])
+    if k >= len(expected) or got != expected[k]:
+      want = f"{expected[k]:#010x}" if k < len(expected) else "none"
+      raise Mismatch(
+        f"its data fails the checksum check (CRC-32C of bytes "
+        f"{k * CHUNK}-{k * CHUNK + min(CHUNK, len(view) - lo)} of its data "
+        f"is {got:#010x}, the checkpoint recorded {want}): the file is "
+        "damaged"
+      )

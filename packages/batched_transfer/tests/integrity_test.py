@@ -1,0 +1,218 @@
+"""What restore reads is what save wrote: checksums (CRC-32C per 8 MiB of
+each file of a directory checkpoint, the CRC-32 of each .npz member, checked
+by default, in the threads that read); and save never writes what restore
+cannot read or replaces what it may not: colliding keys, pending saves to
+one path, a commit that would replace, failed writes with their errno."""
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zipfile
+
+import jax
+import numpy as np
+import pytest
+
+from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src.checkpoint import checksum
+from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import saver
+
+
+def _flip(file, at):
+  with open(file, "r+b") as f:
+    f.seek(at)
+    b = f.read(1)
+    f.seek(at)
+    f.write(bytes([b[0] ^ 0x10]))
+
+
+def _tree():
+  rng = np.random.default_rng(0)
+  return {
+    "w": rng.standard_normal((64, 32)).astype(np.float32),
+    "b": np.arange(7, dtype=np.int32),
+  }
+
+
+def like(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def test_a_flipped_byte_in_an_npz_member_is_an_error(tmp_path):
+  # np.load raises BadZipFile: Bad CRC-32; restore read the member in place
+  # and returned wrong values.
+  path = tmp_path / "c.npz"
+  bt.save(path, _tree())
+  with zipfile.ZipFile(path) as zf:
+    info = zf.getinfo("w.npy")
+  _flip(path, info.header_offset + 30 + len("w.npy") + 128 + 40)
+  with pytest.raises(zipfile.BadZipFile, match="CRC"):
+    dict(np.load(path))
+  with pytest.raises(
+    ValueError, match=r"\['w'\].*member 'w.npy' of .*c.npz.*CRC-32"
+  ):
+    bt.restore(path, like(_tree()))
+  # verify=False: the opt-out reads what is there.
+  out = bt.restore(path, like(_tree()), verify=False)
+  assert np.asarray(out["w"]).tobytes() != _tree()["w"].tobytes()
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_flipped_byte_in_a_directory_file_is_an_error(tmp_path, threads):
+  big = np.random.default_rng(1).standard_normal(3 * 2**20).astype(np.float32)
+  tree = {"big": big, "small": np.ones(5, np.int16)}  # big: 12 MiB, 2 chunks
+  path = tmp_path / "d"
+  bt.save(path, tree)
+  ok = bt.restore(path, like(tree), read_threads=threads)
+  assert np.asarray(ok["big"]).tobytes() == big.tobytes()
+  _flip(path / "big.npy", 128 + checksum.CHUNK + 12345)  # in the 2nd chunk
+  with pytest.raises(
+    ValueError,
+    match=r"\['big'\].*big.npy.*fails the checksum check .*bytes "
+    rf"{checksum.CHUNK}-",
+  ):
+    bt.restore(path, like(tree), read_threads=threads)
+  out = bt.restore(path, like(tree), read_threads=threads, verify=False)
+  assert np.asarray(out["big"]).tobytes() != big.tobytes()
+
+
+def test_the_checksums_are_in_the_record_and_match_the_files(tmp_path):
+  import json
+
+  bt.save(tmp_path / "d", {"a": {"x": np.arange(10.0)}, "s": "str"})
+  record = json.loads((tmp_path / "d" / "jaxworks_dtypes.json").read_text())
+  data = (tmp_path / "d" / "a" / "x.npy").read_bytes()
+  assert record["crc32c"] == {"a/x": checksum.of(memoryview(data[128:]))}
+  assert record["values"] == {"s": "str"}
+
+
+def test_colliding_keys_and_files_are_refused_before_writing(tmp_path):
+  # "a" writes a.npy; "a.npy"/"b" needs a.npy as a directory.
+  with pytest.raises(ValueError, match=r"file 'a.npy'.*\['a.npy'\]\['b'\]"):
+    bt.save(tmp_path / "d", {"a": np.ones(1), "a.npy": {"b": np.ones(1)}})
+  assert not os.listdir(tmp_path)
+
+
+def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
+  # Both were accepted and the second replaced the first without overwrite.
+  path = tmp_path / "p"
+  t1, t2 = {"x": np.zeros(4)}, {"x": np.ones(4)}
+  gate = threading.Event()
+  real = saver.write_checkpoint
+
+  def slow(*a, **k):
+    gate.wait(30)
+    return real(*a, **k)
+
+  saver.write_checkpoint = slow
+  try:
+    h1 = bt.save(path, t1, blocking=False)
+    with pytest.raises(FileExistsError, match="still being written"):
+      bt.save(path, t2, blocking=False)
+    with pytest.raises(FileExistsError, match="still being written"):
+      bt.save(path, t2)
+    h3 = bt.save(path, t2, blocking=False, overwrite=True)  # allowed
+  finally:
+    gate.set()
+    saver.write_checkpoint = real
+  h3.wait()
+  try:  # committed first and replaced by h3, or refused after h3's commit
+    h1.wait()
+  except FileExistsError as err:
+    assert "created while this save wrote" in str(err)
+  assert np.asarray(bt.restore(path)["x"]).tolist() == [1.0] * 4
+  with pytest.raises(FileExistsError, match="exists"):
+    bt.save(path, t2, blocking=False)
+
+
+@pytest.mark.parametrize("fmt", ["d", "c.npz"])
+def test_the_commit_never_replaces_without_overwrite(tmp_path, fmt):
+  # Another writer creates the path after save checked it: the commit (a
+  # no-replace rename) refuses, the other checkpoint stays whole.
+  path = tmp_path / fmt
+  real = commit.publish
+
+  def other_first(api, tmp, target, overwrite=True):
+    # (written elsewhere and renamed in: this save holds the parent's lock)
+    commit.publish = real
+    other = tmp_path / "elsewhere" / fmt
+    bt.save(other, {"other": np.arange(3)})
+    os.rename(other, target)
+    return real(api, tmp, target, overwrite)
+
+  commit.publish = other_first
+  try:
+    with pytest.raises(FileExistsError, match="created while this save wrote"):
+      bt.save(path, {"x": np.ones(2)})
+  finally:
+    commit.publish = real
+  np.testing.assert_array_equal(np.asarray(bt.restore(path)["other"]), [0, 1, 2])
+  assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def test_enospc_keeps_its_errno_and_names_the_checkpoint_and_file(tmp_path):
+  # /dev/full: every write fails with ENOSPC, as a full disk does.
+  with pytest.raises(OSError) as info:
+    saver.write_file(
+      "api", str(tmp_path / "ckpt"), "/dev/full", lambda f: f.write(b"x" * 2**20)
+    )
+  err = info.value
+  assert err.errno == errno.ENOSPC and err.filename == "/dev/full"
+  assert "ckpt" in str(err) and "free space" in str(err)
+
+
+_EFBIG = textwrap.dedent("""
+    import errno, os, resource, sys
+    import numpy as np
+    from jaxworks import batched_transfer as bt
+    base = sys.argv[1]
+    bt.save(os.path.join(base, "c"), {"x": np.zeros(10)})  # the old one
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))
+    for name in ("c", "c.npz"):
+      try:
+        bt.save(os.path.join(base, name), {"x": np.zeros(2**20)},
+                overwrite=True)
+      except OSError as err:
+        assert err.errno == errno.EFBIG, err
+        assert os.path.join(base, name) in str(err), err
+        assert "file-size limit" in str(err), err
+        print("EFBIG", name, err.filename)
+      else:
+        raise SystemExit("no OSError")
+    out = bt.restore(os.path.join(base, "c"))
+    assert out["x"].shape == (10,)  # the old checkpoint is whole
+    assert not [n for n in os.listdir(base) if n.startswith(".")]
+""")
+
+
+def test_a_file_size_limit_raises_efbig_naming_the_checkpoint(tmp_path):
+  # numpy's tofile raised OSError('1048576 requested and 518112 written').
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run(
+    [sys.executable, "-c", _EFBIG, str(tmp_path)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert r.stdout.count("EFBIG") == 2, r.stdout
+  assert "jaxworks-new" in r.stdout  # the temporary file that failed
+
+
+def test_checksum_chunks_and_sums_agree():
+  data = np.random.default_rng(0).integers(0, 256, 3 * checksum.CHUNK + 5, np.uint8)
+  sums = checksum.Sums()
+  for lo in range(0, data.size, 1_000_003):
+    sums.update(data[lo : lo + 1_000_003])
+  assert sums.done() == checksum.of(data.data)
+  assert len(checksum.of(data.data)) == 4
+  checksum.check(checksum.of(data.data), data.data)
+  bad = data.copy()
+  bad[-1] ^= 1
+  with pytest.raises(checksum.Mismatch, match="bytes 25165824-25165829"):
+    checksum.check(checksum.of(data.data), bad.data)
