@@ -334,6 +334,9 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       m = jb.median_interleaved(
         {
           "restore": lambda: bt.restore(path, like, progress=False),
+          "unverified": lambda: bt.restore(
+            path, like, progress=False, verify=False
+          ),
           "raw_main": lambda: raw_read(files),
           "raw_thread": lambda: raw_read_on_a_thread(files),
           "raw_par": lambda: raw_read_parallel(files, threads),
@@ -368,6 +371,10 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       report.add(
         f"{case} (vs orbax)", m["restore"], m["orbax"], "peer",
         "orbax StandardCheckpointer (own process)",
+      )  # fmt: skip
+      report.add(
+        f"{case} (checksums checked vs not)", m["restore"], m["unverified"],
+        "ablation", "restore(verify=False): the CRC-32C checks' cost",
       )  # fmt: skip
       gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
       report.note(
@@ -469,6 +476,9 @@ def manifest_restore_rows(report: jb.Report, total_bytes, n_files, repeats):
         {
           "two": lambda: bt.restore(two, like, progress=False),
           "one": lambda: bt.restore(one, like, progress=False),
+          "unverified": lambda: bt.restore(
+            two, like, progress=False, verify=False
+          ),
         },
         repeats,
         warmup=True,
@@ -483,6 +493,10 @@ def manifest_restore_rows(report: jb.Report, total_bytes, n_files, repeats):
       report.add(
         f"{case} (vs written by 1 process)", m["two"], m["one"], "naive",
         "restore of the same tree written by one process",
+      )  # fmt: skip
+      report.add(
+        f"{case} (checksums checked vs not)", m["two"], m["unverified"],
+        "ablation", "restore(verify=False): the CRC-32C checks' cost",
       )  # fmt: skip
       gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
       report.note(

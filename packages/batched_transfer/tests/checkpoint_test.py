@@ -536,7 +536,9 @@ def test_numpy_64_bit_data_restores_into_jax_canonical_targets(tmp_path):
       },
     )
     assert out["w"].dtype == np.float32 and out["n"].dtype == np.int64
-    assert np.asarray(out["w"]).tobytes() == state["w"].astype(np.float32).tobytes()
+    assert (
+      np.asarray(out["w"]).tobytes() == state["w"].astype(np.float32).tobytes()
+    )
 
 
 def test_a_target_leaf_without_shape_and_dtype_is_named(tmp_path):

@@ -150,7 +150,9 @@ def test_the_commit_never_replaces_without_overwrite(tmp_path, fmt):
       bt.save(path, {"x": np.ones(2)})
   finally:
     commit.publish = real
-  np.testing.assert_array_equal(np.asarray(bt.restore(path)["other"]), [0, 1, 2])
+  np.testing.assert_array_equal(
+    np.asarray(bt.restore(path)["other"]), [0, 1, 2]
+  )
   assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
@@ -158,7 +160,10 @@ def test_enospc_keeps_its_errno_and_names_the_checkpoint_and_file(tmp_path):
   # /dev/full: every write fails with ENOSPC, as a full disk does.
   with pytest.raises(OSError) as info:
     saver.write_file(
-      "api", str(tmp_path / "ckpt"), "/dev/full", lambda f: f.write(b"x" * 2**20)
+      "api",
+      str(tmp_path / "ckpt"),
+      "/dev/full",
+      lambda f: f.write(b"x" * 2**20),
     )
   err = info.value
   assert err.errno == errno.ENOSPC and err.filename == "/dev/full"
@@ -205,7 +210,9 @@ def test_a_file_size_limit_raises_efbig_naming_the_checkpoint(tmp_path):
 
 
 def test_checksum_chunks_and_sums_agree():
-  data = np.random.default_rng(0).integers(0, 256, 3 * checksum.CHUNK + 5, np.uint8)
+  data = np.random.default_rng(0).integers(
+    0, 256, 3 * checksum.CHUNK + 5, np.uint8
+  )
   sums = checksum.Sums()
   for lo in range(0, data.size, 1_000_003):
     sums.update(data[lo : lo + 1_000_003])

@@ -168,7 +168,9 @@ def test_what_save_cannot_store_is_refused_naming_the_path(
   tmp_path, leaf, what, fmt
 ):
   path = tmp_path / fmt
-  with pytest.raises(TypeError, match=rf"save: the leaf at \['cfg'\]\[1\] .*{what}"):
+  with pytest.raises(
+    TypeError, match=rf"save: the leaf at \['cfg'\]\[1\] .*{what}"
+  ):
     bt.save(path, {"w": np.ones(3), "cfg": [1, leaf]})
   assert not os.listdir(tmp_path)  # nothing written, no temporaries
 

@@ -11,8 +11,8 @@ file tests write the same layout with numpy (``write_manifest_checkpoint``),
 which is quicker."""
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import textwrap

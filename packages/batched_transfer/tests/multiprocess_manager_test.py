@@ -4,11 +4,9 @@ retention, wait_until_finished, close) and they work on both, for trees of
 host arrays only and for trees of arrays spanning the processes."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
-from multiprocess_util import free_port
+from multiprocess_util import run_two
 
 WORKER = textwrap.dedent("""
     import os, sys
@@ -90,48 +88,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _run_two(worker, base, timeout=150):
-  """Runs ``worker`` (python source; argv: process id, port, base) as the
-  two processes of a jax.distributed job; asserts both printed WORKER-OK."""
-  env = dict(os.environ)
-  env.update(
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-  )
-  port = str(free_port())
-  dump = (
-    "import faulthandler; "
-    f"faulthandler.dump_traceback_later({timeout - 30}, exit=True)\n"
-  )
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-c", dump + worker, str(i), port, base],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  failed = [i for i, text in enumerate(outputs) if f"WORKER-OK {i}" not in text]
-  assert not failed, "\n".join(
-    f"process {i}:\n{text[-4000:]}" for i, text in enumerate(outputs)
-  )
-  return outputs
-
-
 def test_every_manager_call_on_both_processes(tmp_path):
-  _run_two(WORKER, str(tmp_path))
+  run_two(WORKER, str(tmp_path))
   # This one process sees what the job left.
   assert sorted(os.listdir(tmp_path / "host")) == ["2"]
   assert sorted(os.listdir(tmp_path / "spread")) == ["5"]

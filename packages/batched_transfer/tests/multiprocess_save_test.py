@@ -6,16 +6,14 @@ devices need), by this one process, and by numpy alone."""
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import ml_dtypes
-from multiprocess_util import free_port
 from multiprocess_util import numpy_read
+from multiprocess_util import run_two
 import numpy as np
 
 from jaxworks import batched_transfer as bt
@@ -122,48 +120,9 @@ WORKER = VALUES + textwrap.dedent("""
 """)
 
 
-def _run_two(worker, base, timeout=150):
-  """Runs ``worker`` (python source; argv: process id, port, base) as the
-  two processes of a jax.distributed job; asserts both printed WORKER-OK."""
-  env = dict(os.environ)
-  env.update(
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-  )
-  port = str(free_port())
-  dump = f"import faulthandler; faulthandler.dump_traceback_later({timeout - 30}, exit=True)\n"
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-c", dump + worker, str(i), port, base],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  failed = [i for i, text in enumerate(outputs) if f"WORKER-OK {i}" not in text]
-  # Every process's output: one that failed first often leaves the other
-  # waiting, and it is the first that says why.
-  assert not failed, "\n".join(
-    f"process {i}:\n{text[-4000:]}" for i, text in enumerate(outputs)
-  )
-  return outputs
-
-
 def test_two_processes_save_and_restore(tmp_path):
   base = str(tmp_path)
-  _run_two(WORKER, base)
+  run_two(WORKER, base)
 
   namespace: dict = {}
   exec(VALUES, namespace)
@@ -314,7 +273,7 @@ def test_a_failure_on_one_process_is_raised_by_all_at_once(tmp_path):
   process, and the next save of the same processes works (their save
   numbers stay in step)."""
   base = str(tmp_path)
-  outputs = _run_two(FAIL_WORKER, base)
+  outputs = run_two(FAIL_WORKER, base)
   for i, text in enumerate(outputs):
     assert text.count("FAILED-FAST") == 8 + 2 * i, text
   namespace: dict = {}
@@ -364,7 +323,7 @@ def test_a_non_blocking_save_holds_views_while_the_next_steps_donate(
   copy); the next steps donate and overwrite the arrays while it writes, and
   the checkpoints hold the values at the calls."""
   base = str(tmp_path)
-  _run_two(DONATE_WORKER, base)
+  run_two(DONATE_WORKER, base)
   namespace: dict = {}
   exec(VALUES, namespace)
   want = {k: v for k, v in namespace["values"](0).items() if k != "n"}
@@ -461,6 +420,6 @@ HOST_TREES = textwrap.dedent("""
 
 
 def test_trees_that_span_no_processes_are_written_once(tmp_path):
-  _run_two(HOST_TREES, str(tmp_path))
+  run_two(HOST_TREES, str(tmp_path))
   assert sorted(os.listdir(tmp_path / "run")) == ["2"]
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]

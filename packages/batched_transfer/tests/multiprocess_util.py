@@ -3,6 +3,8 @@
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import ml_dtypes  # noqa: F401  (np.dtype of ml_dtypes names needs it imported)
 import numpy as np
@@ -32,3 +34,45 @@ def numpy_read(path: str) -> dict:
       a[where] = data.view(dtype) if data.dtype.kind == "V" else data
     out[key] = a
   return out
+
+
+def run_two(worker, base, timeout=150):
+  """Runs ``worker`` (python source; argv: process id, port, base) as the
+  two processes of a jax.distributed job; asserts both printed WORKER-OK."""
+  env = dict(os.environ)
+  env.update(
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+  )
+  port = str(free_port())
+  dump = (
+    "import faulthandler; "
+    f"faulthandler.dump_traceback_later({timeout - 30}, exit=True)\n"
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", dump + worker, str(i), port, base],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  failed = [i for i, text in enumerate(outputs) if f"WORKER-OK {i}" not in text]
+  # Every process's output: one that failed first often leaves the other
+  # waiting, and it is the first that says why.
+  assert not failed, "\n".join(
+    f"process {i}:\n{text[-4000:]}" for i, text in enumerate(outputs)
+  )
+  return outputs

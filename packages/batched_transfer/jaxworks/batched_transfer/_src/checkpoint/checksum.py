@@ -67,9 +67,7 @@ class Mismatch(ValueError):
   """Data that fails its checksum."""
 
 
-def check(
-  expected: list[int] | None, view: memoryview, first: int = 0
-) -> None:
+def check(expected: list[int] | None, view: memoryview, first: int = 0) -> None:
   """Raises ValueError unless the chunks ``first, first + 1, ...`` whose bytes
   ``view`` holds (whole chunks, the last one maybe short) match ``expected``."""
   if expected is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import mmap
 import os
 import stat
@@ -575,9 +574,7 @@ class Files:
           return
         try:
           _read_range(fd, view, offset, *lo_hi)
-          checksum.check(
-            sums, view[lo_hi[0] : lo_hi[1]], lo_hi[0] // CHUNK
-          )
+          checksum.check(sums, view[lo_hi[0] : lo_hi[1]], lo_hi[0] // CHUNK)
         except BaseException as err:  # raised below, on the calling thread
           with lock:
             errors.append(err)

@@ -49,6 +49,7 @@ from . import saver
 from . import sharded
 from .keys import leaf_keys
 from .restore import read_record
+from .restore import read_values
 from .restore import restore
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
@@ -267,7 +268,7 @@ class CheckpointManager:
     self._handle: pending.SaveHandle | None = None
     self._pending_step: int | None = None
     self._lock = threading.Lock()
-    self._metrics_cache: dict[int, tuple[int, Any] | None] = {}
+    self._metrics_cache: dict[int, Any] = {}  # step -> metrics or None
 
   # Step names.
 
@@ -411,7 +412,6 @@ class CheckpointManager:
       )
       return False
     tree = self._tree(api, tree, items)
-    record = None
     if metrics is not None:
       if not isinstance(tree, dict):
         raise TypeError(
@@ -501,14 +501,16 @@ class CheckpointManager:
 
   # Metrics and retention.
 
-  def _record(self, step: int) -> tuple[int, Any] | None:
-    """(0, decoded metrics) of ``step`` from its record (a str leaf), or
-    None when it has none (cached until reload())."""
+  def metrics(self, step: int) -> Any:
+    """The metrics saved with ``step`` (decoded JSON), or None: read from
+    the step's record (the str leaf ``METRICS_KEY``), cached until
+    ``reload()``."""
+    step = _step(f"{_API}.metrics", step)
     with self._lock:
       if step in self._metrics_cache:
         return self._metrics_cache[step]
     path = self._path(step)
-    text = read_record(f"{_API}.metrics", path)[1].values.get(METRICS_KEY)
+    text = read_values(f"{_API}.metrics", path).get(METRICS_KEY)
     value = None
     if text is not None:
       try:
@@ -520,16 +522,10 @@ class CheckpointManager:
           f"{_API}: the metrics of step {step} in {path!r} cannot be read "
           f"({err}); delete the step or restore it with bt.restore"
         ) from None
-      value = (0, decoded["metrics"])
+      value = decoded["metrics"]
     with self._lock:
       self._metrics_cache[step] = value
     return value
-
-  def metrics(self, step: int) -> Any:
-    """The metrics saved with ``step`` (decoded JSON), or None."""
-    step = _step(f"{_API}.metrics", step)
-    record = self._record(step)
-    return None if record is None else record[1]
 
   def _commit_ns(self, step: int) -> int:
     return os.stat(self._path(step)).st_mtime_ns
@@ -669,10 +665,10 @@ class CheckpointManager:
       return self._restore_items(
         api, step, path, target, items, placement, kwargs
       )
-    record = self._record(step)
+    has_metrics = self.metrics(step) is not None
     if target is None:
       out = restore(path, None, placement=placement, **kwargs)
-    elif record is None or kwargs.get("partial_restore"):
+    elif not has_metrics or kwargs.get("partial_restore"):
       out = restore(path, target, placement=placement, **kwargs)
     elif isinstance(target, Mapping):
       # The metrics leaf joins the target, so every other stored leaf must

@@ -38,7 +38,7 @@ MAX_MANIFEST_BYTES = 256 * 2**20
 #: Runs of fewer bytes are read as one block of whole rows and copied.
 SMALL_RUN = 256 * 2**10
 _MAX_HEADER = 12 + 10_000  # numpy reads headers of at most 10,000 bytes
-_DIR_FLAGS = (
+DIR_FLAGS = (
   os.O_RDONLY
   | getattr(os, "O_DIRECTORY", 0)
   | getattr(os, "O_CLOEXEC", 0)
@@ -154,35 +154,48 @@ def _check_grid(key: str, shape: tuple[int, ...], shards: list[Shard]) -> None:
     raise ValueError(f"the shards of {key!r} do not tile the array")
 
 
+def read_small(
+  api: str, path: str, dir_fd: int, name: str, what: str
+) -> bytes | None:
+  """The bytes of the regular file ``name`` of the checkpoint directory
+  ``dir_fd`` (None if there is none), refusing one of more than
+  ``MAX_MANIFEST_BYTES``."""
+  file = os.path.join(path, name)
+  try:
+    fd, st = files._open_file(name, dir_fd)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as err:
+    raise ValueError(
+      f"{api}: {what} {file!r} cannot be read: {err}; write the checkpoint "
+      "again"
+    ) from None
+  try:
+    data = files._read_all(fd, min(st.st_size, MAX_MANIFEST_BYTES) + 1)
+  finally:
+    os.close(fd)
+  if len(data) > MAX_MANIFEST_BYTES:
+    raise ValueError(
+      f"{api}: {what} {file!r} holds more than {MAX_MANIFEST_BYTES} bytes "
+      "(MAX_MANIFEST_BYTES), more than save writes; the checkpoint is "
+      "damaged: write it again"
+    )
+  return data
+
+
 def open_manifest(api: str, path: str) -> Manifest | None:
   """The opened manifest checkpoint at ``path``; None if ``path`` is not a
   directory or holds no manifest (a checkpoint one process wrote)."""
   try:
-    dir_fd = os.open(path, _DIR_FLAGS)
+    dir_fd = os.open(path, DIR_FLAGS)
   except OSError:
     return None  # not a directory (or nothing): restore's other path says why
-  file = os.path.join(path, MANIFEST)
   try:
-    try:
-      fd, st = files._open_file(MANIFEST, dir_fd)
-    except FileNotFoundError:
+    data = read_small(api, path, dir_fd, MANIFEST, "the manifest")
+    if data is None:
       os.close(dir_fd)
       return None
-    except (OSError, ValueError) as err:
-      raise ValueError(
-        f"{api}: the manifest {file!r} cannot be read: {err}; write the "
-        "checkpoint again"
-      ) from None
-    try:
-      data = files._read_all(fd, min(st.st_size, MAX_MANIFEST_BYTES) + 1)
-    finally:
-      os.close(fd)
-    if len(data) > MAX_MANIFEST_BYTES:
-      raise ValueError(
-        f"{api}: the manifest {file!r} holds more than {MAX_MANIFEST_BYTES} "
-        "bytes (MAX_MANIFEST_BYTES), more than save writes; the checkpoint is "
-        "damaged: write it again"
-      )
+    file = os.path.join(path, MANIFEST)
     try:
       arrays = parse(data)
     except (
@@ -233,29 +246,19 @@ class Manifest:
   def read_record(self) -> record_lib.Record:
     """The checkpoint's record (read relative to the directory), checked
     against the manifest's dtypes; an empty one where there is none."""
-    file = os.path.join(self.path, record_lib.NAME)
-    try:
-      fd, st = files._open_file(record_lib.NAME, self.dir_fd)
-    except FileNotFoundError:
+    data = read_small(
+      self.api, self.path, self.dir_fd, record_lib.NAME, "the record"
+    )
+    if data is None:
       return record_lib.Record()
-    except (OSError, ValueError) as err:
-      raise ValueError(
-        f"{self.api}: the record {file!r} cannot be read: {err}; write the "
-        "checkpoint again"
-      ) from None
-    try:
-      data = files._read_all(fd, min(st.st_size, MAX_MANIFEST_BYTES) + 1)
-    finally:
-      os.close(fd)
     where = f"the record {record_lib.NAME!r} of {self.path!r}"
-    if len(data) > MAX_MANIFEST_BYTES:
-      raise ValueError(f"{self.api}: {where} is too large: it is damaged")
     record = record_lib.decode(self.api, where, data)
     for key, name in record.dtypes.items():
       entry = self.arrays.get(key)
-      if entry is not None and files.exact_dtype(
-        self.api, where, key, name
-      ) != entry.dtype:
+      if (
+        entry is not None
+        and files.exact_dtype(self.api, where, key, name) != entry.dtype
+      ):
         raise ValueError(
           f"{self.api}: {where} says {name} for {key!r} but the manifest "
           f"says {entry.dtype.name}; the checkpoint is damaged"

@@ -36,8 +36,8 @@ from ..transfer import placement_error
 from . import commit
 from . import files
 from . import manifest
-from . import sharded_restore
 from . import record as record_lib
+from . import sharded_restore
 from .keys import ROOT_KEY
 from .keys import astype
 from .keys import cast_to
@@ -142,8 +142,15 @@ class Target:
     if built:
       target = _as_saved(arrays, record)
     keys, paths, leaves, self.treedef = leaf_keys(api, target)
-    self.target, self.keys, self.paths, self.leaves = target, keys, paths, leaves
-    stored = set(arrays) | {k for k, v in record.values.items() if v is not None}
+    self.target, self.keys, self.paths, self.leaves = (
+      target,
+      keys,
+      paths,
+      leaves,
+    )
+    stored = set(arrays) | {
+      k for k, v in record.values.items() if v is not None
+    }
     check_keys(api, path, keys, paths, stored, partial and not built)
     self.values: dict[int, str] = {}
     self.arrays: list[int] = []
@@ -300,7 +307,9 @@ def restore(
   if opened_manifest is not None:  # written by several processes: shard files
     with opened_manifest:
       record = opened_manifest.read_record()
-      arrays = {k: (e.shape, e.dtype) for k, e in opened_manifest.arrays.items()}
+      arrays = {
+        k: (e.shape, e.dtype) for k, e in opened_manifest.arrays.items()
+      }
       t = Target(api, path, target, arrays, record, partial_restore)
       specs = [
         _target_spec(api, where, x)
@@ -385,12 +394,28 @@ def read_record(
   if opened_manifest is not None:
     with opened_manifest:
       record = opened_manifest.read_record()
-      arrays = {k: (e.shape, e.dtype) for k, e in opened_manifest.arrays.items()}
+      arrays = {
+        k: (e.shape, e.dtype) for k, e in opened_manifest.arrays.items()
+      }
   else:
     with files.open_checkpoint(api, path) as opened:
       record = files.apply_record(api, path, opened.stored, opened.record)
       arrays = {k: (s.shape, s.value_dtype) for k, s in opened.stored.items()}
   return arrays, record
+
+
+def read_values(api: str, path: str) -> dict[str, str | None]:
+  """The ``str`` and None leaves of the directory checkpoint at ``path``,
+  from its record alone (no header is read)."""
+  fd = os.open(path, manifest.DIR_FLAGS)
+  try:
+    data = manifest.read_small(api, path, fd, record_lib.NAME, "the record")
+  finally:
+    os.close(fd)
+  if data is None:
+    return {}
+  where = f"the record {record_lib.NAME!r} of {path!r}"
+  return record_lib.decode(api, where, data).values
 
 
 def _validate(
@@ -449,7 +474,9 @@ def _stream(
   out: list[Any] = [None] * len(keys)
   bar = Progress("restore", sum(sizes), enabled=progress)
   readers = files.Files(read_threads, verify)
-  casts = [cast_to(stored[k].value_dtype, spec[1]) for k, spec in zip(keys, specs)]
+  casts = [
+    cast_to(stored[k].value_dtype, spec[1]) for k, spec in zip(keys, specs)
+  ]
 
   def read_batch(k: int) -> list[np.ndarray]:
     out = []

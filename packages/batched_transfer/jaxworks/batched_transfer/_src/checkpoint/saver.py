@@ -151,9 +151,7 @@ _FIXES = {
 }
 
 
-def write_error(
-  api: str, path: str, file: str, err: OSError
-) -> OSError:
+def write_error(api: str, path: str, file: str, err: OSError) -> OSError:
   """The OSError to raise for a failed write of ``file`` of the checkpoint
   at ``path``: the errno kept, the checkpoint, the file and the fix named."""
   code = err.errno
@@ -509,7 +507,11 @@ def run_save(
   _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or default_write_threads()
   sorted_leaves = Leaves(api, tree)
-  keys, paths, record = sorted_leaves.keys, sorted_leaves.paths, sorted_leaves.record
+  keys, paths, record = (
+    sorted_leaves.keys,
+    sorted_leaves.paths,
+    sorted_leaves.record,
+  )
   leaves = sorted_leaves.leaves
   held: list[pending.Reservation] = []
 
@@ -576,7 +578,9 @@ def run_save(
     for x in leaves:
       hostvalue.start_copy(x)
     arrays = [
-      x if isinstance(x, np.ndarray) else host_array(api, where, x, private=True)
+      x
+      if isinstance(x, np.ndarray)
+      else host_array(api, where, x, private=True)
       for where, x in zip(paths, leaves)
     ]
   except BaseException:
@@ -592,9 +596,7 @@ def run_save(
 
   def work() -> None:
     try:
-      write_checkpoint(
-        api, path, keys, take, done, threads, record, overwrite
-      )
+      write_checkpoint(api, path, keys, take, done, threads, record, overwrite)
     finally:
       held[0].release()
     if after is not None:
@@ -611,8 +613,7 @@ def _check_replaceable(api: str, path: str) -> None:
   for root, _, files in os.walk(path):
     for name in files:
       if not name.endswith(".npy") and not (
-        root == path
-        and name in (record_lib.NAME, sharded.MANIFEST)
+        root == path and name in (record_lib.NAME, sharded.MANIFEST)
       ):
         raise FileExistsError(
           f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is not "
