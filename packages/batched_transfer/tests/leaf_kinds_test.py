@@ -235,7 +235,8 @@ def test_restore_without_target_and_metadata(tmp_path):
   }
   bt.save(tmp_path / "c", state)
   meta = bt.metadata(tmp_path / "c")
-  assert meta["w"] == jax.ShapeDtypeStruct((8, 2), np.float32)
+  assert meta["w"] == jax.ShapeDtypeStruct((8, 2), np.float32, sharding=rows)
+  assert meta["h"].sharding is None  # a numpy leaf has none
   assert meta["h"].dtype == ml_dtypes.bfloat16
   assert meta["layers"][1][1] == "relu" and meta["none"] is None
   out = bt.restore(tmp_path / "c")
@@ -245,6 +246,39 @@ def test_restore_without_target_and_metadata(tmp_path):
   assert out["w"].devices() == {jax.devices()[0]} and not out["w"].committed
   placed = bt.restore(tmp_path / "c", placement=jax.devices()[2])
   assert placed["h"].devices() == {jax.devices()[2]}
+  # Onto the saved shardings: restore(path, metadata(path)).
+  again = bt.restore(tmp_path / "c", meta)
+  assert again["w"].sharding == rows and again["layers"][1][1] == "relu"
+
+
+def test_metadata_shardings_of_every_kind(tmp_path):
+  d = jax.devices()
+  mesh = jax.make_mesh(
+    (2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+  )
+  shardings = {
+    "single": jax.sharding.SingleDeviceSharding(d[5]),
+    "tiles": jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("a", "b")
+    ),
+    "joint": jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(("a", "b"), None)
+    ),
+    "replicated": jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()
+    ),
+  }
+  tree = {
+    k: jax.device_put(np.ones((8, 4), np.float32), s)
+    for k, s in shardings.items()
+  }
+  bt.save(tmp_path / "c", tree)
+  meta = bt.metadata(tmp_path / "c")
+  for k, s in shardings.items():
+    assert meta[k].sharding == s, k
+  out = bt.restore(tmp_path / "c", meta)
+  for k, s in shardings.items():
+    assert out[k].sharding == s, k
 
 
 class _Color(enum.IntEnum):

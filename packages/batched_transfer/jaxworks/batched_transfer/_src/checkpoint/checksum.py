@@ -67,19 +67,24 @@ class Mismatch(ValueError):
   """Data that fails its checksum."""
 
 
+def mismatch(k: int, got: int, expected: list[int], n: int) -> Mismatch:
+  """The error for chunk ``k`` (``n`` bytes) whose CRC-32C is ``got``."""
+  want = f"{expected[k]:#010x}" if k < len(expected) else "none"
+  return Mismatch(
+    f"its data fails the checksum check (CRC-32C of bytes "
+    f"{k * CHUNK}-{k * CHUNK + n} of its data is {got:#010x}, the "
+    f"checkpoint recorded {want}): the file is damaged"
+  )
+
+
 def check(expected: list[int] | None, view: memoryview, first: int = 0) -> None:
-  """Raises ValueError unless the chunks ``first, first + 1, ...`` whose bytes
+  """Raises Mismatch unless the chunks ``first, first + 1, ...`` whose bytes
   ``view`` holds (whole chunks, the last one maybe short) match ``expected``."""
   if expected is None:
     return
   view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
   for k, lo in enumerate(range(0, len(view), CHUNK), first):
-    got = crc(view[lo : lo + CHUNK])
+    part = view[lo : lo + CHUNK]
+    got = crc(part)
     if k >= len(expected) or got != expected[k]:
-      want = f"{expected[k]:#010x}" if k < len(expected) else "none"
-      raise Mismatch(
-        f"its data fails the checksum check (CRC-32C of bytes "
-        f"{k * CHUNK}-{k * CHUNK + min(CHUNK, len(view) - lo)} of its data "
-        f"is {got:#010x}, the checkpoint recorded {want}): the file is "
-        "damaged"
-      )
+      raise mismatch(k, got, expected, len(part))

@@ -499,7 +499,10 @@ class Files:
         (lo, min(lo + CHUNK, flat.size)) for lo in range(0, flat.size, CHUNK)
       ]
       workers = min(self._threads, len(chunks))
-      if workers <= 1:
+      if workers <= 1 and sums is not None and CHUNK == checksum.CHUNK:
+        for lo, hi in chunks:
+          read_checked(fd, flat.data, s.offset, lo, hi, sums)
+      elif workers <= 1:
         _read_range(fd, flat.data, s.offset, 0, flat.size)
         checksum.check(sums, flat.data)
       elif CHUNK == checksum.CHUNK:  # each thread checks the chunks it read
@@ -573,8 +576,8 @@ class Files:
         if lo_hi is None:
           return
         try:
-          _read_range(fd, view, offset, *lo_hi)
-          checksum.check(sums, view[lo_hi[0] : lo_hi[1]], lo_hi[0] // CHUNK)
+          lo, hi = lo_hi
+          read_checked(fd, view, offset, lo, hi, sums)
         except BaseException as err:  # raised below, on the calling thread
           with lock:
             errors.append(err)
@@ -604,6 +607,38 @@ def _read_range(
         "the file)"
       )
     done += n
+
+
+#: Bytes a checked read reads, then sums, at a time: the checksum runs over
+#: data the CPU's cache still holds (summing a whole chunk after reading it
+#: would read it from memory again).
+SUM_STEP = 2**20
+
+
+def read_checked(
+  fd: int,
+  view: memoryview,
+  offset: int,
+  lo: int,
+  hi: int,
+  sums: list[int] | None,
+  k: int | None = None,
+) -> None:
+  """``_read_range`` of bytes [lo, hi): checksum chunk ``k`` (default: lo's,
+  ``lo // checksum.CHUNK``) of the data, checked against ``sums`` (None:
+  not checked)."""
+  if sums is None:
+    _read_range(fd, view, offset, lo, hi)
+    return
+  value = 0
+  for a in range(lo, hi, SUM_STEP):
+    b = min(a + SUM_STEP, hi)
+    _read_range(fd, view, offset, a, b)
+    value = checksum.crc(view[a:b], value)
+  if k is None:
+    k = lo // checksum.CHUNK
+  if k >= len(sums) or value != sums[k]:
+    raise checksum.mismatch(k, value, sums, hi - lo)
 
 
 def load(api: str, where: str, key: str, s: Stored, files: Files) -> np.ndarray:

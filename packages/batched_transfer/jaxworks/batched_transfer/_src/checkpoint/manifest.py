@@ -421,7 +421,7 @@ def read_tasks(
           and at % checksum.CHUNK == 0
           and n == min(checksum.CHUNK, s.nbytes - at)
         )
-        if whole:
+        if whole and verified is not None:
           verified.add((name, at // checksum.CHUNK))
         tasks.append(
           _run_task(
@@ -463,9 +463,10 @@ def _run_task(
 
   def task() -> None:
     try:
-      files._read_range(fds[s.name], view.data, offset, 0, view.size)
-      if chunk is not None:
-        checksum.check(s.sums, view.data, chunk)
+      sums = None if chunk is None else s.sums
+      files.read_checked(
+        fds[s.name], view.data, offset, 0, view.size, sums, chunk
+      )
     except (OSError, EOFError, ValueError) as err:
       raise ValueError(f"{s.where} failed: {err}") from None
 

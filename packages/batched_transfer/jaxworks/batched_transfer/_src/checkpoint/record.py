@@ -13,6 +13,8 @@ directory), read by restore and ``metadata``. Format 2 holds:
 * ``values``: the leaves that are not arrays, ``str`` and ``None``, by value;
 * ``crc32c``: for a directory checkpoint one process wrote, the checksums of
   each ``<key>.npy`` file's data (see checksum);
+* ``shardings``: the sharding of each saved jax.Array (see shardings), which
+  ``metadata`` reports;
 * ``tree``: every leaf's key and the kinds of its tree path's entries, in
   tree order, so that restore without a target rebuilds the nesting (dicts,
   and lists for sequences); an empty dict, list or tuple is an entry too,
@@ -39,7 +41,7 @@ FORMAT = 2
 _READS = (1, 2)
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 #: The record's name for an empty container of each type.
-EMPTY = {dict: "dict", list: "list", tuple: "list"}
+EMPTY: dict[type, str] = {dict: "dict", list: "list", tuple: "list"}
 
 
 @dataclasses.dataclass
@@ -48,6 +50,7 @@ class Record:
   python: dict[str, str] = dataclasses.field(default_factory=dict)
   values: dict[str, str | None] = dataclasses.field(default_factory=dict)
   crc32c: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+  shardings: dict[str, dict] = dataclasses.field(default_factory=dict)
   tree: list[tuple[str, ...]] | None = None
 
 
@@ -59,6 +62,8 @@ def encode(record: Record) -> bytes:
     data["values"] = record.values
   if record.crc32c:
     data["crc32c"] = record.crc32c
+  if record.shardings:
+    data["shardings"] = record.shardings
   if record.tree is not None:
     data["tree"] = [list(e) for e in record.tree]
   return json.dumps(data, indent=0, sort_keys=True).encode()
@@ -97,6 +102,12 @@ def decode(api: str, where: str, data: bytes) -> Record:
     ):
       raise ValueError("'crc32c' is not an object of lists of ints")
     r.crc32c = sums
+    shardings = m.get("shardings", {})
+    if not isinstance(shardings, dict) or not all(
+      isinstance(x, dict) for x in shardings.values()
+    ):
+      raise ValueError("'shardings' is not an object of objects")
+    r.shardings = shardings
     tree = m.get("tree")
     if tree is not None:
       if not isinstance(tree, list) or not all(

@@ -38,6 +38,7 @@ from . import files
 from . import manifest
 from . import record as record_lib
 from . import sharded_restore
+from . import shardings
 from .keys import ROOT_KEY
 from .keys import astype
 from .keys import cast_to
@@ -193,9 +194,11 @@ def _describe(x: Any) -> str:
 def _as_saved(
   arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
   record: record_lib.Record,
+  with_shardings: bool = False,
 ) -> Any:
   """The tree a checkpoint holds, with a jax.ShapeDtypeStruct per array
-  (restore without a target, and ``metadata``)."""
+  (restore without a target, and ``metadata``, which also gives each the
+  sharding it was saved with, where this job has its devices)."""
   tree = record.tree
   if tree is None:  # written before the record had it: dicts by key
     keys = sorted(set(arrays) | set(record.values))
@@ -208,7 +211,9 @@ def _as_saved(
     if key in record.values:
       return record.values[key]
     shape, dtype = arrays[key]
-    return jax.ShapeDtypeStruct(shape, dtype)
+    desc = record.shardings.get(key) if with_shardings else None
+    sharding = None if desc is None else shardings.rebuild(desc)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
   return record_lib.rebuild(tree, leaf)
 
@@ -367,10 +372,12 @@ def restore(
 
 def metadata(path: str | os.PathLike[str]) -> Any:
   """The tree a checkpoint holds, read from its headers, manifest and record
-  only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype) per
-  array, the stored value per ``str`` or None leaf, nested as ``restore``
-  without a target nests it. A Python scalar leaf is the ShapeDtypeStruct of
-  its 0-d array.
+  only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype, and
+  the sharding a saved jax.Array had, where every device it names is one of
+  this job's, else None) per array, the stored value per ``str`` or None
+  leaf, nested as ``restore`` without a target nests it. A Python scalar
+  leaf is the ShapeDtypeStruct of its 0-d array. ``restore(path,
+  metadata(path))`` restores onto the saved shardings.
 
   >>> import os, tempfile, numpy as np
   >>> from jaxworks.batched_transfer import save
@@ -380,7 +387,7 @@ def metadata(path: str | os.PathLike[str]) -> Any:
   {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
   """
   api = f"{_API}.metadata"
-  return _as_saved(*read_record(api, os.fspath(path)))
+  return _as_saved(*read_record(api, os.fspath(path)), with_shardings=True)
 
 
 def read_record(
@@ -482,7 +489,8 @@ def _stream(
     out = []
     for i in batches[k]:
       a = files.load(api, paths[i], keys[i], stored[keys[i]], readers)
-      out.append(a if casts[i] is None else astype(a, casts[i]))
+      cast = casts[i]
+      out.append(a if cast is None else astype(a, cast))
     return out
 
   reader = prefetch.BatchReader(

@@ -24,6 +24,7 @@ from . import hostvalue
 from . import pending
 from . import record as record_lib
 from . import sharded
+from . import shardings
 from .keys import check_files
 from .keys import leaf_keys
 from .keys import path_kinds
@@ -115,13 +116,15 @@ class Leaves:
   def __init__(self, api: str, tree: Any) -> None:
     keys, paths, leaves, _ = leaf_keys(api, tree, saved_leaf)
     kinds = path_kinds(tree)
-    self.record = record_lib.Record(tree=[])
+    nesting: list[tuple[str, ...]] = []
+    self.record = record_lib.Record(tree=nesting)
     self.keys: list[str] = []
     self.paths: list[str] = []
     self.leaves: list[Any] = []
+    described: dict[int, dict | None] = {}
     for key, where, x, k in zip(keys, paths, leaves, kinds):
       empty = record_lib.EMPTY.get(type(x)) if x is not None else None
-      self.record.tree.append((key, k) if empty is None else (key, k, empty))
+      nesting.append((key, k) if empty is None else (key, k, empty))
       if empty is not None:
         continue
       if x is None or isinstance(x, str):
@@ -129,6 +132,13 @@ class Leaves:
         continue
       if python_scalar_dtype(x) is not None:
         self.record.python[key] = _base(x)
+      if isinstance(x, jax.Array):
+        s = x.sharding
+        if id(s) not in described:
+          described[id(s)] = shardings.describe(s)
+        desc = described[id(s)]
+        if desc is not None:
+          self.record.shardings[key] = desc
       self.keys.append(key)
       self.paths.append(where)
       self.leaves.append(x)
@@ -155,7 +165,7 @@ def write_error(api: str, path: str, file: str, err: OSError) -> OSError:
   """The OSError to raise for a failed write of ``file`` of the checkpoint
   at ``path``: the errno kept, the checkpoint, the file and the fix named."""
   code = err.errno
-  fix = _FIXES.get(code, "check the file system, then save again")
+  fix = _FIXES.get(code or 0, "check the file system, then save again")
   text = err.strerror or (os.strerror(code) if code else str(err))
   out = OSError(
     code,
@@ -513,7 +523,11 @@ def run_save(
     sorted_leaves.record,
   )
   leaves = sorted_leaves.leaves
-  held: list[pending.Reservation] = []
+  held: list[pending.Reservation] = []  # taken by prepare
+
+  def release() -> None:
+    for r in held:
+      r.release()
 
   def prepare(leaves: list[Any]) -> list[Any]:
     if prelude is not None:
@@ -554,7 +568,7 @@ def run_save(
       threads=threads,
       barrier_timeout_s=barrier_timeout_s,
       overwrite=overwrite,
-      release=lambda: [r.release() for r in held],
+      release=release,
       after=after,
       primary_keys=primary_keys,
     )
@@ -568,7 +582,7 @@ def run_save(
         api, path, keys, staged.take, staged.done, threads, record, overwrite
       )
     finally:
-      held[0].release()
+      release()
     if after is not None:
       after()
     return None
@@ -584,7 +598,7 @@ def run_save(
       for where, x in zip(paths, leaves)
     ]
   except BaseException:
-    held[0].release()
+    release()
     raise
   del leaves
 
@@ -598,7 +612,7 @@ def run_save(
     try:
       write_checkpoint(api, path, keys, take, done, threads, record, overwrite)
     finally:
-      held[0].release()
+      release()
     if after is not None:
       after()
 
