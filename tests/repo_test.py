@@ -4,6 +4,7 @@ import ast
 import glob
 import os
 import re
+import warnings
 
 import pytest
 
@@ -13,8 +14,11 @@ with open("packages.bzl", encoding="utf-8") as _f:
     re.search(r"^PACKAGES = (\[.*?\])", _f.read(), re.M | re.S).group(1)
   )
 
-#: The most lines a source file under packages/*/jaxworks may have.
-MAX_LINES = 600
+#: Source files under packages/*/jaxworks past this many lines are reported
+#: (a warning: split them by responsibility when next touched).
+WARN_LINES = 600
+#: The most lines one may have.
+MAX_LINES = 900
 
 
 def _files(pkg, pattern):
@@ -124,12 +128,19 @@ def test_package_list_is_complete():
 def test_no_source_file_over_the_line_limit(pkg):
   sources = _files(pkg, "jaxworks/**/*.py")
   assert sources, f"no sources found for {pkg}"
-  too_long = {}
+  too_long, long = {}, {}
   for path in sources:
     with open(path, encoding="utf-8") as f:
       n = sum(1 for _ in f)
     if n > MAX_LINES:
       too_long[path] = n
+    elif n > WARN_LINES:
+      long[path] = n
+  if long:
+    warnings.warn(
+      f"files over {WARN_LINES} lines (split them by responsibility): {long}",
+      stacklevel=1,
+    )
   assert not too_long, (
     f"files over {MAX_LINES} lines (split them by concern): {too_long}"
   )
