@@ -162,7 +162,14 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(version, tmp_path):
   ]
   # The runtime requirements of the five (pip check below), from the index.
   _run(
-    [*pip, "jax==0.10.2", "jaxlib==0.10.2", "packaging", "flatbuffers", "crc32c"],
+    [
+      *pip,
+      "jax==0.10.2",
+      "jaxlib==0.10.2",
+      "packaging",
+      "flatbuffers",
+      "crc32c",
+    ],
     timeout=1800,
   )
   sdists = []
