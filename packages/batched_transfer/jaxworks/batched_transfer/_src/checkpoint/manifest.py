@@ -198,14 +198,7 @@ def open_manifest(api: str, path: str) -> Manifest | None:
     file = os.path.join(path, MANIFEST)
     try:
       arrays = parse(data)
-    except (
-      UnicodeDecodeError,
-      ValueError,
-      KeyError,
-      TypeError,
-      AttributeError,
-      RecursionError,
-    ) as err:
+    except record_lib.DAMAGED as err:
       raise ValueError(
         f"{api}: the manifest {file!r} is damaged ({type(err).__name__}: "
         f"{err}); write the checkpoint again"

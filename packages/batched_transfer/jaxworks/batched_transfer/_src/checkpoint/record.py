@@ -41,6 +41,15 @@ FORMAT = 2
 _READS = (1, 2)
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 #: The record's name for an empty container of each type.
+#: What parsing a damaged JSON record or manifest raises.
+DAMAGED = (
+  UnicodeDecodeError,
+  ValueError,
+  KeyError,
+  TypeError,
+  AttributeError,
+  RecursionError,
+)
 EMPTY: dict[type, str] = {dict: "dict", list: "list", tuple: "list"}
 
 
@@ -119,14 +128,7 @@ def decode(api: str, where: str, data: bytes) -> Record:
       ):
         raise ValueError("'tree' is not a list of [key, kinds(, empty)]")
       r.tree = [tuple(e) for e in tree]
-  except (
-    UnicodeDecodeError,
-    ValueError,
-    KeyError,
-    TypeError,
-    AttributeError,
-    RecursionError,
-  ) as err:
+  except DAMAGED as err:
     raise ValueError(
       f"{api}: {where} is damaged ({err}); it was written by "
       "jaxworks.batched_transfer.save: write the checkpoint again"
