@@ -1,4 +1,4 @@
-"""Every package accepts every stage (issue 13 point 3), checked against stock.
+"""Every package accepts every stage, checked against stock.
 
 * ``batched_transfer.place_for`` takes a ``Compiled`` from each entry point
   (``jit_cache``, ``stages_aot`` single- and multi-platform, ``pmap_chunked``);

@@ -1,5 +1,4 @@
-"""Across processes and re-created steps, on real training steps (issues 16,
-22).
+"""Across processes and re-created steps, on real training steps.
 
 The workloads are ``train_step_worker.py``'s training steps (forward,
 backward, hand-written Adam) in plain JAX: a 3-layer MLP and a 4-layer
@@ -189,8 +188,8 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
   """8 configurations in a new process, the step re-created per
   configuration, hyperparameters passed as arguments.
 
-  The goals (issue 22: 5x against ``jax.jit``, 2x against ``jax.jit`` with
-  JAX's cache on, where 15.6x and 2.5x had been measured) are per
+  The goals (5x against ``jax.jit``, 2x against ``jax.jit`` with
+  JAX's cache on) are per
   re-created configuration: the configurations after the first, which
   jaxworks reuses and stock compiles (or loads from its cache). The first
   configuration compiles on both sides, so a whole sweep's ratio is bounded
