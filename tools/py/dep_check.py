@@ -13,8 +13,8 @@ PEP 440 order, pre-releases included: ``0.10.0rc1`` comes after ``0.9.1``
 and before ``0.10.0``; a nightly of a supported jax passes. Plain release
 numbers against plain clauses (``0.10.2`` in ``>=0.10.2,<0.11``: every
 import of a released jaxworks with a released jax) are compared here;
-anything else by ``packaging``, imported then (it costs about 10 ms, a third
-of what importing a jaxworks package adds to ``import jax``).
+anything else by ``packaging``, imported only then, since importing it is a
+large part of what a jaxworks package adds to ``import jax``.
 
 >>> check_version("jaxworks.stages_aot", "jaxworks.jit_cache", "0.10.0rc1", "0.9.1")
 >>> check_version("jaxworks.stages_aot", "jaxworks.jit_cache", "0.0.9", "0.1.0")
