@@ -3,7 +3,7 @@
 PACKAGES = [
     "axis_names",
     "batched_transfer",
-    "jit_cache",
     "stages_aot",
+    "jit_cache",
     "pmap_chunked",
 ]

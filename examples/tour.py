@@ -481,10 +481,24 @@ def export_step(
 
 
 def timings(params, batch, restored, batch_on_devices, step, stock_step):
+  """One row per measure, each package's beside the stock JAX call it replaces."""
   section(6)
-  rows = []
+  rows = [
+    time_axis_names(params, batch),
+    time_batched_transfer(batch_on_devices),
+    *time_jit_cache(),
+    time_stages_aot(),
+    time_pmap_chunked(restored, batch_on_devices, step, stock_step),
+  ]
+  print_table(rows)
+  check(
+    len({r[0] for r in rows}) == 5,
+    "every package measured side by side with stock JAX",
+  )
 
-  # axis_names: which axis names does the step's program use (a repeated query).
+
+def time_axis_names(params, batch):
+  """Which axis names the step's program uses (a repeated query)."""
   local_batch = jax.tree.map(lambda a: a[0], batch)
   closed = jax.make_jaxpr(
     make_train_step(jax.jit(dense)), axis_env=[(AXIS, N_DEVICES)]
@@ -496,17 +510,17 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     repeats=5,
     inner=2000,
   )
-  rows.append(
-    (
-      "axis_names",
-      "axis names of the step's jaxpr (repeated)",
-      ours,
-      stock,
-      "read jaxpr.effects",
-    )
+  return (
+    "axis_names",
+    "axis names of the step's jaxpr (repeated)",
+    ours,
+    stock,
+    "read jaxpr.effects",
   )
 
-  # batched_transfer: 64 small numpy leaves onto the 8-device batch sharding.
+
+def time_batched_transfer(batch_on_devices):
+  """64 small numpy leaves onto the 8-device batch sharding."""
   sharding = batch_on_devices["x"].sharding
   tree = {
     f"leaf{i}": np.full((N_DEVICES, 32), i, np.float32) for i in range(64)
@@ -526,25 +540,28 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     repeats=7,
     inner=5,
   )
-  rows.append(
-    (
-      "batched_transfer",
-      "device_put, 64 numpy leaves -> 8 devices",
-      ours,
-      stock,
-      "jax.device_put",
-    )
+  return (
+    "batched_transfer",
+    "device_put, 64 numpy leaves -> 8 devices",
+    ours,
+    stock,
+    "jax.device_put",
   )
 
-  # jit_cache: the first call of a re-created closure (same code and constants).
-  def make_chain():
-    def chain(x):
-      for k in range(40):
-        x = jnp.sin(x) * 1.01 + 0.5 / (k + 1)
-      return x
 
-    return chain
+def make_chain():
+  """A fresh function object each call, with the same code and constants."""
 
+  def chain(x):
+    for k in range(40):
+      x = jnp.sin(x) * 1.01 + 0.5 / (k + 1)
+    return x
+
+  return chain
+
+
+def time_jit_cache():
+  """The first call of a re-created closure, and a cached call."""
   x = jnp.arange(256.0)
   check(
     close(jit_cache.jit(make_chain())(x), jax.jit(make_chain())(x)),
@@ -555,22 +572,24 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     lambda: jax.jit(make_chain())(x),
     repeats=5,
   )
-  rows.append(
-    (
-      "jit_cache",
-      "first call of a re-created function (in-process reuse)",
-      ours,
-      stock,
-      "jax.jit",
-    )
+  first = (
+    "jit_cache",
+    "first call of a re-created function (in-process reuse)",
+    ours,
+    stock,
+    "jax.jit",
   )
   f_ours, f_stock = jit_cache.jit(make_chain()), jax.jit(make_chain())
   ours, stock = jb.median_pair(
     lambda: f_ours(x), lambda: f_stock(x), repeats=7, inner=200
   )
-  rows.append(("jit_cache", "cached call", ours, stock, "jax.jit"))
+  return [first, ("jit_cache", "cached call", ours, stock, "jax.jit")]
 
-  # stages_aot: trace, lower for cpu+tpu, export, serialize (a fresh function each time).
+
+def time_stages_aot():
+  """Trace, lower for cpu+tpu, export, serialize (a fresh function each time)."""
+  x = jnp.arange(256.0)
+
   def export_ours():
     return (
       stages_aot.trace(make_chain(), x)
@@ -589,17 +608,17 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     lambda: np.frombuffer(export_stock(), np.uint8),
     repeats=5,
   )
-  rows.append(
-    (
-      "stages_aot",
-      "trace+lower(cpu,tpu)+export+serialize",
-      ours,
-      stock,
-      "jax.export",
-    )
+  return (
+    "stages_aot",
+    "trace+lower(cpu,tpu)+export+serialize",
+    ours,
+    stock,
+    "jax.export",
   )
 
-  # pmap_chunked: dispatch of the cached training step, both on the same device-resident inputs.
+
+def time_pmap_chunked(restored, batch_on_devices, step, stock_step):
+  """Dispatch of the cached training step, both on the same device-resident inputs."""
   check(
     close(
       step(restored, batch_on_devices), stock_step(restored, batch_on_devices)
@@ -612,10 +631,11 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     repeats=7,
     inner=20,
   )
-  rows.append(
-    ("pmap_chunked", "training step, cached call", ours, stock, "jax.pmap")
-  )
+  return ("pmap_chunked", "training step, cached call", ours, stock, "jax.pmap")
 
+
+def print_table(rows):
+  """The rows as a markdown table, with stock / jaxworks as the speedup."""
   print(
     f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; speedup = stock / jaxworks, > 1: jaxworks faster\n"
   )
@@ -627,10 +647,6 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     print(
       f"   | {package} | {measure} | {jb.fmt_seconds(ours)} | {jb.fmt_seconds(stock)} | {what} | {jb.fmt_speedup(stock / ours)} |"
     )
-  check(
-    len({r[0] for r in rows}) == 5,
-    "every package measured side by side with stock JAX",
-  )
 
 
 def adopt_program_wide(params, batch):

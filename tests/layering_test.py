@@ -96,7 +96,9 @@ def _build_deps():
   """``{pkg: {direct dependency packages}}`` from the BUILD files."""
   deps = {}
   for pkg in PACKAGES:
-    with open(os.path.join("packages", pkg, "BUILD.bazel"), encoding="utf-8") as f:
+    with open(
+      os.path.join("packages", pkg, "BUILD.bazel"), encoding="utf-8"
+    ) as f:
       build = f.read()
     call = re.search(r"jaxworks_package\((.*?)\n\)", build, re.S)
     assert call, f"packages/{pkg}/BUILD.bazel has no jaxworks_package"
@@ -213,6 +215,4 @@ def test_a_planted_package_edge_fails(tmp_path):
   config = _package_edges_config(tmp_path, deps)
   ok, report = _lint(config, [str(pkg_dir), *paths])
   assert not ok, report
-  assert f"jaxworks.{leaf} imports only its BUILD deps BROKEN" in report, (
-    report
-  )
+  assert f"jaxworks.{leaf} imports only its BUILD deps BROKEN" in report, report

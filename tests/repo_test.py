@@ -158,6 +158,8 @@ def _tracked_text_files():
       path = os.path.join(root, name)
       if name.endswith((".so", ".png", ".npz", ".npy", ".bin", ".pyc")):
         continue
+      if re.search(r"_(cpu|gpu|tpu)$", name):  # Bazel's test launchers
+        continue
       try:
         with open(path, encoding="utf-8") as f:
           yield path, f.read()
@@ -178,7 +180,11 @@ def test_no_issue_number_references():
 
 
 def test_the_issue_reference_rule_can_fail():
-  for text in ("(issue 21)", "Issue 11.6a:", "issues 16, 22", "see #12"):
+  # Built from pieces so that this file passes its own rule.
+  for number in ("21)", "11.6a:", "16, 22"):
+    for word in ("(issue ", "Issue ", "issues "):
+      assert ISSUE_REFERENCE.search(word + number), word + number
+  for text in ("see #" + "12",):
     assert ISSUE_REFERENCE.search(text), text
   for text in ("issue a warning", "x = d[#]", "&#39;", "f32[#4]"):
     assert not ISSUE_REFERENCE.search(text), text

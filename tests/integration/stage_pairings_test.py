@@ -141,22 +141,13 @@ def test_export_a_pmap_chunked_program():
   assert stages_aot.deserialize(tpu.export().serialize()).platforms == ("tpu",)
 
 
-def test_export_needs_stages_aot_registered():
-  # Registered at import of stages_aot; the hook is what export() calls.
-  calls = []
-
-  def fake(exp, *, vjp_order):
-    calls.append((exp.fun_name, vjp_order))
-    return "exported"
-
-  jit_cache.register_exporter(fake)
-  try:
-    assert jit_cache.jit(_affine).lower(W, V).export(vjp_order=2) == "exported"
-  finally:
-    jit_cache.register_exporter(stages_aot._src.stages.export_stock)  # pylint: disable=protected-access
-  assert calls == [("_affine", 2)]
+def test_export_of_every_entry_point_is_stages_aots():
+  # One Lowered class, stages_aot's: export() needs no registration.
+  exported = jit_cache.jit(_affine).lower(W, V).export(vjp_order=2)
+  assert type(exported) is stages_aot.Exported
+  assert (exported.fun_name, exported.vjp_order) == ("_affine", 2)
   assert isinstance(
-    jit_cache.jit(_affine).lower(W, V).export(), stages_aot.Exported
+    stages_aot.trace(_affine, W, V).lower().export(), stages_aot.Exported
   )
 
 

@@ -17,12 +17,18 @@ the lock it already has around its lookups and insertions.
 ['a', 'c']
 >>> c.resize(1)
 [('a', 1)]
+>>> c.refresh("c"); c.peek("c"), c.peek("zz")
+(3, None)
+>>> c.popitem()
+('c', 3)
 >>> LRU(0).put("x", 1)
 [('x', 1)]
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterator
 from typing import Generic
@@ -40,17 +46,31 @@ class LRU(Generic[K, V]):
   Args:
     maxsize: the bound; ``None`` for none (entries are then only ordered).
 
-  :meth:`get` and :meth:`put` make an entry the newest; :meth:`peek`,
-  iteration and ``in`` do not. Whatever an insertion or :meth:`resize`
-  evicts is returned, oldest first, so that the caller can release it
-  outside its lock.
+  :meth:`get`, :meth:`put` and ``refresh`` make an entry the newest;
+  ``peek``, iteration and ``in`` do not. A key keeps the object it was
+  first stored under while it stays (a weak reference with a callback stays
+  that reference when an equal one refreshes it). Whatever an insertion or
+  :meth:`resize` evicts is returned, oldest first, so that the caller can
+  release it outside its lock.
+
+  ``peek(key, default=None)`` (the value without changing the order) and
+  ``refresh(key)`` (makes ``key`` the newest; KeyError if absent) are the
+  underlying ordered dict's own ``get`` and ``move_to_end``, bound at
+  construction: a lookup's hot path pays no Python call for them, and under
+  the GIL each is one step that needs no lock against the other operations.
   """
 
-  __slots__ = ("_maxsize", "_data")
+  __slots__ = ("_maxsize", "_data", "peek", "refresh")
+
+  peek: Callable[..., V | None]
+  refresh: Callable[[K], None]
 
   def __init__(self, maxsize: int | None = None):
     self._maxsize = _checked(maxsize)
-    self._data: dict[K, V] = {}
+    # Never replaced: ``peek`` and ``refresh`` are bound to it.
+    self._data: collections.OrderedDict[K, V] = collections.OrderedDict()
+    self.peek = self._data.get
+    self.refresh = self._data.move_to_end
 
   @property
   def maxsize(self) -> int | None:
@@ -58,25 +78,25 @@ class LRU(Generic[K, V]):
 
   def get(self, key: K, default: V | None = None) -> V | None:
     """The value of ``key``, made the newest entry; ``default`` if absent."""
-    value = self._data.pop(key, _MISSING)
+    value = self._data.get(key, _MISSING)
     if value is _MISSING:
       return default
-    self._data[key] = value  # type: ignore[assignment]
+    self._data.move_to_end(key)
     return value  # type: ignore[return-value]
-
-  def peek(self, key: K, default: V | None = None) -> V | None:
-    """The value of ``key`` without changing the order."""
-    return self._data.get(key, default)
 
   def put(self, key: K, value: V) -> list[tuple[K, V]]:
     """Sets ``key`` as the newest entry; returns the entries evicted."""
-    self._data.pop(key, None)
     self._data[key] = value
+    self._data.move_to_end(key)
     return self._evict()
 
   def pop(self, key: K, default: V | None = None) -> V | None:
     """Removes ``key``; its value, or ``default`` if absent."""
     return self._data.pop(key, default)
+
+  def popitem(self) -> tuple[K, V]:
+    """Removes and returns the oldest entry (KeyError if there is none)."""
+    return self._data.popitem(last=False)
 
   def resize(self, maxsize: int | None) -> list[tuple[K, V]]:
     """Sets the bound; returns the entries that no longer fit."""
@@ -114,8 +134,7 @@ class LRU(Generic[K, V]):
       return []
     evicted = []
     while len(self._data) > self._maxsize:
-      key = next(iter(self._data))
-      evicted.append((key, self._data.pop(key)))
+      evicted.append(self._data.popitem(last=False))
     return evicted
 
 

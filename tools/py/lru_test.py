@@ -2,6 +2,7 @@
 reference model on random operation sequences."""
 
 import random
+import weakref
 
 import lru
 import pytest
@@ -61,3 +62,29 @@ def test_bad_bounds_are_refused(bad):
   with pytest.raises(ValueError, match=repr(bad)):
     cache.resize(bad)
   assert cache.items() == [("a", 1)] and cache.maxsize == 1
+
+
+def test_refresh_and_peek_keep_the_stored_key():
+  class Obj:
+    pass
+
+  obj, gone = Obj(), []
+  stored = weakref.ref(obj, gone.append)
+  cache = lru.LRU(2)
+  cache.put(stored, "v")
+  cache.put("b", 2)
+  cache.refresh(weakref.ref(obj))
+  with pytest.raises(KeyError):
+    cache.refresh("missing")
+  assert list(cache) == ["b", stored] and list(cache)[1] is stored
+  assert cache.peek("b") == 2 and list(cache) == ["b", stored]
+  assert cache.peek("missing") is None and cache.peek("missing", 0) == 0
+  assert cache.get(weakref.ref(obj)) == "v" and list(cache)[1] is stored
+  assert cache.put(weakref.ref(obj), "w") == [] and list(cache)[1] is stored
+  assert cache.popitem() == ("b", 2) and len(cache) == 1
+  cache.clear()
+  with pytest.raises(KeyError):
+    cache.popitem()
+  cache.put("c", 3)  # peek and refresh stay bound to the emptied mapping
+  cache.refresh("c")
+  assert cache.peek("c") == 3

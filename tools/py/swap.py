@@ -5,7 +5,9 @@ Every package that adopts a JAX entry point carries this file as
 ``jaxworks.<pkg>._src.swap`` (in the repository a link to
 ``tools/py/swap.py``, in each wheel a copy), like ``dep_check.py``: the
 packages are versioned separately and share no code at run time. What a
-package swaps is declared in its own ``_src/adopt.py``.
+package swaps is declared in its own ``_src/adopt.py``, which makes its
+public ``is_installed``/``install``/``uninstall``/``installed`` with
+:func:`adoption`.
 
 A :class:`Swap` is a set of ``(module, attribute, replacement)`` entries that
 change together. ``install()`` remembers what each attribute was and assigns
@@ -34,12 +36,14 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 import contextlib
 import threading
 from types import ModuleType
 from typing import Any
+from typing import NamedTuple
 
 
 class _Missing:
@@ -175,3 +179,108 @@ class Swap:
     finally:
       with self._lock:
         self._assign(before, self._current())
+
+
+class Adoption(NamedTuple):
+  """A package's adoption API, as :func:`adoption` makes it."""
+
+  is_installed: Callable[[], bool]
+  install: Callable[[], None]
+  uninstall: Callable[[], None]
+  installed: Callable[[], contextlib.AbstractContextManager[None]]
+
+
+def adoption(
+  api: str,
+  module: ModuleType,
+  attr: str,
+  replacement: Any,
+  *,
+  defined_in: str,
+  keeps: str,
+  note: str = "",
+) -> Adoption:
+  """The four public functions with which a package adopts one entry point.
+
+  They swap ``module.attr`` for ``replacement`` (one :class:`Swap` of one
+  entry) and carry the documentation of the package's own functions:
+  ``replacement`` is called ``<api>.<attr>`` in it and the package
+  ``<api>``'s last component (``jit_cache``).
+
+  Args:
+    api: the package (``"jaxworks.jit_cache"``).
+    module: the module whose attribute is replaced (``jax``).
+    attr: the attribute (``"jit"``); also the package's name for
+      ``replacement``.
+    replacement: what ``install()`` assigns.
+    defined_in: the ``__name__`` of the module that binds the functions (they
+      report it as their ``__module__``).
+    keeps: the names that keep what they were bound to before ``install()``,
+      as a phrase of ``install()``'s docstring.
+    note: a sentence ``install()``'s docstring adds after the name it
+      replaces (what it leaves alone, or why).
+  """
+  swap = Swap(api, [(module, attr, replacement)])
+  pkg = api.rsplit(".", 1)[-1]
+  target = f"{module.__name__}.{attr}"
+  imports = f">>> import {module.__name__}\n  >>> from jaxworks import {pkg}"
+  check = f"{target} is {pkg}.{attr}"
+
+  def is_installed() -> bool:
+    return swap.is_installed()
+
+  def install() -> None:
+    swap.install()
+
+  def uninstall() -> None:
+    swap.uninstall()
+
+  def installed() -> contextlib.AbstractContextManager[None]:
+    return swap.installed()
+
+  is_installed.__doc__ = f"True while ``{target}`` is :func:`{api}.{attr}`."
+  install.__doc__ = f"""Makes ``{target}`` be :func:`{api}.{attr}` for the process.
+
+  Replaces exactly one name: the attribute ``{attr}`` of the
+  ``{module.__name__}`` module.{note and " " + note} Code that looks
+  ``{target}`` up when it runs then gets {pkg}'s. Names bound earlier keep what they were bound
+  to: {keeps}. Idempotent: a second call changes nothing. Undo with
+  :func:`uninstall`.
+
+  {imports}
+  >>> {pkg}.install()
+  >>> {check}
+  True
+  >>> {pkg}.uninstall()
+  >>> {check}
+  False
+  """
+  uninstall.__doc__ = f"""Puts back the ``{target}`` that :func:`install` replaced.
+
+  Idempotent: without an earlier ``install()`` (or after ``uninstall()``) it
+  changes nothing. When ``install()`` found ``{target}`` already replaced by
+  something else, that object is what comes back.
+
+  Raises:
+    RuntimeError: ``{target}`` was reassigned by other code after
+      ``install()``; it is left as it is (restore that assignment first, or
+      assign ``{target}`` yourself).
+  """
+  installed.__doc__ = f"""Context manager: ``{target}`` is {pkg}'s inside the block.
+
+  On exit ``{target}`` is what it was on entry (still {pkg}'s when it was
+  installed before the block), also when the block raises. Replaces the same
+  single name as :func:`install`.
+
+  {imports}
+  >>> with {pkg}.installed():
+  ...   {check}
+  True
+  >>> {check}
+  False
+  """
+  functions = Adoption(is_installed, install, uninstall, installed)
+  for f in functions:
+    f.__module__ = defined_in
+    f.__qualname__ = f.__name__
+  return functions

@@ -2,6 +2,7 @@
 package carries as ``_src/swap.py``, on stand-in modules (the packages'
 adoption tests check it on ``jax`` itself)."""
 
+import doctest
 import sys
 import threading
 import types
@@ -211,3 +212,56 @@ def test_entries_are_checked(mod):
     swap.Swap("jaxworks.demo", [])
   with pytest.raises(ValueError, match=r"each attribute once.*fakejax.jit"):
     swap.Swap("jaxworks.demo", [(mod, "jit", len), (mod, "jit", abs)])
+
+
+def test_adoption_functions_swap_one_name_and_are_documented(mod, monkeypatch):
+  demo = types.ModuleType("jaxworks.demo")
+  demo.jit = our_jit
+  demo.is_installed, demo.install, demo.uninstall, demo.installed = (
+    swap.adoption(
+      "jaxworks.demo",
+      mod,
+      "jit",
+      our_jit,
+      defined_in="jaxworks.demo._src.adopt",
+      keeps="``from fakejax import jit`` executed before",
+      note="Not ``fakejax.pmap``.",
+    )
+  )
+  assert not demo.is_installed()
+  demo.install()
+  assert _state(mod) == (our_jit, stock_pmap) and demo.is_installed()
+  demo.uninstall()
+  assert _state(mod) == (stock_jit, stock_pmap)
+  with demo.installed():
+    assert mod.jit is our_jit
+  assert mod.jit is stock_jit
+  demo.install()
+  mod.jit = len
+  with pytest.raises(RuntimeError, match=r"^jaxworks.demo.uninstall: fakejax"):
+    demo.uninstall()
+  mod.jit = our_jit
+  demo.uninstall()
+
+  for name in ("is_installed", "install", "uninstall", "installed"):
+    f = getattr(demo, name)
+    assert (f.__name__, f.__qualname__) == (name, name)
+    assert f.__module__ == "jaxworks.demo._src.adopt"
+    assert "``fakejax.jit``" in f.__doc__
+  assert ":func:`jaxworks.demo.jit`" in demo.install.__doc__
+  assert "Not ``fakejax.pmap``. Code that" in demo.install.__doc__
+  assert "keep what they were bound\n  to: ``from fakejax import jit``" in (
+    demo.install.__doc__
+  )
+  # The examples of the docstrings run, against the package they name.
+  namespace = types.ModuleType("jaxworks")
+  namespace.demo = demo
+  monkeypatch.setitem(sys.modules, "fakejax", mod)
+  monkeypatch.setitem(sys.modules, "jaxworks", namespace)
+  monkeypatch.setitem(sys.modules, "jaxworks.demo", demo)
+  finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+  for f in (demo.install, demo.installed):
+    for test in finder.find(f, f.__name__, globs={}):
+      runner.run(test)
+  assert runner.summarize(verbose=False) == (0, 10)
+  assert mod.jit is stock_jit

@@ -72,7 +72,7 @@ import numpy as np  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
 from jaxworks.batched_transfer._src import grouping  # noqa: E402
-from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import reader  # noqa: E402
 
 PACKAGE = "batched_transfer"
 LIST_GOAL = 1 / 1.1  # at most 1.1x jax.device_put of the list
@@ -328,7 +328,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       args=[tmp, str(n_files), str(rows), str(cols), str(repeats), "full"],
     )
     reused = [aligned_bytes(os.path.getsize(f)) for f in files]
-    threads = checkpoint_files.default_read_threads()
+    threads = reader.default_read_threads()
     for where, sharding in placements():
       like = _like(keys, (rows, cols), sharding)
       m = jb.median_interleaved(

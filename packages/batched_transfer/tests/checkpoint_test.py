@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
-from jaxworks.batched_transfer._src.checkpoint import restore as checkpoint
-from jaxworks.batched_transfer._src.prefetch import THREAD_NAME
+from jaxworks.batched_transfer._src.checkpoint import format
+from jaxworks.batched_transfer._src.checkpoint import reader
+from jaxworks.batched_transfer._src.checkpoint import restore_files
+from jaxworks.batched_transfer._src.checkpoint.prefetch import THREAD_NAME
 
 
 def sample_tree():
@@ -138,7 +139,7 @@ def test_mismatches_raise_before_anything_is_placed(
   edit(saved if side == "saved" else target_tree)
   bt.save(path, saved)
   placed = []
-  monkeypatch.setattr(checkpoint, "place", lambda *a, **k: placed.append(a))
+  monkeypatch.setattr(restore_files, "place", lambda *a, **k: placed.append(a))
   with pytest.raises(ValueError, match=text) as info:
     bt.restore(path, like(target_tree))
   assert "jaxworks.batched_transfer.restore" in str(info.value)
@@ -149,7 +150,7 @@ def test_unsplittable_placement_raises_before_placing(tmp_path, monkeypatch):
   bt.save(tmp_path / "c.npz", {"ok": np.ones(8), "bad": np.ones(6)})
   mesh = jax.make_mesh((8,), ("x",))
   placed = []
-  monkeypatch.setattr(checkpoint, "place", lambda *a, **k: placed.append(a))
+  monkeypatch.setattr(restore_files, "place", lambda *a, **k: placed.append(a))
   with pytest.raises(
     ValueError, match=r"leaf at \['bad'\] with shape \(6,\) cannot be placed"
   ):
@@ -165,7 +166,7 @@ def test_failure_while_placing_leaves_nothing_behind(tmp_path, monkeypatch):
   tree = [np.ones(256, np.float32) for _ in range(4)]
   bt.save(tmp_path / "c.npz", tree)
   made = []
-  real = checkpoint.place
+  real = restore_files.place
 
   def flaky(leaves, target=None, **kwargs):
     if made:
@@ -174,7 +175,7 @@ def test_failure_while_placing_leaves_nothing_behind(tmp_path, monkeypatch):
     made.extend(out)
     return out
 
-  monkeypatch.setattr(checkpoint, "place", flaky)
+  monkeypatch.setattr(restore_files, "place", flaky)
   with pytest.raises(RuntimeError, match="device fell over"):
     # batches of 2 leaves (half the budget): the first is placed, then the second fails
     bt.restore(tmp_path / "c.npz", like(tree), max_inflight_bytes=4096)
@@ -293,7 +294,7 @@ def _npy_bytes(a):
 
 def _no_placement(monkeypatch):
   placed = []
-  monkeypatch.setattr(checkpoint, "place", lambda *a, **k: placed.append(a))
+  monkeypatch.setattr(restore_files, "place", lambda *a, **k: placed.append(a))
   return placed
 
 
@@ -304,7 +305,8 @@ def _no_placement(monkeypatch):
 def test_npz_member_whose_data_disagrees_with_its_header(
   tmp_path, monkeypatch, compression, cut
 ):
-  # Issue 11.6a: a short member restored silently, filled with the next member's bytes.
+  # A member whose data is shorter or longer than its header says is refused
+  # (not restored filled with the next member's bytes).
   a, b = np.arange(8, dtype=np.float32), np.full(4, 7, np.float32)
   data = _npy_bytes(a)
   data = data[:-cut] if cut > 0 else data + b"\0" * -cut
@@ -333,7 +335,7 @@ def test_npz_member_whose_data_disagrees_with_its_header(
 def test_truncated_npy_names_the_file_the_leaf_and_the_api(
   tmp_path, monkeypatch
 ):
-  # Issue 11.6b: this was "ValueError: mmap length is greater than file size".
+  # A truncated .npy raises a ValueError naming the file, the leaf and the API.
   bt.save(
     tmp_path / "d",
     {"params": {"w": np.arange(64, dtype=np.float32)}, "b": np.ones(2)},
@@ -362,13 +364,13 @@ def test_a_file_that_changes_after_validation_gets_a_clear_error(
 ):
   bt.save(tmp_path / "d", {"w": np.arange(64, dtype=np.float32)})
   file = tmp_path / "d" / "w.npy"
-  real = checkpoint_files.load
+  real = reader.load
 
   def shrink_then_load(api, where, key, s, files):
     file.write_bytes(file.read_bytes()[:100])
     return real(api, where, key, s, files)
 
-  monkeypatch.setattr(checkpoint_files, "load", shrink_then_load)
+  monkeypatch.setattr(reader, "load", shrink_then_load)
   with pytest.raises(
     ValueError,
     match=r"restore: the leaf at \['w'\] \(key 'w'\): reading .*"
@@ -381,7 +383,8 @@ from dtypes import ML_DTYPES  # noqa: E402
 
 
 def test_every_ml_dtype_round_trips_under_its_exact_name(path):
-  # Issue 11.6c: float8_e5m2 was saved as '<f1' (unreadable) and the 1-byte types as V1.
+  # Every ml_dtypes type (float8_e5m2 and the other 1-byte ones included)
+  # restores under its exact name, not as '<f1' or raw V1 bytes.
   tree = {
     d.name: (np.arange(12) % 2).astype(d).reshape(3, 4) for d in ML_DTYPES
   }
@@ -439,7 +442,7 @@ def test_raw_void_data_without_a_dtype_record_is_refused(tmp_path):
 )
 def test_a_damaged_dtype_record_is_refused(tmp_path, record):
   bt.save(tmp_path / "d", {"x": np.zeros(4, np.float32)})
-  (tmp_path / "d" / checkpoint_files.DTYPE_RECORD).write_bytes(record)
+  (tmp_path / "d" / format.RECORD).write_bytes(record)
   with pytest.raises(
     ValueError, match="jaxworks.batched_transfer.restore: .*(damaged|knows)"
   ):
@@ -447,7 +450,8 @@ def test_a_damaged_dtype_record_is_refused(tmp_path, record):
 
 
 def test_big_endian_input_raises_like_stock(tmp_path):
-  # Issue 11.6d: device_put placed garbage with an invalid dtype; stock raises TypeError.
+  # Big-endian input raises as stock device_put does (TypeError), instead of
+  # placing values of an invalid dtype.
   x = np.arange(4, dtype=">f4")
   for tree in (x, [np.ones(2, np.float32), x], np.array(1.5, ">f8")):
     with pytest.raises(Exception) as theirs:
@@ -478,8 +482,9 @@ def test_big_endian_npy_files_from_elsewhere_restore_their_values(tmp_path):
 
 @pytest.mark.parametrize("x64", [False, True])
 def test_python_scalars_are_saved_as_jax_places_them(path, x64):
-  # Issue 11.6e: saved float64 then restore into eval_shape (float32) failed; a Python scalar
-  # in the target raised a bare AttributeError.
+  # Python scalars are saved as jax.device_put places them, so a restore into
+  # jax.eval_shape's tree (float32 with x64 off) works, and a Python scalar
+  # in the target is a leaf of its dtype and weak type.
   with jax.enable_x64(x64):
     state = {
       "lr": 0.1,

@@ -168,7 +168,7 @@ def test_same_exception_class_as_stock(name):
     assert type(got) is type(want), (want, got)
 
 
-def test_the_classes_this_issue_named():
+def test_longdouble_and_indivisible_raise_stock_classes():
   bad = np.ones(3, np.longdouble)
   with pytest.raises(TypeError) as info:
     bt.device_put(bad)

@@ -19,7 +19,7 @@ import pytest
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import checksum
 from jaxworks.batched_transfer._src.checkpoint import commit
-from jaxworks.batched_transfer._src.checkpoint import saver
+from jaxworks.batched_transfer._src.checkpoint import writer
 
 
 def _flip(file, at):
@@ -102,13 +102,13 @@ def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
   path = tmp_path / "p"
   t1, t2 = {"x": np.zeros(4)}, {"x": np.ones(4)}
   gate = threading.Event()
-  real = saver.write_checkpoint
+  real = writer.write_checkpoint
 
   def slow(*a, **k):
     gate.wait(30)
     return real(*a, **k)
 
-  saver.write_checkpoint = slow
+  writer.write_checkpoint = slow
   try:
     h1 = bt.save(path, t1, blocking=False)
     with pytest.raises(FileExistsError, match="still being written"):
@@ -118,7 +118,7 @@ def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
     h3 = bt.save(path, t2, blocking=False, overwrite=True)  # allowed
   finally:
     gate.set()
-    saver.write_checkpoint = real
+    writer.write_checkpoint = real
   h3.wait()
   try:  # committed first and replaced by h3, or refused after h3's commit
     h1.wait()
@@ -159,7 +159,7 @@ def test_the_commit_never_replaces_without_overwrite(tmp_path, fmt):
 def test_enospc_keeps_its_errno_and_names_the_checkpoint_and_file(tmp_path):
   # /dev/full: every write fails with ENOSPC, as a full disk does.
   with pytest.raises(OSError) as info:
-    saver.write_file(
+    writer.write_file(
       "api",
       str(tmp_path / "ckpt"),
       "/dev/full",

@@ -175,9 +175,9 @@ def test_what_save_cannot_store_is_refused_naming_the_path(
   assert not os.listdir(tmp_path)  # nothing written, no temporaries
 
 
-def test_the_issue_repro_str_leaf_restores(tmp_path):
-  # save(p, {"w": array, "run": "exp-42"}) wrote run.npy as <U6, and every
-  # restore raised, even with a target that leaves run out.
+def test_a_str_leaf_is_stored_by_value_and_restores(tmp_path):
+  # A str leaf is stored in the record (no run.npy), and the checkpoint
+  # restores, with a target that leaves it out too.
   tree = {"w": np.arange(4.0, dtype=np.float32), "run": "exp-42", "step": 7,
           "seed": None, "lr": 0.5}  # fmt: skip
   for fmt in ("d", "c.npz"):

@@ -32,10 +32,9 @@ import pytest
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
-from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
-from jaxworks.batched_transfer._src.checkpoint import manifest
-from jaxworks.batched_transfer._src.checkpoint import sharded
-from jaxworks.batched_transfer._src.checkpoint import sharded_restore
+from jaxworks.batched_transfer._src.checkpoint import format
+from jaxworks.batched_transfer._src.checkpoint import reader
+from jaxworks.batched_transfer._src.checkpoint import restore_shards
 
 API = "jaxworks.batched_transfer.restore"
 
@@ -133,7 +132,7 @@ def two_process_checkpoint(tmp_path_factory):
   for p in procs:
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0 and "WORKER-OK" in out, out[-3000:]
-  assert os.path.exists(os.path.join(path, sharded.MANIFEST))
+  assert os.path.exists(os.path.join(path, format.MANIFEST))
   return path
 
 
@@ -241,8 +240,8 @@ def write_manifest_checkpoint(path, tree, rows=4, cols=1):
       "dtype": a.dtype.name,
       "shards": shards,
     }
-  with open(os.path.join(path, sharded.MANIFEST), "w") as f:
-    json.dump({"format": sharded.MANIFEST_FORMAT, "processes": 2,
+  with open(os.path.join(path, format.MANIFEST), "w") as f:
+    json.dump({"format": format.MANIFEST_FORMAT, "processes": 2,
                "arrays": arrays}, f)  # fmt: skip
 
 
@@ -284,7 +283,7 @@ def test_a_manifest_checkpoint_replaced_while_restoring_is_read_whole(
   tmp_path, monkeypatch, held
 ):
   if not held:  # every shard file opened again when read, and checked
-    monkeypatch.setattr(checkpoint_files, "HELD_FILES", 0)
+    monkeypatch.setattr(reader, "HELD_FILES", 0)
   path = str(tmp_path / "c")
   write_manifest_checkpoint(path, version(1))
   target = like(version(1))
@@ -357,7 +356,7 @@ def test_a_bad_shard_file_is_refused_before_anything_is_placed(tmp_path, kind):
 
 
 def _damage(path, how):
-  file = path / sharded.MANIFEST
+  file = path / format.MANIFEST
   m = json.loads(file.read_text())
   if how == "json":
     file.write_text(file.read_text()[:-7])
@@ -375,7 +374,7 @@ def _damage(path, how):
     m["format"] = 99
   elif how == "huge":  # sparse: a restore reading it all would take minutes
     with open(file, "r+b") as f:
-      f.truncate(manifest.MAX_MANIFEST_BYTES + 10)
+      f.truncate(format.MAX_MANIFEST_BYTES + 10)
   elif how == "fifo":
     file.unlink()
     os.mkfifo(file)
@@ -417,19 +416,19 @@ def test_only_the_files_of_this_process_devices_are_opened(
   v = version(1, leaves=1, n=64)
   write_manifest_checkpoint(tmp_path / "c", v, rows=8)
   opened = []
-  real = checkpoint_files._open_file
+  real = reader.open_file
 
   def spy(name, dir_fd=None):
     opened.append(name)
     return real(name, dir_fd)
 
-  monkeypatch.setattr(checkpoint_files, "_open_file", spy)
+  monkeypatch.setattr(reader, "open_file", spy)
   out = bt.restore(tmp_path / "c", like(v), placement=jax.devices()[0])
   np.testing.assert_array_equal(np.asarray(out["l0"]), v["l0"])
   assert sorted(n for n in opened if n.endswith(".npy")) == sorted(
     f"l0.shards/{i}.npy" for i in range(8)
   )
-  assert checkpoint_files.MANIFEST_NAME == sharded.MANIFEST
+  assert format.MANIFEST == "jaxworks_manifest.json"
 
 
 @pytest.mark.parametrize("how", ["modified", "replaced"])
@@ -437,11 +436,11 @@ def test_a_shard_file_changed_after_validation_is_refused(
   tmp_path, monkeypatch, how
 ):
   if how == "replaced":  # opened again when read, and checked to be the same
-    monkeypatch.setattr(checkpoint_files, "HELD_FILES", 0)
+    monkeypatch.setattr(reader, "HELD_FILES", 0)
   v = version(1, leaves=2, n=64)
   write_manifest_checkpoint(tmp_path / "c", v)
   bad = tmp_path / "c" / "l0.shards" / "1.npy"
-  real = sharded_restore._read
+  real = restore_shards._read
 
   def change_then_read(*args):  # after validation, before the batch is read
     data = bad.read_bytes()
@@ -453,7 +452,7 @@ def test_a_shard_file_changed_after_validation_is_refused(
       bad.write_bytes(data)
     return real(*args)
 
-  monkeypatch.setattr(sharded_restore, "_read", change_then_read)
+  monkeypatch.setattr(restore_shards, "_read", change_then_read)
   with pytest.raises(ValueError) as err:
     bt.restore(tmp_path / "c", like(v))
   text = str(err.value)
@@ -470,7 +469,7 @@ def test_a_flipped_byte_in_a_shard_file_fails_its_checksum(
   # by reading the chunk again (rows: whole files; columns: parts of them).
   path = tmp_path / "ckpt"
   shutil.copytree(two_process_checkpoint, path)
-  m = json.loads((path / sharded.MANIFEST).read_text())
+  m = json.loads((path / format.MANIFEST).read_text())
   shard = m["arrays"]["w"]["shards"][3]
   assert isinstance(shard["crc32c"], list) and len(shard["crc32c"]) == 1
   with open(path / shard["file"], "r+b") as f:

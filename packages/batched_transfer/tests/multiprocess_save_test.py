@@ -170,7 +170,7 @@ SETUP = VALUES + textwrap.dedent("""
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=process_id, initialization_timeout=60)
     from jaxworks import batched_transfer as bt
-    from jaxworks.batched_transfer._src.checkpoint import commit, hostvalue, sharded
+    from jaxworks.batched_transfer._src.checkpoint import commit, hostvalue, multiprocess
     mesh = jax.make_mesh((8,), ("x",))
 
     def placed(step=0):
@@ -212,7 +212,7 @@ FAIL_WORKER = SETUP + textwrap.dedent("""
                      barrier_timeout_s=60, **kw)
 
     # Each failure is followed by a save with the same processes that works.
-    cases = [(1, sharded, "plan_save", "boom-plan"),
+    cases = [(1, multiprocess, "plan_save", "boom-plan"),
              (0, commit, "clean", "boom-clean"),
              (0, commit, "temp_name", "boom-mkdir"),
              (1, hostvalue, "write_npy", "boom-write"),

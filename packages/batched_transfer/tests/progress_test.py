@@ -2,7 +2,7 @@
 
 import io
 
-from jaxworks.batched_transfer._src.progress import Progress
+from jaxworks.batched_transfer._src.checkpoint.progress import Progress
 
 
 class Tty(io.StringIO):

@@ -12,7 +12,8 @@ from overwrite_race import restore_while_replacing
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
+from jaxworks.batched_transfer._src.checkpoint import format
+from jaxworks.batched_transfer._src.checkpoint import reader
 
 API = "jaxworks.batched_transfer.restore"
 
@@ -53,7 +54,7 @@ def test_a_checkpoint_replaced_while_restoring_is_read_whole_or_refused(
   tmp_path, monkeypatch, fmt, held
 ):
   if not held:  # every file opened again when read, and checked to be the same
-    monkeypatch.setattr(checkpoint_files, "HELD_FILES", 0)
+    monkeypatch.setattr(reader, "HELD_FILES", 0)
   path = tmp_path / ("c.npz" if fmt == "npz" else "c")
   bt.save(path, version(1))
   target = like(version(1))
@@ -73,16 +74,16 @@ def test_a_checkpoint_replaced_while_restoring_is_read_whole_or_refused(
 def test_a_file_replaced_before_it_is_opened_again_is_refused(
   tmp_path, monkeypatch
 ):
-  monkeypatch.setattr(checkpoint_files, "HELD_FILES", 0)
+  monkeypatch.setattr(reader, "HELD_FILES", 0)
   bt.save(tmp_path / "d", version(1, leaves=2))
-  real = checkpoint_files.load
+  real = reader.load
 
   def replace_then_load(api, where, key, s, files):
     bt.save(tmp_path / "new", version(2, leaves=2))
     os.replace(tmp_path / "new" / f"{key}.npy", tmp_path / "d" / f"{key}.npy")
     return real(api, where, key, s, files)
 
-  monkeypatch.setattr(checkpoint_files, "load", replace_then_load)
+  monkeypatch.setattr(reader, "load", replace_then_load)
   with pytest.raises(
     ValueError, match=r"reading .*l0\.npy' failed: it was replaced after"
   ):
@@ -92,7 +93,7 @@ def test_a_file_replaced_before_it_is_opened_again_is_refused(
 def test_a_file_modified_in_place_while_read_is_refused(tmp_path, monkeypatch):
   bt.save(tmp_path / "d", version(1, leaves=1))
   file = tmp_path / "d" / "l0.npy"
-  real = checkpoint_files.load
+  real = reader.load
 
   def modify_then_load(api, where, key, s, files):
     st = os.stat(file)
@@ -102,7 +103,7 @@ def test_a_file_modified_in_place_while_read_is_refused(tmp_path, monkeypatch):
     os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     return real(api, where, key, s, files)
 
-  monkeypatch.setattr(checkpoint_files, "load", modify_then_load)
+  monkeypatch.setattr(reader, "load", modify_then_load)
   with pytest.raises(
     ValueError, match=r"reading .*l0\.npy' failed: it was modified while"
   ):
@@ -116,7 +117,7 @@ def test_what_is_not_a_regular_file_is_refused_without_blocking(
   bt.save(tmp_path / "d", version(1, leaves=1))
   fifo = {
     "leaf": tmp_path / "d" / "l0.npy",
-    "record": tmp_path / "d" / checkpoint_files.DTYPE_RECORD,
+    "record": tmp_path / "d" / format.RECORD,
     "checkpoint": tmp_path / "c.npz",
   }[where]
   if fifo.exists():

@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src import prefetch
-from jaxworks.batched_transfer._src.checkpoint import files as checkpoint_files
-from jaxworks.batched_transfer._src.checkpoint import (
-  restore as checkpoint_restore,
-)
+from jaxworks.batched_transfer._src.checkpoint import prefetch
+from jaxworks.batched_transfer._src.checkpoint import reader
+from jaxworks.batched_transfer._src.checkpoint import restore_files
 
 
 def like(tree):
@@ -43,7 +41,7 @@ class Spy:
   def __init__(self, monkeypatch, on_place=None, on_load=None):
     self.lock = threading.Lock()
     self.loaded, self.placed, self.results = [], [], []
-    real_load, real_place = checkpoint_files.load, checkpoint_restore.place
+    real_load, real_place = reader.load, restore_files.place
 
     def load(api, where, key, s, files):
       if on_load is not None:
@@ -62,8 +60,8 @@ class Spy:
         self.results.extend(out)
       return out
 
-    monkeypatch.setattr(checkpoint_files, "load", load)
-    monkeypatch.setattr(checkpoint_restore, "place", place)
+    monkeypatch.setattr(reader, "load", load)
+    monkeypatch.setattr(restore_files, "place", place)
 
 
 @pytest.mark.parametrize("fmt", ["dir", "npz"])
@@ -84,7 +82,7 @@ def test_data_lands_in_aligned_buffers_that_the_device_takes_over(
   assert len(leaves) == 3
   for x, y, key in zip(leaves, spy.results, ["a", "b", "c"]):
     assert type(x) is np.ndarray and not isinstance(x.base, np.memmap)
-    assert x.ctypes.data % checkpoint_files.ALIGN == 0
+    assert x.ctypes.data % reader.ALIGN == 0
     # On CPU the device array is the buffer restore read into: no second copy.
     if x.flags.c_contiguous:
       assert y.unsafe_buffer_pointer() == x.ctypes.data, key
@@ -142,7 +140,7 @@ def test_big_endian_data_is_swapped_in_its_own_buffer(tmp_path, monkeypatch):
   )
   (placed,) = spy.placed[0]
   assert placed.dtype == np.dtype("float32") and placed.dtype.isnative
-  assert placed.ctypes.data % checkpoint_files.ALIGN == 0
+  assert placed.ctypes.data % reader.ALIGN == 0
   np.testing.assert_array_equal(np.asarray(out["x"]), x.astype(np.float32))
 
 
@@ -165,7 +163,7 @@ def test_batches_are_half_the_budget_and_reads_stay_within_it(
         state["peak"] = max(state["peak"], state["in_flight"])
 
   spy = Spy(monkeypatch, on_load=on_load)
-  real_place = checkpoint_restore.place
+  real_place = restore_files.place
 
   def place_then_count(leaves, target=None, **kwargs):
     out = real_place(leaves, target, **kwargs)
@@ -174,7 +172,7 @@ def test_batches_are_half_the_budget_and_reads_stay_within_it(
       state["in_flight"] -= sum(x.nbytes for x in leaves)
     return out
 
-  monkeypatch.setattr(checkpoint_restore, "place", place_then_count)
+  monkeypatch.setattr(restore_files, "place", place_then_count)
   out = bt.restore(tmp_path / "s.npz", like(tree), max_inflight_bytes=4096)
   # batches of at most 2 KiB; the 8 KiB leaf alone, read when nothing else is
   # in flight; every other read within the 4 KiB budget
@@ -222,7 +220,7 @@ def test_one_batch_is_read_on_the_calling_thread(
 def test_batches_are_capped_whatever_the_budget(tmp_path, monkeypatch):
   tree = [np.full(256, k, np.float32) for k in range(5)]  # 1 KiB each
   bt.save(tmp_path / "d", tree)
-  monkeypatch.setattr(checkpoint_restore, "BATCH_CAP", 2048)
+  monkeypatch.setattr(prefetch, "BATCH_CAP", 2048)
   spy = Spy(monkeypatch)
   out = bt.restore(tmp_path / "d", like(tree))  # default budget: 256 MiB
   assert [len(b) for b in spy.placed] == [2, 2, 1]
@@ -303,7 +301,7 @@ def test_an_error_while_waiting_for_a_batch_deletes_it_too(
       raise RuntimeError("transfer failed")
     return real_wait(x)
 
-  monkeypatch.setattr(checkpoint_restore.jax, "block_until_ready", wait)
+  monkeypatch.setattr(prefetch.jax, "block_until_ready", wait)
   with pytest.raises(RuntimeError, match="transfer failed"):
     bt.restore(tmp_path / "d", like(tree), max_inflight_bytes=4096)
   assert len(spy.results) == 4 and all(y.is_deleted() for y in spy.results)
@@ -336,7 +334,7 @@ def chunk_threads():
   return [
     t
     for t in threading.enumerate()
-    if t.name.startswith(checkpoint_files.READ_THREAD_PREFIX)
+    if t.name.startswith(reader.READ_THREAD_PREFIX)
   ]
 
 
@@ -353,7 +351,7 @@ class ChunkSpy:
     self.reads = []
     barrier = threading.Barrier(meet) if meet else None
     seen = set()
-    real = checkpoint_files._read_range
+    real = reader.read_range
 
     def read_range(fd, view, offset, lo, hi):
       me = threading.current_thread().name
@@ -366,7 +364,7 @@ class ChunkSpy:
       with self.lock:
         self.reads.append((me, lo, hi))
 
-    monkeypatch.setattr(checkpoint_files, "_read_range", read_range)
+    monkeypatch.setattr(reader, "read_range", read_range)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])
@@ -376,7 +374,7 @@ def test_a_large_file_is_read_in_chunks_by_several_threads(
   rng = np.random.default_rng(threads)
   tree = {"big": rng.standard_normal((64, 33)).astype(np.float32)}  # 8448 B
   bt.save(tmp_path / "d", tree)
-  monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
+  monkeypatch.setattr(reader, "CHUNK", 1000)
   spy = ChunkSpy(monkeypatch, meet=threads)
   out = bt.restore(tmp_path / "d", like(tree), read_threads=threads)
   np.testing.assert_array_equal(np.asarray(out["big"]), tree["big"])
@@ -388,14 +386,14 @@ def test_a_large_file_is_read_in_chunks_by_several_threads(
   names = {name for name, lo, hi in spy.reads}
   assert len(names) == threads and "MainThread" in names
   pool = names - {"MainThread"}
-  assert all(n.startswith(checkpoint_files.READ_THREAD_PREFIX) for n in pool)
+  assert all(n.startswith(reader.READ_THREAD_PREFIX) for n in pool)
   assert chunk_threads() == []  # the pool is joined when restore returns
 
 
 def test_one_read_thread_reads_each_file_in_one_piece(tmp_path, monkeypatch):
   tree = {"big": np.arange(5000, dtype=np.float32)}
   bt.save(tmp_path / "d", tree)
-  monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
+  monkeypatch.setattr(reader, "CHUNK", 1000)
   spy = ChunkSpy(monkeypatch)
   out = bt.restore(tmp_path / "d", like(tree), read_threads=1)
   np.testing.assert_array_equal(np.asarray(out["big"]), tree["big"])
@@ -407,9 +405,9 @@ def test_a_chunk_that_fails_fails_the_restore_after_every_thread_stopped(
 ):
   tree = {"big": np.arange(5000, dtype=np.float32)}
   bt.save(tmp_path / "d", tree)
-  monkeypatch.setattr(checkpoint_files, "CHUNK", 1000)
+  monkeypatch.setattr(reader, "CHUNK", 1000)
   file = tmp_path / "d" / "big.npy"
-  real = checkpoint_files._read_range
+  real = reader.read_range
   active = []
   shrunk = threading.Event()
 
@@ -424,7 +422,7 @@ def test_a_chunk_that_fails_fails_the_restore_after_every_thread_stopped(
     finally:
       active.pop()
 
-  monkeypatch.setattr(checkpoint_files, "_read_range", read_range)
+  monkeypatch.setattr(reader, "read_range", read_range)
   spy = Spy(monkeypatch)
   with pytest.raises(
     ValueError,

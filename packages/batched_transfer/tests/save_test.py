@@ -16,7 +16,7 @@ from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import hostvalue
 from jaxworks.batched_transfer._src.checkpoint import pending
-from jaxworks.batched_transfer._src.checkpoint import saver as save_mod
+from jaxworks.batched_transfer._src.checkpoint import writer
 
 
 def like(tree):
@@ -161,13 +161,13 @@ def test_device_copies_start_ahead_within_the_budget(tmp_path, monkeypatch):
   monkeypatch.setattr(
     hostvalue, "start_copy", lambda x: (events.append("start"), real_start(x))
   )
-  real_take = save_mod._Leaves.take
+  real_take = writer.Staged.take
 
   def take(self, i):
     events.append(("take", i, self.inflight))
     return real_take(self, i)
 
-  monkeypatch.setattr(save_mod._Leaves, "take", take)
+  monkeypatch.setattr(writer.Staged, "take", take)
   bt.save(tmp_path / "c", xs, max_inflight_bytes=3 * 1024)
   check(str(tmp_path / "c"), xs)
   started = 0
@@ -290,7 +290,7 @@ def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
   def boom(*args):
     raise OSError(5, "Input/output error")
 
-  monkeypatch.setattr(save_mod, "write_checkpoint", boom)
+  monkeypatch.setattr(writer, "write_checkpoint", boom)
   h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
   h._event.wait()
   with pytest.raises(OSError, match="Input/output error") as info:
@@ -306,9 +306,9 @@ def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
 
 def test_wait_with_a_timeout(tmp_path, monkeypatch):
   gate = threading.Event()
-  real = save_mod.write_checkpoint
+  real = writer.write_checkpoint
   monkeypatch.setattr(
-    save_mod, "write_checkpoint", lambda *a: (gate.wait(), real(*a))
+    writer, "write_checkpoint", lambda *a: (gate.wait(), real(*a))
   )
   h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
   with pytest.raises(TimeoutError, match="did not finish within"):
@@ -323,7 +323,7 @@ def test_the_process_exit_waits_for_pending_saves(tmp_path):
   script = textwrap.dedent(f"""
       import numpy as np
       from jaxworks import batched_transfer as bt
-      from jaxworks.batched_transfer._src.checkpoint import saver as m
+      from jaxworks.batched_transfer._src.checkpoint import writer as m
       real = m.write_checkpoint
       def slow(*a):
         import time; time.sleep(0.5); real(*a)

@@ -90,8 +90,9 @@ def test_device_put_onto_every_spec(dtype):
     assert_same_as_stock(out[k], ref[k])
 
 
-def test_issue_repro_partly_replicated_restore(tmp_path):
-  # Issue 11.5: this raised RuntimeError: bad_function_call.
+def test_partly_replicated_restore(tmp_path):
+  # A restore onto a sharding that replicates the array over one mesh axis
+  # places it as jax.device_put does.
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   w = np.arange(32, dtype=np.float32).reshape(8, 4)
   bt.save(tmp_path / "c.npz", {"w": w})

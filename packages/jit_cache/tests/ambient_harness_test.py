@@ -81,7 +81,10 @@ TARGETS = {
   "cfg:check_vma": "psum_probe",
 }
 
-# More targeted pairs: the bug classes of issue 21 points 1 and 2.
+# More targeted pairs: programs re-created with values that compare equal but
+# compute differently (NaN payloads, -0.0, a closed-over ref), and programs
+# under context they read without naming it (a probed axis, the default
+# device, the mesh, an array layout).
 EXTRA = [
   ("nan_python_float_where", "closure_variant"),
   ("nan_payload_bits", "closure_variant"),

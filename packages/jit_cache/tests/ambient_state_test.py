@@ -1,5 +1,5 @@
-"""Issue 21's repros: what JAX reads from context is part of the keys, and
-JAX's own callers of a jaxworks stage work. Each case runs stock jax.jit and
+"""What JAX reads from context is part of the keys, and JAX's own callers of
+a jaxworks stage work. Each case runs stock jax.jit and
 jit_cache.jit side by side and compares results bit for bit."""
 
 import os

@@ -57,9 +57,9 @@ def _probe(x):
 
 @pytest.mark.parametrize("first", ["unbound", "other-name"])
 def test_axis_probe_sees_the_environment_of_each_call(first):
-  # Issue 21: a function that probes an axis, first traced where the axis is
-  # unbound, must see it bound later (an entry was shared across
-  # environments because the jaxpr used no axis name).
+  # A function that probes an axis, first traced where the axis is unbound,
+  # sees it bound later: the axis environment is in the key even when the
+  # jaxpr uses no axis name.
   results = {}
   for name, jit_ in (("stock", jax.jit), ("jaxworks", jit)):
     f = jit_(_probe)

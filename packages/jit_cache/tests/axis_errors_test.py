@@ -69,7 +69,7 @@ def test_under_an_outer_trace_the_error_is_stocks():
 
 def test_a_call_that_works_imports_neither_axis_names_nor_jax_extend():
   """axis_names is imported for the first axis-name error; ``jax.extend``
-  (which imports Pallas: ~14 ms) never by jit_cache's own path."""
+  (which imports Pallas too) never by jit_cache's own path."""
   code = (
     "import sys, jax, jax.numpy as jnp\n"
     "from jaxworks import jit_cache\n"

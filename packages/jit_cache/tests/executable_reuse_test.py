@@ -250,7 +250,7 @@ def test_out_shardings_are_part_of_the_key():
   )
 
 
-# -- equation contexts (issue 11, point 1) ------------------------------------
+# -- equation contexts are in the key -----------------------------------------
 
 
 def _uniform(partitionable):
@@ -344,7 +344,7 @@ def test_default_matmul_precision_inside_and_outside_the_body():
   np.testing.assert_array_equal(out, want)
 
 
-# -- opaque parameter objects compare by identity (issue 11, point 1) ----------
+# -- opaque parameter objects compare by identity -----------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +420,7 @@ def test_debug_callback_with_lying_eq_objects():
   assert _counts(fb) == (1, 0)
 
 
-# -- mutable numpy constants (issue 11, point 1) ------------------------------
+# -- mutable numpy constants: a re-created closure sees their content now ------
 
 
 def test_numpy_constant_mutated_after_the_first_compile():
@@ -452,7 +452,7 @@ def test_numpy_constant_in_a_cached_inner_jit_of_ours():
   np.testing.assert_array_equal(f2(ones), jax.jit(make())(ones))
 
 
-# -- what outlives a function (issue 11, point 3) -----------------------------
+# -- what outlives a function -------------------------------------------------
 
 
 def test_reuse_after_the_first_function_died():

@@ -122,10 +122,10 @@ def _rss_mib() -> float:
 
 
 def test_dead_closures_cost_what_the_byte_bound_allows():
-  # Issue 21: 600 tiny distinct closures grew the process by 129 MiB (stock:
-  # 0.6 MiB): their executables stayed in a cache bounded by count alone. With
-  # the old count bound (1024) and a byte bound of 8 MiB, 250 dead closures
-  # (about 50 MiB of executables) may grow the process by 8 MiB plus slack.
+  # Executables of dead closures are bounded by bytes, not by count alone:
+  # with a loose count bound (1024) and a byte bound of 8 MiB, 250 dead
+  # closures (about 50 MiB of executables) may grow the process by 8 MiB
+  # plus slack.
   jit_cache.clear_caches()
   x = jnp.ones(3)
   for k in range(20):  # warm up allocator and JAX's own caches
@@ -240,8 +240,8 @@ def test_clear_caches_empties_every_cache():
 
 
 def test_evicted_executables_are_freed_on_the_reaper_thread():
-  # Freeing an XLA executable takes 0.2-0.5 ms: the compile that evicts one
-  # hands it to the reaper thread instead of freeing it on its own path.
+  # The compile that evicts an executable hands it to the reaper thread
+  # instead of freeing it on its own path.
   jit_cache.clear_caches()
   x = jnp.ones(4)
   freed_on = []

@@ -258,8 +258,11 @@ def _scenario(a, b, where_a=(None, None, 1), where_b=(None, None, 1), seed=0):
 
 
 def test_each_known_bug_has_a_scenario():
-  """The classes of issue 11 point 1-2, as fixed scenarios (the generator
-  finds them too; these keep them in every run)."""
+  """Programs that must not share an executable although their jaxprs look
+  alike (random bits under another ``threefry_partitionable``, different
+  host callbacks, an inner jit, another user context value, another matmul
+  precision), as fixed scenarios: the generator finds them too; these keep
+  them in every run."""
   for scenario in (
     _scenario((("random", None, 0),), (("random", False, 0),)),
     _scenario((("pure_cb", 0),), (("pure_cb", 1),)),

@@ -339,7 +339,7 @@ def test_program_is_traced_and_cached_by_jit_cache():
   f(x)
   assert jaxworks.jit_cache.stats().traces == before + 1
   assert isinstance(
-    f._entries[next(iter(f._entries))].jitted, jaxworks.jit_cache.JitFunction
+    f._entries.values()[0].jitted, jaxworks.jit_cache.JitFunction
   )
 
 

@@ -47,7 +47,8 @@ def _stock(fun, static, x):
 
 
 def test_static_int_float_bool_are_different_programs():
-  # The issue's repro: f(x, 1) then f(x, 1.0) returned int32 (stock float32).
+  # f(x, 1) then f(x, 1.0): the second call traces its own program and
+  # returns float32, as stock does (one shared program would return int32).
   x = jnp.ones(N, jnp.int32)
   mul = lambda v, k: v * k
   f = pmap(mul, static_broadcasted_argnums=1)
@@ -153,8 +154,8 @@ def test_unhashable_static_is_a_value_error_as_in_stock():
 
 
 def test_lower_and_trace_keep_weak_types():
-  # The issue's repro: a bf16 input times a Python scalar lowered to a
-  # float32 output while the call returns bf16.
+  # A bf16 input times a weakly typed Python scalar: the stages' output is
+  # bf16, as the call's is (a strongly typed scalar would make it float32).
   x = jnp.ones(N, jnp.bfloat16)
   fun = lambda v, s: v * s
   f = pmap(fun, in_axes=(0, None))
@@ -231,7 +232,7 @@ def test_table_drops_the_evicted_programs():
   f(x, 2)
   f(x, 3)
   assert all(e.jitted is not first for e in f._entries.values())
-  assert len(f._flat_axes) <= 2
+  assert len(f._args._flat_axes) <= 2
 
 
 def test_nested_list_in_axes_as_in_stock():

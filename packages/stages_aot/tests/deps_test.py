@@ -1,6 +1,8 @@
-"""Minimum versions of jaxworks dependencies, and the jit used by trace()."""
+"""The version checks, and that stages_aot needs no other jaxworks package."""
 
 import os
+import subprocess
+import sys
 import types
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,7 +11,6 @@ import pytest
 
 from jaxworks.stages_aot._src import dep_check
 from jaxworks.stages_aot._src import deps
-from jaxworks.stages_aot._src import entry
 
 
 def test_check_version():
@@ -31,17 +32,45 @@ def test_check_version():
     )
 
 
-def test_jit_cache_is_loaded_and_recent_enough():
-  import jaxworks.jit_cache as jit_cache
-
-  assert deps.load_jit_cache() is jit_cache
-  dep_check.check_version(
+def test_needs_no_other_jaxworks_package():
+  """A leaf: no jaxworks minimum to check, and trace -> lower -> export ->
+  deserialize and artifacts import no other jaxworks package."""
+  assert deps.MINIMUM_VERSIONS == {}
+  assert set(deps.written_by()) == {
+    "jax",
+    "jaxlib",
+    "numpy",
+    "python",
     "jaxworks.stages_aot",
-    "jaxworks.jit_cache",
-    jit_cache.__version__,
-    deps.MIN_JIT_CACHE_VERSION,
+  }
+  code = (
+    "import sys, tempfile, numpy as np, jax.numpy as jnp\n"
+    "from jaxworks import stages_aot as sa\n"
+    "x = np.ones(3, np.float32)\n"
+    "lowered = sa.trace(jnp.sin, x).lower(lowering_platforms=('cpu', 'tpu'))\n"
+    "exp = sa.deserialize(lowered.export(vjp_order=1).serialize())\n"
+    "sa.save_artifact(exp, tempfile.mkdtemp() + '/a')\n"
+    "print(type(lowered).__module__, lowered.compile()(x).shape)\n"
+    "print(sorted(m for m in sys.modules if m.startswith('jaxworks.')\n"
+    "             and not m.startswith('jaxworks.stages_aot')))\n"
   )
-  assert entry.default_jit() is jit_cache.jit
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    env=dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+      JAX_PLATFORMS="cpu",
+    ),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert out.stdout.splitlines() == [
+    "jaxworks.stages_aot._src.stages (3,)",
+    "[]",
+  ], out.stdout
 
 
 def test_incomplete_or_missing_dependency_is_actionable():

@@ -60,7 +60,7 @@ def test_serialized_bytes_equal_jax_export():
     assert sa.trace(jax.jit(f), *specs).lower(
       lowering_platforms=platforms
     ).export().serialize() == bytes(stock.serialize())
-    # Through trace() (jaxworks.jit_cache), the same module up to locations.
+    # Through trace() of the plain function, the same module up to locations.
     ours = sa.trace(f, *specs).lower(lowering_platforms=platforms).export()
     assert without_locations(ours.mlir_text()) == without_locations(
       stock.mlir_module()

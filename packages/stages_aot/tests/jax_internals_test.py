@@ -65,3 +65,82 @@ def test_module_reader_imports_what_jax_extend_mlir_exposes():
   assert answer["results"] == [
     {"text": "tensor<3x3xf32>", "shape": [3, 3], "element": "f32"}
   ]
+
+
+def test_jax_extend_names_are_the_same_objects():
+  import jax.extend.backend
+  import jax.extend.source_info_util
+
+  assert (
+    jax_internals.register_source_exclusion
+    is jax.extend.source_info_util.register_exclusion
+  )
+  assert jax_internals.backends is jax.extend.backend.backends
+  assert set(jax_internals.backends()) >= {"cpu"}
+
+
+# -- the stage family ------------------------------------------------------------
+
+
+def test_export_lowering_parameters_fields():
+  params = jax_internals.export_lowering_parameters()
+  assert params.for_export is True and params.hoist_constants_as_args is False
+  assert params.export_ignore_forward_compatibility is False
+
+
+def test_lower_for_export_and_its_platforms():
+  traced = jax.jit(f).trace(SPEC)
+  lowered = jax_internals.lower_for_export(traced, ("cpu", "tpu"))
+  assert type(lowered) is jax.stages.Lowered
+  assert jax_internals.lowering_platforms(lowered) == ("cpu", "tpu")
+  # The same module as stock's lowering for these platforms here.
+  stock = traced.lower(lowering_platforms=("cpu", "tpu"))
+  assert lowered.as_text() == stock.as_text()
+
+
+def test_lowering_committed_and_with_committed():
+  x = np.arange(12, dtype=np.float32).reshape(3, 4)
+  uncommitted = jax.jit(f).trace(x).lower()
+  committed = jax.jit(f).trace(jax.device_put(x, jax.devices()[0]))
+  assert jax_internals.lowering_committed(uncommitted) is False
+  assert jax_internals.lowering_committed(committed.lower()) is True
+  assert uncommitted.compile()(x).committed is False
+  flipped = jax_internals.with_committed(uncommitted, True)
+  assert type(flipped) is jax.stages.Lowered
+  assert flipped.compile()(x).committed is True
+  # The original lowering (which JAX may cache and share) is unchanged.
+  assert jax_internals.lowering_committed(uncommitted) is False
+  assert uncommitted.compile()(x).committed is False
+
+
+def test_export_lowered_equals_jax_export():
+  traced = jax.jit(f).trace(SPEC)
+  lowered = jax_internals.lower_for_export(traced, ("cpu", "cuda"))
+  ours = jax_internals.export_lowered(
+    lowered, traced.jaxpr, traced.fun_name, disabled_checks=()
+  )
+  stock = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(SPEC)
+  assert isinstance(ours, jax.export.Exported)
+  assert ours.platforms == ("cpu", "cuda") and ours.fun_name == "f"
+  assert bytes(ours.serialize()) == bytes(stock.serialize())
+  x = np.arange(12, dtype=np.float32).reshape(3, 4)
+  np.testing.assert_allclose(ours.call(x), f(x), rtol=1e-6)
+
+
+def test_stage_as_shares_the_stock_state():
+  class MyTraced(jax.stages.Traced):
+    pass
+
+  class MyCompiled(jax.stages.Compiled):
+    pass
+
+  traced = jax.jit(f).trace(SPEC)
+  mine = jax_internals.stage_as(MyTraced, traced)
+  assert type(mine) is MyTraced and mine.jaxpr is traced.jaxpr
+  assert mine.in_tree == traced.in_tree and mine.out_avals == traced.out_avals
+  compiled = traced.lower().compile()
+  mc = jax_internals.stage_as(MyCompiled, compiled)
+  x = np.ones((3, 4), np.float32)
+  np.testing.assert_array_equal(mc(x), compiled(x))
+  assert mc.input_formats == compiled.input_formats
+  assert mc.runtime_executable() is compiled.runtime_executable()

@@ -13,11 +13,11 @@ from ._src.adopt import uninstall as uninstall
 from ._src.api import device_put as device_put
 from ._src.api import place_for as place_for
 from ._src.api import plan as plan
+from ._src.checkpoint.api import SaveHandle as SaveHandle
+from ._src.checkpoint.api import metadata as metadata
+from ._src.checkpoint.api import restore as restore
+from ._src.checkpoint.api import save as save
 from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
-from ._src.checkpoint.pending import SaveHandle as SaveHandle
-from ._src.checkpoint.restore import metadata as metadata
-from ._src.checkpoint.restore import restore as restore
-from ._src.checkpoint.saver import save as save
 from ._src.plan import PlannedGroup as PlannedGroup
 from ._src.plan import TransferPlan as TransferPlan
 from .version import __version__ as __version__

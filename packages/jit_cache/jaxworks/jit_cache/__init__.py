@@ -10,8 +10,9 @@ program, ``uninstall()`` undoes it, ``installed()`` does both around a block.
 
 Stages: ``jit(f).trace(...)`` gives a :class:`Traced`, its
 ``lower(lowering_platforms=...)`` a :class:`Lowered` (for any platforms, from
-any host) and ``compile()`` a :class:`Compiled`: subclasses of the
-``jax.stages`` classes, the one family every jaxworks package returns.
+any host) and ``compile()`` a :class:`Compiled`: jaxworks.stages_aot's
+subclasses of the ``jax.stages`` classes, the one family every jaxworks
+package returns (re-exported here).
 """
 
 import os as _os
@@ -20,9 +21,10 @@ from typing import TYPE_CHECKING
 from ._src import deps as _deps
 from .version import __version__ as __version__
 
-# Checked at import, as before names became lazy: an unsupported jax/jaxlib
-# raises ImportError and a missing or too old jaxworks.axis_names a
-# RuntimeError naming the pip command, here rather than at the first use.
+# Checked at import, although the names below are imported lazily: an
+# unsupported jax/jaxlib raises ImportError and a missing or too old
+# jaxworks.axis_names a RuntimeError naming the pip command, here rather than
+# at the first use of a name.
 _deps.check_jax()
 _deps.check_versions()
 
@@ -31,11 +33,17 @@ if TYPE_CHECKING:
   from ._src.adopt import installed as installed
   from ._src.adopt import is_installed as is_installed
   from ._src.adopt import uninstall as uninstall
+  from ._src.api import KNOWN_PLATFORMS as KNOWN_PLATFORMS
+  from ._src.api import Compiled as Compiled
   from ._src.api import JitFunction as JitFunction
+  from ._src.api import Lowered as Lowered
+  from ._src.api import Traced as Traced
+  from ._src.api import canonical_platforms as canonical_platforms
   from ._src.api import clear_caches as clear_caches
   from ._src.api import eval_shape as eval_shape
   from ._src.api import jit as jit
   from ._src.api import make_jaxpr as make_jaxpr
+  from ._src.api import present_platforms as present_platforms
   from ._src.api import reset_stats as reset_stats
   from ._src.api import set_global_maxsize as set_global_maxsize
   from ._src.api import stats as stats
@@ -43,13 +51,6 @@ if TYPE_CHECKING:
   from ._src.cache import CacheInfo as CacheInfo
   from ._src.persistent import config as config
   from ._src.persistent import set_cache_dir as set_cache_dir
-  from ._src.platforms import KNOWN_PLATFORMS as KNOWN_PLATFORMS
-  from ._src.platforms import canonical_platforms as canonical_platforms
-  from ._src.platforms import present_platforms as present_platforms
-  from ._src.stages import Compiled as Compiled
-  from ._src.stages import Lowered as Lowered
-  from ._src.stages import Traced as Traced
-  from ._src.stages import register_exporter as register_exporter
 
 # Names are imported when first used (PEP 562), so ``import
 # jaxworks.jit_cache`` costs little on top of ``import jax``; the first use
@@ -71,13 +72,13 @@ _LAZY = {
   "CacheInfo": "_src.cache",
   "config": "_src.persistent",
   "set_cache_dir": "_src.persistent",
-  "KNOWN_PLATFORMS": "_src.platforms",
-  "canonical_platforms": "_src.platforms",
-  "present_platforms": "_src.platforms",
-  "Compiled": "_src.stages",
-  "Lowered": "_src.stages",
-  "Traced": "_src.stages",
-  "register_exporter": "_src.stages",
+  # The stage family and platform names are jaxworks.stages_aot's.
+  "KNOWN_PLATFORMS": "_src.api",
+  "canonical_platforms": "_src.api",
+  "present_platforms": "_src.api",
+  "Compiled": "_src.api",
+  "Lowered": "_src.api",
+  "Traced": "_src.api",
 }
 
 
@@ -119,7 +120,6 @@ __all__ = [
   "jit",
   "make_jaxpr",
   "present_platforms",
-  "register_exporter",
   "reset_stats",
   "set_cache_dir",
   "set_global_maxsize",

@@ -1,3 +1,3 @@
 """Version of jaxworks.jit_cache (the one place it is set)."""
 
-__version__ = "0.5.1"
+__version__ = "0.6.0"

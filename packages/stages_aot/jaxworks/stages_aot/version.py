@@ -1,3 +1,3 @@
 """Version of jaxworks.stages_aot (the one place it is defined)."""
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"

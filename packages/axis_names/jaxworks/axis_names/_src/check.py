@@ -402,9 +402,11 @@ def diagnose(
   Args:
     err: the exception, with its traceback (unfiltered: call this below
       the outermost JAX API boundary).
-    fun, *args, **kwargs: the function traced and its arguments; a
-      ``NameError`` is diagnosed by tracing it again (every problem listed).
+    fun: the function traced; a ``NameError`` is diagnosed by tracing it
+      again with the arguments (every problem listed).
+    *args: its positional arguments.
     api: the entry point named in the message.
+    **kwargs: its keyword arguments.
   """
   if isinstance(err, AxisNameError):
     return None

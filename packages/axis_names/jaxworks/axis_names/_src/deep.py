@@ -4,7 +4,7 @@ Inside a ``shard_map`` an axis name is not only in collectives: abstract
 values record the manual axes they vary over (``f32[2]{V:i}``) and their
 sharding's mesh, equations record the abstract mesh they were traced under,
 and params such as ``jit``'s ``ctx_mesh`` or a ``sharding=`` hold meshes and
-``PartitionSpec``s. ``names_of`` lists the manual axis names such a value
+``PartitionSpec`` objects. ``names_of`` lists the manual axis names such a value
 mentions and ``rename`` rebuilds it under a mapping, returning the same
 object when nothing changes (so untouched structure stays shared). Only
 manual mesh axes are renamed: those are the names collectives use. The one

@@ -239,18 +239,7 @@ def resolve(
   n = len(leaves)
   default_dst = single_device_sharding(jax_internals.default_device())
   if n == 0:
-    # As in jax.device_put, a tree without leaves only has its prefixes' structure
-    # checked: any target, flag or src value is accepted.
-    for what, prefix in (
-      ("target", target),
-      ("src", src),
-      ("donate", donate),
-      ("may_alias", may_alias),
-    ):
-      if prefix is not None:
-        broadcast_prefix(
-          api, what, prefix, tree, treedef, 0, _is_plain_leaf, TARGET_TEXT
-        )
+    _check_empty(api, tree, treedef, target, src, donate, may_alias)
     return Request(
       api=api,
       tree=tree,
@@ -266,61 +255,28 @@ def resolve(
       srcs=None,
       default_dst=default_dst,
     )
-  raw_targets = broadcast_prefix(
-    api, "target", target, tree, treedef, n, is_target_leaf, TARGET_TEXT
-  )
 
-  # Each distinct target object is normalized once (targets are few, leaves many).
-  if is_target_leaf(target):
-    s, layout, committed = normalize_target(api, target)
-    dsts = [s] * n
-    layouts = None if layout is None else [layout] * n
-    committed_flat = [committed] * n
-  else:
-    norm: dict[int, tuple[Any, Any, bool]] = {}
-    for t in raw_targets:
-      if id(t) not in norm:
-        norm[id(t)] = normalize_target(api, t)
-    triples = [norm[id(t)] for t in raw_targets]
-    dsts = [x[0] for x in triples]
-    layouts = [x[1] for x in triples]
-    if all(l is None for l in layouts):
-      layouts = None
-    committed_flat = [x[2] for x in triples]
+  def per_leaf(what, prefix, is_leaf, expected):
+    return broadcast_prefix(
+      api, what, prefix, tree, treedef, n, is_leaf, expected
+    )
 
+  raw_targets = per_leaf("target", target, is_target_leaf, TARGET_TEXT)
+  dsts, layouts, committed = _destinations(api, target, raw_targets)
   # src is only read while tracing (by stock jax.device_put, which checks it);
   # eagerly, as in jax.device_put, any value is accepted.
   srcs = None
   if src is not None:
-    srcs = broadcast_prefix(
-      api, "src", src, tree, treedef, n, _is_plain_leaf, TARGET_TEXT
-    )
-
+    srcs = per_leaf("src", src, _is_plain_leaf, TARGET_TEXT)
   # donate and may_alias are read by truth value, as jax.device_put reads them.
-  donate_flat = broadcast_prefix(
-    api, "donate", donate, tree, treedef, n, _is_plain_leaf, "a bool"
-  )
-  alias_flat = broadcast_prefix(
-    api,
-    "may_alias",
-    may_alias,
-    tree,
-    treedef,
-    n,
-    _is_plain_leaf,
-    "a bool or None",
+  donate_flat = per_leaf("donate", donate, _is_plain_leaf, "a bool")
+  alias_flat = per_leaf(
+    "may_alias", may_alias, _is_plain_leaf, "a bool or None"
   )
   if _is_plain_leaf(donate) and _is_plain_leaf(may_alias):
-    semantics = [copy_semantics(api, may_alias, donate)] * n if n else []
+    semantics = [copy_semantics(api, may_alias, donate)] * n
   else:
-    semantics = []
-    for i, (m, d) in enumerate(zip(alias_flat, donate_flat)):
-      if m and d:
-        copy_semantics(
-          api, m, d, f" for the leaf at {Request.path_of(tree, i)}"
-        )
-      semantics.append(copy_semantics(api, m, d))
-
+    semantics = _leaf_semantics(api, tree, alias_flat, donate_flat)
   return Request(
     api=api,
     tree=tree,
@@ -329,13 +285,63 @@ def resolve(
     raw_targets=raw_targets,
     dsts=dsts,
     layouts=layouts,
-    committed=committed_flat,
+    committed=committed,
     semantics=semantics,
     donate=donate_flat,
     may_alias=alias_flat,
     srcs=srcs,
     default_dst=default_dst,
   )
+
+
+def _check_empty(api, tree, treedef, target, src, donate, may_alias) -> None:
+  """As in jax.device_put, a tree without leaves only has its prefixes'
+  structure checked: any target, flag or src value is accepted."""
+  for what, prefix in (
+    ("target", target),
+    ("src", src),
+    ("donate", donate),
+    ("may_alias", may_alias),
+  ):
+    if prefix is not None:
+      broadcast_prefix(
+        api, what, prefix, tree, treedef, 0, _is_plain_leaf, TARGET_TEXT
+      )
+
+
+def _destinations(
+  api: str, target: Any, raw_targets: list[Any]
+) -> tuple[list[Sharding | None], list[Any] | None, list[bool]]:
+  """The sharding, layout (None: no leaf has one) and committedness of each
+  leaf. Each distinct target object is normalized once (targets are few,
+  leaves many)."""
+  n = len(raw_targets)
+  if is_target_leaf(target):
+    s, layout, committed = normalize_target(api, target)
+    return [s] * n, None if layout is None else [layout] * n, [committed] * n
+  norm: dict[int, tuple[Any, Any, bool]] = {}
+  for t in raw_targets:
+    if id(t) not in norm:
+      norm[id(t)] = normalize_target(api, t)
+  triples = [norm[id(t)] for t in raw_targets]
+  layouts = [x[1] for x in triples]
+  return (
+    [x[0] for x in triples],
+    None if all(l is None for l in layouts) else layouts,
+    [x[2] for x in triples],
+  )
+
+
+def _leaf_semantics(
+  api: str, tree: Any, alias_flat: list[Any], donate_flat: list[Any]
+) -> list[Any]:
+  """The copy semantics of each leaf; a conflict names the leaf's path."""
+  semantics = []
+  for i, (m, d) in enumerate(zip(alias_flat, donate_flat)):
+    if m and d:
+      copy_semantics(api, m, d, f" for the leaf at {Request.path_of(tree, i)}")
+    semantics.append(copy_semantics(api, m, d))
+  return semantics
 
 
 def resolve_placement(

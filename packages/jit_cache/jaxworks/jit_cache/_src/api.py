@@ -2,8 +2,9 @@
 
 How a call flows is described in ``core.py`` (``_JitCore``, the machinery of
 one function); the trace entries and shared caches are in ``cache.py``,
-executables in ``executables.py``, argument numbers in ``argnums.py``, the
-stages in ``stages.py``.
+executables in ``executables.py``, argument numbers in ``argnums.py``. The
+stage family (``Traced``, ``Lowered``, ``Compiled``) and the platform names
+are jaxworks.stages_aot's, re-exported here for ``jaxworks.jit_cache``.
 """
 
 from __future__ import annotations
@@ -19,18 +20,25 @@ from typing import Any
 from typing import overload
 import weakref
 
+from jaxworks.stages_aot import KNOWN_PLATFORMS as KNOWN_PLATFORMS
+from jaxworks.stages_aot import Compiled as Compiled
+from jaxworks.stages_aot import Lowered as Lowered
+from jaxworks.stages_aot import Traced as Traced
+from jaxworks.stages_aot import canonical_platforms as canonical_platforms
+from jaxworks.stages_aot import present_platforms as present_platforms
+
 from . import argnums as _argnums
 from . import boundary as _boundary
 from . import cache as _cache
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
 from . import reaper as _reaper
-from . import stages as _stages
 from . import stats as _stats
 from .core import UNSET as _UNSET
 from .core import _JitCore
 from .core import _Unusable
 from .core import _WeakCallable
+from .lru import LRU
 from .stats import reset_stats as reset_stats
 from .stats import stats as stats
 
@@ -108,7 +116,7 @@ class JitFunction:
     self.__dict__.update(_make(state["fun"], state["options"]).__dict__)
 
   @_boundary.entry_point
-  def trace(self, *args, **kwargs) -> _stages.Traced:
+  def trace(self, *args, **kwargs) -> Traced:
     """Traces for these arguments (cached), without compiling.
 
     Shares the trace cache with calls: ``f.trace(x)`` then ``f(x)`` traces
@@ -118,7 +126,7 @@ class JitFunction:
     return self._core.trace(*args, **kwargs)
 
   @_boundary.entry_point
-  def lower(self, *args, **kwargs) -> _stages.Lowered:
+  def lower(self, *args, **kwargs) -> Lowered:
     """``self.trace(*args, **kwargs).lower()``: a jaxworks ``Lowered`` (a
     ``jax.stages.Lowered`` with ``fun_name``, ``jaxpr``, ``platforms`` and
     ``export()``).
@@ -167,7 +175,7 @@ class JitFunction:
 
 #: holds its function only weakly (through _WeakCallable), so a function's
 #: cores live exactly as long as the function.
-_CORES: dict[int, tuple[Any, dict]] = {}
+_CORES: dict[int, tuple[Any, LRU]] = {}
 _CORES_LOCK = threading.Lock()
 #: Option sets kept per function (oldest dropped first).
 _CORES_PER_FUNCTION = 32
@@ -244,7 +252,7 @@ def _make(fun: Callable, options: dict) -> JitFunction:
   if key is not None:
     item = _CORES.get(fun_id)
     if item is not None and item[0]() is fun:
-      core = item[1].get(key)
+      core = item[1].peek(key)
       if core is not None and _same_state(core.fun_state, state):
         return JitFunction(fun, core, options)
   name = _argnums.fun_name(fun)
@@ -259,13 +267,9 @@ def _make(fun: Callable, options: dict) -> JitFunction:
     with _CORES_LOCK:
       item = _CORES.get(fun_id)
       if item is None or item[0]() is not fun:
-        item = (ref, {})
+        item = (ref, LRU(_CORES_PER_FUNCTION))
         _CORES[fun_id] = item
-      cores = item[1]
-      cores.pop(key, None)
-      cores[key] = core
-      while len(cores) > _CORES_PER_FUNCTION:
-        del cores[next(iter(cores))]
+      item[1].put(key, core)
   return JitFunction(fun, core, options)
 
 

@@ -25,7 +25,6 @@ once and never stored.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 from collections.abc import Hashable
 import dataclasses
@@ -35,6 +34,7 @@ import weakref
 
 import jax
 
+from .lru import LRU
 from .reaper import REAPER
 
 _jax_config = jax.config
@@ -207,10 +207,7 @@ class EntryLRU:
   """
 
   def __init__(self, maxsize: int):
-    self.maxsize = maxsize
-    self._order: collections.OrderedDict[weakref.ref, weakref.ref] = (
-      collections.OrderedDict()
-    )
+    self._order: LRU[weakref.ref, weakref.ref] = LRU(maxsize)
     # Re-entrant: a weak reference's callback may run (from the garbage
     # collector) while this thread holds the lock.
     self._lock = threading.RLock()
@@ -219,37 +216,41 @@ class EntryLRU:
     with self._lock:
       self._order.pop(ref, None)
 
+  @property
+  def maxsize(self) -> int:
+    return self._order.maxsize  # type: ignore[return-value]
+
   def touch(self, entry: Any) -> None:
+    # Without the lock (a trace-cache hit's path): one ordered-dict step.
+    # The stored key stays the reference whose callback forgets the entry.
     try:
-      self._order.move_to_end(weakref.ref(entry))
+      self._order.refresh(weakref.ref(entry))
     except KeyError:
       pass  # evicted concurrently
 
   def add(self, entry: Any, owner: Any) -> None:
     refs = (weakref.ref(entry, self._forget), weakref.ref(owner))
     with self._lock:
-      self._order[refs[0]] = refs[1]
-    self._trim()
+      victims = self._order.put(refs[0], refs[1])
+    self._evict(victims)
 
   def discard(self, entry: Any) -> None:
     with self._lock:
       self._order.pop(weakref.ref(entry), None)
 
   def resize(self, maxsize: int) -> None:
-    self.maxsize = maxsize
-    self._trim()
+    with self._lock:
+      victims = self._order.resize(maxsize)
+    self._evict(victims)
 
   def clear(self) -> None:
     with self._lock:
       self._order.clear()
 
-  def _trim(self) -> None:
-    """Evicts least recently used entries down to maxsize (owners told
-    outside the lock)."""
-    victims = []
-    with self._lock:
-      while len(self._order) > self.maxsize:
-        victims.append(self._order.popitem(last=False))
+  @staticmethod
+  def _evict(victims: list[tuple[weakref.ref, weakref.ref]]) -> None:
+    """Tells the owners of the least recently used entries the bound
+    evicted (outside the lock)."""
     for entry_ref, owner_ref in victims:
       entry, cache = entry_ref(), owner_ref()
       if entry is not None and cache is not None:
@@ -281,23 +282,23 @@ class ExecutableCache:
   """
 
   def __init__(self, maxsize: int, maxbytes: int):
-    self.maxsize = maxsize
     self.maxbytes = maxbytes
     self.evictions = 0
     self.nbytes = 0  # estimated bytes held by the strong tier
-    self._strong: collections.OrderedDict[Hashable, Any] = (
-      collections.OrderedDict()
-    )
+    self._strong: LRU[Hashable, Any] = LRU(maxsize)
     self._sizes: dict[Hashable, int] = {}
     self._weak: dict[Hashable, weakref.ref] = {}
     self._lock = threading.RLock()  # re-entrant: see EntryLRU
     self._flight = SingleFlight()
 
+  @property
+  def maxsize(self) -> int:
+    return self._strong.maxsize  # type: ignore[return-value]
+
   def get(self, key: Hashable) -> Any:
     with self._lock:
       value = self._strong.get(key)
       if value is not None:
-        self._strong.move_to_end(key)
         return value
       ref = self._weak.get(key)
       return None if ref is None else ref()
@@ -314,27 +315,25 @@ class ExecutableCache:
     with self._lock:
       self._weak[key] = ref
       if keep:
-        self._strong[key] = value
-        self._strong.move_to_end(key)
         self.nbytes += nbytes - self._sizes.get(key, 0)
         self._sizes[key] = nbytes
-        evicted = self._trim_locked()
+        evicted = self._evicted_locked(self._strong.put(key, value))
     if keep:
       REAPER.drop(evicted)
 
-  def _drop_locked(self, key: Hashable) -> Any:
-    self.nbytes -= self._sizes.pop(key, 0)
-    return self._strong.pop(key)
-
-  def _trim_locked(self) -> list[Any]:
-    """Evicts down to the bounds; returns the evicted values (the caller
-    frees them after the lock)."""
+  def _evicted_locked(self, over_count: list[tuple[Hashable, Any]]) -> list:
+    """Counts what the count bound evicted (``over_count``) and evicts the
+    oldest entries down to the byte bound; returns every evicted value (the
+    caller frees them after the lock)."""
     evicted = []
-    while self._strong and (
-      len(self._strong) > self.maxsize or self.nbytes > self.maxbytes
-    ):
-      evicted.append(self._drop_locked(next(iter(self._strong))))
-      self.evictions += 1
+    for key, value in over_count:
+      self.nbytes -= self._sizes.pop(key, 0)
+      evicted.append(value)
+    while self._strong and self.nbytes > self.maxbytes:
+      key, value = self._strong.popitem()
+      self.nbytes -= self._sizes.pop(key, 0)
+      evicted.append(value)
+    self.evictions += len(evicted)
     return evicted
 
   def get_or_build(
@@ -371,17 +370,17 @@ class ExecutableCache:
     with self._lock:
       keys = [k for k, v in self._strong.items() if id(v) in ids]
       for key in keys:
-        self._drop_locked(key)
+        self.nbytes -= self._sizes.pop(key, 0)
+        self._strong.pop(key)
 
   def resize(
     self, maxsize: int | None = None, maxbytes: int | None = None
   ) -> None:
     with self._lock:
-      if maxsize is not None:
-        self.maxsize = maxsize
       if maxbytes is not None:
         self.maxbytes = maxbytes
-      evicted = self._trim_locked()
+      over_count = [] if maxsize is None else self._strong.resize(maxsize)
+      evicted = self._evicted_locked(over_count)
     del evicted  # freed here, after the lock
 
   def live(self) -> list[Any]:
@@ -412,6 +411,8 @@ EXECUTABLES = ExecutableCache(
 
 #: Signatures that may point at one trace entry.
 ALIASES_PER_ENTRY = 16
+#: Executables (placements) one trace entry keeps.
+EXECUTABLES_PER_ENTRY = 16
 
 #: Config values named in explain_miss when the trace context differs.
 EXPLAINED_CONFIG = (
@@ -469,9 +470,9 @@ class Entry:
     self.trace_seconds = trace_seconds
     self.key = key
     self.sigs: list[Any] = []
-    self.executables: collections.OrderedDict[Any, Any] = (
-      collections.OrderedDict()
-    )
+    #: Placement key -> executable, the newest ``EXECUTABLES_PER_ENTRY``
+    #: built (looked up with ``peek``: the oldest built goes first).
+    self.executables: LRU[Any, Any] = LRU(EXECUTABLES_PER_ENTRY)
     self.lock = threading.Lock()
     self.config = config
 
@@ -496,12 +497,10 @@ class FunctionCache:
   """Trace entries of one function: LRU by abstract key, indexed by Signature."""
 
   def __init__(self, maxsize: int, counters: Counters):
-    self.maxsize = maxsize
     self.counters = counters
     self.by_sig: dict[Any, Entry] = {}
-    self.by_key: collections.OrderedDict[Hashable, Entry] = (
-      collections.OrderedDict()
-    )
+    #: Abstract key -> entry (looked up with ``peek``, refreshed on a hit).
+    self.by_key: LRU[Hashable, Entry] = LRU(maxsize)
     self.lock = threading.RLock()
     self.flight = SingleFlight()
 
@@ -510,18 +509,16 @@ class FunctionCache:
 
   def touch(self, entry: Entry) -> None:
     try:
-      self.by_key.move_to_end(entry.key)
+      self.by_key.refresh(entry.key)
     except KeyError:
-      pass
+      pass  # evicted concurrently
     GLOBAL_ENTRIES.touch(entry)
 
   def insert(self, entry: Entry) -> None:
-    victims = []
     with self.lock:
-      self.by_key[entry.key] = entry
-      while len(self.by_key) > self.maxsize:
-        victims.append(next(iter(self.by_key.values())))
-        self._remove(victims[-1])
+      victims = [victim for _, victim in self.by_key.put(entry.key, entry)]
+      for victim in victims:
+        self._remove_sigs(victim)
     for victim in victims:
       GLOBAL_ENTRIES.discard(victim)
       self._count_eviction()
@@ -529,7 +526,7 @@ class FunctionCache:
 
   def alias(self, sig: Any, entry: Entry) -> None:
     with self.lock:
-      if self.by_key.get(entry.key) is not entry:
+      if self.by_key.peek(entry.key) is not entry:
         return  # evicted meanwhile
       self.by_sig[sig] = entry
       entry.sigs.append(sig)
@@ -537,8 +534,11 @@ class FunctionCache:
         self.by_sig.pop(entry.sigs.pop(0), None)
 
   def _remove(self, entry: Entry) -> None:
-    if self.by_key.get(entry.key) is entry:
-      del self.by_key[entry.key]
+    if self.by_key.peek(entry.key) is entry:
+      self.by_key.pop(entry.key)
+    self._remove_sigs(entry)
+
+  def _remove_sigs(self, entry: Entry) -> None:
     for sig in entry.sigs:
       if self.by_sig.get(sig) is entry:
         del self.by_sig[sig]
@@ -549,7 +549,7 @@ class FunctionCache:
 
   def evict(self, entry: Entry, from_global: bool = False) -> None:
     with self.lock:
-      present = self.by_key.get(entry.key) is entry
+      present = self.by_key.peek(entry.key) is entry
       self._remove(entry)
     if present:
       self._count_eviction()
@@ -558,11 +558,10 @@ class FunctionCache:
 
   def clear(self) -> None:
     with self.lock:
-      entries = list(self.by_key.values())
+      entries = [entry for _, entry in self.by_key.clear()]
       self.by_sig.clear()
-      self.by_key.clear()
     for entry in entries:
       GLOBAL_ENTRIES.discard(entry)
 
   def executables(self) -> int:
-    return sum(len(e.executables) for e in list(self.by_key.values()))
+    return sum(len(e.executables) for e in self.by_key.values())

@@ -18,15 +18,17 @@ import weakref
 
 import numpy as np
 
+from .lru import LRU
+
 #: Functions of the same code remembered, and codes remembered.
 PER_CODE = 8
 CODES = 256
 #: Arrays up to this many elements are summarized by value.
 SMALL_ARRAY = 16
 
-_HISTORY: collections.OrderedDict[tuple, collections.deque] = (
-  collections.OrderedDict()
-)
+#: Code -> its functions' records, newest last; the codes used least recently
+#: beyond ``CODES`` are forgotten.
+_HISTORY: LRU[tuple, collections.deque] = LRU(CODES)
 _LOCK = threading.Lock()
 
 
@@ -111,7 +113,7 @@ def remember(counters: Any) -> None:
   except Exception:  # pylint: disable=broad-except
     return  # an unusual function object: nothing to explain with
   with _LOCK:
-    history = _HISTORY.pop(key, None)
+    history = _HISTORY.get(key)
     if history is None:
       history = collections.deque(maxlen=PER_CODE)
     for i, old in enumerate(history):
@@ -119,9 +121,7 @@ def remember(counters: Any) -> None:
         del history[i]
         break
     history.append(record)
-    _HISTORY[key] = history
-    while len(_HISTORY) > CODES:
-      _HISTORY.popitem(last=False)
+    _HISTORY.put(key, history)
 
 
 def explain_new_function(core: Any, name: str) -> str | None:
@@ -133,7 +133,7 @@ def explain_new_function(core: Any, name: str) -> str | None:
   if key is None:
     return None
   with _LOCK:
-    records = [r for r in _HISTORY.get(key, ()) if r[0]() is not core]
+    records = [r for r in _HISTORY.peek(key) or () if r[0]() is not core]
   if not records:
     return None
   try:

@@ -1,4 +1,7 @@
-"""The machinery of one jitted function: ``_JitCore``.
+"""The machinery of one jitted function: ``_JitCore``, in three layers:
+``_Arguments`` (arguments to keys), ``_TraceCache`` (entries and their
+executables) and ``_JitCore`` (the C++ dispatcher and the calls it hands
+over).
 
 How a call flows (the whole mechanism):
 
@@ -9,11 +12,12 @@ How a call flows (the whole mechanism):
 2. Otherwise ``_cache_miss`` splits static arguments, flattens the rest and
    asks the C++ extension for a ``Signature`` (kind, aval, sharding, committed
    per leaf + tree structure, statics and JAX's trace context).
-3. Trace cache: ``Signature`` -> entry. On a miss the abstract values decide
-   (an entry traced for other placements or leaf kinds with the same avals is
-   reused), then entries traced under another axis environment whose jaxpr uses
-   the same axis sizes (found with ``jaxworks.axis_names``), and only then JAX
-   traces the Python function, once even with many threads asking.
+3. Trace cache: ``Signature`` -> entry. On a miss the abstract values decide:
+   an entry traced for other placements or leaf kinds with the same avals,
+   tree, statics and trace context (the axis environment included: a function
+   may read any bound axis name, so entries are never shared across axis
+   environments) is reused; only then JAX traces the Python function, once
+   even with many threads asking.
 4. Under an outer trace, a hit re-emits the cached jaxpr with
    ``jit_p.bind(*args, **cached_params)``: neither the Python function nor
    JAX's parameter inference runs again.
@@ -40,16 +44,18 @@ import weakref
 
 import jax
 
+from jaxworks import stages_aot as _stages
+
 from .. import _signature as _ext
 from . import argnums as _argnums
 from . import cache as _cache
 from . import executables as _executables
 from . import explain
 from . import jax_internals as ji
-from . import persistent as _persistent
+from . import monitoring as _monitoring
+from . import persistent  # noqa: F401  (applies JAXWORKS_JIT_CACHE_DIR)
 from . import prefetch as _prefetch
 from . import signature as _sig
-from . import stages as _stages
 
 #: This package's directory (jaxworks/jit_cache/). Its frames are not user
 #: code: source locations in jaxprs and lowered modules skip them, as they skip
@@ -133,86 +139,21 @@ class _WeakCallable:
     return fun(*args, **kwargs)
 
 
-class _JitCore:
-  """The machinery of one (function, jit options): trace cache, C++
-  dispatcher, stock jit for tracing. Shared by every :class:`JitFunction`
-  wrapping that function with those options (see :func:`jit`)."""
+class _Arguments:
+  """A function's arguments as cache keys: static arguments split off, the
+  rest flattened, and the C++ ``Signature`` of the leaves with the tree,
+  statics and trace context (step 2 above); and the errors that name an
+  argument by its path (``x['w']``, ``args[2][0]``)."""
 
   def __init__(
-    self,
-    fun: Callable,
-    name: str,
-    fun_state: tuple,
-    *,
-    static_argnums: Any,
-    static_argnames: Any,
-    donate_argnums: Any,
-    donate_argnames: Any,
-    in_shardings: Any,
-    out_shardings: Any,
-    keep_unused: bool,
-    device: Any,
-    backend: Any,
-    inline: bool,
-    compiler_options: dict[str, Any] | None,
-    maxsize: int,
-  ):
+    self, fun: Callable, name: str, s_nums: tuple, s_names: tuple
+  ) -> None:
     # `fun` is the user's function, or a _WeakCallable of it for shared cores.
-    specs = (static_argnums, static_argnames, donate_argnums, donate_argnames)
-    signature = (
-      None
-      if all(v is None for v in specs)  # the common case
-      else _argnums.signature_of(fun)
-    )
-    s_nums, s_names = _argnums.resolve_argnums(
-      fun, name, signature, static_argnums, static_argnames, "static"
-    )
-    _argnums.resolve_argnums(
-      fun, name, signature, donate_argnums, donate_argnames, "donate"
-    )
-    self.fun_state = fun_state
     self._fun = fun
     self._name = name
     self._static_argnums = s_nums
     self._static_argnames = frozenset(s_names)
     self._has_statics = bool(s_nums or s_names)
-    self._maxsize = maxsize
-    jax_kwargs: dict[str, Any] = dict(
-      static_argnums=s_nums,
-      static_argnames=s_names,
-      donate_argnums=donate_argnums,
-      donate_argnames=donate_argnames,
-      keep_unused=keep_unused,
-      inline=inline,
-      compiler_options=compiler_options,
-    )
-    if in_shardings is not UNSET:
-      jax_kwargs["in_shardings"] = in_shardings
-    if out_shardings is not UNSET:
-      jax_kwargs["out_shardings"] = out_shardings
-    if device is not None:
-      jax_kwargs["device"] = device
-    if backend is not None:
-      jax_kwargs["backend"] = backend
-    self._counters = _cache.Counters()
-    # jax.jit does the rest of the per-function preprocessing once, here; we
-    # ask it to trace on misses (through a wrapper that counts the Python
-    # executions) and defer to it in its debug modes.
-    self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
-    self._cache = _cache.FunctionCache(maxsize, self._counters)
-    self_ref = weakref.ref(self)
-    self._counters.owner = self_ref
-
-    def cache_miss(*args, **kwargs):
-      return self_ref()._cache_miss(args, kwargs)  # pylint: disable=protected-access
-
-    self._dispatcher = ji.make_dispatcher(
-      name, fun, cache_miss, s_nums, s_names, maxsize
-    )
-    with REGISTRY_LOCK:
-      REGISTRY.add(self)
-
-  # -- calling ---------------------------------------------------------------
 
   @functools.cached_property
   def _param_names(self) -> list[str] | None:
@@ -229,66 +170,6 @@ class _JitCore:
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
       )
     ]
-
-  def _cache_miss(self, args: tuple, kwargs: dict):
-    """Everything the C++ dispatcher does not serve (steps 2-5 above)."""
-    if _debug_modes_on():
-      return self._jax(*args, **kwargs), None, False
-    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
-    entry = self._cache.by_sig.get(sig)
-    if entry is not None:
-      self._hit(entry)
-      self._cache.touch(entry)
-      if not _trace_state_clean():  # the hot path of inner calls, inlined
-        out_flat = _jit_p.bind(*leaves, **entry.params)
-        return entry.out_tree.unflatten(out_flat), None, False
-      return self._run(entry, leaves, ctx, args, kwargs)
-    if not _trace_state_clean():
-      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
-      return self._run(entry, leaves, ctx, args, kwargs)
-    # A top-level miss may compile: in a warm process its executable is read
-    # from JAX's persistent cache while it traces (prefetch.py).
-    with _prefetch.first_compile(self._fun, leaves, treedef, statics, sig):
-      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
-      return self._run(entry, leaves, ctx, args, kwargs)
-
-  def _run(self, entry: Any, leaves: list, ctx: Any, args: tuple, kwargs):
-    """Runs ``entry`` on ``leaves`` (binds it under a trace)."""
-    top_level = _trace_state_clean()
-    if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
-      if entry.high or top_level:
-        return self._jax(*args, **kwargs), None, False
-      out_flat = _jit_p.bind(*entry.consts, *leaves, **entry.params)
-      return entry.out_tree.unflatten(out_flat), None, False
-    if not top_level:
-      out_flat = _jit_p.bind(*leaves, **entry.params)
-      return entry.out_tree.unflatten(out_flat), None, False
-    for i, leaf in enumerate(leaves):
-      if type(leaf) in _shard_arg_handlers:
-        continue
-      if isinstance(leaf, _Tracer):
-        # A tracer at top level escaped its trace: jax.jit's error says where
-        # it was created.
-        return self._jax(*args, **kwargs), None, False
-      if not ji.can_pass_to_executable(leaf):
-        raise self._not_a_jax_type(args, kwargs, i, leaf)
-    _test_event("jit_cpp_cache_miss")  # as jax.jit's Python call path does
-    exe = self._executable(entry, leaves, ctx)
-    if exe.tokens:
-      out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
-    else:
-      out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
-    fast = ji.fastpath_data(
-      exe.mesh_executable,
-      entry.out_tree,
-      leaves,
-      out_flat,
-      entry.jaxpr.effects,
-      exe.const_args,
-    )
-    return entry.out_tree.unflatten(out_flat), fast, False
-
-  # -- keys ----------------------------------------------------------------------
 
   def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
     """(dynamic args, dynamic kwargs, hashable statics key)."""
@@ -351,7 +232,30 @@ class _JitCore:
       ".lower() and .eval_shape(), not for a call)."
     )
 
-  # -- the trace cache -----------------------------------------------------------
+
+class _TraceCache(_Arguments):
+  """A function's trace entries (step 3 above) and their executables per
+  placement (step 5), over stock jit, which traces on a miss; and what is
+  built from them without calling: ``trace``, ``lower``, ``eval_shape``,
+  ``explain_miss``."""
+
+  def __init__(
+    self,
+    fun: Callable,
+    name: str,
+    s_nums: tuple,
+    s_names: tuple,
+    jax_kwargs: dict[str, Any],
+    maxsize: int,
+  ) -> None:
+    super().__init__(fun, name, s_nums, s_names)
+    self._maxsize = maxsize
+    self._counters = _cache.Counters()
+    # jax.jit does the rest of the per-function preprocessing once, here; we
+    # ask it to trace on misses (through a wrapper that counts the Python
+    # executions) and defer to it in its debug modes.
+    self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
+    self._cache = _cache.FunctionCache(maxsize, self._counters)
 
   def _hit(self, entry: _cache.Entry) -> None:
     counters = self._counters
@@ -391,7 +295,7 @@ class _JitCore:
       computed.append(True)
       return self._trace_new(key, args, kwargs)
 
-    entry = cache.flight.run(key, lambda: cache.by_key.get(key), compute)
+    entry = cache.flight.run(key, lambda: cache.by_key.peek(key), compute)
     if type(entry) is _cache.Entry:  # pylint: disable=unidiomatic-typecheck
       if not computed:
         self._hit(entry)
@@ -426,8 +330,6 @@ class _JitCore:
     self._cache.insert(entry)
     return entry
 
-  # -- executables -------------------------------------------------------------------
-
   def _executable(
     self, entry: _cache.Entry, leaves: list, ctx: Any
   ) -> _executables.Executable:
@@ -435,19 +337,18 @@ class _JitCore:
     # the layouts of committed arrays, which stock's lowering reads too.
     placement = _sig.signature(leaves, ctx)
     key = (placement, ji.layouts_key(leaves))
-    exe = entry.executables.get(key)
+    exe = entry.executables.peek(key)
     if exe is not None:
       return exe
     with entry.lock:
-      exe = entry.executables.get(key)
+      exe = entry.executables.peek(key)
       if exe is None:
         exe = _executables.build(entry, leaves, key, self._counters)
-        entry.executables[key] = exe
-        if len(entry.executables) > _executables.EXECUTABLES_PER_ENTRY:
-          entry.executables.popitem(last=False)
+        # Beyond the bound, the oldest executable built goes.
+        entry.executables.put(key, exe)
     return exe
 
-  # -- stages ------------------------------------------------------------------------
+  # -- stages ------------------------------------------------------------------
 
   def trace(self, *args, **kwargs) -> _stages.Traced:
     """Traces for these arguments (cached), without compiling.
@@ -478,7 +379,150 @@ class _JitCore:
     """Output ``jax.ShapeDtypeStruct`` pytree, from the shared trace cache."""
     return self.trace(*args, **kwargs).out_info
 
-  # -- observability -----------------------------------------------------------------
+  def explain_miss(self, *args, **kwargs) -> str:
+    """Why a call with these arguments would (not) hit the trace cache.
+
+    Returns:
+      ``"<name>: hit ..."``, or ``"<name>: miss ..."`` followed by one line per
+      difference from the nearest cached entry, such as
+      ``x['w']: dtype float32 -> float64``.
+    """
+    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
+    text = explain.explain(
+      self, leaves, treedef, statics, ctx, sig, args, kwargs
+    )
+    note = _monitoring.note_for(self._cache.by_sig.get(sig), self._counters)
+    return text if note is None else f"{text}\n  {note}"
+
+
+class _JitCore(_TraceCache):
+  """The machinery of one (function, jit options): the C++ dispatcher over
+  the trace cache, and the calls it does not serve (steps 1, 4 and 5 above).
+  Shared by every :class:`JitFunction` wrapping that function with those
+  options (see :func:`jit`)."""
+
+  def __init__(
+    self,
+    fun: Callable,
+    name: str,
+    fun_state: tuple,
+    *,
+    static_argnums: Any,
+    static_argnames: Any,
+    donate_argnums: Any,
+    donate_argnames: Any,
+    in_shardings: Any,
+    out_shardings: Any,
+    keep_unused: bool,
+    device: Any,
+    backend: Any,
+    inline: bool,
+    compiler_options: dict[str, Any] | None,
+    maxsize: int,
+  ):
+    specs = (static_argnums, static_argnames, donate_argnums, donate_argnames)
+    signature = (
+      None
+      if all(v is None for v in specs)  # the common case
+      else _argnums.signature_of(fun)
+    )
+    s_nums, s_names = _argnums.resolve_argnums(
+      fun, name, signature, static_argnums, static_argnames, "static"
+    )
+    _argnums.resolve_argnums(
+      fun, name, signature, donate_argnums, donate_argnames, "donate"
+    )
+    self.fun_state = fun_state
+    jax_kwargs: dict[str, Any] = dict(
+      static_argnums=s_nums,
+      static_argnames=s_names,
+      donate_argnums=donate_argnums,
+      donate_argnames=donate_argnames,
+      keep_unused=keep_unused,
+      inline=inline,
+      compiler_options=compiler_options,
+    )
+    if in_shardings is not UNSET:
+      jax_kwargs["in_shardings"] = in_shardings
+    if out_shardings is not UNSET:
+      jax_kwargs["out_shardings"] = out_shardings
+    if device is not None:
+      jax_kwargs["device"] = device
+    if backend is not None:
+      jax_kwargs["backend"] = backend
+    super().__init__(fun, name, s_nums, s_names, jax_kwargs, maxsize)
+    self_ref = weakref.ref(self)
+    self._counters.owner = self_ref
+
+    def cache_miss(*args, **kwargs):
+      return self_ref()._cache_miss(args, kwargs)  # pylint: disable=protected-access
+
+    self._dispatcher = ji.make_dispatcher(
+      name, fun, cache_miss, s_nums, s_names, maxsize
+    )
+    with REGISTRY_LOCK:
+      REGISTRY.add(self)
+
+  # -- calling -----------------------------------------------------------------
+
+  def _cache_miss(self, args: tuple, kwargs: dict):
+    """Everything the C++ dispatcher does not serve (steps 2-5 above)."""
+    if _debug_modes_on():
+      return self._jax(*args, **kwargs), None, False
+    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
+    entry = self._cache.by_sig.get(sig)
+    if entry is not None:
+      self._hit(entry)
+      self._cache.touch(entry)
+      if not _trace_state_clean():  # the hot path of inner calls, inlined
+        out_flat = _jit_p.bind(*leaves, **entry.params)
+        return entry.out_tree.unflatten(out_flat), None, False
+      return self._run(entry, leaves, ctx, args, kwargs)
+    if not _trace_state_clean():
+      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
+      return self._run(entry, leaves, ctx, args, kwargs)
+    # A top-level miss may compile: in a warm process its executable is read
+    # from JAX's persistent cache while it traces (prefetch.py).
+    with _prefetch.first_compile(self._fun, leaves, treedef, statics, sig):
+      entry = self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
+      return self._run(entry, leaves, ctx, args, kwargs)
+
+  def _run(self, entry: Any, leaves: list, ctx: Any, args: tuple, kwargs):
+    """Runs ``entry`` on ``leaves`` (binds it under a trace)."""
+    top_level = _trace_state_clean()
+    if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
+      if entry.high or top_level:
+        return self._jax(*args, **kwargs), None, False
+      out_flat = _jit_p.bind(*entry.consts, *leaves, **entry.params)
+      return entry.out_tree.unflatten(out_flat), None, False
+    if not top_level:
+      out_flat = _jit_p.bind(*leaves, **entry.params)
+      return entry.out_tree.unflatten(out_flat), None, False
+    for i, leaf in enumerate(leaves):
+      if type(leaf) in _shard_arg_handlers:
+        continue
+      if isinstance(leaf, _Tracer):
+        # A tracer at top level escaped its trace: jax.jit's error says where
+        # it was created.
+        return self._jax(*args, **kwargs), None, False
+      if not ji.can_pass_to_executable(leaf):
+        raise self._not_a_jax_type(args, kwargs, i, leaf)
+    _test_event("jit_cpp_cache_miss")  # as jax.jit's Python call path does
+    exe = self._executable(entry, leaves, ctx)
+    # Unchecked, as jax.jit calls it: MeshExecutable.call's argument check
+    # cannot take token arguments (it reads .shape).
+    out_flat = exe.mesh_executable.unsafe_call(*exe.const_args, *leaves)
+    fast = ji.fastpath_data(
+      exe.mesh_executable,
+      entry.out_tree,
+      leaves,
+      out_flat,
+      entry.jaxpr.effects,
+      exe.const_args,
+    )
+    return entry.out_tree.unflatten(out_flat), fast, False
+
+  # -- observability -----------------------------------------------------------
 
   def cache_info(self) -> _cache.CacheInfo:
     """Counters and sizes of this function's caches."""
@@ -498,8 +542,8 @@ class _JitCore:
     """
     executables = [
       exe
-      for entry in list(self._cache.by_key.values())
-      for exe in list(entry.executables.values())
+      for entry in self._cache.by_key.values()
+      for exe in entry.executables.values()
     ]
     self._cache.clear()
     ji.dispatcher_clear(self._dispatcher)
@@ -511,21 +555,6 @@ class _JitCore:
 
   def clear_dispatch(self) -> None:
     ji.dispatcher_clear(self._dispatcher)
-
-  def explain_miss(self, *args, **kwargs) -> str:
-    """Why a call with these arguments would (not) hit the trace cache.
-
-    Returns:
-      ``"<name>: hit ..."``, or ``"<name>: miss ..."`` followed by one line per
-      difference from the nearest cached entry, such as
-      ``x['w']: dtype float32 -> float64``.
-    """
-    leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
-    text = explain.explain(
-      self, leaves, treedef, statics, ctx, sig, args, kwargs
-    )
-    note = _persistent.note_for(self._cache.by_sig.get(sig), self._counters)
-    return text if note is None else f"{text}\n  {note}"
 
 
 class _Unusable:

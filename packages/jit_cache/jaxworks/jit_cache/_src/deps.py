@@ -1,7 +1,9 @@
 """The releases jaxworks.jit_cache needs (checked at import by ``dep_check``).
 
 ``jax_internals`` calls ``check_jax`` before it imports any private JAX name;
-``load_axis_names`` imports the one jaxworks package this one uses.
+``check_versions`` checks the jaxworks packages this one uses (axis_names,
+imported at the first axis-name error by ``load_axis_names``; stages_aot,
+whose stage family the trace cache builds).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ SUPPORTED_JAX = ">=0.10.2,<0.11"
 MINIMUM_VERSIONS = {
   # diagnose (axis-name errors at the entry points)
   "jaxworks.axis_names": "0.3.0",
+  # the stage family (Traced, Lowered, Compiled) and export
+  "jaxworks.stages_aot": "0.4.0",
 }
 
 

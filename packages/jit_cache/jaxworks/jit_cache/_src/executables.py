@@ -4,7 +4,7 @@
 with a structural fingerprint go through the process-wide
 ``cache.EXECUTABLES`` (a re-created closure reuses what an earlier one
 compiled). Every compile goes through JAX's persistent compilation cache when
-``set_cache_dir`` turned it on (``persistent.py`` records what it did).
+``set_cache_dir`` turned it on (``monitoring.py`` records what it did).
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import warnings
 import jax
 
 from . import cache as _cache
+from . import explain
 from . import fingerprint as _fingerprint
 from . import jax_internals as ji
-from . import persistent as _persistent
+from . import monitoring as _monitoring
 from . import prefetch as _prefetch
 
 _tree_leaves = jax.tree_util.tree_leaves
-
-#: Executables kept per trace entry (one per argument placement).
-EXECUTABLES_PER_ENTRY = 16
 
 
 class Executable:
@@ -35,21 +33,14 @@ class Executable:
     "mesh_executable",
     "const_args",
     "compile_seconds",
-    "tokens",
     "warnings",
     "__weakref__",
   )
 
-  def __init__(self, compiled: Any, compile_seconds: float, in_avals: Any):
+  def __init__(self, compiled: Any, compile_seconds: float):
     self.compiled = compiled
     self.mesh_executable, self.const_args = ji.executable_parts(compiled)
     self.compile_seconds = compile_seconds
-    # Token arguments: MeshExecutable.call's argument check cannot take them
-    # (it reads .shape), jax.jit calls the executable unchecked; so do we.
-    # ``in_avals`` are the program's flat inputs (``compiled.in_avals`` cannot
-    # be read when the program closes over a mutable array: its tree does
-    # not count the hoisted constant).
-    self.tokens = any(a is ji.abstract_token for a in in_avals)
     #: Warnings lowering issued that jax.jit would issue again when it lowers
     #: the program anew (unusable donated buffers): replayed on reuse.
     self.warnings: tuple = ()
@@ -76,16 +67,16 @@ def lower_keeping_donation_warnings(traced: Any) -> tuple[Any, tuple]:
   return lowered, tuple(keep)
 
 
-#: Host memory a loaded XLA:CPU executable holds beyond its generated code
-#: (measured: about 200 KiB for a one-operation program; XLA:CPU reports no
-#: code size).
+#: Host memory counted for a loaded executable beyond its generated code:
+#: somewhat more than a one-operation program holds on XLA:CPU, which reports
+#: no code size (there this is the whole estimate).
 _EXECUTABLE_OVERHEAD_BYTES = 256 << 10
 
 
 def estimated_bytes(exe: Executable) -> int:
   """What keeping ``exe`` costs in memory, estimated: its generated code
   (as the loaded executable reports it) plus a fixed overhead. Not
-  ``memory_analysis()``, which costs 2-5 ms per compile of a train step and
+  ``memory_analysis()``, which would add an analysis to every compile and
   reports no code size on CPU."""
   try:
     runtime = exe.mesh_executable.xla_executable
@@ -118,13 +109,13 @@ def build(
       lowered, replay = traced.lower(), ()
     with _prefetch.building():
       compiled = lowered.compile()
-    exe = Executable(compiled, time.perf_counter() - t0, entry.jaxpr.in_avals)
+    exe = Executable(compiled, time.perf_counter() - t0)
     exe.warnings = replay
     counters.compiles += 1
     _cache.GLOBAL_COUNTERS.compiles += 1
     return exe
 
-  build = _persistent.observed(build, entry, counters)
+  build = _monitoring.observed(build, entry, counters)
   program = _fingerprint.fingerprint(entry.jaxpr)
   params = _fingerprint.params_key(entry.params)
   if program is None or params is None:
@@ -141,7 +132,8 @@ def build(
     (program, params, placement), build, keep, size=estimated_bytes
   )
   if reused:
-    _persistent.note_reused(entry, counters)
+    _monitoring.note_reused(entry, counters)
+    explain.log_reuse(counters)  # with jax_explain_cache_misses on
     for warning in exe.warnings:  # what lowering anew would have said
       warnings.warn(warning, stacklevel=4)
     counters.executable_reuses += 1

@@ -123,13 +123,13 @@ def explain(
   if sig in cache.by_sig:
     return f"{name}: hit (this exact signature is cached)"
   paths = fn._leaf_paths(args, kwargs)  # pylint: disable=protected-access
-  entries = list(cache.by_key.values())
+  entries = cache.by_key.values()
   if not entries:
     return _closures.explain_new_function(fn, name) or (
       f"{name}: miss: nothing is cached for {name} yet"
     )
   avals = tuple(ji.shaped_abstractify(x) for x in leaves)
-  same = cache.by_key.get((avals, treedef, statics, ctx))
+  same = cache.by_key.peek((avals, treedef, statics, ctx))
   if same is not None:
     lines = _diffs(fn, same, sig, paths)
     return (

@@ -177,25 +177,53 @@ _MEMO: weakref.WeakKeyDictionary[Any, Fingerprint] = weakref.WeakKeyDictionary()
 _MEMO_LOCK = threading.Lock()
 
 
-class _Walker:
-  """One fingerprint computation: keys values, records what the key holds."""
+class _ValueKeys:
+  """Keys of constants, literal values and parameters, and what a key holds.
+
+  ``pins``, ``nbytes`` and ``volatile`` say what the keys made so far hold;
+  a container met again in the same computation (by id: the jaxpr holds it)
+  reuses its key. Values may hold jaxprs, which the subclass keys
+  (:meth:`jaxpr`).
+  """
 
   def __init__(self):
     self.pins = False  # a user object is held by identity
     self.nbytes = 0  # bytes keyed by content
     self.volatile = False  # content of a mutable (numpy) array was hashed
-    self.local: dict[int, tuple[Any, Fingerprint]] = {}
     # Containers keyed in this computation, by id (the jaxpr holds them, so
     # an id names one object): the same parameters of many equations (a
     # hundred calls to one inner function) are keyed once, and the keys
     # share the result.
     self.seen: dict[Any, tuple] = {}
-    self.avals: dict[int, Any] = {}  # hashable avals met, by id
-    self.idents: dict[int, _Identity] = {}  # primitives and contexts, by id
 
   def identity(self, v: Any) -> Any:
     self.pins = True
     return _Identity(v)
+
+  def jaxpr(self, obj: Any) -> Fingerprint:
+    raise NotImplementedError
+
+  def apart(self, compute: Any, *args: Any) -> tuple[Any, tuple]:
+    """``compute(*args)`` with what its key holds counted on its own, then
+    added to the walker's: (key, (pins, nbytes, volatile) of that key)."""
+    outer = (self.pins, self.nbytes, self.volatile)
+    self.pins, self.nbytes, self.volatile = False, 0, False
+    try:
+      key = compute(*args)
+    finally:
+      mine = (self.pins, self.nbytes, self.volatile)
+      self.pins = outer[0] or mine[0]
+      self.nbytes = outer[1] + mine[1]
+      self.volatile = outer[2] or mine[2]
+    return key, mine
+
+  def reuse(self, hit: tuple) -> Any:
+    """The key of a ``seen`` record ``(obj, key, pins, nbytes, volatile,
+    ...)``, counting what it holds."""
+    self.pins |= hit[2]
+    self.nbytes += hit[3]
+    self.volatile |= hit[4]
+    return hit[1]
 
   def value(self, v: Any) -> Any:
     """Hashable structural key of one constant, literal value or parameter."""
@@ -209,23 +237,25 @@ class _Walker:
     if t is tuple or t is dict or t is list or t is ji.FrozenDict:
       hit = self.seen.get(id(v))
       if hit is not None and hit[0] is v:
-        self.pins |= hit[2]
-        self.nbytes += hit[3]
-        self.volatile |= hit[4]
-        return hit[1]
-      outer = (self.pins, self.nbytes, self.volatile)
-      self.pins, self.nbytes, self.volatile = False, 0, False
-      try:
-        key = self._container(v, t)
-      finally:
-        mine = (self.pins, self.nbytes, self.volatile)
-        self.pins = outer[0] or mine[0]
-        self.nbytes = outer[1] + mine[1]
-        self.volatile = outer[2] or mine[2]
+        return self.reuse(hit)
+      key, mine = self.apart(self._container, v, t)
       self.seen[id(v)] = (v, key, *mine)
       return key
     if t in _ARRAY_TYPES:  # literals: the most common value after scalars
       return self.ndarray(v, t)
+    return self._object(v, t)
+
+  def _container(self, v: Any, t: type) -> Any:
+    if t is dict or t is ji.FrozenDict:
+      items = [(self.value(k), self.value(x)) for k, x in v.items()]
+      items.sort(key=repr)
+      return (t, tuple(items))
+    return (t, tuple(self.value(x) for x in v))
+
+  def _object(self, v: Any, t: type) -> Any:
+    """Key of a value that is neither a builtin scalar nor a plain tuple,
+    list or dict (the order of the tests matters: numpy's scalars are
+    floats and ints too)."""
     if isinstance(v, jax.core.Tracer):
       raise NotFingerprintable("tracer")
     if isinstance(v, (ji.ClosedJaxpr, ji.Jaxpr)):
@@ -254,16 +284,8 @@ class _Walker:
       # Singletons: compared by identity, never by a user-defined __eq__.
       owner = t if isinstance(v, enum.Enum) else v
       return (t, _Identity(v) if _trusted(owner) else self.identity(v))
-    if (
-      t is tuple
-      or t is list
-      or (isinstance(v, tuple) and _trusted(t) and hasattr(v, "_fields"))
-    ):
-      return (t, tuple(self.value(x) for x in v))
-    if t is dict or t is ji.FrozenDict:
-      items = [(self.value(k), self.value(x)) for k, x in v.items()]
-      items.sort(key=repr)
-      return (t, tuple(items))
+    if isinstance(v, tuple) and _trusted(t) and hasattr(v, "_fields"):
+      return (t, tuple(self.value(x) for x in v))  # JAX's named tuples
     if t is frozenset:
       return (t, frozenset(self.value(x) for x in v))
     if t is slice:
@@ -303,13 +325,6 @@ class _Walker:
       _digest(v),
     )
 
-  def _container(self, v: Any, t: type) -> Any:
-    if t is dict or t is ji.FrozenDict:
-      items = [(self.value(k), self.value(x)) for k, x in v.items()]
-      items.sort(key=repr)
-      return (t, tuple(items))
-    return (t, tuple(self.value(x) for x in v))
-
   def array(self, v: Any) -> Any:
     if (
       v.nbytes <= CONTENT_HASH_MAX_BYTES
@@ -331,6 +346,25 @@ class _Walker:
         _digest(a),
       )
     return ("array-id", self.identity(v))
+
+  def params(self, params: dict, skip: frozenset) -> tuple:
+    """Key of a parameter dict, without the names in ``skip``."""
+    return tuple(
+      (name, self.value(params[name]))
+      for name in sorted(params)
+      if name not in skip
+    )
+
+
+class _Walker(_ValueKeys):
+  """One fingerprint computation: keys jaxprs (variables, equations,
+  effects) and the values they hold, and records what the key holds."""
+
+  def __init__(self):
+    super().__init__()
+    self.local: dict[int, tuple[Any, Fingerprint]] = {}
+    self.avals: dict[int, Any] = {}  # hashable avals met, by id
+    self.idents: dict[int, _Identity] = {}  # primitives and contexts, by id
 
   def effects(self, effects: Any) -> Any:
     if not effects:
@@ -357,30 +391,15 @@ class _Walker:
     self.avals[id(aval)] = aval  # held: the id names this object meanwhile
     return aval
 
-  def params(self, primitive: Any, params: dict) -> tuple:
+  def eqn_params(self, primitive: Any, params: dict) -> tuple:
     # Equations of one primitive whose parameters are the same objects
     # share one key (ids are stable: the jaxpr holds the values).
     memo = (id(primitive), *params, *map(id, params.values()))
     hit = self.seen.get(memo)
     if hit is not None and hit[0] is primitive:
-      self.pins |= hit[2]
-      self.nbytes += hit[3]
-      self.volatile |= hit[4]
-      return hit[1]
-    outer = (self.pins, self.nbytes, self.volatile)
-    self.pins, self.nbytes, self.volatile = False, 0, False
+      return self.reuse(hit)
     ignored = _IGNORED_PARAMS.get(primitive.name, frozenset())
-    try:
-      key = tuple(
-        (name, self.value(params[name]))
-        for name in sorted(params)
-        if name not in ignored
-      )
-    finally:
-      mine = (self.pins, self.nbytes, self.volatile)
-      self.pins = outer[0] or mine[0]
-      self.nbytes = outer[1] + mine[1]
-      self.volatile = outer[2] or mine[2]
+    key, mine = self.apart(self.params, params, ignored)
     # The entry holds the values, so their ids cannot be reused meanwhile.
     self.seen[memo] = (primitive, key, *mine, tuple(params.values()))
     return key
@@ -399,30 +418,23 @@ class _Walker:
       self.pins |= hit.pins
       self.nbytes += hit.nbytes
       return hit
-    outer = (self.pins, self.nbytes, self.volatile)
-    self.pins, self.nbytes, self.volatile = False, 0, False
-    try:
-      if isinstance(obj, ji.ClosedJaxpr):
-        key = (
-          "closed",
-          self.jaxpr(obj.jaxpr),
-          tuple(self.value(c) for c in obj.consts),
-        )
-      else:
-        key = self.open_jaxpr(obj)
-      fp = Fingerprint(key, self.pins, self.nbytes)
-      volatile = self.volatile
-    finally:
-      mine = (self.pins, self.nbytes, self.volatile)
-      self.pins = outer[0] or mine[0]
-      self.nbytes = outer[1] + mine[1]
-      self.volatile = outer[2] or mine[2]
+    key, (pins, nbytes, volatile) = self.apart(self._jaxpr_key, obj)
+    fp = Fingerprint(key, pins, nbytes)
     if volatile:
       self.local[id(obj)] = (obj, fp)
     else:
       with _MEMO_LOCK:
         _MEMO[obj] = fp
     return fp
+
+  def _jaxpr_key(self, obj: Any) -> tuple:
+    if isinstance(obj, ji.ClosedJaxpr):
+      return (
+        "closed",
+        self.jaxpr(obj.jaxpr),
+        tuple(self.value(c) for c in obj.consts),
+      )
+    return self.open_jaxpr(obj)
 
   def open_jaxpr(self, jaxpr: Any) -> tuple:
     ids: dict[Any, int] = {}
@@ -453,7 +465,7 @@ class _Walker:
     eqns = []
     for eqn in jaxpr.eqns:
       ins = tuple([use(a) for a in eqn.invars])
-      params = self.params(eqn.primitive, eqn.params)
+      params = self.eqn_params(eqn.primitive, eqn.params)
       outs = tuple(
         [
           ("drop", aval(v.aval)) if isinstance(v, drop) else define(v)
@@ -512,11 +524,7 @@ def params_key(
   """Key of ``jit_p`` parameters other than ``skip`` (None if unkeyable)."""
   walker = _Walker()
   try:
-    key = tuple(
-      (name, walker.value(params[name]))
-      for name in sorted(params)
-      if name not in skip
-    )
+    key = walker.params(params, skip)
   except NotFingerprintable:
     return None
   return Fingerprint(key, walker.pins, walker.nbytes)

@@ -13,7 +13,6 @@ _deps.check_jax()  # before any private JAX name is imported
 
 from collections.abc import Callable
 from collections.abc import Sequence
-import copy as _copy
 import inspect as _inspect
 from typing import Any
 from typing import TypeVar
@@ -35,9 +34,7 @@ from jax._src import traceback_util as _traceback_util
 from jax._src import tree_util as _tree_util
 from jax._src import util as _util
 from jax._src import xla_bridge as _xla_bridge
-from jax._src.export import _export as _export_impl
 from jax._src.frozen_dict import FrozenDict as _FrozenDict
-from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
 from jax._src.layout import Format as _Format
@@ -47,8 +44,8 @@ from jax._src.lib import jax_jit as _jax_jit
 
 # -- names of jax.extend, without importing jax.extend --------------------------
 # ``import jax.extend`` (or any ``jax.extend.*``) imports every submodule,
-# Pallas's included: about 14 ms of a new process's time on the first use of
-# ``jit``. These are the same objects (tests/jax_internals_test.py checks
+# Pallas's included, which would add to a new process's first use of ``jit``
+# (BENCHMARKS.md times a first call). These are the same objects (tests/jax_internals_test.py checks
 # each against its jax.extend name).
 
 ClosedJaxpr = _core.ClosedJaxpr
@@ -58,8 +55,6 @@ DropVar = _core.DropVar
 jit_p = _pjit.jit_p
 #: jax.extend.source_info_util.register_exclusion
 register_source_exclusion = _source_info_util.register_exclusion
-#: jax.extend.backend.backends
-backends = _xla_bridge.backends
 
 # -- tracing context -----------------------------------------------------------
 
@@ -164,7 +159,8 @@ def layouts_key(leaves: Sequence[Any]) -> tuple | None:
 trace_state_clean: Callable[[], bool] = _core.trace_state_clean
 
 #: The current trace is ``current_trace.value``; ``eval_trace`` at top level.
-#: (A ~35 ns check, used before the full ``trace_state_clean``.)
+#: (An attribute read and an identity test: the cheap check made before the
+#: full ``trace_state_clean``.)
 current_trace = _core.trace_state_strong_ref
 eval_trace = _core.eval_trace
 
@@ -358,85 +354,6 @@ def hide_frames_of(path: str) -> None:
   _traceback_util.register_exclusion(path)
 
 
-# -- the stage family (stages.py) ----------------------------------------------------
-
-
-def export_lowering_parameters() -> Any:
-  """Lowering parameters equal to those of ``jax.export.export``: constants
-  stay in the module (never hoisted into arguments), and Mosaic/Pallas TPU
-  kernels use their forward-compatible form."""
-  return _mlir.LoweringParameters(
-    for_export=True,
-    hoist_constants_as_args=False,
-    export_ignore_forward_compatibility=bool(
-      _config.export_ignore_forward_compatibility.value
-    ),
-  )
-
-
-def lower_for_export(traced: Any, platforms: tuple[str, ...] | None) -> Any:
-  """``jax.stages.Traced.lower`` with :func:`export_lowering_parameters`
-  (a parameter JAX keeps private), so the result can be exported as is."""
-  return _stages.Traced.lower(
-    traced,
-    lowering_platforms=platforms,
-    _private_parameters=export_lowering_parameters(),
-  )
-
-
-def lowering_platforms(lowered: Any) -> tuple[str, ...] | None:
-  """The platforms a stock ``jax.stages.Lowered`` was lowered for (None when
-  JAX did not record them)."""
-  platforms = getattr(lowered._lowering, "_platforms", None)  # pylint: disable=protected-access
-  return None if platforms is None else tuple(platforms)
-
-
-def lowering_committed(lowered: Any) -> bool:
-  """Whether the outputs of stock ``lowered``'s executable are committed
-  (JAX decides it when lowering, from the jaxpr's shardings)."""
-  return bool(lowered._lowering.compile_args["committed"])  # pylint: disable=protected-access
-
-
-def with_committed(lowered: Any, committed: bool) -> Any:
-  """A copy of stock ``lowered`` whose executable's outputs are ``committed``.
-
-  The lowering (which JAX may cache and share) is copied, not changed.
-  """
-  computation = _copy.copy(lowered._lowering)  # pylint: disable=protected-access
-  computation.compile_args = {
-    **computation.compile_args,
-    "committed": committed,
-  }
-  computation._executable = None  # pylint: disable=protected-access
-  out = _copy.copy(lowered)
-  out._lowering = computation  # pylint: disable=protected-access
-  return out
-
-
-#: ``jax.export``'s step after lowering: (stock Lowered, jaxpr, function name,
-#: disabled checks) -> ``jax.export.Exported``, without lowering again.
-export_lowered: Callable[..., Any] = _export_impl._export_lowered  # pylint: disable=protected-access
-
-
-def stage_as(cls: type, stage: Any) -> Any:
-  """A ``cls`` object with the state of stock stage ``stage``.
-
-  ``cls`` subclasses the stock class of ``stage`` (``jax.stages.Traced``,
-  ``Lowered`` or ``Compiled``) and adds only methods and ``__dict__``
-  entries; the stock state (its ``__slots__`` and ``__dict__``) is shared,
-  not copied, so every stock method works on the result as on ``stage``.
-  """
-  out: Any = object.__new__(cls)
-  for klass in type(stage).__mro__:
-    slots = getattr(klass, "__slots__", ())
-    for name in (slots,) if isinstance(slots, str) else slots:
-      if name in ("__dict__", "__weakref__") or not hasattr(stage, name):
-        continue
-      setattr(out, name, getattr(stage, name))
-  out.__dict__.update(getattr(stage, "__dict__", {}))
-  return out
-
-
 # -- compiled executables and the C++ dispatcher -----------------------------------------
 
 
@@ -537,7 +454,7 @@ def jax_parse_arguments(args: tuple, kwargs: dict) -> tuple[Any, list]:
   )
 
 
-# -- stock JAX entry points and jit's defaults (issue 12: safe under the swap) --
+# -- stock JAX entry points and jit's defaults, safe under the drop-in swap ----
 
 #: Stock ``jax.jit``, bound from JAX's own module: ``jax.jit = ...`` (the
 #: drop-in swap) reassigns the attribute of the ``jax`` package, never this.
@@ -549,9 +466,6 @@ JIT_FUN_DEFAULT: Any = _inspect.signature(_api.jit).parameters["fun"].default
 
 #: Default of ``jax.jit``'s ``in_shardings``/``out_shardings``.
 UNSPECIFIED: Any = _named_sharding.UNSPECIFIED
-
-#: The abstract value of a token (``jax.lax.create_token()``).
-abstract_token: Any = _core.abstract_token
 
 
 def register_cache(cache: Any, what: str) -> None:

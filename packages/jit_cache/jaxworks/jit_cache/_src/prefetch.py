@@ -3,9 +3,9 @@ asks for them.
 
 JAX finds a program in its persistent cache only after tracing, lowering and
 hashing it; only then does it read and deserialize the executable, which for
-a training step takes as long as the trace (150 ms for a 4-layer transformer
-block step on CPU), and for each eager operation and library jit a few
-milliseconds more. jit_cache records which entries were read (``hints.py``)
+a training step can take as long as the trace, and adds up over the eager
+operations and library jits of a process's start (BENCHMARKS.md has warm-start
+figures). jit_cache records which entries were read (``hints.py``)
 and, in the next process, deserializes them on a background thread
 (``deserialize_executable`` releases the GIL) while this one traces:
 
@@ -40,8 +40,10 @@ from typing import Any
 
 import jax
 
+from . import cache_dir as _cache_dir
 from . import hints as _hints
-from . import persistent as _persistent
+from . import jax_internals as ji
+from . import monitoring as _monitoring
 
 #: Seconds a process prefetch keeps what nobody asked for after its list.
 LINGER_S = 30.0
@@ -60,12 +62,6 @@ _PENDING: dict[str, _Item] = {}
 _local = threading.local()
 _config = jax.config
 _process_index = jax.process_index
-
-
-def _ji():
-  from . import jax_internals  # pylint: disable=g-import-not-at-top
-
-  return jax_internals
 
 
 def hints_dir() -> str | None:
@@ -214,7 +210,6 @@ class _Loader:
 def _deserialize(read: _hints.Read, entries: str) -> tuple | None:
   """(backend, executable, compile time) of ``read``'s entry, or None."""
   try:
-    ji = _ji()
     backend = ji.initialized_backend(read.platform)
     if backend is None or ji.distributed_client() is not None:
       return None  # never start a backend; one process at a time
@@ -253,8 +248,7 @@ def _cache_read(read, cache_key, compile_options, backend, devices):
     got = item.take(compile_options, backend, devices)
     item.loader.passed(item.position)
     if got is not None:
-      _persistent.TOTALS.prefetched += 1
-      _local.taken = True
+      _monitoring.count_prefetched()
       return got
   return read(cache_key, compile_options, backend, devices)
 
@@ -270,7 +264,7 @@ def first_compile(
   ``sig`` is the call's dispatch signature (equal signatures of one code
   give one site)."""
   if (
-    not _persistent.config.prefetch
+    not _cache_dir.config.prefetch
     or getattr(_local, "session", None) is not None
   ):
     return _NULL
@@ -279,9 +273,9 @@ def first_compile(
   if call in _SEEN_CALLS:
     return _NULL
   directory = hints_dir()
-  if directory is None or not _ji().persistent_cache_enabled():
+  if directory is None or not ji.persistent_cache_enabled():
     return _NULL
-  abstractify = _ji().shaped_abstractify
+  abstractify = ji.shaped_abstractify
   try:
     short = lambda x: abstractify(x).str_short()  # noqa: E731
     name = _hints.site_digest(fun, leaves, treedef, statics, short)
@@ -319,7 +313,7 @@ class _Session:
 
   def __enter__(self) -> _Session:
     _local.session, _local.read = self, None
-    _ji().wrap_cache_read(_cache_read)
+    ji.wrap_cache_read(_cache_read)
     self.hint = _hints.read_site(self.path)
     if self.hint is not None:
       loader = _Loader([self.hint], self.entries, None)  # until __exit__
@@ -342,16 +336,11 @@ class _Session:
 def building():
   """Marks the compile of a call site: the cache read it makes is the one
   its hint names."""
-  _local.building, _local.taken = True, False
+  _local.building = True
   try:
     yield
   finally:
     _local.building = False
-
-
-def took() -> bool:
-  """Whether the last compile marked by ``building`` took a prefetch."""
-  return getattr(_local, "taken", False)
 
 
 # ------------------------------------------------------------- processes
@@ -374,10 +363,10 @@ class _Process:
     backend)."""
     self.stop()
     directory, name = hints_dir(), _hints.process_digest()
-    if directory is None or name is None or not _persistent.config.prefetch:
+    if directory is None or name is None or not _cache_dir.config.prefetch:
       return
     self.path = os.path.join(directory, name + ".json")
-    _ji().wrap_cache_read(_cache_read)
+    ji.wrap_cache_read(_cache_read)
     self.loaded = _hints.read_process(self.path)
     self.waiting = bool(self.loaded)
 
@@ -434,6 +423,6 @@ if hasattr(os, "register_at_fork"):
 
 
 def start_process() -> None:
-  """Called by ``set_cache_dir``: the process prefetch of the directory
-  now in use (or none)."""
+  """Called by ``persistent.set_cache_dir``: the process prefetch of the
+  directory now in use (or none)."""
   _PROCESS.start()

@@ -1,7 +1,7 @@
 """Teardown off the caller's path: values freed on a daemon thread.
 
 The shared executable cache (``cache.ExecutableCache``) evicts inside the call
-that compiles a new program. Freeing an XLA executable takes 0.2-0.5 ms,
+that compiles a new program. Freeing an XLA executable is work of its own,
 much of it outside the GIL; handing the evicted executable to ``REAPER``
 takes that off the call. ``clear_caches()`` and exit wait for it (``flush``).
 """
@@ -17,10 +17,9 @@ from typing import Any
 class Reaper:
   """Frees dropped values on a daemon thread.
 
-  Freeing an XLA executable takes 0.2-0.5 ms, much of it outside the GIL.
   The executable cache evicts inside the call that compiles a new program;
-  handing the evicted executable over takes its teardown off that call's
-  path. ``flush`` waits until everything handed over so far is freed; it
+  handing the evicted executable over takes its teardown (much of it outside
+  the GIL) off that call's path. ``flush`` waits until everything handed over so far is freed; it
   runs at exit, before JAX tears its backends down.
   """
 

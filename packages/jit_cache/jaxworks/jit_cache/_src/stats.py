@@ -7,7 +7,7 @@ from typing import Any
 
 from . import cache as _cache
 from . import jax_internals as ji
-from . import persistent as _persistent
+from . import monitoring as _monitoring
 from .core import REGISTRY
 from .core import REGISTRY_LOCK
 
@@ -32,20 +32,20 @@ def stats() -> _cache.CacheInfo:
   live = live_functions()
   executables = {id(e): e for e in _cache.EXECUTABLES.live()}
   for f in live:
-    for entry in list(f._cache.by_key.values()):  # pylint: disable=protected-access
-      executables.update((id(e), e) for e in list(entry.executables.values()))
+    for entry in f._cache.by_key.values():  # pylint: disable=protected-access
+      executables.update((id(e), e) for e in entry.executables.values())
   return _cache.GLOBAL_COUNTERS.snapshot(
     entries=sum(len(f._cache) for f in live),  # pylint: disable=protected-access
     maxsize=_cache.GLOBAL_ENTRIES.maxsize,
     dispatch_entries=sum(ji.dispatcher_size(f._dispatcher) for f in live),  # pylint: disable=protected-access
     executables=len(executables),
-    **_persistent.totals(),
+    **_monitoring.totals(),
   )
 
 
 def reset_stats() -> None:
   """Zeroes the process-wide and every function's counters."""
   _cache.GLOBAL_COUNTERS.reset()
-  _persistent.TOTALS.reset()
+  _monitoring.TOTALS.reset()
   for f in live_functions():
     f._counters.reset()  # pylint: disable=protected-access

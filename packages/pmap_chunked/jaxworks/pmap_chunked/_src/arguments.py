@@ -1,21 +1,27 @@
 """A pmap call's arguments: static values, flat leaves, mapped axes and size.
 
-``Pmapped`` inherits :class:`Arguments`; its methods read the options the
-constructor checked (``_statics``, ``_in_axes``, ``_axis_size``, ...). Errors
-name the argument by its path (``args[1]['w']``) and say the fix.
+:class:`Arguments` holds the argument options of one pmapped function (its
+in_axes, static and donated positions, devices and axis_size), checked once
+when the function is made, and turns each call's arguments into what the
+program table is keyed by. Errors name the argument by its path
+(``args[1]['w']``) and say the fix.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
+import operator
 import struct
+import threading
 from typing import Any
+from typing import NoReturn
 
 import jax
 import numpy as np
 
 from . import axes as axes_lib
+from . import lru
+from . import mesh as mesh_lib
 
 API = "jaxworks.pmap_chunked.pmap"
 
@@ -24,8 +30,8 @@ class UnhashableStaticError(ValueError, TypeError):
   """A static argument of a pmapped function is not hashable.
 
   A ``ValueError`` as ``jax.pmap`` raises, and a ``TypeError`` as Python
-  raises for ``hash()`` of such a value (and as earlier jaxworks versions
-  raised), so code catching either keeps working.
+  raises for ``hash()`` of such a value, so code catching either catches
+  it.
   """
 
 
@@ -56,66 +62,88 @@ def static_key(value: Any) -> Any:
   return (kind, value)
 
 
-class PmapState:
-  """What ``Pmapped``'s constructor checked and keeps, read by its mixins."""
-
-  _fun: Callable
-  _axis_name: Any
-  _anonymous: bool
-  _in_axes: Any
-  _out_axes: Any
-  _negative_in: bool
-  _negative_out: bool
-  _statics: tuple[int, ...]
-  _donate: tuple[int, ...]
-  _devices: Any
-  _backend: str | None
-  _axis_size: int | None
-  _chunked: bool
-  _flat_axes: collections.OrderedDict
-  _lookup: Callable[..., Any]
-  _store: Callable[..., None]
-  _name: Callable[[], str]
+def describe(fun: Callable) -> str:
+  """How error messages name the pmapped function."""
+  return getattr(fun, "__qualname__", None) or repr(fun)
 
 
-class Arguments(PmapState):
-  """Argument parsing of :class:`~.pmap.Pmapped` (a mixin)."""
+class Arguments:
+  """How one pmapped function reads the arguments of a call.
 
-  def _parse(self, args: tuple, kwargs: dict):
+  Args:
+    fun: the mapped function (named in errors).
+    in_axes: the in_axes spec, already checked by
+      ``axes.check_axes_spec``.
+    static_broadcasted_argnums, donate_argnums: as ``pmap`` takes them; a
+      negative position names no argument, as in ``jax.pmap``.
+    devices: the ``devices=`` option, or None.
+    axis_size: the ``axis_size=`` option (a positive int), or None.
+    maxsize: the bound on the table of flat in_axes, one entry per argument
+      structure.
+  """
+
+  def __init__(
+    self,
+    fun: Callable,
+    in_axes: Any,
+    *,
+    static_broadcasted_argnums: Any,
+    donate_argnums: Any,
+    devices: Any,
+    axis_size: int | None,
+    maxsize: int,
+  ):
+    statics = _index_tuple(
+      "static_broadcasted_argnums", static_broadcasted_argnums
+    )
+    donate = _index_tuple("donate_argnums", donate_argnums)
+    both = set(statics) & set(donate)
+    if both:
+      raise ValueError(
+        f"{API}: argument(s) {sorted(both)} are in both "
+        "static_broadcasted_argnums and donate_argnums; a static argument "
+        "has no buffer to donate, remove it from one of them."
+      )
+    self.fun = fun
+    self.in_axes = in_axes
+    self.negative_in = axes_lib.has_negative(in_axes)
+    self.statics = _positions(statics)
+    self.donate = _positions(donate)
+    self.devices = (
+      None if devices is None else mesh_lib.check_devices(API, devices)
+    )
+    self.axis_size = axis_size
+    # (argument structure, positional count) -> flat in_axes.
+    self._flat_axes: lru.LRU[Any, tuple] = lru.LRU(maxsize)
+    self._lock = threading.Lock()
+
+  def clear(self) -> None:
+    with self._lock:
+      self._flat_axes.clear()
+
+  def parse(self, args: tuple, kwargs: dict):
     """Static values, flat dynamic leaves, their structure, axes and size."""
-    statics = self._statics
+    statics = self.statics
     if statics:
       if statics[-1] >= len(args):
-        raise ValueError(
-          f"{API}: pmapped function has static_broadcasted_argnums="
-          f"{statics} but was called with only {len(args)} positional "
-          f"argument{'' if len(args) == 1 else 's'}. All static broadcasted "
-          f"arguments must be passed positionally. Pass argument "
-          f"{statics[-1]} of {self._name()} (and every one before it) by "
-          "position."
-        )
+        self._raise_too_few(args)
       static_vals = tuple(args[i] for i in statics)
       try:
         hash(static_vals)
       except TypeError:
-        bad = next(i for i in statics if not _hashable(args[i]))
-        raise UnhashableStaticError(
-          f"{API}: Non-hashable static arguments are not supported: static "
-          f"argument {bad} of {self._name()} (static_broadcasted_argnums) "
-          f"must be hashable, got a {type(args[bad]).__name__}; pass a "
-          "hashable value (e.g. a tuple instead of a list) or make it a "
-          "mapped argument."
-        ) from None
+        self._raise_unhashable(args)
       dyn = tuple(a for i, a in enumerate(args) if i not in statics)
     else:
       static_vals = ()
       dyn = args
     leaves, treedef = jax.tree_util.tree_flatten((dyn, kwargs))
-    flat = self._lookup(self._flat_axes, (treedef, len(args)))
+    with self._lock:
+      flat = self._flat_axes.get((treedef, len(args)))
     if flat is None:
       flat = self._flat_in_axes(args, dyn, kwargs, len(leaves))
-      self._store(self._flat_axes, (treedef, len(args)), flat, count=False)
-    if self._negative_in:
+      with self._lock:
+        self._flat_axes.put((treedef, len(args)), flat)
+    if self.negative_in:
       flat = tuple(self._normalize_in(flat, leaves, dyn, kwargs))
     size = None
     for i, ax in enumerate(flat):
@@ -137,8 +165,55 @@ class Arguments(PmapState):
       self._global_size(size, leaves, flat),
     )
 
+  def merge(self, static_vals: tuple, dyn_args: Any, nargs: int) -> list:
+    """The positional arguments of the user's function: the static values
+    back between the dynamic ones."""
+    if not self.statics:
+      return list(dyn_args)
+    dyn_iter = iter(dyn_args)
+    static_of = dict(zip(self.statics, static_vals))
+    return [
+      static_of[i] if i in static_of else next(dyn_iter) for i in range(nargs)
+    ]
+
+  def donated_leaves(self, treedef, nargs: int) -> tuple[int, ...]:
+    """Indices of the flat leaves that belong to donated positional args."""
+    dyn_positions = [i for i in range(nargs) if i not in self.statics]
+    dyn_args, _ = jax.tree_util.tree_unflatten(
+      treedef, [0] * treedef.num_leaves
+    )
+    donated: list[int] = []
+    start = 0
+    for position, arg in zip(dyn_positions, dyn_args):
+      n = len(jax.tree_util.tree_leaves(arg))
+      if position in self.donate:
+        donated.extend(range(start, start + n))
+      start += n
+    return tuple(donated)
+
+  def _raise_too_few(self, args: tuple) -> NoReturn:
+    statics = self.statics
+    raise ValueError(
+      f"{API}: pmapped function has static_broadcasted_argnums="
+      f"{statics} but was called with only {len(args)} positional "
+      f"argument{'' if len(args) == 1 else 's'}. All static broadcasted "
+      f"arguments must be passed positionally. Pass argument "
+      f"{statics[-1]} of {describe(self.fun)} (and every one before it) "
+      "by position."
+    )
+
+  def _raise_unhashable(self, args: tuple) -> NoReturn:
+    bad = next(i for i in self.statics if not _hashable(args[i]))
+    raise UnhashableStaticError(
+      f"{API}: Non-hashable static arguments are not supported: static "
+      f"argument {bad} of {describe(self.fun)} "
+      f"(static_broadcasted_argnums) must be hashable, got a "
+      f"{type(args[bad]).__name__}; pass a hashable value (e.g. a tuple "
+      "instead of a list) or make it a mapped argument."
+    ) from None
+
   def _flat_in_axes(self, args, dyn, kwargs, num_leaves) -> tuple:
-    in_axes = self._in_axes
+    in_axes = self.in_axes
     if isinstance(in_axes, tuple):
       if len(in_axes) != len(args):
         keywords = (
@@ -150,13 +225,11 @@ class Arguments(PmapState):
         )
         raise ValueError(
           f"{API}: in_axes={in_axes!r} has {len(in_axes)} entries but "
-          f"{self._name()} was called with {len(args)} positional "
+          f"{describe(self.fun)} was called with {len(args)} positional "
           f"argument(s){keywords}; give one entry per positional argument "
           "(static ones included) or a single int/None for all."
         )
-      in_axes = tuple(
-        a for i, a in enumerate(in_axes) if i not in self._statics
-      )
+      in_axes = tuple(a for i, a in enumerate(in_axes) if i not in self.statics)
     elif in_axes is not None and type(in_axes) is not int:
       raise ValueError(
         f"{API}: in_axes={in_axes!r} must be an int, None or a tuple with "
@@ -180,37 +253,37 @@ class Arguments(PmapState):
 
   def _global_size(self, size, leaves, flat) -> int:
     if size is None:
-      if self._axis_size is None:
+      if self.axis_size is None:
         raise ValueError(
           f"{API}: pmap requires at least one argument with a mapped axis. "
-          f"No argument leaf of {self._name()} is mapped (its in_axes are "
-          "None, or it has no array leaves), so the mapped size is unknown; "
-          "pass axis_size=<number of devices> to pmap or map at least one "
-          "array argument."
+          f"No argument leaf of {describe(self.fun)} is mapped (its in_axes "
+          "are None, or it has no array leaves), so the mapped size is "
+          "unknown; pass axis_size=<number of devices> to pmap or map at "
+          "least one array argument."
         )
-      return self._axis_size
+      return self.axis_size
     if jax.process_count() > 1:
       first = next(x for x, ax in zip(leaves, flat) if ax is not None)
       if not (isinstance(first, jax.Array) and not first.is_fully_addressable):
+        # Process-local slices: the global size counts every process's.
+        devices = self.devices
         local = (
-          sum(d.process_index == jax.process_index() for d in self._devices)
-          if self._devices
+          sum(d.process_index == jax.process_index() for d in devices)
+          if devices
           else jax.local_device_count()
         )
         if size != local:
           raise ValueError(
-            f"{API}: {self._name()} got a process-local mapped size of "
-            f"{size} but this process has {local} participating devices; "
+            f"{API}: {describe(self.fun)} got a process-local mapped size "
+            f"of {size} but this process has {local} participating devices; "
             "pass one slice per local device, or a global jax.Array."
           )
-        size = (
-          len(self._devices) if self._devices else (size * jax.process_count())
-        )
-    if self._axis_size is not None and self._axis_size != size:
+        size = len(devices) if devices else (size * jax.process_count())
+    if self.axis_size is not None and self.axis_size != size:
       raise ValueError(
-        f"{API}: axis_size={self._axis_size} but the mapped arguments of "
-        f"{self._name()} have mapped size {size}; pass axis_size={size} or "
-        "resize the arguments."
+        f"{API}: axis_size={self.axis_size} but the mapped arguments of "
+        f"{describe(self.fun)} have mapped size {size}; pass "
+        f"axis_size={size} or resize the arguments."
       )
     return size
 
@@ -222,7 +295,7 @@ class Arguments(PmapState):
       shape = ()  # a Python scalar: a rank-0 value
     if shape is None:
       raise TypeError(
-        f"{API}: argument {where} of {self._name()} is a "
+        f"{API}: argument {where} of {describe(self.fun)} is a "
         f"{type(x).__name__}, which cannot be mapped over (in_axes={ax}); "
         "pass an array, give it in_axes=None to broadcast it, or list its "
         "position in static_broadcasted_argnums."
@@ -233,7 +306,7 @@ class Arguments(PmapState):
       else "a scalar has no axis to map:"
     )
     raise axes_lib.AxisOutOfRangeError(
-      f"{API}: argument {where} of {self._name()} has shape "
+      f"{API}: argument {where} of {describe(self.fun)} has shape "
       f"{tuple(shape)} (rank {len(shape)}) and cannot be mapped over axis "
       f"{ax}; {fix} give it in_axes=None to broadcast it."
     )
@@ -246,20 +319,33 @@ class Arguments(PmapState):
       if ax is not None
     ]
     raise ValueError(
-      f"{API}: the mapped arguments of {self._name()} disagree on the "
+      f"{API}: the mapped arguments of {describe(self.fun)} disagree on the "
       f"mapped size ({'; '.join(sizes)}); every mapped argument needs the "
       "same size along its in_axes axis (the number of devices)."
     )
 
 
-def merge_statics(statics, static_vals, dyn_args, nargs) -> list:
-  if not statics:
-    return list(dyn_args)
-  dyn_iter = iter(dyn_args)
-  static_of = dict(zip(statics, static_vals))
-  return [
-    static_of[i] if i in static_of else next(dyn_iter) for i in range(nargs)
-  ]
+def _index_tuple(what: str, value: Any) -> tuple[int, ...]:
+  """An argnums option as ints, accepting what ``jax.pmap`` accepts: an int
+  or an iterable of them, where anything with ``__index__`` (a bool, a numpy
+  or concrete JAX integer) counts as an int."""
+  try:
+    return (operator.index(value),)
+  except TypeError:
+    pass
+  try:
+    return tuple(map(operator.index, value))
+  except TypeError:
+    raise TypeError(
+      f"{API}: {what} must be an int or a collection of ints, got "
+      f"{value!r} of type {type(value).__name__}; pass e.g. {what}=(1,)."
+    ) from None
+
+
+def _positions(nums: tuple[int, ...]) -> tuple[int, ...]:
+  """The argument positions an argnums option names: sorted, distinct,
+  negative ones dropped."""
+  return tuple(sorted({i for i in nums if i >= 0}))
 
 
 def _hashable(x) -> bool:

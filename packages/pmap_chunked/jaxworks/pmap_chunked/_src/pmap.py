@@ -15,17 +15,21 @@ The mechanism, in one place:
 4. Inputs already laid out as the entry expects are passed as they are (no
    copy); the others move in one batched transfer. Outputs are global arrays
    with NamedShardings, so they feed jax.jit or this pmap again without a copy.
+
+A :class:`Pmapped` is made of parts with one job each: an
+``arguments.Arguments`` reads a call's arguments (step 1), a
+``programs.Programs`` builds an entry and its per-device body (steps 2 and
+3), and the ``Pmapped`` itself holds the table of entries, dispatches a call
+to one (step 4) and reports the counters.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 import copy
 import dataclasses
 import functools
 import inspect
-import operator
 import threading
 import types
 from typing import Any
@@ -38,10 +42,13 @@ from jaxworks import jit_cache
 from . import axes as axes_lib
 from . import deps
 from . import jax_internals
+from . import lru
 from . import mesh as mesh_lib
 from . import placement
+from . import programs as programs_lib
 from .arguments import API
 from .arguments import Arguments
+from .arguments import describe
 from .arguments import static_key
 from .programs import Entry
 from .programs import Programs
@@ -118,7 +125,7 @@ def _any_arguments(*args, **kwargs):
   del args, kwargs
 
 
-class Pmapped(Arguments, Programs):
+class Pmapped:
   """A function mapped over devices by :func:`jaxworks.pmap_chunked.pmap`.
 
   Calling it runs the mapped function; ``lower`` and ``trace`` give the
@@ -151,81 +158,36 @@ class Pmapped(Arguments, Programs):
     chunked: bool,
     maxsize: int = DEFAULT_MAXSIZE,
   ):
-    if isinstance(fun, staticmethod):
-      raise TypeError(
-        f"{API}: got the staticmethod object {fun!r}; as "
-        "jax.pmap, pmap takes the function itself: apply "
-        "@staticmethod outside (above) @pmap."
-      )
-    if not callable(fun):
-      raise TypeError(
-        f"{API}: fun must be callable, got {fun!r} of type "
-        f"{type(fun).__name__}; pass the function to map."
-      )
-    if inspect.isgeneratorfunction(fun):
-      raise TypeError(
-        f"{API}: fun must return its outputs, but {fun!r} is a "
-        "generator function (it yields); return a value or a "
-        "tuple of values instead."
-      )
-    self._anonymous = axis_name is None
-    if axis_name is None:
+    _check_fun(fun)
+    anonymous = axis_name is None
+    if anonymous:
       axis_name = ANONYMOUS_AXIS
-    try:
-      hash(axis_name)
-    except TypeError:
-      raise TypeError(
-        f"{API}: axis_name must be hashable, got {axis_name!r}; "
-        "use a string such as axis_name='i'."
-      ) from None
-    if axis_size is not None and (type(axis_size) is not int or axis_size < 1):
-      raise TypeError(
-        f"{API}: axis_size must be a positive int or None, got {axis_size!r}."
-      )
-    if not isinstance(chunked, bool):
-      raise TypeError(f"{API}: chunked must be True or False, got {chunked!r}.")
-    if type(maxsize) is not int or maxsize < 1:
-      raise TypeError(
-        f"{API}: maxsize must be an int >= 1, got {maxsize!r}; "
-        f"pass e.g. maxsize={DEFAULT_MAXSIZE}."
-      )
-    if backend is not None and not isinstance(backend, str):
-      raise TypeError(
-        f"{API}: backend must be a platform name such as "
-        f"'cpu' or None, got {backend!r}."
-      )
-    self._fun = fun
-    self._axis_name = axis_name
-    self._in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
-    self._out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
-    self._negative_in = axes_lib.has_negative(self._in_axes)
-    self._negative_out = axes_lib.has_negative(self._out_axes)
-    statics = _index_tuple(
-      "static_broadcasted_argnums", static_broadcasted_argnums
+    _check_options(axis_name, axis_size, chunked, maxsize, backend)
+    in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
+    out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
+    # The parts, each with one job: reading a call's arguments, building a
+    # program, and (here) the table of built programs and the dispatch.
+    self._args = Arguments(
+      fun,
+      in_axes,
+      static_broadcasted_argnums=static_broadcasted_argnums,
+      donate_argnums=donate_argnums,
+      devices=devices,
+      axis_size=axis_size,
+      maxsize=maxsize,
     )
-    donate = _index_tuple("donate_argnums", donate_argnums)
-    both = set(statics) & set(donate)
-    if both:
-      raise ValueError(
-        f"{API}: argument(s) {sorted(both)} are in both "
-        "static_broadcasted_argnums and donate_argnums; a static argument "
-        "has no buffer to donate, remove it from one of them."
-      )
-    # As in jax.pmap, a negative position names no argument (positions are
-    # not counted from the end).
-    self._statics = _positions(statics)
-    self._donate = _positions(donate)
-    self._devices = (
-      None if devices is None else mesh_lib.check_devices(API, devices)
+    self._programs = Programs(
+      fun,
+      axis_name,
+      anonymous=anonymous,
+      out_axes=out_axes,
+      arguments=self._args,
+      backend=backend,
+      chunked=chunked,
     )
-    self._backend = backend
-    self._axis_size = axis_size
-    self._chunked = chunked
+    # Program table: key -> Entry, least recently used dropped first.
     self._maxsize = maxsize
-    # Program table (LRU): key -> Entry; and the flat in_axes of each
-    # argument structure (bounded the same way).
-    self._entries: collections.OrderedDict = collections.OrderedDict()
-    self._flat_axes: collections.OrderedDict = collections.OrderedDict()
+    self._entries: lru.LRU[Any, Entry] = lru.LRU(maxsize)
     self._lock = threading.Lock()
     self._hits = 0
     self._misses = 0
@@ -277,7 +239,7 @@ class Pmapped(Arguments, Programs):
     ``executable_reuses``, ...) are summed over those programs' jit caches.
     """
     with self._lock:
-      entries = list(self._entries.values())
+      entries = self._entries.values()
     programs = [e.jitted.cache_info() for e in entries]
     return CacheInfo(
       hits=self._hits,
@@ -292,45 +254,28 @@ class Pmapped(Arguments, Programs):
     """Drops every program this function holds (the next call rebuilds)."""
     with self._lock:
       self._entries.clear()
-      self._flat_axes.clear()
-
-  def _lookup(self, table: collections.OrderedDict, key: Any) -> Any:
-    with self._lock:
-      found = table.get(key)
-      if found is not None:
-        table.move_to_end(key)
-      return found
-
-  def _store(
-    self, table: collections.OrderedDict, key: Any, value: Any, count: bool
-  ) -> None:
-    with self._lock:
-      table[key] = value
-      table.move_to_end(key)
-      while len(table) > self._maxsize:
-        table.popitem(last=False)
-        if count:
-          self._evictions += 1
+    self._args.clear()
 
   def _run(self, how: str, args: tuple, kwargs: dict):
-    static_vals, leaves, treedef, in_axes, size = self._parse(args, kwargs)
+    static_vals, leaves, treedef, in_axes, size = self._args.parse(args, kwargs)
     nested = bool(mesh_lib.frames())
     tracing = nested or any(map(_is_tracer, leaves))
     # As jax.pmap, no donation while jax.debug_nans is on (read per call).
-    donating = bool(self._donate) and not getattr(_config, _DEBUG_NANS)
+    donating = bool(self._args.donate) and not getattr(_config, _DEBUG_NANS)
     key = (
       treedef,
       in_axes,
       size,
       static_key(static_vals),
       len(args),
-      self._context_key() if nested else None,
+      programs_lib.context_key() if nested else None,
       donating,
     )
-    entry = self._lookup(self._entries, key)
-    built = entry is None
-    if built:
-      entry = self._build(
+    with self._lock:
+      found = self._entries.get(key)
+    built = found is None
+    if found is None:
+      entry = self._programs.build(
         static_vals,
         treedef,
         in_axes,
@@ -340,6 +285,8 @@ class Pmapped(Arguments, Programs):
         nested=nested,
         donating=donating,
       )
+    else:
+      entry = found
     demanded: dict = {}
     while True:
       try:
@@ -347,14 +294,15 @@ class Pmapped(Arguments, Programs):
       except mesh_lib.NeedsAxis as need:
         if nested:
           raise
-        entry = self._build(
+        # Nested pmaps asked for an axis this mesh lacks: add it, run again.
+        entry = self._programs.build(
           static_vals,
           treedef,
           in_axes,
           size,
           len(args),
           nested=False,
-          extra_axes=self._more_axes(entry, need, demanded),
+          extra_axes=self._programs.more_axes(entry, need, demanded),
           donating=donating,
         )
         built = True
@@ -363,18 +311,19 @@ class Pmapped(Arguments, Programs):
         if str(err).startswith(API):  # already pmap's own diagnostic
           raise
         # jit_cache's (a top-level call of its jit): re-reported as pmap's.
-        self._diagnose(
+        self._programs.diagnose(
           err, static_vals, treedef, in_axes, size, len(args), leaves, entry
         )
       except NameError as err:
-        self._diagnose(
+        self._programs.diagnose(
           err, static_vals, treedef, in_axes, size, len(args), leaves, entry
         )
       # Only a call that succeeded changes the cache: a failed one leaves
       # nothing half-built behind.
       if built:
         self._misses += 1
-        self._store(self._entries, key, entry, count=True)
+        with self._lock:
+          self._evictions += len(self._entries.put(key, entry))
       else:
         self._hits += 1
       return out
@@ -383,25 +332,7 @@ class Pmapped(Arguments, Programs):
     self, how: str, entry: Entry, leaves: list, treedef, tracing: bool
   ):
     if how != "call":
-      stage = getattr(entry.jitted, how)(
-        *[self._abstract(x, s) for x, s in zip(leaves, entry.in_shardings)]
-      )
-      if how == "lower":
-        # The program takes flat leaves; describe its arguments as the user
-        # passed them ((positional, keyword) without the static ones, as
-        # jax.pmap's lower does), so .compile() takes the user's arguments.
-        donated = [
-          a.donated for a in jax.tree_util.tree_leaves(stage.args_info)
-        ]
-        stage = copy.copy(stage)  # the same lowering, described anew
-        stage.args_info = jax.tree_util.tree_unflatten(
-          treedef,
-          [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)],
-        )
-      elif how == "trace":
-        stage = copy.copy(stage)
-        stage.__class__ = _PmapTraced
-      return stage
+      return _stage(how, entry, leaves, treedef)
     if tracing:
       return entry.jitted(*leaves)
     return entry.jitted(
@@ -414,37 +345,81 @@ class Pmapped(Arguments, Programs):
       )
     )
 
-  def _name(self) -> str:
-    return getattr(self._fun, "__qualname__", None) or repr(self._fun)
-
   def __repr__(self):
+    programs = self._programs
     return (
-      f"<jaxworks.pmap_chunked.pmap of {self._name()} over axis "
-      f"{self._axis_name!r}, chunked={self._chunked}>"
+      f"<jaxworks.pmap_chunked.pmap of {describe(programs.fun)} over axis "
+      f"{programs.axis_name!r}, chunked={programs.chunked}>"
     )
 
 
-def _index_tuple(what: str, value: Any) -> tuple[int, ...]:
-  """An argnums option as ints, accepting what ``jax.pmap`` accepts: an int
-  or an iterable of them, where anything with ``__index__`` (a bool, a numpy
-  or concrete JAX integer) counts as an int."""
+def _stage(how: str, entry: Entry, leaves: list, treedef) -> Any:
+  """The ``lower``/``trace`` stage of ``entry`` for these argument leaves."""
+  stage = getattr(entry.jitted, how)(
+    *[programs_lib.abstract(x, s) for x, s in zip(leaves, entry.in_shardings)]
+  )
+  if how == "lower":
+    # The program takes flat leaves; describe its arguments as the user
+    # passed them ((positional, keyword) without the static ones, as
+    # jax.pmap's lower does), so .compile() takes the user's arguments.
+    donated = [a.donated for a in jax.tree_util.tree_leaves(stage.args_info)]
+    stage = copy.copy(stage)  # the same lowering, described anew
+    stage.args_info = jax.tree_util.tree_unflatten(
+      treedef,
+      [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)],
+    )
+  elif how == "trace":
+    stage = copy.copy(stage)
+    stage.__class__ = _PmapTraced
+  return stage
+
+
+def _check_fun(fun: Any) -> None:
+  if isinstance(fun, staticmethod):
+    raise TypeError(
+      f"{API}: got the staticmethod object {fun!r}; as "
+      "jax.pmap, pmap takes the function itself: apply "
+      "@staticmethod outside (above) @pmap."
+    )
+  if not callable(fun):
+    raise TypeError(
+      f"{API}: fun must be callable, got {fun!r} of type "
+      f"{type(fun).__name__}; pass the function to map."
+    )
+  if inspect.isgeneratorfunction(fun):
+    raise TypeError(
+      f"{API}: fun must return its outputs, but {fun!r} is a "
+      "generator function (it yields); return a value or a "
+      "tuple of values instead."
+    )
+
+
+def _check_options(axis_name, axis_size, chunked, maxsize, backend) -> None:
+  """pmap's options that are one value each (the axes specs and argument
+  positions are checked by ``Arguments`` and ``axes``)."""
   try:
-    return (operator.index(value),)
-  except TypeError:
-    pass
-  try:
-    return tuple(map(operator.index, value))
+    hash(axis_name)
   except TypeError:
     raise TypeError(
-      f"{API}: {what} must be an int or a collection of ints, got "
-      f"{value!r} of type {type(value).__name__}; pass e.g. {what}=(1,)."
+      f"{API}: axis_name must be hashable, got {axis_name!r}; "
+      "use a string such as axis_name='i'."
     ) from None
-
-
-def _positions(nums: tuple[int, ...]) -> tuple[int, ...]:
-  """The argument positions an argnums option names: sorted, distinct,
-  negative ones dropped."""
-  return tuple(sorted({i for i in nums if i >= 0}))
+  if axis_size is not None and (type(axis_size) is not int or axis_size < 1):
+    raise TypeError(
+      f"{API}: axis_size must be a positive int or None, got {axis_size!r}."
+    )
+  if not isinstance(chunked, bool):
+    raise TypeError(f"{API}: chunked must be True or False, got {chunked!r}.")
+  if type(maxsize) is not int or maxsize < 1:
+    raise TypeError(
+      f"{API}: maxsize must be an int >= 1, got {maxsize!r}; "
+      f"pass e.g. maxsize={DEFAULT_MAXSIZE}."
+    )
+  if backend is not None and not isinstance(backend, str):
+    raise TypeError(
+      f"{API}: backend must be a platform name such as "
+      f"'cpu' or None, got {backend!r}."
+    )
 
 
 def stats() -> jit_cache.CacheInfo:

@@ -1,13 +1,15 @@
 """The programs a pmap runs: a ``jaxworks.jit_cache.jit`` of ``shard_map``.
 
-``Pmapped`` inherits :class:`Programs`: ``_build`` makes the mesh, the
-per-leaf shardings and the jitted ``shard_map(body)`` for one argument
-structure/size/static-values combination (an :class:`Entry`); ``_body`` is
+:class:`Programs` holds what one pmapped function's programs are made of (its
+function, axis name, out_axes, devices, chunked) and builds, for one
+argument structure/size/static-values combination, the mesh, the per-leaf
+shardings and the jitted ``shard_map(body)`` (an :class:`Entry`); ``body`` is
 the per-device program around the user's function.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import functools
 import math
@@ -23,8 +25,8 @@ from . import axes as axes_lib
 from . import deps
 from . import mesh as mesh_lib
 from .arguments import API
-from .arguments import PmapState
-from .arguments import merge_statics
+from .arguments import Arguments
+from .arguments import describe
 
 # Stock JAX callables this module builds on, bound once at import: a program
 # that later assigns jaxworks' functions to ``jax.jit``/``jax.pmap``/... (or
@@ -48,22 +50,56 @@ class Entry:
   donated: frozenset = frozenset()  # indices of donated leaves
 
 
-class Programs(PmapState):
-  """Program building of :class:`~.pmap.Pmapped` (a mixin)."""
+def context_key() -> tuple:
+  """What a nested call's program depends on: the enclosing mesh and the
+  axis names bound around it."""
+  frames = mesh_lib.frames()
+  return (frames[-1].mesh, tuple(f.axis_name for f in frames))
 
-  def _context_key(self):
-    frames = mesh_lib.frames()
-    return (frames[-1].mesh, tuple(f.axis_name for f in frames))
 
-  def _more_axes(
+class Programs:
+  """Builds the programs of one pmapped function.
+
+  Args:
+    fun: the mapped function.
+    axis_name: the pmap's axis name (``ANONYMOUS_AXIS`` when none was given,
+      with ``anonymous`` True).
+    out_axes: the out_axes spec, already checked.
+    arguments: the function's :class:`~.arguments.Arguments` (static and
+      donated positions, devices).
+    backend, chunked: as ``pmap`` takes them.
+  """
+
+  def __init__(
+    self,
+    fun: Callable,
+    axis_name: Any,
+    *,
+    anonymous: bool,
+    out_axes: Any,
+    arguments: Arguments,
+    backend: str | None,
+    chunked: bool,
+  ):
+    self.fun = fun
+    self.axis_name = axis_name
+    self.anonymous = anonymous
+    self.out_axes = out_axes
+    self.negative_out = axes_lib.has_negative(out_axes)
+    self.arguments = arguments
+    self.backend = backend
+    self.chunked = chunked
+
+  def more_axes(
     self, entry: Entry, need: mesh_lib.NeedsAxis, demanded: dict
   ) -> tuple:
     """The nested axes for the next attempt, adding or resizing ``need``'s."""
     name, size = need.axis_name, need.size
     if name == entry.axis_name or demanded.get(name, size) != size:
       raise ValueError(
-        f"{API}: nested pmaps inside {self._name()} map axis {name!r} with "
-        f"sizes {demanded.get(name, entry.size)} and {size} in one call; a "
+        f"{API}: nested pmaps inside {describe(self.fun)} map axis "
+        f"{name!r} with sizes {demanded.get(name, entry.size)} and {size} in "
+        "one call; a "
         "nested axis needs one size per call and a name distinct from the "
         "enclosing pmaps'."
       )
@@ -74,7 +110,7 @@ class Programs(PmapState):
     # The argument shapes changed since this entry was built: resize the axis.
     return tuple((n, size if n == name else s) for n, s in entry.extra_axes)
 
-  def _build(
+  def build(
     self,
     static_vals,
     treedef,
@@ -86,26 +122,24 @@ class Programs(PmapState):
     nested: bool,
     donating: bool = True,
   ) -> Entry:
-    axis_name = self._axis_name
+    """The program of one argument structure, size and static values.
+
+    ``extra_axes`` are the axes of nested pmaps the mesh adds after this
+    pmap's own; ``nested`` says this pmap is called inside another one's
+    body (it then maps over an axis of the enclosing mesh).
+    """
     spmd_mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
     if nested:
       mesh, axis_name = self._nested_mesh(size)
       spmd_mesh = _get_abstract_mesh()
     else:
-      sizes = (size,) + tuple(s for _, s in extra_axes)
-      devices = mesh_lib.select_devices(
-        self._devices, math.prod(sizes), self._backend
-      )
-      mesh = mesh_lib.make_mesh(
-        devices, sizes, (axis_name,) + tuple(n for n, _ in extra_axes)
-      )
-      spmd_mesh = mesh
+      axis_name = self.axis_name
+      mesh = spmd_mesh = self._mesh(size, extra_axes)
     in_specs = tuple(axes_lib.spec_for_axis(axis_name, ax) for ax in in_axes)
     in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-
     negative_moves: list = []
     body = functools.partial(
-      self._body,
+      self.body,
       axis_name,
       static_vals,
       treedef,
@@ -119,29 +153,14 @@ class Programs(PmapState):
       body,
       mesh=spmd_mesh,
       in_specs=in_specs,
-      out_specs=axes_lib.out_specs_for(axis_name, self._out_axes),
+      out_specs=axes_lib.out_specs_for(axis_name, self.out_axes),
       axis_names={axis_name},
       check_vma=False,
     )
-    # The program takes the flat argument leaves (named flat_args in JAX's
-    # argument-mismatch errors, as for jax.pmap).
-    if self._negative_out:
-
-      def program(*flat_args):
-        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*flat_args))
-        for i, dest in negative_moves:
-          out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
-        return jax.tree_util.tree_unflatten(out_tree, out_leaves)
-    else:
-
-      def program(*flat_args):
-        return mapped(*flat_args)
-
-    # Keep the user's name for jaxprs and errors, but not their signature
-    # (jit checks donate_argnums against it).
-    functools.update_wrapper(program, self._fun, updated=())
-    delattr(program, "__wrapped__")
-    donate_argnums = self._donated_leaves(treedef, nargs) if donating else ()
+    program = self._program(mapped, negative_moves)
+    donate_argnums = (
+      self.arguments.donated_leaves(treedef, nargs) if donating else ()
+    )
     if nested or extra_axes:
       # Inner axes of a nested pmap may shard the inputs too; let jit take
       # each input's own layout instead of pinning the outer axis only.
@@ -161,46 +180,63 @@ class Programs(PmapState):
       donated=frozenset(donate_argnums),
     )
 
+  def _mesh(self, size: int, extra_axes: tuple) -> jax.sharding.Mesh:
+    """A top-level call's mesh: this pmap's axis, then the nested ones."""
+    sizes = (size,) + tuple(s for _, s in extra_axes)
+    devices = mesh_lib.select_devices(
+      self.arguments.devices, math.prod(sizes), self.backend
+    )
+    return mesh_lib.make_mesh(
+      devices, sizes, (self.axis_name,) + tuple(n for n, _ in extra_axes)
+    )
+
+  def _program(self, mapped: Callable, negative_moves: list) -> Callable:
+    """What jit compiles: ``mapped`` over the flat argument leaves (named
+    flat_args in JAX's argument-mismatch errors, as for jax.pmap), moving
+    outputs of negative out_axes into place."""
+    if self.negative_out:
+
+      def program(*flat_args):
+        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*flat_args))
+        for i, dest in negative_moves:
+          out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
+        return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+    else:
+
+      def program(*flat_args):
+        return mapped(*flat_args)
+
+    # Keep the user's name for jaxprs and errors, but not their signature
+    # (jit checks donate_argnums against it).
+    functools.update_wrapper(program, self.fun, updated=())
+    delattr(program, "__wrapped__")
+    return program
+
   def _nested_mesh(self, size: int):
     """The enclosing mesh and this pmap's axis name in it (nested calls)."""
     frames = mesh_lib.frames()
-    axis_name = self._axis_name
+    axis_name = self.axis_name
     bound = [f.axis_name for f in frames]
     if axis_name in bound:
-      if not self._anonymous:
+      if not self.anonymous:
         raise ValueError(
           f"{API}: nested pmap reuses axis name {axis_name!r}, already "
           f"bound by an enclosing pmap (bound: {bound}); give the inner "
           "pmap its own axis_name."
         )
       axis_name = f"{axis_name}_{len(frames)}"  # nobody can refer to it
-    if self._devices is not None:
+    if self.arguments.devices is not None:
       raise ValueError(
         f"{API}: a nested pmap cannot take devices= (got "
-        f"{list(self._devices)}); pass devices to the outermost pmap only, "
-        "listing the devices of all nested axes."
+        f"{list(self.arguments.devices)}); pass devices to the outermost "
+        "pmap only, listing the devices of all nested axes."
       )
     mesh = frames[-1].mesh
     if mesh.shape.get(axis_name) != size:
       raise mesh_lib.NeedsAxis(axis_name, size)
     return mesh, axis_name
 
-  def _donated_leaves(self, treedef, nargs) -> tuple[int, ...]:
-    """Indices of the flat leaves that belong to donated positional args."""
-    dyn_positions = [i for i in range(nargs) if i not in self._statics]
-    dyn_args, _ = jax.tree_util.tree_unflatten(
-      treedef, [0] * treedef.num_leaves
-    )
-    donated: list[int] = []
-    start = 0
-    for position, arg in zip(dyn_positions, dyn_args):
-      n = len(jax.tree_util.tree_leaves(arg))
-      if position in self._donate:
-        donated.extend(range(start, start + n))
-      start += n
-    return tuple(donated)
-
-  def _body(
+  def body(
     self,
     axis_name,
     static_vals,
@@ -213,21 +249,28 @@ class Programs(PmapState):
     *local,
   ):
     """Per-device program: the user function between squeeze/expand_dims."""
-    if not self._chunked:
+    if not self.chunked:
       local = [
         x if ax is None else lax.squeeze(x, (ax,))
         for x, ax in zip(local, in_axes)
       ]
     dyn_args, kwargs = jax.tree_util.tree_unflatten(treedef, local)
-    args = merge_statics(self._statics, static_vals, dyn_args, nargs)
+    args = self.arguments.merge(static_vals, dyn_args, nargs)
     frames = mesh_lib.frames()
     frames.append(mesh_lib.Frame(axis_name, size, mesh))
     try:
-      out = self._fun(*args, **kwargs)
+      out = self.fun(*args, **kwargs)
     finally:
       frames.pop()
+    return self._outputs(out, negative_moves)
+
+  def _outputs(self, out: Any, negative_moves: list) -> Any:
+    """The per-device outputs with their mapped axis at ``out_axes`` (kept
+    there when chunked, inserted otherwise). A negative out_axes is put on
+    axis 0 here and recorded in ``negative_moves`` as (leaf, destination),
+    for the program to move once the global rank is known."""
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    out_axes = axes_lib.broadcast_axes(API, "out_axes", self._out_axes, out)
+    out_axes = axes_lib.broadcast_axes(API, "out_axes", self.out_axes, out)
     paths = None
     negative_moves.clear()
     result = []
@@ -236,21 +279,21 @@ class Programs(PmapState):
       if ax is None:
         result.append(y)
         continue
-      rank = y.ndim if self._chunked else y.ndim + 1
+      rank = y.ndim if self.chunked else y.ndim + 1
       if not -rank <= ax < rank:
         paths = paths or axes_lib.leaf_paths(out)
         axes_lib.normalize_axis(
           API, "out_axes", ax, rank, f"output result{paths[i]}"
         )
       dest = ax % rank
-      if self._chunked:
+      if self.chunked:
         if y.shape[dest] != 1:
           paths = paths or axes_lib.leaf_paths(out)
           raise ValueError(
             f"{API}(chunked=True): output result{paths[i]} of "
-            f"{self._name()} has per-device shape {y.shape}, but with "
-            f"chunked=True an output mapped along out_axes={ax} must keep "
-            "its size-1 device chunk on that axis; return x[None] or "
+            f"{describe(self.fun)} has per-device shape {y.shape}, but "
+            f"with chunked=True an output mapped along out_axes={ax} must "
+            "keep its size-1 device chunk on that axis; return x[None] or "
             "x.reshape(1, ...), or use chunked=False."
           )
         if ax < 0:
@@ -262,33 +305,7 @@ class Programs(PmapState):
       result.append(y)
     return jax.tree_util.tree_unflatten(out_tree, result)
 
-  def _abstract(self, x, sharding):
-    """The ShapeDtypeStruct ``lower``/``trace`` stage for one argument leaf,
-    with its weak type (a Python scalar stays weak, as in a call)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-      if x.sharding is not None:
-        return x
-      return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type
-      )
-    if (
-      not isinstance(x, (jax.Array, np.ndarray, np.generic))
-      and hasattr(x, "shape")
-      and hasattr(x, "dtype")
-    ):
-      # An abstract value (e.g. jax.core.ShapedArray), as jax.pmap accepts.
-      return jax.ShapeDtypeStruct(
-        x.shape,
-        x.dtype,
-        sharding=sharding,
-        weak_type=getattr(x, "weak_type", False),
-      )
-    aval = _typeof(x)
-    return jax.ShapeDtypeStruct(
-      aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
-    )
-
-  def _diagnose(
+  def diagnose(
     self, err, static_vals, treedef, in_axes, size, nargs, leaves, entry
   ):
     """Re-reports an unbound axis name through jaxworks.axis_names."""
@@ -302,7 +319,7 @@ class Programs(PmapState):
     bound[entry.axis_name] = size
     bound.update(dict(entry.extra_axes))
     body = functools.partial(
-      self._body,
+      self.body,
       entry.axis_name,
       static_vals,
       treedef,
@@ -312,14 +329,41 @@ class Programs(PmapState):
       nargs,
       [],
     )
-    functools.update_wrapper(body, self._fun, updated=())
+    functools.update_wrapper(body, self.fun, updated=())
     try:
       deps.check_axis_names(body, *local, axis_sizes=bound)
     except deps.AxisNameError as found:
       found.args = (
-        f"{API}: {self._name()} (axis_name="
+        f"{API}: {describe(self.fun)} (axis_name="
         f"{entry.axis_name!r}) uses an unbound axis name: "
         f"{found.axis_name}. {found}",
       ) + found.args[1:]
       raise found from None
     raise err
+
+
+def abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+  """The ShapeDtypeStruct ``lower``/``trace`` stage for one argument leaf,
+  with its weak type (a Python scalar stays weak, as in a call)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    if x.sharding is not None:
+      return x
+    return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type
+    )
+  if (
+    not isinstance(x, (jax.Array, np.ndarray, np.generic))
+    and hasattr(x, "shape")
+    and hasattr(x, "dtype")
+  ):
+    # An abstract value (e.g. jax.core.ShapedArray), as jax.pmap accepts.
+    return jax.ShapeDtypeStruct(
+      x.shape,
+      x.dtype,
+      sharding=sharding,
+      weak_type=getattr(x, "weak_type", False),
+    )
+  aval = _typeof(x)
+  return jax.ShapeDtypeStruct(
+    aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
+  )

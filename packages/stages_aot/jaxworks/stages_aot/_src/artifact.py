@@ -35,10 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxworks import jit_cache
-
 from ..version import __version__
 from . import deps
+from . import platforms as _platforms
 from .exported import Exported
 from .exported import deserialize_trusting
 from .exported import read_own_serialization
@@ -211,7 +210,7 @@ class Artifact:
   @property
   def runnable_platforms(self) -> tuple[str, ...]:
     """The artifact's platforms that are present on this host."""
-    present = jit_cache.present_platforms()
+    present = _platforms.present_platforms()
     return tuple(p for p in self.platforms if p in present)
 
   def call(self, *args, **kwargs):
@@ -225,7 +224,7 @@ class Artifact:
   def summary(self) -> str:
     """A human-readable description of the artifact."""
     m = self.manifest
-    present = jit_cache.present_platforms()
+    present = _platforms.present_platforms()
     lo = jax.export.minimum_supported_calling_convention_version
     hi = jax.export.maximum_supported_calling_convention_version
     plats = ", ".join(
@@ -378,7 +377,7 @@ def save_artifact(
 
 
 def _platform_message(path, platforms, what: str) -> str:
-  present = jit_cache.present_platforms()
+  present = _platforms.present_platforms()
   return (
     f"jaxworks.stages_aot: cannot {what} artifact {path}: it was exported for "
     f"{tuple(platforms)}, and this host has {present}; re-export with --platform "
@@ -594,7 +593,7 @@ def load_artifact(
       "different exports: re-export the artifact"
     )
   if require_platform and not any(
-    p in jit_cache.present_platforms() for p in exported.platforms
+    p in _platforms.present_platforms() for p in exported.platforms
   ):
     raise ArtifactError(_platform_message(path, exported.platforms, "load"))
   return Artifact(path, manifest, exported)

@@ -22,9 +22,8 @@ import traceback
 
 import numpy as np
 
-from jaxworks import jit_cache
-
 from ..version import __version__
+from . import platforms as _platforms
 from .artifact import ArtifactError
 from .artifact import check_destination
 from .artifact import load_artifact
@@ -93,6 +92,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
+  """The parser of ``jaxworks-aot``: global flags, then one subcommand each."""
   parser = _Parser(
     prog=PROG,
     description="Ahead-of-time export of JAX functions to versioned artifact "
@@ -113,7 +113,14 @@ def _build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(
     dest="command", required=True, metavar="{export,inspect,run}"
   )
+  _add_export(sub)
+  _add_inspect(sub)
+  _add_run(sub)
+  return parser
 
+
+def _add_export(sub) -> None:
+  """``export MODULE:FUNCTION --arg SPEC ... --out DIR``."""
   exp = sub.add_parser(
     "export",
     help="trace, lower and export a function into an artifact directory",
@@ -139,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     action="append",
     default=[],
     metavar="PLATFORM",
-    help=f"repeat for several; one of {', '.join(jit_cache.KNOWN_PLATFORMS)} "
+    help=f"repeat for several; one of {', '.join(_platforms.KNOWN_PLATFORMS)} "
     "(default: this host's default backend)",
   )
   exp.add_argument(
@@ -158,6 +165,9 @@ def _build_parser() -> argparse.ArgumentParser:
     help="replace an existing artifact in DIR",
   )
 
+
+def _add_inspect(sub) -> None:
+  """``inspect DIR [--json]``."""
   ins = sub.add_parser(
     "inspect",
     help="validate an artifact directory and print a summary",
@@ -171,6 +181,9 @@ def _build_parser() -> argparse.ArgumentParser:
     help="print manifest.json instead of a summary",
   )
 
+
+def _add_run(sub) -> None:
+  """``run DIR [--arg SPEC_OR_NPY ...] [--seed N] [--save FILE.npz]``."""
   run = sub.add_parser(
     "run",
     help="load an artifact and run it on this host",
@@ -196,7 +209,6 @@ def _build_parser() -> argparse.ArgumentParser:
   run.add_argument(
     "--save", metavar="FILE.npz", help="also save the outputs to this .npz file"
   )
-  return parser
 
 
 def _import_target(target: str):
@@ -233,7 +245,7 @@ def _cmd_export(ns, out) -> int:
   fun = _import_target(ns.target)
   try:
     specs = parse_arg_specs(ns.arg, api="--arg")
-    platforms = jit_cache.canonical_platforms(
+    platforms = _platforms.canonical_platforms(
       ns.platform or None, api="--platform"
     )
   except (TypeError, ValueError) as e:
@@ -242,7 +254,7 @@ def _cmd_export(ns, out) -> int:
     check_destination(ns.out, overwrite=ns.overwrite, api="--out")
   except ArtifactError as e:
     raise CliError(str(e)) from None
-  present = jit_cache.present_platforms()
+  present = _platforms.present_platforms()
   shown = ", ".join(format_aval(s) for s in specs)
   print(f"tracing {ns.target}({shown})", file=out, flush=True)
   traced = _stage(f"trace of {ns.target}({shown})", trace, fun, *specs)

@@ -1,9 +1,9 @@
 """The releases jaxworks.stages_aot needs, and the ones an artifact records.
 
-``jax_internals`` calls ``check_jax`` before it imports any private JAX name;
-``load_jit_cache`` imports the one jaxworks package this one uses (both
-checked by ``dep_check``); ``written_by`` is the ``versions`` field of an
-artifact's manifest, read with ``importlib.metadata``.
+It depends on no other jaxworks package; ``jax_internals`` calls
+``check_jax`` before it imports any private JAX name (checked by
+``dep_check``); ``written_by`` is the ``versions`` field of an artifact's
+manifest, read with ``importlib.metadata``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ from . import dep_check
 _PACKAGE = "jaxworks.stages_aot"
 #: The jax/jaxlib releases whose private internals this package is written for.
 SUPPORTED_JAX = ">=0.10.2,<0.11"
-#: The jaxworks packages this one needs, with the minimum of each (the
-#: wheel's Requires-Dist is made from this declaration and ``SUPPORTED_JAX``).
-MINIMUM_VERSIONS = {
-  "jaxworks.jit_cache": "0.4.0",  # committed outputs of multi-platform compiles; the stages' entry, jit(f).trace(...)
-}
-MIN_JIT_CACHE_VERSION = MINIMUM_VERSIONS["jaxworks.jit_cache"]
+#: The jaxworks packages this one needs (none). The wheel's Requires-Dist is
+#: made from this declaration and ``SUPPORTED_JAX`` (tools/build_defs).
+MINIMUM_VERSIONS: dict[str, str] = {}
 
 
 def check_jax() -> None:
@@ -30,28 +27,13 @@ def check_jax() -> None:
   dep_check.check_jax(_PACKAGE, SUPPORTED_JAX)
 
 
-def load_jit_cache():
-  """Imports jaxworks.jit_cache and checks its version.
-
-  Returns:
-    The ``jaxworks.jit_cache`` module.
-
-  Raises:
-    RuntimeError: jaxworks.jit_cache is missing, incomplete (no ``jit``) or
-      older than :data:`MIN_JIT_CACHE_VERSION`.
-  """
-  name = "jaxworks.jit_cache"
-  return dep_check.load(_PACKAGE, MINIMUM_VERSIONS, {name: ("jit",)})[name]
-
-
 def written_by() -> dict[str, str]:
   """The releases that write an artifact (its manifest's ``versions``).
 
-  jax, jaxlib and numpy as installed, the Python version, and the jaxworks
-  packages as imported.
+  jax, jaxlib and numpy as installed, the Python version, and this package's
+  version.
   """
   versions = {d: metadata.version(d) for d in ("jax", "jaxlib", "numpy")}
   versions["python"] = platform.python_version()
   versions["jaxworks.stages_aot"] = __version__
-  versions["jaxworks.jit_cache"] = load_jit_cache().__version__
   return versions

@@ -150,8 +150,9 @@ class Exported:
     """Runs the program; works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``.
 
     Args:
-      *args, **kwargs: arrays with the structure, dtypes and (concrete
+      *args: arrays with the structure, dtypes and (concrete
         values of the symbolic) shapes the program was exported for.
+      **kwargs: keyword arguments, likewise.
 
     Returns:
       The outputs, with the exported function's output structure.

@@ -7,6 +7,18 @@ one, so that a JAX upgrade that moves or changes one fails there first:
   module, so that a program that swaps in another jit (``jax.jit =
   jaxworks.jit_cache.jit``, before or after importing this package) never
   changes what this package calls.
+* ``register_source_exclusion`` and ``backends``: the objects that
+  ``jax.extend.source_info_util.register_exclusion`` and
+  ``jax.extend.backend.backends`` are, without importing ``jax.extend``
+  (which imports every submodule, Pallas's included, and so would add to the
+  first use of every package that returns this package's stages).
+* The stage family's lowering and export steps (``stages.py``):
+  ``lower_for_export`` (``jax.stages.Traced.lower`` with the private lowering
+  parameters of ``jax.export``), ``lowering_platforms``,
+  ``lowering_committed`` and ``with_committed`` (what a stock ``Lowered``
+  records in its private ``_lowering``), ``export_lowered`` (``jax.export``'s
+  step after lowering) and ``stage_as`` (a jaxworks stage sharing the state
+  of a stock one).
 * ``MODULE_READER_SOURCE`` (a script run in a child process, see
   ``module_reader.py``) imports ``jaxlib._jax`` and ``jaxlib.mlir.ir``: the
   modules behind ``jax.extend.mlir.deserialize_portable_artifact`` and
@@ -19,15 +31,118 @@ from . import deps as _deps
 
 _deps.check_jax()  # before any private JAX name is imported
 
+from collections.abc import Callable
+import copy as _copy
+from typing import Any
+
 from jax._src import api as _api
+from jax._src import config as _config
+from jax._src import source_info_util as _source_info_util
+from jax._src import stages as _stages
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.export import _export as _export_impl
+from jax._src.interpreters import mlir as _mlir
 
 __all__ = [
   "MODULE_READER_SOURCE",
+  "backends",
+  "export_lowered",
+  "export_lowering_parameters",
+  "lower_for_export",
+  "lowering_committed",
+  "lowering_platforms",
+  "register_source_exclusion",
+  "stage_as",
   "stock_jit",
+  "with_committed",
 ]
 
 #: Stock ``jax.jit`` (the drop-in swap reassigns ``jax.jit``, never this).
-stock_jit = _api.jit
+stock_jit: Callable[..., Any] = _api.jit
+
+#: jax.extend.source_info_util.register_exclusion
+register_source_exclusion = _source_info_util.register_exclusion
+#: jax.extend.backend.backends
+backends = _xla_bridge.backends
+
+
+# -- the stage family (stages.py) ----------------------------------------------
+
+
+def export_lowering_parameters() -> Any:
+  """Lowering parameters equal to those of ``jax.export.export``: constants
+  stay in the module (never hoisted into arguments), and Mosaic/Pallas TPU
+  kernels use their forward-compatible form."""
+  return _mlir.LoweringParameters(
+    for_export=True,
+    hoist_constants_as_args=False,
+    export_ignore_forward_compatibility=bool(
+      _config.export_ignore_forward_compatibility.value
+    ),
+  )
+
+
+def lower_for_export(traced: Any, platforms: tuple[str, ...] | None) -> Any:
+  """``jax.stages.Traced.lower`` with :func:`export_lowering_parameters`
+  (a parameter JAX keeps private), so the result can be exported as is."""
+  return _stages.Traced.lower(
+    traced,
+    lowering_platforms=platforms,
+    _private_parameters=export_lowering_parameters(),
+  )
+
+
+def lowering_platforms(lowered: Any) -> tuple[str, ...] | None:
+  """The platforms a stock ``jax.stages.Lowered`` was lowered for (None when
+  JAX did not record them)."""
+  platforms = getattr(lowered._lowering, "_platforms", None)  # pylint: disable=protected-access
+  return None if platforms is None else tuple(platforms)
+
+
+def lowering_committed(lowered: Any) -> bool:
+  """Whether the outputs of stock ``lowered``'s executable are committed
+  (JAX decides it when lowering, from the jaxpr's shardings)."""
+  return bool(lowered._lowering.compile_args["committed"])  # pylint: disable=protected-access
+
+
+def with_committed(lowered: Any, committed: bool) -> Any:
+  """A copy of stock ``lowered`` whose executable's outputs are ``committed``.
+
+  The lowering (which JAX may cache and share) is copied, not changed.
+  """
+  computation = _copy.copy(lowered._lowering)  # pylint: disable=protected-access
+  computation.compile_args = {
+    **computation.compile_args,
+    "committed": committed,
+  }
+  computation._executable = None  # pylint: disable=protected-access
+  out = _copy.copy(lowered)
+  out._lowering = computation  # pylint: disable=protected-access
+  return out
+
+
+#: ``jax.export``'s step after lowering: (stock Lowered, jaxpr, function name,
+#: disabled checks) -> ``jax.export.Exported``, without lowering again.
+export_lowered: Callable[..., Any] = _export_impl._export_lowered  # pylint: disable=protected-access
+
+
+def stage_as(cls: type, stage: Any) -> Any:
+  """A ``cls`` object with the state of stock stage ``stage``.
+
+  ``cls`` subclasses the stock class of ``stage`` (``jax.stages.Traced``,
+  ``Lowered`` or ``Compiled``) and adds only methods and ``__dict__``
+  entries; the stock state (its ``__slots__`` and ``__dict__``) is shared,
+  not copied, so every stock method works on the result as on ``stage``.
+  """
+  out: Any = object.__new__(cls)
+  for klass in type(stage).__mro__:
+    slots = getattr(klass, "__slots__", ())
+    for name in (slots,) if isinstance(slots, str) else slots:
+      if name in ("__dict__", "__weakref__") or not hasattr(stage, name):
+        continue
+      setattr(out, name, getattr(stage, name))
+  out.__dict__.update(getattr(stage, "__dict__", {}))
+  return out
 
 
 #: The child process of ``module_reader``, run as

@@ -33,9 +33,8 @@ from typing import cast
 import jax
 import numpy as np
 
-from jaxworks import jit_cache
-
 from . import module_reader
+from . import platforms as _platforms
 from .specs import format_aval
 
 # Bound at import: a program that swaps jax's entry points keeps this one.
@@ -176,10 +175,10 @@ def _check_level(exp: jax.export.Exported) -> None:
   if (
     not platforms
     or len(set(platforms)) != len(platforms)
-    or any(p not in jit_cache.KNOWN_PLATFORMS for p in platforms)
+    or any(p not in _platforms.KNOWN_PLATFORMS for p in platforms)
   ):
     raise Invalid(
-      f"platforms {platforms!r} are not distinct names from {jit_cache.KNOWN_PLATFORMS}"
+      f"platforms {platforms!r} are not distinct names from {_platforms.KNOWN_PLATFORMS}"
     )
   if not isinstance(exp.nr_devices, int) or exp.nr_devices < 1:
     raise Invalid(f"nr_devices {exp.nr_devices!r} is not a positive int")

@@ -1,7 +1,6 @@
-"""Checkpoints: the format (files), leaf keys, save (durable and atomic,
-blocking or not), restore, the step manager (manager) and the multi-process
-commit (sharded), beside the transfer path they use."""
-
-from .keys import leaf_keys as leaf_keys
-from .keys import python_scalar_dtype as python_scalar_dtype
-from .saver import save as save
+"""Checkpoints, laid out by layer (a module imports only those below it):
+the on-disk format (format, keys, checksum); the fd-safe reader (reader);
+writing (hostvalue, commit, pending, writer) and restoring (target,
+progress, prefetch, restore_files, restore_shards); the multi-process save
+(multiprocess); the front door, ``save``, ``restore`` and ``metadata``
+(api); the step manager (manager)."""

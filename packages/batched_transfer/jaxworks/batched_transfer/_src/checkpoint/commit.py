@@ -74,11 +74,10 @@ def make_parents(parent: str) -> None:
     fsync_path(os.path.dirname(d))
 
 
-def fsync_tree(root: str) -> None:
-  """fsync every file under ``root`` and every directory, deepest first."""
-  for dirpath, _, names in os.walk(root, topdown=False):
-    for name in names:
-      fsync_path(os.path.join(dirpath, name))
+def fsync_dirs(root: str) -> None:
+  """fsync ``root`` and every directory under it, deepest first (their
+  files were fsynced as they were written)."""
+  for dirpath, _, _ in os.walk(root, topdown=False):
     fsync_path(dirpath)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import record
+from . import format
 
 _API = "jaxworks.batched_transfer"
 ROOT_KEY = "leaf"
@@ -67,10 +67,10 @@ def leaf_keys(
 
 
 def path_kinds(tree: Any) -> list[str]:
-  """The kinds of each leaf's path entries (record.path_kinds), in the order
+  """The kinds of each leaf's path entries (format.path_kinds), in the order
   of ``leaf_keys(api, tree, saved_leaf)``."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=saved_leaf)
-  return [record.path_kinds(p) for p, _ in flat]
+  return [format.path_kinds(p) for p, _ in flat]
 
 
 def check_files(api: str, named: list[tuple[str, str]]) -> None:
@@ -116,12 +116,7 @@ def python_scalar_dtype(x: Any) -> np.dtype | None:
     x, (bool, int, float, complex)
   ):
     return None
-  for t in (
-    bool,
-    int,
-    float,
-    complex,
-  ):  # bool before int: bool is an int subclass
+  for t in (bool, int, float, complex):  # bool first: bool is an int subclass
     if isinstance(x, t):
       return np.dtype(jax.dtypes.canonicalize_dtype(_PY_SCALARS[t]))
   return None  # pragma: no cover - the isinstance above covers every case

@@ -19,7 +19,7 @@ directory's modification time: the time its last file was written, just
 before the commit.
 
 In a multi-process job (jax.distributed) every process makes the same calls:
-a save is collective (see saver and sharded); retention runs on process 0
+a save is collective (see api and multiprocess); retention runs on process 0
 inside the save, before the others return; ``delete`` is collective too
 (process 0 deletes, the others wait for its outcome).
 """
@@ -43,14 +43,16 @@ import jax
 import numpy as np
 
 from . import commit
+from . import format
+from . import multiprocess
 from . import pending
-from . import record as record_lib
-from . import saver
-from . import sharded
+from .api import DEFAULT_INFLIGHT
+from .api import metadata
+from .api import read_record
+from .api import read_values
+from .api import restore
+from .api import run_save
 from .keys import leaf_keys
-from .restore import read_record
-from .restore import read_values
-from .restore import restore
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
 #: The top-level key of a step's tree that holds its metrics (JSON as uint8).
@@ -462,14 +464,14 @@ class CheckpointManager:
 
     with self._lock:
       self._metrics_cache.pop(step, None)
-    self._handle = saver.run_save(
+    self._handle = run_save(
       api,
       path,
       tree,
       overwrite=False,
       blocking=blocking,
       write_threads=None,
-      max_inflight_bytes=saver.DEFAULT_INFLIGHT,
+      max_inflight_bytes=DEFAULT_INFLIGHT,
       barrier_timeout_s=self.barrier_timeout_s,
       prelude=prelude,
       after=self._retain,
@@ -626,8 +628,6 @@ class CheckpointManager:
     return step, path
 
   def _stored(self, path: str) -> Any:
-    from ... import metadata  # the package's (restore imports this module)
-
     tree = metadata(path)
     if isinstance(tree, dict):
       tree.pop(METRICS_KEY, None)
@@ -744,7 +744,7 @@ class CheckpointManager:
         if python:
           keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
           leaves = [
-            record_lib.PYTHON_TYPES[python[k]](np.asarray(x).item())
+            format.PYTHON_TYPES[python[k]](np.asarray(x).item())
             if k in python
             else x
             for k, x in zip(keys, leaves)
@@ -815,7 +815,7 @@ class CheckpointManager:
       with contextlib.suppress(Exception):  # for the next call to raise
         handle.wait()
     if jax.process_count() > 1:
-      sharded.run_collective(
+      multiprocess.run_collective(
         api,
         "delete",
         self._path(step),

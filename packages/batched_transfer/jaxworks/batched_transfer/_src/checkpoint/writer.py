@@ -1,14 +1,17 @@
-"""save: a pytree to an .npz file or a directory of .npy files, durably.
+"""Writing the files and directories of a checkpoint, durably.
 
-Device-to-host copies of every device leaf start at once (within the byte
-budget), several threads write and fsync the files, and the checkpoint
-becomes visible in one atomic step (see commit). With ``blocking=False`` the
-call returns once every leaf is on the host, and a background thread writes.
+``Leaves`` sorts a tree as save stores it (arrays, and the record's parts
+for the rest); ``host_array`` checks a leaf and gives its host value;
+``Staged`` starts device-to-host copies ahead of the writers within a byte
+budget. ``write_file`` creates, fills and fsyncs one file;
+``write_directory`` writes ``<key>.npy`` files on several threads (with the
+checksums of their data); ``write_checkpoint`` writes a whole checkpoint
+of one process (a directory or an .npz) under a temporary name and
+publishes it atomically under the save lock (see commit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import errno
 import os
 import queue
@@ -20,33 +23,21 @@ import jax
 import numpy as np
 
 from . import commit
+from . import format
 from . import hostvalue
-from . import pending
-from . import record as record_lib
-from . import sharded
-from . import shardings
-from .keys import check_files
 from .keys import leaf_keys
 from .keys import path_kinds
 from .keys import python_scalar_dtype
 from .keys import saved_leaf
 
-_API = "jaxworks.batched_transfer"
-DEFAULT_INFLIGHT = 1024 * 2**20
 #: Name prefix of the threads that write files.
 WRITE_THREAD_PREFIX = "jaxworks-save-write"
 
 
-#: Threads writing one checkpoint by default. Writing and fsyncing wait on
-#: the disk with the GIL released, so more threads than CPUs help: 1 GiB in
-#: 16 files took 0.5-0.6 s on 2 threads and 0.41-0.45 s on 8 on a 2-core
-#: machine here.
+#: Threads writing one checkpoint by default, whatever the CPU count.
+#: Writing and fsyncing wait on the disk with the GIL released, so more
+#: threads than CPUs help.
 DEFAULT_WRITE_THREADS = 8
-
-
-def default_write_threads() -> int:
-  """Threads writing one checkpoint: 8, whatever the CPU count."""
-  return DEFAULT_WRITE_THREADS
 
 
 def _nbytes(x: Any) -> int:
@@ -117,13 +108,13 @@ class Leaves:
     keys, paths, leaves, _ = leaf_keys(api, tree, saved_leaf)
     kinds = path_kinds(tree)
     nesting: list[tuple[str, ...]] = []
-    self.record = record_lib.Record(tree=nesting)
+    self.record = format.Record(tree=nesting)
     self.keys: list[str] = []
     self.paths: list[str] = []
     self.leaves: list[Any] = []
     described: dict[int, dict | None] = {}
     for key, where, x, k in zip(keys, paths, leaves, kinds):
-      empty = record_lib.EMPTY.get(type(x)) if x is not None else None
+      empty = format.EMPTY.get(type(x)) if x is not None else None
       nesting.append((key, k) if empty is None else (key, k, empty))
       if empty is not None:
         continue
@@ -135,7 +126,7 @@ class Leaves:
       if isinstance(x, jax.Array):
         s = x.sharding
         if id(s) not in described:
-          described[id(s)] = shardings.describe(s)
+          described[id(s)] = format.describe_sharding(s)
         desc = described[id(s)]
         if desc is not None:
           self.record.shardings[key] = desc
@@ -148,7 +139,7 @@ def _base(x: Any) -> str:
   """The name of ``x``'s Python scalar type (for a subclass, such as an
   IntEnum, the type it comes from)."""
   for name in ("bool", "int", "float", "complex"):
-    if isinstance(x, record_lib.PYTHON_TYPES[name]):
+    if isinstance(x, format.PYTHON_TYPES[name]):
       return name
   raise TypeError(type(x).__name__)  # pragma: no cover - python_scalar_dtype
 
@@ -193,7 +184,7 @@ def write_file(api: str, path: str, file: str, write: Any) -> Any:
     raise write_error(api, path, file, err) from err
 
 
-class _Leaves:
+class Staged:
   """Host values of the leaves in order: device-to-host copies are started
   ahead of use while the bytes started and not yet written fit the budget."""
 
@@ -313,7 +304,7 @@ def _write_npz(
   keys: list[str],
   take: Any,
   done: Any,
-  record: record_lib.Record,
+  record: format.Record,
 ) -> None:
   dtypes = record.dtypes
 
@@ -328,7 +319,7 @@ def _write_npz(
           hostvalue.write_npy(member, a)  # the archive's CRC-32 guards it
         del a
         done(i)
-      zf.writestr(record_lib.NAME, record_lib.encode(record))
+      zf.writestr(format.RECORD, format.encode_record(record))
 
   write_file(api, path, tmp, fill)
 
@@ -340,7 +331,7 @@ def write_checkpoint(
   take: Any,
   done: Any,
   threads: int,
-  record: record_lib.Record,
+  record: format.Record,
   overwrite: bool,
 ) -> None:
   """Writes, fsyncs and publishes a checkpoint at ``path`` under its lock
@@ -359,12 +350,11 @@ def write_checkpoint(
           api, path, tmp, keys, take, done, threads
         )
         record.dtypes = {k: dtypes[k].name for k in keys}
-        data = record_lib.encode(record)
+        data = format.encode_record(record)
         write_file(
-          api, path, os.path.join(tmp, record_lib.NAME), lambda f: f.write(data)
+          api, path, os.path.join(tmp, format.RECORD), lambda f: f.write(data)
         )
-        for dirpath, _, _ in os.walk(tmp, topdown=False):
-          commit.fsync_path(dirpath)
+        commit.fsync_dirs(tmp)
       commit.publish(api, tmp, path, overwrite)
     except BaseException:
       commit.remove(tmp)
@@ -388,237 +378,6 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
   commit.make_parents(parent)
 
 
-def _positive(api: str, name: str, value: Any, none_ok: bool) -> None:
-  if value is None and none_ok:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(
-      f"{api}: {name} must be a positive int{' or None' if none_ok else ''}, "
-      f"got {value!r}"
-    )
-
-
-def save(
-  path: str | os.PathLike[str],
-  tree: Any,
-  *,
-  overwrite: bool = False,
-  blocking: bool = True,
-  write_threads: int | None = None,
-  max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
-  barrier_timeout_s: float = 300.0,
-  collective: bool | None = None,
-) -> pending.SaveHandle | None:
-  """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
-
-  The checkpoint becomes visible at ``path`` in one atomic step after its
-  files and directories are fsynced; with ``overwrite=True`` a save killed
-  at any point leaves the complete old or the complete new checkpoint at
-  ``path`` (see the README, "Crash safety and durability"). When the save
-  is finished (the call with ``blocking=True``, ``wait()`` of the handle
-  otherwise) the data is durable: the files, their directories and the
-  parent directory are fsynced.
-
-  Args:
-    path: "<name>.npz" for one uncompressed archive (restore reads its
-      members in place), anything else for a directory with one "<key>.npy"
-      per leaf. Missing parent directories are created. URLs (``gs://...``)
-      are refused: save writes local or mounted file systems.
-    tree: a pytree whose leaves are arrays (numpy or jax.Array of the
-      numeric and ml_dtypes types JAX holds), Python scalars (stored as the
-      0-d array jax.device_put makes of them, and their type), ``str`` or
-      None (stored by value); any other leaf raises TypeError naming its
-      tree path before anything is written.
-    overwrite: replace an existing file or directory written by save.
-      Without it the commit never replaces anything: a path that exists,
-      or that a pending ``blocking=False`` save of this process will
-      write, raises FileExistsError in the call, and a checkpoint another
-      process committed at the path meanwhile makes this one fail.
-    blocking: True: return when the checkpoint is durable. False: return
-      once every leaf is in host memory (the caller may then donate, delete
-      or change the arrays; CPU device buffers are held, not copied: see
-      hostvalue), with a ``SaveHandle`` whose
-      ``wait()`` returns when the checkpoint is durable; a background thread
-      writes. An error in the background is raised by ``wait()`` and by the
-      next ``save``; pending saves finish before the process exits.
-    write_threads: threads writing files of a directory checkpoint at once
-      (default: 8; writing waits on the disk, not on CPUs).
-    max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
-      host and not yet written at once (None: no limit); device-to-host
-      copies are started this far ahead of the writers. A non-blocking save
-      holds the whole tree in host memory until it is written.
-    barrier_timeout_s: with arrays spanning processes (jax.distributed),
-      how long a process waits for the others to finish writing, and for
-      process 0's commit, before it raises ``TimeoutError`` (a process
-      that died; nothing is committed then).
-    collective: whether every process of a jax.distributed job saves this
-      one checkpoint together (None: when jax.distributed runs more than
-      one process). A collective save of a tree whose arrays span no
-      processes is written once, by process 0, after every process's
-      leaves were checked to be equal to process 0's. False: this process
-      writes the checkpoint alone (its own path; arrays spanning processes
-      are refused).
-
-  Arrays spanning several processes: every process calls save with the
-  same path and tree; each writes the shards its devices hold, process 0
-  the manifest, and commits once every process posted its status in
-  jax.distributed's key-value store. An error on any process is raised by
-  every process at once, the others' ``RuntimeError`` naming it (see the
-  README, "Checkpoints written by several processes").
-
-  Returns:
-    None when ``blocking``, else a ``SaveHandle``.
-
-  Raises:
-    FileExistsError: ``path`` exists and overwrite is False, or it is not a
-      checkpoint save wrote.
-    ValueError: a key that cannot name a file, two paths with one key, or a
-      URL.
-  """
-  api = f"{_API}.save"
-  path = os.fspath(path)
-  commit.check_local(api, path)
-  path = path.rstrip(os.sep) or path
-  return run_save(
-    api,
-    path,
-    tree,
-    overwrite=overwrite,
-    blocking=blocking,
-    write_threads=write_threads,
-    max_inflight_bytes=max_inflight_bytes,
-    barrier_timeout_s=barrier_timeout_s,
-    collective=collective,
-    prelude=lambda: pending.raise_background_error(api),
-  )
-
-
-def run_save(
-  api: str,
-  path: str,
-  tree: Any,
-  *,
-  overwrite: bool,
-  blocking: bool,
-  write_threads: int | None,
-  max_inflight_bytes: int | None,
-  barrier_timeout_s: float = 300.0,
-  collective: bool | None = None,
-  prelude: Callable[[], None] | None = None,
-  after: Callable[[], None] | None = None,
-  primary_keys: tuple[str, ...] = (),
-) -> pending.SaveHandle | None:
-  """save's work. ``prelude`` runs first (it raises errors of earlier
-  saves); ``after`` once the checkpoint is published (on the writing
-  thread, under no lock). Across processes both run inside the collective
-  save, whose every error reaches every process (see sharded); the leaves
-  of ``primary_keys`` are process 0's and need not agree."""
-  _positive(api, "write_threads", write_threads, True)
-  _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
-  threads = write_threads or default_write_threads()
-  sorted_leaves = Leaves(api, tree)
-  keys, paths, record = (
-    sorted_leaves.keys,
-    sorted_leaves.paths,
-    sorted_leaves.record,
-  )
-  leaves = sorted_leaves.leaves
-  held: list[pending.Reservation] = []  # taken by prepare
-
-  def release() -> None:
-    for r in held:
-      r.release()
-
-  def prepare(leaves: list[Any]) -> list[Any]:
-    if prelude is not None:
-      prelude()
-    # Host leaves are checked (and scalars converted) before anything is
-    # written.
-    for i, (where, x) in enumerate(zip(paths, leaves)):
-      if not isinstance(x, jax.Array):
-        leaves[i] = host_array(api, where, x, private=not blocking)
-    check_target(api, path, overwrite)
-    held.append(pending.reserve(api, path, overwrite))
-    return leaves
-
-  if collective is None:
-    collective = sharded.multi_process()
-  spans = sharded.spans_processes(leaves)
-  if spans and not collective:
-    raise ValueError(
-      f"{api}: {path!r}: with collective=False this process saves alone, "
-      "but the tree has arrays spanning devices of several processes; let "
-      "every process call save (collective=None)"
-    )
-  if collective and (spans or sharded.multi_process()):
-    if path.endswith(".npz"):
-      raise ValueError(
-        f"{api}: {path!r}: a checkpoint several processes save together is "
-        "a directory (one file per shard); drop the .npz suffix"
-      )
-    return sharded.save_across_processes(
-      api,
-      path,
-      keys,
-      paths,
-      leaves,
-      record,
-      prepare=prepare,
-      blocking=blocking,
-      threads=threads,
-      barrier_timeout_s=barrier_timeout_s,
-      overwrite=overwrite,
-      release=release,
-      after=after,
-      primary_keys=primary_keys,
-    )
-  if not path.endswith(".npz"):
-    check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])
-  leaves = prepare(leaves)
-  if blocking:
-    try:
-      staged = _Leaves(api, paths, leaves, max_inflight_bytes)
-      write_checkpoint(
-        api, path, keys, staged.take, staged.done, threads, record, overwrite
-      )
-    finally:
-      release()
-    if after is not None:
-      after()
-    return None
-  try:
-    # Every device-to-host copy at once; then the host value of each (numpy
-    # leaves were copied above; device buffers are held, see hostvalue).
-    for x in leaves:
-      hostvalue.start_copy(x)
-    arrays = [
-      x
-      if isinstance(x, np.ndarray)
-      else host_array(api, where, x, private=True)
-      for where, x in zip(paths, leaves)
-    ]
-  except BaseException:
-    release()
-    raise
-  del leaves
-
-  def take(i: int) -> np.ndarray | hostvalue.Shards:
-    return arrays[i]
-
-  def done(i: int) -> None:
-    arrays[i] = None  # type: ignore[call-overload]  # freed once written
-
-  def work() -> None:
-    try:
-      write_checkpoint(api, path, keys, take, done, threads, record, overwrite)
-    finally:
-      release()
-    if after is not None:
-      after()
-
-  return pending.start(path, work)
-
-
 def _check_replaceable(api: str, path: str) -> None:
   if not os.path.isdir(path) or os.path.islink(path):
     raise FileExistsError(
@@ -627,7 +386,7 @@ def _check_replaceable(api: str, path: str) -> None:
   for root, _, files in os.walk(path):
     for name in files:
       if not name.endswith(".npy") and not (
-        root == path and name in (record_lib.NAME, sharded.MANIFEST)
+        root == path and name in (format.RECORD, format.MANIFEST)
       ):
         raise FileExistsError(
           f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is not "

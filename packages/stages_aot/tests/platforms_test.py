@@ -7,13 +7,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import pytest
 
-from jaxworks import jit_cache as jc
-from jaxworks.jit_cache._src.platforms import canonical_platforms
-from jaxworks.jit_cache._src.platforms import choose_platform
+from jaxworks import stages_aot as sa
+from jaxworks.stages_aot._src.platforms import canonical_platforms
+from jaxworks.stages_aot._src.platforms import choose_platform
 
 
 def test_known_platforms():
-  assert jc.KNOWN_PLATFORMS == ("cpu", "cuda", "rocm", "tpu")
+  assert sa.KNOWN_PLATFORMS == ("cpu", "cuda", "rocm", "tpu")
 
 
 def test_canonical_platforms_keeps_order():
@@ -28,7 +28,7 @@ def test_canonical_platforms_keeps_order():
 
 
 def test_present_platforms_match_devices():
-  present = jc.present_platforms()
+  present = sa.present_platforms()
   assert present[0] == jax.export.default_export_platform()
   assert {d.platform.replace("gpu", "cuda") for d in jax.devices()} <= set(
     present

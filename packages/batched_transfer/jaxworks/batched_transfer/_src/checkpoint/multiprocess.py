@@ -23,7 +23,7 @@ a process that died leaves the others with a TimeoutError after
 with a save's keys (returned or raised), it counts itself in
 ``<prefix>/released``; the last of them deletes the prefix, so a job that
 saves for days keeps no keys of finished saves in the coordinator (a save a
-process never joined keeps its few keys). Their restore is sharded_restore.
+process never joined keeps its few keys). Their restore is restore_shards.
 """
 
 from __future__ import annotations
@@ -44,13 +44,12 @@ import numpy as np
 from .. import jax_internals
 from . import checksum
 from . import commit
+from . import format
 from . import hostvalue
 from . import pending
-from . import record as record_lib
+from . import writer
 from .keys import check_files
 
-MANIFEST = "jaxworks_manifest.json"
-MANIFEST_FORMAT = 1
 _PREFIX = "jaxworks/batched_transfer/save"
 _seq = itertools.count()
 _seq_lock = threading.Lock()
@@ -74,16 +73,12 @@ def spans_processes(leaves: list[Any]) -> bool:
   )
 
 
-def bounds(idx: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-  return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(idx, shape))
-
-
 def shard_plan(x: jax.Array) -> list[tuple[tuple[tuple[int, int], ...], Any]]:
   """(bounds, writer device) of each distinct shard, in the sharding's
   device order: the same on every process."""
   seen: dict[tuple[tuple[int, int], ...], Any] = {}
   for d, idx in x.sharding.devices_indices_map(x.shape).items():
-    b = bounds(idx, x.shape)
+    b = format.bounds(idx, x.shape)
     if b not in seen:
       seen[b] = d
   return list(seen.items())
@@ -116,7 +111,7 @@ def plan_save(
       by_device = {s.device: s for s in x.addressable_shards}
       shards = []
       for n, (b, device) in enumerate(shard_plan(x)):
-        stem = f"{key}.shards/{n}"
+        stem = format.shard_stem(key, n)
         shards.append(
           {
             "file": stem + ".npy",
@@ -142,7 +137,7 @@ def plan_save(
     }
   check_files(api, named)
   manifest = {
-    "format": MANIFEST_FORMAT,
+    "format": format.MANIFEST_FORMAT,
     "processes": jax.process_count(),
     "arrays": arrays,
   }
@@ -161,12 +156,20 @@ def _host(x: Any) -> np.ndarray | hostvalue.Shards:
 
 class _Board:
   """One save's keys in jax.distributed's key-value store (module docstring):
-  ``<prefix>/tmp``, ``<prefix>/status/<process>``, ``<prefix>/outcome``."""
+  ``<prefix>/tmp``, ``<prefix>/status/<process>``, ``<prefix>/outcome``.
+  ``subject`` names the call in the errors of a failed outcome."""
 
   def __init__(
-    self, api: str, path: str, client: Any, seq: int, timeout_s: float
+    self,
+    api: str,
+    path: str,
+    client: Any,
+    seq: int,
+    timeout_s: float,
+    subject: str = "the save to",
   ) -> None:
     self.api, self.path, self.client = api, path, client
+    self.subject = f"{subject} {path!r}"
     self.prefix = f"{_PREFIX}/{seq}"
     self.timeout_s = timeout_s
     self.pid = jax.process_index()
@@ -233,7 +236,7 @@ class _Board:
     self.settled = True
     cls = TimeoutError if outcome.get("timeout") else RuntimeError
     raise cls(
-      f"{self.api}: the save to {self.path!r} failed on process "
+      f"{self.api}: {self.subject} failed on process "
       f"{outcome['process']}: {outcome['error']}"
     )
 
@@ -281,7 +284,7 @@ def save_across_processes(
   keys: list[str],
   paths: list[str],
   leaves: list[Any],
-  record: record_lib.Record,
+  record: format.Record,
   *,
   prepare: Callable[[list[Any]], list[Any]],
   blocking: bool,
@@ -333,7 +336,7 @@ def save_across_processes(
     k: v for k, v in manifest["arrays"].items() if k not in primary_keys
   }
   plan = checksum.crc(
-    json.dumps(arrays, sort_keys=True).encode() + record_lib.encode(agreed)
+    json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
   )
   where = dict(zip(keys, paths))
 
@@ -359,7 +362,7 @@ def _collective(
   board: _Board,
   path: str,
   manifest: dict,
-  record: record_lib.Record,
+  record: format.Record,
   mine: list[tuple[str, Any]],
   whole: list[tuple[str, Any]],
   plan: int,
@@ -368,8 +371,6 @@ def _collective(
   overwrite: bool,
   after: Callable[[], None] | None,
 ) -> None:
-  from .saver import write_directory  # saver imports this module
-
   pid = board.pid
   with contextlib.ExitStack() as stack:
     tmp = None
@@ -390,11 +391,10 @@ def _collective(
         board.look()
         return _host(values[i])
 
-      _, sums = write_directory(
+      _, sums = writer.write_directory(
         board.api, path, tmp, stems, take, lambda i: None, threads
       )
-      for dirpath, _, _ in os.walk(tmp, topdown=False):
-        commit.fsync_path(dirpath)
+      commit.fsync_dirs(tmp)
       values.clear()  # the host values held for a non-blocking save
       mine.clear()
       same = {key: _digest(x) for key, x in whole}
@@ -463,7 +463,7 @@ def _commit(
   tmp: str,
   path: str,
   manifest: dict,
-  record: record_lib.Record,
+  record: format.Record,
   statuses: list[dict],
   overwrite: bool,
 ) -> None:
@@ -477,8 +477,8 @@ def _commit(
       shard["crc32c"] = sums[shard["file"][: -len(".npy")]]
   record.dtypes = {k: a["dtype"] for k, a in manifest["arrays"].items()}
   for name, data in (
-    (MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode()),
-    (record_lib.NAME, record_lib.encode(record)),
+    (format.MANIFEST, format.encode_manifest(manifest)),
+    (format.RECORD, format.encode_record(record)),
   ):
     with open(os.path.join(tmp, name), "wb") as f:
       f.write(data)
@@ -502,7 +502,7 @@ def run_collective(
   client = _client(api)
   with _seq_lock:  # as save_across_processes: numbers stay in step
     seq = next(_seq)
-  board = _Board(api, path, client, seq, timeout_s)
+  board = _Board(api, path, client, seq, timeout_s, f"{what} of")
   try:
     board.post(f"status/{board.pid}", "arrived")
     if board.pid == 0:
@@ -523,15 +523,8 @@ def run_collective(
     while True:
       value = board.entries().get("outcome")
       if value is not None:
-        outcome = json.loads(value)
-        if outcome.get("ok"):
-          return
-        board.settled = True
-        cls = TimeoutError if outcome.get("timeout") else RuntimeError
-        raise cls(
-          f"{api}: {what} of {path!r} failed on process "
-          f"{outcome['process']}: {outcome['error']}"
-        )
+        board.check({"outcome": value})  # raises a failed one
+        return
       if time.monotonic() >= deadline:
         late = TimeoutError(
           f"{api}: process {board.pid} waited {timeout_s} s "

@@ -1,23 +1,38 @@
-"""The checkpoint files: .npy headers in a directory or an .npz, the dtype record.
+"""The one file reader every read path of a checkpoint uses.
 
-``open_checkpoint`` opens a checkpoint once and reads only headers: each array
-becomes a ``Stored`` with its shape, header dtype, order, where its data lies
-and the descriptor the header came from. ``Files.read`` then reads an array's
-bytes through that descriptor (not the path, which a save may have pointed at
-a new checkpoint since) straight into a new 64-byte-aligned host buffer of its
-own memory map (one ``preadv`` loop, no second copy), so that on CPU the
-placed array can take that buffer over, and the memory goes back to the OS
-when the array goes.
+Files are opened relative to a directory descriptor (``open_file``: regular
+files only, since a FIFO's open does not block restore but its read would),
+so a checkpoint replaced at its path meanwhile is read as it was opened;
+reads are bounded by the size a file is expected to hold (``read_all``,
+``read_small``); .npy headers are read from a file object or a descriptor
+(``read_header``, ``read_npy_header``). ``Files.read`` then reads an array's
+bytes through the descriptor its header came from (not the path) straight
+into a new 64-byte-aligned host buffer of its own memory map (one
+``preadv`` loop, no second copy, checked against the checkpoint's
+checksums as it is read), so that on CPU the placed array can take that
+buffer over, and the memory goes back to the OS when the array goes.
+
+>>> import os, tempfile, numpy as np
+>>> d = tempfile.mkdtemp()
+>>> np.save(os.path.join(d, "x.npy"), np.arange(3, dtype=np.int32))
+>>> dir_fd = os.open(d, DIR_FLAGS)
+>>> fd, st = open_file("x.npy", dir_fd)
+>>> (shape, fortran, dtype, offset) = read_npy_header(fd)
+>>> s = Stored(shape, dtype, fortran, "x", st.st_size - offset, "x", offset,
+...            None, fd=fd, stamp=stamp(st))
+>>> load("api", "<root>", "x", s, Files()).tolist()
+[0, 1, 2]
+>>> os.close(fd); os.close(dir_fd)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import io
 import mmap
 import os
 import stat
-import struct
 import threading
 import typing
 from typing import Any
@@ -27,15 +42,7 @@ import zlib
 import numpy as np
 
 from . import checksum
-from . import record as record_lib
-
-_ZIP_LOCAL_HEADER = struct.Struct(
-  "<4s5H3L2H"
-)  # 30 bytes; last two: name and extra lengths
-# The record (record.py): exact dtype names, non-array leaves, checksums.
-DTYPE_RECORD = record_lib.NAME
-# sharded.MANIFEST: a checkpoint holding it is read by sharded_restore.
-MANIFEST_NAME = "jaxworks_manifest.json"
+from . import format
 
 
 @dataclasses.dataclass
@@ -43,9 +50,8 @@ class Stored:
   """One array on disk: its header, where its data lies, and how to get it."""
 
   shape: tuple[int, ...]
-  dtype: (
-    np.dtype
-  )  # as the .npy header says (may be raw void bytes, may be big-endian)
+  # As the .npy header says (may be raw void bytes, may be big-endian).
+  dtype: np.dtype
   fortran: bool
   where: str  # "'<file>'" or "member '<name>' of '<file>'", for messages
   data_bytes: int  # the bytes of data present after the header
@@ -80,18 +86,30 @@ class Stored:
     return self.dtype.newbyteorder("=")
 
 
-def _read_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+def read_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+  """(shape, fortran, dtype) of the .npy header at ``f``'s position."""
   version = np.lib.format.read_magic(f)
   if version == (1, 0):
     return np.lib.format.read_array_header_1_0(f)
   return np.lib.format.read_array_header_2_0(f)
 
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_MAX_HEADER = 12 + 10_000  # numpy reads headers of at most 10,000 bytes
+
+
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+
 # Descriptors a directory checkpoint keeps open from validation to reading;
 # files past this many are opened again when read (a process may open only
 # RLIMIT_NOFILE files, often 1024).
 HELD_FILES = 256
+
+DIR_FLAGS = (
+  os.O_RDONLY
+  | getattr(os, "O_DIRECTORY", 0)
+  | getattr(os, "O_CLOEXEC", 0)
+  | os.O_NONBLOCK
+)
 
 
 def stamp(st: os.stat_result) -> tuple[int, ...]:
@@ -99,11 +117,11 @@ def stamp(st: os.stat_result) -> tuple[int, ...]:
   return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _open_file(
+def open_file(
   name: str, dir_fd: int | None = None
 ) -> tuple[int, os.stat_result]:
   """(descriptor, fstat) of a regular file; a FIFO's open does not block."""
-  fd = os.open(name, _OPEN_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+  fd = os.open(name, OPEN_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
   try:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -114,7 +132,7 @@ def _open_file(
     raise
 
 
-def _read_all(fd: int, size: int) -> bytes:
+def read_all(fd: int, size: int) -> bytes:
   """The first ``size`` bytes of a file (fewer if it is shorter)."""
   parts, done = [], 0
   while done < size:
@@ -126,259 +144,80 @@ def _read_all(fd: int, size: int) -> bytes:
   return b"".join(parts)
 
 
-class Opened:
-  """A checkpoint opened once: every header was read from a descriptor held
-  here, and the data is read through the same descriptors, so a checkpoint
-  replaced at its path (a save with overwrite=True) while restore runs is
-  read whole as it was validated, or fails; ``close()`` closes them."""
-
-  def __init__(self) -> None:
-    self.fds: list[int] = []
-    self.stored: dict[str, Stored] = {}
-    self.record: bytes | None = None
-
-  def close(self) -> None:
-    fds, self.fds = self.fds, []
-    for fd in fds:
-      os.close(fd)
-
-  def __enter__(self) -> Opened:
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.close()
-
-
-def open_checkpoint(api: str, path: str) -> Opened:
-  """Opens ``path`` (a directory of .npy files or an .npz) and reads its headers."""
+def read_small(
+  api: str, path: str, dir_fd: int, name: str, what: str
+) -> bytes | None:
+  """The bytes of the regular file ``name`` of the checkpoint directory
+  ``dir_fd`` (None if there is none), refusing one of more than
+  ``format.MAX_MANIFEST_BYTES``."""
+  file = os.path.join(path, name)
   try:
-    fd = os.open(path, _OPEN_FLAGS | os.O_NONBLOCK)
+    fd, st = open_file(name, dir_fd)
   except FileNotFoundError:
-    raise FileNotFoundError(
-      f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
-      "directory of .npy files written by save)"
-    ) from None
-  opened = Opened()
-  opened.fds.append(fd)
-  try:
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISDIR(mode):
-      _open_directory(api, path, fd, opened)
-    elif stat.S_ISREG(mode):
-      _open_npz(api, path, fd, opened)
-    else:
-      raise ValueError(
-        f"{api}: {path!r} is neither a directory nor a regular file; restore "
-        "reads an .npz file or a directory of .npy files written by save"
-      )
-  except BaseException:
-    opened.close()
-    raise
-  return opened
-
-
-def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
-  out = opened.stored
-  for root, dirs, names, root_fd in os.fwalk(".", dir_fd=top):
-    dirs.sort()
-    for name in sorted(names):
-      rel = os.path.normpath(os.path.join(root, name))
-      file = os.path.join(path, rel)
-      if rel == MANIFEST_NAME:  # swapped in since restore looked for one
-        raise ValueError(
-          f"{api}: {path!r} was replaced by a checkpoint several processes "
-          "wrote while restore opened it; call restore again"
-        )
-      if not name.endswith(".npy") and rel != DTYPE_RECORD:
-        continue
-      try:
-        fd, st = _open_file(name, root_fd)
-      except (OSError, ValueError) as err:
-        raise ValueError(
-          f"{api}: {file!r} cannot be read: {err}; restore reads regular "
-          "files written by save"
-        ) from None
-      if rel == DTYPE_RECORD:
-        try:
-          opened.record = _read_all(fd, st.st_size)
-        finally:
-          os.close(fd)
-        continue
-      key = rel[:-4].replace(os.sep, "/")
-      try:
-        with open(fd, "rb", closefd=False) as f:
-          shape, fortran, dtype = _read_header(f)
-          offset = f.tell()
-      except (OSError, ValueError, EOFError) as err:
-        os.close(fd)
-        raise ValueError(
-          f"{api}: {file!r} is not a readable .npy file: {err}"
-        ) from None
-      if len(opened.fds) <= HELD_FILES:
-        opened.fds.append(fd)
-      else:  # opened again, relative to the directory, when read
-        os.close(fd)
-        fd = -1
-      if dtype.hasobject:
-        raise ValueError(
-          f"{api}: {file!r} holds Python objects, which restore does not load"
-        )
-      out[key] = Stored(
-        tuple(shape),
-        dtype,
-        fortran,
-        repr(file),
-        st.st_size - offset,
-        file,
-        offset,
-        None,
-        fd=fd,
-        dir_fd=top,
-        name=rel,
-        stamp=stamp(st),
-      )
-
-
-def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
-  out = opened.stored
-  st = os.fstat(fd)
-  file_size = st.st_size
-  raw = open(fd, "rb", closefd=False)
-  try:
-    zf = zipfile.ZipFile(raw)
-  except (OSError, zipfile.BadZipFile) as err:
-    raw.close()
+    return None
+  except (OSError, ValueError) as err:
     raise ValueError(
-      f"{api}: {path!r} is not a readable .npz file: {err}"
+      f"{api}: {what} {file!r} cannot be read: {err}; write the checkpoint "
+      "again"
     ) from None
-  with zf, raw:
-    for info in zf.infolist():
-      where = f"member {info.filename!r} of {path!r}"
-      try:
-        if info.filename == DTYPE_RECORD:
-          opened.record = zf.read(info)
-          continue
-        if not info.filename.endswith(".npy"):
-          continue
-        key = info.filename[:-4]
-        if (
-          info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1
-        ):
-          raw.seek(info.header_offset)
-          fields = _ZIP_LOCAL_HEADER.unpack(raw.read(_ZIP_LOCAL_HEADER.size))
-          start = (
-            info.header_offset
-            + _ZIP_LOCAL_HEADER.size
-            + fields[-2]
-            + fields[-1]
-          )
-          raw.seek(start)
-          shape, fortran, dtype = _read_header(raw)
-          offset = raw.tell()
-          raw.seek(start)
-          header_crc = zlib.crc32(raw.read(offset - start))
-          # The member's data ends where the archive says it does, and never past the file.
-          end = min(
-            start + info.file_size, start + info.compress_size, file_size
-          )
-          data_bytes = end - offset
-          member = None
-        else:  # compressed members are inflated when their batch comes
-          with zf.open(info) as f:
-            shape, fortran, dtype = _read_header(f)
-            data_bytes = info.file_size - f.tell()
-          offset, member, header_crc = 0, info.filename, 0
-      except (
-        OSError,
-        ValueError,
-        EOFError,
-        struct.error,
-        zipfile.BadZipFile,
-        zlib.error,
-      ) as err:
-        raise ValueError(
-          f"{api}: {where} is not a readable .npy: {err}"
-        ) from None
-      if dtype.hasobject:
-        raise ValueError(f"{api}: {where} holds Python objects")
-      out[key] = Stored(
-        tuple(shape),
-        dtype,
-        fortran,
-        where,
-        data_bytes,
-        path,
-        offset,
-        member,
-        fd=fd,
-        stamp=stamp(st),
-        zip_crc=info.CRC if member is None else None,
-        header_crc=header_crc,
-      )
-
-
-def apply_record(
-  api: str, path: str, stored: dict[str, Stored], data: bytes | None
-) -> record_lib.Record:
-  """The record written by save (an empty one if there is none); sets each
-  stored array's exact dtype and checksums from it."""
-  if data is None:
-    return record_lib.Record()
-  where = f"the record {DTYPE_RECORD!r} of {path!r}"
-  record = record_lib.decode(api, where, data)
-  for key, s in stored.items():
-    s.sums = record.crc32c.get(key)
-    name = record.dtypes.get(key)
-    if name is None:
-      continue
-    s.exact = exact_dtype(api, where, key, name)
-    header = s.dtype.newbyteorder("=")
-    if s.exact.itemsize != s.dtype.itemsize or (
-      header.kind != "V" and header != s.exact
-    ):
-      raise ValueError(
-        f"{api}: {s.where} has a header of dtype {s.dtype.str} but {where} "
-        f"says {name}; the checkpoint is damaged"
-      )
-  return record
-
-
-def exact_dtype(api: str, where: str, key: str, name: Any) -> np.dtype:
-  """The dtype a record names for ``key``; ValueError if numpy does not know it."""
   try:
-    exact = np.dtype(name) if isinstance(name, str) else None
-  except TypeError:
-    exact = None
-  if (
-    exact is None
-    or exact.name != name
-    or exact.hasobject
-    or exact.fields is not None
-  ):
+    data = read_all(fd, min(st.st_size, format.MAX_MANIFEST_BYTES) + 1)
+  finally:
+    os.close(fd)
+  if len(data) > format.MAX_MANIFEST_BYTES:
     raise ValueError(
-      f"{api}: {where} names the dtype {name!r} for key {key!r}, which is not "
-      "a dtype numpy or ml_dtypes knows; is a newer ml_dtypes needed?"
+      f"{api}: {what} {file!r} holds more than {format.MAX_MANIFEST_BYTES} bytes "
+      "(MAX_MANIFEST_BYTES), more than save writes; the checkpoint is "
+      "damaged: write it again"
     )
-  return exact
+  return data
 
 
-ALIGN = (
-  64  # what the CPU runtime needs to take a host buffer over without a copy
-)
+def read_npy_header(
+  fd: int, cache: dict[bytes, tuple[Any, bool, np.dtype, int]] | None = None
+) -> tuple[Any, bool, np.dtype, int]:
+  """(shape, fortran, dtype, data offset) of the .npy file ``fd``, read with
+  ``pread`` (at most numpy's largest header); with ``cache``, parsed once
+  per distinct header (the shards of an array share theirs)."""
+  head = os.pread(fd, 12, 0)
+  if len(head) < 10 or head[:6] != b"\x93NUMPY":
+    raise ValueError("it has no .npy magic string")
+  if head[6] == 1:
+    size = 10 + int.from_bytes(head[8:10], "little")
+  elif len(head) == 12:
+    size = 12 + int.from_bytes(head[8:12], "little")
+  else:
+    raise EOFError("the header is cut short")
+  if size > _MAX_HEADER:
+    raise ValueError(f"its header is {size} bytes, more than numpy writes")
+  raw = os.pread(fd, size, 0)
+  parsed = None if cache is None else cache.get(raw)
+  if parsed is None:
+    parsed = read_header(io.BytesIO(raw)) + (size,)
+    if cache is not None and len(raw) == size:  # a whole header
+      cache[raw] = parsed
+  return parsed
+
+
+#: What the CPU runtime needs to take a host buffer over without a copy.
+ALIGN = 64
+
 #: An array of at least this many bytes gets a memory map of its own; smaller
 #: ones are carved out of shared maps of ``SLAB`` bytes.
 OWN_MAP = 64 * 2**10
+
 SLAB = 2**20
 
-
 #: Maps of at least this many bytes ask for transparent huge pages: the
-#: kernel zeroes and maps a restore's new memory 2 MiB at a time (a 1 GiB
-#: restore spent most of its time in 4 KiB page faults).
+#: kernel zeroes and maps a restore's new memory 2 MiB at a time (with 4 KiB
+#: pages, page faults take most of a large restore's time).
 HUGE_PAGE = 2 * 2**20
+
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-def _anonymous_map(nbytes: int) -> mmap.mmap:
+def anonymous_map(nbytes: int) -> mmap.mmap:
+  """A new private anonymous map of ``nbytes`` (huge pages from ``HUGE_PAGE``)."""
   m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
   if nbytes >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
     try:
@@ -394,8 +233,8 @@ class HostMemory:
   Not from malloc: restore's buffers are allocated on its reader thread and
   freed wherever the placed arrays die, and glibc keeps such memory in the
   reader thread's arena (a new thread each restore, up to 8 arenas per core)
-  for reuse there: 16 leaves of 4 MiB grew the process by 3-6 MiB per dropped
-  restore, to 800 MiB, which ``malloc_trim`` did not return. A map goes back
+  for reuse there: the process grows with every dropped restore, and
+  ``malloc_trim`` does not return it. A map goes back
   to the OS when the last array using it is collected. Maps are page-aligned;
   small arrays share one (``ALIGN``-aligned inside it) so that a 4-byte leaf
   does not take a page. Used by one thread at a time.
@@ -412,11 +251,11 @@ class HostMemory:
     ``ALIGN``-byte boundary, and a flat uint8 view of the same memory."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= OWN_MAP:
-      buf, start = _anonymous_map(nbytes), 0
+      buf, start = anonymous_map(nbytes), 0
     else:
       start = self._used + (-self._used % ALIGN)
       if self._slab is None or start + nbytes > SLAB:
-        self._slab, start = _anonymous_map(SLAB), 0
+        self._slab, start = anonymous_map(SLAB), 0
       buf = self._slab
       self._used = start + nbytes
     flat = np.ndarray((nbytes,), np.uint8, buffer=buf, offset=start)
@@ -424,13 +263,6 @@ class HostMemory:
       shape, dtype, buffer=buf, offset=start, order="F" if fortran else "C"
     )
     return array, flat
-
-
-def aligned_empty(
-  shape: tuple[int, ...], dtype: np.dtype, fortran: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-  """``HostMemory().empty``: one array in memory of its own."""
-  return HostMemory().empty(shape, dtype, fortran)
 
 
 #: Bytes per read call when one array is read by several threads (a chunk
@@ -471,7 +303,7 @@ class Files:
     own; raises ValueError if the file is not the one validated, or changed."""
     fd = s.fd
     if fd < 0:  # closed after validation: the same file must be there
-      fd, st = _open_file(s.name, s.dir_fd)
+      fd, st = open_file(s.name, s.dir_fd)
     try:
       if s.fd < 0 and stamp(st) != s.stamp:
         raise ValueError("it was replaced after restore validated it")
@@ -503,7 +335,7 @@ class Files:
         for lo, hi in chunks:
           read_checked(fd, flat.data, s.offset, lo, hi, sums)
       elif workers <= 1:
-        _read_range(fd, flat.data, s.offset, 0, flat.size)
+        read_range(fd, flat.data, s.offset, 0, flat.size)
         checksum.check(sums, flat.data)
       elif CHUNK == checksum.CHUNK:  # each thread checks the chunks it read
         self._read_chunks(fd, flat.data, s.offset, chunks, workers, sums)
@@ -531,7 +363,7 @@ class Files:
       zipfile.ZipFile(raw) as zf,
       zf.open(s.member) as f,
     ):
-      shape, fortran, dtype = _read_header(f)
+      shape, fortran, dtype = read_header(f)
       if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
         raise ValueError(
           f"it now holds {dtype.str}{list(shape)}, not "
@@ -594,7 +426,7 @@ class Files:
 READ_THREAD_PREFIX = "jaxworks-restore-chunk"
 
 
-def _read_range(
+def read_range(
   fd: int, view: memoryview, offset: int, lo: int, hi: int
 ) -> None:
   """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]``."""
@@ -624,16 +456,16 @@ def read_checked(
   sums: list[int] | None,
   k: int | None = None,
 ) -> None:
-  """``_read_range`` of bytes [lo, hi): checksum chunk ``k`` (default: lo's,
+  """``read_range`` of bytes [lo, hi): checksum chunk ``k`` (default: lo's,
   ``lo // checksum.CHUNK``) of the data, checked against ``sums`` (None:
   not checked)."""
   if sums is None:
-    _read_range(fd, view, offset, lo, hi)
+    read_range(fd, view, offset, lo, hi)
     return
   value = 0
   for a in range(lo, hi, SUM_STEP):
     b = min(a + SUM_STEP, hi)
-    _read_range(fd, view, offset, a, b)
+    read_range(fd, view, offset, a, b)
     value = checksum.crc(view[a:b], value)
   if k is None:
     k = lo // checksum.CHUNK

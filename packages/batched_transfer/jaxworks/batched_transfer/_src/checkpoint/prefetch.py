@@ -1,9 +1,9 @@
 """Reading ahead on one background thread, within a byte budget.
 
-``restore`` reads batch k+1 of a checkpoint while batch k is placed. Batches
-are fixed before reading starts (every process of a multi-process restore
-places the same batches, in the same order); only when each one is read
-depends on timing.
+``restore`` reads batch k+1 of a checkpoint while batch k is placed
+(``stream``). Batches are fixed before reading starts (every process of a
+multi-process restore places the same batches, in the same order); only
+when each one is read depends on timing.
 
 >>> sizes = [4, 4, 4]
 >>> with BatchReader(lambda k: f"batch {k}", sizes, budget=8) as reader:
@@ -18,12 +18,19 @@ batch 2
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterable
 import threading
 from typing import Any
 
 import jax
 
+from .. import jax_internals
+from .progress import Progress
+
 THREAD_NAME = "jaxworks-restore-reader"
+#: The most bytes in one batch, whatever the budget: smaller batches let
+#: reading overlap placing in checkpoints of a few batches' size too.
+BATCH_CAP = 16 * 2**20
 
 
 class BatchReader:
@@ -139,29 +146,40 @@ def split_batches(sizes: list[int], limit: int) -> list[list[int]]:
   return batches
 
 
-def place_batches(
-  reader: BatchReader,
-  batches: list[list[int]],
-  place_batch: Callable[[list[int], Any], None],
-  out: list[Any],
-  after_batch: Callable[[list[int]], None],
-) -> None:
-  """Places the data ``reader`` reads for each batch, in order.
+def stream(
+  sizes: list[int],
+  budget: int,
+  read: Callable[[list[int]], Any],
+  place: Callable[[list[int], Any], Iterable[Any]],
+  progress: bool | None,
+) -> list[Any]:
+  """Reads and places arrays of ``sizes`` bytes in batches; the arrays in order.
 
-  ``place_batch(batch, data)`` stores each array it places in ``out[i]`` as
-  soon as it exists. A batch's data is released once its arrays are ready;
-  then ``after_batch(batch)`` runs. On any failure the reader is closed and
-  every array in ``out`` is deleted (nothing stays half-placed) before the
-  error propagates; the reader is closed in any case.
+  Batches hold at most half of ``budget`` bytes (and ``BATCH_CAP``).
+  ``read(batch)`` gives the host data of a batch (a list of indices), on a
+  ``BatchReader`` thread that reads the next batches while one is placed;
+  ``place(batch, data)`` yields its placed arrays, each kept as soon as it
+  exists. A batch's data is released once its arrays are ready. On any
+  failure every array placed so far is deleted (nothing stays half-placed)
+  before the error propagates. ``progress`` as ``Progress``'s ``enabled``.
   """
+  # Host buffers of arrays already dropped (earlier restores, on CPU) go
+  # first, not at Python's next garbage collection.
+  jax_internals.release_dropped_host_buffers()
+  batches = split_batches(sizes, min(max(1, budget // 2), BATCH_CAP))
+  totals = [sum(sizes[i] for i in b) for b in batches]
+  out: list[Any] = [None] * len(sizes)
+  bar = Progress("restore", sum(sizes), enabled=progress)
+  reader = BatchReader(lambda k: read(batches[k]), totals, budget)
   try:
     for k, batch in enumerate(batches):
       data = reader.take(k)
-      place_batch(batch, data)
+      for i, y in zip(batch, place(batch, data)):
+        out[i] = y  # from here on deleted if anything fails
       del data
       jax.block_until_ready([out[i] for i in batch])
       reader.release(k)
-      after_batch(batch)
+      bar.update(totals[k])
   except BaseException:
     reader.close()
     for y in out:
@@ -170,3 +188,5 @@ def place_batches(
     raise
   finally:
     reader.close()
+    bar.close()
+  return out

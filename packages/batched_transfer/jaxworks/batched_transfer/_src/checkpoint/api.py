@@ -1,0 +1,461 @@
+"""Checkpoints: ``save``, ``restore`` and ``metadata``, the entry points.
+
+``save`` writes a pytree to an .npz file or a directory of .npy files,
+durably: device-to-host copies of every device leaf start at once (within
+the byte budget), several threads write and fsync the files (writer), and
+the checkpoint becomes visible in one atomic step (commit). With
+``blocking=False`` the call returns once every leaf is on the host, with a
+``SaveHandle`` (pending); a background thread writes. Arrays spanning
+processes are saved by every process together (multiprocess).
+
+``restore`` reads only the .npy headers (or the manifest of a checkpoint
+several processes wrote) first, checks every key, shape and dtype against
+the target (target), and only then streams the data (restore_files,
+restore_shards): batches of at most half of ``max_inflight_bytes`` are read
+on a background thread straight into new aligned host buffers, ahead of the
+batch being placed with one batched device_put. ``metadata`` reads the tree
+a checkpoint holds from its headers, manifest and record alone.
+
+>>> import os, shutil, tempfile, jax, numpy as np
+>>> from jaxworks.batched_transfer import save
+>>> tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.int32)}
+>>> path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
+>>> save(path, tree)
+>>> like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+>>> out = restore(path, like, placement=jax.devices()[1])
+>>> out["w"].devices(), np.asarray(out["w"])[1].tolist()
+({CpuDevice(id=1)}, [3.0, 4.0, 5.0])
+>>> shutil.rmtree(os.path.dirname(path))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import targets
+from . import commit
+from . import format
+from . import hostvalue
+from . import multiprocess
+from . import pending
+from . import reader
+from . import restore_files
+from . import restore_shards
+from . import target as target_lib
+from . import writer
+from .keys import check_files
+from .pending import SaveHandle as SaveHandle
+
+_API = "jaxworks.batched_transfer"
+DEFAULT_INFLIGHT = 1024 * 2**20
+
+
+def _positive(api: str, name: str, value: Any, none_ok: bool) -> None:
+  if value is None and none_ok:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(
+      f"{api}: {name} must be a positive int{' or None' if none_ok else ''}, "
+      f"got {value!r}"
+    )
+
+
+def save(
+  path: str | os.PathLike[str],
+  tree: Any,
+  *,
+  overwrite: bool = False,
+  blocking: bool = True,
+  write_threads: int | None = None,
+  max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
+  barrier_timeout_s: float = 300.0,
+  collective: bool | None = None,
+) -> pending.SaveHandle | None:
+  """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
+
+  The checkpoint becomes visible at ``path`` in one atomic step after its
+  files and directories are fsynced; with ``overwrite=True`` a save killed
+  at any point leaves the complete old or the complete new checkpoint at
+  ``path`` (see the README, "Crash safety and durability"). When the save
+  is finished (the call with ``blocking=True``, ``wait()`` of the handle
+  otherwise) the data is durable: the files, their directories and the
+  parent directory are fsynced.
+
+  Args:
+    path: "<name>.npz" for one uncompressed archive (restore reads its
+      members in place), anything else for a directory with one "<key>.npy"
+      per leaf. Missing parent directories are created. URLs (``gs://...``)
+      are refused: save writes local or mounted file systems.
+    tree: a pytree whose leaves are arrays (numpy or jax.Array of the
+      numeric and ml_dtypes types JAX holds), Python scalars (stored as the
+      0-d array jax.device_put makes of them, and their type), ``str`` or
+      None (stored by value); any other leaf raises TypeError naming its
+      tree path before anything is written.
+    overwrite: replace an existing file or directory written by save.
+      Without it the commit never replaces anything: a path that exists,
+      or that a pending ``blocking=False`` save of this process will
+      write, raises FileExistsError in the call, and a checkpoint another
+      process committed at the path meanwhile makes this one fail.
+    blocking: True: return when the checkpoint is durable. False: return
+      once every leaf is in host memory (the caller may then donate, delete
+      or change the arrays; CPU device buffers are held, not copied: see
+      hostvalue), with a ``SaveHandle`` whose
+      ``wait()`` returns when the checkpoint is durable; a background thread
+      writes. An error in the background is raised by ``wait()`` and by the
+      next ``save``; pending saves finish before the process exits.
+    write_threads: threads writing files of a directory checkpoint at once
+      (default: 8; writing waits on the disk, not on CPUs).
+    max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
+      host and not yet written at once (None: no limit); device-to-host
+      copies are started this far ahead of the writers. A non-blocking save
+      holds the whole tree in host memory until it is written.
+    barrier_timeout_s: with arrays spanning processes (jax.distributed),
+      how long a process waits for the others to finish writing, and for
+      process 0's commit, before it raises ``TimeoutError`` (a process
+      that died; nothing is committed then).
+    collective: whether every process of a jax.distributed job saves this
+      one checkpoint together (None: when jax.distributed runs more than
+      one process). A collective save of a tree whose arrays span no
+      processes is written once, by process 0, after every process's
+      leaves were checked to be equal to process 0's. False: this process
+      writes the checkpoint alone (its own path; arrays spanning processes
+      are refused).
+
+  Arrays spanning several processes: every process calls save with the
+  same path and tree; each writes the shards its devices hold, process 0
+  the manifest, and commits once every process posted its status in
+  jax.distributed's key-value store. An error on any process is raised by
+  every process at once, the others' ``RuntimeError`` naming it (see the
+  README, "Checkpoints written by several processes").
+
+  Returns:
+    None when ``blocking``, else a ``SaveHandle``.
+
+  Raises:
+    FileExistsError: ``path`` exists and overwrite is False, or it is not a
+      checkpoint save wrote.
+    ValueError: a key that cannot name a file, two paths with one key, or a
+      URL.
+  """
+  api = f"{_API}.save"
+  path = os.fspath(path)
+  commit.check_local(api, path)
+  path = path.rstrip(os.sep) or path
+  return run_save(
+    api,
+    path,
+    tree,
+    overwrite=overwrite,
+    blocking=blocking,
+    write_threads=write_threads,
+    max_inflight_bytes=max_inflight_bytes,
+    barrier_timeout_s=barrier_timeout_s,
+    collective=collective,
+    prelude=lambda: pending.raise_background_error(api),
+  )
+
+
+def run_save(
+  api: str,
+  path: str,
+  tree: Any,
+  *,
+  overwrite: bool,
+  blocking: bool,
+  write_threads: int | None,
+  max_inflight_bytes: int | None,
+  barrier_timeout_s: float = 300.0,
+  collective: bool | None = None,
+  prelude: Callable[[], None] | None = None,
+  after: Callable[[], None] | None = None,
+  primary_keys: tuple[str, ...] = (),
+) -> pending.SaveHandle | None:
+  """save's work. ``prelude`` runs first (it raises errors of earlier
+  saves); ``after`` once the checkpoint is published (on the writing
+  thread, under no lock). Across processes both run inside the collective
+  save, whose every error reaches every process (see multiprocess); the
+  leaves of ``primary_keys`` are process 0's and need not agree."""
+  _positive(api, "write_threads", write_threads, True)
+  _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
+  threads = write_threads or writer.DEFAULT_WRITE_THREADS
+  saved = writer.Leaves(api, tree)
+  keys, paths, leaves = saved.keys, saved.paths, saved.leaves
+  record = saved.record
+  held: list[pending.Reservation] = []  # taken by prepare
+
+  def release() -> None:
+    for r in held:
+      r.release()
+
+  def prepare(leaves: list[Any]) -> list[Any]:
+    if prelude is not None:
+      prelude()
+    # Host leaves are checked (and scalars converted) before anything is
+    # written.
+    for i, (where, x) in enumerate(zip(paths, leaves)):
+      if not isinstance(x, jax.Array):
+        leaves[i] = writer.host_array(api, where, x, private=not blocking)
+    writer.check_target(api, path, overwrite)
+    held.append(pending.reserve(api, path, overwrite))
+    return leaves
+
+  if collective is None:
+    collective = multiprocess.multi_process()
+  spans = multiprocess.spans_processes(leaves)
+  if spans and not collective:
+    raise ValueError(
+      f"{api}: {path!r}: with collective=False this process saves alone, "
+      "but the tree has arrays spanning devices of several processes; let "
+      "every process call save (collective=None)"
+    )
+  if collective and (spans or multiprocess.multi_process()):
+    if path.endswith(".npz"):
+      raise ValueError(
+        f"{api}: {path!r}: a checkpoint several processes save together is "
+        "a directory (one file per shard); drop the .npz suffix"
+      )
+    return multiprocess.save_across_processes(
+      api,
+      path,
+      keys,
+      paths,
+      leaves,
+      record,
+      prepare=prepare,
+      blocking=blocking,
+      threads=threads,
+      barrier_timeout_s=barrier_timeout_s,
+      overwrite=overwrite,
+      release=release,
+      after=after,
+      primary_keys=primary_keys,
+    )
+  if not path.endswith(".npz"):
+    check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])
+  leaves = prepare(leaves)
+  return _save_alone(
+    api, path, keys, paths, leaves, record, blocking, threads,
+    max_inflight_bytes, overwrite, release, after,
+  )  # fmt: skip
+
+
+def _save_alone(
+  api: str,
+  path: str,
+  keys: list[str],
+  paths: list[str],
+  leaves: list[Any],
+  record: format.Record,
+  blocking: bool,
+  threads: int,
+  max_inflight_bytes: int | None,
+  overwrite: bool,
+  release: Callable[[], None],
+  after: Callable[[], None] | None,
+) -> pending.SaveHandle | None:
+  """The save of a checkpoint this process writes alone (``leaves``
+  checked by ``prepare``); ``release`` once written."""
+  if blocking:
+    try:
+      staged = writer.Staged(api, paths, leaves, max_inflight_bytes)
+      writer.write_checkpoint(
+        api, path, keys, staged.take, staged.done, threads, record, overwrite
+      )
+    finally:
+      release()
+    if after is not None:
+      after()
+    return None
+  try:
+    # Every device-to-host copy at once; then the host value of each (numpy
+    # leaves were copied above; device buffers are held, see hostvalue).
+    for x in leaves:
+      hostvalue.start_copy(x)
+    arrays = [
+      x
+      if isinstance(x, np.ndarray)
+      else writer.host_array(api, where, x, private=True)
+      for where, x in zip(paths, leaves)
+    ]
+  except BaseException:
+    release()
+    raise
+  del leaves
+
+  def take(i: int) -> np.ndarray | hostvalue.Shards:
+    return arrays[i]
+
+  def done(i: int) -> None:
+    arrays[i] = None  # type: ignore[call-overload]  # freed once written
+
+  def work() -> None:
+    try:
+      writer.write_checkpoint(
+        api, path, keys, take, done, threads, record, overwrite
+      )
+    finally:
+      release()
+    if after is not None:
+      after()
+
+  return pending.start(path, work)
+
+
+def restore(
+  path: str | os.PathLike[str],
+  target: Any = None,
+  *,
+  placement: Any = None,
+  partial_restore: bool = False,
+  verify: bool = True,
+  max_inflight_bytes: int = 256 * 2**20,
+  read_threads: int | None = None,
+  progress: bool | None = None,
+) -> Any:
+  """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
+
+  Args:
+    path: an .npz file or a directory of .npy files, or a directory that
+      several processes wrote (a manifest and shard files), read onto the
+      same kinds of targets, each process reading only what its devices
+      hold.
+    target: a pytree whose leaves say what to expect: jax.ShapeDtypeStruct,
+      jax.Array or numpy array leaves (their .shape, .dtype and weak_type), or
+      Python scalars (a 0-d array of the dtype and weak type jax.device_put
+      gives them), as ``jax.eval_shape(init_fn)`` returns; ``str`` leaves
+      where str leaves were saved. A dtype other than the stored one is a
+      cast (numpy's ``astype``). Unless ``placement`` is given, each leaf's
+      .format / .sharding says where it goes (none: the default device).
+      None: the tree as saved (nested dicts, lists for sequences), every
+      array on the default device (or ``placement``), str and None leaves
+      as saved, Python scalars as their Python type.
+    placement: a device_put target (Device, Sharding, Format or a pytree
+      prefix of them) overriding the target leaves' placement.
+    partial_restore: let ``target`` name a subset of the stored leaves (a
+      subtree, say ``{"params": ...}`` of a checkpoint that also holds
+      ``opt_state``): only those are read. False: a stored leaf the target
+      lacks raises ValueError.
+    verify: check every array's data against the checksums save recorded
+      (CRC-32C of each 8 MiB of a directory checkpoint's files, the CRC-32
+      of each .npz member), in the threads that read it; a mismatch raises
+      ValueError naming the file and nothing stays placed.
+    max_inflight_bytes: the most bytes read and not yet placed at once. The
+      data is read in batches of at most half of it (and at most 16 MiB),
+      the next batches while one is placed; a single larger leaf is read
+      alone.
+    read_threads: threads reading one array's file at once (default: the
+      CPU count, at most 8); 1 reads each file on one thread.
+    progress: draw a progress bar on stderr: True, False, or None (only when
+      stderr is a terminal).
+
+  Returns:
+    A pytree like ``target`` of placed jax.Arrays (weakly typed where the target
+    leaf is), with the stored values at its str leaves.
+
+  Raises:
+    ValueError: a key missing from or extra in the file, a shape that
+      differs from the target's, data shorter or longer than its header
+      says, or data failing its checksum (the message names the tree path,
+      the checkpoint and the file); raised before any array is placed
+      (checksums: while reading, and nothing stays placed). Also a file that
+      is not a regular file, or one replaced or modified after it was
+      validated (the data is read through the descriptors validated: a
+      checkpoint replaced at ``path`` meanwhile is read whole as validated).
+    FileNotFoundError: nothing at ``path``.
+    TypeError: a target leaf with no shape and dtype.
+  """
+  api = f"{_API}.restore"
+  path = os.fspath(path)
+  if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+    raise ValueError(
+      f"{api}: max_inflight_bytes must be a positive int, got "
+      f"{max_inflight_bytes!r}"
+    )
+  _positive(api, "read_threads", read_threads, True)
+  read_threads = read_threads or reader.default_read_threads()
+  with _open(api, path) as opened:
+    arrays, record = opened.contents()
+    t = target_lib.Target(api, path, target, arrays, record, partial_restore)
+    keys, paths = t.pick(t.keys), t.pick(t.paths)
+    specs = [
+      target_lib.target_spec(api, where, x)
+      for where, x in zip(paths, t.pick(t.leaves))
+    ]
+    places = t.pick(
+      targets.resolve_placement(
+        api, placement, t.target, t.treedef, t.leaves, target_lib.placement_of
+      )
+    )
+    args = (keys, paths, specs, places, max_inflight_bytes, read_threads)
+    if isinstance(opened, restore_shards.Manifest):  # by several processes
+      placed = restore_shards.restore_arrays(
+        api, opened, *args, progress, verify
+      )
+    else:
+      placed = restore_files.restore_arrays(
+        api, opened, *args, progress, verify
+      )
+  placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
+  return t.finish(placed)
+
+
+def _open(
+  api: str, path: str
+) -> restore_shards.Manifest | restore_files.Opened:
+  """The checkpoint at ``path``, opened once: its data is read through the
+  descriptors validated here (a checkpoint several processes wrote: its
+  manifest and shard files; else .npy files or an .npz)."""
+  if not os.path.lexists(path):
+    commit.recover(path)  # the old copy of a save killed between two renames
+  opened = restore_shards.open_manifest(api, path)
+  return restore_files.open_checkpoint(api, path) if opened is None else opened
+
+
+def metadata(path: str | os.PathLike[str]) -> Any:
+  """The tree a checkpoint holds, read from its headers, manifest and record
+  only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype, and
+  the sharding a saved jax.Array had, where every device it names is one of
+  this job's, else None) per array, the stored value per ``str`` or None
+  leaf, nested as ``restore`` without a target nests it. A Python scalar
+  leaf is the ShapeDtypeStruct of its 0-d array. ``restore(path,
+  metadata(path))`` restores onto the saved shardings.
+
+  >>> import os, tempfile, numpy as np
+  >>> from jaxworks.batched_transfer import save
+  >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  >>> save(path, {"w": np.zeros((2, 3), np.float32), "run": "exp-42"})
+  >>> metadata(path)
+  {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
+  """
+  api = f"{_API}.metadata"
+  return target_lib.as_saved(
+    *read_record(api, os.fspath(path)), with_shardings=True
+  )
+
+
+def read_record(
+  api: str, path: str
+) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
+  """(key -> (shape, exact dtype) of every array, the record) of the
+  checkpoint at ``path``, from its headers, manifest and record only."""
+  with _open(api, path) as opened:
+    return opened.contents()
+
+
+def read_values(api: str, path: str) -> dict[str, str | None]:
+  """The ``str`` and None leaves of the directory checkpoint at ``path``,
+  from its record alone (no header is read)."""
+  fd = os.open(path, reader.DIR_FLAGS)
+  try:
+    data = reader.read_small(api, path, fd, format.RECORD, "the record")
+  finally:
+    os.close(fd)
+  if data is None:
+    return {}
+  where = f"the record {format.RECORD!r} of {path!r}"
+  return format.decode_record(api, where, data).values

@@ -1,0 +1,442 @@
+"""The on-disk format of a checkpoint: file names, versions, the record and
+the manifest. No I/O: the writer and the reader both use this module.
+
+A checkpoint one process wrote is a directory with one ``<key>.npy`` per
+array (keys: see keys) or an .npz with those members, plus the record
+``jaxworks_dtypes.json`` (``RECORD``): what the .npy files cannot say.
+Format 2 of the record holds:
+
+* ``dtypes``: every array's exact dtype name (.npy headers cannot name
+  bfloat16, float8_*, int4 and the other ml_dtypes types, stored as raw
+  ``V<n>`` bytes);
+* ``python``: the arrays that were Python scalars (``bool``, ``int``,
+  ``float``, ``complex``), stored as the 0-d array ``jax.device_put`` makes
+  of them, and restored as that Python type when restore has no target;
+* ``values``: the leaves that are not arrays, ``str`` and ``None``, by value;
+* ``crc32c``: for a directory checkpoint one process wrote, the checksums of
+  each ``<key>.npy`` file's data (see checksum);
+* ``shardings``: the sharding of each saved jax.Array, which ``metadata``
+  reports: a ``NamedSharding`` as its mesh (axis names, shape, axis types,
+  device ids in mesh order), PartitionSpec and memory kind, a
+  ``SingleDeviceSharding`` as its device id and memory kind (other kinds
+  are not recorded; ``rebuild_sharding`` makes one again where every device
+  it names is one of this job's);
+* ``tree``: every leaf's key and the kinds of its tree path's entries, in
+  tree order, so that restore without a target rebuilds the nesting (dicts,
+  and lists for sequences); an empty dict, list or tuple is an entry too,
+  with a third element, "dict" or "list".
+
+Format 1 (``dtypes`` alone) is still read.
+
+A checkpoint several processes wrote is a directory whose manifest
+``jaxworks_manifest.json`` (``MANIFEST``) says how its shard files tile each
+array: per key the array's shape and dtype name and its shards, each a file
+name relative to the directory (``<key>.shards/<n>.npy``, or ``<key>.npy``
+for an array that spans no processes), its start and shape in the array and
+the CRC-32C of its data. ``parse_manifest`` checks a manifest's schema
+(every file name relative and inside the directory, every shard inside its
+array, the shards tiling the array as a grid); the record beside it holds
+no ``crc32c``.
+
+>>> r = Record(dtypes={"w": "float32"}, values={"run": "exp-42"},
+...            tree=[("w", "d"), ("run", "d")])
+>>> decode_record("api", "here", encode_record(r)) == r
+True
+>>> m = {"format": MANIFEST_FORMAT, "processes": 1, "arrays": {"w": {
+...   "shape": [4], "dtype": "float32", "shards": [
+...     {"file": "w.shards/0.npy", "start": [0], "shape": [2]},
+...     {"file": "w.shards/1.npy", "start": [2], "shape": [2]}]}}}
+>>> entry = parse_manifest(encode_manifest(m))["w"]
+>>> [s.file for s in entry.overlapping(((1, 3),))]
+['w.shards/0.npy', 'w.shards/1.npy']
+>>> import jax
+>>> from jax.sharding import NamedSharding, PartitionSpec as P
+>>> s = NamedSharding(jax.make_mesh((4, 2), ("a", "b")), P("a", None))
+>>> rebuild_sharding(describe_sharding(s)) == s
+True
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+import dataclasses
+import itertools
+import json
+import os
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+from jax.sharding import SingleDeviceSharding
+import numpy as np
+
+RECORD = "jaxworks_dtypes.json"
+RECORD_FORMAT = 2
+_RECORD_READS = (1, 2)
+PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
+#: The record's name for an empty container of each type.
+#: What parsing a damaged JSON record or manifest raises.
+DAMAGED = (
+  UnicodeDecodeError,
+  ValueError,
+  KeyError,
+  TypeError,
+  AttributeError,
+  RecursionError,
+)
+EMPTY: dict[type, str] = {dict: "dict", list: "list", tuple: "list"}
+
+
+@dataclasses.dataclass
+class Record:
+  dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
+  python: dict[str, str] = dataclasses.field(default_factory=dict)
+  values: dict[str, str | None] = dataclasses.field(default_factory=dict)
+  crc32c: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+  shardings: dict[str, dict] = dataclasses.field(default_factory=dict)
+  tree: list[tuple[str, ...]] | None = None
+
+
+def encode_record(record: Record) -> bytes:
+  """The bytes of ``record`` (a JSON object, as ``decode_record`` reads it)."""
+  data: dict[str, Any] = {"format": RECORD_FORMAT, "dtypes": record.dtypes}
+  if record.python:
+    data["python"] = record.python
+  if record.values:
+    data["values"] = record.values
+  if record.crc32c:
+    data["crc32c"] = record.crc32c
+  if record.shardings:
+    data["shardings"] = record.shardings
+  if record.tree is not None:
+    data["tree"] = [list(e) for e in record.tree]
+  return json.dumps(data, indent=0, sort_keys=True).encode()
+
+
+def _strs(v: Any, what: str) -> dict[str, str]:
+  if not isinstance(v, dict) or not all(
+    isinstance(k, str) and isinstance(x, str) for k, x in v.items()
+  ):
+    raise ValueError(f"{what} is not an object of names")
+  return v
+
+
+def decode_record(api: str, where: str, data: bytes) -> Record:
+  """The record in ``data``; ValueError naming ``where`` if it is damaged."""
+  try:
+    m = json.loads(data.decode())
+    if not isinstance(m, dict) or m.get("format") not in _RECORD_READS:
+      raise ValueError(
+        f"unknown format {m.get('format') if isinstance(m, dict) else m!r:.40}"
+      )
+    r = Record(dtypes=_strs(m["dtypes"], "'dtypes'"))
+    r.python = _strs(m.get("python", {}), "'python'")
+    if not set(r.python.values()) <= set(PYTHON_TYPES):
+      raise ValueError(f"'python' names {sorted(set(r.python.values()))}")
+    values = m.get("values", {})
+    if not isinstance(values, dict) or not all(
+      isinstance(x, (str, type(None))) for x in values.values()
+    ):
+      raise ValueError("'values' holds something other than str and null")
+    r.values = values
+    sums = m.get("crc32c", {})
+    if not isinstance(sums, dict) or not all(
+      isinstance(x, list) and all(type(c) is int for c in x)
+      for x in sums.values()
+    ):
+      raise ValueError("'crc32c' is not an object of lists of ints")
+    r.crc32c = sums
+    shardings = m.get("shardings", {})
+    if not isinstance(shardings, dict) or not all(
+      isinstance(x, dict) for x in shardings.values()
+    ):
+      raise ValueError("'shardings' is not an object of objects")
+    r.shardings = shardings
+    tree = m.get("tree")
+    if tree is not None:
+      if not isinstance(tree, list) or not all(
+        isinstance(e, list)
+        and len(e) in (2, 3)
+        and all(isinstance(x, str) for x in e)
+        and (len(e) == 2 or e[2] in ("dict", "list"))
+        for e in tree
+      ):
+        raise ValueError("'tree' is not a list of [key, kinds(, empty)]")
+      r.tree = [tuple(e) for e in tree]
+  except DAMAGED as err:
+    raise ValueError(
+      f"{api}: {where} is damaged ({err}); it was written by "
+      "jaxworks.batched_transfer.save: write the checkpoint again"
+    ) from None
+  return r
+
+
+def exact_dtype(api: str, where: str, key: str, name: Any) -> np.dtype:
+  """The dtype a record names for ``key``; ValueError if numpy does not know it."""
+  try:
+    exact = np.dtype(name) if isinstance(name, str) else None
+  except TypeError:
+    exact = None
+  if (
+    exact is None
+    or exact.name != name
+    or exact.hasobject
+    or exact.fields is not None
+  ):
+    raise ValueError(
+      f"{api}: {where} names the dtype {name!r} for key {key!r}, which is not "
+      "a dtype numpy or ml_dtypes knows; is a newer ml_dtypes needed?"
+    )
+  return exact
+
+
+_KINDS = {
+  jax.tree_util.DictKey: "d",
+  jax.tree_util.SequenceKey: "s",
+  jax.tree_util.GetAttrKey: "a",
+  jax.tree_util.FlattenedIndexKey: "f",
+}
+
+
+def path_kinds(path: Any) -> str:
+  """One letter per entry of a tree path: d(ict), s(equence), a(ttribute),
+  f(lattened index), o(ther)."""
+  return "".join(_KINDS.get(type(e), "o") for e in path)
+
+
+def rebuild_tree(tree: list[tuple[str, ...]], value_of: Any) -> Any:
+  """The nesting ``tree`` describes, with ``value_of(key)`` at each leaf:
+  sequences become lists, every other node a dict keyed by its path names."""
+
+  def leaf(entry: tuple[str, ...]) -> Any:
+    if len(entry) == 3:
+      return {} if entry[2] == "dict" else []
+    return value_of(entry[0])
+
+  if len(tree) == 1 and not tree[0][1]:
+    return leaf(tree[0])
+  top: dict[str, Any] = {}
+  kinds: dict[tuple[str, ...], str] = {}
+  leaves: set[tuple[str, ...]] = set()
+  for entry in tree:
+    key, entry_kinds = entry[0], entry[1]
+    parts = key.split("/")
+    if len(parts) != len(entry_kinds):
+      raise ValueError(f"the key {key!r} does not match its kinds")
+    node = top
+    for i, part in enumerate(parts):
+      kinds.setdefault(tuple(parts[:i]), entry_kinds[i])
+      if i == len(parts) - 1:
+        node[part] = leaf(entry)
+        leaves.add(tuple(parts))
+      else:
+        node = node.setdefault(part, {})
+
+  def build(prefix: tuple[str, ...], node: Any) -> Any:
+    if prefix in leaves or prefix not in kinds:
+      return node  # a leaf
+    items = [(k, build(prefix + (k,), v)) for k, v in node.items()]
+    if kinds[prefix] == "s":
+      return [v for _, v in items]
+    return dict(items)
+
+  return build((), top)
+
+
+def _spec_entry(e: Any) -> Any:
+  if e is None or isinstance(e, str):
+    return e
+  if isinstance(e, tuple) and all(isinstance(x, str) for x in e):
+    return list(e)
+  raise TypeError(e)
+
+
+def describe_sharding(sharding: Any) -> dict[str, Any] | None:
+  """The JSON record of ``sharding``, or None for a kind not recorded."""
+  try:
+    if isinstance(sharding, SingleDeviceSharding):
+      device: Any = next(iter(sharding.device_set))
+      return {"device": int(device.id), "memory_kind": sharding.memory_kind}
+    if isinstance(sharding, NamedSharding):
+      mesh, spec = sharding.mesh, sharding.spec
+      if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return None
+      return {
+        "mesh": {
+          "axis_names": list(mesh.axis_names),
+          "shape": [int(n) for n in mesh.devices.shape],
+          "axis_types": [t.name for t in mesh.axis_types],
+          "devices": [int(d.id) for d in mesh.devices.flat],
+        },
+        "spec": [_spec_entry(e) for e in spec],
+        "memory_kind": sharding.memory_kind,
+      }
+  except (TypeError, AttributeError, ValueError):
+    return None
+  return None
+
+
+def rebuild_sharding(desc: Any) -> Any:
+  """The sharding ``desc`` records, on this job's devices; None where a
+  device is missing or the record is not one ``describe`` writes."""
+  try:
+    by_id = {d.id: d for d in jax.devices()}
+    if "device" in desc:
+      return SingleDeviceSharding(
+        by_id[desc["device"]], memory_kind=desc.get("memory_kind")
+      )
+    m = desc["mesh"]
+    devices = np.array([by_id[i] for i in m["devices"]], dtype=object)
+    mesh = jax.sharding.Mesh(
+      devices.reshape(m["shape"]),
+      tuple(m["axis_names"]),
+      axis_types=tuple(jax.sharding.AxisType[t] for t in m["axis_types"]),
+    )
+    spec = PartitionSpec(
+      *(tuple(e) if isinstance(e, list) else e for e in desc["spec"])
+    )
+    return NamedSharding(mesh, spec, memory_kind=desc.get("memory_kind"))
+  except (KeyError, TypeError, ValueError, AttributeError):
+    return None
+
+
+MANIFEST = "jaxworks_manifest.json"
+MANIFEST_FORMAT = 1
+
+#: The largest manifest or record restore reads (a damaged or hostile one
+#: may be huge).
+MAX_MANIFEST_BYTES = 256 * 2**20
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  file: str  # relative to the checkpoint directory
+  start: tuple[int, ...]
+  shape: tuple[int, ...]
+  crc32c: tuple[int, ...] | None = None  # checksums of its data (checksum)
+
+
+@dataclasses.dataclass
+class Entry:
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  shards: list[Shard]
+  # The grid: the shards' distinct starts along each dimension, sorted, and
+  # the shard at each combination of starts.
+  starts: list[list[int]] = dataclasses.field(default_factory=list)
+  at: dict[tuple[int, ...], Shard] = dataclasses.field(default_factory=dict)
+
+  def overlapping(self, want: Bounds) -> Iterator[Shard]:
+    """The shards that overlap the region ``want`` (none if it is empty)."""
+    ranges = [
+      range(bisect.bisect_right(st, w0) - 1, bisect.bisect_left(st, w1))
+      for st, (w0, w1) in zip(self.starts, want)
+    ]
+    for idx in itertools.product(*ranges):
+      yield self.at[tuple(st[i] for st, i in zip(self.starts, idx))]
+
+
+def shard_stem(key: str, n: int) -> str:
+  """The file name, less ``.npy``, of shard ``n`` of the array ``key``."""
+  return f"{key}.shards/{n}"
+
+
+def bounds(idx: tuple, shape: tuple[int, ...]) -> Bounds:
+  """The (start, stop) per dimension of the index ``idx`` into ``shape``."""
+  return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(idx, shape))
+
+
+def _ints(v: Any, n: int | None, what: str) -> tuple[int, ...]:
+  if not isinstance(v, list) or (n is not None and len(v) != n):
+    raise ValueError(f"{what} is {v!r:.80}, not a list of {n or ''} ints")
+  if not all(type(d) is int and d >= 0 for d in v):
+    raise ValueError(f"{what} is {v!r:.80}, not non-negative ints")
+  return tuple(v)
+
+
+def _file_name(v: Any) -> str:
+  if (
+    not isinstance(v, str)
+    or not v.endswith(".npy")
+    or "\0" in v
+    or os.path.isabs(v)
+    or os.path.normpath(v) != v
+    or ".." in v.split("/")
+  ):
+    raise ValueError(f"the shard file name {v!r:.80} is not a relative path")
+  return v
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+  """The bytes of ``manifest`` (a JSON object, as ``parse_manifest`` reads it)."""
+  return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def parse_manifest(data: bytes) -> dict[str, Entry]:
+  """The arrays a manifest describes; ValueError/KeyError/TypeError if damaged."""
+  m = json.loads(data.decode())
+  if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+    raise ValueError(
+      f"unknown format {m.get('format') if isinstance(m, dict) else m!r:.40}"
+    )
+  arrays = m["arrays"]
+  if not isinstance(arrays, dict):
+    raise TypeError("'arrays' is not an object")
+  out: dict[str, Entry] = {}
+  for key, a in arrays.items():
+    shape = _ints(a["shape"], None, f"the shape of {key!r}")
+    if not isinstance(a["dtype"], str):
+      raise TypeError(f"the dtype of {key!r} is not a name")
+    dtype = np.dtype(a["dtype"])
+    if dtype.hasobject or dtype.fields is not None:
+      raise ValueError(f"the dtype of {key!r} is {dtype}")
+    shards = []
+    for s in a["shards"]:
+      file = _file_name(s["file"])
+      start = _ints(s["start"], len(shape), f"the start of {file!r}")
+      sshape = _ints(s["shape"], len(shape), f"the shape of {file!r}")
+      if any(b + n > d for b, n, d in zip(start, sshape, shape)):
+        raise ValueError(
+          f"the shard {file!r} lies outside {key!r} {list(shape)}"
+        )
+      sums = s.get("crc32c")
+      if sums is not None:
+        sums = _ints(sums, None, f"the checksums of {file!r}")
+      shards.append(Shard(file, start, sshape, sums))
+    _check_grid(key, shape, shards)
+    starts = [sorted({x.start[d] for x in shards}) for d in range(len(shape))]
+    out[key] = Entry(shape, dtype, shards, starts, {x.start: x for x in shards})
+  return out
+
+
+def _check_grid(key: str, shape: tuple[int, ...], shards: list[Shard]) -> None:
+  """The shards tile the array as a grid (as a sharding's shards do): along
+  each dimension their extents partition it, and each cell is one shard."""
+  cells = 1
+  for d, n in enumerate(shape):
+    end = 0
+    extents = sorted({(s.start[d], s.start[d] + s.shape[d]) for s in shards})
+    for a, b in extents:
+      if a != end or (a == b and n):
+        break
+      end = b
+    if end != n or (extents and extents[-1][1] != n):
+      raise ValueError(f"the shards of {key!r} do not tile dimension {d}")
+    cells *= len(extents)
+  if len({(s.start, s.shape) for s in shards}) != len(shards) or (
+    len(shards) != cells
+  ):
+    raise ValueError(f"the shards of {key!r} do not tile the array")
+
+
+def intersect(shard: Shard, want: Bounds) -> Bounds | None:
+  """The part of the region ``want`` that ``shard`` holds (None: none)."""
+  inter = tuple(
+    (max(s, w0), min(s + n, w1))
+    for s, n, (w0, w1) in zip(shard.start, shard.shape, want)
+  )
+  return None if any(a >= b for a, b in inter) else inter

@@ -1,0 +1,349 @@
+"""Restore of a checkpoint one process wrote: .npy files in a directory, or an .npz.
+
+``open_checkpoint`` opens a checkpoint once and reads only headers (through
+the reader): each array becomes a ``reader.Stored`` with its shape, header
+dtype, order, where its data lies and the descriptor the header came from,
+which ``reader.Files`` reads the data through. ``Opened.contents`` sets
+each array's exact dtype and checksums from the checkpoint's record.
+
+``restore_arrays`` checks every array's shape, data extent and placement
+against the target before anything is read, then streams them (prefetch):
+a background thread reads each batch straight into new aligned host
+buffers of their own memory maps (reader; a large file by ``read_threads``
+threads at once) while the batch before is placed with one batched
+device_put. The buffers are restore's own, so placing may alias them (on
+CPU the device array takes the buffer over: no second copy).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from typing import Any
+import zipfile
+import zlib
+
+import numpy as np
+
+from .. import targets
+from ..api import place
+from ..transfer import placement_error
+from . import format
+from . import prefetch
+from . import reader
+from .keys import astype
+from .keys import cast_to
+
+# A zip member's local header: 30 bytes; the last two: name and extra lengths.
+_ZIP_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+
+
+class Opened:
+  """A checkpoint opened once: every header was read from a descriptor held
+  here, and the data is read through the same descriptors, so a checkpoint
+  replaced at its path (a save with overwrite=True) while restore runs is
+  read whole as it was validated, or fails; ``close()`` closes them."""
+
+  def __init__(self, api: str, path: str) -> None:
+    self.api, self.path = api, path
+    self.fds: list[int] = []
+    self.stored: dict[str, reader.Stored] = {}
+    self.record: bytes | None = None
+
+  def contents(
+    self,
+  ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
+    """(key -> (shape, exact dtype) of every array, the record written by
+    save, an empty one if there is none); sets each stored array's exact
+    dtype and checksums from the record."""
+    api, record = self.api, format.Record()
+    where = f"the record {format.RECORD!r} of {self.path!r}"
+    if self.record is not None:
+      record = format.decode_record(api, where, self.record)
+    for key, s in self.stored.items():
+      s.sums = record.crc32c.get(key)
+      name = record.dtypes.get(key)
+      if name is None:
+        continue
+      s.exact = format.exact_dtype(api, where, key, name)
+      header = s.dtype.newbyteorder("=")
+      if s.exact.itemsize != s.dtype.itemsize or (
+        header.kind != "V" and header != s.exact
+      ):
+        raise ValueError(
+          f"{api}: {s.where} has a header of dtype {s.dtype.str} but {where} "
+          f"says {name}; the checkpoint is damaged"
+        )
+    arrays = {k: (s.shape, s.value_dtype) for k, s in self.stored.items()}
+    return arrays, record
+
+  def close(self) -> None:
+    fds, self.fds = self.fds, []
+    for fd in fds:
+      os.close(fd)
+
+  def __enter__(self) -> Opened:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+
+def open_checkpoint(api: str, path: str) -> Opened:
+  """Opens ``path`` (a directory of .npy files or an .npz) and reads its headers."""
+  try:
+    fd = os.open(path, reader.OPEN_FLAGS | os.O_NONBLOCK)
+  except FileNotFoundError:
+    raise FileNotFoundError(
+      f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
+      "directory of .npy files written by save)"
+    ) from None
+  opened = Opened(api, path)
+  opened.fds.append(fd)
+  try:
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+      _open_directory(api, path, fd, opened)
+    elif stat.S_ISREG(mode):
+      _open_npz(api, path, fd, opened)
+    else:
+      raise ValueError(
+        f"{api}: {path!r} is neither a directory nor a regular file; restore "
+        "reads an .npz file or a directory of .npy files written by save"
+      )
+  except BaseException:
+    opened.close()
+    raise
+  return opened
+
+
+def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
+  out = opened.stored
+  for root, dirs, names, root_fd in os.fwalk(".", dir_fd=top):
+    dirs.sort()
+    for name in sorted(names):
+      rel = os.path.normpath(os.path.join(root, name))
+      file = os.path.join(path, rel)
+      if rel == format.MANIFEST:  # swapped in since restore looked for one
+        raise ValueError(
+          f"{api}: {path!r} was replaced by a checkpoint several processes "
+          "wrote while restore opened it; call restore again"
+        )
+      if not name.endswith(".npy") and rel != format.RECORD:
+        continue
+      try:
+        fd, st = reader.open_file(name, root_fd)
+      except (OSError, ValueError) as err:
+        raise ValueError(
+          f"{api}: {file!r} cannot be read: {err}; restore reads regular "
+          "files written by save"
+        ) from None
+      if rel == format.RECORD:
+        try:
+          opened.record = reader.read_all(fd, st.st_size)
+        finally:
+          os.close(fd)
+        continue
+      key = rel[:-4].replace(os.sep, "/")
+      try:
+        with open(fd, "rb", closefd=False) as f:
+          shape, fortran, dtype = reader.read_header(f)
+          offset = f.tell()
+      except (OSError, ValueError, EOFError) as err:
+        os.close(fd)
+        raise ValueError(
+          f"{api}: {file!r} is not a readable .npy file: {err}"
+        ) from None
+      if len(opened.fds) <= reader.HELD_FILES:
+        opened.fds.append(fd)
+      else:  # opened again, relative to the directory, when read
+        os.close(fd)
+        fd = -1
+      if dtype.hasobject:
+        raise ValueError(
+          f"{api}: {file!r} holds Python objects, which restore does not load"
+        )
+      out[key] = reader.Stored(
+        tuple(shape),
+        dtype,
+        fortran,
+        repr(file),
+        st.st_size - offset,
+        file,
+        offset,
+        None,
+        fd=fd,
+        dir_fd=top,
+        name=rel,
+        stamp=reader.stamp(st),
+      )
+
+
+def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
+  out = opened.stored
+  st = os.fstat(fd)
+  file_size = st.st_size
+  raw = open(fd, "rb", closefd=False)
+  try:
+    zf = zipfile.ZipFile(raw)
+  except (OSError, zipfile.BadZipFile) as err:
+    raw.close()
+    raise ValueError(
+      f"{api}: {path!r} is not a readable .npz file: {err}"
+    ) from None
+  with zf, raw:
+    for info in zf.infolist():
+      where = f"member {info.filename!r} of {path!r}"
+      try:
+        if info.filename == format.RECORD:
+          opened.record = zf.read(info)
+          continue
+        if not info.filename.endswith(".npy"):
+          continue
+        key = info.filename[:-4]
+        if (
+          info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1
+        ):
+          raw.seek(info.header_offset)
+          fields = _ZIP_LOCAL_HEADER.unpack(raw.read(_ZIP_LOCAL_HEADER.size))
+          start = (
+            info.header_offset
+            + _ZIP_LOCAL_HEADER.size
+            + fields[-2]
+            + fields[-1]
+          )
+          raw.seek(start)
+          shape, fortran, dtype = reader.read_header(raw)
+          offset = raw.tell()
+          raw.seek(start)
+          header_crc = zlib.crc32(raw.read(offset - start))
+          # The member's data ends where the archive says it does, and never past the file.
+          end = min(
+            start + info.file_size, start + info.compress_size, file_size
+          )
+          data_bytes = end - offset
+          member = None
+        else:  # compressed members are inflated when their batch comes
+          with zf.open(info) as f:
+            shape, fortran, dtype = reader.read_header(f)
+            data_bytes = info.file_size - f.tell()
+          offset, member, header_crc = 0, info.filename, 0
+      except (
+        OSError,
+        ValueError,
+        EOFError,
+        struct.error,
+        zipfile.BadZipFile,
+        zlib.error,
+      ) as err:
+        raise ValueError(
+          f"{api}: {where} is not a readable .npy: {err}"
+        ) from None
+      if dtype.hasobject:
+        raise ValueError(f"{api}: {where} holds Python objects")
+      out[key] = reader.Stored(
+        tuple(shape),
+        dtype,
+        fortran,
+        where,
+        data_bytes,
+        path,
+        offset,
+        member,
+        fd=fd,
+        stamp=reader.stamp(st),
+        zip_crc=info.CRC if member is None else None,
+        header_crc=header_crc,
+      )
+
+
+def _dtype_text(dtype: np.dtype) -> str:
+  return dtype.name if dtype.isnative else dtype.str
+
+
+def _check_leaf(
+  api: str,
+  path: str,
+  where: str,
+  key: str,
+  s: reader.Stored,
+  shape: tuple[int, ...],
+) -> None:
+  """Shape, dtype and data extent of one stored array against its target
+  leaf (a dtype other than the stored one is a cast, see load)."""
+  if s.exact is None and s.dtype.kind == "V" and s.dtype.fields is None:
+    raise ValueError(
+      f"{api}: the leaf at {where} (key {key!r}) is stored in {s.where} as raw "
+      f"{s.dtype.itemsize}-byte values with no dtype record, so its type is unknown (several "
+      f"types are {s.dtype.itemsize} bytes wide); write the checkpoint with "
+      "jaxworks.batched_transfer.save, which records exact dtype names"
+    )
+  if s.shape != shape:
+    raise ValueError(
+      f"{api}: the leaf at {where} (key {key!r}) is stored in {s.where} as "
+      f"{_dtype_text(s.value_dtype)}{list(s.shape)} but the target expects "
+      f"shape {list(shape)}; restore into a target of the stored shape "
+      "(bt.metadata(path) lists them)"
+    )
+  if s.data_bytes != s.nbytes:
+    raise ValueError(
+      f"{api}: the leaf at {where} (key {key!r}): {s.where} holds {s.data_bytes} bytes of "
+      f"data but its header ({_dtype_text(s.value_dtype)}{list(s.shape)}) needs {s.nbytes}; the file "
+      "is truncated or damaged. Nothing was placed"
+    )
+
+
+def restore_arrays(
+  api: str,
+  opened: Opened,
+  keys: list[str],
+  paths: list[str],
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+  places: list[Any],
+  max_inflight_bytes: int,
+  read_threads: int,
+  progress: bool | None,
+  verify: bool,
+) -> list[Any]:
+  """The arrays of ``keys`` (restore sorted the target), validated, then
+  read and placed; the placed arrays in order."""
+  stored = opened.stored
+  normalized: dict[int, Any] = {}
+  for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
+    _check_leaf(api, opened.path, where, key, stored[key], want_shape)
+    if id(p) not in normalized:
+      normalized[id(p)] = targets.restore_target(api, p, where)
+    sharding = normalized[id(p)][0]
+    if sharding is not None:
+      try:
+        sharding.shard_shape(want_shape)
+      except Exception as err:  # the sharding's own message says why
+        raise placement_error(
+          err,
+          sharding,
+          want_shape,
+          f"{api}: the leaf at {where} with shape {want_shape} cannot be "
+          f"placed on {sharding}: {err}",
+        ) from None
+  files = reader.Files(read_threads, verify)
+  casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
+
+  def read(batch: list[int]) -> list[np.ndarray]:
+    out = []
+    for i in batch:
+      a = reader.load(api, paths[i], keys[i], stored[keys[i]], files)
+      cast = casts[i]
+      out.append(a if cast is None else astype(a, cast))
+    return out
+
+  def place_batch(batch: list[int], arrays: Any) -> Any:
+    return place(arrays, [places[i] for i in batch], private_host=True, api=api)
+
+  sizes = [stored[k].nbytes for k in keys]
+  try:
+    return prefetch.stream(
+      sizes, max_inflight_bytes, read, place_batch, progress
+    )
+  finally:
+    files.close()

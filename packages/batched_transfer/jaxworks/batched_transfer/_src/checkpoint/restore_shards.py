@@ -1,0 +1,581 @@
+"""Restore of a checkpoint that several processes wrote: its manifest and
+shard files (their format: see format).
+
+``open_manifest`` opens the checkpoint directory once and reads
+``jaxworks_manifest.json`` relative to that descriptor (a regular file of at
+most ``MAX_MANIFEST_BYTES``, through the reader), then checks its schema
+(``format.parse_manifest``). ``Manifest.open_shard`` opens a shard file
+relative to the same directory descriptor (regular files only) and checks
+its .npy header against the manifest.
+
+``restore_arrays`` validates everything before anything is placed: every
+key, shape and dtype against the target, each placement, and the header of
+every shard file this process needs. Then, as for a checkpoint one process
+wrote, batches are read on a background thread ahead of the batch being
+placed (prefetch): for each array, the region each of this process's
+devices holds is read with ``preadv`` from the overlapping shard files
+(``read_tasks``, through the descriptors validated, by ``read_threads``
+threads) straight into a new aligned host buffer, so a checkpoint replaced
+at its path while restore runs is read whole as it was validated, or
+refused. The regions are placed with one batched transfer per array (on CPU
+a device takes its buffer over: no copy). A target with a layout (a
+``Format``) is relaid out on its devices afterwards, as device_put does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import concurrent.futures
+import dataclasses
+import math
+import os
+from typing import Any
+
+import jax
+from jax.experimental.layout import Format
+import numpy as np
+
+from .. import jax_internals
+from .. import targets
+from ..api import place
+from ..transfer import placement_error
+from . import checksum
+from . import format
+from . import prefetch
+from . import reader
+from .format import MANIFEST
+from .format import Bounds
+from .format import Entry
+from .format import Shard
+from .format import bounds
+from .keys import astype
+from .keys import cast_to
+
+#: Runs of fewer bytes are read as one block of whole rows and copied.
+SMALL_RUN = 256 * 2**10
+
+
+def open_manifest(api: str, path: str) -> Manifest | None:
+  """The opened manifest checkpoint at ``path``; None if ``path`` is not a
+  directory or holds no manifest (a checkpoint one process wrote)."""
+  try:
+    dir_fd = os.open(path, reader.DIR_FLAGS)
+  except OSError:
+    return None  # not a directory (or nothing): restore's other path says why
+  try:
+    data = reader.read_small(api, path, dir_fd, format.MANIFEST, "the manifest")
+    if data is None:
+      os.close(dir_fd)
+      return None
+    file = os.path.join(path, format.MANIFEST)
+    try:
+      arrays = format.parse_manifest(data)
+    except format.DAMAGED as err:
+      raise ValueError(
+        f"{api}: the manifest {file!r} is damaged ({type(err).__name__}: "
+        f"{err}); write the checkpoint again"
+      ) from None
+  except BaseException:
+    os.close(dir_fd)
+    raise
+  return Manifest(api, path, dir_fd, arrays)
+
+
+class Manifest:
+  """An opened manifest checkpoint: the directory descriptor, the arrays, and
+  the shard files opened and validated so far; ``close()`` closes them."""
+
+  def __init__(
+    self, api: str, path: str, dir_fd: int, arrays: dict[str, Entry]
+  ) -> None:
+    self.api, self.path, self.dir_fd, self.arrays = api, path, dir_fd, arrays
+    self.stored: dict[str, reader.Stored] = {}
+    self._held = 0
+    self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
+
+  def close(self) -> None:
+    for s in self.stored.values():
+      if s.fd >= 0:
+        os.close(s.fd)
+        s.fd = -1
+    if self.dir_fd >= 0:
+      os.close(self.dir_fd)
+      self.dir_fd = -1
+
+  def __enter__(self) -> Manifest:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def contents(
+    self,
+  ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
+    """(key -> (shape, dtype) of every array, the checkpoint's record, read
+    relative to the directory and checked against the manifest's dtypes; an
+    empty one where there is none)."""
+    arrays = {k: (e.shape, e.dtype) for k, e in self.arrays.items()}
+    data = reader.read_small(
+      self.api, self.path, self.dir_fd, format.RECORD, "the record"
+    )
+    if data is None:
+      return arrays, format.Record()
+    where = f"the record {format.RECORD!r} of {self.path!r}"
+    record = format.decode_record(self.api, where, data)
+    for key, name in record.dtypes.items():
+      entry = self.arrays.get(key)
+      if (
+        entry is not None
+        and format.exact_dtype(self.api, where, key, name) != entry.dtype
+      ):
+        raise ValueError(
+          f"{self.api}: {where} says {name} for {key!r} but the manifest "
+          f"says {entry.dtype.name}; the checkpoint is damaged"
+        )
+    return arrays, record
+
+  def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
+    """The validated shard file (opened relative to the directory)."""
+    s = self.stored.get(shard.file)
+    if s is not None:
+      return s
+    api, file = self.api, os.path.join(self.path, shard.file)
+    try:
+      fd, st = reader.open_file(shard.file, self.dir_fd)
+    except (OSError, ValueError) as err:
+      raise ValueError(
+        f"{api}: the shard file {file!r} of {key!r} cannot be read: {err}; "
+        "restore reads regular files written by save"
+      ) from None
+    try:
+      try:
+        shape, fortran, dtype, offset = reader.read_npy_header(
+          fd, self._headers
+        )
+      except (OSError, ValueError, EOFError) as err:
+        raise ValueError(
+          f"{api}: the shard file {file!r} of {key!r} is not a readable .npy "
+          f"file: {err}"
+        ) from None
+      s = reader.Stored(
+        tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
+        offset, None, fd=fd, dir_fd=self.dir_fd, name=shard.file,
+        stamp=reader.stamp(st),
+        sums=None if shard.crc32c is None else list(shard.crc32c),
+      )  # fmt: skip
+      header = dtype.newbyteorder("=")
+      bad = ""
+      if s.shape != shard.shape:
+        bad = f"holds {list(s.shape)}, the manifest says {list(shard.shape)}"
+      elif dtype.itemsize != entry.dtype.itemsize or not (
+        (dtype.kind == "V" and dtype.fields is None)
+        or (dtype.isnative and header == entry.dtype)
+      ):
+        bad = f"holds {dtype.str}, the manifest says {entry.dtype.name}"
+      elif s.data_bytes != math.prod(s.shape) * dtype.itemsize:
+        bad = (
+          f"holds {s.data_bytes} bytes of data but its header needs "
+          f"{s.nbytes}; it is truncated or damaged"
+        )
+      if bad:
+        raise ValueError(
+          f"{api}: the shard file {file!r} of {key!r} {bad}. Nothing was placed"
+        )
+    except BaseException:
+      os.close(fd)
+      raise
+    if self._held < reader.HELD_FILES:
+      self._held += 1
+    else:  # opened again, relative to the directory, when read
+      os.close(fd)
+      s.fd = -1
+    self.stored[shard.file] = s
+    return s
+
+  def pieces(
+    self, key: str, entry: Entry, want: Bounds
+  ) -> list[tuple[reader.Stored, Shard]]:
+    """The validated shard files overlapping the region ``want`` of ``key``
+    (ValueError if they do not cover it)."""
+    out, covered = [], 0
+    for shard in entry.overlapping(want):
+      inter = format.intersect(shard, want)
+      if inter is None:
+        continue
+      out.append((self.open_shard(key, entry, shard), shard))
+      covered += math.prod(b - a for a, b in inter)
+    if covered != math.prod(hi - lo for lo, hi in want):
+      raise ValueError(
+        f"{self.api}: the shards of {key!r} in the manifest of {self.path!r} "
+        f"do not tile the array (region {list(want)}); the checkpoint is damaged"
+      )
+    return out
+
+
+def read_tasks(
+  pieces: list[tuple[reader.Stored, Shard]],
+  want: Bounds,
+  out: np.ndarray,
+  fds: dict[str, int],
+  chunk: int,
+  verified: set[tuple[str, int]] | None = None,
+) -> list[Callable[[], None]]:
+  """Calls that together read the region ``want`` into ``out`` (C order, of
+  the region's shape) from the shard files, through ``fds`` (by file name).
+
+  With ``verified`` (a set), a call that reads one whole checksum chunk of
+  a file checks it, and ``(file name, chunk)`` is added to the set."""
+  itemsize = out.dtype.itemsize
+  dst = out.reshape(-1).view(np.uint8) if out.size else None
+  tasks: list[Callable[[], None]] = []
+  if dst is None:
+    return tasks
+  dshape = tuple(hi - lo for lo, hi in want) + (itemsize,)
+  for s, shard in pieces:
+    inter = format.intersect(shard, want)
+    if inter is None:
+      continue
+    sshape = shard.shape + (itemsize,)
+    lo = tuple(a - st for (a, _), st in zip(inter, shard.start)) + (0,)
+    ext = tuple(b - a for a, b in inter) + (itemsize,)
+    dlo = tuple(a - w0 for (a, _), (w0, _) in zip(inter, want)) + (0,)
+    name = s.name
+    if s.fortran or (
+      len(ext) > 1 and _tail_bytes(ext, sshape, dshape) < SMALL_RUN
+    ):
+      tasks.append(_block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst))
+      continue
+    k = _tail_dim(ext, sshape, dshape)
+    run = math.prod(ext[k:])
+    sstr, dstr = _strides(sshape), _strides(dshape)
+    for lead in np.ndindex(*ext[:k]):
+      src_off = sum((lo[i] + t) * sstr[i] for i, t in enumerate(lead))
+      dst_off = sum((dlo[i] + t) * dstr[i] for i, t in enumerate(lead))
+      src_off += lo[k] * sstr[k]
+      dst_off += dlo[k] * dstr[k]
+      for a in range(0, run, chunk):
+        n = min(chunk, run - a)
+        at = src_off + a  # in the file's data
+        whole = (
+          verified is not None
+          and s.sums is not None
+          and at % checksum.CHUNK == 0
+          and n == min(checksum.CHUNK, s.nbytes - at)
+        )
+        if whole and verified is not None:
+          verified.add((name, at // checksum.CHUNK))
+        tasks.append(
+          _run_task(
+            fds,
+            s,
+            s.offset + at,
+            dst[dst_off + a : dst_off + a + n],
+            at // checksum.CHUNK if whole else None,
+          )
+        )
+  return tasks
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+  return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+
+
+def _tail_dim(ext: tuple, sshape: tuple, dshape: tuple) -> int:
+  """The first dimension from which one copy is contiguous in both arrays."""
+  k = len(ext) - 1
+  while k > 0 and ext[k] == sshape[k] == dshape[k]:
+    k -= 1
+  return k
+
+
+def _tail_bytes(ext: tuple, sshape: tuple, dshape: tuple) -> int:
+  return math.prod(ext[_tail_dim(ext, sshape, dshape) :])
+
+
+def _run_task(
+  fds: dict[str, int],
+  s: reader.Stored,
+  offset: int,
+  view: np.ndarray,
+  chunk: int | None = None,
+) -> Callable[[], None]:
+  """Reads ``view.size`` bytes at ``offset``; checks them as checksum chunk
+  ``chunk`` of the file (None: no check)."""
+
+  def task() -> None:
+    try:
+      sums = None if chunk is None else s.sums
+      reader.read_checked(
+        fds[s.name], view.data, offset, 0, view.size, sums, chunk
+      )
+    except (OSError, EOFError, ValueError) as err:
+      raise ValueError(f"{s.where} failed: {err}") from None
+
+  return task
+
+
+def verify_tasks(
+  used: dict[str, reader.Stored],
+  fds: dict[str, int],
+  verified: set[tuple[str, int]],
+) -> list[Callable[[], None]]:
+  """Calls that check the checksum chunks of the files in ``used`` that no
+  read call checked (regions that cut through a chunk): each reads its
+  chunk into a scratch buffer."""
+  tasks: list[Callable[[], None]] = []
+  for name, s in used.items():
+    if s.sums is None:
+      continue
+    for k, at in enumerate(range(0, s.nbytes, checksum.CHUNK)):
+      if (name, k) not in verified:
+        n = min(checksum.CHUNK, s.nbytes - at)
+        tasks.append(_run_task(fds, s, s.offset + at, np.empty(n, np.uint8), k))
+  return tasks
+
+
+def _block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst):
+  """Reads whole rows of the shard (all of a Fortran-ordered one) and copies
+  the region's part: for regions whose contiguous runs are small."""
+
+  def task() -> None:
+    if s.fortran:
+      rows, first = sshape[0], 0
+    else:
+      rows, first = ext[0], lo[0]
+    block = np.empty(math.prod(sshape[1:]) * rows, np.uint8)
+    start = first * math.prod(sshape[1:])
+    try:
+      reader.read_range(fds[name], block.data, s.offset + start, 0, block.size)
+    except (OSError, EOFError) as err:
+      raise ValueError(f"{s.where} failed: {err}") from None
+    if s.fortran:  # the bytes of each element stay together
+      n = len(sshape) - 1
+      src = block.reshape(sshape[:-1][::-1] + sshape[-1:]).transpose(
+        list(range(n - 1, -1, -1)) + [n]
+      )
+      src = src[tuple(slice(a, a + n) for a, n in zip(lo, ext))]
+    else:
+      src = block.reshape((rows,) + sshape[1:])
+      src = src[
+        (slice(None),) + tuple(slice(a, a + n) for a, n in zip(lo[1:], ext[1:]))
+      ]
+    region = dst.reshape(dshape)
+    region[tuple(slice(a, a + n) for a, n in zip(dlo, ext))] = src
+
+  return task
+
+
+@dataclasses.dataclass
+class _Leaf:
+  key: str
+  entry: Entry
+  sharding: Any
+  layout: Any
+  aval: Any
+  committed: bool
+  devices: list[Any]
+  regions: list[Bounds]  # per device
+  pieces: dict[Bounds, list]  # per distinct region: (Stored, Shard)
+  cast: np.dtype | None = None  # the target's dtype, where it differs
+
+  @property
+  def nbytes(self) -> int:
+    size = self.entry.dtype.itemsize
+    return sum(math.prod(b - a for a, b in r) * size for r in self.pieces)
+
+
+def restore_arrays(
+  api: str,
+  opened: Manifest,
+  keys: list[str],
+  paths: list[str],
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+  places: list[Any],
+  max_inflight_bytes: int,
+  read_threads: int,
+  progress: bool | None,
+  verify: bool,
+) -> list[Any]:
+  """The arrays of ``keys`` (restore sorted the target), validated, then
+  read (ahead, on a background thread) and placed; the arrays in order."""
+  plan = _plan(api, opened, keys, paths, specs, places)
+  memory = reader.HostMemory()
+  pool = concurrent.futures.ThreadPoolExecutor(
+    read_threads, thread_name_prefix=reader.READ_THREAD_PREFIX
+  )
+
+  def read(batch: list[int]) -> list[dict[Bounds, np.ndarray]]:
+    return _read(api, opened, [plan[i] for i in batch], memory, pool, verify)
+
+  def place_batch(batch: list[int], regions: Any) -> Any:
+    return (_put(api, plan[i], bufs) for i, bufs in zip(batch, regions))
+
+  sizes = [leaf.nbytes for leaf in plan]
+  try:
+    return prefetch.stream(
+      sizes, max_inflight_bytes, read, place_batch, progress
+    )
+  finally:
+    pool.shutdown(wait=True)
+
+
+def _plan(
+  api: str,
+  opened: Manifest,
+  keys: list[str],
+  paths: list[str],
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+  places: list[Any],
+) -> list[_Leaf]:
+  """Checks shapes, placements and shard files; what to read."""
+  path, arrays = opened.path, opened.arrays
+  normalized: dict[int, Any] = {}
+  plan = []
+  for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
+    entry = arrays[key]
+    stored = entry.dtype
+    if entry.shape != shape:
+      raise ValueError(
+        f"{api}: the leaf at {where} (key {key!r}) is stored in the "
+        f"checkpoint {path!r} (its manifest {MANIFEST!r}) as "
+        f"{stored.name}{list(entry.shape)} but the target expects shape "
+        f"{list(shape)}; restore into a target of the stored shape "
+        "(bt.metadata(path) lists them)"
+      )
+    cast = cast_to(stored, dtype)
+    if id(p) not in normalized:
+      normalized[id(p)] = targets.restore_target(api, p, where)
+    sharding, layout, committed = normalized[id(p)]
+    if sharding is None:
+      sharding = targets.single_device_sharding(jax_internals.default_device())
+    try:
+      sharding.shard_shape(shape)
+      index_map = sharding.addressable_devices_indices_map(shape)
+    except Exception as err:  # the sharding's own message says why
+      raise placement_error(
+        err,
+        sharding,
+        shape,
+        f"{api}: the leaf at {where} with shape {shape} cannot be placed on "
+        f"{sharding}: {err}",
+      ) from None
+    aval = jax_internals.ShapedArray(
+      shape, jax.dtypes.canonicalize_dtype(stored if cast is None else cast)
+    )
+    if committed:
+      aval = jax_internals.device_put_aval(aval, sharding)
+    regions = [bounds(idx, shape) for idx in index_map.values()]
+    pieces = {r: opened.pieces(key, entry, r) for r in dict.fromkeys(regions)}
+    plan.append(_Leaf(
+      key, entry, sharding, layout, aval, committed, list(index_map), regions,
+      pieces, cast,
+    ))  # fmt: skip
+  return plan
+
+
+def _read(
+  api: str,
+  opened: Manifest,
+  leaves: list[_Leaf],
+  memory: reader.HostMemory,
+  pool: concurrent.futures.ThreadPoolExecutor,
+  verify: bool = True,
+) -> list[dict[Bounds, np.ndarray]]:
+  """The distinct regions of ``leaves``, each in a new aligned buffer."""
+  used = {
+    s.name: s for leaf in leaves for p in leaf.pieces.values() for s, _ in p
+  }
+  fds: dict[str, int] = {}
+  try:
+    for name, s in used.items():
+      fd = s.fd
+      if fd < 0:  # closed after validation: the same file must be there
+        fd = _reopen(api, s)
+      fds[name] = fd
+    out, tasks = [], []
+    verified: set[tuple[str, int]] | None = set() if verify else None
+    for leaf in leaves:
+      bufs = _buffers(memory, leaf)
+      for want, pieces in leaf.pieces.items():
+        tasks += read_tasks(
+          pieces, want, bufs[want], fds, reader.CHUNK, verified
+        )
+      out.append(bufs)
+    if verified is not None:  # chunks that no read covered whole
+      tasks += verify_tasks(used, fds, verified)
+    futures = [pool.submit(t) for t in tasks]
+    concurrent.futures.wait(futures)  # every read ends before fds close
+    try:
+      for f in futures:
+        f.result()
+    except (OSError, ValueError, EOFError) as err:
+      raise ValueError(
+        f"{api}: reading {err}; the file changed or is damaged since restore "
+        "validated it"
+      ) from None
+    for name, s in used.items():
+      if reader.stamp(os.fstat(fds[name])) != s.stamp:
+        raise ValueError(
+          f"{api}: {s.where} was modified while restore read it; restore again"
+        )
+  finally:
+    for name, fd in fds.items():
+      if fd != used[name].fd:
+        os.close(fd)
+  return out
+
+
+def _buffers(memory: reader.HostMemory, leaf: _Leaf) -> dict[Bounds, Any]:
+  """A new aligned buffer per distinct region of ``leaf``: parts of one map
+  of their own for an array of ``OWN_MAP`` bytes or more (huge pages for the
+  whole array, however small its regions), else from ``memory``'s slabs."""
+  dtype = leaf.entry.dtype
+  shapes = {r: tuple(b - a for a, b in r) for r in leaf.pieces}
+  sizes = {r: math.prod(x) * dtype.itemsize for r, x in shapes.items()}
+  total = sum(n + (-n % reader.ALIGN) for n in sizes.values())
+  if len(shapes) == 1 or total < reader.OWN_MAP:
+    return {r: memory.empty(x, dtype)[0] for r, x in shapes.items()}
+  buf, offset, out = reader.anonymous_map(total), 0, {}
+  for r, x in shapes.items():
+    out[r] = np.ndarray(x, dtype, buffer=buf, offset=offset)
+    offset += sizes[r] + (-sizes[r] % reader.ALIGN)
+  return out
+
+
+def _reopen(api: str, s: reader.Stored) -> int:
+  try:
+    fd, st = reader.open_file(s.name, s.dir_fd)
+  except (OSError, ValueError) as err:
+    raise ValueError(f"{api}: {s.where} cannot be read: {err}") from None
+  if reader.stamp(st) != s.stamp:
+    os.close(fd)
+    raise ValueError(
+      f"{api}: {s.where} was replaced after restore validated it; restore again"
+    )
+  return fd
+
+
+def _put(api: str, leaf: _Leaf, bufs: dict[Bounds, np.ndarray]) -> Any:
+  """One array from its regions (a device may take its buffer over)."""
+  put = jax_internals.batched_device_put
+  if leaf.cast is not None:
+    bufs = {r: astype(b, leaf.cast) for r, b in bufs.items()}
+  shards = [bufs[r] for r in leaf.regions]
+  devices = leaf.devices
+  with jax_internals.explicit_device_put_scope():
+    if len(bufs) < len(shards) or 0 in leaf.aval.shape:
+      # A region several devices hold: each gets a copy of its own (a buffer
+      # backing two shards would let a donation on one change the other).
+      memory_kind = leaf.sharding.memory_kind
+      shards = [
+        put(
+          jax_internals.ShapedArray(x.shape, leaf.aval.dtype),
+          jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind),
+          [x], [d], True, True,
+        )
+        for x, d in zip(shards, devices)
+      ]  # fmt: skip
+    y = put(leaf.aval, leaf.sharding, shards, devices, leaf.committed, False)
+  if leaf.layout is not None:
+    y = place(y, Format(leaf.layout, leaf.sharding), donate=True, api=api)
+  return y

@@ -1,0 +1,164 @@
+"""A restore target sorted against a checkpoint's arrays and record.
+
+``Target`` splits a target tree into the arrays to read and the leaves the
+record stores by value (``str`` and None), or, without a target, builds one
+from the checkpoint's record (``as_saved``, which ``metadata`` also
+returns); ``target_spec`` is the shape, dtype and weak type a target leaf
+asks for, and ``placement_of`` where it goes. Both restore paths
+(restore_files, restore_shards) place what ``Target`` picks.
+
+>>> import numpy as np
+>>> r = format.Record(values={"run": "exp-42"},
+...                   tree=[("run", "d"), ("w", "d")])
+>>> as_saved({"w": ((2,), np.dtype(np.float32))}, r)
+{'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2,), dtype=float32)}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.experimental.layout import Format
+import numpy as np
+
+from .. import jax_internals
+from . import format
+from .keys import ROOT_KEY
+from .keys import check_keys
+from .keys import leaf_keys
+from .keys import python_scalar_dtype
+
+
+def placement_of(leaf: Any) -> Any:
+  """Where a target leaf goes: its format (with a layout) or sharding."""
+  fmt = getattr(leaf, "format", None)
+  if isinstance(fmt, Format) and fmt.sharding is not None:
+    return fmt if fmt.layout is not None else fmt.sharding
+  return getattr(leaf, "sharding", None)
+
+
+def target_spec(
+  api: str, where: str, x: Any
+) -> tuple[tuple[int, ...], np.dtype, bool]:
+  """(shape, dtype, weak_type) a target leaf asks for."""
+  scalar_dtype = python_scalar_dtype(x)
+  # As jax.device_put places a Python scalar (a bool strongly typed), and as
+  # save stores it.
+  if scalar_dtype is not None:
+    return (), scalar_dtype, not isinstance(x, bool)
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  try:
+    if shape is None:
+      raise TypeError("no shape")
+    shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+      f"{api}: the target leaf at {where} is {x!r:.80} of type {type(x).__name__}, which has no "
+      "shape and dtype; use jax.ShapeDtypeStruct, an array or a Python scalar "
+      "(jax.eval_shape(init_fn) gives such a tree; a str target leaf stands "
+      "for a str leaf that save stored, and this one is an array)"
+    ) from None
+  return shape, dtype, bool(getattr(x, "weak_type", False))
+
+
+class Target:
+  """A restore target's leaves sorted against a checkpoint: the arrays to
+  read (indices into the flat target), the leaves stored by value (``str``
+  and None), and, without a target, one built from the checkpoint's record
+  (arrays as saved; Python scalars back as their type)."""
+
+  def __init__(
+    self,
+    api: str,
+    path: str,
+    target: Any,
+    arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
+    record: format.Record,
+    partial: bool,
+  ) -> None:
+    self.python: dict[int, type] = {}
+    built = target is None
+    if built:
+      target = as_saved(arrays, record)
+    keys, paths, leaves, self.treedef = leaf_keys(api, target)
+    self.target, self.keys, self.paths, self.leaves = (
+      target,
+      keys,
+      paths,
+      leaves,
+    )
+    stored = set(arrays) | {
+      k for k, v in record.values.items() if v is not None
+    }
+    check_keys(api, path, keys, paths, stored, partial and not built)
+    self.values: dict[int, str] = {}
+    self.arrays: list[int] = []
+    for i, (key, where, x) in enumerate(zip(keys, paths, leaves)):
+      if key in record.values:
+        if not isinstance(x, str):
+          raise ValueError(
+            f"{api}: the leaf at {where} (key {key!r}) is stored in {path!r} "
+            f"as the str {record.values[key]!r:.40} but the target expects "
+            f"{_describe(x)}; put a str in the target there"
+          )
+        self.values[i] = record.values[key]  # type: ignore[assignment]
+        continue
+      if built and key in record.python:
+        self.python[i] = format.PYTHON_TYPES[record.python[key]]
+      self.arrays.append(i)
+
+  def pick(self, items: list[Any]) -> list[Any]:
+    """``items`` (one per target leaf) of the array leaves."""
+    return [items[i] for i in self.arrays]
+
+  def finish(self, placed: list[Any]) -> Any:
+    """The restored tree from the placed arrays (in ``arrays`` order)."""
+    out: list[Any] = [None] * len(self.leaves)
+    for i, value in self.values.items():
+      out[i] = value
+    for i, y in zip(self.arrays, placed):
+      t = self.python.get(i)
+      out[i] = y if t is None else t(np.asarray(y).item())
+    return self.treedef.unflatten(out)
+
+
+def _describe(x: Any) -> str:
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  if shape is not None and dtype is not None:
+    return f"an array {np.dtype(dtype).name}{list(shape)}"
+  return f"{x!r:.40}"
+
+
+def as_saved(
+  arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
+  record: format.Record,
+  with_shardings: bool = False,
+) -> Any:
+  """The tree a checkpoint holds, with a jax.ShapeDtypeStruct per array
+  (restore without a target, and ``metadata``, which also gives each the
+  sharding it was saved with, where this job has its devices)."""
+  tree = record.tree
+  if tree is None:  # written before the record had it: dicts by key
+    keys = sorted(set(arrays) | set(record.values))
+    if keys == [ROOT_KEY]:
+      tree = [(ROOT_KEY, "")]
+    else:
+      tree = [(k, "d" * len(k.split("/"))) for k in keys]
+
+  def leaf(key: str) -> Any:
+    if key in record.values:
+      return record.values[key]
+    shape, dtype = arrays[key]
+    desc = record.shardings.get(key) if with_shardings else None
+    sharding = None if desc is None else format.rebuild_sharding(desc)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  return format.rebuild_tree(tree, leaf)
+
+
+def weak(y: Any) -> Any:
+  """``y`` with a weak type (as jax.device_put gives a Python scalar), sharing its buffer."""
+  return jax_internals.committed_array(
+    y, y.aval.update(weak_type=True), y.sharding, committed=y.committed
+  )
