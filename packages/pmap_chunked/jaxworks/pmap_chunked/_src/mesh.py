@@ -36,25 +36,18 @@ def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
   )
 
 
-def _backend_devices(backend: str | None) -> list:
+def process_devices(backend: str | None = None) -> tuple:
+  """All devices (of ``backend``), those of process 0 first, then 1, ... ."""
   try:
-    return _devices(backend)
+    devices = _devices(backend)
   except RuntimeError as e:
     raise RuntimeError(
       f"{API}: backend={backend!r} has no devices here ({e}); pass "
       "backend=None for the default backend, or one of the available "
       "ones."
     ) from None
-
-
-def process_devices(backend: str | None = None) -> tuple:
-  """All devices (of ``backend``), those of process 0 first, then 1, ... ."""
-  if jax.process_count() == 1:
-    return tuple(_backend_devices(backend))
-  by_process: dict[int, list] = {}
-  for d in _backend_devices(backend):
-    by_process.setdefault(d.process_index, []).append(d)
-  return tuple(d for p in sorted(by_process) for d in by_process[p])
+  # A stable sort: each process's devices keep their order.
+  return tuple(sorted(devices, key=lambda d: d.process_index))
 
 
 def select_devices(
@@ -138,7 +131,3 @@ def frames() -> list[Frame]:
   if stack is None:
     stack = _state.frames = []
   return stack
-
-
-def bound_axis_sizes() -> dict:
-  return {f.axis_name: f.size for f in frames()}

@@ -1,7 +1,5 @@
 """pmap built as jit(shard_map(body)) over a mesh of the devices.
 
-The mechanism, in one place:
-
 1. A call flattens its arguments, finds each leaf's mapped axis (in_axes) and
    the mapped size n, and picks n devices.
 2. A cache entry per (argument structure, axes, n, static arguments) holds a
@@ -16,11 +14,9 @@ The mechanism, in one place:
    copy); the others move in one batched transfer. Outputs are global arrays
    with NamedShardings, so they feed jax.jit or this pmap again without a copy.
 
-A :class:`Pmapped` is made of parts with one job each: an
-``arguments.Arguments`` reads a call's arguments (step 1), a
-``programs.Programs`` builds an entry and its per-device body (steps 2 and
-3), and the ``Pmapped`` itself holds the table of entries, dispatches a call
-to one (step 4) and reports the counters.
+A :class:`Pmapped` has ``arguments.Arguments`` read a call's arguments (step
+1) and ``programs.Programs`` build an entry and its body (steps 2 and 3); it
+holds the table of entries itself, dispatches a call (step 4) and counts.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ from .programs import Programs
 # outputs of one anonymous pmap have exactly the input sharding of another).
 ANONYMOUS_AXIS = "_pmap_axis"
 
-# Default bound on one pmapped function's program table (LRU), as for
-# jaxworks.jit_cache.jit's per-function trace entries.
+# Default bound on one pmapped function's program table (LRU).
 DEFAULT_MAXSIZE = 256
 
 #: The cache-info type of jit_cache, one for both packages.
@@ -87,7 +82,7 @@ def _is_tracer(x: Any) -> bool:
 
 
 class _PmapTraced(jit_cache.Traced):
-  """``Pmapped.trace``'s result: a ``jaxworks.jit_cache.Traced`` that JAX's
+  """``Pmapped.trace``'s result: a ``jaxworks.stages_aot.Traced`` that JAX's
   own exporters refuse, as they refuse ``jax.pmap``."""
 
   def lower(
@@ -129,7 +124,7 @@ class Pmapped:
   """A function mapped over devices by :func:`jaxworks.pmap_chunked.pmap`.
 
   Calling it runs the mapped function; ``lower`` and ``trace`` give the
-  ``jaxworks.jit_cache`` stages of the program a call would run, and
+  ``jaxworks.stages_aot`` stages of the program a call would run, and
   ``cache_info()`` reports this function's cache counters.
   """
 
@@ -165,8 +160,6 @@ class Pmapped:
     _check_options(axis_name, axis_size, chunked, maxsize, backend)
     in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
     out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
-    # The parts, each with one job: reading a call's arguments, building a
-    # program, and (here) the table of built programs and the dispatch.
     self._args = Arguments(
       fun,
       in_axes,
@@ -216,17 +209,18 @@ class Pmapped:
   def lower(self, *args, **kwargs) -> jit_cache.Lowered:
     """Lowers the program a call with these arguments would run.
 
-    Returns a ``jaxworks.jit_cache.Lowered`` (the one stage family: a
-    ``jax.stages.Lowered`` with ``fun_name``, ``jaxpr``, ``platforms``,
-    ``compile(platform=...)`` and ``export()``) whose ``args_info`` describes
-    the arguments as passed (arrays or ``jax.ShapeDtypeStruct``s), so its
-    ``compile()`` takes them as a call does.
+    Returns a ``jaxworks.stages_aot.Lowered`` (re-exported by
+    ``jaxworks.jit_cache``: a ``jax.stages.Lowered`` with ``fun_name``,
+    ``jaxpr``, ``platforms``, ``compile(platform=...)`` and ``export()``) whose
+    ``args_info`` describes the arguments as passed (arrays or
+    ``jax.ShapeDtypeStruct`` values), so its ``compile()`` takes them as a
+    call does.
     """
     return self._run("lower", args, kwargs)
 
   def trace(self, *args, **kwargs) -> jit_cache.Traced:
     """Traces the program a call with these arguments would run (a
-    ``jaxworks.jit_cache.Traced`` of the program over the flat argument
+    ``jaxworks.stages_aot.Traced`` of the program over the flat argument
     leaves)."""
     return self._run("trace", args, kwargs)
 
@@ -307,14 +301,9 @@ class Pmapped:
         )
         built = True
         continue
-      except deps.AxisNameError as err:
-        if str(err).startswith(API):  # already pmap's own diagnostic
-          raise
-        # jit_cache's (a top-level call of its jit): re-reported as pmap's.
-        self._programs.diagnose(
-          err, static_vals, treedef, in_axes, size, len(args), leaves, entry
-        )
-      except NameError as err:
+      except NameError as err:  # AxisNameError is one
+        if isinstance(err, deps.AxisNameError) and str(err).startswith(API):
+          raise  # already pmap's own diagnostic (jit_cache's is re-reported)
         self._programs.diagnose(
           err, static_vals, treedef, in_axes, size, len(args), leaves, entry
         )

@@ -58,17 +58,8 @@ def context_key() -> tuple:
 
 
 class Programs:
-  """Builds the programs of one pmapped function.
-
-  Args:
-    fun: the mapped function.
-    axis_name: the pmap's axis name (``ANONYMOUS_AXIS`` when none was given,
-      with ``anonymous`` True).
-    out_axes: the out_axes spec, already checked.
-    arguments: the function's :class:`~.arguments.Arguments` (static and
-      donated positions, devices).
-    backend, chunked: as ``pmap`` takes them.
-  """
+  """Builds the programs of one pmapped function (``axis_name`` is
+  ``ANONYMOUS_AXIS`` when ``anonymous``; ``out_axes`` is already checked)."""
 
   def __init__(
     self,
@@ -161,14 +152,10 @@ class Programs:
     donate_argnums = (
       self.arguments.donated_leaves(treedef, nargs) if donating else ()
     )
-    if nested or extra_axes:
-      # Inner axes of a nested pmap may shard the inputs too; let jit take
-      # each input's own layout instead of pinning the outer axis only.
-      jitted = deps.jit(program, donate_argnums=donate_argnums)
-    else:
-      jitted = deps.jit(
-        program, donate_argnums=donate_argnums, in_shardings=in_shardings
-      )
+    # Inner axes of a nested pmap may shard the inputs too; let jit take
+    # each input's own layout instead of pinning the outer axis only.
+    pinned = {} if nested or extra_axes else {"in_shardings": in_shardings}
+    jitted = deps.jit(program, donate_argnums=donate_argnums, **pinned)
     return Entry(
       mesh=mesh,
       axis_name=axis_name,
@@ -315,7 +302,7 @@ class Programs:
       if ax is not None:
         shape[ax] = 1
       local.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
-    bound = mesh_lib.bound_axis_sizes()
+    bound = {f.axis_name: f.size for f in mesh_lib.frames()}
     bound[entry.axis_name] = size
     bound.update(dict(entry.extra_axes))
     body = functools.partial(
@@ -345,25 +332,17 @@ class Programs:
 def abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
   """The ShapeDtypeStruct ``lower``/``trace`` stage for one argument leaf,
   with its weak type (a Python scalar stays weak, as in a call)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    if x.sharding is not None:
-      return x
-    return jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type
-    )
-  if (
-    not isinstance(x, (jax.Array, np.ndarray, np.generic))
-    and hasattr(x, "shape")
-    and hasattr(x, "dtype")
+  if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+    return x
+  # A ShapeDtypeStruct without a sharding, or an abstract value such as
+  # jax.core.ShapedArray (jax.pmap accepts those), is used as it is.
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)) or not (
+    hasattr(x, "shape") and hasattr(x, "dtype")
   ):
-    # An abstract value (e.g. jax.core.ShapedArray), as jax.pmap accepts.
-    return jax.ShapeDtypeStruct(
-      x.shape,
-      x.dtype,
-      sharding=sharding,
-      weak_type=getattr(x, "weak_type", False),
-    )
-  aval = _typeof(x)
+    x = _typeof(x)
   return jax.ShapeDtypeStruct(
-    aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
+    x.shape,
+    x.dtype,
+    sharding=sharding,
+    weak_type=getattr(x, "weak_type", False),
   )
