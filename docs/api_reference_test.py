@@ -208,18 +208,16 @@ def test_a_public_name_without_docstring_fails_the_build(
 
 
 _CORE = '''
-"""A planted package defining a class (with a private base) and a constant."""
+"""A planted package defining a class and a constant."""
 
 __all__ = ["Thing", "LIMITS"]
 
 
-class _Mixin:
-  def helper(self):
-    """A method of a private base: part of Thing's API."""
-
-
-class Thing(_Mixin):
+class Thing:
   """The planted class docstring."""
+
+  def helper(self):
+    """A documented method, listed with its class."""
 
 
 #: The planted constant comment.

@@ -263,7 +263,7 @@ class PublicApiDirective(SphinxDirective):
           location=self.get_location(),
           type="public_api",
         )
-      lines += self._entry(entry, documented)
+      lines += self._entry(entry)
     others = [e for e in found if e.owner != package]
     if others:
       lines += [
@@ -283,16 +283,14 @@ class PublicApiDirective(SphinxDirective):
         ]
     return self.parse_text_to_nodes("\n".join(lines))
 
-  def _entry(self, entry: Entry, documented: list[str]) -> list[str]:
+  def _entry(self, entry: Entry) -> list[str]:
     if entry.kind != "data":
       directive = {"class": "autoclass", "exception": "autoexception"}.get(
         entry.kind, "autofunction"
       )
       lines = [f".. {directive}:: {entry.full_name}"]
-      if entry.kind != "function":
-        if _shown_bases(entry.value, documented):
-          lines.append("   :show-inheritance:")
-        lines += _inherited_members(entry.value, documented)
+      if entry.kind != "function" and entry.value.__bases__ != (object,):
+        lines.append("   :show-inheritance:")
       return lines + [""]
     lines = [f".. py:data:: {entry.name}", f"   :module: {entry.package}"]
     if isinstance(entry.value, _PLAIN):
@@ -332,76 +330,32 @@ def _signature(entry: Entry) -> str:
 
 
 def _public_path(cls: type) -> str:
-  """Where a class of another library is public: ``jax.stages.Traced``.
+  """Where a class is public: ``jax.stages.Traced``, ``jaxworks.stages_aot.Lowered``.
 
-  Its module less a ``._src`` part where that module exports it under the
-  same name (jax defines its classes in ``jax._src``), else its module.
+  The first of its module less a ``._src`` part and the package above
+  ``._src`` that exports it under its name, else its module.
   """
   module = cls.__module__
-  public = module.replace("._src", "", 1).rsplit("._", 1)[0]
-  try:
-    if getattr(importlib.import_module(public), cls.__name__, None) is cls:
-      module = public
-  except ImportError:
-    pass
+  for public in (module.replace("._src", "", 1), module.split("._src")[0]):
+    try:
+      if getattr(importlib.import_module(public), cls.__name__, None) is cls:
+        return f"{public}.{cls.__qualname__}"
+    except ImportError:
+      pass
   return f"{module}.{cls.__qualname__}"
 
 
-@functools.lru_cache(maxsize=4)
-def _public_classes(documented: tuple[str, ...]) -> dict[type, str]:
-  """The classes of ``documented`` -> the names of their entries."""
-  return {
-    e.value: f"{e.owner}.{e.name}"
-    for p in documented
-    for e in entries(p, list(documented))
-    if e.kind in ("class", "exception")
-  }
-
-
-def _is_private(cls: type, documented: list[str]) -> bool:
-  """A class of the documented packages that none exports (a mixin)."""
-  module = getattr(cls, "__module__", "") or ""
-  inside = any(module == p or module.startswith(p + ".") for p in documented)
-  return inside and cls not in _public_classes(tuple(documented))
-
-
-def _inherited_members(cls: type, documented: list[str]) -> list[str]:
-  """The option documenting the members ``cls`` gets from private mixins.
-
-  Their members are the class's own API; those of public classes and of
-  other libraries are documented there (``inherited-members`` names the
-  classes whose members are left out).
-  """
-  mro = cls.__mro__[1:]
-  if not any(_is_private(c, documented) for c in mro):
-    return []
-  skip = sorted({c.__name__ for c in mro if not _is_private(c, documented)})
-  return [f"   :inherited-members: {', '.join(skip)}"]
-
-
-def _shown_bases(cls: type, documented: list[str]) -> list[Any]:
-  """The bases of ``cls`` as its entry names them.
-
-  ``object`` and private mixins (no documented package exports them) are
-  left out; a documented base links to its entry, another library's
-  is named in full (``jax.stages.Traced``), a builtin stays as it is.
-  """
-  public = _public_classes(tuple(documented))
-  shown: list[Any] = []
-  for base in getattr(cls, "__orig_bases__", None) or cls.__bases__:
-    if not inspect.isclass(base) or base.__module__ == "builtins":
-      if base is not object:
-        shown.append(base)
-    elif base in public:
-      shown.append(f":py:class:`~{public[base]}`")
-    elif not _is_private(base, documented):
-      shown.append(f":py:class:`{_public_path(base)}`")
-  return shown
-
-
 def _process_bases(app, name, obj, options, bases):
-  del name, options  # unused
-  bases[:] = _shown_bases(obj, list(app.config.public_api_packages))
+  """A class's bases as its entry names them: without ``object``, each by
+  its public path, so a jaxworks base links to its entry."""
+  del app, name, obj, options  # unused
+  bases[:] = [
+    f":py:class:`{_public_path(b)}`"
+    if inspect.isclass(b) and b.__module__ != "builtins"
+    else b
+    for b in bases
+    if b is not object
+  ]
 
 
 def setup(app: Sphinx) -> dict[str, Any]:

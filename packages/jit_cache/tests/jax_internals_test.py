@@ -21,19 +21,21 @@ import pytest
 from jaxworks.jit_cache._src import jax_internals as ji
 
 
+def _axis_env():
+  return ji.axis_env_in(ji.trace_context())
+
+
 def test_trace_context_and_the_axis_env():
   ctx = ji.trace_context()
-  env = ji.current_axis_env()
+  env = ji.axis_env_in(ctx)
   assert isinstance(ctx, tuple) and type(env).__name__ == "AxisEnv"
   assert len(ji.trace_context_names()) == len(ctx)
   names = ji.trace_context_names()
   assert [n for n, v in zip(names, ctx) if v is env] == ["axis_env_state"]
-  assert ji.current_axis_env() is env  # interned
-  assert ji.axis_env_in(ctx) is env
+  assert _axis_env() is env  # interned
+  assert ji.axis_env_in((1.0, "x")) is None
   seen = []
-  jax.vmap(lambda x: seen.append(ji.current_axis_env()) or x, axis_name="i")(
-    jnp.ones(3)
-  )
+  jax.vmap(lambda x: seen.append(_axis_env()) or x, axis_name="i")(jnp.ones(3))
   assert ji.axis_env_parts(seen[0])[0] == {"i": 3}
   prev = jax.config.jax_enable_x64
   jax.config.update("jax_enable_x64", not prev)
@@ -45,7 +47,7 @@ def test_trace_context_and_the_axis_env():
 
 def test_axis_env_helpers():
   with ji.extend_axis_env([("j", 2)]):
-    assert ji.axis_env_parts(ji.current_axis_env())[0] == {"j": 2}
+    assert ji.axis_env_parts(_axis_env())[0] == {"j": 2}
 
 
 def test_value_types_of_the_fingerprint():
@@ -64,7 +66,7 @@ def test_value_types_of_the_fingerprint():
   assert isinstance(eqns["jit"].params["in_shardings"][0], ji.UnspecifiedValue)
   assert isinstance(eqns["jit"].params["compiler_options_kvs"], tuple)
   with ji.extend_axis_env([("i", 1)]):
-    assert isinstance(ji.current_axis_env().axis_sizes, ji.FrozenDict)
+    assert isinstance(_axis_env().axis_sizes, ji.FrozenDict)
   assert ji.Layout is jax.experimental.layout.Layout
   assert ji.Format is jax.experimental.layout.Format
 
@@ -385,7 +387,8 @@ def test_dispatcher_takes_the_cpp_cache_object_in_context():
 
   from jaxworks.jit_cache import jit  # pylint: disable=g-import-not-at-top
 
-  with ji.jit_cpp_cache_obj(_jax.PjitFunctionCache(capacity=4)):
+  cache_obj = ji._config.jax_jit_cpp_cache_obj  # pylint: disable=protected-access
+  with cache_obj(_jax.PjitFunctionCache(capacity=4)):
     f = jit(lambda x: x * 2)
   g = jit(lambda x: x * 3)
   for i in range(5):

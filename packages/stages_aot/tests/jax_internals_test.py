@@ -82,12 +82,6 @@ def test_jax_extend_names_are_the_same_objects():
 # -- the stage family ------------------------------------------------------------
 
 
-def test_export_lowering_parameters_fields():
-  params = jax_internals.export_lowering_parameters()
-  assert params.for_export is True and params.hoist_constants_as_args is False
-  assert params.export_ignore_forward_compatibility is False
-
-
 def test_lower_for_export_and_its_platforms():
   traced = jax.jit(f).trace(SPEC)
   lowered = jax_internals.lower_for_export(traced, ("cpu", "tpu"))

@@ -56,29 +56,19 @@ if TYPE_CHECKING:
 # jaxworks.jit_cache`` costs little on top of ``import jax``; the first use
 # of any name (``jit_cache.jit``) imports the package's modules.
 _LAZY = {
-  "install": "_src.adopt",
-  "installed": "_src.adopt",
-  "is_installed": "_src.adopt",
-  "uninstall": "_src.adopt",
-  "JitFunction": "_src.api",
-  "clear_caches": "_src.api",
-  "eval_shape": "_src.api",
-  "jit": "_src.api",
-  "make_jaxpr": "_src.api",
-  "reset_stats": "_src.api",
-  "set_global_maxsize": "_src.api",
-  "stats": "_src.api",
-  "check_argnums": "_src.argnums",
-  "CacheInfo": "_src.cache",
-  "config": "_src.persistent",
-  "set_cache_dir": "_src.persistent",
-  # The stage family and platform names are jaxworks.stages_aot's.
-  "KNOWN_PLATFORMS": "_src.api",
-  "canonical_platforms": "_src.api",
-  "present_platforms": "_src.api",
-  "Compiled": "_src.api",
-  "Lowered": "_src.api",
-  "Traced": "_src.api",
+  name: "_src." + module
+  for module, names in (
+    ("adopt", ("install", "installed", "is_installed", "uninstall")),
+    ("api", ("JitFunction", "clear_caches", "eval_shape", "jit", "make_jaxpr")),
+    ("api", ("reset_stats", "set_global_maxsize", "stats")),
+    # The stage family and platform names are jaxworks.stages_aot's.
+    ("api", ("Compiled", "Lowered", "Traced", "KNOWN_PLATFORMS")),
+    ("api", ("canonical_platforms", "present_platforms")),
+    ("argnums", ("check_argnums",)),
+    ("cache", ("CacheInfo",)),
+    ("persistent", ("config", "set_cache_dir")),
+  )
+  for name in names
 }
 
 

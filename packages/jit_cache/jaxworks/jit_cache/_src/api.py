@@ -440,22 +440,6 @@ def _check_function(fun: Any, api: str) -> None:
     )
 
 
-def _implicit_jit(
-  fun: Callable, api: str, static_argnums: Any = None
-) -> JitFunction:
-  """The shared wrapper make_jaxpr uses for a plain function (a private one
-  for functions that are not weakly referenceable, which jax.make_jaxpr
-  accepts)."""
-  _check_function(fun, api)
-  wrapped = jit(fun, static_argnums=static_argnums)
-  if isinstance(wrapped._core, _Unusable):  # pylint: disable=protected-access
-    # Not weakly referenceable: a private core holding it (no sharing).
-    options = dict(_DEFAULT_OPTIONS, static_argnums=static_argnums)
-    core = _JitCore(fun, _argnums.fun_name(fun), _fun_state(fun), **options)
-    wrapped = JitFunction(fun, core, options)
-  return wrapped
-
-
 def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   """``jax.eval_shape`` through the trace cache of :func:`jit`.
 
@@ -493,7 +477,14 @@ def make_jaxpr(
   >>> make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)
   { lambda ; a:f32[]. let b:f32[] = sin a; c:f32[] = mul b 2.0:f32[] in (c,) }
   """
-  wrapped = _implicit_jit(fun, "make_jaxpr", static_argnums)
+  _check_function(fun, "make_jaxpr")
+  wrapped = jit(fun, static_argnums=static_argnums)
+  if isinstance(wrapped._core, _Unusable):  # pylint: disable=protected-access
+    # Not weakly referenceable (jax.make_jaxpr accepts it): a private core
+    # holding it (no sharing).
+    options = dict(_DEFAULT_OPTIONS, static_argnums=static_argnums)
+    core = _JitCore(fun, _argnums.fun_name(fun), _fun_state(fun), **options)
+    wrapped = JitFunction(fun, core, options)
 
   @functools.wraps(fun)
   def make_jaxpr_f(*args, **kwargs):

@@ -72,16 +72,12 @@ def name_tuple(value: Any, what: str) -> tuple[str, ...]:
   try:
     out = tuple(items)
   except TypeError:
+    out = None
+  if out is None or not all(isinstance(n, str) for n in out):
     raise TypeError(
       f"jaxworks.jit_cache.jit: {what} must be a str or a sequence of "
       f"str, got {value!r}"
-    ) from None
-  for n in out:
-    if not isinstance(n, str):
-      raise TypeError(
-        f"jaxworks.jit_cache.jit: {what} must be a str or a sequence of "
-        f"str, got {value!r}"
-      )
+    )
   return out
 
 

@@ -116,33 +116,15 @@ class Counters:
     self.owner: Any = None
 
   def reset(self) -> None:
-    self.hits = 0
-    self.misses = 0
-    self.evictions = 0
-    self.traces = 0
-    self.compiles = 0
-    self.executable_reuses = 0
-    self.time_saved_s = 0.0
-    self.persistent_hits = 0
-    self.persistent_misses = 0
-    self.persistent_load_s = 0.0
+    self.hits = self.misses = self.evictions = self.traces = 0
+    self.compiles = self.executable_reuses = 0
+    self.persistent_hits = self.persistent_misses = 0
+    self.time_saved_s = self.persistent_load_s = 0.0
 
   def snapshot(self, **extra: Any) -> CacheInfo:
-    return CacheInfo(
-      hits=self.hits,
-      misses=self.misses,
-      evictions=self.evictions,
-      traces=self.traces,
-      compiles=self.compiles,
-      executable_reuses=self.executable_reuses,
-      time_saved_s=self.time_saved_s,
-      **{
-        "persistent_hits": self.persistent_hits,
-        "persistent_misses": self.persistent_misses,
-        "persistent_load_s": self.persistent_load_s,
-        **extra,
-      },
-    )
+    """A ``CacheInfo`` of these counters, ``extra`` fields overriding them."""
+    counted = {n: getattr(self, n) for n in self.__slots__ if n != "owner"}
+    return CacheInfo(**(counted | extra))
 
 
 #: Process-wide totals (every function adds to these too).
@@ -254,7 +236,7 @@ class EntryLRU:
     for entry_ref, owner_ref in victims:
       entry, cache = entry_ref(), owner_ref()
       if entry is not None and cache is not None:
-        cache.evict(entry, from_global=True)
+        cache.evict(entry)
 
   def __len__(self) -> int:
     return len(self._order)
@@ -533,11 +515,6 @@ class FunctionCache:
       if len(entry.sigs) > ALIASES_PER_ENTRY:
         self.by_sig.pop(entry.sigs.pop(0), None)
 
-  def _remove(self, entry: Entry) -> None:
-    if self.by_key.peek(entry.key) is entry:
-      self.by_key.pop(entry.key)
-    self._remove_sigs(entry)
-
   def _remove_sigs(self, entry: Entry) -> None:
     for sig in entry.sigs:
       if self.by_sig.get(sig) is entry:
@@ -547,14 +524,15 @@ class FunctionCache:
     self.counters.evictions += 1
     GLOBAL_COUNTERS.evictions += 1
 
-  def evict(self, entry: Entry, from_global: bool = False) -> None:
+  def evict(self, entry: Entry) -> None:
+    """Drops ``entry``, which the process-wide bound evicted."""
     with self.lock:
       present = self.by_key.peek(entry.key) is entry
-      self._remove(entry)
+      if present:
+        self.by_key.pop(entry.key)
+      self._remove_sigs(entry)
     if present:
       self._count_eviction()
-    if not from_global:
-      GLOBAL_ENTRIES.discard(entry)
 
   def clear(self) -> None:
     with self.lock:

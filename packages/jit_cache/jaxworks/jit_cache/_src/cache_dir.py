@@ -30,6 +30,13 @@ _config_update = jax.config.update
 ENV_VAR = "JAXWORKS_JIT_CACHE_DIR"
 
 
+def _setting(name: str) -> property:
+  """A checked setting of ``_Config``, applied at once while the cache is on."""
+  return property(
+    lambda self: self._values[name], lambda self, v: self._set(name, v)
+  )
+
+
 class _Config:
   """Settings of the persistent cache (``jit_cache.config``).
 
@@ -66,9 +73,6 @@ class _Config:
     """The directory in use, or None (off)."""
     return self._dir
 
-  def _get(self, name: str) -> Any:
-    return self._values[name]
-
   def _set(self, name: str, value: Any) -> None:
     _check_setting(name, value)
     self._values[name] = value
@@ -89,18 +93,9 @@ class _Config:
       )
     self._prefetch = value
 
-  min_compile_time_secs = property(
-    lambda self: self._get("min_compile_time_secs"),
-    lambda self, v: self._set("min_compile_time_secs", v),
-  )
-  min_entry_size_bytes = property(
-    lambda self: self._get("min_entry_size_bytes"),
-    lambda self, v: self._set("min_entry_size_bytes", v),
-  )
-  max_bytes = property(
-    lambda self: self._get("max_bytes"),
-    lambda self, v: self._set("max_bytes", v),
-  )
+  min_compile_time_secs = _setting("min_compile_time_secs")
+  min_entry_size_bytes = _setting("min_entry_size_bytes")
+  max_bytes = _setting("max_bytes")
 
   def __repr__(self) -> str:
     return (

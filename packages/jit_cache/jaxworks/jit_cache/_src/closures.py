@@ -160,15 +160,13 @@ def explain_new_function(core: Any, name: str) -> str | None:
   where = f"{len(records)} earlier {name} function" + (
     "s" if len(records) > 1 else ""
   )
-  if not best:
-    return (
-      f"{name}: miss: nothing is cached for this {name} yet (a new "
-      f"function object); the nearest of {where} of the same code "
-      f"({key[2]}) closed over equal values: its compiled executable is "
-      "reused if tracing gives the same program"
-    )
-  return (
+  head = (
     f"{name}: miss: nothing is cached for this {name} yet (a new function "
-    f"object); the nearest of {where} of the same code ({key[2]}) "
-    "differs in:\n  " + "\n  ".join(best)
+    f"object); the nearest of {where} of the same code ({key[2]})"
   )
+  if not best:
+    return head + (
+      " closed over equal values: its compiled executable is reused if "
+      "tracing gives the same program"
+    )
+  return head + " differs in:\n  " + "\n  ".join(best)

@@ -282,10 +282,7 @@ class _TraceCache(_Arguments):
     return self._entry_slow(leaves, treedef, statics, ctx, sig, args, kwargs)
 
   def _entry_slow(self, leaves, treedef, statics, ctx, sig, args, kwargs):
-    # The key holds the whole context, the axis environment included: a
-    # function may read any bound axis name (``lax.axis_size`` in a
-    # ``try``), so an entry is never shared across axis environments, as
-    # with stock jit.
+    # The key holds the whole context, the axis environment included (step 3).
     avals = tuple(ji.shaped_abstractify(x) for x in leaves)
     key = (avals, treedef, statics, ctx)
     cache = self._cache
@@ -351,12 +348,7 @@ class _TraceCache(_Arguments):
   # -- stages ------------------------------------------------------------------
 
   def trace(self, *args, **kwargs) -> _stages.Traced:
-    """Traces for these arguments (cached), without compiling.
-
-    Shares the trace cache with calls: ``f.trace(x)`` then ``f(x)`` traces
-    the Python function once. Tracers the function closes over become leading
-    inputs of ``Traced.jaxpr`` (``make_jaxpr`` keeps them as constants).
-    """
+    """``JitFunction.trace``: a ``Traced`` built from the cached entry."""
     leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
     entry = self._entry(leaves, treedef, statics, ctx, sig, args, kwargs)
     if type(entry) is _cache.Uncacheable:  # pylint: disable=unidiomatic-typecheck
@@ -372,21 +364,13 @@ class _TraceCache(_Arguments):
     )
 
   def lower(self, *args, **kwargs) -> _stages.Lowered:
-    """``self.trace(*args, **kwargs).lower()``: a jaxworks ``Lowered``."""
     return self.trace(*args, **kwargs).lower()
 
   def eval_shape(self, *args, **kwargs) -> Any:
-    """Output ``jax.ShapeDtypeStruct`` pytree, from the shared trace cache."""
     return self.trace(*args, **kwargs).out_info
 
   def explain_miss(self, *args, **kwargs) -> str:
-    """Why a call with these arguments would (not) hit the trace cache.
-
-    Returns:
-      ``"<name>: hit ..."``, or ``"<name>: miss ..."`` followed by one line per
-      difference from the nearest cached entry, such as
-      ``x['w']: dtype float32 -> float64``.
-    """
+    """``JitFunction.explain_miss``, with the note of the last compile."""
     leaves, treedef, statics, ctx, sig = self._key(args, kwargs)
     text = explain.explain(
       self, leaves, treedef, statics, ctx, sig, args, kwargs
@@ -525,7 +509,6 @@ class _JitCore(_TraceCache):
   # -- observability -----------------------------------------------------------
 
   def cache_info(self) -> _cache.CacheInfo:
-    """Counters and sizes of this function's caches."""
     return self._counters.snapshot(
       entries=len(self._cache),
       maxsize=self._maxsize,
@@ -534,12 +517,9 @@ class _JitCore(_TraceCache):
     )
 
   def clear_cache(self) -> None:
-    """Drops this function's trace entries, C++ dispatch entries, and what
-    JAX's own tracing caches hold for it (so the next call runs Python).
-
-    Its compiled executables go too, from the shared executable cache as
-    well, unless another live function holds them.
-    """
+    """``JitFunction.clear_cache``; its compiled executables go too, from the
+    shared executable cache as well, unless another live function holds
+    them."""
     executables = [
       exe
       for entry in self._cache.by_key.values()

@@ -30,12 +30,8 @@ def _fmt(value: Any) -> str:
   if isinstance(value, np.dtype):
     return value.name
   if isinstance(value, tuple):
-    return (
-      "("
-      + ", ".join(str(v) for v in value)
-      + ("," if len(value) == 1 else "")
-      + ")"
-    )
+    trailing = "," if len(value) == 1 else ""
+    return "(" + ", ".join(str(v) for v in value) + trailing + ")"
   return str(value)
 
 

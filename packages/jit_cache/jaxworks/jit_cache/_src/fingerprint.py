@@ -180,10 +180,8 @@ _MEMO_LOCK = threading.Lock()
 class _ValueKeys:
   """Keys of constants, literal values and parameters, and what a key holds.
 
-  ``pins``, ``nbytes`` and ``volatile`` say what the keys made so far hold;
-  a container met again in the same computation (by id: the jaxpr holds it)
-  reuses its key. Values may hold jaxprs, which the subclass keys
-  (:meth:`jaxpr`).
+  ``pins``, ``nbytes`` and ``volatile`` say what the keys made so far hold.
+  Values may hold jaxprs, which the subclass keys (:meth:`jaxpr`).
   """
 
   def __init__(self):
@@ -191,9 +189,8 @@ class _ValueKeys:
     self.nbytes = 0  # bytes keyed by content
     self.volatile = False  # content of a mutable (numpy) array was hashed
     # Containers keyed in this computation, by id (the jaxpr holds them, so
-    # an id names one object): the same parameters of many equations (a
-    # hundred calls to one inner function) are keyed once, and the keys
-    # share the result.
+    # an id names one object): the same parameters of many equations are
+    # keyed once.
     self.seen: dict[Any, tuple] = {}
 
   def identity(self, v: Any) -> Any:

@@ -192,12 +192,7 @@ def read_site(path: str) -> Read | None:
   if not isinstance(hint, dict) or hint.get("format") != FORMAT:
     return None
   try:
-    return _read_of(
-      hint.get("key"),
-      hint.get("platform"),
-      hint.get("devices"),
-      hint.get("options"),
-    )
+    return _read_of(*map(hint.get, ("key", "platform", "devices", "options")))
   except ValueError:
     return None
 

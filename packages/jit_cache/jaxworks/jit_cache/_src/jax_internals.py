@@ -15,7 +15,6 @@ from collections.abc import Callable
 from collections.abc import Sequence
 import inspect as _inspect
 from typing import Any
-from typing import TypeVar
 
 from jax._src import api as _api
 from jax._src import array as _array
@@ -44,9 +43,8 @@ from jax._src.lib import jax_jit as _jax_jit
 
 # -- names of jax.extend, without importing jax.extend --------------------------
 # ``import jax.extend`` (or any ``jax.extend.*``) imports every submodule,
-# Pallas's included, which would add to a new process's first use of ``jit``
-# (BENCHMARKS.md times a first call). These are the same objects (tests/jax_internals_test.py checks
-# each against its jax.extend name).
+# Pallas's included, which would slow a new process's first use of ``jit``.
+# These are the same objects (tests/jax_internals_test.py checks each).
 
 ClosedJaxpr = _core.ClosedJaxpr
 Jaxpr = _core.Jaxpr
@@ -92,16 +90,7 @@ def trace_context() -> tuple:
 
 def trace_context_names() -> tuple[str, ...]:
   """Names of the ``trace_context()`` elements, in order (for messages)."""
-  return (
-    *_config.trace_context_names(),
-    *(name for name, _ in _JIT_ONLY),
-  )
-
-
-def current_axis_env() -> Any:
-  """The current axis environment (an interned ``AxisEnv``), read where JAX
-  keeps it."""
-  return _core.trace_ctx.axis_env
+  return (*_config.trace_context_names(), *(name for name, _ in _JIT_ONLY))
 
 
 def axis_env_in(values: tuple) -> Any:
@@ -139,7 +128,9 @@ def clear_in_shardings_cache() -> None:
   _pjit._process_in_axis_resources.cache_clear()  # pylint: disable=protected-access
 
 
-_ArrayImpl = _array.ArrayImpl
+#: The concrete jax Array class (a jaxlib type); Signature reads its C++
+#: properties ``aval``, ``_sharding`` and ``_committed``.
+ArrayImpl = _array.ArrayImpl
 
 
 def layouts_key(leaves: Sequence[Any]) -> tuple | None:
@@ -147,7 +138,7 @@ def layouts_key(leaves: Sequence[Any]) -> tuple | None:
   lowering reads from its arguments); None when there is none."""
   out: list[tuple[int, Any]] = []
   for i, x in enumerate(leaves):
-    if type(x) is _ArrayImpl and x._committed:  # pylint: disable=protected-access,unidiomatic-typecheck
+    if type(x) is ArrayImpl and x._committed:  # pylint: disable=protected-access,unidiomatic-typecheck
       fmt = x.format
       layout = None if fmt is None else fmt.layout
       if layout is not None:
@@ -174,9 +165,8 @@ def axis_env_parts(env: Any) -> tuple[dict, frozenset, frozenset]:
   )
 
 
-def extend_axis_env(pairs: Sequence[tuple[Any, int]]):
-  """Context manager binding ``(name, size)`` pairs, as jax.make_jaxpr does."""
-  return _core.extend_axis_env_nd(pairs)
+#: Context manager binding ``(name, size)`` pairs, as jax.make_jaxpr does.
+extend_axis_env = _core.extend_axis_env_nd
 
 
 def disable_jit_on() -> bool:
@@ -206,11 +196,6 @@ Effect = _effects.Effect
 UnspecifiedValue = _named_sharding.UnspecifiedValue
 Layout = _Layout
 Format = _Format
-
-
-#: The concrete jax Array class (a jaxlib type); Signature reads its C++
-#: properties ``aval``, ``_sharding`` and ``_committed``.
-ArrayImpl = _array.ArrayImpl
 
 
 # -- pytrees ---------------------------------------------------------------------
@@ -270,10 +255,9 @@ convert_invars_to_constvars: Callable[[Any, int], Any] = (
 # -- JAX's persistent compilation cache (persistent.py) -------------------------
 
 
-def reset_persistent_cache() -> None:
-  """Makes JAX decide anew, at the next compile, whether its persistent
-  cache is used and where (it decides once per process otherwise)."""
-  _compilation_cache.reset_cache()
+#: Makes JAX decide anew, at the next compile, whether its persistent cache
+#: is used and where (it decides once per process otherwise).
+reset_persistent_cache: Callable[[], None] = _compilation_cache.reset_cache
 
 
 def persistent_cache_enabled() -> bool:
@@ -339,19 +323,13 @@ def executable_and_time(entry: bytes) -> tuple[bytes, int]:
 # -- traceback filtering ---------------------------------------------------------
 
 
-_F = TypeVar("_F", bound=Callable)
+#: ``api_boundary(fun)``: ``fun`` as an API boundary; JAX filters the
+#: traceback of an exception raised below it (the outermost boundary wins).
+api_boundary = _traceback_util.api_boundary
 
-
-def api_boundary(fun: _F) -> _F:
-  """``fun`` as an API boundary: JAX filters the traceback of an exception
-  raised below it (the outermost boundary wins)."""
-  return _traceback_util.api_boundary(fun)
-
-
-def hide_frames_of(path: str) -> None:
-  """Hides frames from files under ``path`` in JAX's filtered tracebacks, as
-  JAX hides its own."""
-  _traceback_util.register_exclusion(path)
+#: ``hide_frames_of(path)``: frames from files under ``path`` are hidden in
+#: JAX's filtered tracebacks, as JAX hides its own.
+hide_frames_of: Callable[[str], None] = _traceback_util.register_exclusion
 
 
 # -- compiled executables and the C++ dispatcher -----------------------------------------
@@ -385,12 +363,6 @@ def fastpath_data(
   )
 
 
-#: The user context holding a C++ jit cache object for the functions wrapped
-#: under it (``with jit_cpp_cache_obj(cache): f = jit(g)``), as stock's jit
-#: reads it.
-jit_cpp_cache_obj = _config.jax_jit_cpp_cache_obj
-
-
 def make_dispatcher(
   name: str,
   fun: Callable,
@@ -408,7 +380,7 @@ def make_dispatcher(
   """
   # A C++ cache object the user put in context (``jax_jit_cpp_cache_obj``)
   # when the function was wrapped serves it, as it serves stock's jit.
-  cache = jit_cpp_cache_obj.value
+  cache = _config.jax_jit_cpp_cache_obj.value
   if cache is None:
     cache = _jax.PjitFunctionCache(capacity=capacity)
   dispatcher = _jax.pjit(
@@ -468,10 +440,9 @@ JIT_FUN_DEFAULT: Any = _inspect.signature(_api.jit).parameters["fun"].default
 UNSPECIFIED: Any = _named_sharding.UNSPECIFIED
 
 
-def register_cache(cache: Any, what: str) -> None:
-  """Makes ``jax.clear_caches()`` call ``cache.cache_clear()`` (JAX holds
-  ``cache`` weakly: keep a reference)."""
-  _util.register_cache(cache, what)
+#: ``register_cache(cache, what)``: ``jax.clear_caches()`` calls
+#: ``cache.cache_clear()`` (JAX holds ``cache`` weakly: keep a reference).
+register_cache: Callable[[Any, str], None] = _util.register_cache
 
 
 #: JAX's hook for test events (``jax._src.test_util.count_events``): the

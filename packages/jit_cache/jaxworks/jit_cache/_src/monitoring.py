@@ -209,11 +209,7 @@ def _why_not(requests: int, exe: Any) -> str:
       "jax_enable_compilation_cache=False)"
     )
   if _process_index() != 0:
-    return (
-      "only process 0 writes entries (this is process "
-      + str(_process_index())
-      + ")"
-    )
+    return f"only process 0 writes entries (this is process {_process_index()})"
   if ji.has_host_callbacks(exe.compiled):
     return (
       "it uses host callbacks (jax.debug.print, jax.pure_callback, "

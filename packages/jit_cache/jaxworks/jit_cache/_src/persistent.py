@@ -62,11 +62,5 @@ def set_cache_dir(
   _prefetch.start_process()
 
 
-def _apply_environment() -> None:
-  """Applies ``JAXWORKS_JIT_CACHE_DIR`` (at import)."""
-  path = os.environ.get(ENV_VAR)
-  if path:
-    set_cache_dir(path)
-
-
-_apply_environment()
+if os.environ.get(ENV_VAR):
+  set_cache_dir(os.environ[ENV_VAR])

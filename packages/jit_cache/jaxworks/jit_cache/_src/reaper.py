@@ -15,13 +15,8 @@ from typing import Any
 
 
 class Reaper:
-  """Frees dropped values on a daemon thread.
-
-  The executable cache evicts inside the call that compiles a new program;
-  handing the evicted executable over takes its teardown (much of it outside
-  the GIL) off that call's path. ``flush`` waits until everything handed over so far is freed; it
-  runs at exit, before JAX tears its backends down.
-  """
+  """Frees dropped values on a daemon thread (see the module docstring);
+  ``close`` flushes at exit, before JAX tears its backends down."""
 
   def __init__(self):
     self._cond = threading.Condition()

@@ -90,12 +90,8 @@ def _sharding_json(sharding) -> dict[str, Any] | None:
   if sharding is None:
     return None
   mesh = sharding.mesh
-
-  def entry(e):
-    return list(e) if isinstance(e, tuple) else e
-
   return {
-    "spec": [entry(e) for e in sharding.spec],
+    "spec": [list(e) if isinstance(e, tuple) else e for e in sharding.spec],
     "mesh_axis_names": list(mesh.axis_names),
     "mesh_axis_sizes": list(mesh.axis_sizes),
     "memory_kind": sharding.memory_kind,
@@ -136,7 +132,7 @@ def _level_json(level: Exported) -> dict[str, Any]:
   }
 
 
-#: Program fields added in 0.1.1; a manifest written by 0.1.0 lacks them.
+#: Program fields that manifests written by 0.1.0 lack.
 _OPTIONAL_FIELDS = ("in_tree", "out_tree", "levels")
 
 
@@ -515,9 +511,8 @@ def _check_agreement(
   So an edited manifest never reaches ``summary()`` or the CLI: what they
   print and use is what the program holds.
   """
-  observed = json.loads(
-    json.dumps(_program_fields(exported))
-  )  # JSON types, as read back
+  # In JSON types, as read back.
+  observed = json.loads(json.dumps(_program_fields(exported)))
   for key, value in observed.items():
     if key in _OPTIONAL_FIELDS and key not in manifest:
       continue

@@ -371,11 +371,8 @@ def _run_inputs(ns, artifact) -> tuple[list[np.ndarray], list[str]]:
           f"--arg {i} {arg!r} has symbolic dimensions; give concrete sizes "
           f"such as '{_concrete_example(arg)}'"
         )
-      array, source, error = (
-        _random_array(rng, spec.shape, spec.dtype),
-        "random",
-        UsageError,
-      )
+      array = _random_array(rng, spec.shape, spec.dtype)
+      source, error = "random", UsageError
     if np.dtype(array.dtype).name != info["dtype"]:
       raise error(
         f"{where} has dtype {np.dtype(array.dtype).name}, but input "
@@ -511,11 +508,9 @@ def main(argv: Sequence[str] | None = None, *, out=None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 1 error, 2 usage error)."""
   out = sys.stdout if out is None else out
   ns = _build_parser().parse_args(argv)
-  command = {"export": _cmd_export, "inspect": _cmd_inspect, "run": _cmd_run}[
-    ns.command
-  ]
+  commands = {"export": _cmd_export, "inspect": _cmd_inspect, "run": _cmd_run}
   try:
-    return command(ns, out)
+    return commands[ns.command](ns, out)
   except CliError as e:
     print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
     cause, status = e.__cause__, e.status

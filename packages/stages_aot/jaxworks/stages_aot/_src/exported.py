@@ -87,7 +87,6 @@ class Exported:
   @property
   def out_shardings(self) -> tuple[jax.sharding.NamedSharding | None, ...]:
     """Output shardings (``NamedSharding`` over an abstract mesh; None: unspecified)."""
-    # jax's stubs type the mesh as required; None keeps the abstract mesh.
     shardings = self._exp.out_shardings_jax(None)  # type: ignore[arg-type]
     return tuple(cast(Sequence[jax.sharding.NamedSharding | None], shardings))
 
@@ -131,9 +130,7 @@ class Exported:
   def _no_vjp_message(self) -> str:
     name, depth = self._origin
     what = (
-      "differentiate"
-      if depth == 0
-      else f"take derivatives of order {depth + 1} of"
+      f"take derivatives of order {depth + 1} of" if depth else "differentiate"
     )
     return (
       f"jaxworks.stages_aot: cannot {what} the exported function {name!r}: it was "
@@ -283,11 +280,8 @@ def _wrap_levels(levels: list[jax.export.Exported]) -> Exported:
 
 
 def read_own_serialization(blob: bytes, vjp_order: int) -> Exported:
-  """Reads back bytes that :meth:`Exported.serialize` just wrote (trusted).
-
-  Used to describe exactly what was written (the VJP levels are exported
-  anew at each ``serialize()``), without the validation of :func:`deserialize`.
-  """
+  """Reads back bytes that :meth:`Exported.serialize` just wrote (trusted, so
+  not validated), to describe exactly what was written."""
   levels = [jax.export.deserialize(bytearray(blob))]
   for _ in range(vjp_order):
     levels.append(levels[-1].vjp())

@@ -1,28 +1,24 @@
 """The only module of jaxworks.stages_aot that imports private ``jax._src`` names.
 
-Each name is used for one reason, and tests/jax_internals_test.py covers every
-one, so that a JAX upgrade that moves or changes one fails there first:
+Each name has one use, and tests/jax_internals_test.py covers each, so that a
+JAX upgrade that moves or changes one fails there first:
 
-* ``stock_jit`` (``jax._src.api.jit``): stock ``jax.jit``, bound from JAX's own
+* ``stock_jit`` (``jax._src.api.jit``): stock ``jax.jit`` from JAX's own
   module, so that a program that swaps in another jit (``jax.jit =
   jaxworks.jit_cache.jit``, before or after importing this package) never
   changes what this package calls.
-* ``register_source_exclusion`` and ``backends``: the objects that
+* ``register_source_exclusion`` and ``backends``: what
   ``jax.extend.source_info_util.register_exclusion`` and
-  ``jax.extend.backend.backends`` are, without importing ``jax.extend``
-  (which imports every submodule, Pallas's included, and so would add to the
-  first use of every package that returns this package's stages).
-* The stage family's lowering and export steps (``stages.py``):
-  ``lower_for_export`` (``jax.stages.Traced.lower`` with the private lowering
-  parameters of ``jax.export``), ``lowering_platforms``,
-  ``lowering_committed`` and ``with_committed`` (what a stock ``Lowered``
-  records in its private ``_lowering``), ``export_lowered`` (``jax.export``'s
-  step after lowering) and ``stage_as`` (a jaxworks stage sharing the state
-  of a stock one).
-* ``MODULE_READER_SOURCE`` (a script run in a child process, see
-  ``module_reader.py``) imports ``jaxlib._jax`` and ``jaxlib.mlir.ir``: the
-  modules behind ``jax.extend.mlir.deserialize_portable_artifact`` and
-  ``jax.extend.mlir.ir``, without the cost of importing jax in the child.
+  ``jax.extend.backend.backends`` are, without importing ``jax.extend`` (which
+  imports every submodule, Pallas's included, and so would add to the first
+  use of every package that returns this package's stages).
+* For the stage family (``stages.py``): ``lower_for_export``,
+  ``lowering_platforms``, ``lowering_committed`` and ``with_committed`` (what a
+  stock ``Lowered`` records in its private ``_lowering``), ``export_lowered``
+  (``jax.export``'s step after lowering) and ``stage_as``.
+* ``MODULE_READER_SOURCE`` (the child process of ``module_reader.py``)
+  imports ``jaxlib._jax`` and ``jaxlib.mlir.ir``, the modules behind
+  ``jax.extend.mlir``, without the cost of importing jax in the child.
 """
 
 from __future__ import annotations
@@ -47,7 +43,6 @@ __all__ = [
   "MODULE_READER_SOURCE",
   "backends",
   "export_lowered",
-  "export_lowering_parameters",
   "lower_for_export",
   "lowering_committed",
   "lowering_platforms",
@@ -69,26 +64,20 @@ backends = _xla_bridge.backends
 # -- the stage family (stages.py) ----------------------------------------------
 
 
-def export_lowering_parameters() -> Any:
-  """Lowering parameters equal to those of ``jax.export.export``: constants
-  stay in the module (never hoisted into arguments), and Mosaic/Pallas TPU
-  kernels use their forward-compatible form."""
-  return _mlir.LoweringParameters(
+def lower_for_export(traced: Any, platforms: tuple[str, ...] | None) -> Any:
+  """``jax.stages.Traced.lower`` with the (private) lowering parameters of
+  ``jax.export.export``, so the result can be exported as is: constants stay
+  in the module, and Mosaic/Pallas TPU kernels use their forward-compatible
+  form."""
+  params = _mlir.LoweringParameters(
     for_export=True,
     hoist_constants_as_args=False,
     export_ignore_forward_compatibility=bool(
       _config.export_ignore_forward_compatibility.value
     ),
   )
-
-
-def lower_for_export(traced: Any, platforms: tuple[str, ...] | None) -> Any:
-  """``jax.stages.Traced.lower`` with :func:`export_lowering_parameters`
-  (a parameter JAX keeps private), so the result can be exported as is."""
   return _stages.Traced.lower(
-    traced,
-    lowering_platforms=platforms,
-    _private_parameters=export_lowering_parameters(),
+    traced, lowering_platforms=platforms, _private_parameters=params
   )
 
 
@@ -168,8 +157,7 @@ module_describe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module_describe)
 
 def limit_memory(size):
-    # A damaged length can make the reader allocate without end: cap the
-    # address space at what reading `size` bytes can reasonably need.
+    # What reading `size` bytes can reasonably need.
     if resource is None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)

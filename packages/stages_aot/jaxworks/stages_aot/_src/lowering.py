@@ -28,12 +28,11 @@ _is_symbolic_dim = jax.export.is_symbolic_dim
 
 def symbolic_inputs(in_avals: Any) -> list[str]:
   """The input avals with symbolic dimensions, as text (for messages)."""
-  out = []
-  for a in jax.tree_util.tree_leaves(in_avals):
-    shape = getattr(a, "shape", ())
-    if any(_is_symbolic_dim(d) for d in shape):
-      out.append(a.str_short(short_dtypes=True))
-  return out
+  return [
+    a.str_short(short_dtypes=True)
+    for a in jax.tree_util.tree_leaves(in_avals)
+    if any(_is_symbolic_dim(d) for d in getattr(a, "shape", ()))
+  ]
 
 
 def compile_exported(
@@ -101,13 +100,11 @@ def compile_exported(
 
 
 def platform_name(device: Any) -> str:
-  """The platform of ``device`` as lowering names it (``cuda``, not
-  ``gpu``)."""
+  """The platform of ``device`` as lowering names it (``cuda``, not ``gpu``)."""
   platform = device.platform
   return "cuda" if platform == "gpu" else platform
 
 
 def default_platform() -> str:
-  """This process's default platform, as lowering names it (``cuda``, not
-  ``gpu``)."""
+  """This process's default platform, as lowering names it."""
   return _default_export_platform()

@@ -41,8 +41,9 @@ def describe(
   Returns:
     ``{"error": text}`` when the module does not deserialize, does not verify
     or has no ``main``; else ``{"attributes": {name: int}, "inputs": [type],
-    "results": [type], "dynamic": int}`` (see
-    ``module_reader.describe_modules``).
+    "results": [type], "dynamic": int}``, where a type is ``{"text", "shape",
+    "element"}`` (``shape`` and ``element`` for ranked tensors; ``dynamic``
+    marks an unknown dimension in ``shape``).
   """
   diagnostics: list[str] = []
 

@@ -172,31 +172,26 @@ class _Reader:
     keys = [hashlib.sha256(b).hexdigest() for b in blobs]
     with self._lock:
       try:
-        return self._describe(blobs, keys)
+        for blob, key in zip(blobs, keys):
+          if key in self._cache:
+            continue
+          # One module at a time, so that a crash blames the right one; a
+          # second try in a fresh child rules out a child that died for
+          # another reason.
+          answer = self._ask(blob)
+          if answer is None:
+            answer = self._ask(blob)
+          if answer is None:
+            answer = {"error": "the StableHLO reader crashed or stalled on it"}
+          self._cache[key] = answer
+          while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        for k in keys:
+          self._cache.move_to_end(k)
+        return [self._cache[k] for k in keys]
       finally:
         self._last_use = time.monotonic()
         self._arm(IDLE_TIMEOUT_S)
-
-  def _describe(
-    self, blobs: list[bytes], keys: list[str]
-  ) -> list[dict[str, Any]]:
-    for blob, key in zip(blobs, keys):
-      if key in self._cache:
-        continue
-      # One module at a time, so that a crash blames the right one;
-      # a second try in a fresh child rules out a child that died
-      # for another reason.
-      answer = self._ask(blob)
-      if answer is None:
-        answer = self._ask(blob)
-      if answer is None:
-        answer = {"error": "the StableHLO reader crashed or stalled on it"}
-      self._cache[key] = answer
-      while len(self._cache) > _CACHE_SIZE:
-        self._cache.popitem(last=False)
-    for k in keys:
-      self._cache.move_to_end(k)
-    return [self._cache[k] for k in keys]
 
 
 _READER = _Reader()
@@ -229,11 +224,8 @@ def describe_modules(
     ReaderUnavailable: the child process cannot be started.
 
   Returns:
-    One dict per module: ``{"error": text}`` when it does not deserialize,
-    does not verify or crashes the reader; else ``{"attributes": {name:
-    int}, "inputs": [type], "results": [type], "dynamic": int}`` where a
-    type is ``{"text", "shape", "element"}`` (``shape`` and ``element`` for
-    ranked tensors; ``dynamic`` marks an unknown dimension in ``shape``).
+    One ``module_describe.describe`` answer per module (``{"error": text}``
+    also when it crashes or stalls the reader).
   """
   blobs = [bytes(b) for b in blobs]
   local = [

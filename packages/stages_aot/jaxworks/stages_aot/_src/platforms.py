@@ -66,12 +66,9 @@ def canonical_platforms(
         f"{api}: lowering platform 'gpu' is ambiguous; write 'cuda' or 'rocm'"
       )
     if p not in KNOWN_PLATFORMS:
-      hint = p.lower() if p.lower() in KNOWN_PLATFORMS else None
-      fix = (
-        f"did you mean {hint!r}?"
-        if hint
-        else f"use names from {KNOWN_PLATFORMS}"
-      )
+      fix = f"use names from {KNOWN_PLATFORMS}"
+      if p.lower() in KNOWN_PLATFORMS:
+        fix = f"did you mean {p.lower()!r}?"
       raise ValueError(f"{api}: unknown lowering platform {p!r}; {fix}")
   dups = sorted({p for p in plats if plats.count(p) > 1})
   if dups:
@@ -126,9 +123,8 @@ def choose_platform(
   """
   present = present_platforms()
   if requested is not None:
-    canonical_platforms(
-      (requested,), api=api
-    )  # a known name, or a TypeError/ValueError
+    # A known name, or a TypeError/ValueError.
+    canonical_platforms((requested,), api=api)
     if requested not in lowered_for:
       raise ValueError(
         f"{api}: {fun_name!r} was lowered for {lowered_for}, not for "

@@ -44,9 +44,7 @@ _tree_leaves = jax.tree_util.tree_leaves
 _tree_flatten_with_path = jax.tree_util.tree_flatten_with_path
 _keystr = jax.tree_util.keystr
 _is_symbolic_dim = jax.export.is_symbolic_dim
-# Stock jax.jit, bound at import: ``trace`` of a plain function uses it even
-# after ``jax.jit`` is swapped for another jit (the drop-in swap).
-_stock_jit = ji.stock_jit
+_stock_jit = ji.stock_jit  # used even after jax.jit is swapped
 
 # Keep this package's frames out of the source locations of lowered modules,
 # as JAX does for its own frames.
@@ -174,11 +172,16 @@ class Traced(_StockTraced):
       TypeError, ValueError: bad ``lowering_platforms``.
     """
     api = "jaxworks.stages_aot.Traced.lower"
-    traced: Traced | None
-    platforms: tuple[str, ...] | None
-    if _private_parameters is not None:
-      # JAX's own caller: stock's lowering with exactly its arguments, the
-      # platform names unchecked (jax.export passes names of its own).
+    traced: Traced | None = self
+    if lowering_platforms is not None and _private_parameters is None:
+      platforms = _platforms.canonical_platforms(lowering_platforms, api=api)
+      stock = ji.lower_for_export(self, platforms)
+      traced = None
+    else:
+      # Stock's own lowering, with exactly the given arguments: for JAX's own
+      # callers (platform names unchecked: jax.export passes names of its
+      # own), and for this host, so that compile() and serialize_executable
+      # behave as jax.jit's (export() lowers once more).
       stock = super().lower(
         lowering_platforms=lowering_platforms,
         _private_parameters=_private_parameters,
@@ -186,19 +189,6 @@ class Traced(_StockTraced):
       platforms = ji.lowering_platforms(stock) or tuple(
         lowering_platforms or (_lowering.default_platform(),)
       )
-      traced = self
-    elif lowering_platforms is not None:
-      platforms = _platforms.canonical_platforms(lowering_platforms, api=api)
-      stock = ji.lower_for_export(self, platforms)
-      traced = None
-    else:
-      # For this host: stock's own lowering, so that compile() and
-      # serialize_executable behave as jax.jit's; export() lowers once more.
-      stock = super().lower()
-      platforms = ji.lowering_platforms(stock) or (
-        _lowering.default_platform(),
-      )
-      traced = self
     out = Lowered.from_lowered(
       stock, fun_name=self.fun_name, jaxpr=self.jaxpr, platforms=platforms
     )

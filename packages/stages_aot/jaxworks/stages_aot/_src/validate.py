@@ -25,10 +25,9 @@ Any failure is a ``ValueError`` saying what is inconsistent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 import dataclasses
 from typing import Any
-from typing import cast
 
 import jax
 import numpy as np
@@ -113,17 +112,11 @@ def deserialize_checked(
   except Invalid:
     raise
   except Exception as e:  # the flatbuffer reader raises whatever damage causes
-    raise Invalid(f"{type(e).__name__}: {_one_line(e)}") from None
+    raise Invalid(f"{type(e).__name__}: {_shorten(e)}") from None
   for depth, level in enumerate(levels):
-    where = "the program" if depth == 0 else f"its VJP of order {depth}"
-    try:
-      _check_level(level)
-      if depth:
-        _check_vjp_of(levels[depth - 1], level)
-    except Invalid as e:
-      raise Invalid(f"{where}: {e}") from None
-    except Exception as e:
-      raise Invalid(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
+    _check_at(depth, _check_level, level)
+    if depth:
+      _check_at(depth, _check_vjp_of, levels[depth - 1], level)
   try:
     infos = module_reader.describe_modules(
       [lvl.mlir_module_serialized for lvl in levels],
@@ -135,13 +128,7 @@ def deserialize_checked(
       f"jaxworks.stages_aot: cannot validate the StableHLO modules: {e}"
     ) from None
   for depth, (level, info) in enumerate(zip(levels, infos)):
-    where = "the program" if depth == 0 else f"its VJP of order {depth}"
-    try:
-      _check_module(level, tuple(level.module_kept_var_idx), info)
-    except Invalid as e:
-      raise Invalid(f"{where}: {e}") from None
-    except Exception as e:
-      raise Invalid(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
+    _check_at(depth, _check_module, level, info)
   # Chain the validated levels, so that vjp() never deserializes again.
   chained = [levels[-1]]
   for level in reversed(levels[:-1]):
@@ -154,13 +141,20 @@ def deserialize_checked(
   return chained[::-1]
 
 
-def _shorten(text: str, limit: int = 300) -> str:
+def _shorten(text: object, limit: int = 300) -> str:
   text = " ".join(str(text).split())
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _one_line(e: BaseException) -> str:
-  return _shorten(str(e))
+def _check_at(depth: int, check: Callable[..., None], *args: Any) -> None:
+  """``check(*args)`` on level ``depth``; a failure is an Invalid naming it."""
+  where = "the program" if depth == 0 else f"its VJP of order {depth}"
+  try:
+    check(*args)
+  except Invalid as e:
+    raise Invalid(f"{where}: {e}") from None
+  except Exception as e:
+    raise Invalid(f"{where}: {type(e).__name__}: {_shorten(e)}") from None
 
 
 def _check_level(exp: jax.export.Exported) -> None:
@@ -213,14 +207,8 @@ def _check_level(exp: jax.export.Exported) -> None:
     )
   # jax's stubs type the mesh as required; None keeps the export's abstract
   # mesh, and the shardings are then NamedShardings (or None).
-  in_shardings = cast(
-    Sequence[jax.sharding.NamedSharding | None],
-    exp.in_shardings_jax(None),  # type: ignore[arg-type]
-  )
-  out_shardings = cast(
-    Sequence[jax.sharding.NamedSharding | None],
-    exp.out_shardings_jax(None),  # type: ignore[arg-type]
-  )
+  in_shardings: Any = exp.in_shardings_jax(None)  # type: ignore[arg-type]
+  out_shardings: Any = exp.out_shardings_jax(None)  # type: ignore[arg-type]
   if len(in_shardings) != len(exp.in_avals) or len(out_shardings) != len(
     exp.out_avals
   ):
@@ -232,9 +220,8 @@ def _check_level(exp: jax.export.Exported) -> None:
       )
 
 
-def _check_module(
-  exp: jax.export.Exported, kept: tuple[int, ...], info: dict[str, Any]
-) -> None:
+def _check_module(exp: jax.export.Exported, info: dict[str, Any]) -> None:
+  kept = tuple(exp.module_kept_var_idx)
   if "error" in info:
     raise Invalid(
       f"its StableHLO module is unreadable ({_shorten(info['error'])})"
