@@ -229,7 +229,7 @@ def _entry_points(items):
   )
 
 
-def main(argv=None):
+def _parser():
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--distribution", required=True)
   p.add_argument("--version")
@@ -269,9 +269,11 @@ def main(argv=None):
   )
   p.add_argument("--pyproject", help="the sdist's pyproject.toml")
   p.add_argument("--setup-py", help="the sdist's setup.py (extensions)")
-  a = p.parse_args(argv)
+  return p
 
-  version = a.version or read_version(a.version_file)
+
+def _requirements(a):
+  """The Requires-Dist lines: --requires, widened by the deps file's jax range, and the jaxworks releases."""
   requires = list(a.requires)
   if a.deps_file:
     supported_jax, minimums = read_deps(a.deps_file)
@@ -297,9 +299,13 @@ def main(argv=None):
   for item in a.pins_from:
     dist, vfile = item.split("=", 1)
     requires.append(f"{dist}=={read_version(vfile)}")
+  return requires
 
+
+def _read_files(listing):
+  """``(path in the archive, bytes)`` of the listed files, sorted, with a ``py.typed`` per package."""
   files = {}
-  with open(a.files, encoding="utf-8") as f:
+  with open(listing, encoding="utf-8") as f:
     for line in f:
       if line.strip():
         src, dst = line.rstrip("\n").split("\t")
@@ -309,19 +315,25 @@ def main(argv=None):
     parts = dst.split("/")
     if len(parts) > 2 and parts[0] == "jaxworks":
       files.setdefault(f"jaxworks/{parts[1]}/py.typed", b"")
-  files = sorted(files.items())
-  has_extension = any(dst.endswith(".so") for dst, _ in files)
+  return sorted(files.items())
 
+
+def main(argv=None):
+  a = _parser().parse_args(argv)
+  version = a.version or read_version(a.version_file)
+  requires = _requirements(a)
+  files = _read_files(a.files)
   dist_name = re.sub(r"[-_.]+", "_", a.distribution).lower()
   dist_info = f"{dist_name}-{version}.dist-info"
   with open(a.license_file, "rb") as f:
     license_data = f.read()
   files.append((f"{dist_info}/licenses/LICENSE", license_data))
+  summary = package_summary(files) or a.summary
   metadata = [
     "Metadata-Version: 2.4",
     f"Name: {a.distribution}",
     f"Version: {version}",
-    f"Summary: {package_summary(files) or a.summary}",
+    f"Summary: {summary}",
     "License-Expression: Apache-2.0",
     "License-File: LICENSE",
     "Requires-Python: >=3.11",
@@ -337,28 +349,39 @@ def main(argv=None):
   entry_points = _entry_points(a.entry_point)
 
   if a.sdist:
-    summary = package_summary(files) or a.summary
     check_pyproject(a.pyproject, a.distribution, summary, requires)
-    extra = [
-      ("PKG-INFO", metadata_text.encode()),
-      ("README.md", description.encode()),
-    ]
-    with open(a.pyproject, "rb") as f:
-      extra.append(("pyproject.toml", f.read()))
-    if a.setup_py:
-      with open(a.setup_py, "rb") as f:
-        extra.append(("setup.py", f.read()))
-    os.makedirs(a.out_dir, exist_ok=True)
-    base = f"{dist_name}-{version}"
-    members = [(d, data) for d, data in files if not d.endswith(".so")]
-    members = [
-      ("LICENSE", data) if d.endswith("/licenses/LICENSE") else (d, data)
-      for d, data in members
-    ]
-    write_sdist(
-      os.path.join(a.out_dir, base + ".tar.gz"), base, sorted(members + extra)
+    _sdist(a, f"{dist_name}-{version}", files, metadata_text, description)
+  else:
+    _wheel(
+      a, f"{dist_name}-{version}", files, dist_info, metadata_text, entry_points
     )
-    return
+
+
+def _sdist(a, base, files, metadata_text, description):
+  """Writes ``<base>.tar.gz``: the sources (no .so), PKG-INFO, README.md, pyproject.toml and setup.py."""
+  extra = [
+    ("PKG-INFO", metadata_text.encode()),
+    ("README.md", description.encode()),
+  ]
+  with open(a.pyproject, "rb") as f:
+    extra.append(("pyproject.toml", f.read()))
+  if a.setup_py:
+    with open(a.setup_py, "rb") as f:
+      extra.append(("setup.py", f.read()))
+  os.makedirs(a.out_dir, exist_ok=True)
+  members = [(d, data) for d, data in files if not d.endswith(".so")]
+  members = [
+    ("LICENSE", data) if d.endswith("/licenses/LICENSE") else (d, data)
+    for d, data in members
+  ]
+  write_sdist(
+    os.path.join(a.out_dir, base + ".tar.gz"), base, sorted(members + extra)
+  )
+
+
+def _wheel(a, base, files, dist_info, metadata_text, entry_points):
+  """Writes the wheel, tagged manylinux by what its extension needs, or py3-none-any without one."""
+  has_extension = any(dst.endswith(".so") for dst, _ in files)
 
   def wheel_text(tag):
     return (
@@ -377,7 +400,7 @@ def main(argv=None):
   if has_extension:
     with tempfile.TemporaryDirectory() as tmp:
       linux_tag = f"{a.python_tag}-{a.python_tag}-linux_x86_64"
-      probe = os.path.join(tmp, f"{dist_name}-{version}-{linux_tag}.whl")
+      probe = os.path.join(tmp, f"{base}-{linux_tag}.whl")
       _zip(
         probe,
         files,
@@ -390,7 +413,7 @@ def main(argv=None):
     tag = f"{a.python_tag}-{a.python_tag}-{platform}"
   else:
     tag = "py3-none-any"
-  out = os.path.join(a.out_dir, f"{dist_name}-{version}-{tag}.whl")
+  out = os.path.join(a.out_dir, f"{base}-{tag}.whl")
   _zip(out, files, dist_info, metadata_text, wheel_text(tag), entry_points)
 
 
