@@ -59,6 +59,25 @@ _JIT = jax.make_jaxpr(lambda x: jax.jit(lambda y: y)(x))(X).eqns[0]
 _TOP = jax.make_jaxpr(lambda x: x)(X).jaxpr
 
 
+def _jit_eqn(sub, invar, outvar):
+  """A jit call of ``sub``, with its effects."""
+  params = dict(_JIT.params, jaxpr=ClosedJaxpr(sub, []))
+  return _JIT.replace(
+    invars=[invar], outvars=[outvar], params=params, effects=set(sub.effects)
+  )
+
+
+def _jaxpr(invar, outvar, eqns, effects):
+  return _TOP.replace(
+    constvars=[],
+    invars=[invar],
+    outvars=[outvar],
+    eqns=eqns,
+    effects=effects,
+    debug_info=None,
+  )
+
+
 def _level(sub, n_plain, n_psum):
   """A jaxpr: n_plain sin eqns, n_psum psum eqns, then a jit call of sub."""
   aval = _SIN.outvars[0].aval
@@ -71,22 +90,10 @@ def _level(sub, n_plain, n_psum):
     cur = out
   if sub is not None:
     out = Var(aval)
-    params = dict(_JIT.params, jaxpr=ClosedJaxpr(sub, []))
-    eqns.append(
-      _JIT.replace(
-        invars=[cur], outvars=[out], params=params, effects=set(sub.effects)
-      )
-    )
+    eqns.append(_jit_eqn(sub, cur, out))
     effects |= set(sub.effects)
     cur = out
-  return _TOP.replace(
-    constvars=[],
-    invars=[x],
-    outvars=[cur],
-    eqns=eqns,
-    effects=effects,
-    debug_info=None,
-  )
+  return _jaxpr(x, cur, eqns, effects)
 
 
 def _chain(depth, n_plain, n_psum):
@@ -102,29 +109,10 @@ def make_program(n_eqns, depth=50, per_level=19, psum_frac=0.01):
   n_psum = max(1, int(n_eqns * psum_frac))
   chains = [_chain(depth, per_level, n_psum)]  # the hot chain
   chains += [_chain(depth, per_level, 0) for _ in range(n_chains - 1)]
-  aval = _SIN.outvars[0].aval
-  x = Var(aval)
-  eqns, effects = [], set()
-  for c in chains:
-    out = Var(aval)
-    eqns.append(
-      _JIT.replace(
-        invars=[x],
-        outvars=[out],
-        params=dict(_JIT.params, jaxpr=ClosedJaxpr(c, [])),
-        effects=set(c.effects),
-      )
-    )
-    effects |= set(c.effects)
-  top = _TOP.replace(
-    constvars=[],
-    invars=[x],
-    outvars=[eqns[-1].outvars[0]],
-    eqns=eqns,
-    effects=effects,
-    debug_info=None,
-  )
-  return ClosedJaxpr(top, [])
+  x = Var(_SIN.outvars[0].aval)
+  eqns = [_jit_eqn(c, x, Var(x.aval)) for c in chains]
+  effects = set().union(*(c.effects for c in chains))
+  return ClosedJaxpr(_jaxpr(x, eqns[-1].outvars[0], eqns, effects), [])
 
 
 def count_eqns(jaxpr):

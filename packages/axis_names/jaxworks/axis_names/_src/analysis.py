@@ -1,16 +1,11 @@
 """Bottom-up axis-name analysis of jaxprs, memoized per jaxpr object.
 
-The mechanism in one paragraph: the names a jaxpr uses are the union over
-its equations of (a) the names an equation's own params mention (a
-collective such as ``psum[axes=('i',)]`` or a query such as
-``axis_index[axis_name=i]``, see ``rules.AXIS_PARAMS``) and (b) the names
-used by every sub-jaxpr found in the equation's params, minus the names the
-equation binds (``shard_map``'s newly manual axes, a Pallas kernel's grid
-names, see ``rules.BINDERS``).
-Sub-jaxprs are computed first (an explicit post-order walk, so deep nesting
-cannot hit Python's recursion limit) and each ``Jaxpr`` object's result is
-cached in a table keyed by identity and held weakly, so a shared sub-jaxpr is
-analysed once and a repeated query is one dictionary lookup.
+The names a jaxpr uses are the union over its equations of the names an
+equation's own params mention (``rules.AXIS_PARAMS``) and those of every
+sub-jaxpr in its params, minus the names the equation binds
+(``rules.BINDERS``). Sub-jaxprs are computed first (an explicit post-order
+walk: no recursion limit) and each ``Jaxpr``'s result is cached in a table
+keyed by identity and held weakly, so a repeated query is one lookup.
 """
 
 from __future__ import annotations
@@ -87,11 +82,8 @@ def cache_size() -> int:
 
 def clear_cache() -> None:
   """Forget every memoized result (the next query recomputes)."""
-  _NAMES.clear()
-  _MANUAL.clear()
-  _NAMED_EQNS.clear()
-  _HIDDEN.clear()
-  _RULE_EQNS.clear()
+  for cache in (_NAMES, _MANUAL, _NAMED_EQNS, _HIDDEN, _RULE_EQNS):
+    cache.clear()
 
 
 def _scan_seq(seq, out: list) -> None:
@@ -241,9 +233,9 @@ def rule_eqns(jaxpr: Jaxpr) -> tuple[int, ...]:
 
 def eqn_has_rules(eqn: JaxprEqn) -> bool:
   """Whether ``eqn`` or a sub-jaxpr of it holds rule callables."""
-  if eqn.primitive.name in rules.CALLABLE_PARAMS:
-    return True
-  return any(rule_eqns(s) for s in subjaxprs(eqn.params))
+  return eqn.primitive.name in rules.CALLABLE_PARAMS or any(
+    rule_eqns(s) for s in subjaxprs(eqn.params)
+  )
 
 
 def _compute(jaxpr: Jaxpr) -> frozenset:
@@ -348,7 +340,7 @@ def closed_or_open_names(
 ) -> frozenset | None:
   """Names for a ``ClosedJaxpr``/``Jaxpr`` or a stage; None for anything else."""
   x = stage_jaxpr(x, api)
-  if type(x) is ClosedJaxpr or isinstance(x, ClosedJaxpr):
+  if isinstance(x, ClosedJaxpr):
     j = x.jaxpr
   elif isinstance(x, Jaxpr):
     j = x

@@ -37,6 +37,9 @@ def used_axis_names(
   sub-jaxpr (``jit``, ``cond``, ``while``, ``scan``, ``remat``,
   ``custom_jvp``/``custom_vjp``, ``shard_map``, ...), and no binder around it
   (a ``shard_map`` over that mesh axis, ``pmap``'s ``axis_name``) binds it.
+  Such a name is reported also where JAX 0.10.2 leaves it out of
+  ``jaxpr.effects`` (``ppermute``, ``custom_linear_solve``'s ``matvec``, a
+  nested ``shard_map``, a ``pallas_call`` kernel).
 
   For a ``Jaxpr`` or ``ClosedJaxpr`` the result is computed bottom-up once
   per jaxpr object (every sub-jaxpr memoized too, weakly held), so repeated

@@ -4,12 +4,8 @@ The walk is top-down with an environment ``{name: size}``: the caller's
 ``axis_sizes`` at the top, extended by each binder (``shard_map`` adds its
 newly manual mesh axes with their mesh sizes). Sub-jaxprs that use no axis
 name at any depth (memoized by ``analysis``) are skipped, so the walk only
-visits the parts of the program that use axis names.
-
-Mismatches are checked against the size each name has where it is used:
-``ppermute`` pairs, a ``pbroadcast`` source and ``axis_index_groups`` must
-lie in ``range(size)``, a recorded ``axis_size`` must equal it, and the
-operand dimension ``all_to_all``/``psum_scatter`` split must divide by it.
+visits the parts of the program that use axis names; sizes are checked
+where each name is used.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ from collections.abc import Hashable
 from collections.abc import Iterator
 from collections.abc import Mapping
 import difflib
+import math
 from typing import Any
 
 import jax
@@ -37,12 +34,8 @@ _API = "jaxworks.axis_names.check_axis_names"
 def written(eqn: JaxprEqn) -> str:
   """The collective as the user wrote it (``pmean``; its equation is a
   ``psum``), or the primitive's name."""
-  name = jax_internals.user_call(eqn.source_info)
-  if (
-    name
-    and name != eqn.primitive.name
-    and callable(getattr(jax.lax, name, None))
-  ):
+  name = jax_internals.user_call(eqn.source_info) or ""
+  if name != eqn.primitive.name and callable(getattr(jax.lax, name, None)):
     return name
   return eqn.primitive.name
 
@@ -50,10 +43,7 @@ def written(eqn: JaxprEqn) -> str:
 def location(eqn: JaxprEqn) -> str | None:
   """``file:line (function)`` of the user code that created ``eqn``."""
   loc = jax_internals.user_location(eqn.source_info)
-  if loc is None:
-    return None
-  file_name, line, fn = loc
-  return f"{file_name}:{line} ({fn})"
+  return None if loc is None else "{}:{} ({})".format(*loc)
 
 
 def walk(
@@ -82,13 +72,16 @@ def walk(
       yield eqn, e, mult
       inner_env = {**e, **analysis.binder_sizes(eqn)}
       length = eqn.params.get("length")
-      inner_mult = (
-        mult * length
-        if (eqn.primitive.name == "scan" and isinstance(length, int))
-        else mult
-      )
-      for sub in reversed(used_subs):
-        stack.append((sub, inner_env, inner_mult))
+      if eqn.primitive.name != "scan" or not isinstance(length, int):
+        length = 1  # a while body counts once
+      stack.extend((s, inner_env, mult * length) for s in reversed(used_subs))
+
+
+# The param naming the operand dimension a collective splits over the axis.
+_SPLIT_PARAMS = {
+  "all_to_all": "split_axis",
+  "reduce_scatter": "scatter_dimension",
+}
 
 
 def _size_problems(
@@ -102,12 +95,9 @@ def _size_problems(
   sizes = [env.get(n) for n in names]
   if any(s is None for s in sizes):
     return []
-  total = 1
-  for s in sizes:
-    total *= s or 1  # never None here (checked above)
+  total = math.prod(s or 1 for s in sizes)
   out = []
-  params = eqn.params
-  prim = eqn.primitive.name
+  params, prim = eqn.params, eqn.primitive.name
   perm = params.get("perm")
   if perm is not None:
     bad = sorted({i for pair in perm for i in pair if not 0 <= i < total})
@@ -126,16 +116,14 @@ def _size_problems(
   n = total  # the number of devices the collective runs over
   if groups is not None:
     n = len(groups[0]) if groups else total
-    flat = sorted(i for g in groups for i in g)
-    if flat != list(range(total)):
+    shown = tuple(map(tuple, groups))
+    if sorted(i for g in groups for i in g) != list(range(total)):
       out.append(
-        f"axis_index_groups {tuple(map(tuple, groups))} do not "
-        f"partition range({total}) (the axis size)"
+        f"axis_index_groups {shown} do not partition range({total}) (the "
+        "axis size)"
       )
     elif len({len(g) for g in groups}) > 1:
-      out.append(
-        f"axis_index_groups {tuple(map(tuple, groups))} have unequal sizes"
-      )
+      out.append(f"axis_index_groups {shown} have unequal sizes")
   recorded = params.get("axis_size")
   if traced_sizes and isinstance(recorded, int) and recorded != n:
     out.append(
@@ -144,12 +132,9 @@ def _size_problems(
     )
   # Operand dimensions JAX splits over the axis (it checks them only while
   # tracing, with the sizes it was traced with).
+  what = _SPLIT_PARAMS.get(prim.removesuffix("_start"))
+  dim = params.get(what) if what else None
   shape = getattr(eqn.invars[0].aval, "shape", None) if eqn.invars else None
-  dim = None
-  if prim in ("all_to_all", "all_to_all_start"):
-    dim, what = params.get("split_axis"), "split_axis"
-  elif prim in ("reduce_scatter", "reduce_scatter_start"):
-    dim, what = params.get("scatter_dimension"), "scatter_dimension"
   if shape is not None and isinstance(dim, int) and 0 <= dim < len(shape):
     size = shape[dim]
     tiled = params.get("tiled", True) or prim.startswith("all_to_all")
@@ -166,14 +151,13 @@ def _size_problems(
   return out
 
 
-def _describe(name: Hashable, bound: tuple) -> str:
-  hint = ""
+def _unbound(name: Hashable, bound: tuple) -> str:
+  """The detail of an unbound ``name``, with a "did you mean" hint."""
   strs = [b for b in bound if isinstance(b, str)]
-  if isinstance(name, str) and strs:
-    close = difflib.get_close_matches(name, strs, n=1)
-    if close:
-      hint = f" (did you mean {close[0]!r}?)"
-  return hint
+  close = (
+    difflib.get_close_matches(name, strs, n=1) if isinstance(name, str) else []
+  )
+  return f"unbound (did you mean {close[0]!r}?)" if close else "unbound"
 
 
 def problems_in(
@@ -190,30 +174,20 @@ def problems_in(
     if not names and not analysis.subjaxprs(eqn.params):
       # Primitive without a rule: its effects name the axes it uses.
       names = tuple(sorted(analysis.eqn_axis_names(eqn), key=repr))
-    if not names:
-      continue
     bound = tuple(e)
-    prim = written(eqn)
-    for n in names:
-      if n not in e:
-        problems.append(
-          (prim, n, bound, location(eqn), f"unbound{_describe(n, bound)}")
-        )
-    if all(n in e for n in names):
-      for detail in _size_problems(eqn, names, e, traced_sizes):
-        problems.append(
-          (
-            prim,
-            names[0] if len(names) == 1 else names,
-            bound,
-            location(eqn),
-            detail,
-          )
-        )
+    details = [(n, _unbound(n, bound)) for n in names if n not in e]
+    if names and not details:
+      name = names[0] if len(names) == 1 else names
+      sized = _size_problems(eqn, names, e, traced_sizes)
+      details = [(name, d) for d in sized]
+    if details:
+      prim, loc = written(eqn), location(eqn)
+      problems += [(prim, n, bound, loc, d) for n, d in details]
   return problems
 
 
 def format_problem(prim, name, bound, loc, detail) -> str:
+  """One problem of ``problems_in`` as a sentence."""
   where = loc or "an unknown location"
   if detail.startswith("unbound"):
     return (
@@ -226,16 +200,10 @@ def format_problem(prim, name, bound, loc, detail) -> str:
   )
 
 
-def raise_problems(
-  problems, api: str, cause: BaseException | None = None
-) -> None:
-  raise problems_error(problems, api) from cause
-
-
 def problems_error(problems, api: str) -> AxisNameError:
   """The AxisNameError listing ``problems``, each once."""
   problems = list(dict.fromkeys(problems))
-  prim, name, bound, loc, detail = problems[0]
+  prim, name, bound, loc, _ = problems[0]
   lines = [format_problem(*p) for p in problems]
   if any(p[4].startswith("unbound") for p in problems):
     fix = (
@@ -253,11 +221,8 @@ def problems_error(problems, api: str) -> AxisNameError:
   if len(lines) == 1:
     msg = f"{api}: {lines[0]}. {fix}"
   else:
-    msg = (
-      f"{api}: {len(lines)} problems with axis names:\n  - "
-      + "\n  - ".join(lines)
-      + f"\n{fix}"
-    )
+    listed = "\n  - ".join(lines)
+    msg = f"{api}: {len(lines)} problems with axis names:\n  - {listed}\n{fix}"
   return AxisNameError(
     msg,
     primitive=prim,
@@ -273,9 +238,8 @@ def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
 
   JAX checks shapes against axis sizes while tracing (``psum_scatter``,
   ``all_to_all``) and raises a plain ``ValueError``. If ``fun`` traces with
-  every axis of size 1, the sizes are the cause: find the collective in that
-  trace and report it like any other mismatch. Returns (the caller re-raises
-  ``err``) when the sizes are not the cause.
+  every axis of size 1, the sizes are the cause: the collective in that trace
+  is reported like any other mismatch. Returns when they are not the cause.
   """
   if not sizes:
     return
@@ -285,7 +249,7 @@ def _raise_if_sizes_misfit(fun, args, kwargs, sizes, err) -> None:
     return
   problems = problems_in(closed.jaxpr, sizes, traced_sizes=False)
   if problems:
-    raise_problems(problems, _API, cause=err)
+    raise problems_error(problems, _API) from err
   loc = tracing.user_location_of_exception(err)
   raise AxisNameError(
     f"{_API}: tracing with axis_sizes={sizes!r} failed at "
@@ -313,8 +277,8 @@ def check_axis_names(
   disagree with the axis size (a ``ppermute`` permutation, ``pbroadcast``
   source or ``axis_index_groups`` outside ``range(size)``, an ``all_to_all``
   or ``psum_scatter`` dimension the size does not divide, a jaxpr traced for
-  another size). Names bound inside ``fun`` (by a ``shard_map``) are checked
-  against their mesh sizes.
+  another size). Names bound inside ``fun`` (by ``shard_map``, ``pmap`` or
+  a Pallas grid) are checked against their own sizes, also under ``jit``.
 
   Args:
     fun: a function (traced with ``jax.make_jaxpr``), or a Jaxpr/ClosedJaxpr.
@@ -326,8 +290,11 @@ def check_axis_names(
     The free axis names ``fun`` uses (all of them keys of ``axis_sizes``).
 
   Raises:
-    AxisNameError: (a ``NameError``) naming the primitive, the axis name,
-      the bound names and the user's ``file:line``; ``.problems`` lists all.
+    AxisNameError: naming the collective as written (``pmean``), the axis
+      name, the bound names, the user's ``file:line`` and the fix, with a
+      "did you mean" hint; ``.problems`` lists every problem once. Also for
+      JAX's bare ``ValueError`` or ``AssertionError`` (inside a
+      ``shard_map``) when the sizes or names cause it.
 
   >>> import jax, jax.numpy as jnp
   >>> def f(x):
@@ -364,7 +331,7 @@ def check_axis_names(
     raise
   problems = problems_in(jaxpr, sizes)
   if problems:
-    raise_problems(problems, _API)
+    raise problems_error(problems, _API) from None
   return analysis.jaxpr_axis_names(jaxpr)
 
 
@@ -379,7 +346,7 @@ def _diagnose_again(err, fun, args, kwargs, sizes) -> AxisNameError | None:
   except AssertionError as again:
     return diagnose(again, api=_API)
   except Exception:  # noqa: BLE001 - another failure: not diagnosable
-    return None
+    pass
   return None
 
 
@@ -414,11 +381,10 @@ def diagnose(
   if found is not None:
     names, bound = found
     loc, called = tracing.user_call_of_exception(err)
-    prim = called if callable(getattr(jax.lax, called or "", None)) else None
+    lax_fn = callable(getattr(jax.lax, called or "", None))
+    prim = called if lax_fn else "a collective"
     problems = [
-      (prim or "a collective", n, bound, loc, f"unbound{_describe(n, bound)}")
-      for n in names
-      if n not in bound
+      (prim, n, bound, loc, _unbound(n, bound)) for n in names if n not in bound
     ]
     return problems_error(problems, api) if problems else None
   if fun is None or jax_internals.unbound_axis_name(err) is None:
@@ -429,5 +395,5 @@ def diagnose(
     e.args = (e.args[0].replace(_API, api, 1),) + e.args[1:]
     return e
   except Exception:  # noqa: BLE001 - not diagnosable: the caller re-raises
-    return None
+    pass
   return None

@@ -9,18 +9,11 @@ which speaks of ``'i'``, we present it the same context under the old names:
 * each argument's abstract value has ``'k'`` renamed ``'i'`` in its varying
   manual axes and in its sharding.
 
-When the mesh also has an axis called ``'i'`` (``{'i': 'k'}`` inside a
-``shard_map`` over a mesh with axes ``('i', 'k')``), that axis is hidden
-under a ``deep.HiddenName`` for the trace and renamed back afterwards, so
-the renaming stays one-to-one in both directions.
-
-The resulting jaxpr is then renamed forward (``rename.rename_jaxpr``) with
-``OldNames.forward`` and evaluated in the real context. The same context is
-rebuilt whenever a custom rule of the renamed function (a ``custom_vjp``
-backward pass, a ``custom_jvp`` rule) is traced later, under ``grad`` or
-``jvp``: it is computed from the context at that moment, and hidden names
-are deterministic, so a rule traced later agrees with the types recorded
-when the function was traced.
+A mesh axis already called ``'i'`` is hidden under a ``deep.HiddenName``
+for the trace and renamed back afterwards, so the renaming stays one-to-one.
+The jaxpr is then renamed forward with ``OldNames.forward``. A custom rule
+traced later (under ``grad`` or ``jvp``) gets the context of that moment;
+hidden names are deterministic, so it agrees with the recorded types.
 """
 
 from __future__ import annotations
@@ -178,14 +171,13 @@ def arg_avals(leaves, ctx: OldNames, api: str) -> list:
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
       sharding = None
-    mat = getattr(aval, "mat", None)
     avals.append(
       jax.ShapeDtypeStruct(
         aval.shape,
         aval.dtype,
         sharding=sharding,
         weak_type=aval.weak_type,
-        manual_axis_type=mat,
+        manual_axis_type=getattr(aval, "mat", None),
       )
     )
   return avals

@@ -55,13 +55,12 @@ def _hidden_axes(mesh, mapping: Mapping | None = None) -> frozenset:
 
   With no mapping: the axes already named by a ``HiddenName``.
   """
-  out = []
-  for n in mesh.axis_names:
-    if isinstance(n, HiddenName):
-      out.append(n)
-    elif mapping is not None and isinstance(mapping.get(n), HiddenName):
-      out.append(n)
-  return frozenset(out) if out else _EMPTY
+  return frozenset(
+    n
+    for n in mesh.axis_names
+    if isinstance(n, HiddenName)
+    or (mapping is not None and isinstance(mapping.get(n), HiddenName))
+  )
 
 
 def _spec_names(spec: PartitionSpec) -> frozenset:
@@ -80,17 +79,12 @@ def _manual(mesh) -> frozenset:
   """Manual axes of a mesh (the ones a collective can name), plus hidden."""
   if mesh.empty:
     return _EMPTY
-  manual = frozenset(getattr(mesh, "manual_axes", ()) or ())
-  hidden_axes = _hidden_axes(mesh)
-  return manual | hidden_axes if hidden_axes else manual
+  return frozenset(getattr(mesh, "manual_axes", ()) or ()) | _hidden_axes(mesh)
 
 
 def _renamable(mesh, mapping: Mapping) -> frozenset:
   """Axes of ``mesh`` that ``mapping`` may rename."""
-  if mesh.empty:
-    return _EMPTY
-  extra = _hidden_axes(mesh, mapping)
-  return _manual(mesh) | extra if extra else _manual(mesh)
+  return _manual(mesh) | _hidden_axes(mesh, mapping)
 
 
 def names_of(v: Any) -> frozenset:
@@ -121,12 +115,7 @@ def names_of(v: Any) -> frozenset:
   if isinstance(v, ManualAxisType):
     return v.varying | v.unreduced | v.reduced
   if isinstance(v, (tuple, list)):
-    out = _EMPTY
-    for item in v:
-      n = names_of(item)
-      if n:
-        out = out | n
-    return out
+    return _EMPTY.union(*map(names_of, v))
   return _EMPTY
 
 
@@ -225,14 +214,11 @@ def _rename(v: Any, mapping: Mapping, memo) -> Any:
   if isinstance(v, PartitionSpec):
     return _rename_spec(v, mapping)
   if isinstance(v, ManualAxisType):
-    varying = _rename_set(v.varying, mapping)
-    unreduced = _rename_set(v.unreduced, mapping)
-    reduced = _rename_set(v.reduced, mapping)
-    if (
-      varying is v.varying and unreduced is v.unreduced and reduced is v.reduced
-    ):
+    sets = {k: getattr(v, k) for k in ("varying", "unreduced", "reduced")}
+    new = {k: _rename_set(names, mapping) for k, names in sets.items()}
+    if all(new[k] is sets[k] for k in sets):
       return v
-    return ManualAxisType(varying=varying, unreduced=unreduced, reduced=reduced)
+    return ManualAxisType(**new)
   if isinstance(v, (tuple, list)) and type(v) in (tuple, list):
     items = [rename(x, mapping, memo) for x in v]
     if all(a is b for a, b in zip(items, v)):

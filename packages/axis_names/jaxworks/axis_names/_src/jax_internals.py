@@ -1,34 +1,12 @@
 """The only module of jaxworks.axis_names that touches private JAX names.
 
 Every name here is covered by tests/jax_internals_test.py, so a JAX upgrade
-that moves one of them fails in one obvious place.
-
-Public JAX (``jax.extend.core``, ``jax.core``, ``jax.lax``) is imported
-directly by the other modules; only what has no public door lives here:
-
-* ``NamedAxisEffect``: the effect JAX attaches to equations (and jaxprs) that
-  use a named axis. We read it for primitives we have no rule for, build it
-  when renaming, and compare against it in tests.
-* ``user_frame``: the first frame of an equation's traceback that is user
-  code (not JAX, not this package), for "file:line" in messages.
-* ``unbound_axis_name``: the axis name in the ``NameError`` JAX raises at
-  trace time for an unbound name (JAX only puts it in the message text).
-* ``unbound_in_shard_map``: the names and mesh axes of the bare
-  ``AssertionError`` JAX raises for a collective over an unbound name inside
-  a ``shard_map`` (read from the locals of ``core.pvary``'s frame).
-* ``eqn_context_mesh`` / ``eqn_context_with_mesh``: the abstract mesh an
-  equation was traced under, and a copy of its context with another mesh.
-* ``literal_value_with_aval``: a literal's typed value with a renamed aval.
-* ``current_axis_sizes``: the axis environment (name -> size) in effect,
-  read from where JAX keeps it (``trace_ctx.axis_env``).
-* ``extend_axis_env``: bind axis names to sizes while a custom rule of a
-  renamed function is traced (``jax.make_jaxpr(axis_env=...)`` does the same
-  around a whole trace; a rule thunk traces itself).
-* ``is_zero`` / ``with_aval``: JAX's symbolic zero cotangents (``Zero``, and
-  the public ``SymbolicZero``) that custom rules take and return; their
-  abstract values carry axis names and are renamed with them.
-* ``wrap_rule``: a ``WrappedFun`` (JAX's form for rule callables in equation
-  params) calling a Python function, with the original's debug info.
+that moves one of them fails in one obvious place. Public JAX
+(``jax.extend.core``, ``jax.core``, ``jax.lax``) is imported directly by the
+other modules; only what has no public door lives here: ``NamedAxisEffect``,
+user frames of tracebacks, the names in JAX's unbound-axis errors, equation
+contexts and typed literals, the axis environment, symbolic zeros, and
+``WrappedFun`` for rule callables.
 """
 
 from __future__ import annotations
@@ -49,6 +27,7 @@ from jax._src import source_info_util as _source_info_util
 from jax._src import traceback_util as _traceback_util
 import numpy as np
 
+#: The effect JAX attaches to equations (and jaxprs) that use a named axis.
 NamedAxisEffect = _core.NamedAxisEffect
 
 
@@ -58,6 +37,7 @@ def named_axis_effect_names(effects) -> frozenset:
 
 
 def is_named_axis_effect(effect) -> bool:
+  """Whether ``effect`` is a ``NamedAxisEffect``."""
   return type(effect) is NamedAxisEffect
 
 
@@ -123,8 +103,9 @@ def traceback_filtering_off():
 
 def unbound_in_shard_map(err: BaseException) -> tuple[tuple, tuple] | None:
   """``(axis names, mesh axis names)`` of JAX's bare ``AssertionError`` for
-  a collective over names that are not axes of the ``shard_map``'s mesh, or
-  None for any other error."""
+  a collective over names that are not axes of the ``shard_map``'s mesh
+  (read from the locals of ``core.pvary``'s frame), or None for any other
+  error."""
   if not isinstance(err, AssertionError):
     return None
   tb = unfiltered_traceback(err)
@@ -188,7 +169,8 @@ def current_axis_sizes() -> dict:
 def extend_axis_env(name_size_pairs):
   """Context manager binding each ``(name, size)`` in the axis environment.
 
-  Later pairs override earlier bindings of the same name (a swap binds both
+  For a custom rule of a renamed function, which traces itself (around a
+  whole trace ``jax.make_jaxpr(axis_env=...)`` does the same). Later pairs override earlier bindings of the same name (a swap binds both
   names with each other's sizes).
   """
   return _core.extend_axis_env_nd(list(name_size_pairs))
@@ -198,7 +180,8 @@ _ZERO_TYPES = (_ad_util.Zero, _ad_util.SymbolicZero)
 
 
 def is_zero(x) -> bool:
-  """Whether ``x`` is a symbolic zero (``Zero`` or ``SymbolicZero``)."""
+  """Whether ``x`` is a symbolic zero (``Zero`` or the public
+  ``SymbolicZero``), which custom rules take and return."""
   return type(x) in _ZERO_TYPES
 
 

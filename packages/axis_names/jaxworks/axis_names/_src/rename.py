@@ -1,16 +1,11 @@
 """rename_axes: rewrite the axis names a jaxpr (or function) uses.
 
-``rename_jaxpr`` checks the mapping against the names a jaxpr mentions and
-hands the bottom-up rewrite to ``rename_rewrite.Renamer``, which shares every
-untouched equation and sub-jaxpr with its input.
-
-The function wrapper traces the user's function in the current context
-with the context's names renamed back to the old ones (``context.py``),
-rewrites the jaxpr to the new names, and evaluates it with the caller's
-values, so every primitive is bound again under the caller's transformations
-(jit, grad, vmap, shard_map, pmap). Custom rules inside the jaxpr
-(``custom_vjp``/``custom_jvp``/``custom_vmap``) run the same way when JAX
-calls them (``_wrap_rule``, given to the rewrite).
+``rename_jaxpr`` checks the mapping and hands the bottom-up rewrite to
+``rename_rewrite.Renamer``. A renamed function traces the user's function in
+the current context under the old names (``context.py``), renames the jaxpr
+and evaluates it with the caller's values, so every primitive is bound again
+under the caller's transformations; custom rules in the jaxpr run the same
+way when JAX calls them (``_wrap_rule``, given to the rewrite).
 """
 
 from __future__ import annotations
@@ -113,11 +108,13 @@ def rename_axes(
   ``'batch'``, so code written for one mesh runs under a ``shard_map``,
   ``pmap`` or ``vmap`` that binds other names. Names ``f`` binds itself
   (a ``shard_map`` inside ``f``) are left alone. The result works under
-  ``jax.jit``, ``jax.grad``, ``jax.jvp`` and ``jax.vmap``, custom rules
-  included: a ``custom_vjp``'s or ``custom_jvp``'s rules are renamed when
-  JAX runs them. Inside a ``shard_map`` whose mesh also has an axis called
-  like an old name, that axis is hidden while ``f`` is traced. A mapping
-  that renames nothing returns ``fun`` itself.
+  ``jax.jit``, ``jax.grad``, ``jax.jvp``, ``jax.vmap``, ``jax.shard_map``
+  and ``jax.pmap`` like ``f`` written with the new names, custom rules
+  included: a ``custom_vjp``'s, ``custom_jvp``'s or ``custom_vmap``'s rules
+  are renamed when JAX runs them. Inside a ``shard_map`` whose mesh also
+  has an axis called like an old name, that axis is hidden while ``f`` is
+  traced (so a swap works). A mapping that renames nothing returns ``fun``
+  itself.
 
   Each call traces ``fun`` (inside ``jax.jit`` that is once per trace of
   the enclosing function); all arguments must be arrays or scalars.
@@ -128,6 +125,13 @@ def rename_axes(
 
   Returns:
     The renamed function.
+
+  Raises:
+    ValueError: the mapping is not one-to-one, or would merge a new name
+      with one ``fun`` keeps or have an inner binder capture it (for a name
+      only a custom rule uses: when the rule runs).
+    NameError: when called where a new name is not bound (no placeholder
+      sizes are assumed).
 
   >>> import jax, jax.numpy as jnp
   >>> f = lambda x: jax.lax.psum(x, 'i')
@@ -178,14 +182,10 @@ def _run_renamed(
   """
   ctx = context.with_fallback_env(context.old_names(mapping, _API), rule_env)
   leaves, treedef = _tree_flatten(args, is_leaf=jax_internals.is_zero)
-  if rule:
-    dyn = [i for i, x in enumerate(leaves) if context.is_array_like(x)]
-  else:
-    dyn = list(range(len(leaves)))
-  statics = list(leaves)
-  for i, x in enumerate(leaves):
-    if jax_internals.is_zero(x):
-      statics[i] = jax_internals.with_aval(x, deep.rename(x.aval, ctx.inverse))
+  dyn = [
+    i for i, x in enumerate(leaves) if not rule or context.is_array_like(x)
+  ]
+  statics = [_renamed_zero(x, ctx.inverse) for x in leaves]
   avals = context.arg_avals([leaves[i] for i in dyn], ctx, _API)
   out_box = []
 
@@ -210,17 +210,11 @@ def _run_renamed(
         flat_fun, tuple(avals), {}, {}, _API, use_placeholders=False
       )
   except NameError as e:
-    old = jax_internals.unbound_axis_name(e)
-    if captured and old in captured:
-      raise captured[old].error(old) from e
-    if old is not None and old in mapping:
-      raise NameError(
-        f"{_API}: {getattr(fun, '__name__', 'the function')!r} uses axis "
-        f"{old!r}, renamed to {mapping[old]!r}, which is not bound here: "
-        f"call it under a shard_map, pmap or vmap that binds "
-        f"{mapping[old]!r}"
-      ) from e
-    raise
+    who = f"{getattr(fun, '__name__', 'the function')!r}"
+    err = _unbound_error(e, mapping, captured, who, ":")
+    if err is None:
+      raise
+    raise err from e
   except AssertionError as e:
     # Inside a shard_map JAX asserts (rather than raising NameError) on a
     # collective over a name that is not a mesh axis.
@@ -235,17 +229,33 @@ def _run_renamed(
   new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)
   assert isinstance(new, ClosedJaxpr)
   outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *[leaves[i] for i in dyn]))
-  result = []
-  for x, t in zip(out_leaves, traced):
-    if t:
-      result.append(next(outs))
-    elif jax_internals.is_zero(x):
-      result.append(
-        jax_internals.with_aval(x, deep.rename(x.aval, ctx.forward))
-      )
-    else:
-      result.append(x)
+  result = [
+    next(outs) if t else _renamed_zero(x, ctx.forward)
+    for x, t in zip(out_leaves, traced)
+  ]
   return _tree_unflatten(out_tree, result)
+
+
+def _renamed_zero(x: Any, mapping: Mapping) -> Any:
+  """A symbolic zero ``x`` with its aval renamed; any other ``x`` itself."""
+  if not jax_internals.is_zero(x):
+    return x
+  return jax_internals.with_aval(x, deep.rename(x.aval, mapping))
+
+
+def _unbound_error(err, mapping, captured, who, sep) -> Exception | None:
+  """The error for JAX's ``NameError`` ``err`` while ``who`` ran under the
+  old names, or None when it is not about a renamed name."""
+  old = jax_internals.unbound_axis_name(err)
+  if captured and old in captured:
+    return captured[old].error(old)
+  if old is None or old not in mapping:
+    return None
+  return NameError(
+    f"{_API}: {who} uses axis {old!r}, renamed to {mapping[old]!r}, which is "
+    f"not bound here{sep} call it under a shard_map, pmap or vmap that binds "
+    f"{mapping[old]!r}"
+  )
 
 
 def _vacated_error(fun, mapping, ctx, err) -> ValueError:
@@ -262,13 +272,11 @@ def _vacated_error(fun, mapping, ctx, err) -> ValueError:
 
 def _split(mapping: Mapping) -> tuple[dict, dict]:
   """(user entries to apply, captured entries) of a renamer mapping."""
-  apply, captured = {}, {}
-  for o, n in context.user_entries(mapping).items():
-    if isinstance(n, rewrite.Captured):
-      captured[o] = n
-    else:
-      apply[o] = n
-  return apply, captured
+  entries = context.user_entries(mapping)
+  captured = {
+    o: n for o, n in entries.items() if isinstance(n, rewrite.Captured)
+  }
+  return {o: n for o, n in entries.items() if o not in captured}, captured
 
 
 def _check_captured(jaxprs, captured: Mapping | None) -> None:
@@ -277,12 +285,8 @@ def _check_captured(jaxprs, captured: Mapping | None) -> None:
   for j in jaxprs:
     hit = rewrite.mentioned_names(j) & set(captured)
     if hit:
-      old = sorted(hit, key=repr)[0]
+      old = min(hit, key=repr)
       raise captured[old].error(old)
-
-
-def _core(j):
-  return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
 def _wrap_rule(
@@ -301,19 +305,15 @@ def _wrap_rule(
           trace_env = jax_internals.current_axis_sizes()
           out = fn.call_wrapped(*args)
       except NameError as e:
-        old = jax_internals.unbound_axis_name(e)
-        if old in captured:
-          raise captured[old].error(old) from e
-        if old is not None and old in apply:
-          raise NameError(
-            f"{_API}: a custom rule of the renamed function uses axis "
-            f"{old!r}, renamed to {apply[old]!r}, which is not bound here; "
-            f"call it under a shard_map, pmap or vmap that binds "
-            f"{apply[old]!r}"
-          ) from e
-        raise
+        who = "a custom rule of the renamed function"
+        err = _unbound_error(e, apply, captured, who, ";")
+        if err is None:
+          raise
+        raise err from e
       jaxprs = [x for x in out if isinstance(x, (Jaxpr, ClosedJaxpr))]
-      _check_captured([_core(j) for j in jaxprs], captured)
+      _check_captured(
+        [j.jaxpr if isinstance(j, ClosedJaxpr) else j for j in jaxprs], captured
+      )
       return type(out)(
         rename_jaxpr(x, ctx.forward, rule_env=trace_env)
         if isinstance(x, (Jaxpr, ClosedJaxpr))

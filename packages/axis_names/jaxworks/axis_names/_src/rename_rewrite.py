@@ -15,6 +15,7 @@ from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Mapping
 import dataclasses
+import functools
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr
@@ -68,29 +69,21 @@ def check_mapping(mapping: Any, api: str = API) -> dict[Hashable, Hashable]:
   return out
 
 
-_EFFECT_OF: dict = {}  # axis name -> its NamedAxisEffect (effects are values)
-
-
-def _effect(name):
-  eff = _EFFECT_OF.get(name)
-  if eff is None:
-    eff = _EFFECT_OF.setdefault(name, jax_internals.NamedAxisEffect(name))
-  return eff
+# Axis name -> its NamedAxisEffect (effects are values: one object per name).
+_effect = functools.cache(jax_internals.NamedAxisEffect)
 
 
 def _rename_effects(effects, mapping: Mapping) -> Any:
   if not effects:
     return effects
-  changed = False
-  out = []
-  for e in effects:
-    if jax_internals.is_named_axis_effect(e) and e.name in mapping:
-      out.append(_effect(mapping[e.name]))
-      changed = True
-    else:
-      out.append(e)
-  if not changed:
+  renamed = {
+    e: _effect(mapping[e.name])
+    for e in effects
+    if jax_internals.is_named_axis_effect(e) and e.name in mapping
+  }
+  if not renamed:
     return effects
+  out = [renamed.get(e, e) for e in effects]
   return frozenset(out) if isinstance(effects, frozenset) else set(out)
 
 
@@ -100,35 +93,20 @@ def _rename_effects(effects, mapping: Mapping) -> Any:
 _MENTIONS = analysis.WeakIdentityCache()
 
 
-def _atom_names(v) -> frozenset:
-  return deep.names_of(v.aval)
-
-
 def eqn_mentions(eqn: JaxprEqn) -> frozenset:
   """Free axis names an equation mentions anywhere (not only collectives)."""
   names = set(analysis.eqn_axis_names(eqn))
-  for v in eqn.outvars:
-    n = _atom_names(v)
-    if n:
-      names |= n
-  for a in eqn.invars:
-    if isinstance(a, Literal):
-      names |= _atom_names(a)
-  mesh = jax_internals.eqn_context_mesh(eqn.ctx)
-  if mesh is not None:
-    names |= deep.names_of(mesh)
-  if eqn.effects:
-    names |= jax_internals.named_axis_effect_names(eqn.effects)
+  names.update(*(deep.names_of(v.aval) for v in eqn.outvars))
+  literals = (a for a in eqn.invars if isinstance(a, Literal))
+  names.update(*(deep.names_of(a.aval) for a in literals))
+  names |= deep.names_of(jax_internals.eqn_context_mesh(eqn.ctx))
+  names |= jax_internals.named_axis_effect_names(eqn.effects)
   bound = analysis.bound_names(eqn)
   for v in eqn.params.values():
+    # A param holding jaxprs mentions their names, any other its own.
     subs = analysis.subjaxprs({"v": v})
-    if subs:
-      for sub in subs:
-        names |= mentioned_names(sub) - bound
-    else:
-      n = deep.names_of(v)
-      if n:
-        names |= n - bound
+    for n in [mentioned_names(s) for s in subs] or [deep.names_of(v)]:
+      names |= n - bound
   return frozenset(names)
 
 
@@ -146,10 +124,9 @@ def mentioned_names(jaxpr: Jaxpr) -> frozenset:
   if hit is not None:
     return hit
   names = set(used) | annotated
-  for v in (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars):
-    names |= _atom_names(v)
-  for eqn in jaxpr.eqns:
-    names |= eqn_mentions(eqn)
+  atoms = (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars)
+  names.update(*(deep.names_of(v.aval) for v in atoms))
+  names.update(*(eqn_mentions(eqn) for eqn in jaxpr.eqns))
   result = frozenset(names)
   _MENTIONS.put(jaxpr, result)
   return result

@@ -1,24 +1,7 @@
 """collective_report: which collectives run over which axes, how often, how much.
 
-Counting: each equation counts once per execution of the jaxpr it sits in
-as far as static trip counts say: a ``scan`` body counts ``length`` times,
-a ``while`` body once (its trip count is dynamic), and every branch of a
-``cond`` counts (an upper bound).
-
-Bytes are per device, per call, for the usual ring/direct algorithms with
-``n`` the product of the collective's axis sizes (the group size with
-``axis_index_groups``) and ``B`` the bytes of the per-device operand(s); for
-``ppermute`` the ``pairs`` sending devices each send ``B``, averaged over all
-``n`` devices:
-
-================================  =====================
-all-reduce (psum, pmax, pmin)     2 (n-1)/n B
-all_gather                        (n-1) B
-reduce_scatter, all_to_all        (n-1)/n B
-ppermute                          B x (pairs / n)
-pbroadcast, psend / precv         B
-axis_index, pvary and casts       0
-================================  =====================
+``check.walk`` yields each collective with its axis sizes and static trip
+count; ``bytes_moved`` is the per-device estimate (see ``collective_report``).
 """
 
 from __future__ import annotations
@@ -40,47 +23,28 @@ from . import tracing
 
 _API = "jaxworks.axis_names.collective_report"
 
-_ALL_REDUCE = (
-  "psum",
-  "pmax",
-  "pmin",
-  "psum_invariant",
-  "unreduced_psum",
-  "psum_start",
-  "psum_invariant_start",
-  "unreduced_psum_start",
+_ALL_REDUCE = frozenset(
+  "psum pmax pmin psum_invariant unreduced_psum psum_start"
+  " psum_invariant_start unreduced_psum_start".split()
 )
-_GATHER = (
-  "all_gather",
-  "all_gather_invariant",
-  "all_gather_reduced",
-  "all_gather_start",
-  "all_gather_reduced_start",
+_GATHER = frozenset(
+  "all_gather all_gather_invariant all_gather_reduced all_gather_start"
+  " all_gather_reduced_start".split()
 )
-_SCATTER = (
-  "reduce_scatter",
-  "unreduced_reduce_scatter",
-  "all_to_all",
-  "ragged_all_to_all",
-  "reduce_scatter_start",
-  "unreduced_reduce_scatter_start",
-  "all_to_all_start",
+_SCATTER = frozenset(
+  "reduce_scatter unreduced_reduce_scatter all_to_all ragged_all_to_all"
+  " reduce_scatter_start unreduced_reduce_scatter_start all_to_all_start".split()
 )
-_POINT = ("pbroadcast", "pbroadcast_start", "psend")
+_POINT = frozenset(("pbroadcast", "pbroadcast_start", "psend"))
 
 
 def _nbytes(avals) -> int:
   total = 0
   for a in avals:
     shape = getattr(a, "shape", None)
-    dtype = getattr(a, "dtype", None)
-    if shape is None or dtype is None:
-      continue
-    try:
-      itemsize = dtype.itemsize
-    except AttributeError:
-      continue
-    total += math.prod(shape) * itemsize
+    itemsize = getattr(getattr(a, "dtype", None), "itemsize", None)
+    if shape is not None and itemsize is not None:
+      total += math.prod(shape) * itemsize
   return total
 
 
@@ -122,7 +86,8 @@ class CollectiveStat:
   Attributes:
     axes: the axis names the collective runs over, in order.
     primitive: the primitive name, e.g. ``"psum"``.
-    count: executions per call (static trip counts; see module docs).
+    count: executions per call (static trip counts; see
+      ``collective_report``).
     bytes_per_call: estimated bytes sent per device per call, all executions.
     sources: distinct ``file:line`` of the user code, in program order.
   """
@@ -149,11 +114,7 @@ class CollectiveReport:
   @property
   def axis_names(self) -> tuple:
     """Every axis name some collective in the report uses."""
-    seen: dict = {}
-    for r in self.rows:
-      for a in r.axes:
-        seen.setdefault(a, None)
-    return tuple(seen)
+    return tuple(dict.fromkeys(a for r in self.rows for a in r.axes))
 
   def by_axis(self, name: Hashable) -> tuple[CollectiveStat, ...]:
     """Rows whose collective runs over ``name`` (alone or with others)."""
@@ -191,9 +152,7 @@ class CollectiveReport:
 
 
 def _fmt_bytes(b: float) -> str:
-  if b == int(b):
-    return str(int(b))
-  return f"{b:.1f}"
+  return str(int(b)) if b == int(b) else f"{b:.1f}"
 
 
 def _short(loc: str | None) -> str | None:
@@ -211,6 +170,19 @@ def collective_report(
   **kwargs: Any,
 ) -> CollectiveReport:
   """Collectives of ``fun`` per axis name: count, bytes per call, sources.
+
+  Counts follow static trip counts: a ``scan`` body counts ``length`` times,
+  a ``while`` body once (its trip count is dynamic), every ``cond`` branch
+  counts (an upper bound). Collectives under binders count too
+  (``jit(shard_map(...))``, ``pmap``), with the binder's sizes. Bytes are
+  per device per call, for the usual ring/direct algorithms, with ``n`` the
+  product of the collective's axis sizes (the group size with
+  ``axis_index_groups``) and ``B`` the per-device operand bytes: all-reduce
+  (``psum``, ``pmax``, ``pmin``) ``2(n-1)/n B``, ``all_gather`` ``(n-1) B``,
+  reduce-scatter and ``all_to_all`` ``(n-1)/n B``, ``ppermute``
+  ``B * pairs / n`` (each sending device sends ``B``, averaged over all
+  ``n``), ``pbroadcast``, ``psend``/``precv`` ``B``, ``axis_index``,
+  ``pvary`` and casts 0.
 
   Args:
     fun: a function (traced with ``jax.make_jaxpr``), or a Jaxpr/ClosedJaxpr.
@@ -241,18 +213,15 @@ def collective_report(
     p for p in check.problems_in(jaxpr, sizes) if p[4].startswith("unbound")
   ]
   if problems:
-    check.raise_problems(problems, _API)
+    raise check.problems_error(problems, _API) from None
   acc: dict[tuple, list] = {}
   used_sizes: dict = {}
   for eqn, env, mult in check.walk(jaxpr, sizes):
     names = analysis.own_names(eqn)
     if not names:
       continue
-    n = 1
-    for a in names:
-      size = env.get(a)
-      used_sizes[a] = size
-      n *= size if size else 1
+    used_sizes.update((a, env.get(a)) for a in names)
+    n = math.prod(env.get(a) or 1 for a in names)
     key = (names, eqn.primitive.name)
     entry = acc.setdefault(key, [0, 0.0, {}])
     entry[0] += mult
@@ -261,13 +230,9 @@ def collective_report(
     if src is not None:
       entry[2].setdefault(src, None)
   rows = tuple(
-    CollectiveStat(
-      axes=k[0],
-      primitive=k[1],
-      count=v[0],
-      bytes_per_call=v[1],
-      sources=tuple(v[2]),
+    CollectiveStat(axes, prim, count, nbytes, tuple(sources))
+    for (axes, prim), (count, nbytes, sources) in sorted(
+      acc.items(), key=lambda kv: (repr(kv[0][0]), kv[0][1])
     )
-    for k, v in sorted(acc.items(), key=lambda kv: (repr(kv[0][0]), kv[0][1]))
   )
   return CollectiveReport(rows=rows, axis_sizes=used_sizes)

@@ -29,45 +29,25 @@ from collections.abc import Hashable
 from collections.abc import Mapping
 from typing import Any
 
-_AXES = "axes"
-_AXIS_NAME = "axis_name"
-
 # Primitive name -> the param holding the axis name(s). Asynchronous
 # ``*_start`` variants take the same params as their synchronous primitive.
 AXIS_PARAMS: dict[str, str] = {
   # reductions / invariant casts: ``axes`` mixes names and positional ints
-  "psum": _AXES,
-  "pmax": _AXES,
-  "pmin": _AXES,
-  "psum_invariant": _AXES,
-  "unreduced_psum": _AXES,
-  "pvary": _AXES,
-  "preduced": _AXES,
-  "vary_unreduced_cast_p": _AXES,
-  "reduced_vary_cast_p": _AXES,
-  "psum_start": _AXES,
-  "psum_invariant_start": _AXES,
-  "unreduced_psum_start": _AXES,
+  **dict.fromkeys(
+    "psum pmax pmin psum_invariant unreduced_psum pvary preduced"
+    " vary_unreduced_cast_p reduced_vary_cast_p psum_start"
+    " psum_invariant_start unreduced_psum_start".split(),
+    "axes",
+  ),
   # data movement and axis queries: ``axis_name``
-  "axis_index": _AXIS_NAME,
-  "ppermute": _AXIS_NAME,
-  "pbroadcast": _AXIS_NAME,
-  "psend": _AXIS_NAME,
-  "precv": _AXIS_NAME,
-  "all_to_all": _AXIS_NAME,
-  "ragged_all_to_all": _AXIS_NAME,
-  "all_gather": _AXIS_NAME,
-  "all_gather_invariant": _AXIS_NAME,
-  "all_gather_reduced": _AXIS_NAME,
-  "reduce_scatter": _AXIS_NAME,
-  "unreduced_reduce_scatter": _AXIS_NAME,
-  "all_gather_start": _AXIS_NAME,
-  "all_gather_reduced_start": _AXIS_NAME,
-  "reduce_scatter_start": _AXIS_NAME,
-  "unreduced_reduce_scatter_start": _AXIS_NAME,
-  "all_to_all_start": _AXIS_NAME,
-  "pbroadcast_start": _AXIS_NAME,
-  "ppermute_start": _AXIS_NAME,
+  **dict.fromkeys(
+    "axis_index ppermute pbroadcast psend precv all_to_all ragged_all_to_all"
+    " all_gather all_gather_invariant all_gather_reduced reduce_scatter"
+    " unreduced_reduce_scatter all_gather_start all_gather_reduced_start"
+    " reduce_scatter_start unreduced_reduce_scatter_start all_to_all_start"
+    " pbroadcast_start ppermute_start".split(),
+    "axis_name",
+  ),
 }
 
 
@@ -117,10 +97,7 @@ def _pallas_call_binds(params: Mapping[str, Any]) -> dict:
 
 
 def _mesh_shape_binds(*meshes) -> dict:
-  out: dict = {}
-  for mesh in meshes:
-    out.update(mesh.shape)
-  return out
+  return {n: s for mesh in meshes for n, s in mesh.shape.items()}
 
 
 BINDERS: dict[str, Callable[[Mapping[str, Any]], dict]] = {

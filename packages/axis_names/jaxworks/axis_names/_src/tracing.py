@@ -10,7 +10,6 @@ caller learns which names were placeholders.
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Collection
 from collections.abc import Hashable
 from collections.abc import Mapping
 import os
@@ -21,6 +20,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
+import jaxlib
 
 from . import analysis
 from . import jax_internals
@@ -43,7 +43,6 @@ def check_axis_sizes(axis_sizes: Any, api: str) -> dict[Hashable, int]:
       f"{axis_sizes!r} of type {type(axis_sizes).__name__}; pass e.g. "
       "axis_sizes={'i': 8}"
     )
-  out = {}
   for name, size in axis_sizes.items():
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
       raise ValueError(
@@ -51,8 +50,7 @@ def check_axis_sizes(axis_sizes: Any, api: str) -> dict[Hashable, int]:
         "give each axis name its number of devices (or shards), e.g. "
         f"axis_sizes={{{name!r}: 8}}"
       )
-    out[name] = size
-  return out
+  return dict(axis_sizes)
 
 
 def trace(
@@ -61,14 +59,12 @@ def trace(
   kwargs: dict,
   axis_sizes: Mapping[Hashable, int],
   api: str,
-  no_placeholder: Collection = (),
   use_placeholders: bool = True,
 ) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
   """Traces ``fun(*args, **kwargs)``, binding free axis names as needed.
 
-  Names in ``no_placeholder`` (every name when ``use_placeholders`` is
-  False) are never bound with a placeholder: JAX's ``NameError`` for them
-  propagates.
+  With ``use_placeholders`` False no name is bound with a placeholder:
+  JAX's ``NameError`` propagates.
 
   Returns:
     The ClosedJaxpr and ``{name: NameError}`` for each name that had to be
@@ -93,12 +89,7 @@ def trace(
       return closed, placeholders
     except NameError as e:
       name = jax_internals.unbound_axis_name(e)
-      if (
-        not use_placeholders
-        or name is None
-        or name in env
-        or name in no_placeholder
-      ):
+      if not use_placeholders or name is None or name in env:
         raise
       env[name] = PLACEHOLDER_SIZE
       placeholders[name] = e
@@ -150,20 +141,12 @@ def _dir_of(module) -> str:
   return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
-_JAXLIB_DIR: tuple[str, ...]
-try:
-  import jaxlib as _jaxlib
-
-  _JAXLIB_DIR = (_dir_of(_jaxlib),)
-except ImportError:  # pragma: no cover - jaxlib always comes with jax
-  _JAXLIB_DIR = ()
-
 # Frames in these directories are not the user's: JAX, jaxlib and this
 # package; nor is the standard library, except packages installed inside
 # its tree (``.../lib/python3.X/site-packages`` of a system Python).
 _NOT_USER = (
   _dir_of(jax),
-  *_JAXLIB_DIR,
+  _dir_of(jaxlib),
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 )
 _STDLIB = sysconfig.get_path("stdlib") + os.sep
@@ -180,22 +163,23 @@ def _is_user_file(filename: str) -> bool:
   return not path.startswith(_STDLIB) or any(p in path for p in _INSTALLED)
 
 
-def user_location_of_exception(err: BaseException) -> str | None:
-  """``file:line (function)`` of the innermost user frame in a traceback."""
-  frames = _traceback.extract_tb(err.__traceback__)
-  for fr in reversed(frames):
-    if _is_user_file(fr.filename):
-      return f"{fr.filename}:{fr.lineno} ({fr.name})"
-  return None
-
-
-def user_call_of_exception(err: BaseException) -> tuple[str | None, str | None]:
-  """``(file:line (function), name)`` of the innermost user frame in a
-  traceback and of the function it called there (``pmean``), or Nones."""
-  frames = _traceback.extract_tb(jax_internals.unfiltered_traceback(err))
+def _user_call(tb) -> tuple[str | None, str | None]:
+  frames = _traceback.extract_tb(tb)
   for i in range(len(frames) - 1, -1, -1):
     fr = frames[i]
     if _is_user_file(fr.filename):
       called = frames[i + 1].name if i + 1 < len(frames) else None
       return f"{fr.filename}:{fr.lineno} ({fr.name})", called
   return None, None
+
+
+def user_location_of_exception(err: BaseException) -> str | None:
+  """``file:line (function)`` of the innermost user frame in a traceback."""
+  return _user_call(err.__traceback__)[0]
+
+
+def user_call_of_exception(err: BaseException) -> tuple[str | None, str | None]:
+  """``(file:line (function), name)`` of the innermost user frame in a
+  traceback (JAX's frames kept) and of the function it called there
+  (``pmean``), or Nones."""
+  return _user_call(jax_internals.unfiltered_traceback(err))
