@@ -84,10 +84,9 @@ def check(ok, what, fix=""):
 
 def close(a, b, rtol=1e-5, atol=1e-6):
   """Whether two pytrees of arrays are equal up to float rounding."""
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   return jax.tree.structure(a) == jax.tree.structure(b) and all(
     np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
-    for x, y in zip(la, lb)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
   )
 
 
@@ -112,17 +111,15 @@ def counted(fun, counter, key):
 
 def init_params(seed=0):
   rng = np.random.default_rng(seed)
+
+  def normal(*shape):  # scaled by the fan-in, shape[-2]
+    return (rng.normal(size=shape) / np.sqrt(shape[-2])).astype(np.float32)
+
   return {
-    "w_in": (rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(
-      np.float32
-    ),
-    "w_hid": (
-      rng.normal(size=(DEPTH, HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)
-    ).astype(np.float32),
+    "w_in": normal(FEATURES, HIDDEN),
+    "w_hid": normal(DEPTH, HIDDEN, HIDDEN),
     "b_hid": np.zeros((DEPTH, HIDDEN), np.float32),
-    "w_out": (rng.normal(size=(HIDDEN, OUTPUTS)) / np.sqrt(HIDDEN)).astype(
-      np.float32
-    ),
+    "w_out": normal(HIDDEN, OUTPUTS),
   }
 
 
@@ -157,19 +154,19 @@ def make_train_step(layer, lr=LR):
   return train_step
 
 
+# The step's params are broadcast (in_axes=None), its batch split over devices.
+STEP_AXES = dict(in_axes=(None, 0), out_axes=(None, None))
+
+
 def pmapped_step(layer, lr=LR):
-  """The jaxworks step: params broadcast (in_axes=None), the batch split over devices."""
-  return pmap_chunked.pmap(
-    make_train_step(layer, lr), AXIS, in_axes=(None, 0), out_axes=(None, None)
-  )
+  """The jaxworks step."""
+  return pmap_chunked.pmap(make_train_step(layer, lr), AXIS, **STEP_AXES)
 
 
 def stock_train_step(layer=None, lr=LR):
   """The same step with stock JAX only (jax.pmap, jax.jit)."""
   layer = jax.jit(dense) if layer is None else layer
-  return jax.pmap(
-    make_train_step(layer, lr), AXIS, in_axes=(None, 0), out_axes=(None, None)
-  )
+  return jax.pmap(make_train_step(layer, lr), AXIS, **STEP_AXES)
 
 
 def full_batch_step(params, batch, lr=LR):
@@ -181,9 +178,7 @@ def full_batch_step(params, batch, lr=LR):
 
 
 def spec_of(tree):
-  return jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree
-  )
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
 def named_axis_effects(closed_jaxpr):
@@ -204,14 +199,8 @@ def show_setup():
   print(
     f"   jax {jax.__version__}, {len(devices)} {devices[0].platform} devices"
   )
-  for name, mod in (
-    ("axis_names", axis_names),
-    ("batched_transfer", bt),
-    ("jit_cache", jit_cache),
-    ("stages_aot", stages_aot),
-    ("pmap_chunked", pmap_chunked),
-  ):
-    print(f"   jaxworks.{name:<17} {mod.__version__}")
+  for mod in (axis_names, bt, jit_cache, stages_aot, pmap_chunked):
+    print(f"   {mod.__name__:<26} {mod.__version__}")
   check(
     len(devices) >= N_DEVICES,
     f"at least {N_DEVICES} devices (got {len(devices)})",
@@ -245,14 +234,11 @@ def restore_checkpoint(path, params, batch, step):
   # (params, batch), each with a sharding and a layout.
   compiled = step.lower(spec_of(params), spec_of(batch)).compile()
   formats = jax.tree.leaves(compiled.input_formats[0])
-  flat, treedef = jax.tree.flatten((params, batch))
-  names = [
-    jax.tree_util.keystr(k)
-    for k, _ in jax.tree_util.tree_flatten_with_path((params, batch))[0]
-  ]
-  for name, leaf, f in zip(names, flat, formats):
+  keyed, treedef = jax.tree_util.tree_flatten_with_path((params, batch))
+  flat = [leaf for _, leaf in keyed]
+  for (key, leaf), f in zip(keyed, formats):
     print(
-      f"   {name:<16} {str(leaf.dtype)}{list(leaf.shape)!s:<12} -> spec {f.sharding.spec}, "
+      f"   {jax.tree_util.keystr(key):<16} {str(leaf.dtype)}{list(leaf.shape)!s:<12} -> spec {f.sharding.spec}, "
       f"layout {f.layout.major_to_minor}"
     )
 
@@ -453,13 +439,9 @@ def export_step(
     f"   StableHLO: {len(lowered.as_text().splitlines())} lines, one module for {lowered.platforms}"
   )
   art = stages_aot.save_artifact(exported, tmp / "train_step")
-  print(
-    f"   artifact {art.path.name}/: "
-    + ", ".join(
-      f"{p.name} ({p.stat().st_size} bytes)"
-      for p in sorted(pathlib.Path(art.path).iterdir())
-    )
-  )
+  files = sorted(pathlib.Path(art.path).iterdir())
+  sizes = ", ".join(f"{p.name} ({p.stat().st_size} bytes)" for p in files)
+  print(f"   artifact {art.path.name}/: {sizes}")
   loaded = stages_aot.load_artifact(tmp / "train_step")
   print(
     f"   reloaded: platforms {loaded.platforms}, runnable here {loaded.runnable_platforms}"
@@ -480,75 +462,6 @@ def export_step(
   check(close(out, stock), "and stock jax.pmap's")
 
 
-def timings(params, batch, restored, batch_on_devices, step, stock_step):
-  """One row per measure, each package's beside the stock JAX call it replaces."""
-  section(6)
-  rows = [
-    time_axis_names(params, batch),
-    time_batched_transfer(batch_on_devices),
-    *time_jit_cache(),
-    time_stages_aot(),
-    time_pmap_chunked(restored, batch_on_devices, step, stock_step),
-  ]
-  print_table(rows)
-  check(
-    len({r[0] for r in rows}) == 5,
-    "every package measured side by side with stock JAX",
-  )
-
-
-def time_axis_names(params, batch):
-  """Which axis names the step's program uses (a repeated query)."""
-  local_batch = jax.tree.map(lambda a: a[0], batch)
-  closed = jax.make_jaxpr(
-    make_train_step(jax.jit(dense)), axis_env=[(AXIS, N_DEVICES)]
-  )(params, local_batch)
-  axis_names.used_axis_names(closed)
-  ours, stock = jb.median_pair(
-    lambda: axis_names.used_axis_names(closed),
-    lambda: named_axis_effects(closed),
-    repeats=5,
-    inner=2000,
-  )
-  return (
-    "axis_names",
-    "axis names of the step's jaxpr (repeated)",
-    ours,
-    stock,
-    "read jaxpr.effects",
-  )
-
-
-def time_batched_transfer(batch_on_devices):
-  """64 small numpy leaves onto the 8-device batch sharding."""
-  sharding = batch_on_devices["x"].sharding
-  tree = {
-    f"leaf{i}": np.full((N_DEVICES, 32), i, np.float32) for i in range(64)
-  }
-  check(
-    close(
-      bt.device_put(tree, sharding),
-      jax.device_put(tree, sharding),
-      rtol=0,
-      atol=0,
-    ),
-    "batched_transfer.device_put equals jax.device_put on the timing tree",
-  )
-  ours, stock = jb.median_pair(
-    lambda: bt.device_put(tree, sharding),
-    lambda: jax.device_put(tree, sharding),
-    repeats=7,
-    inner=5,
-  )
-  return (
-    "batched_transfer",
-    "device_put, 64 numpy leaves -> 8 devices",
-    ours,
-    stock,
-    "jax.device_put",
-  )
-
-
 def make_chain():
   """A fresh function object each call, with the same code and constants."""
 
@@ -560,93 +473,103 @@ def make_chain():
   return chain
 
 
-def time_jit_cache():
-  """The first call of a re-created closure, and a cached call."""
-  x = jnp.arange(256.0)
-  check(
-    close(jit_cache.jit(make_chain())(x), jax.jit(make_chain())(x)),
-    "jit_cache.jit equals jax.jit",
+# The rows of the timing table, in the order timings() measures them:
+# package | measure | the stock JAX call timed beside it.
+TIMED = """\
+axis_names | axis names of the step's jaxpr (repeated) | read jaxpr.effects
+batched_transfer | device_put, 64 numpy leaves -> 8 devices | jax.device_put
+jit_cache | first call of a re-created function (in-process reuse) | jax.jit
+jit_cache | cached call | jax.jit
+stages_aot | trace+lower(cpu,tpu)+export+serialize | jax.export
+pmap_chunked | training step, cached call | jax.pmap"""
+
+
+def timings(params, batch, restored, batch_on_devices, step, stock_step):
+  """One row per measure, each package's beside the stock JAX call it replaces."""
+  section(6)
+  times = []  # (jaxworks, stock) seconds per row of TIMED
+
+  # axis_names: which axis names the step's program uses (a repeated query).
+  closed = jax.make_jaxpr(
+    make_train_step(jax.jit(dense)), axis_env=[(AXIS, N_DEVICES)]
+  )(params, jax.tree.map(lambda a: a[0], batch))
+  axis_names.used_axis_names(closed)
+  ours, stock = (
+    lambda: axis_names.used_axis_names(closed),
+    lambda: named_axis_effects(closed),
   )
-  ours, stock = jb.median_pair(
+  times.append(jb.median_pair(ours, stock, repeats=5, inner=2000))
+
+  # batched_transfer: 64 small numpy leaves onto the 8-device batch sharding.
+  sharding = batch_on_devices["x"].sharding
+  tree = {
+    f"leaf{i}": np.full((N_DEVICES, 32), i, np.float32) for i in range(64)
+  }
+  ours, stock = (
+    lambda: bt.device_put(tree, sharding),
+    lambda: jax.device_put(tree, sharding),
+  )
+  check(
+    close(ours(), stock(), rtol=0, atol=0),
+    "batched_transfer.device_put equals jax.device_put on the timing tree",
+  )
+  times.append(jb.median_pair(ours, stock, repeats=7, inner=5))
+
+  # jit_cache: the first call of a re-created closure, and a cached call.
+  x = jnp.arange(256.0)
+  ours, stock = (
     lambda: jit_cache.jit(make_chain())(x),
     lambda: jax.jit(make_chain())(x),
-    repeats=5,
   )
-  first = (
-    "jit_cache",
-    "first call of a re-created function (in-process reuse)",
-    ours,
-    stock,
-    "jax.jit",
-  )
+  check(close(ours(), stock()), "jit_cache.jit equals jax.jit")
+  times.append(jb.median_pair(ours, stock, repeats=5))
   f_ours, f_stock = jit_cache.jit(make_chain()), jax.jit(make_chain())
-  ours, stock = jb.median_pair(
-    lambda: f_ours(x), lambda: f_stock(x), repeats=7, inner=200
-  )
-  return [first, ("jit_cache", "cached call", ours, stock, "jax.jit")]
+  ours, stock = lambda: f_ours(x), lambda: f_stock(x)
+  times.append(jb.median_pair(ours, stock, repeats=7, inner=200))
 
-
-def time_stages_aot():
-  """Trace, lower for cpu+tpu, export, serialize (a fresh function each time)."""
-  x = jnp.arange(256.0)
+  # stages_aot: trace, lower for cpu+tpu, export and serialize a fresh
+  # function each time.
+  platforms = ("cpu", "tpu")
 
   def export_ours():
-    return (
-      stages_aot.trace(make_chain(), x)
-      .lower(lowering_platforms=("cpu", "tpu"))
-      .export()
-      .serialize()
-    )
+    traced = stages_aot.trace(make_chain(), x)
+    exported = traced.lower(lowering_platforms=platforms).export()
+    return np.frombuffer(exported.serialize(), np.uint8)
 
   def export_stock():
-    return jax.export.export(jax.jit(make_chain()), platforms=("cpu", "tpu"))(
-      x
-    ).serialize()
+    export = jax.export.export(jax.jit(make_chain()), platforms=platforms)
+    return np.frombuffer(export(x).serialize(), np.uint8)
 
-  ours, stock = jb.median_pair(
-    lambda: np.frombuffer(export_ours(), np.uint8),
-    lambda: np.frombuffer(export_stock(), np.uint8),
-    repeats=5,
-  )
-  return (
-    "stages_aot",
-    "trace+lower(cpu,tpu)+export+serialize",
-    ours,
-    stock,
-    "jax.export",
-  )
+  times.append(jb.median_pair(export_ours, export_stock, repeats=5))
 
-
-def time_pmap_chunked(restored, batch_on_devices, step, stock_step):
-  """Dispatch of the cached training step, both on the same device-resident inputs."""
-  check(
-    close(
-      step(restored, batch_on_devices), stock_step(restored, batch_on_devices)
-    ),
-    "the pmap_chunked step equals jax.pmap's on the restored inputs",
-  )
-  ours, stock = jb.median_pair(
+  # pmap_chunked: dispatch of the cached training step, both on the same
+  # device-resident inputs.
+  ours, stock = (
     lambda: step(restored, batch_on_devices),
     lambda: stock_step(restored, batch_on_devices),
-    repeats=7,
-    inner=20,
   )
-  return ("pmap_chunked", "training step, cached call", ours, stock, "jax.pmap")
+  check(
+    close(ours(), stock()),
+    "the pmap_chunked step equals jax.pmap's on the restored inputs",
+  )
+  times.append(jb.median_pair(ours, stock, repeats=7, inner=20))
 
-
-def print_table(rows):
-  """The rows as a markdown table, with stock / jaxworks as the speedup."""
   print(
     f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; speedup = stock / jaxworks, > 1: jaxworks faster\n"
   )
   print(
-    "   | package | measure | jaxworks | stock JAX | stock call | speedup |"
+    "   | package | measure | jaxworks | stock JAX | stock call | speedup |\n"
+    "   |---|---|---:|---:|---|---:|"
   )
-  print("   |---|---|---:|---:|---|---:|")
-  for package, measure, ours, stock, what in rows:
+  rows = [line.split(" | ") for line in TIMED.splitlines()]
+  for (package, measure, what), (ours, stock) in zip(rows, times):
     print(
       f"   | {package} | {measure} | {jb.fmt_seconds(ours)} | {jb.fmt_seconds(stock)} | {what} | {jb.fmt_speedup(stock / ours)} |"
     )
+  check(
+    len(times) == len(rows) and len({r[0] for r in rows}) == 5,
+    "every package measured side by side with stock JAX",
+  )
 
 
 def adopt_program_wide(params, batch):
@@ -656,13 +579,7 @@ def adopt_program_wide(params, batch):
   def user_code():
     # Plain JAX, as a codebase would have it: every call goes through the jax namespace.
     placed = jax.device_put(params, jax.devices()[0])
-    step = jax.pmap(
-      make_train_step(jax.jit(dense)),
-      AXIS,
-      in_axes=(None, 0),
-      out_axes=(None, None),
-    )
-    return placed, step(placed, batch)
+    return placed, stock_train_step()(placed, batch)
 
   stock_placed, stock_loss = user_code()
   stock_names = (jax.jit, jax.device_put, jax.pmap)

@@ -5,7 +5,8 @@ Public API: :func:`pmap`, :func:`device_put_replicated`,
 ``CacheInfo`` (``jaxworks.jit_cache.CacheInfo``, what ``cache_info()`` and
 :func:`stats` return), and the adoption API :func:`install` /
 :func:`uninstall` / :func:`installed` (``jax.pmap = pmap_chunked.pmap``,
-reversibly). ``Pmapped.trace``/``lower`` return jit_cache's stage family.
+reversibly). ``Pmapped.trace``/``lower`` return the stage family of
+``jaxworks.stages_aot`` (re-exported by ``jaxworks.jit_cache``).
 """
 
 import warnings as _warnings

@@ -10,7 +10,7 @@ point.
 installed. JAX 0.10 removed them from the public API (touching them raises an
 ``AttributeError`` that points at the migration guide), and libraries test
 for them to pick a code path; bringing them back under those names would send
-such code down the path written for JAX 0.9 and its ``PmapSharding``s. Call
+such code down the path written for JAX 0.9 and its ``PmapSharding``. Call
 :func:`jaxworks.pmap_chunked.device_put_replicated` / ``device_put_sharded``
 by name instead.
 

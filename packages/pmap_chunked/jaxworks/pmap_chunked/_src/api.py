@@ -44,7 +44,7 @@ def pmap(
 
   The mapped arguments are split along their ``in_axes`` axis, one slice per
   device, over a 1-D mesh of the devices (Auto axis type) whose axis is
-  ``axis_name``. Inputs and outputs are global ``jax.Array``\\ s with a
+  ``axis_name``. Inputs and outputs are global arrays with a
   ``NamedSharding`` whose shards keep the array's rank: an ``[8, 100]``
   array is held as one ``[1, 100]`` shard per device. So outputs feed
   ``jax.jit``, or this pmap again, without a copy, and inputs that are already
@@ -67,15 +67,17 @@ def pmap(
       counts from the end), None (the output is the same on every device and
       is returned once, unmapped), or a pytree prefix of the outputs.
       Default 0.
-    static_broadcasted_argnums: An int or collection of ints: positions of
-      positional arguments that are static (compile-time constants, given to
-      every device unchanged). They must be hashable; a call with a new value
-      traces and compiles again. Calling with fewer positional arguments than
-      ``static_broadcasted_argnums`` requires raises an error, so pass static
-      arguments positionally. Default (). A static value is matched by
-      type and value: ``1``, ``1.0``, ``True`` and ``np.int32(1)`` are four
-      programs, ``-0.0`` is not ``0.0``, and the elements of tuples are
-      compared the same way.
+    static_broadcasted_argnums: An int or collection of ints (anything with
+      ``__index__``: ``True`` is 1, NumPy and concrete JAX integers):
+      positions of positional arguments that are static (hashable
+      compile-time constants, given to every device unchanged); a negative
+      position names no argument, as in ``jax.pmap``. A call with a new value
+      traces and compiles again; calling with fewer positional arguments is an
+      error, so pass static arguments positionally. A static value is matched
+      by type and value: ``1``, ``1.0``, ``True`` and ``np.int32(1)`` are four
+      programs, floats compare by their bits (``-0.0`` is not ``0.0``, a NaN
+      finds its program), tuples and frozensets element by element, other
+      objects by type, ``__hash__`` and ``__eq__``. Default ().
     devices: Optional sequence of devices to map over, in order. Its length
       must equal the mapped size (times the sizes of nested pmaps). Default:
       the first devices of ``jax.devices()`` (grouped by process when there
@@ -87,14 +89,13 @@ def pmap(
     axis_size: Optional mapped size. Required when no argument is mapped
       (every ``in_axes`` entry is None); otherwise it must agree with the
       arguments. In a multi-process run it is the global size.
-    donate_argnums: An int or collection of ints: positions of positional
-      arguments (static ones counted) whose buffers are donated to the
-      computation: the caller no longer needs them, XLA may reuse their memory
-      for outputs, and a donated array whose buffer was reused is deleted
-      (using it afterwards raises an error). As in ``jax.pmap``, an argument
-      that first has to be moved to the devices is copied and the copy is
-      donated, leaving the caller's array intact. Keyword arguments are never
-      donated; a donated argument cannot also be static. Default ().
+    donate_argnums: Positions of positional arguments (static ones counted;
+      the forms ``static_broadcasted_argnums`` takes) whose buffers XLA may
+      reuse for outputs; a donated array whose buffer was reused is deleted.
+      As in ``jax.pmap``, an argument that first has to be moved to the
+      devices is copied and the copy is donated, keyword arguments are never
+      donated, and nothing is donated while ``jax.debug_nans`` is on. A
+      donated argument cannot also be static. Default ().
     chunked: If False (default), ``fun`` sees each mapped argument with the
       mapped axis removed and returns per-device values without it (classic
       pmap). If True, ``fun`` sees the device's chunk with the size-1 mapped
@@ -108,15 +109,13 @@ def pmap(
   Returns:
     A :class:`Pmapped` callable with the same arguments as ``fun``; its outputs
     have the mapped axis (of size = number of devices) at ``out_axes``.
-    ``.lower(...)`` / ``.trace(...)`` give the jit_cache stages of a call
-    (arguments keep their weak types, so the stages' output dtypes are the
-    call's), ``.cache_info()`` this function's table counters and
-    ``.clear_cache()`` empties it.
 
   Raises:
     ValueError: the mapped arguments disagree on the mapped size, the size
       does not match the available or given devices, or in_axes/out_axes do
-      not fit the arguments/outputs.
+      not fit the arguments/outputs (:class:`AxisOutOfRangeError` for an axis
+      beyond the rank, :class:`UnhashableStaticError` for an unhashable
+      static argument).
     jaxworks.axis_names.AxisNameError: ``fun`` uses an axis name that no
       enclosing pmap binds (the message names the primitive, the axis, the
       bound names and the user's file:line).

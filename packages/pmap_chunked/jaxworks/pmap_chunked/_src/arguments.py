@@ -22,8 +22,7 @@ import numpy as np
 from . import axes as axes_lib
 from . import lru
 from . import mesh as mesh_lib
-
-API = "jaxworks.pmap_chunked.pmap"
+from .mesh import API as API
 
 
 class UnhashableStaticError(ValueError, TypeError):
@@ -50,11 +49,9 @@ def static_key(value: Any) -> Any:
     return (kind, struct.pack("<d", value))
   if kind is complex:
     return (kind, struct.pack("<dd", value.real, value.imag))
-  if isinstance(value, np.generic):
+  if isinstance(value, np.generic) and value.dtype != object:
     # NumPy scalars: by dtype and bytes (np.float32(-0.0) vs np.float32(0.0)).
-    if value.dtype != object:
-      return (kind, value.dtype, value.tobytes())
-    return (kind, value)
+    return (kind, value.dtype, value.tobytes())
   if isinstance(value, tuple):
     return (kind, tuple(static_key(v) for v in value))
   if isinstance(value, frozenset):
@@ -157,19 +154,12 @@ class Arguments:
         size = n
       elif n != size:
         self._raise_sizes(flat, leaves, dyn, kwargs)
-    return (
-      static_vals,
-      leaves,
-      treedef,
-      flat,
-      self._global_size(size, leaves, flat),
-    )
+    size = self._global_size(size, leaves, flat)
+    return static_vals, leaves, treedef, flat, size
 
   def merge(self, static_vals: tuple, dyn_args: Any, nargs: int) -> list:
     """The positional arguments of the user's function: the static values
     back between the dynamic ones."""
-    if not self.statics:
-      return list(dyn_args)
     dyn_iter = iter(dyn_args)
     static_of = dict(zip(self.statics, static_vals))
     return [
@@ -180,16 +170,14 @@ class Arguments:
     """Indices of the flat leaves that belong to donated positional args."""
     dyn_positions = [i for i in range(nargs) if i not in self.statics]
     dyn_args, _ = jax.tree_util.tree_unflatten(
-      treedef, [0] * treedef.num_leaves
+      treedef, range(treedef.num_leaves)
     )
-    donated: list[int] = []
-    start = 0
-    for position, arg in zip(dyn_positions, dyn_args):
-      n = len(jax.tree_util.tree_leaves(arg))
-      if position in self.donate:
-        donated.extend(range(start, start + n))
-      start += n
-    return tuple(donated)
+    return tuple(
+      i
+      for position, arg in zip(dyn_positions, dyn_args)
+      if position in self.donate
+      for i in jax.tree_util.tree_leaves(arg)
+    )
 
   def _raise_too_few(self, args: tuple) -> NoReturn:
     statics = self.statics

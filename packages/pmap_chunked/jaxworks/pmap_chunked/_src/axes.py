@@ -70,28 +70,22 @@ def broadcast_axes(api: str, what: str, spec: Any, tree: Any) -> list:
   except (ValueError, TypeError) as e:
     # JAX's own description names the spec "tree_map tree": say what it is.
     detail = str(e).replace("tree_map tree", what).rstrip(".")
+    one = "output" if what == "out_axes" else "positional argument"
     raise ValueError(
-      f"{api}: {what}={spec!r} is not a pytree prefix of the "
-      f"{'outputs' if what == 'out_axes' else 'positional arguments'} "
+      f"{api}: {what}={spec!r} is not a pytree prefix of the {one}s "
       f"(structure {jax.tree_util.tree_structure(tree)}): {detail}. Give "
-      f"one entry per "
-      f"{'output' if what == 'out_axes' else 'positional argument'}"
-      " (or a single int/None for all)."
+      f"one entry per {one} (or a single int/None for all)."
     ) from None
-  flat = []
-  for run in jax.tree_util.tree_leaves(
+  runs = jax.tree_util.tree_leaves(
     per_subtree, is_leaf=lambda x: isinstance(x, _Run)
-  ):
-    flat.extend(run.axes)
-  return flat
+  )
+  return [ax for run in runs for ax in run.axes]
 
 
 def normalize_axis(
-  api: str, what: str, axis: int | None, ndim: int, where: str
-) -> int | None:
+  api: str, what: str, axis: int, ndim: int, where: str
+) -> int:
   """Maps a possibly negative axis into [0, ndim), with a clear error."""
-  if axis is None:
-    return None
   if not -ndim <= axis < ndim:
     raise AxisOutOfRangeError(
       f"{api}: {what} axis {axis} is out of range for {where} of rank "
@@ -113,13 +107,11 @@ def out_specs_for(axis_name: Any, out_axes: Any) -> Any:
   Negative out_axes are sharded at position 0 inside shard_map and moved to
   their final place afterwards (their rank is only known after tracing).
   """
-
-  def one(ax):
-    if ax is None:
-      return P()
-    return spec_for_axis(axis_name, 0 if ax < 0 else ax)
-
-  return jax.tree_util.tree_map(one, out_axes, is_leaf=_is_none)
+  return jax.tree_util.tree_map(
+    lambda ax: spec_for_axis(axis_name, ax if ax is None else max(ax, 0)),
+    out_axes,
+    is_leaf=_is_none,
+  )
 
 
 def leaf_paths(tree: Any) -> Sequence[str]:

@@ -20,7 +20,7 @@ SUPPORTED_JAX = ">=0.10.2,<0.11"
 MINIMUM_VERSIONS = {
   "jaxworks.axis_names": "0.2.0",
   "jaxworks.batched_transfer": "0.2.0",
-  "jaxworks.jit_cache": "0.4.0",  # the stage family, CacheInfo, check_argnums, AxisNameError at entry points
+  "jaxworks.jit_cache": "0.4.0",  # stages_aot's stage family re-exported, CacheInfo, AxisNameError at entry points
 }
 
 

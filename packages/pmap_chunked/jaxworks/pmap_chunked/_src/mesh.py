@@ -36,20 +36,6 @@ def make_mesh(devices: tuple, shape: tuple[int, ...], names: tuple) -> Mesh:
   )
 
 
-def process_devices(backend: str | None = None) -> tuple:
-  """All devices (of ``backend``), those of process 0 first, then 1, ... ."""
-  try:
-    devices = _devices(backend)
-  except RuntimeError as e:
-    raise RuntimeError(
-      f"{API}: backend={backend!r} has no devices here ({e}); pass "
-      "backend=None for the default backend, or one of the available "
-      "ones."
-    ) from None
-  # A stable sort: each process's devices keep their order.
-  return tuple(sorted(devices, key=lambda d: d.process_index))
-
-
 def select_devices(
   devices: tuple | None, total: int, backend: str | None = None
 ) -> tuple:
@@ -63,14 +49,24 @@ def select_devices(
         "mapped axis."
       )
     return devices
-  available = process_devices(backend)
+  try:
+    available = _devices(backend)
+  except RuntimeError as e:
+    raise RuntimeError(
+      f"{API}: backend={backend!r} has no devices here ({e}); pass "
+      "backend=None for the default backend, or one of the available "
+      "ones."
+    ) from None
+  # Those of process 0 first, then 1, ...: a stable sort keeps each
+  # process's devices in their order.
+  available = sorted(available, key=lambda d: d.process_index)
   if total > len(available):
     raise ValueError(
       f"{API}: the mapped axis needs {total} devices but only "
       f"{len(available)} are available (jax.device_count()); use a mapped "
       f"size of at most {len(available)}, or split the data into chunks."
     )
-  return available[:total]
+  return tuple(available[:total])
 
 
 def check_devices(api: str, devices: Any) -> tuple:

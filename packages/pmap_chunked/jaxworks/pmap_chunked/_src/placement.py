@@ -84,21 +84,10 @@ def _compatible(sharding, target, axis_name, axis, ndim) -> bool:
   return sharding.is_equivalent_to(target, ndim)
 
 
-def _relabel(x: jax.Array, target: NamedSharding) -> jax.Array:
-  """``x`` (laid out equivalently to ``target``) as an array whose sharding IS
-  ``target``, sharing its buffers (no copy)."""
-  return _make_array_from_single_device_arrays(
-    x.shape, target, [s.data for s in x.addressable_shards]
-  )
-
-
-def _can_relabel(x: jax.Array, target: NamedSharding) -> bool:
-  # Only a 1-D mesh's equivalence is exact (a nested pmap's mesh accepts
-  # arrays also split over inner axes, which keep their own sharding).
-  return (
-    len(target.mesh.axis_names) == 1
-    and x.is_fully_addressable
-    and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+def _rewrappable(x: jax.Array) -> bool:
+  """Whether ``x``'s buffers can be wrapped as another array (no copy)."""
+  return x.is_fully_addressable and not jax.dtypes.issubdtype(
+    x.dtype, jax.dtypes.extended
   )
 
 
@@ -113,8 +102,7 @@ def _implicit(x: Any) -> Any:
   if (
     isinstance(x, jax.Array)
     and getattr(x, "committed", False)
-    and x.is_fully_addressable
-    and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+    and _rewrappable(x)
   ):
     # jit refuses a committed array on other devices (stock jax.pmap raises
     # ValueError); uncommitted, jit moves it like any other input.
@@ -122,14 +110,9 @@ def _implicit(x: Any) -> Any:
   return x
 
 
-def place_inputs(
-  leaves: list,
-  targets: Sequence[NamedSharding],
-  axis_name: Any,
-  in_axes: Sequence[int | None],
-  donated: frozenset = frozenset(),
-) -> list:
-  """The leaves to call with: misplaced ones moved in one batched transfer.
+def place_inputs(leaves: list, entry: Any) -> list:
+  """The leaves to call ``entry`` (a ``programs.Entry``) with: misplaced ones
+  moved in one batched transfer.
 
   A moved leaf is a copy; the caller's array is left as it is (also when its
   argument is donated: the copy is what gets donated, as in jax.pmap). A leaf
@@ -144,36 +127,39 @@ def place_inputs(
   does: implicit transfers, which the guard logs or refuses as it does for
   ``jax.pmap``.
   """
+  targets, in_axes = entry.in_shardings, entry.in_axes
+  axis_name = entry.axis_name
   moves = []
   relabeled = None
   for i, x in enumerate(leaves):
     if isinstance(x, jax.Array) and is_laid_out(
       x, targets[i], axis_name, in_axes[i]
     ):
+      # Only a 1-D mesh's equivalence is exact (a nested pmap's mesh accepts
+      # arrays also split over inner axes, which keep their own sharding).
       if (
         x.sharding != targets[i]
-        and i not in donated
-        and _can_relabel(x, targets[i])
+        and i not in entry.donated
+        and len(targets[i].mesh.axis_names) == 1
+        and _rewrappable(x)
       ):
         if relabeled is None:
           relabeled = list(leaves)
-        relabeled[i] = _relabel(x, targets[i])
+        relabeled[i] = _make_array_from_single_device_arrays(
+          x.shape, targets[i], [s.data for s in x.addressable_shards]
+        )
       continue
     moves.append(i)
-  if relabeled is not None:
-    leaves = relabeled
+  leaves = relabeled or leaves
   if not moves:
     return leaves
+  values = [leaves[i] for i in moves]
   if jax.process_count() > 1:
-    moved = _place_multiprocess(
-      [leaves[i] for i in moves], [targets[i] for i in moves]
-    )
+    moved = _place_multiprocess(values, [targets[i] for i in moves])
   elif transfer_guarded():
-    moved = [_implicit(leaves[i]) for i in moves]
+    moved = [_implicit(x) for x in values]
   else:
-    moved = deps.device_put(
-      [leaves[i] for i in moves], [targets[i] for i in moves]
-    )
+    moved = deps.device_put(values, [targets[i] for i in moves])
   out = list(leaves)
   for i, y in zip(moves, moved):
     out[i] = y
@@ -217,27 +203,24 @@ def _is_key(x: Any) -> bool:
 def _unwrap_keys(leaves: list) -> tuple[list, list]:
   """PRNG key arrays travel as their uint32 data; returns (leaves, impls)."""
   impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
-  return (
-    [
-      jax.random.key_data(x) if impl is not None else x
-      for x, impl in zip(leaves, impls)
-    ],
-    impls,
-  )
+  data = [
+    x if i is None else jax.random.key_data(x) for x, i in zip(leaves, impls)
+  ]
+  return data, impls
 
 
 def _rewrap_keys(leaves: list, impls: list) -> list:
   return [
-    jax.random.wrap_key_data(x, impl=impl) if impl is not None else x
-    for x, impl in zip(leaves, impls)
+    x if i is None else jax.random.wrap_key_data(x, impl=i)
+    for x, i in zip(leaves, impls)
   ]
 
 
 def _as_array(x: Any) -> Any:
   """Arrays stay as they are; Python scalars keep their (weak) type."""
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return x
-  if isinstance(x, (bool, int, float, complex)):
+  if isinstance(
+    x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+  ):
     return x
   return np.asarray(x)
 

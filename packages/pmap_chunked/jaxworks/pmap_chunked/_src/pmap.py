@@ -1,22 +1,11 @@
 """pmap built as jit(shard_map(body)) over a mesh of the devices.
 
-1. A call flattens its arguments, finds each leaf's mapped axis (in_axes) and
-   the mapped size n, and picks n devices.
-2. A cache entry per (argument structure, axes, n, static arguments) holds a
-   Mesh with Auto axes, one NamedSharding per leaf (the mapped dimension split
-   over the pmap axis, so every device holds a [.., 1, ..] chunk: shards keep
-   their rank) and a ``jaxworks.jit_cache.jit`` of ``shard_map(body)``.
-3. ``body`` runs per device. With chunked=False it squeezes the size-1 mapped
-   axis before calling the user function and re-inserts it at out_axes
-   afterwards (classic pmap semantics); with chunked=True the user function
-   sees and returns the size-1 axis itself.
-4. Inputs already laid out as the entry expects are passed as they are (no
-   copy); the others move in one batched transfer. Outputs are global arrays
-   with NamedShardings, so they feed jax.jit or this pmap again without a copy.
-
-A :class:`Pmapped` has ``arguments.Arguments`` read a call's arguments (step
-1) and ``programs.Programs`` build an entry and its body (steps 2 and 3); it
-holds the table of entries itself, dispatches a call (step 4) and counts.
+A :class:`Pmapped` has ``arguments.Arguments`` read a call's arguments (flat
+leaves, mapped axes, size, static values) and ``programs.Programs`` build the
+program of each argument structure, size and static values (an ``Entry``: a
+Mesh with Auto axes, one rank-keeping NamedSharding per leaf, and
+``jaxworks.jit_cache.jit(shard_map(body))``); it keeps the table of entries
+itself, puts misplaced inputs in place (``placement``) and counts.
 """
 
 from __future__ import annotations
@@ -49,10 +38,6 @@ from .arguments import static_key
 from .programs import Entry
 from .programs import Programs
 
-# Axis name of a pmap given no axis_name (as in jax.pmap, one shared name, so
-# outputs of one anonymous pmap have exactly the input sharding of another).
-ANONYMOUS_AXIS = "_pmap_axis"
-
 # Default bound on one pmapped function's program table (LRU).
 DEFAULT_MAXSIZE = 256
 
@@ -72,13 +57,6 @@ _REGISTRY_LOCK = threading.Lock()
 
 _Tracer = jax.core.Tracer
 _config = jax.config
-# Read as a jax.config attribute: the thread-local `with jax.debug_nans(...)`
-# value as well as the global one.
-_DEBUG_NANS = "jax_debug_nans"
-
-
-def _is_tracer(x: Any) -> bool:
-  return isinstance(x, _Tracer)
 
 
 class _PmapTraced(jit_cache.Traced):
@@ -123,17 +101,21 @@ def _any_arguments(*args, **kwargs):
 class Pmapped:
   """A function mapped over devices by :func:`jaxworks.pmap_chunked.pmap`.
 
-  Calling it runs the mapped function; ``lower`` and ``trace`` give the
-  ``jaxworks.stages_aot`` stages of the program a call would run, and
-  ``cache_info()`` reports this function's cache counters.
+  Calling it runs the mapped function (also as a method: ``@pmap`` on a
+  ``def`` in a class binds ``self``); ``lower`` and ``trace`` give the
+  ``jaxworks.stages_aot`` stages of the program a call would run, with the
+  arguments' weak types kept, and ``cache_info()`` reports this function's
+  cache counters. As for ``jax.pmap``'s wrapper, ``inspect.signature`` gives
+  ``fun``'s signature, ``(*args, **kwargs)`` with ``follow_wrapped=False``,
+  and ``jax.export.export`` raises ``ValueError``: export the program with
+  ``lower(*args).export()``.
   """
 
-  # inspect.signature(p, follow_wrapped=False) reads these (and the
-  # instance's __name__ and __annotations__, copied from fun) as it reads
-  # the plain ``(*args, **kwargs)`` function jax.pmap returns; without them
-  # it takes an object with __get__ for a builtin and raises ValueError.
-  # With follow_wrapped=True (the default) it follows __wrapped__ to fun's
-  # own signature, as for jax.pmap.
+  # inspect.signature(p, follow_wrapped=False) reads these (and __name__ and
+  # __annotations__, copied from fun) as for the plain ``(*args, **kwargs)``
+  # function jax.pmap returns; without them it takes an object with __get__
+  # for a builtin and raises ValueError. follow_wrapped=True follows
+  # __wrapped__ to fun's own signature, as for jax.pmap.
   __code__ = _any_arguments.__code__
   __defaults__ = None
   __kwdefaults__ = None
@@ -154,9 +136,6 @@ class Pmapped:
     maxsize: int = DEFAULT_MAXSIZE,
   ):
     _check_fun(fun)
-    anonymous = axis_name is None
-    if anonymous:
-      axis_name = ANONYMOUS_AXIS
     _check_options(axis_name, axis_size, chunked, maxsize, backend)
     in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
     out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
@@ -172,7 +151,6 @@ class Pmapped:
     self._programs = Programs(
       fun,
       axis_name,
-      anonymous=anonymous,
       out_axes=out_axes,
       arguments=self._args,
       backend=backend,
@@ -182,9 +160,7 @@ class Pmapped:
     self._maxsize = maxsize
     self._entries: lru.LRU[Any, Entry] = lru.LRU(maxsize)
     self._lock = threading.Lock()
-    self._hits = 0
-    self._misses = 0
-    self._evictions = 0
+    self._hits = self._misses = self._evictions = 0
     functools.update_wrapper(self, fun, updated=())
     # As jax.pmap's wrapper: a name and annotations (fun's, or none) even
     # when fun has none of its own (a functools.partial, a callable object).
@@ -209,12 +185,11 @@ class Pmapped:
   def lower(self, *args, **kwargs) -> jit_cache.Lowered:
     """Lowers the program a call with these arguments would run.
 
-    Returns a ``jaxworks.stages_aot.Lowered`` (re-exported by
-    ``jaxworks.jit_cache``: a ``jax.stages.Lowered`` with ``fun_name``,
-    ``jaxpr``, ``platforms``, ``compile(platform=...)`` and ``export()``) whose
-    ``args_info`` describes the arguments as passed (arrays or
-    ``jax.ShapeDtypeStruct`` values), so its ``compile()`` takes them as a
-    call does.
+    Returns a ``jaxworks.stages_aot.Lowered`` (a ``jax.stages.Lowered`` with
+    ``fun_name``, ``jaxpr``, ``platforms``, ``compile(platform=...)`` and
+    ``export()``) whose ``args_info`` is the ``(args, kwargs)`` structure as
+    passed without the static arguments, as for ``jax.pmap``, so its
+    ``compile()`` takes the arguments as a call does.
     """
     return self._run("lower", args, kwargs)
 
@@ -253,60 +228,52 @@ class Pmapped:
   def _run(self, how: str, args: tuple, kwargs: dict):
     static_vals, leaves, treedef, in_axes, size = self._args.parse(args, kwargs)
     nested = bool(mesh_lib.frames())
-    tracing = nested or any(map(_is_tracer, leaves))
-    # As jax.pmap, no donation while jax.debug_nans is on (read per call).
-    donating = bool(self._args.donate) and not getattr(_config, _DEBUG_NANS)
+    tracing = nested or any(isinstance(x, _Tracer) for x in leaves)
+    # As jax.pmap, no donation while jax.debug_nans is on; read as a
+    # jax.config attribute, which sees `with jax.debug_nans(...)` too.
+    donating = bool(self._args.donate) and not getattr(
+      _config, "jax_debug_nans"
+    )
+    context = programs_lib.context_key() if nested else None
+    nargs = len(args)
     key = (
       treedef,
       in_axes,
       size,
       static_key(static_vals),
-      len(args),
-      programs_lib.context_key() if nested else None,
+      nargs,
+      context,
       donating,
     )
+    build = functools.partial(
+      self._programs.build, static_vals, treedef, in_axes, size, nargs
+    )
     with self._lock:
-      found = self._entries.get(key)
-    built = found is None
-    if found is None:
-      entry = self._programs.build(
-        static_vals,
-        treedef,
-        in_axes,
-        size,
-        len(args),
-        extra_axes=(),
-        nested=nested,
-        donating=donating,
-      )
-    else:
-      entry = found
+      entry = self._entries.get(key)
+    built = entry is None
+    if entry is None:
+      entry = build(extra_axes=(), nested=nested, donating=donating)
     demanded: dict = {}
     while True:
       try:
-        out = self._run_entry(how, entry, leaves, treedef, tracing)
+        if how != "call":
+          out = _stage(how, entry, leaves, treedef)
+        elif tracing:
+          out = entry.jitted(*leaves)
+        else:
+          out = entry.jitted(*placement.place_inputs(leaves, entry))
       except mesh_lib.NeedsAxis as need:
         if nested:
           raise
         # Nested pmaps asked for an axis this mesh lacks: add it, run again.
-        entry = self._programs.build(
-          static_vals,
-          treedef,
-          in_axes,
-          size,
-          len(args),
-          nested=False,
-          extra_axes=self._programs.more_axes(entry, need, demanded),
-          donating=donating,
-        )
+        more = self._programs.more_axes(entry, need, demanded)
+        entry = build(extra_axes=more, nested=False, donating=donating)
         built = True
         continue
       except NameError as err:  # AxisNameError is one
         if isinstance(err, deps.AxisNameError) and str(err).startswith(API):
           raise  # already pmap's own diagnostic (jit_cache's is re-reported)
-        self._programs.diagnose(
-          err, static_vals, treedef, in_axes, size, len(args), leaves, entry
-        )
+        self._programs.diagnose(err, static_vals, treedef, nargs, leaves, entry)
       # Only a call that succeeded changes the cache: a failed one leaves
       # nothing half-built behind.
       if built:
@@ -316,23 +283,6 @@ class Pmapped:
       else:
         self._hits += 1
       return out
-
-  def _run_entry(
-    self, how: str, entry: Entry, leaves: list, treedef, tracing: bool
-  ):
-    if how != "call":
-      return _stage(how, entry, leaves, treedef)
-    if tracing:
-      return entry.jitted(*leaves)
-    return entry.jitted(
-      *placement.place_inputs(
-        leaves,
-        entry.in_shardings,
-        entry.axis_name,
-        entry.in_axes,
-        entry.donated,
-      )
-    )
 
   def __repr__(self):
     programs = self._programs
@@ -347,19 +297,18 @@ def _stage(how: str, entry: Entry, leaves: list, treedef) -> Any:
   stage = getattr(entry.jitted, how)(
     *[programs_lib.abstract(x, s) for x, s in zip(leaves, entry.in_shardings)]
   )
-  if how == "lower":
-    # The program takes flat leaves; describe its arguments as the user
-    # passed them ((positional, keyword) without the static ones, as
-    # jax.pmap's lower does), so .compile() takes the user's arguments.
-    donated = [a.donated for a in jax.tree_util.tree_leaves(stage.args_info)]
-    stage = copy.copy(stage)  # the same lowering, described anew
-    stage.args_info = jax.tree_util.tree_unflatten(
-      treedef,
-      [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)],
-    )
-  elif how == "trace":
+  if how == "trace":
     stage = copy.copy(stage)
     stage.__class__ = _PmapTraced
+    return stage
+  # The program takes flat leaves; describe its arguments as the user passed
+  # them ((positional, keyword) without the static ones, as jax.pmap's lower
+  # does), so .compile() takes the user's arguments.
+  donated = [a.donated for a in jax.tree_util.tree_leaves(stage.args_info)]
+  stage = copy.copy(stage)  # the same lowering, described anew
+  stage.args_info = jax.tree_util.tree_unflatten(
+    treedef, [jax_internals.arg_info(x, d) for x, d in zip(leaves, donated)]
+  )
   return stage
 
 

@@ -35,6 +35,10 @@ _shard_map = jax.shard_map
 _get_abstract_mesh = jax.sharding.get_abstract_mesh
 _typeof = jax.typeof
 
+# Axis name of a pmap given no axis_name (as in jax.pmap, one shared name, so
+# outputs of one anonymous pmap have exactly the input sharding of another).
+ANONYMOUS_AXIS = "_pmap_axis"
+
 
 @dataclasses.dataclass
 class Entry:
@@ -58,25 +62,23 @@ def context_key() -> tuple:
 
 
 class Programs:
-  """Builds the programs of one pmapped function (``axis_name`` is
-  ``ANONYMOUS_AXIS`` when ``anonymous``; ``out_axes`` is already checked)."""
+  """Builds the programs of one pmapped function (``axis_name`` None becomes
+  ``ANONYMOUS_AXIS``; ``out_axes`` is already checked)."""
 
   def __init__(
     self,
     fun: Callable,
     axis_name: Any,
     *,
-    anonymous: bool,
     out_axes: Any,
     arguments: Arguments,
     backend: str | None,
     chunked: bool,
   ):
     self.fun = fun
-    self.axis_name = axis_name
-    self.anonymous = anonymous
+    self.anonymous = axis_name is None
+    self.axis_name = ANONYMOUS_AXIS if axis_name is None else axis_name
     self.out_axes = out_axes
-    self.negative_out = axes_lib.has_negative(out_axes)
     self.arguments = arguments
     self.backend = backend
     self.chunked = chunked
@@ -90,9 +92,8 @@ class Programs:
       raise ValueError(
         f"{API}: nested pmaps inside {describe(self.fun)} map axis "
         f"{name!r} with sizes {demanded.get(name, entry.size)} and {size} in "
-        "one call; a "
-        "nested axis needs one size per call and a name distinct from the "
-        "enclosing pmaps'."
+        "one call; a nested axis needs one size per call and a name distinct "
+        "from the enclosing pmaps'."
       )
     demanded[name] = size
     others = tuple((n, s) for n, s in entry.extra_axes if n != name)
@@ -129,16 +130,9 @@ class Programs:
     in_specs = tuple(axes_lib.spec_for_axis(axis_name, ax) for ax in in_axes)
     in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
     negative_moves: list = []
+    frame = mesh_lib.Frame(axis_name, size, mesh)
     body = functools.partial(
-      self.body,
-      axis_name,
-      static_vals,
-      treedef,
-      in_axes,
-      size,
-      mesh,
-      nargs,
-      negative_moves,
+      self.body, frame, static_vals, treedef, in_axes, nargs, negative_moves
     )
     mapped = _shard_map(
       body,
@@ -148,7 +142,21 @@ class Programs:
       axis_names={axis_name},
       check_vma=False,
     )
-    program = self._program(mapped, negative_moves)
+
+    def program(*flat_args):  # flat_args: as jax.pmap's, in JAX's errors
+      out = mapped(*flat_args)
+      if not negative_moves:
+        return out
+      # Negative out_axes: moved into place now that the global rank is known.
+      out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+      for i, dest in negative_moves:
+        out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
+      return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+    # The user's name for jaxprs and errors, but not their signature (jit
+    # checks donate_argnums against it).
+    functools.update_wrapper(program, self.fun, updated=())
+    delattr(program, "__wrapped__")
     donate_argnums = (
       self.arguments.donated_leaves(treedef, nargs) if donating else ()
     )
@@ -177,28 +185,6 @@ class Programs:
       devices, sizes, (self.axis_name,) + tuple(n for n, _ in extra_axes)
     )
 
-  def _program(self, mapped: Callable, negative_moves: list) -> Callable:
-    """What jit compiles: ``mapped`` over the flat argument leaves (named
-    flat_args in JAX's argument-mismatch errors, as for jax.pmap), moving
-    outputs of negative out_axes into place."""
-    if self.negative_out:
-
-      def program(*flat_args):
-        out_leaves, out_tree = jax.tree_util.tree_flatten(mapped(*flat_args))
-        for i, dest in negative_moves:
-          out_leaves[i] = jnp.moveaxis(out_leaves[i], 0, dest)
-        return jax.tree_util.tree_unflatten(out_tree, out_leaves)
-    else:
-
-      def program(*flat_args):
-        return mapped(*flat_args)
-
-    # Keep the user's name for jaxprs and errors, but not their signature
-    # (jit checks donate_argnums against it).
-    functools.update_wrapper(program, self.fun, updated=())
-    delattr(program, "__wrapped__")
-    return program
-
   def _nested_mesh(self, size: int):
     """The enclosing mesh and this pmap's axis name in it (nested calls)."""
     frames = mesh_lib.frames()
@@ -224,16 +210,7 @@ class Programs:
     return mesh, axis_name
 
   def body(
-    self,
-    axis_name,
-    static_vals,
-    treedef,
-    in_axes,
-    size,
-    mesh,
-    nargs,
-    negative_moves,
-    *local,
+    self, frame, static_vals, treedef, in_axes, nargs, negative_moves, *local
   ):
     """Per-device program: the user function between squeeze/expand_dims."""
     if not self.chunked:
@@ -244,7 +221,7 @@ class Programs:
     dyn_args, kwargs = jax.tree_util.tree_unflatten(treedef, local)
     args = self.arguments.merge(static_vals, dyn_args, nargs)
     frames = mesh_lib.frames()
-    frames.append(mesh_lib.Frame(axis_name, size, mesh))
+    frames.append(frame)
     try:
       out = self.fun(*args, **kwargs)
     finally:
@@ -258,7 +235,6 @@ class Programs:
     for the program to move once the global rank is known."""
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     out_axes = axes_lib.broadcast_axes(API, "out_axes", self.out_axes, out)
-    paths = None
     negative_moves.clear()
     result = []
     for i, (y, ax) in enumerate(zip(out_leaves, out_axes)):
@@ -267,54 +243,40 @@ class Programs:
         result.append(y)
         continue
       rank = y.ndim if self.chunked else y.ndim + 1
-      if not -rank <= ax < rank:
-        paths = paths or axes_lib.leaf_paths(out)
-        axes_lib.normalize_axis(
-          API, "out_axes", ax, rank, f"output result{paths[i]}"
+      dest = ax % rank if -rank <= ax < rank else None
+      if dest is None or (self.chunked and y.shape[dest] != 1):
+        where = f"output result{axes_lib.leaf_paths(out)[i]}"
+        axes_lib.normalize_axis(API, "out_axes", ax, rank, where)
+        raise ValueError(
+          f"{API}(chunked=True): {where} of {describe(self.fun)} has "
+          f"per-device shape {y.shape}, but with chunked=True an output "
+          f"mapped along out_axes={ax} must keep its size-1 device chunk on "
+          "that axis; return x[None] or x.reshape(1, ...), or use "
+          "chunked=False."
         )
-      dest = ax % rank
-      if self.chunked:
-        if y.shape[dest] != 1:
-          paths = paths or axes_lib.leaf_paths(out)
-          raise ValueError(
-            f"{API}(chunked=True): output result{paths[i]} of "
-            f"{describe(self.fun)} has per-device shape {y.shape}, but "
-            f"with chunked=True an output mapped along out_axes={ax} must "
-            "keep its size-1 device chunk on that axis; return x[None] or "
-            "x.reshape(1, ...), or use chunked=False."
-          )
-        if ax < 0:
-          y = jnp.moveaxis(y, dest, 0)
-      else:
+      if not self.chunked:
         y = lax.expand_dims(y, (0 if ax < 0 else dest,))
+      elif ax < 0:
+        y = jnp.moveaxis(y, dest, 0)
       if ax < 0:
         negative_moves.append((i, dest))
       result.append(y)
     return jax.tree_util.tree_unflatten(out_tree, result)
 
-  def diagnose(
-    self, err, static_vals, treedef, in_axes, size, nargs, leaves, entry
-  ):
+  def diagnose(self, err, static_vals, treedef, nargs, leaves, entry):
     """Re-reports an unbound axis name through jaxworks.axis_names."""
     local = []
-    for x, ax in zip(leaves, in_axes):
+    for x, ax in zip(leaves, entry.in_axes):
       shape = list(jnp.shape(x))
       if ax is not None:
         shape[ax] = 1
       local.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
     bound = {f.axis_name: f.size for f in mesh_lib.frames()}
-    bound[entry.axis_name] = size
-    bound.update(dict(entry.extra_axes))
+    bound[entry.axis_name] = entry.size
+    bound.update(entry.extra_axes)
+    frame = mesh_lib.Frame(entry.axis_name, entry.size, entry.mesh)
     body = functools.partial(
-      self.body,
-      entry.axis_name,
-      static_vals,
-      treedef,
-      in_axes,
-      size,
-      entry.mesh,
-      nargs,
-      [],
+      self.body, frame, static_vals, treedef, entry.in_axes, nargs, []
     )
     functools.update_wrapper(body, self.fun, updated=())
     try:
