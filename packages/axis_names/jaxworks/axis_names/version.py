@@ -1,3 +1,3 @@
 """Version of jaxworks.axis_names (the one place it is set)."""
 
-__version__ = "0.3.1"
+__version__ = "0.3.2"
