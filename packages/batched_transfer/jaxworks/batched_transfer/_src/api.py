@@ -63,7 +63,8 @@ def device_put(
       stock jax.device_put.
     src: like jax.device_put's ``src``: the placement the leaves come from; only
       used while tracing (then the whole call is stock jax.device_put).
-    donate: bool or pytree prefix of bools: inputs may be consumed.
+    donate: bool or pytree prefix of bools: inputs may be consumed (read by
+      truth value, as in stock).
     may_alias: None, bool or pytree prefix of them: whether a result may share
       its input's buffer (None: True unless donated).
 
@@ -72,10 +73,17 @@ def device_put(
 
   Raises:
     ValueError: a ``device`` that is not one of the accepted kinds or not a
-      prefix of the tree, a shape the sharding cannot split (the error names
-      the leaf's tree path), or donate together with may_alias.
-    TypeError: a leaf JAX cannot hold (a big-endian numpy array, a string,
-      an object array), as jax.device_put.
+      prefix of the tree (followed by jax.device_put's own words), a shape
+      the sharding cannot split (jax's IndivisibleError, a ValueError
+      subclass, or a plain ValueError where Explicit mesh axes leave it
+      indivisible, as in stock; the error names the leaf's tree path), or
+      donate together with may_alias.
+    TypeError: a leaf JAX cannot hold (a big-endian or non-numeric numpy
+      array, float128, complex256, datetime64, a string, an object array),
+      as jax.device_put.
+
+  Where a call has several bad inputs, the error is the one jax.device_put
+  reports first.
 
   >>> import jax, numpy as np
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -146,14 +154,12 @@ def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   for path, leaf in flat:
+    where = jax.tree_util.keystr(path) or "<root>"
     if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:
-      raise transfer.byte_order_error(
-        api, jax.tree_util.keystr(path) or "<root>", leaf.dtype
-      )
+      raise transfer.byte_order_error(api, where, leaf.dtype)
     try:
       _typeof(leaf)
     except (TypeError, ValueError, OverflowError) as err:
-      where = jax.tree_util.keystr(path) or "<root>"
       raise type(err)(f"{api}: the leaf at {where}: {err}") from err
 
 
@@ -209,19 +215,11 @@ def check_against(api: str, tree: Any, expected: Any, what: str) -> None:
   if got_paths != want_paths:
     missing = [p for p in want_paths if p not in set(got_paths)]
     extra = [p for p in got_paths if p not in set(want_paths)]
-    detail = []
-    if missing:
-      detail.append(
-        f"missing {', '.join(missing[:5])}"
-        + (" ..." if len(missing) > 5 else "")
-      )
-    if extra:
-      detail.append(
-        f"unexpected {', '.join(extra[:5])}"
-        + (" ..." if len(extra) > 5 else "")
-      )
-    if not detail:
-      detail.append("the same paths in a different container structure")
+    detail = [
+      f"{word} {', '.join(items[:5])}" + (" ..." if len(items) > 5 else "")
+      for word, items in (("missing", missing), ("unexpected", extra))
+      if items
+    ] or ["the same paths in a different container structure"]
     raise ValueError(
       f"{api}: the tree does not match {what}: {'; '.join(detail)}. Expected structure "
       f"{jax.tree_util.tree_structure(expected)}, got {jax.tree_util.tree_structure(tree)}"
@@ -268,7 +266,8 @@ def place_for(
 
   Raises:
     ValueError: a missing or extra leaf, or a leaf whose shape or dtype differs
-      from what ``compiled`` was compiled for (the message names its tree path).
+      from what ``compiled`` was compiled for (the message names its tree
+      path), before anything is placed.
 
   >>> import jax, numpy as np
   >>> f = jax.jit(lambda w, x: w @ x).lower(np.ones((2, 3), np.float32),
@@ -287,39 +286,27 @@ def place_for(
     )
   formats, kw_formats = compiled.input_formats
   infos, kw_infos = compiled.args_info
+  n = len(formats)
   if argnum is not None:
-    if not isinstance(argnum, int) or not -len(formats) <= argnum < len(
-      formats
-    ):
+    if not isinstance(argnum, int) or not -n <= argnum < n:
       raise ValueError(
         f"{api}: argnum {argnum!r} is out of range for a compiled function with "
-        f"{len(formats)} positional arguments"
+        f"{n} positional arguments"
       )
-    want_formats, want_infos, what = (
-      formats[argnum],
-      infos[argnum],
-      f"argument {argnum}",
-    )
+    want_formats, want_infos = formats[argnum], infos[argnum]
+    what = f"argument {argnum}"
   elif kw_formats:
-    want_formats, want_infos, what = (
-      (formats, kw_formats),
-      (infos, kw_infos),
-      "(args, kwargs)",
-    )
+    want_formats, want_infos = (formats, kw_formats), (infos, kw_infos)
+    what = "(args, kwargs)"
   else:
-    want_formats, want_infos, what = (
-      tuple(formats),
-      tuple(infos),
-      "the positional arguments",
-    )
+    want_formats, want_infos = tuple(formats), tuple(infos)
+    what = "the positional arguments"
     if isinstance(tree, list):
       tree = tuple(tree)
   check_against(api, tree, want_infos, f"the compiled function's {what}")
   try:
     req, batches = _prepare(api, tree, want_formats, None, donate, may_alias)
-  except (
-    targets.Delegate
-  ):  # pragma: no cover - compiled formats are always concrete
+  except targets.Delegate:  # pragma: no cover - formats are always concrete
     return jax_internals.stock_device_put(
       tree, want_formats, donate=donate, may_alias=may_alias
     )

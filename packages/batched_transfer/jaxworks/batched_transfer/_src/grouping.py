@@ -49,6 +49,8 @@ SizeRule = int | str
 # type -> (kind, attribute holding the source sharding or None for host kinds, size rule)
 KindsTable = dict[type, tuple[int, str | None, SizeRule]]
 _KINDS_CACHE: dict[bool, KindsTable] = {}
+# The attributes of a Sharding the grouping reads: device list, memory kind.
+_ATTRS = (jax_internals.DEVICE_LIST_ATTR, jax_internals.MEMORY_KIND_ATTR)
 
 
 def kinds_table(x64: bool | None = None) -> KindsTable:
@@ -100,12 +102,7 @@ def group_leaves(
     src_memory_kind, dst_memory_kind, indices, nbytes), by first appearance.
   """
   return _grouping.group_leaves(
-    leaves,
-    dsts,
-    kinds_table(),
-    default_dst,
-    jax_internals.DEVICE_LIST_ATTR,
-    jax_internals.MEMORY_KIND_ATTR,
+    leaves, dsts, kinds_table(), default_dst, *_ATTRS
   )
 
 
@@ -180,11 +177,4 @@ def group_leaves_python(
   leaves: Sequence[Any], dsts: Sequence[Any], default_dst: Any = None
 ) -> list[PyGroup]:
   """``group_leaves`` with the pure-Python implementation (for tests and benchmarks)."""
-  return group_leaves_py(
-    leaves,
-    dsts,
-    kinds_table(),
-    default_dst,
-    jax_internals.DEVICE_LIST_ATTR,
-    jax_internals.MEMORY_KIND_ATTR,
-  )
+  return group_leaves_py(leaves, dsts, kinds_table(), default_dst, *_ATTRS)

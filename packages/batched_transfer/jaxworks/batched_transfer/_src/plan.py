@@ -33,9 +33,7 @@ def format_bytes(n: int) -> str:
 
 
 def _device_ids(devices: Any) -> tuple[int, ...] | None:
-  if devices is None:
-    return None
-  return tuple(d.id for d in devices)
+  return None if devices is None else tuple(d.id for d in devices)
 
 
 def _ids_text(ids: tuple[int, ...] | None, memory_kind: str | None) -> str:
@@ -124,41 +122,23 @@ class TransferPlan:
       f"{format_bytes(self.nbytes)}; {self.copies} copied, {self.zero_copy} zero-copy"
     )
     rows = [
-      (
-        "#",
-        "kind",
-        "route",
-        "leaves",
-        "bytes",
-        "zero-copy",
-        "relayout",
-        "from -> to",
-      )
+      "# kind route leaves bytes zero-copy relayout".split() + ["from -> to"]
     ]
     for k, g in enumerate(self.groups):
-      rows.append(
-        (
-          str(k),
-          g.kind,
-          g.route,
-          str(g.num_leaves),
-          format_bytes(g.nbytes),
-          str(g.zero_copy),
-          str(g.relayouts),
-          f"{_ids_text(g.src_devices, g.src_memory_kind)} -> "
-          f"{_ids_text(g.dst_devices, g.dst_memory_kind)}",
-        )
-      )
+      rows.append([
+        str(k), g.kind, g.route, str(g.num_leaves), format_bytes(g.nbytes),
+        str(g.zero_copy), str(g.relayouts),
+        f"{_ids_text(g.src_devices, g.src_memory_kind)} -> "
+        f"{_ids_text(g.dst_devices, g.dst_memory_kind)}",
+      ])  # fmt: skip
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [head]
     for r in rows:
-      lines.append(
-        "  "
-        + "  ".join(
-          cell.rjust(w) if c in (0, 3, 4, 5, 6) else cell.ljust(w)
-          for c, (cell, w) in enumerate(zip(r, widths))
-        ).rstrip()
+      cells = (
+        cell.rjust(w) if c in (0, 3, 4, 5, 6) else cell.ljust(w)
+        for c, (cell, w) in enumerate(zip(r, widths))
       )
+      lines.append(("  " + "  ".join(cells)).rstrip())
     return "\n".join(lines)
 
 

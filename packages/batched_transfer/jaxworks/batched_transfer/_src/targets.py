@@ -68,13 +68,10 @@ class Request:
   tree: Any
   leaves: list[Any]
   treedef: Any
-  raw_targets: list[
-    Any
-  ]  # the user's target per leaf (for jax.device_put fallbacks)
+  # The user's target per leaf (for jax.device_put fallbacks).
+  raw_targets: list[Any]
   dsts: list[Sharding | None]  # destination sharding per leaf, None = default
-  layouts: (
-    list[Any] | None
-  )  # destination Layout per leaf (None: no layouts at all)
+  layouts: list[Any] | None  # destination Layout per leaf (None: no layouts)
   committed: list[bool]
   semantics: list[Any]  # ArrayCopySemantics per leaf
   donate: list[bool]
@@ -88,10 +85,6 @@ class Request:
     if self._paths is None:
       self._paths = tree_paths(self.tree)
     return self._paths[i]
-
-  @staticmethod
-  def path_of(tree: Any, i: int) -> str:
-    return tree_paths(tree)[i]
 
 
 def tree_paths(tree: Any) -> list[str]:
@@ -198,23 +191,6 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
   )
 
 
-def restore_target(api: str, t: Any, where: str) -> tuple[Any, Any, bool]:
-  """``normalize_target`` for the placement of restore's leaf at ``where``,
-  with restore's words for a target it cannot take."""
-  try:
-    return normalize_target(api, t)
-  except Delegate:
-    raise ValueError(
-      f"{api}: placement {t!r} at {where} depends on the mesh context; pass "
-      "a Sharding"
-    ) from None
-  except ValueError as err:
-    raise ValueError(
-      f"{err} (the placement of the leaf at {where}; a target leaf's "
-      "sharding is its placement unless placement= is given)"
-    ) from None
-
-
 def copy_semantics(
   api: str, may_alias: Any, donate: Any, where: str = ""
 ) -> Any:
@@ -241,19 +217,7 @@ def resolve(
   if n == 0:
     _check_empty(api, tree, treedef, target, src, donate, may_alias)
     return Request(
-      api=api,
-      tree=tree,
-      leaves=[],
-      treedef=treedef,
-      raw_targets=[],
-      dsts=[],
-      layouts=None,
-      committed=[],
-      semantics=[],
-      donate=[],
-      may_alias=[],
-      srcs=None,
-      default_dst=default_dst,
+      api, tree, [], treedef, [], [], None, [], [], [], [], None, default_dst
     )
 
   def per_leaf(what, prefix, is_leaf, expected):
@@ -278,31 +242,16 @@ def resolve(
   else:
     semantics = _leaf_semantics(api, tree, alias_flat, donate_flat)
   return Request(
-    api=api,
-    tree=tree,
-    leaves=leaves,
-    treedef=treedef,
-    raw_targets=raw_targets,
-    dsts=dsts,
-    layouts=layouts,
-    committed=committed,
-    semantics=semantics,
-    donate=donate_flat,
-    may_alias=alias_flat,
-    srcs=srcs,
-    default_dst=default_dst,
-  )
+    api, tree, leaves, treedef, raw_targets, dsts, layouts, committed,
+    semantics, donate_flat, alias_flat, srcs, default_dst,
+  )  # fmt: skip
 
 
 def _check_empty(api, tree, treedef, target, src, donate, may_alias) -> None:
   """As in jax.device_put, a tree without leaves only has its prefixes'
   structure checked: any target, flag or src value is accepted."""
-  for what, prefix in (
-    ("target", target),
-    ("src", src),
-    ("donate", donate),
-    ("may_alias", may_alias),
-  ):
+  names = ("target", "src", "donate", "may_alias")
+  for what, prefix in zip(names, (target, src, donate, may_alias)):
     if prefix is not None:
       broadcast_prefix(
         api, what, prefix, tree, treedef, 0, _is_plain_leaf, TARGET_TEXT
@@ -339,7 +288,7 @@ def _leaf_semantics(
   semantics = []
   for i, (m, d) in enumerate(zip(alias_flat, donate_flat)):
     if m and d:
-      copy_semantics(api, m, d, f" for the leaf at {Request.path_of(tree, i)}")
+      copy_semantics(api, m, d, f" for the leaf at {tree_paths(tree)[i]}")
     semantics.append(copy_semantics(api, m, d))
   return semantics
 
@@ -358,12 +307,6 @@ def resolve_placement(
   if placement is None:
     return [placement_of(x) for x in leaves]
   return broadcast_prefix(
-    api,
-    "placement",
-    placement,
-    target,
-    treedef,
-    len(leaves),
-    is_target_leaf,
+    api, "placement", placement, target, treedef, len(leaves), is_target_leaf,
     TARGET_TEXT,
-  )
+  )  # fmt: skip

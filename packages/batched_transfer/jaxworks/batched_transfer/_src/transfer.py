@@ -1,21 +1,12 @@
 """Moving the groups: one batched backend call per group.
 
-After the C++ grouping, each group is split by route:
-
-* ``alias``: the leaf already is what was asked for (same sharding, committed,
-  may alias); the result is the input object.
-* ``host``: numpy arrays to devices. One loop per group over
-  ``batched_device_put`` (jaxlib has no many-arrays host-to-device call), with
-  avals, device lists and shard slices cached per (shape, dtype, sharding).
-* ``copy``: jax.Arrays whose source and destination shardings put the same
-  index on each position of their device lists. One
-  ``batched_copy_array_to_devices_with_sharding`` call per group.
-* ``jax``: everything else (Python scalars, reshards that need a computation,
-  arrays of other processes, unknown types). All of them go to stock
-  jax.device_put in one call, which keeps its exact semantics.
-
-Leaves whose target has a layout are then relaid out by one jitted identity
-per destination device set, if their runtime layout differs.
+After the C++ grouping, each group is split by route (the README's table):
+``alias`` (the input object is the result), ``host`` (a loop over
+``batched_device_put``, with avals, device lists and shard slices cached),
+``copy`` (one ``batched_copy_array_to_devices_with_sharding`` per group) and
+``jax`` (everything else, in one stock jax.device_put call, which keeps its
+exact semantics). Leaves whose target has a layout their runtime layout
+lacks are then relaid out by one jitted identity per destination device set.
 """
 
 from __future__ import annotations
@@ -64,9 +55,7 @@ class HostEntry:
 
   aval: Any  # of the result
   devices: list[Any]  # the addressable devices, in the sharding's order
-  slices: (
-    list[Any] | None
-  )  # each device's index; None when all get the whole value
+  slices: list[Any] | None  # each device's index; None: all get the whole
   multihost: bool  # the value must be equal on every process
   # For shardings where several devices hold the same index (replicated mesh axes):
   # (shard aval, SingleDeviceSharding) per device, for copies that are placed device by
@@ -82,9 +71,7 @@ class Batch:
   group: Any  # the _grouping.Group
   route: str
   indices: list[int]
-  relayout: list[int] = dataclasses.field(
-    default_factory=list
-  )  # planned layout changes
+  relayout: list[int] = dataclasses.field(default_factory=list)  # planned
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
@@ -216,10 +203,6 @@ def _explicit_indivisible(sharding: Any, shape: tuple[int, ...]) -> bool:
   return False
 
 
-def _index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
-  return tuple((k.start, k.stop, k.step) for k in index)
-
-
 def check_placements_in_order(req: Request) -> None:
   """Raises the placement error of the first leaf, in tree order, that has one (error path)."""
   for i, (x, s) in enumerate(zip(req.leaves, req.dsts)):
@@ -243,7 +226,9 @@ def _host_entry(req: Request, i: int, key: tuple[Any, ...]) -> HostEntry:
   # Zero-size shards are views at one address, which the forced copy treats as
   # one shared host buffer too: place those device by device as well.
   shared = slices is not None and (
-    len({_index_key(k) for k in slices}) < len(slices) or 0 in shape
+    len({tuple((k.start, k.stop, k.step) for k in i) for i in slices})
+    < len(slices)
+    or 0 in shape
   )
   if shared:
     shard_shape = tuple(sharding.shard_shape(shape))
@@ -325,9 +310,7 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
           and (layout is None or _format_matches(x, s, layout))
         ):
           route = ALIAS
-        elif (
-          not addressable or x.is_deleted()
-        ):  # jax raises the deleted-array error
+        elif not addressable or x.is_deleted():  # jax raises for deleted
           route = JAX
         elif single or same_indices(req, i, x.sharding, s, x.shape):
           route = COPY
@@ -348,8 +331,7 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
 
 def _needs_relayout(req: Request, i: int) -> bool:
   """Whether leaf i, placed plainly, would not have its target layout (a prediction)."""
-  if req.layouts is None:
-    raise RuntimeError("_needs_relayout: the request has no target layouts")
+  assert req.layouts is not None
   x, s, layout = req.leaves[i], req.dsts[i], req.layouts[i]
   if isinstance(x, jax.Array):
     try:
@@ -367,9 +349,7 @@ def _needs_relayout(req: Request, i: int) -> bool:
     default = jax_internals.default_layout(
       dtype, tuple(s.shard_shape(shape)), device
     )
-  except (
-    Exception
-  ):  # not an array type, or no default layout reported: check after placing
+  except Exception:  # not an array, or no default layout: check after placing
     return True
   return not layout_matches(layout, default)
 
@@ -390,9 +370,8 @@ def execute(
   donation on one device change another's input.
   """
   out: list[Any] = [None] * len(req.leaves)
-  fresh = [False] * len(
-    req.leaves
-  )  # result holds a new buffer we may donate to a relayout
+  # Whether each result holds a new buffer we may donate to a relayout.
+  fresh = [False] * len(req.leaves)
   delegated: list[int] = []
   multihost: list[Any] = []
   with jax_internals.explicit_device_put_scope():
@@ -451,23 +430,13 @@ def _put_host(
   copy: bool,
   private: bool = False,
 ) -> None:
-  leaves, dsts, committed, default = (
-    req.leaves,
-    req.dsts,
-    req.committed,
-    req.default_dst,
-  )
   put = jax_internals.batched_device_put
   x64 = jax_internals.enable_x64()
-  cache = _HOST_CACHE
   for i in indices:
-    x = leaves[i]
-    s = dsts[i] or default
-    c = committed[i]
+    x, c = req.leaves[i], req.committed[i]
+    s = req.dsts[i] or req.default_dst
     key = (x.shape, x.dtype, s, x64, c)
-    entry = cache.get(key)
-    if entry is None:
-      entry = _host_entry(req, i, key)
+    entry = _HOST_CACHE.get(key) or _host_entry(req, i, key)
     devices, slices = entry.devices, entry.slices
     if slices is None:
       shards = [x] * len(devices)
@@ -567,8 +536,7 @@ def _relayout(
 ) -> None:
   """One jitted identity per destination device set for leaves whose layout differs."""
   layouts = req.layouts
-  if layouts is None:
-    raise RuntimeError("_relayout: the request has no target layouts")
+  assert layouts is not None
   by_devices: dict[Any, list[int]] = {}
   for b in batches:
     if b.route == ALIAS:

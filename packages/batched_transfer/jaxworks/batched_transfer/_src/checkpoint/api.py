@@ -1,20 +1,9 @@
 """Checkpoints: ``save``, ``restore`` and ``metadata``, the entry points.
 
-``save`` writes a pytree to an .npz file or a directory of .npy files,
-durably: device-to-host copies of every device leaf start at once (within
-the byte budget), several threads write and fsync the files (writer), and
-the checkpoint becomes visible in one atomic step (commit). With
-``blocking=False`` the call returns once every leaf is on the host, with a
-``SaveHandle`` (pending); a background thread writes. Arrays spanning
-processes are saved by every process together (multiprocess).
-
-``restore`` reads only the .npy headers (or the manifest of a checkpoint
-several processes wrote) first, checks every key, shape and dtype against
-the target (target), and only then streams the data (restore_files,
-restore_shards): batches of at most half of ``max_inflight_bytes`` are read
-on a background thread straight into new aligned host buffers, ahead of the
-batch being placed with one batched device_put. ``metadata`` reads the tree
-a checkpoint holds from its headers, manifest and record alone.
+``save`` sorts the tree (writer) and writes it alone (writer, commit,
+pending) or with the other processes (multiprocess); ``restore`` opens the
+checkpoint once, sorts the target against it (target) and streams the data
+(restore_files, or restore_shards for a checkpoint several processes wrote).
 
 >>> import os, shutil, tempfile, jax, numpy as np
 >>> from jaxworks.batched_transfer import save
@@ -31,6 +20,7 @@ a checkpoint holds from its headers, manifest and record alone.
 from __future__ import annotations
 
 from collections.abc import Callable
+import contextlib
 import os
 from typing import Any
 
@@ -55,14 +45,16 @@ _API = "jaxworks.batched_transfer"
 DEFAULT_INFLIGHT = 1024 * 2**20
 
 
-def _positive(api: str, name: str, value: Any, none_ok: bool) -> None:
+def positive(api: str, name: str, value: Any, none_ok: bool) -> Any:
+  """``value``; ValueError unless it is a positive int (or None)."""
   if value is None and none_ok:
-    return
+    return None
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
     raise ValueError(
       f"{api}: {name} must be a positive int{' or None' if none_ok else ''}, "
       f"got {value!r}"
     )
+  return value
 
 
 def save(
@@ -78,6 +70,13 @@ def save(
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
+  One ``.npy`` file (or member) per array leaf, keyed by its tree path
+  (``params/w``), and the record ``jaxworks_dtypes.json``: every array's
+  exact dtype (ml_dtypes types, which ``.npy`` headers cannot name, are
+  stored as raw bytes and come back as their type), the leaves that are not
+  arrays, the tree's nesting and, for a directory, the CRC-32C of each
+  8 MiB of every file's data (computed by the writer threads).
+
   The checkpoint becomes visible at ``path`` in one atomic step after its
   files and directories are fsynced; with ``overwrite=True`` a save killed
   at any point leaves the complete old or the complete new checkpoint at
@@ -92,15 +91,20 @@ def save(
       per leaf. Missing parent directories are created. URLs (``gs://...``)
       are refused: save writes local or mounted file systems.
     tree: a pytree whose leaves are arrays (numpy or jax.Array of the
-      numeric and ml_dtypes types JAX holds), Python scalars (stored as the
-      0-d array jax.device_put makes of them, and their type), ``str`` or
-      None (stored by value); any other leaf raises TypeError naming its
-      tree path before anything is written.
+      bool, integer, floating, complex and ml_dtypes types JAX holds),
+      numpy scalars, Python scalars (stored as the 0-d array
+      jax.device_put makes of them, float32 for a float with x64 off, and
+      their type), ``str`` or None (stored by value); any other leaf
+      (bytes, strings in numpy arrays, objects, datetimes, ...) raises
+      TypeError naming its tree path before anything is written, so save
+      never writes what restore refuses.
     overwrite: replace an existing file or directory written by save.
       Without it the commit never replaces anything: a path that exists,
       or that a pending ``blocking=False`` save of this process will
-      write, raises FileExistsError in the call, and a checkpoint another
-      process committed at the path meanwhile makes this one fail.
+      write, raises FileExistsError in the call, and the commit is a
+      no-replace rename (``renameat2(RENAME_NOREPLACE)``, ``link`` for an
+      .npz), so a checkpoint another process committed at the path
+      meanwhile makes this one fail and stays whole.
     blocking: True: return when the checkpoint is durable. False: return
       once every leaf is in host memory (the caller may then donate, delete
       or change the arrays; CPU device buffers are held, not copied: see
@@ -126,12 +130,9 @@ def save(
       writes the checkpoint alone (its own path; arrays spanning processes
       are refused).
 
-  Arrays spanning several processes: every process calls save with the
-  same path and tree; each writes the shards its devices hold, process 0
-  the manifest, and commits once every process posted its status in
-  jax.distributed's key-value store. An error on any process is raised by
-  every process at once, the others' ``RuntimeError`` naming it (see the
-  README, "Checkpoints written by several processes").
+  A collective save raises an error of any process on every process at
+  once, the others' ``RuntimeError`` naming it (see the README,
+  "Checkpoints written by several processes").
 
   Returns:
     None when ``blocking``, else a ``SaveHandle``.
@@ -139,25 +140,26 @@ def save(
   Raises:
     FileExistsError: ``path`` exists and overwrite is False, or it is not a
       checkpoint save wrote.
-    ValueError: a key that cannot name a file, two paths with one key, or a
-      URL.
+    ValueError: a key that cannot name a file, two leaves that would share
+      a file (or a file another leaf needs as a directory), or a URL.
+    TypeError: a leaf save cannot store, or a big-endian array (as
+      jax.device_put).
+    OverflowError: a Python int that does not fit its dtype (as
+      jax.device_put).
+    OSError: a failed write (``ENOSPC``, ``EFBIG``, ...: the system's errno,
+      naming the checkpoint, the file and the fix); nothing is committed,
+      the checkpoint at ``path`` stays, the temporary files are removed.
   """
   api = f"{_API}.save"
   path = os.fspath(path)
   commit.check_local(api, path)
   path = path.rstrip(os.sep) or path
   return run_save(
-    api,
-    path,
-    tree,
-    overwrite=overwrite,
-    blocking=blocking,
-    write_threads=write_threads,
-    max_inflight_bytes=max_inflight_bytes,
-    barrier_timeout_s=barrier_timeout_s,
-    collective=collective,
+    api, path, tree, overwrite=overwrite, blocking=blocking,
+    write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+    barrier_timeout_s=barrier_timeout_s, collective=collective,
     prelude=lambda: pending.raise_background_error(api),
-  )
+  )  # fmt: skip
 
 
 def run_save(
@@ -180,8 +182,8 @@ def run_save(
   thread, under no lock). Across processes both run inside the collective
   save, whose every error reaches every process (see multiprocess); the
   leaves of ``primary_keys`` are process 0's and need not agree."""
-  _positive(api, "write_threads", write_threads, True)
-  _positive(api, "max_inflight_bytes", max_inflight_bytes, True)
+  positive(api, "write_threads", write_threads, True)
+  positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or writer.DEFAULT_WRITE_THREADS
   saved = writer.Leaves(api, tree)
   keys, paths, leaves = saved.keys, saved.paths, saved.leaves
@@ -220,21 +222,11 @@ def run_save(
         "a directory (one file per shard); drop the .npz suffix"
       )
     return multiprocess.save_across_processes(
-      api,
-      path,
-      keys,
-      paths,
-      leaves,
-      record,
-      prepare=prepare,
-      blocking=blocking,
-      threads=threads,
-      barrier_timeout_s=barrier_timeout_s,
-      overwrite=overwrite,
-      release=release,
-      after=after,
+      api, path, keys, paths, leaves, record, prepare=prepare,
+      blocking=blocking, threads=threads, barrier_timeout_s=barrier_timeout_s,
+      overwrite=overwrite, release=release, after=after,
       primary_keys=primary_keys,
-    )
+    )  # fmt: skip
   if not path.endswith(".npz"):
     check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])
   leaves = prepare(leaves)
@@ -260,38 +252,29 @@ def _save_alone(
 ) -> pending.SaveHandle | None:
   """The save of a checkpoint this process writes alone (``leaves``
   checked by ``prepare``); ``release`` once written."""
-  if blocking:
-    try:
-      staged = writer.Staged(api, paths, leaves, max_inflight_bytes)
-      writer.write_checkpoint(
-        api, path, keys, staged.take, staged.done, threads, record, overwrite
-      )
-    finally:
-      release()
-    if after is not None:
-      after()
-    return None
+  take: Callable[[int], Any]
+  done: Callable[[int], None]
   try:
-    # Every device-to-host copy at once; then the host value of each (numpy
-    # leaves were copied above; device buffers are held, see hostvalue).
-    for x in leaves:
-      hostvalue.start_copy(x)
-    arrays = [
-      x
-      if isinstance(x, np.ndarray)
-      else writer.host_array(api, where, x, private=True)
-      for where, x in zip(paths, leaves)
-    ]
+    if blocking:
+      staged = writer.Staged(api, paths, leaves, max_inflight_bytes)
+      take, done = staged.take, staged.done
+    else:
+      # Every device-to-host copy at once; then the host value of each (numpy
+      # leaves were copied by prepare; device buffers are held, see hostvalue).
+      for x in leaves:
+        hostvalue.start_copy(x)
+      arrays: list[Any] = [
+        x
+        if isinstance(x, np.ndarray)
+        else writer.host_array(api, where, x, private=True)
+        for where, x in zip(paths, leaves)
+      ]
+      take = arrays.__getitem__
+      done = lambda i: arrays.__setitem__(i, None)  # freed once written
   except BaseException:
     release()
     raise
   del leaves
-
-  def take(i: int) -> np.ndarray | hostvalue.Shards:
-    return arrays[i]
-
-  def done(i: int) -> None:
-    arrays[i] = None  # type: ignore[call-overload]  # freed once written
 
   def work() -> None:
     try:
@@ -303,6 +286,9 @@ def _save_alone(
     if after is not None:
       after()
 
+  if blocking:
+    work()
+    return None
   return pending.start(path, work)
 
 
@@ -319,6 +305,15 @@ def restore(
 ) -> Any:
   """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
 
+  The checkpoint is opened once and only its headers and record are read
+  first: every key, shape and data extent is checked against ``target``
+  before anything is placed. The data is then read through the same
+  descriptors, in batches, a background thread reading ahead while a batch
+  is placed with one batched device_put (a failure deletes what was placed
+  and stops the thread). Devices never share a buffer, also where a
+  replicated mesh axis gives several devices the same slice. Compressed
+  members (``np.savez_compressed``) are inflated by the reader.
+
   Args:
     path: an .npz file or a directory of .npy files, or a directory that
       several processes wrote (a manifest and shard files), read onto the
@@ -329,11 +324,14 @@ def restore(
       Python scalars (a 0-d array of the dtype and weak type jax.device_put
       gives them), as ``jax.eval_shape(init_fn)`` returns; ``str`` leaves
       where str leaves were saved. A dtype other than the stored one is a
-      cast (numpy's ``astype``). Unless ``placement`` is given, each leaf's
-      .format / .sharding says where it goes (none: the default device).
-      None: the tree as saved (nested dicts, lists for sequences), every
-      array on the default device (or ``placement``), str and None leaves
-      as saved, Python scalars as their Python type.
+      cast, as in orbax (numpy's ``astype``, through float64 between two
+      ml_dtypes types numpy cannot cast directly); the stored dtype as JAX
+      canonicalizes it (float32 for float64 data with x64 off) is none.
+      Unless ``placement`` is given, each leaf's .format / .sharding says
+      where it goes (none: the default device). None: the tree as saved
+      (nested dicts, lists for sequences, so tuples come back as lists),
+      every array on the default device (or ``placement``), str and None
+      leaves as saved, Python scalars as their Python type.
     placement: a device_put target (Device, Sharding, Format or a pytree
       prefix of them) overriding the target leaves' placement.
     partial_restore: let ``target`` name a subset of the stored leaves (a
@@ -365,7 +363,9 @@ def restore(
       (checksums: while reading, and nothing stays placed). Also a file that
       is not a regular file, or one replaced or modified after it was
       validated (the data is read through the descriptors validated: a
-      checkpoint replaced at ``path`` meanwhile is read whole as validated).
+      checkpoint replaced at ``path`` meanwhile is read whole as validated,
+      never a mix of the two). What is not a regular file (a FIFO, a device)
+      is refused without blocking.
     FileNotFoundError: nothing at ``path``.
     TypeError: a target leaf with no shape and dtype.
   """
@@ -376,9 +376,9 @@ def restore(
       f"{api}: max_inflight_bytes must be a positive int, got "
       f"{max_inflight_bytes!r}"
     )
-  _positive(api, "read_threads", read_threads, True)
+  positive(api, "read_threads", read_threads, True)
   read_threads = read_threads or reader.default_read_threads()
-  with _open(api, path) as opened:
+  with contextlib.closing(_open(api, path)) as opened:
     arrays, record = opened.contents()
     t = target_lib.Target(api, path, target, arrays, record, partial_restore)
     keys, paths = t.pick(t.keys), t.pick(t.paths)
@@ -392,14 +392,9 @@ def restore(
       )
     )
     args = (keys, paths, specs, places, max_inflight_bytes, read_threads)
-    if isinstance(opened, restore_shards.Manifest):  # by several processes
-      placed = restore_shards.restore_arrays(
-        api, opened, *args, progress, verify
-      )
-    else:
-      placed = restore_files.restore_arrays(
-        api, opened, *args, progress, verify
-      )
+    by_several = isinstance(opened, restore_shards.Manifest)
+    module = restore_shards if by_several else restore_files
+    placed = module.restore_arrays(api, opened, *args, progress, verify)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   return t.finish(placed)
 
@@ -419,8 +414,9 @@ def _open(
 def metadata(path: str | os.PathLike[str]) -> Any:
   """The tree a checkpoint holds, read from its headers, manifest and record
   only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype, and
-  the sharding a saved jax.Array had, where every device it names is one of
-  this job's, else None) per array, the stored value per ``str`` or None
+  the ``NamedSharding`` or ``SingleDeviceSharding`` a saved jax.Array had,
+  where every device it names is one of this job's; else, and for numpy
+  leaves, None) per array, the stored value per ``str`` or None
   leaf, nested as ``restore`` without a target nests it. A Python scalar
   leaf is the ShapeDtypeStruct of its 0-d array. ``restore(path,
   metadata(path))`` restores onto the saved shardings.
@@ -443,7 +439,7 @@ def read_record(
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``path``, from its headers, manifest and record only."""
-  with _open(api, path) as opened:
+  with contextlib.closing(_open(api, path)) as opened:
     return opened.contents()
 
 

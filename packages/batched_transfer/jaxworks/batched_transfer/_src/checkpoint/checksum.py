@@ -20,9 +20,6 @@ import crc32c
 
 #: Bytes per checksum (and per read call of one array's file).
 CHUNK = 8 * 2**20
-#: The record's name for the algorithm (a reader that knows none of the
-#: names it finds refuses nothing and checks nothing: it cannot).
-ALGORITHM = "crc32c"
 
 
 def crc(data: Any, value: int = 0) -> int:

@@ -1,20 +1,11 @@
 """Durable, atomic replacement of a checkpoint at a path, and its temporary names.
 
-A save writes the new checkpoint under a temporary name beside the target,
-fsyncs its files and directories, and only then makes it visible in one
-atomic step:
-
-* a file (.npz): ``rename`` over the target, then fsync of the parent;
-* a directory: ``renameat2(RENAME_EXCHANGE)`` swaps the new directory and the
-  old one in one step, so the path always names a complete checkpoint; the
-  old one, now under a temporary name, is deleted after the parent is
-  fsynced. Where the kernel or file system cannot exchange (not Linux, or
-  ``EINVAL``), the old directory is renamed aside first and the new one
-  renamed in; a save killed between the two leaves only the aside copy,
-  which the next save (or ``recover``, which restore calls) renames back.
-
-Every temporary name starts with ``.<name>.jaxworks-`` (``<name>`` the
-target's base name) and ends in a random token; a save holds an exclusive
+The README's "Crash safety and durability" tells the steps: a file (.npz)
+is renamed over the target; a directory is swapped in with
+``renameat2(RENAME_EXCHANGE)``, or where the system cannot exchange renamed
+aside and back (``recover``, which restore calls, renames back what a save
+killed between the two left). Every temporary name starts with
+``.<name>.jaxworks-`` and ends in a random token; a save holds an exclusive
 ``flock`` on the parent directory while it writes, so the temporaries it
 finds are those of saves that died, and it deletes them (nothing else).
 """

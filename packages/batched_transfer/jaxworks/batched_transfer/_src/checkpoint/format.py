@@ -29,14 +29,10 @@ Format 2 of the record holds:
 Format 1 (``dtypes`` alone) is still read.
 
 A checkpoint several processes wrote is a directory whose manifest
-``jaxworks_manifest.json`` (``MANIFEST``) says how its shard files tile each
-array: per key the array's shape and dtype name and its shards, each a file
-name relative to the directory (``<key>.shards/<n>.npy``, or ``<key>.npy``
-for an array that spans no processes), its start and shape in the array and
-the CRC-32C of its data. ``parse_manifest`` checks a manifest's schema
-(every file name relative and inside the directory, every shard inside its
-array, the shards tiling the array as a grid); the record beside it holds
-no ``crc32c``.
+``MANIFEST`` (the README shows one) says how its shard files tile each
+array; ``parse_manifest`` checks its schema (every file name relative and
+inside the directory, the shards tiling the array as a grid); the record
+beside it holds no ``crc32c``.
 
 >>> r = Record(dtypes={"w": "float32"}, values={"run": "exp-42"},
 ...            tree=[("w", "d"), ("run", "d")])
@@ -76,16 +72,9 @@ RECORD = "jaxworks_dtypes.json"
 RECORD_FORMAT = 2
 _RECORD_READS = (1, 2)
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
-#: The record's name for an empty container of each type.
 #: What parsing a damaged JSON record or manifest raises.
-DAMAGED = (
-  UnicodeDecodeError,
-  ValueError,
-  KeyError,
-  TypeError,
-  AttributeError,
-  RecursionError,
-)
+DAMAGED = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
+#: The record's name for an empty container of each type.
 EMPTY: dict[type, str] = {dict: "dict", list: "list", tuple: "list"}
 
 
@@ -102,14 +91,9 @@ class Record:
 def encode_record(record: Record) -> bytes:
   """The bytes of ``record`` (a JSON object, as ``decode_record`` reads it)."""
   data: dict[str, Any] = {"format": RECORD_FORMAT, "dtypes": record.dtypes}
-  if record.python:
-    data["python"] = record.python
-  if record.values:
-    data["values"] = record.values
-  if record.crc32c:
-    data["crc32c"] = record.crc32c
-  if record.shardings:
-    data["shardings"] = record.shardings
+  for name in ("python", "values", "crc32c", "shardings"):
+    if getattr(record, name):
+      data[name] = getattr(record, name)
   if record.tree is not None:
     data["tree"] = [list(e) for e in record.tree]
   return json.dumps(data, indent=0, sort_keys=True).encode()

@@ -43,9 +43,8 @@ class Shards:
     """Whether the pieces, in order, are consecutive blocks of whole rows."""
     row = 0
     for start, a in self.pieces:
-      if start[0] != row or start[1:] != (0,) * (len(self.shape) - 1):
-        return False
-      if a.shape[1:] != self.shape[1:]:
+      zeros = (0,) * (len(self.shape) - 1)
+      if (start[0], start[1:], a.shape[1:]) != (row, zeros, self.shape[1:]):
         return False
       row += a.shape[0]
     return row == self.shape[0]
@@ -85,7 +84,7 @@ def of(x: jax.Array) -> np.ndarray | Shards:
   return shards
 
 
-def _raw(a: np.ndarray) -> memoryview:
+def raw(a: np.ndarray) -> memoryview:
   """The C-order bytes of ``a``, without a copy when it is contiguous."""
   return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
 
@@ -133,9 +132,9 @@ def write_npy(f: Any, value: np.ndarray | Shards) -> list[int]:
     _header(f, value.shape, stored, False)
     pieces = [a.view(stored) for _, a in value.pieces]
   for a in pieces:
-    raw = _raw(a)
-    for lo in range(0, len(raw), checksum.CHUNK):
-      part = raw[lo : lo + checksum.CHUNK]
+    data = raw(a)
+    for lo in range(0, len(data), checksum.CHUNK):
+      part = data[lo : lo + checksum.CHUNK]
       f.write(part)
       sums.update(part)
   return sums.done()

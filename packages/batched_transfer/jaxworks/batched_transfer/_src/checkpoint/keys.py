@@ -19,14 +19,14 @@ ROOT_KEY = "leaf"
 
 
 def _key_part(api: str, entry: Any, path: Any) -> str:
-  if isinstance(entry, jax.tree_util.DictKey):
+  if isinstance(
+    entry, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)
+  ):
     text = str(entry.key)
   elif isinstance(entry, jax.tree_util.SequenceKey):
     text = str(entry.idx)
   elif isinstance(entry, jax.tree_util.GetAttrKey):
     text = entry.name
-  elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
-    text = str(entry.key)
   else:
     text = str(entry)
   if not text or text in (".", "..") or any(c in text for c in "/\\\0"):
@@ -112,14 +112,12 @@ def python_scalar_dtype(x: Any) -> np.dtype | None:
   Follows jax_enable_x64: a Python float is float32 with x64 off, float64 with it on.
   numpy scalars are not Python scalars here (they keep their dtype).
   """
-  if isinstance(x, np.generic) or not isinstance(
-    x, (bool, int, float, complex)
-  ):
+  if isinstance(x, np.generic):
     return None
-  for t in (bool, int, float, complex):  # bool first: bool is an int subclass
+  for t, dtype in _PY_SCALARS.items():  # bool first: bool is an int subclass
     if isinstance(x, t):
-      return np.dtype(jax.dtypes.canonicalize_dtype(_PY_SCALARS[t]))
-  return None  # pragma: no cover - the isinstance above covers every case
+      return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  return None
 
 
 def cast_to(stored: np.dtype, want: np.dtype) -> np.dtype | None:

@@ -1,27 +1,9 @@
 """CheckpointManager: numbered steps in a directory, saved in the background,
 committed atomically, kept by retention rules (names as orbax's).
 
-Each step is a checkpoint directory ``<directory>/<name>`` written by save
-(``<name>`` is the step, or ``<step_prefix>_<step>``, zero padded to
-``step_format_fixed_length`` digits): it appears under that name only once
-complete and durable (the atomic rename is the commit), so every listed step
-is whole. Retention runs after a step committed and deletes a step by
-renaming it away first.
-
-Named items of one step (``save(step, items={"params": ..., ...})``) are the
-one tree ``{name: item}``, so a step is still one checkpoint and one commit.
-The metrics of a step (``save(..., metrics=...)``) are stored in the same
-checkpoint, as the top-level str leaf ``METRICS_KEY`` (their JSON text, in
-the checkpoint's record), so they commit with the step's arrays or not at
-all; restore leaves that leaf out. In a multi-process job process 0's
-metrics are the step's (as orbax writes them from its primary host). A step's time (for ``keep_time_interval``) is its
-directory's modification time: the time its last file was written, just
-before the commit.
-
-In a multi-process job (jax.distributed) every process makes the same calls:
-a save is collective (see api and multiprocess); retention runs on process 0
-inside the save, before the others return; ``delete`` is collective too
-(process 0 deletes, the others wait for its outcome).
+A step is one checkpoint directory written by ``run_save`` (named items are
+the one tree ``{name: item}``, metrics its str leaf ``METRICS_KEY``), so it
+commits in one rename; its names and retention rules are in ``steps``.
 """
 
 from __future__ import annotations
@@ -32,7 +14,6 @@ from collections.abc import Mapping
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import re
 import threading
@@ -42,42 +23,19 @@ import warnings
 import jax
 import numpy as np
 
+from . import api as ckpt
 from . import commit
 from . import format
 from . import multiprocess
 from . import pending
-from .api import DEFAULT_INFLIGHT
-from .api import metadata
-from .api import read_record
-from .api import read_values
-from .api import restore
-from .api import run_save
+from . import steps as steps_lib
 from .keys import leaf_keys
+from .steps import METRICS_KEY
+from .steps import check_item_name
+from .steps import check_step
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
-#: The top-level key of a step's tree that holds its metrics (JSON as uint8).
-METRICS_KEY = "__jaxworks_metrics__"
-_METRICS_FORMAT = 1
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_.+=-]+$")
-
-
-def _positive_or_none(name: str, value: Any) -> int | None:
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(
-      f"{_API}: {name} must be a positive int or None, got {value!r}"
-    )
-  return value
-
-
-def _step(api: str, step: Any) -> int:
-  if isinstance(step, bool) or not hasattr(step, "__index__"):
-    raise TypeError(f"{api}: step must be an int, got {step!r}")
-  step = int(step.__index__())
-  if step < 0:
-    raise ValueError(f"{api}: step must be >= 0, got {step}")
-  return step
 
 
 def _callable_or_none(name: str, value: Any) -> Any:
@@ -86,36 +44,6 @@ def _callable_or_none(name: str, value: Any) -> Any:
       f"{_API}: {name} must be a callable or None, got {value!r:.80}"
     )
   return value
-
-
-def _metrics_json(api: str, metrics: Any) -> str:
-  """The JSON text of ``metrics`` (arrays and numpy scalars as lists and
-  numbers); TypeError naming what JSON cannot hold."""
-
-  def convert(x: Any) -> Any:
-    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
-      return np.asarray(x).tolist()
-    raise TypeError(
-      f"{api}: metrics hold {x!r:.60} of type {type(x).__name__}, which JSON "
-      "cannot store; pass a dict of numbers, strings, lists and dicts"
-    )
-
-  try:
-    return json.dumps(
-      {"format": _METRICS_FORMAT, "metrics": metrics},
-      default=convert,
-      sort_keys=True,
-    )
-  except ValueError as err:  # a circular reference
-    raise TypeError(
-      f"{api}: metrics cannot be written as JSON: {err}"
-    ) from None
-
-
-def _python_leaves(api: str, path: str) -> dict[str, str]:
-  """key -> Python type name of the leaves of the checkpoint at ``path``
-  that were Python scalars (from its record; no array data is read)."""
-  return dict(read_record(api, path)[1].python)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +71,39 @@ class CheckpointManager:
   """Saves numbered steps of a training job under ``directory``.
 
   The options are the keyword arguments of orbax's
-  ``CheckpointManagerOptions`` with the same names and meanings.
+  ``CheckpointManagerOptions`` with the same names and meanings; the
+  manager is also a context manager (``close()`` on exit).
+
+  A step is the checkpoint directory ``<directory>/<step>`` (see
+  ``step_prefix``), written under a temporary name, fsynced and renamed into
+  place (the commit): it is listed only once complete and durable. A step
+  deleted (``delete``, or by retention) is renamed away first, so no
+  half-deleted step is listed; what a killed save or deletion left
+  (``.<name>.jaxworks-*``) is never listed and is removed by the next
+  ``save``. Steps are read from the directory at every call.
+
+  The metrics of a step are stored inside its checkpoint, as the top-level
+  str leaf ``__jaxworks_metrics__`` (their JSON text), so they commit with
+  the step's arrays in the same rename; the name is reserved, and
+  ``restore`` and ``metadata`` leave the leaf out. A step's commit time is
+  its directory's modification time (its last file's write, just before the
+  commit).
+
+  In a jax.distributed job every process makes the same calls: ``save`` is
+  collective (see ``jaxworks.batched_transfer.save``; process 0's metrics
+  are the step's), retention runs on process 0 after the commit and before
+  the others' ``save`` returns, and ``delete`` is collective; once
+  ``wait_until_finished()`` or ``close()`` returned (they wait for this
+  process's part of the save) every process lists the same steps.
 
   Args:
     directory: where the steps go, one subdirectory per step (created with
       its parents if missing, unless ``read_only``). Local or mounted file
       systems only.
-    max_to_keep: keep at most this many steps (None: all): the newest, or
-      with ``best_fn`` the best; the others are deleted after a newer step
-      committed, unless another rule keeps them.
+    max_to_keep: keep at most this many steps: the newest, or with
+      ``best_fn`` the best; the others are deleted after a newer step
+      committed, unless another rule keeps them (as orbax, a step any rule
+      keeps is kept). None: nothing is deleted.
     keep_period: also keep every step divisible by this (None: none).
     save_interval_steps: ``should_save(step)`` is true for multiples of it.
     barrier_timeout_s: in a multi-process job (jax.distributed), how long a
@@ -174,7 +126,7 @@ class CheckpointManager:
       (``ckpt_00000100``); None: no padding. Only names of exactly this
       format are steps.
     read_only: never write: ``save`` and ``delete`` warn and do nothing,
-      retention never runs, the directory is never created.
+      retention never runs, the directory is never created; reading works.
     item_names: the names ``save(items=...)`` may use (None: any).
   """
 
@@ -200,12 +152,13 @@ class CheckpointManager:
     directory = os.fspath(directory)
     commit.check_local(_API, directory)
     self.directory = os.path.abspath(directory)
-    self.max_to_keep = _positive_or_none("max_to_keep", max_to_keep)
-    self.keep_period = _positive_or_none("keep_period", keep_period)
-    interval = _positive_or_none("save_interval_steps", save_interval_steps)
-    if interval is None:
+    self.max_to_keep = ckpt.positive(_API, "max_to_keep", max_to_keep, True)
+    self.keep_period = ckpt.positive(_API, "keep_period", keep_period, True)
+    if save_interval_steps is None:
       raise ValueError(f"{_API}: save_interval_steps must be a positive int")
-    self.save_interval_steps = interval
+    self.save_interval_steps = ckpt.positive(
+      _API, "save_interval_steps", save_interval_steps, True
+    )
     if isinstance(barrier_timeout_s, bool) or not (
       isinstance(barrier_timeout_s, (int, float)) and barrier_timeout_s > 0
     ):
@@ -247,8 +200,8 @@ class CheckpointManager:
         f"'_.+=-', or None, got {step_prefix!r}"
       )
     self.step_prefix = step_prefix
-    self.step_format_fixed_length = _positive_or_none(
-      "step_format_fixed_length", step_format_fixed_length
+    self.step_format_fixed_length = ckpt.positive(
+      _API, "step_format_fixed_length", step_format_fixed_length, True
     )
     self.read_only = bool(read_only)
     if item_names is not None:
@@ -256,7 +209,7 @@ class CheckpointManager:
         item_names = (item_names,)
       item_names = tuple(item_names)
       for name in item_names:
-        self._check_item_name(_API, name)
+        check_item_name(_API, name)
     self.item_names = item_names
     if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
       raise FileExistsError(
@@ -264,49 +217,34 @@ class CheckpointManager:
       )
     if not self.read_only:
       commit.make_parents(self.directory)
-    head = re.escape(self._name_head())
-    self._name = re.compile(rf"^{head}([0-9]+)$")
-    self._temps = commit._temp_pattern(rf"{head}[0-9]+")
+    self._names = steps_lib.StepNames(step_prefix, step_format_fixed_length)
     self._handle: pending.SaveHandle | None = None
     self._pending_step: int | None = None
     self._lock = threading.Lock()
     self._metrics_cache: dict[int, Any] = {}  # step -> metrics or None
 
-  # Step names.
-
-  def _name_head(self) -> str:
-    return "" if self.step_prefix is None else f"{self.step_prefix}_"
-
-  def _step_name(self, step: int) -> str:
-    n = self.step_format_fixed_length
-    return self._name_head() + (f"{step:0{n}d}" if n else str(step))
-
   def _path(self, step: int) -> str:
-    return os.path.join(self.directory, self._step_name(step))
+    return os.path.join(self.directory, self._names.name(step))
 
-  def _parse(self, name: str) -> int | None:
-    m = self._name.match(name)
-    if m is None:
-      return None
-    step = int(m.group(1))
-    return step if self._step_name(step) == name else None
+  def _no_step(self, api: str, step: int) -> FileNotFoundError:
+    return FileNotFoundError(
+      f"{api}: no step {step} in {self.directory!r}; the committed steps "
+      f"are {self.all_steps()}"
+    )
 
-  def _check_item_name(self, api: str, name: Any) -> None:
-    if (
-      not isinstance(name, str)
-      or not name
-      or name in (".", "..")
-      or any(c in name for c in "/\\\0")
-    ):
-      raise ValueError(
-        f"{api}: an item name must be a non-empty str naming a file (no '/', "
-        f"'\\\\' or NUL), got {name!r}"
+  def _refuse(self, api: str, step: int, what: str) -> bool:
+    """Warns and returns True in a ``read_only`` manager."""
+    if self.read_only:
+      warnings.warn(
+        f"{api}: {self.directory!r} is read only (read_only=True); step "
+        f"{step} is not {what}",
+        stacklevel=3,
       )
-    if name == METRICS_KEY:
-      raise ValueError(
-        f"{api}: the item name {name!r} is reserved for the step's metrics; "
-        "rename the item"
-      )
+    return self.read_only
+
+  def _forget(self, step: int) -> None:
+    with self._lock:
+      self._metrics_cache.pop(step, None)
 
   # Listing.
 
@@ -316,12 +254,12 @@ class CheckpointManager:
       names = os.listdir(self.directory)
     except FileNotFoundError:
       return []
-    steps = []
-    for name in names:
-      step = self._parse(name)
-      if step is not None and os.path.isdir(os.path.join(self.directory, name)):
-        steps.append(step)
-    return sorted(steps)
+    return sorted(
+      step
+      for name in names
+      if (step := self._names.parse(name)) is not None
+      and os.path.isdir(os.path.join(self.directory, name))
+    )
 
   def latest_step(self) -> int | None:
     """The newest committed step, or None."""
@@ -335,13 +273,6 @@ class CheckpointManager:
     with self._lock:
       self._metrics_cache.clear()
 
-  def _last_saved(self) -> int | None:
-    latest = self.latest_step()
-    if self._handle is not None and self._pending_step is not None:
-      if latest is None or self._pending_step > latest:
-        return self._pending_step
-    return latest
-
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` saves (orbax's rules).
 
@@ -350,10 +281,13 @@ class CheckpointManager:
     otherwise true for a multiple of ``save_interval_steps``, a step in
     ``save_on_steps``, or the first step of an empty directory.
     """
-    step = _step(f"{_API}.should_save", step)
+    step = check_step(f"{_API}.should_save", step)
     if self.read_only:
       return False
-    last = self._last_saved()
+    last = self.latest_step()
+    if self._handle is not None and self._pending_step is not None:
+      if last is None or self._pending_step > last:
+        last = self._pending_step
     if last is not None and step <= last:
       return False
     if self.should_save_fn is not None:
@@ -388,30 +322,27 @@ class CheckpointManager:
     Args:
       step: the step, an int >= 0.
       tree: the pytree to save (or pass ``items``).
-      items: named items saved together as one step (one commit), e.g.
-        ``{"params": params, "opt_state": opt_state, "data": {"epoch": 3}}``;
-        ``restore(step, items=...)`` reads any of them.
+      items: named items saved together as one step, the tree ``{name:
+        item}`` (one commit), e.g. ``{"params": params, "opt_state":
+        opt_state, "data": {"epoch": 3}}``; ``restore(step, items=...)``
+        reads any of them.
       metrics: JSON-able metrics of the step (numbers, strings, lists,
-        dicts; arrays become lists) for ``best_fn``; stored in the step's
-        checkpoint (the tree must be a dict, or use ``items``).
+        dicts; numpy and jax scalars become numbers, arrays lists) for
+        ``best_fn``; stored in the step's checkpoint (the tree must be a
+        dict, or use ``items``).
       blocking: wait until the step is committed.
       force: save even if ``should_save(step)`` is false.
 
     Returns:
       True if a save was started, False if ``should_save`` said no (or the
-      manager is ``read_only``).
+      manager is ``read_only``: it warns).
 
     Raises:
       FileExistsError: the step exists already.
     """
     api = f"{_API}.save"
-    step = _step(api, step)
-    if self.read_only:
-      warnings.warn(
-        f"{api}: {self.directory!r} is read only (read_only=True); step "
-        f"{step} is not saved",
-        stacklevel=2,
-      )
+    step = check_step(api, step)
+    if self._refuse(api, step, "saved"):
       return False
     tree = self._tree(api, tree, items)
     if metrics is not None:
@@ -426,7 +357,7 @@ class CheckpointManager:
           f"{api}: the key {METRICS_KEY!r} is reserved for the step's "
           "metrics; rename it in the tree"
         )
-      tree = {**tree, METRICS_KEY: _metrics_json(api, metrics)}
+      tree = {**tree, METRICS_KEY: steps_lib.metrics_json(api, metrics)}
     elif self.best_fn is not None:
       warnings.warn(
         f"{api}: best_fn is set but step {step} is saved without metrics=",
@@ -459,24 +390,16 @@ class CheckpointManager:
         )
       if jax.process_index() == 0:  # what killed saves of any step left
         with commit.locked(path):  # (process 0 alone: it commits)
-          for _, p in commit._scan(self.directory, self._temps):
+          for _, p in commit._scan(self.directory, self._names.temps):
             commit.remove(p)
 
-    with self._lock:
-      self._metrics_cache.pop(step, None)
-    self._handle = run_save(
-      api,
-      path,
-      tree,
-      overwrite=False,
-      blocking=blocking,
-      write_threads=None,
-      max_inflight_bytes=DEFAULT_INFLIGHT,
-      barrier_timeout_s=self.barrier_timeout_s,
-      prelude=prelude,
-      after=self._retain,
+    self._forget(step)
+    self._handle = ckpt.run_save(
+      api, path, tree, overwrite=False, blocking=blocking, write_threads=None,
+      max_inflight_bytes=ckpt.DEFAULT_INFLIGHT, prelude=prelude,
+      barrier_timeout_s=self.barrier_timeout_s, after=self._retain,
       primary_keys=(METRICS_KEY,),
-    )
+    )  # fmt: skip
     self._pending_step = step
     return True
 
@@ -493,7 +416,7 @@ class CheckpointManager:
         f"{items!r:.80}"
       )
     for name in items:
-      self._check_item_name(api, name)
+      check_item_name(api, name)
       if self.item_names is not None and name not in self.item_names:
         raise ValueError(
           f"{api}: the item {name!r} is not one of item_names "
@@ -505,26 +428,18 @@ class CheckpointManager:
 
   def metrics(self, step: int) -> Any:
     """The metrics saved with ``step`` (decoded JSON), or None: read from
-    the step's record (the str leaf ``METRICS_KEY``), cached until
+    the step's record (the str leaf ``__jaxworks_metrics__``), cached until
     ``reload()``."""
-    step = _step(f"{_API}.metrics", step)
+    api = f"{_API}.metrics"
+    step = check_step(api, step)
     with self._lock:
       if step in self._metrics_cache:
         return self._metrics_cache[step]
     path = self._path(step)
-    text = read_values(f"{_API}.metrics", path).get(METRICS_KEY)
+    text = ckpt.read_values(api, path).get(METRICS_KEY)
     value = None
     if text is not None:
-      try:
-        decoded = json.loads(text)
-        if not isinstance(decoded, dict) or decoded.get("format") != 1:
-          raise ValueError("not a metrics record of format 1")
-      except ValueError as err:
-        raise ValueError(
-          f"{_API}: the metrics of step {step} in {path!r} cannot be read "
-          f"({err}); delete the step or restore it with bt.restore"
-        ) from None
-      value = decoded["metrics"]
+      value = steps_lib.decode_metrics(_API, step, path, text)
     with self._lock:
       self._metrics_cache[step] = value
     return value
@@ -533,18 +448,8 @@ class CheckpointManager:
     return os.stat(self._path(step)).st_mtime_ns
 
   def _ranked(self, steps: list[int]) -> tuple[list[int], list[int]]:
-    """(steps without metrics, steps with metrics from worst to best)."""
     assert self.best_fn is not None
-    best_fn = self.best_fn
-    without, scored = [], []
-    for s in steps:
-      m = self.metrics(s)
-      if m is None:
-        without.append(s)
-      else:
-        scored.append((s, m))
-    scored.sort(key=lambda sm: best_fn(sm[1]), reverse=self.best_mode == "min")
-    return without, [s for s, _ in scored]
+    return steps_lib.ranked(steps, self.metrics, self.best_fn, self.best_mode)
 
   def best_step(self) -> int | None:
     """The best step by ``best_fn`` of its metrics (None if no step has
@@ -555,33 +460,14 @@ class CheckpointManager:
     return ranked[-1] if ranked else None
 
   def _to_remove(self, steps: list[int]) -> list[int]:
-    """The steps the retention rules no longer keep (orbax's rules: any
-    rule that keeps a step keeps it)."""
-    n = self.max_to_keep
-    if n is None or self.read_only:
-      return []
-    keep: set[int] = set()
-    if self.best_fn is None or len(steps) <= n:
-      keep.update(steps[-n:])
-    else:
-      without, ranked = self._ranked(steps)
-      keep.update(ranked[-n:])
-      if self.keep_checkpoints_without_metrics:
-        keep.update(without)
-    if self.keep_period is not None:
-      keep.update(s for s in steps if s % self.keep_period == 0)
-    if self.keep_time_interval is not None and steps:
-      interval_ns = int(self.keep_time_interval.total_seconds()) * 10**9
-      last = None
-      for s in steps:
-        try:
-          t = self._commit_ns(s)
-        except FileNotFoundError:
-          continue
-        if last is None or t - last >= interval_ns:
-          keep.add(s)
-          last = t
-    return [s for s in steps if s not in keep]
+    """The steps the retention rules no longer keep."""
+    return steps_lib.to_remove(
+      steps, max_to_keep=None if self.read_only else self.max_to_keep,
+      keep_period=self.keep_period, keep_time_interval=self.keep_time_interval,
+      commit_ns=self._commit_ns,
+      rank=None if self.best_fn is None else self._ranked,
+      keep_without_metrics=self.keep_checkpoints_without_metrics,
+    )  # fmt: skip
 
   def _retain(self) -> None:
     """Deletes the steps the retention rules no longer keep (process 0)."""
@@ -618,17 +504,14 @@ class CheckpointManager:
         raise FileNotFoundError(
           f"{api}: no committed step in {self.directory!r}"
         )
-    step = _step(api, step)
+    step = check_step(api, step)
     path = self._path(step)
     if not os.path.isdir(path):
-      raise FileNotFoundError(
-        f"{api}: no step {step} in {self.directory!r}; the committed steps "
-        f"are {self.all_steps()}"
-      )
+      raise self._no_step(api, step)
     return step, path
 
   def _stored(self, path: str) -> Any:
-    tree = metadata(path)
+    tree = ckpt.metadata(path)
     if isinstance(tree, dict):
       tree.pop(METRICS_KEY, None)
     return tree
@@ -647,8 +530,9 @@ class CheckpointManager:
     Args:
       step: the step (None: the latest).
       target: as for ``restore``: a tree of jax.ShapeDtypeStruct (e.g.
-        ``jax.eval_shape(init_fn)``) saying what to load; None: every leaf
-        as saved (arrays on the default device).
+        ``jax.eval_shape(init_fn)``) saying what to load, exactly its leaves
+        (pass ``partial_restore=True`` for a subset); None: every leaf as
+        saved (arrays on the default device).
       items: instead of ``target``, for a step saved with ``items=``: a dict
         of the item names to restore -> each one's target, or None to
         restore that item as saved. Returns a dict of those items only.
@@ -666,20 +550,14 @@ class CheckpointManager:
         api, step, path, target, items, placement, kwargs
       )
     has_metrics = self.metrics(step) is not None
-    if target is None:
-      out = restore(path, None, placement=placement, **kwargs)
-    elif not has_metrics or kwargs.get("partial_restore"):
-      out = restore(path, target, placement=placement, **kwargs)
-    elif isinstance(target, Mapping):
-      # The metrics leaf joins the target, so every other stored leaf must
-      # still be in it (as restore checks without partial_restore).
-      out = restore(
-        path, {**target, METRICS_KEY: ""}, placement=placement, **kwargs
-      )
-    else:
-      out = restore(
-        path, target, placement=placement, partial_restore=True, **kwargs
-      )
+    if target is not None and has_metrics and not kwargs.get("partial_restore"):
+      if isinstance(target, Mapping):
+        # The metrics leaf joins the target, so every other stored leaf must
+        # still be in it (as restore checks without partial_restore).
+        target = {**target, METRICS_KEY: ""}
+      else:
+        kwargs = {**kwargs, "partial_restore": True}
+    out = ckpt.restore(path, target, placement=placement, **kwargs)
     if isinstance(out, dict):
       out.pop(METRICS_KEY, None)
     return out
@@ -704,44 +582,36 @@ class CheckpointManager:
     stored = (
       self._stored(path) if any(t is None for t in items.values()) else None
     )
+
+    def no_item(name: str) -> KeyError:
+      held = sorted(stored) if isinstance(stored, dict) else []
+      return KeyError(
+        f"{api}: step {step} in {self.directory!r} holds no item "
+        f"{name!r}; its items are {held}"
+      )
+
     like: dict[str, Any] = {}
     for name, t in items.items():
-      self._check_item_name(api, name)
-      if t is None:
-        if not isinstance(stored, dict) or name not in stored:
-          held = sorted(stored) if isinstance(stored, dict) else []
-          raise KeyError(
-            f"{api}: step {step} in {self.directory!r} holds no item "
-            f"{name!r}; its items are {held}"
-          )
-        like[name] = stored[name]
-      else:
-        like[name] = t
-    kwargs = {**kwargs, "partial_restore": True}
+      check_item_name(api, name)
+      if t is None and not (isinstance(stored, dict) and name in stored):
+        raise no_item(name)
+      like[name] = stored[name] if t is None else t  # type: ignore[index]
     try:
-      out = restore(path, like, placement=placement, **kwargs)
+      kwargs = {**kwargs, "partial_restore": True}
+      out = ckpt.restore(path, like, placement=placement, **kwargs)
     except ValueError as err:
       if stored is None:
         stored = self._stored(path)
-      missing = [
-        n for n in like if not isinstance(stored, dict) or n not in stored
-      ]
-      if missing:
-        held = sorted(stored) if isinstance(stored, dict) else []
-        raise KeyError(
-          f"{api}: step {step} in {self.directory!r} holds no item "
-          f"{missing[0]!r}; its items are {held}"
-        ) from err
+      for n in like:
+        if not isinstance(stored, dict) or n not in stored:
+          raise no_item(n) from err
       raise
-
     # Items restored as saved: Python scalar leaves back as Python scalars
     # (as restore without a target gives them).
-    python = None
-    for name, t in items.items():
-      if t is None:
-        if python is None:
-          python = _python_leaves(api, path)
-        if python:
+    if any(t is None for t in items.values()):
+      python = ckpt.read_record(api, path)[1].python
+      for name, t in items.items():
+        if t is None and python:
           keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
           leaves = [
             format.PYTHON_TYPES[python[k]](np.asarray(x).item())
@@ -758,8 +628,7 @@ class CheckpointManager:
     Raises:
       FileNotFoundError: no committed step (or not ``step``).
     """
-    api = f"{_API}.metadata"
-    step, path = self._existing(api, step)
+    step, path = self._existing(f"{_API}.metadata", step)
     return StepMetadata(
       step=step,
       item_metadata=self._stored(path),
@@ -770,24 +639,21 @@ class CheckpointManager:
   def item_metadata(self, step: int) -> Any:
     """``metadata(step).item_metadata``: the saved tree (``{name: item}``)
     with jax.ShapeDtypeStruct for arrays, reading no array data."""
-    return self.metadata(_step(f"{_API}.item_metadata", step)).item_metadata
+    return self.metadata(
+      check_step(f"{_API}.item_metadata", step)
+    ).item_metadata
 
   # Deleting.
 
   def _delete_local(self, step: int, missing_ok: bool = False) -> None:
-    api = f"{_API}.delete"
     path = self._path(step)
     with commit.locked(path):
       if not os.path.isdir(path):
         if missing_ok:
           return
-        raise FileNotFoundError(
-          f"{api}: no step {step} in {self.directory!r}; the committed steps "
-          f"are {self.all_steps()}"
-        )
+        raise self._no_step(f"{_API}.delete", step)
       commit.delete(path)
-    with self._lock:
-      self._metrics_cache.pop(step, None)
+    self._forget(step)
 
   def delete(self, step: int) -> None:
     """Deletes a committed step (renamed away first: never half listed).
@@ -795,20 +661,15 @@ class CheckpointManager:
     Waits for this manager's pending save first (whose retention may
     delete steps). In a multi-process job every process calls it: process
     0 deletes once every process called it, the others return once it did
-    (or raise RuntimeError naming its error). With ``read_only`` it warns
-    and does nothing.
+    (or raise RuntimeError naming its error; TimeoutError after
+    ``barrier_timeout_s``). With ``read_only`` it warns and does nothing.
 
     Raises:
       FileNotFoundError: no such step.
     """
     api = f"{_API}.delete"
-    step = _step(api, step)
-    if self.read_only:
-      warnings.warn(
-        f"{api}: {self.directory!r} is read only (read_only=True); step "
-        f"{step} is not deleted",
-        stacklevel=2,
-      )
+    step = check_step(api, step)
+    if self._refuse(api, step, "deleted"):
       return
     handle = self._handle
     if handle is not None:  # its retention decides first; its error stays
@@ -822,8 +683,7 @@ class CheckpointManager:
         lambda: self._delete_local(step),
         self.barrier_timeout_s,
       )
-      with self._lock:
-        self._metrics_cache.pop(step, None)
+      self._forget(step)
       return
     self._delete_local(step)
 
@@ -838,15 +698,15 @@ class CheckpointManager:
     self.close()
 
   def __repr__(self) -> str:
+    best = (
+      f", best_fn={self.best_fn!r}, best_mode={self.best_mode!r}"
+      if self.best_fn is not None
+      else ""
+    )
     return (
       f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep}, "
       f"keep_period={self.keep_period}, "
-      f"save_interval_steps={self.save_interval_steps}"
-      + (
-        f", best_fn={self.best_fn!r}, best_mode={self.best_mode!r}"
-        if self.best_fn is not None
-        else ""
-      )
+      f"save_interval_steps={self.save_interval_steps}{best}"
       + (", read_only=True" if self.read_only else "")
       + ")"
     )

@@ -1,15 +1,7 @@
-"""Checkpoints of arrays that span processes (jax.distributed): the save.
-
-Save, called by every process with the same tree: process 0 takes the save
-lock, cleans leftovers and makes the temporary directory, whose name the
-others read from the distributed key-value store. Each process writes the
-shards its devices hold (a shard several devices hold once, by the first of
-them in the sharding's device order) as ``<key>.shards/<n>.npy``; process 0
-also writes every array that does not span processes as ``<key>.npy``. All
-fsync what they wrote and post their status. Process 0 then writes the
-manifest (``jaxworks_manifest.json``, which says how the shard files tile
-each array) and the dtype record, fsyncs, commits with save's atomic
-rename, and posts the outcome the others return or raise with.
+"""Checkpoints of arrays that span processes (jax.distributed): the save
+(the README, "Checkpoints written by several processes", tells its steps).
+Shards are written as ``<key>.shards/<n>.npy``, an array that spans no
+processes as ``<key>.npy`` by process 0, which commits.
 
 Every key of one save lies under a prefix with the save's sequence number,
 which every process takes first thing, so a failed save never puts the
@@ -109,27 +101,22 @@ def plan_save(
   for key, where, x in zip(keys, paths, leaves):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       by_device = {s.device: s for s in x.addressable_shards}
-      shards = []
-      for n, (b, device) in enumerate(shard_plan(x)):
-        stem = format.shard_stem(key, n)
-        shards.append(
-          {
-            "file": stem + ".npy",
-            "start": [lo for lo, _ in b],
-            "shape": [hi - lo for lo, hi in b],
-          }
-        )
-        named.append((stem + ".npy", where))
-        if device.process_index == pid:
-          mine.append((stem, by_device[device].data))
-    else:
-      shards = [
-        {"file": key + ".npy", "start": [0] * x.ndim, "shape": list(x.shape)}
+      plan = [
+        (format.shard_stem(key, n), b, d)
+        for n, (b, d) in enumerate(shard_plan(x))
       ]
-      named.append((key + ".npy", where))
+    else:  # one file of the whole leaf, process 0's to write
+      plan = [(key, tuple((0, n) for n in x.shape), None)]
       whole.append((key, x))
       if pid == 0:
         mine.append((key, x))
+    shards = []
+    for stem, b, device in plan:
+      start, shape = [lo for lo, _ in b], [hi - lo for lo, hi in b]
+      shards.append({"file": stem + ".npy", "start": start, "shape": shape})
+      named.append((stem + ".npy", where))
+      if device is not None and device.process_index == pid:
+        mine.append((stem, by_device[device].data))
     arrays[key] = {
       "shape": list(x.shape),
       "dtype": np.dtype(x.dtype).name,
@@ -146,8 +133,7 @@ def plan_save(
 
 def _digest(x: Any) -> list[int]:
   """The checksums of a whole leaf's data as save writes it (C order)."""
-  a = np.asarray(x)
-  return checksum.of(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+  return checksum.of(hostvalue.raw(np.asarray(x)))
 
 
 def _host(x: Any) -> np.ndarray | hostvalue.Shards:

@@ -82,7 +82,9 @@ class SaveHandle:
         f"{self.path!r} did not finish within {timeout} s"
       )
     if self._error is not None:
-      _seen(self)
+      with _lock:
+        if self in _unseen:
+          _unseen.remove(self)
       raise self._error
 
   def __repr__(self) -> str:
@@ -90,12 +92,6 @@ class SaveHandle:
     if self._error is not None:
       state = f"failed: {self._error!r}"
     return f"SaveHandle({self.path!r}, {state})"
-
-
-def _seen(handle: SaveHandle) -> None:
-  with _lock:
-    if handle in _unseen:
-      _unseen.remove(handle)
 
 
 def start(path: str, work: Callable[[], None]) -> SaveHandle:

@@ -36,18 +36,13 @@ BATCH_CAP = 16 * 2**20
 class BatchReader:
   """Reads batches 0, 1, ... in order on a background thread.
 
-  A batch's bytes count from when its reading starts until ``release(k)``.
-  Reading a batch waits until the bytes counted plus its own fit in
-  ``budget``, or until nothing is counted (a batch larger than the budget is
-  read alone). With batches of at most half the budget, one batch is read
-  while the previous one is used.
-
-  The consumer calls ``take(k)`` then ``release(k)`` for k = 0, 1, ...; an
-  exception raised by ``read_batch`` is raised by ``take`` (the same object,
-  so the same class); ``close()`` (or leaving the ``with`` block) stops the
-  thread and waits for it, also when the consumer stops early. With one
-  batch there is nothing to overlap: ``take(0)`` reads it on the calling
-  thread, and no thread is started.
+  A batch's bytes count from when its reading starts until ``release(k)``;
+  reading a batch waits until the bytes counted plus its own fit in
+  ``budget``, or until nothing is counted (a larger batch is read alone).
+  The consumer calls ``take(k)`` then ``release(k)`` for k = 0, 1, ...;
+  ``take`` raises what ``read_batch`` raised (the same object); ``close()``
+  (or leaving the ``with`` block) stops the thread and joins it. One batch
+  is read by ``take(0)`` on the calling thread, with no thread started.
   """
 
   def __init__(

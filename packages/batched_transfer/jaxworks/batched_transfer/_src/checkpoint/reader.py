@@ -1,16 +1,12 @@
 """The one file reader every read path of a checkpoint uses.
 
-Files are opened relative to a directory descriptor (``open_file``: regular
-files only, since a FIFO's open does not block restore but its read would),
-so a checkpoint replaced at its path meanwhile is read as it was opened;
-reads are bounded by the size a file is expected to hold (``read_all``,
-``read_small``); .npy headers are read from a file object or a descriptor
-(``read_header``, ``read_npy_header``). ``Files.read`` then reads an array's
-bytes through the descriptor its header came from (not the path) straight
-into a new 64-byte-aligned host buffer of its own memory map (one
-``preadv`` loop, no second copy, checked against the checkpoint's
-checksums as it is read), so that on CPU the placed array can take that
-buffer over, and the memory goes back to the OS when the array goes.
+Files are opened relative to a directory descriptor (regular files only,
+since a FIFO's open does not block restore but its read would), so a
+checkpoint replaced at its path meanwhile is read as it was opened; reads
+are bounded. ``Files.read`` reads an array's bytes through the descriptor
+its header came from, checked as they are read, straight into a new
+aligned buffer of its own memory map, which on CPU the placed array can
+take over.
 
 >>> import os, tempfile, numpy as np
 >>> d = tempfile.mkdtemp()
@@ -81,9 +77,7 @@ class Stored:
   @property
   def value_dtype(self) -> np.dtype:
     """The dtype of the values: the recorded one, else the header's, in native order."""
-    if self.exact is not None:
-      return self.exact
-    return self.dtype.newbyteorder("=")
+    return self.dtype.newbyteorder("=") if self.exact is None else self.exact
 
 
 def read_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -308,10 +302,8 @@ class Files:
       if s.fd < 0 and stamp(st) != s.stamp:
         raise ValueError("it was replaced after restore validated it")
       try:
-        if s.member is not None:
-          array = self._inflate(fd, s)
-        else:
-          array = self._read_stored(fd, s)
+        read = self._read_stored if s.member is None else self._inflate
+        array = read(fd, s)
       except checksum.Mismatch:
         if stamp(os.fstat(fd)) != s.stamp:  # the likelier cause, named
           raise ValueError("it was modified while restore read it") from None
@@ -356,8 +348,7 @@ class Files:
   def _inflate(self, fd: int, s: Stored) -> np.ndarray:
     """A compressed .npz member, inflated into a new buffer (exactly its
     header's bytes: more or fewer data, or a bad checksum, raise)."""
-    if s.member is None:
-      raise ValueError("_inflate: not a compressed member")
+    assert s.member is not None
     with (
       open(fd, "rb", closefd=False) as raw,
       zipfile.ZipFile(raw) as zf,

@@ -1,18 +1,10 @@
 """Restore of a checkpoint one process wrote: .npy files in a directory, or an .npz.
 
-``open_checkpoint`` opens a checkpoint once and reads only headers (through
-the reader): each array becomes a ``reader.Stored`` with its shape, header
-dtype, order, where its data lies and the descriptor the header came from,
-which ``reader.Files`` reads the data through. ``Opened.contents`` sets
-each array's exact dtype and checksums from the checkpoint's record.
-
-``restore_arrays`` checks every array's shape, data extent and placement
-against the target before anything is read, then streams them (prefetch):
-a background thread reads each batch straight into new aligned host
-buffers of their own memory maps (reader; a large file by ``read_threads``
-threads at once) while the batch before is placed with one batched
-device_put. The buffers are restore's own, so placing may alias them (on
-CPU the device array takes the buffer over: no second copy).
+``open_checkpoint`` reads only headers: each array becomes a
+``reader.Stored``, read later through the descriptor its header came from.
+``restore_arrays`` checks every array against the target before anything
+is read, then streams them (prefetch) into buffers of restore's own, which
+placing may alias (on CPU the device array takes the buffer over).
 """
 
 from __future__ import annotations
@@ -26,17 +18,17 @@ import zlib
 
 import numpy as np
 
-from .. import targets
 from ..api import place
-from ..transfer import placement_error
 from . import format
 from . import prefetch
 from . import reader
 from .keys import astype
 from .keys import cast_to
+from .target import restore_placement
 
 # A zip member's local header: 30 bytes; the last two: name and extra lengths.
 _ZIP_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error)
 
 
 class Opened:
@@ -82,12 +74,6 @@ class Opened:
     fds, self.fds = self.fds, []
     for fd in fds:
       os.close(fd)
-
-  def __enter__(self) -> Opened:
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.close()
 
 
 def open_checkpoint(api: str, path: str) -> Opened:
@@ -165,25 +151,14 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
           f"{api}: {file!r} holds Python objects, which restore does not load"
         )
       out[key] = reader.Stored(
-        tuple(shape),
-        dtype,
-        fortran,
-        repr(file),
-        st.st_size - offset,
-        file,
-        offset,
-        None,
-        fd=fd,
-        dir_fd=top,
-        name=rel,
-        stamp=reader.stamp(st),
-      )
+        tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
+        offset, None, fd=fd, dir_fd=top, name=rel, stamp=reader.stamp(st),
+      )  # fmt: skip
 
 
 def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
   out = opened.stored
   st = os.fstat(fd)
-  file_size = st.st_size
   raw = open(fd, "rb", closefd=False)
   try:
     zf = zipfile.ZipFile(raw)
@@ -207,12 +182,7 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
         ):
           raw.seek(info.header_offset)
           fields = _ZIP_LOCAL_HEADER.unpack(raw.read(_ZIP_LOCAL_HEADER.size))
-          start = (
-            info.header_offset
-            + _ZIP_LOCAL_HEADER.size
-            + fields[-2]
-            + fields[-1]
-          )
+          start = info.header_offset + _ZIP_LOCAL_HEADER.size + sum(fields[-2:])
           raw.seek(start)
           shape, fortran, dtype = reader.read_header(raw)
           offset = raw.tell()
@@ -220,7 +190,7 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
           header_crc = zlib.crc32(raw.read(offset - start))
           # The member's data ends where the archive says it does, and never past the file.
           end = min(
-            start + info.file_size, start + info.compress_size, file_size
+            start + info.file_size, start + info.compress_size, st.st_size
           )
           data_bytes = end - offset
           member = None
@@ -229,33 +199,17 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
             shape, fortran, dtype = reader.read_header(f)
             data_bytes = info.file_size - f.tell()
           offset, member, header_crc = 0, info.filename, 0
-      except (
-        OSError,
-        ValueError,
-        EOFError,
-        struct.error,
-        zipfile.BadZipFile,
-        zlib.error,
-      ) as err:
+      except (OSError, ValueError, EOFError, struct.error, *_ZIP_ERRORS) as err:
         raise ValueError(
           f"{api}: {where} is not a readable .npy: {err}"
         ) from None
       if dtype.hasobject:
         raise ValueError(f"{api}: {where} holds Python objects")
       out[key] = reader.Stored(
-        tuple(shape),
-        dtype,
-        fortran,
-        where,
-        data_bytes,
-        path,
-        offset,
-        member,
-        fd=fd,
-        stamp=reader.stamp(st),
+        tuple(shape), dtype, fortran, where, data_bytes, path, offset, member,
+        fd=fd, stamp=reader.stamp(st), header_crc=header_crc,
         zip_crc=info.CRC if member is None else None,
-        header_crc=header_crc,
-      )
+      )  # fmt: skip
 
 
 def _dtype_text(dtype: np.dtype) -> str:
@@ -263,12 +217,7 @@ def _dtype_text(dtype: np.dtype) -> str:
 
 
 def _check_leaf(
-  api: str,
-  path: str,
-  where: str,
-  key: str,
-  s: reader.Stored,
-  shape: tuple[int, ...],
+  api: str, where: str, key: str, s: reader.Stored, shape: tuple[int, ...]
 ) -> None:
   """Shape, dtype and data extent of one stored array against its target
   leaf (a dtype other than the stored one is a cast, see load)."""
@@ -311,21 +260,8 @@ def restore_arrays(
   stored = opened.stored
   normalized: dict[int, Any] = {}
   for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
-    _check_leaf(api, opened.path, where, key, stored[key], want_shape)
-    if id(p) not in normalized:
-      normalized[id(p)] = targets.restore_target(api, p, where)
-    sharding = normalized[id(p)][0]
-    if sharding is not None:
-      try:
-        sharding.shard_shape(want_shape)
-      except Exception as err:  # the sharding's own message says why
-        raise placement_error(
-          err,
-          sharding,
-          want_shape,
-          f"{api}: the leaf at {where} with shape {want_shape} cannot be "
-          f"placed on {sharding}: {err}",
-        ) from None
+    _check_leaf(api, where, key, stored[key], want_shape)
+    restore_placement(api, p, where, want_shape, normalized)
   files = reader.Files(read_threads, verify)
   casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
 

@@ -1,25 +1,14 @@
 """Restore of a checkpoint that several processes wrote: its manifest and
-shard files (their format: see format).
+shard files (their format: see format), opened relative to one directory
+descriptor and validated before anything is placed.
 
-``open_manifest`` opens the checkpoint directory once and reads
-``jaxworks_manifest.json`` relative to that descriptor (a regular file of at
-most ``MAX_MANIFEST_BYTES``, through the reader), then checks its schema
-(``format.parse_manifest``). ``Manifest.open_shard`` opens a shard file
-relative to the same directory descriptor (regular files only) and checks
-its .npy header against the manifest.
-
-``restore_arrays`` validates everything before anything is placed: every
-key, shape and dtype against the target, each placement, and the header of
-every shard file this process needs. Then, as for a checkpoint one process
-wrote, batches are read on a background thread ahead of the batch being
-placed (prefetch): for each array, the region each of this process's
-devices holds is read with ``preadv`` from the overlapping shard files
-(``read_tasks``, through the descriptors validated, by ``read_threads``
-threads) straight into a new aligned host buffer, so a checkpoint replaced
-at its path while restore runs is read whole as it was validated, or
-refused. The regions are placed with one batched transfer per array (on CPU
-a device takes its buffer over: no copy). A target with a layout (a
-``Format``) is relaid out on its devices afterwards, as device_put does.
+Then, as for a checkpoint one process wrote, batches are read ahead of the
+batch being placed (prefetch): the region each of this process's devices
+holds is read with ``preadv`` from the overlapping shard files
+(``read_tasks``, by ``read_threads`` threads) into a new aligned buffer,
+and the regions of an array are placed with one batched transfer (on CPU a
+device takes its buffer over), relaid out after where the target has a
+layout.
 """
 
 from __future__ import annotations
@@ -38,18 +27,16 @@ import numpy as np
 from .. import jax_internals
 from .. import targets
 from ..api import place
-from ..transfer import placement_error
 from . import checksum
 from . import format
 from . import prefetch
 from . import reader
-from .format import MANIFEST
 from .format import Bounds
 from .format import Entry
 from .format import Shard
-from .format import bounds
 from .keys import astype
 from .keys import cast_to
+from .target import restore_placement
 
 #: Runs of fewer bytes are read as one block of whole rows and copied.
 SMALL_RUN = 256 * 2**10
@@ -101,12 +88,6 @@ class Manifest:
     if self.dir_fd >= 0:
       os.close(self.dir_fd)
       self.dir_fd = -1
-
-  def __enter__(self) -> Manifest:
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.close()
 
   def contents(
     self,
@@ -225,11 +206,11 @@ def read_tasks(
 
   With ``verified`` (a set), a call that reads one whole checksum chunk of
   a file checks it, and ``(file name, chunk)`` is added to the set."""
+  if not out.size:
+    return []
   itemsize = out.dtype.itemsize
-  dst = out.reshape(-1).view(np.uint8) if out.size else None
+  dst = out.reshape(-1).view(np.uint8)
   tasks: list[Callable[[], None]] = []
-  if dst is None:
-    return tasks
   dshape = tuple(hi - lo for lo, hi in want) + (itemsize,)
   for s, shard in pieces:
     inter = format.intersect(shard, want)
@@ -240,19 +221,15 @@ def read_tasks(
     ext = tuple(b - a for a, b in inter) + (itemsize,)
     dlo = tuple(a - w0 for (a, _), (w0, _) in zip(inter, want)) + (0,)
     name = s.name
-    if s.fortran or (
-      len(ext) > 1 and _tail_bytes(ext, sshape, dshape) < SMALL_RUN
-    ):
+    k = _tail_dim(ext, sshape, dshape)
+    if s.fortran or (len(ext) > 1 and math.prod(ext[k:]) < SMALL_RUN):
       tasks.append(_block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst))
       continue
-    k = _tail_dim(ext, sshape, dshape)
     run = math.prod(ext[k:])
     sstr, dstr = _strides(sshape), _strides(dshape)
     for lead in np.ndindex(*ext[:k]):
-      src_off = sum((lo[i] + t) * sstr[i] for i, t in enumerate(lead))
-      dst_off = sum((dlo[i] + t) * dstr[i] for i, t in enumerate(lead))
-      src_off += lo[k] * sstr[k]
-      dst_off += dlo[k] * dstr[k]
+      src_off = sum((lo[i] + t) * sstr[i] for i, t in enumerate(lead + (0,)))
+      dst_off = sum((dlo[i] + t) * dstr[i] for i, t in enumerate(lead + (0,)))
       for a in range(0, run, chunk):
         n = min(chunk, run - a)
         at = src_off + a  # in the file's data
@@ -286,10 +263,6 @@ def _tail_dim(ext: tuple, sshape: tuple, dshape: tuple) -> int:
   while k > 0 and ext[k] == sshape[k] == dshape[k]:
     k -= 1
   return k
-
-
-def _tail_bytes(ext: tuple, sshape: tuple, dshape: tuple) -> int:
-  return math.prod(ext[_tail_dim(ext, sshape, dshape) :])
 
 
 def _run_task(
@@ -437,34 +410,24 @@ def _plan(
     if entry.shape != shape:
       raise ValueError(
         f"{api}: the leaf at {where} (key {key!r}) is stored in the "
-        f"checkpoint {path!r} (its manifest {MANIFEST!r}) as "
+        f"checkpoint {path!r} (its manifest {format.MANIFEST!r}) as "
         f"{stored.name}{list(entry.shape)} but the target expects shape "
         f"{list(shape)}; restore into a target of the stored shape "
         "(bt.metadata(path) lists them)"
       )
     cast = cast_to(stored, dtype)
-    if id(p) not in normalized:
-      normalized[id(p)] = targets.restore_target(api, p, where)
-    sharding, layout, committed = normalized[id(p)]
+    sharding, layout, committed = restore_placement(
+      api, p, where, shape, normalized
+    )
     if sharding is None:
       sharding = targets.single_device_sharding(jax_internals.default_device())
-    try:
-      sharding.shard_shape(shape)
-      index_map = sharding.addressable_devices_indices_map(shape)
-    except Exception as err:  # the sharding's own message says why
-      raise placement_error(
-        err,
-        sharding,
-        shape,
-        f"{api}: the leaf at {where} with shape {shape} cannot be placed on "
-        f"{sharding}: {err}",
-      ) from None
+    index_map = sharding.addressable_devices_indices_map(shape)
     aval = jax_internals.ShapedArray(
       shape, jax.dtypes.canonicalize_dtype(stored if cast is None else cast)
     )
     if committed:
       aval = jax_internals.device_put_aval(aval, sharding)
-    regions = [bounds(idx, shape) for idx in index_map.values()]
+    regions = [format.bounds(idx, shape) for idx in index_map.values()]
     pieces = {r: opened.pieces(key, entry, r) for r in dict.fromkeys(regions)}
     plan.append(_Leaf(
       key, entry, sharding, layout, aval, committed, list(index_map), regions,

@@ -4,8 +4,9 @@
 record stores by value (``str`` and None), or, without a target, builds one
 from the checkpoint's record (``as_saved``, which ``metadata`` also
 returns); ``target_spec`` is the shape, dtype and weak type a target leaf
-asks for, and ``placement_of`` where it goes. Both restore paths
-(restore_files, restore_shards) place what ``Target`` picks.
+asks for, ``placement_of`` where it goes, ``restore_placement`` that
+placement checked. Both restore paths (restore_files, restore_shards) place
+what ``Target`` picks.
 
 >>> import numpy as np
 >>> r = format.Record(values={"run": "exp-42"},
@@ -23,6 +24,8 @@ from jax.experimental.layout import Format
 import numpy as np
 
 from .. import jax_internals
+from .. import targets
+from ..transfer import placement_error
 from . import format
 from .keys import ROOT_KEY
 from .keys import check_keys
@@ -36,6 +39,40 @@ def placement_of(leaf: Any) -> Any:
   if isinstance(fmt, Format) and fmt.sharding is not None:
     return fmt if fmt.layout is not None else fmt.sharding
   return getattr(leaf, "sharding", None)
+
+
+def restore_placement(
+  api: str, t: Any, where: str, shape: tuple[int, ...], cache: dict[int, Any]
+) -> tuple[Any, Any, bool]:
+  """``normalize_target`` of the placement ``t`` of restore's leaf at
+  ``where`` (once per object: ``cache``), its sharding checked to split
+  ``shape``; restore's words for a target it cannot take."""
+  if id(t) not in cache:
+    try:
+      cache[id(t)] = targets.normalize_target(api, t)
+    except targets.Delegate:
+      raise ValueError(
+        f"{api}: placement {t!r} at {where} depends on the mesh context; "
+        "pass a Sharding"
+      ) from None
+    except ValueError as err:
+      raise ValueError(
+        f"{err} (the placement of the leaf at {where}; a target leaf's "
+        "sharding is its placement unless placement= is given)"
+      ) from None
+  sharding = cache[id(t)][0]
+  if sharding is not None:
+    try:
+      sharding.shard_shape(shape)
+    except Exception as err:  # the sharding's own message says why
+      raise placement_error(
+        err,
+        sharding,
+        shape,
+        f"{api}: the leaf at {where} with shape {shape} cannot be placed on "
+        f"{sharding}: {err}",
+      ) from None
+  return cache[id(t)]
 
 
 def target_spec(
@@ -81,13 +118,9 @@ class Target:
     built = target is None
     if built:
       target = as_saved(arrays, record)
-    keys, paths, leaves, self.treedef = leaf_keys(api, target)
-    self.target, self.keys, self.paths, self.leaves = (
-      target,
-      keys,
-      paths,
-      leaves,
-    )
+    self.target = target
+    self.keys, self.paths, self.leaves, self.treedef = leaf_keys(api, target)
+    keys, paths, leaves = self.keys, self.paths, self.leaves
     stored = set(arrays) | {
       k for k, v in record.values.items() if v is not None
     }

@@ -1,13 +1,6 @@
-"""Writing the files and directories of a checkpoint, durably.
-
-``Leaves`` sorts a tree as save stores it (arrays, and the record's parts
-for the rest); ``host_array`` checks a leaf and gives its host value;
-``Staged`` starts device-to-host copies ahead of the writers within a byte
-budget. ``write_file`` creates, fills and fsyncs one file;
-``write_directory`` writes ``<key>.npy`` files on several threads (with the
-checksums of their data); ``write_checkpoint`` writes a whole checkpoint
-of one process (a directory or an .npz) under a temporary name and
-publishes it atomically under the save lock (see commit).
+"""Writing the files and directories of a checkpoint, durably: the leaves
+sorted as save stores them, host copies within a budget, writer threads,
+and the atomic publication under the save lock (see commit).
 """
 
 from __future__ import annotations
@@ -38,10 +31,6 @@ WRITE_THREAD_PREFIX = "jaxworks-save-write"
 #: Writing and fsyncing wait on the disk with the GIL released, so more
 #: threads than CPUs help.
 DEFAULT_WRITE_THREADS = 8
-
-
-def _nbytes(x: Any) -> int:
-  return int(getattr(x, "nbytes", 0) or 0)
 
 
 def host_array(
@@ -121,8 +110,10 @@ class Leaves:
       if x is None or isinstance(x, str):
         self.record.values[key] = x
         continue
-      if python_scalar_dtype(x) is not None:
-        self.record.python[key] = _base(x)
+      if python_scalar_dtype(x) is not None:  # a subclass: the type it is of
+        self.record.python[key] = next(
+          n for n, t in format.PYTHON_TYPES.items() if isinstance(x, t)
+        )
       if isinstance(x, jax.Array):
         s = x.sharding
         if id(s) not in described:
@@ -133,15 +124,6 @@ class Leaves:
       self.keys.append(key)
       self.paths.append(where)
       self.leaves.append(x)
-
-
-def _base(x: Any) -> str:
-  """The name of ``x``'s Python scalar type (for a subclass, such as an
-  IntEnum, the type it comes from)."""
-  for name in ("bool", "int", "float", "complex"):
-    if isinstance(x, format.PYTHON_TYPES[name]):
-      return name
-  raise TypeError(type(x).__name__)  # pragma: no cover - python_scalar_dtype
 
 
 _FIXES = {
@@ -158,14 +140,13 @@ def write_error(api: str, path: str, file: str, err: OSError) -> OSError:
   code = err.errno
   fix = _FIXES.get(code or 0, "check the file system, then save again")
   text = err.strerror or (os.strerror(code) if code else str(err))
-  out = OSError(
+  return OSError(
     code,
     f"{api}: writing the checkpoint {path!r} failed: {text} while writing "
     f"{file!r}; {fix}. Nothing was committed: the checkpoint that was at "
     "the path (if any) is still there",
     file,
   )
-  return out
 
 
 def write_file(api: str, path: str, file: str, write: Any) -> Any:
@@ -192,10 +173,9 @@ class Staged:
     self, api: str, paths: list[str], leaves: list[Any], budget: int | None
   ) -> None:
     self.api, self.paths, self.leaves = api, paths, leaves
-    self.sizes = [_nbytes(x) for x in leaves]
+    self.sizes = [int(getattr(x, "nbytes", 0) or 0) for x in leaves]
     self.budget = budget
-    self.started = 0
-    self.inflight = 0
+    self.started = self.inflight = 0
     self.cond = threading.Condition()
 
   def _start_ahead(self, i: int) -> None:
@@ -369,26 +349,23 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
       f"{api}: {path!r} exists; pass overwrite=True to replace it"
     )
   if os.path.lexists(path) and not path.endswith(".npz"):
-    _check_replaceable(api, path)
+    if not os.path.isdir(path) or os.path.islink(path):
+      raise FileExistsError(
+        f"{api}: {path!r} exists and is not a directory; remove it first"
+      )
+    for root, _, files in os.walk(path):
+      for name in files:
+        if not name.endswith(".npy") and not (
+          root == path and name in (format.RECORD, format.MANIFEST)
+        ):
+          raise FileExistsError(
+            f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is "
+            "not an .npy file; overwrite only replaces directories written "
+            "by save"
+          )
   parent = os.path.dirname(os.path.abspath(path))
   if os.path.lexists(parent) and not os.path.isdir(parent):
     raise FileExistsError(
       f"{api}: cannot save to {path!r}: {parent!r} is not a directory"
     )
   commit.make_parents(parent)
-
-
-def _check_replaceable(api: str, path: str) -> None:
-  if not os.path.isdir(path) or os.path.islink(path):
-    raise FileExistsError(
-      f"{api}: {path!r} exists and is not a directory; remove it first"
-    )
-  for root, _, files in os.walk(path):
-    for name in files:
-      if not name.endswith(".npy") and not (
-        root == path and name in (format.RECORD, format.MANIFEST)
-      ):
-        raise FileExistsError(
-          f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is not "
-          "an .npy file; overwrite only replaces directories written by save"
-        )
