@@ -245,14 +245,14 @@ class Pmapped:
       context,
       donating,
     )
-    build = functools.partial(
-      self._programs.build, static_vals, treedef, in_axes, size, nargs
-    )
     with self._lock:
       entry = self._entries.get(key)
     built = entry is None
     if entry is None:
-      entry = build(extra_axes=(), nested=nested, donating=donating)
+      entry = self._programs.build(
+        static_vals, treedef, in_axes, size, nargs,
+        extra_axes=(), nested=nested, donating=donating,
+      )  # fmt: skip
     demanded: dict = {}
     while True:
       try:
@@ -267,7 +267,10 @@ class Pmapped:
           raise
         # Nested pmaps asked for an axis this mesh lacks: add it, run again.
         more = self._programs.more_axes(entry, need, demanded)
-        entry = build(extra_axes=more, nested=False, donating=donating)
+        entry = self._programs.build(
+          static_vals, treedef, in_axes, size, nargs,
+          extra_axes=more, nested=False, donating=donating,
+        )  # fmt: skip
         built = True
         continue
       except NameError as err:  # AxisNameError is one
