@@ -221,10 +221,18 @@ def deserialize(blob: bytes | bytearray) -> Exported:
   """Deserializes what :meth:`Exported.serialize` wrote, and validates it.
 
   The result's ``vjp_order`` is the number of VJP orders in ``blob``. Every
-  order is read now, and each one's fields and StableHLO module are checked
-  for consistency (see ``_src/validate.py``), so that damaged bytes fail
-  here with a ``ValueError``, not later when the program is called. Bytes
-  that are consistent but altered (a changed constant) cannot be told from
+  order is read now (the flatbuffer reader's own errors, such as
+  ``struct.error``, become ``ValueError``), so that damaged bytes fail here,
+  not later when the program is called. Per order, the calling-convention
+  version, the platforms, the device count, the avals against the pytrees,
+  the kept-input indices and the shardings' meshes are checked; each
+  StableHLO module is deserialized and verified in a child process (capped
+  in memory, with a timeout; answers cached by sha256; the child exits after
+  ``module_reader.IDLE_TIMEOUT_S`` seconds without a request), and its
+  ``main`` must take and return exactly the platform index, effect tokens,
+  kept inputs and outputs the fields describe, partitioned for that many
+  devices; each VJP order must fit the order it differentiates. Bytes that
+  are consistent but altered (a changed constant) cannot be told from
   another program; artifact directories (:func:`load_artifact`) also check
   the program against their manifest and StableHLO text.
 
