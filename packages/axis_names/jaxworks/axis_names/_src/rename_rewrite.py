@@ -76,14 +76,17 @@ _effect = functools.cache(jax_internals.NamedAxisEffect)
 def _rename_effects(effects, mapping: Mapping) -> Any:
   if not effects:
     return effects
-  renamed = {
-    e: _effect(mapping[e.name])
-    for e in effects
-    if jax_internals.is_named_axis_effect(e) and e.name in mapping
-  }
-  if not renamed:
+  # One pass, no hashing of the effects that stay (this is on every
+  # rebuilt equation's path).
+  changed = False
+  out = []
+  for e in effects:
+    if jax_internals.is_named_axis_effect(e) and e.name in mapping:
+      e = _effect(mapping[e.name])
+      changed = True
+    out.append(e)
+  if not changed:
     return effects
-  out = [renamed.get(e, e) for e in effects]
   return frozenset(out) if isinstance(effects, frozenset) else set(out)
 
 
