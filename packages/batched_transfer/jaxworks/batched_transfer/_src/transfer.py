@@ -11,6 +11,7 @@ lacks are then relaid out by one jitted identity per destination device set.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import math
 from typing import Any
@@ -154,16 +155,25 @@ def check_placement(
       f"its spec {spec} shards more than the leaf's {len(shape)} dimensions; use a spec of at "
       f"most {len(shape)} entries"
     )
+  check_shard_shape(
+    sharding,
+    shape,
+    lambda: (
+      f"{req.api}: cannot place the leaf at {req.path(i)} with shape "
+      f"{shape} on {sharding}"
+    ),
+  )
+
+
+def check_shard_shape(
+  sharding: Any, shape: tuple[int, ...], what: Callable[[], str]
+) -> None:
+  """Raises, as jax.device_put would, where ``sharding`` cannot split
+  ``shape``: ``what()``, then the sharding's own message (which says why)."""
   try:
     sharding.shard_shape(shape)
-  except Exception as err:  # the sharding's own message says why
-    raise placement_error(
-      err,
-      sharding,
-      shape,
-      f"{req.api}: cannot place the leaf at {req.path(i)} with shape {shape} "
-      f"on {sharding}: {err}",
-    ) from None
+  except Exception as err:
+    raise placement_error(err, sharding, shape, f"{what()}: {err}") from None
 
 
 def placement_error(

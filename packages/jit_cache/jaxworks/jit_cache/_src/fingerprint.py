@@ -41,6 +41,7 @@ False
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import functools
@@ -177,7 +178,7 @@ _MEMO: weakref.WeakKeyDictionary[Any, Fingerprint] = weakref.WeakKeyDictionary()
 _MEMO_LOCK = threading.Lock()
 
 
-class _ValueKeys:
+class _ValueKeys(abc.ABC):
   """Keys of constants, literal values and parameters, and what a key holds.
 
   ``pins``, ``nbytes`` and ``volatile`` say what the keys made so far hold.
@@ -197,8 +198,9 @@ class _ValueKeys:
     self.pins = True
     return _Identity(v)
 
+  @abc.abstractmethod
   def jaxpr(self, obj: Any) -> Fingerprint:
-    raise NotImplementedError
+    """The key of a jaxpr held by a value (the jaxpr walker's)."""
 
   def apart(self, compute: Any, *args: Any) -> tuple[Any, tuple]:
     """``compute(*args)`` with what its key holds counted on its own, then

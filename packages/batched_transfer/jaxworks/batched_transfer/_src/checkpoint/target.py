@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import jax_internals
 from .. import targets
-from ..transfer import placement_error
+from ..transfer import check_shard_shape
 from . import format
 from .keys import ROOT_KEY
 from .keys import check_keys
@@ -62,16 +62,14 @@ def restore_placement(
       ) from None
   sharding = cache[id(t)][0]
   if sharding is not None:
-    try:
-      sharding.shard_shape(shape)
-    except Exception as err:  # the sharding's own message says why
-      raise placement_error(
-        err,
-        sharding,
-        shape,
-        f"{api}: the leaf at {where} with shape {shape} cannot be placed on "
-        f"{sharding}: {err}",
-      ) from None
+    check_shard_shape(
+      sharding,
+      shape,
+      lambda: (
+        f"{api}: the leaf at {where} with shape {shape} cannot be "
+        f"placed on {sharding}"
+      ),
+    )
   return cache[id(t)]
 
 
