@@ -7,7 +7,11 @@ place between calls), equation contexts (``threefry_partitionable``,
 precision, a ``jax.make_user_context`` value), static arguments and host
 callbacks (``pure_callback`` and ``jax.debug.callback`` with different
 callables, including objects whose ``__eq__`` is always True and frozen
-dataclasses whose field is left out of ``__eq__``). Each scenario runs once
+dataclasses whose field is left out of ``__eq__``; and callbacks carrying
+per-closure state that is equal across closures when they compile and
+differs later: partials over lists, dicts, numpy arrays and tuples of them,
+positional and keyword, nested partials, bound methods, callable objects,
+closure cells, for ``pure_callback`` and ``io_callback``). Each scenario runs once
 with stock ``jax.jit`` and once with ``jaxworks.jit_cache.jit``, at top level
 and under an outer ``jax.jit``; every output must match bit for bit, with the
 same dtype and weak type, and the host callbacks must see the same values.
@@ -20,6 +24,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import contextlib
 import dataclasses
+import functools
 import gc
 
 from hypothesis import HealthCheck
@@ -27,6 +32,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 import jax
+from jax.experimental import io_callback
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,6 +77,58 @@ class Logger(AlwaysEqual):
     SINK.append((self.k, np.asarray(v).tobytes()))
 
 
+def _scaled(state, v):
+  return (np.asarray(v) * np.float32(state[0])).astype(np.float32)
+
+
+def _scaled_kw(v, *, state):
+  return _scaled(state, v)
+
+
+def _scaled_box(box, v):
+  return _scaled(box["s"], v)
+
+
+def _scaled_first(boxed, v):
+  return _scaled(boxed[0], v)
+
+
+class Holder:
+  """Carries per-closure state as an attribute; equal to every Holder."""
+
+  def __init__(self, state):
+    self.state = state
+
+  def scaled(self, v):
+    return _scaled(self.state, v)
+
+  def __call__(self, v):
+    return _scaled(self.state, v)
+
+  def __eq__(self, other):
+    return isinstance(other, Holder)
+
+  def __hash__(self):
+    return 0
+
+
+#: Ways a host callback carries state of the closure that made it.
+CARRIERS = (
+  lambda s: functools.partial(_scaled, s),
+  lambda s: functools.partial(_scaled_kw, state=s),
+  lambda s: functools.partial(_scaled_box, {"s": s}),
+  lambda s: functools.partial(_scaled_first, (s,)),
+  lambda s: functools.partial(functools.partial(_scaled, s)),
+  lambda s: Holder(s).scaled,
+  Holder,
+  lambda s: lambda v: _scaled(s, v),
+)
+
+
+def _logged(carrier, v):
+  SINK.append(("io", np.asarray(carrier(v)).tobytes()))
+
+
 class Env:
   """Everything one run (stock or ours) of a scenario uses."""
 
@@ -82,6 +140,7 @@ class Env:
     self.inner = jit(lambda v: v * mutable)  # jaxpr cached across closures
     self.callbacks = [AddK(1), AddK(2), AlwaysEqual(2), AlwaysEqual(3)]
     self.loggers = [Logger(1), Logger(2)]
+    self.states = []  # per-closure states of held_cb / io_cb, in order
 
 
 def _ctx(manager, value):
@@ -90,6 +149,9 @@ def _ctx(manager, value):
 
 def build(spec, env):
   """A fresh closure running the ops of ``spec``."""
+
+  state = [2.0] if len(env.states) % 2 else np.array([2.0], np.float32)
+  env.states.append(state)
 
   def f(x, s):
     y = x
@@ -111,6 +173,13 @@ def build(spec, env):
         y = jax.pure_callback(
           env.callbacks[op[1]], jax.ShapeDtypeStruct(y.shape, y.dtype), y
         )
+      elif kind == "held_cb":
+        y = jax.pure_callback(
+          CARRIERS[op[1]](state), jax.ShapeDtypeStruct(y.shape, y.dtype), y
+        )
+      elif kind == "io_cb":
+        logged = functools.partial(_logged, CARRIERS[op[1]](state))
+        io_callback(logged, None, y, ordered=True)
       elif kind == "debug_cb":
         jax.debug.callback(env.loggers[op[1]], y)
       elif kind == "static":
@@ -137,6 +206,8 @@ KINDS = {
   ),
   "pure_cb": st.tuples(st.just("pure_cb"), st.integers(0, 3)),
   "debug_cb": st.tuples(st.just("debug_cb"), st.integers(0, 1)),
+  "held_cb": st.tuples(st.just("held_cb"), st.integers(0, len(CARRIERS) - 1)),
+  "io_cb": st.tuples(st.just("io_cb"), st.integers(0, len(CARRIERS) - 1)),
   "static": st.tuples(st.just("static")),
   "user": st.tuples(st.just("user")),
   "inner": st.tuples(st.just("inner")),
@@ -212,9 +283,13 @@ def run(jit, scenario):
   fb = jit(build(b, env), static_argnums=1)  # fa still alive
   outs += _call(fb, x, where_b[2], where_b)
   env.mutable_np += 1.0  # in place, after the first compiles
+  for i, state in enumerate(env.states):  # equal until now, now each its own
+    state[0] = 10.0 + i
+  outs += _call(fb, x, where_b[2], where_b)
   fb2 = jit(build(b, env), static_argnums=1)
   outs += _call(fb2, x, where_b[2], where_b, nested=True)
   outs += _call(fa, x, where_a[2], where_a)  # an old closure, after mutation
+  outs += _call(fb, x, where_b[2], where_b)
   del fa, fb, fb2
   gc.collect()
   fa2 = jit(build(a, env), static_argnums=1)  # the first one is gone
@@ -268,6 +343,9 @@ def test_each_known_bug_has_a_scenario():
     _scenario((("pure_cb", 0),), (("pure_cb", 1),)),
     _scenario((("pure_cb", 2),), (("pure_cb", 3),)),
     _scenario((("inner",),), (("inner",),)),
+    _scenario((("held_cb", 0),), (("held_cb", 0),)),
+    _scenario((("held_cb", 1),), (("held_cb", 1),)),
+    _scenario((("io_cb", 0),), (("io_cb", 0),)),
     _scenario(
       (("user",), ("sin",)),
       (("user",), ("sin",)),

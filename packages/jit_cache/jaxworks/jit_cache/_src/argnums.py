@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import functools
 import inspect
+import operator
 from typing import Any
 
 import jax
@@ -27,13 +28,16 @@ def check_argnums(
   """An argnums option as a tuple of ints (public as ``check_argnums``).
 
   Args:
-    value: None, an int or a sequence of ints.
+    value: None, an int or an iterable of ints, normalized as ``jax.jit``
+      does: anything with ``__index__`` (numpy integers, ``True``) is one
+      position, anything else is iterated (tuples, lists, numpy arrays,
+      generators).
     what: the option's name for messages, e.g. ``"static_argnums"``.
     api: the public API name messages start with.
     nonnegative: reject negative positions (as ``pmap`` does).
 
   Returns:
-    The ints, in the order given (``()`` for None).
+    The positions as Python ints, in the order given (``()`` for None).
 
   Raises:
     TypeError: anything else, naming the option, the value and the fix.
@@ -42,17 +46,20 @@ def check_argnums(
   (1,)
   >>> check_argnums([2, 0], "donate_argnums")
   (2, 0)
+  >>> import numpy as np
+  >>> check_argnums(np.array([1, 3]), "static_argnums")
+  (1, 3)
   """
   if value is None:
     return ()
-  items = (value,) if isinstance(value, int) else value
   try:
-    out = tuple(items)
+    out: tuple[int, ...] | None = (operator.index(value),)
   except TypeError:
-    out = None
-  if out is None or any(
-    not isinstance(i, int) or isinstance(i, bool) for i in out
-  ):
+    try:
+      out = tuple(map(operator.index, value))
+    except TypeError:
+      out = None
+  if out is None:
     raise TypeError(
       f"{api}: {what} must be an int or a sequence of ints, got "
       f"{value!r}; pass e.g. {what}=(1,)"
@@ -81,6 +88,20 @@ def name_tuple(value: Any, what: str) -> tuple[str, ...]:
   return out
 
 
+def parse_argnums(specs: tuple, whats: tuple) -> tuple:
+  """Each of ``specs`` (argnums, argnames, ...) normalized, None kept, in
+  ``jax.jit``'s order: a bad type in any of them is reported (TypeError)
+  before a value that does not fit the function (ValueError)."""
+  return tuple(
+    None
+    if v is None
+    else (
+      check_argnums(v, what) if what.endswith("nums") else name_tuple(v, what)
+    )
+    for v, what in zip(specs, whats)
+  )
+
+
 def resolve_argnums(
   fun: Callable,
   name: str,
@@ -89,7 +110,10 @@ def resolve_argnums(
   argnames: Any,
   what: str,
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-  """Completes argnums from argnames or the reverse, as jax.jit documents."""
+  """Completes argnums from argnames or the reverse, as jax.jit documents.
+
+  ``argnums`` and ``argnames`` are the user's values, or what
+  :func:`parse_argnums` made of them."""
   if argnums is None and argnames is None:
     return (), ()
   nums = check_argnums(argnums, f"{what}_argnums")

@@ -410,18 +410,27 @@ class _JitCore(_TraceCache):
       if all(v is None for v in specs)  # the common case
       else _argnums.signature_of(fun)
     )
+    parsed = _argnums.parse_argnums(
+      specs,
+      (
+        "static_argnums",
+        "static_argnames",
+        "donate_argnums",
+        "donate_argnames",
+      ),
+    )
     s_nums, s_names = _argnums.resolve_argnums(
-      fun, name, signature, static_argnums, static_argnames, "static"
+      fun, name, signature, parsed[0], parsed[1], "static"
     )
     _argnums.resolve_argnums(
-      fun, name, signature, donate_argnums, donate_argnames, "donate"
+      fun, name, signature, parsed[2], parsed[3], "donate"
     )
     self.fun_state = fun_state
     jax_kwargs: dict[str, Any] = dict(
       static_argnums=s_nums,
       static_argnames=s_names,
-      donate_argnums=donate_argnums,
-      donate_argnames=donate_argnames,
+      donate_argnums=parsed[2],
+      donate_argnames=parsed[3],
       keep_unused=keep_unused,
       inline=inline,
       compiler_options=compiler_options,

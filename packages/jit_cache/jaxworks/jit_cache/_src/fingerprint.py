@@ -11,15 +11,21 @@ compared in a way user code cannot fool:
   equal contexts are one object;
 * the same primitive objects and parameters: scalars compared with their type
   (``1``, ``1.0`` and ``True`` differ, floats by their IEEE bit pattern, so
-  ``-0.0``, ``nan``, ``-nan`` and every NaN payload are told apart), tuples, lists, dicts, JAX's named tuples and JAX's
-  dataclasses (such as the wrapper of a host callback) field by field,
-  sub-jaxprs recursively, ``functools.partial`` by function, arguments and
-  keywords, JAX's own value types (dtypes, shardings, meshes, avals, tree
-  definitions, effects) by value; every other object (functions, host
-  callbacks, user dataclasses, anything with its own ``__eq__``) by identity;
+  ``-0.0``, ``nan``, ``-nan`` and every NaN payload are told apart), tuples,
+  lists, dicts, JAX's named tuples and JAX's dataclasses (such as the wrapper
+  of a host callback) field by field, sub-jaxprs recursively, JAX's own value
+  types (dtypes, shardings, meshes, avals, tree definitions, effects) by
+  value; every other object (functions, host callbacks, user dataclasses,
+  anything with its own ``__eq__``) by identity;
+* what a host callback carries (a ``functools.partial``'s function, arguments
+  and keywords, recursively): the executable calls back into those very
+  objects, so only immutable values (scalars, strings, tuples of them, JAX's
+  value types) are compared by content; lists, dicts, arrays, bound methods,
+  callable objects and closures by identity, kept alive by the key;
 * the same literals and constants: numpy values and small jax Arrays by
   content hash (dtype, shape and a 128-bit BLAKE2b digest; arrays also by
-  sharding), larger jax Arrays by identity. A numpy array is mutable, so its
+  sharding), larger jax Arrays by identity (a key holding one that was
+  deleted or donated since is never used). A numpy array is mutable, so its
   content is hashed again on every fingerprint (nothing that holds one is
   memoized);
 * the same effects.
@@ -98,15 +104,29 @@ class Fingerprint:
       them alive, so it is only shared while a function using it lives.
     nbytes: bytes of constants and literals keyed by content (baked into the
       executable).
+    arrays: the constant jax Arrays keyed by identity, checked for deletion
+      (:meth:`deleted`) whenever the key is used.
   """
 
-  __slots__ = ("key", "_hash", "pins", "nbytes", "__weakref__")
+  __slots__ = ("key", "_hash", "pins", "nbytes", "arrays", "__weakref__")
 
-  def __init__(self, key: tuple, pins: bool = False, nbytes: int = 0):
+  def __init__(
+    self,
+    key: tuple,
+    pins: bool = False,
+    nbytes: int = 0,
+    arrays: tuple = (),
+  ):
     self.key = key
     self._hash = hash(key)
     self.pins = pins
     self.nbytes = nbytes
+    self.arrays = arrays
+
+  def deleted(self) -> bool:
+    """Whether a jax Array this key holds by identity was deleted (donated)
+    since: its program must not be reused, as lowering it anew raises."""
+    return any(a.is_deleted() for a in self.arrays)
 
   def __hash__(self) -> int:
     return self._hash
@@ -181,14 +201,16 @@ _MEMO_LOCK = threading.Lock()
 class _ValueKeys(abc.ABC):
   """Keys of constants, literal values and parameters, and what a key holds.
 
-  ``pins``, ``nbytes`` and ``volatile`` say what the keys made so far hold.
-  Values may hold jaxprs, which the subclass keys (:meth:`jaxpr`).
+  ``pins``, ``nbytes``, ``volatile`` and ``arrays`` say what the keys made
+  so far hold. Values may hold jaxprs, which the subclass keys
+  (:meth:`jaxpr`).
   """
 
   def __init__(self):
     self.pins = False  # a user object is held by identity
     self.nbytes = 0  # bytes keyed by content
     self.volatile = False  # content of a mutable (numpy) array was hashed
+    self.arrays: list = []  # jax Arrays keyed by identity
     # Containers keyed in this computation, by id (the jaxpr holds them, so
     # an id names one object): the same parameters of many equations are
     # keyed once.
@@ -204,24 +226,28 @@ class _ValueKeys(abc.ABC):
 
   def apart(self, compute: Any, *args: Any) -> tuple[Any, tuple]:
     """``compute(*args)`` with what its key holds counted on its own, then
-    added to the walker's: (key, (pins, nbytes, volatile) of that key)."""
-    outer = (self.pins, self.nbytes, self.volatile)
-    self.pins, self.nbytes, self.volatile = False, 0, False
+    added to the walker's: (key, (pins, nbytes, volatile, arrays) of that
+    key)."""
+    outer = (self.pins, self.nbytes, self.volatile, self.arrays)
+    self.pins, self.nbytes, self.volatile, self.arrays = False, 0, False, []
     try:
       key = compute(*args)
     finally:
-      mine = (self.pins, self.nbytes, self.volatile)
+      mine = (self.pins, self.nbytes, self.volatile, tuple(self.arrays))
       self.pins = outer[0] or mine[0]
       self.nbytes = outer[1] + mine[1]
       self.volatile = outer[2] or mine[2]
+      self.arrays = outer[3]
+      self.arrays.extend(mine[3])
     return key, mine
 
   def reuse(self, hit: tuple) -> Any:
     """The key of a ``seen`` record ``(obj, key, pins, nbytes, volatile,
-    ...)``, counting what it holds."""
+    arrays, ...)``, counting what it holds."""
     self.pins |= hit[2]
     self.nbytes += hit[3]
     self.volatile |= hit[4]
+    self.arrays.extend(hit[5])
     return hit[1]
 
   def value(self, v: Any) -> Any:
@@ -290,7 +316,9 @@ class _ValueKeys(abc.ABC):
     if t is slice:
       return (t, self.value(v.start), self.value(v.stop), self.value(v.step))
     if t is functools.partial:
-      return (t, self.value(v.func), self.value(v.args), self.value(v.keywords))
+      # An executable calls a host callback back with everything it
+      # carries: what the partial holds is keyed as held state.
+      return self.partial(v)
     if dataclasses.is_dataclass(v) and _trusted(t):
       return (
         t,
@@ -344,7 +372,37 @@ class _ValueKeys(abc.ABC):
         getattr(v, "_committed", None),
         _digest(a),
       )
+    if v.is_deleted():  # lowering it anew raises: never reuse
+      raise NotFingerprintable("deleted array")
+    self.arrays.append(v)
     return ("array-id", self.identity(v))
+
+  def partial(self, v: functools.partial) -> Any:
+    # The keywords dict is the partial's own copy: keyed by its items.
+    keywords = tuple((k, self.held(x)) for k, x in sorted(v.keywords.items()))
+    return (type(v), self.held(v.func), self.held(v.args), keywords)
+
+  def held(self, v: Any) -> Any:
+    """Key of a value that a host callback carries (a ``functools.partial``'s
+    function, arguments and keywords): the executable calls back into this
+    very object, so anything that is not an immutable value (lists, dicts,
+    sets, arrays, functions, bound methods, callable objects, anything of
+    the user's) is keyed by identity and kept alive by the key, never by
+    content; tuples and frozensets are keyed element by element."""
+    t = type(v)
+    if v is None or t in (str, bytes, bool, int, float, complex):
+      return self.value(v)
+    if t is tuple:
+      return (t, tuple(self.held(x) for x in v))
+    if t is frozenset:
+      return (t, frozenset(self.held(x) for x in v))
+    if t is functools.partial:
+      return self.partial(v)
+    if isinstance(v, (np.generic, enum.Enum)) or (
+      isinstance(v, _VALUE_TYPES) and _trusted(t)
+    ):
+      return self.value(v)
+    return (t, self.identity(v))
 
   def params(self, params: dict, skip: frozenset) -> tuple:
     """Key of a parameter dict, without the names in ``skip``."""
@@ -416,9 +474,10 @@ class _Walker(_ValueKeys):
     if hit is not None:
       self.pins |= hit.pins
       self.nbytes += hit.nbytes
+      self.arrays.extend(hit.arrays)
       return hit
-    key, (pins, nbytes, volatile) = self.apart(self._jaxpr_key, obj)
-    fp = Fingerprint(key, pins, nbytes)
+    key, (pins, nbytes, volatile, arrays) = self.apart(self._jaxpr_key, obj)
+    fp = Fingerprint(key, pins, nbytes, arrays)
     if volatile:
       self.local[id(obj)] = (obj, fp)
     else:
@@ -509,12 +568,15 @@ def fingerprint(closed_jaxpr: Any) -> Fingerprint | None:
 
   Returns:
     A hashable :class:`Fingerprint`, equal for programs that lower to the same
-    executable; ``None`` when some part has no sound key.
+    executable; ``None`` when some part has no sound key, or holds a jax
+    Array that was deleted (donated) since (compiling anew then raises as
+    stock does).
   """
   try:
-    return _Walker().jaxpr(closed_jaxpr)
+    fp = _Walker().jaxpr(closed_jaxpr)
   except NotFingerprintable:
     return None
+  return None if fp.deleted() else fp
 
 
 def params_key(
@@ -526,7 +588,8 @@ def params_key(
     key = walker.params(params, skip)
   except NotFingerprintable:
     return None
-  return Fingerprint(key, walker.pins, walker.nbytes)
+  fp = Fingerprint(key, walker.pins, walker.nbytes, tuple(walker.arrays))
+  return None if fp.deleted() else fp
 
 
 def clear_memo() -> None:
