@@ -93,7 +93,9 @@ def device_put(
   >>> [y.sharding.spec for y in ys], ys[0].dtype, ys[1].weak_type
   ([P('x',), P()], dtype('float32'), True)
   """
-  return place(x, device, src=src, donate=donate, may_alias=may_alias)
+  return place(
+    x, device, src=src, donate=donate, may_alias=may_alias, as_stock=True
+  )
 
 
 def place(
@@ -106,10 +108,14 @@ def place(
   copy_host: bool = False,
   private_host: bool = False,
   api: str = f"{_API}.device_put",
+  as_stock: bool = False,
 ) -> Any:
   """device_put, plus ``copy_host``: never alias host memory; and
   ``private_host``: the numpy leaves are the caller's own buffers, which a
-  device may take over, but never two devices one buffer (restore's reads)."""
+  device may take over, but never two devices one buffer (restore's reads).
+  ``as_stock``: Format targets under a context mesh are jax.device_put's
+  (the public entry point), else placed on the given devices whatever the
+  context mesh."""
   stock = jax_internals.stock_device_put
   if not jax_internals.trace_state_clean():
     return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
@@ -118,6 +124,9 @@ def place(
     try:
       req, batches = _prepare(api, tree, target, src, donate, may_alias)
     except targets.Delegate:
+      err = transfer.deleted_to_space_error(api, tree, target)
+      if err is not None:
+        raise err from None
       return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
     except targets.ArgumentError as err:
       _raise_for_a_bad_leaf(api, tree)
@@ -131,6 +140,14 @@ def place(
         ) from None
     if not req.leaves:
       return tree
+    if req.deleted:
+      _raise_for_a_bad_leaf(api, tree)
+      raise transfer.deleted_error(req)
+    if as_stock and req.formats and targets.jit_context_mesh():
+      # jax.device_put places Format targets through a jit, which checks
+      # every device it sees against the context mesh (and raises
+      # ValueError where they differ): the whole call is stock's.
+      return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
     out = transfer.execute(
       req, batches, copy_host=copy_host, private_host=private_host
     )
@@ -197,6 +214,8 @@ def plan(
       f"{_API}.plan: PartitionSpec and jax.memory.Space targets depend on the mesh context "
       f"and are placed by jax.device_put; pass a Sharding instead, got {target!r}"
     ) from None
+  if req.deleted:  # what device_put raises for it
+    raise transfer.deleted_error(req)
   return plan_lib.build_plan(req, batches)
 
 
@@ -310,5 +329,7 @@ def place_for(
     return jax_internals.stock_device_put(
       tree, want_formats, donate=donate, may_alias=may_alias
     )
+  if req.deleted:
+    raise transfer.deleted_error(req)
   out = transfer.execute(req, batches)
   return req.treedef.unflatten(out)

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from jax.experimental.layout import Format
 from jax.experimental.layout import Layout
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 from jax.sharding import SingleDeviceSharding
@@ -79,6 +80,12 @@ class Request:
   srcs: list[Any] | None
   default_dst: Sharding
   _paths: list[str] | None = None
+  # Deleted (or donated) jax.Arrays that do not come back as they are:
+  # jax.device_put raises for them (set by transfer.classify).
+  deleted: list[int] = dataclasses.field(default_factory=list)
+  # Whether some leaf's target is a Format (jax.device_put places those
+  # through a jit, which reads the context mesh).
+  formats: bool = False
 
   def path(self, i: int) -> str:
     """The tree path of leaf ``i``, as jax.tree_util.keystr writes it."""
@@ -122,7 +129,16 @@ def broadcast_prefix(
   try:
     # jax's stubs for PyTreeDef lack flatten_up_to.
     subtrees = prefix_def.flatten_up_to(tree)  # type: ignore[attr-defined]
-  except (ValueError, TypeError) as err:
+  except Exception:  # noqa: BLE001 - the message is remade below
+    # The structure does not match. jax's message shows the leaves, whose
+    # repr can raise (a deleted jax.Array's does): made again over
+    # placeholder leaves.
+    placeholders = treedef.unflatten([0] * n)
+    try:
+      prefix_def.flatten_up_to(placeholders)  # type: ignore[attr-defined]
+      err: Any = "the structures differ"
+    except (ValueError, TypeError) as e:
+      err = e
     raise ArgumentError(
       f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "
       f"got a {what} with structure {prefix_def}. Pass one {what} for the whole value or a tree "
@@ -191,6 +207,18 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
   )
 
 
+def jit_context_mesh() -> bool:
+  """Whether jit now runs under a context mesh: a concrete one
+  (``jax.set_mesh``), or an abstract one with an Explicit axis (as jit itself
+  decides)."""
+  if not jax.sharding.get_mesh().empty:
+    return True
+  abstract = jax.sharding.get_abstract_mesh()
+  return not abstract.empty and any(
+    t == AxisType.Explicit for t in abstract.axis_types
+  )
+
+
 def copy_semantics(
   api: str, may_alias: Any, donate: Any, where: str = ""
 ) -> Any:
@@ -227,6 +255,10 @@ def resolve(
 
   raw_targets = per_leaf("target", target, is_target_leaf, TARGET_TEXT)
   dsts, layouts, committed = _destinations(api, target, raw_targets)
+  formats = isinstance(target, Format) or (
+    not is_target_leaf(target)
+    and any(isinstance(t, Format) for t in raw_targets)
+  )
   # src is only read while tracing (by stock jax.device_put, which checks it);
   # eagerly, as in jax.device_put, any value is accepted.
   srcs = None
@@ -243,7 +275,7 @@ def resolve(
     semantics = _leaf_semantics(api, tree, alias_flat, donate_flat)
   return Request(
     api, tree, leaves, treedef, raw_targets, dsts, layouts, committed,
-    semantics, donate_flat, alias_flat, srcs, default_dst,
+    semantics, donate_flat, alias_flat, srcs, default_dst, formats=formats,
   )  # fmt: skip
 
 

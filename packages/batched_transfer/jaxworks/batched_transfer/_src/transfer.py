@@ -26,8 +26,12 @@ import numpy as np
 
 from . import grouping
 from . import jax_internals
+from .targets import TARGET_TEXT
 from .targets import Request
+from .targets import broadcast_prefix
+from .targets import is_target_leaf
 from .targets import single_device_sharding
+from .targets import tree_paths
 
 # Stock JAX callables bound at import (the drop-in contract: never looked up
 # on ``jax`` at call time).
@@ -37,6 +41,7 @@ ALIAS, HOST, COPY, JAX = "alias", "host", "copy", "jax"
 
 _REUSE = jax_internals.ArrayCopySemantics.REUSE_INPUT
 _DONATE = jax_internals.ArrayCopySemantics.DONATE_INPUT
+_COPY = jax_internals.ArrayCopySemantics.ALWAYS_COPY
 
 # (shape, dtype, sharding, x64, committed) -> HostEntry
 _HOST_CACHE: dict[tuple[Any, ...], HostEntry] = {}
@@ -213,6 +218,95 @@ def _explicit_indivisible(sharding: Any, shape: tuple[int, ...]) -> bool:
   return False
 
 
+def deleted_text(api: str, path: str, x: Any) -> str:
+  return (
+    f"{api}: the leaf at {path} is a deleted jax.Array "
+    f"({x.dtype.name}{list(x.shape)}: deleted, or donated to an earlier "
+    "call); place the array before it is donated or deleted"
+  )
+
+
+def deleted_to_space_error(
+  api: str, tree: Any, target: Any
+) -> Exception | None:
+  """The error jax.device_put raises for a deleted (or donated) leaf going to
+  a jax.memory.Space, if there is one. Stock places those with a jitted
+  primitive, which, once cached, crashes on a donated array (jaxlib 0.10.2):
+  its first call's RuntimeError, raised without calling it."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+    return None
+  per_leaf = broadcast_prefix(
+    api, "target", target, tree, treedef, len(leaves), is_target_leaf,
+    TARGET_TEXT,
+  )  # fmt: skip
+  for i, (x, t) in enumerate(zip(leaves, per_leaf)):
+    if (
+      isinstance(t, jax.memory.Space)
+      and isinstance(x, jax.Array)
+      and x.is_deleted()
+    ):
+      path = tree_paths(tree)[i]
+      return RuntimeError(
+        f"{deleted_text(api, path, x)} (jax.device_put: Array has been deleted)"
+      )
+  return None
+
+
+def deleted_error(req: Request) -> Exception:
+  """What jax.device_put raises for the first deleted (or donated) leaf that
+  it does not return as it is (``req.deleted``), without calling it: a
+  jitted relayout of a donated array can crash jaxlib 0.10.2.
+
+  A RuntimeError ("Array has been deleted"); jaxlib's JaxRuntimeError (a
+  RuntimeError) for a copy to a Device; a ValueError where the target is a
+  Format with a layout and the array, the target or the context mesh name
+  different devices (jax.device_put's relayout jit checks those first).
+  """
+  i = min(req.deleted)
+  x, t, cs = req.leaves[i], req.raw_targets[i], req.semantics[i]
+  text = deleted_text(req.api, req.path(i), x)
+  if isinstance(t, Format) and t.layout is not None:
+    mismatch = _jit_devices_mismatch(x, t.sharding)
+    if mismatch:
+      return ValueError(
+        f"{text}. jax.device_put relayouts it with a jit, which reports "
+        f"incompatible devices first: {mismatch}"
+      )
+  if (
+    isinstance(t, jax.Device)
+    and cs == _COPY
+    and len(x.sharding.device_set) == 1
+  ):
+    return jax.errors.JaxRuntimeError(
+      f"{text} (jax.device_put: INVALID_ARGUMENT: device_put expects an "
+      "array with exactly one shard)"
+    )
+  return RuntimeError(f"{text} (jax.device_put: Array has been deleted)")
+
+
+def _jit_devices_mismatch(x: Any, sharding: Any) -> str:
+  """Why a jit of a committed ``x`` with output ``sharding`` under the
+  current context mesh fails jit's device check, or ""."""
+  lists = {"the target": tuple(jax_internals.device_list(sharding))}
+  if x.committed:
+    lists["the array"] = tuple(jax_internals.device_list(x.sharding))
+  mesh = jax.sharding.get_mesh()
+  abstract = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    lists["the context mesh"] = tuple(mesh.devices.flat)
+  elif not abstract.empty and any(
+    a == AxisType.Explicit for a in abstract.axis_types
+  ):
+    if any(len(d) != abstract.size for d in lists.values()):
+      return f"the context mesh has {abstract.size} devices"
+  if len(set(lists.values())) <= 1:
+    return ""
+  return "; ".join(
+    f"{k}: device ids {[d.id for d in v]}" for k, v in lists.items()
+  )
+
+
 def check_placements_in_order(req: Request) -> None:
   """Raises the placement error of the first leaf, in tree order, that has one (error path)."""
   for i, (x, s) in enumerate(zip(req.leaves, req.dsts)):
@@ -309,7 +403,12 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
       for i in g.indices:
         x, s, cs = leaves[i], dsts[i], sems[i]
         if s is None:
-          routes.setdefault(ALIAS if cs == _REUSE else JAX, []).append(i)
+          if cs == _REUSE:  # returned as it is, deleted or not (as in jax)
+            routes.setdefault(ALIAS, []).append(i)
+          else:
+            if x.is_deleted():
+              req.deleted.append(i)
+            routes.setdefault(JAX, []).append(i)
           continue
         layout = None if layouts is None else layouts[i]
         if (
@@ -318,9 +417,18 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
           and x.committed
           and x.sharding == s
           and (layout is None or _format_matches(x, s, layout))
+          and not (
+            # jax.device_put returns an array in place as it is for a
+            # Sharding target, deleted or not, but places it anew for a
+            # Device, which raises for a deleted array.
+            isinstance(req.raw_targets[i], jax.Device) and x.is_deleted()
+          )
         ):
           route = ALIAS
-        elif not addressable or x.is_deleted():  # jax raises for deleted
+        elif x.is_deleted():  # jax.device_put raises for it
+          req.deleted.append(i)
+          route = JAX
+        elif not addressable:
           route = JAX
         elif single or same_indices(req, i, x.sharding, s, x.shape):
           route = COPY
@@ -329,6 +437,11 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
         routes.setdefault(route, []).append(i)
     else:
       routes[JAX] = list(g.indices)
+      req.deleted.extend(
+        i
+        for i in g.indices
+        if isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()
+      )
     for route, idx in routes.items():
       batch = Batch(g, route, idx)
       if layouts is not None and route != ALIAS:
