@@ -6,7 +6,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import hashlib
 import json
-import pathlib
 import re
 
 from hypothesis import HealthCheck
@@ -282,14 +281,14 @@ def test_bad_manifest_fields(artifact_dir, edit, match):
 
 
 def test_unreadable_file(artifact_dir, monkeypatch):
-  real = pathlib.Path.read_bytes
+  real = os.open
 
-  def read_bytes(self):
-    if self.name == "exported.bin":
-      raise PermissionError(13, "Permission denied", str(self))
-    return real(self)
+  def refusing_open(path, *args, **kwargs):
+    if os.fspath(path).endswith("exported.bin"):
+      raise PermissionError(13, "Permission denied", os.fspath(path))
+    return real(path, *args, **kwargs)
 
-  monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+  monkeypatch.setattr(os, "open", refusing_open)
   with pytest.raises(
     sa.ArtifactError,
     match=r"cannot read .*exported.bin \(\[Errno 13\] Permission denied.*check its permissions",

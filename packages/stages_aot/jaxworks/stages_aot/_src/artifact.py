@@ -19,21 +19,32 @@ present on this host. Each failure raises :class:`ArtifactError` saying what to
 do.
 Modules whose sha256 the manifest records are read in-process, others (all
 with ``isolate``) in a child: that guards against accidents, not an attacker.
+
+Every file is opened relative to the artifact directory without following
+links, must be a regular file (checked on the descriptor), and is read
+through that descriptor, bounded by the size the manifest records (the
+manifest itself by :data:`MAX_MANIFEST_BYTES`). ``save_artifact(...,
+overwrite=True)`` replaces only a directory that holds nothing but an
+artifact of this package (its manifest and the files it names), in one
+atomic exchange where the system has one, and deletes only those files.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import secrets
 import shutil
+import stat
 from typing import Any
 
 import jax
-import numpy as np
 
 from ..version import __version__
 from . import deps
@@ -41,13 +52,18 @@ from . import platforms as _platforms
 from .exported import Exported
 from .exported import deserialize_trusting
 from .exported import read_own_serialization
+from .specs import dtype_name
 from .specs import format_aval
+
+_log = logging.getLogger("jaxworks.stages_aot")
 
 MANIFEST_FILE = "manifest.json"
 EXPORTED_FILE = "exported.bin"
 STABLEHLO_FILE = "module.stablehlo.mlir"
 FORMAT = "jaxworks.stages_aot.artifact"
 FORMAT_VERSION = 1
+#: The most bytes read of a manifest (whose own size nothing records).
+MAX_MANIFEST_BYTES = 64 << 20
 
 _REQUIRED_FIELDS = {
   "format": str,
@@ -103,7 +119,7 @@ def _values_json(names, avals, shardings) -> list[dict[str, Any]]:
     {
       "name": name,
       "aval": format_aval(aval),
-      "dtype": np.dtype(aval.dtype).name,
+      "dtype": dtype_name(aval.dtype),
       "shape": [d if isinstance(d, int) else str(d) for d in aval.shape],
       "sharding": _sharding_json(sharding),
     }
@@ -134,6 +150,8 @@ def _level_json(level: Exported) -> dict[str, Any]:
 
 #: Program fields that manifests written by 0.1.0 lack.
 _OPTIONAL_FIELDS = ("in_tree", "out_tree", "levels")
+#: Program fields recorded as text for people, not compared on load.
+_TREE_FIELDS = ("in_tree", "out_tree")
 
 
 def _program_fields(exported: Exported) -> dict[str, Any]:
@@ -270,29 +288,112 @@ def _sharding_text(sharding: dict[str, Any]) -> str:
   return f"{spec} mesh({axes})" if axes else spec
 
 
+def _lstat(path: pathlib.Path) -> os.stat_result | None:
+  try:
+    return os.lstat(path)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+
+
 def check_destination(directory, *, overwrite: bool, api: str) -> pathlib.Path:
   """Checks that ``directory`` may receive an artifact; returns it as a Path.
 
-  It may be absent or empty, or (with ``overwrite``) an existing artifact.
+  It may be absent or empty, or (with ``overwrite``) a directory holding
+  nothing but an artifact of this package: a manifest of this package's
+  format and version, and only regular files that manifest names.
   """
   path = pathlib.Path(directory)
-  if path.exists():
-    if not path.is_dir():
-      raise ArtifactError(
-        f"{api}: {path} exists and is not a directory; pick another path"
-      )
-    if any(path.iterdir()):
-      if not overwrite:
-        raise ArtifactError(
-          f"{api}: {path} exists and is not empty; pass overwrite=True (CLI: "
-          "--overwrite) to replace an artifact, or pick a new directory"
-        )
-      if not (path / MANIFEST_FILE).is_file():
-        raise ArtifactError(
-          f"{api}: refusing to overwrite {path}: it has no {MANIFEST_FILE}, so it "
-          "is not a stages_aot artifact; pick a new directory"
-        )
+  _replaceable_names(path, overwrite=overwrite, api=api)
   return path
+
+
+def _replaceable_names(
+  path: pathlib.Path, *, overwrite: bool, api: str
+) -> frozenset[str]:
+  """What an overwrite of ``path`` may delete (empty when it is absent)."""
+  st = _lstat(path)
+  if st is None:
+    return frozenset()
+  if stat.S_ISLNK(st.st_mode):
+    raise ArtifactError(
+      f"{api}: {path} is a symbolic link; pass the directory it points to, "
+      "or a new path (an artifact is never written through a link)"
+    )
+  if not stat.S_ISDIR(st.st_mode):
+    raise ArtifactError(
+      f"{api}: {path} exists and is not a directory; pick another path"
+    )
+  entries = sorted(os.listdir(path))
+  if not entries:
+    return frozenset()
+  if not overwrite:
+    raise ArtifactError(
+      f"{api}: {path} exists and is not empty; pass overwrite=True (CLI: "
+      "--overwrite) to replace an artifact, or pick a new directory"
+    )
+  if MANIFEST_FILE not in entries:
+    raise ArtifactError(
+      f"{api}: refusing to overwrite {path}: it has no {MANIFEST_FILE}, so it "
+      "is not a stages_aot artifact; pick a new directory"
+    )
+  try:
+    manifest = _read_manifest(path, api)
+  except ArtifactError as e:
+    raise ArtifactError(
+      f"{api}: refusing to overwrite {path}: its {MANIFEST_FILE} is not a "
+      f"readable stages_aot manifest ({e}); pick a new directory"
+    ) from None
+  names = frozenset(manifest["files"]) | {MANIFEST_FILE}
+  for name in entries:
+    entry = _lstat(path / name)
+    if name not in names or entry is None or not stat.S_ISREG(entry.st_mode):
+      raise ArtifactError(
+        f"{api}: refusing to overwrite {path}: it holds {name!r}, which is "
+        f"not a file its {MANIFEST_FILE} names, so the directory is not only "
+        "a stages_aot artifact; move that file away or pick a new directory"
+      )
+  return names
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+  """Swaps two paths atomically (Linux ``renameat2``); False where the
+  system or file system has no such exchange."""
+  try:
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+  except (AttributeError, OSError):
+    return False
+  r = renameat2(
+    _AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE
+  )
+  if r == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+    return False
+  raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _remove_replaced(old: pathlib.Path, names: frozenset[str], api: str):
+  """Deletes the files of a replaced artifact (only ``names``, only regular
+  files), then its directory; anything else found there is left, with the
+  directory, and logged."""
+  for name in names:
+    entry = _lstat(old / name)
+    if entry is not None and stat.S_ISREG(entry.st_mode):
+      os.unlink(old / name)
+  try:
+    os.rmdir(old)
+  except OSError:
+    _log.warning(
+      "%s: the replaced artifact's directory %s holds files its manifest "
+      "did not name (added while it was replaced); they were left there",
+      api,
+      old,
+    )
 
 
 def _new_directory(parent: pathlib.Path, prefix: str) -> pathlib.Path:
@@ -340,7 +441,8 @@ def save_artifact(
       f"{api}: expected a jaxworks.stages_aot.Exported (from Lowered.export()), "
       f"got {type(exported).__name__}"
     )
-  path = check_destination(directory, overwrite=overwrite, api=api)
+  path = pathlib.Path(directory)
+  _replaceable_names(path, overwrite=overwrite, api=api)
   blob = exported.serialize()
   files = {EXPORTED_FILE: blob, STABLEHLO_FILE: exported.mlir_text().encode()}
   # The manifest describes the bytes written (serialize() exports the VJP
@@ -354,21 +456,26 @@ def save_artifact(
     for name, data in files.items():
       (tmp / name).write_bytes(data)
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    if path.exists():  # keep the old artifact until the new one is in place
+    # Checked again right before the swap: what it may delete.
+    names = _replaceable_names(path, overwrite=overwrite, api=api)
+    if _lstat(path) is None:
+      os.rename(tmp, path)
+    elif _exchange(tmp, path):  # one atomic step; tmp now holds the old one
+      _remove_replaced(tmp, names, api)
+    else:  # keep the old artifact until the new one is in place
       old = _new_directory(path.parent, f".{path.name}.old.")
-      os.replace(path, old / "a")
+      os.rename(path, old / "a")
       try:
-        os.replace(tmp, path)
+        os.rename(tmp, path)
       except BaseException:
-        os.replace(old / "a", path)
+        os.rename(old / "a", path)
         raise
-      finally:
-        shutil.rmtree(old)
-    else:
-      os.replace(tmp, path)
+      _remove_replaced(old / "a", names, api)
+      os.rmdir(old)
   finally:
     if tmp.exists():
       shutil.rmtree(tmp)
+  _log.info("%s: wrote %s (%s)", api, path, exported.fun_name)
   return Artifact(path, manifest, exported)
 
 
@@ -382,23 +489,95 @@ def _platform_message(path, platforms, what: str) -> str:
   )
 
 
-def _read_bytes(fpath: pathlib.Path, api: str) -> bytes:
+def _read_file(
+  path: pathlib.Path, name: str, api: str, size: int | None
+) -> bytes:
+  """The bytes of ``path/name``, opened without following links, refused
+  unless a regular file, read through that descriptor: exactly ``size``
+  bytes (a longer or shorter file is named), or at most
+  :data:`MAX_MANIFEST_BYTES` when ``size`` is None."""
+  fpath = path / name
   try:
-    return fpath.read_bytes()
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+  except OSError as e:
+    raise ArtifactError(f"{api}: cannot open {path} ({e})") from None
+  try:
+    try:
+      fd = os.open(
+        name,
+        os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        dir_fd=dir_fd,
+      )
+    except FileNotFoundError:
+      raise ArtifactError(
+        f"{api}: {fpath} is missing; copy the whole artifact directory"
+      ) from None
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        raise ArtifactError(
+          f"{api}: {fpath} is a symbolic link; an artifact's files are read "
+          "only as regular files inside its directory: copy the file itself "
+          "there"
+        ) from None
+      raise ArtifactError(
+        f"{api}: cannot read {fpath} ({e}); check its permissions"
+      ) from None
+  finally:
+    os.close(dir_fd)
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      raise ArtifactError(
+        f"{api}: {fpath} is not a regular file; copy the artifact again"
+      )
+    limit = MAX_MANIFEST_BYTES if size is None else size
+    if st.st_size > limit and size is None:
+      raise ArtifactError(
+        f"{api}: {fpath} is {st.st_size} bytes, more than any manifest "
+        f"({MAX_MANIFEST_BYTES}); it is not a stages_aot manifest"
+      )
+    if size is not None and st.st_size != size:
+      raise ArtifactError(_size_message(api, fpath, st.st_size, size))
+    chunks, got = [], 0
+    while got <= limit:  # one byte past the limit tells a growing file
+      chunk = os.read(fd, min(limit + 1 - got, 1 << 24))
+      if not chunk:
+        break
+      chunks.append(chunk)
+      got += len(chunk)
   except OSError as e:
     raise ArtifactError(
       f"{api}: cannot read {fpath} ({e}); check its permissions"
     ) from None
+  finally:
+    os.close(fd)
+  data = b"".join(chunks)
+  if size is not None and len(data) != size:
+    raise ArtifactError(_size_message(api, fpath, len(data), size))
+  if size is None and len(data) > limit:
+    raise ArtifactError(
+      f"{api}: {fpath} grew past {MAX_MANIFEST_BYTES} bytes while read; it is "
+      "not a stages_aot manifest"
+    )
+  return data
+
+
+def _size_message(api: str, fpath: pathlib.Path, got: int, size: int) -> str:
+  state = "truncated" if got < size else "longer than recorded"
+  return (
+    f"{api}: {fpath} is {state}: {got} bytes, the manifest says {size}; copy "
+    "the artifact again or re-export it"
+  )
 
 
 def _read_manifest(path: pathlib.Path, api: str) -> dict[str, Any]:
   mpath = path / MANIFEST_FILE
-  if not mpath.is_file():
+  if _lstat(mpath) is None:
     raise ArtifactError(
       f"{api}: {path} has no {MANIFEST_FILE}, so it is not a stages_aot artifact; "
       "pass a directory written by save_artifact or `python -m jaxworks.stages_aot export`"
     )
-  data = _read_bytes(mpath, api)
+  data = _read_file(path, MANIFEST_FILE, api, None)
   try:
     manifest = json.loads(data.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -457,25 +636,14 @@ def _check_files(
     if not (
       isinstance(info, dict)
       and isinstance(info.get("sha256"), str)
-      and isinstance(info.get("size"), int)
+      and type(info.get("size")) is int
+      and info["size"] >= 0
     ):
       raise ArtifactError(
         f"{api}: manifest entry for {name} needs 'sha256' and 'size', got {info!r}"
       )
     fpath = path / name
-    if not fpath.is_file():
-      raise ArtifactError(
-        f"{api}: {fpath} is missing; copy the whole artifact directory"
-      )
-    data = _read_bytes(fpath, api)
-    if len(data) != info["size"]:
-      state = (
-        "truncated" if len(data) < info["size"] else "longer than recorded"
-      )
-      raise ArtifactError(
-        f"{api}: {fpath} is {state}: {len(data)} bytes, the manifest says "
-        f"{info['size']}; copy the artifact again or re-export it"
-      )
+    data = _read_file(path, name, api, info["size"])
     digest = _sha256(data)
     if digest != info["sha256"]:
       raise ArtifactError(
@@ -515,6 +683,11 @@ def _check_agreement(
   observed = json.loads(json.dumps(_program_fields(exported)))
   for key, value in observed.items():
     if key in _OPTIONAL_FIELDS and key not in manifest:
+      continue
+    if key in _TREE_FIELDS:
+      # The trees' text is for people: a node's auxiliary data may print
+      # with an object address. The trees themselves are in exported.bin,
+      # and the leaf names (inputs, outputs) are compared.
       continue
     recorded = manifest.get(key)
     if recorded == value:

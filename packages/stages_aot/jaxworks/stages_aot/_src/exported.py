@@ -54,6 +54,12 @@ class Exported:
         "jaxworks.stages_aot.Exported: expected a jax.export.Exported, got "
         f"{type(exported).__name__}; use Lowered.export() or deserialize(blob)"
       )
+    if vjp_order > validate.MAX_VJP_LEVELS:
+      raise ValueError(
+        f"jaxworks.stages_aot.Exported: vjp_order={vjp_order} is more than "
+        f"the {validate.MAX_VJP_LEVELS} VJP orders deserialize and "
+        f"load_artifact read back; use vjp_order <= {validate.MAX_VJP_LEVELS}"
+      )
     self._exp = exported
     self._vjp_order = vjp_order
     self._flat_fn = None

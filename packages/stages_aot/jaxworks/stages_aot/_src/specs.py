@@ -192,8 +192,20 @@ def dtype_short_name(dtype) -> str:
   >>> dtype_short_name(np.float32), dtype_short_name(jnp.bfloat16)
   ('f32', 'bf16')
   """
-  name = np.dtype(dtype).name
+  name = dtype_name(dtype)
   return _NAME_TO_SHORT.get(name, name)
+
+
+def dtype_name(dtype) -> str:
+  """numpy's name of a dtype, or JAX's for its extended dtypes (typed PRNG
+  keys print as ``key<fry>``), which numpy cannot interpret.
+
+  >>> dtype_name(np.float32), dtype_name(jax.random.key(0).dtype)
+  ('float32', 'key<fry>')
+  """
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return str(dtype)
+  return np.dtype(dtype).name
 
 
 def format_aval(aval) -> str:

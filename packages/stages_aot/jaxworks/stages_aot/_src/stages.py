@@ -383,6 +383,17 @@ class Lowered(_StockLowered):
         f"{api}: vjp_order must be an int >= 0, got {vjp_order!r}; use 0 "
         "(no derivatives) or 1 (one order of jax.grad)"
       )
+    # Imported here: the exported program's module (and its module reader,
+    # which imports jax.extend) is not on the path of trace, lower, compile.
+    from . import exported  # pylint: disable=g-import-not-at-top
+
+    limit = exported.validate.MAX_VJP_LEVELS
+    if vjp_order > limit:  # what is written must read back
+      raise ValueError(
+        f"{api}: vjp_order={vjp_order} is more than the {limit} VJP orders "
+        f"that deserialize and load_artifact read back; use vjp_order <= "
+        f"{limit}"
+      )
     checks = tuple(disabled_checks)
     for c in checks:
       if not isinstance(c, _DisabledSafetyCheck):
@@ -391,10 +402,6 @@ class Lowered(_StockLowered):
           f"objects, got {c!r}; e.g. "
           "jax.export.DisabledSafetyCheck.custom_call('my_target')"
         )
-    # Imported here: the exported program's module (and its module reader,
-    # which imports jax.extend) is not on the path of trace, lower, compile.
-    from . import exported  # pylint: disable=g-import-not-at-top
-
     return exported.Exported(self._stock_export(checks), vjp_order=vjp_order)
 
   def __repr__(self) -> str:
