@@ -25,7 +25,7 @@ SETUP = textwrap.dedent("""
                                initialization_timeout=60)
     from jaxworks import batched_transfer as bt
     from jaxworks.batched_transfer._src.checkpoint import (
-        api, commit, hostvalue, multiprocess, pending, writer)
+        api, commit, hostvalue, multiprocess, pending, steps, writer)
     rows = NamedSharding(jax.make_mesh((jax.device_count(),), ("x",)), P("x"))
     T = 20.0  # barrier_timeout_s: nothing here should wait for it
 
@@ -124,3 +124,95 @@ def test_a_save_one_process_refused_before_it_began_mixes_nothing(tmp_path):
   for blocking in (True, False):
     run = os.path.join(base, f"run-{blocking}")
     assert sorted(os.listdir(run)) == ["2", "3", "4", "5"], os.listdir(run)
+
+
+# The steps of a collective save, in order (module, name): a failure is
+# injected at each, on one process at a time. Steps a process does not take
+# (process 0's alone) fail nothing there.
+STEPS = textwrap.dedent("""
+    STEPS = [(api, "positive"), (writer, "Leaves"),
+             (pending, "raise_background_error"), (writer, "host_array"),
+             (writer, "check_target"), (pending, "reserve"),
+             (multiprocess, "plan_save"), (hostvalue, "start_copy"),
+             (multiprocess._Board, "post"), (commit, "locked"),
+             (commit, "clean"), (commit, "temp_name"),
+             (multiprocess._Board, "wait"), (multiprocess, "agree"),
+             (writer, "write_directory"), (hostvalue, "write_npy"),
+             (commit, "fsync_dirs"), (multiprocess, "_digest"),
+             (multiprocess, "_check_agreement"), (multiprocess, "_commit"),
+             (commit, "publish"), (steps, "to_remove")]
+
+    def inject(owner, name):
+      # owner.name raises OSError once; returns the undo.
+      real = owner.__dict__.get(name)
+      if real is None:  # a step this version does not have
+        return lambda: None
+      fired = []
+      def boom(*a, **k):
+        if not fired:
+          fired.append(1)
+          raise OSError(5, f"boom-{name}")
+        return real(*a, **k)
+      setattr(owner, name, boom)
+      return lambda: setattr(owner, name, real)
+""")
+
+PROPERTY = SETUP + STEPS + textwrap.dedent("""
+    victims = [int(v) for v in sys.argv[5].split(",")]
+    k = 0
+    # Retention runs (to_remove) but keeps every step: each is checked.
+    mgr = bt.CheckpointManager(f"{base}/run", barrier_timeout_s=T)
+    for victim in victims:
+      for owner, name in STEPS:
+        for kind in ("save", "step"):
+          for failing in (True, False):  # a failure, then a save that works
+            k += 1
+            undo = (inject(owner, name) if failing and process_id == victim
+                    else lambda: None)
+            label = f"{kind}-{victim}-{name}-{failing}"
+            try:
+              if kind == "save":  # blocking, to a new path
+                path = f"{base}/s{k}"
+                attempt(label, path, k, lambda: bt.save(
+                    path, tree(k), barrier_timeout_s=T))
+              else:  # the manager, non-blocking
+                path = f"{base}/run/{k}"
+                def step():
+                  mgr.save(k, tree(k), blocking=False)
+                  mgr.wait_until_finished()
+                attempt(label, path, k, step)
+            finally:
+              undo()
+    finish()
+""")
+
+
+def _property(tmp_path, nproc, victims, devices):
+  base = str(tmp_path)
+  run_n(
+    PROPERTY, base, nproc, devices=devices, timeout=400,
+    extra=(str(nproc), ",".join(map(str, victims))),
+  )  # fmt: skip
+  by_label = _check(base, nproc)
+  # Each injected failure was met by every process (or by none, at a step
+  # the victim does not take), fast; the save after it worked.
+  failed = 0
+  for label, outcome in by_label[0].items():
+    kind, took = outcome[0], outcome[2]
+    assert took < 10, (label, outcome)
+    if label.endswith("-False"):
+      assert kind == "ok", (label, [b[label] for b in by_label])
+    elif kind != "ok":
+      failed += 1
+      victim = int(label.split("-")[1])
+      assert by_label[victim][label][0] == "OSError", label
+      assert "boom-" in by_label[victim][label][1], label
+  return failed
+
+
+def test_a_failure_at_every_step_of_the_protocol_on_one_process(tmp_path):
+  """Two processes; each step of a collective save fails on process 0, then
+  on process 1 (a blocking save, and a manager's non-blocking step), and a
+  save follows each failure: see _check."""
+  failed = _property(tmp_path, 2, (0, 1), devices=2)
+  assert failed >= 30, failed
