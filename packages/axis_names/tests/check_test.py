@@ -300,3 +300,114 @@ def test_diagnose_outside_shard_map_names_what_was_written():
   assert str(found).startswith("my.api: pmean uses axis name 'i' at ")
   assert len(found.problems) == 1 and found.primitive == "pmean"
   assert axis_names.diagnose(ValueError("x"), f, x) is None
+
+
+def reads_size(x):
+  return x * lax.axis_size("bacth")  # size only
+
+
+def psum_of_one(x):
+  return x / lax.psum(1, "bacth")  # a constant
+
+
+def pmean_of_const(x):
+  return x + lax.pmean(2.0, "bacth")  # a constant
+
+
+@pytest.mark.parametrize(
+  ("fn", "marker", "written"),
+  [
+    (reads_size, "size only", "axis_size"),
+    (psum_of_one, "a constant", "psum"),
+    (pmean_of_const, "a constant", "pmean"),
+  ],
+)
+def test_misspelled_name_that_leaves_no_equation(fn, marker, written):
+  # JAX computes these from the axis size while tracing; nothing in the
+  # jaxpr names the axis, but stock tracing raises NameError.
+  with pytest.raises(NameError):
+    jax.make_jaxpr(fn, axis_env=[("batch", 8)])(X)
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(fn, X, axis_sizes={"batch": 8})
+  e = info.value
+  assert (e.primitive, e.axis_name, e.bound) == (written, "bacth", ("batch",))
+  assert e.location.startswith(f"{HERE}:{_line_of(fn, marker)} ")
+  assert "did you mean 'batch'?" in str(e)
+  assert len(e.problems) == 1
+  assert check_axis_names(fn, X, axis_sizes={"bacth": 8}) == frozenset()
+
+
+def test_size_only_use_inside_binders_names_their_axes():
+  mesh = jax.make_mesh((2,), ("m",), devices=jax.devices()[:2])
+  in_sm = jax.shard_map(
+    lambda v: v * lax.axis_size("mm"),  # inside shard_map
+    mesh=mesh,
+    in_specs=P(),
+    out_specs=P(),
+  )
+  in_vmap = lambda x: jax.vmap(lambda v: v * lax.psum(1, "vv"), axis_name="v")(
+    x.reshape(2, 4)
+  )
+  in_jit_cond = jax.jit(
+    lambda x: lax.cond(
+      x[0] > 0, lambda v: v * lax.axis_size("i2"), lambda v: v, x
+    )
+  )
+  for fn, name, bound in (
+    (in_sm, "mm", ("i", "m")),
+    (in_vmap, "vv", ("i", "v")),
+    (in_jit_cond, "i2", ("i",)),
+  ):
+    with pytest.raises(AxisNameError) as info:
+      check_axis_names(fn, X, axis_sizes={"i": 2})
+    assert (info.value.axis_name, info.value.bound) == (name, bound)
+
+
+def test_placeholder_that_breaks_a_shape_still_reports_the_name():
+  # Bound with a placeholder size, the misspelled name makes all_to_all
+  # fail on shapes; stock raised NameError for the name first.
+  def fn(x):
+    return lax.all_to_all(x.reshape(8, 1), "bacth", 0, 0) * lax.axis_size(
+      "bacth"
+    )
+
+  with pytest.raises(NameError):
+    jax.make_jaxpr(fn, axis_env=[("batch", 8)])(X)
+  with pytest.raises(AxisNameError) as info:
+    check_axis_names(fn, X, axis_sizes={"batch": 8})
+  assert info.value.axis_name == "bacth"
+
+
+def _nest(depth):
+  """A jitted function called twice at every level: 2**depth psums."""
+  f = lambda x: lax.psum(x, "i") * 2.0
+  for _ in range(depth):
+    g = jax.jit(f)
+    f = (lambda g: lambda x: g(g(x)))(g)
+  return f
+
+
+def test_shared_sub_jaxprs_are_walked_once(monkeypatch):
+  from jaxworks.axis_names import collective_report
+  from jaxworks.axis_names._src import analysis
+
+  depth = 12
+  closed = jax.make_jaxpr(_nest(depth), axis_env=[("i", 4)])(X)
+  analysis.jaxpr_axis_names(closed.jaxpr)
+  calls = []
+  real = analysis.subjaxprs
+  monkeypatch.setattr(
+    analysis, "subjaxprs", lambda params: calls.append(1) or real(params)
+  )
+  assert check_axis_names(closed, axis_sizes={"i": 4}) == {"i"}
+  # Each of the depth + 1 distinct jaxprs once (a few equations each), not
+  # each of their 2**depth occurrences.
+  assert len(calls) < 10 * (depth + 1)
+  calls.clear()
+  report = collective_report(closed, axis_sizes={"i": 4})
+  assert len(calls) < 20 * (depth + 1)
+  (row,) = report.rows
+  assert (row.primitive, row.count) == ("psum", 2**depth)
+  assert row.bytes_per_call == 2**depth * 2 * 3 / 4 * 32
+  with pytest.raises(AxisNameError):
+    check_axis_names(closed, axis_sizes={"j": 4})

@@ -192,3 +192,22 @@ def test_user_call_names_the_function_the_user_called():
   psum = next(e for e in closed.eqns if e.primitive.name == "psum")
   assert ji.user_call(psum.source_info) == "pmean"
   assert ji.user_call(None) is None
+
+
+def test_axis_names_at_error_reads_the_axis_env_of_the_frame():
+  def reads_size(x):
+    return x * lax.axis_size("nope")
+
+  def psum_of_const(x):
+    return x * lax.psum(1, "nope")
+
+  for fn in (reads_size, psum_of_const, lambda x: lax.psum(x, "nope")):
+    with ji.traceback_filtering_off():
+      with pytest.raises(NameError) as info:
+        jax.make_jaxpr(fn, axis_env=[("i", 2), ("j", 4)])(X)
+    assert ji.axis_names_at_error(info.value) == ("i", "j")
+  # With JAX's frames removed (the default) the environment is gone.
+  with pytest.raises(NameError) as info:
+    jax.make_jaxpr(reads_size, axis_env=[("i", 2)])(X)
+  assert ji.axis_names_at_error(info.value) is None
+  assert ji.axis_names_at_error(ValueError()) is None

@@ -53,28 +53,70 @@ def walk(
 
   ``env`` is the axis environment at the equation; ``multiplier`` is how
   many times it runs per call of the top jaxpr as far as static trip counts
-  say (``scan`` lengths; a ``while`` body counts once).
+  say (``scan`` lengths; a ``while`` body counts once), summed over every
+  place the jaxpr holding it occurs. Each jaxpr is visited once per axis
+  environment it occurs under, however often it is shared (a jitted
+  function called twice at every level of a nest), parents before children
+  and in program order.
   """
   analysis.jaxpr_axis_names(jaxpr)  # memoize every sub-jaxpr first
-  stack = [(jaxpr, dict(env), multiplier)]
+  nodes = _visits(jaxpr, dict(env))
+  mults = {next(iter(nodes)): multiplier}
+  for key, (e, eqns, children) in nodes.items():
+    mult = mults[key]
+    for child, length in children:
+      mults[child] = mults.get(child, 0) + mult * length
+    for eqn in eqns:
+      yield eqn, e, mult
+
+
+def _visits(jaxpr: Jaxpr, env: dict) -> dict:
+  """``{(id(jaxpr), env items): (env, eqns, children)}`` of every distinct
+  (jaxpr, environment) under ``jaxpr``, parents before children.
+
+  ``eqns`` are the jaxpr's equations that use a name (or hold a sub-jaxpr
+  that does), ``children`` the ``(key, trip count)`` of each use of a
+  sub-jaxpr. An explicit depth-first walk (no recursion limit); the
+  reversed post-order is a topological order of the DAG.
+  """
+  root = (id(jaxpr), tuple(env.items()))
+  found: dict = {}
+  post: list = []
+  stack: list = [(root, jaxpr, env, False)]
   while stack:
-    j, e, mult = stack.pop()
+    key, j, e, done = stack.pop()
+    if done:
+      post.append(key)
+      continue
+    if key in found:
+      continue
+    eqns: list = []
+    children: list = []
+    found[key] = (e, eqns, children)
+    stack.append((key, j, e, True))
     for eqn in j.eqns:
       subs = analysis.subjaxprs(eqn.params)
       if not subs:
         if analysis.eqn_axis_names(eqn):
-          yield eqn, e, mult
+          eqns.append(eqn)
         continue
       # Descend even where a binder hides every name from the outside.
       used_subs = [s for s in subs if analysis.uses_axes_anywhere(s)]
       if not used_subs and not analysis.own_names(eqn):
         continue
-      yield eqn, e, mult
+      eqns.append(eqn)
       inner_env = {**e, **analysis.binder_sizes(eqn)}
+      inner_items = tuple(inner_env.items())
       length = eqn.params.get("length")
       if eqn.primitive.name != "scan" or not isinstance(length, int):
         length = 1  # a while body counts once
-      stack.extend((s, inner_env, mult * length) for s in reversed(used_subs))
+      for s in used_subs:
+        child = (id(s), inner_items)
+        children.append((child, length))
+        if child not in found:
+          stack.append((child, s, inner_env, False))
+  # The jaxprs are alive (held by ``jaxpr``) while ``found`` is used.
+  return {key: found[key] for key in reversed(post)}
 
 
 # The param naming the operand dimension a collective splits over the axis.
@@ -200,6 +242,89 @@ def format_problem(prim, name, bound, loc, detail) -> str:
   )
 
 
+def placeholder_problems(
+  placeholders: Mapping[Hashable, NameError], sizes: Mapping
+) -> list[tuple[str, Hashable, tuple, str | None, str]]:
+  """The unbound names tracing bound with a placeholder size, as problems.
+
+  Each is a name JAX raised ``NameError`` for. Some leave no equation behind
+  (``lax.axis_size``, ``psum`` of a constant, which JAX computes from the
+  placeholder size), so they are reported from the error itself: the user's
+  line and the function called there, and the names bound at that point.
+  """
+  out = []
+  for name, err in placeholders.items():
+    loc, called = tracing.user_call_of_exception(err)
+    prim = called if callable(getattr(jax.lax, called or "", None)) else None
+    bound = jax_internals.axis_names_at_error(err)
+    if bound is None:
+      bound = tuple(sizes)
+    bound = tuple(b for b in bound if b not in placeholders)
+    out.append(
+      (prim or "a collective", name, bound, loc, _unbound(name, bound))
+    )
+  return out
+
+
+def traced_jaxpr(
+  fun, args: tuple, kwargs: dict, sizes: Mapping, api: str, fix: str
+) -> tuple[Jaxpr, list]:
+  """The jaxpr of ``fun`` and the unbound names only tracing saw.
+
+  Returns the jaxpr (traced with placeholder sizes for unbound names) and
+  ``placeholder_problems`` of those names. When a retry with placeholders
+  fails (a placeholder size that does not fit a shape), the unbound names
+  found before are raised as an ``AxisNameError``: JAX raised for them.
+  """
+  found: dict[Hashable, NameError] = {}
+  try:
+    jaxpr = tracing.jaxpr_of(fun, args, kwargs, sizes, api, fix, found)
+  except Exception as e:
+    if found and not isinstance(e, AxisNameError):
+      found = _with_jax_frames(found, fun, args, kwargs, sizes, api)
+      raise problems_error(placeholder_problems(found, sizes), api) from e
+    raise
+  found = _with_jax_frames(found, fun, args, kwargs, sizes, api)
+  return jaxpr, placeholder_problems(found, sizes)
+
+
+def _with_jax_frames(found, fun, args, kwargs, sizes, api) -> dict:
+  """``found`` with each error raised again with JAX's frames kept.
+
+  JAX drops its own frames from tracebacks (and with them the axis
+  environment and the function the user called); only on this error path
+  is each unbound name traced again, with the names found before it bound
+  as they were.
+  """
+  out: dict[Hashable, NameError] = {}
+  env = dict(sizes)
+  for name, err in found.items():
+    if jax_internals.axis_names_at_error(err) is None:
+      try:
+        with jax_internals.traceback_filtering_off():
+          tracing.trace(fun, args, kwargs, env, api, use_placeholders=False)
+      except NameError as again:
+        if jax_internals.unbound_axis_name(again) == name:
+          err = again
+      except Exception:  # noqa: BLE001 - keep the error as first raised
+        pass
+    out[name] = err
+    env[name] = tracing.PLACEHOLDER_SIZE
+  return out
+
+
+def all_problems(jaxpr: Jaxpr, sizes: Mapping, from_tracing: list) -> list:
+  """``problems_in(jaxpr, sizes)`` plus the unbound names of
+  ``from_tracing`` not already reported at the same line."""
+  problems = problems_in(jaxpr, sizes)
+
+  def line(p):  # file:line (the function names differ in qualification)
+    return p[1], p[3] and p[3].split(" (")[0]
+
+  seen = {line(p) for p in problems}
+  return problems + [p for p in from_tracing if line(p) not in seen]
+
+
 def problems_error(problems, api: str) -> AxisNameError:
   """The AxisNameError listing ``problems``, each once."""
   problems = list(dict.fromkeys(problems))
@@ -309,7 +434,7 @@ def check_axis_names(
   """
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
   try:
-    jaxpr = tracing.jaxpr_of(
+    jaxpr, from_tracing = traced_jaxpr(
       fun,
       args,
       kwargs,
@@ -321,30 +446,37 @@ def check_axis_names(
   except AxisNameError:
     raise
   except Exception as e:  # noqa: BLE001 - re-raised unless sizes explain it
-    found = diagnose(e, api=_API) or _diagnose_again(
-      e, fun, args, kwargs, sizes
-    )
-    if found is not None:
-      raise found from e
+    raise_if_unbound(e, fun, args, kwargs, sizes, _API)
     if not isinstance(fun, (ClosedJaxpr, Jaxpr)):
       _raise_if_sizes_misfit(fun, args, kwargs, sizes, e)
     raise
-  problems = problems_in(jaxpr, sizes)
+  problems = all_problems(jaxpr, sizes, from_tracing)
   if problems:
     raise problems_error(problems, _API) from None
   return analysis.jaxpr_axis_names(jaxpr)
 
 
-def _diagnose_again(err, fun, args, kwargs, sizes) -> AxisNameError | None:
+def raise_if_unbound(err, fun, args, kwargs, sizes, api: str) -> None:
+  """Raises the ``AxisNameError`` for a trace failure ``err`` that an
+  unbound name caused (JAX's bare ``AssertionError`` inside a
+  ``shard_map``); returns for any other failure."""
+  found = diagnose(err, api=api) or _diagnose_again(
+    err, fun, args, kwargs, sizes, api
+  )
+  if found is not None:
+    raise found from err
+
+
+def _diagnose_again(err, fun, args, kwargs, sizes, api) -> AxisNameError | None:
   """``diagnose`` of a stock ``AssertionError`` whose traceback JAX filtered:
   the function is traced again with the frames kept."""
   if not isinstance(err, AssertionError) or not callable(fun):
     return None
   try:
     with jax_internals.traceback_filtering_off():
-      tracing.trace(fun, args, kwargs, sizes, _API)
+      tracing.trace(fun, args, kwargs, sizes, api)
   except AssertionError as again:
-    return diagnose(again, api=_API)
+    return diagnose(again, api=api)
   except Exception:  # noqa: BLE001 - another failure: not diagnosable
     pass
   return None

@@ -4,9 +4,9 @@ Every name here is covered by tests/jax_internals_test.py, so a JAX upgrade
 that moves one of them fails in one obvious place. Public JAX
 (``jax.extend.core``, ``jax.core``, ``jax.lax``) is imported directly by the
 other modules; only what has no public door lives here: ``NamedAxisEffect``,
-user frames of tracebacks, the names in JAX's unbound-axis errors, equation
-contexts and typed literals, the axis environment, symbolic zeros, and
-``WrappedFun`` for rule callables.
+user frames of tracebacks, the names in JAX's unbound-axis errors (and the
+names bound where they were raised), equation contexts and typed literals,
+the axis environment, symbolic zeros, and ``WrappedFun`` for rule callables.
 """
 
 from __future__ import annotations
@@ -122,6 +122,22 @@ def unbound_in_shard_map(err: BaseException) -> tuple[tuple, tuple] | None:
         return axes, names
     tb = tb.tb_next
   return None
+
+
+def axis_names_at_error(err: BaseException) -> tuple | None:
+  """The axis names bound where JAX raised ``err`` (an unbound-axis
+  ``NameError``), read from the ``AxisEnv`` in the innermost frame of its
+  traceback that holds one (``AxisEnv.axis_size``'s ``self``,
+  ``_check_axis_names``' ``axis_env``), or None."""
+  tb = unfiltered_traceback(err)
+  found = None
+  while tb is not None:
+    for value in tb.tb_frame.f_locals.values():
+      if type(value) is _core.AxisEnv:
+        found = value.axis_names()
+        break
+    tb = tb.tb_next
+  return found
 
 
 def eqn_context_mesh(ctx):

@@ -20,6 +20,7 @@ from jax.extend.core import JaxprEqn
 from . import analysis
 from . import check
 from . import tracing
+from .errors import AxisNameError
 
 _API = "jaxworks.axis_names.collective_report"
 
@@ -206,11 +207,19 @@ def collective_report(
   [('all_gather', 1, 112.0), ('psum', 1, 28.0)]
   """
   sizes = tracing.check_axis_sizes(axis_sizes, _API)
-  jaxpr = tracing.jaxpr_of(
-    fun, args, kwargs, sizes, _API, "pass its size in axis_sizes"
-  )
+  try:
+    jaxpr, from_tracing = check.traced_jaxpr(
+      fun, args, kwargs, sizes, _API, "pass its size in axis_sizes"
+    )
+  except AxisNameError:
+    raise
+  except Exception as e:  # noqa: BLE001 - re-raised unless a name caused it
+    check.raise_if_unbound(e, fun, args, kwargs, sizes, _API)
+    raise
   problems = [
-    p for p in check.problems_in(jaxpr, sizes) if p[4].startswith("unbound")
+    p
+    for p in check.all_problems(jaxpr, sizes, from_tracing)
+    if p[4].startswith("unbound")
   ]
   if problems:
     raise check.problems_error(problems, _API) from None

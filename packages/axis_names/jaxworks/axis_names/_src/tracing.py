@@ -60,11 +60,14 @@ def trace(
   axis_sizes: Mapping[Hashable, int],
   api: str,
   use_placeholders: bool = True,
+  placeholders: dict[Hashable, NameError] | None = None,
 ) -> tuple[ClosedJaxpr, dict[Hashable, NameError]]:
   """Traces ``fun(*args, **kwargs)``, binding free axis names as needed.
 
   With ``use_placeholders`` False no name is bound with a placeholder:
-  JAX's ``NameError`` propagates.
+  JAX's ``NameError`` propagates. ``placeholders``, when given, is the dict
+  filled (and returned): the caller sees the names bound so far also when
+  a later retry fails.
 
   Returns:
     The ClosedJaxpr and ``{name: NameError}`` for each name that had to be
@@ -82,7 +85,8 @@ def trace(
       f"arguments, got {fun!r} of type {type(fun).__name__}"
     )
   env = dict(axis_sizes)
-  placeholders: dict[Hashable, NameError] = {}
+  if placeholders is None:
+    placeholders = {}
   for _ in range(_MAX_RETRIES):
     try:
       closed = _make_jaxpr(fun, axis_env=list(env.items()))(*args, **kwargs)
@@ -106,12 +110,14 @@ def jaxpr_of(
   axis_sizes: Mapping[Hashable, int],
   api: str,
   fix: str,
+  placeholders: dict[Hashable, NameError] | None = None,
 ) -> Jaxpr:
   """The Jaxpr of a Jaxpr, a ClosedJaxpr, a stage (``Traced``, jaxworks'
   ``Lowered``), or a callable traced on its args.
 
   An unbound name that tracing cannot recover from becomes an
-  ``AxisNameError`` naming ``api``, the user's line and ``fix``.
+  ``AxisNameError`` naming ``api``, the user's line and ``fix``. Names bound
+  with a placeholder size go into ``placeholders`` (see ``trace``).
   """
   fun = analysis.stage_jaxpr(fun, api)
   if isinstance(fun, (ClosedJaxpr, Jaxpr)):
@@ -122,7 +128,9 @@ def jaxpr_of(
       )
     return fun.jaxpr if isinstance(fun, ClosedJaxpr) else fun
   try:
-    closed, _ = trace(fun, args, kwargs, axis_sizes, api)
+    closed, _ = trace(
+      fun, args, kwargs, axis_sizes, api, placeholders=placeholders
+    )
   except NameError as e:
     if isinstance(e, AxisNameError):
       raise
