@@ -282,11 +282,14 @@ def test_cache_hits_and_trace_count():
   assert g.cache_info().entries == 2
 
 
-def test_axis_size_without_mapped_arguments():
-  out = pmap(
-    lambda c: c + jax.lax.axis_index("i"), "i", in_axes=None, axis_size=4
-  )(jnp.float32(1.0))
-  np.testing.assert_allclose(out, [1.0, 2.0, 3.0, 4.0])
+def test_axis_size_without_mapped_arguments_raises_as_stock():
+  for p in (pmap, jax.pmap):
+    with pytest.raises(ValueError, match="at least one argument with a mapp"):
+      p(lambda c: c + jax.lax.axis_index("i"), "i", in_axes=None, axis_size=4)(
+        jnp.float32(1.0)
+      )
+    with pytest.raises(ValueError, match="at least one argument with a mapp"):
+      p(lambda: jnp.ones(3), "i", axis_size=4)()
 
 
 def test_lower_and_trace():

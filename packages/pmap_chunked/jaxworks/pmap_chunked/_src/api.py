@@ -78,7 +78,9 @@ def pmap(
       programs, floats compare by their bits (``-0.0`` is not ``0.0``, a NaN
       finds its program), tuples and frozensets element by element, other
       objects by type, ``__hash__`` and ``__eq__``. Default ().
-    devices: Optional sequence of devices to map over, in order. Its length
+    devices: Optional iterable of devices to map over, in order (read as
+      ``jax.pmap`` reads it: a numpy array of devices raises
+      ``ValueError``; use a list). Its length
       must equal the mapped size (times the sizes of nested pmaps). Default:
       the first devices of ``jax.devices()`` (grouped by process when there
       are several processes).
@@ -86,9 +88,10 @@ def pmap(
       devices to map over when ``devices`` is not given; an unknown one
       raises ``RuntimeError`` as in ``jax.pmap``. Default: the default
       backend.
-    axis_size: Optional mapped size. Required when no argument is mapped
-      (every ``in_axes`` entry is None); otherwise it must agree with the
-      arguments. In a multi-process run it is the global size.
+    axis_size: Optional mapped size (an int, or anything with
+      ``__index__``); it must agree with the mapped arguments (at least one
+      argument must be mapped, as in ``jax.pmap``). In a multi-process run
+      it is the global size.
     donate_argnums: Positions of positional arguments (static ones counted;
       the forms ``static_broadcasted_argnums`` takes) whose buffers XLA may
       reuse for outputs; a donated array whose buffer was reused is deleted.

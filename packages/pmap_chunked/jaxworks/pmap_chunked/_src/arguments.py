@@ -74,7 +74,9 @@ class Arguments:
     static_broadcasted_argnums, donate_argnums: as ``pmap`` takes them; a
       negative position names no argument, as in ``jax.pmap``.
     devices: the ``devices=`` option, or None.
-    axis_size: the ``axis_size=`` option (a positive int), or None.
+    axis_size: the ``axis_size=`` option, or None: an integer (anything
+      with ``__index__``), compared with the mapped size as ``jax.pmap``
+      compares it.
     maxsize: the bound on the table of flat in_axes, one entry per argument
       structure.
   """
@@ -107,9 +109,9 @@ class Arguments:
     self.statics = _positions(statics)
     self.donate = _positions(donate)
     self.devices = (
-      None if devices is None else mesh_lib.check_devices(API, devices)
+      None if devices is None else mesh_lib.pmap_devices(API, devices)
     )
-    self.axis_size = axis_size
+    self.axis_size = _axis_size(axis_size)
     # (argument structure, positional count) -> flat in_axes.
     self._flat_axes: lru.LRU[Any, tuple] = lru.LRU(maxsize)
     self._lock = threading.Lock()
@@ -179,6 +181,19 @@ class Arguments:
       for i in jax.tree_util.tree_leaves(arg)
     )
 
+  def raise_deleted(self, i: int, leaves: list, treedef) -> NoReturn:
+    """Raises what ``jax.pmap`` raises for a deleted (or donated) array
+    argument: ``RuntimeError``, naming the argument."""
+    dyn, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    where = _pretty(axes_lib.leaf_paths((dyn, kwargs))[i])
+    x = leaves[i]
+    raise RuntimeError(
+      f"{API}: argument {where} of {describe(self.fun)} is a deleted "
+      f"jax.Array ({x.dtype.name}{list(x.shape)}: deleted, or donated to an "
+      "earlier call); jax.pmap raises this RuntimeError too (Array has been "
+      "deleted). Pass a live array: keep a copy of what you donate."
+    )
+
   def _raise_too_few(self, args: tuple) -> NoReturn:
     statics = self.statics
     raise ValueError(
@@ -241,15 +256,15 @@ class Arguments:
 
   def _global_size(self, size, leaves, flat) -> int:
     if size is None:
-      if self.axis_size is None:
-        raise ValueError(
-          f"{API}: pmap requires at least one argument with a mapped axis. "
-          f"No argument leaf of {describe(self.fun)} is mapped (its in_axes "
-          "are None, or it has no array leaves), so the mapped size is "
-          "unknown; pass axis_size=<number of devices> to pmap or map at "
-          "least one array argument."
-        )
-      return self.axis_size
+      # As jax.pmap, also with axis_size given: the mapped size comes from
+      # the arguments only.
+      raise ValueError(
+        f"{API}: pmap requires at least one argument with a mapped axis. "
+        f"No argument leaf of {describe(self.fun)} is mapped (its in_axes "
+        "are None, or it has no array arguments); map at least one array "
+        "argument (for values that are the same on every device, map "
+        "jnp.broadcast_to(x, (n,) + x.shape))."
+      )
     if jax.process_count() > 1:
       first = next(x for x, ax in zip(leaves, flat) if ax is not None)
       if not (isinstance(first, jax.Array) and not first.is_fully_addressable):
@@ -267,13 +282,34 @@ class Arguments:
             "pass one slice per local device, or a global jax.Array."
           )
         size = len(devices) if devices else (size * jax.process_count())
-    if self.axis_size is not None and self.axis_size != size:
+    if self.axis_size is not None:
+      self._check_axis_size(size)
+    return size
+
+  def _check_axis_size(self, size: int) -> None:
+    """Where jax.pmap checks axis_size (after the arguments): an unhashable
+    one is a TypeError (its cache hashes it), one that differs from the
+    mapped size a ValueError, one equal to it but no integer a TypeError (it
+    slices the device list with it)."""
+    if not _hashable(self.axis_size):
+      raise TypeError(
+        f"{API}: axis_size must be an int or None, got {self.axis_size!r} "
+        f"of type {type(self.axis_size).__name__}, which is not hashable "
+        f"(jax.pmap raises TypeError too); pass axis_size={size}."
+      )
+    if self.axis_size != size:
       raise ValueError(
-        f"{API}: axis_size={self.axis_size} but the mapped arguments of "
+        f"{API}: axis_size={self.axis_size!r} but the mapped arguments of "
         f"{describe(self.fun)} have mapped size {size}; pass "
         f"axis_size={size} or resize the arguments."
       )
-    return size
+    if type(self.axis_size) is not int:
+      # Equal but no integer (8.0): jax.pmap slices its device list with
+      # it, a TypeError.
+      raise TypeError(
+        f"{API}: axis_size={self.axis_size!r} must be an integer (or "
+        f"have __index__); pass axis_size={size}."
+      )
 
   def _raise_bad_leaf(self, i, ax, leaves, dyn, kwargs):
     where = _pretty(axes_lib.leaf_paths((dyn, kwargs))[i])
@@ -328,6 +364,18 @@ def _index_tuple(what: str, value: Any) -> tuple[int, ...]:
       f"{API}: {what} must be an int or a collection of ints, got "
       f"{value!r} of type {type(value).__name__}; pass e.g. {what}=(1,)."
     ) from None
+
+
+def _axis_size(value: Any) -> Any:
+  """axis_size as ``jax.pmap`` uses it: an integer by ``operator.index``
+  (``np.int64(8)``, ``True``); any other value is kept and checked at each
+  call, where ``jax.pmap`` checks it (``Arguments._check_axis_size``)."""
+  if value is None or not _hashable(value):  # np.array(8) has __index__
+    return value
+  try:
+    return operator.index(value)
+  except TypeError:
+    return value
 
 
 def _positions(nums: tuple[int, ...]) -> tuple[int, ...]:

@@ -69,6 +69,57 @@ def select_devices(
   return tuple(available[:total])
 
 
+class OptionTypeError(TypeError, AttributeError):
+  """A pmap option of a type it cannot use (a device list holding other
+  objects, a backend that is not a name).
+
+  A ``TypeError``, and an ``AttributeError`` as ``jax.pmap`` raises when it
+  reads such a value (``'int' object has no attribute 'process_index'``).
+  """
+
+
+def pmap_devices(api: str, devices: Any) -> tuple:
+  """pmap's ``devices=`` read as ``jax.pmap`` reads it (its truth value,
+  then ``tuple(devices)``: any iterable), as a tuple of distinct devices."""
+  try:
+    empty = not devices
+  except ValueError as e:  # a numpy array: no truth value (as in jax.pmap)
+    raise ValueError(
+      f"{api}: devices={devices!r} has no truth value ({e}); jax.pmap "
+      "raises this ValueError too. Pass a list of devices, e.g. "
+      "list(devices.flat) for a numpy array of them."
+    ) from None
+  if empty:
+    raise ValueError(
+      f"{api}: 'devices' argument to {api.rpartition('.')[2]} must be "
+      f"non-empty, or None. Got {devices!r}; pass a non-empty sequence of "
+      "devices, e.g. jax.devices()[:4]."
+    )
+  try:
+    devices = tuple(devices)
+  except TypeError:
+    raise TypeError(
+      f"{api}: devices must be an iterable of jax devices, got "
+      f"{devices!r}; pass e.g. jax.devices()[:4]."
+    ) from None
+  bad = [d for d in devices if not isinstance(d, jax.Device)]
+  if bad:
+    raise OptionTypeError(
+      f"{api}: devices must hold jax.Device objects, got "
+      f"{bad[0]!r}; pass e.g. jax.devices()[:4]."
+    )
+  return _distinct(api, devices)
+
+
+def _distinct(api: str, devices: tuple) -> tuple:
+  if len(set(devices)) != len(devices):
+    raise ValueError(
+      f"{api}: devices lists a device more than once "
+      f"({list(devices)}); each device may appear only once."
+    )
+  return devices
+
+
 def check_devices(api: str, devices: Any) -> tuple:
   """A tuple of distinct jax devices, or an error saying what to pass."""
   if isinstance(devices, jax.Device) or not isinstance(devices, Sequence):
@@ -89,12 +140,7 @@ def check_devices(api: str, devices: Any) -> tuple:
       f"{api}: devices must hold jax.Device objects, got "
       f"{bad[0]!r}; pass e.g. jax.devices()[:4]."
     )
-  if len(set(devices)) != len(devices):
-    raise ValueError(
-      f"{api}: devices lists a device more than once "
-      f"({list(devices)}); each device may appear only once."
-    )
-  return devices
+  return _distinct(api, devices)
 
 
 @dataclasses.dataclass(frozen=True)

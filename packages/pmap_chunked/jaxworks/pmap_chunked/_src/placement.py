@@ -110,6 +110,15 @@ def _implicit(x: Any) -> Any:
   return x
 
 
+class DeletedInput(Exception):
+  """Leaf ``index`` of a call is a deleted (or donated) jax.Array (the
+  caller raises the error that names the argument)."""
+
+  def __init__(self, index: int):
+    super().__init__(index)
+    self.index = index
+
+
 def place_inputs(leaves: list, entry: Any) -> list:
   """The leaves to call ``entry`` (a ``programs.Entry``) with: misplaced ones
   moved in one batched transfer.
@@ -132,6 +141,10 @@ def place_inputs(leaves: list, entry: Any) -> list:
   moves = []
   relabeled = None
   for i, x in enumerate(leaves):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      # A donated array passed to the jitted program crashes jaxlib 0.10.2
+      # once that program is cached; jax.pmap's first call raises this.
+      raise DeletedInput(i)
     if isinstance(x, jax.Array) and is_laid_out(
       x, targets[i], axis_name, in_axes[i]
     ):

@@ -136,7 +136,7 @@ class Pmapped:
     maxsize: int = DEFAULT_MAXSIZE,
   ):
     _check_fun(fun)
-    _check_options(axis_name, axis_size, chunked, maxsize, backend)
+    _check_options(axis_name, chunked, maxsize, backend)
     in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
     out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
     self._args = Arguments(
@@ -261,7 +261,11 @@ class Pmapped:
         elif tracing:
           out = entry.jitted(*leaves)
         else:
-          out = entry.jitted(*placement.place_inputs(leaves, entry))
+          try:
+            placed = placement.place_inputs(leaves, entry)
+          except placement.DeletedInput as deleted:
+            self._args.raise_deleted(deleted.index, leaves, treedef)
+          out = entry.jitted(*placed)
       except mesh_lib.NeedsAxis as need:
         if nested:
           raise
@@ -335,7 +339,7 @@ def _check_fun(fun: Any) -> None:
     )
 
 
-def _check_options(axis_name, axis_size, chunked, maxsize, backend) -> None:
+def _check_options(axis_name, chunked, maxsize, backend) -> None:
   """pmap's options that are one value each (the axes specs and argument
   positions are checked by ``Arguments`` and ``axes``)."""
   try:
@@ -345,10 +349,6 @@ def _check_options(axis_name, axis_size, chunked, maxsize, backend) -> None:
       f"{API}: axis_name must be hashable, got {axis_name!r}; "
       "use a string such as axis_name='i'."
     ) from None
-  if axis_size is not None and (type(axis_size) is not int or axis_size < 1):
-    raise TypeError(
-      f"{API}: axis_size must be a positive int or None, got {axis_size!r}."
-    )
   if not isinstance(chunked, bool):
     raise TypeError(f"{API}: chunked must be True or False, got {chunked!r}.")
   if type(maxsize) is not int or maxsize < 1:
@@ -357,7 +357,8 @@ def _check_options(axis_name, axis_size, chunked, maxsize, backend) -> None:
       f"pass e.g. maxsize={DEFAULT_MAXSIZE}."
     )
   if backend is not None and not isinstance(backend, str):
-    raise TypeError(
+    # jax.pmap raises AttributeError when it reads such a backend.
+    raise mesh_lib.OptionTypeError(
       f"{API}: backend must be a platform name such as "
       f"'cpu' or None, got {backend!r}."
     )

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import difflib
 import functools
 import math
+import os
+import re
+import sys
 from typing import Any
 
 import jax
@@ -35,9 +39,10 @@ _shard_map = jax.shard_map
 _get_abstract_mesh = jax.sharding.get_abstract_mesh
 _typeof = jax.typeof
 
-# Axis name of a pmap given no axis_name (as in jax.pmap, one shared name, so
-# outputs of one anonymous pmap have exactly the input sharding of another).
-ANONYMOUS_AXIS = "_pmap_axis"
+# Axis name of a pmap given no axis_name: jax.pmap's, so that an output's
+# sharding equals the one jax.pmap gives (and one anonymous pmap's outputs
+# have exactly the input sharding of another).
+ANONYMOUS_AXIS = "_internal_pmap_axis_name"
 
 
 @dataclasses.dataclass
@@ -224,9 +229,47 @@ class Programs:
     frames.append(frame)
     try:
       out = self.fun(*args, **kwargs)
+    except NameError as err:
+      # Reported from this trace, as jax.pmap reports it (the function runs
+      # once), through jaxworks.axis_names' error type.
+      found = self._unbound_error(err, [f.axis_name for f in frames])
+      if found is None:
+        raise
+      raise found from None
     finally:
       frames.pop()
     return self._outputs(out, negative_moves)
+
+  def _unbound_error(self, err: NameError, bound: list) -> Any:
+    """The ``AxisNameError`` for JAX's unbound-axis ``NameError`` ``err``
+    raised by the user's function, or None for another ``NameError``."""
+    if isinstance(err, deps.AxisNameError):
+      return None
+    m = _UNBOUND_RE.search(str(err))
+    if m is None:
+      return None
+    name = m.group(1)
+    location, called = _user_call(err.__traceback__)
+    primitive = called or "a collective"
+    strs = [b for b in bound if isinstance(b, str)]
+    close = difflib.get_close_matches(name, strs, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = f"{location}: " if location else ""
+    message = (
+      f"{API}: {describe(self.fun)} (axis_name={bound[-1]!r}) uses an "
+      f"unbound axis name: {name}. {where}{primitive} uses axis {name!r}, "
+      f"unbound{hint}; bound here: {tuple(bound)}. Fix: use one of the "
+      "bound names, or call it under a pmap, shard_map or vmap that binds "
+      f"{name!r}."
+    )
+    return deps.AxisNameError(
+      message,
+      primitive=primitive,
+      axis_name=name,
+      bound=tuple(bound),
+      location=location,
+      problems=((primitive, name, tuple(bound), location, "unbound"),),
+    )
 
   def _outputs(self, out: Any, negative_moves: list) -> Any:
     """The per-device outputs with their mapped axis at ``out_axes`` (kept
@@ -289,6 +332,53 @@ class Programs:
       ) + found.args[1:]
       raise found from None
     raise err
+
+
+# JAX's NameError for an axis name no enclosing transformation binds.
+_UNBOUND_RE = re.compile(r"unbound axis name: (.+?)\. ")
+
+
+def _library_dirs() -> tuple[str, ...]:
+  """The directories of JAX and of the jaxworks packages imported (frames
+  there are not the user's code)."""
+  modules = [jax] + [
+    m
+    for name, m in list(sys.modules.items())
+    if name.count(".") == 1
+    and name.startswith("jaxworks.")
+    and getattr(m, "__file__", None)
+  ]
+  return tuple(
+    {
+      f(os.path.dirname(m.__file__)) + os.sep
+      for m in modules
+      for f in (os.path.abspath, os.path.realpath)
+    }
+  )
+
+
+def _is_library(filename: str, dirs: tuple[str, ...]) -> bool:
+  return any(
+    f(filename).startswith(dirs) for f in (os.path.abspath, os.path.realpath)
+  )
+
+
+def _user_call(tb: Any) -> tuple[str | None, str | None]:
+  """``("file:line (function)", called)`` of the innermost frame of user
+  code in traceback ``tb`` and the name of the function it called there
+  (``psum``), or Nones."""
+  location = called = None
+  after_user = False
+  dirs = _library_dirs()
+  while tb is not None:
+    code = tb.tb_frame.f_code
+    if not _is_library(code.co_filename, dirs):
+      location = f"{code.co_filename}:{tb.tb_lineno} ({code.co_name})"
+      after_user = True
+    elif after_user:
+      called, after_user = code.co_name, False
+    tb = tb.tb_next
+  return location, called
 
 
 def abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
