@@ -16,7 +16,13 @@ Rows (``jaxworks_bench``; medians of repeats, GC off while timing):
   itself) against a top-down walk of the whole program written here (no
   memo), at 1k/10k/100k equations and depth 50, then at 10k by depth;
 * naive: ``rename_axes`` of 'i' with the analysis warm, against a full
-  top-down rebuild of every equation (what ``core.subst_axis_names`` did).
+  top-down rebuild of every equation (what ``core.subst_axis_names`` did);
+* stock-jax: ``check_axis_names`` and ``collective_report`` of a
+  ``shard_map`` over a nest of ``jit``s, each level calling the one below
+  twice (``2**depth`` psums from ``depth + 1`` distinct jaxprs), against
+  stock tracing (which raises for an unbound name) and stock trace + lower
+  (whose HLO lists the collectives); naive: the check's walk of the traced
+  program against a walk of every occurrence of each shared sub-jaxpr.
 
 Notes: the cold query per equation, JAX's tracing cost per equation (for
 scale), how much of the program a rename rebuilt.
@@ -39,8 +45,12 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Var
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import jaxworks_bench as jb
 
+from jaxworks.axis_names import check_axis_names
+from jaxworks.axis_names import collective_report
 from jaxworks.axis_names import rename_axes
 from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import analysis
@@ -211,6 +221,73 @@ def query_times(closed, repeats, fast_loops):
   return total, cold, warm, naive, effects
 
 
+def shared_nest(depth):
+  """``shard_map`` over axis 'i' of ``depth`` nested jits, each calling the
+  one below twice: ``2**depth`` psums, ``depth + 1`` distinct jaxprs."""
+  f = lambda x: lax.psum(x, "i") * 2.0
+  for _ in range(depth):
+    g = jax.jit(f)
+    f = (lambda g: lambda x: g(g(x)))(g)
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+  # Without varying-axis types both calls at a level share one jaxpr.
+  return jax.shard_map(
+    f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False
+  )
+
+
+def walk_every_occurrence(jaxpr, env):
+  """The check's walk without a memo: each occurrence of a shared
+  sub-jaxpr again (``check.walk`` before it kept one visit per jaxpr and
+  axis environment)."""
+  n = 0
+  stack = [(jaxpr, dict(env))]
+  while stack:
+    j, e = stack.pop()
+    for eqn in j.eqns:
+      subs = analysis.subjaxprs(eqn.params)
+      if not subs:
+        n += bool(analysis.eqn_axis_names(eqn))
+        continue
+      used = [s for s in subs if analysis.uses_axes_anywhere(s)]
+      inner = {**e, **analysis.binder_sizes(eqn)}
+      stack.extend((s, inner) for s in used)
+  return n
+
+
+def shared_rows(report, depths, repeats):
+  """check_axis_names and collective_report of ``shared_nest``."""
+  x = jnp.ones(32, jnp.float32)
+  for depth in depths:
+    f = shared_nest(depth)
+    (row,) = collective_report(f, x).rows
+    assert row.count == 2**depth
+    what = f"shard_map of {depth} nested jits each called twice"
+    report.add(
+      f"check_axis_names, {what}",
+      jb.median_time(lambda: check_axis_names(f, x), repeats),
+      jb.median_time(lambda: jax.make_jaxpr(f)(x), repeats),
+      "stock-jax",
+      "tracing (raises NameError for an unbound name)",
+    )
+    report.add(
+      f"collective_report, {what}",
+      jb.median_time(lambda: collective_report(f, x), repeats),
+      jb.median_time(lambda: jax.jit(f).trace(x).lower(), repeats),
+      "stock-jax",
+      "trace + lower (the HLO lists the collectives)",
+    )
+  depth = depths[0]
+  closed = jax.make_jaxpr(shared_nest(depth))(x)
+  assert walk_every_occurrence(closed.jaxpr, {}) == 2**depth
+  report.add(
+    f"check_axis_names(ClosedJaxpr), {depth} nested jits each called twice",
+    jb.median_time(lambda: check_axis_names(closed), repeats),
+    jb.median_time(lambda: walk_every_occurrence(closed.jaxpr, {}), repeats),
+    "naive",
+    "walk of every occurrence of a shared sub-jaxpr (no memo)",
+  )
+
+
 EFFECTS = "jaxpr.effects (NamedAxisEffect names)"
 WALK = "top-down walk of the whole program (no memo)"
 
@@ -281,6 +358,7 @@ def main(argv=None):
       "naive",
       WALK,
     )
+  shared_rows(report, (6, 10) if args.quick else (10, 20), repeats)
   report.note(
     "The first (cold) query costs "
     f"{jb.fmt_seconds(min(per_eqn))} - {jb.fmt_seconds(max(per_eqn))} per "
