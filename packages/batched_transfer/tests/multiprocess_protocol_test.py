@@ -216,3 +216,88 @@ def test_a_failure_at_every_step_of_the_protocol_on_one_process(tmp_path):
   save follows each failure: see _check."""
   failed = _property(tmp_path, 2, (0, 1), devices=2)
   assert failed >= 30, failed
+
+
+FORTRAN = SETUP + textwrap.dedent("""
+    # A leaf in Fortran order, equal on every process (process 0 writes it
+    # in Fortran order, the others check its values).
+    f = np.asfortranarray(np.arange(12.0, dtype=np.float32).reshape(3, 4))
+    mgr = bt.CheckpointManager(f"{base}/run", barrier_timeout_s=T)
+    for k, blocking in ((1, True), (2, False)):
+      path = f"{base}/f{k}"
+      def save():
+        h = bt.save(path, {**tree(k), "f": f}, blocking=blocking,
+                    barrier_timeout_s=T)
+        if h is not None:
+          h.wait()
+        mgr.save(k, {**tree(k), "f": f}, blocking=blocking)
+        mgr.wait_until_finished()
+      attempt(f"fortran-{k}", path, k, save)
+      out = bt.restore(path, {"w": jax.ShapeDtypeStruct((4 * jax.device_count(), 4),
+                                                        np.float32, sharding=rows),
+                              "n": np.zeros(3, np.int32), "f": f})
+      assert np.array_equal(np.asarray(out["f"]), f)
+    # Different values in Fortran order are still refused.
+    g = f + process_id
+    attempt("fortran-differ", f"{base}/g", 3,
+            lambda: bt.save(f"{base}/g", {**tree(3), "f": g}, barrier_timeout_s=T))
+    finish()
+""")
+
+
+def test_a_fortran_ordered_leaf_equal_on_every_process_is_saved(tmp_path):
+  base = str(tmp_path)
+  run_n(FORTRAN, base, 2, devices=2, extra=("2",))
+  by_label = _check(base, 2)
+  assert by_label[0]["fortran-1"][0] == "ok", by_label[0]
+  assert by_label[0]["fortran-2"][0] == "ok", by_label[0]
+  assert by_label[0]["fortran-differ"][0] == "ValueError", by_label[0]
+  assert "differs between process 0 and process 1" in (
+    by_label[0]["fortran-differ"][1]
+  )
+  want = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+  for path in ("f1", "f2", "run/1", "run/2"):
+    got = numpy_read(os.path.join(base, path))["f"]
+    assert np.array_equal(got, want), path
+
+
+DEAD = SETUP + textwrap.dedent("""
+    # Process 2 dies (SIGKILL) while it writes its shards.
+    import signal
+    bt.save(f"{base}/first", tree(1), barrier_timeout_s=T)
+    if process_id == 2:
+      hostvalue.write_npy = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    if process_id == 0:  # process 1 waits for the outcome, and gives up, first
+      real = hostvalue.write_npy
+      def slow(*a):
+        time.sleep(1.0)
+        return real(*a)
+      hostvalue.write_npy = slow
+    attempt("dead", f"{base}/second", 2,
+            lambda: bt.save(f"{base}/second", tree(2), barrier_timeout_s=3))
+    with open(f"{base}/out-{process_id}.json", "w") as f:
+      json.dump({"claims": claims, "outcomes": outcomes}, f)
+    print("WORKER-OK", process_id, flush=True)
+    # Process 0 runs the store: it leaves once process 1 is done with it.
+    while process_id == 0 and not os.path.exists(f"{base}/out-1.json"):
+      time.sleep(0.05)
+    os._exit(0)  # jax.distributed's shutdown would wait for process 2
+""")
+
+
+def test_a_process_that_died_is_named_by_the_others(tmp_path):
+  """Three processes; process 2 is killed while writing: processes 0 and 1
+  raise TimeoutError naming process 2 (not each other), and nothing is
+  committed."""
+  base = str(tmp_path)
+  with open(os.path.join(base, "out-2.json"), "w") as f:
+    json.dump({"claims": [], "outcomes": [["dead", "killed", "", 0]]}, f)
+  run_n(DEAD, base, 3, devices=2, extra=("3",), dead=(2,))
+  by_label = _check(base, 3, labels_equal=False)
+  for p in (0, 1):
+    kind, text, _ = by_label[p]["dead"]
+    assert kind == "TimeoutError", (p, kind, text)
+    assert "for process 2 to finish writing" in text, (p, text)
+  assert sorted(n for n in os.listdir(base) if not n.startswith("out-")) == [
+    "first"
+  ]
