@@ -341,17 +341,16 @@ _UNBOUND_RE = re.compile(r"unbound axis name: (.+?)\. ")
 def _library_dirs() -> tuple[str, ...]:
   """The directories of JAX and of the jaxworks packages imported (frames
   there are not the user's code)."""
-  modules = [jax] + [
-    m
+  files = [jax.__file__] + [
+    m.__file__
     for name, m in list(sys.modules.items())
-    if name.count(".") == 1
-    and name.startswith("jaxworks.")
-    and getattr(m, "__file__", None)
+    if name.count(".") == 1 and name.startswith("jaxworks.")
   ]
   return tuple(
     {
-      f(os.path.dirname(m.__file__)) + os.sep
-      for m in modules
+      f(os.path.dirname(path)) + os.sep
+      for path in files
+      if isinstance(path, str)
       for f in (os.path.abspath, os.path.realpath)
     }
   )
