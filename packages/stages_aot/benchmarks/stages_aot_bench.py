@@ -143,6 +143,32 @@ def main(argv=None):
 
     return setup
 
+  def reload_grad_case():
+    """A program reloaded (a server restart, a notebook cell run again) and
+    differentiated: load, then the first jax.grad call."""
+
+    def setup():
+      saved[0] += 1
+      path = pathlib.Path(scratch.name) / f"art{saved[0]}"
+      stages_aot.save_artifact(
+        stages_aot.trace(make_fun(n), x).lower().export(vjp_order=1), path
+      )
+      xs = jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32)
+
+      def ours():
+        loaded = stages_aot.load_artifact(path)
+        return jax.grad(lambda v: loaded.call(v).sum())(xs).block_until_ready()
+
+      def stock():
+        loaded = jax.export.deserialize(
+          bytearray((path / "exported.bin").read_bytes())
+        )
+        return jax.grad(lambda v: loaded.call(v).sum())(xs).block_until_ready()
+
+      return ours, stock
+
+    return setup
+
   one, three = ("cpu",), ("cpu", "cuda", "tpu")
   cases = {
     f"lower, {n} eqns, 1 platform (cpu)": lower_case(one),
@@ -165,6 +191,7 @@ def main(argv=None):
     f"load_artifact(isolate=True), cold child, {n} eqns, vjp order 1": load_case(
       True
     ),
+    f"reload + first jax.grad, {n} eqns, vjp order 1": reload_grad_case(),
   }
   with scratch:
     results = measure(cases, repeats)
@@ -173,6 +200,8 @@ def main(argv=None):
     export = name.startswith("trace+lower+export")
     if name.startswith("load_artifact"):
       reference = "file read + jax.export.deserialize"
+    elif name.startswith("reload"):
+      reference = "file read + jax.export.deserialize + jax.grad"
     elif export:
       reference = "jax.export.export"
     else:

@@ -107,6 +107,21 @@ def test_lowering_committed_and_with_committed():
   assert uncommitted.compile()(x).committed is False
 
 
+def test_lowering_devices():
+  devices = jax.devices()
+  x = np.arange(8, dtype=np.float32)
+  assert jax_internals.lowering_devices(jax.jit(f).trace(x).lower()) is None
+  on3 = jax.device_put(x, devices[3])
+  lowered = jax.jit(lambda v: v * 2).trace(on3).lower()
+  assert jax_internals.lowering_devices(lowered) == (devices[3],)
+  mesh = jax.sharding.Mesh(np.array(devices[::-1][:4]), ("i",))
+  sharded = jax.device_put(
+    x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+  )
+  lowered = jax.jit(lambda v: v * 2).trace(sharded).lower()
+  assert jax_internals.lowering_devices(lowered) == tuple(devices[::-1][:4])
+
+
 def test_export_lowered_equals_jax_export():
   traced = jax.jit(f).trace(SPEC)
   lowered = jax_internals.lower_for_export(traced, ("cpu", "cuda"))

@@ -339,6 +339,33 @@ def test_multi_platform_compile_keeps_shardings_kwargs_and_pytrees():
   assert compiled.input_shardings[0][0] == sx
 
 
+def _placements():
+  devices = jax.devices()
+  x = np.arange(8, dtype=np.float32)
+  mesh = lambda ds: jax.sharding.Mesh(np.array(ds), ("i",))
+  return {
+    "device 3": jax.device_put(x, devices[3]),
+    "devices 4-7": jax.device_put(x, NamedSharding(mesh(devices[4:]), P("i"))),
+    "reversed": jax.device_put(x, NamedSharding(mesh(devices[::-1]), P("i"))),
+    "uncommitted": jnp.asarray(x),
+  }
+
+
+@pytest.mark.parametrize("where", sorted(_placements()))
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "tpu")])
+def test_compile_runs_where_the_arguments_are(where, platforms):
+  """As stock's compile: committed to one device, sharded over some devices
+  or in another order, the program runs there, with stock's shardings."""
+  x = _placements()[where]
+  f = lambda v: v * 2 + 1
+  want = jax.jit(f).trace(x).lower().compile()(x)
+  compiled = sa.trace(f, x).lower(lowering_platforms=platforms).compile()
+  got = compiled(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert got.sharding == want.sharding
+  assert got.committed == want.committed
+
+
 def test_lower_export_compile_never_retrace_the_python_function():
   calls = []
 

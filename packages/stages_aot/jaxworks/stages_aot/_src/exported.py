@@ -10,6 +10,9 @@ whose backward pass calls the exported VJP, itself wrapped the same way).
 from __future__ import annotations
 
 from collections.abc import Sequence
+import hashlib
+import threading
+from typing import Any
 from typing import cast
 
 import jax
@@ -17,6 +20,7 @@ import numpy as np
 
 from . import jax_internals
 from . import validate
+from .lru import LRU
 from .specs import format_aval
 
 
@@ -45,6 +49,7 @@ class Exported:
     "_jitted",
     "_vjp",
     "_origin",
+    "_content",
     "__weakref__",
   )
 
@@ -67,6 +72,9 @@ class Exported:
     self._vjp: Exported | None = None
     # (name of the function this is a VJP of, how many VJPs deep).
     self._origin = (exported.fun_name, 0)
+    # (sha256 of the serialized bytes, VJP depth) of a deserialized program:
+    # programs read from equal bytes share one callable, and so JAX's caches.
+    self._content: tuple[bytes, int] | None = None
 
   jax_exported = property(
     lambda self: self._exp, doc="The stock ``jax.export.Exported``."
@@ -146,7 +154,7 @@ class Exported:
 
   def _flat(self):
     if self._flat_fn is None:
-      self._flat_fn = _flat_callable(self)
+      self._flat_fn, self._jitted = _callables(self)
     return self._flat_fn
 
   def call(self, *args, **kwargs):
@@ -171,7 +179,7 @@ class Exported:
         "pass arguments with the exported structure"
       )
     if self._jitted is None:
-      self._jitted = jax_internals.stock_jit(self._flat())
+      self._flat()
     return self._exp.out_tree.unflatten(self._jitted(*flat))
 
   __call__ = call
@@ -183,6 +191,34 @@ class Exported:
       f"Exported({self.fun_name}({ins}) -> ({outs}), platforms={self.platforms}, "
       f"vjp_order={self._vjp_order})"
     )
+
+
+#: Callables of deserialized programs, by the content of the bytes they were
+#: read from: a program loaded again (a restarted server's reload, a notebook
+#: re-running its cell) reuses the callables, so JAX traces and compiles it,
+#: its VJP included, once. Bounded: the least recently used are dropped.
+_SHARED: LRU[tuple[bytes, int], tuple[Any, Any]] = LRU(32)
+_SHARED_LOCK = threading.Lock()
+
+
+def _callables(exported: Exported) -> tuple[Any, Any]:
+  """(flat callable, its stock jit) of ``exported``: shared by programs
+  deserialized from equal bytes."""
+  key = exported._content  # pylint: disable=protected-access
+  if key is not None:
+    with _SHARED_LOCK:
+      hit = _SHARED.get(key)
+    if hit is not None:
+      return hit
+  flat = _flat_callable(exported)
+  made = (flat, jax_internals.stock_jit(flat))
+  if key is not None:
+    with _SHARED_LOCK:
+      hit = _SHARED.get(key)
+      if hit is not None:
+        return hit
+      _SHARED.put(key, made)
+  return made
 
 
 def _flat_callable(exported: Exported):
@@ -217,7 +253,8 @@ def _flat_callable(exported: Exported):
       else ct
       for ct, aval in zip(cts, ct_avals)
     )
-    return tuple(vjp._flat()(*primals, *cts))
+    vjp._flat()  # pylint: disable=protected-access
+    return tuple(vjp._jitted(*primals, *cts))  # pylint: disable=protected-access
 
   fn.defvjp(fwd, bwd)
   return fn
@@ -278,15 +315,21 @@ def deserialize_trusting(
       f"jaxworks.stages_aot.deserialize: {len(blob)} bytes are not a valid serialized "
       f"exported program ({e}); pass the bytes of Exported.serialize() unchanged"
     ) from None
-  return _wrap_levels(levels)
+  return _wrap_levels(levels, hashlib.sha256(blob).digest())
 
 
-def _wrap_levels(levels: list[jax.export.Exported]) -> Exported:
-  """An :class:`Exported` whose VJP chain is ``levels[1:]``."""
+def _wrap_levels(
+  levels: list[jax.export.Exported], digest: bytes | None = None
+) -> Exported:
+  """An :class:`Exported` whose VJP chain is ``levels[1:]``, read from bytes
+  whose sha256 is ``digest`` (None: not shared)."""
   wrappers = [
     Exported(level, vjp_order=len(levels) - 1 - i)
     for i, level in enumerate(levels)
   ]
+  if digest is not None:
+    for depth, wrapper in enumerate(wrappers):
+      wrapper._content = (digest, depth)
   for depth, (outer, inner) in enumerate(zip(wrappers, wrappers[1:]), 1):
     inner._origin = (wrappers[0].fun_name, depth)
     outer._vjp = inner

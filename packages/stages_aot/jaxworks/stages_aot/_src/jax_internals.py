@@ -31,6 +31,7 @@ from collections.abc import Callable
 import copy as _copy
 from typing import Any
 
+import jax
 from jax._src import api as _api
 from jax._src import config as _config
 from jax._src import source_info_util as _source_info_util
@@ -45,6 +46,7 @@ __all__ = [
   "export_lowered",
   "lower_for_export",
   "lowering_committed",
+  "lowering_devices",
   "lowering_platforms",
   "register_source_exclusion",
   "stage_as",
@@ -92,6 +94,20 @@ def lowering_committed(lowered: Any) -> bool:
   """Whether the outputs of stock ``lowered``'s executable are committed
   (JAX decides it when lowering, from the jaxpr's shardings)."""
   return bool(lowered._lowering.compile_args["committed"])  # pylint: disable=protected-access
+
+
+def lowering_devices(lowered: Any) -> tuple[Any, ...] | None:
+  """The devices, in order, that stock ``lowered`` was lowered onto (from
+  its arguments' or the jit's shardings); None when no sharding fixes them
+  (abstract ones, or none given)."""
+  args = lowered._lowering.compile_args  # pylint: disable=protected-access
+  for s in (*args["in_shardings"], *args["out_shardings"]):
+    if isinstance(s, jax.sharding.Sharding):
+      try:
+        return tuple(s._device_assignment)  # pylint: disable=protected-access
+      except (AttributeError, ValueError):
+        continue
+  return None
 
 
 def with_committed(lowered: Any, committed: bool) -> Any:

@@ -42,16 +42,25 @@ def compile_exported(
   api: str,
   compiler_options: dict[str, Any] | None = None,
   committed: bool | None = None,
+  placed_on: Sequence[Any] | None = None,
 ) -> jax.stages.Compiled:
   """Compiles an exported module for ``target``, its platform index fixed.
 
   ``exp.call`` inlines the module and passes the index of ``target``; inputs
-  and outputs are placed on a mesh of the first ``exp.nr_devices`` devices of
-  ``target`` with the exported shardings. ``committed``: whether outputs are
-  committed (None: as JAX decides for a jit of ``exp.call``, which is always
-  committed).
+  and outputs are placed with the exported shardings on ``placed_on`` (the
+  devices, in order, the arguments were lowered on, as stock's compile places
+  them) when those are ``exp.nr_devices`` devices of ``target``, else on a
+  mesh of the first ``exp.nr_devices`` devices of ``target``. ``committed``:
+  whether outputs are committed (None: as JAX decides for a jit of
+  ``exp.call``, which is always committed).
   """
-  devices = _devices(target)
+  devices = list(_devices(target))
+  if (
+    placed_on
+    and len(placed_on) == exp.nr_devices
+    and all(platform_name(d) == target for d in placed_on)
+  ):
+    devices = list(placed_on)
   in_shardings: Sequence[jax.sharding.Sharding | None]
   out_shardings: Sequence[jax.sharding.Sharding | None]
   in_shardings = (None,) * len(exp.in_avals)

@@ -336,6 +336,7 @@ class Lowered(_StockLowered):
         api,
         compiler_options,
         committed=ji.lowering_committed(self),  # as stock's compile
+        placed_on=ji.lowering_devices(self),  # where the arguments are
       )
     return Compiled.from_compiled(
       stock, fun_name=self.fun_name, platform=target, lowered_for=self.platforms
