@@ -57,6 +57,33 @@ def test_unbound_axis_outside_any_binder():
   assert len(info.value.problems) == 1  # one line: listed once
 
 
+@pytest.mark.parametrize("how", ["call", "trace", "eval_shape"])
+def test_an_unbound_name_runs_the_function_once_as_stock(how):
+  """The diagnostic is read from the error JAX raised, not from tracing the
+  user's function again (a function with side effects sees one call)."""
+  calls = {"stock": 0, "ours": 0}
+
+  def make(who):
+    def f(x):
+      calls[who] += 1
+      return jax.lax.psum(x, "batchh") * 2
+
+    return f
+
+  x = jnp.ones(3)
+  for who, jit, error in (
+    ("stock", jax.jit, NameError),
+    ("ours", jit_cache.jit, axis_names.AxisNameError),
+  ):
+    g = jit(make(who))
+    with pytest.raises(error) as info:
+      g(x) if how == "call" else getattr(g, how)(x)
+  assert calls["ours"] == calls["stock"] == 1
+  e = info.value
+  assert (e.primitive, e.axis_name, e.bound) == ("psum", "batchh", ())
+  assert "axis_errors_test.py:" in str(e)
+
+
 def test_under_an_outer_trace_the_error_is_stocks():
   def f(x):
     return jax.lax.psum(x, "i")

@@ -519,7 +519,21 @@ def diagnose(
       (prim, n, bound, loc, _unbound(n, bound)) for n in names if n not in bound
     ]
     return problems_error(problems, api) if problems else None
-  if fun is None or jax_internals.unbound_axis_name(err) is None:
+  name = jax_internals.unbound_axis_name(err)
+  if name is None:
+    return None
+  bound_here = jax_internals.axis_names_at_error(err)
+  if bound_here is not None:
+    # Read from the error where JAX raised it: the function is not run
+    # again (stock runs it once).
+    loc, called = tracing.user_call_of_exception(err)
+    lax_fn = callable(getattr(jax.lax, called or "", None))
+    prim = called if lax_fn else "a collective"
+    bound = tuple(bound_here)
+    return problems_error(
+      [(prim, name, bound, loc, _unbound(name, bound))], api
+    )
+  if fun is None:
     return None
   try:
     check_axis_names(fun, *args, **kwargs)
