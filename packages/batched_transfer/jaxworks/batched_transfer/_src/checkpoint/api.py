@@ -199,6 +199,10 @@ def run_save(
     for r in held:
       r.release()
 
+  def turn() -> None:  # after the saves to ``path`` called before this one
+    for r in held:
+      r.wait_turn()
+
   def prepare(leaves: list[Any]) -> list[Any]:
     if prelude is not None:
       prelude()
@@ -230,14 +234,14 @@ def run_save(
       api, path, keys, paths, leaves, record, prepare=prepare,
       blocking=blocking, threads=threads, barrier_timeout_s=barrier_timeout_s,
       overwrite=overwrite, release=release, after=after,
-      primary_keys=primary_keys, ticket=ticket,
+      primary_keys=primary_keys, ticket=ticket, turn=turn,
     )  # fmt: skip
   if not path.endswith(".npz"):
     check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])
   leaves = prepare(leaves)
   return _save_alone(
     api, path, keys, paths, leaves, record, blocking, threads,
-    max_inflight_bytes, overwrite, release, after,
+    max_inflight_bytes, overwrite, release, after, turn,
   )  # fmt: skip
 
 
@@ -254,9 +258,11 @@ def _save_alone(
   overwrite: bool,
   release: Callable[[], None],
   after: Callable[[], None] | None,
+  turn: Callable[[], None],
 ) -> pending.SaveHandle | None:
   """The save of a checkpoint this process writes alone (``leaves``
-  checked by ``prepare``); ``release`` once written."""
+  checked by ``prepare``); ``release`` once written, ``turn`` (the end of
+  the saves to ``path`` called before) before writing."""
   take: Callable[[int], Any]
   done: Callable[[int], None]
   try:
@@ -283,6 +289,7 @@ def _save_alone(
 
   def work() -> None:
     try:
+      turn()
       writer.write_checkpoint(
         api, path, keys, take, done, threads, record, overwrite
       )

@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 
 _TAG = ".jaxworks-"
 NEW, OLD, DELETED = "new", "old", "del"
@@ -112,11 +113,22 @@ def step_temporaries(directory: str) -> list[tuple[str, str]]:
 
 def delete(path: str) -> None:
   """Deletes a checkpoint so that no half-deleted one is ever at ``path``:
-  renamed to a temporary name first (durably), then removed."""
+  renamed to a temporary name first (durably), then removed. What cannot
+  be removed (permissions, a busy file system) stays under the temporary
+  name, with a warning; the next save to the directory removes it."""
   gone = temp_name(path, DELETED)
   os.rename(path, gone)
   fsync_path(os.path.dirname(path) or ".")
   remove(gone)
+  if os.path.lexists(gone):
+    warnings.warn(
+      f"jaxworks.batched_transfer: {path!r} was deleted, but its files, "
+      f"renamed to {gone!r}, could not all be removed (check the "
+      "permissions of that directory); the next save to the directory "
+      "tries again",
+      RuntimeWarning,
+      stacklevel=2,
+    )
 
 
 def remove(path: str) -> None:
@@ -231,11 +243,48 @@ def publish(api: str, tmp: str, path: str, overwrite: bool = True) -> None:
       fsync_path(parent)
       remove(tmp)  # now the old checkpoint
       return
-    aside = temp_name(path, OLD)
-    os.rename(path, aside)
-    os.rename(tmp, path)
-    fsync_path(parent)
-    remove(aside)
+    _swap_aside(api, tmp, path)
     return
   os.replace(tmp, path)
   fsync_path(parent)
+
+
+#: Tries of ``_swap_aside`` before it gives up.
+SWAP_TRIES = 8
+
+
+def _swap_aside(api: str, tmp: str, path: str) -> None:
+  """Without RENAME_EXCHANGE: renames the old checkpoint aside, ``tmp`` to
+  ``path``, fsyncs the parent, deletes the old one. A restore between the
+  two renames finds ``path`` missing and renames the old one back
+  (``recover``): then this tries again, and after ``SWAP_TRIES`` raises
+  OSError naming the checkpoint (the old one is at ``path``, whole)."""
+  parent = os.path.dirname(path) or "."
+  asides = []
+  for _ in range(SWAP_TRIES):
+    aside = temp_name(path, OLD)
+    try:
+      os.rename(path, aside)
+      asides.append(aside)
+    except FileNotFoundError:  # a restore recovered an aside meanwhile
+      pass
+    try:
+      os.rename(tmp, path)
+      break
+    except OSError as err:
+      if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+        raise
+      # a restore renamed the old checkpoint back to path: again
+  else:
+    raise OSError(
+      errno.EBUSY,
+      f"{api}: could not commit {path!r}: this system cannot exchange two "
+      "directories (no renameat2 RENAME_EXCHANGE), and restores of the "
+      f"path put the old checkpoint back {SWAP_TRIES} times between the two "
+      "renames that replace it; nothing was committed, the old checkpoint "
+      "is at the path. Save again when no restore of it runs",
+      path,
+    )
+  fsync_path(parent)
+  for aside in asides:
+    remove(aside)

@@ -347,13 +347,7 @@ class CheckpointManager:
     # The previous save finishes first (should_save sees its step); its
     # error is raised before anything else, inside the collective save when
     # the tree spans processes (so every process raises it there, in step).
-    handle, self._handle = self._handle, None
-    failed: BaseException | None = None
-    if handle is not None:
-      try:
-        handle.wait()
-      except BaseException as err:  # raised below
-        failed = err
+    failed = self._finish()  # raised below
     if not force and not self.should_save(step):
       if failed is not None:
         raise failed
@@ -457,7 +451,10 @@ class CheckpointManager:
       if step in self._metrics_cache:
         return self._metrics_cache[step]
     path = self._path(step)
-    text = ckpt.read_values(api, path).get(METRICS_KEY)
+    try:
+      text = ckpt.read_values(api, path).get(METRICS_KEY)
+    except FileNotFoundError:
+      raise self._no_step(api, step) from None
     value = None
     if text is not None:
       value = steps_lib.decode_metrics(_API, step, path, text)
@@ -480,10 +477,23 @@ class CheckpointManager:
     _, ranked = self._ranked(self.all_steps())
     return ranked[-1] if ranked else None
 
+  def _by_commit(self, steps: list[int]) -> list[int]:
+    """``steps`` in the order they were committed (commit time, then step),
+    as orbax orders its steps by save; steps gone meanwhile left out."""
+    timed = []
+    for s in steps:
+      try:
+        timed.append((self._commit_ns(s), s))
+      except FileNotFoundError:
+        continue
+    return [s for _, s in sorted(timed)]
+
   def _to_remove(self, steps: list[int]) -> list[int]:
-    """The steps the retention rules no longer keep."""
+    """The steps the retention rules no longer keep (the newest: the last
+    committed, as orbax's last saved)."""
     return steps_lib.to_remove(
-      steps, max_to_keep=None if self.read_only else self.max_to_keep,
+      self._by_commit(steps),
+      max_to_keep=None if self.read_only else self.max_to_keep,
       keep_period=self.keep_period, keep_time_interval=self.keep_time_interval,
       commit_ns=self._commit_ns,
       rank=None if self.best_fn is None else self._ranked,
@@ -497,11 +507,31 @@ class CheckpointManager:
 
   # Waiting and errors.
 
-  def wait_until_finished(self) -> None:
-    """Waits for the pending save; raises its error (once)."""
-    handle, self._handle = self._handle, None
-    if handle is not None:
+  def _finish(self, wait: bool = True) -> BaseException | None:
+    """Waits for the pending save (``wait``; else only a finished one);
+    forgets it and returns its error if this call is the first to see it
+    finished. Every thread that calls it waits: the save stays pending, and
+    listed by is_saving_in_progress, until it finished."""
+    handle = self._handle
+    if handle is None or not (wait or handle.done()):
+      return None
+    error = None
+    try:
       handle.wait()
+    except BaseException as err:
+      error = err
+    with self._lock:
+      if self._handle is not handle:  # another thread saw it finish first
+        return None
+      self._handle = None
+    return error
+
+  def wait_until_finished(self) -> None:
+    """Waits for the pending save (also while other threads wait for it);
+    raises its error (once: in the first caller to see it finished)."""
+    error = self._finish()
+    if error is not None:
+      raise error
 
   def is_saving_in_progress(self) -> bool:
     """True while this manager's last save is still being written."""
@@ -511,10 +541,9 @@ class CheckpointManager:
   def check_for_errors(self) -> None:
     """Raises the error of this manager's finished background save (once),
     without waiting for one still running."""
-    handle = self._handle
-    if handle is not None and handle.done():
-      self._handle = None
-      handle.wait()
+    error = self._finish(wait=False)
+    if error is not None:
+      raise error
 
   # Reading.
 
@@ -572,10 +601,17 @@ class CheckpointManager:
       )
     has_metrics = self.metrics(step) is not None
     if target is not None and has_metrics and not kwargs.get("partial_restore"):
-      if isinstance(target, Mapping):
+      joined = None
+      if isinstance(target, dict):  # dict, OrderedDict, ...: its own type
         # The metrics leaf joins the target, so every other stored leaf must
         # still be in it (as restore checks without partial_restore).
-        target = {**target, METRICS_KEY: ""}
+        try:
+          joined = type(target)(target)
+          joined[METRICS_KEY] = ""
+        except TypeError:
+          joined = None
+      if joined is not None:
+        target = joined
       else:
         kwargs = {**kwargs, "partial_restore": True}
     out = ckpt.restore(path, target, placement=placement, **kwargs)

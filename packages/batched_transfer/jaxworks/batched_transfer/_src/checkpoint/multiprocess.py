@@ -349,13 +349,16 @@ def save_across_processes(
   after: Callable[[], None] | None = None,
   primary_keys: tuple[str, ...] = (),
   ticket: Ticket | None = None,
+  turn: Callable[[], None] | None = None,
 ) -> pending.SaveHandle | None:
   """The collective save (see the module docstring). ``prepare(leaves)``
   runs first, on every process: the checks of the call (an error there is
   every process's), and the leaves to write. ``release`` runs once this
   process is done with the save. The leaves of ``primary_keys`` are
   process 0's: they are not checked against the other processes'.
-  ``ticket``: the call's, taken when it began (a new one if None)."""
+  ``ticket``: the call's, taken when it began (a new one if None).
+  ``turn()`` waits, before anything is written, for the saves of this
+  process to the same path called before this one."""
   if ticket is None:
     with _seq_lock:
       ticket = Ticket(next(_seq))
@@ -408,6 +411,8 @@ def save_across_processes(
 
   def work() -> None:
     try:
+      if turn is not None:
+        turn()
       _collective(
         board, path, manifest, record, mine, whole, reference, identity,
         where, threads, overwrite, after,

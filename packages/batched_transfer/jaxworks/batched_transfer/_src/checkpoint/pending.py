@@ -23,15 +23,26 @@ _pending: set[SaveHandle] = set()
 _unseen: list[SaveHandle] = []
 # The paths that saves of this process are writing, and how many saves each.
 _reserved: dict[str, int] = {}
+# Per path, the reservation of the save of this process called last.
+_last: dict[str, Reservation] = {}
 
 
 class Reservation:
   """A path a save of this process is writing, from the call until its
-  commit (or failure); ``release()`` once."""
+  commit (or failure); ``release()`` once. ``wait_turn()`` waits until the
+  save to the same path called before this one (by this process) is
+  released: saves to one path commit in call order, the last call's last."""
 
-  def __init__(self, path: str) -> None:
+  def __init__(self, path: str, before: Reservation | None) -> None:
     self.path = path
     self._held = True
+    self._before = before
+    self._released = threading.Event()
+
+  def wait_turn(self) -> None:
+    before, self._before = self._before, None
+    if before is not None:
+      before._released.wait()
 
   def release(self) -> None:
     with _lock:
@@ -40,6 +51,10 @@ class Reservation:
         _reserved[self.path] -= 1
         if not _reserved[self.path]:
           del _reserved[self.path]
+        if _last.get(self.path) is self:
+          del _last[self.path]
+      self._before = None
+      self._released.set()
 
 
 def reserve(api: str, path: str, overwrite: bool) -> Reservation:
@@ -54,7 +69,8 @@ def reserve(api: str, path: str, overwrite: bool) -> Reservation:
         "wait() for it, save elsewhere, or pass overwrite=True to replace it"
       )
     _reserved[key] = _reserved.get(key, 0) + 1
-  return Reservation(key)
+    r = _last[key] = Reservation(key, _last.get(key))
+  return r
 
 
 class SaveHandle:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
+import math
 import mmap
 import os
 import stat
@@ -71,8 +72,9 @@ class Stored:
 
   @property
   def nbytes(self) -> int:
-    """The bytes of data the header describes."""
-    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    """The bytes of data the header describes (Python ints: a shape whose
+    byte count overflows int64 is that many bytes, never a wrapped one)."""
+    return math.prod(self.shape) * self.dtype.itemsize
 
   @property
   def value_dtype(self) -> np.dtype:
@@ -243,7 +245,7 @@ class HostMemory:
   ) -> tuple[np.ndarray, np.ndarray]:
     """(array, its bytes): a new uninitialized array whose data starts on an
     ``ALIGN``-byte boundary, and a flat uint8 view of the same memory."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= OWN_MAP:
       buf, start = anonymous_map(nbytes), 0
     else:

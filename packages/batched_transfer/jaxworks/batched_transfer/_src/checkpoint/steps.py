@@ -102,6 +102,13 @@ def metrics_json(api: str, metrics: Any) -> str:
     raise TypeError(
       f"{api}: metrics cannot be written as JSON: {err}"
     ) from None
+  except TypeError as err:
+    if str(err).startswith(api):  # convert's
+      raise
+    raise TypeError(  # keys JSON cannot sort or hold (int and str mixed)
+      f"{api}: metrics cannot be written as JSON ({err}): a dict's keys "
+      "must be all str (or all numbers, which JSON stores as str)"
+    ) from None
 
 
 def decode_metrics(api: str, step: int, path: str, text: str) -> Any:
@@ -124,10 +131,16 @@ def ranked(
   best_fn: Callable[[Any], float],
   best_mode: str,
 ) -> tuple[list[int], list[int]]:
-  """(steps without metrics, steps with metrics from worst to best)."""
+  """(steps without metrics, steps with metrics from worst to best; equal
+  ones in the order of ``steps``). A step whose metrics raise
+  FileNotFoundError (another manager deleted it after it was listed) is
+  in neither."""
   without, scored = [], []
   for s in steps:
-    m = metrics_of(s)
+    try:
+      m = metrics_of(s)
+    except FileNotFoundError:
+      continue
     if m is None:
       without.append(s)
     else:
@@ -146,7 +159,8 @@ def to_remove(
   rank: Callable[[list[int]], tuple[list[int], list[int]]] | None = None,
   keep_without_metrics: bool = True,
 ) -> list[int]:
-  """The ``steps`` (ascending) no retention rule keeps (the options of
+  """The ``steps`` (oldest first: ascending, or in commit order, as orbax
+  orders them by save) no retention rule keeps (the options of
   CheckpointManager; ``rank``: ``ranked`` with its ``best_fn``)."""
   n = max_to_keep
   if n is None:

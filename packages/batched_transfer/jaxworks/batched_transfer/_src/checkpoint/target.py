@@ -122,7 +122,9 @@ class Target:
     stored = set(arrays) | {
       k for k, v in record.values.items() if v is not None
     }
-    check_keys(api, path, keys, paths, stored, partial and not built)
+    # Without a target: the recorded tree, as metadata gives it (a stray
+    # .npy file beside it is no leaf of it).
+    check_keys(api, path, keys, paths, stored, partial or built)
     self.values: dict[int, str] = {}
     self.arrays: list[int] = []
     for i, (key, where, x) in enumerate(zip(keys, paths, leaves)):
