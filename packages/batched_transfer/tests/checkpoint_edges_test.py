@@ -1,0 +1,86 @@
+"""Checkpoint edge cases: a header whose byte count overflows int64, a stray
+file beside the saved tree, an OrderedDict target, a step that cannot be
+removed, metrics JSON cannot hold, metrics of a deleted step."""
+
+import collections
+import os
+
+import numpy as np
+import pytest
+
+from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src.checkpoint import commit
+
+
+def test_a_header_whose_byte_count_overflows_int64_is_refused(tmp_path):
+  """6 * 3074457345618258603 float32 is 2**64 + 2 elements: 8 bytes once
+  wrapped to int64, which the 8 bytes of data would match."""
+  path = str(tmp_path / "c")
+  bt.save(path, {"w": np.zeros(2, np.float32)})
+  file = os.path.join(path, "w.npy")
+  with open(file, "rb") as f:
+    data = f.read()[-8:]
+  with open(file, "wb") as f:
+    header = {
+      "descr": "<f4",
+      "fortran_order": False,
+      "shape": (6, 3074457345618258603),
+    }
+    np.lib.format.write_array_header_1_0(f, header)
+    f.write(data)
+  needs = 6 * 3074457345618258603 * 4
+  with pytest.raises(ValueError, match=f"holds 8 bytes .* needs {needs}"):
+    bt.restore(path)
+
+
+def test_a_stray_file_is_no_leaf_of_the_saved_tree(tmp_path):
+  """restore without a target restores the tree save recorded, as metadata
+  lists it: a stray .npy beside it is ignored by both."""
+  path = str(tmp_path / "c")
+  bt.save(path, {"w": np.arange(3.0, dtype=np.float32), "run": "x"})
+  np.save(os.path.join(path, "stray.npy"), np.zeros(2))
+  assert sorted(bt.metadata(path)) == ["run", "w"]
+  out = bt.restore(path)
+  assert sorted(out) == ["run", "w"] and out["run"] == "x"
+  np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(3.0))
+  with pytest.raises(ValueError, match="stray"):  # a target: exactly it
+    bt.restore(path, {"w": np.zeros(3, np.float32), "run": ""})
+
+
+def test_an_ordered_dict_target_of_a_step_with_metrics(tmp_path):
+  mgr = bt.CheckpointManager(tmp_path)
+  state = {"a": np.ones(2, np.float32), "b": np.zeros(3, np.int32)}
+  mgr.save(1, state, metrics={"loss": 0.5}, blocking=True)
+  like = collections.OrderedDict(b=state["b"], a=state["a"])
+  out = mgr.restore(1, like)
+  assert type(out) is collections.OrderedDict
+  assert list(out) == ["b", "a"]
+  np.testing.assert_array_equal(np.asarray(out["a"]), state["a"])
+
+
+def test_a_step_that_cannot_be_removed_warns_and_goes_later(
+  tmp_path, monkeypatch
+):
+  mgr = bt.CheckpointManager(tmp_path, max_to_keep=1)
+  mgr.save(1, {"w": np.ones(2)}, blocking=True)
+  real_remove = commit.remove
+  monkeypatch.setattr(commit, "remove", lambda p: None)  # EACCES, EBUSY, ...
+  with pytest.warns(RuntimeWarning, match="could not all be removed"):
+    mgr.delete(1)
+  assert mgr.all_steps() == []
+  left = [n for n in os.listdir(tmp_path) if ".jaxworks-del-" in n]
+  assert len(left) == 1
+  monkeypatch.setattr(commit, "remove", real_remove)
+  mgr.save(2, {"w": np.ones(2)}, blocking=True)  # the next save removes it
+  assert os.listdir(tmp_path) == ["2"]
+
+
+def test_metrics_json_cannot_hold_and_metrics_of_a_deleted_step(tmp_path):
+  mgr = bt.CheckpointManager(tmp_path)
+  with pytest.raises(TypeError, match="cannot be written as JSON.*keys"):
+    mgr.save(1, {"w": np.ones(2)}, metrics={1: 0.5, "a": 0.2})
+  mgr.save(1, {"w": np.ones(2)}, metrics={"a": 0.2}, blocking=True)
+  bt.CheckpointManager(tmp_path).delete(1)
+  mgr.reload()
+  with pytest.raises(FileNotFoundError, match="no step 1 in"):
+    mgr.metrics(1)
