@@ -157,7 +157,7 @@ STEPS = textwrap.dedent("""
       return lambda: setattr(owner, name, real)
 """)
 
-PROPERTY = SETUP + STEPS + textwrap.dedent("""
+PROPERTY_STEPS = textwrap.dedent("""
     victims = [int(v) for v in sys.argv[5].split(",")]
     k = 0
     # Retention runs (to_remove) but keeps every step: each is checked.
@@ -185,6 +185,9 @@ PROPERTY = SETUP + STEPS + textwrap.dedent("""
               undo()
     finish()
 """)
+
+
+PROPERTY = SETUP + STEPS + PROPERTY_STEPS
 
 
 def _property(tmp_path, nproc, victims, devices):
@@ -252,9 +255,8 @@ def test_a_fortran_ordered_leaf_equal_on_every_process_is_saved(tmp_path):
   assert by_label[0]["fortran-1"][0] == "ok", by_label[0]
   assert by_label[0]["fortran-2"][0] == "ok", by_label[0]
   assert by_label[0]["fortran-differ"][0] == "ValueError", by_label[0]
-  assert "differs between process 0 and process 1" in (
-    by_label[0]["fortran-differ"][1]
-  )
+  text = by_label[0]["fortran-differ"][1]
+  assert "differs between process 0 and process 1" in text, text
   want = np.arange(12.0, dtype=np.float32).reshape(3, 4)
   for path in ("f1", "f2", "run/1", "run/2"):
     got = numpy_read(os.path.join(base, path))["f"]
@@ -301,3 +303,10 @@ def test_a_process_that_died_is_named_by_the_others(tmp_path):
   assert sorted(n for n in os.listdir(base) if not n.startswith("out-")) == [
     "first"
   ]
+
+
+def test_a_failure_at_every_step_with_four_processes(tmp_path):
+  """As above with four processes (two devices each), the failures on
+  process 0 and on process 3."""
+  failed = _property(tmp_path, 4, (0, 3), devices=2)
+  assert failed >= 30, failed
