@@ -140,9 +140,10 @@ CASES = {
 }
 
 # Where this package raises a subclass of stock's class, on purpose: the
-# message names the API, the leaf and the fix (targets.ArgumentError is a
-# ValueError; transfer.SpecRankError is a ValueError and an AssertionError).
-SUBCLASSES_OK = {"ArgumentError", "SpecRankError"}
+# message names the API, the leaf and the fix (the public PlacementError is a
+# ValueError; the public SpecRankError is a PlacementError and an
+# AssertionError).
+SUBCLASSES_OK = {"PlacementError", "SpecRankError"}
 
 
 def outcome(fn, value, target, kwargs):
@@ -166,6 +167,13 @@ def test_same_exception_class_as_stock(name):
   assert isinstance(got, type(want)), (want, got)
   if type(got).__name__ not in SUBCLASSES_OK:
     assert type(got) is type(want), (want, got)
+  # A class the user can import: a builtin, stock's own, or a public one.
+  cls = type(got)
+  assert (
+    cls.__module__ == "builtins"
+    or cls is type(want)
+    or getattr(bt, cls.__name__, None) is cls
+  ), cls
 
 
 def test_longdouble_and_indivisible_raise_stock_classes():

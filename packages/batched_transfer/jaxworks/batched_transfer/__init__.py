@@ -2,7 +2,7 @@
 
 Public API: device_put, plan, place_for, save, restore, metadata, SaveHandle,
 CheckpointManager,
-TransferPlan, PlannedGroup;
+TransferPlan, PlannedGroup, PlacementError, SpecRankError;
 install, uninstall, installed, is_installed (swap jax.device_put program-wide).
 """
 
@@ -20,12 +20,16 @@ from ._src.checkpoint.api import save as save
 from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from ._src.plan import PlannedGroup as PlannedGroup
 from ._src.plan import TransferPlan as TransferPlan
+from ._src.targets import PlacementError as PlacementError
+from ._src.transfer import SpecRankError as SpecRankError
 from .version import __version__ as __version__
 
 __all__ = [
   "CheckpointManager",
+  "PlacementError",
   "PlannedGroup",
   "SaveHandle",
+  "SpecRankError",
   "TransferPlan",
   "__version__",
   "device_put",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Mapping
+import os
 from typing import Any
 from typing import cast
 
@@ -12,18 +13,29 @@ from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
 
 from . import analysis
+from . import check as _check
+from . import jax_internals
+from . import rename as _rename
+from . import report as _report
 from . import tracing
-from .check import check_axis_names as check_axis_names
 from .check import diagnose as diagnose
 from .errors import AxisNameError as AxisNameError
-from .rename import rename_axes as rename_axes
 from .report import CollectiveReport as CollectiveReport
 from .report import CollectiveStat as CollectiveStat
-from .report import collective_report as collective_report
 
 _API = "jaxworks.axis_names.used_axis_names"
 
+# JAX's filtered tracebacks hide this package's frames as they hide JAX's:
+# an error about the user's program ends at the user's call.
+jax_internals.hide_frames_of(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
+check_axis_names = jax_internals.api_boundary(_check.check_axis_names)
+rename_axes = jax_internals.api_boundary(_rename.rename_axes)
+collective_report = jax_internals.api_boundary(_report.collective_report)
 
+
+@jax_internals.api_boundary
 def used_axis_names(
   x: Callable | ClosedJaxpr | Jaxpr,
   *args: Any,

@@ -212,3 +212,14 @@ WrappedFun = _lu.WrappedFun
 def wrap_rule(fun, like):
   """``fun`` as a ``WrappedFun`` carrying the debug info of ``like``."""
   return _lu.wrap_init(fun, debug_info=like.debug_info)
+
+
+# -- traceback filtering ---------------------------------------------------------
+
+#: ``api_boundary(fun)``: ``fun`` as a JAX API boundary: JAX filters the
+#: traceback of an exception raised below it (``jax_traceback_filtering``).
+api_boundary = _traceback_util.api_boundary
+
+#: ``hide_frames_of(path)``: frames from files under ``path`` are hidden in
+#: JAX's filtered tracebacks, as JAX hides its own.
+hide_frames_of = _traceback_util.register_exclusion

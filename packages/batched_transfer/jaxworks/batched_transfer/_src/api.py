@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -26,6 +27,12 @@ from . import transfer
 _typeof = jax.typeof
 
 _API = "jaxworks.batched_transfer"
+
+# JAX's filtered tracebacks hide this package's frames as they hide JAX's:
+# an error about the user's input ends at the user's call.
+jax_internals.hide_frames_of(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 _Compiled = jax.stages.Compiled
 
 
@@ -37,6 +44,7 @@ def _prepare(
   return req, transfer.classify(req, groups)
 
 
+@jax_internals.api_boundary
 def device_put(
   x: Any,
   device: Any = None,
@@ -128,14 +136,14 @@ def place(
       if err is not None:
         raise err from None
       return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
-    except targets.ArgumentError as err:
+    except targets.PlacementError as err:
       _raise_for_a_bad_leaf(api, tree)
       # jax.device_put checks its arguments before it moves anything: its own words (which
       # code may match, e.g. "Mismatch details") follow this package's message.
       try:
         return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
       except ValueError as stock_err:
-        raise targets.ArgumentError(
+        raise targets.PlacementError(
           f"{err}. jax.device_put says: {stock_err}"
         ) from None
     if not req.leaves:
@@ -180,6 +188,7 @@ def _raise_for_a_bad_leaf(api: str, tree: Any) -> None:
       raise type(err)(f"{api}: the leaf at {where}: {err}") from err
 
 
+@jax_internals.api_boundary
 def plan(
   tree: Any, target: Any = None, *, donate: Any = False, may_alias: Any = None
 ) -> plan_lib.TransferPlan:
@@ -255,6 +264,7 @@ def check_against(api: str, tree: Any, expected: Any, what: str) -> None:
       )
 
 
+@jax_internals.api_boundary
 def place_for(
   compiled: Any,
   tree: Any,

@@ -21,6 +21,7 @@ from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import distributed as _distributed
 from jax._src import layout as _layout
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lib import _jax
 from jax._src.lib import xla_client as _xc
@@ -127,3 +128,14 @@ def distributed_client() -> Any:
   """jax.distributed's client (key-value store, barriers), or None before
   jax.distributed.initialize(). multihost_utils reads it the same way."""
   return _distributed.global_state.client
+
+
+# -- traceback filtering ---------------------------------------------------------
+
+#: ``api_boundary(fun)``: ``fun`` as a JAX API boundary: JAX filters the
+#: traceback of an exception raised below it (``jax_traceback_filtering``).
+api_boundary = _traceback_util.api_boundary
+
+#: ``hide_frames_of(path)``: frames from files under ``path`` are hidden in
+#: JAX's filtered tracebacks, as JAX hides its own.
+hide_frames_of = _traceback_util.register_exclusion

@@ -57,8 +57,13 @@ class Delegate(Exception):
   """Raised by ``resolve`` when stock jax.device_put must handle the whole call."""
 
 
-class ArgumentError(ValueError):
-  """A device_put argument that jax.device_put rejects too, found before anything moved."""
+class PlacementError(ValueError):
+  """A ``device_put``, ``plan`` or ``place_for`` argument that cannot be
+  placed (``jax.device_put`` rejects it too), found before anything moved.
+
+  Public as ``jaxworks.batched_transfer.PlacementError``: a ``ValueError``
+  whose message names the API, the leaf's tree path and the fix.
+  """
 
 
 @dataclasses.dataclass
@@ -122,7 +127,7 @@ def broadcast_prefix(
     and prefix_leaves[0] is prefix
   ):
     # jax.device_put raises ValueError for a target that is none of its kinds.
-    raise ArgumentError(
+    raise PlacementError(
       f"{api}: {what} must be {expected} or a pytree prefix of the value "
       f"made of them, got {prefix!r} of type {type(prefix).__name__}"
     )
@@ -139,7 +144,7 @@ def broadcast_prefix(
       err: Any = "the structures differ"
     except (ValueError, TypeError) as e:
       err = e
-    raise ArgumentError(
+    raise PlacementError(
       f"{api}: {what} must be a pytree prefix of the value, whose structure is {treedef}; "
       f"got a {what} with structure {prefix_def}. Pass one {what} for the whole value or a tree "
       f"that matches the value's containers. ({err})"
@@ -162,7 +167,7 @@ def _check_concrete(api: str, sharding: Sharding) -> None:
   ShapeDtypeStruct's sharding) names no devices: jax.device_put raises
   ValueError for it, and so does this package, saying what to pass instead."""
   if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
-    raise ArgumentError(
+    raise PlacementError(
       f"{api}: the target {sharding} is over an AbstractMesh, which names no devices; "
       "pass a sharding over a concrete mesh (jax.make_mesh(...)), e.g. "
       "NamedSharding(mesh, sharding.spec)"
@@ -187,13 +192,13 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
     if layout is None and sharding is None:
       return None, None, False
     if not isinstance(sharding, Sharding):
-      raise ArgumentError(
+      raise PlacementError(
         f"{api}: a Format target needs a concrete sharding, got {t}; "
         "use Format(layout, jax.sharding.SingleDeviceSharding(device)) or a NamedSharding"
       )
     _check_concrete(api, sharding)
     if layout is not None and not isinstance(layout, Layout):
-      raise ArgumentError(
+      raise PlacementError(
         f"{api}: a Format target needs a concrete layout (a jax.experimental.layout.Layout "
         f"or None), got {layout!r}; use compiled.input_formats to get concrete formats"
       )
@@ -201,7 +206,7 @@ def normalize_target(api: str, t: Any) -> tuple[Sharding | None, Any, bool]:
   if isinstance(t, (PartitionSpec, jax.memory.Space)):
     raise Delegate()
   # jax.device_put raises ValueError for a target that is none of its kinds.
-  raise ArgumentError(
+  raise PlacementError(
     f"{api}: target must be {TARGET_TEXT} or a pytree prefix of these; "
     f"got {t!r} of type {type(t).__name__}"
   )
@@ -224,7 +229,7 @@ def copy_semantics(
 ) -> Any:
   """The ArrayCopySemantics of one leaf, by truth value as jax.device_put decides it."""
   if may_alias and donate:
-    raise ArgumentError(
+    raise PlacementError(
       f"{api}: may_alias=True and donate=True{where} cannot both be set; "
       "donate=True already lets the result reuse the input's buffer"
     )

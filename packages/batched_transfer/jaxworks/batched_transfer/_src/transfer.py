@@ -142,9 +142,10 @@ def same_indices(
 class SpecRankError(ValueError, AssertionError):
   """A PartitionSpec that shards more dimensions than the leaf has.
 
-  jax.device_put fails there on an internal assertion (AssertionError); this
-  error is that class too, and a ValueError like the package's other
-  placement errors.
+  Public as ``jaxworks.batched_transfer.SpecRankError``. ``jax.device_put``
+  fails there on an internal assertion (``AssertionError``); this error is
+  that class too, and a ``ValueError`` like the package's other placement
+  errors.
   """
 
 

@@ -317,6 +317,7 @@ def jit(
 ) -> Callable[[Callable], JitFunction]: ...
 
 
+@ji.api_boundary
 def jit(
   fun: Callable = _FUN_DEFAULT,
   /,
@@ -440,6 +441,7 @@ def _check_function(fun: Any, api: str) -> None:
     )
 
 
+@ji.api_boundary
 def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   """``jax.eval_shape`` through the trace cache of :func:`jit`.
 
@@ -460,6 +462,7 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   return jit(fun).eval_shape(*args, **kwargs)
 
 
+@ji.api_boundary
 def make_jaxpr(
   fun: Callable,
   static_argnums: int | Sequence[int] | None = None,
@@ -487,6 +490,7 @@ def make_jaxpr(
     wrapped = JitFunction(fun, core, options)
 
   @functools.wraps(fun)
+  @ji.api_boundary
   def make_jaxpr_f(*args, **kwargs):
     with ji.extend_axis_env(list(axis_env or [])):
       traced = wrapped.trace(*args, **kwargs)

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
 from collections.abc import Sequence
+import os
 from typing import Any
 
 import jax
 
 from . import arguments
 from . import axes as axes_lib
+from . import jax_internals
 from . import placement
 from . import pmap as pmap_lib
 
@@ -25,7 +27,14 @@ CacheInfo = pmap_lib.CacheInfo
 stats = pmap_lib.stats
 UnhashableStaticError = arguments.UnhashableStaticError
 
+# JAX's filtered tracebacks hide this package's frames as they hide JAX's:
+# an error about the user's input ends at the user's call.
+jax_internals.hide_frames_of(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
+
+@jax_internals.api_boundary
 def pmap(
   fun: Callable,
   axis_name: Hashable | None = None,
@@ -160,6 +169,7 @@ def pmap(
   )
 
 
+@jax_internals.api_boundary
 def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:
   """Copies ``x`` to every device, as one array with a new leading axis.
 
@@ -189,6 +199,7 @@ def device_put_replicated(x: Any, devices: Sequence[jax.Device]) -> Any:
   return placement.device_put_replicated(x, devices)
 
 
+@jax_internals.api_boundary
 def device_put_sharded(
   shards: Sequence[Any], devices: Sequence[jax.Device]
 ) -> Any:

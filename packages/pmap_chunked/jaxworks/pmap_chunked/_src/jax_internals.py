@@ -31,6 +31,7 @@ from typing import Any
 import jax
 from jax._src import array as _array
 from jax._src import core as _core
+from jax._src import traceback_util as _traceback_util
 
 
 def weak_array_from_shards(
@@ -52,3 +53,14 @@ def uncommitted_view(x: Any) -> Any:
   return _array.ArrayImpl(
     x.aval, x.sharding, [s.data for s in x.addressable_shards], committed=False
   )
+
+
+# -- traceback filtering ---------------------------------------------------------
+
+#: ``api_boundary(fun)``: ``fun`` as a JAX API boundary: JAX filters the
+#: traceback of an exception raised below it (``jax_traceback_filtering``).
+api_boundary = _traceback_util.api_boundary
+
+#: ``hide_frames_of(path)``: frames from files under ``path`` are hidden in
+#: JAX's filtered tracebacks, as JAX hides its own.
+hide_frames_of = _traceback_util.register_exclusion

@@ -173,6 +173,7 @@ class Pmapped:
 
   # ----------------------------------------------------------------- calling
 
+  @jax_internals.api_boundary
   def __call__(self, *args, **kwargs):
     return self._run("call", args, kwargs)
 
@@ -182,6 +183,7 @@ class Pmapped:
       return self
     return types.MethodType(self, instance)
 
+  @jax_internals.api_boundary
   def lower(self, *args, **kwargs) -> jit_cache.Lowered:
     """Lowers the program a call with these arguments would run.
 
@@ -193,6 +195,7 @@ class Pmapped:
     """
     return self._run("lower", args, kwargs)
 
+  @jax_internals.api_boundary
   def trace(self, *args, **kwargs) -> jit_cache.Traced:
     """Traces the program a call with these arguments would run (a
     ``jaxworks.stages_aot.Traced`` of the program over the flat argument

@@ -48,6 +48,7 @@ import jax
 
 from ..version import __version__
 from . import deps
+from . import jax_internals
 from . import platforms as _platforms
 from .exported import Exported
 from .exported import deserialize_trusting
@@ -413,6 +414,7 @@ def _new_directory(parent: pathlib.Path, prefix: str) -> pathlib.Path:
   )
 
 
+@jax_internals.api_boundary
 def save_artifact(
   exported: Exported, directory, *, overwrite: bool = False
 ) -> Artifact:
@@ -715,6 +717,7 @@ def _recorded_modules(manifest: dict[str, Any]) -> frozenset[str]:
   )
 
 
+@jax_internals.api_boundary
 def load_artifact(
   directory, *, require_platform: bool = True, isolate: bool = False
 ) -> Artifact:

@@ -260,6 +260,7 @@ def _flat_callable(exported: Exported):
   return fn
 
 
+@jax_internals.api_boundary
 def deserialize(blob: bytes | bytearray) -> Exported:
   """Deserializes what :meth:`Exported.serialize` wrote, and validates it.
 

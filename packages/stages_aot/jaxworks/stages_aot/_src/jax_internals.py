@@ -36,14 +36,17 @@ from jax._src import api as _api
 from jax._src import config as _config
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
+from jax._src import traceback_util as _traceback_util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.export import _export as _export_impl
 from jax._src.interpreters import mlir as _mlir
 
 __all__ = [
   "MODULE_READER_SOURCE",
+  "api_boundary",
   "backends",
   "export_lowered",
+  "hide_frames_of",
   "lower_for_export",
   "lowering_committed",
   "lowering_devices",
@@ -61,6 +64,17 @@ stock_jit: Callable[..., Any] = _api.jit
 register_source_exclusion = _source_info_util.register_exclusion
 #: jax.extend.backend.backends
 backends = _xla_bridge.backends
+
+
+# -- traceback filtering ---------------------------------------------------------
+
+#: ``api_boundary(fun)``: ``fun`` as a JAX API boundary: JAX filters the
+#: traceback of an exception raised below it (``jax_traceback_filtering``).
+api_boundary = _traceback_util.api_boundary
+
+#: ``hide_frames_of(path)``: frames from files under ``path`` are hidden in
+#: JAX's filtered tracebacks, as JAX hides its own.
+hide_frames_of = _traceback_util.register_exclusion
 
 
 # -- the stage family (stages.py) ----------------------------------------------

@@ -49,6 +49,9 @@ _stock_jit = ji.stock_jit  # used even after jax.jit is swapped
 # Keep this package's frames out of the source locations of lowered modules,
 # as JAX does for its own frames.
 ji.register_source_exclusion(os.path.dirname(os.path.dirname(__file__)))
+# and out of JAX's filtered tracebacks: an error about the user's input ends
+# at the user's call.
+ji.hide_frames_of(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _avals_text(avals: Any) -> str:
@@ -59,6 +62,7 @@ def _avals_text(avals: Any) -> str:
   )
 
 
+@ji.api_boundary
 def trace(fun, *args, **kwargs) -> Traced:
   """Traces ``fun`` for the given arguments; the first stage.
 
@@ -151,6 +155,7 @@ class Traced(_StockTraced):
   # Stock's signature, JAX's private ``_private_parameters`` included: JAX's
   # own modules (``jax.export``, ``jax.experimental``) pass it to any
   # ``jax.stages.Traced`` and expect it honoured. It is not documented here.
+  @ji.api_boundary
   def lower(
     self,
     *,
@@ -255,6 +260,7 @@ class Lowered(_StockLowered):
   jaxpr = property(lambda self: self._jw_jaxpr)
   platforms = property(lambda self: self._jw_platforms)
 
+  @ji.api_boundary
   def compile(
     self,
     compiler_options: dict[str, Any] | None = None,
@@ -355,6 +361,7 @@ class Lowered(_StockLowered):
     self._jw_exported = (disabled_checks, exp)
     return exp
 
+  @ji.api_boundary
   def export(
     self,
     *,
