@@ -40,7 +40,10 @@ save: bt.save (durable) against numpy.save of the same bytes with each file
   without fsync (the page cache's bandwidth, for scale: no durable save can
   reach it where the disk is slower than memory), and against orbax's save
   (own process; it fsyncs too, through tensorstore). The trees hold random
-  values: orbax compresses, and constant arrays flattered it 3x.
+  values: orbax compresses, and constant arrays flattered it 3x. One more
+  row saves a compressible tree (zeros: an optimizer state at
+  initialisation) to one device, against orbax with no goal: jaxworks
+  writes raw bytes, orbax compresses (there is no opt-in codec yet).
   save(blocking=False)'s blocked time against orbax's async save call.
 
 Usage: batched_transfer_bench.py [--quick] [--save-only] [--restore-only]
@@ -518,7 +521,7 @@ import jax, numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
-tmp, n_leaves, rows, cols, repeats = sys.argv[1:]
+tmp, n_leaves, rows, cols, repeats, values, wheres = sys.argv[1:]
 n_leaves, rows, cols, repeats = int(n_leaves), int(rows), int(cols), int(repeats)
 devices = jax.devices()
 mesh = jax.make_mesh((len(devices),), ("x",))
@@ -526,9 +529,15 @@ ckpt = ocp.StandardCheckpointer()
 out = {}
 for where, sharding in [("one device", SingleDeviceSharding(devices[0])),
                         ("rows", NamedSharding(mesh, P("x")))]:
+  if where not in wheres.split(","):
+    continue
   rng = np.random.default_rng(0)  # incompressible, as trained weights are
-  tree = {f"t{k:04d}": jax.device_put(rng.random((rows, cols), np.float32), sharding)
-          for k in range(n_leaves)}
+  if values == "zeros":  # an optimizer state at initialisation: compressible
+    tree = {f"t{k:04d}": jax.device_put(np.zeros((rows, cols), np.float32), sharding)
+            for k in range(n_leaves)}
+  else:
+    tree = {f"t{k:04d}": jax.device_put(rng.random((rows, cols), np.float32), sharding)
+            for k in range(n_leaves)}
   blocked, total = [], []
   for r in range(repeats + 1):
     path = os.path.join(tmp, f"orbax-{r}")
@@ -558,10 +567,17 @@ def _numpy_save(path: str, arrays: dict, fsync: bool) -> None:
         os.fsync(f.fileno())
 
 
-def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
+def save_rows(
+  report: jb.Report, total_bytes, n_leaves, repeats, values="random"
+) -> None:
   """bt.save (sync and blocking=False) against numpy.save of the same bytes
-  and against orbax's save, one device and rows over every device."""
+  and against orbax's save, one device and rows over every device.
+  ``values="zeros"``: a compressible tree (an optimizer state at
+  initialisation), one device only; orbax compresses it and jaxworks
+  writes raw bytes, so its rows against orbax have no goal."""
   devices = jax.devices()
+  zeros = values == "zeros"
+  wheres = ["one device"] if zeros else ["one device", "rows"]
   tmp = tempfile.mkdtemp(prefix="bt-bench-save-")
   try:
     cols = 256 if n_leaves > 100 else 1024
@@ -569,16 +585,27 @@ def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
     rows = max(rows, len(devices))
     nbytes = rows * cols * 4 * n_leaves
     size = f"{n_leaves} leaves, {nbytes / 2**20:.0f} MiB"
+    if zeros:
+      size += ", zeros (an optimizer state at init)"
     _, orbax_s = jb.run_fresh(
       _ORBAX_SAVE,
-      args=[tmp, str(n_leaves), str(rows), str(cols), str(repeats)],
-    )
+      args=[
+        tmp, str(n_leaves), str(rows), str(cols), str(repeats), values,
+        ",".join(wheres),
+      ],
+    )  # fmt: skip
     for where, sharding in placements():
+      key = "one device" if where == "one device" else "rows"
+      if key not in wheres:
+        continue
       rng = np.random.default_rng(0)  # the bytes orbax writes (not zeros:
       # orbax compresses; trained weights do not compress)
       tree = {
         f"t{k:04d}": jax.device_put(
-          rng.random((rows, cols), np.float32), sharding
+          np.zeros((rows, cols), np.float32)
+          if zeros
+          else rng.random((rows, cols), np.float32),
+          sharding,
         )
         for k in range(n_leaves)
       }
@@ -616,7 +643,6 @@ def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
         blocked.append(time.perf_counter() - t0)
         finish()
       m["async_blocked"] = sorted(blocked)[len(blocked) // 2]
-      key = "one device" if where == "one device" else "rows"
       m["orbax"] = orbax_s[key]["total"]
       m["orbax_blocked"] = orbax_s[key]["blocked"]
       case = f"save {size} -> {where}"
@@ -631,8 +657,9 @@ def save_rows(report: jb.Report, total_bytes, n_leaves, repeats) -> None:
       )  # fmt: skip
       report.add(
         f"{case} (vs orbax)", m["sync"], m["orbax"], "peer",
-        "orbax StandardCheckpointer save + wait_until_finished (own process)",
-        goal=1.0,
+        "orbax StandardCheckpointer save + wait_until_finished (own process)"
+        + (", which compresses" if zeros else ""),
+        goal=None if zeros else 1.0,
       )  # fmt: skip
       report.add(
         f"{case}, blocking=False: time blocked (vs orbax)",
@@ -676,9 +703,11 @@ def main() -> None:
     if args.quick:
       save_rows(report, 32 * 2**20, 16, repeats=2)
       save_rows(report, 2**20, 100, repeats=2)
+      save_rows(report, 32 * 2**20, 16, repeats=2, values="zeros")
     else:
       save_rows(report, 2**30, 16, repeats=3)
       save_rows(report, 128 * 2**20, 1000, repeats=3)
+      save_rows(report, 2**30, 16, repeats=3, values="zeros")
   elif args.restore_only:
     if args.quick:
       restore_rows(report, 32 * 2**20, 8, repeats=2)
@@ -693,6 +722,7 @@ def main() -> None:
     manifest_restore_rows(report, 64 * 2**20, 16, repeats=2)
     save_rows(report, 32 * 2**20, 16, repeats=2)
     save_rows(report, 2**20, 100, repeats=2)
+    save_rows(report, 32 * 2**20, 16, repeats=2, values="zeros")
   else:
     transfer_rows(report, [10, 100, 1000], repeats=30)
     grouping_rows(report, [10_000, 100_000], repeats=7)
@@ -700,6 +730,7 @@ def main() -> None:
     manifest_restore_rows(report, 2**30, 16, repeats=9)
     save_rows(report, 2**30, 16, repeats=5)
     save_rows(report, 128 * 2**20, 1000, repeats=5)
+    save_rows(report, 2**30, 16, repeats=5, values="zeros")
   report.note(f"total {time.perf_counter() - start:.1f} s")
   report.finish(args)
 
