@@ -41,7 +41,7 @@ def used_axis_names(
   *args: Any,
   axis_sizes: Mapping[Hashable, int] | None = None,
   **kwargs: Any,
-) -> frozenset:
+) -> frozenset[Hashable]:
   """The free axis names a jaxpr or function uses.
 
   A name is used when a collective (``psum``, ``all_gather``, ``ppermute``,

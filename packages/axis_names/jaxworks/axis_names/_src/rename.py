@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from collections.abc import Mapping
 import functools
 from typing import Any
+from typing import overload
 
 import jax
 from jax.extend.core import ClosedJaxpr
@@ -94,9 +95,26 @@ def rename_jaxpr(
   return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
 
 
+@overload
 def rename_axes(
-  fun: Callable | Jaxpr | ClosedJaxpr, mapping: Mapping[Hashable, Hashable]
-) -> Callable | Jaxpr | ClosedJaxpr:
+  fun: ClosedJaxpr, mapping: Mapping[Hashable, Hashable]
+) -> ClosedJaxpr: ...
+
+
+@overload
+def rename_axes(fun: Jaxpr, mapping: Mapping[Hashable, Hashable]) -> Jaxpr: ...
+
+
+@overload
+def rename_axes(
+  fun: Callable[..., Any], mapping: Mapping[Hashable, Hashable]
+) -> Callable[..., Any]: ...
+
+
+def rename_axes(
+  fun: Callable[..., Any] | Jaxpr | ClosedJaxpr,
+  mapping: Mapping[Hashable, Hashable],
+) -> Callable[..., Any] | Jaxpr | ClosedJaxpr:
   """A function like ``fun`` whose collectives use renamed axis names.
 
   Given a ``Jaxpr`` or ``ClosedJaxpr`` instead of a function, returns the

@@ -16,6 +16,7 @@ import functools
 import inspect
 import threading
 import types
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import overload
 import weakref
@@ -50,7 +51,15 @@ _disable_jit_on = ji.disable_jit_on
 DEFAULT_MAXSIZE = 256
 
 
-class JitFunction:
+if TYPE_CHECKING:
+  # For type checkers a JitFunction is what stock's jit returns (its methods
+  # are overridden compatibly), so `jax.jit = jit_cache.jit` type-checks.
+  _JitBase = ji.JitWrapped
+else:
+  _JitBase = object
+
+
+class JitFunction(_JitBase):
   """A function wrapped by :func:`jit`. Call it like the function.
 
   Methods: ``trace``, ``lower``, ``eval_shape`` (sharing one trace cache with

@@ -320,6 +320,13 @@ def executable_and_time(entry: bytes) -> tuple[bytes, int]:
   )
 
 
+# -- typing ------------------------------------------------------------------------
+
+#: Stock ``jax.jit``'s wrapper type (what its overloads return): the base of
+#: ``JitFunction`` for type checkers, so ``jax.jit = jit_cache.jit`` checks.
+JitWrapped = _pjit.JitWrapped
+
+
 # -- traceback filtering ---------------------------------------------------------
 
 
