@@ -5,6 +5,7 @@ A JAX upgrade that moves or changes one of them fails here first.
 
 import contextlib
 import importlib.util
+import inspect
 import os
 import traceback
 
@@ -457,3 +458,12 @@ def test_warm_start_prefetch_names(tmp_path):
   assert t == compile_time and isinstance(serialized, bytes)
   loaded = backend.deserialize_executable(serialized, devices, again)
   assert type(loaded) is type(exe)
+
+
+def test_jit_wrapped_is_what_stock_jit_returns():
+  """Stock jax.jit is annotated to return it (a type for checkers: at run
+  time stock returns its C++ wrapper)."""
+  stock = inspect.unwrap(jax.jit)
+  assert "JitWrapped" in str(stock.__annotations__["return"])
+  assert issubclass(ji.JitWrapped, jax.stages.Wrapped)
+  assert {"trace", "eval_shape", "lower"} <= set(dir(ji.JitWrapped))
