@@ -146,13 +146,48 @@ def test_same_steps_best_step_and_names_as_orbax(tmp_path, case):
   steps, metrics, options = CASES[case]
   theirs, their_names = run_orbax(tmp_path / "orbax", steps, metrics, **options)
   ours, our_names = run_ours(tmp_path / "ours", steps, metrics, **options)
-  if "best_fn" not in options and any(isinstance(s, tuple) for s in steps):
-    # best_step() is latest_step(): orbax's is the last saved within a
-    # session, ours the highest (README, "Coming from orbax").
-    ours, theirs = ours[:2], theirs[:2]
   assert ours == theirs
   their_names = [n for n in their_names if not n.startswith("_")]
   assert our_names == their_names  # orbax adds a metadata directory
+
+
+def _scenario(rng):
+  """Random steps (some forced, older than the newest), options and
+  metrics; every step saved at most once (orbax refuses a step twice)."""
+  steps, used = [], set()
+  for _ in range(int(rng.integers(3, 9))):
+    step = int(rng.integers(0, 30))
+    if step in used:
+      continue
+    used.add(step)
+    steps.append((step, True) if rng.random() < 0.4 else step)
+  options = {"max_to_keep": int(rng.integers(1, 4))}
+  if rng.random() < 0.3:
+    options["keep_period"] = int(rng.integers(2, 6))
+  metrics = None
+  if rng.random() < 0.5:
+    scores = {s: float(rng.integers(0, 4)) for s in range(30)}  # ties too
+    no_metrics = rng.random() < 0.3
+
+    def metrics(s, scores=scores, no_metrics=no_metrics):
+      return None if no_metrics and s % 3 == 0 else {"acc": scores[s]}
+
+    options["best_fn"] = lambda m: m["acc"]
+    options["best_mode"] = str(rng.choice(["max", "min"]))
+    options["keep_checkpoints_without_metrics"] = bool(rng.random() < 0.5)
+  return steps, metrics, options
+
+
+@pytest.mark.filterwarnings("ignore:.*without metrics")
+def test_retention_fuzzed_against_orbax(tmp_path):
+  """Seeded random scenarios (steps forced out of order among them): the
+  same steps saved and kept as orbax, the same best (or latest) step."""
+  rng = np.random.default_rng(0)
+  for n in range(85):
+    steps, metrics, options = _scenario(rng)
+    theirs, _ = run_orbax(tmp_path / f"o{n}", steps, metrics, **options)
+    ours, _ = run_ours(tmp_path / f"j{n}", steps, metrics, **options)
+    assert ours == theirs, (n, steps, options)
 
 
 def test_keep_time_interval_as_orbax_every_n_seconds(tmp_path):

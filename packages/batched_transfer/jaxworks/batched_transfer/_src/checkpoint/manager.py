@@ -222,6 +222,8 @@ class CheckpointManager:
     self._pending_step: int | None = None
     self._lock = threading.Lock()
     self._metrics_cache: dict[int, Any] = {}  # step -> metrics or None
+    # The steps this manager saved, in save order (since reload()).
+    self._saved: list[int] = []
 
   def _path(self, step: int) -> str:
     return os.path.join(self.directory, self._names.name(step))
@@ -261,17 +263,31 @@ class CheckpointManager:
       and os.path.isdir(os.path.join(self.directory, name))
     )
 
+  def _in_save_order(self, steps: list[int]) -> list[int]:
+    """``steps`` in orbax's order: those this manager did not save (since
+    ``reload()``) ascending, then those it saved, in save order."""
+    listed = set(steps)
+    with self._lock:
+      mine = [s for s in self._saved if s in listed]
+    return sorted(listed.difference(mine)) + mine
+
   def latest_step(self) -> int | None:
-    """The newest committed step, or None."""
-    steps = self.all_steps()
+    """The newest committed step, or None: as orbax's, the one this manager
+    saved last, if it is still there (after ``save(5, force=True)``
+    following step 10: 5), else the highest (after a restart, or
+    ``reload()``)."""
+    steps = self._in_save_order(self.all_steps())
     return steps[-1] if steps else None
 
   def reload(self) -> None:
-    """Forgets what this manager read of its steps (their metrics), for a
-    directory another manager or process changed; the steps themselves are
-    read from the directory at every call."""
+    """Forgets what this manager read of its steps (their metrics) and the
+    order it saved them in (so the newest is the highest again, as after a
+    restart; as orbax's reload), for a directory another manager or
+    process changed; the steps themselves are read from the directory at
+    every call."""
     with self._lock:
       self._metrics_cache.clear()
+      self._saved.clear()
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` saves (orbax's rules).
@@ -286,8 +302,7 @@ class CheckpointManager:
       return False
     last = self.latest_step()
     if self._handle is not None and self._pending_step is not None:
-      if last is None or self._pending_step > last:
-        last = self._pending_step
+      last = self._pending_step  # the last saved (orbax's latest)
     if last is not None and step <= last:
       return False
     if self.should_save_fn is not None:
@@ -354,6 +369,7 @@ class CheckpointManager:
       pending.raise_background_error(api)
       return False
     path = self._path(step)
+    self._saving(step)
     # A collective save's number before any check of the tree: an error
     # below is every process's (a process whose calls got out of step
     # anyway meets another step's path, which the save refuses).
@@ -363,6 +379,16 @@ class CheckpointManager:
       )
     self._pending_step = step
     return True
+
+  def _saving(self, step: int) -> None:
+    """Records ``step`` as saved last (before its retention runs)."""
+    listed = set(self.all_steps()) if len(self._saved) >= 1024 else None
+    with self._lock:
+      if listed is not None:  # forget the steps gone
+        self._saved = [s for s in self._saved if s in listed]
+      if step in self._saved:
+        self._saved.remove(step)
+      self._saved.append(step)
 
   def _start(
     self,
@@ -471,28 +497,18 @@ class CheckpointManager:
 
   def best_step(self) -> int | None:
     """The best step by ``best_fn`` of its metrics (None if no step has
-    metrics); without ``best_fn``, ``latest_step()`` (as orbax)."""
+    metrics; of equal ones the newest, in ``latest_step``'s order, as
+    orbax); without ``best_fn``, ``latest_step()`` (as orbax)."""
     if self.best_fn is None:
       return self.latest_step()
-    _, ranked = self._ranked(self.all_steps())
+    _, ranked = self._ranked(self._in_save_order(self.all_steps()))
     return ranked[-1] if ranked else None
 
-  def _by_commit(self, steps: list[int]) -> list[int]:
-    """``steps`` in the order they were committed (commit time, then step),
-    as orbax orders its steps by save; steps gone meanwhile left out."""
-    timed = []
-    for s in steps:
-      try:
-        timed.append((self._commit_ns(s), s))
-      except FileNotFoundError:
-        continue
-    return [s for _, s in sorted(timed)]
-
   def _to_remove(self, steps: list[int]) -> list[int]:
-    """The steps the retention rules no longer keep (the newest: the last
-    committed, as orbax's last saved)."""
+    """The steps the retention rules no longer keep, over the steps in
+    orbax's order (``_in_save_order``: the newest are the last saved)."""
     return steps_lib.to_remove(
-      self._by_commit(steps),
+      self._in_save_order(steps),
       max_to_keep=None if self.read_only else self.max_to_keep,
       keep_period=self.keep_period, keep_time_interval=self.keep_time_interval,
       commit_ns=self._commit_ns,

@@ -159,9 +159,10 @@ def to_remove(
   rank: Callable[[list[int]], tuple[list[int], list[int]]] | None = None,
   keep_without_metrics: bool = True,
 ) -> list[int]:
-  """The ``steps`` (oldest first: ascending, or in commit order, as orbax
-  orders them by save) no retention rule keeps (the options of
-  CheckpointManager; ``rank``: ``ranked`` with its ``best_fn``)."""
+  """The ``steps`` (oldest first: ascending, or in orbax's order, where the
+  steps saved since the manager started come last, in save order) no
+  retention rule keeps (the options of CheckpointManager; ``rank``:
+  ``ranked`` with its ``best_fn``)."""
   n = max_to_keep
   if n is None:
     return []
