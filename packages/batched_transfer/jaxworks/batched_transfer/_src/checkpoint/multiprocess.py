@@ -6,15 +6,17 @@ processes as ``<key>.npy`` by process 0, which commits.
 Every key of one save lies under a prefix with the save's sequence number,
 which every process takes first thing in the call (``ticket``), before any
 check that can fail: an error after it is posted under that number, so a
-failed save never puts the processes' numbers out of step. Before any shard
-is written, every process posts the save's identity (``id/<process>``: the
-call, the path, a digest of the tree's keys, shapes, dtypes, shardings and
-non-array leaves) and checks that every process posted the same one, so
-processes whose calls got out of step anyway (a call one of them never
-made) fail, naming both calls, instead of writing into each other's save.
-The outcome is one key that the first writer sets (the store refuses to
-overwrite it): "ok" by process 0 after the commit, or the error of
-whichever process failed first, anywhere in the save, or gave up waiting. Every process waits by polling the store for the
+failed save never puts the processes' numbers out of step. Every process
+posts the save's identity (``id/<process>``: the call, the path, a digest
+of the tree's keys, shapes, dtypes, shardings and non-array leaves);
+process 0 checks that every process posted the same one before it posts
+the temporary directory (``tmp``), which the others wait for before they
+write, so processes whose calls got out of step anyway (a call one of them
+never made) fail, naming both calls, instead of writing into each other's
+save. The outcome is one key that the first writer sets (the store refuses
+to overwrite it): "ok" by process 0 after the commit, or the error of
+whichever process failed first, anywhere in the save, or gave up waiting.
+Every process waits by polling the store for the
 keys it needs and that outcome, so all of them raise as soon as one failed;
 a process that died leaves the others with a TimeoutError after
 ``barrier_timeout_s`` and no committed checkpoint. Once a process is done
@@ -507,7 +509,9 @@ def _collective(
 
 
 def _call(identity: dict[str, Any]) -> str:
-  what = "saves" if identity["call"] == "save" else f"calls {identity['call']} of"
+  what = (
+    "saves" if identity["call"] == "save" else f"calls {identity['call']} of"
+  )
   return f"{what} {identity['path']!r}"
 
 
