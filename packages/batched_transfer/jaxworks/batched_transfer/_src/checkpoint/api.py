@@ -111,7 +111,9 @@ def save(
       hostvalue), with a ``SaveHandle`` whose
       ``wait()`` returns when the checkpoint is durable; a background thread
       writes. An error in the background is raised by ``wait()`` and by the
-      next ``save``; pending saves finish before the process exits.
+      next ``save``; pending saves finish before the process exits. Saves
+      of this process to one path commit in call order (each writes once
+      the one called before it finished), so the last call's tree stays.
     write_threads: threads writing files of a directory checkpoint at once
       (default: 8; writing waits on the disk, not on CPUs).
     max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
@@ -132,7 +134,9 @@ def save(
 
   A collective save raises an error of any process on every process at
   once, the others' ``RuntimeError`` naming it (see the README,
-  "Checkpoints written by several processes").
+  "Checkpoints written by several processes"); before any shard is
+  written, process 0 checks that every process saves the same path and
+  tree (``ValueError`` otherwise, nothing written).
 
   Returns:
     None when ``blocking``, else a ``SaveHandle``.
