@@ -6,6 +6,7 @@ A JAX upgrade that moves or changes one of them fails here first.
 import contextlib
 import importlib.util
 import inspect
+import logging
 import os
 import traceback
 
@@ -467,3 +468,23 @@ def test_jit_wrapped_is_what_stock_jit_returns():
   assert "JitWrapped" in str(stock.__annotations__["return"])
   assert issubclass(ji.JitWrapped, jax.stages.Wrapped)
   assert {"trace", "eval_shape", "lower"} <= set(dir(ji.JitWrapped))
+
+
+def test_tracing_miss_logger_receives_jaxs_miss_warning():
+  records = []
+
+  class Keep(logging.Handler):
+    def emit(self, record):
+      records.append(record)
+
+  handler = Keep()
+  ji.tracing_miss_logger.addHandler(handler)
+  jax.config.update("jax_explain_cache_misses", True)
+  try:
+    jax.jit(lambda v: v * 3)(jnp.ones(2))
+  finally:
+    jax.config.update("jax_explain_cache_misses", False)
+    ji.tracing_miss_logger.removeHandler(handler)
+  assert any(
+    r.getMessage().startswith("TRACING CACHE MISS") for r in records
+  ), records

@@ -30,6 +30,7 @@ from collections.abc import Hashable
 import dataclasses
 import threading
 from typing import Any
+from typing import Protocol
 import weakref
 
 import jax
@@ -92,6 +93,52 @@ class CacheInfo:
   persistent_prefetched: int = 0
 
 
+class CoreView(Protocol):
+  """What ``explain``, ``stats`` and ``closures`` read of one function's
+  core (``core._JitCore``): its only interface to them."""
+
+  @property
+  def name(self) -> str:
+    """The function's name, as messages use it."""
+    ...
+
+  @property
+  def user_function(self) -> Callable | None:
+    """The user's function (None once it died)."""
+    ...
+
+  @property
+  def param_names(self) -> list[str] | None:
+    """Positional parameter names (None: no signature)."""
+    ...
+
+  @property
+  def cache(self) -> FunctionCache:
+    """The function's trace entries."""
+    ...
+
+  @property
+  def counters(self) -> Counters:
+    """The function's counters."""
+    ...
+
+  def key(self, args: tuple, kwargs: dict) -> tuple:
+    """``(leaves, treedef, statics, ctx, signature)`` of a call."""
+    ...
+
+  def leaf_paths(self, args: tuple, kwargs: dict) -> list[str]:
+    """Readable path of each dynamic leaf of a call."""
+    ...
+
+  def dispatch_size(self) -> int:
+    """Signatures the C++ dispatcher serves without Python."""
+    ...
+
+  def clear_cache(self) -> None:
+    """Drops the function's entries and their executables."""
+    ...
+
+
 class Counters:
   """Mutable counters; increments are plain attribute updates (GIL-atomic
   enough for statistics)."""
@@ -113,7 +160,7 @@ class Counters:
   def __init__(self):
     self.reset()
     #: Weak reference to the function core counting here (None: none).
-    self.owner: Any = None
+    self.owner: Callable[[], CoreView | None] | None = None
 
   def reset(self) -> None:
     self.hits = self.misses = self.evictions = self.traces = 0

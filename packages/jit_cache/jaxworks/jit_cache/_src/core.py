@@ -171,6 +171,30 @@ class _Arguments:
       )
     ]
 
+  # -- the CoreView interface (cache.CoreView): what explain, stats and
+  # closures read --------------------------------------------------------------
+
+  @property
+  def name(self) -> str:
+    return self._name
+
+  @property
+  def user_function(self) -> Callable | None:
+    fun = self._fun
+    if hasattr(fun, "__code__"):
+      return fun
+    return getattr(fun, "__wrapped__", None)  # a weak proxy: None when dead
+
+  @property
+  def param_names(self) -> list[str] | None:
+    return self._param_names
+
+  def key(self, args: tuple, kwargs: dict) -> tuple:
+    return self._key(args, kwargs)
+
+  def leaf_paths(self, args: tuple, kwargs: dict) -> list[str]:
+    return self._leaf_paths(args, kwargs)
+
   def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
     """(dynamic args, dynamic kwargs, hashable statics key)."""
     return _argnums.split_statics(
@@ -257,6 +281,14 @@ class _TraceCache(_Arguments):
     self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
     self._cache = _cache.FunctionCache(maxsize, self._counters)
 
+  @property
+  def cache(self) -> _cache.FunctionCache:
+    return self._cache
+
+  @property
+  def counters(self) -> _cache.Counters:
+    return self._counters
+
   def _hit(self, entry: _cache.Entry) -> None:
     counters = self._counters
     counters.hits += 1
@@ -301,10 +333,15 @@ class _TraceCache(_Arguments):
     return entry
 
   def _trace_new(self, key, args, kwargs) -> Any:
-    explain.log_miss(self, args, kwargs)  # with jax_explain_cache_misses on
+    # With jax_explain_cache_misses on: the explanation joins JAX's warning.
+    explained = explain.log_miss(self, args, kwargs)
     t0 = time.perf_counter()
     try:
-      traced = self._jax.trace(*args, **kwargs)
+      try:
+        traced = self._jax.trace(*args, **kwargs)
+      finally:
+        if explained is not None:
+          explained()
     except ValueError as e:
       if not (self._has_statics and ji.is_static_eq_collision(e)):
         raise

@@ -8,6 +8,7 @@ the argument path and property: ``x['w']: dtype float32 -> float64``.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import jax
@@ -18,10 +19,32 @@ from . import closures as _closures
 from . import jax_internals as ji
 from . import signature as _sig
 
-#: jit_cache's own cache misses and reuses are logged here (at WARNING, as
-#: JAX logs its own) while ``jax_explain_cache_misses`` is on; never otherwise.
+#: jit_cache's executable reuses are logged here (INFO) while
+#: ``jax_explain_cache_misses`` is on; never otherwise. Its explanation of a
+#: trace miss joins the one warning JAX logs for that miss.
 logger = logging.getLogger("jaxworks.jit_cache")
 _jax_config = jax.config
+
+
+class _JoinJaxsMissWarning(logging.Filter):
+  """Appends jit_cache's explanation of a trace miss to the warning JAX logs
+  for the same miss, so each miss is logged once (and code counting JAX's
+  records sees as many as under ``jax.jit``)."""
+
+  def __init__(self):
+    super().__init__()
+    self.pending = threading.local()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = getattr(self.pending, "text", None)
+    if text is not None and str(record.msg).startswith("TRACING CACHE MISS"):
+      self.pending.text = None
+      record.msg = f"{record.msg}\n{text}"
+    return True
+
+
+_JOIN = _JoinJaxsMissWarning()
+ji.tracing_miss_logger.addFilter(_JOIN)
 
 _PROPERTIES = ("kind", "shape", "dtype", "weak_type", "sharding", "committed")
 
@@ -37,7 +60,7 @@ def _fmt(value: Any) -> str:
 
 def _static_label(where: Any, fn: Any) -> str:
   if isinstance(where, int):
-    names = fn._param_names or []  # pylint: disable=protected-access
+    names = fn.param_names or []
     return names[where] if where < len(names) else f"args[{where}]"
   return str(where)
 
@@ -114,14 +137,21 @@ def explain(
   kwargs: dict,
 ) -> str:
   """The explanation text for ``fn.explain_miss(*args, **kwargs)``."""
-  name = fn._name  # pylint: disable=protected-access
-  cache = fn._cache  # pylint: disable=protected-access
+  name = fn.name
+  cache = fn.cache
   if sig in cache.by_sig:
     return f"{name}: hit (this exact signature is cached)"
-  paths = fn._leaf_paths(args, kwargs)  # pylint: disable=protected-access
+  paths = fn.leaf_paths(args, kwargs)
   entries = cache.by_key.values()
   if not entries:
-    return _closures.explain_new_function(fn, name) or (
+
+    def argument_diffs(earlier: Any) -> list[str] | None:
+      known = list(earlier.cache.by_key.values())
+      if not known:
+        return None
+      return min((_diffs(earlier, e, sig, paths) for e in known), key=len)
+
+    return _closures.explain_new_function(fn, argument_diffs) or (
       f"{name}: miss: nothing is cached for {name} yet"
     )
   avals = tuple(ji.shaped_abstractify(x) for x in leaves)
@@ -145,29 +175,37 @@ def _explaining() -> bool:
 
 
 def _defined_at(fn: Any) -> str:
-  fun = _closures.function_of(fn)
-  code = getattr(fun, "__code__", None)
+  code = getattr(fn.user_function, "__code__", None)
   if code is None:
-    return fn._name  # pylint: disable=protected-access
-  return f"{fn._name} defined at {code.co_filename}:{code.co_firstlineno}"  # pylint: disable=protected-access
+    return fn.name
+  return f"{fn.name} defined at {code.co_filename}:{code.co_firstlineno}"
 
 
-def log_miss(fn: Any, args: tuple, kwargs: dict) -> None:
-  """With ``jax_explain_cache_misses`` on, logs why ``fn`` traces now."""
+def log_miss(fn: Any, args: tuple, kwargs: dict) -> Any:
+  """With ``jax_explain_cache_misses`` on, explains why ``fn`` traces now:
+  the explanation joins JAX's warning for the miss. Returns a callable to
+  run once the trace is done (it logs the explanation at INFO if JAX logged
+  nothing for this miss), or None."""
   if not _explaining():
-    return
+    return None
   try:
-    leaves, treedef, statics, ctx, sig = fn._key(args, kwargs)  # pylint: disable=protected-access
+    leaves, treedef, statics, ctx, sig = fn.key(args, kwargs)
     text = explain(fn, leaves, treedef, statics, ctx, sig, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except
     text = f"(no explanation: {type(e).__name__}: {e})"
   _, _, why = text.partition(": miss")
   lines = why.lstrip(":;").strip().splitlines() or [text]
-  logger.info(
-    "JIT_CACHE TRACING CACHE MISS for %s:\n  %s",
-    _defined_at(fn),
-    "\n  ".join(lines),
+  message = f"JIT_CACHE TRACING CACHE MISS for {_defined_at(fn)}:\n  " + (
+    "\n  ".join(lines)
   )
+  _JOIN.pending.text = message
+
+  def done() -> None:
+    if getattr(_JOIN.pending, "text", None) is not None:
+      _JOIN.pending.text = None
+      logger.info("%s", message)  # JAX logged nothing for this miss
+
+  return done
 
 
 def log_reuse(counters: Any) -> None:

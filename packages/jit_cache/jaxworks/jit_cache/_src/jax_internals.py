@@ -320,6 +320,13 @@ def executable_and_time(entry: bytes) -> tuple[bytes, int]:
   )
 
 
+# -- logging ---------------------------------------------------------------------
+
+#: The logger JAX's tracing writes its ``TRACING CACHE MISS`` warnings to
+#: (with ``jax_explain_cache_misses`` on).
+tracing_miss_logger = _pe.logger
+
+
 # -- typing ------------------------------------------------------------------------
 
 #: Stock ``jax.jit``'s wrapper type (what its overloads return): the base of

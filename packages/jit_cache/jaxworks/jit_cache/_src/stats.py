@@ -3,16 +3,13 @@ JAX's persistent-cache events beside them."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import cache as _cache
-from . import jax_internals as ji
 from . import monitoring as _monitoring
 from .core import REGISTRY
 from .core import REGISTRY_LOCK
 
 
-def live_functions() -> list[Any]:
+def live_functions() -> list[_cache.CoreView]:
   with REGISTRY_LOCK:
     return list(REGISTRY)
 
@@ -32,12 +29,12 @@ def stats() -> _cache.CacheInfo:
   live = live_functions()
   executables = {id(e): e for e in _cache.EXECUTABLES.live()}
   for f in live:
-    for entry in f._cache.by_key.values():  # pylint: disable=protected-access
+    for entry in f.cache.by_key.values():
       executables.update((id(e), e) for e in entry.executables.values())
   return _cache.GLOBAL_COUNTERS.snapshot(
-    entries=sum(len(f._cache) for f in live),  # pylint: disable=protected-access
+    entries=sum(len(f.cache) for f in live),
     maxsize=_cache.GLOBAL_ENTRIES.maxsize,
-    dispatch_entries=sum(ji.dispatcher_size(f._dispatcher) for f in live),  # pylint: disable=protected-access
+    dispatch_entries=sum(f.dispatch_size() for f in live),
     executables=len(executables),
     **_monitoring.totals(),
   )
@@ -48,4 +45,4 @@ def reset_stats() -> None:
   _cache.GLOBAL_COUNTERS.reset()
   _monitoring.TOTALS.reset()
   for f in live_functions():
-    f._counters.reset()  # pylint: disable=protected-access
+    f.counters.reset()
