@@ -346,12 +346,27 @@ def test_program_is_traced_and_cached_by_jit_cache():
   )
 
 
-def test_pmap_cache_info_is_a_deprecated_alias_and_stats_sums():
+def test_stats_sums_and_keeps_the_events_of_functions_that_died():
+  import gc
+
   import jaxworks.pmap_chunked as pc
 
-  with pytest.warns(DeprecationWarning, match="PmapCacheInfo is deprecated"):
-    assert pc.PmapCacheInfo is jaxworks.jit_cache.CacheInfo
-  import gc
+  assert not hasattr(pc, "PmapCacheInfo")  # the 0.2.0 alias is gone
+
+  def run_and_drop():
+    h = pmap(lambda v: v + 3)
+    h(jnp.ones((N, 2)))
+    h(jnp.ones((N, 2)))
+
+  gc.collect()
+  start = pc.stats()
+  run_and_drop()
+  gc.collect()  # h died
+  dead = pc.stats()
+  assert (dead.hits - start.hits, dead.misses - start.misses) == (1, 1)
+  assert dead.compiles + dead.executable_reuses > (
+    start.compiles + start.executable_reuses
+  )
 
   g = pmap(lambda v: v * 2)
   gc.collect()  # no other pmapped function dies between the two snapshots

@@ -9,8 +9,6 @@ reversibly). ``Pmapped.trace``/``lower`` return the stage family of
 ``jaxworks.stages_aot`` (re-exported by ``jaxworks.jit_cache``).
 """
 
-import warnings as _warnings
-
 from ._src.adopt import install as install
 from ._src.adopt import installed as installed
 from ._src.adopt import is_installed as is_installed
@@ -40,19 +38,3 @@ __all__ = [
   "uninstall",
   "__version__",
 ]
-
-
-def __getattr__(name: str):
-  if name == "PmapCacheInfo":
-    _warnings.warn(
-      "jaxworks.pmap_chunked.PmapCacheInfo is deprecated since 0.2.0: "
-      "cache_info() returns jaxworks.jit_cache.CacheInfo (also exported as "
-      "jaxworks.pmap_chunked.CacheInfo), with the same hits, misses, "
-      "entries, evictions and maxsize; use CacheInfo",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return CacheInfo
-  raise AttributeError(
-    f"module 'jaxworks.pmap_chunked' has no attribute {name!r}"
-  )

@@ -18,6 +18,7 @@ from typing import Any
 from typing import overload
 
 import jax
+import jax.extend.core
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
 
@@ -97,12 +98,14 @@ def rename_jaxpr(
 
 @overload
 def rename_axes(
-  fun: ClosedJaxpr, mapping: Mapping[Hashable, Hashable]
-) -> ClosedJaxpr: ...
+  fun: jax.extend.core.ClosedJaxpr, mapping: Mapping[Hashable, Hashable]
+) -> jax.extend.core.ClosedJaxpr: ...
 
 
 @overload
-def rename_axes(fun: Jaxpr, mapping: Mapping[Hashable, Hashable]) -> Jaxpr: ...
+def rename_axes(
+  fun: jax.extend.core.Jaxpr, mapping: Mapping[Hashable, Hashable]
+) -> jax.extend.core.Jaxpr: ...
 
 
 @overload
@@ -112,9 +115,9 @@ def rename_axes(
 
 
 def rename_axes(
-  fun: Callable[..., Any] | Jaxpr | ClosedJaxpr,
+  fun: Callable[..., Any] | jax.extend.core.Jaxpr | jax.extend.core.ClosedJaxpr,
   mapping: Mapping[Hashable, Hashable],
-) -> Callable[..., Any] | Jaxpr | ClosedJaxpr:
+) -> Callable[..., Any] | jax.extend.core.Jaxpr | jax.extend.core.ClosedJaxpr:
   """A function like ``fun`` whose collectives use renamed axis names.
 
   Given a ``Jaxpr`` or ``ClosedJaxpr`` instead of a function, returns the

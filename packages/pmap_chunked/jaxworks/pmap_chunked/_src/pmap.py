@@ -54,6 +54,48 @@ _PROGRAM_FIELDS = tuple(
 #: Every live pmapped function (for :func:`stats`).
 _REGISTRY: weakref.WeakSet[Pmapped] = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
+#: CacheInfo fields that count events (the rest are sizes of live caches).
+_SIZES = ("entries", "maxsize", "dispatch_entries", "executables")
+_EVENTS = tuple(
+  f.name for f in dataclasses.fields(CacheInfo) if f.name not in _SIZES
+)
+#: The events of pmapped functions that died, so :func:`stats` never goes
+#: back when a function is collected.
+_RETIRED: dict[str, float] = dict.fromkeys(_EVENTS, 0)
+# Reentrant: a finalizer may run (garbage collection) while this thread
+# holds it.
+_RETIRED_LOCK = threading.RLock()
+
+
+class _Counts:
+  """A pmapped function's own counters (kept apart from it, so they can be
+  retired into :func:`stats` when it dies)."""
+
+  __slots__ = ("hits", "misses", "evictions")
+
+  def __init__(self):
+    self.hits = self.misses = self.evictions = 0
+
+
+def _info(counts: _Counts, entries: Any, maxsize: int) -> jit_cache.CacheInfo:
+  programs = [e.jitted.cache_info() for e in entries.values()]
+  return CacheInfo(
+    hits=counts.hits,
+    misses=counts.misses,
+    evictions=counts.evictions,
+    entries=len(programs),
+    maxsize=maxsize,
+    **{f: sum(getattr(p, f) for p in programs) for f in _PROGRAM_FIELDS},
+  )
+
+
+def _retire(counts: _Counts, entries: Any) -> None:
+  """Adds a dead pmapped function's events to the process-wide totals."""
+  info = _info(counts, entries, 0)
+  with _RETIRED_LOCK:
+    for name in _EVENTS:
+      _RETIRED[name] += getattr(info, name)
+
 
 _Tracer = jax.core.Tracer
 _config = jax.config
@@ -160,7 +202,7 @@ class Pmapped:
     self._maxsize = maxsize
     self._entries: lru.LRU[Any, Entry] = lru.LRU(maxsize)
     self._lock = threading.Lock()
-    self._hits = self._misses = self._evictions = 0
+    self._counts = _Counts()
     functools.update_wrapper(self, fun, updated=())
     # As jax.pmap's wrapper: a name and annotations (fun's, or none) even
     # when fun has none of its own (a functools.partial, a callable object).
@@ -170,6 +212,7 @@ class Pmapped:
       self.__annotations__ = {}
     with _REGISTRY_LOCK:
       _REGISTRY.add(self)
+    weakref.finalize(self, _retire, self._counts, self._entries)
 
   # ----------------------------------------------------------------- calling
 
@@ -211,16 +254,7 @@ class Pmapped:
     ``executable_reuses``, ...) are summed over those programs' jit caches.
     """
     with self._lock:
-      entries = self._entries.values()
-    programs = [e.jitted.cache_info() for e in entries]
-    return CacheInfo(
-      hits=self._hits,
-      misses=self._misses,
-      evictions=self._evictions,
-      entries=len(entries),
-      maxsize=self._maxsize,
-      **{f: sum(getattr(p, f) for p in programs) for f in _PROGRAM_FIELDS},
-    )
+      return _info(self._counts, self._entries, self._maxsize)
 
   def clear_cache(self) -> None:
     """Drops every program this function holds (the next call rebuilds)."""
@@ -287,11 +321,11 @@ class Pmapped:
       # Only a call that succeeded changes the cache: a failed one leaves
       # nothing half-built behind.
       if built:
-        self._misses += 1
+        self._counts.misses += 1
         with self._lock:
-          self._evictions += len(self._entries.put(key, entry))
+          self._counts.evictions += len(self._entries.put(key, entry))
       else:
-        self._hits += 1
+        self._counts.hits += 1
       return out
 
   def __repr__(self):
@@ -368,11 +402,18 @@ def _check_options(axis_name, chunked, maxsize, backend) -> None:
 
 
 def stats() -> jit_cache.CacheInfo:
-  """Process-wide counters: the sum of every live pmapped function's
-  :meth:`Pmapped.cache_info` (``maxsize`` is the largest bound)."""
+  """Process-wide counters: events (hits, misses, traces, compiles, ...) of
+  every pmapped function since import, those that died included; sizes
+  (``entries``, ``executables``, ...) of the live ones (``maxsize`` is the
+  largest bound)."""
   with _REGISTRY_LOCK:
-    infos = [f.cache_info() for f in list(_REGISTRY)]
+    live = list(_REGISTRY)
+  with _RETIRED_LOCK:
+    retired = dict(_RETIRED)
+  infos = [f.cache_info() for f in live]
   fields = [f.name for f in dataclasses.fields(CacheInfo)]
   totals = {n: sum(getattr(i, n) for i in infos) for n in fields}
+  for name, value in retired.items():
+    totals[name] += value
   totals["maxsize"] = max((i.maxsize for i in infos), default=0)
   return CacheInfo(**totals)
