@@ -46,7 +46,10 @@ class CacheInfo:
   """Snapshot of cache counters (per function or process-wide).
 
   Attributes:
-    hits: calls answered from the trace cache (no Python tracing).
+    hits: calls answered from the trace cache in Python (no tracing). A
+      call the C++ dispatcher serves (a signature seen before at top level,
+      ``dispatch_entries``) runs no Python and is not counted: after the
+      first calls of a signature, ``hits`` stays put while calls go on.
     misses: calls that had to trace.
     evictions: trace entries dropped by an LRU bound (or executables, for the
       process-wide executable cache in ``stats()``).
