@@ -160,24 +160,45 @@ OBSERVER = textwrap.dedent("""
     print("OBSERVER-OK", calls, flush=True)
 """)
 
+# A second writer: steps 1001-1020 into the same directory (its retention
+# deletes the first writer's steps, and theirs its own).
+WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from jaxworks import batched_transfer as bt
+    mgr = bt.CheckpointManager(sys.argv[1], max_to_keep=2,
+                               best_fn=lambda m: m["acc"])
+    for step in range(1001, 1021):
+      tree = {"w": np.full((64, 8), step, np.float32),
+              "n": np.arange(3) + step}
+      assert mgr.save(step, tree, metrics={"acc": (step * 7) % 11},
+                      force=True)
+    mgr.wait_until_finished()
+    print("WRITER-OK", flush=True)
+""")
+
 
 def test_a_manager_beside_threads_and_another_process(tmp_path):
   """One thread saves steps (non-blocking, retention by best_fn), others
-  wait, check for errors, list, rank, reload and delete, and another
-  process observes the directory read-only: nothing raises (but delete of
-  a step retention deleted first), every step kept is whole."""
+  wait, check for errors, list, rank, reload and delete; another process
+  observes the directory read-only, a third saves steps of its own there:
+  nothing raises (but delete of a step retention deleted first), every
+  step kept is whole."""
   mgr = bt.CheckpointManager(
     tmp_path, max_to_keep=2, best_fn=lambda m: m["acc"]
   )
   reader = bt.CheckpointManager(tmp_path, best_fn=lambda m: m["acc"])
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-  observer = subprocess.Popen(
-    [sys.executable, "-c", OBSERVER, str(tmp_path), "6"],
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-  )
+  others = [
+    subprocess.Popen(
+      [sys.executable, "-c", script, str(tmp_path), "6"],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for script in (OBSERVER, WRITER)
+  ]
   errors = []
   done = threading.Event()
 
@@ -193,7 +214,7 @@ def test_a_manager_beside_threads_and_another_process(tmp_path):
 
   def save():
     for step in range(1, 41):
-      mgr.save(step, tree(step), metrics={"acc": (step * 7) % 11})
+      mgr.save(step, tree(step), metrics={"acc": (step * 7) % 11}, force=True)
     mgr.wait_until_finished()
     done.set()
 
@@ -230,11 +251,12 @@ def test_a_manager_beside_threads_and_another_process(tmp_path):
     t.start()
   for t in threads:
     t.join()
-  out = observer.communicate(timeout=120)[0]
+  outs = [p.communicate(timeout=120)[0] for p in others]
   assert not errors, errors
-  assert "OBSERVER-OK" in out, out
+  assert "OBSERVER-OK" in outs[0], outs[0]
+  assert "WRITER-OK" in outs[1], outs[1]
   kept = mgr.all_steps()
-  assert 1 <= len(kept) <= 2, kept
+  assert 1 <= len(kept) <= 4, kept
   for step in kept:
     assert value(os.path.join(tmp_path, str(step))) == step
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
