@@ -1,0 +1,465 @@
+"""Where checkpoints live: local paths and object-store URLs, one interface.
+
+``parse`` reads a path or URL (``s3://bucket/prefix``, ``gs://...``,
+``az://container/prefix``, ``file:///abs/path``, a plain path) into a
+``Location``; ``stores.open_storage`` returns the ``Storage`` for it: a
+``LocalStorage`` (here: regular files read through the descriptor that was
+checked, bounded by the size seen; writes fsynced; ``create`` without
+replacing, by ``link``) or an object store (``stores``, whose client
+libraries are imported only for a URL).
+
+Keys are ``/``-separated names relative to the storage's root. ``create``
+is the commit primitive: it writes a whole object only if no object of
+that key exists (a conditional put on object stores), so of two writers
+exactly one succeeds and the other gets ``FileExistsError``.
+
+>>> import os, tempfile
+>>> root = tempfile.mkdtemp()
+>>> s = LocalStorage("example", parse("example", root))
+>>> s.write("a/b.bin", b"0123456789")
+>>> s.list()
+{'a/b.bin': 10}
+>>> bytes(s.read("a/b.bin", 2, 5))
+b'234'
+>>> s.create("marker", b"done")
+>>> s.create("marker", b"again")
+Traceback (most recent call last):
+FileExistsError: example: '...marker' exists already; ...
+>>> parse("example", "s3://bucket/run/1")
+Location(scheme='s3', bucket='bucket', prefix='run/1')
+>>> import shutil; shutil.rmtree(root)
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import secrets
+import stat
+from typing import Any
+from typing import TypeVar
+
+LOG = logging.getLogger("jaxworks.batched_transfer")
+
+#: The object-store URL schemes and the service each names.
+SCHEMES = {"s3": "S3", "gs": "GCS", "az": "Azure Blob Storage"}
+#: Parts of a large object read or written at once, and their size.
+CHUNK = 8 * 2**20
+DEFAULT_CONCURRENCY = 8
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """A parsed path or URL.
+
+  Attributes:
+    scheme: ``"file"`` or one of ``SCHEMES``.
+    bucket: the bucket or container (``""`` for a local path).
+    prefix: the key prefix inside the bucket without leading or trailing
+      ``/`` (for ``"file"``: the absolute local path).
+  """
+
+  scheme: str
+  bucket: str
+  prefix: str
+
+  @property
+  def url(self) -> str:
+    """The path as a URL (a plain path for local files)."""
+    if self.scheme == "file":
+      return self.prefix
+    tail = f"/{self.prefix}" if self.prefix else ""
+    return f"{self.scheme}://{self.bucket}{tail}"
+
+  @property
+  def remote(self) -> bool:
+    """True for an object store."""
+    return self.scheme != "file"
+
+  def child(self, name: str) -> Location:
+    """The location of ``name`` (a ``/``-separated key) under this one."""
+    if self.scheme == "file":
+      return Location("file", "", os.path.join(self.prefix, *name.split("/")))
+    prefix = f"{self.prefix}/{name}" if self.prefix else name
+    return Location(self.scheme, self.bucket, prefix.strip("/"))
+
+  @property
+  def parent(self) -> Location:
+    """The location one level up (the bucket's root stays itself)."""
+    if self.scheme == "file":
+      return Location("file", "", os.path.dirname(self.prefix))
+    return Location(self.scheme, self.bucket, self.prefix.rpartition("/")[0])
+
+  @property
+  def name(self) -> str:
+    """The last component of the path."""
+    if self.scheme == "file":
+      return os.path.basename(self.prefix)
+    return self.prefix.rpartition("/")[2]
+
+
+def is_url(path: Any) -> bool:
+  """True if ``path`` is a string with a ``scheme://`` other than file."""
+  return (
+    isinstance(path, str)
+    and "://" in path
+    and path.partition("://")[0].lower() != "file"
+  )
+
+
+def parse(api: str, path: Any) -> Location:
+  """``path`` (str, bytes or os.PathLike) as a ``Location``.
+
+  Raises:
+    TypeError: ``path`` is not a path.
+    ValueError: an unknown scheme, a URL without a bucket, an empty path,
+      or a ``.``/``..`` component in a URL's key.
+  """
+  try:
+    text = os.fsdecode(os.fspath(path))
+  except TypeError:
+    raise TypeError(
+      f"{api}: the path must be a str or os.PathLike (a local path or an "
+      f"s3://, gs:// or az:// URL), got {type(path).__name__}"
+    ) from None
+  if not text:
+    raise ValueError(f"{api}: the path is empty")
+  scheme, sep, rest = text.partition("://")
+  if not sep:
+    return Location("file", "", os.path.abspath(text))
+  scheme = scheme.lower()
+  if scheme == "file":
+    host, _, local = rest.partition("/")
+    if host not in ("", "localhost"):
+      raise ValueError(
+        f"{api}: {text!r} names the host {host!r}; a file:// URL must be "
+        "file:///absolute/path (a local file)"
+      )
+    return Location("file", "", os.path.abspath("/" + local))
+  if scheme not in SCHEMES:
+    known = ", ".join(f"{s}://" for s in SCHEMES)
+    raise ValueError(
+      f"{api}: {text!r} has the scheme {scheme}://, which is not supported; "
+      f"use a local path, file://, or one of {known}"
+    )
+  bucket, _, prefix = rest.partition("/")
+  if not bucket:
+    raise ValueError(
+      f"{api}: {text!r} names no bucket; write {scheme}://BUCKET/PREFIX"
+    )
+  parts = [p for p in prefix.split("/") if p]
+  if any(p in (".", "..") for p in parts):
+    raise ValueError(
+      f"{api}: {text!r} has a '.' or '..' component; object keys are not "
+      "resolved as paths: write the key as it is stored"
+    )
+  return Location(scheme, bucket, "/".join(parts))
+
+
+def check_key(api: str, key: str) -> str:
+  """``key`` if it is a relative ``/``-separated key without ``.``/``..``."""
+  parts = key.split("/")
+  if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+    raise ValueError(f"{api}: bad key {key!r} (a relative a/b/c name)")
+  return key
+
+
+def run_parallel(
+  fn: Callable[[T], Any], items: Iterable[T], threads: int
+) -> list[Any]:
+  """``[fn(x) for x in items]`` on ``threads`` threads; the first error."""
+  items = list(items)
+  if threads <= 1 or len(items) <= 1:
+    return [fn(x) for x in items]
+  with concurrent.futures.ThreadPoolExecutor(
+    min(threads, len(items)), thread_name_prefix="jaxworks-storage"
+  ) as pool:
+    futures = [pool.submit(fn, x) for x in items]
+    try:
+      return [f.result() for f in futures]
+    except BaseException:
+      for f in futures:
+        f.cancel()
+      raise
+
+
+def chunks(size: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+  """``(start, end)`` pairs that cut ``size`` bytes into ``chunk`` parts."""
+  return [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
+
+
+class Storage(abc.ABC):
+  """The objects (or files) under one root: a directory or a URL prefix.
+
+  Every method takes keys relative to the root. Errors are ``OSError``
+  subclasses whose message names the API, the URL, the key and the fix:
+  ``FileNotFoundError`` (no such object, bucket or container),
+  ``FileExistsError`` (``create`` of an existing key), ``PermissionError``
+  (credentials refused), ``OSError`` (anything else, after the retries).
+  """
+
+  def __init__(self, api: str, location: Location) -> None:
+    self.api = api
+    self.location = location
+
+  @property
+  def url(self) -> str:
+    """The root as the user wrote it (normalized)."""
+    return self.location.url
+
+  def where(self, key: str = "") -> str:
+    """The URL (or path) of ``key`` for messages."""
+    return self.location.child(key).url if key else self.url
+
+  def child(self, name: str) -> Storage:
+    """The storage of the prefix ``name`` under this root."""
+    return self._at(self.location.child(check_key(self.api, name)))
+
+  @abc.abstractmethod
+  def _at(self, location: Location) -> Storage:
+    """A storage of the same kind and configuration at ``location``."""
+
+  @abc.abstractmethod
+  def list(self, prefix: str = "") -> dict[str, int]:
+    """Every key under ``prefix`` (recursively) and its size, sorted."""
+
+  @abc.abstractmethod
+  def size(self, key: str) -> int:
+    """The size of ``key``; FileNotFoundError if there is none."""
+
+  def exists(self, key: str) -> bool:
+    """True if ``key`` exists."""
+    try:
+      self.size(key)
+    except FileNotFoundError:
+      return False
+    return True
+
+  @abc.abstractmethod
+  def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+    """Bytes ``[start, end)`` of ``key`` (a buffer); at most what exists."""
+
+  def read_ranges(
+    self, key: str, ranges: Sequence[tuple[int, int]]
+  ) -> list[Any]:
+    """Several ranges of ``key`` at once (buffers, in order)."""
+    return run_parallel(
+      lambda r: self.read(key, r[0], r[1]), ranges, self.concurrency
+    )
+
+  def read_into(self, key: str, offset: int, out: memoryview) -> None:
+    """Fills ``out`` with ``key``'s bytes from ``offset``, in parallel parts.
+
+    Raises:
+      OSError: the object ends before ``out`` is full (a truncated object).
+    """
+    out = out.cast("B")
+
+    def part(r: tuple[int, int]) -> None:
+      data = memoryview(self.read(key, offset + r[0], offset + r[1]))
+      if len(data) != r[1] - r[0]:
+        raise OSError(
+          f"{self.api}: {self.where(key)!r} ends at byte "
+          f"{offset + r[0] + len(data)}, before the {offset + r[1]} bytes "
+          "the checkpoint's record says it holds; the object was truncated "
+          "after the checkpoint was written: save it again"
+        )
+      out[r[0] : r[1]] = data
+
+    run_parallel(part, chunks(len(out)), self.concurrency)
+
+  @abc.abstractmethod
+  def write(self, key: str, data: Any) -> None:
+    """Writes ``data`` (a bytes-like object) as ``key``, replacing it."""
+
+  @abc.abstractmethod
+  def upload(self, key: str, filename: str) -> None:
+    """Writes the local file ``filename`` as ``key`` in bounded memory."""
+
+  def download(self, key: str, filename: str) -> int:
+    """Copies ``key`` to the new local file ``filename``; its size.
+
+    Parts are read in parallel and written in place (``pwrite``), so at most
+    ``concurrency`` parts are in memory.
+    """
+    size = self.size(key)
+    fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+      os.ftruncate(fd, size)
+
+      def part(r: tuple[int, int]) -> None:
+        data = memoryview(self.read(key, r[0], r[1]))
+        if len(data) != r[1] - r[0]:
+          raise OSError(
+            f"{self.api}: {self.where(key)!r} changed while it was read "
+            f"({size} bytes when listed, {r[0] + len(data)} now); read it "
+            "again once nothing writes it"
+          )
+        os.pwrite(fd, data, r[0])
+
+      run_parallel(part, chunks(size), self.concurrency)
+    finally:
+      os.close(fd)
+    LOG.debug("downloaded %s (%d bytes)", self.where(key), size)
+    return size
+
+  @abc.abstractmethod
+  def create(self, key: str, data: bytes) -> None:
+    """Writes ``key`` only if it does not exist (FileExistsError if it does).
+
+    Of two writers that create the same key, one succeeds: this is the
+    commit of a checkpoint.
+    """
+
+  @abc.abstractmethod
+  def delete(self, keys: Iterable[str]) -> None:
+    """Deletes ``keys``; a missing key is no error."""
+
+  def delete_prefix(self, prefix: str = "") -> int:
+    """Deletes every key under ``prefix``; how many there were."""
+    keys = list(self.list(prefix))
+    self.delete(keys)
+    return len(keys)
+
+  concurrency: int = DEFAULT_CONCURRENCY
+
+
+class LocalStorage(Storage):
+  """Files under a local directory, with the guarantees of a local save.
+
+  Reads open the file without following a final symlink, refuse anything
+  that is not a regular file, and read at most the size ``fstat`` gave;
+  writes are fsynced before they return, with their directory.
+  """
+
+  def __init__(self, api: str, location: Location) -> None:
+    super().__init__(api, location)
+    self.root = location.prefix
+
+  def _at(self, location: Location) -> LocalStorage:
+    return LocalStorage(self.api, location)
+
+  def _path(self, key: str) -> str:
+    return os.path.join(self.root, *check_key(self.api, key).split("/"))
+
+  def _open(self, key: str) -> tuple[int, int]:
+    path = self._path(key)
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+      raise FileNotFoundError(f"{self.api}: {path!r} does not exist") from None
+    except OSError as e:
+      raise type(e)(
+        e.errno, f"{self.api}: cannot open {path!r}: {e.strerror}"
+      ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      os.close(fd)
+      raise OSError(f"{self.api}: {path!r} is not a regular file")
+    return fd, st.st_size
+
+  def list(self, prefix: str = "") -> dict[str, int]:
+    top = self._path(prefix) if prefix else self.root
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+      dirnames.sort()
+      for f in filenames:
+        full = os.path.join(dirpath, f)
+        st = os.lstat(full)
+        if stat.S_ISREG(st.st_mode):
+          rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+          out[rel] = st.st_size
+    return dict(sorted(out.items()))
+
+  def size(self, key: str) -> int:
+    fd, size = self._open(key)
+    os.close(fd)
+    return size
+
+  def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+    fd, size = self._open(key)
+    try:
+      end = size if end is None else min(end, size)
+      parts, pos = [], start
+      while pos < end:
+        b = os.pread(fd, end - pos, pos)
+        if not b:
+          break
+        parts.append(b)
+        pos += len(b)
+      return b"".join(parts)
+    finally:
+      os.close(fd)
+
+  def _fsync_dir(self, path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+  def _write_new(self, path: str, fill: Callable[[int], None]) -> str:
+    """Writes and fsyncs a temporary beside ``path``; its name."""
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{name}.jaxworks-new-{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+      fill(fd)
+      os.fsync(fd)
+    except BaseException:
+      os.close(fd)
+      os.unlink(tmp)
+      raise
+    os.close(fd)
+    return tmp
+
+  def _write_all(self, fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+      view = view[os.write(fd, view) :]
+
+  def write(self, key: str, data: Any) -> None:
+    path = self._path(key)
+    tmp = self._write_new(path, lambda fd: self._write_all(fd, data))
+    os.replace(tmp, path)
+    self._fsync_dir(os.path.dirname(path))
+
+  def upload(self, key: str, filename: str) -> None:
+    def fill(fd: int) -> None:
+      with open(filename, "rb") as f:
+        while b := f.read(CHUNK):
+          self._write_all(fd, b)
+
+    path = self._path(key)
+    os.replace(self._write_new(path, fill), path)
+    self._fsync_dir(os.path.dirname(path))
+
+  def create(self, key: str, data: bytes) -> None:
+    path = self._path(key)
+    tmp = self._write_new(path, lambda fd: self._write_all(fd, data))
+    try:
+      os.link(tmp, path)  # fails, EEXIST, where ``path`` exists: no replace
+    except FileExistsError:
+      raise FileExistsError(
+        f"{self.api}: {path!r} exists already; delete it, or pass "
+        "overwrite=True where the API takes it"
+      ) from None
+    finally:
+      os.unlink(tmp)
+    self._fsync_dir(os.path.dirname(path))
+
+  def delete(self, keys: Iterable[str]) -> None:
+    for key in keys:
+      try:
+        os.unlink(self._path(key))
+      except FileNotFoundError:
+        pass

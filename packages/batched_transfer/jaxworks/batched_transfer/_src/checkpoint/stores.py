@@ -1,0 +1,423 @@
+"""Object stores behind ``storage.Storage``, configured as users have them.
+
+``open_storage(api, path, storage_options)`` is the one entry: a local path
+gives a ``storage.LocalStorage``; ``s3://`` and ``az://`` URLs an
+``ObstoreStorage`` (obstore, the Python binding of the Rust
+``object_store`` crate); ``gs://`` URLs a ``GCSStorage`` (Google's
+``google-cloud-storage`` client). The client libraries are imported on the
+first URL only (``pip install obstore google-cloud-storage``).
+
+Configuration, in order of precedence: ``storage_options``, then each
+cloud's standard environment:
+
+- S3: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+  ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION`` /
+  ``AWS_DEFAULT_REGION``; without keys in the environment, boto3's chain
+  (``AWS_PROFILE``, ``~/.aws/credentials`` and ``config``, SSO) where boto3
+  is installed, else the instance's or container's role.
+- GCS: ``STORAGE_EMULATOR_HOST`` (an emulator, no credentials),
+  ``GOOGLE_APPLICATION_CREDENTIALS`` and application default credentials,
+  ``GOOGLE_CLOUD_PROJECT``.
+- Azure: ``AZURE_STORAGE_CONNECTION_STRING`` (``AccountName``,
+  ``AccountKey``, ``SharedAccessSignature``, ``BlobEndpoint``,
+  ``UseDevelopmentStorage``), else obstore's ``AZURE_STORAGE_*`` variables.
+
+An ``http://`` endpoint (an emulator, a local server) works as it is.
+``storage_options`` keys read here: ``endpoint`` (or ``endpoint_url``),
+``region``, ``profile`` (S3), ``project`` and ``credentials`` (a key file,
+GCS), ``max_retries`` (default 5), ``retry_timeout_s`` (default 60),
+``concurrency`` (parallel requests per object, default 8), ``chunk_size``
+(bytes per part of a multipart upload or ranged read, default 8 MiB); the
+other keys go to the store's own configuration (obstore's
+``S3Config``/``AzureConfig`` names, such as ``access_key_id``).
+
+Throttling (429/503) and other 5xx answers, dropped connections and
+timeouts are retried with exponential backoff and jitter, at most
+``max_retries`` times within ``retry_timeout_s``; then the error names the
+URL, the key and what to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+import datetime
+import os
+import pathlib
+from typing import Any
+
+from . import storage
+from .storage import LOG
+from .storage import Location
+from .storage import Storage
+
+_INSTALL = "pip install obstore google-cloud-storage"
+_OWN_KEYS = (
+  "endpoint",
+  "endpoint_url",
+  "region",
+  "profile",
+  "project",
+  "credentials",
+  "max_retries",
+  "retry_timeout_s",
+  "concurrency",
+  "chunk_size",
+)
+_FIX = {
+  "s3": (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
+    "pass storage_options={'access_key_id': ..., 'secret_access_key': ...}"
+  ),
+  "gs": (
+    "set GOOGLE_APPLICATION_CREDENTIALS to a service account key file, run "
+    "'gcloud auth application-default login', or pass "
+    "storage_options={'credentials': KEY_FILE}"
+  ),
+  "az": (
+    "set AZURE_STORAGE_CONNECTION_STRING, or pass "
+    "storage_options={'account_name': ..., 'account_key': ...}"
+  ),
+}
+
+
+def _import(api: str, scheme: str, module: str) -> Any:
+  import importlib
+
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise ImportError(
+      f"{api}: {scheme}:// URLs need the package {e.name!r}: {_INSTALL}"
+    ) from e
+
+
+def _positive(api: str, opts: dict[str, Any], key: str, default: Any) -> Any:
+  v = opts.pop(key, default)
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+    raise ValueError(
+      f"{api}: storage_options[{key!r}] must be a non-negative number, "
+      f"got {v!r}"
+    )
+  return v
+
+
+class _Tuning:
+  """The options every object store takes (popped from ``opts``)."""
+
+  def __init__(self, api: str, opts: dict[str, Any]) -> None:
+    self.max_retries = int(_positive(api, opts, "max_retries", 5))
+    self.retry_timeout_s = float(_positive(api, opts, "retry_timeout_s", 60))
+    self.concurrency = max(
+      1, int(_positive(api, opts, "concurrency", storage.DEFAULT_CONCURRENCY))
+    )
+    self.chunk_size = max(
+      5 * 2**20, int(_positive(api, opts, "chunk_size", storage.CHUNK))
+    )
+
+
+def _endpoint(opts: dict[str, Any], *env: str) -> str | None:
+  v = opts.pop("endpoint", None) or opts.pop("endpoint_url", None)
+  for name in env:
+    v = v or os.environ.get(name) or None
+  return v
+
+
+class ObstoreStorage(Storage):
+  """An S3 bucket or Azure container prefix through obstore."""
+
+  def __init__(
+    self,
+    api: str,
+    location: Location,
+    store: Any,
+    tuning: _Tuning,
+    endpoint: str | None,
+  ) -> None:
+    super().__init__(api, location)
+    self._store = store
+    self._tuning = tuning
+    self._endpoint = endpoint
+    self.concurrency = tuning.concurrency
+    self._obs = _import(api, location.scheme, "obstore")
+    self._exc = _import(api, location.scheme, "obstore.exceptions")
+
+  def _at(self, location: Location) -> ObstoreStorage:
+    return ObstoreStorage(
+      self.api, location, self._store, self._tuning, self._endpoint
+    )
+
+  def _key(self, key: str) -> str:
+    storage.check_key(self.api, key)
+    p = self.location.prefix
+    return f"{p}/{key}" if p else key
+
+  def _error(self, err: Exception, key: str, doing: str) -> OSError:
+    where = self.where(key)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    via = f" (endpoint {self._endpoint})" if self._endpoint else ""
+    exc = self._exc
+    if isinstance(
+      err, (exc.AlreadyExistsError, exc.PreconditionError, FileExistsError)
+    ):
+      return FileExistsError(
+        f"{self.api}: {where!r} exists already; delete it, or pass "
+        "overwrite=True where the API takes it"
+      )
+    if isinstance(err, (exc.NotFoundError, FileNotFoundError)):
+      if "NoSuchBucket" in str(err) or "ContainerNotFound" in str(err):
+        return FileNotFoundError(
+          f"{self.api}: {doing} {where!r}: the bucket "
+          f"{self.location.bucket!r} does not exist{via}; create it, or "
+          "check the URL and the endpoint"
+        )
+      return FileNotFoundError(f"{self.api}: {where!r} does not exist{via}")
+    if isinstance(
+      err,
+      (exc.PermissionDeniedError, exc.UnauthenticatedError, PermissionError),
+    ):
+      return PermissionError(
+        f"{self.api}: {doing} {where!r} was refused{via}: {first}; "
+        f"{_FIX[self.location.scheme]}"
+      )
+    return OSError(
+      f"{self.api}: {doing} {where!r} failed{via} after up to "
+      f"{self._tuning.max_retries} retries within "
+      f"{self._tuning.retry_timeout_s:g} s: {first}; check that the "
+      "endpoint is reachable and the service healthy, then try again "
+      "(storage_options max_retries / retry_timeout_s set the retries)"
+    )
+
+  def _call(self, key: str, doing: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    try:
+      return fn(self._store, *args, **kw)
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, key, doing) from e
+
+  def list(self, prefix: str = "") -> dict[str, int]:
+    root = self._key(prefix) if prefix else self.location.prefix
+    start = len(self.location.prefix) + 1 if self.location.prefix else 0
+    out = {}
+    try:
+      for batch in self._obs.list(
+        self._store, prefix=root + "/" if root else None
+      ):
+        for meta in batch:
+          out[meta["path"][start:]] = int(meta["size"])
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, prefix, "listing") from e
+    return dict(sorted(out.items()))
+
+  def size(self, key: str) -> int:
+    return int(
+      self._call(key, "reading", self._obs.head, self._key(key))["size"]
+    )
+
+  def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
+    if end is None:
+      end = self.size(key)
+    if end <= start:
+      return b""
+    try:
+      return self._obs.get_range(
+        self._store, self._key(key), start=start, end=end
+      )
+    except (self._exc.BaseError, OSError) as e:
+      if "range" in str(e).lower() and self.size(key) <= start:
+        return b""  # past the end: nothing there, as a file read says
+      raise self._error(e, key, "reading") from e
+
+  def read_ranges(self, key: str, ranges: Any) -> list[Any]:
+    ranges = [(a, b) for a, b in ranges]
+    if not ranges or any(b <= a for a, b in ranges):
+      return super().read_ranges(key, ranges)
+    return self._call(
+      key,
+      "reading",
+      self._obs.get_ranges,
+      self._key(key),
+      starts=[a for a, _ in ranges],
+      ends=[b for _, b in ranges],
+    )
+
+  def _put(self, key: str, data: Any, **kw: Any) -> None:
+    self._call(
+      key,
+      "writing",
+      self._obs.put,
+      self._key(key),
+      data,
+      chunk_size=self._tuning.chunk_size,
+      max_concurrency=self._tuning.concurrency,
+      **kw,
+    )
+
+  def write(self, key: str, data: Any) -> None:
+    self._put(key, memoryview(data).cast("B"))
+    LOG.debug("wrote %s", self.where(key))
+
+  def upload(self, key: str, filename: str) -> None:
+    # From the file, in parts of chunk_size, concurrency at a time.
+    self._put(key, pathlib.Path(filename))
+    LOG.debug("uploaded %s to %s", filename, self.where(key))
+
+  def create(self, key: str, data: bytes) -> None:
+    self._put(key, bytes(data), mode="create", use_multipart=False)
+    LOG.debug("created %s", self.where(key))
+
+  def delete(self, keys: Iterable[str]) -> None:
+    paths = [self._key(k) for k in keys]
+    if not paths:
+      return
+    try:
+      self._obs.delete(self._store, paths)
+    except (self._exc.NotFoundError, FileNotFoundError):
+      pass
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, paths[0], "deleting") from e
+
+
+def _retry_config(t: _Tuning) -> dict[str, Any]:
+  return {
+    "max_retries": t.max_retries,
+    "retry_timeout": datetime.timedelta(seconds=t.retry_timeout_s),
+    "backoff": {
+      "init_backoff": datetime.timedelta(milliseconds=100),
+      "max_backoff": datetime.timedelta(seconds=5),
+      "base": 2,
+    },
+  }
+
+
+def _s3(api: str, location: Location, opts: dict[str, Any]) -> Storage:
+  stores = _import(api, "s3", "obstore.store")
+  tuning = _Tuning(api, opts)
+  endpoint = _endpoint(opts, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+  region = (
+    opts.pop("region", None)
+    or os.environ.get("AWS_REGION")
+    or os.environ.get("AWS_DEFAULT_REGION")
+  )
+  profile = opts.pop("profile", None) or os.environ.get("AWS_PROFILE")
+  config: dict[str, Any] = dict(opts)
+  for k in _OWN_KEYS:
+    config.pop(k, None)
+  if endpoint:
+    config["endpoint"] = endpoint
+  keys_given = "access_key_id" in config or (
+    os.environ.get("AWS_ACCESS_KEY_ID") and not profile
+  )
+  provider = None
+  if not keys_given and not config.get("skip_signature"):
+    provider, region = _boto3_credentials(profile, region)
+  if region:
+    config["region"] = region
+  client = {"allow_http": bool(endpoint and endpoint.startswith("http://"))}
+  try:
+    store = stores.S3Store(
+      location.bucket,
+      config=config,
+      client_options=client,
+      retry_config=_retry_config(tuning),
+      credential_provider=provider,
+    )
+  except Exception as e:  # obstore's configuration errors
+    raise ValueError(
+      f"{api}: cannot configure S3 for {location.url!r}: {e}; see "
+      "storage_options and the AWS_* environment variables"
+    ) from e
+  return ObstoreStorage(api, location, store, tuning, endpoint)
+
+
+def _boto3_credentials(
+  profile: str | None, region: str | None
+) -> tuple[Any, str | None]:
+  """boto3's credential chain (profiles, config files, SSO), if installed."""
+  try:
+    import boto3
+    from obstore.auth.boto3 import Boto3CredentialProvider
+  except ImportError:
+    return None, region
+  session = boto3.Session(profile_name=profile)
+  if session.get_credentials() is None:
+    return None, region
+  return Boto3CredentialProvider(session), region or session.region_name
+
+
+def _connection_string(text: str) -> dict[str, Any]:
+  parts = dict(
+    p.split("=", 1) for p in text.split(";") if "=" in p and p.strip()
+  )
+  config: dict[str, Any] = {}
+  if parts.get("UseDevelopmentStorage", "").lower() == "true":
+    config["use_emulator"] = True
+  names = {
+    "AccountName": "account_name",
+    "AccountKey": "account_key",
+    "SharedAccessSignature": "sas_key",
+    "BlobEndpoint": "endpoint",
+  }
+  for k, v in parts.items():
+    if k in names:
+      config[names[k]] = v
+  return config
+
+
+def _azure(api: str, location: Location, opts: dict[str, Any]) -> Storage:
+  stores = _import(api, "az", "obstore.store")
+  tuning = _Tuning(api, opts)
+  config = _connection_string(
+    os.environ.get("AZURE_STORAGE_CONNECTION_STRING", "")
+  )
+  endpoint = _endpoint(opts) or config.get("endpoint")
+  config.update((k, v) for k, v in opts.items() if k not in _OWN_KEYS)
+  if endpoint:
+    config["endpoint"] = endpoint
+  client = {"allow_http": bool(endpoint and endpoint.startswith("http://"))}
+  try:
+    store = stores.AzureStore(
+      location.bucket,
+      config=config,
+      client_options=client,
+      retry_config=_retry_config(tuning),
+    )
+  except Exception as e:
+    raise ValueError(
+      f"{api}: cannot configure Azure for {location.url!r}: {e}; {_FIX['az']}"
+    ) from e
+  return ObstoreStorage(api, location, store, tuning, endpoint)
+
+
+def open_storage(
+  api: str, path: Any, storage_options: dict[str, Any] | None = None
+) -> Storage:
+  """The ``Storage`` of ``path``: a local path, or an object-store URL.
+
+  Args:
+    api: the API name for messages.
+    path: a local path, a ``file://`` URL, or an ``s3://``, ``gs://`` or
+      ``az://`` URL.
+    storage_options: for a URL, settings over the cloud's standard
+      environment (see the module docstring); none for a local path.
+
+  Raises:
+    ImportError: a URL's client library is not installed (the message says
+      what to install).
+    ValueError: a bad path, URL or option.
+  """
+  location = storage.parse(api, path)
+  opts = dict(storage_options or {})
+  if not location.remote:
+    if opts:
+      raise ValueError(
+        f"{api}: storage_options {sorted(opts)} are for s3://, gs:// and "
+        f"az:// URLs; {location.url!r} is a local path"
+      )
+    return storage.LocalStorage(api, location)
+  if location.scheme == "s3":
+    return _s3(api, location, opts)
+  if location.scheme == "az":
+    return _azure(api, location, opts)
+  from . import gcs
+
+  tuning = _Tuning(api, opts)
+  return gcs.open_gcs(api, location, opts, tuning, _FIX["gs"])

@@ -1,0 +1,325 @@
+"""The storage layer against real servers on 127.0.0.1: moto's S3 server and
+gcp-storage-emulator, each started by this test, beside the local file
+system: keys, ranged and parallel reads, multipart uploads, the conditional
+create that commits a checkpoint, configuration from each cloud's standard
+environment and ``storage_options``, and the errors for a missing bucket, a
+server that throttles or fails, and one that is not there.
+"""
+
+import os
+import pathlib
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import object_servers  # noqa: E402
+
+from jaxworks.batched_transfer._src.checkpoint import storage  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
+
+API = "test"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+  with object_servers.s3_server() as endpoint:
+    object_servers.s3_bucket(endpoint, "ckpt")
+    yield endpoint
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint():
+  with object_servers.gcs_server() as endpoint:
+    object_servers.gcs_bucket(endpoint, "ckpt")
+    yield endpoint
+
+
+@pytest.fixture
+def s3_env(monkeypatch, s3_endpoint):
+  for k in list(os.environ):
+    if k.startswith("AWS_"):
+      monkeypatch.delenv(k)
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+  return s3_endpoint
+
+
+@pytest.fixture
+def gcs_env(monkeypatch, gcs_endpoint):
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
+  return gcs_endpoint
+
+
+@pytest.fixture(params=["local", "s3", "gs"])
+def store(request, tmp_path):
+  """A Storage at a fresh prefix, configured from the environment alone."""
+  if request.param == "local":
+    return stores.open_storage(API, str(tmp_path / "root"))
+  request.getfixturevalue(f"{'gcs' if request.param == 'gs' else 's3'}_env")
+  url = f"{request.param}://ckpt/run-{uuid.uuid4().hex}"
+  return stores.open_storage(API, url, {"chunk_size": 5 * 2**20})
+
+
+# URLs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "path, want",
+  [
+    ("s3://b/run/1", ("s3", "b", "run/1")),
+    ("S3://b/run//1/", ("s3", "b", "run/1")),
+    ("gs://b", ("gs", "b", "")),
+    ("az://container/p", ("az", "container", "p")),
+    ("file:///tmp/x/y", ("file", "", "/tmp/x/y")),
+    ("file://localhost/tmp/x", ("file", "", "/tmp/x")),
+    ("/tmp/a/../b", ("file", "", "/tmp/b")),
+    (pathlib.Path("/tmp/c"), ("file", "", "/tmp/c")),
+  ],
+)
+def test_parse(path, want):
+  loc = storage.parse(API, path)
+  assert (loc.scheme, loc.bucket, loc.prefix) == want
+
+
+@pytest.mark.parametrize(
+  "path, message",
+  [
+    ("ftp://b/x", "ftp://, which is not supported"),
+    ("s3:///x", "names no bucket"),
+    ("gs://b/a/../c", "'.' or '..' component"),
+    ("file://host/x", "names the host 'host'"),
+    ("", "empty"),
+  ],
+)
+def test_parse_refuses(path, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    storage.parse(API, path)
+
+
+def test_parse_refuses_non_paths():
+  with pytest.raises(TypeError, match="str or os.PathLike"):
+    storage.parse(API, 3)
+
+
+def test_location_navigation():
+  loc = storage.parse(API, "gs://b/run/7")
+  assert loc.url == "gs://b/run/7"
+  assert loc.parent.url == "gs://b/run" and loc.name == "7"
+  assert loc.child("x/y.npy").url == "gs://b/run/7/x/y.npy"
+  assert storage.is_url("s3://b") and not storage.is_url("file:///x")
+
+
+def test_local_path_takes_no_storage_options(tmp_path):
+  with pytest.raises(ValueError, match="local path"):
+    stores.open_storage(API, str(tmp_path), {"endpoint": "http://x"})
+
+
+# The interface on each storage ----------------------------------------------
+
+
+def test_write_read_list_delete(store):
+  store.write("a/b.npy", b"0123456789")
+  store.write("a/bc.npy", memoryview(np.arange(4, dtype=np.int32)))
+  store.write("z", b"")
+  assert store.list() == {"a/b.npy": 10, "a/bc.npy": 16, "z": 0}
+  assert store.list("a") == {"a/b.npy": 10, "a/bc.npy": 16}
+  assert store.child("a").list() == {"b.npy": 10, "bc.npy": 16}
+  assert store.size("a/b.npy") == 10 and store.exists("z")
+  assert bytes(store.read("a/b.npy")) == b"0123456789"
+  assert bytes(store.read("a/b.npy", 3, 7)) == b"3456"
+  assert bytes(store.read("a/b.npy", 8, 100)) == b"89"
+  assert bytes(store.read("a/b.npy", 10, 12)) == b""
+  assert [bytes(b) for b in store.read_ranges("a/b.npy", [(0, 2), (5, 9)])] == [
+    b"01",
+    b"5678",
+  ]
+  np.testing.assert_array_equal(
+    np.frombuffer(store.read("a/bc.npy"), np.int32), np.arange(4)
+  )
+  with pytest.raises(FileNotFoundError, match="missing.npy"):
+    store.size("missing.npy")
+  assert not store.exists("missing.npy")
+  store.delete(["a/b.npy", "never-there"])
+  assert sorted(store.list()) == ["a/bc.npy", "z"]
+  assert store.delete_prefix() == 2 and store.list() == {}
+
+
+def test_large_objects_in_parts(store, tmp_path):
+  """Multipart/resumable upload from a file, parallel ranged reads back."""
+  data = np.random.default_rng(0).integers(0, 255, 13 * 2**20, np.uint8)
+  src = tmp_path / "src.bin"
+  src.write_bytes(data.tobytes())
+  store.upload("big/x.bin", str(src))
+  store.write("big/y.bin", data)
+  assert store.list("big") == {"big/x.bin": data.size, "big/y.bin": data.size}
+  out = np.empty(data.size - 100, np.uint8)
+  store.read_into("big/x.bin", 100, memoryview(out))
+  np.testing.assert_array_equal(out, data[100:])
+  dst = tmp_path / "dst.bin"
+  assert store.download("big/y.bin", str(dst)) == data.size
+  assert dst.read_bytes() == data.tobytes()
+  with pytest.raises(OSError, match="truncated"):
+    store.read_into("big/x.bin", 10, memoryview(np.empty(data.size, np.uint8)))
+
+
+def test_create_never_replaces(store):
+  store.create("commit", b"first")
+  with pytest.raises(FileExistsError, match="commit' exists already"):
+    store.create("commit", b"second")
+  assert bytes(store.read("commit")) == b"first"
+
+
+def test_keys_are_checked(store):
+  for bad in ["", "/abs", "a//b", "a/../b", "./a"]:
+    with pytest.raises(ValueError, match="bad key"):
+      store.write(bad, b"x")
+
+
+# S3: concurrency, configuration, faults ----------------------------------------
+
+
+def test_s3_one_of_many_concurrent_creates_wins(s3_env):
+  store = stores.open_storage(API, f"s3://ckpt/race-{uuid.uuid4().hex}")
+  results = []
+
+  def create(i):
+    try:
+      store.create("marker", f"writer {i}".encode())
+      results.append(i)
+    except FileExistsError:
+      pass
+
+  threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(results) == 1
+  assert bytes(store.read("marker")) == f"writer {results[0]}".encode()
+
+
+def test_s3_storage_options_over_the_environment(monkeypatch, s3_endpoint):
+  for k in list(os.environ):
+    if k.startswith("AWS_"):
+      monkeypatch.delenv(k)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing
+  store = stores.open_storage(
+    API,
+    "s3://ckpt/opts",
+    {
+      "endpoint": s3_endpoint,
+      "access_key_id": "a",
+      "secret_access_key": "b",
+      "region": "eu-west-1",
+    },
+  )
+  store.write("x", b"1")
+  assert store.list() == {"x": 1}
+
+
+def test_s3_endpoint_url_s3_wins_over_endpoint_url(s3_env, monkeypatch):
+  monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_env)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+  stores.open_storage(API, "s3://ckpt/e").write("x", b"1")
+
+
+def test_s3_missing_bucket(s3_env):
+  store = stores.open_storage(API, "s3://no-such-bucket/run")
+  with pytest.raises(FileNotFoundError) as e:
+    store.write("x.npy", b"1")
+  msg = str(e.value)
+  assert "s3://no-such-bucket/run/x.npy" in msg
+  assert "bucket 'no-such-bucket' does not exist" in msg and "create it" in msg
+
+
+@pytest.mark.parametrize("status", [503, 500, 429])
+def test_s3_throttling_and_5xx_retried_then_named(monkeypatch, status):
+  with object_servers.failing_server(status) as (endpoint, counter):
+    for k, v in object_servers.S3_ENV.items():
+      monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    store = stores.open_storage(API, "s3://b/p", {"max_retries": 2})
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as e:
+      store.read("w.npy", 0, 10)
+    assert time.monotonic() - t0 < 30
+    msg = str(e.value)
+    assert "s3://b/p/w.npy" in msg and "reading" in msg
+    assert "2 retries" in msg and endpoint in msg
+    assert counter.count == 3 if status != 429 else counter.count >= 1
+
+
+def test_s3_server_not_there(monkeypatch):
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  port = object_servers.free_port()
+  monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+  store = stores.open_storage(
+    API, "s3://b/p", {"max_retries": 1, "retry_timeout_s": 5}
+  )
+  with pytest.raises(OSError, match=r"writing 's3://b/p/k' failed"):
+    store.write("k", b"x")
+
+
+def test_storage_options_checked(s3_env):
+  with pytest.raises(ValueError, match="max_retries"):
+    stores.open_storage(API, "s3://ckpt/x", {"max_retries": -1})
+
+
+# GCS -----------------------------------------------------------------------
+
+
+def test_gcs_emulator_from_the_environment(gcs_env):
+  store = stores.open_storage(API, "gs://ckpt/env")
+  store.write("k", b"v")
+  assert store.list() == {"k": 1}
+
+
+def test_gcs_explicit_endpoint(monkeypatch, gcs_endpoint):
+  monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+  store = stores.open_storage(
+    API, "gs://ckpt/explicit", {"endpoint": gcs_endpoint}
+  )
+  store.write("k", b"v")
+  assert bytes(store.read("k")) == b"v"
+
+
+def test_gcs_missing_bucket(gcs_env):
+  store = stores.open_storage(API, "gs://no-such-bucket/run")
+  with pytest.raises(FileNotFoundError, match="bucket 'no-such-bucket'"):
+    store.read("x.npy", 0, 4)
+
+
+def test_gcs_unknown_option(gcs_env):
+  with pytest.raises(ValueError, match="not GCS options"):
+    stores.open_storage(API, "gs://ckpt/x", {"access_key_id": "a"})
+
+
+# Azure: configuration only (no Azure server runs here) --------------------------
+
+
+def test_azure_connection_string(monkeypatch):
+  monkeypatch.setenv(
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+    "AccountKey=a2V5;BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;",
+  )
+  assert stores._connection_string(
+    os.environ["AZURE_STORAGE_CONNECTION_STRING"]
+  ) == {
+    "account_name": "devstoreaccount1",
+    "account_key": "a2V5",
+    "endpoint": "http://127.0.0.1:10000/devstoreaccount1",
+  }
+  store = stores.open_storage(API, "az://container/run")
+  assert store.url == "az://container/run"
+  assert stores._connection_string("UseDevelopmentStorage=true") == {
+    "use_emulator": True
+  }
