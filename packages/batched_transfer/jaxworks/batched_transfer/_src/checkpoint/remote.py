@@ -1,0 +1,231 @@
+"""Checkpoints in object stores: the same files, committed by their record.
+
+A checkpoint in a bucket is the objects a local save writes, under the
+URL's prefix, with the same names and bytes (a directory copied with any
+tool restores from the bucket, and back). Object stores have no rename and
+no fsync, so the commit is the record, ``jaxworks_dtypes.json``, written
+last with a conditional create: a prefix without its record is a save that
+did not commit, and reads as absent; of two saves to one new path exactly
+one creates the record, the other raises ``FileExistsError``.
+
+``save`` writes the checkpoint to a local temporary directory with the
+local writer (checksums and all), uploads every file in parallel (large
+ones in parts), then creates the record. An overwrite first writes and
+commits the new checkpoint under ``.<name>.jaxworks-new-<hex>`` beside the
+path, then removes the old record, replaces the objects at the path and
+creates the record again; a reader that finds no record at the path reads
+the committed copy beside it, so at every moment one complete checkpoint
+is readable. ``fetch`` copies a checkpoint (or only the headers of its
+arrays, for ``metadata``) into a local temporary directory, read in
+parallel ranges, for the local reader, which checks every CRC-32C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import os
+import secrets
+import shutil
+import tempfile
+from typing import Any
+
+from . import format
+from . import stores
+from .storage import LOG
+from .storage import Storage
+
+_NEW = ".jaxworks-new-"
+#: Bytes of an ``.npy`` file that ``metadata`` reads (its header).
+HEADER_BYTES = 64 * 1024
+
+
+def _local_files(root: str) -> dict[str, str]:
+  """``{key: local path}`` of every file under ``root``."""
+  out = {}
+  for dirpath, _, names in os.walk(root):
+    for n in names:
+      full = os.path.join(dirpath, n)
+      out[os.path.relpath(full, root).replace(os.sep, "/")] = full
+  return out
+
+
+def _stagings(parent: Storage, name: str) -> dict[str, bool]:
+  """``{prefix: committed}`` of the ``.<name>.jaxworks-new-*`` prefixes."""
+  out: dict[str, bool] = {}
+  start = f".{name}{_NEW}"
+  for key in parent.list():
+    head, _, rest = key.partition("/")
+    if head.startswith(start):
+      out[head] = out.get(head, False) or rest == format.RECORD
+  return out
+
+
+def _upload(st: Storage, files: dict[str, str]) -> None:
+  from .storage import run_parallel
+
+  run_parallel(
+    lambda kv: st.upload(kv[0], kv[1]), sorted(files.items()), st.concurrency
+  )
+
+
+def _exists(api: str, url: str) -> FileExistsError:
+  return FileExistsError(
+    f"{api}: a checkpoint exists at {url!r}; pass overwrite=True to "
+    "replace it, or save to another path"
+  )
+
+
+def save(
+  api: str,
+  url: str,
+  storage_options: dict[str, Any] | None,
+  overwrite: bool,
+  save_local: Callable[[str], None],
+) -> None:
+  """Saves to the object-store ``url``; ``save_local(path)`` writes the files.
+
+  Raises:
+    FileExistsError: a checkpoint is committed at ``url`` and not
+      ``overwrite``, or another save committed there meanwhile.
+  """
+  st = stores.open_storage(api, url, storage_options)
+  loc = st.location
+  if not loc.prefix:
+    raise ValueError(
+      f"{api}: {url!r} is a bucket's root; save to a prefix in it "
+      f"({loc.scheme}://{loc.bucket}/NAME)"
+    )
+  parent, name = st._at(loc.parent), loc.name
+  with tempfile.TemporaryDirectory(prefix="jaxworks-upload-") as tmp:
+    local = os.path.join(tmp, name)
+    if name.endswith(".npz"):
+      exists = parent.exists(name)
+      if exists and not overwrite:
+        raise _exists(api, url)
+      save_local(local)
+      if exists:
+        parent.upload(name, local)  # one object: replaced atomically
+      else:
+        with open(local, "rb") as f:
+          try:
+            parent.create(name, f.read())
+          except FileExistsError:
+            raise _exists(api, url) from None
+      LOG.info("saved %s", url)
+      return
+    stagings = _stagings(parent, name)
+    committed = st.exists(format.RECORD) or any(stagings.values())
+    if committed and not overwrite:
+      raise _exists(api, url)
+    save_local(local)
+    files = _local_files(local)
+    record = files.pop(format.RECORD)
+    with open(record, "rb") as f:
+      record_bytes = f.read()
+    if committed:
+      # The new one committed beside the path first: always one readable.
+      new = parent.child(f".{name}{_NEW}{secrets.token_hex(8)}")
+      _upload(new, files)
+      new.create(format.RECORD, record_bytes)
+      st.delete([format.RECORD])
+    stale = set(st.list()) - set(files)
+    st.delete(sorted(stale))
+    _upload(st, files)
+    try:
+      st.create(format.RECORD, record_bytes)
+    except FileExistsError:
+      raise _exists(api, url) from None
+    for prefix in stagings:  # of saves killed before they finished
+      parent.child(prefix).delete_prefix()
+    if committed:
+      new.delete_prefix()
+  LOG.info("saved %s (%d objects)", url, len(files) + 1)
+
+
+def source(api: str, st: Storage) -> Storage:
+  """The committed checkpoint at ``st``, or the one an overwrite left beside.
+
+  Raises:
+    FileNotFoundError: no record at the URL nor beside it.
+  """
+  if st.exists(format.RECORD):
+    return st
+  loc = st.location
+  if loc.prefix:
+    parent = st._at(loc.parent)
+    done = [p for p, ok in _stagings(parent, loc.name).items() if ok]
+    if done:
+      return parent.child(sorted(done)[-1])
+  raise FileNotFoundError(
+    f"{api}: no checkpoint at {st.url!r}: no {format.RECORD} there (a "
+    "prefix without it is a save that did not commit, and is absent)"
+  )
+
+
+def fetch(
+  api: str,
+  url: str,
+  storage_options: dict[str, Any] | None,
+  into: str,
+  headers_only: bool = False,
+) -> str:
+  """Copies the checkpoint at ``url`` under the local directory ``into``.
+
+  Args:
+    headers_only: copy only the first ``HEADER_BYTES`` of each ``.npy``
+      (the rest of the local file is a hole of the object's size): enough
+      for ``metadata``.
+
+  Returns:
+    The local path of the copy.
+  """
+  st = stores.open_storage(api, url, storage_options)
+  loc = st.location
+  local = os.path.join(into, loc.name or loc.bucket)
+  if loc.name.endswith(".npz") and st._at(loc.parent).exists(loc.name):
+    st._at(loc.parent).download(loc.name, local)
+    return local
+  src = source(api, st)
+  objects = src.list()
+
+  def one(item: tuple[str, int]) -> None:
+    key, size = item
+    dst = os.path.join(local, *key.split("/"))
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if headers_only and key.endswith(".npy") and size > HEADER_BYTES:
+      with open(dst, "wb") as f:
+        f.write(bytes(src.read(key, 0, HEADER_BYTES)))
+        f.truncate(size)
+    else:
+      src.download(key, dst)
+
+  from .storage import run_parallel
+
+  os.makedirs(local, exist_ok=True)
+  run_parallel(one, sorted(objects.items()), src.concurrency)
+  LOG.debug("fetched %s (%d objects)", src.url, len(objects))
+  return local
+
+
+class Fetched:
+  """A checkpoint fetched into a temporary directory, removed on close."""
+
+  def __init__(
+    self,
+    api: str,
+    url: str,
+    storage_options: dict[str, Any] | None,
+    headers_only: bool = False,
+  ) -> None:
+    self._tmp = tempfile.mkdtemp(prefix="jaxworks-fetch-")
+    try:
+      self.path = fetch(api, url, storage_options, self._tmp, headers_only)
+    except BaseException:
+      shutil.rmtree(self._tmp, ignore_errors=True)
+      raise
+
+  def __enter__(self) -> str:
+    return self.path
+
+  def __exit__(self, *exc: object) -> None:
+    shutil.rmtree(self._tmp, ignore_errors=True)

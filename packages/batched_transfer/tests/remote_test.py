@@ -1,0 +1,220 @@
+"""Checkpoints in buckets, against moto's S3 server and gcp-storage-emulator
+started on 127.0.0.1 by this test: the same files as on disk (copied with
+boto3 either way, they restore), the record as the commit marker created
+last and only once, a prefix without it absent, an overwrite that keeps a
+complete checkpoint readable at every step, and leftovers of killed saves.
+"""
+
+import os
+import sys
+import uuid
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import object_servers  # noqa: E402
+
+from jaxworks import batched_transfer as bt  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
+
+API = "test"
+RECORD = "jaxworks_dtypes.json"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+  with object_servers.s3_server() as endpoint:
+    object_servers.s3_bucket(endpoint, "ckpt")
+    yield endpoint
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint():
+  with object_servers.gcs_server() as endpoint:
+    object_servers.gcs_bucket(endpoint, "ckpt")
+    yield endpoint
+
+
+@pytest.fixture(params=["s3", "gs"])
+def url(request, monkeypatch):
+  if request.param == "s3":
+    endpoint = request.getfixturevalue("s3_endpoint")
+    for k, v in object_servers.S3_ENV.items():
+      monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+  else:
+    endpoint = request.getfixturevalue("gcs_endpoint")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+  return f"{request.param}://ckpt/run-{uuid.uuid4().hex}/ckpt"
+
+
+def tree(seed):
+  rng = np.random.default_rng(seed)
+  return {
+    "params": {
+      "w": rng.standard_normal((64, 32), np.float32),
+      "b": jax.numpy.arange(8, dtype=jax.numpy.int32) + seed,
+    },
+    "big": rng.standard_normal(3 * 2**20 // 4 + 5).astype(np.float32),
+    "run": f"exp-{seed}",
+    "step": seed,
+  }
+
+
+def save(url, t, overwrite=False):
+  remote.save(
+    API, url, None, overwrite, lambda p: bt.save(p, t, overwrite=False)
+  )
+
+
+def restore(url, target=None):
+  with remote.Fetched(API, url, None) as local:
+    return bt.restore(local, target)
+
+
+def metadata(url):
+  with remote.Fetched(API, url, None, headers_only=True) as local:
+    return bt.metadata(local)
+
+
+def check(out, t):
+  assert out["run"] == t["run"] and out["step"] == t["step"]
+  for k in ("w", "b"):
+    np.testing.assert_array_equal(out["params"][k], t["params"][k])
+  np.testing.assert_array_equal(out["big"], t["big"])
+
+
+def test_save_restore_metadata(url):
+  t = tree(1)
+  save(url, t)
+  st = stores.open_storage(API, url)
+  assert set(st.list()) == {
+    "big.npy",
+    RECORD,
+    "params/b.npy",
+    "params/w.npy",
+    "step.npy",
+  }
+  check(restore(url), t)
+  like = jax.tree.map(
+    lambda x: (
+      x if isinstance(x, (str, int)) else jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ),
+    t,
+  )
+  check(restore(url, like), t)
+  m = metadata(url)
+  assert m["big"].shape == t["big"].shape and m["run"] == "exp-1"
+  assert m["params"]["w"].dtype == np.float32
+
+
+def test_second_save_without_overwrite_raises(url):
+  save(url, tree(1))
+  with pytest.raises(FileExistsError, match="pass overwrite=True"):
+    save(url, tree(2))
+  check(restore(url), tree(1))
+
+
+def test_prefix_without_record_is_absent(url):
+  st = stores.open_storage(API, url)
+  st.write("w.npy", b"half a save")
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    restore(url)
+  save(url, tree(3))  # the next save cleans up and commits
+  check(restore(url), tree(3))
+  assert "w.npy" not in st.list()
+
+
+def test_overwrite_keeps_one_complete_checkpoint(url, monkeypatch):
+  save(url, tree(1))
+  seen = []
+  real_delete = stores.storage.Storage.delete_prefix
+
+  st = stores.open_storage(API, url)
+  cls = type(st)
+  real_create = cls.create
+
+  def create(self, key, data):
+    # Before each commit (the staging copy's, then the path's): what a
+    # reader sees now is whole, old or new.
+    seen.append(restore(url)["step"])
+    return real_create(self, key, data)
+
+  monkeypatch.setattr(cls, "create", create)
+  save(url, tree(2), overwrite=True)
+  monkeypatch.setattr(cls, "create", real_create)
+  assert seen == [1, 2], seen  # old until the staging commit, then new
+  check(restore(url), tree(2))
+  parent = stores.open_storage(API, url.rsplit("/", 1)[0])
+  assert not [k for k in parent.list() if ".jaxworks-new-" in k]
+  del real_delete
+
+
+def test_killed_overwrite_leaves_the_new_one_readable(url):
+  """Killed after the old record was removed: the staging copy is read."""
+  save(url, tree(1))
+  st = stores.open_storage(API, url)
+  parent = stores.open_storage(API, url.rsplit("/", 1)[0])
+  name = url.rsplit("/", 1)[1]
+  new = parent.child(f".{name}.jaxworks-new-0123456789abcdef")
+  with remote.Fetched(API, url, None) as local:
+    for key, path in remote._local_files(local).items():
+      new.upload(key, path)
+  st.delete([RECORD])
+  check(restore(url), tree(1))  # from the committed copy beside the path
+  with pytest.raises(FileExistsError):
+    save(url, tree(2))  # still a checkpoint there
+  save(url, tree(2), overwrite=True)
+  check(restore(url), tree(2))
+  assert not [k for k in parent.list() if ".jaxworks-new-" in k]
+
+
+def test_npz_object(url):
+  url = url + ".npz"
+  save(url, tree(4))
+  check(restore(url), tree(4))
+  with pytest.raises(FileExistsError):
+    save(url, tree(5))
+  save(url, tree(5), overwrite=True)
+  check(restore(url), tree(5))
+
+
+def test_truncated_object_after_commit_is_an_error(url):
+  save(url, tree(6))
+  st = stores.open_storage(API, url)
+  data = bytes(st.read("big.npy"))
+  st.write("big.npy", data[:-4096])
+  with pytest.raises(ValueError, match="big"):
+    restore(url)
+
+
+def test_same_files_as_on_disk_both_ways(tmp_path, s3_endpoint, monkeypatch):
+  """Copied with boto3 from disk to the bucket and back, both restore."""
+  import boto3
+
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+  client = boto3.client("s3", endpoint_url=s3_endpoint)
+  t = tree(7)
+  local = str(tmp_path / "disk")
+  bt.save(local, t)
+  prefix = f"copied-{uuid.uuid4().hex}"
+  for key, path in remote._local_files(local).items():
+    client.upload_file(path, "ckpt", f"{prefix}/{key}")
+  check(restore(f"s3://ckpt/{prefix}"), t)
+
+  url = f"s3://ckpt/saved-{uuid.uuid4().hex}"
+  save(url, t)
+  back = tmp_path / "back"
+  listing = client.list_objects_v2(Bucket="ckpt", Prefix=url[10:] + "/")
+  for obj in listing["Contents"]:
+    dst = back / obj["Key"][len(url) - 9 :]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    client.download_file("ckpt", obj["Key"], str(dst))
+  check(bt.restore(str(back)), t)
+  assert sorted(os.listdir(back)) == sorted(os.listdir(local))
