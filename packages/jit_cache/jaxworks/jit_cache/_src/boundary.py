@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import functools
 import os
+from typing import Any
 
 from . import deps as _deps
 from . import jax_internals as ji
@@ -37,13 +38,26 @@ def entry_point(method: Callable) -> Callable:
     try:
       return method(self, *args, **kwargs)
     except (NameError, AssertionError) as e:
-      if ji.current_trace.value is not ji.eval_trace:
-        raise  # an outer trace (axis_names' own, a user's) handles it
-      found = _deps.load_axis_names().diagnose(
-        e, self._fun, *args, api=API, **kwargs
-      )  # pylint: disable=protected-access
+      found = axis_name_error(self, e, args, kwargs)
       if found is None:
         raise
       raise found from e
 
   return ji.api_boundary(entry)
+
+
+def axis_name_error(
+  fn: Any, error: BaseException, args: tuple, kwargs: dict
+) -> BaseException | None:
+  """axis_names' diagnostic for JAX's error about an unbound axis name in a
+  top-level call of ``fn``; None for any other error, and under an outer
+  trace (which handles it: axis_names' own, a user's)."""
+  if ji.current_trace.value is not ji.eval_trace:
+    return None
+  return _deps.load_axis_names().diagnose(
+    error,
+    fn._fun,  # pylint: disable=protected-access
+    *args,
+    api=API,
+    **kwargs,
+  )
