@@ -218,3 +218,48 @@ def test_same_files_as_on_disk_both_ways(tmp_path, s3_endpoint, monkeypatch):
     client.download_file("ckpt", obj["Key"], str(dst))
   check(bt.restore(str(back)), t)
   assert sorted(os.listdir(back)) == sorted(os.listdir(local))
+
+
+# The public API ---------------------------------------------------------------
+
+
+def test_public_save_restore_metadata(url):
+  t = tree(8)
+  assert bt.save(url, t) is None
+  check(bt.restore(url), t)
+  assert bt.metadata(url)["params"]["w"].shape == (64, 32)
+  with pytest.raises(FileExistsError, match="pass overwrite=True"):
+    bt.save(url, t)
+  handle = bt.save(url, tree(9), overwrite=True, blocking=False)
+  handle.wait()
+  check(bt.restore(url), tree(9))
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    bt.restore(url + "-none")
+
+
+def test_public_storage_options(s3_endpoint, monkeypatch):
+  for k in list(os.environ):
+    if k.startswith("AWS_"):
+      monkeypatch.delenv(k)
+  opts = {
+    "endpoint": s3_endpoint,
+    "access_key_id": "a",
+    "secret_access_key": "b",
+    "region": "us-east-1",
+  }
+  url = f"s3://ckpt/opts-{uuid.uuid4().hex}"
+  bt.save(url, tree(10), storage_options=opts)
+  check(bt.restore(url, storage_options=opts), tree(10))
+  assert bt.metadata(url, storage_options=opts)["run"] == "exp-10"
+  with pytest.raises(ValueError, match="storage_options are for"):
+    bt.restore("/tmp/x", storage_options=opts)
+
+
+def test_public_missing_bucket_is_raised_by_the_call(s3_endpoint, monkeypatch):
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+  with pytest.raises(FileNotFoundError, match="bucket 'no-such-bucket'"):
+    bt.save("s3://no-such-bucket/x", tree(11), blocking=False)
+  with pytest.raises(FileNotFoundError, match="no-such-bucket"):
+    bt.restore("s3://no-such-bucket/x")

@@ -89,7 +89,7 @@ def test_missing_parents_are_created(tmp_path):
 
 
 @pytest.mark.parametrize(
-  "url", ["gs://bucket/ckpt", "s3://b/x.npz", "file:///tmp/x"]
+  "url", ["hdfs://namenode/ckpt", "http://host/x.npz", "file:///tmp/x"]
 )
 def test_a_url_is_refused_naming_the_path_and_the_fix(tmp_path, url):
   with pytest.raises(ValueError, match="is a URL") as info:

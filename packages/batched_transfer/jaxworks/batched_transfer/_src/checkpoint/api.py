@@ -34,12 +34,14 @@ from . import hostvalue
 from . import multiprocess
 from . import pending
 from . import reader
+from . import remote
 from . import restore_files
 from . import restore_shards
 from . import target as target_lib
 from . import writer
 from .keys import check_files
 from .pending import SaveHandle as SaveHandle
+from .storage import SCHEMES
 
 _API = "jaxworks.batched_transfer"
 DEFAULT_INFLIGHT = 1024 * 2**20
@@ -67,6 +69,7 @@ def save(
   max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
   barrier_timeout_s: float = 300.0,
   collective: bool | None = None,
+  storage_options: dict[str, Any] | None = None,
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
@@ -88,8 +91,10 @@ def save(
   Args:
     path: "<name>.npz" for one uncompressed archive (restore reads its
       members in place), anything else for a directory with one "<key>.npy"
-      per leaf. Missing parent directories are created. URLs (``gs://...``)
-      are refused: save writes local or mounted file systems.
+      per leaf. Missing parent directories are created. An ``s3://``,
+      ``gs://`` or ``az://`` URL saves the same files to that prefix of a
+      bucket, committed by creating the record last with a conditional put
+      (see the README, "Object stores"); other URLs are refused.
     tree: a pytree whose leaves are arrays (numpy or jax.Array of the
       bool, integer, floating, complex and ml_dtypes types JAX holds),
       numpy scalars, Python scalars (stored as the 0-d array
@@ -131,6 +136,10 @@ def save(
       leaves were checked to be equal to process 0's. False: this process
       writes the checkpoint alone (its own path; arrays spanning processes
       are refused).
+    storage_options: for a URL, settings over the cloud's standard
+      environment (``endpoint``, ``region``, ``profile``, ``project``,
+      ``credentials``, ``max_retries``, ``retry_timeout_s``, the store's
+      own keys such as ``access_key_id``; see the README).
 
   A collective save raises an error of any process on every process at
   once, the others' ``RuntimeError`` naming it (see the README,
@@ -158,6 +167,13 @@ def save(
   # A collective save's number first: any error below is every process's.
   with multiprocess.ticket(api, path, collective) as ticket:
     path = os.fspath(path)
+    if _remote(path):
+      return _save_url(
+        api, path, tree, overwrite=overwrite, blocking=blocking,
+        write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+        storage_options=storage_options, ticket=ticket,
+      )  # fmt: skip
+    _no_options(api, path, storage_options)
     commit.check_local(api, path)
     path = path.rstrip(os.sep) or path
     return run_save(
@@ -166,6 +182,52 @@ def save(
       barrier_timeout_s=barrier_timeout_s, collective=collective,
       prelude=lambda: pending.raise_background_error(api), ticket=ticket,
     )  # fmt: skip
+
+
+def _remote(path: Any) -> bool:
+  """True for an ``s3://``, ``gs://`` or ``az://`` URL."""
+  return isinstance(path, str) and path.partition("://")[0].lower() in SCHEMES
+
+
+def _no_options(api: str, path: str, storage_options: Any) -> None:
+  if storage_options:
+    raise ValueError(
+      f"{api}: storage_options are for s3://, gs:// and az:// URLs; "
+      f"{path!r} is a local path"
+    )
+
+
+def _save_url(
+  api: str,
+  url: str,
+  tree: Any,
+  *,
+  overwrite: bool,
+  blocking: bool,
+  write_threads: int | None,
+  max_inflight_bytes: int | None,
+  storage_options: dict[str, Any] | None,
+  ticket: multiprocess.Ticket | None,
+) -> pending.SaveHandle | None:
+  """A save to an object store: written locally, uploaded, committed."""
+  if ticket is not None:
+    raise ValueError(
+      f"{api}: {url!r}: saves of several processes to an object store are "
+      "not supported yet; save with collective=False to a URL per process, "
+      "or to a shared file system"
+    )
+  up = remote.Upload(api, url, storage_options, overwrite)
+  try:
+    handle = run_save(
+      api, up.local, tree, overwrite=False, blocking=blocking,
+      write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+      collective=False, prelude=lambda: pending.raise_background_error(api),
+      after=up.finish,
+    )  # fmt: skip
+  except BaseException:
+    up.abort()
+    raise
+  return handle
 
 
 def run_save(
@@ -318,6 +380,7 @@ def restore(
   max_inflight_bytes: int = 256 * 2**20,
   read_threads: int | None = None,
   progress: bool | None = None,
+  storage_options: dict[str, Any] | None = None,
 ) -> Any:
   """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
 
@@ -366,6 +429,11 @@ def restore(
       CPU count, at most 8); 1 reads each file on one thread.
     progress: draw a progress bar on stderr: True, False, or None (only when
       stderr is a terminal).
+    storage_options: for an ``s3://``, ``gs://`` or ``az://`` URL, settings
+      over the cloud's standard environment (as ``save``). A URL's objects
+      are copied to a local temporary directory in parallel ranged reads,
+      then restored from there (every check above included); a prefix
+      without its record is absent.
 
   Returns:
     A pytree like ``target`` of placed jax.Arrays (weakly typed where the target
@@ -387,6 +455,14 @@ def restore(
   """
   api = f"{_API}.restore"
   path = os.fspath(path)
+  if _remote(path):
+    with remote.Fetched(api, path, storage_options) as local:
+      return restore(
+        local, target, placement=placement, partial_restore=partial_restore,
+        verify=verify, max_inflight_bytes=max_inflight_bytes,
+        read_threads=read_threads, progress=progress,
+      )  # fmt: skip
+  _no_options(api, path, storage_options)
   if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
     raise ValueError(
       f"{api}: max_inflight_bytes must be a positive int, got "
@@ -427,7 +503,9 @@ def _open(
   return restore_files.open_checkpoint(api, path) if opened is None else opened
 
 
-def metadata(path: str | os.PathLike[str]) -> Any:
+def metadata(
+  path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> Any:
   """The tree a checkpoint holds, read from its headers, manifest and record
   only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype, and
   the ``NamedSharding`` or ``SingleDeviceSharding`` a saved jax.Array had,
@@ -445,6 +523,10 @@ def metadata(path: str | os.PathLike[str]) -> Any:
   {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
   """
   api = f"{_API}.metadata"
+  if _remote(os.fspath(path)):
+    with remote.Fetched(api, os.fspath(path), storage_options, True) as local:
+      return metadata(local)
+  _no_options(api, os.fspath(path), storage_options)
   return target_lib.as_saved(
     *read_record(api, os.fspath(path)), with_shardings=True
   )

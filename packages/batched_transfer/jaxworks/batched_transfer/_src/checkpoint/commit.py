@@ -35,10 +35,10 @@ def check_local(api: str, path: str) -> None:
   """Raises ValueError for a URL (``gs://...``), which save cannot write."""
   if _URL.match(path):
     raise ValueError(
-      f"{api}: {path!r} is a URL; save writes local (or mounted) file "
-      "systems only: save to a local directory and copy it to the bucket "
-      "(e.g. gcloud storage cp -r), or mount the bucket (e.g. gcsfuse) and "
-      "save to the mounted path"
+      f"{api}: {path!r} is a URL it does not take (save, restore and "
+      "metadata take s3://, gs:// and az:// URLs; CheckpointManager not "
+      "yet): use a local path, or mount the bucket (e.g. gcsfuse) and use "
+      "the mounted path"
     )
 
 

@@ -75,6 +75,88 @@ def _exists(api: str, url: str) -> FileExistsError:
   )
 
 
+class Upload:
+  """A save to the object-store ``url``: checked in the call, the local
+  writer writes ``local`` (a temporary directory's), ``finish()`` uploads
+  and commits, ``abort()`` removes the local copy.
+
+  Raises:
+    FileExistsError: a checkpoint is committed at ``url`` and not
+      ``overwrite`` (``finish``: another save committed there meanwhile).
+  """
+
+  def __init__(
+    self,
+    api: str,
+    url: str,
+    storage_options: dict[str, Any] | None,
+    overwrite: bool,
+  ) -> None:
+    self.api, self.url = api, url
+    self.st = st = stores.open_storage(api, url, storage_options)
+    loc = st.location
+    if not loc.prefix:
+      raise ValueError(
+        f"{api}: {url!r} is a bucket's root; save to a prefix in it "
+        f"({loc.scheme}://{loc.bucket}/NAME)"
+      )
+    self.parent, self.name = st._at(loc.parent), loc.name
+    self.npz = self.name.endswith(".npz")
+    if self.npz:
+      self.stagings: dict[str, bool] = {}
+      self.committed = self.parent.exists(self.name)
+    else:
+      self.stagings = _stagings(self.parent, self.name)
+      self.committed = st.exists(format.RECORD) or any(self.stagings.values())
+    if self.committed and not overwrite:
+      raise _exists(api, url)
+    self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
+    self.local = os.path.join(self._tmp.name, self.name)
+
+  def abort(self) -> None:
+    self._tmp.cleanup()
+
+  def finish(self) -> None:
+    try:
+      self._finish()
+    finally:
+      self.abort()
+
+  def _finish(self) -> None:
+    st, parent, name = self.st, self.parent, self.name
+    if self.npz:
+      if self.committed:
+        parent.upload(name, self.local)  # one object: replaced atomically
+      else:
+        with open(self.local, "rb") as f:
+          try:
+            parent.create(name, f.read())
+          except FileExistsError:
+            raise _exists(self.api, self.url) from None
+      LOG.info("saved %s", self.url)
+      return
+    files = _local_files(self.local)
+    with open(files.pop(format.RECORD), "rb") as f:
+      record = f.read()
+    if self.committed:
+      # The new one committed beside the path first: always one readable.
+      new = parent.child(f".{name}{_NEW}{secrets.token_hex(8)}")
+      _upload(new, files)
+      new.create(format.RECORD, record)
+      st.delete([format.RECORD])
+    st.delete(sorted(set(st.list()) - set(files)))
+    _upload(st, files)
+    try:
+      st.create(format.RECORD, record)
+    except FileExistsError:
+      raise _exists(self.api, self.url) from None
+    for prefix in self.stagings:  # of saves killed before they finished
+      parent.child(prefix).delete_prefix()
+    if self.committed:
+      new.delete_prefix()
+    LOG.info("saved %s (%d objects)", self.url, len(files) + 1)
+
+
 def save(
   api: str,
   url: str,
@@ -82,64 +164,13 @@ def save(
   overwrite: bool,
   save_local: Callable[[str], None],
 ) -> None:
-  """Saves to the object-store ``url``; ``save_local(path)`` writes the files.
-
-  Raises:
-    FileExistsError: a checkpoint is committed at ``url`` and not
-      ``overwrite``, or another save committed there meanwhile.
-  """
-  st = stores.open_storage(api, url, storage_options)
-  loc = st.location
-  if not loc.prefix:
-    raise ValueError(
-      f"{api}: {url!r} is a bucket's root; save to a prefix in it "
-      f"({loc.scheme}://{loc.bucket}/NAME)"
-    )
-  parent, name = st._at(loc.parent), loc.name
-  with tempfile.TemporaryDirectory(prefix="jaxworks-upload-") as tmp:
-    local = os.path.join(tmp, name)
-    if name.endswith(".npz"):
-      exists = parent.exists(name)
-      if exists and not overwrite:
-        raise _exists(api, url)
-      save_local(local)
-      if exists:
-        parent.upload(name, local)  # one object: replaced atomically
-      else:
-        with open(local, "rb") as f:
-          try:
-            parent.create(name, f.read())
-          except FileExistsError:
-            raise _exists(api, url) from None
-      LOG.info("saved %s", url)
-      return
-    stagings = _stagings(parent, name)
-    committed = st.exists(format.RECORD) or any(stagings.values())
-    if committed and not overwrite:
-      raise _exists(api, url)
-    save_local(local)
-    files = _local_files(local)
-    record = files.pop(format.RECORD)
-    with open(record, "rb") as f:
-      record_bytes = f.read()
-    if committed:
-      # The new one committed beside the path first: always one readable.
-      new = parent.child(f".{name}{_NEW}{secrets.token_hex(8)}")
-      _upload(new, files)
-      new.create(format.RECORD, record_bytes)
-      st.delete([format.RECORD])
-    stale = set(st.list()) - set(files)
-    st.delete(sorted(stale))
-    _upload(st, files)
-    try:
-      st.create(format.RECORD, record_bytes)
-    except FileExistsError:
-      raise _exists(api, url) from None
-    for prefix in stagings:  # of saves killed before they finished
-      parent.child(prefix).delete_prefix()
-    if committed:
-      new.delete_prefix()
-  LOG.info("saved %s (%d objects)", url, len(files) + 1)
+  """Saves to the object-store ``url``; ``save_local(path)`` writes the files."""
+  up = Upload(api, url, storage_options, overwrite)
+  try:
+    save_local(up.local)
+    up.finish()
+  finally:
+    up.abort()
 
 
 def source(api: str, st: Storage) -> Storage:

@@ -163,8 +163,9 @@ class ObstoreStorage(Storage):
         f"{self.api}: {where!r} exists already; delete it, or pass "
         "overwrite=True where the API takes it"
       )
-    if isinstance(err, (exc.NotFoundError, FileNotFoundError)):
-      if "NoSuchBucket" in str(err) or "ContainerNotFound" in str(err):
+    missing = "NoSuchBucket" in str(err) or "ContainerNotFound" in str(err)
+    if missing or isinstance(err, (exc.NotFoundError, FileNotFoundError)):
+      if missing:
         return FileNotFoundError(
           f"{self.api}: {doing} {where!r}: the bucket "
           f"{self.location.bucket!r} does not exist{via}; create it, or "
