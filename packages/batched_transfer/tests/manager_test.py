@@ -85,7 +85,7 @@ def test_placement_and_bad_arguments(tmp_path):
   with pytest.raises(ValueError, match="max_to_keep must be a positive int"):
     bt.CheckpointManager(tmp_path, max_to_keep=0)
   with pytest.raises(ValueError, match="is a URL"):
-    bt.CheckpointManager("gs://bucket/run")
+    bt.CheckpointManager("hdfs://namenode/run")
   with pytest.raises(TypeError, match="step must be an int"):
     mgr.save("3", {})
   with pytest.raises(TypeError, match="pass the tree to save, or items="):

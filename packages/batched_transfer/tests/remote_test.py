@@ -263,3 +263,38 @@ def test_public_missing_bucket_is_raised_by_the_call(s3_endpoint, monkeypatch):
     bt.save("s3://no-such-bucket/x", tree(11), blocking=False)
   with pytest.raises(FileNotFoundError, match="no-such-bucket"):
     bt.restore("s3://no-such-bucket/x")
+
+
+# CheckpointManager ---------------------------------------------------------------
+
+
+def test_manager_in_a_bucket(url):
+  directory = url.rsplit("/", 1)[0] + "/steps"
+  mgr = bt.CheckpointManager(
+    directory, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min"
+  )
+  for step, loss in [(1, 0.9), (2, 0.4), (3, 0.7), (4, 0.6)]:
+    mgr.save(step, tree(step), metrics={"loss": loss})
+  mgr.wait_until_finished()
+  assert mgr.all_steps() == [2, 4] and mgr.best_step() == 2
+  assert mgr.latest_step() == 4 and mgr.metrics(2) == {"loss": 0.4}
+  check(mgr.restore(2), tree(2))
+  meta = mgr.metadata(4)
+  assert meta.item_metadata["params"]["w"].shape == (64, 32)
+  assert meta.commit_timestamp_nsecs > 0
+  with pytest.raises(FileExistsError, match="step 4 exists"):
+    mgr.save(4, tree(4), force=True)
+  mgr.delete(2)
+  assert mgr.all_steps() == [4]
+  st = stores.open_storage(API, directory)
+  assert not [k for k in st.list() if k.startswith("2/")]
+  # A step without its record (a killed save) is not listed.
+  st.write("7/params/w.npy", b"half")
+  other = bt.CheckpointManager(directory)
+  assert other.all_steps() == [4]
+  other.reload()
+  check(other.restore(), tree(4))
+  mgr.save(7, tree(7), blocking=True)
+  assert other.all_steps() == [4, 7] and other.latest_step() == 7
+  check(other.restore(7), tree(7))
+  mgr.close()

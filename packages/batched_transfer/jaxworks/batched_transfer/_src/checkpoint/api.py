@@ -167,13 +167,13 @@ def save(
   # A collective save's number first: any error below is every process's.
   with multiprocess.ticket(api, path, collective) as ticket:
     path = os.fspath(path)
-    if _remote(path):
-      return _save_url(
+    if is_remote(path):
+      return save_url(
         api, path, tree, overwrite=overwrite, blocking=blocking,
         write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
         storage_options=storage_options, ticket=ticket,
       )  # fmt: skip
-    _no_options(api, path, storage_options)
+    no_options(api, path, storage_options)
     commit.check_local(api, path)
     path = path.rstrip(os.sep) or path
     return run_save(
@@ -184,12 +184,12 @@ def save(
     )  # fmt: skip
 
 
-def _remote(path: Any) -> bool:
+def is_remote(path: Any) -> bool:
   """True for an ``s3://``, ``gs://`` or ``az://`` URL."""
   return isinstance(path, str) and path.partition("://")[0].lower() in SCHEMES
 
 
-def _no_options(api: str, path: str, storage_options: Any) -> None:
+def no_options(api: str, path: str, storage_options: Any) -> None:
   if storage_options:
     raise ValueError(
       f"{api}: storage_options are for s3://, gs:// and az:// URLs; "
@@ -197,7 +197,7 @@ def _no_options(api: str, path: str, storage_options: Any) -> None:
     )
 
 
-def _save_url(
+def save_url(
   api: str,
   url: str,
   tree: Any,
@@ -208,8 +208,12 @@ def _save_url(
   max_inflight_bytes: int | None,
   storage_options: dict[str, Any] | None,
   ticket: multiprocess.Ticket | None,
+  prelude: Callable[[], None] | None = None,
+  after: Callable[[], None] | None = None,
+  primary_keys: tuple[str, ...] = (),
 ) -> pending.SaveHandle | None:
-  """A save to an object store: written locally, uploaded, committed."""
+  """A save to an object store: written locally, uploaded, committed;
+  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s."""
   if ticket is not None:
     raise ValueError(
       f"{api}: {url!r}: saves of several processes to an object store are "
@@ -221,8 +225,9 @@ def _save_url(
     handle = run_save(
       api, up.local, tree, overwrite=False, blocking=blocking,
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-      collective=False, prelude=lambda: pending.raise_background_error(api),
-      after=up.finish,
+      collective=False, primary_keys=primary_keys,
+      prelude=prelude or (lambda: pending.raise_background_error(api)),
+      after=lambda: (up.finish(), after and after()),
     )  # fmt: skip
   except BaseException:
     up.abort()
@@ -455,14 +460,14 @@ def restore(
   """
   api = f"{_API}.restore"
   path = os.fspath(path)
-  if _remote(path):
+  if is_remote(path):
     with remote.Fetched(api, path, storage_options) as local:
       return restore(
         local, target, placement=placement, partial_restore=partial_restore,
         verify=verify, max_inflight_bytes=max_inflight_bytes,
         read_threads=read_threads, progress=progress,
       )  # fmt: skip
-  _no_options(api, path, storage_options)
+  no_options(api, path, storage_options)
   if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
     raise ValueError(
       f"{api}: max_inflight_bytes must be a positive int, got "
@@ -523,32 +528,43 @@ def metadata(
   {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
   """
   api = f"{_API}.metadata"
-  if _remote(os.fspath(path)):
+  if is_remote(os.fspath(path)):
     with remote.Fetched(api, os.fspath(path), storage_options, True) as local:
       return metadata(local)
-  _no_options(api, os.fspath(path), storage_options)
+  no_options(api, os.fspath(path), storage_options)
   return target_lib.as_saved(
     *read_record(api, os.fspath(path)), with_shardings=True
   )
 
 
 def read_record(
-  api: str, path: str
+  api: str, path: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``path``, from its headers, manifest and record only."""
+  if is_remote(path):
+    with remote.Fetched(api, path, storage_options, True) as local:
+      return read_record(api, local)
   with contextlib.closing(_open(api, path)) as opened:
     return opened.contents()
 
 
-def read_values(api: str, path: str) -> dict[str, str | None]:
+def read_values(
+  api: str, path: str, storage_options: dict[str, Any] | None = None
+) -> dict[str, str | None]:
   """The ``str`` and None leaves of the directory checkpoint at ``path``,
   from its record alone (no header is read)."""
-  fd = os.open(path, reader.DIR_FLAGS)
-  try:
-    data = reader.read_small(api, path, fd, format.RECORD, "the record")
-  finally:
-    os.close(fd)
+  if is_remote(path):
+    st = remote.source(
+      api, remote.stores.open_storage(api, path, storage_options)
+    )
+    data = bytes(st.read(format.RECORD))
+  else:
+    fd = os.open(path, reader.DIR_FLAGS)
+    try:
+      data = reader.read_small(api, path, fd, format.RECORD, "the record")
+    finally:
+      os.close(fd)
   if data is None:
     return {}
   where = f"the record {format.RECORD!r} of {path!r}"

@@ -35,10 +35,9 @@ def check_local(api: str, path: str) -> None:
   """Raises ValueError for a URL (``gs://...``), which save cannot write."""
   if _URL.match(path):
     raise ValueError(
-      f"{api}: {path!r} is a URL it does not take (save, restore and "
-      "metadata take s3://, gs:// and az:// URLs; CheckpointManager not "
-      "yet): use a local path, or mount the bucket (e.g. gcsfuse) and use "
-      "the mounted path"
+      f"{api}: {path!r} is a URL of a kind it does not take: use an "
+      "s3://, gs:// or az:// URL or a local path, or mount the bucket "
+      "(e.g. gcsfuse) and use the mounted path"
     )
 
 

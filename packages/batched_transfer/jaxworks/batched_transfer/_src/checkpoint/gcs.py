@@ -140,6 +140,12 @@ class GCSStorage(Storage):
       raise FileNotFoundError(f"{self.api}: {self.where(key)!r} does not exist")
     return int(blob.size)
 
+  def mtime_ns(self, key: str) -> int:
+    blob = self._call(key, "reading", self._bucket.get_blob, self._key(key))
+    if blob is None:
+      raise FileNotFoundError(f"{self.api}: {self.where(key)!r} does not exist")
+    return int(blob.updated.timestamp() * 1e9)
+
   def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
     if end is not None and end <= start:
       return b""

@@ -28,6 +28,7 @@ from . import commit
 from . import format
 from . import multiprocess
 from . import pending
+from . import remote
 from . import steps as steps_lib
 from .keys import leaf_keys
 from .steps import METRICS_KEY
@@ -98,8 +99,8 @@ class CheckpointManager:
 
   Args:
     directory: where the steps go, one subdirectory per step (created with
-      its parents if missing, unless ``read_only``). Local or mounted file
-      systems only.
+      its parents if missing, unless ``read_only``): a local path, or an
+      ``s3://``, ``gs://`` or ``az://`` URL (one prefix per step).
     max_to_keep: keep at most this many steps: the newest, or with
       ``best_fn`` the best; the others are deleted after a newer step
       committed, unless another rule keeps them (as orbax, a step any rule
@@ -128,6 +129,9 @@ class CheckpointManager:
     read_only: never write: ``save`` and ``delete`` warn and do nothing,
       retention never runs, the directory is never created; reading works.
     item_names: the names ``save(items=...)`` may use (None: any).
+    storage_options: for an ``s3://``, ``gs://`` or ``az://`` ``directory``
+      (each step a prefix, committed by its record; see the README,
+      "Object stores"), settings over the cloud's standard environment.
   """
 
   def __init__(
@@ -148,10 +152,18 @@ class CheckpointManager:
     step_format_fixed_length: int | None = None,
     read_only: bool = False,
     item_names: Any = None,
+    storage_options: dict[str, Any] | None = None,
   ) -> None:
     directory = os.fspath(directory)
-    commit.check_local(_API, directory)
-    self.directory = os.path.abspath(directory)
+    self._options = storage_options
+    self._store = None
+    if ckpt.is_remote(directory):  # the steps are prefixes in a bucket
+      self._store = remote.stores.open_storage(_API, directory, storage_options)
+      self.directory = directory.rstrip("/")
+    else:
+      ckpt.no_options(_API, directory, storage_options)
+      commit.check_local(_API, directory)
+      self.directory = os.path.abspath(directory)
     self.max_to_keep = ckpt.positive(_API, "max_to_keep", max_to_keep, True)
     self.keep_period = ckpt.positive(_API, "keep_period", keep_period, True)
     if save_interval_steps is None:
@@ -211,11 +223,13 @@ class CheckpointManager:
       for name in item_names:
         check_item_name(_API, name)
     self.item_names = item_names
-    if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+    if self._store is not None:
+      pass
+    elif os.path.lexists(self.directory) and not os.path.isdir(self.directory):
       raise FileExistsError(
         f"{_API}: {directory!r} exists and is not a directory"
       )
-    if not self.read_only:
+    if not self.read_only and self._store is None:
       commit.make_parents(self.directory)
     self._names = steps_lib.StepNames(step_prefix, step_format_fixed_length)
     self._handle: pending.SaveHandle | None = None
@@ -226,7 +240,15 @@ class CheckpointManager:
     self._saved: list[int] = []
 
   def _path(self, step: int) -> str:
+    if self._store is not None:
+      return f"{self.directory}/{self._names.name(step)}"
     return os.path.join(self.directory, self._names.name(step))
+
+  def _committed(self, step: int) -> bool:
+    """Whether ``step`` is committed (a bucket: its record exists)."""
+    if self._store is None:
+      return os.path.isdir(self._path(step))
+    return self._store.exists(f"{self._names.name(step)}/{format.RECORD}")
 
   def _no_step(self, api: str, step: int) -> FileNotFoundError:
     return FileNotFoundError(
@@ -252,6 +274,14 @@ class CheckpointManager:
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending (a step being written is not one)."""
+    if self._store is not None:
+      end = "/" + format.RECORD
+      return sorted(
+        step
+        for key in self._store.list()
+        if key.count("/") == 1 and key.endswith(end)
+        if (step := self._names.parse(key[: -len(end)])) is not None
+      )
     try:
       names = os.listdir(self.directory)
     except FileNotFoundError:
@@ -427,6 +457,13 @@ class CheckpointManager:
 
     def prelude() -> None:
       pending.raise_background_error(api)
+      if self._store is not None:
+        if self._committed(step):
+          raise FileExistsError(
+            f"{api}: step {step} exists in {self.directory!r}; delete(step) "
+            "first"
+          )
+        return  # the save deletes what a killed save of the step left
       if os.path.lexists(path):
         raise FileExistsError(
           f"{api}: step {step} exists in {self.directory!r}; delete(step) first"
@@ -437,6 +474,14 @@ class CheckpointManager:
             commit.remove(p)
 
     self._forget(step)
+    if self._store is not None:
+      prelude()
+      return ckpt.save_url(
+        api, path, tree, overwrite=False, blocking=blocking,
+        write_threads=None, max_inflight_bytes=ckpt.DEFAULT_INFLIGHT,
+        storage_options=self._options, ticket=ticket,
+        prelude=lambda: None, after=self._retain, primary_keys=(METRICS_KEY,),
+      )  # fmt: skip
     return ckpt.run_save(
       api, path, tree, overwrite=False, blocking=blocking, write_threads=None,
       max_inflight_bytes=ckpt.DEFAULT_INFLIGHT, prelude=prelude,
@@ -478,7 +523,7 @@ class CheckpointManager:
         return self._metrics_cache[step]
     path = self._path(step)
     try:
-      text = ckpt.read_values(api, path).get(METRICS_KEY)
+      text = ckpt.read_values(api, path, self._options).get(METRICS_KEY)
     except FileNotFoundError:
       raise self._no_step(api, step) from None
     value = None
@@ -489,6 +534,8 @@ class CheckpointManager:
     return value
 
   def _commit_ns(self, step: int) -> int:
+    if self._store is not None:
+      return self._store.mtime_ns(f"{self._names.name(step)}/{format.RECORD}")
     return os.stat(self._path(step)).st_mtime_ns
 
   def _ranked(self, steps: list[int]) -> tuple[list[int], list[int]]:
@@ -572,12 +619,12 @@ class CheckpointManager:
         )
     step = check_step(api, step)
     path = self._path(step)
-    if not os.path.isdir(path):
+    if not self._committed(step):
       raise self._no_step(api, step)
     return step, path
 
   def _stored(self, path: str) -> Any:
-    tree = ckpt.metadata(path)
+    tree = ckpt.metadata(path, self._options)
     if isinstance(tree, dict):
       tree.pop(METRICS_KEY, None)
     return tree
@@ -630,7 +677,9 @@ class CheckpointManager:
         target = joined
       else:
         kwargs = {**kwargs, "partial_restore": True}
-    out = ckpt.restore(path, target, placement=placement, **kwargs)
+    out = ckpt.restore(
+      path, target, placement=placement, storage_options=self._options, **kwargs
+    )
     if isinstance(out, dict):
       out.pop(METRICS_KEY, None)
     return out
@@ -671,7 +720,13 @@ class CheckpointManager:
       like[name] = stored[name] if t is None else t  # type: ignore[index]
     try:
       kwargs = {**kwargs, "partial_restore": True}
-      out = ckpt.restore(path, like, placement=placement, **kwargs)
+      out = ckpt.restore(
+        path,
+        like,
+        placement=placement,
+        storage_options=self._options,
+        **kwargs,
+      )
     except ValueError as err:
       if stored is None:
         stored = self._stored(path)
@@ -682,7 +737,7 @@ class CheckpointManager:
     # Items restored as saved: Python scalar leaves back as Python scalars
     # (as restore without a target gives them).
     if any(t is None for t in items.values()):
-      python = ckpt.read_record(api, path)[1].python
+      python = ckpt.read_record(api, path, self._options)[1].python
       for name, t in items.items():
         if t is None and python:
           keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
@@ -720,6 +775,16 @@ class CheckpointManager:
 
   def _delete_local(self, step: int, missing_ok: bool = False) -> None:
     path = self._path(step)
+    if self._store is not None:  # the record first: never half listed
+      st = self._store.child(self._names.name(step))
+      if not st.exists(format.RECORD):
+        if missing_ok:
+          return
+        raise self._no_step(f"{_API}.delete", step)
+      st.delete([format.RECORD])
+      st.delete_prefix()
+      self._forget(step)
+      return
     with commit.locked(path):
       if not os.path.isdir(path):
         if missing_ok:

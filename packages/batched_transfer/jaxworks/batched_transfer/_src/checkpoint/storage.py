@@ -235,6 +235,10 @@ class Storage(abc.ABC):
   def size(self, key: str) -> int:
     """The size of ``key``; FileNotFoundError if there is none."""
 
+  @abc.abstractmethod
+  def mtime_ns(self, key: str) -> int:
+    """When ``key`` was last written (ns since the epoch)."""
+
   def exists(self, key: str) -> bool:
     """True if ``key`` exists."""
     try:
@@ -383,6 +387,13 @@ class LocalStorage(Storage):
     fd, size = self._open(key)
     os.close(fd)
     return size
+
+  def mtime_ns(self, key: str) -> int:
+    fd, _ = self._open(key)
+    try:
+      return os.fstat(fd).st_mtime_ns
+    finally:
+      os.close(fd)
 
   def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
     fd, size = self._open(key)

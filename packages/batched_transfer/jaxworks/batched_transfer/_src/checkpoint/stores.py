@@ -213,6 +213,10 @@ class ObstoreStorage(Storage):
       self._call(key, "reading", self._obs.head, self._key(key))["size"]
     )
 
+  def mtime_ns(self, key: str) -> int:
+    meta = self._call(key, "reading", self._obs.head, self._key(key))
+    return int(meta["last_modified"].timestamp() * 1e9)
+
   def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
     if end is None:
       end = self.size(key)
