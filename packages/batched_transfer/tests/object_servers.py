@@ -100,7 +100,8 @@ class _Failing(http.server.BaseHTTPRequestHandler):
     length = int(self.headers.get("Content-Length") or 0)
     if length:
       self.rfile.read(length)
-    body = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate</Message></Error>"
+    code = b"AccessDenied" if self.status == 403 else b"SlowDown"
+    body = b"<Error><Code>" + code + b"</Code><Message>no</Message></Error>"
     self.send_response(self.status)
     self.send_header("Content-Length", str(len(body)))
     self.end_headers()

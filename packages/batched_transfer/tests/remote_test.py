@@ -298,3 +298,52 @@ def test_manager_in_a_bucket(url):
   assert other.all_steps() == [4, 7] and other.latest_step() == 7
   check(other.restore(7), tree(7))
   mgr.close()
+
+
+# Faults ----------------------------------------------------------------------
+
+
+def test_altered_object_after_commit_fails_its_checksum(url):
+  save(url, tree(12))
+  st = stores.open_storage(API, url)
+  data = bytearray(st.read("params/w.npy"))
+  data[-1] ^= 0xFF
+  st.write("params/w.npy", bytes(data))
+  with pytest.raises(ValueError, match="w.npy"):
+    bt.restore(url)
+
+
+def test_refused_credentials_name_the_fix(monkeypatch):
+  with object_servers.failing_server(403) as (endpoint, _):
+    for k, v in object_servers.S3_ENV.items():
+      monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(PermissionError) as e:
+      bt.save("s3://b/denied", tree(13))
+    msg = str(e.value)
+    assert "s3://b" in msg and "refused" in msg and "AWS_ACCESS_KEY_ID" in msg
+
+
+def test_server_stopped_mid_save_then_restarted(monkeypatch):
+  """moto's state outlives its server in this process: a server stopped
+  while a save uploads, then a new one, is a restart of the service."""
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  big = {f"x{i}": np.full(2**20, i, np.float32) for i in range(24)}
+  url = f"s3://restart/run-{uuid.uuid4().hex}"
+  opts = {"max_retries": 1, "retry_timeout_s": 5}
+  with object_servers.s3_server() as endpoint:
+    object_servers.s3_bucket(endpoint, "restart")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    handle = bt.save(url, big, blocking=False, storage_options=opts)
+  # The server stopped while the handle uploads (or before it began).
+  with pytest.raises(OSError, match="s3://restart/run-"):
+    handle.wait()
+  with object_servers.s3_server() as endpoint:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(FileNotFoundError, match="did not commit"):
+      bt.restore(url)
+    bt.save(url, big)  # cleans what the stopped save left, and commits
+    out = bt.restore(url)
+    assert sorted(out) == sorted(big)
+    np.testing.assert_array_equal(out["x23"], big["x23"])

@@ -172,7 +172,19 @@ class ObstoreStorage(Storage):
           "check the URL and the endpoint"
         )
       return FileNotFoundError(f"{self.api}: {where!r} does not exist{via}")
-    if isinstance(
+    text = str(err)
+    refused = any(
+      m in text
+      for m in (
+        "403 Forbidden",
+        "401 Unauthorized",
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AuthenticationFailed",
+      )
+    )
+    if refused or isinstance(
       err,
       (exc.PermissionDeniedError, exc.UnauthenticatedError, PermissionError),
     ):
