@@ -142,12 +142,16 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         size = "medium",
     )
 
-def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"], entry_points = [], cc_srcs = []):
+def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"], entry_points = [], cc_srcs = [], extras = {}):
     """A jaxworks package: the public py_library `:<name>`, its wheel `:wheel`, its sdist `:sdist`, doctests, and
     per-backend suites.
 
     The sdist is built from `pyproject.toml` (and `setup.py` where the package has extensions, whose C++ sources and
     headers `cc_srcs` lists) beside the BUILD file.
+
+    `extras` are optional extras, {"cloud": ["obstore>=0.12"]}: `Provides-Extra` and `Requires-Dist: ...; extra == ...`
+    of the wheel and sdist (pyproject.toml's [project.optional-dependencies] must say the same); the package imports
+    them lazily, so they are no deps of the py_library (tests name them in `pypi`).
 
     `entry_points` go into the wheel's entry_points.txt, as "group:name=module:attr"
     (e.g. "console_scripts:jaxworks-aot=jaxworks.stages_aot.__main__:main").
@@ -177,6 +181,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         deps_file = "jaxworks/{}/_src/deps.py".format(name),
         package_root = native.package_name(),
         requires = [JAX_REQUIREMENTS.get(p, p) for p in pypi],
+        extras = ["{}={}".format(k, r) for k in sorted(extras) for r in extras[k]],
         deps = [_dist_label(d) for d in deps],
         readme = "README.md" if native.glob(["README.md"]) else None,
         entry_points = entry_points,

@@ -20,6 +20,7 @@ JaxworksDistInfo = provider(
         "package_root": "workspace-relative directory whose jaxworks/ tree the wheel holds",
         "files": "depset of Files (sources, stubs, extensions) of the library and its deps",
         "requires": "list of PyPI requirement strings",
+        "extras": "list of 'extra=requirement' strings (optional extras)",
         "deps": "list of JaxworksDistInfo of the jaxworks packages it depends on",
         "readme": "File or None: the Markdown long description",
         "entry_points": "list of 'group:name=module:attr'",
@@ -36,6 +37,7 @@ def _dist_impl(ctx):
         package_root = ctx.attr.package_root,
         files = files,
         requires = ctx.attr.requires,
+        extras = ctx.attr.extras,
         deps = [d[JaxworksDistInfo] for d in ctx.attr.deps],
         readme = ctx.file.readme,
         entry_points = ctx.attr.entry_points,
@@ -50,6 +52,7 @@ jaxworks_dist = rule(
         "deps_file": attr.label(allow_single_file = [".py"], mandatory = True),
         "package_root": attr.string(mandatory = True),
         "requires": attr.string_list(),
+        "extras": attr.string_list(),
         "deps": attr.label_list(providers = [JaxworksDistInfo]),
         "readme": attr.label(allow_single_file = [".md"]),
         "entry_points": attr.string_list(),
@@ -94,6 +97,7 @@ def _wheel_impl(ctx):
         if d.package_root:
             args.add("--project-url", "Changelog, {}/blob/main/{}/CHANGELOG.md".format(PROJECT_URL, d.package_root))
         args.add_all(d.requires, before_each = "--requires")
+        args.add_all(d.extras, before_each = "--extra-requires")
         args.add("--deps-file", d.deps_file)
         inputs.append(d.deps_file)
         args.add_all(d.entry_points, before_each = "--entry-point")
@@ -180,6 +184,7 @@ def _sdist_impl(ctx):
         args.add("--readme-dir", d.readme.owner.package)
         inputs.append(d.readme)
     args.add_all(d.requires, before_each = "--requires")
+    args.add_all(d.extras, before_each = "--extra-requires")
     args.add("--deps-file", d.deps_file)
     for dep in d.deps:
         args.add("--requires-dist-from", "{}={}".format(dep.distribution, dep.version_file.path))

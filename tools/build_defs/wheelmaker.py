@@ -176,7 +176,16 @@ def manylinux_tag(wheel_path):
   return policy
 
 
-def check_pyproject(path, distribution, summary, requires):
+def extras(items):
+  """``{extra: sorted requirements}`` of ``--extra-requires`` items."""
+  out = {}
+  for item in items:
+    name, _, req = item.partition("=")
+    out.setdefault(name, []).append(req)
+  return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def check_pyproject(path, distribution, summary, requires, extra=None):
   """Fails unless the checked-in pyproject.toml says what the wheel says."""
   with open(path, "rb") as f:
     project = tomllib.load(f)["project"]
@@ -184,11 +193,16 @@ def check_pyproject(path, distribution, summary, requires):
     "name": distribution,
     "description": summary,
     "dependencies": sorted(requires),
+    "optional-dependencies": extra or {},
   }
+  optional = project.get("optional-dependencies", {})
   got = {
     "name": project.get("name"),
     "description": project.get("description"),
     "dependencies": sorted(project.get("dependencies", [])),
+    "optional-dependencies": {
+      k: sorted(v) for k, v in sorted(optional.items())
+    },
   }
   for key, value in want.items():
     if got[key] != value:
@@ -242,6 +256,12 @@ def _parser():
   p.add_argument("--deps-file", help="the package's _src/deps.py")
   p.add_argument("--license-file", required=True)
   p.add_argument("--requires", action="append", default=[])
+  p.add_argument(
+    "--extra-requires",
+    action="append",
+    default=[],
+    help="EXTRA=REQUIREMENT: a requirement of an optional extra",
+  )
   p.add_argument(
     "--requires-dist-from",
     action="append",
@@ -340,6 +360,9 @@ def main(argv=None):
   ] + [f"Classifier: {c}" for c in _CLASSIFIERS]
   metadata += [f"Project-URL: {u}" for u in a.project_url]
   metadata += [f"Requires-Dist: {r}" for r in requires]
+  for name, reqs in extras(a.extra_requires).items():
+    metadata.append(f"Provides-Extra: {name}")
+    metadata += [f'Requires-Dist: {r}; extra == "{name}"' for r in reqs]
   description = ""
   if a.readme:
     metadata.append("Description-Content-Type: text/markdown")
@@ -349,7 +372,9 @@ def main(argv=None):
   entry_points = _entry_points(a.entry_point)
 
   if a.sdist:
-    check_pyproject(a.pyproject, a.distribution, summary, requires)
+    check_pyproject(
+      a.pyproject, a.distribution, summary, requires, extras(a.extra_requires)
+    )
     _sdist(a, f"{dist_name}-{version}", files, metadata_text, description)
   else:
     _wheel(

@@ -22,7 +22,7 @@ from .storage import LOG
 from .storage import Location
 from .storage import Storage
 
-_INSTALL = "pip install obstore google-cloud-storage"
+_INSTALL = "pip install 'jaxworks-batched-transfer[cloud]'"
 
 
 def _modules(api: str) -> tuple[Any, Any, Any, Any]:

@@ -5,7 +5,7 @@ gives a ``storage.LocalStorage``; ``s3://`` and ``az://`` URLs an
 ``ObstoreStorage`` (obstore, the Python binding of the Rust
 ``object_store`` crate); ``gs://`` URLs a ``GCSStorage`` (Google's
 ``google-cloud-storage`` client). The client libraries are imported on the
-first URL only (``pip install obstore google-cloud-storage``).
+first URL only (``pip install 'jaxworks-batched-transfer[cloud]'``).
 
 Configuration, in order of precedence: ``storage_options``, then each
 cloud's standard environment:
@@ -50,7 +50,7 @@ from .storage import LOG
 from .storage import Location
 from .storage import Storage
 
-_INSTALL = "pip install obstore google-cloud-storage"
+_INSTALL = "pip install 'jaxworks-batched-transfer[cloud]'"
 _OWN_KEYS = (
   "endpoint",
   "endpoint_url",
