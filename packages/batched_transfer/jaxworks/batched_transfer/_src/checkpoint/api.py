@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import contextlib
+import functools
 import os
 from typing import Any
 
@@ -227,12 +228,19 @@ def save_url(
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
       collective=False, primary_keys=primary_keys,
       prelude=prelude or (lambda: pending.raise_background_error(api)),
-      after=lambda: (up.finish(), after and after()),
+      after=functools.partial(_finish_upload, up, after),
     )  # fmt: skip
   except BaseException:
     up.abort()
     raise
   return handle
+
+
+def _finish_upload(up: Any, after: Callable[[], None] | None) -> None:
+  """Uploads and commits a remote save's files, then runs ``after``."""
+  up.finish()
+  if after is not None:
+    after()
 
 
 def run_save(
@@ -558,7 +566,7 @@ def read_values(
     st = remote.source(
       api, remote.stores.open_storage(api, path, storage_options)
     )
-    data = bytes(st.read(format.RECORD))
+    data: bytes | None = bytes(st.read(format.RECORD))
   else:
     fd = os.open(path, reader.DIR_FLAGS)
     try:

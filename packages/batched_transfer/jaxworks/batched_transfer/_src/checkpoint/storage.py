@@ -33,6 +33,7 @@ Location(scheme='s3', bucket='bucket', prefix='run/1')
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -253,7 +254,7 @@ class Storage(abc.ABC):
 
   def read_ranges(
     self, key: str, ranges: Sequence[tuple[int, int]]
-  ) -> list[Any]:
+  ) -> builtins.list[Any]:
     """Several ranges of ``key`` at once (buffers, in order)."""
     return run_parallel(
       lambda r: self.read(key, r[0], r[1]), ranges, self.concurrency

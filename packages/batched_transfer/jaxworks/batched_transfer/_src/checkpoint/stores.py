@@ -39,6 +39,7 @@ URL, the key and what to check.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable
 import datetime
 import os
@@ -243,7 +244,7 @@ class ObstoreStorage(Storage):
         return b""  # past the end: nothing there, as a file read says
       raise self._error(e, key, "reading") from e
 
-  def read_ranges(self, key: str, ranges: Any) -> list[Any]:
+  def read_ranges(self, key: str, ranges: Any) -> builtins.list[Any]:
     ranges = [(a, b) for a, b in ranges]
     if not ranges or any(b <= a for a, b in ranges):
       return super().read_ranges(key, ranges)
