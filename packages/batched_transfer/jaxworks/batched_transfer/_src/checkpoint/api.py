@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import jax_internals
 from .. import targets
 from . import commit
 from . import format
@@ -60,6 +61,7 @@ def positive(api: str, name: str, value: Any, none_ok: bool) -> Any:
   return value
 
 
+@jax_internals.api_boundary
 def save(
   path: str | os.PathLike[str],
   tree: Any,
@@ -383,6 +385,7 @@ def _save_alone(
   return pending.start(path, work)
 
 
+@jax_internals.api_boundary
 def restore(
   path: str | os.PathLike[str],
   target: Any = None,
@@ -516,6 +519,7 @@ def _open(
   return restore_files.open_checkpoint(api, path) if opened is None else opened
 
 
+@jax_internals.api_boundary
 def metadata(
   path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> Any:

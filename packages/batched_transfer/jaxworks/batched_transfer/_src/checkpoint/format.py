@@ -57,6 +57,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -86,6 +87,27 @@ class Record:
   crc32c: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   shardings: dict[str, dict] = dataclasses.field(default_factory=dict)
   tree: list[tuple[str, ...]] | None = None
+
+
+def check_arrays_present(
+  api: str, path: str, record: Record, arrays: Any
+) -> None:
+  """Raises ``FileNotFoundError`` when ``record`` lists an array that the
+  checkpoint at ``path`` holds no file for (deleted, or a partial copy):
+  naming the API, the tree path and the fix, before anything is read."""
+  if record.tree is None:  # written before the record listed the tree
+    return
+  for entry in record.tree:
+    key = entry[0]
+    if len(entry) == 2 and key not in record.values and key not in arrays:
+      raise FileNotFoundError(
+        errno.ENOENT,
+        f"{api}: the checkpoint {path!r} has no data for the array at "
+        f"{key!r}, which its record lists (its file was deleted, or the "
+        "checkpoint was copied in part); copy the whole checkpoint again, "
+        "or restore another one",
+        path,
+      )
 
 
 def encode_record(record: Record) -> bytes:

@@ -23,6 +23,7 @@ import warnings
 import jax
 import numpy as np
 
+from .. import jax_internals
 from . import api as ckpt
 from . import commit
 from . import format
@@ -345,6 +346,7 @@ class CheckpointManager:
 
   # Saving.
 
+  @jax_internals.api_boundary
   def save(
     self,
     step: int,
@@ -629,6 +631,7 @@ class CheckpointManager:
       tree.pop(METRICS_KEY, None)
     return tree
 
+  @jax_internals.api_boundary
   def restore(
     self,
     step: int | None = None,
@@ -750,6 +753,7 @@ class CheckpointManager:
           out[name] = treedef.unflatten(leaves)[name]
     return dict(out)
 
+  @jax_internals.api_boundary
   def metadata(self, step: int | None = None) -> StepMetadata:
     """The metadata of ``step`` (default: the latest), reading no array data.
 

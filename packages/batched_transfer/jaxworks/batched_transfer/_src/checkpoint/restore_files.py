@@ -68,6 +68,7 @@ class Opened:
           f"says {name}; the checkpoint is damaged"
         )
     arrays = {k: (s.shape, s.value_dtype) for k, s in self.stored.items()}
+    format.check_arrays_present(api, self.path, record, arrays)
     return arrays, record
 
   def close(self) -> None:

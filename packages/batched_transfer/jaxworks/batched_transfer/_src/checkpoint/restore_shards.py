@@ -113,6 +113,7 @@ class Manifest:
           f"{self.api}: {where} says {name} for {key!r} but the manifest "
           f"says {entry.dtype.name}; the checkpoint is damaged"
         )
+    format.check_arrays_present(self.api, self.path, record, arrays)
     return arrays, record
 
   def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
