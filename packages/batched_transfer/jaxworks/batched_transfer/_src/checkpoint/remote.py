@@ -228,7 +228,7 @@ def fetch(
         f.write(bytes(src.read(key, 0, HEADER_BYTES)))
         f.truncate(size)
     else:
-      src.download(key, dst)
+      src.download(key, dst, size)
 
   from .storage import run_parallel
 

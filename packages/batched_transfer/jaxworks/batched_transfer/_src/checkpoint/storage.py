@@ -289,13 +289,14 @@ class Storage(abc.ABC):
   def upload(self, key: str, filename: str) -> None:
     """Writes the local file ``filename`` as ``key`` in bounded memory."""
 
-  def download(self, key: str, filename: str) -> int:
+  def download(self, key: str, filename: str, size: int | None = None) -> int:
     """Copies ``key`` to the new local file ``filename``; its size.
 
     Parts are read in parallel and written in place (``pwrite``), so at most
-    ``concurrency`` parts are in memory.
+    ``concurrency`` parts are in memory. ``size``: the object's, if listed
+    (else asked for).
     """
-    size = self.size(key)
+    size = self.size(key) if size is None else size
     fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
       os.ftruncate(fd, size)
