@@ -131,6 +131,9 @@ def test_write_read_list_delete(store):
   assert store.list() == {"a/b.npy": 10, "a/bc.npy": 16, "z": 0}
   assert store.list("a") == {"a/b.npy": 10, "a/bc.npy": 16}
   assert store.child("a").list() == {"b.npy": 10, "bc.npy": 16}
+  store.write("a/d/e.npy", b"x")
+  assert store.children() == ["a"] and store.child("a").children() == ["d"]
+  store.delete(["a/d/e.npy"])
   assert store.size("a/b.npy") == 10 and store.exists("z")
   assert bytes(store.read("a/b.npy")) == b"0123456789"
   assert bytes(store.read("a/b.npy", 3, 7)) == b"3456"

@@ -134,6 +134,23 @@ class GCSStorage(Storage):
 
     return dict(sorted(self._call(prefix, "listing", all_blobs).items()))
 
+  def children(self) -> list[str]:
+    root = self.location.prefix
+
+    def prefixes(**kw: Any) -> set[str]:
+      it = self._client.list_blobs(
+        self.location.bucket,
+        prefix=root + "/" if root else None,
+        delimiter="/",
+        **kw,
+      )
+      for _ in it:
+        pass
+      return set(it.prefixes)
+
+    found = self._call("", "listing", prefixes)
+    return sorted(p.rstrip("/").rpartition("/")[2] for p in found)
+
   def size(self, key: str) -> int:
     blob = self._call(key, "reading", self._bucket.get_blob, self._key(key))
     if blob is None:

@@ -35,6 +35,7 @@ from .keys import leaf_keys
 from .steps import METRICS_KEY
 from .steps import check_item_name
 from .steps import check_step
+from .storage import run_parallel
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_.+=-]+$")
@@ -275,14 +276,18 @@ class CheckpointManager:
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending (a step being written is not one)."""
-    if self._store is not None:
-      end = "/" + format.RECORD
-      return sorted(
-        step
-        for key in self._store.list()
-        if key.count("/") == 1 and key.endswith(end)
-        if (step := self._names.parse(key[: -len(end)])) is not None
+    if self._store is not None:  # the prefixes with a record
+      named = {
+        step: name
+        for name in self._store.children()
+        if (step := self._names.parse(name)) is not None
+      }
+      found = run_parallel(
+        lambda n: self._store.exists(f"{n}/{format.RECORD}"),
+        list(named.values()),
+        self._store.concurrency,
       )
+      return sorted(s for s, ok in zip(named, found) if ok)
     try:
       names = os.listdir(self.directory)
     except FileNotFoundError:

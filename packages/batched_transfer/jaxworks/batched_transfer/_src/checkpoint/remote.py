@@ -51,13 +51,12 @@ def _local_files(root: str) -> dict[str, str]:
 
 def _stagings(parent: Storage, name: str) -> dict[str, bool]:
   """``{prefix: committed}`` of the ``.<name>.jaxworks-new-*`` prefixes."""
-  out: dict[str, bool] = {}
   start = f".{name}{_NEW}"
-  for key in parent.list():
-    head, _, rest = key.partition("/")
-    if head.startswith(start):
-      out[head] = out.get(head, False) or rest == format.RECORD
-  return out
+  return {
+    p: parent.child(p).exists(format.RECORD)
+    for p in parent.children()
+    if p.startswith(start)
+  }
 
 
 def _upload(st: Storage, files: dict[str, str]) -> None:

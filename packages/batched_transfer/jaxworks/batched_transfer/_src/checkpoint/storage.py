@@ -233,6 +233,10 @@ class Storage(abc.ABC):
     """Every key under ``prefix`` (recursively) and its size, sorted."""
 
   @abc.abstractmethod
+  def children(self) -> list[str]:
+    """The names of the prefixes (directories) right under the root."""
+
+  @abc.abstractmethod
   def size(self, key: str) -> int:
     """The size of ``key``; FileNotFoundError if there is none."""
 
@@ -384,6 +388,13 @@ class LocalStorage(Storage):
           rel = os.path.relpath(full, self.root).replace(os.sep, "/")
           out[rel] = st.st_size
     return dict(sorted(out.items()))
+
+  def children(self) -> list[str]:
+    try:
+      with os.scandir(self.root) as it:
+        return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+      return []
 
   def size(self, key: str) -> int:
     fd, size = self._open(key)

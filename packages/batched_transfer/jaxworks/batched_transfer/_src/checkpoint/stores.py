@@ -221,6 +221,18 @@ class ObstoreStorage(Storage):
       raise self._error(e, prefix, "listing") from e
     return dict(sorted(out.items()))
 
+  def children(self) -> list[str]:
+    root = self.location.prefix
+    try:
+      result = self._obs.list_with_delimiter(
+        self._store, root + "/" if root else None
+      )
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, "", "listing") from e
+    return sorted(
+      p.rstrip("/").rpartition("/")[2] for p in result["common_prefixes"]
+    )
+
   def size(self, key: str) -> int:
     return int(
       self._call(key, "reading", self._obs.head, self._key(key))["size"]
