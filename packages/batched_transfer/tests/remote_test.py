@@ -347,3 +347,15 @@ def test_server_stopped_mid_save_then_restarted(monkeypatch):
     out = bt.restore(url)
     assert sorted(out) == sorted(big)
     np.testing.assert_array_equal(out["x23"], big["x23"])
+
+
+def test_non_blocking_saves_to_one_url_commit_in_call_order(url):
+  handles = [bt.save(url, tree(20), blocking=False)]
+  with pytest.raises(FileExistsError, match="still being written"):
+    bt.save(url, tree(21), blocking=False)
+  handles += [
+    bt.save(url, tree(s), overwrite=True, blocking=False) for s in range(22, 27)
+  ]
+  for h in handles:
+    h.wait()
+  check(bt.restore(url), tree(26))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import contextlib
 import functools
 import os
+import threading
 from typing import Any
 
 import jax
@@ -225,24 +226,51 @@ def save_url(
     )
   up = remote.Upload(api, url, storage_options, overwrite)
   try:
+    # Saves of this process to one URL commit in call order, as on disk.
+    held = pending.reserve(api, url, overwrite)
+  except BaseException:
+    up.abort()
+    raise
+  try:
     handle = run_save(
       api, up.local, tree, overwrite=False, blocking=blocking,
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
       collective=False, primary_keys=primary_keys,
       prelude=prelude or (lambda: pending.raise_background_error(api)),
-      after=functools.partial(_finish_upload, up, after),
+      after=functools.partial(_finish_upload, up, held, after),
     )  # fmt: skip
   except BaseException:
+    held.release()
     up.abort()
     raise
+  if handle is not None:  # a local write that fails never calls after
+    threading.Thread(
+      target=_release_when_done, args=(handle, held, up),
+      name=f"{pending.THREAD_PREFIX}-release", daemon=True,
+    ).start()  # fmt: skip
   return handle
 
 
-def _finish_upload(up: Any, after: Callable[[], None] | None) -> None:
-  """Uploads and commits a remote save's files, then runs ``after``."""
-  up.finish()
+def _finish_upload(
+  up: Any, held: pending.Reservation, after: Callable[[], None] | None
+) -> None:
+  """Uploads and commits a remote save's files once the saves to its URL
+  called before it are done, then runs ``after``."""
+  try:
+    held.wait_turn()
+    up.finish()
+  finally:
+    held.release()
   if after is not None:
     after()
+
+
+def _release_when_done(
+  handle: pending.SaveHandle, held: pending.Reservation, up: Any
+) -> None:
+  handle._event.wait()
+  held.release()
+  up.abort()
 
 
 def run_save(

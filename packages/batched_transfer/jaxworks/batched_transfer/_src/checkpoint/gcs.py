@@ -12,6 +12,7 @@ create with ``ifGenerationMatch=0``), so writes are retried too.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable
 import importlib
 import io
@@ -134,7 +135,7 @@ class GCSStorage(Storage):
 
     return dict(sorted(self._call(prefix, "listing", all_blobs).items()))
 
-  def children(self) -> list[str]:
+  def children(self) -> builtins.list[str]:
     root = self.location.prefix
 
     def prefixes(**kw: Any) -> set[str]:

@@ -276,16 +276,17 @@ class CheckpointManager:
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending (a step being written is not one)."""
-    if self._store is not None:  # the prefixes with a record
+    store = self._store
+    if store is not None:  # the prefixes with a record
       named = {
         step: name
-        for name in self._store.children()
+        for name in store.children()
         if (step := self._names.parse(name)) is not None
       }
       found = run_parallel(
-        lambda n: self._store.exists(f"{n}/{format.RECORD}"),
+        lambda n: store.exists(f"{n}/{format.RECORD}"),
         list(named.values()),
-        self._store.concurrency,
+        store.concurrency,
       )
       return sorted(s for s, ok in zip(named, found) if ok)
     try:

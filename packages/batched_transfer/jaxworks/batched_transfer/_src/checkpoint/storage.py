@@ -233,7 +233,7 @@ class Storage(abc.ABC):
     """Every key under ``prefix`` (recursively) and its size, sorted."""
 
   @abc.abstractmethod
-  def children(self) -> list[str]:
+  def children(self) -> builtins.list[str]:
     """The names of the prefixes (directories) right under the root."""
 
   @abc.abstractmethod
@@ -389,7 +389,7 @@ class LocalStorage(Storage):
           out[rel] = st.st_size
     return dict(sorted(out.items()))
 
-  def children(self) -> list[str]:
+  def children(self) -> builtins.list[str]:
     try:
       with os.scandir(self.root) as it:
         return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))

@@ -221,7 +221,7 @@ class ObstoreStorage(Storage):
       raise self._error(e, prefix, "listing") from e
     return dict(sorted(out.items()))
 
-  def children(self) -> list[str]:
+  def children(self) -> builtins.list[str]:
     root = self.location.prefix
     try:
       result = self._obs.list_with_delimiter(
