@@ -309,8 +309,9 @@ def test_altered_object_after_commit_fails_its_checksum(url):
   data = bytearray(st.read("params/w.npy"))
   data[-1] ^= 0xFF
   st.write("params/w.npy", bytes(data))
-  with pytest.raises(ValueError, match="w.npy"):
+  with pytest.raises(ValueError, match="w.npy") as e:
     bt.restore(url)
+  assert any(url in n for n in e.value.__notes__), e.value.__notes__
 
 
 def test_refused_credentials_name_the_fix(monkeypatch):

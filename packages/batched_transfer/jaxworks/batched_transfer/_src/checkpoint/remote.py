@@ -248,6 +248,7 @@ class Fetched:
     headers_only: bool = False,
   ) -> None:
     self._tmp = tempfile.mkdtemp(prefix="jaxworks-fetch-")
+    self._url = url
     try:
       self.path = fetch(api, url, storage_options, self._tmp, headers_only)
     except BaseException:
@@ -257,5 +258,10 @@ class Fetched:
   def __enter__(self) -> str:
     return self.path
 
-  def __exit__(self, *exc: object) -> None:
+  def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
     shutil.rmtree(self._tmp, ignore_errors=True)
+    if isinstance(err, Exception):  # name the objects, not the copy
+      err.add_note(
+        f"(the files named above are a copy of {self._url} in "
+        f"{self.path}: the object of each is {self._url}/<its name>)"
+      )
