@@ -154,8 +154,9 @@ def test_write_read_list_delete(store):
   assert store.delete_prefix() == 2 and store.list() == {}
 
 
-def test_large_objects_in_parts(store, tmp_path):
+def test_large_objects_in_parts(store, tmp_path, monkeypatch):
   """Multipart/resumable upload from a file, parallel ranged reads back."""
+  monkeypatch.setattr(storage, "WHOLE", 4 * 2**20)  # parts above 4 MiB
   data = np.random.default_rng(0).integers(0, 255, 13 * 2**20, np.uint8)
   src = tmp_path / "src.bin"
   src.write_bytes(data.tobytes())

@@ -286,8 +286,10 @@ class ObstoreStorage(Storage):
     LOG.debug("wrote %s", self.where(key))
 
   def upload(self, key: str, filename: str) -> None:
-    # From the file, in parts of chunk_size, concurrency at a time.
-    self._put(key, pathlib.Path(filename))
+    # Up to storage.WHOLE bytes in one request; larger files in parts of
+    # chunk_size, concurrency at a time, read from the file as they go.
+    whole = os.path.getsize(filename) <= storage.WHOLE
+    self._put(key, pathlib.Path(filename), use_multipart=not whole)
     LOG.debug("uploaded %s to %s", filename, self.where(key))
 
   def create(self, key: str, data: bytes) -> None:
