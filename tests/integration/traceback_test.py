@@ -13,6 +13,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import importlib
+import importlib.util
 import tempfile
 import traceback
 
@@ -122,3 +124,40 @@ def test_filtered_traceback_ends_at_the_users_call(name):
   assert mine[-1].filename == __file__, [(f.filename, f.name) for f in frames]
   unfiltered = _frames(call, error, "off")
   assert _ours(unfiltered), "with filtering off the library frames are kept"
+
+
+INTERNALS = {
+  p.__name__.split(".")[-1]: importlib.import_module(
+    f"{p.__name__}._src.jax_internals"
+  )
+  for p in (axis_names, batched_transfer, jit_cache, pmap_chunked, stages_aot)
+}
+
+
+@pytest.mark.parametrize("package", sorted(INTERNALS))
+def test_each_packages_api_boundary_and_hide_frames_of(package, tmp_path):
+  """Each package's private JAX names for traceback filtering (in its
+  ``_src/jax_internals.py``): a boundary filters what is raised below it,
+  and a hidden directory's frames are left out, as JAX's own."""
+  ji = INTERNALS[package]
+  helper = tmp_path / f"helper_of_{package}.py"
+  helper.write_text("def helper(v):\n  raise ValueError('boom')\n")
+  spec = importlib.util.spec_from_file_location(helper.stem, helper)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  entry = ji.api_boundary(lambda v: module.helper(v))
+
+  def frames():
+    before = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", "remove_frames")
+    try:
+      entry(1.0)
+    except ValueError as e:
+      return [f.filename for f in traceback.extract_tb(e.__traceback__)]
+    finally:
+      jax.config.update("jax_traceback_filtering", before)
+    raise AssertionError("no error")
+
+  assert str(helper) in frames()
+  ji.hide_frames_of(str(tmp_path))
+  assert str(helper) not in frames()

@@ -211,34 +211,3 @@ def test_axis_names_at_error_reads_the_axis_env_of_the_frame():
     jax.make_jaxpr(reads_size, axis_env=[("i", 2)])(X)
   assert ji.axis_names_at_error(info.value) is None
   assert ji.axis_names_at_error(ValueError()) is None
-
-
-def test_api_boundary_and_hide_frames_of(tmp_path):
-  """A boundary filters the traceback of what is raised below it; a hidden
-  directory's frames are left out, as JAX's own."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import traceback  # pylint: disable=g-import-not-at-top
-
-  helper = tmp_path / "boundary_helper_module.py"
-  helper.write_text("def helper(v):\n  raise ValueError('boom')\n")
-  spec = importlib.util.spec_from_file_location(
-    "boundary_helper_module", helper
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  entry = ji.api_boundary(lambda v: module.helper(v))
-
-  def frames():
-    before = jax.config.jax_traceback_filtering
-    jax.config.update("jax_traceback_filtering", "remove_frames")
-    try:
-      entry(1.0)
-    except ValueError as e:
-      return [f.filename for f in traceback.extract_tb(e.__traceback__)]
-    finally:
-      jax.config.update("jax_traceback_filtering", before)
-    raise AssertionError("no error")
-
-  assert str(helper) in frames()
-  ji.hide_frames_of(str(tmp_path))
-  assert str(helper) not in frames()

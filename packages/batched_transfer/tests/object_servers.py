@@ -19,6 +19,8 @@ import logging
 import socket
 import threading
 
+import pytest
+
 S3_ENV = {
   "AWS_ACCESS_KEY_ID": "testing",
   "AWS_SECRET_ACCESS_KEY": "testing",
@@ -130,3 +132,21 @@ def failing_server(status: int = 503) -> Iterator[tuple[str, type]]:
   finally:
     server.shutdown()
     server.server_close()
+
+
+# The module-scoped fixtures of the tests that use these servers (a test
+# module makes them its own by assigning them to its names).
+@pytest.fixture(scope="module")
+def s3_endpoint():
+  """A moto S3 server on 127.0.0.1 with a bucket "ckpt"; its endpoint."""
+  with s3_server() as endpoint:
+    s3_bucket(endpoint, "ckpt")
+    yield endpoint
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint():
+  """A gcp-storage-emulator on 127.0.0.1 with a bucket "ckpt"; its endpoint."""
+  with gcs_server() as endpoint:
+    gcs_bucket(endpoint, "ckpt")
+    yield endpoint

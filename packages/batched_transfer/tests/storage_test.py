@@ -26,18 +26,8 @@ from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 API = "test"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-  with object_servers.s3_server() as endpoint:
-    object_servers.s3_bucket(endpoint, "ckpt")
-    yield endpoint
-
-
-@pytest.fixture(scope="module")
-def gcs_endpoint():
-  with object_servers.gcs_server() as endpoint:
-    object_servers.gcs_bucket(endpoint, "ckpt")
-    yield endpoint
+s3_endpoint = object_servers.s3_endpoint
+gcs_endpoint = object_servers.gcs_endpoint
 
 
 @pytest.fixture

@@ -71,34 +71,3 @@ def test_uncommitted_view_shares_buffers_and_is_uncommitted():
     jax_internals.uncommitted_view(one)
   )
   assert out.sharding == sharding
-
-
-def test_api_boundary_and_hide_frames_of(tmp_path):
-  """A boundary filters the traceback of what is raised below it; a hidden
-  directory's frames are left out, as JAX's own."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import traceback  # pylint: disable=g-import-not-at-top
-
-  helper = tmp_path / "boundary_helper_module.py"
-  helper.write_text("def helper(v):\n  raise ValueError('boom')\n")
-  spec = importlib.util.spec_from_file_location(
-    "boundary_helper_module", helper
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  entry = jax_internals.api_boundary(lambda v: module.helper(v))
-
-  def frames():
-    before = jax.config.jax_traceback_filtering
-    jax.config.update("jax_traceback_filtering", "remove_frames")
-    try:
-      entry(1.0)
-    except ValueError as e:
-      return [f.filename for f in traceback.extract_tb(e.__traceback__)]
-    finally:
-      jax.config.update("jax_traceback_filtering", before)
-    raise AssertionError("no error")
-
-  assert str(helper) in frames()
-  jax_internals.hide_frames_of(str(tmp_path))
-  assert str(helper) not in frames()

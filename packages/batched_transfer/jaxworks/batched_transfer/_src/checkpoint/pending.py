@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
+import logging
 import os
-import sys
 import threading
+
+#: The package logger (Python logging; never print).
+_log = logging.getLogger("jaxworks.batched_transfer")
 
 #: Name prefix of the threads that write non-blocking saves.
 THREAD_PREFIX = "jaxworks-save"
@@ -160,8 +163,9 @@ def _at_exit() -> None:
     unseen = list(_unseen)
     _unseen.clear()
   for h in unseen:
-    print(
-      f"jaxworks.batched_transfer: the background save to {h.path!r} "
-      f"failed and no one waited for it: {h._error!r}",
-      file=sys.stderr,
+    _log.error(
+      "jaxworks.batched_transfer: the background save to %r failed and no "
+      "one waited for it: %r",
+      h.path,
+      h._error,  # pylint: disable=protected-access
     )
