@@ -4,11 +4,9 @@ A JAX upgrade that moves or changes one of them fails here first.
 """
 
 import contextlib
-import importlib.util
 import inspect
 import logging
 import os
-import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -319,29 +317,6 @@ def test_has_host_callbacks():
   x = jnp.ones(3)
   assert ji.has_host_callbacks(jax.jit(noisy).lower(x).compile())
   assert not ji.has_host_callbacks(jax.jit(jnp.sin).lower(x).compile())
-
-
-def test_hide_frames_of(tmp_path):
-  helper = tmp_path / "hidden_helper_module.py"
-  helper.write_text("def helper(v):\n  raise ValueError('boom')\n")
-  spec = importlib.util.spec_from_file_location("hidden_helper_module", helper)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-
-  def frames():
-    before = jax.config.jax_traceback_filtering
-    jax.config.update("jax_traceback_filtering", "remove_frames")
-    try:
-      jax.jit(lambda v: module.helper(v))(1.0)
-    except ValueError as e:
-      return [f.filename for f in traceback.extract_tb(e.__traceback__)]
-    finally:
-      jax.config.update("jax_traceback_filtering", before)
-    raise AssertionError("no error")
-
-  assert str(helper) in frames()
-  ji.hide_frames_of(str(tmp_path))
-  assert str(helper) not in frames()
 
 
 def test_jit_only_key_states_are_in_the_context():
