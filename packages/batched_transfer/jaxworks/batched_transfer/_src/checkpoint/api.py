@@ -176,6 +176,7 @@ def save(
         api, path, tree, overwrite=overwrite, blocking=blocking,
         write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
         storage_options=storage_options, ticket=ticket,
+        barrier_timeout_s=barrier_timeout_s,
       )  # fmt: skip
     no_options(api, path, storage_options)
     commit.check_local(api, path)
@@ -215,15 +216,25 @@ def save_url(
   prelude: Callable[[], None] | None = None,
   after: Callable[[], None] | None = None,
   primary_keys: tuple[str, ...] = (),
+  barrier_timeout_s: float = 300.0,
 ) -> pending.SaveHandle | None:
   """A save to an object store: written locally, uploaded, committed;
-  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s."""
+  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s. With a
+  ``ticket`` (every process of the job saves): each process uploads its
+  own shards, process 0 commits once all did (multiprocess)."""
   if ticket is not None:
-    raise ValueError(
-      f"{api}: {url!r}: saves of several processes to an object store are "
-      "not supported yet; save with collective=False to a URL per process, "
-      "or to a shared file system"
-    )
+    dest = remote.Collective(api, url, storage_options, overwrite)
+    try:
+      return run_save(
+        api, url, tree, overwrite=overwrite, blocking=blocking,
+        write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+        barrier_timeout_s=barrier_timeout_s, collective=True,
+        prelude=prelude or (lambda: pending.raise_background_error(api)),
+        after=after, primary_keys=primary_keys, ticket=ticket, dest=dest,
+      )  # fmt: skip
+    except BaseException:
+      dest.close()
+      raise
   up = remote.Upload(api, url, storage_options, overwrite)
   try:
     # Saves of this process to one URL commit in call order, as on disk.
@@ -288,6 +299,7 @@ def run_save(
   after: Callable[[], None] | None = None,
   primary_keys: tuple[str, ...] = (),
   ticket: multiprocess.Ticket | None = None,
+  dest: remote.Collective | None = None,
 ) -> pending.SaveHandle | None:
   """save's work. ``prelude`` runs first (it raises errors of earlier
   saves); ``after`` once the checkpoint is published (on the writing
@@ -295,7 +307,8 @@ def run_save(
   save, whose every error reaches every process (see multiprocess); the
   leaves of ``primary_keys`` are process 0's and need not agree.
   ``ticket``: the collective save's, taken by the caller first thing
-  (``multiprocess.ticket``)."""
+  (``multiprocess.ticket``). ``dest``: the bucket of a collective save to
+  the URL ``path``."""
   positive(api, "write_threads", write_threads, True)
   positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or writer.DEFAULT_WRITE_THREADS
@@ -320,7 +333,8 @@ def run_save(
     for i, (where, x) in enumerate(zip(paths, leaves)):
       if not isinstance(x, jax.Array):
         leaves[i] = writer.host_array(api, where, x, private=not blocking)
-    writer.check_target(api, path, overwrite)
+    if dest is None:
+      writer.check_target(api, path, overwrite)
     held.append(pending.reserve(api, path, overwrite))
     return leaves
 
@@ -343,7 +357,7 @@ def run_save(
       api, path, keys, paths, leaves, record, prepare=prepare,
       blocking=blocking, threads=threads, barrier_timeout_s=barrier_timeout_s,
       overwrite=overwrite, release=release, after=after,
-      primary_keys=primary_keys, ticket=ticket, turn=turn,
+      primary_keys=primary_keys, ticket=ticket, turn=turn, dest=dest,
     )  # fmt: skip
   if not path.endswith(".npz"):
     check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])

@@ -26,7 +26,10 @@ Format 2 of the record holds:
   and lists for sequences); an empty dict, list or tuple is an entry too,
   with a third element, "dict" or "list".
 
-Format 1 (``dtypes`` alone) is still read.
+Format 3 is format 2 plus ``codecs``: the arrays stored compressed, by key
+(``save(..., compression="zstd")``, see codec); it is written only when
+there are any, so that raw checkpoints stay readable by earlier versions.
+Formats 1 (``dtypes`` alone) and 2 are still read.
 
 A checkpoint several processes wrote is a directory whose manifest
 ``MANIFEST`` (the README shows one) says how its shard files tile each
@@ -69,9 +72,13 @@ from jax.sharding import PartitionSpec
 from jax.sharding import SingleDeviceSharding
 import numpy as np
 
+from . import codec
+
 RECORD = "jaxworks_dtypes.json"
 RECORD_FORMAT = 2
-_RECORD_READS = (1, 2)
+#: The format of a record with ``codecs``.
+CODECS_FORMAT = 3
+_RECORD_READS = (1, 2, 3)
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 #: What parsing a damaged JSON record or manifest raises.
 DAMAGED = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
@@ -87,6 +94,7 @@ class Record:
   crc32c: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   shardings: dict[str, dict] = dataclasses.field(default_factory=dict)
   tree: list[tuple[str, ...]] | None = None
+  codecs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def check_arrays_present(
@@ -112,8 +120,11 @@ def check_arrays_present(
 
 def encode_record(record: Record) -> bytes:
   """The bytes of ``record`` (a JSON object, as ``decode_record`` reads it)."""
-  data: dict[str, Any] = {"format": RECORD_FORMAT, "dtypes": record.dtypes}
-  for name in ("python", "values", "crc32c", "shardings"):
+  data: dict[str, Any] = {
+    "format": CODECS_FORMAT if record.codecs else RECORD_FORMAT,
+    "dtypes": record.dtypes,
+  }
+  for name in ("python", "values", "crc32c", "shardings", "codecs"):
     if getattr(record, name):
       data[name] = getattr(record, name)
   if record.tree is not None:
@@ -160,6 +171,13 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
     ):
       raise ValueError("'shardings' is not an object of objects")
     r.shardings = shardings
+    r.codecs = _strs(m.get("codecs", {}), "'codecs'")
+    unknown = sorted(set(r.codecs.values()) - set(codec.SUFFIXES))
+    if unknown:
+      raise ValueError(
+        f"'codecs' names {unknown}, which this version does not read (it "
+        f"reads {sorted(codec.SUFFIXES)}; a newer jaxworks may read it)"
+      )
     tree = m.get("tree")
     if tree is not None:
       if not isinstance(tree, list) or not all(

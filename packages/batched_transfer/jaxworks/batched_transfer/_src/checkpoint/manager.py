@@ -489,6 +489,7 @@ class CheckpointManager:
         write_threads=None, max_inflight_bytes=ckpt.DEFAULT_INFLIGHT,
         storage_options=self._options, ticket=ticket,
         prelude=lambda: None, after=self._retain, primary_keys=(METRICS_KEY,),
+        barrier_timeout_s=self.barrier_timeout_s,
       )  # fmt: skip
     return ckpt.run_save(
       api, path, tree, overwrite=False, blocking=blocking, write_threads=None,

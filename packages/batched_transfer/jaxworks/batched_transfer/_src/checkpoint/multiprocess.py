@@ -48,6 +48,7 @@ from . import commit
 from . import format
 from . import hostvalue
 from . import pending
+from . import remote
 from . import writer
 from .keys import check_files
 
@@ -296,6 +297,8 @@ class _Board:
       rules.append(("id", "start the save"))
     if "outcome" in names:
       rules.append(("status", "finish writing"))
+      if "swap" in entries:  # a bucket's overwrite: its second round
+        rules.append(("moved", "upload its files to the path"))
     for kind, doing in rules:
       missing = [p for p in range(self.count) if f"{kind}/{p}" not in entries]
       if missing:
@@ -352,6 +355,7 @@ def save_across_processes(
   primary_keys: tuple[str, ...] = (),
   ticket: Ticket | None = None,
   turn: Callable[[], None] | None = None,
+  dest: remote.Collective | None = None,
 ) -> pending.SaveHandle | None:
   """The collective save (see the module docstring). ``prepare(leaves)``
   runs first, on every process: the checks of the call (an error there is
@@ -360,7 +364,8 @@ def save_across_processes(
   process 0's: they are not checked against the other processes'.
   ``ticket``: the call's, taken when it began (a new one if None).
   ``turn()`` waits, before anything is written, for the saves of this
-  process to the same path called before this one."""
+  process to the same path called before this one. ``dest``: the bucket
+  the save writes to (``path`` is its URL), else the file system."""
   if ticket is None:
     with _seq_lock:
       ticket = Ticket(next(_seq))
@@ -369,8 +374,11 @@ def save_across_processes(
     api, path, client, ticket.seq, barrier_timeout_s
   )
 
+  where_to = destination(api, path, dest)
+
   def done() -> None:
     board.release()
+    where_to.close()
     if release is not None:
       release()
 
@@ -390,7 +398,7 @@ def save_across_processes(
     plan = checksum.crc(
       json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
     )
-    identity = {"call": "save", "path": os.path.normpath(path), "plan": plan}
+    identity = {"call": "save", "path": _normal(path), "plan": plan}
     board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
     whole = [(k, x) for k, x in whole if k not in primary_keys]
     # Process 0 writes them: the checksums of its files are the reference,
@@ -416,7 +424,7 @@ def save_across_processes(
       if turn is not None:
         turn()
       _collective(
-        board, path, manifest, record, mine, whole, reference, identity,
+        board, where_to, path, manifest, record, mine, whole, reference, identity,
         where, threads, overwrite, after,
       )  # fmt: skip
     except BaseException as err:
@@ -431,8 +439,109 @@ def save_across_processes(
   return pending.start(path, work)
 
 
+class _OnDisk:
+  """Where a collective save writes on a (shared) file system: a temporary
+  directory beside the path, made by process 0 under the save lock,
+  renamed to the path by its commit. ``remote.Collective`` is the same for
+  a bucket (its ``commit`` may ask for a second round: ``move``)."""
+
+  beside = False
+
+  def __init__(self, api: str, path: str) -> None:
+    self.api, self.path = api, path
+    self.tmp: str | None = None
+
+  def where(self) -> str:
+    return self.path
+
+  def begin(self, stack: contextlib.ExitStack) -> str:
+    stack.enter_context(commit.locked(self.path))
+    commit.clean(self.path)
+    self.tmp = commit.temp_name(self.path, commit.NEW)
+    os.mkdir(self.tmp)
+    return os.path.basename(self.tmp)
+
+  def attach(self, name: str) -> None:
+    self.tmp = os.path.join(os.path.dirname(self.path), name)
+
+  def write(
+    self, stems: list[str], take: Callable[[int], Any], threads: int
+  ) -> dict[str, list[int]]:
+    assert self.tmp is not None
+    _, sums = writer.write_directory(
+      self.api, self.path, self.tmp, stems, take, lambda i: None, threads
+    )
+    commit.fsync_dirs(self.tmp)
+    return sums
+
+  def commit(self, manifest: bytes, record: bytes, overwrite: bool) -> bool:
+    assert self.tmp is not None
+    for name, data in ((format.MANIFEST, manifest), (format.RECORD, record)):
+      with open(os.path.join(self.tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    commit.fsync_path(self.tmp)
+    commit.publish(self.api, self.tmp, self.path, overwrite)
+    self.tmp = None
+    return False
+
+  def abort(self) -> None:  # process 0, under the lock
+    if self.tmp is not None:
+      commit.remove(self.tmp)
+
+  def close(self) -> None:
+    pass
+
+
+class _InBucket:
+  """``remote.Collective`` as a collective save's destination."""
+
+  def __init__(self, up: remote.Collective) -> None:
+    self.up = up
+
+  @property
+  def beside(self) -> bool:
+    return self.up.beside
+
+  def where(self) -> str:
+    return self.up.where()
+
+  def begin(self, stack: contextlib.ExitStack) -> str:
+    return self.up.begin()
+
+  def attach(self, name: str) -> None:
+    self.up.attach(name)
+
+  def write(
+    self, stems: list[str], take: Callable[[int], Any], threads: int
+  ) -> dict[str, list[int]]:
+    up = self.up
+    _, sums = writer.write_directory(
+      up.api, up.url, up.local, stems, take, lambda i: None, threads
+    )
+    up.upload()
+    return sums
+
+  def commit(self, manifest: bytes, record: bytes, overwrite: bool) -> bool:
+    return self.up.commit(manifest, record)
+
+  def abort(self) -> None:
+    self.up.abort()
+
+  def close(self) -> None:
+    self.up.close()
+
+
+def destination(api: str, path: str, dest: Any) -> Any:
+  """Where a collective save to ``path`` writes: ``dest`` (a
+  ``remote.Collective`` for a bucket) or the file system."""
+  return _OnDisk(api, path) if dest is None else _InBucket(dest)
+
+
 def _collective(
   board: _Board,
+  dest: Any,
   path: str,
   manifest: dict,
   record: format.Record,
@@ -447,20 +556,19 @@ def _collective(
 ) -> None:
   pid = board.pid
   ids = [f"id/{p}" for p in range(board.count)]  # process 0 waits for them
+  note = _NOTHING
   with contextlib.ExitStack() as stack:
-    tmp = None
+    began = False
     try:
       if pid == 0:
-        stack.enter_context(commit.locked(path))
-        commit.clean(path)
-        tmp = commit.temp_name(path, commit.NEW)
-        os.mkdir(tmp)
+        name = dest.begin(stack)
+        began = True
         entries = board.wait(ids, "start the save too", _NOTHING)
         agree(board, entries, identity)  # before any shard is written
-        board.post("tmp", os.path.basename(tmp))  # the others may write
+        board.post("tmp", name)  # the others may write
       else:
         entries = board.wait(["tmp"], "make the temporary directory", _NOTHING)
-        tmp = os.path.join(os.path.dirname(path), entries["tmp"])
+        dest.attach(entries["tmp"])
       stems = [stem for stem, _ in mine]
       values = [x for _, x in mine]
 
@@ -468,16 +576,14 @@ def _collective(
         board.look()
         return _host(values[i])
 
-      _, sums = writer.write_directory(
-        board.api, path, tmp, stems, take, lambda i: None, threads
-      )
-      commit.fsync_dirs(tmp)
+      sums = dest.write(stems, take, threads)
       values.clear()  # the host values held for a non-blocking save
       mine.clear()
       same = {key: _digest(x) for key, x in whole}
       whole.clear()
       status = {"crc32c": sums, "same": same}
       board.post(f"status/{pid}", json.dumps(status))
+      moved = [f"moved/{p}" for p in range(board.count)]
       if pid == 0:
         entries = board.wait(
           [f"status/{p}" for p in range(board.count)],
@@ -488,12 +594,26 @@ def _collective(
           json.loads(entries[f"status/{p}"]) for p in range(board.count)
         ]
         _check_agreement(board, statuses, {**sums, **reference}, where)
-        _commit(board.api, tmp, path, manifest, record, statuses, overwrite)
-        tmp = None
+        data = _final(manifest, record, statuses)
+        again = dest.commit(*data, overwrite)
+        began = False  # committed: nothing to remove
+        if again:  # a bucket's overwrite: committed beside, then the path
+          note = _beside(dest, path)
+          board.post("swap", "")
+          dest.up.move()
+          board.post(f"moved/{pid}", "")
+          board.wait(moved, "upload its files to the path", note)
+          dest.up.finish(*data)
+      elif dest.beside:
+        board.wait(["swap"], "commit", _NOTHING)
+        note = _beside(dest, path)
+        dest.up.move()
+        board.post(f"moved/{pid}", "")
     except BaseException as err:
-      if tmp is not None and pid == 0:  # under the lock
-        commit.remove(tmp)
-      board.fail(err, _NOTHING)
+      if began and pid == 0:  # under the lock
+        with contextlib.suppress(Exception):
+          dest.abort()
+      board.fail(err, note)
       raise
   if pid == 0:
     try:  # retention before the others return: they see its result
@@ -506,6 +626,18 @@ def _collective(
   else:
     note = f"; {path!r} is complete if it was committed"
     board.wait(["outcome"], "commit", note)
+
+
+def _beside(dest: Any, path: str) -> str:
+  return (
+    f"; the new checkpoint was committed at {dest.where()!r}, where restore "
+    f"of {path!r} reads it until a save to {path!r} completes"
+  )
+
+
+def _normal(path: str) -> str:
+  """``path`` as processes compare it (a URL as written)."""
+  return path if "://" in path else os.path.normpath(path)
 
 
 def _call(identity: dict[str, Any]) -> str:
@@ -558,17 +690,11 @@ def _check_agreement(
         )
 
 
-def _commit(
-  api: str,
-  tmp: str,
-  path: str,
-  manifest: dict,
-  record: format.Record,
-  statuses: list[dict],
-  overwrite: bool,
-) -> None:
-  """Process 0: the manifest (with every shard file's checksums), the
-  record, fsync, the atomic rename."""
+def _final(
+  manifest: dict, record: format.Record, statuses: list[dict]
+) -> tuple[bytes, bytes]:
+  """Process 0: the manifest (with every shard file's checksums) and the
+  record, encoded."""
   sums = {}
   for status in statuses:
     sums.update(status["crc32c"])
@@ -576,16 +702,7 @@ def _commit(
     for shard in entry["shards"]:
       shard["crc32c"] = sums[shard["file"][: -len(".npy")]]
   record.dtypes = {k: a["dtype"] for k, a in manifest["arrays"].items()}
-  for name, data in (
-    (format.MANIFEST, format.encode_manifest(manifest)),
-    (format.RECORD, format.encode_record(record)),
-  ):
-    with open(os.path.join(tmp, name), "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-  commit.fsync_path(tmp)
-  commit.publish(api, tmp, path, overwrite)
+  return format.encode_manifest(manifest), format.encode_record(record)
 
 
 def run_collective(
@@ -606,7 +723,7 @@ def run_collective(
     seq = next(_seq)
   board = _Board(api, path, client, seq, timeout_s, f"{what} of")
   try:
-    identity = {"call": what, "path": os.path.normpath(path), "plan": None}
+    identity = {"call": what, "path": _normal(path), "plan": None}
     board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
     if board.pid == 0:
       try:

@@ -39,6 +39,7 @@ import zlib
 import numpy as np
 
 from . import checksum
+from . import codec
 from . import format
 
 
@@ -69,6 +70,9 @@ class Stored:
   sums: list[int] | None = None
   zip_crc: int | None = None
   header_crc: int = 0
+  # The codec of a compressed file (see codec): its data is decompressed
+  # whole from the file's start (``offset`` 0), or None for raw data.
+  codec: str | None = None
 
   @property
   def nbytes(self) -> int:
@@ -304,9 +308,13 @@ class Files:
       if s.fd < 0 and stamp(st) != s.stamp:
         raise ValueError("it was replaced after restore validated it")
       try:
-        read = self._read_stored if s.member is None else self._inflate
-        array = read(fd, s)
-      except checksum.Mismatch:
+        if s.codec is not None:
+          array = self._decompress(fd, s)
+        elif s.member is None:
+          array = self._read_stored(fd, s)
+        else:
+          array = self._inflate(fd, s)
+      except (checksum.Mismatch, *codec_errors(s.codec)):
         if stamp(os.fstat(fd)) != s.stamp:  # the likelier cause, named
           raise ValueError("it was modified while restore read it") from None
         raise
@@ -373,6 +381,33 @@ class Files:
         raise ValueError("it holds more data than its header describes")
     return array
 
+  def _decompress(self, fd: int, s: Stored) -> np.ndarray:
+    """A compressed file (see codec), decompressed into a new buffer:
+    exactly its header's bytes, checked against the record's CRC-32C sums
+    and the frame's own checksum."""
+    assert s.codec is not None
+    with open(fd, "rb", closefd=False) as raw:
+      raw.seek(0)
+      f = codec.open_reader(s.codec, raw)
+      shape, fortran, dtype = read_header(f)
+      if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
+        raise ValueError(
+          f"it now holds {dtype.str}{list(shape)}, not "
+          f"{s.dtype.str}{list(s.shape)}"
+        )
+      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+      view, done = flat.data, 0
+      while done < flat.size:
+        n = f.readinto(view[done:])
+        if not n:
+          raise EOFError(f"the data ends {flat.size - done} bytes early")
+        done += n
+      if f.read(1):  # also reads the frame's end, checking its checksum
+        raise ValueError("it holds more data than its header describes")
+    if self._verify:
+      checksum.check(s.sums, flat.data)
+    return array
+
   def _read_chunks(
     self,
     fd: int,
@@ -413,6 +448,11 @@ class Files:
     concurrent.futures.wait(futures)
     if errors:
       raise errors[0]
+
+
+def codec_errors(name: str | None) -> tuple[type[BaseException], ...]:
+  """What reading a damaged file of codec ``name`` raises (none for raw)."""
+  return () if name is None else codec.errors()
 
 
 #: Name prefix of the threads that read chunks of one array.
@@ -471,7 +511,10 @@ def load(api: str, where: str, key: str, s: Stored, files: Files) -> np.ndarray:
   in a new buffer that nothing else references."""
   try:
     a = files.read(s)
-  except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+  except (
+    OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error,
+    *codec_errors(s.codec),
+  ) as err:  # fmt: skip
     raise ValueError(
       f"{api}: the leaf at {where} (key {key!r}): reading {s.where} failed: "
       f"{err}; the file changed or is damaged since restore validated it"

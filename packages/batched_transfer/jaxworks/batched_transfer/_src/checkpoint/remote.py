@@ -156,6 +156,124 @@ class Upload:
     LOG.info("saved %s (%d objects)", self.url, len(files) + 1)
 
 
+class Collective:
+  """The bucket side of a save that several processes make together
+  (multiprocess drives it, every process holding one): each writes its
+  files into ``local`` (a temporary directory's), uploads them where
+  process 0 says (``begin``), process 0 commits (``commit``); an overwrite
+  of a committed checkpoint commits beside the path first, then every
+  process uploads its files again to the path (``move``) and process 0
+  commits there (``finish``).
+
+  Raises:
+    FileExistsError: a checkpoint is committed at ``url`` and not
+      ``overwrite`` (``commit``: another save committed there meanwhile).
+  """
+
+  def __init__(
+    self,
+    api: str,
+    url: str,
+    storage_options: dict[str, Any] | None,
+    overwrite: bool,
+  ) -> None:
+    self.api, self.url = api, url
+    self.st = st = stores.open_storage(api, url, storage_options)
+    loc = st.location
+    if not loc.prefix:
+      raise ValueError(
+        f"{api}: {url!r} is a bucket's root; save to a prefix in it "
+        f"({loc.scheme}://{loc.bucket}/NAME)"
+      )
+    self.parent, self.name = st._at(loc.parent), loc.name
+    self.stagings = _stagings(self.parent, self.name)
+    self.committed = st.exists(format.RECORD) or any(self.stagings.values())
+    if self.committed and not overwrite:
+      raise _exists(api, url)
+    self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
+    self.local = os.path.join(self._tmp.name, self.name)
+    os.mkdir(self.local)
+    self.target = st  # where this process uploads (``begin``/``attach``)
+
+  @property
+  def beside(self) -> bool:
+    """Whether the files go beside the path first (an overwrite)."""
+    return self.target is not self.st
+
+  def where(self) -> str:
+    return self.target.url
+
+  def begin(self) -> str:
+    """Process 0, before any file is uploaded: where every process uploads,
+    as the name to post ("" for the path itself, whose leftovers of saves
+    that did not commit it removes first)."""
+    if self.committed:
+      name = f".{self.name}{_NEW}{secrets.token_hex(8)}"
+      self.target = self.parent.child(name)
+      return name
+    if self.st.exists(format.RECORD):  # committed meanwhile
+      raise _exists(self.api, self.url)
+    self.st.delete(sorted(self.st.list()))
+    return ""
+
+  def attach(self, name: str) -> None:
+    """The other processes: where process 0 said (``begin``)."""
+    self.target = self.parent.child(name) if name else self.st
+
+  def upload(self) -> None:
+    """Uploads this process's files to the target, in parallel."""
+    _upload(self.target, _local_files(self.local))
+
+  def commit(self, manifest: bytes, record: bytes) -> bool:
+    """Process 0, every process's files uploaded: the manifest, then the
+    record created at the target (the commit). True if the files must
+    then move to the path (``move`` on every process, then ``finish``):
+    the old checkpoint's record and objects are removed first, and the
+    one committed beside it is what readers find meanwhile."""
+    self.target.write(format.MANIFEST, manifest)
+    try:
+      self.target.create(format.RECORD, record)
+    except FileExistsError:
+      raise _exists(self.api, self.url) from None
+    if not self.beside:
+      self._clean()
+      LOG.info("saved %s", self.url)
+      return False
+    self.st.delete([format.RECORD])
+    self.st.delete_prefix()
+    return True
+
+  def move(self) -> None:
+    """Every process: its files uploaded again, to the path."""
+    _upload(self.st, _local_files(self.local))
+
+  def finish(self, manifest: bytes, record: bytes) -> None:
+    """Process 0, every process's files at the path: the commit there."""
+    self.st.write(format.MANIFEST, manifest)
+    try:
+      self.st.create(format.RECORD, record)
+    except FileExistsError:
+      raise _exists(self.api, self.url) from None
+    self.target.delete_prefix()
+    self._clean()
+    LOG.info("saved %s", self.url)
+
+  def _clean(self) -> None:
+    for prefix in self.stagings:  # of saves killed before they finished
+      self.parent.child(prefix).delete_prefix()
+
+  def abort(self) -> None:
+    """Process 0, the save failed before its commit: what it uploaded beside
+    the path is removed (at the path, no record: absent, and the next save
+    removes it)."""
+    if self.beside:
+      self.target.delete_prefix()
+
+  def close(self) -> None:
+    """Removes the local copy."""
+    self._tmp.cleanup()
+
+
 def save(
   api: str,
   url: str,

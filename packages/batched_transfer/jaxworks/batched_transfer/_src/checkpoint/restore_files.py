@@ -9,6 +9,7 @@ placing may alias (on CPU the device array takes the buffer over).
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import struct
@@ -19,6 +20,7 @@ import zlib
 import numpy as np
 
 from ..api import place
+from . import codec
 from . import format
 from . import prefetch
 from . import reader
@@ -55,6 +57,13 @@ class Opened:
       record = format.decode_record(api, where, self.record)
     for key, s in self.stored.items():
       s.sums = record.crc32c.get(key)
+      if self.record is not None and record.codecs.get(key) != s.codec:
+        raise ValueError(
+          f"{api}: {s.where} is stored "
+          f"{'raw' if s.codec is None else 'with ' + s.codec} but {where} "
+          f"says {record.codecs.get(key) or 'raw'}; the checkpoint is "
+          "damaged (a file was replaced): write the checkpoint again"
+        )
       name = record.dtypes.get(key)
       if name is None:
         continue
@@ -117,7 +126,8 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
           f"{api}: {path!r} was replaced by a checkpoint several processes "
           "wrote while restore opened it; call restore again"
         )
-      if not name.endswith(".npy") and rel != format.RECORD:
+      split = codec.split_name(rel)
+      if split is None and rel != format.RECORD:
         continue
       try:
         fd, st = reader.open_file(name, root_fd)
@@ -132,12 +142,26 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
         finally:
           os.close(fd)
         continue
-      key = rel[:-4].replace(os.sep, "/")
+      assert split is not None
+      key, use = split[0].replace(os.sep, "/"), split[1]
+      if key in out:
+        os.close(fd)
+        raise ValueError(
+          f"{api}: {path!r} holds two files for the array at {key!r} "
+          f"({codec.file_name(key, None)!r} and a compressed one); the "
+          "checkpoint is damaged: remove the one save did not write"
+        )
       try:
         with open(fd, "rb", closefd=False) as f:
-          shape, fortran, dtype = reader.read_header(f)
-          offset = f.tell()
-      except (OSError, ValueError, EOFError) as err:
+          if use is None:
+            shape, fortran, dtype = reader.read_header(f)
+            offset = f.tell()
+          else:
+            shape, fortran, dtype = reader.read_header(
+              codec.open_reader(use, f)
+            )
+            offset = 0
+      except (OSError, ValueError, EOFError, *reader.codec_errors(use)) as err:
         os.close(fd)
         raise ValueError(
           f"{api}: {file!r} is not a readable .npy file: {err}"
@@ -151,9 +175,17 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
         raise ValueError(
           f"{api}: {file!r} holds Python objects, which restore does not load"
         )
+      # A compressed file's data is as long as its header says, or reading
+      # it raises (the frame is decompressed whole, and its end checked).
+      present = (
+        st.st_size - offset
+        if use is None
+        else math.prod(shape) * dtype.itemsize
+      )
       out[key] = reader.Stored(
-        tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
+        tuple(shape), dtype, fortran, repr(file), present, file,
         offset, None, fd=fd, dir_fd=top, name=rel, stamp=reader.stamp(st),
+        codec=use,
       )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import zipfile
 import jax
 import numpy as np
 
+from . import codec
 from . import commit
 from . import format
 from . import hostvalue
@@ -211,6 +212,11 @@ class Staged:
       self.cond.notify_all()
 
 
+def _write_compressed(name: str, f: Any, a: Any) -> list[int]:
+  with codec.compressing(name, f) as out:
+    return hostvalue.write_npy(out, a)
+
+
 def write_directory(
   api: str,
   path: str,
@@ -219,9 +225,11 @@ def write_directory(
   take: Any,
   done: Any,
   threads: int,
+  codecs: dict[str, str] | None = None,
 ) -> tuple[dict[str, np.dtype], dict[str, list[int]]]:
-  """Writes every leaf as ``tmp/<key>.npy`` on ``threads`` threads; the
-  dtypes and the checksums of the files' data, by key.
+  """Writes every leaf as ``tmp/<key>.npy`` (``.npy.zst`` for a key in
+  ``codecs``, see codec) on ``threads`` threads; the dtypes and the
+  checksums of the files' (uncompressed) data, by key.
 
   Plain threads, not concurrent.futures: a non-blocking save may still be
   writing while the interpreter exits, when executors refuse new work.
@@ -242,11 +250,14 @@ def write_directory(
       i, a = item
       try:
         if not errors:
-          name = keys[i] + ".npy"
+          use = (codecs or {}).get(keys[i])
+          name = codec.file_name(keys[i], use)
           file = os.path.join(tmp, *name.split("/"))
           sums[keys[i]] = write_file(
-            api, path, file, lambda f: hostvalue.write_npy(f, a)
-          )
+            api, path, file,
+            (lambda f: hostvalue.write_npy(f, a)) if use is None
+            else (lambda f: _write_compressed(use, f, a)),
+          )  # fmt: skip
       except BaseException as err:  # raised below, on the calling thread
         errors.append(err)
       finally:
@@ -327,7 +338,7 @@ def write_checkpoint(
       else:
         os.mkdir(tmp)
         dtypes, record.crc32c = write_directory(
-          api, path, tmp, keys, take, done, threads
+          api, path, tmp, keys, take, done, threads, record.codecs
         )
         record.dtypes = {k: dtypes[k].name for k in keys}
         data = format.encode_record(record)
@@ -355,7 +366,7 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
       )
     for root, _, files in os.walk(path):
       for name in files:
-        if not name.endswith(".npy") and not (
+        if codec.split_name(name) is None and not (
           root == path and name in (format.RECORD, format.MANIFEST)
         ):
           raise FileExistsError(
