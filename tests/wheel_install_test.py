@@ -200,6 +200,23 @@ def test_wheels_contain_only_jaxworks_files(kind):
         )
 
 
+# Reference implementations that only tests and benchmarks use: they live beside the tests, never in a wheel.
+_TEST_ONLY_DEFINITIONS = re.compile(
+  rb"^(def|class) (group_leaves_py|group_leaves_python|PyGroup)\b", re.M
+)
+
+
+def test_wheels_ship_no_test_only_twins():
+  for w in _wheels("per_package"):
+    with zipfile.ZipFile(w) as zf:
+      for n in zf.namelist():
+        if n.endswith(".py"):
+          found = _TEST_ONLY_DEFINITIONS.search(zf.read(n))
+          assert found is None, (
+            f"{os.path.basename(w)}: {n} defines {found.group(0).decode()}, used only by tests"
+          )
+
+
 @pytest.mark.parametrize("kind", ["per_package", "combined"])
 def test_metadata_is_complete(kind):
   for w in _wheels(kind):

@@ -136,6 +136,7 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         srcs = srcs,
         main = srcs[0],
         args = ["--quick", "--json", name + "_rows.json"],
+        data = kwargs.get("data", []),
         deps = deps,
         env = _backend_env("cpu", 8),
         tags = ["cpu", "benchmark"],

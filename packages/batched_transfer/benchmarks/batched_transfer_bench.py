@@ -77,6 +77,12 @@ from jaxworks import batched_transfer as bt  # noqa: E402
 from jaxworks.batched_transfer._src import grouping  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import reader  # noqa: E402
 
+sys.path.insert(  # the pure-Python grouping twin lives with the tests
+  0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+)
+
+import grouping_twin  # noqa: E402
+
 PACKAGE = "batched_transfer"
 LIST_GOAL = 1 / 1.1  # at most 1.1x jax.device_put of the list
 LOOP_GOAL = 2.0  # at least 2x faster than a per-leaf loop (1000 leaves)
@@ -169,7 +175,9 @@ def grouping_rows(report: jb.Report, sizes, repeats) -> None:
       m = jb.median_interleaved(
         {
           "cpp": lambda: grouping.group_leaves(leaves, dsts, default),
-          "py": lambda: grouping.group_leaves_python(leaves, dsts, default),
+          "py": lambda: grouping_twin.group_leaves_python(
+            leaves, dsts, default
+          ),
         },
         repeats,
         warmup=True,

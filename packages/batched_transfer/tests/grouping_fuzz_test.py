@@ -1,5 +1,8 @@
 """Fuzzing the C++ grouping with arbitrary Python objects: no crash, clear errors."""
 
+import os
+import sys
+
 from hypothesis import HealthCheck
 from hypothesis import given
 from hypothesis import settings
@@ -11,6 +14,10 @@ import numpy as np
 from jaxworks.batched_transfer import _grouping
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grouping_twin  # noqa: E402
 
 API = "jaxworks.batched_transfer._grouping.group_leaves"
 
@@ -191,7 +198,7 @@ def test_arbitrary_objects_never_crash(leaves, dsts, kinds, default, attr):
     return
   _check(result, len(leaves))
   # Where the C++ pass succeeds, its pure-Python twin computes the same groups.
-  py = grouping.group_leaves_py(leaves, dsts, kinds, default, attr)
+  py = grouping_twin.group_leaves_py(leaves, dsts, kinds, default, attr)
   assert _summary(result) == _summary(py)
 
 
@@ -260,7 +267,7 @@ def test_cpp_matches_python_on_real_leaves(picks):
   dsts = [dsts_pool[b] for _, b in picks]
   default = dsts_pool[1]
   cpp = grouping.group_leaves(leaves, dsts, default)
-  py = grouping.group_leaves_py(
+  py = grouping_twin.group_leaves_py(
     leaves,
     dsts,
     grouping.kinds_table(),

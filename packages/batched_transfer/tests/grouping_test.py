@@ -1,5 +1,6 @@
 """The C++ grouping pass: keys, stable order, byte counts, errors, references."""
 
+import os
 import sys
 
 import jax
@@ -13,6 +14,10 @@ import pytest
 from jaxworks.batched_transfer import _grouping
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grouping_twin  # noqa: E402
 
 
 def _as_tuples(groups):
@@ -92,7 +97,7 @@ def test_cpp_equals_python_on_a_mixed_tree(devices):
   dsts = [targets[k] for k in rng.integers(0, len(targets), 500)]
   default = SingleDeviceSharding(devices[0])
   cpp = grouping.group_leaves(leaves, dsts, default_dst=default)
-  py = grouping.group_leaves_python(leaves, dsts, default_dst=default)
+  py = grouping_twin.group_leaves_python(leaves, dsts, default_dst=default)
   assert _as_tuples(cpp) == _as_tuples(py)
   assert sorted(i for g in cpp for i in g.indices) == list(range(500))
 
@@ -226,7 +231,7 @@ class _FreshLeaf:
 
 def _reference(leaves, dsts, kinds, default=None, attr="devs"):
   cpp = _grouping.group_leaves(leaves, dsts, kinds, default, attr)
-  py = grouping.group_leaves_py(leaves, dsts, kinds, default, attr)
+  py = grouping_twin.group_leaves_py(leaves, dsts, kinds, default, attr)
   return _as_tuples(cpp), [
     (
       g.kind,

@@ -19,6 +19,7 @@ import re
 import threading
 from typing import Any
 import warnings
+import weakref
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from .. import jax_internals
 from . import api as ckpt
 from . import commit
 from . import format
+from . import lease as lease_lib
 from . import multiprocess
 from . import pending
 from . import remote
@@ -35,6 +37,7 @@ from .keys import leaf_keys
 from .steps import METRICS_KEY
 from .steps import check_item_name
 from .steps import check_step
+from .storage import LOG
 from .storage import run_parallel
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
@@ -240,6 +243,9 @@ class CheckpointManager:
     self._metrics_cache: dict[int, Any] = {}  # step -> metrics or None
     # The steps this manager saved, in save order (since reload()).
     self._saved: list[int] = []
+    # The directory's writer lease, taken by the first save or delete.
+    self._lease: lease_lib.Lease | None = None
+    self._lease_ref: weakref.finalize | None = None
 
   def _path(self, step: int) -> str:
     if self._store is not None:
@@ -337,18 +343,58 @@ class CheckpointManager:
     step = check_step(f"{_API}.should_save", step)
     if self.read_only:
       return False
+    return self._skip(step) is None
+
+  def _skip(self, step: int) -> tuple[str, int | None] | None:
+    """Why ``save(step)`` would not save (None: it would): ``("old",
+    last)`` for a step not newer than the last saved (``last``), else
+    ``("policy", last)``."""
     last = self.latest_step()
     if self._handle is not None and self._pending_step is not None:
       last = self._pending_step  # the last saved (orbax's latest)
     if last is not None and step <= last:
-      return False
+      return "old", last
     if self.should_save_fn is not None:
-      return bool(self.should_save_fn(step, last))
-    return (
-      step % self.save_interval_steps == 0
-      or step in self.save_on_steps
-      or last is None
-    )
+      ok = bool(self.should_save_fn(step, last))
+    else:
+      ok = (
+        step % self.save_interval_steps == 0
+        or step in self.save_on_steps
+        or last is None
+      )
+    return None if ok else ("policy", last)
+
+  def _log_skip(self, api: str, step: int, why: tuple[str, int | None]) -> None:
+    """Says why ``save(step)`` returned False: a WARNING for a step that
+    exists or is older than the last saved (a silent no-op hides a restart
+    into a used directory, or a second writer), DEBUG for the interval."""
+    kind, last = why
+    if kind == "policy":
+      rule = (
+        "should_save_fn returned False"
+        if self.should_save_fn is not None
+        else f"not a multiple of save_interval_steps={self.save_interval_steps}"
+        " nor in save_on_steps"
+      )
+      LOG.debug(
+        "%s: step %d not saved (%s); force=True saves it", api, step, rule
+      )
+      return
+    if step == last or self._committed(step):
+      LOG.warning(
+        "%s: step %d was not saved: it exists in %r already (the last saved "
+        "step is %s). To replace it, delete(%d) first; to keep both, save "
+        "under a new step number or into another directory",
+        api, step, self.directory, last, step,
+      )  # fmt: skip
+      return
+    LOG.warning(
+      "%s: step %d was not saved: it is older than the last saved step %s in "
+      "%r (steps are saved in increasing order). Pass force=True to save it "
+      "anyway; if the directory holds steps of an earlier run, use a new "
+      "directory or delete them",
+      api, step, last, self.directory,
+    )  # fmt: skip
 
   # Saving.
 
@@ -401,10 +447,12 @@ class CheckpointManager:
     # error is raised before anything else, inside the collective save when
     # the tree spans processes (so every process raises it there, in step).
     failed = self._finish()  # raised below
-    if not force and not self.should_save(step):
+    why = None if force else self._skip(step)
+    if why is not None:
       if failed is not None:
         raise failed
       pending.raise_background_error(api)
+      self._log_skip(api, step, why)
       return False
     path = self._path(step)
     self._saving(step)
@@ -443,6 +491,7 @@ class CheckpointManager:
     """save's checks of the tree, then its ``run_save``."""
     if failed is not None:  # the previous save's error first
       raise failed
+    self._hold(api)
     tree = self._tree(api, tree, items)
     if metrics is not None:
       if not isinstance(tree, dict):
@@ -479,6 +528,7 @@ class CheckpointManager:
       if jax.process_index() == 0:  # what killed saves of any step left
         with commit.locked(path):  # (process 0 alone: it commits)
           for _, p in commit._scan(self.directory, self._names.temps):
+            LOG.debug("%s: removing %r, left by a killed save", api, p)
             commit.remove(p)
 
     self._forget(step)
@@ -488,15 +538,48 @@ class CheckpointManager:
         api, path, tree, overwrite=False, blocking=blocking,
         write_threads=None, max_inflight_bytes=ckpt.DEFAULT_INFLIGHT,
         storage_options=self._options, ticket=ticket,
-        prelude=lambda: None, after=self._retain, primary_keys=(METRICS_KEY,),
+        prelude=lambda: None, after=self._after(step, path),
+        primary_keys=(METRICS_KEY,),
         barrier_timeout_s=self.barrier_timeout_s,
       )  # fmt: skip
     return ckpt.run_save(
       api, path, tree, overwrite=False, blocking=blocking, write_threads=None,
       max_inflight_bytes=ckpt.DEFAULT_INFLIGHT, prelude=prelude,
-      barrier_timeout_s=self.barrier_timeout_s, after=self._retain,
+      barrier_timeout_s=self.barrier_timeout_s, after=self._after(step, path),
       primary_keys=(METRICS_KEY,), ticket=ticket,
     )  # fmt: skip
+
+  def _after(self, step: int, path: str) -> Callable[[], None]:
+    """What runs once ``step`` committed (process 0): a log line, then
+    retention."""
+
+    def after() -> None:
+      LOG.info("%s: step %d committed at %r", _API, step, path)
+      self._retain()
+
+    return after
+
+  def _hold(self, api: str) -> None:
+    """Takes (or checks) this directory's writer lease before a write:
+    WriterConflictError while another live process writes here. In a
+    jax.distributed job process 0 holds it for all."""
+    if jax.process_index() != 0:
+      return
+    held = self._lease
+    if held is None:
+      st = self._store
+      if st is None:
+        st = remote.stores.open_storage(_API, self.directory)
+      held = lease_lib.acquire(api, st, self.directory)
+      self._lease = held
+      self._lease_ref = weakref.finalize(self, lease_lib.release, held)
+    held.check(api)
+
+  def _release(self) -> None:
+    """Gives this manager's share of the writer lease back."""
+    ref, self._lease_ref, self._lease = self._lease_ref, None, None
+    if ref is not None:
+      ref()
 
   def _tree(self, api: str, tree: Any, items: Any) -> Any:
     if items is None:
@@ -575,7 +658,10 @@ class CheckpointManager:
   def _retain(self) -> None:
     """Deletes the steps the retention rules no longer keep (process 0)."""
     for s in self._to_remove(self.all_steps()):
-      self._delete_local(s, missing_ok=True)
+      if self._delete_local(s, missing_ok=True):
+        LOG.info(
+          "%s: retention deleted step %d from %r", _API, s, self.directory
+        )
 
   # Waiting and errors.
 
@@ -784,25 +870,30 @@ class CheckpointManager:
 
   # Deleting.
 
-  def _delete_local(self, step: int, missing_ok: bool = False) -> None:
+  def _delete_local(self, step: int, missing_ok: bool = False) -> bool:
+    """Deletes ``step``; False if it was gone (``missing_ok``)."""
+    api = f"{_API}.delete"
+    self._hold(api)
     path = self._path(step)
     if self._store is not None:  # the record first: never half listed
       st = self._store.child(self._names.name(step))
       if not st.exists(format.RECORD):
         if missing_ok:
-          return
-        raise self._no_step(f"{_API}.delete", step)
+          return False
+        raise self._no_step(api, step)
       st.delete([format.RECORD])
-      st.delete_prefix()
+      n = st.delete_prefix()
+      LOG.debug("%s: deleted %d objects of %r", api, n + 1, path)
       self._forget(step)
-      return
+      return True
     with commit.locked(path):
       if not os.path.isdir(path):
         if missing_ok:
-          return
-        raise self._no_step(f"{_API}.delete", step)
+          return False
+        raise self._no_step(api, step)
       commit.delete(path)
     self._forget(step)
+    return True
 
   def delete(self, step: int) -> None:
     """Deletes a committed step (renamed away first: never half listed).
@@ -833,12 +924,17 @@ class CheckpointManager:
         self.barrier_timeout_s,
       )
       self._forget(step)
-      return
-    self._delete_local(step)
+    else:
+      self._delete_local(step)
+    LOG.info("%s: deleted step %d from %r", _API, step, self.directory)
 
   def close(self) -> None:
-    """Waits for the pending save."""
-    self.wait_until_finished()
+    """Waits for the pending save, then gives the directory's writer lease
+    back (a later save or delete takes it again)."""
+    try:
+      self.wait_until_finished()
+    finally:
+      self._release()
 
   def __enter__(self) -> CheckpointManager:
     return self
