@@ -121,6 +121,22 @@ def test_anatomy_and_version(pkg):
   )
 
 
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_changelog_speaks_to_users(pkg):
+  """A CHANGELOG says what changed for users, not which private module moved."""
+  with open(
+    os.path.join("packages", pkg, "CHANGELOG.md"), encoding="utf-8"
+  ) as f:
+    private = [
+      f"line {n}: {line.strip()}"
+      for n, line in enumerate(f, 1)
+      if re.search(r"\b_src\b", line)
+    ]
+  assert not private, (
+    f"{pkg}/CHANGELOG.md names private modules:\n" + "\n".join(private)
+  )
+
+
 def test_package_list_is_complete():
   on_disk = sorted(
     d
