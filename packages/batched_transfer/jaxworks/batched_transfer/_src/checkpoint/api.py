@@ -39,6 +39,7 @@ from . import pending
 from . import reader
 from . import remote
 from . import restore_files
+from . import restore_objects
 from . import restore_shards
 from . import target as target_lib
 from . import writer
@@ -513,14 +514,8 @@ def restore(
   """
   api = f"{_API}.restore"
   path = os.fspath(path)
-  if is_remote(path):
-    with remote.Fetched(api, path, storage_options) as local:
-      return restore(
-        local, target, placement=placement, partial_restore=partial_restore,
-        verify=verify, max_inflight_bytes=max_inflight_bytes,
-        read_threads=read_threads, progress=progress,
-      )  # fmt: skip
-  no_options(api, path, storage_options)
+  if not is_remote(path):
+    no_options(api, path, storage_options)
   if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
     raise ValueError(
       f"{api}: max_inflight_bytes must be a positive int, got "
@@ -528,7 +523,10 @@ def restore(
     )
   positive(api, "read_threads", read_threads, True)
   read_threads = read_threads or reader.default_read_threads()
-  with contextlib.closing(_open(api, path)) as opened:
+  with (
+    restore_objects.noting(path),
+    contextlib.closing(_open(api, path, storage_options)) as opened,
+  ):
     arrays, record = opened.contents()
     t = target_lib.Target(api, path, target, arrays, record, partial_restore)
     keys, paths = t.pick(t.keys), t.pick(t.paths)
@@ -550,11 +548,14 @@ def restore(
 
 
 def _open(
-  api: str, path: str
+  api: str, path: str, storage_options: dict[str, Any] | None = None
 ) -> restore_shards.Manifest | restore_files.Opened:
   """The checkpoint at ``path``, opened once: its data is read through the
   descriptors validated here (a checkpoint several processes wrote: its
-  manifest and shard files; else .npy files or an .npz)."""
+  manifest and shard files; else .npy files or an .npz); at a URL, through
+  ranged reads of its objects (restore_objects)."""
+  if is_remote(path):
+    return restore_objects.open_checkpoint(api, path, storage_options)
   if not os.path.lexists(path):
     commit.recover(path)  # the old copy of a save killed between two renames
   opened = restore_shards.open_manifest(api, path)
@@ -582,12 +583,10 @@ def metadata(
   {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
   """
   api = f"{_API}.metadata"
-  if is_remote(os.fspath(path)):
-    with remote.Fetched(api, os.fspath(path), storage_options, True) as local:
-      return metadata(local)
-  no_options(api, os.fspath(path), storage_options)
+  if not is_remote(os.fspath(path)):
+    no_options(api, os.fspath(path), storage_options)
   return target_lib.as_saved(
-    *read_record(api, os.fspath(path)), with_shardings=True
+    *read_record(api, os.fspath(path), storage_options), with_shardings=True
   )
 
 
@@ -596,10 +595,10 @@ def read_record(
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``path``, from its headers, manifest and record only."""
-  if is_remote(path):
-    with remote.Fetched(api, path, storage_options, True) as local:
-      return read_record(api, local)
-  with contextlib.closing(_open(api, path)) as opened:
+  with (
+    restore_objects.noting(path),
+    contextlib.closing(_open(api, path, storage_options)) as opened,
+  ):
     return opened.contents()
 
 

@@ -293,6 +293,10 @@ class Files:
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._memory = HostMemory()
 
+  def ahead(self, stored: list[Stored]) -> None:
+    """Told the arrays of the next batch before each ``read``: nothing to do
+    for files (objects in a bucket are read together, restore_objects)."""
+
   def close(self) -> None:
     if self._pool is not None:
       self._pool.shutdown(wait=True)
@@ -325,7 +329,7 @@ class Files:
         os.close(fd)
     return array
 
-  def _read_stored(self, fd: int, s: Stored) -> np.ndarray:
+  def _read_stored(self, fd: Any, s: Stored) -> np.ndarray:
     array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
     sums = s.sums if self._verify else None
     if flat.size:
@@ -410,7 +414,7 @@ class Files:
 
   def _read_chunks(
     self,
-    fd: int,
+    fd: Any,
     view: memoryview,
     offset: int,
     chunks: list,
@@ -460,9 +464,16 @@ READ_THREAD_PREFIX = "jaxworks-restore-chunk"
 
 
 def read_range(
-  fd: int, view: memoryview, offset: int, lo: int, hi: int
+  fd: Any, view: memoryview, offset: int, lo: int, hi: int
 ) -> None:
-  """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]``."""
+  """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]``.
+
+  ``fd``: a file descriptor, or an object in a bucket (anything with
+  ``read_into(view, position)``, see restore_objects), read in one request.
+  """
+  if not isinstance(fd, int):
+    fd.read_into(view[lo:hi], offset + lo)
+    return
   done = lo
   while done < hi:  # read() returns at most about 2 GiB at a time
     n = os.preadv(fd, [view[done:hi]], offset + done)
@@ -481,7 +492,7 @@ SUM_STEP = 2**20
 
 
 def read_checked(
-  fd: int,
+  fd: Any,
   view: memoryview,
   offset: int,
   lo: int,
@@ -496,8 +507,9 @@ def read_checked(
     read_range(fd, view, offset, lo, hi)
     return
   value = 0
-  for a in range(lo, hi, SUM_STEP):
-    b = min(a + SUM_STEP, hi)
+  step = SUM_STEP if isinstance(fd, int) else hi - lo  # an object: 1 request
+  for a in range(lo, hi, step):
+    b = min(a + step, hi)
     read_range(fd, view, offset, a, b)
     value = checksum.crc(view[a:b], value)
   if k is None:

@@ -80,6 +80,10 @@ class Opened:
     format.check_arrays_present(api, self.path, record, arrays)
     return arrays, record
 
+  def files(self, threads: int, verify: bool) -> reader.Files:
+    """What reads the arrays (restore_objects: from a bucket)."""
+    return reader.Files(threads, verify)
+
   def close(self) -> None:
     fds, self.fds = self.fds, []
     for fd in fds:
@@ -295,10 +299,11 @@ def restore_arrays(
   for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
     _check_leaf(api, where, key, stored[key], want_shape)
     restore_placement(api, p, where, want_shape, normalized)
-  files = reader.Files(read_threads, verify)
+  files = opened.files(read_threads, verify)
   casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
 
   def read(batch: list[int]) -> list[np.ndarray]:
+    files.ahead([stored[keys[i]] for i in batch])
     out = []
     for i in batch:
       a = reader.load(api, paths[i], keys[i], stored[keys[i]], files)

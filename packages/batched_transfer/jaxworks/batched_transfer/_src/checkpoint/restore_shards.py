@@ -96,9 +96,7 @@ class Manifest:
     relative to the directory and checked against the manifest's dtypes; an
     empty one where there is none)."""
     arrays = {k: (e.shape, e.dtype) for k, e in self.arrays.items()}
-    data = reader.read_small(
-      self.api, self.path, self.dir_fd, format.RECORD, "the record"
-    )
+    data = self.record_data()
     if data is None:
       return arrays, format.Record()
     where = f"the record {format.RECORD!r} of {self.path!r}"
@@ -115,6 +113,54 @@ class Manifest:
         )
     format.check_arrays_present(self.api, self.path, record, arrays)
     return arrays, record
+
+  def record_data(self) -> bytes | None:
+    """The record's bytes (None: there is none)."""
+    return reader.read_small(
+      self.api, self.path, self.dir_fd, format.RECORD, "the record"
+    )
+
+  def read_threads(self, threads: int) -> int:
+    """Threads reading shards (restore_objects: at least the requests in
+    flight a bucket takes)."""
+    return threads
+
+  def open_shards(self, needed: list[tuple[str, Entry, Shard]]) -> None:
+    """Opens the shard files ``needed`` ((key, entry, shard) triples)
+    before ``pieces`` asks for them (restore_objects: all at once)."""
+    for key, entry, shard in needed:
+      self.open_shard(key, entry, shard)
+
+  def handles(self, used: dict[str, reader.Stored]) -> dict[str, Any]:
+    """What ``reader.read_range`` reads each file of ``used`` through (by
+    name): its descriptor, opened again and checked where it was closed."""
+    fds: dict[str, int] = {}
+    try:
+      for name, s in used.items():
+        fds[name] = s.fd if s.fd >= 0 else _reopen(self.api, s)
+    except BaseException:
+      self.release(fds, used)
+      raise
+    return fds
+
+  def unchanged(
+    self, fds: dict[str, Any], used: dict[str, reader.Stored]
+  ) -> None:
+    """Raises ValueError if a file of ``used`` was modified while read."""
+    for name, s in used.items():
+      if reader.stamp(os.fstat(fds[name])) != s.stamp:
+        raise ValueError(
+          f"{self.api}: {s.where} was modified while restore read it; "
+          "restore again"
+        )
+
+  def release(
+    self, fds: dict[str, Any], used: dict[str, reader.Stored]
+  ) -> None:
+    """Closes the descriptors ``handles`` opened again."""
+    for name, fd in fds.items():
+      if fd != used[name].fd:
+        os.close(fd)
 
   def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
     """The validated shard file (opened relative to the directory)."""
@@ -145,24 +191,7 @@ class Manifest:
         stamp=reader.stamp(st),
         sums=None if shard.crc32c is None else list(shard.crc32c),
       )  # fmt: skip
-      header = dtype.newbyteorder("=")
-      bad = ""
-      if s.shape != shard.shape:
-        bad = f"holds {list(s.shape)}, the manifest says {list(shard.shape)}"
-      elif dtype.itemsize != entry.dtype.itemsize or not (
-        (dtype.kind == "V" and dtype.fields is None)
-        or (dtype.isnative and header == entry.dtype)
-      ):
-        bad = f"holds {dtype.str}, the manifest says {entry.dtype.name}"
-      elif s.data_bytes != math.prod(s.shape) * dtype.itemsize:
-        bad = (
-          f"holds {s.data_bytes} bytes of data but its header needs "
-          f"{s.nbytes}; it is truncated or damaged"
-        )
-      if bad:
-        raise ValueError(
-          f"{api}: the shard file {file!r} of {key!r} {bad}. Nothing was placed"
-        )
+      check_shard(api, file, key, entry, shard, s)
     except BaseException:
       os.close(fd)
       raise
@@ -194,11 +223,36 @@ class Manifest:
     return out
 
 
+def check_shard(
+  api: str, file: str, key: str, entry: Entry, shard: Shard, s: reader.Stored
+) -> None:
+  """Raises ValueError unless the shard file ``s`` (at ``file``) holds what
+  the manifest says."""
+  header = s.dtype.newbyteorder("=")
+  bad = ""
+  if s.shape != shard.shape:
+    bad = f"holds {list(s.shape)}, the manifest says {list(shard.shape)}"
+  elif s.dtype.itemsize != entry.dtype.itemsize or not (
+    (s.dtype.kind == "V" and s.dtype.fields is None)
+    or (s.dtype.isnative and header == entry.dtype)
+  ):
+    bad = f"holds {s.dtype.str}, the manifest says {entry.dtype.name}"
+  elif s.data_bytes != s.nbytes:
+    bad = (
+      f"holds {s.data_bytes} bytes of data but its header needs "
+      f"{s.nbytes}; it is truncated or damaged"
+    )
+  if bad:
+    raise ValueError(
+      f"{api}: the shard file {file!r} of {key!r} {bad}. Nothing was placed"
+    )
+
+
 def read_tasks(
   pieces: list[tuple[reader.Stored, Shard]],
   want: Bounds,
   out: np.ndarray,
-  fds: dict[str, int],
+  fds: dict[str, Any],
   chunk: int,
   verified: set[tuple[str, int]] | None = None,
 ) -> list[Callable[[], None]]:
@@ -267,7 +321,7 @@ def _tail_dim(ext: tuple, sshape: tuple, dshape: tuple) -> int:
 
 
 def _run_task(
-  fds: dict[str, int],
+  fds: dict[str, Any],
   s: reader.Stored,
   offset: int,
   view: np.ndarray,
@@ -290,7 +344,7 @@ def _run_task(
 
 def verify_tasks(
   used: dict[str, reader.Stored],
-  fds: dict[str, int],
+  fds: dict[str, Any],
   verified: set[tuple[str, int]],
 ) -> list[Callable[[], None]]:
   """Calls that check the checksum chunks of the files in ``used`` that no
@@ -375,7 +429,8 @@ def restore_arrays(
   plan = _plan(api, opened, keys, paths, specs, places)
   memory = reader.HostMemory()
   pool = concurrent.futures.ThreadPoolExecutor(
-    read_threads, thread_name_prefix=reader.READ_THREAD_PREFIX
+    opened.read_threads(read_threads),
+    thread_name_prefix=reader.READ_THREAD_PREFIX,
   )
 
   def read(batch: list[int]) -> list[dict[Bounds, np.ndarray]]:
@@ -405,6 +460,7 @@ def _plan(
   path, arrays = opened.path, opened.arrays
   normalized: dict[int, Any] = {}
   plan = []
+  needed: dict[str, tuple[str, Entry, Shard]] = {}
   for key, where, (shape, dtype, _), p in zip(keys, paths, specs, places):
     entry = arrays[key]
     stored = entry.dtype
@@ -429,11 +485,20 @@ def _plan(
     if committed:
       aval = jax_internals.device_put_aval(aval, sharding)
     regions = [format.bounds(idx, shape) for idx in index_map.values()]
-    pieces = {r: opened.pieces(key, entry, r) for r in dict.fromkeys(regions)}
+    for r in dict.fromkeys(regions):
+      for shard in entry.overlapping(r):
+        if format.intersect(shard, r) is not None:
+          needed.setdefault(shard.file, (key, entry, shard))
     plan.append(_Leaf(
       key, entry, sharding, layout, aval, committed, list(index_map), regions,
-      pieces, cast,
+      {}, cast,
     ))  # fmt: skip
+  opened.open_shards(list(needed.values()))
+  for leaf in plan:
+    leaf.pieces = {
+      r: opened.pieces(leaf.key, leaf.entry, r)
+      for r in dict.fromkeys(leaf.regions)
+    }
   return plan
 
 
@@ -449,13 +514,8 @@ def _read(
   used = {
     s.name: s for leaf in leaves for p in leaf.pieces.values() for s, _ in p
   }
-  fds: dict[str, int] = {}
+  fds = opened.handles(used)
   try:
-    for name, s in used.items():
-      fd = s.fd
-      if fd < 0:  # closed after validation: the same file must be there
-        fd = _reopen(api, s)
-      fds[name] = fd
     out, tasks = [], []
     verified: set[tuple[str, int]] | None = set() if verify else None
     for leaf in leaves:
@@ -477,15 +537,9 @@ def _read(
         f"{api}: reading {err}; the file changed or is damaged since restore "
         "validated it"
       ) from None
-    for name, s in used.items():
-      if reader.stamp(os.fstat(fds[name])) != s.stamp:
-        raise ValueError(
-          f"{api}: {s.where} was modified while restore read it; restore again"
-        )
+    opened.unchanged(fds, used)
   finally:
-    for name, fd in fds.items():
-      if fd != used[name].fd:
-        os.close(fd)
+    opened.release(fds, used)
   return out
 
 

@@ -1,0 +1,442 @@
+"""Restore of a checkpoint in a bucket: its objects read in parallel ranges
+straight into the buffers restore places, no local copy.
+
+``open_checkpoint`` finds the committed checkpoint at a URL (``remote.source``:
+a prefix without its record is absent; an overwrite's staging copy beside
+the path is read while the record is missing), lists it once and reads the
+first bytes of every object it needs in parallel (``PROBE``: the ``.npy``
+header, all of a small object). What it returns is what restore opens on
+disk, ``restore_files.Opened`` or ``restore_shards.Manifest``, validated the
+same way before anything is placed, whose reads go to the bucket:
+
+- an array's data is read in ranges of ``storage.CHUNK`` bytes (one request
+  each, ``concurrency`` at a time) into the array's own buffer, each range a
+  checksum chunk, checked as it arrives (``reader.read_checked``); the
+  smaller arrays of a batch are read together, one request each;
+- a checkpoint several processes wrote: each process reads only the byte
+  ranges of the shard files that its devices' regions need
+  (``restore_shards.read_tasks``), and the header of those files only.
+
+Memory: the arrays of the batches in flight (``max_inflight_bytes``) and
+``PROBE`` bytes per object. An ``.npz`` object is one file: it is read from
+an unlinked temporary file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import contextlib
+import dataclasses
+import io
+import math
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from . import checksum
+from . import codec
+from . import format
+from . import reader
+from . import remote
+from . import restore_files
+from . import restore_shards
+from . import storage
+from . import stores
+from .format import Entry
+from .format import Shard
+from .storage import LOG
+from .storage import Storage
+from .storage import run_parallel
+
+#: The first bytes of each object read when it is opened: the ``.npy``
+#: header (numpy writes at most about 10 KB of it), and all of an object this
+#: small, which is then not read again.
+PROBE = remote.HEADER_BYTES
+#: The first bytes of a shard file read when it is opened (its header).
+SHARD_PROBE = 16 * 2**10
+#: Arrays of at most this many bytes are read in one request, together with
+#: the other small arrays of their batch; larger ones in checksum chunks.
+WHOLE = 32 * 2**20
+
+
+class Object:
+  """One object, read in ranges: what ``reader.read_range`` reads instead
+  of a file descriptor."""
+
+  def __init__(self, st: Storage, key: str, size: int, head: bytes) -> None:
+    self.st, self.key, self.size, self.head = st, key, size, head
+
+  @property
+  def url(self) -> str:
+    return self.st.where(self.key)
+
+  def read_into(self, view: memoryview, pos: int) -> None:
+    """Fills ``view`` with the object's bytes from ``pos`` (one request, or
+    none where the bytes were read when it was opened).
+
+    Raises:
+      OSError: the object ends before ``view`` is full.
+    """
+    n = len(view)
+    if pos + n <= len(self.head):
+      view[:] = self.head[pos : pos + n]
+      return
+    data = memoryview(self.st.read(self.key, pos, pos + n)).cast("B")
+    if len(data) != n:
+      raise OSError(
+        f"{self.url!r} ends at byte {pos + len(data)}, before the "
+        f"{pos + n} bytes it held when restore listed it: the object was "
+        "truncated or replaced after the checkpoint was committed; save the "
+        "checkpoint again"
+      )
+    view[:] = data
+
+
+class _RangeFile(io.RawIOBase):
+  """An object as a seekable binary file (for a compressed file's reader)."""
+
+  def __init__(self, obj: Object) -> None:
+    self._obj, self._pos = obj, 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self._pos
+
+  def seek(self, pos: int, whence: int = 0) -> int:
+    base = {0: 0, 1: self._pos, 2: self._obj.size}[whence]
+    self._pos = max(0, base + pos)
+    return self._pos
+
+  def readinto(self, b: Any) -> int:
+    view = memoryview(b).cast("B")
+    n = max(0, min(len(view), self._obj.size - self._pos))
+    if n:
+      self._obj.read_into(view[:n], self._pos)
+      self._pos += n
+    return n
+
+
+@dataclasses.dataclass
+class Stored(reader.Stored):
+  """An array in an object (``obj``), not a file."""
+
+  obj: Any = None
+
+
+class ObjectFiles(reader.Files):
+  """``reader.Files`` for objects: ``ahead`` reads the small arrays of the
+  next batch together (one request each, ``concurrency`` at a time, each
+  checked against its checksums in the thread that read it); ``read`` reads
+  a large one in checksum chunks, ``concurrency`` at a time."""
+
+  def __init__(self, threads: int, verify: bool, concurrency: int) -> None:
+    super().__init__(max(threads, concurrency), verify)
+    self._concurrency = concurrency
+    self._ready: dict[int, tuple[Any, BaseException | None]] = {}
+
+  def ahead(self, stored: list[Any]) -> None:
+    todo = [
+      s
+      for s in stored
+      if s.nbytes <= WHOLE and s.codec is None and id(s) not in self._ready
+    ]
+    bufs = [(s, *self._memory.empty(s.shape, s.dtype, s.fortran)) for s in todo]
+
+    def one(item: tuple[Any, np.ndarray, np.ndarray]) -> Any:
+      s, array, flat = item
+      try:
+        if flat.size:
+          obj: Object = s.obj
+          obj.read_into(flat.data, s.offset)
+        if self._verify:
+          if not flat.size and s.sums:
+            raise checksum.Mismatch(
+              "it holds no data, but the record has checksums"
+            )
+          checksum.check(s.sums, flat.data)
+      except (OSError, ValueError, EOFError) as err:
+        return None, err
+      return array, None
+
+    for s, got in zip(todo, run_parallel(one, bufs, self._concurrency)):
+      self._ready[id(s)] = got
+
+  def read(self, s: Any) -> np.ndarray:
+    got = self._ready.pop(id(s), None)
+    if got is not None:
+      array, err = got
+      if err is not None:
+        raise err
+      return array
+    obj: Object = s.obj
+    if s.codec is not None:
+      return self._decompress_object(obj, s)
+    return self._read_stored(obj, s)
+
+  def _decompress_object(self, obj: Object, s: Stored) -> np.ndarray:
+    """A compressed object (see codec), read in ``storage.CHUNK`` ranges as
+    it is decompressed into a new buffer, checked as on disk."""
+    assert s.codec is not None
+    raw = io.BufferedReader(_RangeFile(obj), storage.CHUNK)
+    f = codec.open_reader(s.codec, raw)
+    shape, fortran, dtype = reader.read_header(f)
+    if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
+      raise ValueError(
+        f"it now holds {dtype.str}{list(shape)}, not "
+        f"{s.dtype.str}{list(s.shape)}"
+      )
+    array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+    view, done = flat.data, 0
+    while done < flat.size:
+      n = f.readinto(view[done:])
+      if not n:
+        raise EOFError(f"the data ends {flat.size - done} bytes early")
+      done += n
+    if f.read(1):  # also reads the frame's end, checking its checksum
+      raise ValueError("it holds more data than its header describes")
+    if self._verify:
+      checksum.check(s.sums, flat.data)
+    return array
+
+
+class ObjectOpened(restore_files.Opened):
+  """A checkpoint one process wrote, in a bucket (``restore_files``)."""
+
+  def __init__(self, api: str, url: str, st: Storage) -> None:
+    super().__init__(api, url)
+    self.st = st
+
+  def files(self, threads: int, verify: bool) -> reader.Files:
+    return ObjectFiles(threads, verify, self.st.concurrency)
+
+
+class ObjectManifest(restore_shards.Manifest):
+  """A checkpoint several processes wrote, in a bucket (``restore_shards``):
+  the shard files' headers are read when a region needs them, in parallel."""
+
+  def __init__(
+    self,
+    api: str,
+    url: str,
+    st: Storage,
+    arrays: dict[str, Entry],
+    sizes: dict[str, int],
+    record: bytes | None,
+  ) -> None:
+    super().__init__(api, url, -1, arrays)
+    self.st, self._sizes, self._record = st, sizes, record
+
+  def record_data(self) -> bytes | None:
+    return self._record
+
+  def read_threads(self, threads: int) -> int:
+    return max(threads, self.st.concurrency)
+
+  def open_shards(self, needed: list[tuple[str, Entry, Shard]]) -> None:
+    todo = [n for n in needed if n[2].file not in self.stored]
+    heads = run_parallel(
+      lambda n: _probe(self.api, self.st, n[2].file, self._sizes, SHARD_PROBE),
+      todo,
+      self.st.concurrency,
+    )
+    for (key, entry, shard), obj in zip(todo, heads):
+      file = obj.url
+      try:
+        shape, fortran, dtype, offset = _header(obj)
+      except (OSError, ValueError, EOFError) as err:
+        raise ValueError(
+          f"{self.api}: the shard file {file!r} of {key!r} is not a readable "
+          f".npy file: {err}"
+        ) from None
+      s = _stored(shape, dtype, fortran, obj, offset)
+      s.name = shard.file  # what read_tasks' handles are keyed by
+      s.sums = None if shard.crc32c is None else list(shard.crc32c)
+      restore_shards.check_shard(self.api, file, key, entry, shard, s)
+      self.stored[shard.file] = s
+
+  def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
+    self.open_shards([(key, entry, shard)])
+    return self.stored[shard.file]
+
+  def handles(self, used: dict[str, reader.Stored]) -> dict[str, Any]:
+    return {name: getattr(s, "obj") for name, s in used.items()}
+
+  def unchanged(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
+    pass  # an object changed since listed fails its size or its checksums
+
+  def release(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
+    pass
+
+  def close(self) -> None:
+    self.stored = {}
+
+
+def _missing(api: str, url: str, key: str) -> FileNotFoundError:
+  return FileNotFoundError(
+    f"{api}: {url!r} lists no object {key!r}, which the checkpoint needs: "
+    "it was deleted after the checkpoint was committed; save the checkpoint "
+    "again"
+  )
+
+
+def _probe(
+  api: str, st: Storage, key: str, sizes: dict[str, int], n: int
+) -> Object:
+  """The object ``key`` with its first ``n`` bytes read."""
+  size = sizes.get(key)
+  if size is None:
+    raise _missing(api, st.url, key)
+  head = bytes(st.read(key, 0, min(size, n))) if size else b""
+  return Object(st, key, size, head)
+
+
+def _header(obj: Object) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+  """(shape, fortran, dtype, data offset) from an object's first bytes."""
+  f = io.BytesIO(obj.head)
+  shape, fortran, dtype = reader.read_header(f)
+  return tuple(shape), fortran, dtype, f.tell()
+
+
+def _stored(
+  shape: tuple[int, ...],
+  dtype: np.dtype,
+  fortran: bool,
+  obj: Object,
+  offset: int,
+  use: str | None = None,
+) -> Stored:
+  # A compressed object's data is as long as its header says, or reading it
+  # raises (the frame is decompressed whole, and its end checked).
+  if use is None:
+    present = obj.size - offset
+  else:
+    present = math.prod(shape) * dtype.itemsize
+  return Stored(
+    shape, dtype, fortran, repr(obj.url), present, obj.url, offset, None,
+    codec=use, obj=obj,
+  )  # fmt: skip
+
+
+def _read_small(api: str, st: Storage, key: str, what: str) -> bytes:
+  data = bytes(st.read(key, 0, format.MAX_MANIFEST_BYTES + 1))
+  if len(data) > format.MAX_MANIFEST_BYTES:
+    raise ValueError(
+      f"{api}: {what} {st.where(key)!r} holds more than "
+      f"{format.MAX_MANIFEST_BYTES} bytes (MAX_MANIFEST_BYTES), more than "
+      "save writes; the checkpoint is damaged: write it again"
+    )
+  return data
+
+
+def open_checkpoint(
+  api: str, url: str, storage_options: dict[str, Any] | None
+) -> restore_files.Opened | restore_shards.Manifest:
+  """The committed checkpoint at the object-store ``url``, opened: listed,
+  its record (and manifest) and the headers of its arrays read.
+
+  Raises:
+    FileNotFoundError: no committed checkpoint at ``url`` (nor an
+      overwrite's beside it).
+    ValueError: an object that is not what save wrote.
+  """
+  st = stores.open_storage(api, url, storage_options)
+  loc = st.location
+  if loc.name.endswith(".npz") and loc.prefix:
+    parent = st._at(loc.parent)
+    if parent.exists(loc.name):
+      return _open_npz(api, parent, loc.name)
+  src = remote.source(api, st)
+  sizes = src.list()
+  record = _read_small(api, src, format.RECORD, "the record")
+  if format.MANIFEST in sizes:
+    data = _read_small(api, src, format.MANIFEST, "the manifest")
+    try:
+      arrays = format.parse_manifest(data)
+    except format.DAMAGED as err:
+      raise ValueError(
+        f"{api}: the manifest {src.where(format.MANIFEST)!r} is damaged "
+        f"({type(err).__name__}: {err}); write the checkpoint again"
+      ) from None
+    LOG.debug("opened %s (%d objects)", src.url, len(sizes))
+    return ObjectManifest(api, src.url, src, arrays, sizes, record)
+  opened = ObjectOpened(api, src.url, src)
+  opened.record = record
+  names = {}
+  for name in sizes:
+    split = codec.split_name(name)
+    if split is None:
+      continue
+    key, use = split
+    if key in names:
+      raise ValueError(
+        f"{api}: {src.url!r} holds two objects for the array at {key!r} "
+        f"({codec.file_name(key, None)!r} and a compressed one); the "
+        "checkpoint is damaged: remove the one save did not write"
+      )
+    names[key] = (name, use)
+  heads = run_parallel(
+    lambda item: _probe(api, src, item[1][0], sizes, PROBE),
+    sorted(names.items()),
+    src.concurrency,
+  )
+  for (key, (name, use)), obj in zip(sorted(names.items()), heads):
+    try:
+      if use is None:
+        shape, fortran, dtype, offset = _header(obj)
+      else:
+        f = codec.open_reader(use, io.BufferedReader(_RangeFile(obj)))
+        shape, fortran, dtype = reader.read_header(f)
+        shape, offset = tuple(shape), 0
+    except (OSError, ValueError, EOFError, *reader.codec_errors(use)) as err:
+      raise ValueError(
+        f"{api}: {obj.url!r} is not a readable .npy file: {err}"
+      ) from None
+    if dtype.hasobject:
+      raise ValueError(
+        f"{api}: {obj.url!r} holds Python objects, which restore does not load"
+      )
+    opened.stored[key] = _stored(shape, dtype, fortran, obj, offset, use)
+  LOG.debug("opened %s (%d objects)", src.url, len(sizes))
+  return opened
+
+
+def _open_npz(api: str, parent: Storage, name: str) -> restore_files.Opened:
+  """An ``.npz`` object (one file: a zip archive), read from a temporary
+  file that is unlinked at once (restore holds its descriptor)."""
+  fd, tmp = tempfile.mkstemp(prefix="jaxworks-npz-", suffix=".npz")
+  os.close(fd)
+  os.unlink(tmp)
+  try:
+    parent.download(name, tmp)
+    opened = restore_files.open_checkpoint(api, tmp)
+  finally:
+    try:
+      os.unlink(tmp)
+    except FileNotFoundError:
+      pass
+  opened.path = parent.where(name)
+  for s in opened.stored.values():
+    s.where = s.where.replace(repr(tmp), repr(opened.path))
+  return opened
+
+
+@contextlib.contextmanager
+def noting(path: str) -> Iterator[None]:
+  """Adds to an error raised inside it, where ``path`` is a URL, a note
+  naming the checkpoint's objects (nothing for a local path)."""
+  try:
+    yield
+  except Exception as err:
+    if stores.storage.is_url(path):
+      err.add_note(
+        f"(the checkpoint is the objects under {path}: each file named "
+        f"above is the object {path}/<its name>)"
+      )
+    raise
