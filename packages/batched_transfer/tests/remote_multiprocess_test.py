@@ -2,7 +2,8 @@
 each) to moto's S3 server started by this test: each process uploads its
 own shards, process 0 creates the record once both did. Restore by both
 processes onto other shardings (bit for bit), by this one process, and by
-numpy from a plain copy of the objects; an overwrite; a failure injected on
+numpy from a plain copy of the objects; each process's progress bars; an
+overwrite; a failure injected on
 process 1 before and after its upload and while an overwrite moves its
 files (every process raises naming process 1, nothing new is committed);
 CheckpointManager's save, restore, retention and delete; process 1 killed
@@ -105,7 +106,8 @@ WORKER = VALUES + textwrap.dedent("""
     # A save, a non-blocking save, restores by both processes.
     bt.save(f"{url}/a", placed(1), barrier_timeout_s=T)
     check(bt.restore(f"{url}/a", like(1)), 1)
-    h = bt.save(f"{url}/b", placed(2), blocking=False, barrier_timeout_s=T)
+    h = bt.save(f"{url}/b", placed(2), blocking=False, barrier_timeout_s=T,
+                progress=True)
     h.wait()
     check(bt.restore(f"{url}/b", like(2)), 2)
     # A second save without overwrite: every process raises FileExistsError.
@@ -191,7 +193,9 @@ def _objects(s3, prefix):
     Bucket="ckpt", Prefix=prefix + "/"
   )
   return sorted(
-    o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", [])
+    o["Key"][len(prefix) + 1 :]
+    for page in pages
+    for o in page.get("Contents", [])
   )
 
 
@@ -207,7 +211,9 @@ def _download(s3, prefix, into):
 def test_two_processes_save_to_a_bucket(s3, tmp_path):
   base = str(tmp_path)
   url = "s3://ckpt/two"
-  run_n(WORKER, base, 2, timeout=240, extra=(url,), dead=(1,))
+  outputs = run_n(WORKER, base, 2, timeout=240, extra=(url,), dead=(1,))
+  for text in outputs:  # save(progress=True): each process's bars
+    assert "save [" in text and "upload [" in text, text[-2000:]
   out = [json.load(open(os.path.join(base, f"out-{p}.json"))) for p in (0, 1)]
   for p in (0, 1):
     kind, text = out[p]["exists"]

@@ -75,6 +75,7 @@ def save(
   barrier_timeout_s: float = 300.0,
   collective: bool | None = None,
   storage_options: dict[str, Any] | None = None,
+  progress: bool | None = False,
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
@@ -145,6 +146,10 @@ def save(
       environment (``endpoint``, ``region``, ``profile``, ``project``,
       ``credentials``, ``max_retries``, ``retry_timeout_s``, the store's
       own keys such as ``access_key_id``; see the README).
+    progress: draw a progress bar of the bytes written on stderr (one
+      per process; a URL's upload has a second bar): True, False (the
+      default: a training loop's saves stay quiet), or None (only when
+      stderr is a terminal).
 
   A collective save raises an error of any process on every process at
   once, the others' ``RuntimeError`` naming it (see the README,
@@ -177,7 +182,7 @@ def save(
         api, path, tree, overwrite=overwrite, blocking=blocking,
         write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
         storage_options=storage_options, ticket=ticket,
-        barrier_timeout_s=barrier_timeout_s,
+        barrier_timeout_s=barrier_timeout_s, progress=progress,
       )  # fmt: skip
     no_options(api, path, storage_options)
     commit.check_local(api, path)
@@ -187,6 +192,7 @@ def save(
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
       barrier_timeout_s=barrier_timeout_s, collective=collective,
       prelude=lambda: pending.raise_background_error(api), ticket=ticket,
+      progress=progress,
     )  # fmt: skip
 
 
@@ -218,13 +224,14 @@ def save_url(
   after: Callable[[], None] | None = None,
   primary_keys: tuple[str, ...] = (),
   barrier_timeout_s: float = 300.0,
+  progress: bool | None = False,
 ) -> pending.SaveHandle | None:
   """A save to an object store: written locally, uploaded, committed;
   ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s. With a
   ``ticket`` (every process of the job saves): each process uploads its
   own shards, process 0 commits once all did (multiprocess)."""
   if ticket is not None:
-    dest = remote.Collective(api, url, storage_options, overwrite)
+    dest = remote.Collective(api, url, storage_options, overwrite, progress)
     try:
       return run_save(
         api, url, tree, overwrite=overwrite, blocking=blocking,
@@ -232,11 +239,12 @@ def save_url(
         barrier_timeout_s=barrier_timeout_s, collective=True,
         prelude=prelude or (lambda: pending.raise_background_error(api)),
         after=after, primary_keys=primary_keys, ticket=ticket, dest=dest,
+        progress=progress,
       )  # fmt: skip
     except BaseException:
       dest.close()
       raise
-  up = remote.Upload(api, url, storage_options, overwrite)
+  up = remote.Upload(api, url, storage_options, overwrite, progress)
   try:
     # Saves of this process to one URL commit in call order, as on disk.
     held = pending.reserve(api, url, overwrite)
@@ -247,7 +255,7 @@ def save_url(
     handle = run_save(
       api, up.local, tree, overwrite=False, blocking=blocking,
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-      collective=False, primary_keys=primary_keys,
+      collective=False, primary_keys=primary_keys, progress=progress,
       prelude=prelude or (lambda: pending.raise_background_error(api)),
       after=functools.partial(_finish_upload, up, held, after),
     )  # fmt: skip
@@ -301,6 +309,7 @@ def run_save(
   primary_keys: tuple[str, ...] = (),
   ticket: multiprocess.Ticket | None = None,
   dest: remote.Collective | None = None,
+  progress: bool | None = False,
 ) -> pending.SaveHandle | None:
   """save's work. ``prelude`` runs first (it raises errors of earlier
   saves); ``after`` once the checkpoint is published (on the writing
@@ -309,7 +318,7 @@ def run_save(
   leaves of ``primary_keys`` are process 0's and need not agree.
   ``ticket``: the collective save's, taken by the caller first thing
   (``multiprocess.ticket``). ``dest``: the bucket of a collective save to
-  the URL ``path``."""
+  the URL ``path``. ``progress``: save's."""
   positive(api, "write_threads", write_threads, True)
   positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   threads = write_threads or writer.DEFAULT_WRITE_THREADS
@@ -359,13 +368,14 @@ def run_save(
       blocking=blocking, threads=threads, barrier_timeout_s=barrier_timeout_s,
       overwrite=overwrite, release=release, after=after,
       primary_keys=primary_keys, ticket=ticket, turn=turn, dest=dest,
+      progress=progress,
     )  # fmt: skip
   if not path.endswith(".npz"):
     check_files(api, [(k + ".npy", w) for k, w in zip(keys, paths)])
   leaves = prepare(leaves)
   return _save_alone(
     api, path, keys, paths, leaves, record, blocking, threads,
-    max_inflight_bytes, overwrite, release, after, turn,
+    max_inflight_bytes, overwrite, release, after, turn, progress,
   )  # fmt: skip
 
 
@@ -383,10 +393,12 @@ def _save_alone(
   release: Callable[[], None],
   after: Callable[[], None] | None,
   turn: Callable[[], None],
+  progress: bool | None = False,
 ) -> pending.SaveHandle | None:
   """The save of a checkpoint this process writes alone (``leaves``
   checked by ``prepare``); ``release`` once written, ``turn`` (the end of
-  the saves to ``path`` called before) before writing."""
+  the saves to ``path`` called before) before writing; ``progress``:
+  save's."""
   take: Callable[[int], Any]
   done: Callable[[int], None]
   try:
@@ -406,18 +418,24 @@ def _save_alone(
       ]
       take = arrays.__getitem__
       done = lambda i: arrays.__setitem__(i, None)  # freed once written
+    bar = writer.Bar("save", writer.sizes_of(leaves), progress)
   except BaseException:
     release()
     raise
   del leaves
 
+  def written(i: int) -> None:
+    done(i)
+    bar.done(i)
+
   def work() -> None:
     try:
       turn()
       writer.write_checkpoint(
-        api, path, keys, take, done, threads, record, overwrite
+        api, path, keys, take, written, threads, record, overwrite
       )
     finally:
+      bar.close()
       release()
     if after is not None:
       after()

@@ -356,6 +356,7 @@ def save_across_processes(
   ticket: Ticket | None = None,
   turn: Callable[[], None] | None = None,
   dest: remote.Collective | None = None,
+  progress: bool | None = False,
 ) -> pending.SaveHandle | None:
   """The collective save (see the module docstring). ``prepare(leaves)``
   runs first, on every process: the checks of the call (an error there is
@@ -365,7 +366,8 @@ def save_across_processes(
   ``ticket``: the call's, taken when it began (a new one if None).
   ``turn()`` waits, before anything is written, for the saves of this
   process to the same path called before this one. ``dest``: the bucket
-  the save writes to (``path`` is its URL), else the file system."""
+  the save writes to (``path`` is its URL), else the file system.
+  ``progress``: save's (a bar of this process's bytes)."""
   if ticket is None:
     with _seq_lock:
       ticket = Ticket(next(_seq))
@@ -425,7 +427,7 @@ def save_across_processes(
         turn()
       _collective(
         board, where_to, path, manifest, record, mine, whole, reference, identity,
-        where, threads, overwrite, after,
+        where, threads, overwrite, after, progress,
       )  # fmt: skip
     except BaseException as err:
       board.fail(err, "")  # the notes were set where it was known
@@ -465,11 +467,15 @@ class _OnDisk:
     self.tmp = os.path.join(os.path.dirname(self.path), name)
 
   def write(
-    self, stems: list[str], take: Callable[[int], Any], threads: int
+    self,
+    stems: list[str],
+    take: Callable[[int], Any],
+    done: Callable[[int], None],
+    threads: int,
   ) -> dict[str, list[int]]:
     assert self.tmp is not None
     _, sums = writer.write_directory(
-      self.api, self.path, self.tmp, stems, take, lambda i: None, threads
+      self.api, self.path, self.tmp, stems, take, done, threads
     )
     commit.fsync_dirs(self.tmp)
     return sums
@@ -514,11 +520,15 @@ class _InBucket:
     self.up.attach(name)
 
   def write(
-    self, stems: list[str], take: Callable[[int], Any], threads: int
+    self,
+    stems: list[str],
+    take: Callable[[int], Any],
+    done: Callable[[int], None],
+    threads: int,
   ) -> dict[str, list[int]]:
     up = self.up
     _, sums = writer.write_directory(
-      up.api, up.url, up.local, stems, take, lambda i: None, threads
+      up.api, up.url, up.local, stems, take, done, threads
     )
     up.upload()
     return sums
@@ -553,6 +563,7 @@ def _collective(
   threads: int,
   overwrite: bool,
   after: Callable[[], None] | None,
+  progress: bool | None,
 ) -> None:
   pid = board.pid
   ids = [f"id/{p}" for p in range(board.count)]  # process 0 waits for them
@@ -576,7 +587,11 @@ def _collective(
         board.look()
         return _host(values[i])
 
-      sums = dest.write(stems, take, threads)
+      bar = writer.Bar("save", writer.sizes_of(values), progress)
+      try:
+        sums = dest.write(stems, take, bar.done, threads)
+      finally:
+        bar.close()
       values.clear()  # the host values held for a non-blocking save
       mine.clear()
       same = {key: _digest(x) for key, x in whole}

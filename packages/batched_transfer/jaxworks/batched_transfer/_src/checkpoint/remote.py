@@ -27,10 +27,12 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 from . import format
 from . import stores
+from .progress import Progress
 from .storage import LOG
 from .storage import Storage
 
@@ -59,12 +61,31 @@ def _stagings(parent: Storage, name: str) -> dict[str, bool]:
   }
 
 
-def _upload(st: Storage, files: dict[str, str]) -> None:
+def _upload(
+  st: Storage, files: dict[str, str], progress: bool | None = False
+) -> None:
+  """Uploads ``{key: local file}`` to ``st`` in parallel; ``progress`` as
+  ``Progress``'s ``enabled`` (a bar of the bytes uploaded)."""
   from .storage import run_parallel
 
-  run_parallel(
-    lambda kv: st.upload(kv[0], kv[1]), sorted(files.items()), st.concurrency
+  items = sorted(files.items())
+  bar = Progress(
+    "upload",
+    sum(os.path.getsize(f) for _, f in items) if progress is not False else 0,
+    enabled=progress,
   )
+  lock = threading.Lock()
+
+  def one(kv: tuple[str, str]) -> None:
+    st.upload(kv[0], kv[1])
+    if bar.enabled:
+      with lock:
+        bar.update(os.path.getsize(kv[1]))
+
+  try:
+    run_parallel(one, items, st.concurrency)
+  finally:
+    bar.close()
 
 
 def _exists(api: str, url: str) -> FileExistsError:
@@ -90,8 +111,9 @@ class Upload:
     url: str,
     storage_options: dict[str, Any] | None,
     overwrite: bool,
+    progress: bool | None = False,
   ) -> None:
-    self.api, self.url = api, url
+    self.api, self.url, self.progress = api, url, progress
     self.st = st = stores.open_storage(api, url, storage_options)
     loc = st.location
     if not loc.prefix:
@@ -140,11 +162,11 @@ class Upload:
     if self.committed:
       # The new one committed beside the path first: always one readable.
       new = parent.child(f".{name}{_NEW}{secrets.token_hex(8)}")
-      _upload(new, files)
+      _upload(new, files, self.progress)
       new.create(format.RECORD, record)
       st.delete([format.RECORD])
     st.delete(sorted(set(st.list()) - set(files)))
-    _upload(st, files)
+    _upload(st, files, self.progress)
     try:
       st.create(format.RECORD, record)
     except FileExistsError:
@@ -176,8 +198,9 @@ class Collective:
     url: str,
     storage_options: dict[str, Any] | None,
     overwrite: bool,
+    progress: bool | None = False,
   ) -> None:
-    self.api, self.url = api, url
+    self.api, self.url, self.progress = api, url, progress
     self.st = st = stores.open_storage(api, url, storage_options)
     loc = st.location
     if not loc.prefix:
@@ -222,7 +245,7 @@ class Collective:
 
   def upload(self) -> None:
     """Uploads this process's files to the target, in parallel."""
-    _upload(self.target, _local_files(self.local))
+    _upload(self.target, _local_files(self.local), self.progress)
 
   def commit(self, manifest: bytes, record: bytes) -> bool:
     """Process 0, every process's files uploaded: the manifest, then the

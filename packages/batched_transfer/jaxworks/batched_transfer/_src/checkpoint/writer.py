@@ -23,6 +23,7 @@ from .keys import leaf_keys
 from .keys import path_kinds
 from .keys import python_scalar_dtype
 from .keys import saved_leaf
+from .progress import Progress
 
 #: Name prefix of the threads that write files.
 WRITE_THREAD_PREFIX = "jaxworks-save-write"
@@ -166,6 +167,35 @@ def write_file(api: str, path: str, file: str, write: Any) -> Any:
     raise write_error(api, path, file, err) from err
 
 
+class Bar:
+  """The progress bar of a save (``Progress``; drawn only if ``enabled``,
+  None: when stderr is a terminal): ``done(i)`` once leaf ``i`` of
+  ``sizes`` bytes is written, ``add(n)`` for other bytes; thread-safe."""
+
+  def __init__(
+    self, label: str, sizes: list[int], enabled: bool | None
+  ) -> None:
+    self.sizes = sizes
+    self._bar = Progress(label, sum(sizes), enabled=enabled)
+    self._lock = threading.Lock()
+
+  def done(self, i: int) -> None:
+    self.add(self.sizes[i])
+
+  def add(self, n: int) -> None:
+    if self._bar.enabled:
+      with self._lock:
+        self._bar.update(n)
+
+  def close(self) -> None:
+    self._bar.close()
+
+
+def sizes_of(leaves: list[Any]) -> list[int]:
+  """The bytes of each leaf's data."""
+  return [int(getattr(x, "nbytes", 0) or 0) for x in leaves]
+
+
 class Staged:
   """Host values of the leaves in order: device-to-host copies are started
   ahead of use while the bytes started and not yet written fit the budget."""
@@ -174,7 +204,7 @@ class Staged:
     self, api: str, paths: list[str], leaves: list[Any], budget: int | None
   ) -> None:
     self.api, self.paths, self.leaves = api, paths, leaves
-    self.sizes = [int(getattr(x, "nbytes", 0) or 0) for x in leaves]
+    self.sizes = sizes_of(leaves)
     self.budget = budget
     self.started = self.inflight = 0
     self.cond = threading.Condition()
