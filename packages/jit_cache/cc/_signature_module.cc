@@ -10,9 +10,19 @@
 // ~0.6 us and a dict look-up ~160 ns; as plain types ~0.3 us, ~0.2 us and
 // ~75 ns. pybind11 provides the module, RAII handles and errors.
 //
-// signature.h first: it configures pybind11 before pybind11 is included.
+// pybind11's per-incref GIL assertion off, as signature.h sets it, before any
+// pybind11 header: the two translation units share pybind11's inline
+// functions, and one with the assertion would put it back in both (it
+// cost about a quarter of a signature's time).
+#ifndef PYBIND11_NO_ASSERT_GIL_HELD_INCREF_DECREF
+#define PYBIND11_NO_ASSERT_GIL_HELD_INCREF_DECREF
+#endif
+
 #include <pybind11/pybind11.h>
 
+#include <structmember.h>
+
+#include <cstddef>
 #include <exception>
 #include <new>
 #include <string>
@@ -34,6 +44,7 @@ namespace {
 // module.)
 PyTypeObject* g_signature_type = nullptr;
 PyTypeObject* g_context_key_type = nullptr;
+PyTypeObject* g_forwarder_type = nullptr;
 
 // Runs `f`; a C++ exception becomes the matching Python error and `on_error`
 // is returned (slots must not let exceptions escape into CPython).
@@ -192,16 +203,18 @@ PyType_Slot signature_slots[] = {
 
 PyObject* BuilderNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *array_types, *tracer_type, *ndarray_type, *generic_type, *fallback;
+  PyObject* array_samples = Py_None;
   char* names[] = {const_cast<char*>("array_types"),
                    const_cast<char*>("tracer_type"),
                    const_cast<char*>("ndarray_type"),
                    const_cast<char*>("numpy_generic_type"),
                    const_cast<char*>("fallback"),
+                   const_cast<char*>("array_samples"),
                    nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOO:SignatureBuilder",
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOO|O:SignatureBuilder",
                                    names, &PyTuple_Type, &array_types,
                                    &tracer_type, &ndarray_type, &generic_type,
-                                   &fallback)) {
+                                   &fallback, &array_samples)) {
     return nullptr;
   }
   return Guard<PyObject*>(nullptr, [&]() -> PyObject* {
@@ -210,7 +223,8 @@ PyObject* BuilderNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     };
     SignatureBuilder builder(py::reinterpret_borrow<py::tuple>(array_types),
                              borrow(tracer_type), borrow(ndarray_type),
-                             borrow(generic_type), borrow(fallback));
+                             borrow(generic_type), borrow(fallback),
+                             borrow(array_samples));
     return PyBox<SignatureBuilder>::New(type, std::move(builder));
   });
 }
@@ -347,6 +361,215 @@ PyType_Slot interner_slots[] = {
     {Py_sq_length, reinterpret_cast<void*>(InternerLen)},
     {0, nullptr}};
 
+// ------------------------------------------------------------ Forwarder
+//
+// The base type of JitFunction. Calling an instance forwards the call, in C
+// and with the caller's argument vector, to its target (the function's C++
+// dispatcher): a cached call runs no Python frame of jit_cache, as a call of
+// stock jax.jit's wrapper runs none. When the target raises an Exception, the
+// error hook may replace it: on_error(self, error, args, kwargs) returns an
+// exception to raise instead (chained from the original) or None.
+
+struct ForwarderObject {
+  PyObject_HEAD vectorcallfunc vectorcall;
+  PyObject* target;
+  PyObject* on_error;
+};
+
+// The error hook's turn: the error is set on entry; on return one is set.
+void ForwarderOnError(ForwarderObject* self, PyObject* const* args,
+                      Py_ssize_t nargs, PyObject* kwnames) {
+  if (self->on_error == nullptr ||
+      !PyErr_ExceptionMatches(PyExc_Exception)) {
+    return;
+  }
+  PyObject *type, *error, *tb;
+  PyErr_Fetch(&type, &error, &tb);
+  PyErr_NormalizeException(&type, &error, &tb);
+  if (tb != nullptr) PyException_SetTraceback(error, tb);
+  PyObject* replacement = nullptr;
+  PyObject* tuple = PyTuple_New(nargs);
+  PyObject* kwargs = PyDict_New();
+  bool built = tuple != nullptr && kwargs != nullptr;
+  for (Py_ssize_t i = 0; built && i < nargs; ++i) {
+    Py_INCREF(args[i]);
+    PyTuple_SET_ITEM(tuple, i, args[i]);
+  }
+  const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t i = 0; built && i < nkw; ++i) {
+    built = PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i),
+                           args[nargs + i]) == 0;
+  }
+  if (built) {
+    PyObject* hook = self->on_error;
+    Py_INCREF(hook);  // the hook may rebind it
+    replacement = PyObject_CallFunctionObjArgs(
+        hook, reinterpret_cast<PyObject*>(self), error, tuple, kwargs, nullptr);
+    Py_DECREF(hook);
+  }
+  Py_XDECREF(tuple);
+  Py_XDECREF(kwargs);
+  if (replacement == nullptr) {
+    // The hook (or building its arguments) failed: that error, chained.
+    PyObject *t2, *e2, *tb2;
+    PyErr_Fetch(&t2, &e2, &tb2);
+    PyErr_NormalizeException(&t2, &e2, &tb2);
+    if (tb2 != nullptr) PyException_SetTraceback(e2, tb2);
+    PyException_SetContext(e2, error);  // steals error
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, e2, tb2);
+    return;
+  }
+  if (replacement == Py_None || !PyExceptionInstance_Check(replacement)) {
+    Py_DECREF(replacement);
+    PyErr_Restore(type, error, tb);
+    return;
+  }
+  Py_INCREF(error);
+  PyException_SetCause(replacement, error);  // steals; raise ... from error
+  PyException_SetContext(replacement, error);  // steals
+  Py_XDECREF(type);
+  Py_XDECREF(tb);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(replacement)),
+                  replacement);
+  Py_DECREF(replacement);
+}
+
+PyObject* ForwarderVectorcall(PyObject* callable, PyObject* const* args,
+                              size_t nargsf, PyObject* kwnames) {
+  auto* self = reinterpret_cast<ForwarderObject*>(callable);
+  PyObject* target = self->target;
+  if (target == nullptr) {
+    PyErr_Format(PyExc_TypeError, "%s object is not initialised",
+                 Py_TYPE(callable)->tp_name);
+    return nullptr;
+  }
+  Py_INCREF(target);  // the call may rebind it
+  PyObject* result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+  Py_DECREF(target);
+  if (result == nullptr) {
+    ForwarderOnError(self, args, PyVectorcall_NARGS(nargsf), kwnames);
+  }
+  return result;
+}
+
+PyObject* ForwarderNew(PyTypeObject* type, PyObject*, PyObject*) {
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self != nullptr) {
+    reinterpret_cast<ForwarderObject*>(self)->vectorcall = ForwarderVectorcall;
+  }
+  return self;
+}
+
+int ForwarderTraverse(PyObject* self, visitproc visit, void* arg) {
+  auto* f = reinterpret_cast<ForwarderObject*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(f->target);
+  Py_VISIT(f->on_error);
+  return 0;
+}
+
+int ForwarderClear(PyObject* self) {
+  auto* f = reinterpret_cast<ForwarderObject*>(self);
+  Py_CLEAR(f->target);
+  Py_CLEAR(f->on_error);
+  return 0;
+}
+
+void ForwarderDealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  ForwarderClear(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// self._forward_to(target, on_error): where calls go, and the error hook
+// (None for none).
+PyObject* ForwarderForwardTo(PyObject* self, PyObject* const* args,
+                             Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError,
+                 "_forward_to(target, on_error) takes 2 arguments, got %zd",
+                 nargs);
+    return nullptr;
+  }
+  if (!PyCallable_Check(args[0]) ||
+      (args[1] != Py_None && !PyCallable_Check(args[1]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "_forward_to: target must be callable, on_error callable "
+                    "or None");
+    return nullptr;
+  }
+  auto* f = reinterpret_cast<ForwarderObject*>(self);
+  PyObject* old_target = f->target;
+  PyObject* old_hook = f->on_error;
+  Py_INCREF(args[0]);
+  f->target = args[0];
+  f->on_error = args[1] == Py_None ? nullptr : (Py_INCREF(args[1]), args[1]);
+  Py_XDECREF(old_target);
+  Py_XDECREF(old_hook);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef forwarder_methods[] = {
+    {"_forward_to", reinterpret_cast<PyCFunction>(ForwarderForwardTo),
+     METH_FASTCALL,
+     "_forward_to(target, on_error): calls go to target; on_error(self, "
+     "error, args, kwargs) may return an exception to raise instead."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef forwarder_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET,
+     static_cast<Py_ssize_t>(offsetof(ForwarderObject, vectorcall)), READONLY,
+     nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyType_Slot forwarder_slots[] = {
+    {Py_tp_doc, const_cast<char*>(
+                    "Forwarder()\n\nBase type whose instances forward calls, "
+                    "in C, to the target set by _forward_to.")},
+    {Py_tp_new, reinterpret_cast<void*>(ForwarderNew)},
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(ForwarderDealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(ForwarderTraverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(ForwarderClear)},
+    {Py_tp_methods, forwarder_methods},
+    {Py_tp_members, forwarder_members},
+    {0, nullptr}};
+
+PyType_Spec forwarder_spec = {
+    "jaxworks.jit_cache._signature.Forwarder",
+    static_cast<int>(sizeof(ForwarderObject)), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE |
+        Py_TPFLAGS_HAVE_VECTORCALL,
+    forwarder_slots};
+
+// enable_vectorcall(cls): the vectorcall protocol for a Python subclass of
+// Forwarder that does not define __call__ (CPython >= 3.12 passes it on by
+// itself; 3.11 gives it only to static types, so calls would first pack a
+// tuple and a dict).
+PyObject* EnableVectorcall(PyObject*, PyObject* cls) {
+  if (!PyType_Check(cls) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls),
+                        g_forwarder_type)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "enable_vectorcall: expected a subclass of Forwarder");
+    return nullptr;
+  }
+  auto* type = reinterpret_cast<PyTypeObject*>(cls);
+  if (type->tp_call != PyVectorcall_Call) Py_RETURN_FALSE;  // __call__ set
+  type->tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL;
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef module_functions[] = {
+    {"enable_vectorcall", EnableVectorcall, METH_O,
+     "enable_vectorcall(cls): vectorcall for a Forwarder subclass without "
+     "__call__; returns whether it is on."},
+    {nullptr, nullptr, 0, nullptr}};
+
 // Final (no subclasses), garbage-collected types; the two key types cannot
 // be instantiated from Python.
 template <typename T>
@@ -385,4 +608,10 @@ PYBIND11_MODULE(_signature, m) {
   m.attr("ContextKey") = context_key;
   m.attr("SignatureBuilder") = MakeType(&builder_spec);
   m.attr("ContextInterner") = MakeType(&interner_spec);
+  py::object forwarder = MakeType(&forwarder_spec);
+  g_forwarder_type = reinterpret_cast<PyTypeObject*>(forwarder.ptr());
+  m.attr("Forwarder") = forwarder;
+  if (PyModule_AddFunctions(m.ptr(), module_functions) != 0) {
+    throw py::error_already_set();
+  }
 }

@@ -2,6 +2,7 @@
 
 #include <Python.h>
 
+#include <cstring>
 #include <utility>
 
 namespace jaxworks::jit_cache {
@@ -176,11 +177,13 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
                                    py::object tracer_type,
                                    py::object ndarray_type,
                                    py::object numpy_generic_type,
-                                   py::object fallback)
+                                   py::object fallback,
+                                   py::object array_samples)
     : tracer_type_(std::move(tracer_type)),
       ndarray_type_(std::move(ndarray_type)),
       numpy_generic_type_(std::move(numpy_generic_type)),
       fallback_(std::move(fallback)),
+      array_samples_(std::move(array_samples)),
       aval_name_(py::str("aval")),
       shape_name_(py::str("shape")),
       dtype_name_(py::str("dtype")) {
@@ -202,6 +205,11 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
       ThrowTypeError("SignatureBuilder: expected a type or None, got " +
                      TypeName(*t));
     }
+  }
+  if (!array_samples_.is_none() && !PyCallable_Check(array_samples_.ptr())) {
+    ThrowTypeError(
+        "SignatureBuilder: array_samples must be callable or None, got " +
+        TypeName(array_samples_));
   }
   if (!fallback_.is_none() && !PyCallable_Check(fallback_.ptr())) {
     ThrowTypeError("SignatureBuilder: fallback must be callable or None, got " +
@@ -255,12 +263,119 @@ void SignatureBuilder::TracerLeaf(AttrReader& aval, PyObject* obj,
   out.hash = static_cast<size_t>(out.kind) + PointerHash(out.first.ptr()) * kP1;
 }
 
+namespace {
+
+PyObject* WordAt(PyObject* obj, Py_ssize_t offset) {
+  PyObject* value;
+  std::memcpy(&value, reinterpret_cast<const char*>(obj) + offset,
+              sizeof(value));
+  return value;
+}
+
+unsigned char ByteAt(PyObject* obj, Py_ssize_t offset) {
+  return *(reinterpret_cast<const unsigned char*>(obj) + offset);
+}
+
+// The first pointer-aligned offset in [from, end) holding `target`; -1 if
+// none.
+Py_ssize_t FindWord(PyObject* obj, Py_ssize_t from, Py_ssize_t end,
+                    PyObject* target) {
+  constexpr Py_ssize_t kWord = static_cast<Py_ssize_t>(sizeof(PyObject*));
+  for (Py_ssize_t off = from; off + kWord <= end; off += kWord) {
+    if (WordAt(obj, off) == target) return off;
+  }
+  return -1;
+}
+
+// The leaf hash of a jax Array.
+size_t ArrayLeafHash(const LeafSignature& out) {
+  // Avals are interned by JAX, so identity is a sound hash. The sharding is
+  // left out of the hash (hashing it costs a Python call) and compared in
+  // Equals; arguments that differ only in sharding share a bucket.
+  return static_cast<size_t>(out.kind) + PointerHash(out.first.ptr()) * kP1 +
+         PointerHash(Py_TYPE(out.second.ptr())) * kP3 +
+         (out.committed ? kP2 : 0);
+}
+
+}  // namespace
+
+void SignatureBuilder::LearnLayout(const ArrayReaders& r) const {
+  using State = ArrayLayout::State;
+  r.layout.state = State::kOff;  // while learning (Python runs) and on failure
+  if (array_samples_.is_none()) return;
+  constexpr Py_ssize_t kWord = static_cast<Py_ssize_t>(sizeof(PyObject*));
+  const Py_ssize_t size = r.type->tp_basicsize;
+  PyObject* samples = PyObject_CallNoArgs(array_samples_.ptr());
+  if (samples == nullptr || !PyList_Check(samples)) {
+    PyErr_Clear();
+    Py_XDECREF(samples);
+    return;
+  }
+  py::object owner = py::reinterpret_steal<py::object>(samples);
+  ArrayLayout layout;
+  bool seen[2] = {false, false};
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(samples); ++i) {
+    PyObject* obj = PyList_GET_ITEM(samples, i);
+    if (Py_TYPE(obj) != r.type) return;
+    PyObject* aval = r.aval.Read(obj);
+    PyObject* sharding = aval == nullptr ? nullptr : r.sharding.Read(obj);
+    PyObject* committed = sharding == nullptr ? nullptr : r.committed.Read(obj);
+    py::object hold[] = {py::reinterpret_steal<py::object>(aval),
+                         py::reinterpret_steal<py::object>(sharding),
+                         py::reinterpret_steal<py::object>(committed)};
+    if (committed == nullptr || (committed != Py_True && committed != Py_False)) {
+      PyErr_Clear();
+      return;
+    }
+    if (layout.aval < 0) {  // the first sample places the fields
+      layout.aval = FindWord(obj, static_cast<Py_ssize_t>(sizeof(PyObject)),
+                             size, aval);
+      if (layout.aval < 0) return;
+      layout.sharding = FindWord(obj, layout.aval + kWord, size, sharding);
+      if (layout.sharding < 0) return;
+      layout.committed = layout.sharding + 2 * kWord;
+      if (layout.committed >= size) return;
+    }
+    const unsigned char flag = ByteAt(obj, layout.committed);
+    if (WordAt(obj, layout.aval) != aval ||
+        WordAt(obj, layout.sharding) != sharding || flag > 1 ||
+        (flag == 1) != (committed == Py_True)) {
+      return;
+    }
+    seen[flag] = true;
+  }
+  if (seen[0] && seen[1]) {
+    layout.state = State::kDirect;
+    r.layout = layout;
+  }
+}
+
+bool SignatureBuilder::ReadFields(const ArrayReaders& r, PyObject* obj,
+                                  LeafSignature& out) {
+  PyObject* aval = WordAt(obj, r.layout.aval);
+  PyObject* sharding = WordAt(obj, r.layout.sharding);
+  const unsigned char flag = ByteAt(obj, r.layout.committed);
+  if (aval == nullptr || sharding == nullptr || flag > 1) return false;
+  out.kind = LeafKind::kJaxArray;
+  out.first = py::reinterpret_borrow<py::object>(aval);
+  out.second = py::reinterpret_borrow<py::object>(sharding);
+  out.committed = flag == 1;
+  out.hash = ArrayLeafHash(out);
+  return true;
+}
+
 void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
                                  LeafSignature& out) const {
   PyObject* obj = leaf.ptr();
-  // jax Arrays first: the common case at top level, three getter calls.
+  // jax Arrays first: the common case at top level; three loads, or three
+  // getter calls.
   for (const ArrayReaders& r : array_readers_) {
     if (Py_TYPE(obj) != r.type) continue;
+    if (r.layout.state == ArrayLayout::State::kUnknown) LearnLayout(r);
+    if (r.layout.state == ArrayLayout::State::kDirect &&
+        ReadFields(r, obj, out)) {
+      return;
+    }
     out.kind = LeafKind::kJaxArray;
     out.first = r.aval(obj);
     out.second = r.sharding(obj);
@@ -272,13 +387,7 @@ void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
     Py_DECREF(committed);
     if (truth < 0) throw py::error_already_set();
     out.committed = truth == 1;
-    // Avals are interned by JAX, so identity is a sound hash. The sharding
-    // is left out of the hash (hashing it costs a Python call) and compared
-    // in Equals; arguments that differ only in sharding share a bucket.
-    out.hash = static_cast<size_t>(out.kind) +
-               PointerHash(out.first.ptr()) * kP1 +
-               PointerHash(Py_TYPE(out.second.ptr())) * kP3 +
-               (out.committed ? kP2 : 0);
+    out.hash = ArrayLeafHash(out);
     return;
   }
   // Tracers of a type seen before (a subclass check then): no Classify.
@@ -373,6 +482,7 @@ int SignatureBuilder::Traverse(visitproc visit, void* arg) const {
   Py_VISIT(ndarray_type_.ptr());
   Py_VISIT(numpy_generic_type_.ptr());
   Py_VISIT(fallback_.ptr());
+  Py_VISIT(array_samples_.ptr());
   return 0;
 }
 
@@ -386,6 +496,7 @@ void SignatureBuilder::Clear() {
   ndarray_type_ = py::none();
   numpy_generic_type_ = py::none();
   fallback_ = py::none();
+  array_samples_ = py::none();
 }
 
 // ---------------------------------------------------------------- ContextKey

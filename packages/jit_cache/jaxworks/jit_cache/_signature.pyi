@@ -30,6 +30,7 @@ class SignatureBuilder:
     ndarray_type: type | None,
     numpy_generic_type: type | None,
     fallback: Callable[[Any], Hashable] | None,
+    array_samples: Callable[[], list[Any]] | None = None,
   ) -> None: ...
   def __call__(
     self, leaves: Sequence[Any], extra: Hashable = None
@@ -46,3 +47,15 @@ class ContextInterner:
   def __init__(self, capacity: int = 8) -> None: ...
   def __call__(self, values: tuple) -> ContextKey: ...
   def __len__(self) -> int: ...
+
+class Forwarder:
+  """Base type whose instances forward calls, in C, to their target."""
+
+  def _forward_to(
+    self,
+    target: Callable[..., Any],
+    on_error: Callable[[Any, Exception, tuple, dict], BaseException | None]
+    | None,
+  ) -> None: ...
+
+def enable_vectorcall(cls: type) -> bool: ...

@@ -28,6 +28,7 @@ from jaxworks.stages_aot import Traced as Traced
 from jaxworks.stages_aot import canonical_platforms as canonical_platforms
 from jaxworks.stages_aot import present_platforms as present_platforms
 
+from .. import _signature as _ext
 from . import argnums as _argnums
 from . import boundary as _boundary
 from . import cache as _cache
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
   # are overridden compatibly), so `jax.jit = jit_cache.jit` type-checks.
   _JitBase = ji.JitWrapped
 else:
-  _JitBase = object
+  # Calls are forwarded in C to the function's C++ dispatcher.
+  _JitBase = _ext.Forwarder
 
 
 class JitFunction(_JitBase):
@@ -80,28 +82,26 @@ class JitFunction(_JitBase):
     self._fun = fun
     self._core = core
     self._options = options
+    self._forward_to(core._dispatcher, JitFunction._call_failed)  # pylint: disable=protected-access
 
-  # The hot path: one API boundary (JAX's traceback filtering) around one
-  # frame, the entry_point handling inlined (a call costs what the C++
-  # dispatcher costs plus these two Python frames).
-  @ji.api_boundary
-  def __call__(self, *args, **kwargs):
-    core = self._core
-    try:
-      if _current_trace.value is not _eval_trace and not _disable_jit_on():
-        # Under a trace the C++ dispatcher can only hand over to
-        # _cache_miss: go there directly.
-        return core._cache_miss(args, kwargs)[0]  # pylint: disable=protected-access
-      return core._dispatcher(*args, **kwargs)  # pylint: disable=protected-access
-    except ValueError as e:
-      if str(e).startswith("Non-hashable static arguments"):
-        core._split(args, kwargs)  # raises our own, clearer error  # pylint: disable=protected-access
-      raise
-    except (NameError, AssertionError) as e:
-      found = _boundary.axis_name_error(self, e, args, kwargs)
-      if found is None:
-        raise
-      raise found from e
+  # The hot path has no Python frame of jit_cache: the base type
+  # (``_signature.Forwarder``, C) forwards each call with its argument vector
+  # to the core's C++ dispatcher, as calling stock's wrapper enters its
+  # dispatcher. What the dispatcher does not serve (a new signature, a call
+  # under a trace) it hands to the core's cache-miss function, an API
+  # boundary as stock's, which also raises axis_names' diagnostic. The
+  # dispatcher's own errors go through ``_call_failed``.
+
+  def _call_failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+    """The exception to raise instead of ``error`` (chained), or None."""
+    if type(error) is ValueError and str(error).startswith(  # pylint: disable=unidiomatic-typecheck
+      "Non-hashable static arguments"
+    ):
+      try:
+        self._core._split(args, kwargs)  # pylint: disable=protected-access
+      except Exception as clearer:  # pylint: disable=broad-except
+        return clearer.with_traceback(None)  # our own, clearer error
+    return None
 
   def __get__(self, obj: Any, objtype: Any = None) -> Any:
     if obj is None:
@@ -130,7 +130,9 @@ class JitFunction(_JitBase):
     }
 
   def __setstate__(self, state: dict) -> None:
-    self.__dict__.update(_make(state["fun"], state["options"]).__dict__)
+    made = _make(state["fun"], state["options"])
+    self.__dict__.update(made.__dict__)
+    self._forward_to(made._core._dispatcher, JitFunction._call_failed)  # pylint: disable=protected-access
 
   @_boundary.entry_point
   def trace(self, *args, **kwargs) -> Traced:
@@ -185,6 +187,12 @@ class JitFunction(_JitBase):
   def _clear_cache(self) -> None:
     """Empties the C++ dispatcher only (``jax.jit``'s ``_clear_cache()``)."""
     self._core.clear_dispatch()
+
+
+if not TYPE_CHECKING:
+  # Calls enter the base type's C entry point with the caller's arguments
+  # (no argument tuple to pack).
+  _ext.enable_vectorcall(JitFunction)
 
 
 # ---------------------------------------------- shared cores per function

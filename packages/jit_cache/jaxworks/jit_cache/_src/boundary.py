@@ -38,7 +38,7 @@ def entry_point(method: Callable) -> Callable:
     try:
       return method(self, *args, **kwargs)
     except (NameError, AssertionError) as e:
-      found = axis_name_error(self, e, args, kwargs)
+      found = axis_name_error(self._fun, e, args, kwargs)  # pylint: disable=protected-access
       if found is None:
         raise
       raise found from e
@@ -47,17 +47,11 @@ def entry_point(method: Callable) -> Callable:
 
 
 def axis_name_error(
-  fn: Any, error: BaseException, args: tuple, kwargs: dict
+  fun: Any, error: BaseException, args: tuple, kwargs: dict
 ) -> BaseException | None:
   """axis_names' diagnostic for JAX's error about an unbound axis name in a
-  top-level call of ``fn``; None for any other error, and under an outer
-  trace (which handles it: axis_names' own, a user's)."""
-  if ji.current_trace.value is not ji.eval_trace:
+  top-level call of ``fun`` (the user's function); None for any other error,
+  and under an outer trace (which handles it: axis_names' own, a user's)."""
+  if fun is None or ji.current_trace.value is not ji.eval_trace:
     return None
-  return _deps.load_axis_names().diagnose(
-    error,
-    fn._fun,  # pylint: disable=protected-access
-    *args,
-    api=API,
-    **kwargs,
-  )
+  return _deps.load_axis_names().diagnose(error, fun, *args, api=API, **kwargs)

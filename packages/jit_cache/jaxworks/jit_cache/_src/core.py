@@ -5,10 +5,11 @@ over).
 
 How a call flows (the whole mechanism):
 
-1. ``f(*args)`` at top level enters jaxlib's C++ dispatcher, built once per
-   function over our ``_cache_miss``. A signature it has seen runs the stored
-   executable without any Python (fast re-dispatch). Under a trace
-   ``JitFunction`` goes to ``_cache_miss`` directly.
+1. ``f(*args)`` enters jaxlib's C++ dispatcher (``JitFunction``'s C base
+   type forwards the call to it), built once per function over our
+   ``_cache_miss``. A signature it has seen at top level runs the stored
+   executable without any Python (fast re-dispatch); under a trace it hands
+   over to ``_cache_miss``.
 2. Otherwise ``_cache_miss`` splits static arguments, flattens the rest and
    asks the C++ extension for a ``Signature`` (kind, aval, sharding, committed
    per leaf + tree structure, statics and JAX's trace context).
@@ -48,6 +49,7 @@ from jaxworks import stages_aot as _stages
 
 from .. import _signature as _ext
 from . import argnums as _argnums
+from . import boundary as _boundary
 from . import cache as _cache
 from . import executables as _executables
 from . import explain
@@ -184,6 +186,11 @@ class _Arguments:
     if hasattr(fun, "__code__"):
       return fun
     return getattr(fun, "__wrapped__", None)  # a weak proxy: None when dead
+
+  def raw_function(self) -> Callable | None:
+    """The user's function as given to jit (None once collected)."""
+    fun = self._fun
+    return fun._ref() if type(fun) is _WeakCallable else fun  # pylint: disable=protected-access,unidiomatic-typecheck
 
   @property
   def param_names(self) -> list[str] | None:
@@ -484,8 +491,20 @@ class _JitCore(_TraceCache):
     self_ref = weakref.ref(self)
     self._counters.owner = self_ref
 
+    # An API boundary, as stock's: JAX filters the traceback of an error
+    # raised while tracing (a call enters no Python frame before this one).
+    # An unbound axis name in a top-level call raises axis_names' diagnostic,
+    # read from JAX's error before its traceback is filtered.
+    @ji.api_boundary
     def cache_miss(*args, **kwargs):
-      return self_ref()._cache_miss(args, kwargs)  # pylint: disable=protected-access
+      core = self_ref()
+      try:
+        return core._cache_miss(args, kwargs)  # pylint: disable=protected-access
+      except (NameError, AssertionError) as e:
+        found = _boundary.axis_name_error(core.raw_function(), e, args, kwargs)
+        if found is None:
+          raise
+        raise found from e
 
     self._dispatcher = ji.make_dispatcher(
       name, fun, cache_miss, s_nums, s_names, maxsize

@@ -133,6 +133,24 @@ def clear_in_shardings_cache() -> None:
 ArrayImpl = _array.ArrayImpl
 
 
+def array_samples() -> list:
+  """Small jax Arrays, uncommitted and committed, of several avals, placed
+  on the first device without any tracing (``Signature`` learns from them
+  where an ``ArrayImpl`` keeps the fields its properties return)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  device = _xla_bridge.devices()[0]
+  sharding = _jax.SingleDeviceSharding(device)
+  out = []
+  for committed in (False, True, False, True):
+    for value in (np.zeros(2, np.float32), np.ones((3, 1), np.int32)):
+      aval = _core.ShapedArray(value.shape, value.dtype, weak_type=committed)
+      out.append(
+        _jax.batched_device_put(aval, sharding, [value], [device], committed)
+      )
+  return out
+
+
 def layouts_key(leaves: Sequence[Any]) -> tuple | None:
   """The layouts of the committed jax Arrays among ``leaves`` (what stock's
   lowering reads from its arguments); None when there is none."""

@@ -72,6 +72,7 @@ _BUILDER = _ext.SignatureBuilder(
   ndarray_type=np.ndarray,
   numpy_generic_type=np.generic,
   fallback=fallback_key,
+  array_samples=ji.array_samples,
 )
 
 #: signature(leaves: list | tuple, extra: Hashable = None) -> Signature
