@@ -100,7 +100,8 @@ def save(
       per leaf. Missing parent directories are created. An ``s3://``,
       ``gs://`` or ``az://`` URL saves the same files to that prefix of a
       bucket, committed by creating the record last with a conditional put
-      (see the README, "Object stores"); other URLs are refused.
+      (in a collective save, by process 0 once every process uploaded its
+      shards; see the README, "Object stores"); other URLs are refused.
     tree: a pytree whose leaves are arrays (numpy or jax.Array of the
       bool, integer, floating, complex and ml_dtypes types JAX holds),
       numpy scalars, Python scalars (stored as the 0-d array
