@@ -72,6 +72,7 @@ def test_a_step_that_cannot_be_removed_warns_and_goes_later(
   assert len(left) == 1
   monkeypatch.setattr(commit, "remove", real_remove)
   mgr.save(2, {"w": np.ones(2)}, blocking=True)  # the next save removes it
+  mgr.close()  # and the writer lease goes with close()
   assert os.listdir(tmp_path) == ["2"]
 
 

@@ -161,19 +161,26 @@ OBSERVER = textwrap.dedent("""
 """)
 
 # A second writer: steps 1001-1020 into the same directory (its retention
-# deletes the first writer's steps, and theirs its own).
+# would delete the first writer's steps): refused while the first one (this
+# test's process) holds the directory's writer lease.
 WRITER = textwrap.dedent("""
-    import sys
+    import os, sys, time
     import numpy as np
     from jaxworks import batched_transfer as bt
+    while not os.path.exists(os.path.join(sys.argv[1], ".jaxworks-writer")):
+      time.sleep(0.01)  # the first writer's lease
     mgr = bt.CheckpointManager(sys.argv[1], max_to_keep=2,
                                best_fn=lambda m: m["acc"])
+    mgr.all_steps(), mgr.best_step()  # reading needs no lease
     for step in range(1001, 1021):
       tree = {"w": np.full((64, 8), step, np.float32),
               "n": np.arange(3) + step}
-      assert mgr.save(step, tree, metrics={"acc": (step * 7) % 11},
-                      force=True)
-    mgr.wait_until_finished()
+      try:
+        mgr.save(step, tree, metrics={"acc": (step * 7) % 11}, force=True)
+      except bt.WriterConflictError as err:
+        print("WRITER-REFUSED", err, flush=True)
+      else:
+        raise SystemExit(f"step {step} was saved by a second writer")
     print("WRITER-OK", flush=True)
 """)
 
@@ -181,9 +188,9 @@ WRITER = textwrap.dedent("""
 def test_a_manager_beside_threads_and_another_process(tmp_path):
   """One thread saves steps (non-blocking, retention by best_fn), others
   wait, check for errors, list, rank, reload and delete; another process
-  observes the directory read-only, a third saves steps of its own there:
-  nothing raises (but delete of a step retention deleted first), every
-  step kept is whole."""
+  observes the directory read-only, a third tries to save steps of its own
+  there and is refused (WriterConflictError): nothing else raises (but
+  delete of a step retention deleted first), every step kept is whole."""
   mgr = bt.CheckpointManager(
     tmp_path, max_to_keep=2, best_fn=lambda m: m["acc"]
   )
@@ -255,10 +262,13 @@ def test_a_manager_beside_threads_and_another_process(tmp_path):
   assert not errors, errors
   assert "OBSERVER-OK" in outs[0], outs[0]
   assert "WRITER-OK" in outs[1], outs[1]
+  assert outs[1].count("WRITER-REFUSED") == 20, outs[1]
+  assert str(tmp_path) in outs[1] and "is being written by" in outs[1]
   kept = mgr.all_steps()
-  assert 1 <= len(kept) <= 4, kept
+  assert 1 <= len(kept) <= 2, kept
   for step in kept:
     assert value(os.path.join(tmp_path, str(step))) == step
+  mgr.close()  # gives the writer lease back
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 

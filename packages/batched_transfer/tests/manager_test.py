@@ -20,6 +20,7 @@ import pytest
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import lease
 from jaxworks.batched_transfer._src.checkpoint import writer
 
 TREE = textwrap.dedent("""
@@ -35,6 +36,12 @@ namespace: dict = {}
 exec(TREE, namespace)
 tree = namespace["tree"]
 LIKE = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree(0))
+
+
+def listed(directory):
+  """The names in a manager's directory but its writer lease (held from
+  its first save until close())."""
+  return sorted(n for n in os.listdir(directory) if n != lease.PREFIX)
 
 
 def check_step(mgr, step):
@@ -70,6 +77,8 @@ def test_steps_retention_and_restore(tmp_path):
   assert mgr.save(13, tree(13), force=True, blocking=True)
   with pytest.raises(FileExistsError, match="step 13 exists"):
     mgr.save(13, tree(13), force=True)
+  assert listed(tmp_path / "run") == ["0", "12", "13", "8"]
+  mgr.close()  # gives the writer lease back: only the steps remain
   assert sorted(os.listdir(tmp_path / "run")) == ["0", "12", "13", "8"]
 
 
@@ -135,7 +144,7 @@ def test_leftovers_of_killed_steps_are_never_listed_and_are_cleaned(tmp_path):
   (tmp_path / "9-old").mkdir()
   assert mgr.all_steps() == []
   mgr.save(8, tree(8), blocking=True)
-  assert sorted(os.listdir(tmp_path)) == ["8", "9-old", "notes.txt"]
+  assert listed(tmp_path) == ["8", "9-old", "notes.txt"]
 
 
 ZYGOTE = TREE + textwrap.dedent("""
@@ -200,7 +209,7 @@ def test_a_killed_training_loop_leaves_only_complete_steps(tmp_path):
   assert latest[-1] > latest[0], latest  # the loop made progress
   mgr.save(latest[-1] + 1, tree(latest[-1] + 1), blocking=True)
   assert commit.step_temporaries(directory) == []
-  assert all(n.isdigit() for n in os.listdir(directory)), os.listdir(directory)
+  assert all(n.isdigit() for n in listed(directory)), os.listdir(directory)
 
 
 needs_partial_restore = pytest.mark.skipif(
@@ -336,7 +345,7 @@ def test_named_items_are_one_step_and_restore_alone(tmp_path):
     1, items={"params": params, "opt": opt}, metrics={"loss": 0.5}
   )
   mgr.wait_until_finished()
-  assert sorted(os.listdir(tmp_path)) == ["1"]  # one step, one commit
+  assert listed(tmp_path) == ["1"]  # one step, one commit
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   out = mgr.restore(1, items={"params": like})
   assert list(out) == ["params"]
@@ -433,7 +442,7 @@ def test_step_prefix_and_fixed_length(tmp_path):
     mgr.save(step, small(step))
   mgr.wait_until_finished()
   assert mgr.all_steps() == [200, 300]
-  assert sorted(os.listdir(tmp_path)) == [
+  assert listed(tmp_path) == [
     "7",
     "ckpt_000000007",
     "ckpt_00000200",

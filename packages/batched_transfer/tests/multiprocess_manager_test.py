@@ -1,7 +1,8 @@
 """CheckpointManager in a two-process job (jax.distributed on 127.0.0.1, 4
 CPU devices each): every process makes the same calls (save, delete,
 retention, wait_until_finished, close) and they work on both, for trees of
-host arrays only and for trees of arrays spanning the processes."""
+host arrays only and for trees of arrays spanning the processes; process 0
+alone holds the directory's writer lease."""
 
 import os
 import textwrap
@@ -9,7 +10,7 @@ import textwrap
 from multiprocess_util import run_two
 
 WORKER = textwrap.dedent("""
-    import os, sys
+    import json, os, sys
     process_id, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     import jax
     import numpy as np
@@ -35,7 +36,17 @@ WORKER = textwrap.dedent("""
       assert mgr.save(step, host(step), metrics={"acc": float(step)})
     mgr.wait_until_finished()
     assert mgr.all_steps() == [1, 2], mgr.all_steps()
-    assert not [n for n in os.listdir(f"{base}/host") if n.startswith(".")]
+    # No leftovers; the writer lease is process 0's alone (the job's one
+    # writer: process 1's saves above did not take one).
+    hidden = [n for n in os.listdir(f"{base}/host") if n.startswith(".")]
+    assert hidden == [".jaxworks-writer"], hidden
+    (gen,) = os.listdir(f"{base}/host/.jaxworks-writer")
+    with open(f"{base}/host/.jaxworks-writer/{gen}") as f:
+      holder = json.load(f)["pid"]
+    if process_id == 0:
+      assert holder == os.getpid(), holder
+    else:
+      assert holder != os.getpid(), holder
     mgr.delete(1)  # both processes: both return
     assert mgr.all_steps() == [2], mgr.all_steps()
     assert mgr.metrics(2) == {"acc": 2.0}

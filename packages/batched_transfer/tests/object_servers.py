@@ -3,7 +3,10 @@
 ``s3_server()``: moto's ``ThreadedMotoServer`` (S3's REST API, signatures,
 multipart uploads and ``If-None-Match`` puts); ``gcs_server()``:
 gcp-storage-emulator (GCS's JSON API and resumable uploads; it ignores
-``ifGenerationMatch``). ``failing_server(status)``: an HTTP server that
+``ifGenerationMatch``); ``azure_server()``: Azurite, Microsoft's Azure
+Storage emulator (npm package ``azurite``, a node process; containers are
+created with the Azure SDK for JavaScript, ``@azure/storage-blob``, which
+.ci/run installs beside it). ``failing_server(status)``: an HTTP server that
 answers every request with ``status`` and counts them (throttling and 5xx
 answers). Every server listens on 127.0.0.1 on a free port, runs in daemon
 threads of the test process and stops when its ``with`` block ends (or the
@@ -16,8 +19,13 @@ from collections.abc import Iterator
 import contextlib
 import http.server
 import logging
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
+import time
 
 import pytest
 
@@ -91,6 +99,104 @@ def gcs_bucket(endpoint: str, name: str) -> None:
   client.create_bucket(name)
 
 
+#: Azurite's well-known development account and key (public, in its docs).
+AZURE_ACCOUNT = "devstoreaccount1"
+AZURE_KEY = (
+  "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+  "KBHBeksoGMGw=="
+)
+#: What .ci/run installs (npm): the emulator and the SDK that makes containers.
+AZURE_NPM = "azurite@3.37.0 @azure/storage-blob@12.34.0"
+_AZURE_INSTALL = f"npm install -g {AZURE_NPM} (as .ci/run does)"
+
+
+def _node_module(name: str) -> str:
+  """The directory of the globally installed npm package ``name``."""
+  root = subprocess.run(
+    ["npm", "root", "-g"], capture_output=True, text=True, check=True
+  ).stdout.strip()
+  path = os.path.join(root, *name.split("/"))
+  if not os.path.isdir(path):
+    raise RuntimeError(
+      f"the npm package {name} is not installed: {_AZURE_INSTALL}"
+    )
+  return path
+
+
+@contextlib.contextmanager
+def azure_server() -> Iterator[str]:
+  """Azurite's blob service in memory on 127.0.0.1; yields the connection
+  string of its development account (``AZURE_STORAGE_CONNECTION_STRING``)."""
+  exe = shutil.which("azurite-blob")
+  if exe is None:
+    raise RuntimeError(f"azurite-blob is not on PATH: {_AZURE_INSTALL}")
+  port = free_port()
+  with tempfile.TemporaryDirectory() as workspace:
+    proc = subprocess.Popen(
+      [
+        exe, "--blobHost", "127.0.0.1", "--blobPort", str(port),
+        "--inMemoryPersistence", "--disableTelemetry", "--silent",
+        # the SDK may speak a newer API version than this Azurite knows
+        "--skipApiVersionCheck",
+      ],
+      cwd=workspace,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )  # fmt: skip
+    try:
+      deadline = time.monotonic() + 60
+      while True:
+        with (
+          contextlib.suppress(OSError),
+          socket.create_connection(("127.0.0.1", port), timeout=1),
+        ):
+          break
+        if proc.poll() is not None or time.monotonic() > deadline:
+          proc.kill()
+          raise RuntimeError(
+            f"Azurite did not start on port {port}: "
+            f"{proc.communicate()[0][-2000:]}"
+          )
+        time.sleep(0.1)
+      yield (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};"
+        f"AccountKey={AZURE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/{AZURE_ACCOUNT};"
+      )
+    finally:
+      proc.terminate()
+      try:
+        proc.wait(10)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+_CREATE_CONTAINER = """
+const {BlobServiceClient} = require(process.argv[1]);
+BlobServiceClient.fromConnectionString(process.argv[2])
+  .createContainer(process.argv[3])
+  .then(() => process.exit(0), (e) => { console.error(e.message); process.exit(1); });
+"""
+
+
+def azure_container(connection_string: str, name: str) -> None:
+  """Creates the container ``name`` (with the Azure SDK for JavaScript:
+  obstore, like the service's data plane, cannot create containers)."""
+  out = subprocess.run(
+    [
+      "node", "-e", _CREATE_CONTAINER,
+      _node_module("@azure/storage-blob"), connection_string, name,
+    ],
+    capture_output=True, text=True, timeout=60,
+  )  # fmt: skip
+  if out.returncode:
+    raise RuntimeError(
+      f"creating the container {name!r} on Azurite failed: {out.stderr[-2000:]}"
+    )
+
+
 class _Failing(http.server.BaseHTTPRequestHandler):
   status = 503
   count = 0
@@ -142,6 +248,14 @@ def s3_endpoint():
   with s3_server() as endpoint:
     s3_bucket(endpoint, "ckpt")
     yield endpoint
+
+
+@pytest.fixture(scope="module")
+def azure_connection():
+  """Azurite on 127.0.0.1 with a container "ckpt"; its connection string."""
+  with azure_server() as connection_string:
+    azure_container(connection_string, "ckpt")
+    yield connection_string
 
 
 @pytest.fixture(scope="module")

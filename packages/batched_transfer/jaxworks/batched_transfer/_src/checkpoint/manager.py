@@ -916,11 +916,15 @@ class CheckpointManager:
       with contextlib.suppress(Exception):  # for the next call to raise
         handle.wait()
     if jax.process_count() > 1:
+
+      def on_process_0() -> None:
+        self._delete_local(step)
+
       multiprocess.run_collective(
         api,
         "delete",
         self._path(step),
-        lambda: self._delete_local(step),
+        on_process_0,
         self.barrier_timeout_s,
       )
       self._forget(step)
