@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import jax_internals
 from . import api as ckpt
+from . import codec
 from . import commit
 from . import format
 from . import lease as lease_lib
@@ -137,6 +138,8 @@ class CheckpointManager:
     storage_options: for an ``s3://``, ``gs://`` or ``az://`` ``directory``
       (each step a prefix, committed by its record; see the README,
       "Object stores"), settings over the cloud's standard environment.
+    compression: the codec of every step's arrays, as ``save``'s (None:
+      raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).
   """
 
   def __init__(
@@ -158,8 +161,10 @@ class CheckpointManager:
     read_only: bool = False,
     item_names: Any = None,
     storage_options: dict[str, Any] | None = None,
+    compression: str | None = None,
   ) -> None:
     directory = os.fspath(directory)
+    self._compression = codec.check(_API, compression)
     self._options = storage_options
     self._store = None
     if ckpt.is_remote(directory):  # the steps are prefixes in a bucket
@@ -540,6 +545,7 @@ class CheckpointManager:
         storage_options=self._options, ticket=ticket,
         prelude=lambda: None, after=self._after(step, path),
         primary_keys=(METRICS_KEY,),
+        compression=self._compression,
         barrier_timeout_s=self.barrier_timeout_s,
       )  # fmt: skip
     return ckpt.run_save(
@@ -547,6 +553,7 @@ class CheckpointManager:
       max_inflight_bytes=ckpt.DEFAULT_INFLIGHT, prelude=prelude,
       barrier_timeout_s=self.barrier_timeout_s, after=self._after(step, path),
       primary_keys=(METRICS_KEY,), ticket=ticket,
+      compression=self._compression,
     )  # fmt: skip
 
   def _after(self, step: int, path: str) -> Callable[[], None]:
