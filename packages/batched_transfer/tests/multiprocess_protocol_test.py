@@ -139,7 +139,7 @@ STEPS = textwrap.dedent("""
              (multiprocess._Board, "wait"), (multiprocess, "agree"),
              (writer, "write_directory"), (hostvalue, "write_npy"),
              (commit, "fsync_dirs"), (multiprocess, "_digest"),
-             (multiprocess, "_check_agreement"), (multiprocess, "_commit"),
+             (multiprocess, "_check_agreement"), (multiprocess, "_final"),
              (commit, "publish"), (steps, "to_remove")]
 
     def inject(owner, name):
