@@ -21,10 +21,12 @@ import re
 from jax._src import ad_util as _ad_util
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import effects as _effects
 from jax._src import linear_util as _lu
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
 from jax._src import traceback_util as _traceback_util
+from jax._src.interpreters import partial_eval as _pe
 import numpy as np
 
 #: The effect JAX attaches to equations (and jaxprs) that use a named axis.
@@ -190,6 +192,80 @@ def extend_axis_env(name_size_pairs):
   names with each other's sizes).
   """
   return _core.extend_axis_env_nd(list(name_size_pairs))
+
+
+# -- staging a renamed jaxpr into the caller's trace --------------------------
+
+
+def current_staging_trace():
+  """The current trace when it is a plain jaxpr-staging trace (``jit``,
+  ``make_jaxpr``, a ``shard_map`` body), else None.
+
+  Under such a trace a renamed jaxpr can be emitted equation by equation
+  (``stage_eqn``) instead of being evaluated primitive by primitive: the
+  equations are the same, abstract evaluation is not run twice.
+  """
+  trace = _core.trace_ctx.trace
+  if type(trace) is not _pe.DynamicJaxprTrace:
+    return None
+  if _config.eager_constant_folding.value or _config.enable_checks.value:
+    return None
+  return trace
+
+
+def staged_arg(trace, x, source_info):
+  """``x`` (a caller's value) as a tracer of the staging ``trace``."""
+  return trace.to_jaxpr_tracer(x, source_info)
+
+
+def staged_const(trace, c, source_info):
+  return trace.new_const(c, source_info)
+
+
+def staged_literal(trace, literal, source_info):
+  return _pe.DynamicJaxprTracer(trace, literal.aval, literal, source_info)
+
+
+def current_source_info():
+  return _source_info_util.current()
+
+
+def eqn_source_info(source_info, name_stack):
+  """An equation's source info placed under ``name_stack`` (the current
+  one: what ``eval_jaxpr`` binds it with)."""
+  return source_info.replace(name_stack=name_stack + source_info.name_stack)
+
+
+def stage_eqn(
+  trace, eqn, in_tracers, out_avals, params, effects, src, ctx, env
+):
+  """Emits ``eqn`` (with the given params, avals, effects, context) into
+  ``trace``, folding constants as JAX's own inlining does; the out tracers.
+
+  ``env`` maps the source jaxpr's variables to tracers (for effects tied to
+  an input)."""
+  folded = _pe.try_constant_folding(
+    eqn.primitive, in_tracers, params, out_avals
+  )
+  if folded is not None:
+    return [
+      trace.new_const(c, source_info=src, aval=a)
+      for c, a in zip(folded, out_avals)
+    ]
+  if effects:
+    effects = {
+      e.replace(env[e.input].val)
+      if isinstance(e, _effects.JaxprInputEffect)
+      else e
+      for e in effects
+    }
+  return trace.emit_eqn(
+    in_tracers, out_avals, eqn.primitive, params, effects, src, ctx
+  )
+
+
+def has_qdd(aval) -> bool:
+  return bool(getattr(aval, "has_qdd", False))
 
 
 _ZERO_TYPES = (_ad_util.Zero, _ad_util.SymbolicZero)

@@ -68,7 +68,24 @@ def rename_jaxpr(
     raise TypeError(
       f"{_API}: expected a Jaxpr or ClosedJaxpr, got {type(jaxpr).__name__}"
     )
-  mentioned = rewrite.mentioned_names(core_jaxpr)
+  effective = _effective_mapping(core_jaxpr, mapping)
+  if not effective:
+    return jaxpr
+  new = rewrite.Renamer(_wrap_rule, rule_env).jaxpr(core_jaxpr, effective)
+  if not isinstance(jaxpr, ClosedJaxpr):
+    return new
+  return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
+
+
+def _effective_mapping(
+  core_jaxpr: Jaxpr, mapping: Mapping, mentioned: frozenset | None = None
+) -> dict:
+  """The entries of ``mapping`` that apply to ``core_jaxpr`` (all of them
+  when it holds custom rules); raises if a new name would merge two axes.
+
+  ``mentioned``: the jaxpr's ``rewrite.mentioned_names``, when known."""
+  if mentioned is None:
+    mentioned = rewrite.mentioned_names(core_jaxpr)
   if analysis.rule_eqns(core_jaxpr):
     # Custom rules may use any old name once they run: they get it all.
     effective = mapping
@@ -88,12 +105,7 @@ def rename_jaxpr(
       f"{sorted(mentioned, key=repr)}); that would merge two axes. Rename "
       "that name too, or pick a fresh one"
     )
-  if not effective:
-    return jaxpr
-  new = rewrite.Renamer(_wrap_rule, rule_env).jaxpr(core_jaxpr, effective)
-  if not isinstance(jaxpr, ClosedJaxpr):
-    return new
-  return jaxpr if new is core_jaxpr else ClosedJaxpr(new, jaxpr.consts)
+  return effective
 
 
 @overload
@@ -247,9 +259,22 @@ def _run_renamed(
     raise _vacated_error(fun, mapping, ctx, e) from e
   out_tree, out_leaves, traced = out_box[-1]
   _check_captured([closed.jaxpr], captured)
-  new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)
-  assert isinstance(new, ClosedJaxpr)
-  outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *[leaves[i] for i in dyn]))
+  args = [leaves[i] for i in dyn]
+  trace = jax_internals.current_staging_trace()
+  if trace is not None and not any(
+    jax_internals.has_qdd(v.aval) for v in closed.jaxpr.invars
+  ):
+    # Staging (jit, make_jaxpr, a shard_map body): rename while emitting
+    # the equations into the caller's trace, in one pass that also finds
+    # the names the jaxpr mentions (for the merge check).
+    renamer = rewrite.Renamer(_wrap_rule, trace_env)
+    staged, mentioned = renamer.stage(closed, ctx.forward, trace, args)
+    _effective_mapping(closed.jaxpr, ctx.forward, mentioned)
+    outs = iter(staged)
+  else:
+    new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)
+    assert isinstance(new, ClosedJaxpr)
+    outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *args))
   result = [
     next(outs) if t else _renamed_zero(x, ctx.forward)
     for x, t in zip(out_leaves, traced)

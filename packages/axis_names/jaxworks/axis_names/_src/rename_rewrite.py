@@ -24,6 +24,7 @@ from jax.extend.core import Jaxpr
 from jax.extend.core import JaxprEqn
 from jax.extend.core import Literal
 from jax.extend.core import Var
+import numpy as np
 
 from . import analysis
 from . import context
@@ -135,6 +136,39 @@ def mentioned_names(jaxpr: Jaxpr) -> frozenset:
   return result
 
 
+# Param values that cannot hold an axis name or a jaxpr.
+_PLAIN = (type(None), bool, int, float, str, np.dtype)
+
+
+def _plain(params: dict) -> bool:
+  for v in params.values():
+    if not isinstance(v, _PLAIN):
+      return False
+  return True
+
+
+# Primitives whose params name axes, bind them or hold rules.
+_SPECIAL = frozenset(
+  (*rules.AXIS_PARAMS, *rules.BINDERS, *rules.CALLABLE_PARAMS)
+)
+
+
+def _param_names(eqn: JaxprEqn, subs: list) -> set:
+  """Free names an equation's params mention beyond its collective's own
+  (those are in the analysis), as ``eqn_mentions`` finds them, given its
+  sub-jaxprs ``subs``: names in sub-jaxprs not bound by the equation, and
+  in meshes, specs and types."""
+  names: set = set()
+  bound = analysis.bound_names(eqn) if subs else frozenset()
+  for v in eqn.params.values():
+    if isinstance(v, _PLAIN):
+      continue
+    found = analysis.subjaxprs({"v": v}) if subs else ()
+    for n in [mentioned_names(s) for s in found] or [deep.names_of(v)]:
+      names |= n - bound
+  return names
+
+
 def _holds_jaxpr(v: Any) -> bool:
   t = type(v)
   if t is ClosedJaxpr or t is Jaxpr:
@@ -200,6 +234,109 @@ class Renamer:
       _RENAMED.put(jaxpr, per_mapping)
     per_mapping[key] = new
     return new
+
+  def stage(
+    self, closed: ClosedJaxpr, mapping: Mapping, trace: Any, args: list
+  ) -> list:
+    """Emits ``closed`` renamed into the staging ``trace`` (``jit``,
+    ``make_jaxpr``, a ``shard_map`` body) applied to ``args``.
+
+    Returns its outputs and the free names the jaxpr mentions (what
+    ``mentioned_names`` computes, found on the way).
+
+    One pass: each equation is renamed (types, params, context mesh,
+    effects; sub-jaxprs through the memoized rewrite) and emitted directly,
+    as JAX inlines a jaxpr, so the function is neither rewritten into a new
+    jaxpr first nor evaluated primitive by primitive (abstract evaluation
+    ran in the first trace; the renamed types are the result types).
+    """
+    jaxpr = closed.jaxpr
+    memo = self.value_memo
+    names = set(analysis.jaxpr_axis_names(jaxpr))
+    names |= jax_internals.named_axis_effect_names(jaxpr.effects)
+    avals: dict = {}  # old aval -> renamed (avals are values)
+    ctxs: dict = {}  # id(ctx) -> (ctx, renamed ctx)
+
+    def aval_of(a):
+      try:
+        return avals[a]
+      except KeyError:
+        r = avals[a] = deep.rename(a, mapping, memo)
+        return r
+      except TypeError:  # an unhashable aval
+        return deep.rename(a, mapping, memo)
+
+    src = jax_internals.current_source_info()
+    stack = src.name_stack
+    stacks: dict = {}  # id(eqn name stack) -> (it, under ``stack``)
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, closed.consts):
+      env[v] = jax_internals.staged_const(trace, c, src)
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = jax_internals.staged_arg(trace, x, src)
+    for v in (*jaxpr.constvars, *jaxpr.invars):
+      aval_of(v.aval)
+
+    def atom(x, where):
+      if type(x) is Literal:
+        aval = aval_of(x.aval)
+        if aval is not x.aval:
+          val = jax_internals.literal_value_with_aval(x.val, aval)
+          x = Literal(val, aval)
+        return jax_internals.staged_literal(trace, x, where)
+      return env[x]
+
+    stage_eqn = jax_internals.stage_eqn
+    for eqn in jaxpr.eqns:
+      where = eqn.source_info
+      if stack:
+        ns = where.name_stack
+        hit = stacks.get(id(ns))
+        if hit is None:
+          hit = stacks[id(ns)] = (ns, stack + ns)
+        where = where.replace(name_stack=hit[1])
+      ins = [
+        env[v] if type(v) is not Literal else atom(v, where) for v in eqn.invars
+      ]
+      out_avals = []
+      for v in eqn.outvars:
+        a = v.aval
+        r = avals.get(a)
+        out_avals.append(aval_of(a) if r is None else r)
+      params = eqn.params
+      inner = None
+      if eqn.primitive.name in _SPECIAL or not _plain(params):
+        params, _, inner, subs = self._params_and_inner(eqn, mapping)
+        names |= _param_names(eqn, subs)
+      effects = eqn.effects
+      if effects:
+        names |= jax_internals.named_axis_effect_names(effects)
+        effects = _rename_effects(effects, mapping)
+      if inner:
+        callables = rules.CALLABLE_PARAMS.get(eqn.primitive.name, {})
+        param = rules.AXIS_PARAMS.get(eqn.primitive.name)
+        for k, v in eqn.params.items():
+          if k != param and k not in callables:
+            params[k] = self.param(v, inner)
+      ctx = eqn.ctx
+      hit = ctxs.get(id(ctx))
+      if hit is None:
+        new_ctx = ctx
+        mesh = jax_internals.eqn_context_mesh(ctx)
+        if mesh is not None:
+          new_mesh = deep.rename(mesh, mapping, memo)
+          names |= deep.names_of(mesh)
+          if new_mesh is not mesh:
+            new_ctx = jax_internals.eqn_context_with_mesh(ctx, new_mesh)
+        ctxs[id(ctx)] = hit = (ctx, new_ctx)
+      outs = stage_eqn(
+        trace, eqn, ins, out_avals, params, effects, where, hit[1], env
+      )
+      for v, t in zip(eqn.outvars, outs):
+        env[v] = t
+    outs = [atom(v, src) for v in jaxpr.outvars]
+    names.update(*(deep.names_of(a) for a in avals))
+    return outs, frozenset(names)
 
   def _deep_jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
     """Renames names in collectives and in every type, mesh and spec."""
