@@ -326,3 +326,74 @@ def test_pallas_grid_names_shadow_a_rename():
     r"pallas_call",
   ):
     rename_axes(closed, {"k": "g"})
+
+
+def _staged_program(name):
+  """Collectives at the top, in a jit called twice, a cond, a scan and a
+  custom_vjp: code written for axis ``name``."""
+
+  @jax.custom_vjp
+  def total(v):
+    return lax.psum(v, name)
+
+  total.defvjp(lambda v: (total(v), None), lambda _, g: (lax.pmean(g, name),))
+  inner = jax.jit(lambda v: lax.psum(v, name) * lax.axis_index(name))
+
+  def body(x):
+    y = jnp.sin(x) * 2.0 + lax.axis_index(name)
+    y = inner(inner(y)) + total(y)
+    y = lax.cond(
+      y[0] > 0,
+      lambda v: lax.ppermute(v, name, [(a, (a + 1) % 8) for a in range(8)]),
+      lambda v: v * lax.axis_index(name),
+      y,
+    )
+    y, _ = lax.scan(
+      lambda c, _: (c * 0.5 + lax.axis_index(name), None), y, None, 3
+    )
+    return y
+
+  return body
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_traced_rename_equals_stock_jaxpr(check_vma):
+  """Under a staging trace the renamed equations are emitted into the
+  caller's jaxpr directly: the jaxpr is the one stock JAX traces from the
+  function written with the new names, equation for equation."""
+
+  def traced(f):
+    g = jax.jit(
+      jax.shard_map(
+        f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+      )
+    )
+    return g.trace(X)
+
+  stock = traced(_staged_program("k"))
+  ours = traced(rename_axes(_staged_program("i"), {"i": "k"}))
+  assert str(ours.jaxpr) == str(stock.jaxpr)
+  check_jaxpr(ours.jaxpr.jaxpr)
+  np.testing.assert_array_equal(
+    ours.lower().compile()(X), stock.lower().compile()(X)
+  )
+  # make_jaxpr with the new name bound: another staging trace.
+  closed = jax.make_jaxpr(
+    rename_axes(_staged_program("i"), {"i": "k"}), axis_env=[("k", 8)]
+  )(X)
+  closed_stock = jax.make_jaxpr(_staged_program("k"), axis_env=[("k", 8)])(X)
+  assert str(closed) == str(closed_stock)
+
+
+def test_traced_rename_keeps_source_lines():
+  """Equations emitted by the rename keep the user's file:line."""
+
+  def f(x):
+    return lax.psum(x, "i")
+
+  line = f.__code__.co_firstlineno + 1
+  closed = jax.make_jaxpr(rename_axes(f, {"i": "k"}), axis_env=[("k", 8)])(X)
+  (eqn,) = [e for e in closed.eqns if e.primitive.name == "psum"]
+  assert eqn.params["axes"] == ("k",)
+  _, at, func = jax_internals.user_location(eqn.source_info)
+  assert (at, func.rsplit(".", 1)[-1]) == (line, "f")
