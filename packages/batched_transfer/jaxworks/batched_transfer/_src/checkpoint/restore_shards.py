@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
+import threading
 from typing import Any
 
 import jax
@@ -255,12 +256,15 @@ def read_tasks(
   fds: dict[str, Any],
   chunk: int,
   verified: set[tuple[str, int]] | None = None,
+  blocks: dict[tuple[str, int, int], _Shared] | None = None,
 ) -> list[Callable[[], None]]:
   """Calls that together read the region ``want`` into ``out`` (C order, of
   the region's shape) from the shard files, through ``fds`` (by file name).
 
   With ``verified`` (a set), a call that reads one whole checksum chunk of
-  a file checks it, and ``(file name, chunk)`` is added to the set."""
+  a file checks it, and ``(file name, chunk)`` is added to the set. With
+  ``blocks`` (a dict shared by the calls of one batch), the rows of a file
+  that several regions copy from are read once."""
   if not out.size:
     return []
   itemsize = out.dtype.itemsize
@@ -278,7 +282,11 @@ def read_tasks(
     name = s.name
     k = _tail_dim(ext, sshape, dshape)
     if s.fortran or (len(ext) > 1 and math.prod(ext[k:]) < SMALL_RUN):
-      tasks.append(_block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst))
+      tasks.append(
+        _block_task(
+          s, fds, name, sshape, lo, ext, dshape, dlo, dst, verified, blocks
+        )
+      )
       continue
     run = math.prod(ext[k:])
     sstr, dstr = _strides(sshape), _strides(dshape)
@@ -361,21 +369,71 @@ def verify_tasks(
   return tasks
 
 
-def _block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst):
-  """Reads whole rows of the shard (all of a Fortran-ordered one) and copies
-  the region's part: for regions whose contiguous runs are small."""
+class _Shared:
+  """Rows of a file that several regions copy from: read by the first task
+  that needs them, dropped when the last one is done."""
 
-  def task() -> None:
-    if s.fortran:
-      rows, first = sshape[0], 0
-    else:
-      rows, first = ext[0], lo[0]
-    block = np.empty(math.prod(sshape[1:]) * rows, np.uint8)
-    start = first * math.prod(sshape[1:])
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.block: np.ndarray | None = None
+    self.users = 0
+
+  def get(self, load: Callable[[], np.ndarray]) -> np.ndarray:
+    with self.lock:  # the others wait for the first read
+      if self.block is None:
+        self.block = load()
+      return self.block
+
+  def done(self) -> None:
+    with self.lock:
+      self.users -= 1
+      if not self.users:
+        self.block = None
+
+
+def _block_task(
+  s, fds, name, sshape, lo, ext, dshape, dlo, dst, verified=None, blocks=None
+):
+  """Reads whole rows of the shard (all of a Fortran-ordered one) and copies
+  the region's part: for regions whose contiguous runs are small. With
+  ``verified`` (a set), rows that are whole checksum chunks of the file are
+  checked as read, and added to it (a chunk is read once); with ``blocks``,
+  the same rows are read once for every region that copies from them."""
+  if s.fortran:
+    rows, first = sshape[0], 0
+  else:
+    rows, first = ext[0], lo[0]
+  row = math.prod(sshape[1:])
+  start, end = first * row, (first + rows) * row
+  check_from = None
+  if (
+    verified is not None
+    and s.sums is not None
+    and end > start
+    and start % checksum.CHUNK == 0
+    and (end % checksum.CHUNK == 0 or end == s.nbytes)
+  ):
+    check_from = start // checksum.CHUNK
+    last = -(-end // checksum.CHUNK)
+    verified.update((name, k) for k in range(check_from, last))
+
+  shared = None
+  if blocks is not None:
+    shared = blocks.setdefault((name, start, end), _Shared())
+    shared.users += 1
+
+  def load() -> np.ndarray:
+    block = np.empty(end - start, np.uint8)
     try:
       reader.read_range(fds[name], block.data, s.offset + start, 0, block.size)
-    except (OSError, EOFError) as err:
+      if check_from is not None:
+        checksum.check(s.sums, block.data, check_from)
+    except (OSError, EOFError, ValueError) as err:
       raise ValueError(f"{s.where} failed: {err}") from None
+    return block
+
+  def task() -> None:
+    block = load() if shared is None else shared.get(load)
     if s.fortran:  # the bytes of each element stay together
       n = len(sshape) - 1
       src = block.reshape(sshape[:-1][::-1] + sshape[-1:]).transpose(
@@ -389,6 +447,8 @@ def _block_task(s, fds, name, sshape, lo, ext, dshape, dlo, dst):
       ]
     region = dst.reshape(dshape)
     region[tuple(slice(a, a + n) for a, n in zip(dlo, ext))] = src
+    if shared is not None:
+      shared.done()
 
   return task
 
@@ -518,11 +578,12 @@ def _read(
   try:
     out, tasks = [], []
     verified: set[tuple[str, int]] | None = set() if verify else None
+    blocks: dict[tuple[str, int, int], _Shared] = {}
     for leaf in leaves:
       bufs = _buffers(memory, leaf)
       for want, pieces in leaf.pieces.items():
         tasks += read_tasks(
-          pieces, want, bufs[want], fds, reader.CHUNK, verified
+          pieces, want, bufs[want], fds, reader.CHUNK, verified, blocks
         )
       out.append(bufs)
     if verified is not None:  # chunks that no read covered whole

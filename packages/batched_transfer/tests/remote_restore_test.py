@@ -1,0 +1,456 @@
+"""restore and metadata of checkpoints in buckets, streamed: against moto's
+S3 server and gcp-storage-emulator started on 127.0.0.1 by this test.
+
+Every leaf kind restores bit for bit; no temporary file or directory is
+made (the objects are read in ranged requests into restore's buffers); the
+bytes requested, counted through the storage layer's own ``read``, are the
+ones the devices need (a replicated region once, a sharded one by parts,
+and with two processes each reads only its devices' shard files);
+``metadata`` reads headers only; objects damaged after the commit
+(truncated, altered, deleted) are errors naming the URL, the key and the
+fix; an overwrite's copy beside the path is read while the path has no
+record.
+"""
+
+import collections
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import threading
+import uuid
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from multiprocess_util import run_n  # noqa: E402
+import object_servers  # noqa: E402
+
+from jaxworks import batched_transfer as bt  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import checksum  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import gcs  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import restore_objects  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
+
+API = "test"
+RECORD = format.RECORD
+MiB = 2**20
+
+s3_endpoint = object_servers.s3_endpoint
+gcs_endpoint = object_servers.gcs_endpoint
+
+
+def _s3_env(monkeypatch, endpoint):
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def url(request, monkeypatch):
+  if request.param == "s3":
+    _s3_env(monkeypatch, request.getfixturevalue("s3_endpoint"))
+  else:
+    endpoint = request.getfixturevalue("gcs_endpoint")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+  return f"{request.param}://ckpt/run-{uuid.uuid4().hex}/ckpt"
+
+
+@pytest.fixture
+def requests(monkeypatch):
+  """Every ranged read of an object the storage layer makes, as
+  ``{key: [(start, end), ...]}``, keys relative to the checkpoint (its own
+  ``read``, of both stores)."""
+  seen = collections.defaultdict(list)
+  lock = threading.Lock()
+  for cls in (stores.ObstoreStorage, gcs.GCSStorage):
+    real = cls.read
+
+    def read(self, key, start=0, end=None, real=real):
+      with lock:
+        seen[key].append((start, end))
+      return real(self, key, start, end)
+
+    monkeypatch.setattr(cls, "read", read)
+  return seen
+
+
+def _bytes(ranges):
+  return sum(e - s for s, e in ranges)
+
+
+def leaves():
+  """Every leaf kind the bucket tests save (remote_test's and more)."""
+  rng = np.random.default_rng(0)
+  return {
+    "params": {
+      "w": rng.standard_normal((64, 32), np.float32),
+      "b": jax.numpy.arange(8, dtype=jax.numpy.int32),
+      "bf16": rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16),
+      "f8": rng.standard_normal(24).astype(ml_dtypes.float8_e4m3fn),
+    },
+    "big": rng.standard_normal(3 * MiB // 4 + 5).astype(np.float32),
+    # Larger than one request (restore_objects.WHOLE): read in checksum chunks.
+    "huge": rng.integers(0, 2**31, (restore_objects.WHOLE + 3 * MiB) // 4)
+    .astype(np.int32)
+    .reshape(-1, 8),
+    "fortran": np.asfortranarray(rng.standard_normal((7, 5), np.float32)),
+    "mask": rng.standard_normal(33) > 0,
+    "empty": np.zeros((0, 4), np.float16),
+    "c64": (rng.standard_normal(6) + 1j).astype(np.complex64),
+    "scalar": np.float32(2.5),
+    "run": "exp-1",
+    "step": 7,
+    "nothing": None,
+  }
+
+
+def same(out, t):
+  """Bit for bit: dtype, shape and bytes of every array, values of others."""
+  flat_out, tree_out = jax.tree.flatten(out, is_leaf=lambda x: x is None)
+  flat_t, tree_t = jax.tree.flatten(t, is_leaf=lambda x: x is None)
+  assert tree_out == tree_t
+  for a, b in zip(flat_out, flat_t):
+    if isinstance(b, (str, type(None))) or type(a) is int:
+      assert a == b and type(a) is type(b)
+      continue
+    if isinstance(b, int):  # a Python scalar target: its 0-d array
+      assert np.asarray(a).item() == b and a.weak_type
+      continue
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert (
+      np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
+
+
+def test_every_leaf_kind_bit_for_bit(url, requests):
+  t = leaves()
+  bt.save(url, t)
+  requests.clear()
+  same(bt.restore(url), t)
+  # Every byte of every array requested once, in parallel ranged reads: the
+  # first PROBE bytes of each object when it was opened (all of a small one),
+  # the rest when its batch came.
+  st = stores.open_storage(API, url)
+  for key, size in st.list().items():
+    if key == RECORD:
+      continue
+    covered = np.zeros(size, np.int32)
+    for s, e in requests[key]:
+      covered[s : min(e, size)] += 1
+    assert covered.min() >= 1, key  # everything read
+    assert (covered > 1).sum() <= restore_objects.PROBE, (
+      key
+    )  # once, but the header
+  huge = requests["huge.npy"]
+  assert len(huge) >= 5 and max(e - s for s, e in huge) <= 8 * MiB
+  like = jax.tree.map(
+    lambda x: (
+      x
+      if isinstance(x, (str, int)) or x is None
+      else jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+    ),
+    t,
+    is_leaf=lambda x: x is None,
+  )
+  same(bt.restore(url, like), t)
+
+
+def test_compressed_checkpoint(url):
+  t = {"zeros": np.zeros((256, 256), np.float32), "r": leaves()["big"]}
+  bt.save(url, t, compression="zstd")
+  assert any(k.endswith(".zst") for k in stores.open_storage(API, url).list())
+  same(bt.restore(url), t)
+
+
+def test_no_temporary_file_or_directory(url, monkeypatch, tmp_path):
+  t = leaves()
+  bt.save(url, t)
+  empty = tmp_path / "tmp"
+  empty.mkdir()
+  monkeypatch.setenv("TMPDIR", str(empty))
+  monkeypatch.setattr(tempfile, "tempdir", str(empty))
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("restore made a temporary file or directory")
+
+  for name in (
+    "mkdtemp",
+    "mkstemp",
+    "TemporaryDirectory",
+    "NamedTemporaryFile",
+  ):
+    monkeypatch.setattr(tempfile, name, refuse)
+  same(bt.restore(url), t)
+  assert bt.metadata(url)["big"].shape == t["big"].shape
+  assert os.listdir(empty) == []
+
+
+def test_metadata_reads_headers_only(url, requests):
+  t = leaves()
+  bt.save(url, t)
+  requests.clear()
+  m = bt.metadata(url)
+  assert m["huge"].shape == t["huge"].shape and m["run"] == "exp-1"
+  for key, ranges in requests.items():
+    if key.endswith(".npy"):
+      assert _bytes(ranges) <= restore_objects.PROBE, (key, ranges)
+
+
+def test_partial_restore_reads_only_the_leaves_asked_for(url, requests):
+  t = leaves()
+  bt.save(url, t)
+  requests.clear()
+  want = {"params": {"w": jax.ShapeDtypeStruct((64, 32), np.float32)}}
+  out = bt.restore(url, want, partial_restore=True)
+  np.testing.assert_array_equal(out["params"]["w"], t["params"]["w"])
+  # The headers of every array (validation), the data of w alone.
+  assert _bytes(requests["huge.npy"]) <= restore_objects.PROBE
+  assert _bytes(requests["big.npy"]) <= restore_objects.PROBE
+
+
+# Checkpoints several processes wrote: the ranges each device needs --------
+
+
+def write_manifest(st, tree, rows):
+  """The layout several processes write (each array of 2 or more dimensions
+  in ``rows`` tiles of whole rows, one shard file each, with checksums),
+  uploaded to the storage ``st`` with its record; ``{file: data bytes}``."""
+  arrays, sizes = {}, {}
+  with tempfile.TemporaryDirectory() as d:
+    for key, a in tree.items():
+      r = rows if a.ndim >= 2 else 1
+      shards = []
+      for i in range(r):
+        lo, hi = i * a.shape[0] // r, (i + 1) * a.shape[0] // r
+        part = np.ascontiguousarray(a[lo:hi] if a.ndim else a)
+        name = f"{key}.shards/{i}.npy"
+        local = os.path.join(d, f"{key}-{i}.npy")
+        np.save(local, part)
+        st.upload(name, local)
+        sizes[name] = part.nbytes
+        shards.append({
+          "file": name,
+          "start": [lo] + [0] * (a.ndim - 1) if a.ndim else [],
+          "shape": list(part.shape),
+          "crc32c": checksum.of(memoryview(part.reshape(-1).view(np.uint8))),
+        })  # fmt: skip
+      arrays[key] = {"shape": list(a.shape), "dtype": a.dtype.name,
+                     "shards": shards}  # fmt: skip
+  manifest = {
+    "format": format.MANIFEST_FORMAT,
+    "processes": 2,
+    "arrays": arrays,
+  }
+  st.write(format.MANIFEST, json.dumps(manifest).encode())
+  record = format.Record(dtypes={k: a.dtype.name for k, a in tree.items()})
+  st.create(RECORD, format.encode_record(record))
+  return sizes
+
+
+def sharded_values():
+  rng = np.random.default_rng(1)
+  return {
+    "w": rng.standard_normal((256, 1024)).astype(np.float32),  # 1 MiB
+    "e": rng.standard_normal((64, 96)).astype(ml_dtypes.bfloat16),
+  }
+
+
+def test_sharded_restore_reads_each_needed_range_once(url, requests):
+  v = sharded_values()
+  st = stores.open_storage(API, url)
+  sizes = write_manifest(st, v, rows=8)
+  mesh = jax.make_mesh((8,), ("a",))
+  for spec in (P("a"), P(), P(None, "a")):
+    where = NamedSharding(mesh, spec)
+    requests.clear()
+    target = {
+      k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+      for k, a in v.items()
+    }
+    out = bt.restore(url, target)
+    for k in v:
+      assert out[k].sharding == where
+      same(np.asarray(out[k]), v[k])
+    for name, n in sizes.items():
+      # Each shard file's data once, whatever the replication: 8 devices
+      # holding the whole array read it once, not 8 times.
+      data = _bytes(r for r in requests[name])
+      assert n <= data <= n + restore_objects.SHARD_PROBE, (
+        spec,
+        name,
+        requests[name],
+      )
+
+
+def test_sharded_restore_onto_part_of_the_array(url, requests):
+  """A region narrower than the files' (a target sharded along columns
+  while the files tile rows): only the bytes of whole rows of each file in
+  runs, every file's checksum still checked."""
+  v = {"w": np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)}
+  st = stores.open_storage(API, url)
+  write_manifest(st, v, rows=2)
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  where = NamedSharding(mesh, P("a", "b"))
+  out = bt.restore(
+    url, {"w": jax.ShapeDtypeStruct((64, 4096), np.float32, sharding=where)}
+  )
+  same(np.asarray(out["w"]), v["w"])
+  # Bit flipped in the middle of a file: the restore fails, naming it.
+  data = bytearray(st.read("w.shards/1.npy"))
+  data[len(data) // 2] ^= 1
+  st.write("w.shards/1.npy", bytes(data))
+  with pytest.raises(ValueError, match=r"w\.shards/1\.npy") as e:
+    bt.restore(
+      url, {"w": jax.ShapeDtypeStruct((64, 4096), np.float32, sharding=where)}
+    )
+  assert "checksum" in str(e.value) or "CRC" in str(e.value)
+
+
+RESTORE_WORKER = textwrap.dedent("""
+    import sys, threading
+    pid, port, base, url = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    import jax
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=2, process_id=pid,
+                               initialization_timeout=60)
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxworks import batched_transfer as bt
+    from jaxworks.batched_transfer._src.checkpoint import stores
+    seen, lock = {}, threading.Lock()
+    real = stores.ObstoreStorage.read
+    def read(self, key, start=0, end=None):
+      with lock:
+        seen.setdefault(key, []).append((start, end))
+      return real(self, key, start, end)
+    stores.ObstoreStorage.read = read
+    mesh = jax.make_mesh((8,), ("a",))
+    where = NamedSharding(mesh, P("a"))
+    out = bt.restore(url, {"w": jax.ShapeDtypeStruct((256, 1024), np.float32,
+                                                     sharding=where)})
+    want = np.random.default_rng(1).standard_normal((256, 1024)).astype(np.float32)
+    for s in out["w"].addressable_shards:
+      assert np.array_equal(np.asarray(s.data), want[s.index]), s.index
+    files = sorted(k for k in seen if k.startswith("w.shards/"))
+    mine = sorted(f"w.shards/{i}.npy" for i in range(4 * pid, 4 * pid + 4))
+    assert files == mine, (files, mine)
+    data = sum(e - s for k in files for s, e in seen[k])
+    assert 4 * 2**17 <= data <= 4 * 2**17 + 4 * 16 * 1024, data
+    print("WORKER-OK", pid, flush=True)
+""")
+
+
+def test_two_processes_each_read_only_their_shards(s3_endpoint, monkeypatch):
+  _s3_env(monkeypatch, s3_endpoint)
+  url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
+  write_manifest(
+    stores.open_storage(API, url), {"w": sharded_values()["w"]}, rows=8
+  )
+  run_n(RESTORE_WORKER, "unused", 2, timeout=240, extra=(url,))
+
+
+# Objects damaged after the commit -------------------------------------------
+
+
+def test_truncated_object(url):
+  t = leaves()
+  bt.save(url, t)
+  st = stores.open_storage(API, url)
+  data = bytes(st.read("big.npy"))
+  st.write("big.npy", data[:-4096])
+  with pytest.raises(ValueError, match="truncated or damaged") as e:
+    bt.restore(url)
+  assert f"{url}/big.npy" in str(e.value) and "'big'" in str(e.value)
+
+
+def test_truncated_large_object(url):
+  t = leaves()
+  bt.save(url, t)
+  st = stores.open_storage(API, url)
+  data = bytes(st.read("huge.npy"))
+  st.write("huge.npy", data[: len(data) // 2])
+  with pytest.raises(ValueError, match="truncated or damaged") as e:
+    bt.restore(url)
+  assert f"{url}/huge.npy" in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["params/w.npy", "huge.npy", "big.npy"])
+def test_altered_object(url, key):
+  t = leaves()
+  bt.save(url, t)
+  st = stores.open_storage(API, url)
+  data = bytearray(st.read(key))
+  data[-100] ^= 0x40
+  st.write(key, bytes(data))
+  with pytest.raises(ValueError, match="checksum|CRC") as e:
+    bt.restore(url)
+  assert f"{url}/{key}" in str(e.value)
+  assert "damaged" in str(e.value)
+  assert any(url in n for n in e.value.__notes__)
+  # verify=False reads what is there (the user's choice), without error.
+  bt.restore(url, verify=False)
+
+
+def test_deleted_object(url):
+  bt.save(url, leaves())
+  st = stores.open_storage(API, url)
+  st.delete(["params/w.npy"])
+  with pytest.raises(FileNotFoundError, match="params") as e:
+    bt.restore(url)
+  assert url in str(e.value)
+
+
+def test_deleted_shard_file(url):
+  st = stores.open_storage(API, url)
+  write_manifest(st, sharded_values(), rows=8)
+  st.delete(["w.shards/3.npy"])
+  with pytest.raises(FileNotFoundError, match=r"w\.shards/3\.npy") as e:
+    bt.restore(url)
+  assert "save the checkpoint again" in str(e.value)
+
+
+def test_truncated_shard_file(url):
+  st = stores.open_storage(API, url)
+  write_manifest(st, sharded_values(), rows=8)
+  data = bytes(st.read("w.shards/5.npy"))
+  st.write("w.shards/5.npy", data[:-8])
+  with pytest.raises(
+    ValueError, match=r"w\.shards/5\.npy.*truncated or damaged"
+  ):
+    bt.restore(url)
+
+
+# Commit records -------------------------------------------------------------
+
+
+def test_prefix_without_record_is_absent(url):
+  bt.save(url, leaves())
+  st = stores.open_storage(API, url)
+  st.delete([RECORD])
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    bt.restore(url)
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    bt.metadata(url)
+
+
+def test_overwrite_copy_beside_the_path_is_read(url):
+  """An overwrite killed after removing the old record: the new checkpoint
+  committed beside the path is what restore reads."""
+  t = leaves()
+  parent_url, _, name = url.rpartition("/")
+  beside = f"{parent_url}/.{name}.jaxworks-new-{uuid.uuid4().hex[:16]}"
+  bt.save(url, {"old": np.zeros(3)})
+  bt.save(beside, t)
+  stores.open_storage(API, url).delete([RECORD])
+  same(bt.restore(url), t)
+  assert bt.metadata(url)["run"] == "exp-1"
