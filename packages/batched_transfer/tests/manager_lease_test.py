@@ -6,7 +6,8 @@ another process's save or delete raises WriterConflictError while the
 first lives (reads stay allowed), a killed writer's lease is taken over
 with a warning, a writer on another host is judged by its heartbeat,
 managers of one process share the lease and close() gives it back. On a
-local directory and on moto's S3 server, with real separate processes."""
+local directory, moto's S3 server and gcp-storage-emulator, with real
+separate processes."""
 
 import gc
 import json
@@ -34,6 +35,7 @@ from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
 LOGGER = "jaxworks.batched_transfer"
 s3_endpoint = object_servers.s3_endpoint
+gcs_endpoint = object_servers.gcs_endpoint
 
 
 def tree(step):
@@ -48,17 +50,21 @@ def records(caplog, level):
   ]
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gs"])
 def where(request, tmp_path, monkeypatch):
-  """A manager directory: a local path, or a prefix on moto's S3 server;
-  and the environment a subprocess needs to reach it."""
+  """A manager directory: a local path, or a prefix on moto's S3 server or
+  gcp-storage-emulator; and the environment a subprocess needs to reach
+  it."""
   if request.param == "local":
     return str(tmp_path / "run"), {}
-  endpoint = request.getfixturevalue("s3_endpoint")
-  env = dict(object_servers.S3_ENV, AWS_ENDPOINT_URL=endpoint)
+  if request.param == "s3":
+    endpoint = request.getfixturevalue("s3_endpoint")
+    env = dict(object_servers.S3_ENV, AWS_ENDPOINT_URL=endpoint)
+  else:
+    env = {"STORAGE_EMULATOR_HOST": request.getfixturevalue("gcs_endpoint")}
   for k, v in env.items():
     monkeypatch.setenv(k, v)
-  return f"s3://ckpt/run-{uuid.uuid4().hex}", env
+  return f"{request.param}://ckpt/run-{uuid.uuid4().hex}", env
 
 
 def lease_keys(directory):

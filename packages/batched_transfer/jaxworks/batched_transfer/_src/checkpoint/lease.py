@@ -118,6 +118,7 @@ class Lease:
     self.refs = 0
     self.lost: dict[str, Any] | None = None  # the record that took it over
     self._stop = threading.Event()
+    self._io = threading.Lock()  # a renewal and the release, one at a time
     self._thread: threading.Thread | None = None
 
   def record(self) -> dict[str, Any]:
@@ -158,7 +159,13 @@ class Lease:
 
   def renew(self) -> bool:
     """Writes a new heartbeat; True (and ``lost`` set) if a higher
-    generation took the lease over."""
+    generation took the lease over, or the lease was released."""
+    with self._io:
+      if self._stop.is_set():
+        return True  # released: never written again
+      return self._renew()
+
+  def _renew(self) -> bool:
     gens = _generations(self.storage)
     higher = [g for g in gens if g > self.gen]
     if higher:
@@ -190,7 +197,8 @@ class Lease:
     lower generation is never the holder)."""
     self._stop.set()
     try:
-      self.storage.delete([_key(self.gen)])
+      with self._io:  # after a renewal under way: none writes it again
+        self.storage.delete([_key(self.gen)])
     except OSError as err:
       LOG.warning(
         "could not delete the writer lease of %r: %s", self.directory, err

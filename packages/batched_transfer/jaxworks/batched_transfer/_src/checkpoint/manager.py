@@ -96,6 +96,21 @@ class CheckpointManager:
   its directory's modification time (its last file's write, just before the
   commit).
 
+  One process writes a directory at a time: the first ``save`` or
+  ``delete`` takes its writer lease (``<directory>/.jaxworks-writer/``,
+  naming this host and process, with a heartbeat; created without
+  replacing, by a conditional put in a bucket), which ``close()`` gives
+  back. While a live process of another manager holds it, ``save`` and
+  ``delete`` raise ``WriterConflictError``; reading needs no lease. The
+  lease of a process that is gone (same host: it no longer runs; another
+  host: no heartbeat for 60 s) is taken over with a warning. Managers of
+  one process share the lease; in a jax.distributed job process 0 holds it.
+
+  ``save`` logs why it skipped a step (``jaxworks.batched_transfer``
+  logger: WARNING for a step that exists or is older than the last saved,
+  DEBUG for the save interval); commits, retention and ``delete`` log one
+  INFO line per step.
+
   In a jax.distributed job every process makes the same calls: ``save`` is
   collective (see ``jaxworks.batched_transfer.save``; process 0's metrics
   are the step's), retention runs on process 0 after the commit and before
@@ -438,11 +453,14 @@ class CheckpointManager:
       force: save even if ``should_save(step)`` is false.
 
     Returns:
-      True if a save was started, False if ``should_save`` said no (or the
-      manager is ``read_only``: it warns).
+      True if a save was started, False if ``should_save`` said no (logged:
+      a WARNING for a step that exists or is older than the last saved one)
+      or the manager is ``read_only`` (it warns).
 
     Raises:
-      FileExistsError: the step exists already.
+      FileExistsError: the step exists already (and is saved anyway, e.g.
+        with ``force``).
+      WriterConflictError: another live process writes this directory.
     """
     api = f"{_API}.save"
     step = check_step(api, step)
@@ -913,6 +931,7 @@ class CheckpointManager:
 
     Raises:
       FileNotFoundError: no such step.
+      WriterConflictError: another live process writes this directory.
     """
     api = f"{_API}.delete"
     step = check_step(api, step)
