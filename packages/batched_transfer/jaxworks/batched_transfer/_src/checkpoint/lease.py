@@ -279,7 +279,7 @@ def _stale(api: str, st: Storage, directory: str, gen: int) -> dict[str, Any]:
     time.sleep(min(HEARTBEAT_S / 4, EXPIRY_S - age + 0.01))
     now = _read(st, gen)
     if now is None:
-      return record  # released meanwhile
+      return {}  # released meanwhile
     if now.get("beat") != beat:
       raise _conflict(api, directory, now)
 
@@ -317,8 +317,8 @@ def _acquire(api: str, st: Storage, directory: str) -> Lease:
         pass  # left: lower generations are never the holder
     if taken:
       LOG.warning(
-        "%s: took over the writer lease of %r from %s, which is no longer "
-        "running (its heartbeat stopped)",
+        "%s: took over the writer lease of %r from %s, which is gone (its "
+        "process no longer runs, or its heartbeat stopped)",
         api,
         directory,
         describe(taken),
