@@ -22,7 +22,11 @@ Rows (``jaxworks_bench``; medians of repeats, GC off while timing):
   twice (``2**depth`` psums from ``depth + 1`` distinct jaxprs), against
   stock tracing (which raises for an unbound name) and stock trace + lower
   (whose HLO lists the collectives); naive: the check's walk of the traced
-  program against a walk of every occurrence of each shared sub-jaxpr.
+  program against a walk of every occurrence of each shared sub-jaxpr;
+* stock-jax: tracing ``jit(shard_map(rename_axes(f, {'i': 'k'})))`` against
+  tracing the same ``shard_map`` body written with ``'k'`` (every type in
+  the body names the axis, so every equation is renamed); goal: at most
+  1.2x.
 
 Notes: the cold query per equation, JAX's tracing cost per equation (for
 scale), how much of the program a rename rebuilt.
@@ -288,6 +292,60 @@ def shared_rows(report, depths, repeats):
   )
 
 
+def shard_map_body(name, n_lines):
+  """A new ``shard_map`` body of ``n_lines`` lines over axis ``name``
+  (``sin`` and a product each; a ``psum`` every 50 lines): inside the
+  ``shard_map`` every value's type names the axis."""
+
+  def body(x):
+    for i in range(n_lines):
+      x = jnp.sin(x) * 1.001
+      if i % 50 == 0:
+        x = lax.psum(x, name)
+    return x
+
+  return body
+
+
+RENAMED_TRACE_GOAL = 1 / 1.2  # at most 1.2x stock tracing
+
+
+def renamed_trace_rows(report, sizes, repeats):
+  """Tracing ``jit(shard_map(rename_axes(f, {'i': 'k'})))`` against stock
+  tracing of the same function written with ``'k'``."""
+  mesh = jax.make_mesh((8,), ("k",), axis_types=(AxisType.Auto,))
+  x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+
+  def traced(f):
+    return jax.jit(
+      jax.shard_map(f, mesh=mesh, in_specs=P("k"), out_specs=P("k"))
+    ).trace(x)
+
+  for n in sizes:
+    ours = traced(rename_axes(shard_map_body("i", n), {"i": "k"}))
+    stock = traced(shard_map_body("k", n))
+    assert str(ours.jaxpr) == str(stock.jaxpr)
+    n_eqns = len(ours.jaxpr.eqns[0].params["jaxpr"].eqns)
+
+    def setup():
+      f_i, f_k = shard_map_body("i", n), shard_map_body("k", n)
+      return (
+        lambda: traced(rename_axes(f_i, {"i": "k"})),
+        lambda: traced(f_k),
+      )
+
+    t_ours, t_stock = jb.median_pair(None, None, repeats, setup=setup)
+    report.add(
+      f"trace jit(shard_map(rename_axes(f, {{'i': 'k'}}))), {n:,} lines "
+      f"({n_eqns:,} equations, every type names the axis)",
+      t_ours,
+      t_stock,
+      "stock-jax",
+      "tracing f written with 'k'",
+      goal=RENAMED_TRACE_GOAL,
+    )
+
+
 EFFECTS = "jaxpr.effects (NamedAxisEffect names)"
 WALK = "top-down walk of the whole program (no memo)"
 
@@ -359,6 +417,9 @@ def main(argv=None):
       WALK,
     )
   shared_rows(report, (6, 10) if args.quick else (10, 20), repeats)
+  renamed_trace_rows(
+    report, (500,) if args.quick else (2_000, 10_000), 3 if args.quick else 9
+  )
   report.note(
     "The first (cold) query costs "
     f"{jb.fmt_seconds(min(per_eqn))} - {jb.fmt_seconds(max(per_eqn))} per "

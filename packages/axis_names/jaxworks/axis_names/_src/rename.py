@@ -78,15 +78,21 @@ def rename_jaxpr(
 
 
 def _effective_mapping(
-  core_jaxpr: Jaxpr, mapping: Mapping, mentioned: frozenset | None = None
+  core_jaxpr: Jaxpr,
+  mapping: Mapping,
+  mentioned: frozenset | None = None,
+  has_rules: bool | None = None,
 ) -> dict:
   """The entries of ``mapping`` that apply to ``core_jaxpr`` (all of them
   when it holds custom rules); raises if a new name would merge two axes.
 
-  ``mentioned``: the jaxpr's ``rewrite.mentioned_names``, when known."""
+  ``mentioned``, ``has_rules``: the jaxpr's ``rewrite.mentioned_names`` and
+  whether it has ``analysis.rule_eqns``, when known."""
   if mentioned is None:
     mentioned = rewrite.mentioned_names(core_jaxpr)
-  if analysis.rule_eqns(core_jaxpr):
+  if has_rules is None:
+    has_rules = bool(analysis.rule_eqns(core_jaxpr))
+  if has_rules:
     # Custom rules may use any old name once they run: they get it all.
     effective = mapping
   else:
@@ -268,8 +274,10 @@ def _run_renamed(
     # the equations into the caller's trace, in one pass that also finds
     # the names the jaxpr mentions (for the merge check).
     renamer = rewrite.Renamer(_wrap_rule, trace_env)
-    staged, mentioned = renamer.stage(closed, ctx.forward, trace, args)
-    _effective_mapping(closed.jaxpr, ctx.forward, mentioned)
+    staged, mentioned, has_rules = renamer.stage(
+      closed, ctx.forward, trace, args
+    )
+    _effective_mapping(closed.jaxpr, ctx.forward, mentioned, has_rules)
     outs = iter(staged)
   else:
     new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)

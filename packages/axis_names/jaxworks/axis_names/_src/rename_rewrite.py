@@ -241,8 +241,9 @@ class Renamer:
     """Emits ``closed`` renamed into the staging ``trace`` (``jit``,
     ``make_jaxpr``, a ``shard_map`` body) applied to ``args``.
 
-    Returns its outputs and the free names the jaxpr mentions (what
-    ``mentioned_names`` computes, found on the way).
+    Returns its outputs, the free names the jaxpr mentions (what
+    ``mentioned_names`` computes, found on the way) and whether it holds
+    custom rules (``analysis.rule_eqns``).
 
     One pass: each equation is renamed (types, params, context mesh,
     effects; sub-jaxprs through the memoized rewrite) and emitted directly,
@@ -252,8 +253,11 @@ class Renamer:
     """
     jaxpr = closed.jaxpr
     memo = self.value_memo
-    names = set(analysis.jaxpr_axis_names(jaxpr))
-    names |= jax_internals.named_axis_effect_names(jaxpr.effects)
+    # The names the jaxpr mentions, found on the way: collectives' names
+    # from the equations that can have them (not a separate analysis walk).
+    names = set(jax_internals.named_axis_effect_names(jaxpr.effects))
+    has_rules = False
+    literals: dict = {}  # (aval, dtype, bytes) of a scalar -> renamed
     avals: dict = {}  # old aval -> renamed (avals are values)
     ctxs: dict = {}  # id(ctx) -> (ctx, renamed ctx)
 
@@ -281,8 +285,18 @@ class Renamer:
       if type(x) is Literal:
         aval = aval_of(x.aval)
         if aval is not x.aval:
-          val = jax_internals.literal_value_with_aval(x.val, aval)
+          val = x.val
+          key = None
+          if not getattr(val, "shape", True):  # a scalar: share its rename
+            b = np.asarray(val)
+            key = (x.aval, b.dtype, b.tobytes(), type(val))
+            hit = literals.get(key)
+            if hit is not None:
+              return jax_internals.staged_literal(trace, hit, where)
+          val = jax_internals.literal_value_with_aval(val, aval)
           x = Literal(val, aval)
+          if key is not None:
+            literals[key] = x
         return jax_internals.staged_literal(trace, x, where)
       return env[x]
 
@@ -308,6 +322,8 @@ class Renamer:
       if eqn.primitive.name in _SPECIAL or not _plain(params):
         params, _, inner, subs = self._params_and_inner(eqn, mapping)
         names |= _param_names(eqn, subs)
+        names |= analysis.eqn_axis_names(eqn)
+        has_rules = has_rules or analysis.eqn_has_rules(eqn)
       effects = eqn.effects
       if effects:
         names |= jax_internals.named_axis_effect_names(effects)
@@ -336,7 +352,7 @@ class Renamer:
         env[v] = t
     outs = [atom(v, src) for v in jaxpr.outvars]
     names.update(*(deep.names_of(a) for a in avals))
-    return outs, frozenset(names)
+    return outs, frozenset(names), has_rules
 
   def _deep_jaxpr(self, jaxpr: Jaxpr, mapping: Mapping) -> Jaxpr:
     """Renames names in collectives and in every type, mesh and spec."""
