@@ -19,7 +19,6 @@
 #endif
 
 #include <pybind11/pybind11.h>
-
 #include <structmember.h>
 
 #include <cstddef>
@@ -204,17 +203,19 @@ PyType_Slot signature_slots[] = {
 PyObject* BuilderNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *array_types, *tracer_type, *ndarray_type, *generic_type, *fallback;
   PyObject* array_samples = Py_None;
+  PyObject* flatten = Py_None;
   char* names[] = {const_cast<char*>("array_types"),
                    const_cast<char*>("tracer_type"),
                    const_cast<char*>("ndarray_type"),
                    const_cast<char*>("numpy_generic_type"),
                    const_cast<char*>("fallback"),
                    const_cast<char*>("array_samples"),
+                   const_cast<char*>("flatten"),
                    nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOO|O:SignatureBuilder",
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOO|OO:SignatureBuilder",
                                    names, &PyTuple_Type, &array_types,
                                    &tracer_type, &ndarray_type, &generic_type,
-                                   &fallback, &array_samples)) {
+                                   &fallback, &array_samples, &flatten)) {
     return nullptr;
   }
   return Guard<PyObject*>(nullptr, [&]() -> PyObject* {
@@ -224,7 +225,7 @@ PyObject* BuilderNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     SignatureBuilder builder(py::reinterpret_borrow<py::tuple>(array_types),
                              borrow(tracer_type), borrow(ndarray_type),
                              borrow(generic_type), borrow(fallback),
-                             borrow(array_samples));
+                             borrow(array_samples), borrow(flatten));
     return PyBox<SignatureBuilder>::New(type, std::move(builder));
   });
 }
@@ -248,15 +249,52 @@ PyObject* BuilderCall(PyObject* self, PyObject* args, PyObject* kwargs) {
   });
 }
 
+// builder.key(tree, statics, ctx) -> (leaves, treedef, Signature)
+PyObject* BuilderKey(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  const SignatureBuilder* builder = Unbox<SignatureBuilder>(self);
+  if (builder == nullptr) return nullptr;
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError,
+                 "SignatureBuilder.key(tree, statics, ctx) takes 3 "
+                 "arguments, got %zd",
+                 nargs);
+    return nullptr;
+  }
+  return Guard<PyObject*>(nullptr, [&]() -> PyObject* {
+    auto borrow = [](PyObject* o) {
+      return py::reinterpret_borrow<py::object>(o);
+    };
+    SignatureBuilder::KeyResult key =
+        builder->Key(args[0], borrow(args[1]), borrow(args[2]));
+    PyObject* sig =
+        PyBox<Signature>::New(g_signature_type, std::move(key.signature));
+    if (sig == nullptr) return nullptr;
+    return PyTuple_Pack(3, key.leaves.ptr(), key.treedef.ptr(),
+                        py::reinterpret_steal<py::object>(sig).ptr());
+  });
+}
+
 PyObject* BuilderClassify(PyObject* self, PyObject* leaf) {
   const SignatureBuilder* builder = Unbox<SignatureBuilder>(self);
   if (builder == nullptr) return nullptr;
   return PyUnicode_FromString(LeafKindName(builder->Classify(leaf)));
 }
 
+PyObject* BuilderReadsArrayFields(PyObject* self, PyObject*) {
+  const SignatureBuilder* builder = Unbox<SignatureBuilder>(self);
+  if (builder == nullptr) return nullptr;
+  return PyBool_FromLong(builder->ReadsArrayFields());
+}
+
 PyMethodDef builder_methods[] = {
+    {"reads_array_fields", BuilderReadsArrayFields, METH_NOARGS,
+     "True when jax Arrays are read from their fields (not their getters)."},
     {"classify", BuilderClassify, METH_O,
      "classify(leaf): the leaf kind name, without calling the fallback."},
+    {"key", reinterpret_cast<PyCFunction>(BuilderKey), METH_FASTCALL,
+     "key(tree, statics, ctx): (leaves, treedef, Signature) of a call's "
+     "dynamic arguments `tree`, as flatten(tree) and builder(leaves, "
+     "(treedef, statics, ctx)) give them."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyType_Slot builder_slots[] = {
@@ -379,8 +417,7 @@ struct ForwarderObject {
 // The error hook's turn: the error is set on entry; on return one is set.
 void ForwarderOnError(ForwarderObject* self, PyObject* const* args,
                       Py_ssize_t nargs, PyObject* kwnames) {
-  if (self->on_error == nullptr ||
-      !PyErr_ExceptionMatches(PyExc_Exception)) {
+  if (self->on_error == nullptr || !PyErr_ExceptionMatches(PyExc_Exception)) {
     return;
   }
   PyObject *type, *error, *tb;
@@ -427,7 +464,7 @@ void ForwarderOnError(ForwarderObject* self, PyObject* const* args,
     return;
   }
   Py_INCREF(error);
-  PyException_SetCause(replacement, error);  // steals; raise ... from error
+  PyException_SetCause(replacement, error);    // steals; raise ... from error
   PyException_SetContext(replacement, error);  // steals
   Py_XDECREF(type);
   Py_XDECREF(tb);
@@ -539,12 +576,12 @@ PyType_Slot forwarder_slots[] = {
     {Py_tp_members, forwarder_members},
     {0, nullptr}};
 
-PyType_Spec forwarder_spec = {
-    "jaxworks.jit_cache._signature.Forwarder",
-    static_cast<int>(sizeof(ForwarderObject)), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE |
-        Py_TPFLAGS_HAVE_VECTORCALL,
-    forwarder_slots};
+PyType_Spec forwarder_spec = {"jaxworks.jit_cache._signature.Forwarder",
+                              static_cast<int>(sizeof(ForwarderObject)), 0,
+                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+                                  Py_TPFLAGS_BASETYPE |
+                                  Py_TPFLAGS_HAVE_VECTORCALL,
+                              forwarder_slots};
 
 // enable_vectorcall(cls): the vectorcall protocol for a Python subclass of
 // Forwarder that does not define __call__ (CPython >= 3.12 passes it on by

@@ -2,6 +2,9 @@
 
 #include <Python.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -108,6 +111,17 @@ Signature::Signature(std::vector<LeafSignature> leaves, py::object extra)
   hash_ = CombineHash(h, 0);
 }
 
+Signature::Signature(std::vector<LeafSignature> leaves, py::object extra,
+                     size_t extra_hash)
+    : leaves_(std::move(leaves)), extra_(std::move(extra)), has_tracer_(false) {
+  size_t h = CombineHash(leaves_.size(), extra_hash);
+  for (const LeafSignature& leaf : leaves_) {
+    h = HashRound(h, leaf.hash);
+    has_tracer_ |= leaf.kind == LeafKind::kTracer;
+  }
+  hash_ = CombineHash(h, 0);
+}
+
 bool Signature::Equals(const Signature& other) const {
   if (this == &other) return true;
   if (hash_ != other.hash_ || leaves_.size() != other.leaves_.size()) {
@@ -178,12 +192,13 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
                                    py::object ndarray_type,
                                    py::object numpy_generic_type,
                                    py::object fallback,
-                                   py::object array_samples)
+                                   py::object array_samples, py::object flatten)
     : tracer_type_(std::move(tracer_type)),
       ndarray_type_(std::move(ndarray_type)),
       numpy_generic_type_(std::move(numpy_generic_type)),
       fallback_(std::move(fallback)),
       array_samples_(std::move(array_samples)),
+      flatten_(std::move(flatten)),
       aval_name_(py::str("aval")),
       shape_name_(py::str("shape")),
       dtype_name_(py::str("dtype")) {
@@ -205,6 +220,10 @@ SignatureBuilder::SignatureBuilder(py::tuple array_types,
       ThrowTypeError("SignatureBuilder: expected a type or None, got " +
                      TypeName(*t));
     }
+  }
+  if (!flatten_.is_none() && !PyCallable_Check(flatten_.ptr())) {
+    ThrowTypeError("SignatureBuilder: flatten must be callable or None, got " +
+                   TypeName(flatten_));
   }
   if (!array_samples_.is_none() && !PyCallable_Check(array_samples_.ptr())) {
     ThrowTypeError(
@@ -300,9 +319,20 @@ size_t ArrayLeafHash(const LeafSignature& out) {
 }  // namespace
 
 void SignatureBuilder::LearnLayout(const ArrayReaders& r) const {
+  r.layout.state = ArrayLayout::State::kOff;  // while learning (Python runs)
+  // A type changed again and again is read through its getters.
+  if (array_samples_.is_none() || ++r.layout.attempts > 8) return;
+  r.layout.learning = true;
+  TryLearnLayout(r);
+  r.layout.learning = false;
+  // Tried again when the type changes (the tag is 0 until it is next used).
+  if (r.layout.state != ArrayLayout::State::kDirect) {
+    r.layout.version_tag = r.type->tp_version_tag;
+  }
+}
+
+void SignatureBuilder::TryLearnLayout(const ArrayReaders& r) const {
   using State = ArrayLayout::State;
-  r.layout.state = State::kOff;  // while learning (Python runs) and on failure
-  if (array_samples_.is_none()) return;
   constexpr Py_ssize_t kWord = static_cast<Py_ssize_t>(sizeof(PyObject*));
   const Py_ssize_t size = r.type->tp_basicsize;
   PyObject* samples = PyObject_CallNoArgs(array_samples_.ptr());
@@ -323,13 +353,14 @@ void SignatureBuilder::LearnLayout(const ArrayReaders& r) const {
     py::object hold[] = {py::reinterpret_steal<py::object>(aval),
                          py::reinterpret_steal<py::object>(sharding),
                          py::reinterpret_steal<py::object>(committed)};
-    if (committed == nullptr || (committed != Py_True && committed != Py_False)) {
+    if (committed == nullptr ||
+        (committed != Py_True && committed != Py_False)) {
       PyErr_Clear();
       return;
     }
     if (layout.aval < 0) {  // the first sample places the fields
-      layout.aval = FindWord(obj, static_cast<Py_ssize_t>(sizeof(PyObject)),
-                             size, aval);
+      layout.aval =
+          FindWord(obj, static_cast<Py_ssize_t>(sizeof(PyObject)), size, aval);
       if (layout.aval < 0) return;
       layout.sharding = FindWord(obj, layout.aval + kWord, size, sharding);
       if (layout.sharding < 0) return;
@@ -344,8 +375,12 @@ void SignatureBuilder::LearnLayout(const ArrayReaders& r) const {
     }
     seen[flag] = true;
   }
-  if (seen[0] && seen[1]) {
+  const unsigned int tag = r.type->tp_version_tag;
+  if (seen[0] && seen[1] && tag != 0) {
     layout.state = State::kDirect;
+    layout.version_tag = tag;
+    layout.attempts = r.layout.attempts;
+    layout.learning = true;  // (cleared by LearnLayout)
     r.layout = layout;
   }
 }
@@ -371,6 +406,11 @@ void SignatureBuilder::BuildLeaf(py::handle leaf, size_t index,
   // getter calls.
   for (const ArrayReaders& r : array_readers_) {
     if (Py_TYPE(obj) != r.type) continue;
+    if (r.layout.state != ArrayLayout::State::kUnknown &&
+        r.layout.version_tag != r.type->tp_version_tag &&
+        r.layout.attempts <= 8 && !r.layout.learning) {
+      r.layout.state = ArrayLayout::State::kUnknown;  // the type changed
+    }
     if (r.layout.state == ArrayLayout::State::kUnknown) LearnLayout(r);
     if (r.layout.state == ArrayLayout::State::kDirect &&
         ReadFields(r, obj, out)) {
@@ -468,6 +508,205 @@ Signature SignatureBuilder::Build(py::handle leaves, py::object extra) const {
   return Signature(std::move(out), std::move(extra));
 }
 
+// ------------------------------------------------------------------- Key
+
+namespace {
+
+constexpr int32_t kLeafCode = 0, kTupleCode = 1, kListCode = 2, kDictCode = 3,
+                  kNoneCode = 4;
+// Deeper trees are flattened by `flatten` (JAX recurses as deep as Python).
+constexpr int kMaxDepth = 64;
+// Tree structures kept by one builder before the memo is emptied.
+constexpr size_t kMaxShapes = 4096;
+
+}  // namespace
+
+// Room for `extra` more elements, growing geometrically.
+template <typename T>
+void Grow(std::vector<T>& v, size_t extra) {
+  if (v.capacity() - v.size() < extra) {
+    v.reserve(std::max(v.size() + extra, 2 * v.capacity()));
+  }
+}
+
+struct SignatureBuilder::KeyWalk {
+  std::vector<int32_t> code;
+  std::vector<PyObject*> keys;        // borrowed from key_lists
+  std::vector<py::object> key_lists;  // sorted key lists of the dicts
+  std::vector<py::object> leaves;
+  std::vector<LeafSignature> sigs;
+  size_t hash = 0;
+
+  void Emit(int32_t tag, Py_ssize_t size = -1) {
+    code.push_back(tag);
+    size_t h = static_cast<size_t>(tag);
+    if (size >= 0) {
+      code.push_back(static_cast<int32_t>(size));
+      h += static_cast<size_t>(size) << 8;
+    }
+    hash = HashRound(hash, h);
+  }
+};
+
+bool SignatureBuilder::WalkNode(PyObject* node, int depth,
+                                KeyWalk& walk) const {
+  if (depth > kMaxDepth) return false;
+  PyTypeObject* type = Py_TYPE(node);
+  if (type == &PyTuple_Type || type == &PyList_Type) {
+    const bool tuple = type == &PyTuple_Type;
+    // Held: a leaf's getter may run Python code that drops a list.
+    py::object hold = py::reinterpret_borrow<py::object>(node);
+    const Py_ssize_t n = Py_SIZE(node);
+    if (n > INT32_MAX) return false;
+    walk.Emit(tuple ? kTupleCode : kListCode, n);
+    Grow(walk.code, static_cast<size_t>(n));
+    Grow(walk.leaves, static_cast<size_t>(n));
+    Grow(walk.sigs, static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (Py_SIZE(node) != n) return false;  // a list changed meanwhile
+      PyObject* child =
+          tuple ? PyTuple_GET_ITEM(node, i) : PyList_GET_ITEM(node, i);
+      if (!WalkNode(child, depth + 1, walk)) return false;
+    }
+    return true;
+  }
+  if (type == &PyDict_Type) {
+    py::object hold = py::reinterpret_borrow<py::object>(node);
+    PyObject* keys = PyDict_Keys(node);
+    if (keys == nullptr) throw py::error_already_set();
+    walk.key_lists.push_back(py::reinterpret_steal<py::object>(keys));
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (n > INT32_MAX) return false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      // JAX sorts a dict's keys; str keys sort as Python sorts them.
+      if (!PyUnicode_CheckExact(PyList_GET_ITEM(keys, i))) return false;
+    }
+    if (n > 1 && PyList_Sort(keys) < 0) throw py::error_already_set();
+    walk.Emit(kDictCode, n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* key = PyList_GET_ITEM(keys, i);
+      walk.keys.push_back(key);
+      walk.hash = HashRound(walk.hash, static_cast<size_t>(PyHash(key)));
+      PyObject* child = PyDict_GetItemWithError(node, key);
+      if (child == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return false;  // the dict changed meanwhile
+      }
+      if (!WalkNode(child, depth + 1, walk)) return false;
+    }
+    return true;
+  }
+  if (node == Py_None) {
+    walk.Emit(kNoneCode);
+    return true;
+  }
+  // A leaf, if of a kind the builder knows: anything else may be a pytree
+  // node registered with JAX (only `flatten` knows).
+  bool known = false;
+  for (const ArrayReaders& r : array_readers_) known |= type == r.type;
+  if (!known) known = Classify(node) != LeafKind::kOther;
+  if (!known) return false;
+  walk.Emit(kLeafCode);
+  walk.leaves.push_back(py::reinterpret_borrow<py::object>(node));
+  walk.sigs.emplace_back();
+  BuildLeaf(node, walk.sigs.size() - 1, walk.sigs.back());
+  return true;
+}
+
+const SignatureBuilder::TreeShape* SignatureBuilder::FindShape(
+    const KeyWalk& walk) const {
+  auto it = shapes_.find(walk.hash);
+  if (it == shapes_.end()) return nullptr;
+  for (const TreeShape& shape : it->second) {
+    if (shape.code != walk.code || shape.keys.size() != walk.keys.size()) {
+      continue;
+    }
+    bool same = true;
+    for (size_t i = 0; same && i < walk.keys.size(); ++i) {
+      PyObject* a = shape.keys[i].ptr();
+      PyObject* b = walk.keys[i];
+      same = a == b || PyUnicode_Compare(a, b) == 0;  // exact strs
+    }
+    if (same) return &shape;
+  }
+  return nullptr;
+}
+
+SignatureBuilder::KeyResult SignatureBuilder::Key(py::handle tree,
+                                                  py::object statics,
+                                                  py::object ctx) const {
+  if (flatten_.is_none()) {
+    ThrowTypeError("SignatureBuilder.key: the builder has no flatten");
+  }
+  KeyWalk walk;
+  const bool walked = WalkNode(tree.ptr(), 0, walk);
+  py::object treedef;
+  size_t treedef_hash = 0;
+  std::vector<LeafSignature> sigs;
+  py::object leaves;
+  const TreeShape* shape = walked ? FindShape(walk) : nullptr;
+  if (shape != nullptr) {
+    treedef = shape->treedef;
+    treedef_hash = shape->treedef_hash;
+  } else {
+    PyObject* flat = PyObject_CallOneArg(flatten_.ptr(), tree.ptr());
+    if (flat == nullptr) throw py::error_already_set();
+    py::object owner = py::reinterpret_steal<py::object>(flat);
+    if (!PyTuple_Check(flat) || PyTuple_GET_SIZE(flat) != 2 ||
+        !PyList_Check(PyTuple_GET_ITEM(flat, 0))) {
+      ThrowTypeError(
+          "SignatureBuilder.key: flatten must return (list of leaves, "
+          "treedef)");
+    }
+    leaves = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(flat, 0));
+    treedef = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(flat, 1));
+    treedef_hash = PyHash(treedef);
+    // The walk is used (and its shape kept) only when it found exactly the
+    // leaves flatten did.
+    bool agree = walked && static_cast<size_t>(PyList_GET_SIZE(leaves.ptr())) ==
+                               walk.leaves.size();
+    for (size_t i = 0; agree && i < walk.leaves.size(); ++i) {
+      agree = PyList_GET_ITEM(leaves.ptr(), i) == walk.leaves[i].ptr();
+    }
+    if (agree) {
+      sigs = std::move(walk.sigs);
+      if (shape_count_ >= kMaxShapes) {
+        shapes_.clear();
+        shape_count_ = 0;
+      }
+      TreeShape fresh;
+      fresh.code = walk.code;
+      for (PyObject* key : walk.keys) {
+        fresh.keys.push_back(py::reinterpret_borrow<py::object>(key));
+      }
+      fresh.treedef = treedef;
+      fresh.treedef_hash = treedef_hash;
+      shapes_[walk.hash].push_back(std::move(fresh));
+      ++shape_count_;
+    } else {
+      Signature built = Build(leaves, py::none());
+      sigs = std::vector<LeafSignature>(built.leaves());
+    }
+  }
+  if (!leaves) {  // from the memo: the walk's leaves
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(walk.leaves.size()));
+    if (list == nullptr) throw py::error_already_set();
+    for (size_t i = 0; i < walk.leaves.size(); ++i) {
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i),
+                      walk.leaves[i].release().ptr());
+    }
+    leaves = py::reinterpret_steal<py::object>(list);
+    sigs = std::move(walk.sigs);
+  }
+  const size_t extra_hash =
+      CombineHash(CombineHash(treedef_hash, PyHash(statics)), PyHash(ctx));
+  PyObject* packed = PyTuple_Pack(3, treedef.ptr(), statics.ptr(), ctx.ptr());
+  if (packed == nullptr) throw py::error_already_set();
+  py::object extra = py::reinterpret_steal<py::object>(packed);
+  return KeyResult{std::move(leaves), std::move(treedef),
+                   Signature(std::move(sigs), std::move(extra), extra_hash)};
+}
+
 int SignatureBuilder::Traverse(visitproc visit, void* arg) const {
   for (const py::object& t : array_types_) Py_VISIT(t.ptr());
   for (const ArrayReaders& r : array_readers_) {
@@ -483,6 +722,13 @@ int SignatureBuilder::Traverse(visitproc visit, void* arg) const {
   Py_VISIT(numpy_generic_type_.ptr());
   Py_VISIT(fallback_.ptr());
   Py_VISIT(array_samples_.ptr());
+  Py_VISIT(flatten_.ptr());
+  for (const auto& [hash, shapes] : shapes_) {
+    for (const TreeShape& shape : shapes) {
+      Py_VISIT(shape.treedef.ptr());
+      for (const py::object& key : shape.keys) Py_VISIT(key.ptr());
+    }
+  }
   return 0;
 }
 
@@ -497,6 +743,9 @@ void SignatureBuilder::Clear() {
   numpy_generic_type_ = py::none();
   fallback_ = py::none();
   array_samples_ = py::none();
+  flatten_ = py::none();
+  shapes_.clear();
+  shape_count_ = 0;
 }
 
 // ---------------------------------------------------------------- ContextKey

@@ -39,6 +39,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -80,6 +81,9 @@ class Signature {
  public:
   // May throw py::error_already_set when hashing `extra` raises.
   Signature(std::vector<LeafSignature> leaves, py::object extra);
+  // With the hash of `extra` given (equal extras, equal hashes).
+  Signature(std::vector<LeafSignature> leaves, py::object extra,
+            size_t extra_hash);
 
   size_t hash() const { return hash_; }
   size_t size() const { return leaves_.size(); }
@@ -125,11 +129,33 @@ class SignatureBuilder {
   // ArrayLayout).
   SignatureBuilder(py::tuple array_types, py::object tracer_type,
                    py::object ndarray_type, py::object numpy_generic_type,
-                   py::object fallback,
-                   py::object array_samples = py::none());
+                   py::object fallback, py::object array_samples = py::none(),
+                   py::object flatten = py::none());
 
   // `leaves` must be a list or a tuple, anything else is a TypeError.
   Signature Build(py::handle leaves, py::object extra) const;
+
+  // The trace-cache key of one call (see KeyResult). Its tree structure is
+  // read in C++ when `tree` is made of tuples, lists, dicts with str keys and
+  // None around leaves the builder knows (jax Arrays, tracers, numpy arrays
+  // and scalars, Python scalars): the treedef of a structure seen before is
+  // taken from a memo. Otherwise the `flatten` callable given to the builder
+  // flattens the tree. Leaves and signature are the same either way.
+  struct KeyResult {
+    py::object leaves;    // list, in JAX's flattening order
+    py::object treedef;   // what flatten(tree) returns with them
+    Signature signature;  // of the leaves; extra = (treedef, statics, ctx)
+  };
+  KeyResult Key(py::handle tree, py::object statics, py::object ctx) const;
+
+  // True when the fields of a jax Array type are read directly (see
+  // ArrayLayout), for tests.
+  bool ReadsArrayFields() const {
+    for (const ArrayReaders& r : array_readers_) {
+      if (r.layout.state == ArrayLayout::State::kDirect) return true;
+    }
+    return false;
+  }
 
   // The kind `leaf` would get (no fallback call), for tests and tools.
   LeafKind Classify(py::handle leaf) const;
@@ -149,11 +175,15 @@ class SignatureBuilder {
   // aval and sharding objects the getters return; the committed flag two
   // words after the sharding, where jaxlib 0.10 keeps it) and used only when
   // every sample, committed or not, agrees with its getters; otherwise, or
-  // for an object whose fields are unset, the getters are used.
+  // for an object whose fields are unset, the getters are used. A change to
+  // the type (its version tag: a property replaced) has them learnt again.
   struct ArrayLayout {
     enum class State : uint8_t { kUnknown, kDirect, kOff };
     State state = State::kUnknown;
     Py_ssize_t aval = -1, sharding = -1, committed = -1;
+    unsigned int version_tag = 0;  // of the type when learnt
+    int attempts = 0;
+    bool learning = false;  // samples being read (their code may call us)
   };
 
   struct ArrayReaders {
@@ -163,8 +193,24 @@ class SignatureBuilder {
     mutable ArrayLayout layout;
   };
 
+  // A tree structure read by Key: one code per node (0 leaf, 1 tuple,
+  // 2 list, 3 dict, 4 None; containers followed by their size), the dict
+  // keys in order, and the treedef flatten() gave for it.
+  struct TreeShape {
+    std::vector<int32_t> code;
+    std::vector<py::object> keys;
+    py::object treedef;
+    size_t treedef_hash = 0;
+  };
+  struct KeyWalk;
+  // Reads `node` into `walk`; false when it holds anything else than what
+  // Key reads itself (the walk is then abandoned).
+  bool WalkNode(PyObject* node, int depth, KeyWalk& walk) const;
+  const TreeShape* FindShape(const KeyWalk& walk) const;
+
   // Finds r.layout from the samples (state kDirect or kOff afterwards).
   void LearnLayout(const ArrayReaders& r) const;
+  void TryLearnLayout(const ArrayReaders& r) const;
   // Fills `out` from the fields at r.layout; false if they are unset.
   static bool ReadFields(const ArrayReaders& r, PyObject* obj,
                          LeafSignature& out);
@@ -180,6 +226,10 @@ class SignatureBuilder {
   py::object numpy_generic_type_;
   py::object fallback_;
   py::object array_samples_;
+  py::object flatten_;
+  // Tree structures seen by Key, by structure hash (emptied when full).
+  mutable std::unordered_map<size_t, std::vector<TreeShape>> shapes_;
+  mutable size_t shape_count_ = 0;
   py::object aval_name_;
   py::object shape_name_;
   py::object dtype_name_;

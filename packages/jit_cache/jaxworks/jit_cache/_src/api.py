@@ -92,6 +92,11 @@ class JitFunction(_JitBase):
   # boundary as stock's, which also raises axis_names' diagnostic. The
   # dispatcher's own errors go through ``_call_failed``.
 
+  if TYPE_CHECKING:  # at run time, the base type's C slot and method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def _forward_to(self, target: Callable, on_error: Any) -> None: ...
+
   def _call_failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
     """The exception to raise instead of ``error`` (chained), or None."""
     if type(error) is ValueError and str(error).startswith(  # pylint: disable=unidiomatic-typecheck

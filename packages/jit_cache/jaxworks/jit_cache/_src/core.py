@@ -71,7 +71,7 @@ _flatten = ji.tracing_registry.flatten
 _trace_context = ji.trace_context
 _trace_state_clean = ji.trace_state_clean
 _debug_modes_on = ji.debug_modes_on
-_signature = _sig.signature
+_arg_key = _sig.key
 _CONTEXT = _ext.ContextInterner(16)
 # Stock JAX callables bound at import, never looked up on ``jax`` at call time:
 # after ``jax.jit = jit_cache.jit`` (the drop-in swap) they are still stock's.
@@ -213,11 +213,11 @@ class _Arguments:
       dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
     else:
       dyn_args, dyn_kwargs, statics = args, kwargs, ()
-    leaves, treedef = _flatten((dyn_args, dyn_kwargs))
     ctx = _CONTEXT(_trace_context())
     try:
-      sig = _signature(leaves, (treedef, statics, ctx))
+      leaves, treedef, sig = _arg_key((dyn_args, dyn_kwargs), statics, ctx)
     except TypeError as e:
+      leaves, _ = _flatten((dyn_args, dyn_kwargs))
       raise self._bad_argument(args, kwargs, leaves, e) from None
     return leaves, treedef, statics, ctx, sig
 

@@ -73,10 +73,18 @@ _BUILDER = _ext.SignatureBuilder(
   numpy_generic_type=np.generic,
   fallback=fallback_key,
   array_samples=ji.array_samples,
+  flatten=ji.tracing_registry.flatten,
 )
 
 #: signature(leaves: list | tuple, extra: Hashable = None) -> Signature
 signature = _BUILDER
+
+#: key(tree, statics, ctx) -> (leaves, treedef, Signature): the leaves and
+#: treedef of ``tracing_registry.flatten(tree)`` and
+#: ``signature(leaves, (treedef, statics, ctx))``, in one C++ pass (a tree
+#: structure of tuples, lists, str-keyed dicts and None seen before is not
+#: flattened again).
+key = _BUILDER.key
 Signature = _ext.Signature
 
 
