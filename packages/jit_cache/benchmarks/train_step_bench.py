@@ -2,7 +2,9 @@
 
 The workloads are ``train_step_worker.py``'s training steps (forward,
 backward, hand-written Adam) in plain JAX: a 3-layer MLP and a 4-layer
-transformer block stack (d_model 256), plus jit_add_chain. Each new-process
+transformer block stack (d_model 256), plus jit_add_chain, and a new user's
+script (``train_step_worker.user_script``: MLP, AdamW with clipping, helper
+jits for the data and the metrics, an eval function). Each new-process
 case starts ``train_step_worker.py`` with this interpreter (medians over
 several processes, interleaved):
 
@@ -11,7 +13,9 @@ several processes, interleaved):
   JAX's persistent compilation cache turned on by ``jax.config``
   (``jax.jit``) or by ``jit_cache.set_cache_dir`` (``jit_cache.jit``; since
   0.4.0 the same cache, and since 0.5.0 a call site's first call
-  deserializes its entry while it traces: at most 1.0x), and cold;
+  deserializes its entry while it traces: at most 1.0x), and cold; with
+  the warm starts' time per phase (import, trace, lower, cache read,
+  deserialize, first run) and their cache misses (XLA compiles) as notes;
 * a sweep of 8 configurations in a new process, the step function
   re-created per configuration (hyperparameters are arguments), per
   re-created configuration against ``jax.jit`` (goal 5x) and ``jax.jit``
@@ -116,6 +120,11 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
       (11, 7),
     ),
     ("chain", "jit_add_chain", (41, 11)),
+    (
+      "user",
+      "a new user's MLP script (AdamW with clipping, 4 jits, eval)",
+      (11, 5),
+    ),
   ]
   if quick:  # --quick (the smoke test): jit_add_chain only, seconds
     programs = [("chain", "jit_add_chain", (1, 1))]
@@ -143,8 +152,11 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
     }
     field = "first_s" if program == "chain" else "script_s"
     what = "first call" if program == "chain" else "time to first result"
-    t = medians(warm, warm_repeats, field)
-    prefetched = medians({"jw": warm["jw_warm"]}, 1, "persistent_prefetched")
+    warm_runs = runs(warm, warm_repeats)
+    t = median_of(warm_runs, field)
+    prefetched = median_of(
+      {"jw": warm_runs["jw_warm"]}, "persistent_prefetched"
+    )
     t.update(medians(cold, cold_repeats, field))
     report.add(
       f"{label}: {what} of a warm new process: jaxworks (set_cache_dir: "
@@ -172,6 +184,7 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
         "peer",
         "equinox.filter_jit",
       )
+    phase_note(report, label, warm_runs)
     report.note(
       f"{label}, {what} in new processes (medians of {warm_repeats} warm, "
       f"{cold_repeats} cold runs; a warm jaxworks process answered "
@@ -182,6 +195,41 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
       f"{jb.fmt_seconds(t['jax_warm'])}, warm jaxworks (the same cache) "
       f"{jb.fmt_seconds(t['jw_warm'])}"
     )
+
+
+def phase_note(report, label: str, warm_runs: dict) -> None:
+  """The per-phase breakdown of the warm starts (``train_step_worker.Phases``,
+  medians per phase over the runs), both sides, as a note."""
+
+  def phases(name):
+    rs = [r["phases"] for r in warm_runs[name]]
+    return {f: statistics.median(p[f] for p in rs) for f in rs[0]}
+
+  jax_p, jw_p = phases("jax_warm"), phases("jw_warm")
+  fmt = jb.fmt_seconds
+
+  def line(p):
+    return (
+      f"import {fmt(p['import'])}, trace {fmt(p['trace'])}, lower "
+      f"{fmt(p['lower'])} ({p['lowerings']:.0f} programs), cache read on "
+      f"the main thread {fmt(p['cache_read'])}, cache key (hashing the "
+      f"module) {fmt(p['key_and_compile'])}, first run and the rest "
+      f"{fmt(p['first_run'])}"
+    )
+
+  misses = max(jax_p["cache_misses"], jw_p["cache_misses"])
+  report.note(
+    f"{label}, warm start per phase (jax.monitoring; medians of "
+    f"{len(warm_runs['jw_warm'])}): JAX's cache: {line(jax_p)} (its cache "
+    f"read reads, decompresses and deserializes); jaxworks: {line(jw_p)}, "
+    "and deserialized ahead on a background thread "
+    f"{fmt(jw_p['deserialize_background'])}. Compiles that asked the cache "
+    f"{jw_p['cache_requests']:.0f} (jaxworks) and "
+    f"{jax_p['cache_requests']:.0f} (JAX), misses {misses:.0f}: "
+    + ("no XLA compile on either side" if misses == 0 else "XLA compiled")
+    + ". Both lower every program: JAX's cache key is a hash of the lowered "
+    "module"
+  )
 
 
 def sweep_cases(report, quick: bool, tmp: str) -> None:

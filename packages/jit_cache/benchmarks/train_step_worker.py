@@ -3,7 +3,7 @@
 Usage::
 
   train_step_worker.py --jit {jax,jaxworks,equinox}
-      --program {mlp,transformer,chain} [--task {first,sweep}]
+      --program {mlp,transformer,chain,user} [--task {first,sweep}]
       [--jax-cache DIR] [--jw-cache DIR]
 
 Prints one JSON object: ``script_s`` (the time to first result of the whole
@@ -13,7 +13,10 @@ their results are ready), ``first_s`` (from wrapping the step function to
 its first result), ``import_s`` (jax and the wrapper's package), and
 ``sweep_s`` (with ``--task sweep``: 8 configurations from a cold start, the
 step function re-created and run once per configuration; ``sweep_rest_s``:
-the 7 configurations after the first). ``--jax-cache DIR``
+the 7 configurations after the first), and ``phases`` (where the time
+to first result went: import, trace, lower, cache read, deserialize ahead,
+first run; and the counts of lowerings and of JAX's cache requests, hits and
+misses, from ``jax.monitoring``). ``--jax-cache DIR``
 turns on JAX's persistent compilation cache with ``jax.config`` (minimum
 compile time and entry size 0); ``--jw-cache DIR`` with
 ``jit_cache.set_cache_dir`` (the same cache, since jit_cache 0.4.0). Also
@@ -23,7 +26,9 @@ The models, in plain JAX, one training step = forward, backward and a
 hand-written Adam update: a 3-layer MLP (64-256-256-10, GELU, softmax
 cross-entropy) on a batch of 32; a 4-layer transformer block stack (d_model
 256, 4 heads, MLP 1024, pre-LayerNorm, causal attention, sequence 64, batch
-8, vocabulary 512).
+8, vocabulary 512). ``--program user`` runs ``user_script``: the script a
+new user writes (an MLP classifier, an optax-style AdamW with clipping, a
+jitted data normalisation, train step, metrics helper and eval function).
 """
 
 import argparse
@@ -193,6 +198,114 @@ def make_chain():
   return build
 
 
+#: The new user's script: a 3-layer MLP classifier (784-512-256-10, ReLU)
+#: on batches of 128, an optax-style Adam with weight decay and gradient
+#: clipping, written as init/update pairs.
+USER = dict(sizes=(784, 512, 256, 10), batch=128, steps=3)
+
+
+def user_script(jit, cfg=USER):
+  """The script a new user writes: data normalised by a jitted helper, an
+  MLP initialised with ``jax.random``, an optimizer (Adam with weight decay,
+  global-norm clipping: ``init``/``update`` as in optax), a jitted train
+  step run ``steps`` times, a jitted eval function and a jitted metrics
+  helper, its results printed as Python floats. Returns the metrics."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  sizes, batch = cfg["sizes"], cfg["batch"]
+  rng = np.random.default_rng(0)
+  images = rng.uniform(0, 255, (4 * batch, sizes[0])).astype(np.float32)
+  labels = rng.integers(0, sizes[-1], 4 * batch).astype(np.int32)
+
+  @jit
+  def normalise(x):
+    mu = x.mean(0, keepdims=True)
+    return (x - mu) / (x.std(0, keepdims=True) + 1e-6)
+
+  def init_params(key):
+    params = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+      key, k = jax.random.split(key)
+      w = jax.random.normal(k, (a, b)) * jnp.sqrt(2.0 / a)
+      params.append({"w": w, "b": jnp.zeros((b,))})
+    return params
+
+  def forward(params, x):
+    for layer in params[:-1]:
+      x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+  def loss_fn(params, x, y):
+    logits = forward(params, x)
+    onehot = jax.nn.one_hot(y, sizes[-1])
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * onehot, -1))
+
+  def adamw(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=1e-4, clip=1.0):
+    def init(params):
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      return {"mu": zeros, "nu": zeros, "count": jnp.zeros((), jnp.int32)}
+
+    def update(grads, state, params):
+      norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+      grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip / norm), grads)
+      count = state["count"] + 1
+      mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["mu"], grads)
+      nu = jax.tree.map(
+        lambda v, g: b2 * v + (1 - b2) * g * g, state["nu"], grads
+      )
+      t = count.astype(jnp.float32)
+      c1, c2 = 1 - b1**t, 1 - b2**t
+      updates = jax.tree.map(
+        lambda m, v, p: -lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + wd * p),
+        mu,
+        nu,
+        params,
+      )
+      return updates, {"mu": mu, "nu": nu, "count": count}
+
+    return init, update
+
+  opt_init, opt_update = adamw()
+
+  @jit
+  def train_step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = opt_update(grads, opt_state, params)
+    params = jax.tree.map(lambda p, u: p + u, params, updates)
+    return params, opt_state, loss
+
+  @jit
+  def evaluate(params, x, y):
+    logits = forward(params, x)
+    return loss_fn(params, x, y), jnp.mean(jnp.argmax(logits, -1) == y)
+
+  @jit
+  def metrics(losses):
+    return {"loss": jnp.mean(losses), "last": losses[-1]}
+
+  x_all = normalise(jnp.asarray(images))
+  y_all = jnp.asarray(labels)
+  params = init_params(jax.random.key(0))
+  opt_state = opt_init(params)
+  losses = []
+  for i in range(cfg["steps"]):
+    x, y = (
+      x_all[i * batch : (i + 1) * batch],
+      y_all[i * batch : (i + 1) * batch],
+    )
+    params, opt_state, loss = train_step(params, opt_state, x, y)
+    losses.append(loss)
+  summary = metrics(jnp.stack(losses))
+  eval_loss, accuracy = evaluate(params, x_all[-batch:], y_all[-batch:])
+  return {
+    "train_loss": float(summary["loss"]),
+    "eval_loss": float(eval_loss),
+    "accuracy": float(accuracy),
+  }
+
+
 def wrapper(name):
   """The jit of ``name``: jax.jit, jaxworks.jit_cache.jit, equinox.filter_jit."""
   if name == "jax":
@@ -210,6 +323,87 @@ def wrapper(name):
   raise ValueError(f"train_step_worker: --jit {name!r}")
 
 
+#: jax.monitoring events of the phases of a start (time spans, seconds).
+PHASE_EVENTS = {
+  "trace": "/jax/core/compile/jaxpr_trace_duration",
+  "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+  "compile": "/jax/core/compile/backend_compile_duration",
+}
+#: Events counted: compiles that asked JAX's cache, its hits and misses.
+COUNTED = {
+  "cache_requests": "/jax/compilation_cache/compile_requests_use_cache",
+  "cache_hits": "/jax/compilation_cache/cache_hits",
+  "cache_misses": "/jax/compilation_cache/cache_misses",
+}
+CACHE_READ = "/jax/compilation_cache/cache_retrieval_time_sec"
+#: jit_cache's prefetch: an entry read and deserialized off the main thread.
+PREFETCH = "/jaxworks/jit_cache/prefetch_deserialize_sec"
+
+
+class Phases:
+  """Where a start's time goes, from ``jax.monitoring`` (public listeners):
+  the union of each phase's time spans (nested traces counted once), the
+  main thread's cache reads, the counts of lowerings and of JAX's cache
+  requests, hits and misses (a miss is an XLA compile)."""
+
+  def __init__(self):
+    import jax  # pylint: disable=g-import-not-at-top
+
+    self.spans = {name: [] for name in PHASE_EVENTS}
+    self.counts = {name: 0 for name in COUNTED}
+    self.cache_read_s = 0.0
+    self.prefetch_s = 0.0
+    by_event = {e: n for n, e in PHASE_EVENTS.items()}
+    by_count = {e: n for n, e in COUNTED.items()}
+
+    def span(event, start, end, **_):
+      if event in by_event:
+        self.spans[by_event[event]].append((start, end))
+
+    def count(event, **_):
+      if event in by_count:
+        self.counts[by_count[event]] += 1
+
+    def duration(event, secs, **_):
+      if event == CACHE_READ:
+        self.cache_read_s += secs
+      elif event == PREFETCH:
+        self.prefetch_s += secs
+
+    jax.monitoring.register_event_time_span_listener(span)
+    jax.monitoring.register_event_listener(count)
+    jax.monitoring.register_event_duration_secs_listener(duration)
+
+  @staticmethod
+  def _union(spans):
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+      if e > end:
+        total += e - max(s, end)
+        end = e
+    return total
+
+  def result(self, import_s: float, script_s: float) -> dict:
+    """Seconds per phase; ``first_run`` is the rest (running the programs,
+    eager dispatch, the script's Python)."""
+    t = {name: self._union(s) for name, s in self.spans.items()}
+    out = {
+      "import": import_s,
+      "trace": t["trace"],
+      "lower": t["lower"],
+      "cache_read": self.cache_read_s,
+      # Hashing the module into JAX's cache key, and XLA on a miss.
+      "key_and_compile": max(0.0, t["compile"] - self.cache_read_s),
+      "deserialize_background": self.prefetch_s,
+    }
+    out["first_run"] = script_s - (
+      import_s + t["trace"] + t["lower"] + t["compile"]
+    )
+    out["lowerings"] = len(self.spans["lower"])
+    out.update(self.counts)
+    return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--jit", required=True)
@@ -222,6 +416,8 @@ def main(argv=None):
   t_start = t0 = time.perf_counter()
   import jax  # pylint: disable=g-import-not-at-top
 
+  phases = Phases()
+
   if opts.jax_cache:
     jax.config.update("jax_compilation_cache_dir", opts.jax_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -233,7 +429,12 @@ def main(argv=None):
     jit_cache.set_cache_dir(opts.jw_cache)
   out = {"import_s": time.perf_counter() - t0}
 
-  if opts.program == "chain":
+  if opts.program == "user":
+    gc.collect()
+    result = user_script(jit)
+    out["script_s"] = time.perf_counter() - t_start
+    out["result"] = result
+  elif opts.program == "chain":
     x = jax.random.normal(jax.random.key(0), (2, 2))
     jax.block_until_ready(x)
     make = make_chain()(jit)
@@ -241,6 +442,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     jax.block_until_ready(jit(make())(x))
     out["first_s"] = time.perf_counter() - t0
+    out["script_s"] = time.perf_counter() - t_start
   else:
     model = init_transformer if opts.program == "transformer" else init
     loss = transformer_loss if opts.program == "transformer" else mlp_loss
@@ -268,6 +470,8 @@ def main(argv=None):
       # The script's eval step, then its time to first result.
       jax.block_until_ready(jit(loss)(new[0], x, y))
       out["script_s"] = time.perf_counter() - t_start
+  if "script_s" in out:
+    out["phases"] = phases.result(out["import_s"], out["script_s"])
   if opts.jw_cache:
     from jaxworks import jit_cache  # pylint: disable=g-import-not-at-top
 

@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 from typing import Any
 
 import jax
@@ -62,6 +63,10 @@ _PENDING: dict[str, _Item] = {}
 _local = threading.local()
 _config = jax.config
 _process_index = jax.process_index
+_record_duration = jax.monitoring.record_event_duration_secs
+#: ``jax.monitoring`` duration event: one entry read and deserialized by a
+#: prefetch, off the main thread (seconds).
+DESERIALIZE_EVENT = "/jaxworks/jit_cache/prefetch_deserialize_sec"
 
 
 def hints_dir() -> str | None:
@@ -219,6 +224,7 @@ def _deserialize(read: _hints.Read, entries: str) -> tuple | None:
     # XLA aborts the process on options that contradict themselves.
     if options.num_replicas != 1 or options.num_partitions != len(devices):
       return None
+    t0 = time.perf_counter()
     entry = _hints.read_regular(
       os.path.join(entries, read.key + "-cache"), _hints.MAX_ENTRY_BYTES
     )
@@ -226,6 +232,7 @@ def _deserialize(read: _hints.Read, entries: str) -> tuple | None:
       return None
     serialized, compile_time = ji.executable_and_time(entry)
     exe = backend.deserialize_executable(serialized, devices, options)
+    _record_duration(DESERIALIZE_EVENT, time.perf_counter() - t0)
     return backend, exe, compile_time
   except Exception:  # pylint: disable=broad-except
     return None  # JAX reads the entry itself and reports what is wrong
