@@ -1,8 +1,8 @@
 """Where load_artifact reads StableHLO modules: in-process or in the child.
 
-A module whose sha256 the manifest records is read in this process; any other
-module, or every module with ``isolate=True``, goes to the module reader's
-child process, which exits when idle.
+A module whose sha256 the manifest records was checked by save_artifact and is
+not read again; any other module, or every module with ``isolate=True``, goes
+to the module reader's child process, which exits when idle.
 """
 
 import os
@@ -83,6 +83,32 @@ def test_matching_artifact_loads_without_a_child(artifact_dir, fresh_reader):
   np.testing.assert_allclose(
     grad, jax.grad(lambda x: f(x).sum())(X), rtol=1e-5, atol=1e-6
   )
+
+
+def test_matching_artifact_parses_no_module(artifact_dir, monkeypatch):
+  """The files and module digests match the manifest, so the modules are
+  the ones save_artifact checked and printed: a load reads none of them
+  (nor prints one to compare with module.stablehlo.mlir); isolate=True
+  reads and compares every one."""
+  read, printed = [], []
+  describe = module_reader.describe_modules
+  mlir_text = sa.Exported.mlir_text
+
+  def counting_describe(blobs, **kwargs):
+    read.extend(blobs)
+    return describe(blobs, **kwargs)
+
+  def counting_text(self):
+    printed.append(self)
+    return mlir_text(self)
+
+  monkeypatch.setattr(module_reader, "describe_modules", counting_describe)
+  monkeypatch.setattr(sa.Exported, "mlir_text", counting_text)
+  artifact = sa.load_artifact(artifact_dir)
+  assert read == [] and printed == []
+  np.testing.assert_array_equal(artifact(X), jax.jit(f)(X))
+  sa.load_artifact(artifact_dir, isolate=True)
+  assert len(read) == 2 and len(printed) == 1  # the program and its VJP
 
 
 def test_isolate_reads_in_the_child(artifact_dir, fresh_reader):

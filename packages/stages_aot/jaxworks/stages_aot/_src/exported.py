@@ -300,16 +300,22 @@ def deserialize_trusting(
   trusted_modules: frozenset[str],
   *,
   isolate: bool,
+  verified_modules: frozenset[str] = frozenset(),
 ) -> Exported:
   """:func:`deserialize`, reading the modules in ``trusted_modules`` here.
 
   ``trusted_modules`` holds sha256 digests of StableHLO modules that may be
   read in this process; every other module (all of them with ``isolate``)
-  is read in the module reader's child process.
+  is read in the module reader's child process. Modules in
+  ``verified_modules`` were checked against their program when written and
+  are not read at all.
   """
   try:
     levels = validate.deserialize_checked(
-      bytes(blob), trusted_modules=trusted_modules, isolate=isolate
+      bytes(blob),
+      trusted_modules=trusted_modules,
+      isolate=isolate,
+      verified_modules=verified_modules,
     )
   except validate.Invalid as e:
     raise ValueError(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import hashlib
 from typing import Any
 
 import jax
@@ -86,6 +87,7 @@ def deserialize_checked(
   *,
   trusted_modules: frozenset[str] = frozenset(),
   isolate: bool = False,
+  verified_modules: frozenset[str] = frozenset(),
 ) -> list[jax.export.Exported]:
   """Deserializes ``blob`` and every VJP level in it, and validates each.
 
@@ -95,6 +97,9 @@ def deserialize_checked(
       process (see ``module_reader.describe_modules``); others are read in
       the child process.
     isolate: read every module in the child process.
+    verified_modules: sha256 digests of modules already checked against
+      the program they belong to (an artifact's manifest records them when
+      ``save_artifact`` writes a checked program): those are not read again.
 
   Returns:
     The levels, primal first; the ``vjp()`` of each returns the next one
@@ -117,9 +122,16 @@ def deserialize_checked(
     _check_at(depth, _check_level, level)
     if depth:
       _check_at(depth, _check_vjp_of, levels[depth - 1], level)
+  unchecked = [
+    (depth, lvl)
+    for depth, lvl in enumerate(levels)
+    if not verified_modules
+    or hashlib.sha256(lvl.mlir_module_serialized).hexdigest()
+    not in verified_modules
+  ]
   try:
     infos = module_reader.describe_modules(
-      [lvl.mlir_module_serialized for lvl in levels],
+      [lvl.mlir_module_serialized for _, lvl in unchecked],
       trusted=trusted_modules,
       isolate=isolate,
     )
@@ -127,7 +139,7 @@ def deserialize_checked(
     raise RuntimeError(
       f"jaxworks.stages_aot: cannot validate the StableHLO modules: {e}"
     ) from None
-  for depth, (level, info) in enumerate(zip(levels, infos)):
+  for (depth, level), info in zip(unchecked, infos):
     _check_at(depth, _check_module, level, info)
   # Chain the validated levels, so that vjp() never deserializes again.
   chained = [levels[-1]]
