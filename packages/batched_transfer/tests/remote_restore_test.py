@@ -165,6 +165,22 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
   same(bt.restore(url, like), t)
 
 
+def test_small_arrays_take_one_request_each(url, requests):
+  """A tree of many small arrays: each object read whole when opened (one
+  request), its data not requested again; within max_inflight_bytes."""
+  rng = np.random.default_rng(2)
+  t = {f"s{i:02d}": rng.standard_normal(25_000, np.float32) for i in range(40)}
+  bt.save(url, t)
+  requests.clear()
+  same(bt.restore(url), t)
+  for k in t:
+    assert requests[f"{k}.npy"] == [(0, 100_128)], requests[f"{k}.npy"]
+  # With less memory allowed than the tree, the rest header first, then data.
+  requests.clear()
+  same(bt.restore(url, max_inflight_bytes=2 * 2**20), t)
+  assert sum(len(requests[f"{k}.npy"]) for k in t) > len(t)
+
+
 def test_compressed_checkpoint(url):
   t = {"zeros": np.zeros((256, 256), np.float32), "r": leaves()["big"]}
   bt.save(url, t, compression="zstd")

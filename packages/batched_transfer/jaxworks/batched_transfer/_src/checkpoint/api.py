@@ -578,9 +578,12 @@ def restore(
     )
   positive(api, "read_threads", read_threads, True)
   read_threads = read_threads or reader.default_read_threads()
+  # Small objects in a bucket read whole when opened (not for a partial
+  # restore, which reads only its leaves' data).
+  budget = 0 if partial_restore else max_inflight_bytes
   with (
     restore_objects.noting(path),
-    contextlib.closing(_open(api, path, storage_options)) as opened,
+    contextlib.closing(_open(api, path, storage_options, budget)) as opened,
   ):
     arrays, record = opened.contents()
     t = target_lib.Target(api, path, target, arrays, record, partial_restore)
@@ -603,14 +606,18 @@ def restore(
 
 
 def _open(
-  api: str, path: str, storage_options: dict[str, Any] | None = None
+  api: str,
+  path: str,
+  storage_options: dict[str, Any] | None = None,
+  budget: int = 0,
 ) -> restore_shards.Manifest | restore_files.Opened:
   """The checkpoint at ``path``, opened once: its data is read through the
   descriptors validated here (a checkpoint several processes wrote: its
   manifest and shard files; else .npy files or an .npz); at a URL, through
-  ranged reads of its objects (restore_objects)."""
+  ranged reads of its objects (restore_objects; ``budget``: bytes of small
+  objects read whole now)."""
   if is_remote(path):
-    return restore_objects.open_checkpoint(api, path, storage_options)
+    return restore_objects.open_checkpoint(api, path, storage_options, budget)
   if not os.path.lexists(path):
     commit.recover(path)  # the old copy of a save killed between two renames
   opened = restore_shards.open_manifest(api, path)

@@ -17,8 +17,10 @@ same way before anything is placed, whose reads go to the bucket:
   ranges of the shard files that its devices' regions need
   (``restore_shards.read_tasks``), and the header of those files only.
 
-Memory: the arrays of the batches in flight (``max_inflight_bytes``) and
-``PROBE`` bytes per object. An ``.npz`` object is one file: it is read from
+Memory: the arrays of the batches in flight (``max_inflight_bytes``),
+``PROBE`` bytes per object, and the small objects read whole when opened
+(``SMALL``; at most ``max_inflight_bytes`` of them, each freed once its
+batch has it). An ``.npz`` object is one file: it is read from
 an unlinked temporary file.
 """
 
@@ -54,6 +56,11 @@ from .storage import run_parallel
 #: header (numpy writes at most about 10 KB of it), and all of an object this
 #: small, which is then not read again.
 PROBE = remote.HEADER_BYTES
+#: Objects of at most this many bytes are read whole when restore opens
+#: them (header and data in one request), as long as all read so stay within
+#: restore's ``max_inflight_bytes``: a tree of many small arrays takes one
+#: request per array, not two.
+SMALL = 4 * 2**20
 #: The first bytes of a shard file read when it is opened (its header).
 SHARD_PROBE = 16 * 2**10
 #: Arrays of at most this many bytes are read in one request, together with
@@ -155,6 +162,7 @@ class ObjectFiles(reader.Files):
         if flat.size:
           obj: Object = s.obj
           obj.read_into(flat.data, s.offset)
+          obj.head = obj.head[: s.offset]  # read: its memory goes back
         if self._verify:
           if not flat.size and s.sums:
             raise checksum.Mismatch(
@@ -336,10 +344,14 @@ def _read_small(api: str, st: Storage, key: str, what: str) -> bytes:
 
 
 def open_checkpoint(
-  api: str, url: str, storage_options: dict[str, Any] | None
+  api: str, url: str, storage_options: dict[str, Any] | None, budget: int = 0
 ) -> restore_files.Opened | restore_shards.Manifest:
   """The committed checkpoint at the object-store ``url``, opened: listed,
   its record (and manifest) and the headers of its arrays read.
+
+  Args:
+    budget: bytes of small objects (``SMALL``) read whole now, whose data
+      is then not requested again (0: headers only, for ``metadata``).
 
   Raises:
     FileNotFoundError: no committed checkpoint at ``url`` (nor an
@@ -352,8 +364,11 @@ def open_checkpoint(
     parent = st._at(loc.parent)
     if parent.exists(loc.name):
       return _open_npz(api, parent, loc.name)
-  src = remote.source(api, st)
-  sizes = src.list()
+  sizes = st.list()
+  src = st
+  if format.RECORD not in sizes:  # absent, or an overwrite's copy beside
+    src = remote.source(api, st)
+    sizes = src.list()
   record = _read_small(api, src, format.RECORD, "the record")
   if format.MANIFEST in sizes:
     data = _read_small(api, src, format.MANIFEST, "the manifest")
@@ -381,8 +396,14 @@ def open_checkpoint(
         "checkpoint is damaged: remove the one save did not write"
       )
     names[key] = (name, use)
+  wanted = {}
+  for key, (name, _) in sorted(names.items()):
+    size = sizes[name]
+    wanted[name] = PROBE
+    if PROBE < size <= SMALL and size <= budget:
+      wanted[name], budget = size, budget - size
   heads = run_parallel(
-    lambda item: _probe(api, src, item[1][0], sizes, PROBE),
+    lambda item: _probe(api, src, item[1][0], sizes, wanted[item[1][0]]),
     sorted(names.items()),
     src.concurrency,
   )
