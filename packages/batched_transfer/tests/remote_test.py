@@ -62,13 +62,11 @@ def save(url, t, overwrite=False):
 
 
 def restore(url, target=None):
-  with remote.Fetched(API, url, None) as local:
-    return bt.restore(local, target)
+  return bt.restore(url, target)
 
 
 def metadata(url):
-  with remote.Fetched(API, url, None, headers_only=True) as local:
-    return bt.metadata(local)
+  return bt.metadata(url)
 
 
 def check(out, t):
@@ -151,9 +149,8 @@ def test_killed_overwrite_leaves_the_new_one_readable(url):
   parent = stores.open_storage(API, url.rsplit("/", 1)[0])
   name = url.rsplit("/", 1)[1]
   new = parent.child(f".{name}.jaxworks-new-0123456789abcdef")
-  with remote.Fetched(API, url, None) as local:
-    for key, path in remote._local_files(local).items():
-      new.upload(key, path)
+  for key in st.list():
+    new.write(key, st.read(key))
   st.delete([RECORD])
   check(restore(url), tree(1))  # from the committed copy beside the path
   with pytest.raises(FileExistsError):

@@ -545,9 +545,16 @@ def restore(
       stderr is a terminal).
     storage_options: for an ``s3://``, ``gs://`` or ``az://`` URL, settings
       over the cloud's standard environment (as ``save``). A URL's objects
-      are copied to a local temporary directory in parallel ranged reads,
-      then restored from there (every check above included); a prefix
-      without its record is absent.
+      are read in parallel ranged requests straight into the buffers that
+      are placed, no local copy: every check above holds (headers before
+      anything is placed, each CRC-32C as the bytes arrive; an object
+      truncated, altered or deleted after the commit raises naming its
+      URL), onto a sharding only the byte ranges this process's devices
+      need are requested, and arrays of up to 4 MiB are read whole in one
+      request while opening, within ``max_inflight_bytes`` (not with
+      ``partial_restore``). A prefix without its record is absent; while
+      an overwrite runs, the new checkpoint committed beside the path is
+      read.
 
   Returns:
     A pytree like ``target`` of placed jax.Arrays (weakly typed where the target

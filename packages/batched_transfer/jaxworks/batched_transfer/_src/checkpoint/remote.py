@@ -15,9 +15,9 @@ commits the new checkpoint under ``.<name>.jaxworks-new-<hex>`` beside the
 path, then removes the old record, replaces the objects at the path and
 creates the record again; a reader that finds no record at the path reads
 the committed copy beside it, so at every moment one complete checkpoint
-is readable. ``fetch`` copies a checkpoint (or only the headers of its
-arrays, for ``metadata``) into a local temporary directory, read in
-parallel ranges, for the local reader, which checks every CRC-32C.
+is readable. ``source`` finds the committed checkpoint at a URL (or the
+copy an overwrite committed beside it), which restore and metadata read in
+ranges straight from the objects (restore_objects).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 import os
 import secrets
-import shutil
 import tempfile
 import threading
 from typing import Any
@@ -331,78 +330,3 @@ def source(api: str, st: Storage) -> Storage:
     f"{api}: no checkpoint at {st.url!r}: no {format.RECORD} there (a "
     "prefix without it is a save that did not commit, and is absent)"
   )
-
-
-def fetch(
-  api: str,
-  url: str,
-  storage_options: dict[str, Any] | None,
-  into: str,
-  headers_only: bool = False,
-) -> str:
-  """Copies the checkpoint at ``url`` under the local directory ``into``.
-
-  Args:
-    headers_only: copy only the first ``HEADER_BYTES`` of each ``.npy``
-      (the rest of the local file is a hole of the object's size): enough
-      for ``metadata``.
-
-  Returns:
-    The local path of the copy.
-  """
-  st = stores.open_storage(api, url, storage_options)
-  loc = st.location
-  local = os.path.join(into, loc.name or loc.bucket)
-  if loc.name.endswith(".npz") and st._at(loc.parent).exists(loc.name):
-    st._at(loc.parent).download(loc.name, local)
-    return local
-  src = source(api, st)
-  objects = src.list()
-
-  def one(item: tuple[str, int]) -> None:
-    key, size = item
-    dst = os.path.join(local, *key.split("/"))
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    if headers_only and key.endswith(".npy") and size > HEADER_BYTES:
-      with open(dst, "wb") as f:
-        f.write(bytes(src.read(key, 0, HEADER_BYTES)))
-        f.truncate(size)
-    else:
-      src.download(key, dst, size)
-
-  from .storage import run_parallel
-
-  os.makedirs(local, exist_ok=True)
-  run_parallel(one, sorted(objects.items()), src.concurrency)
-  LOG.debug("fetched %s (%d objects)", src.url, len(objects))
-  return local
-
-
-class Fetched:
-  """A checkpoint fetched into a temporary directory, removed on close."""
-
-  def __init__(
-    self,
-    api: str,
-    url: str,
-    storage_options: dict[str, Any] | None,
-    headers_only: bool = False,
-  ) -> None:
-    self._tmp = tempfile.mkdtemp(prefix="jaxworks-fetch-")
-    self._url = url
-    try:
-      self.path = fetch(api, url, storage_options, self._tmp, headers_only)
-    except BaseException:
-      shutil.rmtree(self._tmp, ignore_errors=True)
-      raise
-
-  def __enter__(self) -> str:
-    return self.path
-
-  def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
-    shutil.rmtree(self._tmp, ignore_errors=True)
-    if isinstance(err, Exception):  # name the objects, not the copy
-      err.add_note(
-        f"(the files named above are a copy of {self._url} in "
-        f"{self.path}: the object of each is {self._url}/<its name>)"
-      )
