@@ -140,6 +140,19 @@ def mentioned_names(jaxpr: Jaxpr) -> frozenset:
 _PLAIN = (type(None), bool, int, float, str, np.dtype)
 
 
+def _literal_key(val: Any) -> Any:
+  """A key telling a scalar literal's value apart bit for bit (``-0.0``
+  from ``0.0``), or None for anything else."""
+  t = type(val)
+  if t is float:
+    return (t, val.hex())
+  if t is int or t is bool:
+    return (t, val)
+  if isinstance(val, np.ndarray) and not val.shape:
+    return (t, val.dtype, val.tobytes())
+  return None
+
+
 def _plain(params: dict) -> bool:
   for v in params.values():
     if not isinstance(v, _PLAIN):
@@ -287,9 +300,9 @@ class Renamer:
         if aval is not x.aval:
           val = x.val
           key = None
-          if not getattr(val, "shape", True):  # a scalar: share its rename
-            b = np.asarray(val)
-            key = (x.aval, b.dtype, b.tobytes(), type(val))
+          key = _literal_key(val)
+          if key is not None:  # a scalar: share its rename
+            key = (x.aval, key)
             hit = literals.get(key)
             if hit is not None:
               return jax_internals.staged_literal(trace, hit, where)
@@ -301,9 +314,10 @@ class Renamer:
       return env[x]
 
     stage_eqn = jax_internals.stage_eqn
+    has_stack = bool(stack)
     for eqn in jaxpr.eqns:
       where = eqn.source_info
-      if stack:
+      if has_stack:
         ns = where.name_stack
         hit = stacks.get(id(ns))
         if hit is None:
@@ -319,7 +333,7 @@ class Renamer:
         out_avals.append(aval_of(a) if r is None else r)
       params = eqn.params
       inner = None
-      if eqn.primitive.name in _SPECIAL or not _plain(params):
+      if eqn.primitive.name in _SPECIAL or (params and not _plain(params)):
         params, _, inner, subs = self._params_and_inner(eqn, mapping)
         names |= _param_names(eqn, subs)
         names |= analysis.eqn_axis_names(eqn)
