@@ -412,6 +412,11 @@ struct ForwarderObject {
   PyObject_HEAD vectorcallfunc vectorcall;
   PyObject* target;
   PyObject* on_error;
+  // Calls whose first argument is an instance of `tracer_type` (a call under
+  // a trace, which the dispatcher would hand to Python anyway) go to
+  // `traced` instead of `target`; both null when not set.
+  PyObject* traced;
+  PyObject* tracer_type;
 };
 
 // The error hook's turn: the error is set on entry; on return one is set.
@@ -482,6 +487,11 @@ PyObject* ForwarderVectorcall(PyObject* callable, PyObject* const* args,
                  Py_TYPE(callable)->tp_name);
     return nullptr;
   }
+  if (self->traced != nullptr && PyVectorcall_NARGS(nargsf) > 0 &&
+      PyObject_TypeCheck(args[0],
+                         reinterpret_cast<PyTypeObject*>(self->tracer_type))) {
+    target = self->traced;
+  }
   Py_INCREF(target);  // the call may rebind it
   PyObject* result = PyObject_Vectorcall(target, args, nargsf, kwnames);
   Py_DECREF(target);
@@ -504,6 +514,8 @@ int ForwarderTraverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(f->target);
   Py_VISIT(f->on_error);
+  Py_VISIT(f->traced);
+  Py_VISIT(f->tracer_type);
   return 0;
 }
 
@@ -511,6 +523,8 @@ int ForwarderClear(PyObject* self) {
   auto* f = reinterpret_cast<ForwarderObject*>(self);
   Py_CLEAR(f->target);
   Py_CLEAR(f->on_error);
+  Py_CLEAR(f->traced);
+  Py_CLEAR(f->tracer_type);
   return 0;
 }
 
@@ -522,39 +536,55 @@ void ForwarderDealloc(PyObject* self) {
   Py_DECREF(type);
 }
 
-// self._forward_to(target, on_error): where calls go, and the error hook
-// (None for none).
+// Replaces *slot by `value` (a new reference, or null for None).
+void Rebind(PyObject** slot, PyObject* value) {
+  PyObject* old = *slot;
+  *slot = value == Py_None ? nullptr : (Py_INCREF(value), value);
+  Py_XDECREF(old);
+}
+
+// self._forward_to(target, on_error[, traced, tracer_type]): where calls go,
+// the error hook (None for none), and where calls with a tracer first go.
 PyObject* ForwarderForwardTo(PyObject* self, PyObject* const* args,
                              Py_ssize_t nargs) {
-  if (nargs != 2) {
+  if (nargs != 2 && nargs != 4) {
     PyErr_Format(PyExc_TypeError,
-                 "_forward_to(target, on_error) takes 2 arguments, got %zd",
+                 "_forward_to(target, on_error[, traced, tracer_type]) takes "
+                 "2 or 4 arguments, got %zd",
                  nargs);
     return nullptr;
   }
+  PyObject* traced = nargs == 4 ? args[2] : Py_None;
+  PyObject* tracer_type = nargs == 4 ? args[3] : Py_None;
   if (!PyCallable_Check(args[0]) ||
-      (args[1] != Py_None && !PyCallable_Check(args[1]))) {
+      (args[1] != Py_None && !PyCallable_Check(args[1])) ||
+      (traced != Py_None && !PyCallable_Check(traced)) ||
+      (traced == Py_None) != (tracer_type == Py_None) ||
+      (tracer_type != Py_None && !PyType_Check(tracer_type))) {
     PyErr_SetString(PyExc_TypeError,
                     "_forward_to: target must be callable, on_error callable "
-                    "or None");
+                    "or None, traced callable and tracer_type a type (or both "
+                    "None)");
     return nullptr;
   }
   auto* f = reinterpret_cast<ForwarderObject*>(self);
-  PyObject* old_target = f->target;
-  PyObject* old_hook = f->on_error;
   Py_INCREF(args[0]);
+  PyObject* old_target = f->target;
   f->target = args[0];
-  f->on_error = args[1] == Py_None ? nullptr : (Py_INCREF(args[1]), args[1]);
   Py_XDECREF(old_target);
-  Py_XDECREF(old_hook);
+  Rebind(&f->on_error, args[1]);
+  Rebind(&f->traced, traced);
+  Rebind(&f->tracer_type, tracer_type);
   Py_RETURN_NONE;
 }
 
 PyMethodDef forwarder_methods[] = {
     {"_forward_to", reinterpret_cast<PyCFunction>(ForwarderForwardTo),
      METH_FASTCALL,
-     "_forward_to(target, on_error): calls go to target; on_error(self, "
-     "error, args, kwargs) may return an exception to raise instead."},
+     "_forward_to(target, on_error[, traced, tracer_type]): calls go to "
+     "target (to traced when the first argument is a tracer_type); "
+     "on_error(self, error, args, kwargs) may return an exception to raise "
+     "instead."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef forwarder_members[] = {

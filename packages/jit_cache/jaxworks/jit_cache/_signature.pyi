@@ -61,6 +61,8 @@ class Forwarder:
     target: Callable[..., Any],
     on_error: Callable[[Any, Exception, tuple, dict], BaseException | None]
     | None,
+    traced: Callable[..., Any] | None = None,
+    tracer_type: type | None = None,
   ) -> None: ...
 
 def enable_vectorcall(cls: type) -> bool: ...

@@ -82,7 +82,7 @@ class JitFunction(_JitBase):
     self._fun = fun
     self._core = core
     self._options = options
-    self._forward_to(core._dispatcher, JitFunction._call_failed)  # pylint: disable=protected-access
+    _forward(self, core)
 
   # The hot path has no Python frame of jit_cache: the base type
   # (``_signature.Forwarder``, C) forwards each call with its argument vector
@@ -95,7 +95,13 @@ class JitFunction(_JitBase):
   if TYPE_CHECKING:  # at run time, the base type's C slot and method
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-    def _forward_to(self, target: Callable, on_error: Any) -> None: ...
+    def _forward_to(
+      self,
+      target: Callable,
+      on_error: Any,
+      traced: Callable | None = None,
+      tracer_type: type | None = None,
+    ) -> None: ...
 
   def _call_failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
     """The exception to raise instead of ``error`` (chained), or None."""
@@ -137,7 +143,7 @@ class JitFunction(_JitBase):
   def __setstate__(self, state: dict) -> None:
     made = _make(state["fun"], state["options"])
     self.__dict__.update(made.__dict__)
-    self._forward_to(made._core._dispatcher, JitFunction._call_failed)  # pylint: disable=protected-access
+    _forward(self, made._core)  # pylint: disable=protected-access
 
   @_boundary.entry_point
   def trace(self, *args, **kwargs) -> Traced:
@@ -198,6 +204,17 @@ if not TYPE_CHECKING:
   # Calls enter the base type's C entry point with the caller's arguments
   # (no argument tuple to pack).
   _ext.enable_vectorcall(JitFunction)
+
+
+def _forward(f: JitFunction, core: Any) -> None:
+  """Where ``f``'s calls go: the core's dispatcher, or with a tracer first
+  (a call under a trace), straight to its cache-miss path."""
+  f._forward_to(  # pylint: disable=protected-access
+    core._dispatcher,  # pylint: disable=protected-access
+    JitFunction._call_failed,  # pylint: disable=protected-access
+    core.traced_call,
+    ji.Tracer,
+  )
 
 
 # ---------------------------------------------- shared cores per function

@@ -9,7 +9,8 @@ How a call flows (the whole mechanism):
    type forwards the call to it), built once per function over our
    ``_cache_miss``. A signature it has seen at top level runs the stored
    executable without any Python (fast re-dispatch); under a trace it hands
-   over to ``_cache_miss``.
+   over to ``_cache_miss`` (a call whose first argument is a tracer goes
+   there directly).
 2. Otherwise ``_cache_miss`` splits static arguments, flattens the rest and
    asks the C++ extension for a ``Signature`` (kind, aval, sharding, committed
    per leaf + tree structure, statics and JAX's trace context).
@@ -78,6 +79,7 @@ _CONTEXT = _ext.ContextInterner(16)
 _stock_jit = ji.stock_jit
 _Tracer = jax.core.Tracer
 _test_event = ji.test_event
+_disable_jit_on = ji.disable_jit_on
 _shard_arg_handlers = ji.shard_arg_handlers
 
 #: Default of in_shardings/out_shardings: stock jax.jit's own default object.
@@ -509,6 +511,18 @@ class _JitCore(_TraceCache):
     self._dispatcher = ji.make_dispatcher(
       name, fun, cache_miss, s_nums, s_names, maxsize
     )
+    dispatcher = self._dispatcher
+
+    # A call whose first argument is a tracer (JitFunction's C slot checks)
+    # comes here directly: under a trace the dispatcher could only hand it
+    # to cache_miss after parsing the arguments itself.
+    @ji.api_boundary
+    def traced_call(*args, **kwargs):
+      if _disable_jit_on():  # the dispatcher runs the function un-jitted
+        return dispatcher(*args, **kwargs)
+      return self_ref()._cache_miss(args, kwargs)[0]  # pylint: disable=protected-access
+
+    self.traced_call = traced_call
     with REGISTRY_LOCK:
       REGISTRY.add(self)
 
@@ -613,6 +627,7 @@ class _Unusable:
     raise TypeError(self._message)
 
   _dispatcher = _cache_miss = _split = trace = lower = eval_shape = _fail
+  traced_call = _fail
   explain_miss = cache_info = _fail
 
   def dispatch_size(self) -> int:

@@ -128,6 +128,9 @@ def clear_in_shardings_cache() -> None:
   _pjit._process_in_axis_resources.cache_clear()  # pylint: disable=protected-access
 
 
+#: Base class of JAX's tracers.
+Tracer = _core.Tracer
+
 #: The concrete jax Array class (a jaxlib type); Signature reads its C++
 #: properties ``aval``, ``_sharding`` and ``_committed``.
 ArrayImpl = _array.ArrayImpl
