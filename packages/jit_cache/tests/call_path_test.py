@@ -272,3 +272,31 @@ def test_forwarder_errors():
   with pytest.raises(LookupError) as info:
     bare(1)
   assert str(info.value.__context__) == "original"
+
+
+def test_calls_with_a_tracer_first_as_stock():
+  """A tracer first goes to the cache-miss path from C (not through the
+  dispatcher); with jit disabled, the function runs un-jitted, as stock."""
+  calls = {"stock": 0, "ours": 0}
+
+  def make(who):
+    def f(x):
+      calls[who] += 1
+      return x * 2
+
+    return f
+
+  for who, jit in (("stock", jax.jit), ("ours", jit_cache.jit)):
+    g = jit(make(who))
+    with jax.disable_jit():
+      assert jax.vmap(g)(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
+      jax.vmap(g)(jnp.arange(3.0))
+  assert calls["ours"] == calls["stock"] == 2
+  g = jit_cache.jit(make("ours"))
+  jaxpr = jax.make_jaxpr(lambda v: g(g(v)))(1.0)
+  assert [e.primitive.name for e in jaxpr.eqns] == ["jit", "jit"]
+  assert g.cache_info().traces == 1 and g.cache_info().hits == 1
+  with pytest.raises(ValueError, match="jaxworks.jit_cache"):
+    jax.make_jaxpr(
+      lambda v: jit_cache.jit(lambda a, n: a * n, static_argnums=1)(v, [2])
+    )(1.0)
