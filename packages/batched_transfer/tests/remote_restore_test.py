@@ -98,8 +98,8 @@ def leaves():
       "f8": rng.standard_normal(24).astype(ml_dtypes.float8_e4m3fn),
     },
     "big": rng.standard_normal(3 * MiB // 4 + 5).astype(np.float32),
-    # Larger than one request (restore_objects.WHOLE): read in checksum chunks.
-    "huge": rng.integers(0, 2**31, (restore_objects.WHOLE + 3 * MiB) // 4)
+    # Several checksum chunks: read in parallel parts, one request each.
+    "huge": rng.integers(0, 2**31, 35 * MiB // 4)
     .astype(np.int32)
     .reshape(-1, 8),
     "fortran": np.asfortranarray(rng.standard_normal((7, 5), np.float32)),

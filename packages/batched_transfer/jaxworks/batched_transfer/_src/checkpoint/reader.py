@@ -293,10 +293,6 @@ class Files:
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._memory = HostMemory()
 
-  def ahead(self, stored: list[Stored]) -> None:
-    """Told the arrays of the next batch before each ``read``: nothing to do
-    for files (objects in a bucket are read together, restore_objects)."""
-
   def close(self) -> None:
     if self._pool is not None:
       self._pool.shutdown(wait=True)

@@ -80,8 +80,11 @@ class Opened:
     format.check_arrays_present(api, self.path, record, arrays)
     return arrays, record
 
-  def files(self, threads: int, verify: bool) -> reader.Files:
-    """What reads the arrays (restore_objects: from a bucket)."""
+  def files(
+    self, threads: int, verify: bool, order: list[Any], budget: int
+  ) -> reader.Files:
+    """What reads the arrays, which restore reads in ``order``
+    (restore_objects: from a bucket, ``budget`` bytes ahead)."""
     return reader.Files(threads, verify)
 
   def close(self) -> None:
@@ -299,11 +302,13 @@ def restore_arrays(
   for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
     _check_leaf(api, where, key, stored[key], want_shape)
     restore_placement(api, p, where, want_shape, normalized)
-  files = opened.files(read_threads, verify)
+  # Arrays in a bucket are read ahead, concurrently, up to half the budget
+  # (the batches read and not yet placed hold the rest).
+  order = [stored[k] for k in keys]
+  files = opened.files(read_threads, verify, order, max_inflight_bytes // 2)
   casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
 
   def read(batch: list[int]) -> list[np.ndarray]:
-    files.ahead([stored[keys[i]] for i in batch])
     out = []
     for i in batch:
       a = reader.load(api, paths[i], keys[i], stored[keys[i]], files)

@@ -27,12 +27,14 @@ an unlinked temporary file.
 from __future__ import annotations
 
 from collections.abc import Iterator
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
 import math
 import os
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -63,9 +65,6 @@ PROBE = remote.HEADER_BYTES
 SMALL = 4 * 2**20
 #: The first bytes of a shard file read when it is opened (its header).
 SHARD_PROBE = 16 * 2**10
-#: Arrays of at most this many bytes are read in one request, together with
-#: the other small arrays of their batch; larger ones in checksum chunks.
-WHOLE = 32 * 2**20
 
 
 class Object:
@@ -137,56 +136,134 @@ class Stored(reader.Stored):
   obj: Any = None
 
 
+class _Job:
+  """One array being read: its buffer, the parts still in flight, the first
+  error."""
+
+  def __init__(self, array: Any, parts: int) -> None:
+    self.array = array
+    self.parts = parts
+    self.error: BaseException | None = None
+    self.done = threading.Event()
+    if not parts:
+      self.done.set()
+
+
 class ObjectFiles(reader.Files):
-  """``reader.Files`` for objects: ``ahead`` reads the small arrays of the
-  next batch together (one request each, ``concurrency`` at a time, each
-  checked against its checksums in the thread that read it); ``read`` reads
-  a large one in checksum chunks, ``concurrency`` at a time."""
+  """``reader.Files`` for objects: a scheduler thread walks the arrays in
+  the order restore reads them (``order``) and reads ahead, in parts of
+  ``storage.CHUNK`` bytes (each a checksum chunk, checked in the thread
+  that read it), ``concurrency`` requests at once, into each array's own
+  buffer, as long as the arrays read and not yet taken by ``read`` hold at
+  most ``budget`` bytes (one array at least). ``read`` waits for its array;
+  a compressed one is read there, as it is decompressed."""
 
-  def __init__(self, threads: int, verify: bool, concurrency: int) -> None:
-    super().__init__(max(threads, concurrency), verify)
-    self._concurrency = concurrency
-    self._ready: dict[int, tuple[Any, BaseException | None]] = {}
+  def __init__(
+    self, verify: bool, concurrency: int, order: list[Any], budget: int
+  ) -> None:
+    super().__init__(1, verify)
+    self._budget = budget
+    self._jobs: dict[int, _Job] = {}
+    self._held = 0  # bytes read ahead and not yet taken
+    self._cond = threading.Condition()
+    self._stop = False
+    self._failed: BaseException | None = None
+    self._requests = concurrent.futures.ThreadPoolExecutor(
+      concurrency, thread_name_prefix=reader.READ_THREAD_PREFIX
+    )
+    self._lazy_memory = reader.HostMemory()  # read's, on its own thread
+    self._thread = threading.Thread(
+      target=self._schedule,
+      args=(order,),
+      name="jaxworks-restore-objects",
+      daemon=True,
+    )
+    self._thread.start()
 
-  def ahead(self, stored: list[Any]) -> None:
-    todo = [
-      s
-      for s in stored
-      if s.nbytes <= WHOLE and s.codec is None and id(s) not in self._ready
-    ]
-    bufs = [(s, *self._memory.empty(s.shape, s.dtype, s.fortran)) for s in todo]
+  def _schedule(self, order: list[Any]) -> None:
+    try:
+      self._walk(order)
+    except BaseException as err:  # raised by the ``read`` waiting for it
+      with self._cond:
+        self._failed = err
+        self._cond.notify_all()
 
-    def one(item: tuple[Any, np.ndarray, np.ndarray]) -> Any:
-      s, array, flat = item
-      try:
-        if flat.size:
-          obj: Object = s.obj
-          obj.read_into(flat.data, s.offset)
-          obj.head = obj.head[: s.offset]  # read: its memory goes back
-        if self._verify:
-          if not flat.size and s.sums:
-            raise checksum.Mismatch(
-              "it holds no data, but the record has checksums"
-            )
-          checksum.check(s.sums, flat.data)
-      except (OSError, ValueError, EOFError) as err:
-        return None, err
-      return array, None
+  def _walk(self, order: list[Any]) -> None:
+    for s in order:
+      with self._cond:
+        if s.codec is None:
+          while self._held and self._held + s.nbytes > self._budget:
+            if self._stop:
+              return
+            self._cond.wait()
+        if self._stop:
+          return
+        if s.codec is not None:  # read by ``read``
+          self._jobs[id(s)] = _Job(None, 0)
+          self._cond.notify_all()
+          continue
+        self._held += s.nbytes
+      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+      parts = storage.chunks(flat.size, checksum.CHUNK)
+      job = _Job(array, len(parts))
+      if self._verify and not parts and s.sums:
+        job.error = checksum.Mismatch(
+          "it holds no data, but the record has checksums"
+        )
+      with self._cond:
+        self._jobs[id(s)] = job
+        self._cond.notify_all()
+      for lo, hi in parts:
+        try:
+          self._requests.submit(self._part, s, job, flat, lo, hi)
+        except RuntimeError:  # shut down: restore ended
+          return
 
-    for s, got in zip(todo, run_parallel(one, bufs, self._concurrency)):
-      self._ready[id(s)] = got
+  def _part(
+    self, s: Any, job: _Job, flat: np.ndarray, lo: int, hi: int
+  ) -> None:
+    try:
+      if job.error is None:
+        view = flat.data[lo:hi]
+        s.obj.read_into(view, s.offset + lo)
+        if self._verify and s.sums is not None:
+          k = lo // checksum.CHUNK
+          got = checksum.crc(view)
+          if k >= len(s.sums) or got != s.sums[k]:
+            raise checksum.mismatch(k, got, s.sums, hi - lo)
+    except (OSError, ValueError, EOFError) as err:
+      job.error = job.error or err
+    finally:
+      with self._cond:
+        job.parts -= 1
+        if not job.parts:
+          s.obj.head = s.obj.head[: s.offset]  # read: its memory goes back
+          job.done.set()
 
   def read(self, s: Any) -> np.ndarray:
-    got = self._ready.pop(id(s), None)
-    if got is not None:
-      array, err = got
-      if err is not None:
-        raise err
-      return array
-    obj: Object = s.obj
+    with self._cond:
+      while id(s) not in self._jobs:
+        if self._failed is not None:
+          raise self._failed
+        self._cond.wait()
+      job = self._jobs.pop(id(s))
+    job.done.wait()
     if s.codec is not None:
-      return self._decompress_object(obj, s)
-    return self._read_stored(obj, s)
+      return self._decompress_object(s.obj, s)
+    with self._cond:
+      self._held -= s.nbytes
+      self._cond.notify_all()
+    if job.error is not None:
+      raise job.error
+    return job.array
+
+  def close(self) -> None:
+    with self._cond:
+      self._stop = True
+      self._cond.notify_all()
+    self._thread.join()
+    self._requests.shutdown(wait=True, cancel_futures=True)
+    super().close()
 
   def _decompress_object(self, obj: Object, s: Stored) -> np.ndarray:
     """A compressed object (see codec), read in ``storage.CHUNK`` ranges as
@@ -200,7 +277,7 @@ class ObjectFiles(reader.Files):
         f"it now holds {dtype.str}{list(shape)}, not "
         f"{s.dtype.str}{list(s.shape)}"
       )
-    array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+    array, flat = self._lazy_memory.empty(s.shape, s.dtype, s.fortran)
     view, done = flat.data, 0
     while done < flat.size:
       n = f.readinto(view[done:])
@@ -221,8 +298,10 @@ class ObjectOpened(restore_files.Opened):
     super().__init__(api, url)
     self.st = st
 
-  def files(self, threads: int, verify: bool) -> reader.Files:
-    return ObjectFiles(threads, verify, self.st.concurrency)
+  def files(
+    self, threads: int, verify: bool, order: list[Any], budget: int
+  ) -> reader.Files:
+    return ObjectFiles(verify, self.st.concurrency, order, budget)
 
 
 class ObjectManifest(restore_shards.Manifest):
