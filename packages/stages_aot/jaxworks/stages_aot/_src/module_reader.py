@@ -33,9 +33,6 @@ from typing import IO
 from typing import Any
 from typing import cast
 
-from jax.extend.mlir import deserialize_portable_artifact
-from jax.extend.mlir import ir as mlir_ir
-
 from . import jax_internals
 from . import module_describe
 
@@ -233,6 +230,11 @@ def describe_modules(
   ]
   answers: list[dict[str, Any] | None] = [None] * len(blobs)
   if any(local):
+    # Imported here: jax.extend costs about 200 ms to import (it imports
+    # Pallas), and a load whose modules the manifest vouches for reads none.
+    from jax.extend.mlir import deserialize_portable_artifact
+    from jax.extend.mlir import ir as mlir_ir
+
     context = mlir_ir.Context()  # one per call: a context keeps what it read
     for i, blob in enumerate(blobs):
       if local[i]:
