@@ -17,8 +17,10 @@ agrees with the manifest (avals, shardings, trees, the sha256 of each order's
 module) and with ``module.stablehlo.mlir``; and a platform of the artifact is
 present on this host. Each failure raises :class:`ArtifactError` saying what to
 do.
-Modules whose sha256 the manifest records are read in-process, others (all
-with ``isolate``) in a child: that guards against accidents, not an attacker.
+Modules whose sha256 the manifest records were checked (and printed into
+``module.stablehlo.mlir``) by :func:`save_artifact` and are not read again;
+others (all with ``isolate``, which also compares the text) are read in a
+child: that guards against accidents, not an attacker.
 
 Every file is opened relative to the artifact directory without following
 links, must be a regular file (checked on the descriptor), and is read
