@@ -131,7 +131,6 @@ py::object Interned(py::handle str) {
 }
 
 struct Names {
-  py::str nbytes = Interned("nbytes");
   py::str memory_kind =
       Interned("memory_kind");  // fallback when memory_kind_attr is missing
   py::str shape = Interned("shape");
@@ -146,11 +145,13 @@ struct Names {
 // In many trees every leaf brings new objects (each single-device jax.Array has
 // its own sharding object), so a miss must cost little next to the attribute
 // reads a hit saves: the cache is one flat open-addressing array (no
-// allocation per entry) that stops growing at kMaxCached entries, where it
-// still fits in the CPU's L2 cache (measured: letting it grow to 100k entries
-// costs more than it saves). The cache holds a reference to each key, so its
-// pointer cannot be reused by another object while the pass runs user code
-// (properties, __eq__).
+// allocation per entry) that stops growing at kMaxCached entries (measured:
+// letting it grow to 100k entries costs more than it saves). Past
+// kFilterFrom entries the table no longer stays in the CPU's L1 cache and a
+// miss would cost a memory access: a 64 Kibit filter (one bit per hash,
+// 8 KiB) answers most misses first. The cache holds a reference to each key,
+// so its pointer cannot be reused by another object while the pass runs user
+// code (properties, __eq__).
 template <typename V>
 class IdentityCache {
  public:
@@ -163,7 +164,10 @@ class IdentityCache {
 
   // The cached value, or nullptr.
   const V* Find(py::handle obj) const {
-    for (size_t i = Slot0(obj.ptr());; i = Next(i)) {
+    const uint64_t h = Hash(obj.ptr());
+    if (!filter_.empty() && !(filter_[FilterWord(h)] & FilterBit(h)))
+      return nullptr;
+    for (size_t i = Slot0(h);; i = Next(i)) {
       const Slot& s = slots_[i];
       if (s.key == obj.ptr()) return &s.value;
       if (s.key == nullptr) return nullptr;
@@ -177,6 +181,12 @@ class IdentityCache {
     if (2 * (keys_.size() + 1) > slots_.size()) Grow();
     keys_.push_back(py::reinterpret_borrow<py::object>(obj));
     Place(obj.ptr(), value);
+    if (!filter_.empty()) {
+      AddToFilter(obj.ptr());
+    } else if (keys_.size() == kFilterFrom) {
+      filter_.assign(kFilterWords, 0);
+      for (const py::object& k : keys_) AddToFilter(k.ptr());
+    }
     return value;
   }
 
@@ -186,15 +196,31 @@ class IdentityCache {
     V value{};
   };
 
-  size_t Slot0(PyObject* key) const {  // Fibonacci hashing of the address
-    return static_cast<size_t>(
-        (reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull) >>
-        (64 - bits_));
+  static constexpr size_t kFilterFrom = 256;
+  static constexpr size_t kFilterWords = 1024;  // 64 Kibit
+
+  static uint64_t Hash(PyObject* key) {  // Fibonacci hashing of the address
+    return reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull;
+  }
+  // The filter takes bits the slot index (the top bits_) does not use alone.
+  static size_t FilterWord(uint64_t h) {
+    return (h >> 38) & (kFilterWords - 1);
+  }
+  static uint64_t FilterBit(uint64_t h) {
+    return uint64_t{1} << ((h >> 32) & 63);
+  }
+  size_t Slot0(uint64_t h) const {
+    return static_cast<size_t>(h >> (64 - bits_));
   }
   size_t Next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
 
+  void AddToFilter(PyObject* key) {
+    const uint64_t h = Hash(key);
+    filter_[FilterWord(h)] |= FilterBit(h);
+  }
+
   void Place(PyObject* key, const V& value) {
-    size_t i = Slot0(key);
+    size_t i = Slot0(Hash(key));
     while (slots_[i].key != nullptr) i = Next(i);
     slots_[i] = Slot{key, value};
   }
@@ -211,6 +237,7 @@ class IdentityCache {
   int bits_ = 4;
   std::vector<Slot> slots_;       // load factor <= 1/2
   std::vector<py::object> keys_;  // the references, in insertion order
+  std::vector<uint64_t> filter_;  // empty below kFilterFrom entries
 };
 
 // Attribute reads through the type's cached data descriptor (jax.Array's
@@ -229,6 +256,7 @@ struct KindInfo {
   bool size_of_leaf =
       true;  // for kShapeDtype: shape/dtype of the leaf, or of an attribute:
   AttrReader size_holder;
+  AttrReader nbytes;  // for kNbytes
 };
 
 // The kinds dict, parsed: what to do with a leaf of each exact type.
@@ -297,6 +325,7 @@ KindTable::KindTable(py::handle kinds) {
       if (overflow != 0 || f < -1) bad();
       info.rule = f == -1 ? SizeRule::kNbytes : SizeRule::kFixed;
       info.fixed = f == -1 ? 0 : f;
+      if (f == -1) info.nbytes = AttrReader(type, Interned("nbytes"));
     } else {
       bad();
     }
@@ -557,9 +586,23 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
   GroupKey last_key{};
   size_t last_group = 0;
 
+  constexpr Py_ssize_t kAhead = 8;
+  constexpr Py_ssize_t kMaxPrefetch = 1024;  // bytes of a leaf fetched ahead
   for (Py_ssize_t i = 0; i < n; ++i) {
     py::handle leaf = PyTuple_GET_ITEM(leaf_t.ptr(), i);
     py::handle dst = PyTuple_GET_ITEM(dst_t.ptr(), i);
+    // Leaves of large trees are spread over memory that is not in cache:
+    // fetch the header of the leaf 2 * kAhead ahead, and the rest of the
+    // leaf kAhead ahead (whose type the header fetched before names).
+    if (i + 2 * kAhead < n)
+      __builtin_prefetch(PyTuple_GET_ITEM(leaf_t.ptr(), i + 2 * kAhead));
+    if (i + kAhead < n) {
+      const char* ahead = reinterpret_cast<const char*>(
+          PyTuple_GET_ITEM(leaf_t.ptr(), i + kAhead));
+      const Py_ssize_t size = Py_TYPE(ahead)->tp_basicsize;
+      for (Py_ssize_t off = 64; off < size && off < kMaxPrefetch; off += 64)
+        __builtin_prefetch(ahead + off);
+    }
 
     PyTypeObject* type = Py_TYPE(leaf.ptr());
     if (type != last_type) {
@@ -616,7 +659,7 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
     if (info->rule == SizeRule::kNbytes) {
       py::object nb;
       try {
-        nb = GetAttr(leaf, names.nbytes);
+        nb = info->nbytes(leaf);
       } catch (py::error_already_set& err) {
         RaiseTypeErrorFrom(err, LeafText(i, leaf) + " has no readable .nbytes");
       }

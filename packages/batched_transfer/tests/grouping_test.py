@@ -319,6 +319,41 @@ def test_fresh_sharding_objects_beyond_the_identity_cache():
   ]
 
 
+class _CountingSharding:
+  """A sharding whose device list is a property that counts its reads."""
+
+  reads = 0
+  memory_kind = "device"
+
+  def __init__(self, devs):
+    self._devs = devs
+
+  @property
+  def devs(self):
+    type(self).reads += 1
+    return self._devs
+
+
+def test_recurring_shardings_are_read_once_in_a_large_cache():
+  # 1000 sharding objects (more than the C++ identity cache holds before it
+  # answers lookups through its filter), each the destination of 3 leaves 1000
+  # apart: each is read once, and the groups equal the Python reference.
+  shardings = [_CountingSharding((k % 7,)) for k in range(1000)]
+  dsts = shardings * 3
+  leaves = [np.zeros(k % 5, np.float32) for k in range(len(dsts))]
+  kinds = grouping.kinds_table()
+  _CountingSharding.reads = 0
+  cpp = _grouping.group_leaves(leaves, dsts, kinds, None, "devs")
+  assert _CountingSharding.reads == 1000
+  py = grouping_twin.group_leaves_py(leaves, dsts, kinds, None, "devs")
+  assert _as_tuples(cpp) == [
+    (g.kind, g.src_devices, g.dst_devices, g.src_memory_kind,
+     g.dst_memory_kind, g.indices, g.nbytes)
+    for g in py
+  ]  # fmt: skip
+  assert [len(g.indices) for g in cpp] == [429] * 6 + [426]
+
+
 def test_device_lists_whose_eq_raises():
   class Devs:
     def __hash__(self):
