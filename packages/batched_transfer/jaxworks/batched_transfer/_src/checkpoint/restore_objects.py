@@ -9,10 +9,12 @@ header, all of a small object). What it returns is what restore opens on
 disk, ``restore_files.Opened`` or ``restore_shards.Manifest``, validated the
 same way before anything is placed, whose reads go to the bucket:
 
-- an array's data is read in ranges of ``storage.CHUNK`` bytes (one request
-  each, ``concurrency`` at a time) into the array's own buffer, each range a
-  checksum chunk, checked as it arrives (``reader.read_checked``); the
-  smaller arrays of a batch are read together, one request each;
+- the arrays are read ahead of placement in the order restore places
+  them, ``concurrency`` requests at once, within half of
+  ``max_inflight_bytes`` (``ObjectFiles``): each array in one ranged
+  request (parts of ``PART`` bytes for a larger one), its body streamed
+  into the array's own buffer (``Storage.stream_into``), then checked
+  against the record's CRC-32C of each 8 MiB;
 - a checkpoint several processes wrote: each process reads only the byte
   ranges of the shard files that its devices' regions need
   (``restore_shards.read_tasks``), and the header of those files only.
@@ -63,6 +65,10 @@ PROBE = remote.HEADER_BYTES
 #: restore's ``max_inflight_bytes``: a tree of many small arrays takes one
 #: request per array, not two.
 SMALL = 4 * 2**20
+#: The most bytes of one array read in one request (streamed into its
+#: buffer): larger arrays in parts of this size, several at once. A
+#: multiple of the checksum chunk; each part is checked as a whole.
+PART = 64 * 2**20
 #: The first bytes of a shard file read when it is opened (its header).
 SHARD_PROBE = 16 * 2**10
 
@@ -79,8 +85,8 @@ class Object:
     return self.st.where(self.key)
 
   def read_into(self, view: memoryview, pos: int) -> None:
-    """Fills ``view`` with the object's bytes from ``pos`` (one request, or
-    none where the bytes were read when it was opened).
+    """Fills ``view`` with the object's bytes from ``pos``: one request,
+    streamed into it (none where the bytes were read when it was opened).
 
     Raises:
       OSError: the object ends before ``view`` is full.
@@ -89,15 +95,7 @@ class Object:
     if pos + n <= len(self.head):
       view[:] = self.head[pos : pos + n]
       return
-    data = memoryview(self.st.read(self.key, pos, pos + n)).cast("B")
-    if len(data) != n:
-      raise OSError(
-        f"{self.url!r} ends at byte {pos + len(data)}, before the "
-        f"{pos + n} bytes it held when restore listed it: the object was "
-        "truncated or replaced after the checkpoint was committed; save the "
-        "checkpoint again"
-      )
-    view[:] = data
+    self.st.stream_into(self.key, pos, view)
 
 
 class _RangeFile(io.RawIOBase):
@@ -151,11 +149,11 @@ class _Job:
 
 class ObjectFiles(reader.Files):
   """``reader.Files`` for objects: a scheduler thread walks the arrays in
-  the order restore reads them (``order``) and reads ahead, in parts of
-  ``storage.CHUNK`` bytes (each a checksum chunk, checked in the thread
-  that read it), ``concurrency`` requests at once, into each array's own
-  buffer, as long as the arrays read and not yet taken by ``read`` hold at
-  most ``budget`` bytes (one array at least). ``read`` waits for its array;
+  the order restore reads them (``order``) and reads ahead, each array in
+  one request streamed into its own buffer (parts of ``PART`` bytes for a
+  larger one; every part checked in the thread that read it),
+  ``concurrency`` requests at once, as long as the arrays read and not yet
+  taken by ``read`` hold at most ``budget`` bytes (one array at least). ``read`` waits for its array;
   a compressed one is read there, as it is decompressed."""
 
   def __init__(
@@ -204,7 +202,7 @@ class ObjectFiles(reader.Files):
           continue
         self._held += s.nbytes
       array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
-      parts = storage.chunks(flat.size, checksum.CHUNK)
+      parts = storage.chunks(flat.size, PART)
       job = _Job(array, len(parts))
       if self._verify and not parts and s.sums:
         job.error = checksum.Mismatch(
@@ -226,11 +224,8 @@ class ObjectFiles(reader.Files):
       if job.error is None:
         view = flat.data[lo:hi]
         s.obj.read_into(view, s.offset + lo)
-        if self._verify and s.sums is not None:
-          k = lo // checksum.CHUNK
-          got = checksum.crc(view)
-          if k >= len(s.sums) or got != s.sums[k]:
-            raise checksum.mismatch(k, got, s.sums, hi - lo)
+        if self._verify:
+          checksum.check(s.sums, view, lo // checksum.CHUNK)
     except (OSError, ValueError, EOFError) as err:
       job.error = job.error or err
     finally:

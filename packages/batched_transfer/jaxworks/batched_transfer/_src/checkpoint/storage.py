@@ -287,6 +287,28 @@ class Storage(abc.ABC):
 
     run_parallel(part, chunks(len(out)), self.concurrency)
 
+  def stream_into(self, key: str, start: int, out: memoryview) -> None:
+    """Fills ``out`` with ``key``'s bytes from ``start`` in one request,
+    streamed into it as they arrive (no copy of the whole range in memory;
+    object stores override this, here: ``read``).
+
+    Raises:
+      OSError: the object ends before ``out`` is full (a truncated object).
+    """
+    out = out.cast("B")
+    data = memoryview(self.read(key, start, start + len(out))).cast("B")
+    if len(data) != len(out):
+      raise self.short(key, start + len(data), start + len(out))
+    out[:] = data
+
+  def short(self, key: str, got: int, want: int) -> OSError:
+    """The error of ``key`` ending at byte ``got``, before ``want``."""
+    return OSError(
+      f"{self.api}: {self.where(key)!r} ends at byte {got}, before the "
+      f"{want} bytes the checkpoint's record says it holds; the object was "
+      "truncated after the checkpoint was written: save it again"
+    )
+
   @abc.abstractmethod
   def write(self, key: str, data: Any) -> None:
     """Writes ``data`` (a bytes-like object) as ``key``, replacing it."""

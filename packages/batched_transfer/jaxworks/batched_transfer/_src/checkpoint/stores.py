@@ -256,6 +256,27 @@ class ObstoreStorage(Storage):
         return b""  # past the end: nothing there, as a file read says
       raise self._error(e, key, "reading") from e
 
+  def stream_into(self, key: str, start: int, out: memoryview) -> None:
+    out = out.cast("B")
+    if not len(out):
+      return
+    end, pos = start + len(out), 0
+    try:
+      result = self._obs.get(
+        self._store, self._key(key), options={"range": (start, end)}
+      )
+      for part in result.stream(min_chunk_size=2**20):
+        view = memoryview(part).cast("B")
+        n = min(len(view), len(out) - pos)
+        out[pos : pos + n] = view[:n]
+        pos += n
+    except (self._exc.BaseError, OSError) as e:
+      if "range" in str(e).lower() and self.size(key) <= start:
+        raise self.short(key, self.size(key), end) from None
+      raise self._error(e, key, "reading") from e
+    if pos != len(out):
+      raise self.short(key, start + pos, end)
+
   def read_ranges(self, key: str, ranges: Any) -> builtins.list[Any]:
     ranges = [(a, b) for a, b in ranges]
     if not ranges or any(b <= a for a, b in ranges):
