@@ -468,9 +468,20 @@ void ForwarderOnError(ForwarderObject* self, PyObject* const* args,
     PyErr_Restore(type, error, tb);
     return;
   }
-  Py_INCREF(error);
-  PyException_SetCause(replacement, error);    // steals; raise ... from error
-  PyException_SetContext(replacement, error);  // steals
+  // `raise replacement from error`, unless the hook chained it already.
+  PyObject* cause = PyException_GetCause(replacement);
+  if (cause == nullptr) {
+    Py_INCREF(error);
+    PyException_SetCause(replacement, error);  // steals
+  }
+  Py_XDECREF(cause);
+  PyObject* context = PyException_GetContext(replacement);
+  if (context == nullptr) {
+    PyException_SetContext(replacement, error);  // steals
+  } else {
+    Py_DECREF(error);
+  }
+  Py_XDECREF(context);
   Py_XDECREF(type);
   Py_XDECREF(tb);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(replacement)),

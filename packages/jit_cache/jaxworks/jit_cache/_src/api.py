@@ -109,9 +109,12 @@ class JitFunction(_JitBase):
       "Non-hashable static arguments"
     ):
       try:
-        self._core._split(args, kwargs)  # pylint: disable=protected-access
+        _raise_split_error(self._core, error, args, kwargs)  # pylint: disable=protected-access
       except Exception as clearer:  # pylint: disable=broad-except
-        return clearer.with_traceback(None)  # our own, clearer error
+        # Our own, clearer error; its traceback as JAX filtered it, without
+        # this frame.
+        tb = clearer.__traceback__
+        return clearer.with_traceback(None if tb is None else tb.tb_next)
     return None
 
   def __get__(self, obj: Any, objtype: Any = None) -> Any:
@@ -204,6 +207,16 @@ if not TYPE_CHECKING:
   # Calls enter the base type's C entry point with the caller's arguments
   # (no argument tuple to pack).
   _ext.enable_vectorcall(JitFunction)
+
+
+@ji.api_boundary
+def _raise_split_error(core: Any, error: Exception, args: tuple, kwargs):
+  """Raises the error of splitting off the static arguments, from ``error``
+  (an API boundary: JAX filters its traceback as stock's errors')."""
+  try:
+    core._split(args, kwargs)  # pylint: disable=protected-access
+  except Exception as clearer:
+    raise clearer from error
 
 
 def _forward(f: JitFunction, core: Any) -> None:
