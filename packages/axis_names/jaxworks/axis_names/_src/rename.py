@@ -94,7 +94,7 @@ def _effective_mapping(
     has_rules = bool(analysis.rule_eqns(core_jaxpr))
   if has_rules:
     # Custom rules may use any old name once they run: they get it all.
-    effective = mapping
+    effective = dict(mapping)
   else:
     effective = {o: n for o, n in mapping.items() if o in mentioned}
   clash = sorted(
@@ -265,7 +265,7 @@ def _run_renamed(
     raise _vacated_error(fun, mapping, ctx, e) from e
   out_tree, out_leaves, traced = out_box[-1]
   _check_captured([closed.jaxpr], captured)
-  args = [leaves[i] for i in dyn]
+  dyn_args = [leaves[i] for i in dyn]
   trace = jax_internals.current_staging_trace()
   if trace is not None and not any(
     jax_internals.has_qdd(v.aval) for v in closed.jaxpr.invars
@@ -275,14 +275,14 @@ def _run_renamed(
     # the names the jaxpr mentions (for the merge check).
     renamer = rewrite.Renamer(_wrap_rule, trace_env)
     staged, mentioned, has_rules = renamer.stage(
-      closed, ctx.forward, trace, args
+      closed, ctx.forward, trace, dyn_args
     )
     _effective_mapping(closed.jaxpr, ctx.forward, mentioned, has_rules)
     outs = iter(staged)
   else:
     new = rename_jaxpr(closed, ctx.forward, rule_env=trace_env)
     assert isinstance(new, ClosedJaxpr)
-    outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *args))
+    outs = iter(_eval_jaxpr(new.jaxpr, new.consts, *dyn_args))
   result = [
     next(outs) if t else _renamed_zero(x, ctx.forward)
     for x, t in zip(out_leaves, traced)

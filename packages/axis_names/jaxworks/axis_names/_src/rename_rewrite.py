@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Mapping
+from collections.abc import Sequence
 import dataclasses
 import functools
 from typing import Any
@@ -249,8 +250,12 @@ class Renamer:
     return new
 
   def stage(
-    self, closed: ClosedJaxpr, mapping: Mapping, trace: Any, args: list
-  ) -> list:
+    self,
+    closed: ClosedJaxpr,
+    mapping: Mapping,
+    trace: Any,
+    args: Sequence[Any],
+  ) -> tuple[list, frozenset, bool]:
     """Emits ``closed`` renamed into the staging ``trace`` (``jit``,
     ``make_jaxpr``, a ``shard_map`` body) applied to ``args``.
 
