@@ -587,7 +587,7 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
   size_t last_group = 0;
 
   constexpr Py_ssize_t kAhead = 8;
-  constexpr Py_ssize_t kMaxPrefetch = 1024;  // bytes of a leaf fetched ahead
+  constexpr Py_ssize_t kMaxPrefetch = 256;  // bytes of a leaf fetched ahead
   for (Py_ssize_t i = 0; i < n; ++i) {
     py::handle leaf = PyTuple_GET_ITEM(leaf_t.ptr(), i);
     py::handle dst = PyTuple_GET_ITEM(dst_t.ptr(), i);
