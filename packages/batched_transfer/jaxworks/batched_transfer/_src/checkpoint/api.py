@@ -26,15 +26,13 @@ import os
 import threading
 from typing import Any
 
-import jax
 import numpy as np
 
 from .. import jax_internals
 from .. import targets
-from . import codec
 from . import commit
 from . import format
-from . import hostvalue
+from . import job as job_lib
 from . import multiprocess
 from . import pending
 from . import reader
@@ -44,7 +42,6 @@ from . import restore_objects
 from . import restore_shards
 from . import target as target_lib
 from . import writer
-from .keys import check_files
 from .pending import SaveHandle as SaveHandle
 from .storage import SCHEMES
 
@@ -325,56 +322,28 @@ def run_save(
   dest: remote.Collective | None = None,
   progress: bool | None = False,
 ) -> pending.SaveHandle | None:
-  """save's work. ``prelude`` runs first (it raises errors of earlier
-  saves); ``after`` once the checkpoint is published (on the writing
-  thread, under no lock). Across processes both run inside the collective
-  save, whose every error reaches every process (see multiprocess); the
-  leaves of ``primary_keys`` are process 0's and need not agree.
-  ``ticket``: the collective save's, taken by the caller first thing
-  (``multiprocess.ticket``). ``dest``: the bucket of a collective save to
-  the URL ``path``. ``progress``: save's."""
+  """save's work: its ``job.SaveJob``, run by this process alone
+  (``run_alone``) or by every process (``multiprocess``). ``prelude`` runs
+  first (it raises errors of earlier saves); ``after`` once the checkpoint
+  is published (on the writing thread, under no lock). Across processes
+  both run inside the collective save, whose every error reaches every
+  process; the leaves of ``primary_keys`` are process 0's and need not
+  agree. ``ticket``: the collective save's, taken by the caller first
+  thing (``multiprocess.ticket``). ``dest``: the bucket of a collective
+  save to the URL ``path``. ``progress``: save's."""
   positive(api, "write_threads", write_threads, True)
   positive(api, "max_inflight_bytes", max_inflight_bytes, True)
-  threads = write_threads or writer.DEFAULT_WRITE_THREADS
-  saved = writer.Leaves(api, tree)
-  keys, paths, leaves = saved.keys, saved.paths, saved.leaves
-  record = saved.record
-  use = codec.check(api, compression)
-  if use is not None:
-    if path.endswith(".npz"):
-      raise ValueError(
-        f"{api}: {path!r}: compression={compression!r} is for a directory "
-        "checkpoint (one compressed file per array); drop the .npz suffix "
-        "or the compression"
-      )
-    codec.require(api, compression)
-    record.codecs = dict.fromkeys(keys, use)
-  held: list[pending.Reservation] = []  # taken by prepare
-
-  def release() -> None:
-    for r in held:
-      r.release()
-
-  def turn() -> None:  # after the saves to ``path`` called before this one
-    for r in held:
-      r.wait_turn()
-
-  def prepare(leaves: list[Any]) -> list[Any]:
-    if prelude is not None:
-      prelude()
-    # Host leaves are checked (and scalars converted) before anything is
-    # written.
-    for i, (where, x) in enumerate(zip(paths, leaves)):
-      if not isinstance(x, jax.Array):
-        leaves[i] = writer.host_array(api, where, x, private=not blocking)
-    if dest is None:
-      writer.check_target(api, path, overwrite)
-    held.append(pending.reserve(api, path, overwrite))
-    return leaves
-
+  options = job_lib.Options(
+    overwrite=overwrite, blocking=blocking,
+    threads=write_threads or writer.DEFAULT_WRITE_THREADS,
+    max_inflight_bytes=max_inflight_bytes, barrier_timeout_s=barrier_timeout_s,
+    progress=progress, primary_keys=primary_keys, prelude=prelude,
+    after=after, local_target=dest is None,
+  )  # fmt: skip
+  job = job_lib.SaveJob(api, path, tree, options, compression)
   if collective is None:
     collective = multiprocess.multi_process()
-  spans = multiprocess.spans_processes(leaves)
+  spans = multiprocess.spans_processes(job.leaves)
   if spans and not collective:
     raise ValueError(
       f"{api}: {path!r}: with collective=False this process saves alone, "
@@ -382,7 +351,7 @@ def run_save(
       "every process call save (collective=None)"
     )
   if collective and (spans or multiprocess.multi_process()):
-    if record.codecs:
+    if job.record.codecs:
       raise ValueError(
         f"{api}: {path!r}: compression={compression!r} is for checkpoints "
         "one process saves; a checkpoint several processes save together "
@@ -394,93 +363,8 @@ def run_save(
         f"{api}: {path!r}: a checkpoint several processes save together is "
         "a directory (one file per shard); drop the .npz suffix"
       )
-    return multiprocess.save_across_processes(
-      api, path, keys, paths, leaves, record, prepare=prepare,
-      blocking=blocking, threads=threads, barrier_timeout_s=barrier_timeout_s,
-      overwrite=overwrite, release=release, after=after,
-      primary_keys=primary_keys, ticket=ticket, turn=turn, dest=dest,
-      progress=progress,
-    )  # fmt: skip
-  if not path.endswith(".npz"):
-    check_files(
-      api,
-      [
-        (codec.file_name(k, record.codecs.get(k)), w)
-        for k, w in zip(keys, paths)
-      ],
-    )
-  leaves = prepare(leaves)
-  return _save_alone(
-    api, path, keys, paths, leaves, record, blocking, threads,
-    max_inflight_bytes, overwrite, release, after, turn, progress,
-  )  # fmt: skip
-
-
-def _save_alone(
-  api: str,
-  path: str,
-  keys: list[str],
-  paths: list[str],
-  leaves: list[Any],
-  record: format.Record,
-  blocking: bool,
-  threads: int,
-  max_inflight_bytes: int | None,
-  overwrite: bool,
-  release: Callable[[], None],
-  after: Callable[[], None] | None,
-  turn: Callable[[], None],
-  progress: bool | None = False,
-) -> pending.SaveHandle | None:
-  """The save of a checkpoint this process writes alone (``leaves``
-  checked by ``prepare``); ``release`` once written, ``turn`` (the end of
-  the saves to ``path`` called before) before writing; ``progress``:
-  save's."""
-  take: Callable[[int], Any]
-  done: Callable[[int], None]
-  try:
-    if blocking:
-      staged = writer.Staged(api, paths, leaves, max_inflight_bytes)
-      take, done = staged.take, staged.done
-    else:
-      # Every device-to-host copy at once; then the host value of each (numpy
-      # leaves were copied by prepare; device buffers are held, see hostvalue).
-      for x in leaves:
-        hostvalue.start_copy(x)
-      arrays: list[Any] = [
-        x
-        if isinstance(x, np.ndarray)
-        else writer.host_array(api, where, x, private=True)
-        for where, x in zip(paths, leaves)
-      ]
-      take = arrays.__getitem__
-      done = lambda i: arrays.__setitem__(i, None)  # freed once written
-    bar = writer.Bar("save", writer.sizes_of(leaves), progress)
-  except BaseException:
-    release()
-    raise
-  del leaves
-
-  def written(i: int) -> None:
-    done(i)
-    bar.done(i)
-
-  def work() -> None:
-    try:
-      turn()
-      writer.write_checkpoint(
-        api, path, keys, take, written, threads, record, overwrite
-      )
-    finally:
-      bar.close()
-      release()
-    if after is not None:
-      after()
-
-  if blocking:
-    work()
-    return None
-  return pending.start(path, work)
+    return multiprocess.save_across_processes(job, ticket, dest)
+  return job.run_alone()
 
 
 @jax_internals.api_boundary

@@ -50,6 +50,7 @@ from . import hostvalue
 from . import pending
 from . import remote
 from . import writer
+from .job import SaveJob
 from .keys import check_files
 
 _PREFIX = "jaxworks/batched_transfer/save"
@@ -338,78 +339,59 @@ class _Board:
 
 
 def save_across_processes(
-  api: str,
-  path: str,
-  keys: list[str],
-  paths: list[str],
-  leaves: list[Any],
-  record: format.Record,
-  *,
-  prepare: Callable[[list[Any]], list[Any]],
-  blocking: bool,
-  threads: int,
-  barrier_timeout_s: float,
-  overwrite: bool = True,
-  release: Callable[[], Any] | None = None,
-  after: Callable[[], None] | None = None,
-  primary_keys: tuple[str, ...] = (),
+  job: SaveJob,
   ticket: Ticket | None = None,
-  turn: Callable[[], None] | None = None,
   dest: remote.Collective | None = None,
-  progress: bool | None = False,
 ) -> pending.SaveHandle | None:
-  """The collective save (see the module docstring). ``prepare(leaves)``
-  runs first, on every process: the checks of the call (an error there is
-  every process's), and the leaves to write. ``release`` runs once this
-  process is done with the save. The leaves of ``primary_keys`` are
-  process 0's: they are not checked against the other processes'.
+  """The collective save of ``job`` (see the module docstring).
+  ``job.prepare()`` runs first, on every process: the checks of the call
+  (an error there is every process's), and the leaves to write;
+  ``job.turn()`` before anything is written; ``job.release()`` once this
+  process is done with the save. The leaves of the job's ``primary_keys``
+  are process 0's: they are not checked against the other processes'.
   ``ticket``: the call's, taken when it began (a new one if None).
-  ``turn()`` waits, before anything is written, for the saves of this
-  process to the same path called before this one. ``dest``: the bucket
-  the save writes to (``path`` is its URL), else the file system.
-  ``progress``: save's (a bar of this process's bytes)."""
+  ``dest``: the bucket the save writes to (the job's path is its URL),
+  else the file system."""
+  api, path, o = job.api, job.path, job.options
   if ticket is None:
     with _seq_lock:
       ticket = Ticket(next(_seq))
   client = _client(api)
   board = ticket.board = _Board(
-    api, path, client, ticket.seq, barrier_timeout_s
+    api, path, client, ticket.seq, o.barrier_timeout_s
   )
-
   where_to = destination(api, path, dest)
 
   def done() -> None:
     board.release()
     where_to.close()
-    if release is not None:
-      release()
+    job.release()
 
   try:
-    leaves = prepare(leaves)
-    manifest, mine, whole = plan_save(api, keys, paths, leaves)
+    job.prepare()
+    manifest, mine, whole = plan_save(api, job.keys, job.paths, job.leaves)
     # The save's identity, which every process must share: the path, the
     # manifest (keys, shapes, dtypes, shardings) and the leaves that are
     # not arrays.
+    record, primary = job.record, o.primary_keys
     agreed = dataclasses.replace(
       record,
-      values={k: v for k, v in record.values.items() if k not in primary_keys},
+      values={k: v for k, v in record.values.items() if k not in primary},
     )
-    arrays = {
-      k: v for k, v in manifest["arrays"].items() if k not in primary_keys
-    }
+    arrays = {k: v for k, v in manifest["arrays"].items() if k not in primary}
     plan = checksum.crc(
       json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
     )
     identity = {"call": "save", "path": _normal(path), "plan": plan}
     board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
-    whole = [(k, x) for k, x in whole if k not in primary_keys]
+    whole = [(k, x) for k, x in whole if k not in primary]
     # Process 0 writes them: the checksums of its files are the reference,
     # but for a leaf it writes in Fortran order: then its C-order ones.
     reference = {}
     if board.pid == 0:
       reference = {k: _digest(x) for k, x in whole if _fortran(x)}
       whole = []
-    if not blocking:  # every host value now: the caller may reuse the arrays
+    if not o.blocking:  # every host value now: the caller may reuse the arrays
       for _, x in mine + whole:
         hostvalue.start_copy(x)
       mine = [(stem, _host(x)) for stem, x in mine]
@@ -418,16 +400,15 @@ def save_across_processes(
     board.fail(err, _NOTHING)
     done()
     raise
-  del leaves
-  where = dict(zip(keys, paths))
+  job.leaves = []
+  where = dict(zip(job.keys, job.paths))
 
   def work() -> None:
     try:
-      if turn is not None:
-        turn()
+      job.turn()
       _collective(
-        board, where_to, path, manifest, record, mine, whole, reference, identity,
-        where, threads, overwrite, after, progress,
+        board, where_to, path, manifest, record, mine, whole, reference,
+        identity, where, o.threads, o.overwrite, job.after, o.progress,
       )  # fmt: skip
     except BaseException as err:
       board.fail(err, "")  # the notes were set where it was known
@@ -435,7 +416,7 @@ def save_across_processes(
     finally:
       done()
 
-  if blocking:
+  if o.blocking:
     work()
     return None
   return pending.start(path, work)
