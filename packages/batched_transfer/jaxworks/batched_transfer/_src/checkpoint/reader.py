@@ -314,7 +314,7 @@ class Files:
           array = self._read_stored(fd, s)
         else:
           array = self._inflate(fd, s)
-      except (checksum.Mismatch, *codec_errors(s.codec)):
+      except codec_errors(s.codec, checksum.Mismatch):
         if stamp(os.fstat(fd)) != s.stamp:  # the likelier cause, named
           raise ValueError("it was modified while restore read it") from None
         raise
@@ -450,9 +450,12 @@ class Files:
       raise errors[0]
 
 
-def codec_errors(name: str | None) -> tuple[type[BaseException], ...]:
-  """What reading a damaged file of codec ``name`` raises (none for raw)."""
-  return () if name is None else codec.errors()
+def codec_errors(
+  name: str | None, *base: type[BaseException]
+) -> tuple[type[BaseException], ...]:
+  """``base`` and what reading a damaged file of codec ``name`` raises
+  besides (nothing more for raw data)."""
+  return base if name is None else base + codec.errors()
 
 
 #: Name prefix of the threads that read chunks of one array.
@@ -519,10 +522,9 @@ def load(api: str, where: str, key: str, s: Stored, files: Files) -> np.ndarray:
   in a new buffer that nothing else references."""
   try:
     a = files.read(s)
-  except (
-    OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error,
-    *codec_errors(s.codec),
-  ) as err:  # fmt: skip
+  except codec_errors(
+    s.codec, OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error
+  ) as err:
     raise ValueError(
       f"{api}: the leaf at {where} (key {key!r}): reading {s.where} failed: "
       f"{err}; the file changed or is damaged since restore validated it"

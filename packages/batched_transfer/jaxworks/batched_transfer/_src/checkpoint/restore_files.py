@@ -168,7 +168,7 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
               codec.open_reader(use, f)
             )
             offset = 0
-      except (OSError, ValueError, EOFError, *reader.codec_errors(use)) as err:
+      except reader.codec_errors(use, OSError, ValueError, EOFError) as err:
         os.close(fd)
         raise ValueError(
           f"{api}: {file!r} is not a readable .npy file: {err}"

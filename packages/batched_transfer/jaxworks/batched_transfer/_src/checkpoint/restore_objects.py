@@ -489,7 +489,7 @@ def open_checkpoint(
         f = codec.open_reader(use, io.BufferedReader(_RangeFile(obj)))
         shape, fortran, dtype = reader.read_header(f)
         shape, offset = tuple(shape), 0
-    except (OSError, ValueError, EOFError, *reader.codec_errors(use)) as err:
+    except reader.codec_errors(use, OSError, ValueError, EOFError) as err:
       raise ValueError(
         f"{api}: {obj.url!r} is not a readable .npy file: {err}"
       ) from None
