@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from . import restore_shards
 from . import target as target_lib
 from . import writer
 from .pending import SaveHandle as SaveHandle
+from .storage import LOG
 from .storage import SCHEMES
 
 _API = "jaxworks.batched_transfer"
@@ -472,6 +474,7 @@ def restore(
   # Small objects in a bucket read whole when opened (not for a partial
   # restore, which reads only its leaves' data).
   budget = 0 if partial_restore else max_inflight_bytes
+  start = time.perf_counter()
   with (
     restore_objects.noting(path),
     contextlib.closing(_open(api, path, storage_options, budget)) as opened,
@@ -493,6 +496,10 @@ def restore(
     module = restore_shards if by_several else restore_files
     placed = module.restore_arrays(api, opened, *args, progress, verify)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
+  LOG.info(
+    "restored %s (%d arrays) in %.2f s",
+    path, len(keys), time.perf_counter() - start,
+  )  # fmt: skip
   return t.finish(placed)
 
 

@@ -52,6 +52,7 @@ from . import remote
 from . import writer
 from .job import SaveJob
 from .keys import check_files
+from .storage import LOG
 
 _PREFIX = "jaxworks/batched_transfer/save"
 _seq = itertools.count()
@@ -470,6 +471,7 @@ class _OnDisk:
         os.fsync(f.fileno())
     commit.fsync_path(self.tmp)
     commit.publish(self.api, self.tmp, self.path, overwrite)
+    LOG.info("saved %s (written by every process)", self.path)
     self.tmp = None
     return False
 

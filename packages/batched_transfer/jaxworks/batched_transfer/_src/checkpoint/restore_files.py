@@ -26,6 +26,7 @@ from . import prefetch
 from . import reader
 from .keys import astype
 from .keys import cast_to
+from .storage import LOG
 from .target import restore_placement
 
 # A zip member's local header: 30 bytes; the last two: name and extra lengths.
@@ -311,6 +312,7 @@ def restore_arrays(
   def read(batch: list[int]) -> list[np.ndarray]:
     out = []
     for i in batch:
+      LOG.debug("reading %s", stored[keys[i]].where)
       a = reader.load(api, paths[i], keys[i], stored[keys[i]], files)
       cast = casts[i]
       out.append(a if cast is None else astype(a, cast))

@@ -9,6 +9,7 @@ import errno
 import os
 import queue
 import threading
+import time
 from typing import Any
 import zipfile
 
@@ -24,6 +25,7 @@ from .keys import path_kinds
 from .keys import python_scalar_dtype
 from .keys import saved_leaf
 from .progress import Progress
+from .storage import LOG
 
 #: Name prefix of the threads that write files.
 WRITE_THREAD_PREFIX = "jaxworks-save-write"
@@ -283,6 +285,7 @@ def write_directory(
           use = (codecs or {}).get(keys[i])
           name = codec.file_name(keys[i], use)
           file = os.path.join(tmp, *name.split("/"))
+          LOG.debug("writing %s", file)
           sums[keys[i]] = write_file(
             api, path, file,
             (lambda f: hostvalue.write_npy(f, a)) if use is None
@@ -358,6 +361,7 @@ def write_checkpoint(
   """Writes, fsyncs and publishes a checkpoint at ``path`` under its lock
   (replacing one only with ``overwrite``); removes what earlier saves to
   ``path`` left behind."""
+  start = time.perf_counter()
   with commit.locked(path):
     commit.clean(path)
     npz = path.endswith(".npz")
@@ -380,6 +384,12 @@ def write_checkpoint(
     except BaseException:
       commit.remove(tmp)
       raise
+  LOG.info(
+    "saved %s (%d arrays) in %.2f s",
+    path,
+    len(keys),
+    time.perf_counter() - start,
+  )
 
 
 def check_target(api: str, path: str, overwrite: bool) -> None:
