@@ -108,8 +108,8 @@ class CheckpointManager:
 
   ``save`` logs why it skipped a step (``jaxworks.batched_transfer``
   logger: WARNING for a step that exists or is older than the last saved,
-  DEBUG for the save interval); commits, retention and ``delete`` log one
-  INFO line per step.
+  DEBUG for the save interval); retention and ``delete`` log one INFO line
+  per step they delete (a save's own INFO line names each step written).
 
   In a jax.distributed job every process makes the same calls: ``save`` is
   collective (see ``jaxworks.batched_transfer.save``; process 0's metrics
@@ -575,11 +575,11 @@ class CheckpointManager:
     )  # fmt: skip
 
   def _after(self, step: int, path: str) -> Callable[[], None]:
-    """What runs once ``step`` committed (process 0): a log line, then
-    retention."""
+    """What runs once ``step`` committed (process 0): a log line (DEBUG:
+    the save's own INFO line names the checkpoint), then retention."""
 
     def after() -> None:
-      LOG.info("%s: step %d committed at %r", _API, step, path)
+      LOG.debug("%s: step %d committed at %r", _API, step, path)
       self._retain()
 
     return after
