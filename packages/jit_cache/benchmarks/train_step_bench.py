@@ -123,7 +123,7 @@ def new_process_cases(report, quick: bool, tmp: str) -> None:
     (
       "user",
       "a new user's MLP script (AdamW with clipping, 4 jits, eval)",
-      (11, 5),
+      (13, 3),
     ),
   ]
   if quick:  # --quick (the smoke test): jit_add_chain only, seconds
