@@ -230,7 +230,9 @@ def main(argv=None):
     }
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
       rows(report, f"16 leaves, {a.mib} MiB", big, a.repeats, store, pool)
-      rows(report, f"{a.leaves} leaves, {a.mib} MiB", many, a.repeats, store, pool)
+      rows(
+        report, f"{a.leaves} leaves, {a.mib} MiB", many, a.repeats, store, pool
+      )
     orbax_row(report, f"16 leaves, {a.mib} MiB", big, a.repeats)
   report.note(
     f"Sizes run: --mib {a.mib} --leaves {a.leaves} --repeats {a.repeats} "
