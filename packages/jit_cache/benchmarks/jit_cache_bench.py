@@ -37,6 +37,12 @@ from jaxworks import jit_cache
 from jaxworks.jit_cache._src import jax_internals as ji
 from jaxworks.jit_cache._src import signature as sigmod
 
+sys.path.insert(  # the pure-Python signature twin lives with the tests
+  0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+)
+
+import signature_twin  # noqa: E402
+
 
 def _pair(fn_a, fn_b, repeats: int, number: int) -> tuple[float, float]:
   """Interleaved medians of seconds per call (jaxworks_bench.median_pair).
@@ -178,7 +184,7 @@ def bench_signature(quick: bool) -> None:
     leaves = [jnp.full((i % 5 + 1,), 1.0) for i in range(n)]
     number = max(2, (2000 if not quick else 200) // n)
     t_py, t_cpp = _pair(
-      lambda: sigmod.py_signature(leaves, extra),
+      lambda: signature_twin.py_signature(leaves, extra),
       lambda: sigmod.signature(leaves, extra),
       repeats,
       number,
@@ -199,7 +205,7 @@ def bench_signature(quick: bool) -> None:
       leaves = list(xs[:n])
       number = max(2, (2000 if not quick else 200) // n)
       t_py, t_cpp = _pair(
-        lambda: sigmod.py_signature(leaves, extra),
+        lambda: signature_twin.py_signature(leaves, extra),
         lambda: sigmod.signature(leaves, extra),
         repeats,
         number,

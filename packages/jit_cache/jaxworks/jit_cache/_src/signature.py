@@ -1,4 +1,4 @@
-"""Argument signatures: the C++ extension, configured, and a Python twin.
+"""Argument signatures: the C++ extension, configured.
 
 ``signature(leaves, extra)`` returns a hashable ``Signature`` whose hash was
 computed once, in C++. Per leaf it records the kind and the abstract
@@ -14,8 +14,8 @@ properties, never the value:
   ``jax.ShapeDtypeStruct``, objects with ``__jax_array__``; other objects get a
   ``TypeError``.
 
-``py_signature`` computes the same equality in pure Python; the benchmark
-measures the two side by side and the tests check they agree.
+Its pure-Python twin, the tests' reference and the benchmark's baseline,
+lives with the tests (tests/signature_twin.py), not in the package.
 
 >>> import numpy as np
 >>> s1 = signature([np.zeros(3, np.float32), 1.0], extra="ctx")
@@ -28,7 +28,6 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -126,57 +125,3 @@ def leaf_properties(desc: tuple) -> dict[str, Any]:
     props["dtype"] = getattr(aval, "dtype", None)
     props["weak_type"] = getattr(aval, "weak_type", None)
   return props
-
-
-# -- pure-Python twin -------------------------------------------------------------
-
-
-class PySignature:
-  """Pure-Python equivalent of ``Signature`` (same equality), for comparison."""
-
-  __slots__ = ("_leaves", "_extra", "_hash")
-
-  def __init__(self, leaves: tuple, extra: Any):
-    self._leaves = leaves
-    self._extra = extra
-    self._hash = hash((leaves, extra))
-
-  def __hash__(self) -> int:
-    return self._hash
-
-  def __eq__(self, other: object) -> bool:
-    if not isinstance(other, PySignature):
-      return NotImplemented
-    return (
-      self._hash == other._hash
-      and self._leaves == other._leaves
-      and self._extra == other._extra
-    )
-
-  def __len__(self) -> int:
-    return len(self._leaves)
-
-
-def _py_leaf(x: Any) -> tuple:
-  t = type(x)
-  if t is ji.ArrayImpl:
-    return ("jax_array", x.aval, x._sharding, x._committed)  # pylint: disable=protected-access
-  if t is float or t is int or t is bool or t is complex:
-    return (t.__name__,)
-  if isinstance(x, jax.core.Tracer):
-    return ("tracer", x.aval)
-  if t is np.ndarray:
-    return ("ndarray", x.dtype, x.shape)
-  if isinstance(x, np.generic):
-    return ("numpy_scalar", t)
-  return ("other", fallback_key(x))
-
-
-def py_signature(leaves: Sequence[Any], extra: Any = None) -> PySignature:
-  """``signature`` written in plain Python (reference and benchmark twin)."""
-  if not isinstance(leaves, (list, tuple)):
-    raise TypeError(
-      "jaxworks.jit_cache signature: leaves must be a list or tuple, got "
-      f"{type(leaves).__name__}"
-    )
-  return PySignature(tuple([_py_leaf(x) for x in leaves]), extra)
