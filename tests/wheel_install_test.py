@@ -202,7 +202,8 @@ def test_wheels_contain_only_jaxworks_files(kind):
 
 # Reference implementations that only tests and benchmarks use: they live beside the tests, never in a wheel.
 _TEST_ONLY_DEFINITIONS = re.compile(
-  rb"^(def|class) (group_leaves_py|group_leaves_python|PyGroup|py_signature|PySignature)\b", re.M
+  rb"^(def|class) (group_leaves_py|group_leaves_python|PyGroup|py_signature|PySignature)\b",
+  re.M,
 )
 
 

@@ -234,8 +234,14 @@ def test_fuzz_equality_matches_python_twin(a, b):
   (then equality and hash agree), or both raise the same exception class."""
   la, _ = jax.tree_util.tree_flatten(_realize(a))
   lb, _ = jax.tree_util.tree_flatten(_realize(b))
-  sa, pa = _outcome(sig.signature, la), _outcome(signature_twin.py_signature, la)
-  sb, pb = _outcome(sig.signature, lb), _outcome(signature_twin.py_signature, lb)
+  sa, pa = (
+    _outcome(sig.signature, la),
+    _outcome(signature_twin.py_signature, la),
+  )
+  sb, pb = (
+    _outcome(sig.signature, lb),
+    _outcome(signature_twin.py_signature, lb),
+  )
   assert sa[0] == pa[0], f"C++ {sa} vs Python {pa} on {la!r}"
   assert sb[0] == pb[0], f"C++ {sb} vs Python {pb} on {lb!r}"
   if sa[0] != "ok" or sb[0] != "ok":
