@@ -411,3 +411,31 @@ def test_shared_sub_jaxprs_are_walked_once(monkeypatch):
   assert row.bytes_per_call == 2**depth * 2 * 3 / 4 * 32
   with pytest.raises(AxisNameError):
     check_axis_names(closed, axis_sizes={"j": 4})
+
+
+def test_walk_summary_of_a_shared_sub_jaxpr_is_computed_once(monkeypatch):
+  from jaxworks.axis_names import collective_report
+  from jaxworks.axis_names._src import analysis
+
+  depth = 8
+  f = _nest(depth)
+  closed = jax.make_jaxpr(f, axis_env=[("i", 4)])(X)
+  analysis.clear_cache()
+  summarized = []
+  real = analysis._summarize
+  monkeypatch.setattr(
+    analysis, "_summarize", lambda j: summarized.append(j) or real(j)
+  )
+  assert check_axis_names(closed, axis_sizes={"i": 4}) == {"i"}
+  # The top jaxpr and one per level, each once however often it occurs.
+  assert len(summarized) == depth + 1
+  assert len({id(j) for j in summarized}) == depth + 1
+  summarized.clear()
+  check_axis_names(closed, axis_sizes={"i": 4})
+  (row,) = collective_report(closed, axis_sizes={"i": 4}).rows
+  assert row.count == 2**depth
+  assert summarized == []  # later walks look the summaries up
+  # A new trace of the same function: at most a new top jaxpr is
+  # summarized; the jitted levels are JAX's cached jaxprs.
+  check_axis_names(f, X, axis_sizes={"i": 4})
+  assert len(summarized) <= 1

@@ -82,7 +82,7 @@ def cache_size() -> int:
 
 def clear_cache() -> None:
   """Forget every memoized result (the next query recomputes)."""
-  for cache in (_NAMES, _MANUAL, _NAMED_EQNS, _HIDDEN, _RULE_EQNS):
+  for cache in (_NAMES, _MANUAL, _NAMED_EQNS, _HIDDEN, _RULE_EQNS, _WALK):
     cache.clear()
 
 
@@ -236,6 +236,55 @@ def eqn_has_rules(eqn: JaxprEqn) -> bool:
   return eqn.primitive.name in rules.CALLABLE_PARAMS or any(
     rule_eqns(s) for s in subjaxprs(eqn.params)
   )
+
+
+# Jaxpr -> the equations a walk for axis names visits (``walk_entries``).
+_WALK = WeakIdentityCache()
+
+
+def walk_entries(jaxpr: Jaxpr) -> tuple:
+  """What a top-down walk needs of each equation of ``jaxpr`` that uses an
+  axis name, or holds a sub-jaxpr that uses one at any depth, in order.
+
+  Each entry is ``(eqn, names, own, subs, sizes, length)``: the names to
+  check (``own_names``, or for a primitive without a rule the names its
+  effects carry), ``own_names(eqn)``, the sub-jaxprs to descend into, the
+  ``binder_sizes`` it adds for them and their static trip count (a
+  ``scan``'s length, else 1). Memoized per jaxpr object, held weakly, so a
+  shared sub-jaxpr, and every later walk of it, costs one lookup.
+  """
+  hit = _WALK.get(jaxpr)
+  if hit is None:
+    jaxpr_axis_names(jaxpr)  # the sub-jaxprs' names, memoized
+    hit = _summarize(jaxpr)
+    _WALK.put(jaxpr, hit)
+  return hit
+
+
+def _summarize(jaxpr: Jaxpr) -> tuple:
+  """``walk_entries`` of ``jaxpr``, computed (its sub-jaxprs analysed)."""
+  out = []
+  for eqn in jaxpr.eqns:
+    subs = subjaxprs(eqn.params)
+    own = own_names(eqn)
+    if not subs:
+      if own:
+        out.append((eqn, own, own, (), {}, 1))
+      elif eqn.effects and eqn.primitive.name not in rules.AXIS_PARAMS:
+        # A primitive without a rule: its effects name the axes it uses.
+        names = jax_internals.named_axis_effect_names(eqn.effects)
+        if names:
+          out.append((eqn, tuple(sorted(names, key=repr)), own, (), {}, 1))
+      continue
+    # Descend even where a binder hides every name from the outside.
+    used = tuple(s for s in subs if uses_axes_anywhere(s))
+    if not used and not own:
+      continue
+    length = eqn.params.get("length")
+    if eqn.primitive.name != "scan" or not isinstance(length, int):
+      length = 1  # a while body counts once
+    out.append((eqn, own, own, used, binder_sizes(eqn), length))
+  return tuple(out)
 
 
 def _compute(jaxpr: Jaxpr) -> frozenset:

@@ -59,30 +59,43 @@ def walk(
   function called twice at every level of a nest), parents before children
   and in program order.
   """
-  analysis.jaxpr_axis_names(jaxpr)  # memoize every sub-jaxpr first
+  for e, entries, mult in walk_nodes(jaxpr, env, multiplier):
+    for entry in entries:
+      yield entry[0], e, mult
+
+
+def walk_nodes(
+  jaxpr: Jaxpr, env: Mapping[Hashable, int | None], multiplier: int = 1
+) -> list[tuple[dict, tuple, int]]:
+  """``walk`` by jaxpr: ``(env, analysis.walk_entries(j), multiplier)`` for
+  each distinct (jaxpr ``j``, axis environment), parents before children."""
   nodes = _visits(jaxpr, dict(env))
   mults = {next(iter(nodes)): multiplier}
-  for key, (e, eqns, children) in nodes.items():
+  out = []
+  for key, (e, entries, children) in nodes.items():
     mult = mults[key]
     for child, length in children:
       mults[child] = mults.get(child, 0) + mult * length
-    for eqn in eqns:
-      yield eqn, e, mult
+    out.append((e, entries, mult))
+  return out
 
 
 def _visits(jaxpr: Jaxpr, env: dict) -> dict:
-  """``{(id(jaxpr), env items): (env, eqns, children)}`` of every distinct
-  (jaxpr, environment) under ``jaxpr``, parents before children.
+  """``{(id(jaxpr), env items): (env, entries, children)}`` of every
+  distinct (jaxpr, environment) under ``jaxpr``, parents before children.
 
-  ``eqns`` are the jaxpr's equations that use a name (or hold a sub-jaxpr
-  that does), ``children`` the ``(key, trip count)`` of each use of a
-  sub-jaxpr. An explicit depth-first walk (no recursion limit); the
-  reversed post-order is a topological order of the DAG.
+  ``entries`` are ``analysis.walk_entries`` of the jaxpr (its equations that
+  use a name or hold a sub-jaxpr that does; memoized per jaxpr, so a shared
+  or already walked jaxpr costs a lookup), ``children`` the
+  ``(key, trip count)`` of each use of a sub-jaxpr. An explicit depth-first
+  walk (no recursion limit); the reversed post-order is a topological order
+  of the DAG.
   """
   root = (id(jaxpr), tuple(env.items()))
   found: dict = {}
   post: list = []
   stack: list = [(root, jaxpr, env, False)]
+  entries_of = analysis.walk_entries
   while stack:
     key, j, e, done = stack.pop()
     if done:
@@ -90,27 +103,19 @@ def _visits(jaxpr: Jaxpr, env: dict) -> dict:
       continue
     if key in found:
       continue
-    eqns: list = []
+    entries = entries_of(j)
     children: list = []
-    found[key] = (e, eqns, children)
+    found[key] = (e, entries, children)
     stack.append((key, j, e, True))
-    for eqn in j.eqns:
-      subs = analysis.subjaxprs(eqn.params)
+    for _, _, _, subs, sizes, length in entries:
       if not subs:
-        if analysis.eqn_axis_names(eqn):
-          eqns.append(eqn)
         continue
-      # Descend even where a binder hides every name from the outside.
-      used_subs = [s for s in subs if analysis.uses_axes_anywhere(s)]
-      if not used_subs and not analysis.own_names(eqn):
-        continue
-      eqns.append(eqn)
-      inner_env = {**e, **analysis.binder_sizes(eqn)}
-      inner_items = tuple(inner_env.items())
-      length = eqn.params.get("length")
-      if eqn.primitive.name != "scan" or not isinstance(length, int):
-        length = 1  # a while body counts once
-      for s in used_subs:
+      if sizes:
+        inner_env = {**e, **sizes}
+        inner_items = tuple(inner_env.items())
+      else:
+        inner_env, inner_items = e, key[1]
+      for s in subs:
         child = (id(s), inner_items)
         children.append((child, length))
         if child not in found:
@@ -203,28 +208,35 @@ def _unbound(name: Hashable, bound: tuple) -> str:
 
 
 def problems_in(
-  jaxpr: Jaxpr, env: Mapping[Hashable, int | None], traced_sizes: bool = True
+  jaxpr: Jaxpr,
+  env: Mapping[Hashable, int | None],
+  traced_sizes: bool = True,
+  nodes: list | None = None,
 ) -> list[tuple[str, Hashable, tuple, str | None, str]]:
   """Every unbound or size-mismatched use of an axis name in ``jaxpr``.
 
   ``traced_sizes``: whether ``jaxpr`` was traced with the sizes in ``env``
-  (False for a retrace with placeholder sizes).
+  (False for a retrace with placeholder sizes). ``nodes``:
+  ``walk_nodes(jaxpr, env)``, when the caller has it already.
   """
   problems = []
-  for eqn, e, _ in walk(jaxpr, env):
-    names = analysis.own_names(eqn)
-    if not names and not analysis.subjaxprs(eqn.params):
-      # Primitive without a rule: its effects name the axes it uses.
-      names = tuple(sorted(analysis.eqn_axis_names(eqn), key=repr))
-    bound = tuple(e)
-    details = [(n, _unbound(n, bound)) for n in names if n not in e]
-    if names and not details:
-      name = names[0] if len(names) == 1 else names
-      sized = _size_problems(eqn, names, e, traced_sizes)
-      details = [(name, d) for d in sized]
-    if details:
-      prim, loc = written(eqn), location(eqn)
-      problems += [(prim, n, bound, loc, d) for n, d in details]
+  if nodes is None:
+    nodes = walk_nodes(jaxpr, env)
+  for e, entries, _ in nodes:
+    bound = None
+    for eqn, names, _, _, _, _ in entries:
+      if not names:
+        continue
+      if bound is None:
+        bound = tuple(e)
+      details = [(n, _unbound(n, bound)) for n in names if n not in e]
+      if not details:
+        name = names[0] if len(names) == 1 else names
+        sized = _size_problems(eqn, names, e, traced_sizes)
+        details = [(name, d) for d in sized]
+      if details:
+        prim, loc = written(eqn), location(eqn)
+        problems += [(prim, n, bound, loc, d) for n, d in details]
   return problems
 
 
@@ -313,10 +325,12 @@ def _with_jax_frames(found, fun, args, kwargs, sizes, api) -> dict:
   return out
 
 
-def all_problems(jaxpr: Jaxpr, sizes: Mapping, from_tracing: list) -> list:
+def all_problems(
+  jaxpr: Jaxpr, sizes: Mapping, from_tracing: list, nodes: list | None = None
+) -> list:
   """``problems_in(jaxpr, sizes)`` plus the unbound names of
   ``from_tracing`` not already reported at the same line."""
-  problems = problems_in(jaxpr, sizes)
+  problems = problems_in(jaxpr, sizes, nodes=nodes)
 
   def line(p):  # file:line (the function names differ in qualification)
     return p[1], p[3] and p[3].split(" (")[0]

@@ -1,6 +1,6 @@
 """collective_report: which collectives run over which axes, how often, how much.
 
-``check.walk`` yields each collective with its axis sizes and static trip
+``check.walk_nodes`` yields each collective with its axis sizes and static trip
 count; ``bytes_moved`` is the per-device estimate (see ``collective_report``).
 """
 
@@ -17,7 +17,6 @@ from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Jaxpr
 from jax.extend.core import JaxprEqn
 
-from . import analysis
 from . import check
 from . import tracing
 from .errors import AxisNameError
@@ -216,28 +215,29 @@ def collective_report(
   except Exception as e:  # noqa: BLE001 - re-raised unless a name caused it
     check.raise_if_unbound(e, fun, args, kwargs, sizes, _API)
     raise
+  nodes = check.walk_nodes(jaxpr, sizes)  # one walk for the check and counts
   problems = [
     p
-    for p in check.all_problems(jaxpr, sizes, from_tracing)
+    for p in check.all_problems(jaxpr, sizes, from_tracing, nodes)
     if p[4].startswith("unbound")
   ]
   if problems:
     raise check.problems_error(problems, _API) from None
   acc: dict[tuple, list] = {}
   used_sizes: dict = {}
-  for eqn, env, mult in check.walk(jaxpr, sizes):
-    names = analysis.own_names(eqn)
-    if not names:
-      continue
-    used_sizes.update((a, env.get(a)) for a in names)
-    n = math.prod(env.get(a) or 1 for a in names)
-    key = (names, eqn.primitive.name)
-    entry = acc.setdefault(key, [0, 0.0, {}])
-    entry[0] += mult
-    entry[1] += mult * bytes_moved(eqn, n)
-    src = _short(check.location(eqn))
-    if src is not None:
-      entry[2].setdefault(src, None)
+  for env, entries, mult in nodes:
+    for eqn, _, names, _, _, _ in entries:
+      if not names:
+        continue
+      used_sizes.update((a, env.get(a)) for a in names)
+      n = math.prod(env.get(a) or 1 for a in names)
+      key = (names, eqn.primitive.name)
+      entry = acc.setdefault(key, [0, 0.0, {}])
+      entry[0] += mult
+      entry[1] += mult * bytes_moved(eqn, n)
+      src = _short(check.location(eqn))
+      if src is not None:
+        entry[2].setdefault(src, None)
   rows = tuple(
     CollectiveStat(axes, prim, count, nbytes, tuple(sources))
     for (axes, prim), (count, nbytes, sources) in sorted(
