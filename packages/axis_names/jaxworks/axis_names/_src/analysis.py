@@ -263,7 +263,7 @@ def walk_entries(jaxpr: Jaxpr) -> tuple:
 
 def _summarize(jaxpr: Jaxpr) -> tuple:
   """``walk_entries`` of ``jaxpr``, computed (its sub-jaxprs analysed)."""
-  out = []
+  out: list[tuple] = []
   for eqn in jaxpr.eqns:
     subs = subjaxprs(eqn.params)
     own = own_names(eqn)
