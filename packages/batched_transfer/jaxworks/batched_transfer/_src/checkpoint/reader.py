@@ -383,8 +383,8 @@ class Files:
 
   def _decompress(self, fd: int, s: Stored) -> np.ndarray:
     """A compressed file (see codec), decompressed into a new buffer:
-    exactly its header's bytes, checked against the record's CRC-32C sums
-    and the frame's own checksum."""
+    exactly its header's bytes, then checked against the record's CRC-32C
+    sums of the uncompressed data."""
     assert s.codec is not None
     with open(fd, "rb", closefd=False) as raw:
       raw.seek(0)
