@@ -49,7 +49,11 @@ def children() -> set[int]:
   """Process ids of this process's live children (Linux)."""
   pids = set()
   for task in pathlib.Path("/proc/self/task").iterdir():
-    pids.update(int(p) for p in (task / "children").read_text().split())
+    try:
+      listed = (task / "children").read_text()
+    except FileNotFoundError:  # the thread ended since the listing: no children
+      continue
+    pids.update(int(p) for p in listed.split())
   return pids
 
 
