@@ -364,21 +364,8 @@ class Files:
       zipfile.ZipFile(raw) as zf,
       zf.open(s.member) as f,
     ):
-      shape, fortran, dtype = read_header(f)
-      if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
-        raise ValueError(
-          f"it now holds {dtype.str}{list(shape)}, not "
-          f"{s.dtype.str}{list(s.shape)}"
-        )
-      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
-      view, done = flat.data, 0
-      while done < flat.size:
-        n = typing.cast(Any, f).readinto(view[done:])  # a ZipExtFile
-        if not n:
-          raise EOFError(f"the data ends {flat.size - done} bytes early")
-        done += n
-      if f.read(1):  # also checks the member's CRC
-        raise ValueError("it holds more data than its header describes")
+      # Reading to the end also checks the member's CRC.
+      array, _ = read_exactly(typing.cast(Any, f), s, self._memory)
     return array
 
   def _decompress(self, fd: int, s: Stored) -> np.ndarray:
@@ -389,21 +376,7 @@ class Files:
     with open(fd, "rb", closefd=False) as raw:
       raw.seek(0)
       f = codec.open_reader(s.codec, raw)
-      shape, fortran, dtype = read_header(f)
-      if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
-        raise ValueError(
-          f"it now holds {dtype.str}{list(shape)}, not "
-          f"{s.dtype.str}{list(s.shape)}"
-        )
-      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
-      view, done = flat.data, 0
-      while done < flat.size:
-        n = f.readinto(view[done:])
-        if not n:
-          raise EOFError(f"the data ends {flat.size - done} bytes early")
-        done += n
-      if f.read(1):  # also reads the frame's end, checking its checksum
-        raise ValueError("it holds more data than its header describes")
+      array, flat = read_exactly(f, s, self._memory)
     if self._verify:
       checksum.check(s.sums, flat.data)
     return array
@@ -448,6 +421,30 @@ class Files:
     concurrent.futures.wait(futures)
     if errors:
       raise errors[0]
+
+
+def read_exactly(
+  f: Any, s: Stored, memory: HostMemory
+) -> tuple[np.ndarray, np.ndarray]:
+  """(array, flat uint8 view) of the .npy stream ``f`` (a zip member or a
+  decompressing reader), read into a new buffer from ``memory``: its header
+  must still be ``s``'s, and its data exactly the header's bytes (fewer or
+  more raise)."""
+  shape, fortran, dtype = read_header(f)
+  if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
+    raise ValueError(
+      f"it now holds {dtype.str}{list(shape)}, not {s.dtype.str}{list(s.shape)}"
+    )
+  array, flat = memory.empty(s.shape, s.dtype, s.fortran)
+  view, done = flat.data, 0
+  while done < flat.size:
+    n = f.readinto(view[done:])
+    if not n:
+      raise EOFError(f"the data ends {flat.size - done} bytes early")
+    done += n
+  if f.read(1):
+    raise ValueError("it holds more data than its header describes")
+  return array, flat
 
 
 def codec_errors(

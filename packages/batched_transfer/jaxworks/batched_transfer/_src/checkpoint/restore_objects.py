@@ -266,21 +266,7 @@ class ObjectFiles(reader.Files):
     assert s.codec is not None
     raw = io.BufferedReader(_RangeFile(obj), storage.CHUNK)
     f = codec.open_reader(s.codec, raw)
-    shape, fortran, dtype = reader.read_header(f)
-    if (tuple(shape), dtype, fortran) != (s.shape, s.dtype, s.fortran):
-      raise ValueError(
-        f"it now holds {dtype.str}{list(shape)}, not "
-        f"{s.dtype.str}{list(s.shape)}"
-      )
-    array, flat = self._lazy_memory.empty(s.shape, s.dtype, s.fortran)
-    view, done = flat.data, 0
-    while done < flat.size:
-      n = f.readinto(view[done:])
-      if not n:
-        raise EOFError(f"the data ends {flat.size - done} bytes early")
-      done += n
-    if f.read(1):  # also reads the frame's end, checking its checksum
-      raise ValueError("it holds more data than its header describes")
+    array, flat = reader.read_exactly(f, s, self._lazy_memory)
     if self._verify:
       checksum.check(s.sums, flat.data)
     return array
