@@ -87,6 +87,21 @@ def _upload(
     bar.close()
 
 
+def _destination(
+  api: str, url: str, storage_options: dict[str, Any] | None
+) -> tuple[Storage, Storage, str]:
+  """(the prefix's storage, its parent's, its name) of a save to ``url``;
+  ValueError for a bucket's root."""
+  st = stores.open_storage(api, url, storage_options)
+  loc = st.location
+  if not loc.prefix:
+    raise ValueError(
+      f"{api}: {url!r} is a bucket's root; save to a prefix in it "
+      f"({loc.scheme}://{loc.bucket}/NAME)"
+    )
+  return st, st._at(loc.parent), loc.name
+
+
 def _exists(api: str, url: str) -> FileExistsError:
   return FileExistsError(
     f"{api}: a checkpoint exists at {url!r}; pass overwrite=True to "
@@ -113,21 +128,16 @@ class Upload:
     progress: bool | None = False,
   ) -> None:
     self.api, self.url, self.progress = api, url, progress
-    self.st = st = stores.open_storage(api, url, storage_options)
-    loc = st.location
-    if not loc.prefix:
-      raise ValueError(
-        f"{api}: {url!r} is a bucket's root; save to a prefix in it "
-        f"({loc.scheme}://{loc.bucket}/NAME)"
-      )
-    self.parent, self.name = st._at(loc.parent), loc.name
+    self.st, self.parent, self.name = _destination(api, url, storage_options)
     self.npz = self.name.endswith(".npz")
     if self.npz:
       self.stagings: dict[str, bool] = {}
       self.committed = self.parent.exists(self.name)
     else:
       self.stagings = _stagings(self.parent, self.name)
-      self.committed = st.exists(format.RECORD) or any(self.stagings.values())
+      self.committed = self.st.exists(format.RECORD) or any(
+        self.stagings.values()
+      )
     if self.committed and not overwrite:
       raise _exists(api, url)
     self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
@@ -200,22 +210,17 @@ class Collective:
     progress: bool | None = False,
   ) -> None:
     self.api, self.url, self.progress = api, url, progress
-    self.st = st = stores.open_storage(api, url, storage_options)
-    loc = st.location
-    if not loc.prefix:
-      raise ValueError(
-        f"{api}: {url!r} is a bucket's root; save to a prefix in it "
-        f"({loc.scheme}://{loc.bucket}/NAME)"
-      )
-    self.parent, self.name = st._at(loc.parent), loc.name
+    self.st, self.parent, self.name = _destination(api, url, storage_options)
     self.stagings = _stagings(self.parent, self.name)
-    self.committed = st.exists(format.RECORD) or any(self.stagings.values())
+    self.committed = self.st.exists(format.RECORD) or any(
+      self.stagings.values()
+    )
     if self.committed and not overwrite:
       raise _exists(api, url)
     self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
     self.local = os.path.join(self._tmp.name, self.name)
     os.mkdir(self.local)
-    self.target = st  # where this process uploads (``begin``/``attach``)
+    self.target = self.st  # where this process uploads (``begin``/``attach``)
 
   @property
   def beside(self) -> bool:
