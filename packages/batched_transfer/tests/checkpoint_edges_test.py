@@ -85,3 +85,25 @@ def test_metrics_json_cannot_hold_and_metrics_of_a_deleted_step(tmp_path):
   mgr.reload()
   with pytest.raises(FileNotFoundError, match="no step 1 in"):
     mgr.metrics(1)
+
+
+def test_removing_a_checkpoint_unlinks_its_files_and_follows_no_link(
+  tmp_path,
+):
+  # Enough files for several unlinking threads, in nested directories, and
+  # links to a directory and a file outside: they go, their targets stay.
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "keep.npy").write_bytes(b"x")
+  top = tmp_path / "ckpt"
+  (top / "a" / "b").mkdir(parents=True)
+  for d in (top, top / "a", top / "a" / "b"):
+    for i in range(commit._REMOVE_ALONE + 5):
+      (d / f"t{i}.npy").write_bytes(b"y" * 10)
+  (top / "a" / "link").symlink_to(outside, target_is_directory=True)
+  (top / "file_link.npy").symlink_to(outside / "keep.npy")
+  commit.remove(str(top))
+  assert not top.exists()
+  assert os.listdir(outside) == ["keep.npy"]
+  assert (outside / "keep.npy").read_bytes() == b"x"
+  commit.remove(str(top))  # a missing one is fine

@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import warnings
 
 _TAG = ".jaxworks-"
@@ -130,9 +131,53 @@ def delete(path: str) -> None:
     )
 
 
+#: Threads unlinking the files of one directory being removed: an unlink
+#: waits on the file system's journal with the GIL released, and a
+#: replaced checkpoint of 1,000 files takes as long to remove one by one
+#: as the new one took to write.
+REMOVE_THREADS = 8
+
+#: Directories of fewer files are removed by one thread.
+_REMOVE_ALONE = 32
+
+
+def _unlink_all(dir_fd: int, names: list[str]) -> None:
+  """Unlinks ``names`` relative to ``dir_fd`` on ``REMOVE_THREADS`` threads
+  (errors ignored: what is left, ``remove``'s rmtree reports nothing of)."""
+
+  def unlink(part: list[str]) -> None:
+    for name in part:
+      with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dir_fd)
+
+  if len(names) < _REMOVE_ALONE:
+    unlink(names)
+    return
+  n = REMOVE_THREADS
+  threads = [
+    threading.Thread(target=unlink, args=(names[k::n],), name=REMOVE_THREAD)
+    for k in range(1, n)
+  ]
+  for t in threads:
+    t.start()
+  unlink(names[0::n])
+  for t in threads:
+    t.join()
+
+
+#: Name of the threads that unlink the files of a removed checkpoint.
+REMOVE_THREAD = "jaxworks-remove"
+
+
 def remove(path: str) -> None:
-  """Deletes a file or directory tree; a missing one is fine."""
+  """Deletes a file or directory tree; a missing one is fine. A directory's
+  files are unlinked by several threads (through descriptors of its
+  directories, never following a symbolic link), then what is left goes
+  as ``shutil.rmtree(ignore_errors=True)`` removes it."""
   if os.path.isdir(path) and not os.path.islink(path):
+    with contextlib.suppress(OSError):
+      for _, _, files, dir_fd in os.fwalk(path, topdown=False):
+        _unlink_all(dir_fd, files)
     shutil.rmtree(path, ignore_errors=True)
   else:
     with contextlib.suppress(FileNotFoundError):
