@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_servers  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
-from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
 API = "test"
@@ -56,9 +55,7 @@ def tree(seed):
 
 
 def save(url, t, overwrite=False):
-  remote.save(
-    API, url, None, overwrite, lambda p: bt.save(p, t, overwrite=False)
-  )
+  bt.save(url, t, overwrite=overwrite)
 
 
 def restore(url, target=None):
@@ -67,6 +64,16 @@ def restore(url, target=None):
 
 def metadata(url):
   return bt.metadata(url)
+
+
+def local_files(root):
+  """``{key: path}`` of every file under ``root``."""
+  out = {}
+  for dirpath, _, names in os.walk(root):
+    for n in names:
+      full = os.path.join(dirpath, n)
+      out[os.path.relpath(full, root).replace(os.sep, "/")] = full
+  return out
 
 
 def check(out, t):
@@ -191,7 +198,7 @@ def test_same_files_as_on_disk_both_ways(tmp_path, s3_endpoint, monkeypatch):
   local = str(tmp_path / "disk")
   bt.save(local, t)
   prefix = f"copied-{uuid.uuid4().hex}"
-  for key, path in remote._local_files(local).items():
+  for key, path in local_files(local).items():
     client.upload_file(path, "ckpt", f"{prefix}/{key}")
   check(restore(f"s3://ckpt/{prefix}"), t)
 

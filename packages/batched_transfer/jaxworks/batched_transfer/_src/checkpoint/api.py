@@ -149,7 +149,8 @@ def save(
       ``credentials``, ``max_retries``, ``retry_timeout_s``, the store's
       own keys such as ``access_key_id``; see the README).
     progress: draw a progress bar of the bytes written on stderr (one
-      per process; a URL's upload has a second bar): True, False (the
+      per process; in a bucket, a file counts once its object is written):
+      True, False (the
       default: a training loop's saves stay quiet), or None (only when
       stderr is a terminal).
     compression: None (the default) writes raw ``.npy`` files; ``"zstd"``
@@ -237,10 +238,13 @@ def save_url(
   barrier_timeout_s: float = 300.0,
   progress: bool | None = False,
 ) -> pending.SaveHandle | None:
-  """A save to an object store: written locally, uploaded, committed;
-  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s. With a
-  ``ticket`` (every process of the job saves): each process uploads its
-  own shards, process 0 commits once all did (multiprocess)."""
+  """A save to an object store, committed by its record created last;
+  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s. A
+  directory's files are written straight into their objects (remote.Bucket);
+  an ``.npz`` is written locally, then uploaded. With a ``ticket`` (every
+  process of the job saves): each process writes its own shards, process 0
+  commits once all did (multiprocess)."""
+  prelude = prelude or (lambda: pending.raise_background_error(api))
   if ticket is not None:
     dest = remote.Collective(api, url, storage_options, overwrite, progress)
     try:
@@ -248,14 +252,23 @@ def save_url(
         api, url, tree, overwrite=overwrite, blocking=blocking,
         write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
         barrier_timeout_s=barrier_timeout_s, collective=True,
-        prelude=prelude or (lambda: pending.raise_background_error(api)),
-        after=after, primary_keys=primary_keys, ticket=ticket, dest=dest,
-        compression=compression, progress=progress,
+        prelude=prelude, after=after, primary_keys=primary_keys,
+        ticket=ticket, dest=dest, compression=compression, progress=progress,
       )  # fmt: skip
     except BaseException:
       dest.close()
       raise
-  up = remote.Upload(api, url, storage_options, overwrite, progress)
+  if not url.endswith(".npz"):
+    # Saves of this process to one URL commit in call order, as on disk
+    # (the job reserves the URL).
+    return run_save(
+      api, url, tree, overwrite=overwrite, blocking=blocking,
+      write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+      collective=False, primary_keys=primary_keys, compression=compression,
+      progress=progress, prelude=prelude, after=after,
+      bucket=remote.Bucket(api, url, storage_options, overwrite),
+    )  # fmt: skip
+  up = remote.NpzUpload(api, url, storage_options, overwrite)
   try:
     # Saves of this process to one URL commit in call order, as on disk.
     held = pending.reserve(api, url, overwrite)
@@ -267,8 +280,7 @@ def save_url(
       api, up.local, tree, overwrite=False, blocking=blocking,
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
       collective=False, primary_keys=primary_keys, compression=compression,
-      progress=progress,
-      prelude=prelude or (lambda: pending.raise_background_error(api)),
+      progress=progress, prelude=prelude,
       after=functools.partial(_finish_upload, up, held, after),
     )  # fmt: skip
   except BaseException:
@@ -286,8 +298,8 @@ def save_url(
 def _finish_upload(
   up: Any, held: pending.Reservation, after: Callable[[], None] | None
 ) -> None:
-  """Uploads and commits a remote save's files once the saves to its URL
-  called before it are done, then runs ``after``."""
+  """Uploads an ``.npz`` saved to a URL once the saves to its URL called
+  before it are done, then runs ``after``."""
   try:
     held.wait_turn()
     up.finish()
@@ -323,6 +335,7 @@ def run_save(
   compression: str | None = None,
   dest: remote.Collective | None = None,
   progress: bool | None = False,
+  bucket: remote.Bucket | None = None,
 ) -> pending.SaveHandle | None:
   """save's work: its ``job.SaveJob``, run by this process alone
   (``run_alone``) or by every process (``multiprocess``). ``prelude`` runs
@@ -332,7 +345,8 @@ def run_save(
   process; the leaves of ``primary_keys`` are process 0's and need not
   agree. ``ticket``: the collective save's, taken by the caller first
   thing (``multiprocess.ticket``). ``dest``: the bucket of a collective
-  save to the URL ``path``. ``progress``: save's."""
+  save to the URL ``path``. ``bucket``: the bucket of a directory save
+  this process makes alone to the URL ``path``. ``progress``: save's."""
   positive(api, "write_threads", write_threads, True)
   positive(api, "max_inflight_bytes", max_inflight_bytes, True)
   options = job_lib.Options(
@@ -340,7 +354,7 @@ def run_save(
     threads=write_threads or writer.DEFAULT_WRITE_THREADS,
     max_inflight_bytes=max_inflight_bytes, barrier_timeout_s=barrier_timeout_s,
     progress=progress, primary_keys=primary_keys, prelude=prelude,
-    after=after, local_target=dest is None,
+    after=after, local_target=dest is None and bucket is None, bucket=bucket,
   )  # fmt: skip
   job = job_lib.SaveJob(api, path, tree, options, compression)
   if collective is None:

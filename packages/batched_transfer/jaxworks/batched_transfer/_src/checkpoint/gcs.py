@@ -221,6 +221,25 @@ class GCSStorage(Storage):
     self._call(key, "writing", blob.upload_from_filename, filename)
     LOG.debug("uploaded %s to %s", filename, self.where(key))
 
+  def _stream(self, key: str) -> Any:
+    # A resumable upload in parts of chunk_size.
+    blob = self._blob(key)
+    out = self._call(key, "writing", blob.open, "wb", ignore_flush=True)
+    return _Stream(self, key, out)
+
+  def copy(self, src: str, dst: str) -> None:
+    # Rewrite copies on the server, in as many calls as it takes.
+    source, target = self._blob(src), self._blob(dst)
+
+    def rewrite(retry: Any) -> None:
+      token = None
+      while True:
+        token, _, _ = target.rewrite(source, token=token, retry=retry)
+        if token is None:
+          return
+
+    self._call(dst, "copying to", rewrite)
+
   def create(self, key: str, data: bytes) -> None:
     # The service refuses a second create (ifGenerationMatch=0); the check
     # before it makes emulators that ignore preconditions refuse too.
@@ -247,6 +266,26 @@ class GCSStorage(Storage):
         pass
 
     storage.run_parallel(one, list(keys), self.concurrency)
+
+
+class _Stream:
+  """A blob writer, its errors as ``GCSStorage``'s."""
+
+  def __init__(self, st: GCSStorage, key: str, out: Any) -> None:
+    self.st, self.key, self.out = st, key, out
+
+  def _do(self, fn: Any, *args: Any) -> None:
+    exc = self.st._exc
+    try:
+      fn(*args)
+    except (exc.GoogleAPICallError, exc.RetryError, OSError) as e:
+      raise self.st._error(e, self.key, "writing") from e
+
+  def write(self, b: Any) -> None:
+    self._do(self.out.write, b)
+
+  def close(self) -> None:
+    self._do(self.out.close)
 
 
 class _Into(io.RawIOBase):

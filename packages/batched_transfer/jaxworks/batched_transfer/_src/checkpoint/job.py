@@ -9,15 +9,18 @@
 - ``stage()``: the host value of each leaf, within ``max_inflight_bytes``
   (a blocking save) or all at once (a non-blocking one);
 - ``write(take, done)``: the files and their commit (``writer``'s lock,
-  temporary directory, fsync and atomic publication);
+  temporary directory, fsync and atomic publication; in a bucket, the
+  objects, then the record created last);
 - ``release()``, once written or failed; ``after()`` once committed.
 
 ``run_alone`` drives a save this process writes alone. A save of several
 processes is driven by ``multiprocess.save_across_processes``, which runs the
 same ``prepare``, ``turn`` and ``release`` inside its protocol and writes
-through its destination (a directory beside the path, or a bucket); a save
-to a bucket by one process is a job on a local temporary directory whose
-``after`` uploads and commits it (api.save_url).
+through its destination (a directory beside the path, or a bucket). A
+directory save to a bucket writes each file straight into its object and
+commits by the record (``Options.bucket``, remote.Bucket), the same objects
+a save of several processes writes; an ``.npz`` to a bucket is written
+locally, then uploaded (api.save_url).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import jax
 import numpy as np
 
 from . import codec
+from . import format
 from . import hostvalue
 from . import pending
+from . import remote
 from . import writer
 from .keys import check_files
 
@@ -48,6 +53,8 @@ class Options:
       checked against the other processes').
     local_target: check the path on the file system and create its parents
       (False: the path is a bucket's URL).
+    bucket: the ``remote.Bucket`` a directory save to a URL writes its
+      objects to, straight from the writer threads (no local copy).
   """
 
   overwrite: bool
@@ -60,6 +67,7 @@ class Options:
   prelude: Callable[[], None] | None = None
   after: Callable[[], None] | None = None
   local_target: bool = True
+  bucket: Any = None
 
 
 class SaveJob:
@@ -163,10 +171,52 @@ class SaveJob:
   ) -> None:
     """Writes the files and commits them at the path."""
     o = self.options
+    if o.bucket is not None:
+      self._write_objects(o.bucket, take, done)
+      return
     writer.write_checkpoint(
       self.api, self.path, self.keys, take, done, o.threads, self.record,
       o.overwrite,
     )  # fmt: skip
+
+  def _write_objects(
+    self,
+    bucket: remote.Bucket,
+    take: Callable[[int], Any],
+    done: Callable[[int], None],
+  ) -> None:
+    """Writes the files as objects of ``bucket`` (the bytes and checksums
+    of the files on disk, streamed out by the writer threads), then
+    commits them by creating the record (remote.Bucket)."""
+    keys, record = self.keys, self.record
+    codecs = record.codecs
+    dtypes: dict[str, str] = {}
+
+    def fill(i: int, a: Any, f: Any) -> list[int]:
+      dtypes[keys[i]] = np.dtype(a.dtype).name
+      use = codecs.get(keys[i])
+      if use is None:
+        return hostvalue.write_npy(f, a)
+      with codec.compressing(use, f) as out:
+        return hostvalue.write_npy(out, a)
+
+    bucket.begin()
+    committed = False
+    try:
+      names = [codec.file_name(k, codecs.get(k)) for k in keys]
+      sums = bucket.write(names, take, fill, done, self.options.threads)
+      record.crc32c = dict(zip(keys, sums))
+      record.dtypes = {k: dtypes[k] for k in keys}
+      data = format.encode_record(record)
+      again = bucket.commit(data)
+      committed = True  # the copy beside the path stays readable from now
+      if again:
+        bucket.move()
+        bucket.finish(data)
+    except BaseException:
+      if not committed:
+        bucket.abort()
+      raise
 
   def run_alone(self) -> pending.SaveHandle | None:
     """The save of a checkpoint this process writes alone: ``prepare`` in

@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import jax_internals
 from . import checksum
+from . import codec
 from . import commit
 from . import format
 from . import hostvalue
@@ -509,15 +510,19 @@ class _InBucket:
     done: Callable[[int], None],
     threads: int,
   ) -> dict[str, list[int]]:
-    up = self.up
-    _, sums = writer.write_directory(
-      up.api, up.url, up.local, stems, take, done, threads
+    # The objects written straight from the writer threads, as a save of
+    # one process writes them (remote.Bucket).
+    sums = self.up.write(
+      [codec.file_name(s, None) for s in stems],
+      take,
+      lambda i, a, f: hostvalue.write_npy(f, a),
+      done,
+      threads,
     )
-    up.upload()
-    return sums
+    return dict(zip(stems, sums))
 
   def commit(self, manifest: bytes, record: bytes, overwrite: bool) -> bool:
-    return self.up.commit(manifest, record)
+    return self.up.commit(record, manifest)
 
   def abort(self) -> None:
     self.up.abort()
@@ -601,7 +606,7 @@ def _collective(
           dest.up.move()
           board.post(f"moved/{pid}", "")
           board.wait(moved, "upload its files to the path", note)
-          dest.up.finish(*data)
+          dest.up.finish(data[1], data[0])  # (record, manifest)
       elif dest.beside:
         board.wait(["swap"], "commit", _NOTHING)
         note = _beside(dest, path)

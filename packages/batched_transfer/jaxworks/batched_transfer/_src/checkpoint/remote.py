@@ -8,22 +8,29 @@ last with a conditional create: a prefix without its record is a save that
 did not commit, and reads as absent; of two saves to one new path exactly
 one creates the record, the other raises ``FileExistsError``.
 
-``save`` writes the checkpoint to a local temporary directory with the
-local writer (checksums and all), uploads every file in parallel (large
-ones in parts), then creates the record. An overwrite first writes and
-commits the new checkpoint under ``.<name>.jaxworks-new-<hex>`` beside the
-path, then removes the old record, replaces the objects at the path and
-creates the record again; a reader that finds no record at the path reads
-the committed copy beside it, so at every moment one complete checkpoint
-is readable. ``source`` finds the committed checkpoint at a URL (or the
-copy an overwrite committed beside it), which restore and metadata read in
-ranges straight from the objects (restore_objects).
+``Bucket`` is the bucket side of a directory save (one process's, driven by
+``job.SaveJob``, or every process's, driven by multiprocess): the writer
+threads stream each file straight into its object (``Storage.open_write``:
+small ones in one request, large ones as parallel multipart uploads, their
+CRC-32C computed as the bytes go out), no local copy; then the record is
+created. A save to a path without a committed checkpoint writes at the
+path, after removing what saves that did not commit left there. An
+overwrite writes and commits the new checkpoint under
+``.<name>.jaxworks-new-<hex>`` beside the path, then removes the old record
+and objects, copies the new objects to the path on the server (no second
+upload) and creates the record there; a reader that finds no record at the
+path reads the committed copy beside it, so at every moment one complete
+checkpoint is readable. An ``.npz`` is one object, written locally, then
+uploaded (``NpzUpload``). ``source`` finds the committed checkpoint at a
+URL (or the copy an overwrite committed beside it), which restore and
+metadata read in ranges straight from the objects (restore_objects).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 import os
+import queue
 import secrets
 import tempfile
 import threading
@@ -31,23 +38,12 @@ from typing import Any
 
 from . import format
 from . import stores
-from .progress import Progress
 from .storage import LOG
 from .storage import Storage
 
 _NEW = ".jaxworks-new-"
 #: Bytes of an ``.npy`` file that ``metadata`` reads (its header).
 HEADER_BYTES = 64 * 1024
-
-
-def _local_files(root: str) -> dict[str, str]:
-  """``{key: local path}`` of every file under ``root``."""
-  out = {}
-  for dirpath, _, names in os.walk(root):
-    for n in names:
-      full = os.path.join(dirpath, n)
-      out[os.path.relpath(full, root).replace(os.sep, "/")] = full
-  return out
 
 
 def _stagings(parent: Storage, name: str) -> dict[str, bool]:
@@ -60,31 +56,74 @@ def _stagings(parent: Storage, name: str) -> dict[str, bool]:
   }
 
 
+#: Name prefix of the threads that write objects.
+WRITE_THREAD_PREFIX = "jaxworks-save-object"
+#: Bytes an .npy header takes at most, beyond the data (a size hint).
+_HEADER = 4096
+
+
 def _upload(
-  st: Storage, files: dict[str, str], progress: bool | None = False
-) -> None:
-  """Uploads ``{key: local file}`` to ``st`` in parallel; ``progress`` as
-  ``Progress``'s ``enabled`` (a bar of the bytes uploaded)."""
-  from .storage import run_parallel
+  st: Storage,
+  names: list[str],
+  take: Callable[[int], Any],
+  fill: Callable[[int, Any, Any], Any],
+  done: Callable[[int], None],
+  threads: int,
+) -> list[Any]:
+  """Writes object ``names[i]`` of ``st`` as ``fill(i, value, file)``
+  writes it, ``value = take(i)`` taken in order on this thread, on
+  ``threads`` threads; ``done(i)`` once it is written (or failed); what
+  each ``fill`` returned. Nothing of a failed object is visible.
 
-  items = sorted(files.items())
-  bar = Progress(
-    "upload",
-    sum(os.path.getsize(f) for _, f in items) if progress is not False else 0,
-    enabled=progress,
-  )
-  lock = threading.Lock()
+  Plain threads, not concurrent.futures: a non-blocking save may still be
+  writing while the interpreter exits, when executors refuse new work.
+  """
+  out: list[Any] = [None] * len(names)
+  todo: queue.Queue = queue.Queue(maxsize=threads)
+  errors: list[BaseException] = []
 
-  def one(kv: tuple[str, str]) -> None:
-    st.upload(kv[0], kv[1])
-    if bar.enabled:
-      with lock:
-        bar.update(os.path.getsize(kv[1]))
+  def work() -> None:
+    while True:
+      item = todo.get()
+      if item is None:
+        return
+      i, a = item
+      try:
+        if not errors:
+          f = st.open_write(names[i], int(getattr(a, "nbytes", 0)) + _HEADER)
+          try:
+            out[i] = fill(i, a, f)
+            f.close()
+          except BaseException:
+            f.abort()
+            raise
+      except BaseException as err:  # raised below, on the calling thread
+        errors.append(err)
+      finally:
+        del a, item
+        done(i)
 
+  workers = [
+    threading.Thread(target=work, name=f"{WRITE_THREAD_PREFIX}-{n}")
+    for n in range(min(threads, max(1, len(names))))
+  ]
+  for w in workers:
+    w.start()
   try:
-    run_parallel(one, items, st.concurrency)
+    for i in range(len(names)):
+      if errors:
+        break
+      a = take(i)
+      todo.put((i, a))
+      del a
   finally:
-    bar.close()
+    for _ in workers:
+      todo.put(None)
+    for w in workers:
+      w.join()
+  if errors:
+    raise errors[0]
+  return out
 
 
 def _destination(
@@ -109,14 +148,15 @@ def _exists(api: str, url: str) -> FileExistsError:
   )
 
 
-class Upload:
-  """A save to the object-store ``url``: checked in the call, the local
-  writer writes ``local`` (a temporary directory's), ``finish()`` uploads
-  and commits, ``abort()`` removes the local copy.
+class NpzUpload:
+  """A save of an ``.npz`` (one object) to ``url``: checked in the call,
+  the local writer writes ``local`` (a temporary file's path),
+  ``finish()`` uploads it (created only if absent, unless it replaces a
+  committed one), ``abort()`` removes the local copy.
 
   Raises:
-    FileExistsError: a checkpoint is committed at ``url`` and not
-      ``overwrite`` (``finish``: another save committed there meanwhile).
+    FileExistsError: an object is at ``url`` and not ``overwrite``
+      (``finish``: another save created it meanwhile).
   """
 
   def __init__(
@@ -125,19 +165,10 @@ class Upload:
     url: str,
     storage_options: dict[str, Any] | None,
     overwrite: bool,
-    progress: bool | None = False,
   ) -> None:
-    self.api, self.url, self.progress = api, url, progress
+    self.api, self.url = api, url
     self.st, self.parent, self.name = _destination(api, url, storage_options)
-    self.npz = self.name.endswith(".npz")
-    if self.npz:
-      self.stagings: dict[str, bool] = {}
-      self.committed = self.parent.exists(self.name)
-    else:
-      self.stagings = _stagings(self.parent, self.name)
-      self.committed = self.st.exists(format.RECORD) or any(
-        self.stagings.values()
-      )
+    self.committed = self.parent.exists(self.name)
     if self.committed and not overwrite:
       raise _exists(api, url)
     self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
@@ -148,57 +179,32 @@ class Upload:
 
   def finish(self) -> None:
     try:
-      self._finish()
-    finally:
-      self.abort()
-
-  def _finish(self) -> None:
-    st, parent, name = self.st, self.parent, self.name
-    if self.npz:
-      if self.committed:
-        parent.upload(name, self.local)  # one object: replaced atomically
+      if self.committed:  # one object: replaced atomically
+        self.parent.upload(self.name, self.local)
       else:
         with open(self.local, "rb") as f:
           try:
-            parent.create(name, f.read())
+            self.parent.create(self.name, f.read())
           except FileExistsError:
             raise _exists(self.api, self.url) from None
       LOG.info("saved %s", self.url)
-      return
-    files = _local_files(self.local)
-    with open(files.pop(format.RECORD), "rb") as f:
-      record = f.read()
-    if self.committed:
-      # The new one committed beside the path first: always one readable.
-      new = parent.child(f".{name}{_NEW}{secrets.token_hex(8)}")
-      _upload(new, files, self.progress)
-      new.create(format.RECORD, record)
-      st.delete([format.RECORD])
-    st.delete(sorted(set(st.list()) - set(files)))
-    _upload(st, files, self.progress)
-    try:
-      st.create(format.RECORD, record)
-    except FileExistsError:
-      raise _exists(self.api, self.url) from None
-    for prefix in self.stagings:  # of saves killed before they finished
-      parent.child(prefix).delete_prefix()
-    if self.committed:
-      new.delete_prefix()
-    LOG.info("saved %s (%d objects)", self.url, len(files) + 1)
+    finally:
+      self.abort()
 
 
-class Collective:
-  """The bucket side of a save that several processes make together
-  (multiprocess drives it, every process holding one): each writes its
-  files into ``local`` (a temporary directory's), uploads them where
-  process 0 says (``begin``), process 0 commits (``commit``); an overwrite
-  of a committed checkpoint commits beside the path first, then every
-  process uploads its files again to the path (``move``) and process 0
-  commits there (``finish``).
+class Bucket:
+  """The bucket side of a directory save to ``url`` (see the module
+  docstring): checked in the call; ``begin`` (process 0, in the save's
+  turn) says where the objects go, the path or a prefix beside it (the
+  other processes of a collective save ``attach`` there); every process
+  ``write``s its objects; process 0 ``commit``s; an overwrite then
+  ``move``s every process's objects to the path (server-side copies) and
+  process 0 ``finish``es with the commit there.
 
   Raises:
     FileExistsError: a checkpoint is committed at ``url`` and not
-      ``overwrite`` (``commit``: another save committed there meanwhile).
+      ``overwrite`` (``begin``, ``commit``: another save committed there
+      meanwhile).
   """
 
   def __init__(
@@ -209,7 +215,8 @@ class Collective:
     overwrite: bool,
     progress: bool | None = False,
   ) -> None:
-    self.api, self.url, self.progress = api, url, progress
+    del progress  # the writes are the upload: the save's bar draws them
+    self.api, self.url, self.overwrite = api, url, overwrite
     self.st, self.parent, self.name = _destination(api, url, storage_options)
     self.stagings = _stagings(self.parent, self.name)
     self.committed = self.st.exists(format.RECORD) or any(
@@ -217,29 +224,32 @@ class Collective:
     )
     if self.committed and not overwrite:
       raise _exists(api, url)
-    self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
-    self.local = os.path.join(self._tmp.name, self.name)
-    os.mkdir(self.local)
-    self.target = self.st  # where this process uploads (``begin``/``attach``)
+    self.target = self.st  # where this process writes (``begin``/``attach``)
+    self.written: list[str] = []
 
   @property
   def beside(self) -> bool:
-    """Whether the files go beside the path first (an overwrite)."""
+    """Whether the objects go beside the path first (an overwrite)."""
     return self.target is not self.st
 
   def where(self) -> str:
     return self.target.url
 
   def begin(self) -> str:
-    """Process 0, before any file is uploaded: where every process uploads,
-    as the name to post ("" for the path itself, whose leftovers of saves
-    that did not commit it removes first)."""
+    """Process 0, in the save's turn, before any object is written: where
+    every process writes, as the name to post ("" for the path itself,
+    whose leftovers of saves that did not commit it removes first)."""
+    # Again: the saves called before this one may have committed since.
+    self.stagings = _stagings(self.parent, self.name)
+    self.committed = self.st.exists(format.RECORD) or any(
+      self.stagings.values()
+    )
     if self.committed:
+      if not self.overwrite:
+        raise _exists(self.api, self.url)
       name = f".{self.name}{_NEW}{secrets.token_hex(8)}"
       self.target = self.parent.child(name)
       return name
-    if self.st.exists(format.RECORD):  # committed meanwhile
-      raise _exists(self.api, self.url)
     self.st.delete(sorted(self.st.list()))
     return ""
 
@@ -247,17 +257,28 @@ class Collective:
     """The other processes: where process 0 said (``begin``)."""
     self.target = self.parent.child(name) if name else self.st
 
-  def upload(self) -> None:
-    """Uploads this process's files to the target, in parallel."""
-    _upload(self.target, _local_files(self.local), self.progress)
+  def write(
+    self,
+    names: list[str],
+    take: Callable[[int], Any],
+    fill: Callable[[int, Any, Any], Any],
+    done: Callable[[int], None],
+    threads: int,
+  ) -> list[Any]:
+    """Writes this process's objects ``names`` to the target (``_upload``);
+    what each ``fill`` returned (the checksums)."""
+    out = _upload(self.target, names, take, fill, done, threads)
+    self.written += names
+    return out
 
-  def commit(self, manifest: bytes, record: bytes) -> bool:
-    """Process 0, every process's files uploaded: the manifest, then the
-    record created at the target (the commit). True if the files must
+  def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
+    """Process 0, every process's objects written: the manifest, then the
+    record created at the target (the commit). True if the objects must
     then move to the path (``move`` on every process, then ``finish``):
     the old checkpoint's record and objects are removed first, and the
     one committed beside it is what readers find meanwhile."""
-    self.target.write(format.MANIFEST, manifest)
+    if manifest is not None:
+      self.target.write(format.MANIFEST, manifest)
     try:
       self.target.create(format.RECORD, record)
     except FileExistsError:
@@ -271,12 +292,21 @@ class Collective:
     return True
 
   def move(self) -> None:
-    """Every process: its files uploaded again, to the path."""
-    _upload(self.st, _local_files(self.local))
+    """Every process: its objects copied to the path on the server."""
+    here = self.target.location.name
+    self._copy([(f"{here}/{n}", f"{self.name}/{n}") for n in self.written])
 
-  def finish(self, manifest: bytes, record: bytes) -> None:
-    """Process 0, every process's files at the path: the commit there."""
-    self.st.write(format.MANIFEST, manifest)
+  def _copy(self, pairs: list[tuple[str, str]]) -> None:
+    from .storage import run_parallel
+
+    run_parallel(
+      lambda p: self.parent.copy(*p), pairs, 2 * self.parent.concurrency
+    )
+
+  def finish(self, record: bytes, manifest: bytes | None = None) -> None:
+    """Process 0, every process's objects at the path: the commit there."""
+    if manifest is not None:
+      self.st.write(format.MANIFEST, manifest)
     try:
       self.st.create(format.RECORD, record)
     except FileExistsError:
@@ -290,31 +320,18 @@ class Collective:
       self.parent.child(prefix).delete_prefix()
 
   def abort(self) -> None:
-    """Process 0, the save failed before its commit: what it uploaded beside
+    """Process 0, the save failed before its commit: what it wrote beside
     the path is removed (at the path, no record: absent, and the next save
     removes it)."""
     if self.beside:
       self.target.delete_prefix()
 
   def close(self) -> None:
-    """Removes the local copy."""
-    self._tmp.cleanup()
+    """Nothing is held locally."""
 
 
-def save(
-  api: str,
-  url: str,
-  storage_options: dict[str, Any] | None,
-  overwrite: bool,
-  save_local: Callable[[str], None],
-) -> None:
-  """Saves to the object-store ``url``; ``save_local(path)`` writes the files."""
-  up = Upload(api, url, storage_options, overwrite)
-  try:
-    save_local(up.local)
-    up.finish()
-  finally:
-    up.abort()
+#: The bucket side of a collective save (multiprocess) is ``Bucket``.
+Collective = Bucket
 
 
 def source(api: str, st: Storage) -> Storage:
@@ -331,6 +348,10 @@ def source(api: str, st: Storage) -> Storage:
     done = [p for p, ok in _stagings(parent, loc.name).items() if ok]
     if done:
       return parent.child(sorted(done)[-1])
+    # An overwrite removes its copy beside the path only once the path is
+    # committed: that may have happened since the record was looked for.
+    if st.exists(format.RECORD):
+      return st
   raise FileNotFoundError(
     f"{api}: no checkpoint at {st.url!r}: no {format.RECORD} there (a "
     "prefix without it is a save that did not commit, and is absent)"

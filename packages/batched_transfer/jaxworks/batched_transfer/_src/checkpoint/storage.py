@@ -348,6 +348,22 @@ class Storage(abc.ABC):
     LOG.debug("downloaded %s (%d bytes)", self.where(key), size)
     return size
 
+  def open_write(self, key: str, size: int = 0) -> ObjectWriter:
+    """A writable file whose bytes become ``key`` at ``close()`` (nothing
+    is visible before; ``abort()`` drops them). ``size``: the bytes
+    expected, if known (a large object is streamed in parts at once)."""
+    return ObjectWriter(self, key, size)
+
+  def _stream(self, key: str) -> Any:
+    """A file (``write``, ``close``) streaming ``key`` in parts of bounded
+    memory; here: the bytes gathered, written at ``close``."""
+    return _Gathered(self, key)
+
+  def copy(self, src: str, dst: str) -> None:
+    """Copies ``src`` to ``dst`` (replacing it) on the server if it can;
+    here: read, then written."""
+    self.write(dst, self.read(src))
+
   @abc.abstractmethod
   def create(self, key: str, data: bytes) -> None:
     """Writes ``key`` only if it does not exist (FileExistsError if it does).
@@ -367,6 +383,65 @@ class Storage(abc.ABC):
     return len(keys)
 
   concurrency: int = DEFAULT_CONCURRENCY
+
+
+class _Gathered:
+  """``Storage._stream``'s default: the bytes held, written at ``close``."""
+
+  def __init__(self, st: Storage, key: str) -> None:
+    self.st, self.key, self.buf = st, key, bytearray()
+
+  def write(self, b: Any) -> int:
+    self.buf += b
+    return len(b)
+
+  def close(self) -> None:
+    self.st.write(self.key, self.buf)
+
+
+class ObjectWriter:
+  """A binary file writing one object (``Storage.open_write``): up to
+  ``WHOLE`` bytes are held and written in one request at ``close()``; a
+  larger object is streamed in parts (``Storage._stream``: a multipart or
+  resumable upload of at most ``concurrency`` parts in flight)."""
+
+  def __init__(self, st: Storage, key: str, size: int = 0) -> None:
+    self.st, self.key = st, key
+    self._buf = bytearray()
+    self._out = st._stream(key) if size > WHOLE else None
+    self.written = 0
+
+  def write(self, b: Any) -> int:
+    view = memoryview(b).cast("B")
+    n = len(view)
+    self.written += n
+    if self._out is None:
+      if len(self._buf) + n <= WHOLE:
+        self._buf += view
+        return n
+      self._out = self.st._stream(self.key)
+      self._out.write(self._buf)
+      self._buf = bytearray()
+    self._out.write(view)
+    return n
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    """Writes the object: visible once this returns."""
+    if self._out is None:
+      self.st.write(self.key, self._buf)
+      self._buf = bytearray()
+    else:
+      self._out.close()
+    LOG.debug("wrote %s (%d bytes)", self.st.where(self.key), self.written)
+
+  def abort(self) -> None:
+    """Drops what was written (an unfinished multipart upload is never an
+    object)."""
+    self._buf = bytearray()
+    self._out = None
 
 
 class LocalStorage(Storage):

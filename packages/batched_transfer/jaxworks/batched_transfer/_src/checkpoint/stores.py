@@ -313,6 +313,32 @@ class ObstoreStorage(Storage):
     self._put(key, pathlib.Path(filename), use_multipart=not whole)
     LOG.debug("uploaded %s to %s", filename, self.where(key))
 
+  def _stream(self, key: str) -> Any:
+    try:
+      out = self._obs.open_writer(
+        self._store,
+        self._key(key),
+        buffer_size=self._tuning.chunk_size,
+        max_concurrency=self._tuning.concurrency,
+      )
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, key, "writing") from e
+    return _Stream(self, key, out)
+
+  def copy(self, src: str, dst: str) -> None:
+    # One request on the server (CopyObject) up to its limit of 5 GiB;
+    # larger objects are read and streamed back in parts.
+    try:
+      self._obs.copy(self._store, self._key(src), self._key(dst))
+      return
+    except (self._exc.BaseError, OSError) as e:
+      if self.size(src) <= _COPY_MAX:
+        raise self._error(e, dst, "copying to") from e
+    out = self.open_write(dst, self.size(src))
+    for a, b in storage.chunks(self.size(src)):
+      out.write(self.read(src, a, b))
+    out.close()
+
   def create(self, key: str, data: bytes) -> None:
     self._put(key, bytes(data), mode="create", use_multipart=False)
     LOG.debug("created %s", self.where(key))
@@ -327,6 +353,29 @@ class ObstoreStorage(Storage):
       pass
     except (self._exc.BaseError, OSError) as e:
       raise self._error(e, paths[0], "deleting") from e
+
+
+#: The largest object S3's CopyObject copies in one request.
+_COPY_MAX = 5 * 2**30
+
+
+class _Stream:
+  """obstore's multipart writer, its errors as ``ObstoreStorage``'s."""
+
+  def __init__(self, st: ObstoreStorage, key: str, out: Any) -> None:
+    self.st, self.key, self.out = st, key, out
+
+  def write(self, b: Any) -> None:
+    try:
+      self.out.write(b)
+    except (self.st._exc.BaseError, OSError) as e:
+      raise self.st._error(e, self.key, "writing") from e
+
+  def close(self) -> None:
+    try:
+      self.out.close()
+    except (self.st._exc.BaseError, OSError) as e:
+      raise self.st._error(e, self.key, "writing") from e
 
 
 def _retry_config(t: _Tuning) -> dict[str, Any]:
