@@ -2,7 +2,7 @@
 
 Rows (medians of ``--repeats``, each repeat timing both sides back to back):
 
-* save: ``bt.save(url, tree)`` (blocking: written, uploaded, record created)
+* save: ``bt.save(url, tree)`` (blocking: the objects written, the record created)
   of a tree on one device and of one sharded in rows over 8 devices, against
   the raw client, obstore's ``put`` of the same bytes, one object per leaf,
   8 at once (goal: at least 0.8x its time).
