@@ -34,9 +34,17 @@ reference / jaxworks, so above 1 jaxworks is faster):
   one device and rows over 8 devices, against orbax's restore of the same
   random tree (peer, own process; goal: at least 3x faster) and against
   restore of the same tree one process wrote (naive).
+* restore with the CRC-32C checks against restore(verify=False) of the same
+  checkpoint (ablation; goal: at least 0.95x: the checks should hide behind
+  the read. Where the read is CPU-bound on every core, as a warm page cache
+  on 2 cores is, the checks' own CPU time shows: crc32c's hardware
+  instruction sums about 28 GB/s per core, the read of the same bytes into
+  new memory about 6.5 GB/s).
 
 save: bt.save (durable) against numpy.save of the same bytes with each file
-  fsynced (goal: at least 0.8x its bandwidth; durable against durable) and
+  fsynced (durable against durable; goal: 16 large leaves at least 1.2x its
+  bandwidth, writing and fsyncing files on several threads; 1,000 small
+  leaves at least 0.9x; the compressible tree 0.8x) and
   without fsync (the page cache's bandwidth, for scale: no durable save can
   reach it where the disk is slower than memory), and against orbax's save
   (own process; it fsyncs too, through tensorstore). The trees hold random
@@ -89,6 +97,9 @@ LOOP_GOAL = 2.0  # at least 2x faster than a per-leaf loop (1000 leaves)
 GROUPING_GOAL = 10.0  # C++ at least 10x the Python twin
 RAW_READ_GOAL = 0.9  # restore at least 0.9x the raw read bandwidth
 SAVE_RAW_GOAL = 0.8  # sync save at least 0.8x numpy.save's (both durable)
+SAVE_LARGE_GOAL = 1.2  # 16 large leaves: 1.2x (several threads write, fsync)
+SAVE_MANY_GOAL = 0.9  # 1,000 small leaves: 0.9x (a file and fsync per leaf)
+VERIFY_GOAL = 0.95  # the CRC-32C checks hide behind the read
 
 
 def transfer_rows(report: jb.Report, sizes, repeats, min_reps=5) -> None:
@@ -386,6 +397,7 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
       report.add(
         f"{case} (checksums checked vs not)", m["restore"], m["unverified"],
         "ablation", "restore(verify=False): the CRC-32C checks' cost",
+        goal=VERIFY_GOAL,
       )  # fmt: skip
       gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
       report.note(
@@ -508,6 +520,7 @@ def manifest_restore_rows(report: jb.Report, total_bytes, n_files, repeats):
       report.add(
         f"{case} (checksums checked vs not)", m["two"], m["unverified"],
         "ablation", "restore(verify=False): the CRC-32C checks' cost",
+        goal=VERIFY_GOAL,
       )  # fmt: skip
       gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
       report.note(
@@ -595,6 +608,13 @@ def save_rows(
     size = f"{n_leaves} leaves, {nbytes / 2**20:.0f} MiB"
     if zeros:
       size += ", zeros (an optimizer state at init)"
+    save_goal = (
+      SAVE_RAW_GOAL
+      if zeros
+      else SAVE_MANY_GOAL
+      if n_leaves >= 100
+      else SAVE_LARGE_GOAL
+    )
     _, orbax_s = jb.run_fresh(
       _ORBAX_SAVE,
       args=[
@@ -657,7 +677,7 @@ def save_rows(
       report.add(
         f"{case} (vs numpy.save + fsync)", m["sync"], m["numpy_fsync"],
         "naive", "numpy.save of the same arrays, each file fsynced",
-        goal=SAVE_RAW_GOAL,
+        goal=save_goal,
       )  # fmt: skip
       report.add(  # not durable: the page cache's bandwidth, for scale
         f"{case} (vs numpy.save, no fsync)", m["sync"], m["numpy"], "naive",

@@ -137,8 +137,9 @@ def delete(path: str) -> None:
 #: as the new one took to write.
 REMOVE_THREADS = 8
 
-#: Directories of fewer files are removed by one thread.
-_REMOVE_ALONE = 32
+#: Directories of fewer files are removed by one thread (a large file's
+#: unlink frees its extents and page cache: 16 files of 64 MiB also gain).
+_REMOVE_ALONE = 8
 
 
 def _unlink_all(dir_fd: int, names: list[str]) -> None:
@@ -153,7 +154,7 @@ def _unlink_all(dir_fd: int, names: list[str]) -> None:
   if len(names) < _REMOVE_ALONE:
     unlink(names)
     return
-  n = REMOVE_THREADS
+  n = min(REMOVE_THREADS, len(names))
   threads = [
     threading.Thread(target=unlink, args=(names[k::n],), name=REMOVE_THREAD)
     for k in range(1, n)
