@@ -64,13 +64,26 @@ def url(request, monkeypatch):
   return f"{request.param}://ckpt/run-{uuid.uuid4().hex}/ckpt"
 
 
+#: The end of a request of a whole object (no range): all of it.
+WHOLE = float("inf")
+
+
 @pytest.fixture
 def requests(monkeypatch):
-  """Every ranged read of an object the storage layer makes, as
+  """Every request of an object's bytes the storage layer makes, as
   ``{key: [(start, end), ...]}``, keys relative to the checkpoint (its own
-  ``read`` and ``stream_into``, of both stores)."""
+  ``read``, ``stream_into`` and ``open_stream``, of both stores; a request of
+  the whole object ends at ``WHOLE``)."""
   seen = collections.defaultdict(list)
   lock = threading.Lock()
+  real_stream = stores.ObstoreStorage.open_stream
+
+  def open_stream(self, key):
+    with lock:
+      seen[key].append((0, WHOLE))
+    return real_stream(self, key)
+
+  monkeypatch.setattr(stores.ObstoreStorage, "open_stream", open_stream)
   for cls in (stores.ObstoreStorage, gcs.GCSStorage):
     real, real_into = cls.read, cls.stream_into
 
@@ -143,9 +156,11 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
   bt.save(url, t)
   requests.clear()
   same(bt.restore(url), t)
-  # Every byte of every array requested once, in parallel ranged reads: the
-  # first PROBE bytes of each object when it was opened (all of a small one),
-  # the rest when its batch came.
+  # Every byte of every array requested once, in parallel requests: on S3
+  # each object whole, in one request (its header read when it was opened,
+  # the request held for the data); on GCS the first PROBE bytes of each
+  # object when it was opened (all of a small one), the rest by range when
+  # its batch came.
   st = stores.open_storage(API, url)
   for key, size in st.list().items():
     if key == RECORD:
@@ -157,9 +172,13 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
     assert (covered > 1).sum() <= restore_objects.PROBE, (
       key
     )  # once, but the header
-  # The header when opened, then the data in one request (streamed).
   huge = sorted(requests["huge.npy"])
-  assert len(huge) == 2 and huge[1][1] == st.list()["huge.npy"], huge
+  if url.startswith("s3://"):
+    for key, size in st.list().items():
+      if key != RECORD and size:
+        assert requests[key] == [(0, WHOLE)], (key, requests[key])
+  else:  # the header when opened, then the data in one request (streamed)
+    assert len(huge) == 2 and huge[1][1] == st.list()["huge.npy"], huge
   like = jax.tree.map(
     lambda x: (
       x
@@ -172,7 +191,7 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
   same(bt.restore(url, like), t)
 
 
-def test_small_arrays_take_one_request_each(url, requests):
+def test_small_arrays_take_one_request_each(url, requests, monkeypatch):
   """A tree of many small arrays: each object read whole when opened (one
   request), its data not requested again; within max_inflight_bytes."""
   rng = np.random.default_rng(2)
@@ -180,12 +199,26 @@ def test_small_arrays_take_one_request_each(url, requests):
   bt.save(url, t)
   requests.clear()
   same(bt.restore(url), t)
+  whole = [(0, WHOLE)] if url.startswith("s3://") else [(0, 100_128)]
   for k in t:
-    assert requests[f"{k}.npy"] == [(0, 100_128)], requests[f"{k}.npy"]
-  # With less memory allowed than the tree, the rest header first, then data.
+    assert requests[f"{k}.npy"] == whole, requests[f"{k}.npy"]
+  # With less memory allowed than the tree: on S3 still one request each
+  # (the rest held after their header until their data's turn); on GCS the
+  # rest header first, then data.
   requests.clear()
   same(bt.restore(url, max_inflight_bytes=2 * 2**20), t)
-  assert sum(len(requests[f"{k}.npy"]) for k in t) > len(t)
+  counts = [len(requests[f"{k}.npy"]) for k in t]
+  if url.startswith("s3://"):
+    assert counts == [1] * len(t), counts
+    # At most HELD requests held: the others' data requested again.
+    monkeypatch.setattr(restore_objects, "HELD", 3)
+    requests.clear()
+    same(bt.restore(url, max_inflight_bytes=2 * 2**20), t)
+    counts = [len(requests[f"{k}.npy"]) for k in t]
+    small = 2 * 2**20 // 100_128  # read whole within the budget
+    assert counts == [1] * (small + 3) + [2] * (len(t) - small - 3), counts
+  else:
+    assert sum(counts) > len(t)
 
 
 def test_large_array_in_parts(url, requests, monkeypatch):
@@ -430,6 +463,84 @@ def test_truncated_large_object(url):
   with pytest.raises(ValueError, match="truncated or damaged") as e:
     bt.restore(url)
   assert f"{url}/huge.npy" in str(e.value)
+
+
+def test_truncated_after_listing_on_the_held_request(s3_endpoint, monkeypatch):
+  """An object truncated between the listing and its one request (header
+  and data in the same one): the error names its URL and the fix."""
+  _s3_env(monkeypatch, s3_endpoint)
+  url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
+  t = {"huge": leaves()["huge"]}
+  bt.save(url, t)
+  st = stores.open_storage(API, url)
+  data = bytes(st.read("huge.npy"))
+  real = stores.ObstoreStorage.list
+
+  def listed_then_truncated(self, prefix=""):
+    out = real(self, prefix)
+    if "huge.npy" in out:
+      st.write("huge.npy", data[: len(data) // 2])
+    return out
+
+  monkeypatch.setattr(stores.ObstoreStorage, "list", listed_then_truncated)
+  with pytest.raises(ValueError, match="ends at byte .* was truncated") as e:
+    bt.restore(url)
+  assert f"{url}/huge.npy" in str(e.value) and "save it again" in str(e.value)
+
+
+def test_held_request_failing_midway_is_taken_up_by_range(
+  s3_endpoint, monkeypatch, requests
+):
+  """A held request that fails after its header (dropped, timed out): the
+  rest of the object is requested by range, every byte still checked."""
+  _s3_env(monkeypatch, s3_endpoint)
+  url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
+  t = {"huge": leaves()["huge"], "big": leaves()["big"]}
+  bt.save(url, t)
+  real = stores.ObstoreStorage.open_stream
+
+  def failing(self, key):
+    stream = real(self, key)
+    chunks = stream._chunks
+
+    def first_then_fail():
+      yield next(chunks)
+      raise OSError(f"{key}: connection reset")
+
+    stream._chunks = first_then_fail()
+    return stream
+
+  monkeypatch.setattr(stores.ObstoreStorage, "open_stream", failing)
+  requests.clear()
+  same(bt.restore(url, max_inflight_bytes=2 * MiB), t)
+  for key in ("huge.npy", "big.npy"):
+    size = stores.open_storage(API, url).list()[key]
+    first, rest = requests[key]
+    assert first == (0, WHOLE) and rest[1] == size, requests[key]
+    assert rest[0] <= restore_objects.PROBE + 2 * stores.STREAM_CHUNK, rest
+
+
+def test_failed_restore_drops_held_requests(s3_endpoint, monkeypatch):
+  """A target that does not match: nothing is read past the headers and
+  every held request is dropped."""
+  _s3_env(monkeypatch, s3_endpoint)
+  url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
+  t = {"huge": leaves()["huge"], "big": leaves()["big"]}
+  bt.save(url, t)
+  held = []
+  real = restore_objects._probe
+
+  def probe(*args, **kwargs):
+    obj = real(*args, **kwargs)
+    held.append(obj)
+    return obj
+
+  monkeypatch.setattr(restore_objects, "_probe", probe)
+  bad = {"huge": jax.ShapeDtypeStruct((1, 8), np.int32), "big": t["big"]}
+  with pytest.raises(ValueError, match="shape"):
+    bt.restore(url, bad)
+  assert any(o.key == "huge.npy" for o in held)
+  assert all(o.stream is None for o in held), held
 
 
 @pytest.mark.parametrize("key", ["params/w.npy", "huge.npy", "big.npy"])

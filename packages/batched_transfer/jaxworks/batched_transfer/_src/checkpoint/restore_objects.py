@@ -5,7 +5,13 @@ straight into the buffers restore places, no local copy.
 a prefix without its record is absent; an overwrite's staging copy beside
 the path is read while the record is missing), lists it once and reads the
 first bytes of every object it needs in parallel (``PROBE``: the ``.npy``
-header, all of a small object). What it returns is what restore opens on
+header, all of a small object). Restoring the whole checkpoint from a store
+that streams whole objects (``Storage.open_stream``: S3, Azure), each
+array takes one request: its object is requested whole, the header read
+from its first bytes, and the request held (``HELD`` of them at most) until
+the array's turn comes, its body then streamed into the array's buffer;
+elsewhere, and for ``metadata``, a partial restore and arrays larger than
+``PART``, the header is a ranged request of its own and the data another. What it returns is what restore opens on
 disk, ``restore_files.Opened`` or ``restore_shards.Manifest``, validated the
 same way before anything is placed, whose reads go to the bucket:
 
@@ -71,22 +77,37 @@ SMALL = 4 * 2**20
 PART = 64 * 2**20
 #: The first bytes of a shard file read when it is opened (its header).
 SHARD_PROBE = 16 * 2**10
+#: The most objects whose whole-object request restore holds open after
+#: their header, for their data (``Object.stream``); the others' data is
+#: requested again, by range.
+HELD = 64
 
 
 class Object:
   """One object, read in ranges: what ``reader.read_range`` reads instead
-  of a file descriptor."""
+  of a file descriptor. ``head``: its first bytes, read when opened;
+  ``stream``: the request that read them, held for the bytes after them
+  (or None)."""
 
-  def __init__(self, st: Storage, key: str, size: int, head: bytes) -> None:
+  def __init__(
+    self,
+    st: Storage,
+    key: str,
+    size: int,
+    head: Any,
+    stream: storage.ByteStream | None = None,
+  ) -> None:
     self.st, self.key, self.size, self.head = st, key, size, head
+    self.stream = stream
 
   @property
   def url(self) -> str:
     return self.st.where(self.key)
 
   def read_into(self, view: memoryview, pos: int) -> None:
-    """Fills ``view`` with the object's bytes from ``pos``: one request,
-    streamed into it (none where the bytes were read when it was opened).
+    """Fills ``view`` with the object's bytes from ``pos``: from the held
+    request where it is there, else one ranged request, streamed into it
+    (none where the bytes were read when it was opened).
 
     Raises:
       OSError: the object ends before ``view`` is full.
@@ -95,7 +116,43 @@ class Object:
     if pos + n <= len(self.head):
       view[:] = self.head[pos : pos + n]
       return
+    stream, self.stream = self.stream, None
+    if stream is not None:
+      at = stream.pos
+      if pos == at or pos < at <= len(self.head):
+        self._from_stream(stream, view, pos)
+        return
+      stream.close()
     self.st.stream_into(self.key, pos, view)
+
+  def _from_stream(
+    self, stream: storage.ByteStream, view: memoryview, pos: int
+  ) -> None:
+    """``view`` from ``pos``: the held request's bytes, those before it from
+    ``head``; a request that fails midway is taken up by a ranged one."""
+    done = stream.pos - pos
+    if done:
+      view[:done] = self.head[pos : stream.pos]
+    try:
+      got = stream.readinto(view[done:])
+    except OSError as err:  # dropped, timed out: the rest by range
+      LOG.debug("%s: held request failed (%s), reading by range", self.url, err)
+      stream.close()
+      self.st.stream_into(self.key, pos + done, view[done:])
+      return
+    if done + got < len(view):
+      stream.close()
+      raise self.st.short(self.key, stream.pos, pos + len(view))
+    if stream.pos < self.size:
+      self.stream = stream  # more to read, in order
+    else:
+      stream.close()
+
+  def close(self) -> None:
+    """Drops the held request, if any."""
+    stream, self.stream = self.stream, None
+    if stream is not None:
+      stream.close()
 
 
 class _RangeFile(io.RawIOBase):
@@ -284,6 +341,13 @@ class ObjectOpened(restore_files.Opened):
   ) -> reader.Files:
     return ObjectFiles(verify, self.st.concurrency, order, budget)
 
+  def close(self) -> None:
+    super().close()
+    for s in self.stored.values():
+      obj = getattr(s, "obj", None)
+      if obj is not None:
+        obj.close()
+
 
 class ObjectManifest(restore_shards.Manifest):
   """A checkpoint several processes wrote, in a bucket (``restore_shards``):
@@ -355,14 +419,34 @@ def _missing(api: str, url: str, key: str) -> FileNotFoundError:
 
 
 def _probe(
-  api: str, st: Storage, key: str, sizes: dict[str, int], n: int
+  api: str,
+  st: Storage,
+  key: str,
+  sizes: dict[str, int],
+  n: int,
+  hold: bool = False,
 ) -> Object:
-  """The object ``key`` with its first ``n`` bytes read."""
+  """The object ``key`` with its first ``n`` bytes read; ``hold``: by a
+  request of the whole object (where the storage streams one), held for
+  the rest unless it has ended."""
   size = sizes.get(key)
   if size is None:
     raise _missing(api, st.url, key)
-  head = bytes(st.read(key, 0, min(size, n))) if size else b""
-  return Object(st, key, size, head)
+  stream = st.open_stream(key) if hold and size else None
+  if stream is None:
+    head = bytes(st.read(key, 0, min(size, n))) if size else b""
+    return Object(st, key, size, head)
+  head = bytearray(min(size, n))
+  try:
+    got = stream.readinto(memoryview(head))
+  except BaseException:
+    stream.close()
+    raise
+  del head[got:]
+  if got < n or got >= size:  # all of it read (or all there is)
+    stream.close()
+    stream = None
+  return Object(st, key, size, head, stream)
 
 
 def _header(obj: Object) -> tuple[tuple[int, ...], bool, np.dtype, int]:
@@ -456,14 +540,23 @@ def open_checkpoint(
         "checkpoint is damaged: remove the one save did not write"
       )
     names[key] = (name, use)
-  wanted = {}
-  for key, (name, _) in sorted(names.items()):
+  wanted, hold, held = {}, set(), 0
+  whole = budget > 0  # a restore, which reads every array's data
+  for key, (name, use) in sorted(names.items()):
     size = sizes[name]
     wanted[name] = PROBE
     if PROBE < size <= SMALL and size <= budget:
       wanted[name], budget = size, budget - size
+    # A raw array read in one part: one request, held for its data (a
+    # small one read whole now).
+    if whole and use is None and (wanted[name] >= size or size <= PART):
+      if wanted[name] >= size or held < HELD:
+        hold.add(name)
+        held += wanted[name] < size
   heads = run_parallel(
-    lambda item: _probe(api, src, item[1][0], sizes, wanted[item[1][0]]),
+    lambda item: _probe(
+      api, src, item[1][0], sizes, wanted[item[1][0]], item[1][0] in hold
+    ),
     sorted(names.items()),
     src.concurrency,
   )

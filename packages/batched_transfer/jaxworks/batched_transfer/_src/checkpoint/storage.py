@@ -36,6 +36,7 @@ import abc
 import builtins
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Iterator
 from collections.abc import Sequence
 import concurrent.futures
 import dataclasses
@@ -45,6 +46,8 @@ import secrets
 import stat
 from typing import Any
 from typing import TypeVar
+
+import numpy as np
 
 LOG = logging.getLogger("jaxworks.batched_transfer")
 
@@ -194,6 +197,16 @@ def run_parallel(
       raise
 
 
+def copy_into(out: memoryview, at: int, data: Any) -> int:
+  """Copies the bytes-like ``data`` into ``out`` from ``at`` (as many as
+  fit), with the GIL released (a memoryview's copy holds it, and the
+  request threads of a restore copy at once); how many were copied."""
+  src = np.frombuffer(data, np.uint8)
+  n = min(src.size, len(out) - at)
+  np.frombuffer(out, np.uint8)[at : at + n] = src[:n]
+  return n
+
+
 def chunks(size: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
   """``(start, end)`` pairs that cut ``size`` bytes into ``chunk`` parts."""
   return [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
@@ -300,6 +313,12 @@ class Storage(abc.ABC):
     if len(data) != len(out):
       raise self.short(key, start + len(data), start + len(out))
     out[:] = data
+
+  def open_stream(self, key: str) -> ByteStream | None:
+    """All of ``key`` in one request (no range), its bytes read in order as
+    they are taken (``ByteStream``), or None where this storage reads in
+    ranges only (here)."""
+    return None
 
   def short(self, key: str, got: int, want: int) -> OSError:
     """The error of ``key`` ending at byte ``got``, before ``want``."""
@@ -442,6 +461,46 @@ class ObjectWriter:
     object)."""
     self._buf = bytearray()
     self._out = None
+
+
+class ByteStream:
+  """One request's bytes of an object, taken in order (``Storage.open_stream``):
+  what has arrived and is not yet taken is at most one chunk of the stream."""
+
+  def __init__(self, st: Storage, key: str, chunks: Iterator[Any]) -> None:
+    self.st, self.key = st, key
+    self._chunks: Iterator[Any] | None = chunks
+    self._left = memoryview(b"")
+    #: The object's bytes taken so far.
+    self.pos = 0
+
+  def readinto(self, out: memoryview) -> int:
+    """Fills ``out`` with the next bytes; how many (fewer only where the
+    object ends).
+
+    Raises:
+      OSError: the request failed (``Storage``'s errors).
+    """
+    out = out.cast("B")
+    n = 0
+    while n < len(out):
+      if not self._left:
+        chunk = None if self._chunks is None else next(self._chunks, None)
+        if chunk is None:
+          break
+        self._left = memoryview(chunk).cast("B")
+      k = copy_into(out, n, self._left)
+      self._left = self._left[k:]
+      n += k
+    self.pos += n
+    return n
+
+  def close(self) -> None:
+    """Drops the request (the rest of its bytes are not read)."""
+    chunks, self._chunks, self._left = self._chunks, None, memoryview(b"")
+    close = getattr(chunks, "close", None)
+    if close is not None:
+      close()
 
 
 class LocalStorage(Storage):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Iterable
+from collections.abc import Iterator
 import datetime
 import os
 import pathlib
@@ -51,6 +52,9 @@ from .storage import LOG
 from .storage import Location
 from .storage import Storage
 
+#: The least bytes a streamed GET hands over at once (``open_stream``):
+#: a header's first chunk, and the most held of an object not yet taken.
+STREAM_CHUNK = 64 * 2**10
 _INSTALL = "pip install 'jaxworks-batched-transfer[cloud]'"
 _OWN_KEYS = (
   "endpoint",
@@ -266,16 +270,25 @@ class ObstoreStorage(Storage):
         self._store, self._key(key), options={"range": (start, end)}
       )
       for part in result.stream(min_chunk_size=2**20):
-        view = memoryview(part).cast("B")
-        n = min(len(view), len(out) - pos)
-        out[pos : pos + n] = view[:n]
-        pos += n
+        pos += storage.copy_into(out, pos, part)
     except (self._exc.BaseError, OSError) as e:
       if "range" in str(e).lower() and self.size(key) <= start:
         raise self.short(key, self.size(key), end) from None
       raise self._error(e, key, "reading") from e
     if pos != len(out):
       raise self.short(key, start + pos, end)
+
+  def open_stream(self, key: str) -> storage.ByteStream:
+    # A GET without a range: the object whole, pulled as it is taken.
+    result = self._call(key, "reading", self._obs.get, self._key(key))
+
+    def chunks() -> Iterator[Any]:
+      try:
+        yield from result.stream(min_chunk_size=STREAM_CHUNK)
+      except (self._exc.BaseError, OSError) as e:
+        raise self._error(e, key, "reading") from e
+
+    return storage.ByteStream(self, key, chunks())
 
   def read_ranges(self, key: str, ranges: Any) -> builtins.list[Any]:
     ranges = [(a, b) for a, b in ranges]
