@@ -107,3 +107,18 @@ def test_removing_a_checkpoint_unlinks_its_files_and_follows_no_link(
   assert os.listdir(outside) == ["keep.npy"]
   assert (outside / "keep.npy").read_bytes() == b"x"
   commit.remove(str(top))  # a missing one is fine
+
+
+def test_removing_a_checkpoint_where_no_thread_starts(tmp_path, monkeypatch):
+  # At interpreter shutdown no thread starts: the calling thread unlinks all.
+  top = tmp_path / "ckpt"
+  top.mkdir()
+  for i in range(commit.REMOVE_THREADS * 2):
+    (top / f"t{i}.npy").write_bytes(b"y")
+
+  def refuse(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+
+  monkeypatch.setattr(commit.threading.Thread, "start", refuse)
+  commit.remove(str(top))
+  assert not top.exists()

@@ -143,8 +143,8 @@ _REMOVE_ALONE = 8
 
 
 def _unlink_all(dir_fd: int, names: list[str]) -> None:
-  """Unlinks ``names`` relative to ``dir_fd`` on ``REMOVE_THREADS`` threads
-  (errors ignored: what is left, ``remove``'s rmtree reports nothing of)."""
+  """Unlinks ``names`` relative to ``dir_fd`` on ``REMOVE_THREADS`` threads;
+  errors are ignored (``remove``'s rmtree then takes what is left)."""
 
   def unlink(part: list[str]) -> None:
     for name in part:
@@ -155,14 +155,17 @@ def _unlink_all(dir_fd: int, names: list[str]) -> None:
     unlink(names)
     return
   n = min(REMOVE_THREADS, len(names))
-  threads = [
-    threading.Thread(target=unlink, args=(names[k::n],), name=REMOVE_THREAD)
-    for k in range(1, n)
-  ]
-  for t in threads:
-    t.start()
+  started = []
+  for k in range(1, n):
+    t = threading.Thread(target=unlink, args=(names[k::n],), name=REMOVE_THREAD)
+    try:
+      t.start()
+    except RuntimeError:  # no new threads (interpreter shutdown): here
+      unlink(names[k::n])
+      continue
+    started.append(t)
   unlink(names[0::n])
-  for t in threads:
+  for t in started:
     t.join()
 
 
