@@ -7,9 +7,10 @@ the path is read while the record is missing), lists it once and reads the
 first bytes of every object it needs in parallel (``PROBE``: the ``.npy``
 header, all of a small object). Restoring the whole checkpoint from a store
 that streams whole objects (``Storage.open_stream``: S3, Azure), each
-array takes one request: its object is requested whole, the header read
-from its first bytes, and the request held (``HELD`` of them at most) until
-the array's turn comes, its body then streamed into the array's buffer;
+array takes one request: a small one read whole when opened (``SMALL``),
+any other of at most ``PART`` bytes requested whole, its header read from
+the first bytes and the request held (``HELD`` of them at most) until the
+array's turn comes, its body then streamed into the array's buffer;
 elsewhere, and for ``metadata``, a partial restore and arrays larger than
 ``PART``, the header is a ranged request of its own and the data another. What it returns is what restore opens on
 disk, ``restore_files.Opened`` or ``restore_shards.Manifest``, validated the
@@ -547,12 +548,12 @@ def open_checkpoint(
     wanted[name] = PROBE
     if PROBE < size <= SMALL and size <= budget:
       wanted[name], budget = size, budget - size
-    # A raw array read in one part: one request, held for its data (a
-    # small one read whole now).
-    if whole and use is None and (wanted[name] >= size or size <= PART):
-      if wanted[name] >= size or held < HELD:
-        hold.add(name)
-        held += wanted[name] < size
+    # A raw array read in one part, not whole now: one request, held for
+    # its data (one read whole now takes one ranged request: a streamed
+    # one costs more per request for a small object).
+    if whole and use is None and wanted[name] < size <= PART and held < HELD:
+      hold.add(name)
+      held += 1
   heads = run_parallel(
     lambda item: _probe(
       api, src, item[1][0], sizes, wanted[item[1][0]], item[1][0] in hold
