@@ -2,9 +2,11 @@
 S3 server and gcp-storage-emulator started on 127.0.0.1 by this test.
 
 Every leaf kind restores bit for bit; no temporary file or directory is
-made (the objects are read in ranged requests into restore's buffers); the
-bytes requested, counted through the storage layer's own ``read``, are the
-ones the devices need (a replicated region once, a sharded one by parts,
+made (the objects are streamed into restore's buffers); on S3 each array
+takes one request (its header and data, a held request that fails midway
+taken up by range); the bytes requested, counted through the storage
+layer's own ``read``, ``stream_into`` and ``open_stream``, are the ones the
+devices need (a replicated region once, a sharded one by parts,
 and with two processes each reads only its devices' shard files);
 ``metadata`` reads headers only; objects damaged after the commit
 (truncated, altered, deleted) are errors naming the URL, the key and the
