@@ -437,17 +437,17 @@ def _probe(
   if stream is None:
     head = bytes(st.read(key, 0, min(size, n))) if size else b""
     return Object(st, key, size, head)
-  head = bytearray(min(size, n))
+  first = bytearray(min(size, n))
   try:
-    got = stream.readinto(memoryview(head))
+    got = stream.readinto(memoryview(first))
   except BaseException:
     stream.close()
     raise
-  del head[got:]
+  del first[got:]
   if got < n or got >= size:  # all of it read (or all there is)
     stream.close()
     stream = None
-  return Object(st, key, size, head, stream)
+  return Object(st, key, size, first, stream)
 
 
 def _header(obj: Object) -> tuple[tuple[int, ...], bool, np.dtype, int]:
