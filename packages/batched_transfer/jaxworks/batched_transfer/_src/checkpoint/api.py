@@ -237,16 +237,21 @@ def save_url(
   compression: str | None = None,
   barrier_timeout_s: float = 300.0,
   progress: bool | None = False,
+  lease: bool = True,
 ) -> pending.SaveHandle | None:
   """A save to an object store, committed by its record created last;
-  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s. A
+  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s; ``lease``:
+  a directory save holds the URL's writer lease while it writes (False:
+  the caller holds one above it, a CheckpointManager's). A
   directory's files are written straight into their objects (remote.Bucket);
   an ``.npz`` is written locally, then uploaded. With a ``ticket`` (every
   process of the job saves): each process writes its own shards, process 0
   commits once all did (multiprocess)."""
   prelude = prelude or (lambda: pending.raise_background_error(api))
   if ticket is not None:
-    dest = remote.Collective(api, url, storage_options, overwrite, progress)
+    dest = remote.Collective(
+      api, url, storage_options, overwrite, progress, lease=lease
+    )
     try:
       return run_save(
         api, url, tree, overwrite=overwrite, blocking=blocking,
@@ -266,7 +271,7 @@ def save_url(
       write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
       collective=False, primary_keys=primary_keys, compression=compression,
       progress=progress, prelude=prelude, after=after,
-      bucket=remote.Bucket(api, url, storage_options, overwrite),
+      bucket=remote.Bucket(api, url, storage_options, overwrite, lease=lease),
     )  # fmt: skip
   up = remote.NpzUpload(api, url, storage_options, overwrite)
   try:

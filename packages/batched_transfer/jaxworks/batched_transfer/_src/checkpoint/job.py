@@ -200,7 +200,7 @@ class SaveJob:
       with codec.compressing(use, f) as out:
         return hostvalue.write_npy(out, a)
 
-    bucket.begin()
+    bucket.begin()  # the path's writer lease, given back by end()
     committed = False
     try:
       names = [codec.file_name(k, codecs.get(k)) for k in keys]
@@ -217,6 +217,8 @@ class SaveJob:
       if not committed:
         bucket.abort()
       raise
+    finally:
+      bucket.end()
 
   def run_alone(self) -> pending.SaveHandle | None:
     """The save of a checkpoint this process writes alone: ``prepare`` in

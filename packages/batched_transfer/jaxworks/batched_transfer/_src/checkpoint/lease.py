@@ -20,6 +20,7 @@ Managers of one process share its lease on a directory (counted; the last
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 import json
 import os
 import secrets
@@ -253,13 +254,21 @@ def _conflict(api: str, directory: str, record: dict[str, Any]) -> Exception:
   )
 
 
-def _stale(api: str, st: Storage, directory: str, gen: int) -> dict[str, Any]:
+def _stale(
+  api: str,
+  st: Storage,
+  directory: str,
+  gen: int,
+  conflict: Callable[[str, str, dict[str, Any]], Exception] = _conflict,
+) -> dict[str, Any] | None:
   """Returns the record of generation ``gen`` once its writer is known to
-  be gone (raises WriterConflictError while it lives; waits at most
-  ``EXPIRY_S`` for a writer on another host)."""
+  be gone, None if it was released meanwhile (list again: another process
+  may have created a lower generation since); raises ``conflict(api,
+  directory, record)`` while it lives; waits at most ``EXPIRY_S`` for a
+  writer on another host."""
   record = _read(st, gen)
   if record is None:
-    return {}  # released meanwhile
+    return None  # released meanwhile
   if not record:
     return {"writer": "unreadable"}
   same = record.get("machine") == _machine()
@@ -268,7 +277,7 @@ def _stale(api: str, st: Storage, directory: str, gen: int) -> dict[str, Any]:
     if pid == os.getpid() and record.get("pid_start") == _pid_start(pid):
       return record  # this process's own, no longer held (a fork, a reload)
     if _running(pid, record.get("pid_start")):
-      raise _conflict(api, directory, record)
+      raise conflict(api, directory, record)
     return record
   # Another host: alive while its heartbeat moves.
   beat = record.get("beat")
@@ -279,20 +288,30 @@ def _stale(api: str, st: Storage, directory: str, gen: int) -> dict[str, Any]:
     time.sleep(min(HEARTBEAT_S / 4, EXPIRY_S - age + 0.01))
     now = _read(st, gen)
     if now is None:
-      return {}  # released meanwhile
+      return None  # released meanwhile
     if now.get("beat") != beat:
-      raise _conflict(api, directory, now)
+      raise conflict(api, directory, now)
 
 
-def acquire(api: str, st: Storage, directory: str) -> Lease:
+def acquire(
+  api: str,
+  st: Storage,
+  directory: str,
+  conflict: Callable[[str, str, dict[str, Any]], Exception] = _conflict,
+) -> Lease:
   """This process's lease on ``directory`` (``st`` its storage), one more
-  reference to it; raises WriterConflictError while another live process
-  holds it."""
+  reference to it; raises WriterConflictError (or what ``conflict(api,
+  directory, record)`` returns) while another live process holds it."""
   with _acquiring:
-    return _acquire(api, st, directory)
+    return _acquire(api, st, directory, conflict)
 
 
-def _acquire(api: str, st: Storage, directory: str) -> Lease:
+def _acquire(
+  api: str,
+  st: Storage,
+  directory: str,
+  conflict: Callable[[str, str, dict[str, Any]], Exception],
+) -> Lease:
   key = st.url
   with _lock:
     held = _held.get(key)
@@ -303,7 +322,9 @@ def _acquire(api: str, st: Storage, directory: str) -> Lease:
     gens = _generations(st)
     taken = None
     if gens:
-      taken = _stale(api, st, directory, gens[-1])
+      taken = _stale(api, st, directory, gens[-1], conflict)
+      if taken is None:
+        continue  # released meanwhile: judge what is there now
     gen = gens[-1] + 1 if gens else 0
     lease = Lease(st, directory, gen)
     try:

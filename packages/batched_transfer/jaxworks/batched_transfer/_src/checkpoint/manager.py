@@ -565,6 +565,7 @@ class CheckpointManager:
         primary_keys=(METRICS_KEY,),
         compression=self._compression,
         barrier_timeout_s=self.barrier_timeout_s,
+        lease=False,  # this manager's lease on its directory covers it
       )  # fmt: skip
     return ckpt.run_save(
       api, path, tree, overwrite=False, blocking=blocking, write_threads=None,

@@ -498,7 +498,9 @@ class _InBucket:
     return self.up.where()
 
   def begin(self, stack: contextlib.ExitStack) -> str:
-    return self.up.begin()
+    name = self.up.begin()  # the path's writer lease, held to the end
+    stack.callback(self.up.end)
+    return name
 
   def attach(self, name: str) -> None:
     self.up.attach(name)

@@ -8,6 +8,18 @@ last with a conditional create: a prefix without its record is a save that
 did not commit, and reads as absent; of two saves to one new path exactly
 one creates the record, the other raises ``FileExistsError``.
 
+One saver per path: before any object is written, the save takes the
+path's writer lease (lease: ``<url>/.jaxworks-writer/<generation>``,
+created with the conditional create, a heartbeat, a dead saver's lease
+taken over with a warning) and gives it back once committed (and an
+overwrite's copy done). A second process saving the path meanwhile stops
+before writing anything (``FileExistsError``, or with ``overwrite``
+``WriterConflictError``), so it never writes over the objects of the
+checkpoint the first commits, as the no-replace rename of a local save
+guarantees. Readers ignore the lease's objects; the cleanup of leftovers
+keeps them. A CheckpointManager's saves take none: it holds its
+directory's.
+
 ``Bucket`` is the bucket side of a directory save (one process's, driven by
 ``job.SaveJob``, or every process's, driven by multiprocess): the writer
 threads stream each file straight into its object (``Storage.open_write``:
@@ -37,6 +49,7 @@ import threading
 from typing import Any
 
 from . import format
+from . import lease as lease_lib
 from . import stores
 from .storage import LOG
 from .storage import Storage
@@ -192,19 +205,31 @@ class NpzUpload:
       self.abort()
 
 
+def _leased(keys: Any) -> list[str]:
+  """``keys`` less the writer lease's objects (``.jaxworks-writer/*``)."""
+  return [k for k in keys if not k.startswith(lease_lib.PREFIX + "/")]
+
+
 class Bucket:
   """The bucket side of a directory save to ``url`` (see the module
   docstring): checked in the call; ``begin`` (process 0, in the save's
-  turn) says where the objects go, the path or a prefix beside it (the
-  other processes of a collective save ``attach`` there); every process
-  ``write``s its objects; process 0 ``commit``s; an overwrite then
-  ``move``s every process's objects to the path (server-side copies) and
-  process 0 ``finish``es with the commit there.
+  turn) takes the path's writer lease and says where the objects go, the
+  path or a prefix beside it (the other processes of a collective save
+  ``attach`` there); every process ``write``s its objects; process 0
+  ``commit``s; an overwrite then ``move``s every process's objects to the
+  path (server-side copies) and process 0 ``finish``es with the commit
+  there; ``end`` (process 0, once done or failed) gives the lease back.
+
+  Args:
+    lease: take the path's writer lease in ``begin`` (False: the caller
+      holds one on a directory above, a CheckpointManager's).
 
   Raises:
-    FileExistsError: a checkpoint is committed at ``url`` and not
-      ``overwrite`` (``begin``, ``commit``: another save committed there
-      meanwhile).
+    FileExistsError: a checkpoint is committed at ``url``, or another live
+      process is saving there, and not ``overwrite`` (``begin``;
+      ``commit``: another save committed there meanwhile).
+    WriterConflictError: with ``overwrite``, another live process is
+      saving to ``url`` (``begin``).
   """
 
   def __init__(
@@ -214,9 +239,12 @@ class Bucket:
     storage_options: dict[str, Any] | None,
     overwrite: bool,
     progress: bool | None = False,
+    lease: bool = True,
   ) -> None:
     del progress  # the writes are the upload: the save's bar draws them
     self.api, self.url, self.overwrite = api, url, overwrite
+    self.lease = lease
+    self._held: lease_lib.Lease | None = None
     self.st, self.parent, self.name = _destination(api, url, storage_options)
     self.stagings = _stagings(self.parent, self.name)
     self.committed = self.st.exists(format.RECORD) or any(
@@ -236,9 +264,42 @@ class Bucket:
     return self.target.url
 
   def begin(self) -> str:
-    """Process 0, in the save's turn, before any object is written: where
-    every process writes, as the name to post ("" for the path itself,
-    whose leftovers of saves that did not commit it removes first)."""
+    """Process 0, in the save's turn, before any object is written: the
+    path's writer lease taken (``end`` gives it back), then where every
+    process writes, as the name to post ("" for the path itself, whose
+    leftovers of saves that did not commit it removes first)."""
+    if self.lease and self._held is None:
+      self._held = lease_lib.acquire(
+        self.api, self.st, self.url, self._conflict
+      )
+    try:
+      return self._begin()
+    except BaseException:
+      self.end()
+      raise
+
+  def _conflict(self, api: str, url: str, record: dict[str, Any]) -> Exception:
+    """The error of a save that meets another live saver's lease."""
+    who = lease_lib.describe(record)
+    gone = (
+      f"If that process is gone, its lease expires {lease_lib.EXPIRY_S:g} s "
+      f"after its last heartbeat (or delete {url}/{lease_lib.PREFIX})"
+    )
+    if not self.overwrite:
+      return FileExistsError(
+        f"{api}: a checkpoint is being saved at {url!r} by {who}; save to "
+        "another path, or wait for that save and pass overwrite=True to "
+        f"replace its checkpoint. {gone}"
+      )
+    return lease_lib.WriterConflictError(
+      f"{api}: {url!r} is being saved by {who}; two saves of one path at "
+      "once would write over each other's objects, so this one stops "
+      "before writing any. Let one process save each path (in a job of "
+      "several processes, every process calls save and process 0 commits), "
+      f"or save to another path. {gone}"
+    )
+
+  def _begin(self) -> str:
     # Again: the saves called before this one may have committed since.
     self.stagings = _stagings(self.parent, self.name)
     self.committed = self.st.exists(format.RECORD) or any(
@@ -250,7 +311,7 @@ class Bucket:
       name = f".{self.name}{_NEW}{secrets.token_hex(8)}"
       self.target = self.parent.child(name)
       return name
-    self.st.delete(sorted(self.st.list()))
+    self.st.delete(sorted(_leased(self.st.list())))
     return ""
 
   def attach(self, name: str) -> None:
@@ -288,7 +349,7 @@ class Bucket:
       LOG.info("saved %s", self.url)
       return False
     self.st.delete([format.RECORD])
-    self.st.delete_prefix()
+    self.st.delete(_leased(self.st.list()))  # not the lease
     return True
 
   def move(self) -> None:
@@ -326,8 +387,16 @@ class Bucket:
     if self.beside:
       self.target.delete_prefix()
 
+  def end(self) -> None:
+    """Process 0, the save done or failed: the writer lease given back
+    (again: nothing)."""
+    held, self._held = self._held, None
+    if held is not None:
+      lease_lib.release(held)
+
   def close(self) -> None:
-    """Nothing is held locally."""
+    """Nothing is held locally; the lease, if still held, given back."""
+    self.end()
 
 
 #: The bucket side of a collective save (multiprocess) is ``Bucket``.

@@ -20,6 +20,7 @@ from . import codec
 from . import commit
 from . import format
 from . import hostvalue
+from . import lease
 from .keys import leaf_keys
 from .keys import path_kinds
 from .keys import python_scalar_dtype
@@ -409,6 +410,8 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
         if codec.split_name(name) is None and not (
           root == path and name in (format.RECORD, format.MANIFEST)
         ):
+          if root == os.path.join(path, lease.PREFIX):
+            continue  # a bucket save's writer lease, copied with the files
           raise FileExistsError(
             f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is "
             "not an .npy file; overwrite only replaces directories written "
