@@ -282,3 +282,41 @@ def test_a_managers_saves_take_no_lease_per_step(env, monkeypatch):
   assert leased and all(c[1] == directory for c in leased), leased
   with bt.CheckpointManager(directory) as m:
     check_tree(m.restore(2), tree(0, 2, n=2))
+
+
+EXITING = TREE + textwrap.dedent(
+  """
+  import sys, time
+  from jaxworks import batched_transfer as bt
+  from jaxworks.batched_transfer._src.checkpoint import stores
+
+  url = sys.argv[1]
+  bt.save(url, tree(1, 5, n=24, size=2**20), blocking=False)
+  st = stores.open_storage("test", url)
+  while not st.list(".jaxworks-writer"):  # its lease taken: exit now
+    time.sleep(0.001)
+  """
+)
+
+
+def test_a_save_still_writing_at_exit_holds_its_lease(env):
+  url = f"s3://race/run-{uuid.uuid4().hex}/ckpt"
+  child = subprocess.Popen([sys.executable, "-c", EXITING, url], env=env)
+  polls = 0
+  while child.poll() is None:
+    names = objects(url)
+    if format.RECORD not in names and any(n.endswith(".npy") for n in names):
+      # Objects written, not committed: the save must still hold the lease
+      # (the interpreter's exit waits for the save thread, then the lease
+      # is given back).
+      held = [n for n in names if n.startswith(lease.PREFIX)]
+      if not held:  # the lease is listed before the objects, so look again
+        names = objects(url)
+        held = [n for n in names if n.startswith(lease.PREFIX)]
+        assert held or format.RECORD in names, names
+      polls += 1
+    time.sleep(0.005)
+  assert child.wait(timeout=120) == 0
+  assert polls, "never saw the save writing"
+  check_tree(bt.restore(url), tree(1, 5, n=24, size=2**20))
+  assert lease.PREFIX not in str(objects(url))
