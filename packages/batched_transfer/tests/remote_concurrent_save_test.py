@@ -28,6 +28,7 @@ import object_servers  # noqa: E402
 from jaxworks import batched_transfer as bt  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import lease  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
 ROUNDS = 10
@@ -320,3 +321,28 @@ def test_a_save_still_writing_at_exit_holds_its_lease(env):
   assert polls, "never saw the save writing"
   check_tree(bt.restore(url), tree(1, 5, n=24, size=2**20))
   assert lease.PREFIX not in str(objects(url))
+
+
+def test_a_save_whose_lease_was_taken_over_does_not_commit(env, monkeypatch):
+  """A saver suspended past the lease's expiry, whose lease another process
+  took over meanwhile (a higher generation), stops before its commit."""
+  url = f"s3://race/run-{uuid.uuid4().hex}/ckpt"
+  real = remote.Bucket.write
+
+  def write(self, *a, **kw):
+    out = real(self, *a, **kw)
+    other = {"pid": 1, "host": "elsewhere", "writer": "f00d", "started": 0}
+    st = self._held.storage
+    st.create(lease._key(self._held.gen + 1), json.dumps(other).encode())
+    assert self._held.renew()  # what its heartbeat thread would find
+    return out
+
+  monkeypatch.setattr(remote.Bucket, "write", write)
+  with pytest.raises(lease.WriterConflictError, match="took over this save"):
+    bt.save(url, tree(0, 6, n=2))
+  names = objects(url)
+  assert format.RECORD not in names, names
+  # Its own generation deleted, the taker's left to its taker.
+  assert [n for n in names if n.startswith(lease.PREFIX)] == [lease._key(1)], (
+    names
+  )

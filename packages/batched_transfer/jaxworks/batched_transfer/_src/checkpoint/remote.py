@@ -299,6 +299,20 @@ class Bucket:
       f"or save to another path. {gone}"
     )
 
+  def _still(self) -> None:
+    """Raises WriterConflictError if another process took this save's
+    lease over (this one's heartbeat had stopped): before each step that
+    writes at the path."""
+    lost = None if self._held is None else self._held.lost
+    if lost is not None:
+      raise lease_lib.WriterConflictError(
+        f"{self.api}: {self.url!r} is now saved by "
+        f"{lease_lib.describe(lost)}, which took over this save's writer "
+        f"lease (its heartbeat had stopped for {lease_lib.EXPIRY_S:g} s: "
+        "was this process suspended?); this save stops before writing "
+        "there again: save again once that one is done, or to another path"
+      )
+
   def _begin(self) -> str:
     # Again: the saves called before this one may have committed since.
     self.stagings = _stagings(self.parent, self.name)
@@ -338,6 +352,7 @@ class Bucket:
     then move to the path (``move`` on every process, then ``finish``):
     the old checkpoint's record and objects are removed first, and the
     one committed beside it is what readers find meanwhile."""
+    self._still()
     if manifest is not None:
       self.target.write(format.MANIFEST, manifest)
     try:
@@ -354,6 +369,7 @@ class Bucket:
 
   def move(self) -> None:
     """Every process: its objects copied to the path on the server."""
+    self._still()
     here = self.target.location.name
     self._copy([(f"{here}/{n}", f"{self.name}/{n}") for n in self.written])
 
@@ -366,6 +382,7 @@ class Bucket:
 
   def finish(self, record: bytes, manifest: bytes | None = None) -> None:
     """Process 0, every process's objects at the path: the commit there."""
+    self._still()
     if manifest is not None:
       self.st.write(format.MANIFEST, manifest)
     try:
