@@ -196,3 +196,26 @@ def test_fresh_env_caches_bytecode_in_one_directory_per_run(monkeypatch):
     "import sys, json; print(json.dumps(sys.dont_write_bytecode))"
   )
   assert written is False
+
+
+def test_median_pair_fresh_releases_memory_before_each_timed_call(
+  monkeypatch,
+):
+  calls = []
+  monkeypatch.setattr(jb, "release_memory", lambda: calls.append("release"))
+  jb.median_pair(
+    lambda: calls.append("ours"),
+    lambda: calls.append("ref"),
+    2,
+    fresh=True,
+  )
+  # Alternating which side goes first, each timed call after a release.
+  assert calls == ["release", "ours", "release", "ref"] + [
+    "release",
+    "ref",
+    "release",
+    "ours",
+  ]
+  calls.clear()
+  jb.median_pair(lambda: None, lambda: None, 2)
+  assert calls == []

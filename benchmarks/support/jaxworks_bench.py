@@ -27,6 +27,7 @@ overhead cap of 1.05x is the goal ``1 / 1.05``)::
 """
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
@@ -133,13 +134,29 @@ def median_time(fn, repeats, inner=1, setup=None, gc_off=True):
   return statistics.median(times)
 
 
-def median_pair(ours, reference, repeats, inner=1, setup=None, gc_off=True):
+def release_memory():
+  """Collects garbage and hands the C heap's free memory back to the system
+  (glibc's ``malloc_trim``), so that the next call allocates fresh pages as
+  a process doing it once does, not pages an earlier repeat freed."""
+  gc.collect()
+  try:
+    ctypes.CDLL(None).malloc_trim(0)
+  except (AttributeError, OSError):  # not glibc: nothing to hand back
+    pass
+
+
+def median_pair(
+  ours, reference, repeats, inner=1, setup=None, gc_off=True, fresh=False
+):
   """Medians ``(ours, reference)`` of seconds per call, interleaved.
 
   Each repeat times both, alternating which goes first, so both sides share
   the drift of a busy machine. ``setup()``, if given, runs before each
   repeat and returns ``(ours, reference)`` thunks for it (fresh functions
-  per repeat); then ``ours`` and ``reference`` may be None.
+  per repeat); then ``ours`` and ``reference`` may be None. With ``fresh``,
+  ``release_memory()`` runs before each timed call (outside the timer):
+  for sides that allocate their results, so that neither reuses the other's
+  or an earlier repeat's freed memory.
   """
   t_ours, t_ref = [], []
   for r in range(repeats):
@@ -149,6 +166,8 @@ def median_pair(ours, reference, repeats, inner=1, setup=None, gc_off=True):
     if r % 2:
       order.reverse()
     for sink, fn in order:
+      if fresh:
+        release_memory()
       with _GcOff(gc_off):
         sink.append(per_call(fn, inner))
   return statistics.median(t_ours), statistics.median(t_ref)

@@ -10,7 +10,8 @@ created with the Azure SDK for JavaScript, ``@azure/storage-blob``, which
 answers every request with ``status`` and counts them (throttling and 5xx
 answers). Every server listens on 127.0.0.1 on a free port, runs in daemon
 threads of the test process and stops when its ``with`` block ends (or the
-process does). The client libraries are the real ones, never a mock.
+process does); ``s3_server_process()`` runs moto in a child process, for
+benchmarks. The client libraries are the real ones, never a mock.
 """
 
 from __future__ import annotations
@@ -55,6 +56,41 @@ def s3_server() -> Iterator[str]:
     yield f"http://{host}:{port}"
   finally:
     server.stop()
+
+
+_S3_CHILD = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()  # until the parent closes it (or exits)
+server.stop()
+"""
+
+
+@contextlib.contextmanager
+def s3_server_process() -> Iterator[str]:
+  """moto's S3 server in a process of its own (as a real server is, it
+  does not share the client's interpreter lock); yields its endpoint."""
+  import sys
+
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _S3_CHILD],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+      raise RuntimeError(f"moto's S3 server did not start: {line!r}")
+    yield f"http://127.0.0.1:{int(line)}"
+  finally:
+    proc.kill()
+    proc.wait()
 
 
 def s3_bucket(endpoint: str, name: str) -> None:
