@@ -223,6 +223,23 @@ def test_small_arrays_take_one_request_each(url, requests, monkeypatch):
     assert sum(counts) > len(t)
 
 
+def test_array_of_exactly_one_part_takes_one_request(
+  url, requests, monkeypatch
+):
+  """An array whose data is exactly restore_objects.PART bytes (its object
+  a header longer): one part, so on S3 one request of the whole object,
+  held after its header for the data."""
+  monkeypatch.setattr(restore_objects, "PART", 8 * MiB)
+  t = {"w": np.arange(2 * MiB, dtype=np.float32)}  # 8 MiB of data
+  bt.save(url, t, max_inflight_bytes=64 * MiB)
+  requests.clear()
+  same(bt.restore(url, max_inflight_bytes=8 * MiB), t)
+  if url.startswith("s3://"):
+    assert requests["w.npy"] == [(0, WHOLE)], requests["w.npy"]
+  else:  # the header when opened, then the data in one request
+    assert len(requests["w.npy"]) == 2, requests["w.npy"]
+
+
 def test_large_array_in_parts(url, requests, monkeypatch):
   """An array larger than restore_objects.PART: parts read at once, each
   checked; a byte altered in the middle part is found."""

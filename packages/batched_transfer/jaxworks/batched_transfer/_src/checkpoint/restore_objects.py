@@ -548,10 +548,14 @@ def open_checkpoint(
     wanted[name] = PROBE
     if PROBE < size <= SMALL and size <= budget:
       wanted[name], budget = size, budget - size
-    # A raw array read in one part, not whole now: one request, held for
-    # its data (one read whole now takes one ranged request: a streamed
-    # one costs more per request for a small object).
-    if whole and use is None and wanted[name] < size <= PART and held < HELD:
+    # A raw array read in one part (its data at most PART bytes after a
+    # header of less than PROBE), not whole now: one request, held for its
+    # data (one read whole now takes one ranged request: a streamed one
+    # costs more per request for a small object).
+    one_part = size <= PART + PROBE
+    if (
+      whole and use is None and wanted[name] < size and one_part and held < HELD
+    ):
       hold.add(name)
       held += 1
   heads = run_parallel(
