@@ -129,7 +129,9 @@ def encode_record(record: Record) -> bytes:
       data[name] = getattr(record, name)
   if record.tree is not None:
     data["tree"] = [list(e) for e in record.tree]
-  return json.dumps(data, indent=0, sort_keys=True).encode()
+  # One line: json's C encoder (an indent takes the pure-Python one, 4x
+  # slower: 45 ms of a 1,000-leaf save's record with its shardings).
+  return json.dumps(data, sort_keys=True).encode()
 
 
 def _strs(v: Any, what: str) -> dict[str, str]:
