@@ -42,10 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import os
-import queue
 import secrets
 import tempfile
-import threading
 from typing import Any
 
 from . import format
@@ -53,6 +51,7 @@ from . import lease as lease_lib
 from . import stores
 from .storage import LOG
 from .storage import Storage
+from .storage import in_writer_threads
 
 _NEW = ".jaxworks-new-"
 #: Bytes of an ``.npy`` file that ``metadata`` reads (its header).
@@ -87,55 +86,19 @@ def _upload(
   writes it, ``value = take(i)`` taken in order on this thread, on
   ``threads`` threads; ``done(i)`` once it is written (or failed); what
   each ``fill`` returned. Nothing of a failed object is visible.
-
-  Plain threads, not concurrent.futures: a non-blocking save may still be
-  writing while the interpreter exits, when executors refuse new work.
   """
   out: list[Any] = [None] * len(names)
-  todo: queue.Queue = queue.Queue(maxsize=threads)
-  errors: list[BaseException] = []
 
-  def work() -> None:
-    while True:
-      item = todo.get()
-      if item is None:
-        return
-      i, a = item
-      try:
-        if not errors:
-          f = st.open_write(names[i], int(getattr(a, "nbytes", 0)) + _HEADER)
-          try:
-            out[i] = fill(i, a, f)
-            f.close()
-          except BaseException:
-            f.abort()
-            raise
-      except BaseException as err:  # raised below, on the calling thread
-        errors.append(err)
-      finally:
-        del a, item
-        done(i)
+  def work(i: int, a: Any) -> None:
+    f = st.open_write(names[i], int(getattr(a, "nbytes", 0)) + _HEADER)
+    try:
+      out[i] = fill(i, a, f)
+      f.close()
+    except BaseException:
+      f.abort()
+      raise
 
-  workers = [
-    threading.Thread(target=work, name=f"{WRITE_THREAD_PREFIX}-{n}")
-    for n in range(min(threads, max(1, len(names))))
-  ]
-  for w in workers:
-    w.start()
-  try:
-    for i in range(len(names)):
-      if errors:
-        break
-      a = take(i)
-      todo.put((i, a))
-      del a
-  finally:
-    for _ in workers:
-      todo.put(None)
-    for w in workers:
-      w.join()
-  if errors:
-    raise errors[0]
+  in_writer_threads(len(names), take, work, done, threads, WRITE_THREAD_PREFIX)
   return out
 
 

@@ -42,8 +42,10 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import queue
 import secrets
 import stat
+import threading
 from typing import Any
 from typing import TypeVar
 
@@ -195,6 +197,62 @@ def run_parallel(
       for f in futures:
         f.cancel()
       raise
+
+
+def in_writer_threads(
+  count: int,
+  take: Callable[[int], Any],
+  work: Callable[[int, Any], None],
+  done: Callable[[int], None],
+  threads: int,
+  name: str,
+) -> None:
+  """``work(i, take(i))`` for each ``i < count``: ``take`` runs on this
+  thread, in order, ``work`` on one of ``threads`` threads named ``name``;
+  ``done(i)`` after each (done or failed). After the first error nothing
+  more is taken or worked on; it is raised here once the threads ended.
+
+  Plain threads, not concurrent.futures: a non-blocking save may still be
+  writing while the interpreter exits, when executors refuse new work.
+  """
+  todo: queue.Queue = queue.Queue(maxsize=threads)
+  errors: list[BaseException] = []
+
+  def loop() -> None:
+    while True:
+      item = todo.get()
+      if item is None:
+        return
+      i, value = item
+      try:
+        if not errors:
+          work(i, value)
+      except BaseException as err:  # raised below, on the calling thread
+        errors.append(err)
+      finally:
+        del value, item
+        done(i)
+
+  workers = [
+    threading.Thread(target=loop, name=f"{name}-{n}")
+    for n in range(min(threads, max(1, count)))
+  ]
+  for w in workers:
+    w.start()
+  try:
+    for i in range(count):
+      if errors:
+        break
+      value = take(i)
+      todo.put((i, value))
+      del value
+  finally:
+    for _ in workers:
+      todo.put(None)
+    for w in workers:
+      w.join()
+  if errors:
+    raise errors[0]
 
 
 def copy_into(out: memoryview, at: int, data: Any) -> int:

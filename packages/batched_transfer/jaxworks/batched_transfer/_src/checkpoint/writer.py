@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
 import threading
 import time
 from typing import Any
@@ -27,6 +26,7 @@ from .keys import python_scalar_dtype
 from .keys import saved_leaf
 from .progress import Progress
 from .storage import LOG
+from .storage import in_writer_threads
 
 #: Name prefix of the threads that write files.
 WRITE_THREAD_PREFIX = "jaxworks-save-write"
@@ -262,63 +262,28 @@ def write_directory(
 ) -> tuple[dict[str, np.dtype], dict[str, list[int]]]:
   """Writes every leaf as ``tmp/<key>.npy`` (``.npy.zst`` for a key in
   ``codecs``, see codec) on ``threads`` threads; the dtypes and the
-  checksums of the files' (uncompressed) data, by key.
-
-  Plain threads, not concurrent.futures: a non-blocking save may still be
-  writing while the interpreter exits, when executors refuse new work.
+  checksums of the files' (uncompressed) data, by key (the threads:
+  ``storage.in_writer_threads``).
   """
   dtypes: dict[str, np.dtype] = {}
   sums: dict[str, list[int]] = {}
   for key in keys:
     sub = os.path.dirname(os.path.join(tmp, *key.split("/")))
     os.makedirs(sub, exist_ok=True)
-  todo: queue.Queue = queue.Queue(maxsize=threads)
-  errors: list[BaseException] = []
 
-  def work() -> None:
-    while True:
-      item = todo.get()
-      if item is None:
-        return
-      i, a = item
-      try:
-        if not errors:
-          use = (codecs or {}).get(keys[i])
-          name = codec.file_name(keys[i], use)
-          file = os.path.join(tmp, *name.split("/"))
-          LOG.debug("writing %s", file)
-          sums[keys[i]] = write_file(
-            api, path, file,
-            (lambda f: hostvalue.write_npy(f, a)) if use is None
-            else (lambda f: _write_compressed(use, f, a)),
-          )  # fmt: skip
-      except BaseException as err:  # raised below, on the calling thread
-        errors.append(err)
-      finally:
-        del a, item
-        done(i)
+  def work(i: int, a: Any) -> None:
+    dtypes[keys[i]] = a.dtype
+    use = (codecs or {}).get(keys[i])
+    name = codec.file_name(keys[i], use)
+    file = os.path.join(tmp, *name.split("/"))
+    LOG.debug("writing %s", file)
+    sums[keys[i]] = write_file(
+      api, path, file,
+      (lambda f: hostvalue.write_npy(f, a)) if use is None
+      else (lambda f: _write_compressed(use, f, a)),
+    )  # fmt: skip
 
-  workers = [
-    threading.Thread(target=work, name=f"{WRITE_THREAD_PREFIX}-{n}")
-    for n in range(min(threads, max(1, len(keys))))
-  ]
-  for w in workers:
-    w.start()
-  try:
-    for i in range(len(keys)):
-      if errors:
-        break
-      a = take(i)
-      dtypes[keys[i]] = a.dtype
-      todo.put((i, a))
-      del a
-  finally:
-    for _ in workers:
-      todo.put(None)
-    for w in workers:
-      w.join()
-  if errors:
-    raise errors[0]
+  in_writer_threads(len(keys), take, work, done, threads, WRITE_THREAD_PREFIX)
   return dtypes, sums
 
 
