@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -300,3 +301,20 @@ def gcs_endpoint():
   with gcs_server() as endpoint:
     gcs_bucket(endpoint, "ckpt")
     yield endpoint
+
+
+@pytest.fixture(params=["s3", "gs"], name="url")
+def bucket_url(request, monkeypatch):
+  """A new checkpoint URL (``s3://`` on moto, ``gs://`` on the GCS
+  emulator: a test using it runs on both), its client configured by the
+  environment as users configure it."""
+  if request.param == "s3":
+    for k, v in S3_ENV.items():
+      monkeypatch.setenv(k, v)
+    monkeypatch.setenv(
+      "AWS_ENDPOINT_URL", request.getfixturevalue("s3_endpoint")
+    )
+  else:
+    endpoint = request.getfixturevalue("gcs_endpoint")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+  return f"{request.param}://ckpt/run-{uuid.uuid4().hex}/ckpt"

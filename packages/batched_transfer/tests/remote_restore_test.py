@@ -56,14 +56,7 @@ def _s3_env(monkeypatch, endpoint):
   monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
 
 
-@pytest.fixture(params=["s3", "gs"])
-def url(request, monkeypatch):
-  if request.param == "s3":
-    _s3_env(monkeypatch, request.getfixturevalue("s3_endpoint"))
-  else:
-    endpoint = request.getfixturevalue("gcs_endpoint")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
-  return f"{request.param}://ckpt/run-{uuid.uuid4().hex}/ckpt"
+url = object_servers.bucket_url
 
 
 #: The end of a request of a whole object (no range): all of it.

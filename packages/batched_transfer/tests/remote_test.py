@@ -28,17 +28,7 @@ s3_endpoint = object_servers.s3_endpoint
 gcs_endpoint = object_servers.gcs_endpoint
 
 
-@pytest.fixture(params=["s3", "gs"])
-def url(request, monkeypatch):
-  if request.param == "s3":
-    endpoint = request.getfixturevalue("s3_endpoint")
-    for k, v in object_servers.S3_ENV.items():
-      monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-  else:
-    endpoint = request.getfixturevalue("gcs_endpoint")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
-  return f"{request.param}://ckpt/run-{uuid.uuid4().hex}/ckpt"
+url = object_servers.bucket_url
 
 
 def tree(seed):
