@@ -3,6 +3,7 @@ file beside the saved tree, an OrderedDict target, a step that cannot be
 removed, metrics JSON cannot hold, metrics of a deleted step."""
 
 import collections
+import json
 import os
 
 import numpy as np
@@ -28,6 +29,16 @@ def test_a_header_whose_byte_count_overflows_int64_is_refused(tmp_path):
     }
     np.lib.format.write_array_header_1_0(f, header)
     f.write(data)
+  # The record says the shape save wrote: the header disagrees.
+  with pytest.raises(ValueError, match=r"says shape \(2,\); the checkpoint"):
+    bt.restore(path)
+  # A record without shapes (an earlier version's): the data is too short.
+  record = os.path.join(path, "jaxworks_dtypes.json")
+  with open(record) as f:
+    saved = json.load(f)
+  del saved["shapes"]
+  with open(record, "w") as f:
+    json.dump(saved, f)
   needs = 6 * 3074457345618258603 * 4
   with pytest.raises(ValueError, match=f"holds 8 bytes .* needs {needs}"):
     bt.restore(path)

@@ -2,13 +2,16 @@
 S3 server and gcp-storage-emulator started on 127.0.0.1 by this test.
 
 Every leaf kind restores bit for bit; no temporary file or directory is
-made (the objects are streamed into restore's buffers); on S3 each array
-takes one request (its header and data, a held request that fails midway
-taken up by range); the bytes requested, counted through the storage
+made (the objects are streamed into restore's buffers); each array takes
+one request: its header and data together where the record says its shape
+(the header checked when it arrives), else (a checkpoint of an earlier
+version) on S3 a request held after its header, one that fails midway taken
+up by range; the bytes requested, counted through the storage
 layer's own ``read``, ``stream_into`` and ``open_stream``, are the ones the
 devices need (a replicated region once, a sharded one by parts,
 and with two processes each reads only its devices' shard files);
-``metadata`` reads headers only; objects damaged after the commit
+``metadata`` reads no array where the record says its shape, headers
+only of the others; objects damaged after the commit
 (truncated, altered, deleted) are errors naming the URL, the key and the
 fix; an overwrite's copy beside the path is read while the path has no
 record.
@@ -87,10 +90,11 @@ def requests(monkeypatch):
         seen[key].append((start, end))
       return real(self, key, start, end)
 
-    def stream_into(self, key, start, out, real=real_into):
+    def stream_into(self, key, start, *outs, real=real_into):
+      n = sum(memoryview(o).nbytes for o in outs)
       with lock:
-        seen[key].append((start, start + len(out)))
-      return real(self, key, start, out)
+        seen[key].append((start, start + n))
+      return real(self, key, start, *outs)
 
     monkeypatch.setattr(cls, "read", read)
     monkeypatch.setattr(cls, "stream_into", stream_into)
@@ -99,6 +103,15 @@ def requests(monkeypatch):
 
 def _bytes(ranges):
   return sum(e - s for s, e in ranges)
+
+
+def as_earlier_version(url):
+  """Rewrites the record of the checkpoint at ``url`` as versions before
+  ``shapes`` wrote it (restore then reads each header first)."""
+  st = stores.open_storage(API, url)
+  record = json.loads(bytes(st.read(RECORD)))
+  assert record.pop("shapes")
+  st.write(RECORD, json.dumps(record).encode())
 
 
 def leaves():
@@ -151,10 +164,10 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
   bt.save(url, t)
   requests.clear()
   same(bt.restore(url), t)
-  # Every byte of every array requested once, in parallel requests: the
-  # first PROBE bytes of each object when it was opened (all of a small
-  # one); on S3 by a request of the whole object, held for the rest of it,
-  # on GCS the rest by range when its batch came.
+  # Every byte of every array requested once, in parallel requests: an
+  # array whose shape the record says in one request with its header; the
+  # others (Fortran order, no data) opened with their first PROBE bytes (all
+  # of a small one).
   st = stores.open_storage(API, url)
   for key, size in st.list().items():
     if key == RECORD:
@@ -166,13 +179,22 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
     assert (covered > 1).sum() <= restore_objects.PROBE, (
       key
     )  # once, but the header
+  for key, size in st.list().items():  # one request per object
+    if key != RECORD:
+      assert requests[key] == [(0, size)], (key, requests[key])
+  # A checkpoint of an earlier version (no shapes in its record): on S3 a
+  # request of the whole object, held after its header for the rest; on GCS
+  # the header when opened, then the data in one request (streamed).
+  as_earlier_version(url)
+  requests.clear()
+  same(bt.restore(url), t)
   huge = sorted(requests["huge.npy"])
-  if url.startswith("s3://"):  # one request per object
+  if url.startswith("s3://"):
     for key, size in st.list().items():
       if key != RECORD and size:
         assert requests[key] in ([(0, WHOLE)], [(0, size)]), requests[key]
     assert huge == [(0, WHOLE)], huge
-  else:  # the header when opened, then the data in one request (streamed)
+  else:
     assert len(huge) == 2 and huge[1][1] == st.list()["huge.npy"], huge
   like = jax.tree.map(
     lambda x: (
@@ -187,11 +209,30 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
 
 
 def test_small_arrays_take_one_request_each(url, requests, monkeypatch):
-  """A tree of many small arrays: each object read whole when opened (one
-  request), its data not requested again; within max_inflight_bytes."""
+  """A tree of many small arrays: each object in one request (header and
+  data), however little memory restore may use; none when opened."""
   rng = np.random.default_rng(2)
   t = {f"s{i:02d}": rng.standard_normal(25_000, np.float32) for i in range(40)}
   bt.save(url, t)
+  monkeypatch.setattr(restore_objects, "HELD", 0)
+  for budget in (2**30, 2 * 2**20, 1):
+    requests.clear()
+    same(bt.restore(url, max_inflight_bytes=budget), t)
+    for k in t:
+      assert requests[f"{k}.npy"] == [(0, 100_128)], requests[f"{k}.npy"]
+  requests.clear()
+  assert bt.metadata(url)["s00"].shape == (25_000,)
+  assert set(requests) == {RECORD}, requests  # no array read
+
+
+def test_small_arrays_of_an_earlier_version(url, requests, monkeypatch):
+  """Many small arrays whose record does not say their shapes: each object
+  read whole when opened (one request), its data not requested again;
+  within max_inflight_bytes."""
+  rng = np.random.default_rng(2)
+  t = {f"s{i:02d}": rng.standard_normal(25_000, np.float32) for i in range(40)}
+  bt.save(url, t)
+  as_earlier_version(url)
   requests.clear()
   same(bt.restore(url), t)
   for k in t:
@@ -227,6 +268,11 @@ def test_array_of_exactly_one_part_takes_one_request(
   bt.save(url, t, max_inflight_bytes=64 * MiB)
   requests.clear()
   same(bt.restore(url, max_inflight_bytes=8 * MiB), t)
+  size = stores.open_storage(API, url).list()["w.npy"]
+  assert requests["w.npy"] == [(0, size)], requests["w.npy"]
+  as_earlier_version(url)  # its header first
+  requests.clear()
+  same(bt.restore(url, max_inflight_bytes=8 * MiB), t)
   if url.startswith("s3://"):
     assert requests["w.npy"] == [(0, WHOLE)], requests["w.npy"]
   else:  # the header when opened, then the data in one request
@@ -241,9 +287,11 @@ def test_large_array_in_parts(url, requests, monkeypatch):
   bt.save(url, t)
   requests.clear()
   same(bt.restore(url), t)
-  parts = sorted(requests["huge.npy"])[1:]
-  assert [e - s for s, e in parts] == [16 * MiB, 16 * MiB, 3 * MiB], parts
   st = stores.open_storage(API, url)
+  header = st.list()["huge.npy"] - t["huge"].nbytes
+  parts = sorted(requests["huge.npy"])  # the first with the header
+  sizes = [e - s for s, e in parts]
+  assert sizes == [header + 16 * MiB, 16 * MiB, 3 * MiB], parts
   data = bytearray(st.read("huge.npy"))
   data[20 * MiB] ^= 1
   st.write("huge.npy", bytes(data))
@@ -283,14 +331,22 @@ def test_no_temporary_file_or_directory(url, monkeypatch, tmp_path):
 
 
 def test_metadata_reads_headers_only(url, requests):
+  """metadata reads no array whose shape the record says (here all but the
+  Fortran-order and the empty one), the header only of the others."""
   t = leaves()
   bt.save(url, t)
-  requests.clear()
-  m = bt.metadata(url)
-  assert m["huge"].shape == t["huge"].shape and m["run"] == "exp-1"
-  for key, ranges in requests.items():
-    if key.endswith(".npy"):
-      assert _bytes(ranges) <= restore_objects.PROBE, (key, ranges)
+  for earlier in (False, True):
+    if earlier:
+      as_earlier_version(url)
+    requests.clear()
+    m = bt.metadata(url)
+    assert m["huge"].shape == t["huge"].shape and m["run"] == "exp-1"
+    assert m["params"]["bf16"].dtype == ml_dtypes.bfloat16
+    read = {k for k in requests if k.endswith(".npy")}
+    assert read == ({"fortran.npy", "empty.npy"} if not earlier else read)
+    for key, ranges in requests.items():
+      if key.endswith(".npy"):
+        assert _bytes(ranges) <= restore_objects.PROBE, (key, ranges)
 
 
 def test_partial_restore_reads_only_the_leaves_asked_for(url, requests):
@@ -509,6 +565,7 @@ def test_held_request_failing_midway_is_taken_up_by_range(
   url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
   t = {"huge": leaves()["huge"], "big": leaves()["big"]}
   bt.save(url, t)
+  as_earlier_version(url)
   real = stores.ObstoreStorage.open_stream
 
   def failing(self, key):
@@ -532,13 +589,25 @@ def test_held_request_failing_midway_is_taken_up_by_range(
     assert rest[0] <= restore_objects.PROBE + 2 * stores.STREAM_CHUNK, rest
 
 
+def test_failed_restore_reads_nothing(url, requests):
+  """A target that does not match the record's shapes: no array is read."""
+  t = {"huge": leaves()["huge"], "big": leaves()["big"]}
+  bt.save(url, t)
+  requests.clear()
+  bad = {"huge": jax.ShapeDtypeStruct((1, 8), np.int32), "big": t["big"]}
+  with pytest.raises(ValueError, match="shape"):
+    bt.restore(url, bad)
+  assert not any(k.endswith(".npy") for k in requests), requests
+
+
 def test_failed_restore_drops_held_requests(s3_endpoint, monkeypatch):
-  """A target that does not match: nothing is read past the headers and
-  every held request is dropped."""
+  """A checkpoint of an earlier version, a target that does not match:
+  nothing is read past the headers and every held request is dropped."""
   _s3_env(monkeypatch, s3_endpoint)
   url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
   t = {"huge": leaves()["huge"], "big": leaves()["big"]}
   bt.save(url, t)
+  as_earlier_version(url)
   held = []
   real = restore_objects._probe
 
@@ -553,6 +622,32 @@ def test_failed_restore_drops_held_requests(s3_endpoint, monkeypatch):
     bt.restore(url, bad)
   assert any(o.key == "huge.npy" for o in held)
   assert all(o.stream is None for o in held), held
+
+
+@pytest.mark.parametrize(
+  "key, like",
+  [
+    ("params/w.npy", np.zeros((32, 64), np.float32)),  # the same size
+    ("huge.npy", np.zeros((35 * MiB // 64, 16), np.int32)),
+    ("params/bf16.npy", np.zeros((16, 8), np.float16)),
+    ("big.npy", np.zeros(6, np.float32)),  # no room for a header
+  ],
+)
+def test_object_replaced_by_another_array(url, key, like):
+  """An object replaced after the commit by another array: its header,
+  checked against the record's shape and dtype when it arrives with the
+  data (or when opened), is an error naming the object; nothing placed."""
+  bt.save(url, leaves())
+  st = stores.open_storage(API, url)
+  f = tempfile.TemporaryFile()
+  np.save(f, like)
+  f.seek(0)
+  st.write(key, f.read())
+  with pytest.raises(ValueError) as e:
+    bt.restore(url)
+  text = str(e.value)
+  assert f"{url}/{key}" in text and "damaged" in text, text
+  assert "says shape" in text, text
 
 
 @pytest.mark.parametrize("key", ["params/w.npy", "huge.npy", "big.npy"])

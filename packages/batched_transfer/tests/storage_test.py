@@ -317,3 +317,19 @@ def test_azure_connection_string(monkeypatch):
   assert stores._connection_string("UseDevelopmentStorage=true") == {
     "use_emulator": True
   }
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 4096])
+def test_into_fills_buffers_in_order(piece):
+  """storage.Into: bytes arriving in pieces of any size fill its buffers
+  one after another; what does not fit is dropped; a retried download
+  seeks back and writes them again."""
+  data = np.random.default_rng(piece).integers(0, 256, 300, np.uint8).tobytes()
+  outs = [bytearray(5), bytearray(0), bytearray(190), bytearray(50)]
+  into = storage.Into([memoryview(o) for o in outs])
+  for attempt in range(2):
+    into.seek(0)
+    for i in range(0, len(data), piece):
+      assert into.write(data[i : i + piece]) == len(data[i : i + piece])
+    assert into.pos == into.size == 245, attempt
+    assert b"".join(outs) == data[:245]

@@ -455,9 +455,11 @@ def restore(
       anything is placed, each CRC-32C as the bytes arrive; an object
       truncated, altered or deleted after the commit raises naming its
       URL), onto a sharding only the byte ranges this process's devices
-      need are requested, and arrays of up to 4 MiB are read whole in one
-      request while opening, within ``max_inflight_bytes`` (not with
-      ``partial_restore``). A prefix without its record is absent; while
+      need are requested, and each array takes one request: its header
+      and data together, the header checked against the shape the record
+      says when it arrives (a checkpoint of an earlier version: arrays of
+      up to 4 MiB read whole while opening, within ``max_inflight_bytes``,
+      the others' headers first). A prefix without its record is absent; while
       an overwrite runs, the new checkpoint committed beside the path is
       read.
 

@@ -24,7 +24,12 @@ Format 2 of the record holds:
 * ``tree``: every leaf's key and the kinds of its tree path's entries, in
   tree order, so that restore without a target rebuilds the nesting (dicts,
   and lists for sequences); an empty dict, list or tuple is an entry too,
-  with a third element, "dict" or "list".
+  with a third element, "dict" or "list";
+* ``shapes``: the shape of each array stored raw in C order (what its .npy
+  header says, with ``dtypes``), so that a restore from a bucket requests
+  each array's header and data in one request, and checks the header when
+  it arrives; an older record without it is read as before (each header
+  read first). Earlier versions ignore it.
 
 Format 3 is format 2 plus ``codecs``: the arrays stored compressed, by key
 (``save(..., compression="zstd")``, see codec); it is written only when
@@ -95,6 +100,7 @@ class Record:
   shardings: dict[str, dict] = dataclasses.field(default_factory=dict)
   tree: list[tuple[str, ...]] | None = None
   codecs: dict[str, str] = dataclasses.field(default_factory=dict)
+  shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def check_arrays_present(
@@ -124,7 +130,7 @@ def encode_record(record: Record) -> bytes:
     "format": CODECS_FORMAT if record.codecs else RECORD_FORMAT,
     "dtypes": record.dtypes,
   }
-  for name in ("python", "values", "crc32c", "shardings", "codecs"):
+  for name in ("python", "values", "crc32c", "shardings", "codecs", "shapes"):
     if getattr(record, name):
       data[name] = getattr(record, name)
   if record.tree is not None:
@@ -167,6 +173,13 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
     ):
       raise ValueError("'crc32c' is not an object of lists of ints")
     r.crc32c = sums
+    shapes = m.get("shapes", {})
+    if not isinstance(shapes, dict) or not all(
+      isinstance(x, list) and all(type(d) is int and d >= 0 for d in x)
+      for x in shapes.values()
+    ):
+      raise ValueError("'shapes' is not an object of lists of sizes")
+    r.shapes = shapes
     shardings = m.get("shardings", {})
     if not isinstance(shardings, dict) or not all(
       isinstance(x, dict) for x in shardings.values()

@@ -185,12 +185,11 @@ class GCSStorage(Storage):
         return b""
       raise
 
-  def stream_into(self, key: str, start: int, out: memoryview) -> None:
-    out = out.cast("B")
-    if not len(out):
+  def stream_into(self, key: str, start: int, *outs: memoryview) -> None:
+    sink = storage.Into(outs)
+    if not sink.size:
       return
-    end = start + len(out)
-    sink = _Into(out)
+    end = start + sink.size
     blob = self._blob(key)
     try:
       self._call(
@@ -207,7 +206,7 @@ class GCSStorage(Storage):
       if getattr(e.__cause__, "code", None) == 416:  # starts past the end
         raise self.short(key, self.size(key), end) from None
       raise
-    if sink.pos != len(out):
+    if sink.pos != sink.size:
       raise self.short(key, start + sink.pos, end)
 
   def write(self, key: str, data: Any) -> None:
@@ -286,31 +285,6 @@ class _Stream:
 
   def close(self) -> None:
     self._do(self.out.close)
-
-
-class _Into(io.RawIOBase):
-  """A writable file over a buffer: a download streamed into it (a retried
-  download starts again at its beginning)."""
-
-  def __init__(self, out: memoryview) -> None:
-    self.out, self.pos = out, 0
-
-  def writable(self) -> bool:
-    return True
-
-  def seek(self, pos: int, whence: int = 0) -> int:
-    self.pos = pos if whence == 0 else self.pos + pos
-    return self.pos
-
-  def tell(self) -> int:
-    return self.pos
-
-  def write(self, b: Any) -> int:
-    view = memoryview(b).cast("B")
-    n = min(len(view), len(self.out) - self.pos)
-    self.out[self.pos : self.pos + n] = view[:n]
-    self.pos += n
-    return len(view)
 
 
 def open_gcs(

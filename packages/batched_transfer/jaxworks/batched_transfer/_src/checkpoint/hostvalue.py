@@ -89,7 +89,7 @@ def raw(a: np.ndarray) -> memoryview:
   return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
 
 
-def _storable_dtype(dtype: np.dtype) -> np.dtype:
+def header_dtype(dtype: np.dtype) -> np.dtype:
   """``dtype``, or raw bytes of its size when an .npy header cannot name it
   (bfloat16, float8, int4, ...: the dtype record names them)."""
   try:
@@ -121,7 +121,7 @@ def write_npy(f: Any, value: np.ndarray | Shards) -> list[int]:
   errno of a failed write: ENOSPC, EFBIG)."""
   if isinstance(value, Shards) and not value.by_rows():
     value = value.assemble()
-  stored = _storable_dtype(value.dtype)
+  stored = header_dtype(value.dtype)
   sums = checksum.Sums()
   if isinstance(value, np.ndarray):
     a = value.view(stored)

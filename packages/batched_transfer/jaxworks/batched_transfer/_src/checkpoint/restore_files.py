@@ -65,6 +65,15 @@ class Opened:
           f"says {record.codecs.get(key) or 'raw'}; the checkpoint is "
           "damaged (a file was replaced): write the checkpoint again"
         )
+      shape = record.shapes.get(key)
+      if shape is not None and (tuple(shape) != s.shape or s.fortran):
+        raise ValueError(
+          f"{api}: {s.where} has a header of shape {s.shape}"
+          f"{' in Fortran order' if s.fortran else ''} but {where} says "
+          f"shape {tuple(shape)}; the checkpoint is damaged (a file was "
+          "replaced): "
+          "write the checkpoint again"
+        )
       name = record.dtypes.get(key)
       if name is None:
         continue

@@ -3,18 +3,26 @@ straight into the buffers restore places, no local copy.
 
 ``open_checkpoint`` finds the committed checkpoint at a URL (``remote.source``:
 a prefix without its record is absent; an overwrite's staging copy beside
-the path is read while the record is missing), lists it once and reads the
-first bytes of every object it needs in parallel (``PROBE``: the ``.npy``
-header, all of a small object). Restoring the whole checkpoint from a store
-that streams whole objects (``Storage.open_stream``: S3, Azure), each
-array takes one request: a small one read whole when opened (``SMALL``),
-any other of at most ``PART`` bytes requested whole, its header read from
-the first bytes and the request held (``HELD`` of them at most) until the
-array's turn comes, its body then streamed into the array's buffer;
-elsewhere, and for ``metadata``, a partial restore and arrays larger than
-``PART``, the header is a ranged request of its own and the data another. What it returns is what restore opens on
+the path is read while the record is missing), lists it once and reads its
+record. An array stored raw whose shape the record says (``shapes``, which
+save writes) is not read when opened: its header's length follows from the
+object's size, and its header comes with its data in one request, checked
+against the record when it arrives (``Object.read_checked``); ``metadata``
+reads none of them. The other objects (a record of an earlier version, a
+compressed or Fortran-order array) have their first bytes read in parallel
+when opened (``PROBE``: the ``.npy`` header, all of a small object).
+Restoring the whole checkpoint from a store that streams whole objects
+(``Storage.open_stream``: S3, Azure), each of those takes one request: a
+small one read whole when opened (``SMALL``), any other of at most ``PART``
+bytes requested whole, its header read from the first bytes and the request
+held (``HELD`` of them at most) until the array's turn comes, its body then
+streamed into the array's buffer; elsewhere, and for ``metadata``, a partial
+restore and arrays larger than ``PART``, the header is a ranged request of
+its own and the data another. What it returns is what restore opens on
 disk, ``restore_files.Opened`` or ``restore_shards.Manifest``, validated the
-same way before anything is placed, whose reads go to the bucket:
+same way before anything is placed (headers read when opened; the others
+against the record, their own header checked as it arrives, and nothing
+stays placed if one disagrees), whose reads go to the bucket:
 
 - the arrays are read ahead of placement in the order restore places
   them, ``concurrency`` requests at once, within half of
@@ -38,6 +46,7 @@ an unlinked temporary file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterator
 import concurrent.futures
 import contextlib
@@ -54,6 +63,7 @@ import numpy as np
 from . import checksum
 from . import codec
 from . import format
+from . import hostvalue
 from . import reader
 from . import remote
 from . import restore_files
@@ -91,7 +101,9 @@ class Object:
   """One object, read in ranges: what ``reader.read_range`` reads instead
   of a file descriptor. ``head``: its first bytes, read when opened;
   ``stream``: the request that read them, held for the bytes after them
-  (or None)."""
+  (or None); ``check``: for an object whose header was not read when
+  opened (its shape from the record), what checks the header when it
+  arrives with the data (``read_checked``)."""
 
   def __init__(
     self,
@@ -100,9 +112,10 @@ class Object:
     size: int,
     head: Any,
     stream: storage.ByteStream | None = None,
+    check: Callable[[bytes], None] | None = None,
   ) -> None:
     self.st, self.key, self.size, self.head = st, key, size, head
-    self.stream = stream
+    self.stream, self.check = stream, check
 
   @property
   def url(self) -> str:
@@ -128,6 +141,19 @@ class Object:
         return
       stream.close()
     self.st.stream_into(self.key, pos, view)
+
+  def read_checked(self, view: memoryview, offset: int) -> None:
+    """The header (the object's first ``offset`` bytes) and ``view`` after
+    it, in one request; the header then checked by ``check``.
+
+    Raises:
+      ValueError: the header is not the one the record says.
+      OSError: the object ends before ``view`` is full.
+    """
+    assert self.check is not None
+    head = bytearray(offset)
+    self.st.stream_into(self.key, 0, memoryview(head), view)
+    self.check(bytes(head))
 
   def _from_stream(
     self, stream: storage.ByteStream, view: memoryview, pos: int
@@ -284,10 +310,13 @@ class ObjectFiles(reader.Files):
     try:
       if job.error is None:
         view = flat.data[lo:hi]
-        s.obj.read_into(view, s.offset + lo)
+        if lo == 0 and s.obj.check is not None:
+          s.obj.read_checked(view, s.offset)  # the header with the data
+        else:
+          s.obj.read_into(view, s.offset + lo)
         if self._verify:
           checksum.check(s.sums, view, lo // checksum.CHUNK)
-    except (OSError, ValueError, EOFError) as err:
+    except BaseException as err:  # raised by ``read``: never an unfilled array
       job.error = job.error or err
     finally:
       with self._cond:
@@ -544,6 +573,15 @@ def open_checkpoint(
         "checkpoint is damaged: remove the one save did not write"
       )
     names[key] = (name, use)
+  # Arrays whose record gives their header: none read now; each one's
+  # header comes with its data, in one request, and is checked then.
+  where = f"the record {format.RECORD!r} of {src.url!r}"
+  saved = format.decode_record(api, where, record)
+  for key, (name, use) in list(names.items()):
+    s = _expected(api, where, src, key, name, use, sizes[name], saved)
+    if s is not None:
+      opened.stored[key] = s
+      del names[key]
   wanted, hold, held = {}, set(), 0
   whole = budget > 0  # a restore, which reads every array's data
   for key, (name, use) in sorted(names.items()):
@@ -587,6 +625,62 @@ def open_checkpoint(
     opened.stored[key] = _stored(shape, dtype, fortran, obj, offset, use)
   LOG.debug("opened %s (%d objects)", src.url, len(sizes))
   return opened
+
+
+def _expected(
+  api: str,
+  where: str,
+  st: Storage,
+  key: str,
+  name: str,
+  use: str | None,
+  size: int,
+  record: format.Record,
+) -> Stored | None:
+  """The array at ``key`` as its record says save wrote it (raw, in C order,
+  of its shape and dtype), its header checked when it arrives with the data
+  (``Object.read_checked``); None where the record does not say, or the
+  object's size leaves no room for such a header (then read when opened)."""
+  shape, name_of_dtype = record.shapes.get(key), record.dtypes.get(key)
+  if shape is None or name_of_dtype is None or use is not None:
+    return None
+  shape = tuple(shape)
+  dtype = hostvalue.header_dtype(
+    format.exact_dtype(api, where, key, name_of_dtype)
+  )
+  nbytes = math.prod(shape) * dtype.itemsize
+  offset = size - nbytes
+  if not nbytes or not 0 < offset <= PROBE:
+    return None
+  check = _header_check(st.where(name), shape, dtype)
+  obj = Object(st, name, size, b"", check=check)
+  return _stored(shape, dtype, False, obj, offset)
+
+
+def _header_check(
+  url: str, shape: tuple[int, ...], dtype: np.dtype
+) -> Callable[[bytes], None]:
+  """What checks an object's header (all of its bytes before the data)
+  against the shape and dtype the record says."""
+
+  def check(head: bytes) -> None:
+    f = io.BytesIO(head)
+    try:
+      got_shape, fortran, got = reader.read_header(f)
+    except (OSError, ValueError, EOFError) as err:
+      raise ValueError(f"{url!r} is not a readable .npy file: {err}") from None
+    said = (tuple(got_shape), fortran, got)
+    if said != (shape, False, dtype) or f.tell() != len(head):
+      raise ValueError(
+        f"{url!r} has a {len(head)}-byte header of shape {said[0]}, dtype "
+        f"{got.str}{' in Fortran order' if fortran else ''}, but the "
+        f"checkpoint's record says shape {shape}, dtype {dtype.str} (and, by "
+        f"the object's size, a header of {len(head)} bytes): the object was "
+        "replaced after the checkpoint was committed; save the checkpoint "
+        "again"
+      )
+
+  return check
 
 
 def _open_npz(api: str, parent: Storage, name: str) -> restore_files.Opened:

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 import concurrent.futures
 import dataclasses
+import io
 import logging
 import os
 import queue
@@ -358,19 +359,21 @@ class Storage(abc.ABC):
 
     run_parallel(part, chunks(len(out)), self.concurrency)
 
-  def stream_into(self, key: str, start: int, out: memoryview) -> None:
-    """Fills ``out`` with ``key``'s bytes from ``start`` in one request,
-    streamed into it as they arrive (no copy of the whole range in memory;
-    object stores override this, here: ``read``).
+  def stream_into(self, key: str, start: int, *outs: memoryview) -> None:
+    """Fills the buffers ``outs``, one after another, with ``key``'s bytes
+    from ``start`` in one request, streamed into them as they arrive (no
+    copy of the whole range in memory; object stores override this, here:
+    ``read``).
 
     Raises:
-      OSError: the object ends before ``out`` is full (a truncated object).
+      OSError: the object ends before the buffers are full (a truncated
+        object).
     """
-    out = out.cast("B")
-    data = memoryview(self.read(key, start, start + len(out))).cast("B")
-    if len(data) != len(out):
-      raise self.short(key, start + len(data), start + len(out))
-    out[:] = data
+    into = Into(outs)
+    data = memoryview(self.read(key, start, start + into.size)).cast("B")
+    into.write(data)
+    if into.pos != into.size:
+      raise self.short(key, start + into.pos, start + into.size)
 
   def open_stream(self, key: str) -> ByteStream | None:
     """All of ``key`` in one request (no range), its bytes read in order as
@@ -519,6 +522,41 @@ class ObjectWriter:
     object)."""
     self._buf = bytearray()
     self._out = None
+
+
+class Into(io.RawIOBase):
+  """A writable file over buffers, filled one after another (a download
+  streamed into them; a retried download seeks back to its beginning).
+  ``pos``: the bytes written; what does not fit is dropped."""
+
+  def __init__(self, outs: Sequence[memoryview]) -> None:
+    self.outs = [memoryview(o).cast("B") for o in outs]
+    self.size = sum(len(o) for o in self.outs)
+    self.pos = 0
+
+  def writable(self) -> bool:
+    return True
+
+  def seek(self, pos: int, whence: int = 0) -> int:
+    self.pos = pos if whence == 0 else self.pos + pos
+    return self.pos
+
+  def tell(self) -> int:
+    return self.pos
+
+  def write(self, b: Any) -> int:
+    data = memoryview(b).cast("B")
+    done, base = 0, 0
+    for out in self.outs:
+      if done == len(data):
+        break
+      at = self.pos - base
+      if 0 <= at < len(out):
+        k = copy_into(out, at, data[done:])
+        done += k
+        self.pos += k
+      base += len(out)
+    return len(data)
 
 
 class ByteStream:

@@ -260,23 +260,23 @@ class ObstoreStorage(Storage):
         return b""  # past the end: nothing there, as a file read says
       raise self._error(e, key, "reading") from e
 
-  def stream_into(self, key: str, start: int, out: memoryview) -> None:
-    out = out.cast("B")
-    if not len(out):
+  def stream_into(self, key: str, start: int, *outs: memoryview) -> None:
+    into = storage.Into(outs)
+    if not into.size:
       return
-    end, pos = start + len(out), 0
+    end = start + into.size
     try:
       result = self._obs.get(
         self._store, self._key(key), options={"range": (start, end)}
       )
       for part in result.stream(min_chunk_size=2**20):
-        pos += storage.copy_into(out, pos, part)
+        into.write(part)
     except (self._exc.BaseError, OSError) as e:
       if "range" in str(e).lower() and self.size(key) <= start:
         raise self.short(key, self.size(key), end) from None
       raise self._error(e, key, "reading") from e
-    if pos != len(out):
-      raise self.short(key, start + pos, end)
+    if into.pos != into.size:
+      raise self.short(key, start + into.pos, end)
 
   def open_stream(self, key: str) -> storage.ByteStream:
     # A GET without a range: the object whole, pulled as it is taken.

@@ -129,6 +129,12 @@ class Leaves:
       self.keys.append(key)
       self.paths.append(where)
       self.leaves.append(x)
+      if not (
+        isinstance(x, np.ndarray)
+        and x.flags.f_contiguous
+        and not x.flags.c_contiguous
+      ):  # stored in C order (hostvalue.write_npy): its header's shape
+        self.record.shapes[key] = list(np.shape(x))
 
 
 _FIXES = {
