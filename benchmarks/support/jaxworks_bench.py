@@ -174,7 +174,7 @@ def median_pair(
 
 
 def median_interleaved(
-  fns, repeats, inner=1, warmup=False, gc_off=True, rotate=None
+  fns, repeats, inner=1, warmup=False, gc_off=True, rotate=None, settle=None
 ):
   """``{name: median seconds per call}`` of several thunks, interleaved.
 
@@ -184,7 +184,10 @@ def median_interleaved(
   ``warmup`` each thunk runs once, untimed, before the first repeat. With
   ``rotate=k`` only the first ``k`` thunks rotate, back to back at the start
   of each repeat (the ones compared most closely share a slow spell of the
-  machine alike); the others follow in their given order.
+  machine alike); the others follow in their given order. ``settle``, if
+  given, runs after every call, outside the timer: e.g. ``os.sync``, so that
+  the writes one call left in the page cache are flushed before the next
+  call, not during it (billed to whichever call came next).
   """
   names = list(fns)
   if warmup:
@@ -198,6 +201,8 @@ def median_interleaved(
     for name in head[shift:] + head[:shift] + rest:
       with _GcOff(gc_off):
         times[name].append(per_call(fns[name], inner))
+      if settle is not None:
+        settle()
   return {name: statistics.median(t) for name, t in times.items()}
 
 
