@@ -182,6 +182,15 @@ def test_median_interleaved_rotates_only_the_first_k():
   assert order == list("abcd") + list("bacd") + list("abcd")
 
 
+def test_median_interleaved_settles_after_each_timed_call():
+  order = []
+  fns = {k: (lambda k=k: order.append(k)) for k in "ab"}
+  jb.median_interleaved(
+    fns, repeats=2, warmup=True, settle=lambda: order.append("-")
+  )
+  assert order == list("ab") + list("a-b-") + list("b-a-")
+
+
 def test_fresh_env_caches_bytecode_in_one_directory_per_run(monkeypatch):
   monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
   env = jb.fresh_env({"X_EXTRA": "1"})
