@@ -200,6 +200,68 @@ def test_a_symlinked_file_is_not_followed(tmp_path, exported, kind):
     sa.load_artifact(art)
 
 
+def test_a_load_asks_for_no_more_than_the_files_hold(
+  tmp_path, exported, monkeypatch
+):
+  """Each read asks for about a file's size: a read allocates what it asks
+  for, and a manifest of 2 KB cost a 16 MiB buffer."""
+  art = tmp_path / "art"
+  sa.save_artifact(exported, art)
+  sizes = {p.name: p.stat().st_size for p in art.iterdir()}
+  asked = []
+  real_read = os.read
+
+  def recording_read(fd, n):
+    asked.append(n)
+    return real_read(fd, n)
+
+  monkeypatch.setattr(os, "read", recording_read)
+  sa.load_artifact(art)
+  assert asked and max(asked) <= max(max(sizes.values()) + 1, 1 << 16), asked
+
+
+def test_a_manifest_of_many_reads_loads(tmp_path, exported):
+  """A manifest longer than one read (padded with JSON whitespace)."""
+  art = tmp_path / "art"
+  sa.save_artifact(exported, art)
+  text = (art / "manifest.json").read_text()
+  (art / "manifest.json").write_text(text + " " * (3 << 16))
+  x = np.linspace(0, 1, 3, dtype=np.float32)
+  np.testing.assert_array_equal(sa.load_artifact(art)(x), exported(x))
+
+
+def test_a_file_is_not_an_artifact_directory(tmp_path, exported):
+  art = tmp_path / "art"
+  sa.save_artifact(exported, art)
+  with pytest.raises(
+    sa.ArtifactError, match=r"load_artifact: .*manifest.json is not a directory"
+  ):
+    sa.load_artifact(art / "manifest.json")
+
+
+def test_a_loaded_program_shares_what_deserialize_compiled(tmp_path):
+  """load_artifact keys its callables by the sha256 the manifest checked,
+  deserialize by the one it computes: the same bytes share one callable
+  (and so JAX's caches), the VJP's too; the module digests written again
+  are the ones loaded."""
+  exp = (
+    sa.trace(jnp.sin, jax.ShapeDtypeStruct((3,), jnp.float32))
+    .lower()
+    .export(vjp_order=1)
+  )
+  sa.save_artifact(exp, tmp_path / "a")
+  loaded = sa.load_artifact(tmp_path / "a").exported
+  again = sa.deserialize((tmp_path / "a" / "exported.bin").read_bytes())
+  assert loaded._flat() is again._flat()
+  assert loaded.vjp()._flat() is again.vjp()._flat()
+  sa.save_artifact(loaded, tmp_path / "b")
+  manifests = [
+    json.loads((tmp_path / d / "manifest.json").read_text()) for d in "ab"
+  ]
+  assert manifests[0]["levels"] == manifests[1]["levels"]
+  assert len(manifests[0]["levels"]) == 2
+
+
 def test_a_fifo_is_refused_without_blocking(tmp_path, exported):
   art = tmp_path / "art"
   sa.save_artifact(exported, art)

@@ -140,7 +140,7 @@ def _levels(exported: Exported) -> list[Exported]:
 def _level_json(level: Exported) -> dict[str, Any]:
   exp = level.jax_exported
   return {
-    "module_sha256": _sha256(bytes(exp.mlir_module_serialized)),
+    "module_sha256": level._module_digest(),  # pylint: disable=protected-access
     "kept_inputs": list(exp.module_kept_var_idx),
     "inputs": [format_aval(a) for a in exp.in_avals],
     "outputs": [format_aval(a) for a in exp.out_avals],
@@ -493,18 +493,37 @@ def _platform_message(path, platforms, what: str) -> str:
   )
 
 
+def _open_dir(path: pathlib.Path, api: str) -> int:
+  """A descriptor of the directory ``path`` (O_DIRECTORY: a file is refused)."""
+  try:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+  except (FileNotFoundError, NotADirectoryError):
+    raise ArtifactError(
+      f"{api}: {path} is not a directory; pass the directory given to export --out"
+    ) from None
+  except OSError as e:
+    raise ArtifactError(f"{api}: cannot open {path} ({e})") from None
+
+
 def _read_file(
-  path: pathlib.Path, name: str, api: str, size: int | None
+  path: pathlib.Path,
+  name: str,
+  api: str,
+  size: int | None,
+  dir_fd: int | None = None,
 ) -> bytes:
   """The bytes of ``path/name``, opened without following links, refused
   unless a regular file, read through that descriptor: exactly ``size``
   bytes (a longer or shorter file is named), or at most
-  :data:`MAX_MANIFEST_BYTES` when ``size`` is None."""
+  :data:`MAX_MANIFEST_BYTES` when ``size`` is None. ``dir_fd``: an open
+  descriptor of ``path`` (None: opened here)."""
   fpath = path / name
-  try:
-    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-  except OSError as e:
-    raise ArtifactError(f"{api}: cannot open {path} ({e})") from None
+  own_dir = dir_fd is None
+  if own_dir:
+    try:
+      dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+      raise ArtifactError(f"{api}: cannot open {path} ({e})") from None
   try:
     try:
       fd = os.open(
@@ -527,7 +546,8 @@ def _read_file(
         f"{api}: cannot read {fpath} ({e}); check its permissions"
       ) from None
   finally:
-    os.close(dir_fd)
+    if own_dir:
+      os.close(dir_fd)
   try:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -542,9 +562,13 @@ def _read_file(
       )
     if size is not None and st.st_size != size:
       raise ArtifactError(_size_message(api, fpath, st.st_size, size))
+    # Ask for the size seen (plus the one byte past it that tells a growing
+    # file), not for the limit: a read allocates what it asks for.
+    expected = st.st_size
     chunks, got = [], 0
     while got <= limit:  # one byte past the limit tells a growing file
-      chunk = os.read(fd, min(limit + 1 - got, 1 << 24))
+      want = max(expected + 1 - got, 1 << 16)
+      chunk = os.read(fd, min(limit + 1 - got, want, 1 << 24))
       if not chunk:
         break
       chunks.append(chunk)
@@ -555,7 +579,7 @@ def _read_file(
     ) from None
   finally:
     os.close(fd)
-  data = b"".join(chunks)
+  data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
   if size is not None and len(data) != size:
     raise ArtifactError(_size_message(api, fpath, len(data), size))
   if size is None and len(data) > limit:
@@ -574,14 +598,19 @@ def _size_message(api: str, fpath: pathlib.Path, got: int, size: int) -> str:
   )
 
 
-def _read_manifest(path: pathlib.Path, api: str) -> dict[str, Any]:
+def _read_manifest(
+  path: pathlib.Path, api: str, dir_fd: int | None = None
+) -> dict[str, Any]:
   mpath = path / MANIFEST_FILE
-  if _lstat(mpath) is None:
-    raise ArtifactError(
-      f"{api}: {path} has no {MANIFEST_FILE}, so it is not a stages_aot artifact; "
-      "pass a directory written by save_artifact or `python -m jaxworks.stages_aot export`"
-    )
-  data = _read_file(path, MANIFEST_FILE, api, None)
+  try:
+    data = _read_file(path, MANIFEST_FILE, api, None, dir_fd)
+  except ArtifactError:
+    if _lstat(mpath) is None:
+      raise ArtifactError(
+        f"{api}: {path} has no {MANIFEST_FILE}, so it is not a stages_aot artifact; "
+        "pass a directory written by save_artifact or `python -m jaxworks.stages_aot export`"
+      ) from None
+    raise
   try:
     manifest = json.loads(data.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -619,8 +648,12 @@ def _read_manifest(path: pathlib.Path, api: str) -> dict[str, Any]:
 
 
 def _check_files(
-  path: pathlib.Path, manifest: dict[str, Any], api: str
-) -> dict[str, bytes]:
+  path: pathlib.Path,
+  manifest: dict[str, Any],
+  api: str,
+  dir_fd: int | None = None,
+) -> tuple[dict[str, bytes], dict[str, str]]:
+  """The bytes of every file the manifest lists, and their sha256."""
   files = manifest["files"]
   for needed in (EXPORTED_FILE, STABLEHLO_FILE):
     if needed not in files:
@@ -647,7 +680,7 @@ def _check_files(
         f"{api}: manifest entry for {name} needs 'sha256' and 'size', got {info!r}"
       )
     fpath = path / name
-    data = _read_file(path, name, api, info["size"])
+    data = _read_file(path, name, api, info["size"], dir_fd)
     digest = _sha256(data)
     if digest != info["sha256"]:
       raise ArtifactError(
@@ -655,7 +688,7 @@ def _check_files(
         f"({info['sha256']}); the file or manifest.json was modified: re-export it"
       )
     contents[name] = data
-  return contents
+  return contents, {name: info["sha256"] for name, info in files.items()}
 
 
 def _check_calling_convention(manifest: dict[str, Any], api: str, path) -> None:
@@ -684,7 +717,7 @@ def _check_agreement(
   print and use is what the program holds.
   """
   # In JSON types, as read back.
-  observed = json.loads(json.dumps(_program_fields(exported)))
+  observed = _as_json(_program_fields(exported))
   for key, value in observed.items():
     if key in _OPTIONAL_FIELDS and key not in manifest:
       continue
@@ -710,6 +743,18 @@ def _check_agreement(
     )
 
 
+def _as_json(value: Any) -> Any:
+  """``value`` as ``json.loads(json.dumps(value))`` returns it (tuples become
+  lists, keys strings), for the plain values of :func:`_program_fields`."""
+  if isinstance(value, dict):
+    return {str(k): _as_json(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_as_json(v) for v in value]
+  if value is None or type(value) in (str, int, bool):
+    return value
+  return json.loads(json.dumps(value))
+
+
 def _recorded_modules(manifest: dict[str, Any]) -> frozenset[str]:
   """The sha256 of each module the manifest records (its ``levels``)."""
   lvls = manifest.get("levels")
@@ -724,8 +769,7 @@ def _levels_recorded(manifest: dict[str, Any], exported: Exported) -> bool:
   lvls = manifest.get("levels")
   if not isinstance(lvls, list) or not lvls or not isinstance(lvls[0], dict):
     return False
-  digest = hashlib.sha256(exported.jax_exported.mlir_module_serialized)
-  return lvls[0].get("module_sha256") == digest.hexdigest()
+  return lvls[0].get("module_sha256") == exported._module_digest()  # pylint: disable=protected-access
 
 
 @jax_internals.api_boundary
@@ -752,12 +796,12 @@ def load_artifact(
   """
   api = "jaxworks.stages_aot.load_artifact"
   path = pathlib.Path(directory)
-  if not path.is_dir():
-    raise ArtifactError(
-      f"{api}: {path} is not a directory; pass the directory given to export --out"
-    )
-  manifest = _read_manifest(path, api)
-  contents = _check_files(path, manifest, api)
+  dir_fd = _open_dir(path, api)
+  try:
+    manifest = _read_manifest(path, api, dir_fd)
+    contents, digests = _check_files(path, manifest, api, dir_fd)
+  finally:
+    os.close(dir_fd)
   _check_calling_convention(manifest, api, path)
   recorded = _recorded_modules(manifest)
   # Default load: the manifest's files and module digests matched, so these
@@ -772,6 +816,7 @@ def load_artifact(
       recorded,
       isolate=isolate,
       verified_modules=verified,
+      blob_sha256=bytes.fromhex(digests[EXPORTED_FILE]),
     )
   except ValueError as e:
     raise ArtifactError(

@@ -50,6 +50,7 @@ class Exported:
     "_vjp",
     "_origin",
     "_content",
+    "_module_sha256",
     "__weakref__",
   )
 
@@ -75,6 +76,8 @@ class Exported:
     # (sha256 of the serialized bytes, VJP depth) of a deserialized program:
     # programs read from equal bytes share one callable, and so JAX's caches.
     self._content: tuple[bytes, int] | None = None
+    # sha256 (hex) of the serialized StableHLO module, once computed.
+    self._module_sha256: str | None = None
 
   jax_exported = property(
     lambda self: self._exp, doc="The stock ``jax.export.Exported``."
@@ -110,6 +113,14 @@ class Exported:
     return any(
       jax.export.is_symbolic_dim(d) for a in self._exp.in_avals for d in a.shape
     )
+
+  def _module_digest(self) -> str:
+    """The sha256 (hex) of the serialized StableHLO module (computed once)."""
+    if self._module_sha256 is None:
+      self._module_sha256 = hashlib.sha256(
+        self._exp.mlir_module_serialized
+      ).hexdigest()
+    return self._module_sha256
 
   def mlir_text(self) -> str:
     """The serialized module as StableHLO text."""
@@ -301,6 +312,7 @@ def deserialize_trusting(
   *,
   isolate: bool,
   verified_modules: frozenset[str] = frozenset(),
+  blob_sha256: bytes | None = None,
 ) -> Exported:
   """:func:`deserialize`, reading the modules in ``trusted_modules`` here.
 
@@ -308,10 +320,11 @@ def deserialize_trusting(
   read in this process; every other module (all of them with ``isolate``)
   is read in the module reader's child process. Modules in
   ``verified_modules`` were checked against their program when written and
-  are not read at all.
+  are not read at all. ``blob_sha256``: the sha256 of ``blob`` if the
+  caller computed it.
   """
   try:
-    levels = validate.deserialize_checked(
+    levels, digests = validate.deserialize_checked(
       bytes(blob),
       trusted_modules=trusted_modules,
       isolate=isolate,
@@ -322,7 +335,13 @@ def deserialize_trusting(
       f"jaxworks.stages_aot.deserialize: {len(blob)} bytes are not a valid serialized "
       f"exported program ({e}); pass the bytes of Exported.serialize() unchanged"
     ) from None
-  return _wrap_levels(levels, hashlib.sha256(blob).digest())
+  wrapped = _wrap_levels(levels, blob_sha256 or hashlib.sha256(blob).digest())
+  level: Exported | None = wrapped
+  for digest in digests:
+    assert level is not None
+    level._module_sha256 = digest  # pylint: disable=protected-access
+    level = level._vjp  # pylint: disable=protected-access
+  return wrapped
 
 
 def _wrap_levels(

@@ -88,7 +88,7 @@ def deserialize_checked(
   trusted_modules: frozenset[str] = frozenset(),
   isolate: bool = False,
   verified_modules: frozenset[str] = frozenset(),
-) -> list[jax.export.Exported]:
+) -> tuple[list[jax.export.Exported], list[str | None]]:
   """Deserializes ``blob`` and every VJP level in it, and validates each.
 
   Args:
@@ -103,7 +103,9 @@ def deserialize_checked(
 
   Returns:
     The levels, primal first; the ``vjp()`` of each returns the next one
-    (the very object validated here, not a fresh deserialization).
+    (the very object validated here, not a fresh deserialization); and the
+    sha256 (hex) of each level's module where it was computed (with
+    ``verified_modules``), else None.
 
   Raises:
     Invalid: the blob does not parse, or a level is inconsistent.
@@ -122,12 +124,16 @@ def deserialize_checked(
     _check_at(depth, _check_level, level)
     if depth:
       _check_at(depth, _check_vjp_of, levels[depth - 1], level)
+  digests: list[str | None] = [
+    hashlib.sha256(lvl.mlir_module_serialized).hexdigest()
+    if verified_modules
+    else None
+    for lvl in levels
+  ]
   unchecked = [
     (depth, lvl)
     for depth, lvl in enumerate(levels)
-    if not verified_modules
-    or hashlib.sha256(lvl.mlir_module_serialized).hexdigest()
-    not in verified_modules
+    if digests[depth] not in verified_modules
   ]
   try:
     infos = module_reader.describe_modules(
@@ -150,7 +156,7 @@ def deserialize_checked(
       return nxt
 
     chained.append(dataclasses.replace(level, _get_vjp=get_vjp))
-  return chained[::-1]
+  return chained[::-1], digests
 
 
 def _shorten(text: object, limit: int = 300) -> str:
