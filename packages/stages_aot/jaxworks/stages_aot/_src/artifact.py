@@ -519,17 +519,19 @@ def _read_file(
   descriptor of ``path`` (None: opened here)."""
   fpath = path / name
   own_dir = dir_fd is None
-  if own_dir:
+  if dir_fd is None:
     try:
-      dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+      dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
       raise ArtifactError(f"{api}: cannot open {path} ({e})") from None
+  else:
+    dfd = dir_fd
   try:
     try:
       fd = os.open(
         name,
         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-        dir_fd=dir_fd,
+        dir_fd=dfd,
       )
     except FileNotFoundError:
       raise ArtifactError(
@@ -547,7 +549,7 @@ def _read_file(
       ) from None
   finally:
     if own_dir:
-      os.close(dir_fd)
+      os.close(dfd)
   try:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
