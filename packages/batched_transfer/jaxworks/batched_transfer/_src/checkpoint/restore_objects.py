@@ -641,10 +641,10 @@ def _expected(
   of its shape and dtype), its header checked when it arrives with the data
   (``Object.read_checked``); None where the record does not say, or the
   object's size leaves no room for such a header (then read when opened)."""
-  shape, name_of_dtype = record.shapes.get(key), record.dtypes.get(key)
-  if shape is None or name_of_dtype is None or use is not None:
+  dims, name_of_dtype = record.shapes.get(key), record.dtypes.get(key)
+  if dims is None or name_of_dtype is None or use is not None:
     return None
-  shape = tuple(shape)
+  shape = tuple(dims)
   dtype = hostvalue.header_dtype(
     format.exact_dtype(api, where, key, name_of_dtype)
   )
