@@ -23,9 +23,19 @@ MINIMUM_VERSIONS = {
 }
 
 
+#: Set once ``check_jax`` passed: the package's ``__init__`` and
+#: ``jax_internals`` both call it, and each check reads the jax and jaxlib
+#: distributions' metadata (about a millisecond apiece in a new process).
+_JAX_CHECKED: list[bool] = []
+
+
 def check_jax() -> None:
-  """Raises ImportError unless the installed jax and jaxlib are supported."""
+  """Raises ImportError unless the installed jax and jaxlib are supported
+  (checked once per process: the installed versions do not change)."""
+  if _JAX_CHECKED:
+    return
   dep_check.check_jax(_PACKAGE, SUPPORTED_JAX)
+  _JAX_CHECKED.append(True)
 
 
 def check_versions() -> None:
