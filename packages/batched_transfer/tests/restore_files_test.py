@@ -7,6 +7,7 @@ import textwrap
 import threading
 
 import jax
+from memory_maps import vm_flags
 import numpy as np
 from overwrite_race import restore_while_replacing
 import pytest
@@ -220,3 +221,34 @@ def test_dropped_restores_give_their_memory_back(tmp_path):
   growth = _growth_mib(tmp_path / "d", "restore", n)
   # One restore holds 64 MiB; a leak of 1 MiB per restore would exceed this.
   assert growth < max(baseline, 0) + 32, (growth, baseline)
+
+
+def huge_pages_advisable():
+  return (
+    reader._MADV_HUGEPAGE is not None
+    and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    and "[never]"
+    not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+  )
+
+
+@pytest.mark.skipif(
+  not huge_pages_advisable(), reason="no transparent huge pages"
+)
+def test_large_restore_buffers_ask_for_huge_pages_from_disk_only(tmp_path):
+  # From the page cache, huge pages fault memory in 2 MiB at a time; a
+  # bucket restore's memory keeps 4 KiB pages (see reader.HostMemory).
+  size = reader.HUGE_PAGE // 4 * 2  # two huge pages of float32
+  for huge in (True, False):
+    mem = reader.HostMemory(huge_pages=huge)
+    big, _ = mem.empty((size,), np.dtype(np.float32))
+    small, _ = mem.empty((16,), np.dtype(np.float32))
+    assert ("hg" in vm_flags(big.ctypes.data)) is huge
+    assert "hg" not in vm_flags(small.ctypes.data)  # a shared 1 MiB map
+  bt.save(tmp_path / "c", {"w": np.arange(size, dtype=np.float32)})
+  out = bt.restore(
+    tmp_path / "c", {"w": jax.ShapeDtypeStruct((size,), np.float32)}
+  )
+  assert np.array_equal(np.asarray(out["w"]), np.arange(size, dtype=np.float32))
+  # Placed on its device without a copy: the device buffer is restore's map.
+  assert "hg" in vm_flags(out["w"].unsafe_buffer_pointer())

@@ -256,7 +256,9 @@ class ObjectFiles(reader.Files):
     self._requests = concurrent.futures.ThreadPoolExecutor(
       concurrency, thread_name_prefix=reader.READ_THREAD_PREFIX
     )
-    self._lazy_memory = reader.HostMemory()  # read's, on its own thread
+    # 4 KiB pages: data at network speed (see reader.HostMemory).
+    self._memory = reader.HostMemory(huge_pages=False)
+    self._lazy_memory = reader.HostMemory(huge_pages=False)  # read's thread
     self._thread = threading.Thread(
       target=self._schedule,
       args=(order,),
