@@ -43,6 +43,7 @@ from jaxworks import batched_transfer as bt  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import checksum  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import gcs  # noqa: E402
+from jaxworks.batched_transfer._src.checkpoint import reader  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import restore_objects  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
@@ -312,6 +313,99 @@ def test_buffers_keep_small_pages(url):
   same(out, t)
   # Placed without a copy: the device buffer is restore's own map.
   assert "hg" not in vm_flags(out["w"].unsafe_buffer_pointer())
+
+
+# ------------------------------------------- rows whose bytes start off alignment
+
+
+def _rows_target(tree, spec=P("x")):
+  mesh = jax.make_mesh((8,), ("x",))
+  return {
+    k: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+    )
+    for k, x in tree.items()
+  }
+
+
+@pytest.fixture
+def pieces(monkeypatch):
+  """The addresses of the buffers restore read device parts into."""
+  made = []
+  init = reader.Pieces.__init__
+
+  def recording(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.extend(b.ctypes.data for b in self.buffers)
+
+  monkeypatch.setattr(reader.Pieces, "__init__", recording)
+  return made
+
+
+def test_rows_off_alignment_are_placed_without_a_copy(url, requests, pieces):
+  # A row of 4001 float32 (16004 bytes) puts every device's rows but the
+  # first off the CPU runtime's 64-byte alignment in one buffer: each
+  # device's rows are read into a buffer of their own (in the one request),
+  # which becomes the device's buffer.
+  rng = np.random.default_rng(0)
+  t = {
+    "one_row_each": rng.random((8, 4001), np.float32),
+    "two_rows_each": rng.random((16, 4001), np.float32),
+    "int16": rng.integers(-9, 9, (8, 9, 1001), np.int16),
+  }
+  bt.save(url, t)
+  requests.clear()
+  out = bt.restore(url, _rows_target(t))
+  same(out, t)
+  for k, y in out.items():
+    assert y.sharding == _rows_target(t)[k].sharding
+    assert len(requests[f"{k}.npy"]) == 1, requests[f"{k}.npy"]
+    for shard in y.addressable_shards:
+      assert shard.data.unsafe_buffer_pointer() in pieces
+      assert np.array_equal(np.asarray(shard.data), t[k][shard.index])
+  assert len(pieces) == 3 * 8
+
+
+@pytest.mark.parametrize(
+  "spec,shape,dtype",
+  [
+    (P("x"), (8, 4096), np.float32),  # aligned already: one buffer
+    (P(None, "x"), (3, 8 * 1001), np.float32),  # split in columns
+    (P(), (8, 4099), np.float32),  # replicated
+    (P("x"), (8, 8001), ml_dtypes.bfloat16),  # stored as raw bytes
+    (P("x"), (8, 4), np.float32),  # small: a shared map
+  ],
+  ids=["aligned", "columns", "replicated", "bfloat16", "small"],
+)
+def test_other_placements_read_one_buffer(url, pieces, spec, shape, dtype):
+  rng = np.random.default_rng(1)
+  t = {"a": rng.random(shape, np.float32).astype(dtype)}
+  bt.save(url, t)
+  out = bt.restore(url, _rows_target(t, spec))
+  same(out, t)
+  assert pieces == []
+
+
+def test_parts_across_device_buffers_are_checked(
+  url, requests, monkeypatch, pieces
+):
+  # 8 x 4.4 MiB rows in parts of 8 MiB: parts end inside device buffers;
+  # each part's checksums span the buffers, and a damaged byte is found.
+  monkeypatch.setattr(restore_objects, "PART", 8 * MiB)
+  rng = np.random.default_rng(2)
+  t = {"w": rng.random((8, 1146881), np.float32)}
+  bt.save(url, t)
+  requests.clear()
+  same(bt.restore(url, _rows_target(t)), t)
+  assert len(requests["w.npy"]) == 5, requests["w.npy"]
+  assert len(pieces) == 8
+  st = stores.open_storage(API, url)
+  data = bytearray(st.read("w.npy"))
+  data[-20 * MiB] ^= 1
+  st.write("w.npy", bytes(data))
+  with pytest.raises(ValueError, match="checksum|CRC") as e:
+    bt.restore(url, _rows_target(t))
+  assert f"{url}/w.npy" in str(e.value)
 
 
 def test_compressed_checkpoint(url):

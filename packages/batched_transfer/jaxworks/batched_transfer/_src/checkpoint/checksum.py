@@ -74,6 +74,23 @@ def mismatch(k: int, got: int, expected: list[int], n: int) -> Mismatch:
   )
 
 
+def check_views(
+  expected: list[int] | None, views: list[memoryview], first: int = 0
+) -> None:
+  """``check`` of the bytes of ``views`` one after another (the parts of one
+  range of an array held in buffers of their own, ``reader.Pieces``)."""
+  if expected is None or len(views) == 1:
+    check(expected, views[0], first)
+    return
+  sums = Sums()
+  for view in views:
+    sums.update(view)
+  total = sum(len(memoryview(v).cast("B")) for v in views)
+  for k, got in enumerate(sums.done(), first):
+    if k >= len(expected) or got != expected[k]:
+      raise mismatch(k, got, expected, min(CHUNK, total - (k - first) * CHUNK))
+
+
 def check(expected: list[int] | None, view: memoryview, first: int = 0) -> None:
   """Raises Mismatch unless the chunks ``first, first + 1, ...`` whose bytes
   ``view`` holds (whole chunks, the last one maybe short) match ``expected``."""

@@ -73,6 +73,9 @@ class Stored:
   # The codec of a compressed file (see codec): its data is decompressed
   # whole from the file's start (``offset`` 0), or None for raw data.
   codec: str | None = None
+  # Where the data is read into buffers of its own per device (``Pieces``):
+  # the byte ranges of the data each device holds, in order; else None.
+  pieces: list[tuple[int, int]] | None = None
 
   @property
   def nbytes(self) -> int:
@@ -277,6 +280,79 @@ class HostMemory:
     return array, flat
 
 
+class Pieces:
+  """An array read as the parts its devices hold, each in a buffer of its
+  own: ``bounds``, the byte ranges of its C-order data (in order, tiling
+  it); ``buffers``, their bytes (``ALIGN``-aligned). Where an array is
+  split in rows whose byte offsets are not multiples of ``ALIGN``, the CPU
+  runtime copies each row block of one whole buffer into a new one (a
+  second copy of the data, into memory it faults in anew); these place
+  without a copy (``restore_files.place_pieces``)."""
+
+  def __init__(
+    self,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    bounds: list[tuple[int, int]],
+    memory: HostMemory,
+  ) -> None:
+    self.shape, self.dtype, self.bounds = shape, dtype, bounds
+    self.buffers = [
+      memory.empty((hi - lo,), np.dtype(np.uint8))[1] for lo, hi in bounds
+    ]
+
+  @property
+  def nbytes(self) -> int:
+    return self.bounds[-1][1]
+
+  def views(self, lo: int, hi: int) -> list[memoryview]:
+    """Bytes ``lo`` to ``hi`` of the data, as views of the buffers."""
+    out = []
+    for (a, b), buf in zip(self.bounds, self.buffers):
+      if a < hi and lo < b:
+        out.append(buf.data[max(lo, a) - a : min(hi, b) - a])
+    return out
+
+  def part(self, start: int, shard_shape: tuple[int, ...]) -> np.ndarray:
+    """The part whose data starts at byte ``start``, as an array."""
+    for (a, _), buf in zip(self.bounds, self.buffers):
+      if a == start:
+        return buf.view(self.dtype).reshape(shard_shape)
+    raise KeyError(start)
+
+
+def device_pieces(
+  shape: tuple[int, ...], dtype: np.dtype, sharding: typing.Any
+) -> list[tuple[int, int]] | None:
+  """The byte ranges of an array's C-order data that the devices of
+  ``sharding`` hold, in order, where each of two or more devices holds a
+  block of whole rows (split along the first axis only) of its own, the
+  blocks tile the data, and one of them starts off ``ALIGN``; else None."""
+  if len(shape) < 1 or 0 in shape or not sharding.is_fully_addressable:
+    return None
+  index_map = sharding.addressable_devices_indices_map(shape)
+  if len(index_map) < 2:
+    return None
+  row = math.prod(shape[1:]) * dtype.itemsize
+  bounds = []
+  for index in index_map.values():
+    if len(index) != len(shape) or any(s != slice(None) for s in index[1:]):
+      return None
+    start, stop, step = index[0].indices(shape[0])
+    if step != 1 or stop <= start:
+      return None
+    bounds.append((start * row, stop * row))
+  bounds.sort()
+  if (
+    bounds[0][0] != 0
+    or bounds[-1][1] != shape[0] * row
+    or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:]))
+    or all(lo % ALIGN == 0 for lo, _ in bounds)
+  ):
+    return None
+  return bounds
+
+
 #: Bytes per read call when one array is read by several threads (a chunk
 #: of the checksums: each thread checks what it read).
 CHUNK = checksum.CHUNK
@@ -477,10 +553,10 @@ def read_range(
   """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]``.
 
   ``fd``: a file descriptor, or an object in a bucket (anything with
-  ``read_into(view, position)``, see restore_objects), read in one request.
+  ``read_into(views, position)``, see restore_objects), read in one request.
   """
   if not isinstance(fd, int):
-    fd.read_into(view[lo:hi], offset + lo)
+    fd.read_into([view[lo:hi]], offset + lo)
     return
   done = lo
   while done < hi:  # read() returns at most about 2 GiB at a time

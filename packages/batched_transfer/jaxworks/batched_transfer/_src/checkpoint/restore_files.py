@@ -17,8 +17,10 @@ from typing import Any
 import zipfile
 import zlib
 
+import jax
 import numpy as np
 
+from .. import jax_internals
 from ..api import place
 from . import codec
 from . import format
@@ -39,6 +41,10 @@ class Opened:
   here, and the data is read through the same descriptors, so a checkpoint
   replaced at its path (a save with overwrite=True) while restore runs is
   read whole as it was validated, or fails; ``close()`` closes them."""
+
+  #: Whether ``files`` reads arrays marked with ``Stored.pieces`` into a
+  #: buffer per device (``reader.Pieces``): a bucket's objects do.
+  reads_pieces = False
 
   def __init__(self, api: str, path: str) -> None:
     self.api, self.path = api, path
@@ -293,6 +299,33 @@ def _check_leaf(
     )
 
 
+def _default_memory(sharding: Any) -> bool:
+  """Whether ``sharding`` places arrays in its devices' default memory."""
+  if sharding is None:
+    return False
+  kind = sharding.memory_kind
+  return kind is None or all(
+    d.default_memory().kind == kind for d in sharding.device_set
+  )
+
+
+def place_pieces(a: reader.Pieces, sharding: Any) -> Any:
+  """The array ``a`` was read for (``reader.Pieces``): each device's part
+  placed on it from its own buffer, without a copy on CPU."""
+  index_map = sharding.addressable_devices_indices_map(a.shape)
+  shard_shape = tuple(sharding.shard_shape(a.shape))
+  row = math.prod(a.shape[1:]) * a.dtype.itemsize
+  parts = [a.part(idx[0].indices(a.shape[0])[0] * row, shard_shape)
+           for idx in index_map.values()]  # fmt: skip
+  aval = jax_internals.device_put_aval(
+    jax_internals.ShapedArray(a.shape, a.dtype), sharding
+  )
+  with jax_internals.explicit_device_put_scope():
+    return jax_internals.batched_device_put(
+      aval, sharding, parts, list(index_map), True, False
+    )
+
+
 def restore_arrays(
   api: str,
   opened: Opened,
@@ -312,11 +345,29 @@ def restore_arrays(
   for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
     _check_leaf(api, where, key, stored[key], want_shape)
     restore_placement(api, p, where, want_shape, normalized)
+  casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
+  pieces: dict[int, Any] = {}  # index -> sharding, for reader.Pieces
+  if opened.reads_pieces:
+    for i, (p, key) in enumerate(zip(places, keys)):
+      s = stored[key]
+      sharding, layout, _ = normalized[id(p)]
+      if (
+        casts[i] is None
+        and layout is None
+        and s.codec is None
+        and not s.fortran
+        and s.dtype == s.value_dtype
+        and jax.dtypes.canonicalize_dtype(s.dtype) == s.dtype
+        and s.nbytes >= reader.OWN_MAP
+        and _default_memory(sharding)
+      ):
+        s.pieces = reader.device_pieces(s.shape, s.dtype, sharding)
+        if s.pieces is not None:
+          pieces[i] = sharding
   # Arrays in a bucket are read ahead, concurrently, up to half the budget
   # (the batches read and not yet placed hold the rest).
   order = [stored[k] for k in keys]
   files = opened.files(read_threads, verify, order, max_inflight_bytes // 2)
-  casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
 
   def read(batch: list[int]) -> list[np.ndarray]:
     out = []
@@ -328,7 +379,25 @@ def restore_arrays(
     return out
 
   def place_batch(batch: list[int], arrays: Any) -> Any:
-    return place(arrays, [places[i] for i in batch], private_host=True, api=api)
+    if not pieces:
+      return place(
+        arrays, [places[i] for i in batch], private_host=True, api=api
+      )
+    out = [
+      place_pieces(a, pieces[i]) if i in pieces else None
+      for i, a in zip(batch, arrays)
+    ]
+    rest = [j for j, i in enumerate(batch) if i not in pieces]
+    if rest:
+      placed = place(
+        [arrays[j] for j in rest],
+        [places[batch[j]] for j in rest],
+        private_host=True,
+        api=api,
+      )
+      for j, y in zip(rest, placed):
+        out[j] = y
+    return out
 
   sizes = [stored[k].nbytes for k in keys]
   try:

@@ -121,14 +121,23 @@ class Object:
   def url(self) -> str:
     return self.st.where(self.key)
 
-  def read_into(self, view: memoryview, pos: int) -> None:
-    """Fills ``view`` with the object's bytes from ``pos``: from the held
-    request where it is there, else one ranged request, streamed into it
-    (none where the bytes were read when it was opened).
+  def read_into(self, views: list[memoryview], pos: int) -> None:
+    """Fills ``views``, one after another, with the object's bytes from
+    ``pos``: from the held request where it is there, else one ranged
+    request, streamed into them (none where the bytes were read when it was
+    opened).
 
     Raises:
-      OSError: the object ends before ``view`` is full.
+      OSError: the object ends before ``views`` are full.
     """
+    if len(views) > 1 and self.stream is None and pos >= len(self.head):
+      self.st.stream_into(self.key, pos, *views)
+      return
+    for view in views:
+      self._read_one(view, pos)
+      pos += len(view)
+
+  def _read_one(self, view: memoryview, pos: int) -> None:
     n = len(view)
     if pos + n <= len(self.head):
       view[:] = self.head[pos : pos + n]
@@ -142,17 +151,17 @@ class Object:
       stream.close()
     self.st.stream_into(self.key, pos, view)
 
-  def read_checked(self, view: memoryview, offset: int) -> None:
-    """The header (the object's first ``offset`` bytes) and ``view`` after
+  def read_checked(self, views: list[memoryview], offset: int) -> None:
+    """The header (the object's first ``offset`` bytes) and ``views`` after
     it, in one request; the header then checked by ``check``.
 
     Raises:
       ValueError: the header is not the one the record says.
-      OSError: the object ends before ``view`` is full.
+      OSError: the object ends before ``views`` are full.
     """
     assert self.check is not None
     head = bytearray(offset)
-    self.st.stream_into(self.key, 0, memoryview(head), view)
+    self.st.stream_into(self.key, 0, memoryview(head), *views)
     self.check(bytes(head))
 
   def _from_stream(
@@ -209,7 +218,7 @@ class _RangeFile(io.RawIOBase):
     view = memoryview(b).cast("B")
     n = max(0, min(len(view), self._obj.size - self._pos))
     if n:
-      self._obj.read_into(view[:n], self._pos)
+      self._obj.read_into([view[:n]], self._pos)
       self._pos += n
     return n
 
@@ -290,8 +299,13 @@ class ObjectFiles(reader.Files):
           self._cond.notify_all()
           continue
         self._held += s.nbytes
-      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
-      parts = storage.chunks(flat.size, PART)
+      if s.pieces is not None:  # a buffer per device (see reader.Pieces)
+        array: Any = reader.Pieces(s.shape, s.dtype, s.pieces, self._memory)
+        views = array.views
+      else:
+        array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+        views = lambda lo, hi, flat=flat: [flat.data[lo:hi]]  # noqa: E731
+      parts = storage.chunks(s.nbytes, PART)
       job = _Job(array, len(parts))
       if self._verify and not parts and s.sums:
         job.error = checksum.Mismatch(
@@ -302,22 +316,19 @@ class ObjectFiles(reader.Files):
         self._cond.notify_all()
       for lo, hi in parts:
         try:
-          self._requests.submit(self._part, s, job, flat, lo, hi)
+          self._requests.submit(self._part, s, job, views(lo, hi), lo)
         except RuntimeError:  # shut down: restore ended
           return
 
-  def _part(
-    self, s: Any, job: _Job, flat: np.ndarray, lo: int, hi: int
-  ) -> None:
+  def _part(self, s: Any, job: _Job, views: list[memoryview], lo: int) -> None:
     try:
       if job.error is None:
-        view = flat.data[lo:hi]
         if lo == 0 and s.obj.check is not None:
-          s.obj.read_checked(view, s.offset)  # the header with the data
+          s.obj.read_checked(views, s.offset)  # the header with the data
         else:
-          s.obj.read_into(view, s.offset + lo)
+          s.obj.read_into(views, s.offset + lo)
         if self._verify:
-          checksum.check(s.sums, view, lo // checksum.CHUNK)
+          checksum.check_views(s.sums, views, lo // checksum.CHUNK)
     except BaseException as err:  # raised by ``read``: never an unfilled array
       job.error = job.error or err
     finally:
@@ -366,6 +377,8 @@ class ObjectFiles(reader.Files):
 
 class ObjectOpened(restore_files.Opened):
   """A checkpoint one process wrote, in a bucket (``restore_files``)."""
+
+  reads_pieces = True
 
   def __init__(self, api: str, url: str, st: Storage) -> None:
     super().__init__(api, url)
