@@ -35,6 +35,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from memory_maps import record_pieces  # noqa: E402
 from memory_maps import vm_flags  # noqa: E402
 from multiprocess_util import run_n  # noqa: E402
 import object_servers  # noqa: E402
@@ -43,7 +44,6 @@ from jaxworks import batched_transfer as bt  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import checksum  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import gcs  # noqa: E402
-from jaxworks.batched_transfer._src.checkpoint import reader  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import restore_objects  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
@@ -330,16 +330,7 @@ def _rows_target(tree, spec=P("x")):
 
 @pytest.fixture
 def pieces(monkeypatch):
-  """The addresses of the buffers restore read device parts into."""
-  made = []
-  init = reader.Pieces.__init__
-
-  def recording(self, *args, **kwargs):
-    init(self, *args, **kwargs)
-    made.extend(b.ctypes.data for b in self.buffers)
-
-  monkeypatch.setattr(reader.Pieces, "__init__", recording)
-  return made
+  return record_pieces(monkeypatch)
 
 
 def test_rows_off_alignment_are_placed_without_a_copy(url, requests, pieces):

@@ -7,6 +7,10 @@ import textwrap
 import threading
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from memory_maps import record_pieces
 from memory_maps import vm_flags
 import numpy as np
 from overwrite_race import restore_while_replacing
@@ -252,3 +256,66 @@ def test_large_restore_buffers_ask_for_huge_pages_from_disk_only(tmp_path):
   assert np.array_equal(np.asarray(out["w"]), np.arange(size, dtype=np.float32))
   # Placed on its device without a copy: the device buffer is restore's map.
   assert "hg" in vm_flags(out["w"].unsafe_buffer_pointer())
+
+
+# ---------------------------------------------- rows whose bytes start off alignment
+
+
+def _rows(tree):
+  mesh = jax.make_mesh((8,), ("x",))
+  rows = NamedSharding(mesh, P("x"))
+  return {
+    k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)
+    for k, x in tree.items()
+  }
+
+
+@pytest.mark.parametrize("fmt", ["dir", "npz"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_off_alignment_are_placed_without_a_copy(
+  tmp_path, monkeypatch, fmt, threads
+):
+  # A row of 300001 float32 (1.2 MB) puts every device's rows but the
+  # first off the CPU runtime's 64-byte alignment in one buffer: each
+  # device's rows are read into a buffer of their own, which becomes the
+  # device's buffer; the 8 MiB chunks (checked one by one) cross them.
+  made = record_pieces(monkeypatch)
+  rng = np.random.default_rng(0)
+  t = {
+    "w": rng.random((8, 300001), np.float32),
+    "s": rng.random((8, 4001), np.float32),
+  }
+  path = tmp_path / ("c.npz" if fmt == "npz" else "c")
+  bt.save(path, t)
+  out = bt.restore(path, _rows(t), read_threads=threads)
+  for k, y in out.items():
+    assert np.array_equal(np.asarray(y), t[k])
+    for shard in y.addressable_shards:
+      assert shard.data.unsafe_buffer_pointer() in made
+  assert len(made) == 16
+  # A damaged byte in the third device's rows is found.
+  f = path / "w.npy" if fmt == "dir" else path
+  data = bytearray(f.read_bytes())
+  start = data.find(t["w"].tobytes()[:4096])
+  data[start + 2 * 1_200_004 + 7] ^= 1
+  f.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match="checksum|CRC"):
+    bt.restore(path, _rows(t), read_threads=threads)
+
+
+def test_rows_aligned_or_cast_read_one_buffer(tmp_path, monkeypatch):
+  made = record_pieces(monkeypatch)
+  rng = np.random.default_rng(1)
+  t = {
+    "aligned": rng.random((8, 4096), np.float32),
+    "cast": rng.random((8, 4001), np.float32),
+  }
+  bt.save(tmp_path / "c", t)
+  target = _rows(t)
+  target["cast"] = jax.ShapeDtypeStruct(
+    (8, 4001), jnp.bfloat16, sharding=target["cast"].sharding
+  )
+  out = bt.restore(tmp_path / "c", target)
+  assert np.array_equal(np.asarray(out["aligned"]), t["aligned"])
+  assert np.array_equal(np.asarray(out["cast"]), t["cast"].astype(jnp.bfloat16))
+  assert made == []

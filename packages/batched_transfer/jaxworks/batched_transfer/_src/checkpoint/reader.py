@@ -322,7 +322,7 @@ class Pieces:
 
 
 def device_pieces(
-  shape: tuple[int, ...], dtype: np.dtype, sharding: typing.Any
+  shape: tuple[int, ...], dtype: np.dtype, sharding: Any
 ) -> list[tuple[int, int]] | None:
   """The byte ranges of an array's C-order data that the devices of
   ``sharding`` hold, in order, where each of two or more devices holds a
@@ -388,7 +388,8 @@ class Files:
 
   def read(self, s: Stored) -> np.ndarray:
     """The bytes of ``s`` as an array of its header dtype, in a buffer of its
-    own; raises ValueError if the file is not the one validated, or changed."""
+    own (``Pieces`` where ``s.pieces`` says); raises ValueError if the file
+    is not the one validated, or changed."""
     fd = s.fd
     if fd < 0:  # closed after validation: the same file must be there
       fd, st = open_file(s.name, s.dir_fd)
@@ -413,29 +414,38 @@ class Files:
         os.close(fd)
     return array
 
-  def _read_stored(self, fd: Any, s: Stored) -> np.ndarray:
-    array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+  def _read_stored(self, fd: Any, s: Stored) -> Any:
+    """A raw array's data read into a new buffer (a buffer per device where
+    ``s.pieces`` says: ``Pieces``)."""
+    array: Any
+    data: memoryview | Pieces
+    if s.pieces is not None:
+      array = data = Pieces(s.shape, s.dtype, s.pieces, self._memory)
+    else:
+      array, flat = self._memory.empty(s.shape, s.dtype, s.fortran)
+      data = flat.data
+    size = s.nbytes
     sums = s.sums if self._verify else None
-    if flat.size:
-      chunks = [
-        (lo, min(lo + CHUNK, flat.size)) for lo in range(0, flat.size, CHUNK)
-      ]
+    if size:
+      chunks = [(lo, min(lo + CHUNK, size)) for lo in range(0, size, CHUNK)]
       workers = min(self._threads, len(chunks))
       if workers <= 1 and sums is not None and CHUNK == checksum.CHUNK:
         for lo, hi in chunks:
-          read_checked(fd, flat.data, s.offset, lo, hi, sums)
+          read_checked(fd, data, s.offset, lo, hi, sums)
       elif workers <= 1:
-        read_range(fd, flat.data, s.offset, 0, flat.size)
-        checksum.check(sums, flat.data)
+        read_range(fd, data, s.offset, 0, size)
+        checksum.check_views(sums, _views(data, 0, size))
       elif CHUNK == checksum.CHUNK:  # each thread checks the chunks it read
-        self._read_chunks(fd, flat.data, s.offset, chunks, workers, sums)
+        self._read_chunks(fd, data, s.offset, chunks, workers, sums)
       else:
-        self._read_chunks(fd, flat.data, s.offset, chunks, workers, None)
-        checksum.check(sums, flat.data)
+        self._read_chunks(fd, data, s.offset, chunks, workers, None)
+        checksum.check_views(sums, _views(data, 0, size))
     elif sums:
       raise checksum.Mismatch("it holds no data, but the record has checksums")
     if self._verify and s.zip_crc is not None:
-      got = zlib.crc32(flat.data, s.header_crc)
+      got = s.header_crc
+      for part in _views(data, 0, size):
+        got = zlib.crc32(part, got)
       if got != s.zip_crc:
         raise checksum.Mismatch(
           f"its CRC-32 is {got:#010x}, the archive recorded {s.zip_crc:#010x}: "
@@ -472,7 +482,7 @@ class Files:
   def _read_chunks(
     self,
     fd: Any,
-    view: memoryview,
+    view: memoryview | Pieces,
     offset: int,
     chunks: list,
     workers: int,
@@ -547,20 +557,26 @@ def codec_errors(
 READ_THREAD_PREFIX = "jaxworks-restore-chunk"
 
 
+def _views(view: memoryview | Pieces, lo: int, hi: int) -> list[memoryview]:
+  """Bytes [lo, hi) of a buffer or of ``Pieces``, as views."""
+  return view.views(lo, hi) if isinstance(view, Pieces) else [view[lo:hi]]
+
+
 def read_range(
-  fd: Any, view: memoryview, offset: int, lo: int, hi: int
+  fd: Any, view: memoryview | Pieces, offset: int, lo: int, hi: int
 ) -> None:
-  """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]``.
+  """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]`` (or the
+  buffers of ``Pieces`` that hold them).
 
   ``fd``: a file descriptor, or an object in a bucket (anything with
   ``read_into(views, position)``, see restore_objects), read in one request.
   """
   if not isinstance(fd, int):
-    fd.read_into([view[lo:hi]], offset + lo)
+    fd.read_into(_views(view, lo, hi), offset + lo)
     return
   done = lo
   while done < hi:  # read() returns at most about 2 GiB at a time
-    n = os.preadv(fd, [view[done:hi]], offset + done)
+    n = os.preadv(fd, _views(view, done, hi), offset + done)
     if n == 0:
       raise EOFError(
         f"the data ends {hi - done} bytes early (at byte {offset + done} of "
@@ -577,7 +593,7 @@ SUM_STEP = 2**20
 
 def read_checked(
   fd: Any,
-  view: memoryview,
+  view: memoryview | Pieces,
   offset: int,
   lo: int,
   hi: int,
@@ -595,7 +611,8 @@ def read_checked(
   for a in range(lo, hi, step):
     b = min(a + step, hi)
     read_range(fd, view, offset, a, b)
-    value = checksum.crc(view[a:b], value)
+    for part in _views(view, a, b):
+      value = checksum.crc(part, value)
   if k is None:
     k = lo // checksum.CHUNK
   if k >= len(sums) or value != sums[k]:

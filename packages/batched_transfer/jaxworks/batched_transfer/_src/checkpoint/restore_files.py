@@ -42,10 +42,6 @@ class Opened:
   replaced at its path (a save with overwrite=True) while restore runs is
   read whole as it was validated, or fails; ``close()`` closes them."""
 
-  #: Whether ``files`` reads arrays marked with ``Stored.pieces`` into a
-  #: buffer per device (``reader.Pieces``): a bucket's objects do.
-  reads_pieces = False
-
   def __init__(self, api: str, path: str) -> None:
     self.api, self.path = api, path
     self.fds: list[int] = []
@@ -346,24 +342,27 @@ def restore_arrays(
     _check_leaf(api, where, key, stored[key], want_shape)
     restore_placement(api, p, where, want_shape, normalized)
   casts = [cast_to(stored[k].value_dtype, s[1]) for k, s in zip(keys, specs)]
-  pieces: dict[int, Any] = {}  # index -> sharding, for reader.Pieces
-  if opened.reads_pieces:
-    for i, (p, key) in enumerate(zip(places, keys)):
-      s = stored[key]
-      sharding, layout, _ = normalized[id(p)]
-      if (
-        casts[i] is None
-        and layout is None
-        and s.codec is None
-        and not s.fortran
-        and s.dtype == s.value_dtype
-        and jax.dtypes.canonicalize_dtype(s.dtype) == s.dtype
-        and s.nbytes >= reader.OWN_MAP
-        and _default_memory(sharding)
-      ):
-        s.pieces = reader.device_pieces(s.shape, s.dtype, sharding)
-        if s.pieces is not None:
-          pieces[i] = sharding
+  # Arrays split in rows whose blocks would start off alignment in one
+  # buffer: a buffer per device (reader.Pieces), placed without a copy.
+  pieces: dict[int, Any] = {}  # index -> its sharding
+  for i, (p, key) in enumerate(zip(places, keys)):
+    s = stored[key]
+    sharding, layout, _ = normalized[id(p)]
+    s.pieces = None
+    if (
+      casts[i] is None
+      and layout is None
+      and s.codec is None
+      and s.member is None
+      and not s.fortran
+      and s.dtype == s.value_dtype
+      and jax.dtypes.canonicalize_dtype(s.dtype) == s.dtype
+      and s.nbytes >= reader.OWN_MAP
+      and _default_memory(sharding)
+    ):
+      s.pieces = reader.device_pieces(s.shape, s.dtype, sharding)
+      if s.pieces is not None:
+        pieces[i] = sharding
   # Arrays in a bucket are read ahead, concurrently, up to half the budget
   # (the batches read and not yet placed hold the rest).
   order = [stored[k] for k in keys]

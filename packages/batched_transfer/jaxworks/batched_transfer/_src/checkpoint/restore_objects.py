@@ -378,8 +378,6 @@ class ObjectFiles(reader.Files):
 class ObjectOpened(restore_files.Opened):
   """A checkpoint one process wrote, in a bucket (``restore_files``)."""
 
-  reads_pieces = True
-
   def __init__(self, api: str, url: str, st: Storage) -> None:
     super().__init__(api, url)
     self.st = st
