@@ -385,6 +385,56 @@ void SignatureBuilder::TryLearnLayout(const ArrayReaders& r) const {
   }
 }
 
+// Leaves whose words are loaded together, ahead of their signatures.
+constexpr Py_ssize_t kLoadBlock = 32;
+
+// Loads the type words of `count` objects, their values discarded: the
+// header lines of a block of children, fetched together (see LoadAhead).
+void LoadTypes(PyObject* const* objects, Py_ssize_t count) {
+  uintptr_t sink = 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    sink ^= reinterpret_cast<uintptr_t>(Py_TYPE(objects[i]));
+  }
+  asm volatile("" : : "r"(sink));  // keeps the loads
+}
+
+void SignatureBuilder::LoadAhead(PyObject* const* leaves,
+                                 Py_ssize_t count) const {
+  // The arguments of a step are often cold (after a collection, or a step's
+  // worth of other work): each jax Array's header, aval and sharding words lie
+  // on three cache lines (a jaxlib Array is 680 bytes) of its own page. Read
+  // one leaf at a time, the misses come one after another; loaded here in a
+  // tight loop, a block's misses overlap (prefetch hints, tried instead,
+  // measured no gain). Only arrays of the first array type with a learnt
+  // layout are read; the loaded values are discarded.
+  if (array_readers_.empty()) return;
+  const ArrayReaders& r = array_readers_.front();
+  if (r.layout.state != ArrayLayout::State::kDirect ||
+      r.layout.version_tag != r.type->tp_version_tag) {
+    return;
+  }
+  uintptr_t sink = 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* leaf = leaves[i];
+    if (Py_TYPE(leaf) != r.type) continue;
+    sink ^= reinterpret_cast<uintptr_t>(WordAt(leaf, r.layout.aval)) ^
+            reinterpret_cast<uintptr_t>(WordAt(leaf, r.layout.sharding)) ^
+            ByteAt(leaf, r.layout.committed);
+  }
+  asm volatile("" : : "r"(sink));  // keeps the loads
+}
+
+void SignatureBuilder::BuildLeaves(PyObject* const* leaves, size_t count,
+                                   std::vector<LeafSignature>& out) const {
+  out.resize(count);
+  const auto n = static_cast<Py_ssize_t>(count);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i % kLoadBlock == 0) LoadAhead(leaves + i, std::min(kLoadBlock, n - i));
+    BuildLeaf(py::handle(leaves[i]), static_cast<size_t>(i),
+              out[static_cast<size_t>(i)]);
+  }
+}
+
 bool SignatureBuilder::ReadFields(const ArrayReaders& r, PyObject* obj,
                                   LeafSignature& out) {
   PyObject* aval = WordAt(obj, r.layout.aval);
@@ -500,6 +550,11 @@ Signature SignatureBuilder::Build(py::handle leaves, py::object extra) const {
   // Re-read the size on every step: a fallback or a property may run Python
   // code that mutates a list while we walk it.
   for (Py_ssize_t i = 0; i < Py_SIZE(seq); ++i) {
+    if (i % kLoadBlock == 0) {  // the items as they are now (see above)
+      LoadAhead(is_list ? reinterpret_cast<PyListObject*>(seq)->ob_item + i
+                        : &PyTuple_GET_ITEM(seq, i),
+                std::min(kLoadBlock, Py_SIZE(seq) - i));
+    }
     py::object item = py::reinterpret_borrow<py::object>(
         is_list ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i));
     out.emplace_back();  // filled in place: no temporary to move and destroy
@@ -533,9 +588,16 @@ struct SignatureBuilder::KeyWalk {
   std::vector<int32_t> code;
   std::vector<PyObject*> keys;        // borrowed from key_lists
   std::vector<py::object> key_lists;  // sorted key lists of the dicts
-  std::vector<py::object> leaves;
+  std::vector<PyObject*> leaves;      // owned (released into the leaf list)
   std::vector<LeafSignature> sigs;
   size_t hash = 0;
+
+  KeyWalk() = default;
+  KeyWalk(const KeyWalk&) = delete;
+  KeyWalk& operator=(const KeyWalk&) = delete;
+  ~KeyWalk() {
+    for (PyObject* leaf : leaves) Py_DECREF(leaf);
+  }
 
   void Emit(int32_t tag, Py_ssize_t size = -1) {
     code.push_back(tag);
@@ -561,9 +623,13 @@ bool SignatureBuilder::WalkNode(PyObject* node, int depth,
     walk.Emit(tuple ? kTupleCode : kListCode, n);
     Grow(walk.code, static_cast<size_t>(n));
     Grow(walk.leaves, static_cast<size_t>(n));
-    Grow(walk.sigs, static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
       if (Py_SIZE(node) != n) return false;  // a list changed meanwhile
+      if (i % kLoadBlock == 0) {  // the children's headers, misses overlapped
+        LoadTypes(tuple ? &PyTuple_GET_ITEM(node, i)
+                        : reinterpret_cast<PyListObject*>(node)->ob_item + i,
+                  std::min(kLoadBlock, n - i));
+      }
       PyObject* child =
           tuple ? PyTuple_GET_ITEM(node, i) : PyList_GET_ITEM(node, i);
       if (!WalkNode(child, depth + 1, walk)) return false;
@@ -607,9 +673,8 @@ bool SignatureBuilder::WalkNode(PyObject* node, int depth,
   if (!known) known = Classify(node) != LeafKind::kOther;
   if (!known) return false;
   walk.Emit(kLeafCode);
-  walk.leaves.push_back(py::reinterpret_borrow<py::object>(node));
-  walk.sigs.emplace_back();
-  BuildLeaf(node, walk.sigs.size() - 1, walk.sigs.back());
+  walk.leaves.push_back(node);
+  Py_INCREF(node);
   return true;
 }
 
@@ -640,6 +705,8 @@ SignatureBuilder::KeyResult SignatureBuilder::Key(py::handle tree,
   }
   KeyWalk walk;
   const bool walked = WalkNode(tree.ptr(), 0, walk);
+  // The leaves' signatures after the walk, in blocks (BuildLeaves).
+  if (walked) BuildLeaves(walk.leaves.data(), walk.leaves.size(), walk.sigs);
   py::object treedef;
   size_t treedef_hash = 0;
   std::vector<LeafSignature> sigs;
@@ -666,7 +733,7 @@ SignatureBuilder::KeyResult SignatureBuilder::Key(py::handle tree,
     bool agree = walked && static_cast<size_t>(PyList_GET_SIZE(leaves.ptr())) ==
                                walk.leaves.size();
     for (size_t i = 0; agree && i < walk.leaves.size(); ++i) {
-      agree = PyList_GET_ITEM(leaves.ptr(), i) == walk.leaves[i].ptr();
+      agree = PyList_GET_ITEM(leaves.ptr(), i) == walk.leaves[i];
     }
     if (agree) {
       sigs = std::move(walk.sigs);
@@ -692,9 +759,9 @@ SignatureBuilder::KeyResult SignatureBuilder::Key(py::handle tree,
     PyObject* list = PyList_New(static_cast<Py_ssize_t>(walk.leaves.size()));
     if (list == nullptr) throw py::error_already_set();
     for (size_t i = 0; i < walk.leaves.size(); ++i) {
-      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i),
-                      walk.leaves[i].release().ptr());
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), walk.leaves[i]);
     }
+    walk.leaves.clear();  // the list owns them now
     leaves = py::reinterpret_steal<py::object>(list);
     sigs = std::move(walk.sigs);
   }

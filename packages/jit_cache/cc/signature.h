@@ -202,6 +202,13 @@ class SignatureBuilder {
     py::object treedef;
     size_t treedef_hash = 0;
   };
+  // Loads the words BuildLeaf reads from the jax Arrays among `count` leaves
+  // (see LoadAhead in signature.cc).
+  void LoadAhead(PyObject* const* leaves, Py_ssize_t count) const;
+  // `leaves[i]`'s signature into `out[i]`, loading ahead in blocks.
+  void BuildLeaves(PyObject* const* leaves, size_t count,
+                   std::vector<LeafSignature>& out) const;
+
   struct KeyWalk;
   // Reads `node` into `walk`; false when it holds anything else than what
   // Key reads itself (the walk is then abandoned).

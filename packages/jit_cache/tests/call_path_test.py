@@ -110,6 +110,28 @@ def test_keys_equal_exactly_when_flatten_and_signature_are(a, b):
     assert hash(ka) == hash(kb)
 
 
+def test_wide_trees_read_in_blocks_agree():
+  """Leaves are read in blocks of 32 (their fields loaded ahead): trees of
+  sizes around and across block edges, kinds mixed, agree with flatten."""
+  mesh = jax.make_mesh((8,), ("x",))
+  kinds = [
+    lambda i: jnp.full((i % 3 + 1,), i, jnp.float32),
+    lambda i: jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, jax.P("x"))),
+    lambda i: float(i),
+    lambda i: np.ones(i % 4),
+    lambda i: jax.device_put(jnp.int8(i % 100), jax.devices()[i % 8]),
+  ]
+  for n in (31, 32, 33, 64, 65, 200):
+    leaves = [kinds[(i * 7) % len(kinds)](i) for i in range(n)]
+    _check_agrees((tuple(leaves),))
+    _check_agrees(([leaves[: n // 2], {"a": leaves[n // 2 :]}],))
+    rows = _check_agrees((tuple(leaves),))
+    swapped = list(leaves)
+    swapped[n - 1] = jnp.ones((9,))  # the last block's last leaf differs
+    assert _check_agrees((tuple(swapped),)) != rows
+  assert sig.signature.reads_array_fields()
+
+
 def test_key_under_a_trace_and_statics():
   def f(x, y):
     s = _check_agrees(((x, {"k": y}), {}), statics=(7,))
