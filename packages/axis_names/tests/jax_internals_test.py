@@ -8,6 +8,8 @@ import inspect
 
 import jax
 from jax import lax
+from jax.extend.core import JaxprEqn
+from jax.extend.core import check_jaxpr
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -211,3 +213,66 @@ def test_axis_names_at_error_reads_the_axis_env_of_the_frame():
     jax.make_jaxpr(reads_size, axis_env=[("i", 2)])(X)
   assert ji.axis_names_at_error(info.value) is None
   assert ji.axis_names_at_error(ValueError()) is None
+
+
+def test_eqn_adder_adds_finished_equations():
+  """A finished equation added to a staging trace is in its jaxpr, in
+  order with the equations JAX stages, as if JAX had staged it."""
+  sin = jax.make_jaxpr(lax.sin)(X).eqns[0]
+  src = ji.current_source_info()
+
+  def f(x):
+    trace = ji.current_staging_trace()
+    add = ji.eqn_adder(trace)
+    y = jnp.cos(x)
+    out = ji.new_var(trace)(sin.outvars[0].aval)
+    add(
+      JaxprEqn(
+        [y.val], [out], sin.primitive, sin.params, sin.effects, src, sin.ctx
+      )
+    )
+    return jnp.cos(ji.var_tracer(trace, out, src)) * 2.0
+
+  got = jax.make_jaxpr(f)(X)
+  want = jax.make_jaxpr(lambda x: jnp.cos(lax.sin(jnp.cos(x))) * 2.0)(X)
+  assert str(got) == str(want)
+  check_jaxpr(got.jaxpr)
+  assert got.eqns[1].params is sin.params and got.eqns[1].source_info is src
+  np.testing.assert_array_equal(
+    jax.core.eval_jaxpr(got.jaxpr, got.consts, X)[0],
+    jax.core.eval_jaxpr(want.jaxpr, want.consts, X)[0],
+  )
+  # A trace that drops dead equations as it goes needs JAX's records.
+  assert ji.eqn_adder(ji._pe.DynamicJaxprTrace(None, auto_dce=True)) is None
+
+
+def test_var_tracer_and_constant_tracers():
+  seen = {}
+
+  def f(x):
+    trace = ji.current_staging_trace()
+    src = ji.current_source_info()
+    const = ji.staged_arg(trace, X, src)
+    lit = jax.make_jaxpr(lambda v: v * 2.0)(X).eqns[0].invars[1]
+    t = ji.var_tracer(trace, lit, src)
+    seen["lit"] = (t.val is lit, ji.is_constant_tracer(trace, t))
+    seen["x"] = ji.is_constant_tracer(trace, x)
+    seen["const"] = ji.is_constant_tracer(trace, const)
+    again = ji.var_tracer(trace, x.val, src)
+    seen["again"] = (again.val is x.val, again.aval == x.aval)
+    return x + const + t
+
+  closed = jax.make_jaxpr(f)(X)
+  assert seen == {
+    "lit": (True, False),
+    "x": False,
+    "const": True,
+    "again": (True, True),
+  }
+  assert len(closed.consts) == 1
+
+
+def test_has_fold_rule():
+  convert = jax.make_jaxpr(lambda x: x.astype(jnp.int32))(X).eqns[0]
+  assert ji.has_fold_rule(convert.primitive)
+  assert not ji.has_fold_rule(jax.make_jaxpr(lax.sin)(X).eqns[0].primitive)

@@ -397,3 +397,110 @@ def test_traced_rename_keeps_source_lines():
   assert eqn.params["axes"] == ("k",)
   _, at, func = jax_internals.user_location(eqn.source_info)
   assert (at, func.rsplit(".", 1)[-1]) == (line, "f")
+
+
+def _typed_body(name):
+  """A shard_map body over ``name`` in which every type names the axis:
+  scalar literals used many times (``0.0`` and ``-0.0`` told apart), a
+  primitive with two outputs, one JAX can constant-fold, collectives."""
+
+  def body(x):
+    for _ in range(3):
+      x = jnp.sin(x) * 1.5 + x * 0.0 - x * -0.0
+      x, y = lax.sort((x, -x), num_keys=1)
+      x = x + y.astype(jnp.bfloat16).astype(jnp.float32)
+      x = lax.psum(x, name) * jnp.float32(np.nan)
+    return jnp.where(jnp.isnan(x), 2.0, x)
+
+  return body
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_traced_rename_equals_stock_when_every_type_names_the_axis(check_vma):
+  """The staged rename shares one renamed literal per scalar value and
+  emits the equations whose types alone change (most of them) directly;
+  the jaxpr is still stock's, bit for bit."""
+
+  def traced(f):
+    g = jax.shard_map(
+      f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+    )
+    return jax.jit(g).trace(X)
+
+  stock = traced(_typed_body("k"))
+  ours = traced(rename_axes(_typed_body("i"), {"i": "k"}))
+  assert str(ours.jaxpr) == str(stock.jaxpr)
+  text = str(ours.jaxpr)
+  assert "-0.0" in text and " 0.0" in text
+  check_jaxpr(ours.jaxpr.jaxpr)
+  np.testing.assert_array_equal(
+    ours.lower().compile()(X), stock.lower().compile()(X)
+  )
+
+
+C = jnp.arange(8.0) + 1.0  # a constant the functions below close over
+
+
+def _with_constants(name):
+  def f(x):
+    return jnp.sin(C) * x + lax.psum(jnp.cos(C) + x, name) * 2.0
+
+  return f
+
+
+def test_traced_rename_keeps_constants_bound():
+  """Equations whose input is a constant are staged with the tracer that
+  keeps the constant in the caller's jaxpr (a captured array, an array
+  argument inside ``jit``)."""
+
+  def traced(f):
+    g = jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))
+    return jax.jit(g).trace(X)
+
+  stock = traced(_with_constants("k"))
+  ours = traced(rename_axes(_with_constants("i"), {"i": "k"}))
+  assert str(ours.jaxpr) == str(stock.jaxpr)
+  check_jaxpr(ours.jaxpr.jaxpr)
+  np.testing.assert_array_equal(
+    ours.lower().compile()(X), stock.lower().compile()(X)
+  )
+  g = rename_axes(_with_constants("i"), {"i": "k"})
+  closed = jax.make_jaxpr(lambda: g(X), axis_env=[("k", 8)])()
+  want = jax.make_jaxpr(lambda: _with_constants("k")(X), axis_env=[("k", 8)])()
+  assert str(closed) == str(want)
+  with jax_internals.extend_axis_env([("k", 8)]):
+    check_jaxpr(closed.jaxpr)
+  assert len(closed.consts) == len(want.consts) == 2
+
+
+def _with_dead_code(name):
+  def f(x):
+    jnp.cos(x) * 3.0  # unused
+    return lax.psum(jnp.sin(x) * 2.0, name) + x
+
+  return f
+
+
+@pytest.mark.parametrize("auto_dce", [True, False])
+def test_traced_rename_into_a_trace_that_drops_dead_code(auto_dce):
+  """Staged into a trace that drops dead equations as it goes (JAX's
+  ``linearize`` tangent traces), the rename drops the same ones as stock;
+  a trace that keeps them keeps them."""
+  src = jax_internals.current_source_info()
+  dbg = jax.make_jaxpr(lambda x: x)(X).jaxpr.debug_info  # one in, one out
+
+  def staged(f):
+    trace = jax_internals._pe.DynamicJaxprTrace(dbg, auto_dce=auto_dce)
+    x = trace.new_arg(jax.core.ShapedArray(X.shape, X.dtype), src)
+    with (
+      jax_internals._core.set_current_trace(trace),
+      jax_internals.extend_axis_env([("k", 8)]),
+    ):
+      y = f(x)
+    jaxpr, _ = trace.to_jaxpr([y], dbg, src)
+    return jaxpr
+
+  ours = staged(rename_axes(_with_dead_code("i"), {"i": "k"}))
+  stock = staged(_with_dead_code("k"))
+  assert str(ours) == str(stock)
+  assert ("cos" in str(ours)) == (not auto_dce)

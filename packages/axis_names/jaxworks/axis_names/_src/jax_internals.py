@@ -6,7 +6,8 @@ that moves one of them fails in one obvious place. Public JAX
 other modules; only what has no public door lives here: ``NamedAxisEffect``,
 user frames of tracebacks, the names in JAX's unbound-axis errors (and the
 names bound where they were raised), equation contexts and typed literals,
-the axis environment, symbolic zeros, and ``WrappedFun`` for rule callables.
+the axis environment, emitting equations into a staging trace, symbolic
+zeros, and ``WrappedFun`` for rule callables.
 """
 
 from __future__ import annotations
@@ -237,13 +238,13 @@ def eqn_source_info(source_info, name_stack):
 
 
 def stage_eqn(
-  trace, eqn, in_tracers, out_avals, params, effects, src, ctx, env
+  trace, eqn, in_tracers, out_avals, params, effects, src, ctx, atoms
 ):
   """Emits ``eqn`` (with the given params, avals, effects, context) into
   ``trace``, folding constants as JAX's own inlining does; the out tracers.
 
-  ``env`` maps the source jaxpr's variables to tracers (for effects tied to
-  an input)."""
+  ``atoms`` maps the source jaxpr's variables to their variables (or
+  literals) in ``trace`` (for effects tied to an input)."""
   folded = _pe.try_constant_folding(
     eqn.primitive, in_tracers, params, out_avals
   )
@@ -254,7 +255,7 @@ def stage_eqn(
     ]
   if effects:
     effects = {
-      e.replace(env[e.input].val)
+      e.replace(atoms[e.input])
       if isinstance(e, _effects.JaxprInputEffect)
       else e
       for e in effects
@@ -262,6 +263,49 @@ def stage_eqn(
   return trace.emit_eqn(
     in_tracers, out_avals, eqn.primitive, params, effects, src, ctx
   )
+
+
+def has_fold_rule(primitive) -> bool:
+  """Whether JAX folds ``primitive`` when an input is a known constant
+  (``stage_eqn`` then may emit constants instead of the equation)."""
+  return primitive in _pe.const_fold_rules
+
+
+def eqn_adder(trace):
+  """``add(eqn)``: adds the finished ``JaxprEqn`` ``eqn`` to the jaxpr the
+  staging ``trace`` builds; None where the trace drops dead equations as
+  it goes (``linearize``'s tangent traces), which needs JAX's tracer
+  record of each equation.
+
+  The trace's frame takes finished equations next to its tracer records
+  (JAX's own ``lower_jaxpr`` adds them so) and lists them in its jaxpr in
+  order. The caller guarantees what a record would: no effects, inputs
+  that are the trace's variables or literals, and no input variable bound
+  to a constant unless a live tracer holds it (the frame forgets a
+  constant when its last tracer dies).
+  """
+  frame = trace.frame
+  return None if frame.auto_dce else frame.tracing_eqns.append
+
+
+def new_var(trace):
+  """``new_var(aval)``: a fresh variable of the staging ``trace``."""
+  return trace.frame.gensym
+
+
+def var_tracer(trace, var, source_info):
+  """A tracer of the staging ``trace`` for its variable or literal ``var``
+  (an equation's input, staged through JAX)."""
+  if type(var) is _core.Literal:
+    return staged_literal(trace, var, source_info)
+  return trace.var_to_tracer(var, source_info)
+
+
+def is_constant_tracer(trace, tracer) -> bool:
+  """Whether ``tracer``'s variable is bound to a constant of ``trace``'s
+  jaxpr, which the trace keeps only while a tracer of it lives."""
+  val = tracer.val
+  return type(val) is not _core.Literal and val in trace.frame.constvar_to_val
 
 
 def has_qdd(aval) -> bool:

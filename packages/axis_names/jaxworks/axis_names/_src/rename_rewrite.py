@@ -145,12 +145,12 @@ def _literal_key(val: Any) -> Any:
   """A key telling a scalar literal's value apart bit for bit (``-0.0``
   from ``0.0``), or None for anything else."""
   t = type(val)
+  if isinstance(val, np.ndarray):  # JAX's typed literals first
+    return None if val.shape else (t, val.dtype, val.tobytes())
   if t is float:
     return (t, val.hex())
   if t is int or t is bool:
     return (t, val)
-  if isinstance(val, np.ndarray) and not val.shape:
-    return (t, val.dtype, val.tobytes())
   return None
 
 
@@ -268,6 +268,13 @@ class Renamer:
     as JAX inlines a jaxpr, so the function is neither rewritten into a new
     jaxpr first nor evaluated primitive by primitive (abstract evaluation
     ran in the first trace; the renamed types are the result types).
+
+    Most equations (no effects, no param that can hold a name or a jaxpr,
+    nothing JAX folds) change only in their types. Where the trace keeps
+    every equation (it does not drop dead code as it goes), those go into
+    its jaxpr as finished equations over variables, without a tracer per
+    value (``jax_internals.eqn_adder``); the others go through JAX's
+    staging (``stage_eqn``), with tracers made for their inputs on demand.
     """
     jaxpr = closed.jaxpr
     memo = self.value_memo
@@ -275,50 +282,101 @@ class Renamer:
     # from the equations that can have them (not a separate analysis walk).
     names = set(jax_internals.named_axis_effect_names(jaxpr.effects))
     has_rules = False
-    literals: dict = {}  # (aval, dtype, bytes) of a scalar -> renamed
-    avals: dict = {}  # old aval -> renamed (avals are values)
+    avals: dict = {}  # old aval -> renamed
+    qdd = False  # whether a renamed aval carries quasi-dynamic data
+    literals: dict = {}  # (aval, scalar key) -> renamed Literal
     ctxs: dict = {}  # id(ctx) -> (ctx, renamed ctx)
 
     def aval_of(a):
+      nonlocal qdd
       try:
         return avals[a]
       except KeyError:
         r = avals[a] = deep.rename(a, mapping, memo)
-        return r
       except TypeError:  # an unhashable aval
-        return deep.rename(a, mapping, memo)
+        r = deep.rename(a, mapping, memo)
+      qdd = qdd or r.has_qdd
+      return r
 
+    def literal(x):
+      """``x`` (a ``Literal``) renamed; one per scalar value."""
+      try:
+        aval = avals[x.aval]
+      except (KeyError, TypeError):
+        aval = aval_of(x.aval)
+      if aval is x.aval:
+        return x
+      val = x.val
+      key = _literal_key(val)
+      if key is not None:
+        key = (x.aval, key)
+        hit = literals.get(key)
+        if hit is not None:
+          return hit
+      new = Literal(jax_internals.literal_value_with_aval(val, aval), aval)
+      if key is not None:
+        literals[key] = new
+      return new
+
+    def ctx_of(ctx):
+      new_ctx = ctx
+      mesh = jax_internals.eqn_context_mesh(ctx)
+      if mesh is not None:
+        new_mesh = deep.rename(mesh, mapping, memo)
+        names.update(deep.names_of(mesh))
+        if new_mesh is not mesh:
+          new_ctx = jax_internals.eqn_context_with_mesh(ctx, new_mesh)
+      ctxs[id(ctx)] = hit = (ctx, new_ctx)
+      return hit
+
+    def only_types_change(prim, params):
+      """Whether renaming changes nothing but the types of an equation
+      without effects (no param can hold a name or a jaxpr), and staging
+      it cannot fold it into constants."""
+      return (
+        prim.name not in _SPECIAL
+        and not jax_internals.has_fold_rule(prim)
+        and (not params or _plain(params))
+      )
+
+    # Each value of the jaxpr: its atom in the trace (a variable or a
+    # literal) and, where one exists, its tracer. A value whose variable a
+    # tracer keeps bound to a constant is pinned: an equation using it is
+    # staged with that tracer, which it keeps alive.
+    atoms: dict = {}
+    tracers: dict = {}
+    pinned: set = set()
     src = jax_internals.current_source_info()
-    stack = src.name_stack
-    stacks: dict = {}  # id(eqn name stack) -> (it, under ``stack``)
-    env: dict = {}
+
+    def take(v, t):
+      atoms[v] = t.val
+      tracers[v] = t
+      if jax_internals.is_constant_tracer(trace, t):
+        pinned.add(v)
+
+    def tracer_of(x, where):
+      if type(x) is Literal:
+        return jax_internals.staged_literal(trace, literal(x), where)
+      t = tracers.get(x)
+      if t is None:
+        t = tracers[x] = jax_internals.var_tracer(trace, atoms[x], where)
+      return t
+
     for v, c in zip(jaxpr.constvars, closed.consts):
-      env[v] = jax_internals.staged_const(trace, c, src)
+      take(v, jax_internals.staged_const(trace, c, src))
     for v, x in zip(jaxpr.invars, args):
-      env[v] = jax_internals.staged_arg(trace, x, src)
+      take(v, jax_internals.staged_arg(trace, x, src))
     for v in (*jaxpr.constvars, *jaxpr.invars):
       aval_of(v.aval)
 
-    def atom(x, where):
-      if type(x) is Literal:
-        aval = aval_of(x.aval)
-        if aval is not x.aval:
-          val = x.val
-          key = None
-          key = _literal_key(val)
-          if key is not None:  # a scalar: share its rename
-            key = (x.aval, key)
-            hit = literals.get(key)
-            if hit is not None:
-              return jax_internals.staged_literal(trace, hit, where)
-          val = jax_internals.literal_value_with_aval(val, aval)
-          x = Literal(val, aval)
-          if key is not None:
-            literals[key] = x
-        return jax_internals.staged_literal(trace, x, where)
-      return env[x]
-
+    add_eqn = jax_internals.eqn_adder(trace)
+    new_var = jax_internals.new_var(trace)
     stage_eqn = jax_internals.stage_eqn
+    # id(params) -> (params, primitive, only_types_change(...)): equations
+    # inlined from one cached jaxpr share its params dicts.
+    kinds: dict = {}
+    stack = src.name_stack
+    stacks: dict = {}  # id(eqn name stack) -> (it, under ``stack``)
     has_stack = bool(stack)
     for eqn in jaxpr.eqns:
       where = eqn.source_info
@@ -328,48 +386,68 @@ class Renamer:
         if hit is None:
           hit = stacks[id(ns)] = (ns, stack + ns)
         where = where.replace(name_stack=hit[1])
-      ins = [
-        env[v] if type(v) is not Literal else atom(v, where) for v in eqn.invars
-      ]
-      out_avals = []
-      for v in eqn.outvars:
-        a = v.aval
-        r = avals.get(a)
-        out_avals.append(aval_of(a) if r is None else r)
+      ctx = ctxs.get(id(eqn.ctx)) or ctx_of(eqn.ctx)
+      prim = eqn.primitive
       params = eqn.params
+      effects = eqn.effects
+      outvars = eqn.outvars
+      kind = kinds.get(id(params))
+      if kind is None or kind[1] is not prim:
+        kind = (params, prim, only_types_change(prim, params))
+        kinds[id(params)] = kind
+      if (
+        kind[2]
+        and not effects
+        and add_eqn is not None
+        and (
+          not pinned
+          or not any(v in pinned for v in eqn.invars if type(v) is not Literal)
+        )
+      ):
+        # Most equations: as they are, with the renamed types.
+        ins = [
+          atoms[v] if type(v) is not Literal else literal(v) for v in eqn.invars
+        ]
+        if len(outvars) == 1:
+          (v,) = outvars
+          try:
+            a = avals[v.aval]
+          except (KeyError, TypeError):
+            a = aval_of(v.aval)
+          if not qdd:
+            atoms[v] = out = new_var(a)
+            add_eqn(JaxprEqn(ins, [out], prim, params, effects, where, ctx[1]))
+            continue
+        else:
+          out_avals = [aval_of(v.aval) for v in outvars]
+          if not qdd:
+            outs = [new_var(a) for a in out_avals]
+            add_eqn(JaxprEqn(ins, outs, prim, params, effects, where, ctx[1]))
+            atoms.update(zip(outvars, outs))
+            continue
+      ins = [tracer_of(v, where) for v in eqn.invars]
+      out_avals = [aval_of(v.aval) for v in outvars]
       inner = None
-      if eqn.primitive.name in _SPECIAL or (params and not _plain(params)):
+      if prim.name in _SPECIAL or (params and not _plain(params)):
         params, _, inner, subs = self._params_and_inner(eqn, mapping)
         names |= _param_names(eqn, subs)
         names |= analysis.eqn_axis_names(eqn)
         has_rules = has_rules or analysis.eqn_has_rules(eqn)
-      effects = eqn.effects
       if effects:
         names |= jax_internals.named_axis_effect_names(effects)
         effects = _rename_effects(effects, mapping)
       if inner:
-        callables = rules.CALLABLE_PARAMS.get(eqn.primitive.name, {})
-        param = rules.AXIS_PARAMS.get(eqn.primitive.name)
+        callables = rules.CALLABLE_PARAMS.get(prim.name, {})
+        param = rules.AXIS_PARAMS.get(prim.name)
         for k, v in eqn.params.items():
           if k != param and k not in callables:
             params[k] = self.param(v, inner)
-      ctx = eqn.ctx
-      hit = ctxs.get(id(ctx))
-      if hit is None:
-        new_ctx = ctx
-        mesh = jax_internals.eqn_context_mesh(ctx)
-        if mesh is not None:
-          new_mesh = deep.rename(mesh, mapping, memo)
-          names |= deep.names_of(mesh)
-          if new_mesh is not mesh:
-            new_ctx = jax_internals.eqn_context_with_mesh(ctx, new_mesh)
-        ctxs[id(ctx)] = hit = (ctx, new_ctx)
       outs = stage_eqn(
-        trace, eqn, ins, out_avals, params, effects, where, hit[1], env
+        trace, eqn, ins, out_avals, params, effects, where, ctx[1], atoms
       )
-      for v, t in zip(eqn.outvars, outs):
-        env[v] = t
-    outs = [atom(v, src) for v in jaxpr.outvars]
+      for v, t in zip(outvars, outs):
+        take(v, t)
+    outs = [tracer_of(v, src) for v in jaxpr.outvars]
     names.update(*(deep.names_of(a) for a in avals))
     return outs, frozenset(names), has_rules
 
