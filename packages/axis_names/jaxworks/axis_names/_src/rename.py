@@ -236,7 +236,10 @@ def _run_renamed(
     out = fun(*a) if rule else fun(*a[0], **a[1])
     out_leaves, out_tree = _tree_flatten(out, is_leaf=jax_internals.is_zero)
     traced = [not rule or isinstance(x, _Tracer) for x in out_leaves]
-    out_box.append((out_tree, out_leaves, traced))
+    # Only the untraced outputs are kept: holding the trace's own tracers
+    # past its end would leak them (JAX_CHECK_TRACER_LEAKS reports it).
+    kept = [None if t else x for x, t in zip(out_leaves, traced)]
+    out_box.append((out_tree, kept, traced))
     return [x for x, t in zip(out_leaves, traced) if t]
 
   try:
