@@ -356,22 +356,25 @@ def _staged_program(name):
   return body
 
 
+def _traced_over_k(f, check_vma=True):
+  """``jit(shard_map(f))`` over MESH_K's "k", traced on X."""
+  g = jax.jit(
+    jax.shard_map(
+      f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+    )
+  )
+  return g.trace(X)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_traced_rename_equals_stock_jaxpr(check_vma):
   """Under a staging trace the renamed equations are emitted into the
   caller's jaxpr directly: the jaxpr is the one stock JAX traces from the
   function written with the new names, equation for equation."""
-
-  def traced(f):
-    g = jax.jit(
-      jax.shard_map(
-        f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
-      )
-    )
-    return g.trace(X)
-
-  stock = traced(_staged_program("k"))
-  ours = traced(rename_axes(_staged_program("i"), {"i": "k"}))
+  stock = _traced_over_k(_staged_program("k"), check_vma)
+  ours = _traced_over_k(
+    rename_axes(_staged_program("i"), {"i": "k"}), check_vma
+  )
   assert str(ours.jaxpr) == str(stock.jaxpr)
   check_jaxpr(ours.jaxpr.jaxpr)
   np.testing.assert_array_equal(
@@ -388,15 +391,9 @@ def test_traced_rename_equals_stock_jaxpr(check_vma):
 def test_traced_rename_leaks_no_tracer():
   """The rename keeps none of its inner trace's tracers past that trace
   (JAX's leak checker, which stock's own program passes, finds none)."""
-
-  def traced(f):
-    return jax.jit(
-      jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))
-    ).trace(X)
-
   with jax.checking_leaks():
-    stock = traced(_staged_program("k"))
-    ours = traced(rename_axes(_staged_program("i"), {"i": "k"}))
+    stock = _traced_over_k(_staged_program("k"))
+    ours = _traced_over_k(rename_axes(_staged_program("i"), {"i": "k"}))
   assert str(ours.jaxpr) == str(stock.jaxpr)
 
 
