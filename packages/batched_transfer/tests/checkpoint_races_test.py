@@ -303,3 +303,25 @@ def test_without_exchange_a_restore_between_the_renames(tmp_path, monkeypatch):
   bt.save(path, tree(4), overwrite=True)
   assert value(path) == 4
   assert sorted(os.listdir(tmp_path)) == ["p"]
+
+
+def test_recover_skips_an_aside_another_process_took(tmp_path, monkeypatch):
+  """Two old copies left aside: one is renamed away by another process
+  between the scan and its stat; recover renames the other back."""
+  path = str(tmp_path / "p")
+  bt.save(path, tree(1))
+  first = commit.temp_name(path, commit.OLD)
+  os.rename(path, first)
+  bt.save(str(tmp_path / "q"), tree(2))  # the newer aside
+  second = commit.temp_name(path, commit.OLD)
+  os.rename(str(tmp_path / "q"), second)
+  real_scan = commit.temporaries
+
+  def scan(p):
+    found = real_scan(p)
+    os.rename(second, str(tmp_path / "taken"))  # after the scan
+    return found
+
+  monkeypatch.setattr(commit, "temporaries", scan)
+  assert commit.recover(path)
+  assert value(path) == 1

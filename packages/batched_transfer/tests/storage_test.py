@@ -106,6 +106,27 @@ def test_location_navigation():
   assert storage.is_url("s3://b") and not storage.is_url("file:///x")
 
 
+def test_local_list_skips_a_file_gone_since_it_was_listed(
+  tmp_path, monkeypatch
+):
+  """A file another writer renames away between the directory listing and
+  its stat (a writer's temporary) is no key of the listing, not an error."""
+  st = stores.open_storage(API, str(tmp_path))
+  st.write("d/keep", b"1")
+  st.write("d/.gone.jaxworks-new-1", b"2")
+  real_walk = os.walk
+
+  def walk(top, *args, **kwargs):
+    for dirpath, dirnames, filenames in real_walk(top, *args, **kwargs):
+      if ".gone.jaxworks-new-1" in filenames:  # listed, then renamed away
+        os.rename(os.path.join(dirpath, ".gone.jaxworks-new-1"),
+                  os.path.join(str(tmp_path), "elsewhere"))  # fmt: skip
+      yield dirpath, dirnames, filenames
+
+  monkeypatch.setattr(os, "walk", walk)
+  assert st.list("d") == {"d/keep": 1}
+
+
 def test_local_path_takes_no_storage_options(tmp_path):
   with pytest.raises(ValueError, match="local path"):
     stores.open_storage(API, str(tmp_path), {"endpoint": "http://x"})

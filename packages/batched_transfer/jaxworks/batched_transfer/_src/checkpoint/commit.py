@@ -207,13 +207,19 @@ def recover(path: str) -> bool:
   left aside (only where ``path`` is missing); True if it did."""
   if os.path.lexists(path):
     return False
-  asides = [p for kind, p in temporaries(path) if kind == OLD]
-  if not asides:
-    return False
+  stamped = []
+  for kind, p in temporaries(path):
+    if kind == OLD:
+      try:
+        stamped.append((os.lstat(p).st_mtime_ns, p))
+      except FileNotFoundError:  # another process recovered or removed it
+        continue
+  if not stamped:
+    return os.path.lexists(path)
   # Newest first: an aside is always a complete checkpoint that was at path.
-  asides.sort(key=lambda p: os.lstat(p).st_mtime_ns, reverse=True)
+  newest = max(stamped)[1]
   try:
-    os.rename(asides[0], path)
+    os.rename(newest, path)
   except FileNotFoundError:  # another process recovered it first
     return os.path.lexists(path)
   fsync_path(os.path.dirname(path) or ".")

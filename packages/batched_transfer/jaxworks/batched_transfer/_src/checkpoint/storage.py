@@ -640,7 +640,10 @@ class LocalStorage(Storage):
       dirnames.sort()
       for f in filenames:
         full = os.path.join(dirpath, f)
-        st = os.lstat(full)
+        try:
+          st = os.lstat(full)
+        except FileNotFoundError:  # renamed or removed since it was listed
+          continue  # (another writer's temporary): not a key now
         if stat.S_ISREG(st.st_mode):
           rel = os.path.relpath(full, self.root).replace(os.sep, "/")
           out[rel] = st.st_size
