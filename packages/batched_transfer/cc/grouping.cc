@@ -1,7 +1,10 @@
 #include "grouping.h"
 
+#include <pybind11/numpy.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <string>
 #include <utility>
@@ -242,22 +245,48 @@ class IdentityCache {
 
 // Attribute reads through the type's cached data descriptor (jax.Array's
 // ._sharding and .aval are properties: their getters are called directly),
-// re-checked against the type's version tag (tools/cc/attr_reader.h).
+// re-checked against the type's version tag; the objects that native getters
+// return straight from a field of the instance (jaxlib's Array and shardings)
+// are loaded from that field once learnt (tools/cc/attr_reader.h).
 using ::jaxworks::cc::AttrReader;
+using ::jaxworks::cc::FieldReader;
 
 enum class SizeRule { kFixed, kNbytes, kShapeDtype };
 
 struct KindInfo {
   int code = kOtherKind;
   bool on_device = false;  // whether the leaf has a source sharding
-  AttrReader sharding;     // reads it (on-device kinds only)
+  FieldReader sharding;    // reads it (on-device kinds only)
   SizeRule rule = SizeRule::kFixed;
   int64_t fixed = 0;
   bool size_of_leaf =
       true;  // for kShapeDtype: shape/dtype of the leaf, or of an attribute:
-  AttrReader size_holder;
+  FieldReader size_holder;
   AttrReader nbytes;  // for kNbytes
+  // For kNbytes on numpy arrays whose .nbytes is numpy's own: the byte count
+  // read from the array's dimensions and descriptor (what .nbytes computes,
+  // without a new int object per leaf), while the type's tag stays this.
+  unsigned int numpy_tag = 0;
 };
+
+// numpy's ndarray.nbytes of an ndarray, from its fields.
+int64_t NumpyNbytes(PyObject* leaf) {
+  const auto* a = py::detail::array_proxy(leaf);
+  int64_t count = 1;
+  for (int d = 0; d < a->nd; ++d) count *= a->dimensions[d];
+  return count * py::reinterpret_borrow<py::dtype>(a->descr).itemsize();
+}
+
+// The version tag of `type` when it is numpy's ndarray or a subclass that
+// keeps ndarray's .nbytes, else 0.
+unsigned int NumpyTag(PyTypeObject* type) {
+  auto* ndarray = py::detail::npy_api::get().PyArray_Type_;
+  if (!PyType_IsSubtype(type, ndarray)) return 0;
+  static PyObject* const nbytes = PyUnicode_InternFromString("nbytes");
+  if (nbytes == nullptr) throw py::error_already_set();
+  if (_PyType_Lookup(type, nbytes) != _PyType_Lookup(ndarray, nbytes)) return 0;
+  return type->tp_version_tag;
+}
 
 // The kinds dict, parsed: what to do with a leaf of each exact type.
 class KindTable {
@@ -314,18 +343,21 @@ KindTable::KindTable(py::handle kinds) {
     info.on_device = sharding_attr != Py_None;
     const auto type = reinterpret_cast<PyTypeObject*>(key.ptr());
     if (info.on_device)
-      info.sharding = AttrReader(type, Interned(sharding_attr));
+      info.sharding = FieldReader(type, Interned(sharding_attr));
     if (PyUnicode_Check(size)) {
       info.rule = SizeRule::kShapeDtype;
       info.size_of_leaf = PyUnicode_GET_LENGTH(size) == 0;
       if (!info.size_of_leaf)
-        info.size_holder = AttrReader(type, Interned(size));
+        info.size_holder = FieldReader(type, Interned(size));
     } else if (PyLong_Check(size) && !PyBool_Check(size)) {
       long long f = PyLong_AsLongLongAndOverflow(size, &overflow);
       if (overflow != 0 || f < -1) bad();
       info.rule = f == -1 ? SizeRule::kNbytes : SizeRule::kFixed;
       info.fixed = f == -1 ? 0 : f;
-      if (f == -1) info.nbytes = AttrReader(type, Interned("nbytes"));
+      if (f == -1) {
+        info.nbytes = AttrReader(type, Interned("nbytes"));
+        info.numpy_tag = NumpyTag(type);
+      }
     } else {
       bad();
     }
@@ -342,8 +374,20 @@ class Canonicalizer {
   // A borrowed reference, owned by this object. `what()` names `obj` in errors.
   template <typename What>
   PyObject* Get(py::handle obj, const What& what) {
+    // Exact strs (memory kinds: a new str per sharding, of 2 or 3 values in
+    // all) are compared with the few seen so far by their characters, which
+    // is what str == does, without hashing each new object.
+    const bool exact_str = PyUnicode_CheckExact(obj.ptr());
+    if (exact_str) {
+      for (PyObject* s : strs_) {
+        if (s == obj.ptr() || Same(s, obj.ptr())) return s;
+      }
+    }
     PyObject* canonical = PyDict_SetDefault(first_.ptr(), obj.ptr(), obj.ptr());
-    if (canonical != nullptr) return canonical;
+    if (canonical != nullptr) {
+      if (exact_str && strs_.size() < kMaxStrs) strs_.push_back(canonical);
+      return canonical;
+    }
     py::error_already_set err;
     const bool hashable = PyObject_Hash(obj.ptr()) != -1 || !PyErr_Occurred();
     PyErr_Clear();
@@ -353,7 +397,19 @@ class Canonicalizer {
   }
 
  private:
-  py::dict first_;  // obj -> the first object == to it
+  static constexpr size_t kMaxStrs = 8;
+
+  // Whether two exact strs hold the same characters.
+  static bool Same(PyObject* a, PyObject* b) {
+    const Py_ssize_t len = PyUnicode_GET_LENGTH(a);
+    return len == PyUnicode_GET_LENGTH(b) &&
+           PyUnicode_KIND(a) == PyUnicode_KIND(b) &&
+           std::memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b),
+                       static_cast<size_t>(len) * PyUnicode_KIND(a)) == 0;
+  }
+
+  py::dict first_;               // obj -> the first object == to it
+  std::vector<PyObject*> strs_;  // canonical exact strs (held by first_)
 };
 
 // The device list and memory kind of one sharding, as canonical pointers.
@@ -363,9 +419,40 @@ struct Placement {
 };
 
 // Reads each distinct sharding object once per call.
+//
+// Trees of single-device jax.Arrays often hold as many sharding objects as
+// leaves, each with its own device list object: making those one pointer
+// (a hash and an == through Python's slots per sharding) would cost more
+// than all the rest. For the sharding types in `device_keys` ({type: attr}),
+// whose device list follows from the device object `attr` holds (a
+// SingleDeviceSharding's device), the canonical device list is found by that
+// object's identity instead, and read and compared only for a device not
+// seen before in the call.
 class PlacementCache {
  public:
-  explicit PlacementCache(const Names& names) : names_(names) {}
+  PlacementCache(const Names& names, py::handle device_keys)
+      : names_(names), device_keys_(device_keys) {
+    if (!device_keys.is_none() && !PyDict_Check(device_keys.ptr())) {
+      RaiseTypeError(std::string(kApi) +
+                     ": device_keys must be a dict {sharding type: attribute "
+                     "name} or None, got " +
+                     Py_TYPE(device_keys.ptr())->tp_name);
+    }
+  }
+
+  // Fetches into the cache the memory kind object that Get(sharding) will
+  // read, where the readers of its type load it from a field.
+  void Prefetch(PyObject* sharding) {
+    PyTypeObject* type = Py_TYPE(sharding);
+    if (type != prefetch_type_) {
+      const size_t* k = readers_of_.Find(reinterpret_cast<PyObject*>(type));
+      if (k == nullptr) return;
+      prefetch_type_ = type;
+      prefetch_readers_ = &readers_[*k];
+    }
+    if (PyObject* kind = prefetch_readers_->memory_kind.Peek(sharding))
+      __builtin_prefetch(kind);
+  }
 
   Placement Get(py::handle sharding, Py_ssize_t i, const char* role) {
     if (const Placement* p = cache_.Find(sharding)) return *p;
@@ -374,9 +461,14 @@ class PlacementCache {
              std::to_string(i);
     };
     const Readers& read = ReadersFor(Py_TYPE(sharding.ptr()));
-    py::object devices, memory_kind;
+    py::object key, devices, memory_kind;
+    PyObject* const* known = nullptr;
     try {
-      devices = read.devices(sharding);
+      if (read.keyed) {
+        key = read.device_key(sharding);
+        known = devices_by_key_.Find(key);
+      }
+      if (known == nullptr) devices = read.devices(sharding);
       try {
         memory_kind = read.memory_kind(sharding);
       } catch (py::error_already_set& err) {
@@ -390,10 +482,15 @@ class PlacementCache {
                                   SafeRepr(sharding));
     }
     Placement p;
-    p.devices = devices_.Get(devices, [&]() {
-      return what() + " (" + SafeRepr(sharding) + "): its devices " +
-             SafeRepr(devices);
-    });
+    if (known != nullptr) {
+      p.devices = *known;
+    } else {
+      p.devices = devices_.Get(devices, [&]() {
+        return what() + " (" + SafeRepr(sharding) + "): its devices " +
+               SafeRepr(devices);
+      });
+      if (read.keyed) devices_by_key_.Insert(key, p.devices);
+    }
     p.memory_kind = memory_kinds_.Get(memory_kind, [&]() {
       return what() + " (" + SafeRepr(sharding) + "): its memory kind " +
              SafeRepr(memory_kind);
@@ -403,16 +500,33 @@ class PlacementCache {
 
  private:
   struct Readers {
-    AttrReader devices;
-    AttrReader memory_kind;
+    FieldReader devices;
+    FieldReader memory_kind;
+    bool keyed = false;      // the type is in device_keys
+    FieldReader device_key;  // reads its device (keyed types only)
   };
 
   const Readers& ReadersFor(PyTypeObject* type) {
     const auto key = reinterpret_cast<PyObject*>(type);
     const size_t* k = readers_of_.Find(key);
     if (k == nullptr) {
-      readers_.push_back({AttrReader(type, names_.devices),
-                          AttrReader(type, names_.memory_kind_attr)});
+      Readers r{FieldReader(type, names_.devices),
+                FieldReader(type, names_.memory_kind_attr)};
+      if (!device_keys_.is_none()) {
+        // A borrowed reference or null (never an error) for an exact type.
+        PyObject* attr = PyDict_GetItemWithError(device_keys_.ptr(), key);
+        if (attr == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (attr != nullptr) {
+          if (!PyUnicode_Check(attr)) {
+            RaiseTypeError(
+                std::string(kApi) + ": device_keys[" + SafeRepr(key) +
+                "] must be an attribute name (str), got " + SafeRepr(attr));
+          }
+          r.keyed = true;
+          r.device_key = FieldReader(type, Interned(attr));
+        }
+      }
+      readers_.push_back(std::move(r));
       readers_of_.Insert(key, readers_.size() - 1);
       return readers_.back();
     }
@@ -420,12 +534,16 @@ class PlacementCache {
   }
 
   const Names& names_;
+  py::handle device_keys_;  // held by the caller
   std::deque<Readers>
       readers_;  // per sharding type (a deque: references stay valid)
   IdentityCache<size_t> readers_of_{SIZE_MAX};
   Canonicalizer devices_;
   Canonicalizer memory_kinds_;
+  IdentityCache<PyObject*> devices_by_key_;  // device -> canonical devices
   IdentityCache<Placement> cache_;
+  PyTypeObject* prefetch_type_ = nullptr;  // (readers_ keeps the type alive)
+  const Readers* prefetch_readers_ = nullptr;
 };
 
 // The grouping key: kind and the four canonical component pointers (None for
@@ -550,7 +668,8 @@ std::string Group::Repr() const {
 std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
                                py::handle kinds, py::handle default_dst,
                                const std::string& devices_attr,
-                               const std::string& memory_kind_attr) {
+                               const std::string& memory_kind_attr,
+                               py::handle device_keys) {
   // Snapshots: user code run below (__eq__, __hash__, properties) cannot
   // resize what we iterate over.
   py::tuple leaf_t = AsTuple(leaves, "leaves");
@@ -567,10 +686,12 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
   names.memory_kind_attr = Interned(memory_kind_attr);
   const KindTable kind_table(kinds);
 
-  PlacementCache placements(names);
+  PlacementCache placements(names, device_keys);
   SizeReader sizes(names);
   std::vector<Group> groups;
-  std::vector<std::vector<Py_ssize_t>> members;
+  std::vector<Py_ssize_t> sizes_of;  // leaves per group
+  std::vector<uint32_t> group_ids;   // per leaf
+  group_ids.reserve(static_cast<size_t>(n));
   GroupIndex group_of;
 
   // Runs of leaves usually share type, shardings and group: check the last ones
@@ -602,6 +723,28 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
       const Py_ssize_t size = Py_TYPE(ahead)->tp_basicsize;
       for (Py_ssize_t off = 64; off < size && off < kMaxPrefetch; off += 64)
         __builtin_prefetch(ahead + off);
+    }
+    // Then, once the words loaded from a leaf are in cache, the objects they
+    // point to (each leaf's own sharding object, in trees of single-device
+    // arrays, with its memory kind): its sharding kAhead / 2 ahead, the
+    // sharding's memory kind kAhead / 4 ahead. Only for leaves of the type
+    // of the leaf before, whose readers load their words.
+    if (info != nullptr && info->on_device) {
+      if (i + kAhead / 2 < n) {
+        PyObject* ahead = PyTuple_GET_ITEM(leaf_t.ptr(), i + kAhead / 2);
+        PyObject* sharding =
+            Py_TYPE(ahead) == last_type ? info->sharding.Peek(ahead) : nullptr;
+        if (sharding != nullptr) {
+          __builtin_prefetch(sharding);
+          __builtin_prefetch(reinterpret_cast<const char*>(sharding) + 63);
+        }
+      }
+      if (i + kAhead / 4 < n) {
+        PyObject* ahead = PyTuple_GET_ITEM(leaf_t.ptr(), i + kAhead / 4);
+        PyObject* sharding =
+            Py_TYPE(ahead) == last_type ? info->sharding.Peek(ahead) : nullptr;
+        if (sharding != nullptr) placements.Prefetch(sharding);
+      }
     }
 
     PyTypeObject* type = Py_TYPE(leaf.ptr());
@@ -656,7 +799,9 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
     }
 
     int64_t nbytes = info->fixed;
-    if (info->rule == SizeRule::kNbytes) {
+    if (info->numpy_tag != 0 && type->tp_version_tag == info->numpy_tag) {
+      nbytes = NumpyNbytes(leaf.ptr());
+    } else if (info->rule == SizeRule::kNbytes) {
       py::object nb;
       try {
         nb = info->nbytes(leaf);
@@ -678,27 +823,32 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
         g.src_memory_kind = py::reinterpret_borrow<py::object>(key.parts[2]);
         g.dst_memory_kind = py::reinterpret_borrow<py::object>(key.parts[3]);
         groups.push_back(std::move(g));
-        members.emplace_back();
+        sizes_of.push_back(0);
       }
       last_key = key;
       last_group = id;
     }
     Group& group = groups[last_group];
-    members[last_group].push_back(i);
+    group_ids.push_back(static_cast<uint32_t>(last_group));
+    ++sizes_of[last_group];
     if (__builtin_add_overflow(group.nbytes, nbytes, &group.nbytes)) {
       RaiseValueError(std::string(kApi) +
                       ": the byte count of a group overflows int64");
     }
   }
 
+  // Each group's indices, in one pass over the leaves' group ids.
+  std::vector<PyObject*> lists(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    py::list idx(members[g].size());
-    for (size_t k = 0; k < members[g].size(); ++k) {
-      PyObject* v = PyLong_FromSsize_t(members[g][k]);
-      if (v == nullptr) throw py::error_already_set();
-      PyList_SET_ITEM(idx.ptr(), static_cast<Py_ssize_t>(k), v);
-    }
-    groups[g].indices = std::move(idx);
+    groups[g].indices = py::list(sizes_of[g]);
+    lists[g] = groups[g].indices.ptr();
+    sizes_of[g] = 0;  // now the next position in the list
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const uint32_t g = group_ids[static_cast<size_t>(i)];
+    PyObject* v = PyLong_FromSsize_t(i);
+    if (v == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(lists[g], sizes_of[g]++, v);
   }
   return groups;
 }

@@ -72,11 +72,17 @@ struct Group {
 //     list.
 //   memory_kind_attr: the attribute of a sharding holding its memory kind
 //     (the public `memory_kind` is read where it is missing).
+//   device_keys: None, or a dict mapping an exact sharding type to the
+//     attribute holding the one device its device list is made of (jax's
+//     SingleDeviceSharding: its device): two such shardings whose attribute is
+//     the same object have equal device lists, so only the first one's list is
+//     read and compared (see PlacementCache in grouping.cc).
 std::vector<Group> GroupLeaves(pybind11::handle leaves, pybind11::handle dsts,
                                pybind11::handle kinds,
                                pybind11::handle default_dst,
                                const std::string& devices_attr,
-                               const std::string& memory_kind_attr);
+                               const std::string& memory_kind_attr,
+                               pybind11::handle device_keys);
 
 }  // namespace jaxworks::batched_transfer
 

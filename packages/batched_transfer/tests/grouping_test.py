@@ -1,5 +1,6 @@
 """The C++ grouping pass: keys, stable order, byte counts, errors, references."""
 
+import operator
 import os
 import sys
 
@@ -613,3 +614,175 @@ def test_identity_fast_path_survives_mutation_during_the_call():
     leaves, [None] * 3, {_Leaf: (1, "sharding", -1)}, None, "devs"
   )
   assert [list(g.indices) for g in groups] == [[0], [1], [2]]
+
+
+def test_jaxlib_fields_are_loaded_directly(devices):
+  # The attributes the pass reads on jax.Arrays and SingleDeviceShardings are
+  # fields of jaxlib's objects that the C++ readers learn to load (the getters
+  # cost most of a leaf); a jaxlib whose getters stop returning a field fails
+  # here, and the pass goes back to the getters.
+  xs = [jax.device_put(np.ones(4, np.float32), d) for d in devices]
+  assert _grouping._field_read_learnt(jax_internals.ArrayImpl, "_sharding", xs)
+  assert _grouping._field_read_learnt(jax_internals.ArrayImpl, "aval", xs)
+  shardings = [x.sharding for x in xs]
+  for attr in (
+    jax_internals.DEVICE_LIST_ATTR,
+    jax_internals.MEMORY_KIND_ATTR,
+    *jax_internals.DEVICE_KEYS.values(),
+  ):
+    assert _grouping._field_read_learnt(SingleDeviceSharding, attr, shardings)
+
+
+class _SlotLeaf:
+  """Native getters (operator.attrgetter) over __slots__: the words a FieldReader learns."""
+
+  __slots__ = ("_a", "_b", "nbytes")
+  sharding = property(operator.attrgetter("_b"))
+
+  def __init__(self, a, b):
+    self._a, self._b, self.nbytes = a, b, 1
+
+
+def test_field_reads_follow_getattr():
+  shardings = [_Sharding((k,)) for k in range(40)]
+  leaves = [_SlotLeaf(None, s) for s in shardings]
+  assert _grouping._field_read_learnt(_SlotLeaf, "sharding", leaves[:8])
+  # Not learnt: too few objects, a getter written in Python, a value that two
+  # words hold.
+  assert not _grouping._field_read_learnt(_SlotLeaf, "sharding", leaves[:1] * 8)
+
+  class PyGetter:
+    __slots__ = ("_b",)
+    sharding = property(lambda self: self._b)
+
+    def __init__(self, b):
+      self._b = b
+
+  assert not _grouping._field_read_learnt(
+    PyGetter, "sharding", [PyGetter(s) for s in shardings]
+  )
+  both = [_SlotLeaf(s, s) for s in shardings]
+  assert not _grouping._field_read_learnt(_SlotLeaf, "sharding", both)
+  # Grouping over leaves whose two slots agree for the first 8 leaves, then
+  # differ, equals getattr's answer.
+  mixed = both[:8] + [_SlotLeaf(shardings[0], s) for s in shardings[8:]]
+  kinds = {_SlotLeaf: (1, "sharding", -1)}
+  cpp, py = _reference(mixed, [None] * len(mixed), kinds)
+  assert cpp == py and len(cpp) == 40
+  # A slot left unset after the reads were learnt raises as getattr does.
+  empty = _SlotLeaf.__new__(_SlotLeaf)
+  empty.nbytes = 1
+  with pytest.raises(TypeError, match="cannot be read") as info:
+    _grouping.group_leaves(leaves + [empty], [None] * 41, kinds, None, "devs")
+  assert isinstance(info.value.__cause__, AttributeError)
+
+
+class _SwappingDevs:
+  """A sharding whose device-list read, the tenth time, replaces _SlotLeaf.sharding."""
+
+  reads = 0
+  memory_kind = "device"
+
+  def __init__(self, k):
+    self.k = k
+
+  @property
+  def devs(self):
+    type(self).reads += 1
+    if type(self).reads == 10:
+      _SlotLeaf.sharding = property(operator.attrgetter("_a"))
+    return (self.k,)
+
+
+def test_a_native_getter_replaced_after_its_field_was_learnt():
+  # The readers have loaded the field for 9 leaves when the property is
+  # replaced: the leaves after it are read through the new property.
+  def run(group):
+    _SwappingDevs.reads = 0
+    _SlotLeaf.sharding = property(operator.attrgetter("_b"))
+    leaves = [_SlotLeaf(_Sharding(("a",)), _SwappingDevs(k)) for k in range(20)]
+    try:
+      return group(
+        leaves, [None] * 20, {_SlotLeaf: (1, "sharding", -1)}, None, "devs"
+      )
+    finally:
+      _SlotLeaf.sharding = property(operator.attrgetter("_b"))
+
+  cpp = _as_tuples(run(_grouping.group_leaves))
+  py = run(grouping_twin.group_leaves_py)
+  assert cpp == [
+    (g.kind, g.src_devices, g.dst_devices, g.src_memory_kind,
+     g.dst_memory_kind, g.indices, g.nbytes)
+    for g in py
+  ]  # fmt: skip
+  assert [g[1] for g in cpp] == [(k,) for k in range(10)] + [("a",)]
+
+
+def test_single_device_shardings_are_grouped_by_their_device(devices):
+  # A new SingleDeviceSharding object per leaf (as jax.device_put makes them),
+  # over 4 devices and two memory kinds: the C++ pass compares device lists by
+  # the sharding's device (DEVICE_KEYS); the groups equal the Python reference,
+  # which compares the device lists themselves.
+  rng = np.random.default_rng(0)
+  leaves, dsts = [], []
+  for k in rng.integers(0, 8, 300):
+    kind = "pinned_host" if k >= 4 else "device"
+    leaves.append(
+      jax.device_put(
+        np.ones(2, np.float32),
+        SingleDeviceSharding(devices[k % 4], memory_kind=kind),
+      )
+    )
+    dsts.append(SingleDeviceSharding(devices[(k + 1) % 4]) if k % 2 else None)
+  cpp = grouping.group_leaves(leaves, dsts, None)
+  py = grouping_twin.group_leaves_python(leaves, dsts, None)
+  assert _as_tuples(cpp) == [
+    (g.kind, g.src_devices, g.dst_devices, g.src_memory_kind,
+     g.dst_memory_kind, g.indices, g.nbytes)
+    for g in py
+  ]  # fmt: skip
+  assert len({g.src_devices for g in cpp}) == 4
+  assert {g.src_memory_kind for g in cpp} == {"device", "pinned_host"}
+
+
+@pytest.mark.parametrize(
+  "device_keys, text",
+  [
+    ([SingleDeviceSharding], "device_keys must be a dict"),
+    ({SingleDeviceSharding: 3}, r"device_keys\[.*\] must be an attribute name"),
+  ],
+)
+def test_bad_device_keys(devices, device_keys, text):
+  x = jax.device_put(np.ones(2), devices[0])
+  with pytest.raises(TypeError, match=text):
+    _grouping.group_leaves(
+      [x], [None], grouping.kinds_table(), None, *grouping.ATTRS, device_keys
+    )
+
+
+class _NbytesArray(np.ndarray):
+  @property
+  def nbytes(self):
+    return 99
+
+
+def test_numpy_byte_counts_come_from_the_array_unless_nbytes_is_overridden(
+  tmp_path,
+):
+  plain = np.zeros((3, 5), np.float64)
+  mm = np.memmap(tmp_path / "m", np.int16, "w+", shape=(7,))
+  odd = np.zeros(4, np.float32).view(_NbytesArray)
+  kinds = {
+    np.ndarray: (0, None, -1),
+    np.memmap: (1, None, -1),
+    _NbytesArray: (2, None, -1),
+  }
+  leaves = [plain, mm, odd, plain[:, ::2], np.zeros((), np.complex64)]
+  groups = _grouping.group_leaves(
+    leaves, [None] * 5, kinds, _Sharding(("d",)), "devs"
+  )
+  assert [(g.kind, g.nbytes) for g in groups] == [
+    (0, plain.nbytes + plain[:, ::2].nbytes + 8),
+    (1, 14),
+    (2, 99),
+  ]

@@ -30,6 +30,11 @@ def group_leaves(
   default_dst: Any,
   devices_attr: str,
   memory_kind_attr: str = "memory_kind",
+  device_keys: dict[type, str] | None = None,
 ) -> list[Group]:
   """Groups leaf indices by (source devices, destination devices, source memory kind,
   destination memory kind, leaf kind), in stable order, with byte counts."""
+
+def _field_read_learnt(type: type, name: str, objects: list[Any]) -> bool:
+  """For tests: whether one C++ field reader, after reading `name` of each object (each
+  read checked against getattr), loads the attribute's word directly."""

@@ -100,5 +100,5 @@ def group_leaves(
     src_memory_kind, dst_memory_kind, indices, nbytes), by first appearance.
   """
   return _grouping.group_leaves(
-    leaves, dsts, kinds_table(), default_dst, *ATTRS
+    leaves, dsts, kinds_table(), default_dst, *ATTRS, jax_internals.DEVICE_KEYS
   )

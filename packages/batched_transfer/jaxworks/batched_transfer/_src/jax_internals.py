@@ -41,6 +41,11 @@ DEVICE_LIST_ATTR = "_internal_device_list"
 # .memory_kind property returns, without the Python property call).
 MEMORY_KIND_ATTR = "_memory_kind"
 
+# Sharding types whose device list is made of the one device an attribute
+# holds: two such shardings whose attribute is the same device object have equal
+# device lists (the C++ grouping compares device lists by that device alone).
+DEVICE_KEYS: dict[type, str] = {_xc.SingleDeviceSharding: "_device"}
+
 # The attribute of a jax.Array holding its sharding (what the public .sharding
 # property returns, without the Python property call).
 SHARDING_ATTR = "_sharding"
