@@ -204,3 +204,14 @@ def test_distributed_client_is_none_before_initialize():
     "key_value_delete",
   ):
     assert hasattr(ji._jax.DistributedRuntimeClient, name), name
+
+
+def test_device_keys_name_the_one_device_of_the_device_list():
+  # DEVICE_KEYS: two shardings of such a type whose attribute is the same
+  # device object have equal device lists, whatever their memory kinds.
+  for typ, attr in ji.DEVICE_KEYS.items():
+    for d in jax.devices()[:3]:
+      a, b = typ(d), typ(d, memory_kind="pinned_host")
+      assert getattr(a, attr) is getattr(b, attr) is d
+      assert ji.device_list(a) == ji.device_list(b)
+      assert list(ji.device_list(a)) == [d]
