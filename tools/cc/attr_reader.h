@@ -247,15 +247,6 @@ class FieldReader {
     return state_ == State::kDirect && type_->tp_version_tag == tag_;
   }
 
-  // The object a read of `obj` would load, as a borrowed reference, or
-  // nullptr when reads do not load a word (yet) or the word is NULL: for
-  // prefetching what the next reads will touch. `obj` must be of exactly the
-  // reader's type.
-  PyObject* Peek(PyObject* obj) const {
-    if (!Direct()) return nullptr;
-    return WordAt(obj, offset_);
-  }
-
   // getattr(obj, name) as a new reference, or nullptr with a Python error set.
   // `obj` must be of exactly the reader's type.
   PyObject* Read(PyObject* obj) const {

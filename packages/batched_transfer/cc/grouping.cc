@@ -269,12 +269,22 @@ struct KindInfo {
   unsigned int numpy_tag = 0;
 };
 
-// numpy's ndarray.nbytes of an ndarray, from its fields.
-int64_t NumpyNbytes(PyObject* leaf) {
+// numpy's ndarray.nbytes of an ndarray, from its fields; `numpy2`: whether
+// the numpy loaded is 2.x, whose dtype struct differs (pybind11's proxies).
+int64_t NumpyNbytes(PyObject* leaf, bool numpy2) {
   const auto* a = py::detail::array_proxy(leaf);
   int64_t count = 1;
   for (int d = 0; d < a->nd; ++d) count *= a->dimensions[d];
-  return count * py::reinterpret_borrow<py::dtype>(a->descr).itemsize();
+  const int64_t itemsize =
+      numpy2 ? py::detail::array_descriptor2_proxy(a->descr)->elsize
+             : py::detail::array_descriptor1_proxy(a->descr)->elsize;
+  return count * itemsize;
+}
+
+// Whether the numpy loaded is 2.x (looked up once: pybind11's numpy API
+// table is reached through a per-interpreter store).
+bool Numpy2() {
+  return py::detail::npy_api::get().PyArray_RUNTIME_VERSION_ >= 0x12;
 }
 
 // The version tag of `type` when it is numpy's ndarray or a subclass that
@@ -440,20 +450,6 @@ class PlacementCache {
     }
   }
 
-  // Fetches into the cache the memory kind object that Get(sharding) will
-  // read, where the readers of its type load it from a field.
-  void Prefetch(PyObject* sharding) {
-    PyTypeObject* type = Py_TYPE(sharding);
-    if (type != prefetch_type_) {
-      const size_t* k = readers_of_.Find(reinterpret_cast<PyObject*>(type));
-      if (k == nullptr) return;
-      prefetch_type_ = type;
-      prefetch_readers_ = &readers_[*k];
-    }
-    if (PyObject* kind = prefetch_readers_->memory_kind.Peek(sharding))
-      __builtin_prefetch(kind);
-  }
-
   Placement Get(py::handle sharding, Py_ssize_t i, const char* role) {
     if (const Placement* p = cache_.Find(sharding)) return *p;
     auto what = [&]() {
@@ -542,8 +538,6 @@ class PlacementCache {
   Canonicalizer memory_kinds_;
   IdentityCache<PyObject*> devices_by_key_;  // device -> canonical devices
   IdentityCache<Placement> cache_;
-  PyTypeObject* prefetch_type_ = nullptr;  // (readers_ keeps the type alive)
-  const Readers* prefetch_readers_ = nullptr;
 };
 
 // The grouping key: kind and the four canonical component pointers (None for
@@ -685,6 +679,7 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
   names.devices = Interned(devices_attr);
   names.memory_kind_attr = Interned(memory_kind_attr);
   const KindTable kind_table(kinds);
+  const bool numpy2 = Numpy2();
 
   PlacementCache placements(names, device_keys);
   SizeReader sizes(names);
@@ -723,28 +718,6 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
       const Py_ssize_t size = Py_TYPE(ahead)->tp_basicsize;
       for (Py_ssize_t off = 64; off < size && off < kMaxPrefetch; off += 64)
         __builtin_prefetch(ahead + off);
-    }
-    // Then, once the words loaded from a leaf are in cache, the objects they
-    // point to (each leaf's own sharding object, in trees of single-device
-    // arrays, with its memory kind): its sharding kAhead / 2 ahead, the
-    // sharding's memory kind kAhead / 4 ahead. Only for leaves of the type
-    // of the leaf before, whose readers load their words.
-    if (info != nullptr && info->on_device) {
-      if (i + kAhead / 2 < n) {
-        PyObject* ahead = PyTuple_GET_ITEM(leaf_t.ptr(), i + kAhead / 2);
-        PyObject* sharding =
-            Py_TYPE(ahead) == last_type ? info->sharding.Peek(ahead) : nullptr;
-        if (sharding != nullptr) {
-          __builtin_prefetch(sharding);
-          __builtin_prefetch(reinterpret_cast<const char*>(sharding) + 63);
-        }
-      }
-      if (i + kAhead / 4 < n) {
-        PyObject* ahead = PyTuple_GET_ITEM(leaf_t.ptr(), i + kAhead / 4);
-        PyObject* sharding =
-            Py_TYPE(ahead) == last_type ? info->sharding.Peek(ahead) : nullptr;
-        if (sharding != nullptr) placements.Prefetch(sharding);
-      }
     }
 
     PyTypeObject* type = Py_TYPE(leaf.ptr());
@@ -800,7 +773,7 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
 
     int64_t nbytes = info->fixed;
     if (info->numpy_tag != 0 && type->tp_version_tag == info->numpy_tag) {
-      nbytes = NumpyNbytes(leaf.ptr());
+      nbytes = NumpyNbytes(leaf.ptr(), numpy2);
     } else if (info->rule == SizeRule::kNbytes) {
       py::object nb;
       try {
