@@ -23,7 +23,7 @@ PYBIND11_MODULE(_grouping, m) {
       .def("__repr__", &bt::Group::Repr);
   m.def("group_leaves", &bt::GroupLeaves, py::arg("leaves"), py::arg("dsts"),
         py::arg("kinds"), py::arg("default_dst"), py::arg("devices_attr"),
-        py::arg("memory_kind_attr") = "memory_kind",
+        py::arg("memory_kind_attr") = py::str("memory_kind"),
         py::arg("device_keys") = py::none(),
         "Groups leaf indices by (source devices, destination devices, source "
         "memory kind, destination memory kind, leaf kind), in stable order, "

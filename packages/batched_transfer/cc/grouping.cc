@@ -133,14 +133,28 @@ py::object Interned(py::handle str) {
   return py::reinterpret_steal<py::object>(s);
 }
 
-struct Names {
-  py::str memory_kind =
-      Interned("memory_kind");  // fallback when memory_kind_attr is missing
+// The attribute names the pass always reads, interned once per process (never
+// freed: they must not be released after the interpreter is finalized).
+struct FixedNames {
+  py::str memory_kind = Interned("memory_kind");
   py::str shape = Interned("shape");
   py::str dtype = Interned("dtype");
   py::str itemsize = Interned("itemsize");
-  py::str devices;
-  py::str memory_kind_attr;
+};
+
+const FixedNames& Fixed() {
+  static const FixedNames* const names = new FixedNames();
+  return *names;
+}
+
+struct Names {
+  // fallback when memory_kind_attr is missing
+  py::str memory_kind = Fixed().memory_kind;
+  py::str shape = Fixed().shape;
+  py::str dtype = Fixed().dtype;
+  py::str itemsize = Fixed().itemsize;
+  py::object devices;
+  py::object memory_kind_attr;
 };
 
 // A value computed once per distinct object, found by the object's pointer.
@@ -267,6 +281,13 @@ struct KindInfo {
   // read from the array's dimensions and descriptor (what .nbytes computes,
   // without a new int object per leaf), while the type's tag stays this.
   unsigned int numpy_tag = 0;
+  bool numpy2 = false;  // numpy 2.x's dtype struct (for numpy_tag)
+  // The readers above are made when a leaf of the type is first met (the
+  // table has some 30 types, a tree often one or two).
+  bool built = false;
+  PyTypeObject* type = nullptr;
+  PyObject* sharding_attr = nullptr;  // str, or None (held by the table)
+  PyObject* size = nullptr;           // str, or int (held by the table)
 };
 
 // numpy's ndarray.nbytes of an ndarray, from its fields; `numpy2`: whether
@@ -303,13 +324,19 @@ class KindTable {
  public:
   explicit KindTable(py::handle kinds);
 
-  const KindInfo& Get(PyTypeObject* type) const {
+  const KindInfo& Get(PyTypeObject* type) {
     const size_t* k = index_.Find(reinterpret_cast<PyObject*>(type));
-    return k == nullptr ? other_ : infos_[*k];
+    if (k == nullptr) return other_;
+    KindInfo& info = infos_[*k];
+    if (!info.built) Build(info);
+    return info;
   }
 
  private:
-  std::vector<KindInfo> infos_;
+  static void Build(KindInfo& info);
+
+  std::vector<py::object> held_;  // the values, checked (they hold the keys)
+  std::vector<KindInfo> infos_;   // never resized after the constructor
   IdentityCache<size_t> index_{SIZE_MAX};  // type -> position in infos_
   const KindInfo other_;
 };
@@ -321,22 +348,31 @@ KindTable::KindTable(py::handle kinds) {
         ": kinds must be a dict {type: (code, sharding_attr, size)}, got " +
         Py_TYPE(kinds.ptr())->tp_name);
   }
-  // A snapshot of the items: reading the values below may run Python code.
-  py::list items = py::reinterpret_steal<py::list>(PyDict_Items(kinds.ptr()));
-  if (!items) throw py::error_already_set();
-  for (py::handle item : items) {
-    py::handle key = PyTuple_GET_ITEM(item.ptr(), 0);
-    py::handle value = PyTuple_GET_ITEM(item.ptr(), 1);
+  // No Python code runs while the items are checked (only exact type checks
+  // and reads of ints), so the dict is walked in place; the values are held,
+  // since code run later in the pass could change the dict.
+  const auto size = static_cast<size_t>(PyDict_GET_SIZE(kinds.ptr()));
+  infos_.reserve(size);
+  held_.reserve(size);
+  Py_ssize_t pos = 0;
+  PyObject* key_ptr = nullptr;
+  PyObject* value_ptr = nullptr;
+  while (PyDict_Next(kinds.ptr(), &pos, &key_ptr, &value_ptr)) {
+    py::handle key = key_ptr;
+    py::handle value = value_ptr;
     if (!PyType_Check(key.ptr())) {
       RaiseTypeError(std::string(kApi) + ": kinds keys must be types, got " +
                      SafeRepr(key));
     }
     auto bad = [&]() {
-      RaiseTypeError(std::string(kApi) + ": kinds[" + SafeRepr(key) +
+      // Held: the reprs run Python code, which could change the dict.
+      const py::object k = py::reinterpret_borrow<py::object>(key);
+      const py::object v = py::reinterpret_borrow<py::object>(value);
+      RaiseTypeError(std::string(kApi) + ": kinds[" + SafeRepr(k) +
                      "] must be a tuple (code: int >= -1, sharding_attr: str "
                      "or None, size: "
                      "int >= -1 or str), got " +
-                     SafeRepr(value));
+                     SafeRepr(v));
     };
     if (!PyTuple_Check(value.ptr()) || PyTuple_GET_SIZE(value.ptr()) != 3)
       bad();
@@ -351,29 +387,40 @@ KindTable::KindTable(py::handle kinds) {
     if (overflow != 0 || c < -1 || c > (1 << 30)) bad();
     info.code = static_cast<int>(c);
     info.on_device = sharding_attr != Py_None;
-    const auto type = reinterpret_cast<PyTypeObject*>(key.ptr());
-    if (info.on_device)
-      info.sharding = FieldReader(type, Interned(sharding_attr));
+    info.type = reinterpret_cast<PyTypeObject*>(key.ptr());
+    info.sharding_attr = sharding_attr;
+    info.size = size;
     if (PyUnicode_Check(size)) {
       info.rule = SizeRule::kShapeDtype;
       info.size_of_leaf = PyUnicode_GET_LENGTH(size) == 0;
-      if (!info.size_of_leaf)
-        info.size_holder = FieldReader(type, Interned(size));
     } else if (PyLong_Check(size) && !PyBool_Check(size)) {
       long long f = PyLong_AsLongLongAndOverflow(size, &overflow);
       if (overflow != 0 || f < -1) bad();
       info.rule = f == -1 ? SizeRule::kNbytes : SizeRule::kFixed;
       info.fixed = f == -1 ? 0 : f;
-      if (f == -1) {
-        info.nbytes = AttrReader(type, Interned("nbytes"));
-        info.numpy_tag = NumpyTag(type);
-      }
     } else {
       bad();
     }
-    index_.Insert(key, infos_.size());  // dict keys are unique
+    index_.Insert(key, infos_.size());  // dict keys are unique (held there)
+    held_.push_back(py::reinterpret_borrow<py::object>(value));
     infos_.push_back(std::move(info));
   }
+}
+
+void KindTable::Build(KindInfo& info) {
+  PyTypeObject* type = info.type;
+  if (info.on_device)
+    info.sharding = FieldReader(type, Interned(info.sharding_attr));
+  if (info.rule == SizeRule::kShapeDtype && !info.size_of_leaf)
+    info.size_holder = FieldReader(type, Interned(info.size));
+  if (info.rule == SizeRule::kNbytes) {
+    static PyObject* const nbytes = PyUnicode_InternFromString("nbytes");
+    if (nbytes == nullptr) throw py::error_already_set();
+    info.nbytes = AttrReader(type, py::reinterpret_borrow<py::object>(nbytes));
+    info.numpy_tag = NumpyTag(type);
+    if (info.numpy_tag != 0) info.numpy2 = Numpy2();
+  }
+  info.built = true;
 }
 
 // Maps each object to the first object seen that is == to it. Equal device
@@ -661,8 +708,7 @@ std::string Group::Repr() const {
 
 std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
                                py::handle kinds, py::handle default_dst,
-                               const std::string& devices_attr,
-                               const std::string& memory_kind_attr,
+                               py::str devices_attr, py::str memory_kind_attr,
                                py::handle device_keys) {
   // Snapshots: user code run below (__eq__, __hash__, properties) cannot
   // resize what we iterate over.
@@ -678,8 +724,7 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
   Names names;
   names.devices = Interned(devices_attr);
   names.memory_kind_attr = Interned(memory_kind_attr);
-  const KindTable kind_table(kinds);
-  const bool numpy2 = Numpy2();
+  KindTable kind_table(kinds);
 
   PlacementCache placements(names, device_keys);
   SizeReader sizes(names);
@@ -773,7 +818,7 @@ std::vector<Group> GroupLeaves(py::handle leaves, py::handle dsts,
 
     int64_t nbytes = info->fixed;
     if (info->numpy_tag != 0 && type->tp_version_tag == info->numpy_tag) {
-      nbytes = NumpyNbytes(leaf.ptr(), numpy2);
+      nbytes = NumpyNbytes(leaf.ptr(), info->numpy2);
     } else if (info->rule == SizeRule::kNbytes) {
       py::object nb;
       try {

@@ -80,8 +80,8 @@ struct Group {
 std::vector<Group> GroupLeaves(pybind11::handle leaves, pybind11::handle dsts,
                                pybind11::handle kinds,
                                pybind11::handle default_dst,
-                               const std::string& devices_attr,
-                               const std::string& memory_kind_attr,
+                               pybind11::str devices_attr,
+                               pybind11::str memory_kind_attr,
                                pybind11::handle device_keys);
 
 }  // namespace jaxworks::batched_transfer

@@ -786,3 +786,26 @@ def test_numpy_byte_counts_come_from_the_array_unless_nbytes_is_overridden(
     (1, 14),
     (2, 99),
   ]
+
+
+def test_every_kinds_entry_is_checked_even_when_no_leaf_has_its_type():
+  # The readers of a kind are made when a leaf of its type is first met; the
+  # entries themselves are all checked first.
+  with pytest.raises(
+    TypeError, match=r"kinds\[<class 'int'>\] must be a tuple"
+  ):
+    _grouping.group_leaves(
+      [1.0],
+      [None],
+      {float: (0, None, 8), int: (0, None, 1.5)},
+      _Sharding(("d",)),
+      "devs",
+    )
+  groups = _grouping.group_leaves(
+    [1.0, 2],
+    [None, None],
+    {float: (0, None, 8), int: (1, None, 3)},
+    _Sharding(("d",)),
+    "devs",
+  )
+  assert [(g.kind, g.nbytes) for g in groups] == [(0, 8), (1, 3)]
