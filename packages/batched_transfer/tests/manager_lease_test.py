@@ -331,6 +331,34 @@ def test_a_writer_on_another_host_is_judged_by_its_heartbeat(
   assert time.monotonic() - t0 < 4.0  # no wait for EXPIRY_S
 
 
+def test_an_unreadable_lease_is_taken_over_only_once_it_stays_still(
+  where, monkeypatch
+):
+  """An unreadable lease record (damaged, or cut by a read racing its
+  rewrite) is not a dead writer: it is watched like another host's, taken
+  over after EXPIRY_S without change, and one that turns into a live
+  record stops the save."""
+  directory, _ = where
+  monkeypatch.setattr(lease, "EXPIRY_S", 1.0)
+  monkeypatch.setattr(lease, "HEARTBEAT_S", 0.2)
+  st = stores.open_storage("test", directory)
+  st.write(f"{lease.PREFIX}/{3:020d}", b'{"beat": 17960')
+  t0 = time.monotonic()
+  with bt.CheckpointManager(directory) as mgr:
+    assert mgr.save(1, tree(1), blocking=True)
+  assert time.monotonic() - t0 >= 1.0  # watched, not taken over at once
+  st.write(f"{lease.PREFIX}/{9:020d}", b"\x00garbage")
+  timer = threading.Timer(0.3, forge, (directory, 9, time.time()))
+  timer.start()
+  try:
+    with pytest.raises(bt.WriterConflictError, match="host 'other-host'"):
+      with bt.CheckpointManager(directory) as mgr:
+        mgr.save(2, tree(2))
+  finally:
+    timer.join()
+  assert bt.CheckpointManager(directory, read_only=True).all_steps() == [1]
+
+
 def test_the_holder_renews_its_heartbeat_until_close(where, monkeypatch):
   directory, _ = where
   monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)

@@ -191,6 +191,52 @@ def test_create_never_replaces(store):
   assert bytes(store.read("commit")) == b"first"
 
 
+def test_a_whole_read_is_one_version_of_a_key_being_rewritten(store):
+  """A whole read (no ``end``) returns one version of the key whole, never
+  the new bytes cut to the old length: the writer lease is rewritten every
+  heartbeat while others read it. First one interleaving made to happen
+  (a rewrite right after any size request), then readers and a writer
+  racing."""
+  short, long = (
+    b'{"beat": 1}',
+    b'{"beat": 1.0697618, "pad": "' + b"x" * 300 + b'"}',
+  )
+  store.write("lease", short)
+  size = store.size
+
+  def size_then_rewrite(key):
+    n = size(key)
+    store.write(key, long)
+    return n
+
+  store.size = size_then_rewrite
+  try:
+    assert bytes(store.read("lease")) in (short, long)
+    assert bytes(store.read("lease", 3)) in (short[3:], long[3:])
+  finally:
+    del store.size
+  assert bytes(store.read("lease", len(long))) == b""
+  assert bytes(store.read("lease", len(long) + 5)) == b""
+  stop, seen = threading.Event(), []
+
+  def rewrite():
+    i = 0
+    while not stop.is_set():
+      store.write("lease", (short, long)[i % 2])
+      i += 1
+
+  thread = threading.Thread(target=rewrite)
+  thread.start()
+  try:
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+      seen.append(bytes(store.read("lease")))
+  finally:
+    stop.set()
+    thread.join()
+  assert seen and set(seen) <= {short, long}
+
+
 def test_keys_are_checked(store):
   for bad in ["", "/abs", "a//b", "a/../b", "./a"]:
     with pytest.raises(ValueError, match="bad key"):

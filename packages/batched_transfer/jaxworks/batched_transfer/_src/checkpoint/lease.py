@@ -269,8 +269,6 @@ def _stale(
   record = _read(st, gen)
   if record is None:
     return None  # released meanwhile
-  if not record:
-    return {"writer": "unreadable"}
   same = record.get("machine") == _machine()
   pid = int(record.get("pid") or 0)
   if same:
@@ -279,12 +277,15 @@ def _stale(
     if _running(pid, record.get("pid_start")):
       raise conflict(api, directory, record)
     return record
-  # Another host: alive while its heartbeat moves.
+  # Another host: alive while its heartbeat moves. An unreadable record
+  # (damaged, or a format this version does not know) is alive while it
+  # changes: its age counts from now, never taken over at once.
   beat = record.get("beat")
+  since = float(beat or 0) if record else time.time()
   while True:
-    age = time.time() - float(beat or 0)
+    age = time.time() - since
     if age > EXPIRY_S:
-      return record
+      return record or {"writer": "unreadable"}
     time.sleep(min(HEARTBEAT_S / 4, EXPIRY_S - age + 0.01))
     now = _read(st, gen)
     if now is None:
