@@ -78,9 +78,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+import gc  # noqa: E402
 import operator  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -211,6 +213,17 @@ def grouping_rows(report: jb.Report, sizes, repeats) -> None:
         case, m["cpp"], m["py"], "ablation",
         "the same grouping in pure Python", goal=GROUPING_GOAL,
       )  # fmt: skip
+      if name != "numpy":
+        hot = {k: hot_seconds(timed[k], repeats) for k in ("cpp", "py")}
+        per = {k: v / n * 1e9 for k, v in {**m, **_hot(hot)}.items()}
+        report.note(
+          f"{case}: timed cold, as every row (after a gc.collect(), which "
+          f"evicts the leaves from the CPU's caches): {per['cpp']:.0f} ns a "
+          f"leaf, the twin {per['py']:.0f}; hot (the same call again at "
+          f"once): {per['hot_cpp']:.0f} ns, the twin {per['hot_py']:.0f}, "
+          f"{hot['py'] / hot['cpp']:.1f}x. The difference is the first "
+          "touch of each leaf's objects."
+        )
       if distinct:
         report.note(
           f"{case}: jaxlib's getters the Python twin calls for each leaf "
@@ -222,6 +235,28 @@ def grouping_rows(report: jb.Report, sizes, repeats) -> None:
           "loads those fields from jaxlib's objects instead (FieldReader, "
           "tools/cc/attr_reader.h) and compares device lists by device."
         )
+
+
+def hot_seconds(fn, repeats: int) -> float:
+  """Median seconds of a call of ``fn`` right after another (what it reads
+  still in the CPU's caches), the GC off."""
+  times = []
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    for _ in range(repeats):
+      fn()
+      start = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - start)
+  finally:
+    if was:
+      gc.enable()
+  return statistics.median(times)
+
+
+def _hot(seconds: dict[str, float]) -> dict[str, float]:
+  return {f"hot_{k}": v for k, v in seconds.items()}
 
 
 def _sharding_getters(leaves: list[jax.Array]) -> None:
@@ -269,21 +304,73 @@ def crc_seconds(nbytes: int, repeats: int = 5) -> float:
 
 def verify_note(
   report: jb.Report, case: str, checked: float, unverified: float,
-  crc_s: float, threads: int,
+  crc_s: float, threads: int, raw: dict[str, float] | None = None,
 ) -> None:  # fmt: skip
-  """The checks' measured ceiling: where the read already keeps every core
-  busy (unverified restore), their CPU time adds to the wall time, shared by
-  the read threads."""
+  """The checks' ceiling, modelled and measured: where the read already
+  keeps every core busy (unverified restore), their CPU time adds to the
+  wall time, shared by the read threads; ``raw``, if given, times the same
+  reads outside restore (``checked_read_parallel``), with and without the
+  checks, which is the measured ceiling."""
   ceiling = unverified / (
     unverified + crc_s / min(threads, os.cpu_count() or 1)
   )
+  measured = ""
+  if raw is not None:
+    measured = (
+      f" The same reads outside restore, into the same huge-page buffers on "
+      f"{threads} threads: whole {checksum.CHUNK >> 20} MiB chunks "
+      f"{raw['whole'] * 1e3:.0f} ms, checked (in "
+      f"{reader.SUM_STEP >> 20} MiB steps, each summed while in cache) "
+      f"{raw['checked'] * 1e3:.0f} ms: measured ceiling "
+      f"{raw['whole'] / raw['checked']:.2f}x."
+    )
   report.note(
     f"{case}: the CRC-32C checks cost {crc_s * 1e3:.0f} ms of one core "
     f"({checksum.CHUNK >> 20} MiB chunks in cache); with {threads} read "
     f"threads on {os.cpu_count()} cores busy reading (verify=False "
-    f"{unverified * 1e3:.0f} ms) they cannot hide: ceiling "
-    f"{ceiling:.2f}x, measured {unverified / checked:.2f}x."
+    f"{unverified * 1e3:.0f} ms) they cannot hide: modelled ceiling "
+    f"{ceiling:.2f}x, measured {unverified / checked:.2f}x.{measured}"
   )
+
+
+def checked_read_parallel(
+  files: list[str], threads: int, check: bool
+) -> list[np.ndarray]:
+  """Each file into a buffer restore would allocate (``reader.HostMemory``:
+  an anonymous map with transparent huge pages) by ``threads`` threads, in
+  ``checksum.CHUNK`` chunks: read whole, or with ``check`` as restore's
+  checked reads go (``reader.SUM_STEP`` bytes at a time, each followed by
+  its CRC-32C while the CPU's cache holds it). The two bound what checking
+  costs the read itself, outside restore."""
+  memory = reader.HostMemory()
+  out = []
+  with ThreadPoolExecutor(threads) as pool:
+    for name in files:
+      fd = os.open(name, os.O_RDONLY)
+      try:
+        size = os.fstat(fd).st_size
+        buf, flat = memory.empty((size,), np.dtype(np.uint8))
+        view = flat.data
+        step = reader.SUM_STEP if check else checksum.CHUNK
+
+        def read(lo: int, fd=fd, view=view, step=step) -> int:
+          value, end = 0, min(lo + checksum.CHUNK, len(view))
+          for a in range(lo, end, step):
+            b, done = min(a + step, end), a
+            while done < b:
+              n = os.preadv(fd, [view[done:b]], done)
+              if n == 0:
+                raise EOFError(name)
+              done += n
+            if check:
+              value = checksum.crc(view[a:b], value)
+          return value
+
+        list(pool.map(read, range(0, size, checksum.CHUNK)))
+      finally:
+        os.close(fd)
+      out.append(buf)
+  return out
 
 
 def raw_read(files: list[str]) -> list[np.ndarray]:
@@ -461,9 +548,17 @@ def restore_rows(report: jb.Report, total_bytes, n_files, repeats) -> None:
         "ablation", "restore(verify=False): the CRC-32C checks' cost",
         goal=VERIFY_GOAL,
       )  # fmt: skip
+      raw = jb.median_interleaved(
+        {
+          "whole": lambda: checked_read_parallel(files, threads, False),
+          "checked": lambda: checked_read_parallel(files, threads, True),
+        },
+        repeats,
+        warmup=True,
+      )
       verify_note(
         report, f"restore {where}", m["restore"], m["unverified"],
-        crc_seconds(nbytes), threads,
+        crc_seconds(nbytes), threads, raw,
       )  # fmt: skip
       gbs = {k: nbytes / v / 1e9 for k, v in m.items()}
       report.note(
