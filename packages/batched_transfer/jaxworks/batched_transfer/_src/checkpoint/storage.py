@@ -328,7 +328,11 @@ class Storage(abc.ABC):
 
   @abc.abstractmethod
   def read(self, key: str, start: int = 0, end: int | None = None) -> Any:
-    """Bytes ``[start, end)`` of ``key`` (a buffer); at most what exists."""
+    """Bytes ``[start, end)`` of ``key`` (a buffer); at most what exists.
+
+    With ``end`` None, one version of the key to its end, read in one
+    request: never a new version cut to an old length (a lease record is
+    rewritten while others read it)."""
 
   def read_ranges(
     self, key: str, ranges: Sequence[tuple[int, int]]
