@@ -168,7 +168,7 @@ def test_sdists_build_with_pip_and_pass_the_smoke_test(version, tmp_path):
       "jaxlib==0.10.2",
       "packaging",
       "flatbuffers",
-      "crc32c",
+      "fastcrc",
     ],
     timeout=1800,
   )

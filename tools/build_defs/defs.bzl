@@ -16,7 +16,7 @@ load("//tools/build_defs:wheel.bzl", "JaxworksDistInfo", "jaxworks_dist", "jaxwo
 # What the jaxworks wheels require. jax and jaxlib get the range of the package's _src/deps.py (SUPPORTED_JAX, the
 # one its import check uses), and each jaxworks dependency the minimum declared there (MINIMUM_VERSIONS).
 JAX_REQUIREMENTS = {
-    "crc32c": "crc32c>=2.7",
+    "fastcrc": "fastcrc>=0.5",
     "numpy": "numpy>=1.26",
     "packaging": "packaging>=22",
 }
