@@ -19,6 +19,7 @@ import pytest
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import checksum
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import reader
 from jaxworks.batched_transfer._src.checkpoint import writer
 
 
@@ -234,6 +235,47 @@ def test_checksums_are_crc32c_against_an_independent_implementation():
     google_crc32c.value(data[lo : lo + checksum.CHUNK].tobytes())
     for lo in range(0, data.size, checksum.CHUNK)
   ]
+
+
+def test_checked_reads_in_steps_check_every_byte_and_stop_at_the_end(
+  tmp_path,
+):
+  # A chunk read as restore reads it (SUM_STEP at a time, each summed): the
+  # right bytes pass, one flipped byte anywhere fails, and a file that ends
+  # early raises EOFError instead of checking a partly filled buffer.
+  step = reader.SUM_STEP
+  data = np.random.default_rng(2).integers(0, 256, 3 * step + 11, np.uint8)
+  path = tmp_path / "data"
+  path.write_bytes(b"h" * 7 + data.tobytes())
+  sums = checksum.of(memoryview(data))
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    out = np.zeros_like(data)
+    reader.read_checked(fd, memoryview(out), 7, 0, data.size, sums)
+    np.testing.assert_array_equal(out, data)
+    for at in (0, step - 1, step, 2 * step + 5, data.size - 1):
+      bad = data.copy()
+      bad[at] ^= 0x10
+      with pytest.raises(checksum.Mismatch):
+        reader.read_checked(
+          fd,
+          memoryview(out),
+          7,
+          0,
+          data.size,
+          [checksum.of(memoryview(bad))[0]],
+        )
+    with pytest.raises(EOFError, match="ends 9 bytes early"):
+      reader.read_checked(
+        fd,
+        memoryview(np.zeros(data.size + 9, np.uint8)),
+        7,
+        0,
+        data.size + 9,
+        sums,
+      )
+  finally:
+    os.close(fd)
 
 
 def test_checksum_chunks_and_sums_agree():

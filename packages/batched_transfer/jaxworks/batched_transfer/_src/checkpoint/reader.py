@@ -587,7 +587,9 @@ def read_range(
 
 #: Bytes a checked read reads, then sums, at a time: the checksum runs over
 #: data the CPU's cache still holds (summing a whole chunk after reading it
-#: would read it from memory again).
+#: would read it from memory again). In perf of a restore (2 read threads),
+#: 256 KiB steps halve the checksums' samples against 1 MiB ones, but the
+#: 4x as many reads and GIL hand-offs between the threads cost as much.
 SUM_STEP = 2**20
 
 
@@ -607,12 +609,20 @@ def read_checked(
     read_range(fd, view, offset, lo, hi)
     return
   value = 0
-  step = SUM_STEP if isinstance(fd, int) else hi - lo  # an object: 1 request
-  for a in range(lo, hi, step):
-    b = min(a + step, hi)
-    read_range(fd, view, offset, a, b)
-    for part in _views(view, a, b):
-      value = checksum.crc(part, value)
+  crc = checksum.crc
+  if not isinstance(fd, int):  # an object: one request, then the sums
+    read_range(fd, view, offset, lo, hi)
+    for part in _views(view, lo, hi):
+      value = crc(part, value)
+  else:  # this loop runs per SUM_STEP on every read thread: kept lean
+    for a in range(lo, hi, SUM_STEP):
+      b = min(a + SUM_STEP, hi)
+      parts = _views(view, a, b)
+      n = os.preadv(fd, parts, offset + a)
+      if n < b - a:  # a short read: the rest (or the error) as read_range does
+        read_range(fd, view, offset, a + n, b)
+      for part in parts:
+        value = crc(part, value)
   if k is None:
     k = lo // checksum.CHUNK
   if k >= len(sums) or value != sums[k]:
