@@ -237,6 +237,60 @@ def test_checksums_are_crc32c_against_an_independent_implementation():
   ]
 
 
+_WITHOUT = """
+import os, sys
+for name in sys.argv[2:]:
+  sys.modules[name] = None  # as if not installed
+import jax, numpy as np
+from jaxworks import batched_transfer as bt
+from jaxworks.batched_transfer._src.checkpoint import checksum
+print("implementation", checksum.IMPLEMENTATION)
+x = np.arange(3 * 2**20, dtype=np.float32)
+print("device_put", bool((np.asarray(bt.device_put(x)) == x).all()))
+path = os.path.join(sys.argv[1], "ckpt")
+try:
+  bt.save(path, {"x": x})
+except ImportError as err:
+  print("save ImportError", err)
+  print("left", sorted(os.listdir(sys.argv[1])))
+else:
+  got = bt.restore(path, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype)})
+  print("restored", bool((np.asarray(got["x"]) == x).all()))
+  print("sums", checksum.of(memoryview(x)))
+"""
+
+
+@pytest.mark.parametrize("missing", [["fastcrc"], ["fastcrc", "crc32c"]])
+def test_checkpoints_without_fastcrc(tmp_path, missing):
+  # An install without jaxworks' requirements (pip --no-deps, as upstream
+  # JAX's test runs with jaxworks swapped in): crc32c gives the same sums;
+  # with neither, importing and device_put work and only a checkpoint
+  # raises, naming the fix, and leaves nothing behind.
+  import google_crc32c
+
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+  r = subprocess.run(
+    [sys.executable, "-c", _WITHOUT, str(tmp_path), *missing],
+    env=env, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert r.returncode == 0, r.stdout + r.stderr
+  out = r.stdout
+  assert "device_put True" in out, out
+  if missing == ["fastcrc"]:
+    assert "implementation crc32c" in out, out
+    assert "restored True" in out, out
+    data = np.arange(3 * 2**20, dtype=np.float32).tobytes()
+    want = [
+      google_crc32c.value(data[lo : lo + checksum.CHUNK])
+      for lo in range(0, len(data), checksum.CHUNK)
+    ]
+    assert len(want) == 2 and f"sums {want}" in out, out
+  else:
+    assert "implementation None" in out, out
+    assert "save ImportError" in out and "pip install 'fastcrc>=0.5'" in out
+    assert "left []" in out, out
+
+
 def test_checked_reads_in_steps_check_every_byte_and_stop_at_the_end(
   tmp_path,
 ):

@@ -7,7 +7,9 @@ releases the GIL and sums with carry-less multiplies (AVX-512 VPCLMULQDQ
 where the CPU has it): about 100 GB/s a core on data in cache, against 28
 GB/s for the CPU's CRC32 instruction alone (the ``crc32c`` package), so the
 checks of a restore cost a few percent of its CPU time.
-The writer computes them as it writes, in its writer thread.
+The writer computes them as it writes, in its writer thread. Where fastcrc
+is missing (an install with ``pip --no-deps``), the crc32c package computes
+the same values; with neither, only checksumming raises, with the fix.
 
 >>> sums = Sums()
 >>> sums.update(b"abc"); sums.update(b"def")
@@ -17,17 +19,49 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import fastcrc
+
+def _implementation() -> Callable[[Any, int], int] | None:
+  """fastcrc's CRC-32C, else crc32c's (the same values), else None."""
+  try:
+    from fastcrc.crc32 import iscsi
+
+    return iscsi
+  except ImportError:
+    pass
+  try:
+    from crc32c import crc32c
+
+    return crc32c
+  except ImportError:
+    return None
+
+
+_crc32c = _implementation()
+
+#: The package computing the checksums: "fastcrc", "crc32c" or None.
+IMPLEMENTATION = None if _crc32c is None else _crc32c.__module__.split(".")[0]
 
 #: Bytes per checksum (and per read call of one array's file).
 CHUNK = 8 * 2**20
 
 
+def _missing(data: Any, value: int = 0) -> int:
+  raise ImportError(
+    "jaxworks.batched_transfer checkpoints need a CRC-32C implementation: "
+    "neither fastcrc (a requirement of jaxworks-batched-transfer) nor crc32c "
+    "is installed. Fix: pip install 'fastcrc>=0.5'."
+  )
+
+
+_sum: Callable[[Any, int], int] = _crc32c if _crc32c is not None else _missing
+
+
 def crc(data: Any, value: int = 0) -> int:
   """CRC-32C of ``data`` (a bytes-like object), continuing from ``value``."""
-  return fastcrc.crc32.iscsi(data, value)
+  return _sum(data, value)
 
 
 def of(view: memoryview) -> list[int]:
