@@ -47,6 +47,7 @@ def test_every_extension_has_a_stub():
   assert {
     "jaxworks.jit_cache._signature",
     "jaxworks.batched_transfer._grouping",
+    "jaxworks.batched_transfer._checked_read",
   } <= names, names
 
 

@@ -34,6 +34,18 @@ EXTENSION_CALLS = {
     "got = [(g.kind, g.indices, g.nbytes) for g in gs]\n"
     "assert got == [(1, [0, 1], 14), (m.OTHER_KIND, [2], 0)], got"
   ),
+  "jaxworks.batched_transfer._checked_read": (
+    "import os, tempfile\n"
+    "assert m.crc32c(b'123456789') == 0xE3069283\n"
+    "data = os.urandom(3000)\n"
+    "assert m.crc32c(data) == m.crc32c(data[300:], m.crc32c(data[:300]))\n"
+    "fd, path = tempfile.mkstemp()\n"
+    "os.write(fd, data)\n"
+    "buf = bytearray(3000)\n"
+    "assert m.read_crc32c(fd, [buf], 0, 1024) == (3000, m.crc32c(data)) and bytes(buf) == data\n"
+    "os.close(fd)\n"
+    "os.remove(path)"
+  ),
   "jaxworks.jit_cache._signature": (
     "import numpy as np\n"
     "b = m.SignatureBuilder(array_types=(), tracer_type=None, ndarray_type=np.ndarray,"

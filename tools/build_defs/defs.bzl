@@ -3,7 +3,8 @@
     jaxworks_cc_library(name = "signature_cc", srcs = ["cc/signature.cc"], hdrs = ["cc/signature.h"])
     pybind_extension(name = "jaxworks/jit_cache/_signature", srcs = ["cc/_signature_module.cc"], deps = [":signature_cc"])
     jaxworks_package(name = "jit_cache", deps = ["//packages/axis_names"], pypi = ["jax", "jaxlib", "numpy"],
-                     extensions = [":jaxworks/jit_cache/_signature"])
+                     extensions = {":jaxworks/jit_cache/_signature": ["cc/_signature_module.cc", "cc/signature.cc",
+                                                                      "cc/signature.h"]})
     jaxworks_test(name = "signature_test", srcs = ["tests/signature_test.py"], deps = [":jit_cache"])
     jaxworks_benchmark(name = "jit_cache_bench", srcs = ["benchmarks/jit_cache_bench.py"], deps = [":jit_cache"])
 """
@@ -143,12 +144,14 @@ def jaxworks_benchmark(name, srcs, deps = [], pypi = [], **kwargs):
         size = "medium",
     )
 
-def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backends = ["cpu"], entry_points = [], cc_srcs = [], extras = {}):
+def jaxworks_package(name, deps = [], pypi = [], extensions = {}, doctest_backends = ["cpu"], entry_points = [], extras = {}):
     """A jaxworks package: the public py_library `:<name>`, its wheel `:wheel`, its sdist `:sdist`, doctests, and
     per-backend suites.
 
-    The sdist is built from `pyproject.toml` (and `setup.py` where the package has extensions, whose C++ sources and
-    headers `cc_srcs` lists) beside the BUILD file.
+    `extensions` maps each pybind_extension to its C++ sources and headers (all of them, its deps' included): the
+    wheels' copies are built from them by zig, and the sdist ships them for `setup.py`, which builds the same modules.
+    The sdist is built from `pyproject.toml` (and that `setup.py` where the package has extensions) beside the BUILD
+    file.
 
     `extras` are optional extras, {"cloud": ["obstore>=0.12"]}: `Provides-Extra` and `Requires-Dist: ...; extra == ...`
     of the wheel and sdist (pyproject.toml's [project.optional-dependencies] must say the same); the package imports
@@ -165,7 +168,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         srcs = native.glob(["jaxworks/{}/**/*.py".format(name)]),
         data = native.glob(["jaxworks/{}/**/*.pyi".format(name)]),
         imports = ["."],
-        deps = deps + extensions + [_runtime_label(p) for p in pypi],
+        deps = deps + list(extensions) + [_runtime_label(p) for p in pypi],
         visibility = ["//visibility:public"],
     )
     # Every source file of the package, for repository-wide checks (tests/repo_test.py).
@@ -199,11 +202,11 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         # by zig against that CPython's headers for jaxlib's glibc baseline (tools/build_defs/portable.bzl).
         for version in PYTHON_VERSIONS:
             tag = python_tag(version)
-            for ext in extensions:
+            for ext, ext_srcs in extensions.items():
                 zig_extension(
                     name = "{}_{}".format(ext.lstrip(":").replace("/", "_"), tag),
                     module = ext.lstrip(":"),
-                    srcs = cc_srcs,
+                    srcs = ext_srcs,
                     python = version,
                     python_headers = cpython_headers(version),
                     visibility = ["//visibility:private"],
@@ -220,7 +223,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = [], doctest_backen
         dist = ":dist",
         pyproject = "pyproject.toml",
         setup_py = "setup.py" if extensions else None,
-        cc_srcs = cc_srcs,
+        cc_srcs = sorted({f: True for srcs in extensions.values() for f in srcs}),
         visibility = ["//visibility:public"],
     )
 

@@ -37,15 +37,18 @@ reference / jaxworks, so above 1 jaxworks is faster):
 * restore with the CRC-32C checks against restore(verify=False) of the same
   checkpoint (ablation; goal: at least 0.95x: the checks should hide behind
   the read. Where the read is CPU-bound on every core, as a warm page cache
-  on 2 cores is, the checks' own CPU time shows: fastcrc sums about 100
-  GB/s per core on data in L2 (AVX-512 VPCLMULQDQ; the crc32c package's
-  CRC32 instruction 28 GB/s), the read of the same bytes into new memory,
-  zeroing and copying, a few GB/s). Timed as a pair of their own, each
-  call right after the other's: among the seven calls of the other restore
-  rows, verify=False always came right after a checked restore and the
-  checked one mostly after a raw read, and that order alone moved the ratio
-  (0.75x as listed, 0.88x with the two swapped, 0.89-0.93x as a pair; 5-9
-  repeats each). This VM (Firecracker) reports freed memory to its host,
+  on 2 cores is, the checks' own CPU time shows: the read of the bytes into
+  new memory, zeroing and copying, goes at a few GB/s; the CRC-32C at about
+  100 GB/s per core on data in L2 (AVX-512 VPCLMULQDQ) and 30 GB/s on data
+  in L3. So restore reads and sums 256 KiB at a time in C++
+  (cc/_checked_read_module.cc), one call per 8 MiB chunk without the GIL: each
+  step is summed while in L2, and no step hands the GIL over between read
+  threads, which 1 MiB steps in Python did twice). Timed as a pair of their
+  own, each call right after the other's: among the seven calls of the
+  other restore rows, verify=False always came right after a checked
+  restore and the checked one mostly after a raw read, and that order alone
+  moved the ratio (0.75x as listed, 0.88x with the two swapped, 0.89-0.93x
+  as a pair; 5-9 repeats each). This VM (Firecracker) reports freed memory to its host,
   and a page the host took back is slow to touch again, so what ran
   before a call, and how long ago it freed its memory, shows in the call's
   time.
@@ -97,6 +100,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -106,6 +110,7 @@ import jaxworks_bench as jb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+from jaxworks.batched_transfer import _checked_read  # noqa: E402
 from jaxworks.batched_transfer._src import grouping  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import checksum  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import reader  # noqa: E402
@@ -299,16 +304,20 @@ def aligned_bytes(size: int) -> np.ndarray:
 
 
 def crc_seconds(nbytes: int, repeats: int = 5) -> float:
-  """Seconds one core takes for the CRC-32C checks of ``nbytes``, each
-  ``checksum.CHUNK`` in cache as restore checks it (just read)."""
-  chunk = (
-    np.random.default_rng(0).integers(0, 255, checksum.CHUNK, np.uint8).data
-  )
-  checksum.crc(chunk)
-  best = min(
-    jb.per_call(lambda: checksum.crc(chunk), 16) for _ in range(repeats)
-  )
-  return best * nbytes / checksum.CHUNK
+  """Seconds one core takes for the CRC-32C checks of ``nbytes``, a step in
+  cache at a time as restore's checked reads sum them (just read)."""
+  step, crc = _sum_step()
+  data = np.random.default_rng(0).integers(0, 255, step, np.uint8).data
+  crc(data)
+  best = min(jb.per_call(lambda: crc(data), 64) for _ in range(repeats))
+  return best * nbytes / step
+
+
+def _sum_step() -> tuple[int, Any]:
+  """(bytes, function) of each sum of restore's checked reads on this CPU."""
+  if _checked_read.FAST:
+    return reader.FAST_SUM_STEP, _checked_read.crc32c
+  return reader.SUM_STEP, checksum.crc
 
 
 def verify_note(
@@ -328,18 +337,25 @@ def verify_note(
     measured = (
       f" The same reads outside restore, into the same huge-page buffers on "
       f"{threads} threads: whole {checksum.CHUNK >> 20} MiB chunks "
-      f"{raw['whole'] * 1e3:.0f} ms, checked (in "
-      f"{reader.SUM_STEP >> 20} MiB steps, each summed while in cache) "
+      f"{raw['whole'] * 1e3:.0f} ms, checked (in {_step_text()}, each summed "
+      f"while in cache) "
       f"{raw['checked'] * 1e3:.0f} ms: measured ceiling "
       f"{raw['whole'] / raw['checked']:.2f}x."
     )
   report.note(
     f"{case}: the CRC-32C checks cost {crc_s * 1e3:.0f} ms of one core "
-    f"({checksum.CHUNK >> 20} MiB chunks in cache); with {threads} read "
+    f"({_sum_step()[0] >> 10} KiB steps in cache); with {threads} read "
     f"threads on {os.cpu_count()} cores busy reading (verify=False "
     f"{unverified * 1e3:.0f} ms) they cannot hide: modelled ceiling "
     f"{ceiling:.2f}x, measured {unverified / checked:.2f}x.{measured}"
   )
+
+
+def _step_text() -> str:
+  """How restore's checked reads go on this CPU."""
+  if _checked_read.FAST:
+    return f"{reader.FAST_SUM_STEP >> 10} KiB steps in C++, without the GIL"
+  return f"{reader.SUM_STEP >> 10} KiB steps in Python"
 
 
 def checked_read_parallel(
@@ -348,9 +364,10 @@ def checked_read_parallel(
   """Each file into a buffer restore would allocate (``reader.HostMemory``:
   an anonymous map with transparent huge pages) by ``threads`` threads, in
   ``checksum.CHUNK`` chunks: read whole, or with ``check`` as restore's
-  checked reads go (``reader.SUM_STEP`` bytes at a time, each followed by
-  its CRC-32C while the CPU's cache holds it). The two bound what checking
-  costs the read itself, outside restore."""
+  checked reads go (a step at a time, each followed by its CRC-32C while the
+  CPU's cache holds it: ``reader.FAST_SUM_STEP`` bytes in C++ where the CPU
+  has the vector CRC-32C, else ``reader.SUM_STEP`` in Python). The two bound
+  what checking costs the read itself, outside restore."""
   memory = reader.HostMemory()
   out = []
   with ThreadPoolExecutor(threads) as pool:
@@ -364,6 +381,13 @@ def checked_read_parallel(
 
         def read(lo: int, fd=fd, view=view, step=step) -> int:
           value, end = 0, min(lo + checksum.CHUNK, len(view))
+          if check and _checked_read.FAST:
+            done, value = _checked_read.read_crc32c(
+              fd, [view[lo:end]], lo, reader.FAST_SUM_STEP
+            )
+            if done < end - lo:
+              raise EOFError(name)
+            return value
           for a in range(lo, end, step):
             b, done = min(a + step, end), a
             while done < b:

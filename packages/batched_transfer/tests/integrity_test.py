@@ -291,13 +291,16 @@ def test_checkpoints_without_fastcrc(tmp_path, missing):
     assert "left []" in out, out
 
 
+@pytest.mark.parametrize("fast", [True, False])
 def test_checked_reads_in_steps_check_every_byte_and_stop_at_the_end(
-  tmp_path,
+  tmp_path, monkeypatch, fast
 ):
-  # A chunk read as restore reads it (SUM_STEP at a time, each summed): the
-  # right bytes pass, one flipped byte anywhere fails, and a file that ends
-  # early raises EOFError instead of checking a partly filled buffer.
-  step = reader.SUM_STEP
+  # A chunk read as restore reads it (a step at a time, each summed; in C++
+  # where the CPU has the vector CRC-32C, else in Python, both forced here):
+  # the right bytes pass, one flipped byte anywhere fails, and a file that
+  # ends early raises EOFError instead of checking a partly filled buffer.
+  monkeypatch.setattr(reader._checked_read, "FAST", fast)
+  step = reader.FAST_SUM_STEP if fast else reader.SUM_STEP
   data = np.random.default_rng(2).integers(0, 256, 3 * step + 11, np.uint8)
   path = tmp_path / "data"
   path.write_bytes(b"h" * 7 + data.tobytes())
