@@ -122,6 +122,33 @@ def test_each_file_is_a_zstd_frame_of_the_raw_npy_file(tmp_path):
   assert rec_z["crc32c"] == rec_raw["crc32c"]  # of the uncompressed data
 
 
+def test_large_leaves_compress_in_steps_to_the_raw_bytes_and_sums(tmp_path):
+  # Leaves of several checksum chunks, written to the compressor a
+  # codec.WRITE_STEP at a time (sums continued across steps and chunks), one
+  # of them a sharded jax.Array written shard by shard: the files decompress
+  # to the raw save's bytes and the record's sums are the raw save's.
+  rng = np.random.default_rng(3)
+  mesh = jax.make_mesh((8,), ("x",))
+  tree = {
+    "big": rng.integers(0, 255, 9 * 2**20 + 5, np.uint8),
+    "sharded": jax.device_put(
+      rng.standard_normal((8 * 1024, 96)).astype(np.float32),
+      NamedSharding(mesh, P("x")),
+    ),
+  }
+  bt.save(tmp_path / "raw", tree)
+  bt.save(tmp_path / "z", tree, compression="zstd")
+  for key in tree:
+    with open(tmp_path / "z" / f"{key}.npy.zst", "rb") as f:
+      got = zstandard.ZstdDecompressor().stream_reader(f).read()
+    assert got == (tmp_path / "raw" / f"{key}.npy").read_bytes(), key
+  rec_raw = json.loads((tmp_path / "raw" / RECORD).read_text())
+  rec_z = json.loads((tmp_path / "z" / RECORD).read_text())
+  assert rec_z["crc32c"] == rec_raw["crc32c"]
+  assert len(rec_z["crc32c"]["big"]) == 2
+  _same(tree, bt.restore(tmp_path / "z", tree))
+
+
 def test_manager_and_overwrite_between_raw_and_compressed(tmp_path):
   p = tmp_path / "c"
   bt.save(p, {"w": np.arange(10)})

@@ -113,9 +113,12 @@ def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype, fortran: bool):
     np.lib.format.write_array_header_2_0(f, header)
 
 
-def write_npy(f: Any, value: np.ndarray | Shards) -> list[int]:
-  """Writes ``value`` to the binary file object ``f`` as one .npy file;
-  returns the checksums of its data (checksum.Sums).
+def write_npy(
+  f: Any, value: np.ndarray | Shards, step: int = checksum.CHUNK
+) -> list[int]:
+  """Writes ``value`` to the binary file object ``f`` as one .npy file,
+  ``step`` bytes per write, each summed right after; returns the checksums
+  of its data (checksum.Sums).
 
   The data goes through ``f.write`` (numpy's ``tofile`` would lose the
   errno of a failed write: ENOSPC, EFBIG)."""
@@ -133,8 +136,8 @@ def write_npy(f: Any, value: np.ndarray | Shards) -> list[int]:
     pieces = [a.view(stored) for _, a in value.pieces]
   for a in pieces:
     data = raw(a)
-    for lo in range(0, len(data), checksum.CHUNK):
-      part = data[lo : lo + checksum.CHUNK]
+    for lo in range(0, len(data), step):
+      part = data[lo : lo + step]
       f.write(part)
       sums.update(part)
   return sums.done()

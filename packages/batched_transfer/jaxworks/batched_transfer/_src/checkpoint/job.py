@@ -198,7 +198,7 @@ class SaveJob:
       if use is None:
         return hostvalue.write_npy(f, a)
       with codec.compressing(use, f) as out:
-        return hostvalue.write_npy(out, a)
+        return hostvalue.write_npy(out, a, codec.WRITE_STEP)
 
     bucket.begin()  # the path's writer lease, given back by end()
     committed = False

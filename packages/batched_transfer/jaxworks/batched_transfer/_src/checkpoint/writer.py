@@ -253,7 +253,7 @@ class Staged:
 
 def _write_compressed(name: str, f: Any, a: Any) -> list[int]:
   with codec.compressing(name, f) as out:
-    return hostvalue.write_npy(out, a)
+    return hostvalue.write_npy(out, a, codec.WRITE_STEP)
 
 
 def write_directory(
