@@ -72,16 +72,25 @@ server.stop()
 
 
 @contextlib.contextmanager
-def s3_server_process() -> Iterator[str]:
+def s3_server_process(no_auth_actions: int | None = None) -> Iterator[str]:
   """moto's S3 server in a process of its own (as a real server is, it
-  does not share the client's interpreter lock); yields its endpoint."""
+  does not share the client's interpreter lock); yields its endpoint.
+
+  ``no_auth_actions``: moto checks every request's credentials against its
+  IAM users (signature, known access key, policy) after the first this
+  many (moto's INITIAL_NO_AUTH_ACTION_COUNT); None: it accepts any.
+  """
   import sys
 
+  env = dict(os.environ)
+  if no_auth_actions is not None:
+    env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(no_auth_actions)
   proc = subprocess.Popen(
     [sys.executable, "-c", _S3_CHILD],
     stdin=subprocess.PIPE,
     stdout=subprocess.PIPE,
     text=True,
+    env=env,
   )
   try:
     assert proc.stdout is not None
@@ -92,6 +101,45 @@ def s3_server_process() -> Iterator[str]:
   finally:
     proc.kill()
     proc.wait()
+
+
+def s3_user(endpoint: str, bucket: str) -> dict[str, str]:
+  """On a server of ``s3_server_process(no_auth_actions=4)``: an IAM user
+  allowed everything and its access key (the 3 unauthenticated actions
+  then left make it), and ``bucket`` created with that key; the key as
+  ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``."""
+  import json
+
+  import boto3
+
+  iam = boto3.client(
+    "iam",
+    endpoint_url=endpoint,
+    aws_access_key_id="nobody",
+    aws_secret_access_key="nothing",
+    region_name="us-east-1",
+  )
+  iam.create_user(UserName="saver")
+  policy = {
+    "Version": "2012-10-17",
+    "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+  }
+  iam.put_user_policy(
+    UserName="saver", PolicyName="all", PolicyDocument=json.dumps(policy)
+  )
+  key = iam.create_access_key(UserName="saver")["AccessKey"]
+  env = {
+    "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+    "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+  }
+  boto3.client(
+    "s3",
+    endpoint_url=endpoint,
+    region_name="us-east-1",
+    aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+    aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+  ).create_bucket(Bucket=bucket)
+  return env
 
 
 def s3_bucket(endpoint: str, name: str) -> None:
@@ -275,6 +323,72 @@ def failing_server(status: int = 503) -> Iterator[tuple[str, type]]:
   finally:
     server.shutdown()
     server.server_close()
+
+
+class Proxy:
+  """A TCP proxy on 127.0.0.1 in front of a server: ``endpoint`` is its
+  address; ``stop()`` closes its port and every connection through it at
+  once (what a client sees of a server killed mid-request), ``start()``
+  opens the same port again (the server back, with its objects)."""
+
+  def __init__(self, target: str) -> None:
+    host, _, port = target.rpartition("//")[2].partition(":")
+    self._target = (host, int(port))
+    self.port = free_port()
+    self.endpoint = f"http://127.0.0.1:{self.port}"
+    self._lock = threading.Lock()
+    self._open: list[socket.socket] = []
+    self._listener: socket.socket | None = None
+    self.start()
+
+  def start(self) -> None:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", self.port))
+    s.listen(64)
+    self._listener = s
+    threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+  def stop(self) -> None:
+    with self._lock:
+      listener, self._listener = self._listener, None
+      conns, self._open = self._open, []
+    for c in [listener, *conns]:
+      if c is not None:
+        with contextlib.suppress(OSError):
+          c.shutdown(socket.SHUT_RDWR)
+        c.close()
+
+  def _accept(self, listener: socket.socket) -> None:
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return
+      try:
+        server = socket.create_connection(self._target)
+      except OSError:
+        client.close()
+        continue
+      with self._lock:
+        if self._listener is not listener:
+          client.close()
+          server.close()
+          return
+        self._open += [client, server]
+      for a, b in ((client, server), (server, client)):
+        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+  @staticmethod
+  def _pump(a: socket.socket, b: socket.socket) -> None:
+    try:
+      while data := a.recv(1 << 16):
+        b.sendall(data)
+    except OSError:
+      pass
+    finally:
+      with contextlib.suppress(OSError):
+        b.shutdown(socket.SHUT_WR)
 
 
 # The module-scoped fixtures of the tests that use these servers (a test

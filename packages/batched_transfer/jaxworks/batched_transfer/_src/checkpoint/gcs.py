@@ -131,7 +131,11 @@ class GCSStorage(Storage):
       blobs = self._client.list_blobs(
         self.location.bucket, prefix=root + "/" if root else None, **kw
       )
-      return {b.name[start:]: int(b.size) for b in blobs}
+      return {
+        b.name[start:]: int(b.size)
+        for b in blobs
+        if storage.is_key(b.name[start:])  # not a folder marker
+      }
 
     return dict(sorted(self._call(prefix, "listing", all_blobs).items()))
 
@@ -149,8 +153,7 @@ class GCSStorage(Storage):
         pass
       return set(it.prefixes)
 
-    found = self._call("", "listing", prefixes)
-    return sorted(p.rstrip("/").rpartition("/")[2] for p in found)
+    return storage.names_below(root, self._call("", "listing", prefixes))
 
   def size(self, key: str) -> int:
     blob = self._call(key, "reading", self._bucket.get_blob, self._key(key))

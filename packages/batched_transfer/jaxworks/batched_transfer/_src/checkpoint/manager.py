@@ -39,6 +39,7 @@ from .steps import METRICS_KEY
 from .steps import check_item_name
 from .steps import check_step
 from .storage import LOG
+from .storage import Storage
 from .storage import run_parallel
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
@@ -273,10 +274,16 @@ class CheckpointManager:
     return os.path.join(self.directory, self._names.name(step))
 
   def _committed(self, step: int) -> bool:
-    """Whether ``step`` is committed (a bucket: its record exists)."""
+    """Whether ``step`` is committed (a bucket: its record exists, or an
+    overwrite's copy beside it is named, remote.committed_at)."""
     if self._store is None:
       return os.path.isdir(self._path(step))
-    return self._store.exists(f"{self._names.name(step)}/{format.RECORD}")
+    return self._at(step) is not None
+
+  def _at(self, step: int) -> Storage | None:
+    """Where the checkpoint of ``step`` in a bucket is; None if none."""
+    assert self._store is not None
+    return remote.committed_at(_API, self._store.child(self._names.name(step)))
 
   def _no_step(self, api: str, step: int) -> FileNotFoundError:
     return FileNotFoundError(
@@ -310,7 +317,7 @@ class CheckpointManager:
         if (step := self._names.parse(name)) is not None
       }
       found = run_parallel(
-        lambda n: store.exists(f"{n}/{format.RECORD}"),
+        lambda n: remote.committed_at(_API, store.child(n)) is not None,
         list(named.values()),
         store.concurrency,
       )
@@ -653,7 +660,10 @@ class CheckpointManager:
 
   def _commit_ns(self, step: int) -> int:
     if self._store is not None:
-      return self._store.mtime_ns(f"{self._names.name(step)}/{format.RECORD}")
+      at = self._at(step)
+      if at is None:
+        raise self._no_step(f"{_API}.all_steps", step)
+      return at.mtime_ns(format.RECORD)
     return os.stat(self._path(step)).st_mtime_ns
 
   def _ranked(self, steps: list[int]) -> tuple[list[int], list[int]]:
@@ -903,13 +913,11 @@ class CheckpointManager:
     path = self._path(step)
     if self._store is not None:  # the record first: never half listed
       st = self._store.child(self._names.name(step))
-      if not st.exists(format.RECORD):
+      if not remote.delete(api, st):
         if missing_ok:
           return False
         raise self._no_step(api, step)
-      st.delete([format.RECORD])
-      n = st.delete_prefix()
-      LOG.debug("%s: deleted %d objects of %r", api, n + 1, path)
+      LOG.debug("%s: deleted %r", api, path)
       self._forget(step)
       return True
     with commit.locked(path):

@@ -28,11 +28,18 @@ CRC-32C computed as the bytes go out), no local copy; then the record is
 created. A save to a path without a committed checkpoint writes at the
 path, after removing what saves that did not commit left there. An
 overwrite writes and commits the new checkpoint under
-``.<name>.jaxworks-new-<hex>`` beside the path, then removes the old record
-and objects, copies the new objects to the path on the server (no second
-upload) and creates the record there; a reader that finds no record at the
-path reads the committed copy beside it, so at every moment one complete
-checkpoint is readable. An ``.npz`` is one object, written locally, then
+``.<name>.jaxworks-next-<hex>`` beside the path, names that copy in the
+path's object ``.jaxworks-moved``, removes the old record (the commit of
+the overwrite: from then on the path reads as the copy it names) and
+objects, copies the new objects to the path on the server (no second
+upload), creates the record there and removes the name and the copy. A
+reader takes the path's record if there is one, else the copy that
+``.jaxworks-moved`` names (one object, so failed copy rounds in a row leave
+one answer: the last save that committed); at every moment one complete
+checkpoint is readable, the last one committed. Copies beside the path
+that no name points to are leftovers, which the next save removes. (0.6.0
+named its copies ``.<name>.jaxworks-new-<hex>`` and wrote no name: a path
+with neither record nor name reads the newest committed one of those.) An ``.npz`` is one object, written locally, then
 uploaded (``NpzUpload``). ``source`` finds the committed checkpoint at a
 URL (or the copy an overwrite committed beside it), which restore and
 metadata read in ranges straight from the objects (restore_objects).
@@ -41,31 +48,109 @@ metadata read in ranges straight from the objects (restore_objects).
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterator
+import contextlib
 import os
 import secrets
 import tempfile
 from typing import Any
 
+from . import codec
 from . import format
 from . import lease as lease_lib
+from . import storage
 from . import stores
 from .storage import LOG
 from .storage import Storage
 from .storage import in_writer_threads
 
+#: The copies beside a path: an overwrite's (``_NEXT``), and 0.6.0's.
+_NEXT = ".jaxworks-next-"
 _NEW = ".jaxworks-new-"
+#: The object at a path naming the copy beside it that an overwrite
+#: committed, while the path itself holds no record.
+MOVED = ".jaxworks-moved"
+_HEX = frozenset("0123456789abcdef")
 #: Bytes of an ``.npy`` file that ``metadata`` reads (its header).
 HEADER_BYTES = 64 * 1024
 
 
-def _stagings(parent: Storage, name: str) -> dict[str, bool]:
-  """``{prefix: committed}`` of the ``.<name>.jaxworks-new-*`` prefixes."""
-  start = f".{name}{_NEW}"
-  return {
-    p: parent.child(p).exists(format.RECORD)
-    for p in parent.children()
-    if p.startswith(start)
-  }
+def _is_copy(name: str, copy: str, marker: str = _NEXT) -> bool:
+  """Whether ``copy`` is a ``.<name><marker><16 hex>`` copy's name."""
+  start = f".{name}{marker}"
+  tail = copy[len(start) :]
+  return copy.startswith(start) and len(tail) == 16 and set(tail) <= _HEX
+
+
+def _copies(parent: Storage, name: str) -> list[str] | None:
+  """The copies beside ``name`` in ``parent`` (both kinds); None where the
+  parent cannot be listed (a stray key there: the copies are left, and the
+  next listing that can removes them)."""
+  try:
+    children = parent.children()
+  except storage.StrayKeyError as err:
+    LOG.warning("%s; the copies beside %r are left", err, name)
+    return None
+  return [c for c in children if _is_copy(name, c) or _is_copy(name, c, _NEW)]
+
+
+def _moved(api: str, st: Storage, name: str) -> str | None:
+  """The copy that the path's ``MOVED`` object names, if there is one.
+
+  Raises:
+    ValueError: the object holds no copy's name (it was edited).
+  """
+  try:
+    data = bytes(st.read(MOVED, 0, 256))
+  except FileNotFoundError:
+    return None
+  copy = data.decode("utf-8", "replace")
+  if not _is_copy(name, copy):
+    raise ValueError(
+      f"{api}: {st.where(MOVED)!r} names no copy beside {st.url!r} "
+      f"({data[:80]!r}); the checkpoint is damaged: save it again with "
+      "overwrite=True"
+    )
+  return copy
+
+
+def committed_at(
+  api: str,
+  st: Storage,
+  copies: list[str] | None = None,
+  has_record: bool | None = None,
+) -> Storage | None:
+  """Where the checkpoint committed at ``st`` is: ``st`` if it has a
+  record; else the copy beside it that its ``MOVED`` object names (if that
+  has its record); else (0.6.0's overwrites left no name) the newest
+  committed ``.jaxworks-new-`` copy beside it; else None.
+
+  Args:
+    copies: the copies beside ``st`` (``_copies``) where the caller listed
+      them: no name is looked for without a copy to name (an overwrite
+      removes its name before its copy).
+    has_record: whether ``st`` has a record, where the caller looked.
+  """
+  if st.exists(format.RECORD) if has_record is None else has_record:
+    return st
+  loc = st.location
+  if not loc.prefix:
+    return None
+  parent = st._at(loc.parent)
+  if copies is None or any(_is_copy(loc.name, c) for c in copies):
+    copy = _moved(api, st, loc.name)
+    if copy is not None:
+      at = parent.child(copy)
+      return at if at.exists(format.RECORD) else None
+  if copies is None:
+    copies = _copies(parent, loc.name) or []
+  old = [parent.child(c) for c in copies if _is_copy(loc.name, c, _NEW)]
+  done = [
+    (c.mtime_ns(format.RECORD), c.url, c)
+    for c in old
+    if c.exists(format.RECORD)
+  ]
+  return max(done, key=lambda t: t[:2])[2] if done else None
 
 
 #: Name prefix of the threads that write objects.
@@ -168,9 +253,31 @@ class NpzUpload:
       self.abort()
 
 
-def _leased(keys: Any) -> list[str]:
-  """``keys`` less the writer lease's objects (``.jaxworks-writer/*``)."""
-  return [k for k in keys if not k.startswith(lease_lib.PREFIX + "/")]
+def _named(api: str, at: Storage) -> list[str]:
+  """The objects of the checkpoint at ``at`` that its record and manifest
+  name, and the control objects (for where a listing is refused)."""
+  names = [format.RECORD, format.MANIFEST, MOVED]
+  try:
+    where = at.where(format.RECORD)
+    record = format.decode_record(api, where, bytes(at.read(format.RECORD)))
+    names += [
+      codec.file_name(e[0], record.codecs.get(e[0]))
+      for e in record.tree or ()
+      if len(e) == 2
+    ]
+    data = bytes(at.read(format.MANIFEST, 0, format.MAX_MANIFEST_BYTES))
+    arrays = format.parse_manifest(data)
+  except (FileNotFoundError, *format.DAMAGED):
+    return names
+  return names + sorted({s.file for a in arrays.values() for s in a.shards})
+
+
+def _written(key: str) -> bool:
+  """Whether a save writes objects named ``key`` (then it removes them)."""
+  return (
+    key in (format.RECORD, format.MANIFEST, MOVED)
+    or codec.split_name(key) is not None
+  ) and not key.startswith(lease_lib.PREFIX + "/")
 
 
 class Bucket:
@@ -209,14 +316,12 @@ class Bucket:
     self.lease = lease
     self._held: lease_lib.Lease | None = None
     self.st, self.parent, self.name = _destination(api, url, storage_options)
-    self.stagings = _stagings(self.parent, self.name)
-    self.committed = self.st.exists(format.RECORD) or any(
-      self.stagings.values()
-    )
-    if self.committed and not overwrite:
+    self._look()
+    if self.current is not None and not overwrite:
       raise _exists(api, url)
     self.target = self.st  # where this process writes (``begin``/``attach``)
     self.written: list[str] = []
+    self._switched = False  # the path reads as the target (``commit``)
 
   @property
   def beside(self) -> bool:
@@ -278,18 +383,34 @@ class Bucket:
 
   def _begin(self) -> str:
     # Again: the saves called before this one may have committed since.
-    self.stagings = _stagings(self.parent, self.name)
-    self.committed = self.st.exists(format.RECORD) or any(
-      self.stagings.values()
-    )
-    if self.committed:
+    self._look()
+    if self.current is not None:
       if not self.overwrite:
         raise _exists(self.api, self.url)
-      name = f".{self.name}{_NEW}{secrets.token_hex(8)}"
+      name = f".{self.name}{_NEXT}{secrets.token_hex(8)}"
       self.target = self.parent.child(name)
       return name
-    self.st.delete(sorted(_leased(self.st.list())))
+    self.st.delete(self._leftovers())
     return ""
+
+  def _leftovers(self) -> list[str]:
+    """The objects at the path that a save writes (array files, record,
+    manifest, name of a copy): of the checkpoint being replaced, or of
+    saves that did not commit; others are not the checkpoint's, and stay.
+    Where the path cannot be listed (a stray key), the control objects and
+    those that the record of the checkpoint read there names."""
+    try:
+      return [k for k in self.st.list() if _written(k)]
+    except storage.StrayKeyError as err:
+      LOG.warning("%s; removing only the objects jaxworks wrote there", err)
+    return _named(self.api, self.current or self.st)
+
+  def _look(self) -> None:
+    """What is at the path: its record first (the first request of a
+    save names the path in any error), then the copies beside it."""
+    has = self.st.exists(format.RECORD)
+    self.copies = _copies(self.parent, self.name)
+    self.current = committed_at(self.api, self.st, self.copies, has)
 
   def attach(self, name: str) -> None:
     """The other processes: where process 0 said (``begin``)."""
@@ -323,18 +444,41 @@ class Bucket:
     except FileExistsError:
       raise _exists(self.api, self.url) from None
     if not self.beside:
-      self._clean()
+      self._tidy([], self.copies or [])
       LOG.info("saved %s", self.url)
       return False
-    self.st.delete([format.RECORD])
-    self.st.delete(_leased(self.st.list()))  # not the lease
+    old = self._leftovers()  # before the record that names them goes
+    # The commit of this overwrite: the path reads as the target once it
+    # names it and has no record of its own (deleted next, if it had one).
+    self.st.write(MOVED, self.target.location.name.encode())
+    self._switched = self.current is not self.st
+    with self._noted():
+      self.st.delete([format.RECORD])
+      self._switched = True
+      self.st.delete([k for k in old if k != MOVED])
+      self._clean(self.copies or [])
     return True
+
+  @contextlib.contextmanager
+  def _noted(self) -> Iterator[None]:
+    """An error of the copy round says that the overwrite committed."""
+    try:
+      yield
+    except BaseException as err:
+      if self._switched:
+        err.add_note(
+          f"{self.api}: the new checkpoint was committed at "
+          f"{self.target.url!r}: {self.url!r} reads as it until a save to "
+          f"{self.url!r} completes (it removes the copy)"
+        )
+      raise
 
   def move(self) -> None:
     """Every process: its objects copied to the path on the server."""
     self._still()
     here = self.target.location.name
-    self._copy([(f"{here}/{n}", f"{self.name}/{n}") for n in self.written])
+    with self._noted():
+      self._copy([(f"{here}/{n}", f"{self.name}/{n}") for n in self.written])
 
   def _copy(self, pairs: list[tuple[str, str]]) -> None:
     from .storage import run_parallel
@@ -345,26 +489,42 @@ class Bucket:
 
   def finish(self, record: bytes, manifest: bytes | None = None) -> None:
     """Process 0, every process's objects at the path: the commit there."""
-    self._still()
-    if manifest is not None:
-      self.st.write(format.MANIFEST, manifest)
-    try:
-      self.st.create(format.RECORD, record)
-    except FileExistsError:
-      raise _exists(self.api, self.url) from None
-    self.target.delete_prefix()
-    self._clean()
+    with self._noted():
+      self._still()
+      if manifest is not None:
+        self.st.write(format.MANIFEST, manifest)
+      try:
+        self.st.create(format.RECORD, record)
+      except FileExistsError:
+        raise _exists(self.api, self.url) from None
+    self._tidy([MOVED], [*(self.copies or []), self.target.location.name])
     LOG.info("saved %s", self.url)
 
-  def _clean(self) -> None:
-    for prefix in self.stagings:  # of saves killed before they finished
-      self.parent.child(prefix).delete_prefix()
+  def _tidy(self, keys: list[str], copies: list[str]) -> None:
+    """Once the path holds its committed checkpoint: ``keys`` and the
+    copies beside removed; a failure only logged (the save is done, the
+    next one removes them)."""
+    try:
+      if keys:
+        self.st.delete(keys)
+      self._clean(copies)
+    except OSError as err:
+      LOG.warning(
+        "%s; %s is saved, the next save removes the rest", err, self.url
+      )
+
+  def _clean(self, copies: list[str]) -> None:
+    """Removes ``copies`` beside the path: of saves killed or failed before
+    they finished, the one replaced, this one's once copied."""
+    for copy in copies:
+      self.parent.child(copy).delete_prefix()
 
   def abort(self) -> None:
     """Process 0, the save failed before its commit: what it wrote beside
     the path is removed (at the path, no record: absent, and the next save
-    removes it)."""
-    if self.beside:
+    removes it). Once the path reads as that copy (``commit`` named it),
+    it stays, and the next save removes it."""
+    if self.beside and not self._switched:
       self.target.delete_prefix()
 
   def end(self) -> None:
@@ -384,24 +544,40 @@ Collective = Bucket
 
 
 def source(api: str, st: Storage) -> Storage:
-  """The committed checkpoint at ``st``, or the one an overwrite left beside.
+  """The committed checkpoint at ``st``, or the copy beside it that an
+  overwrite committed and named (``_current``).
 
   Raises:
-    FileNotFoundError: no record at the URL nor beside it.
+    FileNotFoundError: no record at the URL nor a committed copy beside.
   """
-  if st.exists(format.RECORD):
-    return st
-  loc = st.location
-  if loc.prefix:
-    parent = st._at(loc.parent)
-    done = [p for p, ok in _stagings(parent, loc.name).items() if ok]
-    if done:
-      return parent.child(sorted(done)[-1])
-    # An overwrite removes its copy beside the path only once the path is
-    # committed: that may have happened since the record was looked for.
-    if st.exists(format.RECORD):
-      return st
+  # An overwrite that finishes meanwhile creates the path's record, then
+  # removes the name and the copy: what was looked for may be gone since.
+  for _ in range(3):
+    found = committed_at(api, st)
+    if found is not None:
+      return found
   raise FileNotFoundError(
     f"{api}: no checkpoint at {st.url!r}: no {format.RECORD} there (a "
     "prefix without it is a save that did not commit, and is absent)"
   )
+
+
+def delete(api: str, st: Storage) -> bool:
+  """Deletes the checkpoint committed at ``st`` (a manager's step) and the
+  copies beside it, first what commits it (its record, the name of its
+  copy): it is never half read. False if there was none."""
+  at = committed_at(api, st)
+  if at is None:
+    return False
+  try:
+    keys = list(st.list())
+  except storage.StrayKeyError as err:
+    LOG.warning("%s; deleting only the objects jaxworks wrote there", err)
+    keys = _named(api, st) if at is st else [format.RECORD, MOVED]
+  st.delete([format.RECORD, MOVED])
+  st.delete(keys)
+  loc = st.location
+  parent = st._at(loc.parent)
+  for copy in _copies(parent, loc.name) or []:
+    parent.child(copy).delete_prefix()
+  return True

@@ -74,6 +74,7 @@ from .format import Entry
 from .format import Shard
 from .storage import LOG
 from .storage import Storage
+from .storage import StrayKeyError
 from .storage import run_parallel
 
 #: The first bytes of each object read when it is opened: the ``.npy``
@@ -533,6 +534,51 @@ def _read_small(api: str, st: Storage, key: str, what: str) -> bytes:
   return data
 
 
+def _manifest(api: str, src: Storage) -> dict[str, Entry]:
+  data = _read_small(api, src, format.MANIFEST, "the manifest")
+  try:
+    return format.parse_manifest(data)
+  except format.DAMAGED as err:
+    raise ValueError(
+      f"{api}: the manifest {src.where(format.MANIFEST)!r} is damaged "
+      f"({type(err).__name__}: {err}); write the checkpoint again"
+    ) from None
+
+
+def _named(
+  api: str, src: Storage, record: bytes, err: StrayKeyError
+) -> dict[str, int]:
+  """``{name: size}`` of the objects a checkpoint's record (and manifest)
+  name, each asked for on its own: where a listing of ``src`` fails on a
+  key of another object (``StrayKeyError``), which restore ignores. A
+  record written before it listed the tree names no files: the error
+  stands then."""
+  saved = format.decode_record(api, f"the record of {src.url!r}", record)
+  if saved.tree is None:
+    raise err
+  names = [format.MANIFEST] + [
+    codec.file_name(e[0], saved.codecs.get(e[0]))
+    for e in saved.tree
+    if len(e) == 2 and e[0] not in saved.values
+  ]
+
+  def size(name: str) -> int | None:
+    try:
+      return src.size(name)
+    except FileNotFoundError:
+      return None
+
+  got = run_parallel(size, names, src.concurrency)
+  sizes = {n: z for n, z in zip(names, got) if z is not None}
+  if format.MANIFEST in sizes:
+    files = sorted(
+      {s.file for a in _manifest(api, src).values() for s in a.shards}
+    )
+    got = run_parallel(size, files, src.concurrency)
+    sizes.update((n, z) for n, z in zip(files, got) if z is not None)
+  return dict(sorted(sizes.items()))
+
+
 def open_checkpoint(
   api: str, url: str, storage_options: dict[str, Any] | None, budget: int = 0
 ) -> restore_files.Opened | restore_shards.Manifest:
@@ -554,21 +600,15 @@ def open_checkpoint(
     parent = st._at(loc.parent)
     if parent.exists(loc.name):
       return _open_npz(api, parent, loc.name)
-  sizes = st.list()
-  src = st
-  if format.RECORD not in sizes:  # absent, or an overwrite's copy beside
-    src = remote.source(api, st)
-    sizes = src.list()
+  src = remote.source(api, st)  # the path, or an overwrite's copy beside
   record = _read_small(api, src, format.RECORD, "the record")
+  try:
+    sizes = src.list()
+  except StrayKeyError as err:
+    LOG.debug("%s; reading the objects the record names", err)
+    sizes = _named(api, src, record, err)
   if format.MANIFEST in sizes:
-    data = _read_small(api, src, format.MANIFEST, "the manifest")
-    try:
-      arrays = format.parse_manifest(data)
-    except format.DAMAGED as err:
-      raise ValueError(
-        f"{api}: the manifest {src.where(format.MANIFEST)!r} is damaged "
-        f"({type(err).__name__}: {err}); write the checkpoint again"
-      ) from None
+    arrays = _manifest(api, src)
     LOG.debug("opened %s (%d objects)", src.url, len(sizes))
     return ObjectManifest(api, src.url, src, arrays, sizes, record)
   opened = ObjectOpened(api, src.url, src)

@@ -173,12 +173,39 @@ def parse(api: str, path: Any) -> Location:
   return Location(scheme, bucket, "/".join(parts))
 
 
+def is_key(key: str) -> bool:
+  """True if ``key`` is a relative ``/``-separated key: no empty, ``.`` or
+  ``..`` segment (what a listing yields for a folder marker ``a/`` or a
+  stray ``a//b`` is none)."""
+  return bool(key) and all(p not in ("", ".", "..") for p in key.split("/"))
+
+
 def check_key(api: str, key: str) -> str:
   """``key`` if it is a relative ``/``-separated key without ``.``/``..``."""
-  parts = key.split("/")
-  if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+  if not is_key(key):
     raise ValueError(f"{api}: bad key {key!r} (a relative a/b/c name)")
   return key
+
+
+def names_below(root: str, prefixes: Iterable[str]) -> builtins.list[str]:
+  """The one-segment names of a delimited listing's common ``prefixes``
+  under ``root`` (``root/NAME/``), sorted; what is not one is left out
+  (``root//``: a stray ``root//key``)."""
+  start = len(root) + 1 if root else 0
+  return sorted(
+    n
+    for p in prefixes
+    if "/" not in (n := p[start:].removesuffix("/")) and is_key(n)
+  )
+
+
+class StrayKeyError(OSError):
+  """A listing met an object whose key the client library cannot represent
+  (an empty, ``.`` or ``..`` segment, a control character: legal in the
+  bucket, never written by a save). Not a network fault: never retried.
+  Callers that can do without the whole listing (a restore reads the
+  objects its record names) catch it; others let its message say what to
+  remove."""
 
 
 def run_parallel(
@@ -304,11 +331,23 @@ class Storage(abc.ABC):
 
   @abc.abstractmethod
   def list(self, prefix: str = "") -> dict[str, int]:
-    """Every key under ``prefix`` (recursively) and its size, sorted."""
+    """Every key under ``prefix`` (recursively) and its size, sorted.
+
+    Objects whose key is not one (``is_key``: a folder marker, an empty,
+    ``.`` or ``..`` segment) are left out: no save writes them.
+
+    Raises:
+      StrayKeyError: the client library refused a key it listed.
+    """
 
   @abc.abstractmethod
   def children(self) -> builtins.list[str]:
-    """The names of the prefixes (directories) right under the root."""
+    """The names of the prefixes (directories) right under the root (each
+    one segment, ``is_key``).
+
+    Raises:
+      StrayKeyError: the client library refused a key it listed.
+    """
 
   @abc.abstractmethod
   def size(self, key: str) -> int:

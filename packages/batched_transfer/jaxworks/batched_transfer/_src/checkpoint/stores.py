@@ -161,6 +161,22 @@ class ObstoreStorage(Storage):
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     via = f" (endpoint {self._endpoint})" if self._endpoint else ""
     exc = self._exc
+    if isinstance(err, exc.InvalidPathError):
+      return storage.StrayKeyError(
+        f"{self.api}: {doing} {where!r}: obstore cannot represent an "
+        f"object's key there ({first}); the bucket holds an object whose "
+        "key has an empty, '.' or '..' segment or a control character, "
+        "which no save writes: rename or delete it (not retried: this is "
+        "no network fault)"
+      )
+    if isinstance(
+      err, (exc.NotSupportedError, exc.UnknownConfigurationKeyError)
+    ):
+      return OSError(
+        f"{self.api}: {doing} {where!r}: obstore refused the request "
+        f"({type(err).__name__}: {first}); not retried: check "
+        "storage_options and the URL"
+      )
     if isinstance(
       err, (exc.AlreadyExistsError, exc.PreconditionError, FileExistsError)
     ):
@@ -220,7 +236,9 @@ class ObstoreStorage(Storage):
         self._store, prefix=root + "/" if root else None
       ):
         for meta in batch:
-          out[meta["path"][start:]] = int(meta["size"])
+          key = meta["path"][start:]
+          if storage.is_key(key):  # not a folder marker
+            out[key] = int(meta["size"])
     except (self._exc.BaseError, OSError) as e:
       raise self._error(e, prefix, "listing") from e
     return dict(sorted(out.items()))
@@ -233,9 +251,7 @@ class ObstoreStorage(Storage):
       )
     except (self._exc.BaseError, OSError) as e:
       raise self._error(e, "", "listing") from e
-    return sorted(
-      p.rstrip("/").rpartition("/")[2] for p in result["common_prefixes"]
-    )
+    return storage.names_below(root, result["common_prefixes"])
 
   def size(self, key: str) -> int:
     return int(
@@ -362,6 +378,7 @@ class ObstoreStorage(Storage):
     LOG.debug("created %s", self.where(key))
 
   def delete(self, keys: Iterable[str]) -> None:
+    keys = list(keys)
     paths = [self._key(k) for k in keys]
     if not paths:
       return
@@ -370,7 +387,7 @@ class ObstoreStorage(Storage):
     except (self._exc.NotFoundError, FileNotFoundError):
       pass
     except (self._exc.BaseError, OSError) as e:
-      raise self._error(e, paths[0], "deleting") from e
+      raise self._error(e, next(iter(keys)), "deleting") from e
 
 
 #: The largest object S3's CopyObject copies in one request.
