@@ -351,3 +351,29 @@ def test_the_server_goes_away_mid_save(s3_endpoint, monkeypatch, back_after_s):
   assert int(bt.restore(url, storage_options=opts)["seed"]) == 9
   assert leftovers(url) == []
   proxy.stop()
+
+
+def test_a_managers_step_whose_copy_round_failed(configure):
+  """A step overwritten (bt.save with overwrite) whose copy round failed is
+  committed for the manager too: listed, restored, and deleted with its
+  copy beside it."""
+  url = configure()
+  directory = url.rsplit("/", 1)[0] + "/mgr"
+  with bt.CheckpointManager(directory) as m:
+    for step in (1, 2):
+      m.save(step, tree(step))
+    m.wait_until_finished()
+  with pytest.MonkeyPatch.context() as mp:
+    for cls in (stores.ObstoreStorage, gcs.GCSStorage):
+      mp.setattr(cls, "copy", lambda *a, **k: dropped())
+    with pytest.raises(OSError, match="injected") as err:
+      bt.save(f"{directory}/2", tree(7), overwrite=True)
+  assert committed_note(err.value)
+  with bt.CheckpointManager(directory) as m:
+    assert m.all_steps() == [1, 2]
+    assert int(m.restore(2)["seed"]) == 7
+    m.delete(2)
+    assert m.all_steps() == [1]
+  assert leftovers(f"{directory}/2") == []
+  with pytest.raises(FileNotFoundError):
+    bt.restore(f"{directory}/2")
