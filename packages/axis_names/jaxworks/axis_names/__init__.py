@@ -27,3 +27,10 @@ __all__ = [
   "used_axis_names",
   "__version__",
 ]
+
+# Public classes report the module they are imported from (in tracebacks,
+# repr and pickles), not the private one that defines them.
+for _value in list(globals().values()):
+  if isinstance(_value, type) and _value.__module__.startswith(f"{__name__}._"):
+    _value.__module__ = __name__
+del _value

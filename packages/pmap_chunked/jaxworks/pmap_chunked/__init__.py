@@ -38,3 +38,10 @@ __all__ = [
   "uninstall",
   "__version__",
 ]
+
+# Public classes report the module they are imported from (in tracebacks,
+# repr and pickles), not the private one that defines them.
+for _value in list(globals().values()):
+  if isinstance(_value, type) and _value.__module__.startswith(f"{__name__}._"):
+    _value.__module__ = __name__
+del _value

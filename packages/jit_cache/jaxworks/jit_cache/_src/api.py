@@ -623,3 +623,7 @@ def set_global_maxsize(
     _cache.GLOBAL_ENTRIES.resize(entries)
   if executables is not None or executable_bytes is not None:
     _cache.EXECUTABLES.resize(executables, executable_bytes)
+
+
+# Imported from jaxworks.jit_cache (a lazy package): the module tracebacks and repr name.
+JitFunction.__module__ = "jaxworks.jit_cache"

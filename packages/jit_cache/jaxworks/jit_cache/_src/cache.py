@@ -593,3 +593,7 @@ class FunctionCache:
 
   def executables(self) -> int:
     return sum(len(e.executables) for e in self.by_key.values())
+
+
+# Imported from jaxworks.jit_cache (a lazy package): the module tracebacks and repr name.
+CacheInfo.__module__ = "jaxworks.jit_cache"

@@ -841,3 +841,8 @@ def load_artifact(
   ):
     raise ArtifactError(_platform_message(path, exported.platforms, "load"))
   return Artifact(path, manifest, exported)
+
+
+# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name.
+Artifact.__module__ = "jaxworks.stages_aot"
+ArtifactError.__module__ = "jaxworks.stages_aot"

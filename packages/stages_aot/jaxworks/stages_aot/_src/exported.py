@@ -369,3 +369,7 @@ def read_own_serialization(blob: bytes, vjp_order: int) -> Exported:
   for _ in range(vjp_order):
     levels.append(levels[-1].vjp())
   return _wrap_levels(levels)
+
+
+# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name.
+Exported.__module__ = "jaxworks.stages_aot"

@@ -463,3 +463,9 @@ class Compiled(_StockCompiled):
 
 
 __all__ = ["Compiled", "Lowered", "Traced", "trace"]
+
+
+# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name.
+Traced.__module__ = "jaxworks.stages_aot"
+Lowered.__module__ = "jaxworks.stages_aot"
+Compiled.__module__ = "jaxworks.stages_aot"
