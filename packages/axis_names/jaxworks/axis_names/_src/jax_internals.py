@@ -231,12 +231,6 @@ def current_source_info():
   return _source_info_util.current()
 
 
-def eqn_source_info(source_info, name_stack):
-  """An equation's source info placed under ``name_stack`` (the current
-  one: what ``eval_jaxpr`` binds it with)."""
-  return source_info.replace(name_stack=name_stack + source_info.name_stack)
-
-
 def stage_eqn(
   trace, eqn, in_tracers, out_avals, params, effects, src, ctx, atoms
 ):
