@@ -83,37 +83,22 @@ class GCSStorage(Storage):
     return blob
 
   def _error(self, err: Exception, key: str, doing: str) -> OSError:
-    where = self.where(key)
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    via = f" (endpoint {self._endpoint})" if self._endpoint else ""
     exc = self._exc
     if isinstance(err, exc.PreconditionFailed):
-      return FileExistsError(
-        f"{self.api}: {where!r} exists already; delete it, or pass "
-        "overwrite=True where the API takes it"
-      )
-    if isinstance(err, exc.NotFound):
+      kind = "exists"
+    elif isinstance(err, exc.NotFound):
       try:
-        bucket_missing = not self._bucket.exists(retry=self._retry)
-      except Exception:  # the error below says enough
-        bucket_missing = False
-      if bucket_missing:
-        return FileNotFoundError(
-          f"{self.api}: {doing} {where!r}: the bucket "
-          f"{self.location.bucket!r} does not exist{via}; create it, or "
-          "check the URL and STORAGE_EMULATOR_HOST"
-        )
-      return FileNotFoundError(f"{self.api}: {where!r} does not exist{via}")
-    if isinstance(err, (exc.Forbidden, exc.Unauthorized)):
-      return PermissionError(
-        f"{self.api}: {doing} {where!r} was refused{via}: {first}; {self._fix}"
-      )
-    return OSError(
-      f"{self.api}: {doing} {where!r} failed{via} after retrying for up to "
-      f"{self._tuning.retry_timeout_s:g} s: {first}; check that the "
-      "endpoint is reachable and the service healthy, then try again "
-      "(storage_options retry_timeout_s sets the retries)"
-    )
+        kind = "missing" if self._bucket.exists(retry=self._retry) else "bucket"
+      except Exception:  # the error of the object says enough
+        kind = "missing"
+    elif isinstance(err, (exc.Forbidden, exc.Unauthorized)):
+      kind = "refused"
+    else:
+      kind = "failed"
+    return storage.request_error(
+      self, kind, err, key, doing, self._endpoint, self._fix,
+      f"retrying for up to {self._tuning.retry_timeout_s:g} s",
+    )  # fmt: skip
 
   def _call(self, key: str, doing: str, fn: Any, *args: Any, **kw: Any) -> Any:
     try:

@@ -199,6 +199,64 @@ def names_below(root: str, prefixes: Iterable[str]) -> builtins.list[str]:
   )
 
 
+def request_error(
+  st: Storage,
+  kind: str,
+  err: Exception,
+  key: str,
+  doing: str,
+  endpoint: str | None,
+  fix: str,
+  retried: str,
+) -> OSError:
+  """The error of an object store's failed request, by ``kind`` (what the
+  store made of ``err``): ``exists`` (a conditional create lost),
+  ``bucket`` (no such bucket), ``missing`` (no such object), ``refused``
+  (credentials; ``fix`` says what to set), ``stray`` (a key the client
+  cannot represent), ``rejected`` (the client refused the request itself)
+  or ``failed`` (after the retries, which ``retried`` describes). Names the
+  API, the object's URL and the endpoint."""
+  where = st.where(key)
+  first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+  via = f" (endpoint {endpoint})" if endpoint else ""
+  if kind == "exists":
+    return FileExistsError(
+      f"{st.api}: {where!r} exists already; delete it, or pass "
+      "overwrite=True where the API takes it"
+    )
+  if kind == "bucket":
+    return FileNotFoundError(
+      f"{st.api}: {doing} {where!r}: the bucket {st.location.bucket!r} does "
+      f"not exist{via}; create it, or check the URL and the endpoint"
+    )
+  if kind == "missing":
+    return FileNotFoundError(f"{st.api}: {where!r} does not exist{via}")
+  if kind == "refused":
+    return PermissionError(
+      f"{st.api}: {doing} {where!r} was refused{via}: {first}; {fix}"
+    )
+  if kind == "stray":
+    return StrayKeyError(
+      f"{st.api}: {doing} {where!r}: the client library cannot represent "
+      f"an object's key there ({first}); the bucket holds an object whose "
+      "key has an empty, '.' or '..' segment or a control character, "
+      "which no save writes: rename or delete it (not retried: this is no "
+      "network fault)"
+    )
+  if kind == "rejected":
+    return OSError(
+      f"{st.api}: {doing} {where!r}: the client library refused the "
+      f"request ({type(err).__name__}: {first}); not retried: check "
+      "storage_options and the URL"
+    )
+  return OSError(
+    f"{st.api}: {doing} {where!r} failed{via} after {retried}: {first}; "
+    "check that the endpoint is reachable and the service healthy, then "
+    "try again (storage_options max_retries / retry_timeout_s set the "
+    "retries)"
+  )
+
+
 class StrayKeyError(OSError):
   """A listing met an object whose key the client library cannot represent
   (an empty, ``.`` or ``..`` segment, a control character: legal in the

@@ -85,6 +85,17 @@ _FIX = {
 }
 
 
+#: What S3 and Azure answer to credentials they refuse.
+_REFUSED = (
+  "403 Forbidden",
+  "401 Unauthorized",
+  "AccessDenied",
+  "InvalidAccessKeyId",
+  "SignatureDoesNotMatch",
+  "AuthenticationFailed",
+)
+
+
 def _import(api: str, scheme: str, module: str) -> Any:
   import importlib
 
@@ -157,69 +168,34 @@ class ObstoreStorage(Storage):
     return f"{p}/{key}" if p else key
 
   def _error(self, err: Exception, key: str, doing: str) -> OSError:
-    where = self.where(key)
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    via = f" (endpoint {self._endpoint})" if self._endpoint else ""
-    exc = self._exc
+    exc, text = self._exc, str(err)
     if isinstance(err, exc.InvalidPathError):
-      return storage.StrayKeyError(
-        f"{self.api}: {doing} {where!r}: obstore cannot represent an "
-        f"object's key there ({first}); the bucket holds an object whose "
-        "key has an empty, '.' or '..' segment or a control character, "
-        "which no save writes: rename or delete it (not retried: this is "
-        "no network fault)"
-      )
-    if isinstance(
+      kind = "stray"
+    elif isinstance(
       err, (exc.NotSupportedError, exc.UnknownConfigurationKeyError)
     ):
-      return OSError(
-        f"{self.api}: {doing} {where!r}: obstore refused the request "
-        f"({type(err).__name__}: {first}); not retried: check "
-        "storage_options and the URL"
-      )
-    if isinstance(
+      kind = "rejected"
+    elif isinstance(
       err, (exc.AlreadyExistsError, exc.PreconditionError, FileExistsError)
     ):
-      return FileExistsError(
-        f"{self.api}: {where!r} exists already; delete it, or pass "
-        "overwrite=True where the API takes it"
-      )
-    missing = "NoSuchBucket" in str(err) or "ContainerNotFound" in str(err)
-    if missing or isinstance(err, (exc.NotFoundError, FileNotFoundError)):
-      if missing:
-        return FileNotFoundError(
-          f"{self.api}: {doing} {where!r}: the bucket "
-          f"{self.location.bucket!r} does not exist{via}; create it, or "
-          "check the URL and the endpoint"
-        )
-      return FileNotFoundError(f"{self.api}: {where!r} does not exist{via}")
-    text = str(err)
-    refused = any(
-      m in text
-      for m in (
-        "403 Forbidden",
-        "401 Unauthorized",
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AuthenticationFailed",
-      )
-    )
-    if refused or isinstance(
+      kind = "exists"
+    elif "NoSuchBucket" in text or "ContainerNotFound" in text:
+      kind = "bucket"
+    elif isinstance(err, (exc.NotFoundError, FileNotFoundError)):
+      kind = "missing"
+    elif any(m in text for m in _REFUSED) or isinstance(
       err,
       (exc.PermissionDeniedError, exc.UnauthenticatedError, PermissionError),
     ):
-      return PermissionError(
-        f"{self.api}: {doing} {where!r} was refused{via}: {first}; "
-        f"{_FIX[self.location.scheme]}"
-      )
-    return OSError(
-      f"{self.api}: {doing} {where!r} failed{via} after up to "
-      f"{self._tuning.max_retries} retries within "
-      f"{self._tuning.retry_timeout_s:g} s: {first}; check that the "
-      "endpoint is reachable and the service healthy, then try again "
-      "(storage_options max_retries / retry_timeout_s set the retries)"
-    )
+      kind = "refused"
+    else:
+      kind = "failed"
+    t = self._tuning
+    return storage.request_error(
+      self, kind, err, key, doing, self._endpoint,
+      _FIX[self.location.scheme],
+      f"up to {t.max_retries} retries within {t.retry_timeout_s:g} s",
+    )  # fmt: skip
 
   def _call(self, key: str, doing: str, fn: Any, *args: Any, **kw: Any) -> Any:
     try:
