@@ -117,3 +117,78 @@ def test_a_readme_without_markers_is_refused():
   assert render.replace_block(text, "new", "r") == (
     f"a\n{render.BEGIN}\nnew\n{render.END}\nb\n"
   )
+
+
+def _copy_tree(tmp_path):
+  """The generated files, their inputs and the benchmark list (the BUILD
+  file in a source tree, its generated benchmarks.txt under Bazel)."""
+  listed = [
+    rel
+    for rel in ("benchmarks/benchmarks.txt", "benchmarks/BUILD.bazel")
+    if (ROOT / rel).is_file()
+  ]
+  for rel in ["README.md", "BENCHMARKS.md", listed[0]] + [
+    f"packages/{p}/README.md" for p in PACKAGES
+  ]:
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_text((ROOT / rel).read_text())
+  (tmp_path / render.RESULTS).mkdir(parents=True)
+  for f in (ROOT / render.RESULTS).glob("*.json"):
+    (tmp_path / render.RESULTS / f.name).write_text(f.read_text())
+
+
+def test_tpu_rows_render_in_a_section_of_their_own(tmp_path):
+  """Rows measured on a TPU (<benchmark>_tpu.json) get BENCHMARKS.md's
+  "On a TPU" section, a line in their package's block and a table in the
+  root README's; the reference rows, the chart's input and the summary
+  stay as they were."""
+  _copy_tree(tmp_path)
+  cpu = [
+    d for d in render.load_results(tmp_path) if d["package"] == "jit_cache"
+  ][0]
+  before = {
+    rel: text
+    for rel, text in render.targets(
+      tmp_path, render.load_results(tmp_path), PACKAGES
+    ).items()
+  }
+  doc = json.loads(json.dumps(cpu))
+  doc["platform"] = "tpu"
+  doc["machine"].update(devices="1 tpu", device_kind="TPU v5 lite")
+  row = doc["rows"][0]
+  row.update(limit="link 6.30 GB/s", limit_fraction=0.93)
+  name = jb.results_name(doc["benchmark"], "tpu")
+  (tmp_path / render.RESULTS / name).write_text(json.dumps(doc))
+  docs = render.load_results(tmp_path)
+  assert render.reference_docs(docs) == render.load_results(ROOT)
+  after = render.targets(tmp_path, docs, PACKAGES)
+  report = after["BENCHMARKS.md"]
+  assert report.startswith(before["BENCHMARKS.md"].rstrip("\n"))
+  section = report[len(before["BENCHMARKS.md"].rstrip("\n")) :]
+  assert "\n## On a TPU\n" in section and "TPU v5 lite" in section
+  assert f"--platform tpu --only {doc['benchmark']}" in section
+  assert "| of its limit |" in section and "| 93% (link 6.30 GB/s) |" in section
+  assert "not a tpu" not in section
+  block = after["packages/jit_cache/README.md"]
+  assert "On a TPU (TPU v5 lite" in block
+  assert "(../../BENCHMARKS.md#on-a-tpu)" in block
+  assert (
+    after["packages/axis_names/README.md"]
+    == (before["packages/axis_names/README.md"])
+  )
+  assert "On a TPU (TPU v5 lite" in after["README.md"]
+  # A TPU document under the reference rows' name is refused.
+  (tmp_path / render.RESULTS / name).unlink()
+  (tmp_path / render.RESULTS / f"{doc['benchmark']}.json").write_text(
+    json.dumps(doc)
+  )
+  with pytest.raises(jb.SchemaError, match=re.escape(f"name the file {name}")):
+    render.load_results(tmp_path)
+
+
+def test_a_trial_off_the_platform_says_so(tmp_path):
+  _copy_tree(tmp_path)
+  cpu = render.load_results(tmp_path)[0]
+  doc = dict(cpu, platform="tpu")  # a trial of the TPU round on a CPU
+  line = render._machine_line(doc)  # pylint: disable=protected-access
+  assert "(**not a tpu: a trial of the tpu round**)" in line

@@ -15,21 +15,65 @@ keeps its previous JSON, is reported, and makes the exit status 1.
 ``--results DIR --no-render`` writes the JSON elsewhere and renders nothing
 (what //benchmarks:run_all_test does). The tree written is the workspace
 ``bazel run`` was started in (``--root`` overrides).
+
+Without Bazel (an accelerator machine: the jaxworks wheels installed on
+PYTHONPATH, the repository's source tree for the benchmark scripts), from the
+repository's root::
+
+    python3 benchmarks/run_all.py --no-bazel --platform tpu --out DIR \
+        --budget-s 450 [--log DIR/round.log]
+
+runs each package's benchmark script (``packages/*/benchmarks/*_bench.py``)
+in one process of its own, one after the other, on the devices JAX picks,
+with the rows and sizes of that platform's profile (``--platform``; see
+``jaxworks_bench.configure_devices``), into ``DIR/<benchmark>_tpu.json``.
+``--budget-s`` bounds the whole round: each benchmark gets a share of what
+is left (``WEIGHTS``) as its own ``--budget-s``, skips the parts that do not
+fit and says so, and is stopped (SIGTERM, which writes the rows it has, then
+SIGKILL) a grace period after its share. A benchmark that needs a TCP socket
+(``NEEDS_SOCKETS``) is skipped, with the reason, where none can be opened. A
+program refused because another one holds the chip is started again once.
+The end of the output is a summary of every row with a goal, and its
+fraction of the measured limit. Copy ``DIR/*.json`` into
+``benchmarks/results/`` and render (``--render-only`` here, or
+``python3 benchmarks/render.py``).
 """
 
 import argparse
+import json
 import os
 import pathlib
+import signal
+import socket
 import subprocess
 import sys
 import time
 
 import render
 
+jb = render.jb
+
 WORKSPACE = "jaxworks"
 #: Per benchmark; the longest, train_step_bench, runs about 14 minutes on 2 cores.
 TIMEOUT_S = 1200
 LIST = "benchmarks/benchmarks.txt"
+#: Without Bazel: each benchmark's share of the round's budget (the time left
+#: when it starts, split by the weights of those still to run), and the
+#: order they run in (the rows of the TPU issue first).
+WEIGHTS = {
+  "batched_transfer_bench": 0.31,
+  "jit_cache_bench": 0.12,
+  "train_step_bench": 0.27,
+  "pmap_chunked_bench": 0.1,
+  "stages_aot_bench": 0.1,
+  "axis_names_bench": 0.1,
+  "object_store_bench": 0.1,
+}
+#: Benchmarks that need a TCP socket on 127.0.0.1 (a server of their own).
+NEEDS_SOCKETS = {"object_store_bench": "moto's S3 server on 127.0.0.1"}
+#: After its share, a benchmark gets SIGTERM (it writes the rows it has);
+#: this much later, SIGKILL.
+GRACE_S = 25
 
 
 def runfiles_dir():
@@ -88,6 +132,220 @@ def run_benchmark(runfiles, package, name, json_path, quick):
   return rc, tail, time.perf_counter() - start
 
 
+def sockets_work():
+  """Whether a TCP socket can listen on 127.0.0.1 here."""
+  try:
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      sock.listen(1)
+    return True
+  except OSError:
+    return False
+
+
+def script_of(root, package, name):
+  """The benchmark's script in the source tree (``--no-bazel``)."""
+  return root / "packages" / package / "benchmarks" / f"{name}.py"
+
+
+def run_script(root, package, name, json_path, args, budget_s, log):
+  """Runs one benchmark script without Bazel, its output streamed to
+  stdout (and ``log``); returns (exit status, output tail, seconds).
+
+  The process gets this one's environment, its PYTHONPATH
+  ``benchmarks/support``, then this process's PYTHONPATH and ``sys.path``
+  (the installed wheels and JAX, in their order), ``--platform`` and, with
+  a budget,
+  ``--budget-s``; at its share's end it gets SIGTERM, GRACE_S later
+  SIGKILL.
+  """
+  script = script_of(root, package, name)
+  if not script.is_file():
+    return 2, f"{script} does not exist", 0.0
+  env = dict(os.environ)
+  support = str(root / "benchmarks" / "support")
+  paths = [support] + env.get("PYTHONPATH", "").split(os.pathsep) + sys.path
+  env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+  env["PYTHONUNBUFFERED"] = "1"
+  if args.platform == "cpu":  # as under Bazel: 8 host CPU devices
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+  cmd = [sys.executable, str(script), "--json", str(json_path)]
+  cmd += ["--platform", args.platform]
+  cmd += ["--quick"] if args.quick else []
+  if budget_s is not None:
+    cmd += ["--budget-s", f"{budget_s:.0f}"]
+  start = time.monotonic()
+  tail = []
+  for attempt in range(2):
+    rc, tail = _stream(cmd, env, budget_s, log)
+    if rc == 0 or not jb.device_busy("\n".join(tail)) or attempt:
+      break
+    _emit("the device was held by another program: again in 5 s", log)
+    time.sleep(5)
+  return rc, "\n".join(tail[-25:]), time.monotonic() - start
+
+
+def _emit(line, log):
+  print(line, flush=True)
+  if log is not None:
+    log.write(line + "\n")
+    log.flush()
+
+
+def _stream(cmd, env, budget_s, log):
+  """Runs ``cmd``, each output line echoed; (exit status, last lines)."""
+  proc = subprocess.Popen(
+    cmd,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    errors="replace",
+    start_new_session=True,
+  )
+  stop = None if budget_s is None else time.monotonic() + budget_s
+  stage = 0  # 1: SIGTERM sent, 2: SIGKILL sent
+  tail = []
+
+  def signal_if_due(*_):
+    nonlocal stage
+    if stop is None or proc.poll() is not None:
+      return
+    now = time.monotonic()
+    if stage == 0 and now > stop:
+      _emit(f"  ... its budget of {budget_s:.0f} s is over: SIGTERM", log)
+      proc.send_signal(signal.SIGTERM)
+      stage = 1
+    elif stage == 1 and now > stop + GRACE_S:
+      _emit(f"  ... still running {GRACE_S} s later: SIGKILL", log)
+      proc.kill()
+      stage = 2
+
+  # A line can take long (a compile, a transfer): an alarm checks the time.
+  old = signal.signal(signal.SIGALRM, signal_if_due)
+  signal.setitimer(signal.ITIMER_REAL, 1.0, 1.0)
+  try:
+    for line in proc.stdout:
+      line = line.rstrip("\n")
+      _emit(f"  | {line}", log)
+      tail = (tail + [line])[-200:]
+      signal_if_due()
+    proc.wait()
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+  return (124 if stage else proc.returncode), tail
+
+
+def summary(results, names, log):
+  """The rows with a goal, or a measured limit, of the documents written."""
+  lines = ["", "summary (speedup = reference / jaxworks; goal; of its limit):"]
+  for name in names:
+    path = results / name
+    if not path.is_file():
+      continue
+    try:
+      doc = jb.validate_document(json.loads(path.read_text()))
+    except (ValueError, jb.SchemaError) as err:
+      lines.append(f"{name}: unreadable ({err})")
+      continue
+    rows = doc["rows"]
+    kept = [r for r in rows if r["goal"] is not None or "limit" in r]
+    met = sum(bool(r["met"]) for r in rows if r["goal"] is not None)
+    goals = sum(r["goal"] is not None for r in rows)
+    lines.append(
+      f"{name}: {len(rows)} rows, goals met {met} of {goals}; "
+      f"{doc['machine'].get('devices', '?')} devices"
+    )
+    for r in kept:
+      goal = "" if r["goal"] is None else f" (goal {jb.fmt_goal(r['goal'])}"
+      goal += "" if r["goal"] is None else f", {jb.fmt_met(r['met'])})"
+      limit = "" if "limit" not in r else f"; {jb.fmt_limit(r)}"
+      lines.append(
+        f"  {r['case']}: {jb.fmt_speedup(r['speedup'])} "
+        f"[{jb.fmt_seconds(r['jaxworks_s'])} vs "
+        f"{jb.fmt_seconds(r['reference_s'])} {r['reference_name'][:40]}]"
+        f"{goal}{limit}"
+      )
+    for note in doc["notes"]:
+      if note.startswith(("skipped:", "FAILED:", "stopped by")):
+        lines.append(f"  {note[:300]}")
+  for line in lines:
+    _emit(line, log)
+
+
+def run_without_bazel(args, root, results, todo):
+  """The round without Bazel: each script in turn, under the budget."""
+  log = None
+  if args.log:
+    log_path = _resolve(args.log)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("w")
+  start = time.monotonic()
+  failed, written = [], []
+  ranks = {name: i for i, name in enumerate(WEIGHTS)}
+  order = sorted(todo, key=lambda pb: ranks.get(pb[1], len(ranks)))
+  sockets = sockets_work()
+  import platform as host  # pylint: disable=import-outside-toplevel
+
+  _emit(
+    f"round: {len(order)} benchmarks, --platform {args.platform}, budget "
+    f"{args.budget_s or 'none'} s, Python {host.python_version()}, "
+    f"{os.cpu_count()} cores, sockets on 127.0.0.1: "
+    f"{'yes' if sockets else 'no'}, JAX_PLATFORMS="
+    f"{os.environ.get('JAX_PLATFORMS', '(unset)')}",
+    log,
+  )
+  for i, (package, name) in enumerate(order):
+    label = f"[{i + 1}/{len(order)}] {package}:{name}"
+    if name in NEEDS_SOCKETS and not sockets:
+      _emit(
+        f"{label} skipped: it needs a TCP socket ({NEEDS_SOCKETS[name]}) "
+        "and none can be opened here",
+        log,
+      )
+      continue
+    share = None
+    if args.budget_s:
+      left = args.budget_s - (time.monotonic() - start)
+      rest = [n for _, n in order[i:] if n not in NEEDS_SOCKETS or sockets]
+      weight = WEIGHTS.get(name, 0.1)
+      share = left * weight / sum(WEIGHTS.get(n, 0.1) for n in rest)
+      if share < 20:
+        _emit(f"{label} skipped: {left:.0f} s of the budget left", log)
+        continue
+    json_path = results / jb.results_name(name, args.platform)
+    before = _mtime(json_path)
+    budget_text = "" if share is None else f" (budget {share:.0f} s)"
+    _emit(f"{label}{budget_text} ...", log)
+    rc, tail, seconds = run_script(
+      root, package, name, json_path, args, share, log
+    )
+    state = "ok" if rc == 0 else f"FAILED (exit {rc})"
+    if rc == 124:
+      state = "stopped at its budget (exit 124)"
+    _emit(f"{label} {state} in {seconds:.1f} s", log)
+    if rc != 0:
+      failed.append(name)
+      _emit(tail, log)
+    if _mtime(json_path) != before:
+      written.append(json_path.name)
+  _emit(
+    f"ran {len(order)} benchmarks in {time.monotonic() - start:.0f} s; "
+    f"wrote {', '.join(written) or 'nothing'} into {results}",
+    log,
+  )
+  summary(results, written, log)
+  if log is not None:
+    log.close()
+  return failed
+
+
+def _mtime(path):
+  return path.stat().st_mtime_ns if path.is_file() else None
+
+
 def _workspace():
   ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
   return pathlib.Path(ws) if ws else pathlib.Path.cwd()
@@ -127,13 +385,43 @@ def main(argv=None):
   )
   parser.add_argument(
     "--results",
+    "--out",
     default=None,
     help=f"where the JSON goes (default: ROOT/{render.RESULTS})",
   )
+  parser.add_argument(
+    "--no-bazel",
+    action="store_true",
+    help="run the benchmark scripts of the source tree with this Python "
+    "(the jaxworks wheels installed on PYTHONPATH), not Bazel's binaries",
+  )
+  parser.add_argument(
+    "--platform",
+    choices=jb.PLATFORMS,
+    default="cpu",
+    help="with --no-bazel: the benchmarks' profile; cpu (8 host CPU "
+    "devices) or an accelerator's (the devices JAX picks; rows into "
+    "<benchmark>_<platform>.json)",
+  )
+  parser.add_argument(
+    "--budget-s",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="with --no-bazel: the whole round's time budget, shared among the "
+    "benchmarks (WEIGHTS); what does not fit is skipped and reported",
+  )
+  parser.add_argument(
+    "--log", default=None, help="with --no-bazel: also write the output here"
+  )
   args = parser.parse_args(argv)
+  if args.no_bazel and not args.root:
+    args.root = str(pathlib.Path(__file__).resolve().parents[1])
+  if not args.no_bazel and (args.platform != "cpu" or args.budget_s):
+    parser.error("--platform and --budget-s go with --no-bazel")
   root = _resolve(args.root) if args.root else _workspace()
   results = _resolve(args.results) if args.results else root / render.RESULTS
-  if args.render_only:  # no runfiles needed: works from a source tree too
+  if args.render_only or args.no_bazel:  # works from a source tree
     runfiles, benches = None, render.listed_benchmarks(root)
   else:
     runfiles = runfiles_dir()
@@ -148,7 +436,11 @@ def main(argv=None):
     )
 
   failed = []
-  if not args.render_only:
+  if args.no_bazel and not args.render_only:
+    results.mkdir(parents=True, exist_ok=True)
+    todo = [(p, b) for p, b in benches if not only or b in only]
+    failed = run_without_bazel(args, root, results, todo)
+  elif not args.render_only:
     results.mkdir(parents=True, exist_ok=True)
     todo = [(p, b) for p, b in benches if not only or b in only]
     start = time.perf_counter()
@@ -165,9 +457,19 @@ def main(argv=None):
     print(f"ran {len(todo)} benchmarks in {time.perf_counter() - start:.0f} s")
   if not args.no_render:
     if results != root / render.RESULTS:
-      parser.error("rendering reads ROOT/benchmarks/results; add --no-render")
-    written = render.render_all(root, packages, chart=not args.no_chart)
-    print(f"wrote {', '.join(written) or 'nothing (all up to date)'}")
+      if not args.no_bazel:
+        parser.error("rendering reads ROOT/benchmarks/results; add --no-render")
+      print(
+        f"not rendered: the JSON is in {results}; copy it into "
+        f"{render.RESULTS}/ and run `python3 benchmarks/render.py` (or "
+        f"`{render.RUN} -- --render-only`)"
+      )
+    else:
+      chart = not args.no_chart
+      if args.no_bazel:
+        chart = render.chart_wanted(args.no_chart)
+      written = render.render_all(root, packages, chart=chart)
+      print(f"wrote {', '.join(written) or 'nothing (all up to date)'}")
   if failed:
     print(f"benchmarks failed: {', '.join(failed)}", file=sys.stderr)
     return 1

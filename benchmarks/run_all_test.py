@@ -71,3 +71,9 @@ def test_an_unknown_benchmark_is_refused(tmp_path):
   )
   assert out.returncode == 2
   assert "--only: unknown ['nope_bench']" in out.stderr
+
+
+def test_a_platform_needs_no_bazel(tmp_path):
+  out = _run_all("--platform", "tpu", "--no-render", "--results", str(tmp_path))
+  assert out.returncode == 2
+  assert "--platform and --budget-s go with --no-bazel" in out.stderr

@@ -228,3 +228,137 @@ def test_median_pair_fresh_releases_memory_before_each_timed_call(
   calls.clear()
   jb.median_pair(lambda: None, lambda: None, 2)
   assert calls == []
+
+
+def test_a_row_with_a_limit_keeps_the_fraction_reached(capsys):
+  row = jb.make_row(
+    "p", "put", 2.0, 3.0, "stock-jax", "jax.device_put", limit=("link", 1.5)
+  )
+  assert row["limit"] == "link" and row["limit_fraction"] == 0.75
+  table = jb.markdown_table([row, _row()])
+  assert table.splitlines()[0].endswith("| met | of its limit |")
+  assert "| 75% (link) |" in table and table.endswith("| yes | - |")
+  assert "of its limit" not in jb.markdown_table([_row()])  # as before
+  for bad, message in [
+    ({"limit_fraction": 0.5}, "come together"),
+    ({"limit": "link", "limit_fraction": -1.0}, "limit_fraction=-1.0"),
+    ({"limit": "", "limit_fraction": 0.5}, "limit=''"),
+  ]:
+    with pytest.raises(jb.SchemaError, match=re.escape(message)):
+      jb.validate_row(_row(**bad))
+
+
+def test_a_document_names_its_platform():
+  report = jb.Report("jit_cache", "b", platform="tpu")
+  report.add("a", 1.0, 1.0, "naive", "x")
+  doc = report.document()
+  assert doc["platform"] == "tpu" and jb.document_platform(doc) == "tpu"
+  old = dict(doc)
+  del old["platform"]  # documents written before platforms: cpu
+  assert jb.document_platform(jb.validate_document(old)) == "cpu"
+  with pytest.raises(jb.SchemaError, match="platform 'npu'"):
+    jb.validate_document(dict(doc, platform="npu"))
+  assert jb.results_name("b") == "b.json"
+  assert jb.results_name("b", "tpu") == "b_tpu.json"
+
+
+def test_the_platform_comes_from_the_arguments_or_the_parent(monkeypatch):
+  monkeypatch.delenv("JAXWORKS_BENCH_PLATFORM", raising=False)
+  assert jb.requested_platform([]) == "cpu"
+  assert jb.requested_platform(["--quick", "--platform", "tpu"]) == "tpu"
+  assert jb.requested_platform(["--platform=gpu"]) == "gpu"
+  with pytest.raises(SystemExit, match="choose one of cpu, tpu, gpu"):
+    jb.requested_platform(["--platform", "npu"])
+  monkeypatch.setenv("JAXWORKS_BENCH_PLATFORM", "tpu")  # set by a parent
+  assert jb.requested_platform([]) == "tpu"
+
+
+def test_configure_devices_forces_host_devices_on_cpu_only(monkeypatch):
+  for var in ("XLA_FLAGS", "JAX_PLATFORMS", "JAXWORKS_BENCH_PLATFORM"):
+    monkeypatch.delenv(var, raising=False)
+  assert jb.configure_devices(argv=["--platform", "tpu"]) == "tpu"
+  assert "XLA_FLAGS" not in os.environ and "JAX_PLATFORMS" not in os.environ
+  assert os.environ["JAXWORKS_BENCH_PLATFORM"] == "tpu"  # for its children
+  monkeypatch.delenv("JAXWORKS_BENCH_PLATFORM")
+  assert jb.configure_devices(host_devices=4, cpu_only=True, argv=[]) == "cpu"
+  assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+  assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def test_budget():
+  assert jb.Budget().left() == math.inf and jb.Budget().until() is None
+  import time  # pylint: disable=import-outside-toplevel
+
+  budget = jb.Budget(10, start=time.monotonic() - 9)
+  assert budget.fits(0.5) and not budget.fits(2)
+  assert time.monotonic() < budget.until(0.5) < time.monotonic() + 0.6
+
+
+def test_a_deadline_stops_the_repeats_after_the_minimum():
+  calls = []
+  fns = {k: (lambda k=k: calls.append(k)) for k in "ab"}
+  jb.median_interleaved(fns, repeats=9, deadline=0.0, min_repeats=2)
+  assert len(calls) == 4
+  calls.clear()
+  jb.median_pair(
+    lambda: calls.append("o"), lambda: calls.append("r"), 9, deadline=0.0
+  )
+  assert len(calls) == 6  # min_repeats defaults to 3
+
+
+def test_a_section_that_fails_or_does_not_fit_is_noted(capsys):
+  report = jb.Report("p", "b")
+
+  def broken():
+    raise ValueError("no chip")
+
+  assert report.section("broken", broken) is None
+  assert report.section("ok", lambda x: x + 1, 1) == 2
+  assert report.section("late", broken, budget=jb.Budget(0), min_s=5) is None
+  assert report.notes == [
+    "FAILED: broken: ValueError: no chip",
+    "skipped: late (the time budget: 0 s left, it needs about 5 s)",
+  ]
+  assert report.exit_status() == 1
+  assert "ValueError: no chip" in capsys.readouterr().err  # the traceback
+  empty = jb.Report("p", "b")
+  assert empty.finish(file=io.StringIO()) is None  # no rows: nothing written
+  assert empty.exit_status() == 1
+
+
+def test_a_budget_signal_writes_the_rows_measured(tmp_path):
+  code = """
+import os, signal, sys
+import jaxworks_bench as jb
+report = jb.Report("p", "b")
+report.add("a", 1.0, 2.0, "naive", "x")
+report.finish_on_signal(json_path=sys.argv[1])
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+  path = tmp_path / "rows.json"
+  proc = jb.run_process(
+    [sys.executable, "-c", code, str(path)], env=jb.fresh_env()
+  )
+  assert proc.returncode == 124, proc.stderr
+  doc = jb.validate_document(json.loads(path.read_text()))
+  assert [r["case"] for r in doc["rows"]] == ["a"]
+  assert doc["notes"][0].startswith("stopped by signal 15")
+
+
+def test_a_program_refused_the_device_is_started_again(tmp_path):
+  code = """
+import pathlib, sys
+mark = pathlib.Path(sys.argv[1])
+if not mark.exists():
+  mark.write_text("1")
+  sys.exit("RuntimeError: Internal error when accessing libtpu "
+           "multi-process lockfile")
+print("ran")
+"""
+  mark = tmp_path / "mark"
+  cmd = [sys.executable, "-c", code, str(mark)]
+  proc = jb.run_process(cmd, busy_wait_s=0)
+  assert proc.returncode == 0 and proc.stdout == "ran\n"
+  mark.unlink()
+  assert jb.run_process(cmd, busy_retries=0).returncode == 1
+  assert jb.device_busy("TPU is already in use") and not jb.device_busy("x")

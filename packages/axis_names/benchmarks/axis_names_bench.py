@@ -31,36 +31,40 @@ Rows (``jaxworks_bench``; medians of repeats, GC off while timing):
 Notes: the cold query per equation, JAX's tracing cost per equation (for
 scale), how much of the program a rename rebuilt.
 
-Usage: ``python axis_names_bench.py [--quick] [--json PATH]``
+On an accelerator (``--platform tpu``): the analysis is host work, the
+same as on cpu; the meshes are over the devices present (one chip), sizes
+up to 10k equations, 5 repeats, the parts as the budget allows.
+
+Usage: ``python axis_names_bench.py [--quick] [--json PATH] [--platform P]
+[--budget-s S]``
 """
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse
-import gc
-import sys
-import time
-
-import jax
-from jax import lax
-from jax.extend.core import ClosedJaxpr
-from jax.extend.core import Var
-import jax.numpy as jnp
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 import jaxworks_bench as jb
 
-from jaxworks.axis_names import check_axis_names
-from jaxworks.axis_names import collective_report
-from jaxworks.axis_names import rename_axes
-from jaxworks.axis_names import used_axis_names
-from jaxworks.axis_names._src import analysis
-from jaxworks.axis_names._src import jax_internals
-from jaxworks.axis_names._src import rename_rewrite
-from jaxworks.axis_names._src import rules
+# Before jax: on cpu, 8 host CPU devices and JAX_PLATFORMS=cpu.
+PROFILE = jb.configure_devices(cpu_only=True)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.extend.core import ClosedJaxpr  # noqa: E402
+from jax.extend.core import Var  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxworks.axis_names import check_axis_names  # noqa: E402
+from jaxworks.axis_names import collective_report  # noqa: E402
+from jaxworks.axis_names import rename_axes  # noqa: E402
+from jaxworks.axis_names import used_axis_names  # noqa: E402
+from jaxworks.axis_names._src import analysis  # noqa: E402
+from jaxworks.axis_names._src import jax_internals  # noqa: E402
+from jaxworks.axis_names._src import rename_rewrite  # noqa: E402
+from jaxworks.axis_names._src import rules  # noqa: E402
 
 sys.setrecursionlimit(10000)
 
@@ -225,6 +229,11 @@ def query_times(closed, repeats, fast_loops):
   return total, cold, warm, naive, effects
 
 
+def _mesh_size():
+  """8 devices on cpu; on an accelerator, as many as are present (up to 8)."""
+  return 8 if PROFILE == "cpu" else min(8, jax.device_count())
+
+
 def shared_nest(depth):
   """``shard_map`` over axis 'i' of ``depth`` nested jits, each calling the
   one below twice: ``2**depth`` psums, ``depth + 1`` distinct jaxprs."""
@@ -232,7 +241,7 @@ def shared_nest(depth):
   for _ in range(depth):
     g = jax.jit(f)
     f = (lambda g: lambda x: g(g(x)))(g)
-  mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+  mesh = jax.make_mesh((_mesh_size(),), ("i",), axis_types=(AxisType.Auto,))
   # Without varying-axis types both calls at a level share one jaxpr.
   return jax.shard_map(
     f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False
@@ -321,7 +330,7 @@ RENAMED_TRACE_GOAL = 1 / 1.2  # at most 1.2x stock tracing
 def renamed_trace_rows(report, sizes, repeats):
   """Tracing ``jit(shard_map(rename_axes(f, {'i': 'k'})))`` against stock
   tracing of the same function written with ``'k'``."""
-  mesh = jax.make_mesh((8,), ("k",), axis_types=(AxisType.Auto,))
+  mesh = jax.make_mesh((_mesh_size(),), ("k",), axis_types=(AxisType.Auto,))
   x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
 
   def traced(f):
@@ -367,12 +376,53 @@ def main(argv=None):
   )
   jb.add_arguments(ap)
   args = ap.parse_args(argv)
+  chip = PROFILE != "cpu"
   sizes = (1_000, 5_000) if args.quick else (1_000, 10_000, 100_000)
   repeats = 3 if args.quick else 15
+  if chip and not args.quick:
+    sizes, repeats = (1_000, 10_000), 5
   fast_loops = 1000
   report = jb.Report("axis_names", "axis_names_bench")
+  report.finish_on_signal(args)
+  budget = jb.Budget(args.budget_s)
+  per_eqn: list = []
+  report.section(
+    "analysis", analysis_rows, report, sizes, repeats, fast_loops, per_eqn
+  )
+  report.section(
+    "shared sub-jaxprs",
+    shared_rows,
+    report,
+    (6, 10) if args.quick else (10, 20),
+    repeats,
+    budget=budget,
+    min_s=10,
+  )
+  report.section(
+    "renamed trace",
+    renamed_trace_rows,
+    report,
+    (500,) if args.quick else (2_000, 10_000),
+    3 if args.quick else 5 if chip else 9,
+    budget=budget,
+    min_s=10,
+  )
+  if per_eqn:
+    report.note(
+      "The first (cold) query costs "
+      f"{jb.fmt_seconds(min(per_eqn))} - {jb.fmt_seconds(max(per_eqn))} per "
+      "equation across sizes and depths; JAX's whole tracing cost per "
+      "equation, for scale (it fills jaxpr.effects while tracing): "
+      f"{jb.fmt_seconds(trace_cost_per_eqn(200 if args.quick else 1000))}."
+    )
+  report.note(f"jax {jax.__version__}; 1% of equations use 'i'.")
+  report.finish(args)
+  return report.exit_status()
 
-  per_eqn = []
+
+def analysis_rows(report, sizes, repeats, fast_loops, per_eqn):
+  """used_axis_names (repeated and cold) and rename_axes by size and depth;
+  appends each cold query's time per equation to ``per_eqn``."""
   for n in sizes:
     closed = frozen(make_program(n))
     top = closed.jaxpr
@@ -424,20 +474,7 @@ def main(argv=None):
       "naive",
       WALK,
     )
-  shared_rows(report, (6, 10) if args.quick else (10, 20), repeats)
-  renamed_trace_rows(
-    report, (500,) if args.quick else (2_000, 10_000), 3 if args.quick else 9
-  )
-  report.note(
-    "The first (cold) query costs "
-    f"{jb.fmt_seconds(min(per_eqn))} - {jb.fmt_seconds(max(per_eqn))} per "
-    "equation across sizes and depths; JAX's whole tracing cost per equation, "
-    "for scale (it fills jaxpr.effects while tracing): "
-    f"{jb.fmt_seconds(trace_cost_per_eqn(200 if args.quick else 1000))}."
-  )
-  report.note(f"jax {jax.__version__}; 1% of equations use 'i'.")
-  report.finish(args)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

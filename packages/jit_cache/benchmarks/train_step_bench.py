@@ -26,27 +26,44 @@ and in this process: the step function re-created (against ``jax.jit`` and
 overhead, persistent cache off and on), the cached call, and the inline
 re-wrapped ``jit(f)(x)``.
 
-Usage: ``python train_step_bench.py [--quick] [--json PATH]``.
+On an accelerator (``--platform tpu``: the devices JAX picks, one chip),
+where each new process opens the chip (~15 s) and only one process at a
+time can hold it:
+
+* first, while this process has not opened the chip: the warm start of a
+  new process against JAX's persistent cache, four re-created bfloat16
+  transformer train steps (``--program transformer --task sweep --configs
+  4 --dtype bfloat16``), time to their first results once the backend is
+  up (goal 1.0x); two processes write the caches, then warm ones alternate
+  as the budget allows;
+* then in this process: a sweep of 8 configurations of the MLP train step,
+  the step re-created per configuration, a program new to both sides per
+  repeat, per re-created configuration against ``jax.jit`` (goal 30x), and
+  the in-process rows above with fewer repeats. The new-process rows of the
+  CPU profile are not run there (dozens of processes).
+
+Usage: ``python train_step_bench.py [--quick] [--json PATH] [--platform P]
+[--budget-s S]``.
 """
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
-import json
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-
-import jax
-import jax.numpy as jnp
 import jaxworks_bench as jb
 
-from jaxworks import jit_cache
+PROFILE = jb.configure_devices()  # before jax: 8 host CPU devices on cpu
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxworks import jit_cache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step_worker as worker  # noqa: E402
@@ -62,14 +79,9 @@ def fresh(*args: str) -> dict:
   """Runs the worker in a new process; returns its JSON result."""
   env = jb.fresh_env()  # bytecode cached as in an installed package
   env.pop("JAXWORKS_JIT_CACHE_DIR", None)
-  proc = subprocess.run(
-    [sys.executable, WORKER, *args],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
+  # A TPU refuses a process started while another holds the chip (or just
+  # after it ended): run_process starts it again once, 5 s later.
+  proc = jb.run_process([sys.executable, WORKER, *args], env=env)
   if proc.returncode != 0:
     raise RuntimeError(
       f"train_step_worker {' '.join(args)} exited {proc.returncode}:\n"
@@ -320,10 +332,149 @@ def sweep_cases(report, quick: bool, tmp: str) -> None:
   )
 
 
+#: The warm-start row on an accelerator: four re-created bfloat16
+#: transformer train steps in a new process.
+WARM_CHIP = (
+  "--program", "transformer", "--task", "sweep", "--configs", "4",
+  "--dtype", "bfloat16",
+)  # fmt: skip
+
+
+def warm_start_chip(report, quick: bool, tmp: str, budget) -> None:
+  """A new process's warm start against JAX's persistent cache on the chip
+  (this process must not have opened it: one process at a time holds it).
+  Two processes write the caches; then warm ones alternate, at least 2
+  each, more while the budget allows (each opens the chip, ~15 s)."""
+  # --quick (a trial on CPU): the MLP, two steps, one warm process a side.
+  args = WARM_CHIP
+  if quick:
+    args = ("--program", "mlp", "--task", "sweep", "--configs", "2")
+  jax_dir = os.path.join(tmp, "warm", "jax")
+  jw_dir = os.path.join(tmp, "warm", "jw")
+  sides = {
+    "jax": ("--jit", "jax", "--jax-cache", jax_dir, *args),
+    "jw": ("--jit", "jaxworks", "--jw-cache", jw_dir, *args),
+  }
+  # What is left after this part: this process opens the chip, the sweep,
+  # the in-process rows.
+  deadline = budget.until(0.6)
+  start = time.monotonic()
+  cold = {name: fresh(*a) for name, a in sides.items()}  # write the caches
+  per_process = (time.monotonic() - start) / 2
+  results: dict = {name: [] for name in sides}
+  most = 1 if quick else 7
+  for r in range(most):
+    late = (
+      deadline is not None and time.monotonic() + 2 * per_process > deadline
+    )
+    if r >= 2 and late:
+      break
+    for name in sides if r % 2 == 0 else reversed(list(sides)):
+      results[name].append(fresh(*sides[name]))
+  t = median_of(results, "from_backend_s")
+  steps = median_of(results, "steps_s")
+  backend = median_of(results, "backend_s")
+  n = len(results["jw"])
+  what = "four re-created bf16 transformer train steps"
+  if quick:
+    what = "two re-created float32 MLP train steps"
+  report.add(
+    f"warm start of a new process, {what}: time to first results once the "
+    "backend is up, jaxworks (set_cache_dir: JAX's cache) vs JAX's "
+    "persistent cache",
+    t["jw"],
+    t["jax"],
+    "stock-jax",
+    JAX_CACHE,
+    goal=1.0,
+  )
+  report.add(
+    f"warm start of a new process, {what}: the steps alone (model initialised)",
+    steps["jw"],
+    steps["jax"],
+    "stock-jax",
+    JAX_CACHE,
+  )
+  report.note(
+    f"Warm start on {jax_platform_text()} (medians of {n} warm processes a "
+    f"side, alternating): from the backend up to the last result "
+    f"jaxworks {jb.fmt_seconds(t['jw'])}, JAX's cache "
+    f"{jb.fmt_seconds(t['jax'])}; the steps alone "
+    f"{jb.fmt_seconds(steps['jw'])} and {jb.fmt_seconds(steps['jax'])}; "
+    f"bringing the backend up took {jb.fmt_seconds(backend['jw'])} and "
+    f"{jb.fmt_seconds(backend['jax'])} (not counted); the cold processes "
+    f"that wrote the caches {jb.fmt_seconds(cold['jw']['from_backend_s'])} "
+    f"and {jb.fmt_seconds(cold['jax']['from_backend_s'])}."
+  )
+  phase_note(
+    report,
+    what,
+    {"jax_warm": results["jax"], "jw_warm": results["jw"]},
+  )
+
+
+def jax_platform_text() -> str:
+  """``1 tpu device (TPU v5 lite)`` without opening a backend twice."""
+  devices = jax.devices()
+  kind = getattr(devices[0], "device_kind", devices[0].platform)
+  return f"{len(devices)} {devices[0].platform} device(s) ({kind})"
+
+
+def sweep_in_process(report, quick: bool, budget) -> None:
+  """8 configurations of the MLP train step, the step re-created per
+  configuration (hyperparameters as arguments), in this process: per
+  repeat a program new to both sides (a batch size no repeat used), the
+  sides alternating which goes first. The first configuration compiles on
+  both sides; per re-created configuration (the 7 after it) jaxworks
+  reuses the executable and ``jax.jit`` compiles again (goal 30x on an
+  accelerator, where compiles cost more)."""
+  configs = worker.SWEEP[: 3 if quick else 8]
+  hps = [worker.hparams(lr, b1) for lr, b1 in configs]
+  jax.block_until_ready(hps)
+  sides = {"jw": jit_cache.jit, "jax": jax.jit}
+  first = {k: [] for k in sides}
+  rest = {k: [] for k in sides}
+  deadline = budget.until(0.5)
+  for r in range(2 if quick else 5):
+    if r >= 2 and deadline is not None and time.monotonic() > deadline:
+      break
+    params, opt, x, y, _ = worker.init(batch=worker.BATCH + 1 + r)
+    jax.block_until_ready((params, opt, x, y))
+    for name in sides if r % 2 == 0 else reversed(list(sides)):
+      times = []
+      for hp in hps:
+        step = worker.make_step()  # re-created per configuration
+        times.append(
+          jb.timed_call(lambda s=step: sides[name](s)(params, opt, x, y, hp))[0]
+        )
+      first[name].append(times[0])
+      rest[name].append(sum(times[1:]) / (len(times) - 1))
+  med = {k: statistics.median(v) for k, v in rest.items()}
+  med_first = {k: statistics.median(v) for k, v in first.items()}
+  n = len(configs)
+  report.add(
+    f"sweep of {n} configurations in-process (MLP step re-created per "
+    f"configuration), per re-created configuration (the {n - 1} after the "
+    "first)",
+    med["jw"],
+    med["jax"],
+    "stock-jax",
+    "jax.jit",
+    goal=30.0,
+  )
+  report.note(
+    f"In-process sweep (medians of {len(rest['jw'])} sweeps, a new program "
+    f"each): first configuration jax.jit {jb.fmt_seconds(med_first['jax'])}, "
+    f"jaxworks {jb.fmt_seconds(med_first['jw'])}; each re-created "
+    f"configuration after it jax.jit {jb.fmt_seconds(med['jax'])} (a "
+    f"compile), jaxworks {jb.fmt_seconds(med['jw'])} (trace, reuse, run)."
+  )
+
+
 def in_process_cases(report, quick: bool) -> None:
   args = worker.init()
   jax.block_until_ready(args)
-  repeats = 1 if quick else 9
+  repeats = 1 if quick else 9 if PROFILE == "cpu" else 5
 
   def recreated(jit):
     return lambda: jit(worker.make_step())(*args)
@@ -396,7 +547,7 @@ def in_process_cases(report, quick: bool) -> None:
       t_ours, t_stock = jb.median_pair(
         lambda: jit_cache.jit(chain_fn())(x),
         lambda: jax.jit(chain_fn())(x),
-        4 if quick else 30,
+        4 if quick else 30 if PROFILE == "cpu" else 9,
       )
       jit_cache.set_cache_dir(None)
     report.add(
@@ -439,17 +590,55 @@ def main(argv=None) -> int:
   opts = parser.parse_args(argv)
   t0 = time.perf_counter()
   report = jb.Report(PKG, "train_step_bench")
+  report.finish_on_signal(opts)
+  budget = jb.Budget(opts.budget_s)
   with tempfile.TemporaryDirectory(prefix="jw-train-step-") as tmp:
-    new_process_cases(report, opts.quick, tmp)
-    sweep_cases(report, opts.quick, tmp)
-  in_process_cases(report, opts.quick)
+    if PROFILE == "cpu":
+      report.section(
+        "new processes", new_process_cases, report, opts.quick, tmp
+      )
+      report.section("sweep", sweep_cases, report, opts.quick, tmp)
+    else:  # before this process opens the chip: one holder at a time
+      report.section(
+        "warm start",
+        warm_start_chip,
+        report,
+        opts.quick,
+        tmp,
+        budget,
+        budget=budget,
+        min_s=60,
+      )
+      report.skip(
+        "the new-process rows of the cpu profile",
+        "dozens of new processes, each opening the chip (~15 s); the "
+        "warm-start row stands for them here",
+      )
+  if PROFILE != "cpu":
+    report.section(
+      "sweep in-process",
+      sweep_in_process,
+      report,
+      opts.quick,
+      budget,
+      budget=budget,
+      min_s=20,
+    )
+  report.section(
+    "in-process rows",
+    in_process_cases,
+    report,
+    opts.quick,
+    budget=budget,
+    min_s=20,
+  )
   report.note(
     f"jaxworks.jit_cache {jit_cache.__version__}, jax {jax.__version__}, "
     f"{len(jax.devices())} {jax.devices()[0].platform} devices; total "
     f"{time.perf_counter() - t0:.1f} s"
   )
   report.finish(opts)
-  return 0
+  return report.exit_status()
 
 
 if __name__ == "__main__":

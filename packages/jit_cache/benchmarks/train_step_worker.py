@@ -4,6 +4,7 @@ Usage::
 
   train_step_worker.py --jit {jax,jaxworks,equinox}
       --program {mlp,transformer,chain,user} [--task {first,sweep}]
+      [--configs N] [--dtype {float32,bfloat16}]
       [--jax-cache DIR] [--jw-cache DIR]
 
 Prints one JSON object: ``script_s`` (the time to first result of the whole
@@ -13,7 +14,11 @@ their results are ready), ``first_s`` (from wrapping the step function to
 its first result), ``import_s`` (jax and the wrapper's package), and
 ``sweep_s`` (with ``--task sweep``: 8 configurations from a cold start, the
 step function re-created and run once per configuration; ``sweep_rest_s``:
-the 7 configurations after the first), and ``phases`` (where the time
+the 7 configurations after the first; ``--configs N``: the first N
+configurations only), ``backend_s`` (bringing the backend up, after the
+imports: ~15 s on a TPU, where the chip is opened) and ``from_backend_s``
+(from the backend up to the last result: the time to first results once
+the backend is up), and ``phases`` (where the time
 to first result went: import, trace, lower, cache read, deserialize ahead,
 first run; and the counts of lowerings and of JAX's cache requests, hits and
 misses, from ``jax.monitoring``). ``--jax-cache DIR``
@@ -29,6 +34,8 @@ cross-entropy) on a batch of 32; a 4-layer transformer block stack (d_model
 8, vocabulary 512). ``--program user`` runs ``user_script``: the script a
 new user writes (an MLP classifier, an optax-style AdamW with clipping, a
 jitted data normalisation, train step, metrics helper and eval function).
+``--dtype bfloat16``: the model's parameters, optimizer state, inputs and
+hyperparameters in bfloat16 (as trained on a TPU).
 """
 
 import argparse
@@ -38,7 +45,12 @@ import os
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+try:  # the benchmark's profile (8 host CPU devices, or the chip's)
+  import jaxworks_bench
+
+  jaxworks_bench.configure_devices(argv=[])
+except ImportError:  # started without the benchmarks' support on the path
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 SIZES = (64, 256, 256, 10)
 BATCH = 32
@@ -132,10 +144,24 @@ def transformer_loss(params, tokens, targets, heads=TRANSFORMER["heads"]):
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
 
 
-def hparams(lr, b1):
+def hparams(lr, b1, dtype=None):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  return {"lr": jnp.float32(lr), "b1": jnp.float32(b1)}
+  dtype = jnp.float32 if dtype is None else dtype
+  return {"lr": jnp.asarray(lr, dtype), "b1": jnp.asarray(b1, dtype)}
+
+
+def cast(tree, dtype):
+  """Every floating array of ``tree`` as ``dtype`` (integers kept)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def one(a):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      return a.astype(dtype)
+    return a
+
+  return jax.tree.map(one, tree)
 
 
 def mlp_loss(params, x, y):
@@ -409,6 +435,8 @@ def main(argv=None):
   parser.add_argument("--jit", required=True)
   parser.add_argument("--program", default="mlp")
   parser.add_argument("--task", default="first")
+  parser.add_argument("--configs", type=int, default=len(SWEEP))
+  parser.add_argument("--dtype", default="float32")
   parser.add_argument("--jax-cache", default=None)
   parser.add_argument("--jw-cache", default=None)
   opts = parser.parse_args(argv)
@@ -428,6 +456,10 @@ def main(argv=None):
 
     jit_cache.set_cache_dir(opts.jw_cache)
   out = {"import_s": time.perf_counter() - t0}
+  t0 = time.perf_counter()
+  jax.devices()  # the backend up (on a TPU: the chip opened, ~15 s)
+  t_backend = time.perf_counter()
+  out["backend_s"] = t_backend - t0
 
   if opts.program == "user":
     gc.collect()
@@ -448,9 +480,10 @@ def main(argv=None):
   else:
     model = init_transformer if opts.program == "transformer" else init
     loss = transformer_loss if opts.program == "transformer" else mlp_loss
-    params, opt, x, y, hp = model()
+    dtype = getattr(jax.numpy, opts.dtype)
+    params, opt, x, y, hp = cast(model(), dtype)
     x = x + 0 if opts.program == "mlp" else x * 1  # an eager operation
-    configs = [hparams(lr, b1) for lr, b1 in SWEEP]
+    configs = [hparams(lr, b1, dtype) for lr, b1 in SWEEP[: opts.configs]]
     jax.block_until_ready((params, opt, x, y, configs))
     if opts.task != "sweep":
       configs = configs[:1]
@@ -469,6 +502,8 @@ def main(argv=None):
       out["first_s"] = times[0]
       out["sweep_s"] = sum(times)
       out["sweep_rest_s"] = sum(times[1:])  # the re-created configurations
+      out["from_backend_s"] = time.perf_counter() - t_backend
+      out["steps_s"] = sum(times)
       # The script's eval step, then its time to first result.
       jax.block_until_ready(jit(loss)(new[0], x, y))
       out["script_s"] = time.perf_counter() - t_start
