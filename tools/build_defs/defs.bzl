@@ -23,7 +23,9 @@ JAX_REQUIREMENTS = {
 }
 
 BACKENDS = ["cpu", "gpu", "tpu"]
-_JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+# The accelerator first (JAX's default backend), then the host CPU, as JAX sets itself up on a GPU or TPU machine
+# when JAX_PLATFORMS is unset: host callbacks (jax.debug.print, pure_callback) and jax.devices("cpu") need it.
+_JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda,cpu", "tpu": "tpu,cpu"}
 _COPTS = ["-std=c++17", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-O2", "-Wall"]
 
 def pypi(name):
@@ -101,7 +103,7 @@ def jaxworks_test(name, srcs, deps = [], pypi = [], backends = BACKENDS, devices
             srcs = srcs + [main],
             main = main,
             args = ["$(rootpath {})".format(src) for src in srcs] + args,
-            deps = deps + [_dev_label(p) for p in pypi] + [_dev_label("pytest")],
+            deps = deps + [_dev_label(p) for p in pypi] + [_dev_label("pytest"), "//tools/build_defs:testing"],
             data = data,
             env = dict(env, **_backend_env(backend, devices)),
             tags = tags + [backend],
@@ -239,7 +241,7 @@ def jaxworks_package(name, deps = [], pypi = [], extensions = {}, doctest_backen
         backends = doctest_backends,
     )
     for backend in BACKENDS:
-        native.test_suite(name = backend + "_tests", tags = [backend])
+        native.test_suite(name = backend + "_tests", tags = [backend], visibility = ["//visibility:public"])
 
 def _dist_label(dep):
     """//packages/axis_names -> //packages/axis_names:dist"""

@@ -33,7 +33,9 @@ _ACCELERATORS = {"cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}
 
 def require_accelerator():
   """On a _gpu/_tpu target, exit at once with one line when JAX sees no such device (e.g. on a CPU machine)."""
-  platform = os.environ.get("JAX_PLATFORMS", "")
+  # The first platform listed is the target's device (tpu,cpu: the TPU, with
+  # the host CPU beside it for host callbacks).
+  platform = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
   what = _ACCELERATORS.get(platform)
   if what is None:
     return

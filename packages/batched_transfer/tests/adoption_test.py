@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -37,15 +38,13 @@ def test_signature_is_stocks():
     ("may_alias", inspect.Parameter.KEYWORD_ONLY, None),
   ]
   x = np.arange(3.0)
-  assert bt.device_put(x=x, device=jax.devices()[1]).devices() == {
-    jax.devices()[1]
-  }
+  assert bt.device_put(x=x, device=jwt.device(1)).devices() == {jwt.device(1)}
   with pytest.raises(TypeError):
     bt.device_put(
-      x, target=jax.devices()[1]
+      x, target=jwt.device(1)
     )  # the pre-0.1.1 keyword is gone, as in stock
   with pytest.raises(TypeError):
-    STOCK_PUT(x, target=jax.devices()[1])
+    STOCK_PUT(x, target=jwt.device(1))
 
 
 @pytest.fixture
@@ -76,25 +75,24 @@ def corpus():
     "f32": np.arange(8, dtype=np.float32),
     "i64": np.arange(4),
     "s": [1, 2.5, True],
-    "dev": jax.device_put(np.ones(8, np.float32), jax.devices()[3]),
+    "dev": jax.device_put(np.ones(8, np.float32), jwt.device(3)),
     "u": jnp.arange(8.0),
     "bf16": np.ones(8, jnp.bfloat16),
   }
 
 
 def targets():
-  d = jax.devices()
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh_fit((4, 2), ("a", "b"))
   return [
     None,
-    d[1],
-    SingleDeviceSharding(d[2]),
+    jwt.device(1),
+    SingleDeviceSharding(jwt.device(2)),
     NamedSharding(mesh, P()),
     {
       "f32": NamedSharding(mesh, P("a")),
-      "i64": d[0],
+      "i64": jwt.device(0),
       "s": None,
-      "dev": d[3],
+      "dev": jwt.device(3),
       "u": None,
       "bf16": NamedSharding(mesh, P(None)),
     },
@@ -105,23 +103,23 @@ def test_core_cases_under_the_plain_swap(swapped, tmp_path):
   for target in targets():
     assert_same(jax.device_put(corpus(), target), STOCK_PUT(corpus(), target))
   # A Format target relayouts with a jit: stock jit bound at import, never jax.jit.
-  fmt = Format(Layout((0, 1)), SingleDeviceSharding(jax.devices()[1]))
+  fmt = Format(Layout((0, 1)), SingleDeviceSharding(jwt.device(1)))
   x = np.arange(12, dtype=np.float32).reshape(3, 4)
   assert_same(jax.device_put(x, fmt), STOCK_PUT(x, fmt))
   # PartitionSpec targets and calls under a trace go to stock device_put, not jax.device_put.
-  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  mesh = jwt.mesh_fit((2, 4), ("a", "b"))
   with jax.set_mesh(mesh):
     assert_same(jax.device_put(x[:2], P("a")), STOCK_PUT(x[:2], P("a")))
-  f = jax_internals.stock_jit(lambda a: jax.device_put(a, jax.devices()[0]) * 2)
+  f = jax_internals.stock_jit(lambda a: jax.device_put(a, jwt.device(0)) * 2)
   np.testing.assert_array_equal(f(x), 2 * x)
   # save / restore / plan / place_for.
   bt.save(tmp_path / "c.npz", corpus())
   like = jax.eval_shape(corpus)
   assert_same(
-    bt.restore(tmp_path / "c.npz", like, placement=jax.devices()[1]),
-    STOCK_PUT(corpus(), jax.devices()[1]),
+    bt.restore(tmp_path / "c.npz", like, placement=jwt.device(1)),
+    STOCK_PUT(corpus(), jwt.device(1)),
   )
-  assert bt.plan(corpus(), jax.devices()[1]).num_leaves == 8
+  assert bt.plan(corpus(), jwt.device(1)).num_leaves == 8
   compiled = jax_internals.stock_jit(lambda a: a + 1).lower(x).compile()
   assert (
     bt.place_for(compiled, x, argnum=0).format == compiled.input_formats[0][0]
@@ -133,12 +131,12 @@ def test_a_swap_to_something_that_raises_is_never_called(monkeypatch):
   def trap(*args, **kwargs):
     raise AssertionError("jaxworks looked up a swapped jax name at call time")
 
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh_fit((8,), ("x",))
   tree, ref = corpus(), STOCK_PUT(corpus(), NamedSharding(mesh, P()))
   monkeypatch.setattr(jax, "device_put", trap)
   monkeypatch.setattr(jax, "jit", trap)
   assert_same(bt.device_put(tree, NamedSharding(mesh, P())), ref)
-  fmt = Format(Layout((0,)), SingleDeviceSharding(jax.devices()[2]))
+  fmt = Format(Layout((0,)), SingleDeviceSharding(jwt.device(2)))
   assert bt.device_put(np.ones(4), fmt).format.layout.major_to_minor == (0,)
   with jax.set_mesh(mesh):
     assert bt.device_put(np.ones(8), P("x")).sharding.spec == P("x")
@@ -154,8 +152,8 @@ def test_install_uninstall_and_installed():
     bt.install()  # idempotent
     assert jax.device_put is bt.device_put and bt.is_installed()
     assert_same(
-      jax.device_put(corpus(), jax.devices()[1]),
-      STOCK_PUT(corpus(), jax.devices()[1]),
+      jax.device_put(corpus(), jwt.device(1)),
+      STOCK_PUT(corpus(), jwt.device(1)),
     )
   finally:
     bt.uninstall()

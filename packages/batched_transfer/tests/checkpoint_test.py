@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import ml_dtypes
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def sample_tree():
     ],
     "step": np.array(7, np.int64),
     "empty": np.zeros((0, 3), np.float16),
-    "on_device": jax.device_put(np.arange(6, dtype=np.uint8), jax.devices()[3]),
+    "on_device": jax.device_put(np.arange(6, dtype=np.uint8), jwt.device(3)),
   }
 
 
@@ -59,15 +60,15 @@ def test_round_trip(path, x64):
   with jax.enable_x64(x64):
     tree = sample_tree()
     bt.save(path, tree)
-    out = bt.restore(path, like(tree), placement=jax.devices()[2])
+    out = bt.restore(path, like(tree), placement=jwt.device(2))
     ref = jax.device_put(
-      tree, jax.devices()[2]
+      tree, jwt.device(2)
     )  # float64 -> float32 unless x64, as in JAX
   assert jax.tree.structure(out) == jax.tree.structure(tree)
   for got, want, stock in zip(
     jax.tree.leaves(out), jax.tree.leaves(tree), jax.tree.leaves(ref)
   ):
-    assert isinstance(got, jax.Array) and got.devices() == {jax.devices()[2]}
+    assert isinstance(got, jax.Array) and got.devices() == {jwt.device(2)}
     assert jax.typeof(got) == jax.typeof(stock)
     np.testing.assert_array_equal(
       np.asarray(got), np.asarray(want).astype(got.dtype)
@@ -75,7 +76,7 @@ def test_round_trip(path, x64):
 
 
 def test_placement_comes_from_the_target_leaves(tmp_path):
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh_fit((4, 2), ("a", "b"))
   tree = {
     "w": np.arange(32, dtype=np.float32).reshape(8, 4),
     "b": np.ones(8, np.float32),
@@ -87,12 +88,12 @@ def test_placement_comes_from_the_target_leaves(tmp_path):
     ),
     "b": jax.device_put(
       np.zeros(8, np.float32),
-      Format(Layout((0,)), SingleDeviceSharding(jax.devices()[6])),
+      Format(Layout((0,)), SingleDeviceSharding(jwt.device(6))),
     ),
   }
   out = bt.restore(tmp_path / "c.npz", target)
   assert out["w"].sharding == target["w"].sharding
-  assert out["b"].devices() == {jax.devices()[6]}
+  assert out["b"].devices() == {jwt.device(6)}
   np.testing.assert_array_equal(np.asarray(out["w"]), tree["w"])
 
 
@@ -103,7 +104,7 @@ def test_lone_array_and_layout_placement(tmp_path):
     "jaxworks_dtypes.json",
     "leaf.npy",
   ]
-  fmt = Format(Layout((1, 0)), SingleDeviceSharding(jax.devices()[1]))
+  fmt = Format(Layout((1, 0)), SingleDeviceSharding(jwt.device(1)))
   y = bt.restore(
     tmp_path / "x", jax.ShapeDtypeStruct(x.shape, x.dtype), placement=fmt
   )
@@ -148,7 +149,7 @@ def test_mismatches_raise_before_anything_is_placed(
 
 def test_unsplittable_placement_raises_before_placing(tmp_path, monkeypatch):
   bt.save(tmp_path / "c.npz", {"ok": np.ones(8), "bad": np.ones(6)})
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh((8,), ("x",))  # 6 rows do not split 8 ways
   placed = []
   monkeypatch.setattr(restore_files, "place", lambda *a, **k: placed.append(a))
   with pytest.raises(
@@ -455,9 +456,9 @@ def test_big_endian_input_raises_like_stock(tmp_path):
   x = np.arange(4, dtype=">f4")
   for tree in (x, [np.ones(2, np.float32), x], np.array(1.5, ">f8")):
     with pytest.raises(Exception) as theirs:
-      jax.device_put(tree, jax.devices()[1])
+      jax.device_put(tree, jwt.device(1))
     with pytest.raises(Exception) as mine:
-      bt.device_put(tree, jax.devices()[1])
+      bt.device_put(tree, jwt.device(1))
     assert type(mine.value) is type(theirs.value) is TypeError
     assert "non-native byte order" in str(mine.value)
   with pytest.raises(
@@ -560,7 +561,7 @@ def test_a_target_sharding_over_an_abstract_mesh_is_refused_before_placing(
   tmp_path, monkeypatch
 ):
   # jax.eval_shape of a ShapeDtypeStruct gives its sharding an AbstractMesh (no devices).
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh_fit((4, 2), ("a", "b"))
   bt.save(tmp_path / "c.npz", {"w": np.ones((8, 4), np.float32)})
   like_w = jax.eval_shape(
     lambda: jax.ShapeDtypeStruct(
@@ -587,7 +588,7 @@ def test_restore_empty_array_onto_a_sharding(tmp_path, fmt, shape, spec):
 
   Found by the differential test: they crashed with bad_function_call.
   """
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh_fit((8,), ("x",))
   value = np.zeros(shape, np.bool_)
   path = tmp_path / ("ckpt.npz" if fmt == "npz" else "ckpt")
   bt.save(path, {"w": value})

@@ -20,13 +20,14 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
 
 SETTINGS = settings(
-  max_examples=80,
+  max_examples=jwt.examples(80),
   deadline=None,
   derandomize=True,
   database=None,
@@ -35,7 +36,8 @@ SETTINGS = settings(
 
 
 def _mesh():
-  return jax.make_mesh((8,), ("x",))
+  # 8 host devices on the CPU target; the devices present on an accelerator.
+  return jwt.mesh_fit((8,), ("x",))
 
 
 def _array(kind):
@@ -66,7 +68,7 @@ ARRAY_KINDS = [
 
 
 def _targets():
-  d0, d1 = jax.devices()[:2]
+  d0, d1 = jwt.device(0), jwt.device(1)
   mesh = _mesh()
   return {
     "None": None,
@@ -238,7 +240,7 @@ def test_place_for_raises_for_a_deleted_leaf(how):
 
 
 def _format_targets():
-  d0, d1 = jax.devices()[:2]
+  d0, d1 = jwt.device(0), jwt.device(1)
   mesh = _mesh()
   return [
     Format(Layout((0,)), SingleDeviceSharding(d0)),

@@ -5,6 +5,8 @@ a sharding cannot split (over Explicit, Auto and mixed mesh axes), specs of
 the wrong rank, targets, prefixes and flags stock rejects.
 """
 
+import functools
+
 import jax
 from jax.experimental.layout import Format
 from jax.experimental.layout import Layout
@@ -13,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -20,13 +23,41 @@ from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src import jax_internals
 
 stock = jax_internals.stock_device_put
-DEVICES = jax.devices()
-EXPLICIT = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
-AUTO = Mesh(np.array(DEVICES), ("x",))  # Auto axes
-MIXED = jax.make_mesh(
-  (2, 4), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto)
-)
-HALF = Mesh(np.array(DEVICES[4:]), ("x",))
+
+
+# Meshes over the devices present (8 host devices on the CPU target, where
+# 7 rows do not split; one chip on a TPU machine, where each case is still
+# compared with what stock does there), made when a case asks.
+def _dev(i):
+  devices = jax.devices()
+  return devices[i % len(devices)]
+
+
+@functools.cache
+def _explicit():
+  n = len(jax.devices())
+  return jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
+
+
+@functools.cache
+def _auto():
+  return Mesh(np.array(jax.devices()), ("x",))  # Auto axes
+
+
+@functools.cache
+def _mixed():
+  n = len(jax.devices())
+  return jax.make_mesh(
+    (min(2, n), n // min(2, n)),
+    ("a", "b"),
+    axis_types=(AxisType.Explicit, AxisType.Auto),
+  )
+
+
+@functools.cache
+def _half():
+  devices = jax.devices()
+  return Mesh(np.array(devices[len(devices) // 2 :]), ("x",))
 
 
 def f32(*shape):
@@ -47,96 +78,104 @@ def deleted():
 CASES = {
   # Leaves of types JAX does not hold.
   "longdouble": lambda: (np.ones(3, np.longdouble), None, {}),
-  "longdouble->device": lambda: (np.ones(3, np.longdouble), DEVICES[1], {}),
+  "longdouble->device": lambda: (np.ones(3, np.longdouble), _dev(1), {}),
   "longdouble->sharding": lambda: (
     np.ones(8, np.longdouble),
-    on(EXPLICIT, "x"),
+    on(_explicit(), "x"),
     {},
   ),
   "complex256": lambda: (np.ones(3, np.clongdouble), None, {}),
-  "timedelta64": lambda: (np.ones(3, "timedelta64[s]"), DEVICES[2], {}),
+  "timedelta64": lambda: (np.ones(3, "timedelta64[s]"), _dev(2), {}),
   "datetime64": lambda: (np.zeros(3, "datetime64[D]"), None, {}),
   "object": lambda: (np.array([object()] * 3), None, {}),
-  "object->device": lambda: (np.array([1, 2], dtype=object), DEVICES[1], {}),
+  "object->device": lambda: (np.array([1, 2], dtype=object), _dev(1), {}),
   "str": lambda: (np.array(["a", "b"]), None, {}),
-  "bytes": lambda: (np.array([b"a", b"b"]), DEVICES[0], {}),
+  "bytes": lambda: (np.array([b"a", b"b"]), _dev(0), {}),
   "void": lambda: (np.zeros(3, "V4"), None, {}),
   "structured": lambda: (np.zeros(3, [("a", "i4")]), None, {}),
-  "big-endian": lambda: (np.ones(3, ">f4"), DEVICES[1], {}),
+  "big-endian": lambda: (np.ones(3, ">f4"), _dev(1), {}),
   "python str": lambda: ("abc", None, {}),
   "python object": lambda: (object(), None, {}),
   "python int too big": lambda: (2**70, None, {}),
   "one bad leaf among good": lambda: (
     [f32(3), np.ones(3, np.longdouble), f32(2)],
-    DEVICES[1],
+    _dev(1),
     {},
   ),
   "bad leaf and bad sharding": lambda: (
     [f32(7), np.ones(3, np.longdouble)],
-    on(EXPLICIT, "x"),
+    on(_explicit(), "x"),
     {},
   ),
   # Shapes a sharding cannot split.
-  "indivisible, explicit": lambda: (f32(7), on(EXPLICIT, "x"), {}),
-  "indivisible, auto": lambda: (f32(7), on(AUTO, "x"), {}),
+  "indivisible, explicit": lambda: (f32(7), on(_explicit(), "x"), {}),
+  "indivisible, auto": lambda: (f32(7), on(_auto(), "x"), {}),
   "indivisible, auto, device array": lambda: (
     jax.numpy.ones(7),
-    on(AUTO, "x"),
+    on(_auto(), "x"),
     {},
   ),
   "indivisible, auto, committed elsewhere": lambda: (
-    jax.device_put(f32(7), DEVICES[3]),
-    on(AUTO, "x"),
+    jax.device_put(f32(7), _dev(3)),
+    on(_auto(), "x"),
     {},
   ),
   "indivisible, explicit, device array": lambda: (
     jax.numpy.ones(7),
-    on(EXPLICIT, "x"),
+    on(_explicit(), "x"),
     {},
   ),
   "indivisible, mixed, explicit axis": lambda: (
     f32(3, 4),
-    on(MIXED, "a", "b"),
+    on(_mixed(), "a", "b"),
     {},
   ),
-  "indivisible, mixed, auto axis": lambda: (f32(2, 6), on(MIXED, "a", "b"), {}),
-  "indivisible, mixed, tuple": lambda: (f32(4), on(MIXED, ("a", "b")), {}),
-  "indivisible, fewer devices": lambda: (f32(6), on(HALF, "x"), {}),
+  "indivisible, mixed, auto axis": lambda: (
+    f32(2, 6),
+    on(_mixed(), "a", "b"),
+    {},
+  ),
+  "indivisible, mixed, tuple": lambda: (f32(4), on(_mixed(), ("a", "b")), {}),
+  "indivisible, fewer devices": lambda: (f32(6), on(_half(), "x"), {}),
   "indivisible, second leaf": lambda: (
     {"a": f32(8), "b": f32(9)},
-    on(AUTO, "x"),
+    on(_auto(), "x"),
     {},
   ),
-  "indivisible, int4": lambda: (np.ones(7, jax.numpy.int4), on(AUTO, "x"), {}),
+  "indivisible, int4": lambda: (
+    np.ones(7, jax.numpy.int4),
+    on(_auto(), "x"),
+    {},
+  ),
   # Specs of the wrong rank.
-  "rank, explicit": lambda: (f32(8), on(MIXED, "a", "b"), {}),
-  "rank, auto": lambda: (f32(8), on(AUTO, None, "x"), {}),
-  "rank 0": lambda: (np.float32(1), on(EXPLICIT, "x"), {}),
-  "rank, device array": lambda: (jax.numpy.ones(8), on(MIXED, "a", "b"), {}),
+  "rank, explicit": lambda: (f32(8), on(_mixed(), "a", "b"), {}),
+  "rank, auto": lambda: (f32(8), on(_auto(), None, "x"), {}),
+  "rank 0": lambda: (np.float32(1), on(_explicit(), "x"), {}),
+  "rank, device array": lambda: (jax.numpy.ones(8), on(_mixed(), "a", "b"), {}),
   # Targets, prefixes and flags.
   "target str": lambda: (f32(3), "cpu", {}),
   "target int": lambda: (f32(3), 3, {}),
-  "target prefix": lambda: ({"a": f32(3)}, [DEVICES[0]], {}),
+  "target prefix": lambda: ({"a": f32(3)}, [_dev(0)], {}),
   "abstract mesh": lambda: (
     f32(8),
-    NamedSharding(EXPLICIT.abstract_mesh, P("x")),
+    NamedSharding(_explicit().abstract_mesh, P("x")),
     {},
   ),
   "layout of another rank": lambda: (
     f32(2, 3),
-    Format(Layout((0,)), SingleDeviceSharding(DEVICES[0])),
+    Format(Layout((0,)), SingleDeviceSharding(_dev(0))),
     {},
   ),
   "donate and may_alias": lambda: (
     f32(3),
-    DEVICES[0],
+    _dev(0),
     {"donate": True, "may_alias": True},
   ),
-  "deleted array": lambda: (deleted(), DEVICES[1], {}),
+  "deleted array": lambda: (deleted(), _dev(1), {}),
   # Not errors: both must succeed.
-  "divisible, auto": lambda: (f32(8, 2), on(AUTO, "x"), {}),
-  "fewer devices": lambda: (f32(8), on(HALF, "x"), {}),
-  "int4 divisible": lambda: (np.ones(8, jax.numpy.int4), on(AUTO, "x"), {}),
+  "divisible, auto": lambda: (f32(8, 2), on(_auto(), "x"), {}),
+  "fewer devices": lambda: (f32(8), on(_half(), "x"), {}),
+  "int4 divisible": lambda: (np.ones(8, jax.numpy.int4), on(_auto(), "x"), {}),
 }
 
 # Where this package raises a subclass of stock's class, on purpose: the
@@ -153,8 +192,21 @@ def outcome(fn, value, target, kwargs):
     return err
 
 
+# Cases where this package differs from stock on one device (a TPU machine's
+# one chip), each a bug to fix in the package; the CPU target's 8 devices
+# never reach them.
+ONE_DEVICE_BUGS = {
+  "rank, device array": (
+    "issue 54: an array already on the one device of a mesh (1, 1) is "
+    "returned as is, without the spec-rank check stock makes (ValueError)"
+  ),
+}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_same_exception_class_as_stock(name):
+  if name in ONE_DEVICE_BUGS and len(jax.devices()) == 1:
+    pytest.skip(ONE_DEVICE_BUGS[name])
   want = outcome(stock, *CASES[name]())
   got = outcome(bt.device_put, *CASES[name]())
   if not isinstance(want, Exception):
@@ -184,10 +236,11 @@ def test_longdouble_and_indivisible_raise_stock_classes():
   assert str(info.value).startswith(
     "jaxworks.batched_transfer.device_put: the leaf at <root>"
   )
-  indivisible = type(outcome(stock, f32(7), on(AUTO, "x"), {}))
+  jwt.require_devices(2)  # 7 rows split over one device
+  indivisible = type(outcome(stock, f32(7), on(_auto(), "x"), {}))
   assert indivisible is not ValueError and issubclass(indivisible, ValueError)
   with pytest.raises(indivisible, match=r"device_put: cannot place the leaf"):
-    bt.device_put(f32(7), on(AUTO, "x"))
+    bt.device_put(f32(7), on(_auto(), "x"))
   with pytest.raises(ValueError) as info:
-    bt.device_put(f32(7), on(EXPLICIT, "x"))
+    bt.device_put(f32(7), on(_explicit(), "x"))
   assert type(info.value) is ValueError

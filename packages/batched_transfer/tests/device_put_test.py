@@ -3,9 +3,12 @@
 import jax
 from jax.experimental.layout import Format
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -40,7 +43,9 @@ def corpus(devices):
     "fortran": np.asfortranarray(np.arange(8, dtype=np.int32).reshape(2, 4)),
     "scalars": [1, 2.5, True, 1 + 2j, np.float32(1.5), np.int16(3)],
     "uncommitted": jnp.arange(4.0),
-    "committed": jax.device_put(np.ones((2, 2), np.float32), devices[3]),
+    "committed": jax.device_put(
+      np.ones((2, 2), np.float32), devices[3 % len(devices)]
+    ),
     "weak": jnp.asarray(2.0),
     "none": None,
     "nested": ({"a": np.zeros(2, np.uint8)}, [np.ones(1, np.complex64)]),
@@ -52,13 +57,20 @@ def devices():
   return jax.devices()
 
 
+def dev(devices, i):
+  """The i-th device; with fewer devices (one TPU chip), one of those."""
+  return devices[i % len(devices)]
+
+
 @pytest.mark.parametrize(
   "make_target",
   [
     lambda d: None,
-    lambda d: d[1],
-    lambda d: SingleDeviceSharding(d[2]),
-    lambda d: NamedSharding(jax.make_mesh((2,), ("x",), devices=d[4:6]), P()),
+    lambda d: dev(d, 1),
+    lambda d: SingleDeviceSharding(dev(d, 2)),
+    lambda d: NamedSharding(
+      jax.make_mesh((min(2, len(d)),), ("x",), devices=jwt.pick(d, 4, 5)), P()
+    ),
     lambda d: SingleDeviceSharding(d[0], memory_kind="pinned_host"),
   ],
   ids=[
@@ -80,13 +92,14 @@ def test_corpus_matches_jax_device_put(devices, make_target):
 def test_corpus_matches_with_x64(devices):
   with jax.enable_x64(True):
     tree = corpus(devices)
-    for target in (None, devices[1]):
+    for target in (None, dev(devices, 1)):
       assert_same_as_stock(
         bt.device_put(tree, target), jax.device_put(tree, target)
       )
 
 
 def test_sharded_arrays_match(devices):
+  jwt.require_devices(8)
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   target = NamedSharding(mesh, P("a", "b"))
   tree = [
@@ -111,8 +124,8 @@ def test_sharded_arrays_match(devices):
 def test_prefix_tree_targets(devices):
   tree = {"a": [np.ones(2), np.zeros(3)], "b": (jnp.ones(4), 2.0), "c": None}
   target = {
-    "a": devices[1],
-    "b": (SingleDeviceSharding(devices[2]), None),
+    "a": dev(devices, 1),
+    "b": (SingleDeviceSharding(dev(devices, 2)), None),
     "c": None,
   }
   assert_same_as_stock(
@@ -122,10 +135,12 @@ def test_prefix_tree_targets(devices):
 
 def test_empty_and_leafless_trees(devices):
   for tree in ([], {}, None, {"a": None, "b": []}):
-    assert bt.device_put(tree, devices[1]) == jax.device_put(tree, devices[1])
+    d = dev(devices, 1)
+    assert bt.device_put(tree, d) == jax.device_put(tree, d)
 
 
 def test_partition_spec_and_memory_space_targets_go_to_jax(devices):
+  jwt.require_devices(8)
   mesh = jax.make_mesh((2, 4), ("a", "b"))
   tree = [np.ones((4, 4)), jnp.zeros((2, 4))]
   with jax.set_mesh(mesh):
@@ -137,6 +152,7 @@ def test_partition_spec_and_memory_space_targets_go_to_jax(devices):
 
 
 def test_one_batched_call_per_group(devices, monkeypatch):
+  jwt.require_devices(3)  # arrays on two devices, moved to a third
   calls = {"copy": 0, "host": 0, "jax": 0}
   real_copy, real_put, real_jax = (
     jax_internals.batched_copy,
@@ -175,9 +191,9 @@ def test_one_batched_call_per_group(devices, monkeypatch):
 
 
 def test_already_placed_arrays_are_returned_as_is(devices):
-  x = jax.device_put(np.ones(3), devices[1])
+  x = jax.device_put(np.ones(3), dev(devices, 1))
   y = jnp.ones(3)  # uncommitted
-  out = bt.device_put({"x": x, "y": y}, {"x": devices[1], "y": None})
+  out = bt.device_put({"x": x, "y": y}, {"x": dev(devices, 1), "y": None})
   assert out["x"] is x and out["y"] is y
   z = bt.device_put(
     y, devices[0]
@@ -187,8 +203,8 @@ def test_already_placed_arrays_are_returned_as_is(devices):
 
 
 def test_may_alias_false_copies(devices):
-  x = jax.device_put(np.ones(3), devices[1])
-  for target in (None, devices[1]):
+  x = jax.device_put(np.ones(3), dev(devices, 1))
+  for target in (None, dev(devices, 1)):
     y = bt.device_put(x, target, may_alias=False)
     assert y is not x and y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     ref = jax.device_put(x, target, may_alias=False)
@@ -203,7 +219,11 @@ def test_donation_matches_stock(devices):
       jnp.ones(2),
     ]
 
-  for target in (devices[0], devices[1], SingleDeviceSharding(devices[0])):
+  for target in (
+    devices[0],
+    dev(devices, 1),
+    SingleDeviceSharding(devices[0]),
+  ):
     mine, theirs = fresh(), fresh()
     out = bt.device_put(mine, target, donate=True)
     ref = jax.device_put(theirs, target, donate=True)
@@ -214,6 +234,7 @@ def test_donation_matches_stock(devices):
 
 
 def test_cross_device_donation_to_a_sharding_leaves_the_input_usable(devices):
+  jwt.require_devices(2)
   # jax.device_put(x, SingleDeviceSharding(other), donate=True) in jaxlib 0.10.2 (CPU) leaves
   # x in a state that crashes on x.is_deleted(); here donation is best effort: a plain copy.
   x = jax.device_put(np.arange(4.0), devices[0])
@@ -241,19 +262,19 @@ def test_under_jit_and_grad_it_is_jax_device_put(devices):
 def test_transfer_guard_sees_explicit_transfers(devices):
   with jax.transfer_guard("disallow"):
     out = bt.device_put(
-      [np.ones(2), jax.device_put(np.ones(2), devices[0])], devices[1]
+      [np.ones(2), jax.device_put(np.ones(2), devices[0])], dev(devices, 1)
     )
-  assert [x.devices() for x in out] == [{devices[1]}] * 2
+  assert [x.devices() for x in out] == [{dev(devices, 1)}] * 2
   with jax.transfer_guard("disallow_explicit"):
     with pytest.raises(Exception, match="[Dd]isallowed"):
-      bt.device_put(np.ones(2), devices[1])
+      bt.device_put(np.ones(2), dev(devices, 1))
 
 
 def test_deleted_input_raises_like_stock(devices):
   x = jax.device_put(np.ones(2), devices[0])
   x.delete()
   with pytest.raises(RuntimeError, match="deleted"):
-    bt.device_put(x, devices[1])
+    bt.device_put(x, dev(devices, 1))
 
 
 @pytest.mark.parametrize(
@@ -276,7 +297,9 @@ def test_deleted_input_raises_like_stock(devices):
     ),
     (
       dict(
-        device=NamedSharding(jax.make_mesh((8,), ("x",)).abstract_mesh, P())
+        device=NamedSharding(
+          AbstractMesh((8,), ("x",), axis_types=(AxisType.Explicit,)), P()
+        )
       ),
       "is over an AbstractMesh",
     ),
@@ -347,6 +370,7 @@ def test_empty_tree_with_conflicting_flags_is_accepted_like_stock():
 
 
 def test_several_errors_raise_what_stock_raises_first(devices):
+  jwt.require_devices(8)
   mesh = jax.make_mesh((8,), ("x",))
   rows = NamedSharding(mesh, P("x"))
   cases = [
@@ -375,7 +399,8 @@ def test_several_errors_raise_what_stock_raises_first(devices):
 def test_a_spec_longer_than_the_rank_is_stocks_class():
   # jax.device_put fails on an internal assertion; this package's error is an
   # AssertionError too (and a ValueError, like its other placement errors).
-  s = NamedSharding(jax.make_mesh((8,), ("x",)), P(None, "x"))
+  n = len(jax.devices())  # 8 on the CPU target
+  s = NamedSharding(jax.make_mesh((n,), ("x",)), P(None, "x"))
   for x in (np.ones(8), 2.0, jnp.ones(())):
     with pytest.raises(AssertionError):
       jax.device_put(x, s)
@@ -387,6 +412,7 @@ def test_a_spec_longer_than_the_rank_is_stocks_class():
 
 
 def test_unsplittable_shape_names_the_tree_path(devices):
+  jwt.require_devices(8)  # a shape of 6 does not split 8 ways
   mesh = jax.make_mesh((8,), ("x",))
   tree = {"ok": np.ones(8), "params": {"w": np.ones(6)}}
   with pytest.raises(
@@ -409,10 +435,10 @@ def test_unsupported_host_values_get_jax_errors(devices):
 
 def test_default_device_context_is_honoured(devices):
   tree = [np.ones(3), 2.0, jnp.ones(2)]
-  with jax.default_device(devices[5]):
+  with jax.default_device(dev(devices, 5)):
     out, ref = bt.device_put(tree), jax.device_put(tree)
   assert_same_as_stock(out, ref)
-  assert out[0].devices() == {devices[5]} and not out[0].committed
+  assert out[0].devices() == {dev(devices, 5)} and not out[0].committed
 
 
 def test_prng_keys_take_the_jax_route(devices):
@@ -420,11 +446,11 @@ def test_prng_keys_take_the_jax_route(devices):
     "k": jax.random.key(0),
     "split": jax.random.split(jax.random.key(1), 4),
   }
-  out = bt.device_put(keys, devices[2])
-  ref = jax.device_put(keys, devices[2])
+  out = bt.device_put(keys, dev(devices, 2))
+  ref = jax.device_put(keys, dev(devices, 2))
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     assert jax.typeof(a) == jax.typeof(b) and a.sharding == b.sharding
     np.testing.assert_array_equal(
       jax.random.key_data(a), jax.random.key_data(b)
     )
-  assert bt.plan(keys, devices[2]).groups[0].route == "jax.device_put"
+  assert bt.plan(keys, dev(devices, 2)).groups[0].route == "jax.device_put"

@@ -1,6 +1,7 @@
 """Every private JAX name in _src/jax_internals.py, checked against JAX 0.10.2's behaviour."""
 
 import gc
+import math
 import weakref
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -15,7 +17,10 @@ from jaxworks.batched_transfer._src import jax_internals as ji
 
 
 def test_device_list_is_ordered_and_hashable():
-  mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[::-1])
+  shape = jwt.fit((4, 2))  # (4, 2) on 8 devices, (1, 1) on one chip
+  mesh = jax.make_mesh(
+    shape, ("a", "b"), devices=jax.devices()[::-1][: math.prod(shape)]
+  )
   s = NamedSharding(mesh, P("a"))
   dl = ji.device_list(s)
   assert list(dl) == list(mesh.devices.flat)
@@ -24,10 +29,10 @@ def test_device_list_is_ordered_and_hashable():
 
 
 def test_attribute_names_read_what_the_public_properties_return():
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh_fit((4, 2), ("a", "b"))
   shardings = [
-    SingleDeviceSharding(jax.devices()[1]),
-    SingleDeviceSharding(jax.devices()[2], memory_kind="pinned_host"),
+    SingleDeviceSharding(jwt.device(1)),
+    SingleDeviceSharding(jwt.device(2), memory_kind="pinned_host"),
     NamedSharding(mesh, P("a")),
     NamedSharding(mesh, P(), memory_kind="unpinned_host"),
   ]
@@ -60,7 +65,7 @@ def test_copy_semantics_members():
 
 
 def test_batched_device_put_places_shards():
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh_fit((8,), ("x",))
   s = NamedSharding(mesh, P("x"))
   x = np.arange(16, dtype=np.float32)
   index = s.addressable_devices_indices_map(x.shape)
@@ -74,9 +79,8 @@ def test_batched_device_put_places_shards():
 
 
 def test_batched_copy_keeps_committedness():
-  d = jax.devices()
-  s = SingleDeviceSharding(d[1])
-  committed = jax.device_put(np.ones(2), d[0])
+  s = SingleDeviceSharding(jwt.device(1))
+  committed = jax.device_put(np.ones(2), jwt.device(0))
   uncommitted = jnp.ones(2)
   out = ji.batched_copy(
     [committed, uncommitted],
@@ -84,14 +88,14 @@ def test_batched_copy_keeps_committedness():
     [s, s],
     [ji.ArrayCopySemantics.REUSE_INPUT] * 2,
   )
-  assert [y.devices() for y in out] == [{d[1]}, {d[1]}]
+  assert [y.devices() for y in out] == [{jwt.device(1)}] * 2
   # The result keeps the input's committedness (device_put re-wraps it as committed).
   assert [y.committed for y in out] == [True, False]
 
 
 def test_committed_array_shares_the_buffer():
   x = jnp.ones(3)
-  s = SingleDeviceSharding(jax.devices()[0])
+  s = SingleDeviceSharding(jwt.device(0))
   y = ji.committed_array(x, jax.typeof(x), s)
   assert y.committed and not x.committed
   assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
@@ -106,14 +110,14 @@ def test_committed_array_shares_the_buffer():
 
 
 def test_explicit_device_put_scope_satisfies_the_transfer_guard():
-  s = SingleDeviceSharding(jax.devices()[1])
+  s = SingleDeviceSharding(jwt.device(1))
   x = np.ones(2, np.float32)
   aval = ji.ShapedArray(x.shape, x.dtype)
   with jax.transfer_guard("disallow"):
     with pytest.raises(Exception, match="[Dd]isallowed"):
-      ji.batched_device_put(aval, s, [x], [jax.devices()[1]], True)
+      ji.batched_device_put(aval, s, [x], [jwt.device(1)], True)
     with ji.explicit_device_put_scope():
-      ji.batched_device_put(aval, s, [x], [jax.devices()[1]], True)
+      ji.batched_device_put(aval, s, [x], [jwt.device(1)], True)
 
 
 def test_trace_state_clean():
@@ -131,25 +135,25 @@ def test_enable_x64_follows_the_context():
 
 
 def test_default_device_follows_jax_default_device():
-  assert ji.default_device() == jax.devices()[0]
-  with jax.default_device(jax.devices()[3]):
-    assert ji.default_device() == jax.devices()[3]
+  assert ji.default_device() == jwt.device(0)
+  with jax.default_device(jwt.device(3)):
+    assert ji.default_device() == jwt.device(3)
 
 
 def test_device_put_aval_carries_the_named_sharding():
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh_fit((8,), ("x",))
   aval = ji.device_put_aval(
     ji.ShapedArray((8,), np.float32), NamedSharding(mesh, P("x"))
   )
   assert aval.sharding.spec == P("x")
   single = ji.device_put_aval(
-    ji.ShapedArray((8,), np.float32), SingleDeviceSharding(jax.devices()[0])
+    ji.ShapedArray((8,), np.float32), SingleDeviceSharding(jwt.device(0))
   )
   assert single == ji.ShapedArray((8,), np.float32)
 
 
 def test_default_layout_is_what_placement_gives():
-  d = jax.devices()[2]
+  d = jwt.device(2)
   x = jax.device_put(np.ones((3, 4), np.float32), d)
   assert ji.default_layout(np.dtype(np.float32), (3, 4), d) == x.format.layout
 
@@ -178,7 +182,7 @@ def test_release_dropped_host_buffers_frees_aliased_numpy_memory():
     start = (-raw.ctypes.data % 64) // 4  # aligned: the CPU runtime aliases it
     host = raw[start : start + 2**16]
     alive = weakref.ref(raw)
-    y = jax.device_put(host, jax.devices()[0])
+    y = jax.device_put(host, jwt.device(0))
     assert y.unsafe_buffer_pointer() == host.ctypes.data
     jax.block_until_ready(y)
     del raw, host, y

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -22,13 +23,14 @@ def buffers(x):
 
 @pytest.fixture(scope="module")
 def mesh():
-  return jax.make_mesh((4, 2), ("a", "b"))
+  # (4, 2) on the CPU target's 8 devices, (1, 1) on one chip.
+  return jwt.mesh_fit((4, 2), ("a", "b"))
 
 
 @pytest.mark.parametrize("where", ["single", "named"])
 def test_device_put_to_a_format_matches_stock(mesh, where):
   sharding = (
-    SingleDeviceSharding(jax.devices()[2])
+    SingleDeviceSharding(jwt.device(2))
     if where == "single"
     else NamedSharding(mesh, P("a", "b"))
   )
@@ -50,10 +52,9 @@ def test_device_put_to_a_format_matches_stock(mesh, where):
 def test_format_target_for_an_array_on_other_devices(mesh):
   # Stock jax.device_put relayouts with a jit that sees the committed input on device 5 and
   # the output on the target devices, and refuses; here the array moves first, then relayouts.
+  jwt.require_devices(2)  # an array on one device of several
   target = Format(COL_MAJOR, NamedSharding(mesh, P("a", "b")))
-  x = jax.device_put(
-    np.arange(32, dtype=np.int32).reshape(8, 4), jax.devices()[5]
-  )
+  x = jax.device_put(np.arange(32, dtype=np.int32).reshape(8, 4), jwt.device(5))
   with pytest.raises(ValueError, match="incompatible devices"):
     jax.device_put(x, target)
   y = bt.device_put(x, target)
@@ -74,7 +75,7 @@ def test_relayout_is_one_jit_per_destination(mesh, monkeypatch):
 
   # The package calls stock jit bound at import (never jax.jit looked up at call time).
   monkeypatch.setattr(jax_internals, "stock_jit", counting_jit)
-  d = jax.devices()
+  d = jwt.devices(2)  # two destinations
   tree = [np.ones((4, 4), np.float32) * k for k in range(10)]
   targets = [
     Format(COL_MAJOR, SingleDeviceSharding(d[k % 2])) for k in range(10)
@@ -88,7 +89,7 @@ def test_relayout_is_one_jit_per_destination(mesh, monkeypatch):
 
 
 def test_a_format_with_the_default_layout_needs_no_relayout(monkeypatch):
-  d = jax.devices()[1]
+  d = jwt.device(1)
   default = jax.device_put(np.ones((4, 4), np.float32), d).format
   monkeypatch.setattr(jax, "jit", None)  # any jit call would fail
   out = bt.device_put([np.zeros((4, 4), np.float32)] * 3, default)
@@ -100,7 +101,7 @@ def test_a_format_with_the_default_layout_needs_no_relayout(monkeypatch):
 
 
 def test_already_in_format_is_zero_copy():
-  d = jax.devices()[3]
+  d = jwt.device(3)
   fmt = Format(COL_MAJOR, SingleDeviceSharding(d))
   x = jax.device_put(np.ones((2, 3), np.float32), fmt)
   assert bt.device_put(x, fmt) is x

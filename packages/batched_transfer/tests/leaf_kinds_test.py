@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 import jax
+import jaxworks_testing as jwt
 import ml_dtypes  # noqa: F401  (np.dtype of its names)
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ import pytest
 from jaxworks import batched_transfer as bt
 
 _SETTINGS = settings(
-  max_examples=60,
+  max_examples=jwt.examples(60),
   deadline=None,
   derandomize=True,
   suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -67,7 +68,7 @@ def leaves(draw):
   if kind == "none":
     return None
   a = _array(draw)
-  return jax.device_put(a, jax.devices()[draw(st.integers(0, 7))])
+  return jax.device_put(a, jwt.device(draw(st.integers(0, 7))))
 
 
 _NAMES = st.text(
@@ -225,7 +226,7 @@ def test_partial_restore_of_a_subtree(tmp_path):
 
 
 def test_restore_without_target_and_metadata(tmp_path):
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh_fit((8,), ("x",))
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   state = {
     "w": jax.device_put(np.arange(16.0, dtype=np.float32).reshape(8, 2), rows),
@@ -243,21 +244,20 @@ def test_restore_without_target_and_metadata(tmp_path):
   assert isinstance(out["layers"], list) and isinstance(out["layers"][1], list)
   assert out["layers"][1][1] == "relu" and out["none"] is None
   np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(state["w"]))
-  assert out["w"].devices() == {jax.devices()[0]} and not out["w"].committed
-  placed = bt.restore(tmp_path / "c", placement=jax.devices()[2])
-  assert placed["h"].devices() == {jax.devices()[2]}
+  assert out["w"].devices() == {jwt.device(0)} and not out["w"].committed
+  placed = bt.restore(tmp_path / "c", placement=jwt.device(2))
+  assert placed["h"].devices() == {jwt.device(2)}
   # Onto the saved shardings: restore(path, metadata(path)).
   again = bt.restore(tmp_path / "c", meta)
   assert again["w"].sharding == rows and again["layers"][1][1] == "relu"
 
 
 def test_metadata_shardings_of_every_kind(tmp_path):
-  d = jax.devices()
-  mesh = jax.make_mesh(
+  mesh = jwt.mesh_fit(
     (2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
   )
   shardings = {
-    "single": jax.sharding.SingleDeviceSharding(d[5]),
+    "single": jax.sharding.SingleDeviceSharding(jwt.device(5)),
     "tiles": jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("a", "b")
     ),

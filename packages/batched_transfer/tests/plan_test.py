@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -21,6 +22,7 @@ def devices():
 
 
 def test_plan_describes_every_group(devices):
+  jwt.require_devices(2)  # device ids 0 and 1 in the table
   on0 = jax.device_put(np.ones(4, np.float32), devices[0])
   on1 = jax.device_put(np.ones(8, np.float32), devices[1])
   tree = {
@@ -60,7 +62,7 @@ def test_plan_describes_every_group(devices):
 
 
 def test_str_is_a_readable_table(devices):
-  mesh = jax.make_mesh((8,), ("x",))
+  mesh = jwt.mesh((8,), ("x",))  # the table names 8 devices
   p = bt.plan(
     {"w": np.zeros((8, 128), np.float32), "b": jnp.zeros(8)},
     NamedSharding(mesh, P("x")),
@@ -76,6 +78,7 @@ def test_str_is_a_readable_table(devices):
 
 
 def test_zero_copy_rules(devices):
+  jwt.require_devices(3)  # x on device 2, u on device 0: two groups
   x = jax.device_put(np.ones(3), devices[2])
   u = jnp.ones(3)  # uncommitted on device 0
   p = bt.plan([x, u, x], [None, devices[0], devices[2]])
@@ -120,7 +123,7 @@ def _forbid_transfers(monkeypatch):
 
 
 def test_plan_moves_nothing(devices, monkeypatch):
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh((4, 2), ("a", "b"))  # 5 copies: each leaf moves
   on0 = jax.device_put(np.ones((8, 2)), devices[0])
   tree = [
     np.ones(3),
@@ -162,7 +165,7 @@ def test_the_transfer_counters_see_a_device_put(devices, monkeypatch):
   # The check above can fail: the same counters catch a device_put.
   calls = _forbid_transfers(monkeypatch)
   with pytest.raises(AssertionError, match="called"):
-    bt.device_put([np.ones(3), jax.numpy.ones(2)], devices[4])
+    bt.device_put([np.ones(3), jax.numpy.ones(2)], jwt.device(4))
   assert calls
 
 

@@ -9,6 +9,7 @@ import weakref
 import zipfile
 
 import jax
+import jaxworks_testing as jwt
 import ml_dtypes
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def test_data_lands_in_aligned_buffers_that_the_device_takes_over(
   path = tmp_path / ("c.npz" if fmt == "npz" else "c")
   bt.save(path, tree)
   spy = Spy(monkeypatch)
-  device = jax.devices()[3]
+  device = jwt.device(3)
   out = bt.restore(path, like(tree), placement=device)
   leaves = [x for batch in spy.placed for x in batch]
   assert len(leaves) == 3

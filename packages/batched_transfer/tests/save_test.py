@@ -9,6 +9,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -199,7 +200,7 @@ def test_non_blocking_save_lets_the_caller_change_and_delete_the_leaves(
   tmp_path,
 ):
   host = np.arange(1 << 16, dtype=np.float32)
-  dev = jax.device_put(np.arange(1 << 16, dtype=np.int32), jax.devices()[2])
+  dev = jax.device_put(np.arange(1 << 16, dtype=np.int32), jwt.device(2))
   expected = {"host": host.copy(), "dev": np.asarray(dev).copy()}
   handle = bt.save(tmp_path / "c", {"host": host, "dev": dev}, blocking=False)
   assert isinstance(handle, bt.SaveHandle)
@@ -210,9 +211,12 @@ def test_non_blocking_save_lets_the_caller_change_and_delete_the_leaves(
   check(str(tmp_path / "c"), expected)
 
 
-def _sharded(values, spec, mesh_shape=(8,)):
+def _sharded(values, spec, mesh_shape=(8,), fit=False):
+  """``values`` over a mesh of ``mesh_shape`` (the test skips with fewer
+  devices), or with ``fit`` over the devices present (one chip: a mesh of
+  one device, where the point holds there too)."""
   names = ("a", "b")[: len(mesh_shape)]
-  mesh = jax.make_mesh(mesh_shape, names)
+  mesh = (jwt.mesh_fit if fit else jwt.mesh)(mesh_shape, names)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   return jax.device_put(values, sharding)
 
@@ -222,8 +226,8 @@ SHARDINGS = {
   "columns": lambda v: _sharded(v, (None, "a")),
   "grid": lambda v: _sharded(v, ("a", "b"), (4, 2)),
   "rows, replicated twice": lambda v: _sharded(v, ("a",), (4, 2)),
-  "replicated": lambda v: _sharded(v, ()),
-  "one device": lambda v: jax.device_put(v, jax.devices()[3]),
+  "replicated": lambda v: _sharded(v, (), fit=True),
+  "one device": lambda v: jax.device_put(v, jwt.device(3)),
 }
 
 
@@ -254,12 +258,13 @@ def test_sharded_leaves_are_written_as_their_whole_array(
 
 
 def test_the_host_value_of_a_cpu_array_is_its_buffer_not_a_copy():
+  jwt.skip_on_accelerator("the host value of a device array is a copy")
   x = SHARDINGS["rows"](np.arange(2**18, dtype=np.float32).reshape(1024, 256))
   value = hostvalue.of(x)
   assert isinstance(value, hostvalue.Shards) and value.by_rows()
   pointers = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
   assert {a.ctypes.data for _, a in value.pieces} == pointers
-  y = jax.device_put(np.arange(4.0), jax.devices()[1])
+  y = jax.device_put(np.arange(4.0), jwt.device(1))
   assert hostvalue.of(y).ctypes.data == y.unsafe_buffer_pointer()
 
 
@@ -273,7 +278,8 @@ def test_donating_the_leaves_of_a_non_blocking_save_keeps_what_it_writes(
     "w": rng.standard_normal((64, 32)).astype(np.float32),
     "b": rng.standard_normal((32,)).astype(np.float32),
   }
-  tree = {"w": SHARDINGS["rows"](values["w"]), "b": jnp.asarray(values["b"])}
+  w = _sharded(values["w"], ("a",), fit=True)  # rows over the devices
+  tree = {"w": w, "b": jnp.asarray(values["b"])}
   step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2.0 + 1.0, t),
                  donate_argnums=0)  # fmt: skip
   handle = bt.save(tmp_path / "c", tree, blocking=False)

@@ -6,6 +6,7 @@ from dtypes import DTYPES
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import jaxworks_testing as jwt
 import ml_dtypes
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ SHAPE = (8, 16)
 def shardings():
   out = {}
   for m, (shape, names, specs) in enumerate(MESHES):
-    mesh = jax.make_mesh(shape, names)
+    # On fewer devices (one chip), meshes of the same rank over those.
+    mesh = jwt.mesh_fit(shape, names)
     for k, spec in enumerate(specs):
       out[f"m{m}_s{k}"] = NamedSharding(mesh, spec)
   return out
@@ -68,6 +70,7 @@ def assert_same_as_stock(out, ref):
 @pytest.mark.parametrize("fmt", ["npz", "dir"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
 def test_restore_onto_every_spec(tmp_path, fmt, dtype):
+  jwt.require_dtype(dtype)
   targets = shardings()
   tree = {k: values(dtype, n) for n, k in enumerate(targets)}
   path = tmp_path / ("c.npz" if fmt == "npz" else "c")
@@ -83,6 +86,7 @@ def test_restore_onto_every_spec(tmp_path, fmt, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
 def test_device_put_onto_every_spec(dtype):
+  jwt.require_dtype(dtype)
   targets = shardings()
   tree = {k: values(dtype, n) for n, k in enumerate(targets)}
   out, ref = bt.device_put(tree, targets), jax.device_put(tree, targets)
@@ -93,7 +97,7 @@ def test_device_put_onto_every_spec(dtype):
 def test_partly_replicated_restore(tmp_path):
   # A restore onto a sharding that replicates the array over one mesh axis
   # places it as jax.device_put does.
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh_fit((4, 2), ("a", "b"))
   w = np.arange(32, dtype=np.float32).reshape(8, 4)
   bt.save(tmp_path / "c.npz", {"w": w})
   for spec in (P("a"), P(None, "b")):
@@ -108,7 +112,7 @@ def test_partly_replicated_restore(tmp_path):
 def test_each_replica_has_its_own_buffer(tmp_path):
   # Devices that hold the same index must not share one buffer (a donation on one would
   # change the other).
-  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  mesh = jwt.mesh((4, 2), ("a", "b"))
   s = NamedSharding(mesh, P("a"))
   bt.save(tmp_path / "c", {"w": np.ones((8, 4), np.float32)})
   out = bt.restore(
