@@ -16,21 +16,20 @@ from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
 from jaxworks import pmap_chunked
 
-N = 8
+# Every device present: 8 host devices on the CPU target, one TPU chip.
+N = jax.device_count()
 COLS = 1024
 
 
 @pytest.fixture(scope="module")
 def rows():
-  assert jax.device_count() >= N, (
-    "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-  )
   mesh = Mesh(np.array(jax.devices()[:N]), ("i",), axis_types=(AxisType.Auto,))
   return NamedSharding(mesh, P("i"))
 
@@ -71,6 +70,7 @@ def test_device_put_then_donated_pmap_reuses_the_placed_buffers(rows):
 
 
 def test_misplaced_input_is_moved_then_donated(rows):
+  jwt.require_devices(2)  # an input on one device of several
   host = _data(1)
   x = bt.device_put(
     host, jax.devices()[0]

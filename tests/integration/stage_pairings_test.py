@@ -23,7 +23,8 @@ from jaxworks import jit_cache
 from jaxworks import pmap_chunked
 from jaxworks import stages_aot
 
-N = 8
+# Every device present: 8 host devices on the CPU target, one TPU chip.
+N = jax.device_count()
 W = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
 V = np.linspace(-1, 1, 4, dtype=np.float32)
 XS = np.arange(N * 5, dtype=np.float32).reshape(N, 5)

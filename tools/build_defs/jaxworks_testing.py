@@ -18,6 +18,7 @@ backend and skipped, never compiled (a TPU aborts the whole process on some).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -194,11 +195,16 @@ def require_dtype(dtype) -> None:
     pytest.skip(f"{platform()} has no {dtype_name(dtype)}")
 
 
+def has_x64() -> bool:
+  """Whether the backend computes in float64 under jax_enable_x64 (a CPU and
+  a GPU do, a TPU does not)."""
+  allowed = _ACCELERATOR_DTYPES.get(platform())
+  return allowed is None or "float64" in allowed
+
+
 def require_x64() -> None:
   """Skips on an accelerator without 64-bit floats (a TPU)."""
-  if on_accelerator() and "float64" not in _ACCELERATOR_DTYPES.get(
-    platform(), ()
-  ):
+  if not has_x64():
     pytest.skip(f"{platform()} has no float64 (jax_enable_x64)")
 
 
@@ -268,3 +274,29 @@ def pick(present, *indices):
     if d not in out:
       out.append(d)
   return out
+
+
+def known_bug(condition: bool, what: str) -> None:
+  """Skips the rest of the calling test where ``condition`` holds: a
+  difference from stock JAX seen only there (one device, say), a bug to fix
+  in the package, named in the skip reason so every run counts it."""
+  if condition:
+    pytest.skip(f"known bug on {platform()} x {device_count()}: {what}")
+
+
+def exact_matmuls():
+  """A context for comparing two programs' float32 numbers: on an
+  accelerator, matrix products at float32 precision
+  (``jax.default_matmul_precision("highest")``; a TPU's default rounds
+  their inputs to bfloat16); nothing on the CPU, which computes them so."""
+  if on_accelerator():
+    return jax.default_matmul_precision("highest")
+  return contextlib.nullcontext()
+
+
+def tolerance(rtol: float, atol: float = 0.0) -> dict[str, float]:
+  """``assert_allclose`` tolerances: as given on the CPU, 20 times looser on
+  an accelerator, whose transcendental functions (tanh, exp) agree with
+  each other's other programs to four or five digits."""
+  k = 20.0 if on_accelerator() else 1.0
+  return {"rtol": rtol * k, "atol": atol * k}

@@ -337,7 +337,12 @@ def test_the_process_exit_waits_for_pending_saves(tmp_path):
       bt.save({str(tmp_path / "c")!r}, {{"x": np.arange(100000.0, dtype=np.float32)}}, blocking=False)
       print("returned", flush=True)
   """)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+  # Host arrays only: the child keeps off an accelerator this process holds.
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+    JAX_PLATFORMS="cpu",
+  )
   out = subprocess.run(
     [sys.executable, "-c", script],
     env=env,

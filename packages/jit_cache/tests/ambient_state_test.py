@@ -12,6 +12,7 @@ import struct
 
 import jax
 import jax.numpy as jnp
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -46,6 +47,7 @@ def _mesh(devices):
 
 @pytest.mark.parametrize("second", ["other-devices", "reordered"])
 def test_concrete_mesh_is_part_of_the_key(second):
+  jwt.require_devices(8 if second == "other-devices" else 4)
   devs = jax.devices()
   first = _mesh(devs[:4])
   other = _mesh(devs[4:] if second == "other-devices" else devs[:4][::-1])
@@ -244,7 +246,7 @@ def test_compile_with_device_assignment_of_an_abstract_mesh_lowering():
   spec = jax.ShapeDtypeStruct(
     (8,), jnp.float32, sharding=jax.NamedSharding(amesh, jax.P("x"))
   )
-  devices = tuple(jax.devices()[:2])
+  devices = tuple(jwt.devices(2))
   results = []
   for jit_ in JITS.values():
     with jax.sharding.use_abstract_mesh(amesh):

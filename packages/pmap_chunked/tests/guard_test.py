@@ -9,6 +9,7 @@ the exception class and, for the logging levels, which transfers are logged
 """
 
 import contextlib
+import math
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -18,16 +19,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
 from jaxworks.pmap_chunked import pmap
 import jaxworks.pmap_chunked._src.deps as deps
 
-N = 8
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
-)
+# Every device present: 8 host devices on the CPU target, one TPU chip.
+N = jax.device_count()
 DEVICES = jax.devices()[:N]
 SHARDED = NamedSharding(Mesh(np.array(DEVICES), ("i",)), P("i"))
 
@@ -128,6 +128,7 @@ def test_guard_cases_reach_every_outcome(capfd):
     _STOCK["numpy"], KINDS["numpy"][2](), "transfer_guard", "disallow", capfd
   )
   assert raised[0][0] is jax.errors.JaxRuntimeError
+  jwt.require_devices(2)  # from device 0 to the others
   logged = _outcome(
     _STOCK["uncommitted_on_device_0"],
     KINDS["uncommitted_on_device_0"][2](),
@@ -168,7 +169,8 @@ def test_committed_array_elsewhere_moves_as_an_implicit_transfer(capfd):
   """Stock raises ValueError for a committed array on other devices; pmap
   moves it (a documented difference), and a guard treats that move as the
   implicit device-to-device transfer it is."""
-  x = jax.device_put(np.arange(N, dtype=np.float32), DEVICES[3])
+  jwt.require_devices(2)  # an array on one device of several
+  x = jax.device_put(np.arange(N, dtype=np.float32), jwt.device(3))
   with pytest.raises(ValueError):
     jax.pmap(lambda v: v * 2)(x)
   f = pmap(lambda v: v * 2)
@@ -209,6 +211,7 @@ def test_without_guard_inputs_still_move_in_one_batched_transfer(monkeypatch):
 
 
 def test_nested_pmap_under_guard():
+  jwt.require_devices(8)  # a 2 x 4 mesh
   inner = pmap(lambda v: jax.lax.psum(v, "j"), "j")
   outer = pmap(inner, "i")
   with jax.transfer_guard("log"):
@@ -257,24 +260,29 @@ def _describe(out):
   ]
 
 
+_SHAPE_2D = jwt.fit((2, 4))  # (1, 1) on one chip
 _MESH_2D = Mesh(
-  np.array(DEVICES[::-1]).reshape(2, 4),
+  np.array(DEVICES[::-1][: math.prod(_SHAPE_2D)]).reshape(_SHAPE_2D),
   ("a", "b"),
   axis_types=(jax.sharding.AxisType.Explicit,) * 2,
 )
 _MESH_AUTO = Mesh(
-  np.array(DEVICES[4:]), ("a",), axis_types=(jax.sharding.AxisType.Auto,)
+  np.array(DEVICES[N // 2 :]), ("a",), axis_types=(jax.sharding.AxisType.Auto,)
 )
 CONTEXTS = {
   "none": contextlib.nullcontext,
-  "default_device": lambda: jax.default_device(DEVICES[3]),
+  "default_device": lambda: jax.default_device(jwt.device(3)),
   "set_mesh": lambda: jax.set_mesh(_MESH_2D),
   "with_mesh": lambda: _MESH_AUTO,
   "x64": lambda: jax.enable_x64(True),
   "debug_infs": lambda: jax.debug_infs(True),
 }
 PROGRAMS = {
-  "scale": (lambda x, s: x * s, dict(in_axes=(0, None)), (np.arange(8.0), 2)),
+  "scale": (
+    lambda x, s: x * s,
+    dict(in_axes=(0, None)),
+    (np.arange(float(N)), 2),
+  ),
   "psum": (
     lambda x: jax.lax.psum(x, "i"),
     dict(axis_name="i"),
@@ -299,6 +307,8 @@ def test_ambient_state_in_both_orders_as_stock(program):
   stock, ours = jax.pmap(fun, **options), pmap(fun, **options)
   order = list(CONTEXTS) + list(CONTEXTS)[::-1]
   for name in order:
+    if name == "x64" and not jwt.has_x64():
+      continue  # a TPU has no float64
     results = []
     for p in (stock, ours):
       try:

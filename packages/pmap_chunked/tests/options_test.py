@@ -17,25 +17,25 @@ from hypothesis import settings
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
 from jaxworks.pmap_chunked import pmap
 
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS)"
-)
-
 SETTINGS = settings(
-  max_examples=60,
+  max_examples=jwt.examples(60),
   deadline=None,
   derandomize=True,
   database=None,
   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-N = 8
-X = np.arange(16.0, dtype=np.float32).reshape(N, 2)
+# Every device present: 8 host devices on the CPU target, one TPU chip. Each
+# case compares with stock jax.pmap there (an error of stock's class where
+# stock raises, e.g. for 2 x 4 devices on one chip).
+N = jax.device_count()
+X = np.arange(2.0 * N, dtype=np.float32).reshape(N, 2)
 
 
 def _outcome(f):
@@ -169,6 +169,11 @@ for _name, _form in {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_option_forms_match_stock(name):
+  jwt.known_bug(
+    name == "axis_size np.bool_" and N == 1,
+    "pmap refuses axis_size=np.bool_(True) with a TypeError where stock maps "
+    "a size of 1",
+  )
   _both(CASES[name], name)
 
 
@@ -179,15 +184,16 @@ def test_repro_axis_size_numpy_int_and_devices_generator_run():
     lambda p: p(_double, devices=(d for d in _devs()))(X), "devices"
   )
   assert err is None and np.array_equal(out, X * 2)
-  with pytest.raises(ValueError):
-    pmap(_double, devices=np.array(_devs()))(X)
+  if N > 1:  # an array of one device is accepted (by stock too)
+    with pytest.raises(ValueError):
+      pmap(_double, devices=np.array(_devs()))(X)
 
 
 def test_axis_size_equal_but_not_an_integer_is_a_type_error():
   # Stock slices its device list with it (TypeError) on a fresh cache; a
   # later call can hit an entry made for the int 8 and run.
-  with pytest.raises(TypeError, match="axis_size=8.0 must be an integer"):
-    pmap(_double, axis_size=8.0)(X)
+  with pytest.raises(TypeError, match=f"axis_size={float(N)} must be an int"):
+    pmap(_double, axis_size=float(N))(X)
 
 
 @pytest.mark.parametrize(
@@ -216,6 +222,11 @@ def test_output_sharding_equals_stock(axis_name, out_axes):
 
   ref = jax.pmap(f, axis_name, out_axes=out_axes)(X)
   out = pmap(f, axis_name, out_axes=out_axes)(X)
+  jwt.known_bug(
+    out_axes == 1 and N == 1,
+    "with out_axes=1 over one device the output's spec is P('i') where "
+    "stock's is P(None, 'i')",
+  )
   assert out.sharding == ref.sharding
   assert _state(out) == _state(ref)
   # Mixed in one jit, and each fed to the other pmap.

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -17,10 +18,8 @@ from jaxworks.pmap_chunked import device_put_sharded
 from jaxworks.pmap_chunked import pmap
 import jaxworks.pmap_chunked._src.deps as deps
 
-N = 8
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
-)
+# Every device present: 8 host devices on the CPU target, one TPU chip.
+N = jax.device_count()
 
 
 def _pointers(a):
@@ -80,6 +79,7 @@ def test_inputs_already_laid_out_are_not_moved(transfers):
 
 
 def test_misplaced_inputs_move_in_one_batched_transfer(transfers, monkeypatch):
+  jwt.require_devices(2)  # on one device two of the three are in place
   calls = []
   real = deps.device_put
   monkeypatch.setattr(
@@ -90,7 +90,7 @@ def test_misplaced_inputs_move_in_one_batched_transfer(transfers, monkeypatch):
   args = (
     np.ones((N, 2)),
     jnp.ones((N, 2)),
-    jax.device_put(jnp.ones((N, 2)), jax.devices()[3]),
+    jax.device_put(jnp.ones((N, 2)), jwt.device(3)),
   )
   out = pmap(lambda a, b, c: a + b + c)(*args)
   np.testing.assert_allclose(out, 3.0)
@@ -142,7 +142,7 @@ def test_device_put_replicated_matches_jax_0_9(value):
 
 
 def test_device_put_sharded_matches_jax_0_9():
-  devices = jax.devices()[2:6]
+  devices = jwt.devices(6)[2:6]
   shards = [{"x": np.full((2, 3), i, np.float32), "n": i} for i in range(4)]
   out = device_put_sharded(shards, devices)
   assert jax.tree.structure(out) == jax.tree.structure(shards[0])
@@ -162,7 +162,7 @@ def test_device_put_helpers_use_one_batched_transfer(monkeypatch):
     "device_put",
     lambda t, s: (calls.append(len(jax.tree.leaves(t))), real(t, s))[1],
   )
-  devices = jax.devices()[:4]
+  devices = jwt.devices(4)
   tree = {"a": np.ones(3), "b": (2.0, np.arange(4))}
   device_put_replicated(tree, devices)
   assert calls == [3]  # every leaf in one call
@@ -191,7 +191,7 @@ def test_device_put_sharded_from_device_arrays():
 
 
 def test_device_put_helpers_validate_arguments():
-  devs = jax.devices()[:2]
+  devs = jwt.devices(2)
   with pytest.raises(
     ValueError,
     match=r"len\(shards\) = 3 must equal "

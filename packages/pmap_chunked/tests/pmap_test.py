@@ -1,4 +1,5 @@
-"""pmap semantics on 8 host devices, compared with stock jax.pmap / jax.vmap."""
+"""pmap semantics on the devices present (8 host devices on the CPU target, one
+TPU chip), compared with stock jax.pmap / jax.vmap."""
 
 import os
 import warnings
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
@@ -16,10 +18,8 @@ import jaxworks.jit_cache
 from jaxworks.pmap_chunked import CacheInfo
 from jaxworks.pmap_chunked import pmap
 
-N = 8
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
-)
+# Every device present: 8 host devices on the CPU target, one TPU chip.
+N = jax.device_count()
 
 
 def _shard_shapes(a):
@@ -88,6 +88,7 @@ def test_chunked_with_other_axes():
 
 
 def test_fewer_devices_than_available_uses_a_prefix():
+  jwt.require_devices(4)  # 3 of them
   x = jnp.arange(3 * 4.0).reshape(3, 4)
   out = pmap(lambda v: v + 1)(x)
   np.testing.assert_allclose(out, x + 1)
@@ -95,6 +96,7 @@ def test_fewer_devices_than_available_uses_a_prefix():
 
 
 def test_devices_argument_picks_and_orders_devices():
+  jwt.require_devices(4)
   devs = jax.devices()[::-1][:4]
   x = jnp.arange(4.0)
   out = pmap(lambda v: v * 10, "i", devices=devs)(x)
@@ -152,9 +154,13 @@ def test_out_axes_none_nonzero_negative_and_pytrees():
     jax.vmap(f, out_axes={"a": -1, "b": (1, None)}, axis_name="i")(x),
   )
   assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, stock)
-  assert out["a"].shape == (2, 3, N) and out["a"].sharding.spec == P(
-    None, None, "i"
+  assert out["a"].shape == (2, 3, N)
+  jwt.known_bug(
+    N == 1,
+    "with out_axes=-1 over one device the output's spec is P('i') where "
+    "stock's is P(None, None, 'i')",
   )
+  assert out["a"].sharding.spec == P(None, None, "i")
   assert out["b"][1].shape == ()  # out_axes None: unmapped
   assert _shard_shapes(out["a"]) == _shard_shapes(stock["a"]) == [(2, 3, 1)]
   assert _shard_shapes(out["b"][0]) == _shard_shapes(stock["b"][0])
@@ -253,7 +259,8 @@ def test_donate_argnums_matches_stock_pmap():
   # Positions count static arguments too; a donated pytree donates its
   # leaves; an input that had to be moved is copied and the copy donated (the
   # caller's array survives); a buffer no output can use is not taken.
-  assert deleted == stock_deleted == [True, True, False, False, False]
+  # (On one device, `moved` is already in place, so it is donated as is.)
+  assert deleted == stock_deleted == [True, True, False, N == 1, False]
   assert reused and stock_reused  # output written in a's buffers
 
 
@@ -278,7 +285,8 @@ def test_cache_hits_and_trace_count():
   assert info.maxsize == 256
   g(jnp.zeros((N, 5)))  # new shape: same entry, retrace
   assert traces == [(3,), (5,)]
-  g(jnp.zeros((4, 5)))  # new size: new entry
+  jwt.require_devices(2)  # another mapped size
+  g(jnp.zeros((N // 2, 5)))  # new size: new entry
   assert g.cache_info().entries == 2
 
 
@@ -302,7 +310,7 @@ def test_lower_and_trace():
   arg = jax.device_put(
     x, NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("i",)), P("i"))
   )
-  np.testing.assert_allclose(compiled(arg), np.full((N, 2), 8.0))
+  np.testing.assert_allclose(compiled(arg), np.full((N, 2), float(N)))
   traced = f.trace(jax.ShapeDtypeStruct((N, 2), jnp.float32))
   assert traced.jaxpr is not None
 
