@@ -240,7 +240,20 @@ def _platform_section(platform, docs):
     "",
     summary_table(docs, packages_of(docs)),
     "",
+    f"Every row with a goal on {name}:",
+    "",
+    "| benchmark | case | speedup | goal | met | of its limit |",
+    "|---|---|---:|---|---|---|",
   ]
+  for doc in docs:
+    for r in doc["rows"]:
+      if r["goal"] is not None:
+        lines.append(
+          f"| {doc['benchmark']} | {r['case']} | "
+          f"{jb.fmt_speedup(r['speedup'])} | {jb.fmt_goal(r['goal'])} | "
+          f"{jb.fmt_met(r['met'])} | {jb.fmt_limit(r)} |"
+        )
+  lines.append("")
   for package in packages_of(docs):
     for doc in (d for d in docs if d["package"] == package):
       lines += [f"### {package}: {doc['benchmark']} on {name}", ""]

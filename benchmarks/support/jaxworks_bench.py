@@ -589,8 +589,14 @@ def markdown_table(rows):
   return "\n".join(lines)
 
 
-def machine():
-  """Where the figures were measured (cores, CPU, load, versions, date)."""
+def machine(open_backend=True):
+  """Where the figures were measured (cores, CPU, load, versions, date, and
+  the devices: count and platform; an accelerator's kind, runtime, memory).
+
+  Without ``open_backend`` the devices are read only where this process
+  has its backend up already: opening a TPU costs ~15 s, and fails while
+  another process holds the chip.
+  """
   cpu = platform.processor() or platform.machine()
   try:
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -610,11 +616,22 @@ def machine():
   jax = sys.modules.get("jax")
   if jax is not None:
     info["jax"] = jax.__version__
+  if jax is not None and (open_backend or _backend_up()):
     device = jax.devices()[0]
     info["devices"] = f"{jax.device_count()} {device.platform}"
     if device.platform != "cpu":
       info.update(_accelerator(device))
   return info
+
+
+def _backend_up():
+  """Whether this process has brought JAX's backends up."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
+    return bool(xla_bridge.backends_are_initialized())
+  except Exception:  # pylint: disable=broad-except
+    return True  # cannot tell: as before
 
 
 def _accelerator(device):
@@ -784,6 +801,10 @@ class Report:
     self.rows = []
     self.notes = []
     self.failed = []
+    #: The devices (``machine()``'s keys) as a process this benchmark
+    #: started saw them: the document's where this one never opened its
+    #: own (an accelerator's profile opens no backend just to name it).
+    self.devices = {}
 
   def add(
     self,
@@ -873,14 +894,18 @@ class Report:
     signal.signal(signum, handler)
 
   def document(self, quick=False):
+    platform = self.platform or requested_platform()
+    info = machine(open_backend=platform == "cpu")
+    if "devices" not in info:
+      info.update(self.devices)
     return validate_document(
       {
         "schema": SCHEMA_VERSION,
         "package": self.package,
         "benchmark": self.benchmark,
         "quick": bool(quick),
-        "platform": self.platform or requested_platform(),
-        "machine": machine(),
+        "platform": platform,
+        "machine": info,
         "rows": self.rows,
         "notes": self.notes,
       }

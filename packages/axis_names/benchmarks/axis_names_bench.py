@@ -402,7 +402,7 @@ def main(argv=None):
     "renamed trace",
     renamed_trace_rows,
     report,
-    (500,) if args.quick else (2_000, 10_000),
+    (500,) if args.quick else (2_000,) if chip else (2_000, 10_000),
     3 if args.quick else 5 if chip else 9,
     budget=budget,
     min_s=10,

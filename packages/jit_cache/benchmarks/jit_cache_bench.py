@@ -186,7 +186,7 @@ def bench_call_overhead(quick: bool) -> None:
 
 
 def bench_signature(quick: bool) -> None:
-  repeats = 5 if quick else 15
+  repeats = 5 if quick or PROFILE != "cpu" else 15
   extra = ("tree", (), "ctx")
   for n in (10, 100, 1000):
     leaves = [jnp.full((i % 5 + 1,), 1.0) for i in range(n)]

@@ -340,11 +340,17 @@ WARM_CHIP = (
 )  # fmt: skip
 
 
+#: What the warm start leaves of the budget on a chip: this process opens
+#: the chip (~15 s) and runs the in-process sweep (8 compiles of jax.jit).
+CHIP_RESERVE_S = 55
+
+
 def warm_start_chip(report, quick: bool, tmp: str, budget) -> None:
   """A new process's warm start against JAX's persistent cache on the chip
   (this process must not have opened it: one process at a time holds it).
-  Two processes write the caches; then warm ones alternate, at least 2
-  each, more while the budget allows (each opens the chip, ~15 s)."""
+  Two processes write the caches; then warm ones alternate, one a side,
+  more (up to 5) while the budget allows, CHIP_RESERVE_S kept for the
+  rest: each process opens the chip, ~15 s."""
   # --quick (a trial on CPU): the MLP, two steps, one warm process a side.
   args = WARM_CHIP
   if quick:
@@ -355,22 +361,24 @@ def warm_start_chip(report, quick: bool, tmp: str, budget) -> None:
     "jax": ("--jit", "jax", "--jax-cache", jax_dir, *args),
     "jw": ("--jit", "jaxworks", "--jw-cache", jw_dir, *args),
   }
-  # What is left after this part: this process opens the chip, the sweep,
-  # the in-process rows.
-  deadline = budget.until(0.6)
+  stop = None
+  if budget.seconds is not None:
+    stop = time.monotonic() + budget.left() - CHIP_RESERVE_S
   start = time.monotonic()
   cold = {name: fresh(*a) for name, a in sides.items()}  # write the caches
-  per_process = (time.monotonic() - start) / 2
+  pair = time.monotonic() - start  # a cold pair: an upper bound of a warm one
+  # The devices as the workers saw them (this process may never open them).
+  report.devices.update(
+    devices=cold["jax"]["devices"], device_kind=cold["jax"]["device_kind"]
+  )
   results: dict = {name: [] for name in sides}
-  most = 1 if quick else 7
-  for r in range(most):
-    late = (
-      deadline is not None and time.monotonic() + 2 * per_process > deadline
-    )
-    if r >= 2 and late:
+  for r in range(1 if quick else 5):
+    if r and stop is not None and time.monotonic() + pair > stop:
       break
+    start = time.monotonic()
     for name in sides if r % 2 == 0 else reversed(list(sides)):
       results[name].append(fresh(*sides[name]))
+    pair = time.monotonic() - start
   t = median_of(results, "from_backend_s")
   steps = median_of(results, "steps_s")
   backend = median_of(results, "backend_s")
@@ -396,7 +404,7 @@ def warm_start_chip(report, quick: bool, tmp: str, budget) -> None:
     JAX_CACHE,
   )
   report.note(
-    f"Warm start on {jax_platform_text()} (medians of {n} warm processes a "
+    f"Warm start on {devices_text(report)} (medians of {n} warm processes a "
     f"side, alternating): from the backend up to the last result "
     f"jaxworks {jb.fmt_seconds(t['jw'])}, JAX's cache "
     f"{jb.fmt_seconds(t['jax'])}; the steps alone "
@@ -413,11 +421,13 @@ def warm_start_chip(report, quick: bool, tmp: str, budget) -> None:
   )
 
 
-def jax_platform_text() -> str:
-  """``1 tpu device (TPU v5 lite)`` without opening a backend twice."""
-  devices = jax.devices()
-  kind = getattr(devices[0], "device_kind", devices[0].platform)
-  return f"{len(devices)} {devices[0].platform} device(s) ({kind})"
+def devices_text(report) -> str:
+  """``8 cpu devices``; on an accelerator without opening it here (the
+  devices as this process or its workers saw them)."""
+  info = jb.machine(open_backend=PROFILE == "cpu")
+  info = info if "devices" in info else report.devices
+  kind = f" ({info['device_kind']})" if "device_kind" in info else ""
+  return f"{info.get('devices', '?')} devices{kind}"
 
 
 def sweep_in_process(report, quick: bool, budget) -> None:
@@ -471,10 +481,18 @@ def sweep_in_process(report, quick: bool, budget) -> None:
   )
 
 
-def in_process_cases(report, quick: bool) -> None:
+def in_process_cases(report, quick: bool, budget=None) -> None:
+  """The in-process rows; with ``budget`` (an accelerator's round) each of
+  the 6 measurements gets an equal share of the time left (at least 3
+  repeats), and the equinox row is skipped where equinox is missing."""
   args = worker.init()
   jax.block_until_ready(args)
   repeats = 1 if quick else 9 if PROFILE == "cpu" else 5
+  budget = budget or jb.Budget()
+  shares = iter([1 / 6, 1 / 5, 1 / 4, 1 / 3, 1 / 2, 1.0])
+
+  def until():
+    return budget.until(next(shares, 1.0))
 
   def recreated(jit):
     return lambda: jit(worker.make_step())(*args)
@@ -482,7 +500,7 @@ def in_process_cases(report, quick: bool) -> None:
   ours, stock = recreated(jit_cache.jit), recreated(jax.jit)
   ours()
   stock()
-  t_ours, t_stock = jb.median_pair(ours, stock, repeats)
+  t_ours, t_stock = jb.median_pair(ours, stock, repeats, deadline=until())
   report.add(
     "MLP train step re-created in-process (trace + reuse or compile + run)",
     t_ours,
@@ -491,12 +509,16 @@ def in_process_cases(report, quick: bool) -> None:
     "jax.jit",
     goal=5.0,
   )
-  if not quick:
+  try:
     import equinox  # pylint: disable=g-import-not-at-top
-
+  except ImportError as err:
+    equinox = None
+    if not quick:
+      report.skip("MLP train step re-created in-process, vs equinox", err)
+  if not quick and equinox is not None:
     eqx = recreated(equinox.filter_jit)
     eqx()
-    t_ours, t_eqx = jb.median_pair(ours, eqx, repeats)
+    t_ours, t_eqx = jb.median_pair(ours, eqx, repeats, deadline=until())
     report.add(
       "MLP train step re-created in-process, vs equinox",
       t_ours,
@@ -516,6 +538,7 @@ def in_process_cases(report, quick: bool) -> None:
     lambda: step_stock(*args),
     5 if quick else 21,
     inner=20 if quick else 100,
+    deadline=until(),
   )
   report.add(
     "MLP train step, cached call",
@@ -548,6 +571,7 @@ def in_process_cases(report, quick: bool) -> None:
         lambda: jit_cache.jit(chain_fn())(x),
         lambda: jax.jit(chain_fn())(x),
         4 if quick else 30 if PROFILE == "cpu" else 9,
+        deadline=until(),
       )
       jit_cache.set_cache_dir(None)
     report.add(
@@ -573,6 +597,7 @@ def in_process_cases(report, quick: bool) -> None:
     lambda: jax.jit(f20)(x),
     5 if quick else 21,
     inner=20 if quick else 200,
+    deadline=until(),
   )
   report.add(
     "re-wrapped jit(f)(x), 20-op f wrapped anew at every call",
@@ -607,7 +632,7 @@ def main(argv=None) -> int:
         tmp,
         budget,
         budget=budget,
-        min_s=60,
+        min_s=CHIP_RESERVE_S + 30,
       )
       report.skip(
         "the new-process rows of the cpu profile",
@@ -629,13 +654,13 @@ def main(argv=None) -> int:
     in_process_cases,
     report,
     opts.quick,
+    None if PROFILE == "cpu" else budget,
     budget=budget,
     min_s=20,
   )
   report.note(
     f"jaxworks.jit_cache {jit_cache.__version__}, jax {jax.__version__}, "
-    f"{len(jax.devices())} {jax.devices()[0].platform} devices; total "
-    f"{time.perf_counter() - t0:.1f} s"
+    f"{devices_text(report)}; total {time.perf_counter() - t0:.1f} s"
   )
   report.finish(opts)
   return report.exit_status()

@@ -457,9 +457,11 @@ def main(argv=None):
     jit_cache.set_cache_dir(opts.jw_cache)
   out = {"import_s": time.perf_counter() - t0}
   t0 = time.perf_counter()
-  jax.devices()  # the backend up (on a TPU: the chip opened, ~15 s)
+  devices = jax.devices()  # the backend up (on a TPU: the chip opened)
   t_backend = time.perf_counter()
   out["backend_s"] = t_backend - t0
+  out["devices"] = f"{len(devices)} {devices[0].platform}"
+  out["device_kind"] = str(getattr(devices[0], "device_kind", "?"))
 
   if opts.program == "user":
     gc.collect()
