@@ -59,10 +59,11 @@ def test_trace_lower_compile_run(case):
   assert (
     axis_names.used_axis_names(traced.jaxpr) == frozenset()
   )  # the shard_map binds 'i'
-  lowered = traced.lower(lowering_platforms=("cpu",))
-  assert lowered.platforms == ("cpu",) and lowered.jaxpr is traced.jaxpr
+  here = jax.export.default_export_platform()  # "cpu"; "tpu" on a TPU
+  lowered = traced.lower(lowering_platforms=(here,))
+  assert lowered.platforms == (here,) and lowered.jaxpr is traced.jaxpr
   compiled = lowered.compile()
-  assert compiled.platform == "cpu"
+  assert compiled.platform == here
   out = compiled(x)
   np.testing.assert_allclose(out, f(x), rtol=1e-6)
   np.testing.assert_allclose(out, expected, rtol=1e-6)

@@ -57,6 +57,8 @@ def path(request, tmp_path):
 
 @pytest.mark.parametrize("x64", [False, True])
 def test_round_trip(path, x64):
+  if x64:
+    jwt.require_x64()
   with jax.enable_x64(x64):
     tree = sample_tree()
     bt.save(path, tree)
