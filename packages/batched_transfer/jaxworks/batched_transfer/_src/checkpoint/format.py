@@ -30,6 +30,14 @@ Format 2 of the record holds:
   each array's header and data in one request, and checks the header when
   it arrives; an older record without it is read as before (each header
   read first). Earlier versions ignore it.
+* ``c_order``: true where every array's file is in C order (its header
+  says ``fortran_order: False``), as this version writes whatever the
+  strides of the values saved; then a restore from a bucket trusts
+  ``shapes`` for the one request of header and data. Records without it
+  (0.6.0 and the versions before this one wrote a host copy in Fortran
+  order as a Fortran-order file: a TPU hands such copies back) have each
+  header read first, and a Fortran-order file restores as numpy reads it.
+  Earlier versions ignore it.
 
 Format 3 is format 2 plus ``codecs``: the arrays stored compressed, by key
 (``save(..., compression="zstd")``, see codec); it is written only when
@@ -101,6 +109,7 @@ class Record:
   tree: list[tuple[str, ...]] | None = None
   codecs: dict[str, str] = dataclasses.field(default_factory=dict)
   shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+  c_order: bool = False
 
 
 def check_arrays_present(
@@ -133,6 +142,8 @@ def encode_record(record: Record) -> bytes:
   for name in ("python", "values", "crc32c", "shardings", "codecs", "shapes"):
     if getattr(record, name):
       data[name] = getattr(record, name)
+  if record.c_order:
+    data["c_order"] = True
   if record.tree is not None:
     data["tree"] = [list(e) for e in record.tree]
   # One line: json's C encoder (an indent takes the pure-Python one, 4x
@@ -180,6 +191,10 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
     ):
       raise ValueError("'shapes' is not an object of lists of sizes")
     r.shapes = shapes
+    c_order = m.get("c_order", False)
+    if type(c_order) is not bool:
+      raise ValueError(f"'c_order' is {c_order!r:.40}, not true or false")
+    r.c_order = c_order
     shardings = m.get("shardings", {})
     if not isinstance(shardings, dict) or not all(
       isinstance(x, dict) for x in shardings.values()
@@ -210,6 +225,38 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
       "jaxworks.batched_transfer.save: write the checkpoint again"
     ) from None
   return r
+
+
+def header_differences(
+  shape: tuple[int, ...],
+  dtype: np.dtype,
+  fortran: bool,
+  record_shape: Any = None,
+  record_dtype: np.dtype | None = None,
+  c_order: bool = False,
+) -> str:
+  """What an .npy header (``shape``, ``dtype``, ``fortran``) says that the
+  record does not, each as "<header's> where the record says <record's>"
+  ('' where they agree): the shape (``record_shape``, None: not recorded),
+  the header dtype (``record_dtype``, None: not compared) and the order
+  (``c_order``: the record says every file is in C order; a Fortran-order
+  header of a record without it agrees, as save wrote it so before).
+
+  >>> header_differences((2, 3), np.dtype("<f4"), True, [2, 3], None, True)
+  'Fortran order where the record says C order'
+  >>> header_differences((3, 2), np.dtype("<f4"), False, [2, 3])
+  'shape (3, 2) where the record says shape (2, 3)'
+  """
+  out = []
+  if record_shape is not None and tuple(shape) != tuple(record_shape):
+    out.append(
+      f"shape {tuple(shape)} where the record says shape {tuple(record_shape)}"
+    )
+  if record_dtype is not None and dtype != record_dtype:
+    out.append(f"dtype {dtype.str} where the record says {record_dtype.str}")
+  if fortran and c_order:
+    out.append("Fortran order where the record says C order")
+  return ", ".join(out)
 
 
 def exact_dtype(api: str, where: str, key: str, name: Any) -> np.dtype:

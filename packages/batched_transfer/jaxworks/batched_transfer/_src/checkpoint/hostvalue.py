@@ -13,10 +13,21 @@ written shard by shard after the .npy header when its shards tile it by
 leading rows (the bytes of each shard are then one contiguous run of the
 file), and is assembled in the writing thread otherwise: never in the
 caller's.
+
+Every host copy save takes of a device array goes through ``host_copy``,
+and every byte it writes of one through ``c_parts``: a host copy can come
+back in any memory order (a TPU hands back column-major copies for some
+shapes, and copies of a 3-D array strided neither C nor Fortran), and a
+numpy leaf can have any strides (negative, zero, gaps). The files are
+always in C order, as their headers say: ``c_parts`` gives the C-order
+bytes of an array of any strides a block of rows at a time (one copy of at
+most ``step`` bytes each, never of the whole array), and as views where the
+array is C-contiguous already.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -36,7 +47,7 @@ class Shards:
     for s in x.addressable_shards:
       if s.replica_id == 0:
         start = tuple(i.indices(n)[0] for i, n in zip(s.index, self.shape))
-        self.pieces.append((start, np.asarray(s.data)))
+        self.pieces.append((start, host_copy(s.data)))
     self.pieces.sort(key=lambda p: p[0])
 
   def by_rows(self) -> bool:
@@ -49,11 +60,23 @@ class Shards:
       row += a.shape[0]
     return row == self.shape[0]
 
+  def row_blocks(self) -> list[np.ndarray]:
+    """The pieces in order (of ``by_rows`` shards: the array's rows)."""
+    return [a for _, a in self.pieces]
+
   def assemble(self) -> np.ndarray:
     out = np.empty(self.shape, self.dtype)
     for start, a in self.pieces:
       out[tuple(slice(i, i + n) for i, n in zip(start, a.shape))] = a
     return out
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+  """The host copy of a device array: a view of its buffer on CPU, the
+  device-to-host copy elsewhere, in whatever memory order it comes back
+  (the one place save takes one: ``of``, ``Shards`` and the collective
+  save's checks of the leaves process 0 writes)."""
+  return np.asarray(x)
 
 
 def start_copy(x: Any) -> None:
@@ -77,16 +100,64 @@ def of(x: jax.Array) -> np.ndarray | Shards:
     or not x.is_fully_addressable
     or x.nbytes < SHARDS_MIN_BYTES
   ):
-    return np.asarray(x)
+    return host_copy(x)
   shards = Shards(x)
   if len(shards.pieces) == 1:
     return shards.pieces[0][1]
   return shards
 
 
-def raw(a: np.ndarray) -> memoryview:
-  """The C-order bytes of ``a``, without a copy when it is contiguous."""
-  return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+  """The bytes of the C-contiguous array ``a``, as a flat uint8 view."""
+  return a.reshape(-1).view(np.uint8)
+
+
+def c_blocks(a: np.ndarray, step: int) -> Iterator[np.ndarray]:
+  """The C-order bytes of ``a`` (any strides: C, Fortran, neither, negative
+  or zero), as flat uint8 arrays one after another: views of ``step`` bytes
+  where ``a`` is C-contiguous, else copies of blocks of rows of at most
+  ``step`` bytes (or of one element), so that no copy of the whole array is
+  made."""
+  if a.flags.c_contiguous:
+    flat = _flat_bytes(a)
+    for lo in range(0, flat.size, step):
+      yield flat[lo : lo + step]
+    return
+  if not a.size:
+    return
+  # Dimensions k.. fit in one block whole; dimension k - 1 is cut into runs
+  # of ``rows`` of them, for every index of the dimensions before it.
+  k, inner = a.ndim, a.itemsize
+  while k and inner * a.shape[k - 1] <= step:
+    k -= 1
+    inner *= a.shape[k]
+  if not k:
+    yield _flat_bytes(np.ascontiguousarray(a))
+    return
+  rows, n = max(1, step // inner), a.shape[k - 1]
+  for index in np.ndindex(*a.shape[: k - 1]):
+    sub = a[index]
+    for lo in range(0, n, rows):
+      yield _flat_bytes(np.ascontiguousarray(sub[lo : lo + rows]))
+
+
+def c_parts(value: np.ndarray | Shards, step: int) -> Iterator[memoryview]:
+  """The C-order bytes of ``value`` (an array, or the shards of one that tile
+  it by rows), in parts of at most ``step`` bytes (``c_blocks``)."""
+  arrays = [value] if isinstance(value, np.ndarray) else value.row_blocks()
+  for a in arrays:
+    for block in c_blocks(a, step):
+      yield block.data
+
+
+def digest(value: np.ndarray | Shards) -> list[int]:
+  """The checksums (checksum.Sums) of the data save writes of ``value``."""
+  if isinstance(value, Shards) and not value.by_rows():
+    value = value.assemble()
+  sums = checksum.Sums()
+  for part in c_parts(value, checksum.CHUNK):
+    sums.update(part)
+  return sums.done()
 
 
 def header_dtype(dtype: np.dtype) -> np.dtype:
@@ -101,10 +172,10 @@ def header_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(f"V{dtype.itemsize}")
 
 
-def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype, fortran: bool):
+def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
   header = {
     "descr": np.lib.format.dtype_to_descr(dtype),
-    "fortran_order": fortran,
+    "fortran_order": False,  # c_parts writes C order, whatever the strides
     "shape": shape,
   }
   try:
@@ -116,28 +187,17 @@ def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype, fortran: bool):
 def write_npy(
   f: Any, value: np.ndarray | Shards, step: int = checksum.CHUNK
 ) -> list[int]:
-  """Writes ``value`` to the binary file object ``f`` as one .npy file,
-  ``step`` bytes per write, each summed right after; returns the checksums
-  of its data (checksum.Sums).
+  """Writes ``value`` to the binary file object ``f`` as one .npy file in C
+  order, whatever its strides (``c_parts``), ``step`` bytes per write, each
+  summed right after; returns the checksums of its data (checksum.Sums).
 
   The data goes through ``f.write`` (numpy's ``tofile`` would lose the
   errno of a failed write: ENOSPC, EFBIG)."""
   if isinstance(value, Shards) and not value.by_rows():
     value = value.assemble()
-  stored = header_dtype(value.dtype)
+  _header(f, tuple(value.shape), header_dtype(value.dtype))
   sums = checksum.Sums()
-  if isinstance(value, np.ndarray):
-    a = value.view(stored)
-    fortran = a.flags.f_contiguous and not a.flags.c_contiguous
-    _header(f, a.shape, stored, bool(fortran))
-    pieces = [a.T if fortran else a]
-  else:
-    _header(f, value.shape, stored, False)
-    pieces = [a.view(stored) for _, a in value.pieces]
-  for a in pieces:
-    data = raw(a)
-    for lo in range(0, len(data), step):
-      part = data[lo : lo + step]
-      f.write(part)
-      sums.update(part)
+  for part in c_parts(value, step):
+    f.write(part)
+    sums.update(part)
   return sums.done()

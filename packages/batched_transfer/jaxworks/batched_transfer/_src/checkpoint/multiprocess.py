@@ -178,17 +178,9 @@ def plan_save(
 
 
 def _digest(x: Any) -> list[int]:
-  """The checksums of a whole leaf's data as save writes it (C order)."""
-  return checksum.of(hostvalue.raw(np.asarray(x)))
-
-
-def _fortran(x: Any) -> bool:
-  """Whether save writes ``x`` in Fortran order (hostvalue.write_npy)."""
-  return (
-    isinstance(x, np.ndarray)
-    and x.flags.f_contiguous
-    and not x.flags.c_contiguous
-  )
+  """The checksums of a whole leaf's data as save writes it (C order,
+  whatever the strides of its host value)."""
+  return hostvalue.digest(_host(x))
 
 
 def _host(x: Any) -> np.ndarray | hostvalue.Shards:
@@ -387,17 +379,15 @@ def save_across_processes(
     identity = {"call": "save", "path": _normal(path), "plan": plan}
     board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
     whole = [(k, x) for k, x in whole if k not in primary]
-    # Process 0 writes them: the checksums of its files are the reference,
-    # but for a leaf it writes in Fortran order: then its C-order ones.
-    reference = {}
+    # Process 0 writes them (in C order, as every file): the checksums of
+    # its files are the reference.
     if board.pid == 0:
-      reference = {k: _digest(x) for k, x in whole if _fortran(x)}
       whole = []
     if not o.blocking:  # every host value now: the caller may reuse the arrays
       for _, x in mine + whole:
         hostvalue.start_copy(x)
       mine = [(stem, _host(x)) for stem, x in mine]
-      whole = [(key, np.asarray(x)) for key, x in whole]
+      whole = [(key, _host(x)) for key, x in whole]
   except BaseException as err:
     board.fail(err, _NOTHING)
     done()
@@ -409,7 +399,7 @@ def save_across_processes(
     try:
       job.turn()
       _collective(
-        board, where_to, path, manifest, record, mine, whole, reference,
+        board, where_to, path, manifest, record, mine, whole,
         identity, where, o.threads, o.overwrite, job.after, o.progress,
       )  # fmt: skip
     except BaseException as err:
@@ -547,7 +537,6 @@ def _collective(
   record: format.Record,
   mine: list[tuple[str, Any]],
   whole: list[tuple[str, Any]],
-  reference: dict[str, list[int]],
   identity: dict[str, Any],
   where: dict[str, str],
   threads: int,
@@ -598,7 +587,7 @@ def _collective(
         statuses = [
           json.loads(entries[f"status/{p}"]) for p in range(board.count)
         ]
-        _check_agreement(board, statuses, {**sums, **reference}, where)
+        _check_agreement(board, statuses, sums, where)
         data = _final(manifest, record, statuses)
         again = dest.commit(*data, overwrite)
         began = False  # committed: nothing to remove

@@ -67,13 +67,20 @@ class Opened:
           f"says {record.codecs.get(key) or 'raw'}; the checkpoint is "
           "damaged (a file was replaced): write the checkpoint again"
         )
-      shape = record.shapes.get(key)
-      if shape is not None and (tuple(shape) != s.shape or s.fortran):
+      # A Fortran-order file of the shape recorded is read as numpy reads
+      # it where the record does not say C order (earlier versions wrote
+      # host copies that came back so, as a TPU's can, in Fortran order).
+      differs = format.header_differences(
+        s.shape,
+        s.dtype,
+        s.fortran,
+        record_shape=record.shapes.get(key),
+        c_order=record.c_order,
+      )
+      if differs:
         raise ValueError(
-          f"{api}: {s.where} has a header of shape {s.shape}"
-          f"{' in Fortran order' if s.fortran else ''} but {where} says "
-          f"shape {tuple(shape)}; the checkpoint is damaged (a file was "
-          "replaced): "
+          f"{api}: {s.where} has a header that disagrees with {where}: "
+          f"{differs}; the checkpoint is damaged (a file was replaced): "
           "write the checkpoint again"
         )
       name = record.dtypes.get(key)

@@ -692,10 +692,16 @@ def _expected(
 ) -> Stored | None:
   """The array at ``key`` as its record says save wrote it (raw, in C order,
   of its shape and dtype), its header checked when it arrives with the data
-  (``Object.read_checked``); None where the record does not say, or the
-  object's size leaves no room for such a header (then read when opened)."""
+  (``Object.read_checked``); None where the record does not say (a record
+  without ``c_order`` may have Fortran-order files), or the object's size
+  leaves no room for such a header (then read when opened)."""
   dims, name_of_dtype = record.shapes.get(key), record.dtypes.get(key)
-  if dims is None or name_of_dtype is None or use is not None:
+  if (
+    dims is None
+    or name_of_dtype is None
+    or use is not None
+    or not record.c_order
+  ):
     return None
   shape = tuple(dims)
   dtype = hostvalue.header_dtype(
@@ -722,13 +728,20 @@ def _header_check(
       got_shape, fortran, got = reader.read_header(f)
     except (OSError, ValueError, EOFError) as err:
       raise ValueError(f"{url!r} is not a readable .npy file: {err}") from None
-    said = (tuple(got_shape), fortran, got)
-    if said != (shape, False, dtype) or f.tell() != len(head):
+    differs = format.header_differences(
+      tuple(got_shape), got, fortran, shape, dtype, True
+    )
+    if not differs and f.tell() != len(head):
+      differs = (
+        f"{f.tell()} bytes where the record's shape and dtype, with the "
+        f"object's size, make it {len(head)}"
+      )
+    if differs:
       raise ValueError(
-        f"{url!r} has a {len(head)}-byte header of shape {said[0]}, dtype "
-        f"{got.str}{' in Fortran order' if fortran else ''}, but the "
-        f"checkpoint's record says shape {shape}, dtype {dtype.str} (and, by "
-        f"the object's size, a header of {len(head)} bytes): the object was "
+        f"{url!r} has a header of {differs} (its header says shape "
+        f"{tuple(got_shape)}, dtype {got.str}, "
+        f"{'Fortran' if fortran else 'C'} order; the checkpoint's record "
+        f"says shape {shape}, dtype {dtype.str}, C order): the object was "
         "replaced after the checkpoint was committed; save the checkpoint "
         "again"
       )

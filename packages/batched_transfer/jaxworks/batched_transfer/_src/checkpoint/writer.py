@@ -129,12 +129,10 @@ class Leaves:
       self.keys.append(key)
       self.paths.append(where)
       self.leaves.append(x)
-      if not (
-        isinstance(x, np.ndarray)
-        and x.flags.f_contiguous
-        and not x.flags.c_contiguous
-      ):  # stored in C order (hostvalue.write_npy): its header's shape
-        self.record.shapes[key] = list(np.shape(x))
+      # Stored in C order whatever its strides (hostvalue.write_npy): its
+      # header's shape.
+      self.record.shapes[key] = list(np.shape(x))
+    self.record.c_order = True
 
 
 _FIXES = {
