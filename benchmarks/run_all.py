@@ -290,6 +290,29 @@ def summary(results, names, log):
     _emit(line, log)
 
 
+#: Distributions the rows need (jaxworks' own, JAX) or use where present.
+DISTRIBUTIONS = (
+  "jax", "jaxlib", "libtpu", "jaxworks-axis-names",
+  "jaxworks-batched-transfer", "jaxworks-jit-cache", "jaxworks-pmap-chunked",
+  "jaxworks-stages-aot", "fastcrc", "crc32c", "orbax-checkpoint", "equinox",
+  "zstandard",
+)  # fmt: skip
+
+
+def installed():
+  """``name version`` of each of DISTRIBUTIONS, ``name -`` where missing
+  (nothing is imported: JAX opens no device here)."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+
+  out = []
+  for name in DISTRIBUTIONS:
+    try:
+      out.append(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+      out.append(f"{name} -")
+  return ", ".join(out)
+
+
 def run_without_bazel(args, root, results, todo):
   """The round without Bazel: each script in turn, under the budget."""
   log = None
@@ -312,6 +335,7 @@ def run_without_bazel(args, root, results, todo):
     f"{os.environ.get('JAX_PLATFORMS', '(unset)')}",
     log,
   )
+  _emit(f"installed: {installed()}", log)
   for i, (package, name) in enumerate(order):
     label = f"[{i + 1}/{len(order)}] {package}:{name}"
     if name in NEEDS_SOCKETS and not sockets:
