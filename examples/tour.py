@@ -15,6 +15,13 @@ put that file beside this one or on PYTHONPATH).
 
 Every section checks its result against stock JAX; a failed check prints
 ``CHECK FAILED`` with the section and what differed, and the exit status is 1.
+
+On an accelerator (``JAX_PLATFORMS=tpu``) it runs on the devices present (a
+TPU v5e machine has one chip) and says so: the data-parallel axis is as long
+as the devices are many, matrix products run at float32 precision (a TPU's
+default rounds their inputs to bfloat16, and the checks compare two programs'
+numbers), and the warm start in new processes is left out (one process at a
+time may hold a TPU, and this one does).
 """
 
 import os
@@ -40,7 +47,11 @@ from jaxworks import jit_cache  # noqa: E402
 from jaxworks import pmap_chunked  # noqa: E402
 from jaxworks import stages_aot  # noqa: E402
 
-N_DEVICES = 8
+# The platform JAX runs on: 8 host CPU devices on the CPU (the tour's
+# default), the devices present on an accelerator.
+PLATFORM = jax.default_backend()
+ON_ACCELERATOR = PLATFORM != "cpu"
+N_DEVICES = jax.device_count() if ON_ACCELERATOR else 8
 AXIS = "batch"
 FEATURES, HIDDEN, OUTPUTS, DEPTH = 16, 64, 4, 3
 PER_DEVICE = 32
@@ -201,6 +212,14 @@ def show_setup():
   )
   for mod in (axis_names, bt, jit_cache, stages_aot, pmap_chunked):
     print(f"   {mod.__name__:<26} {mod.__version__}")
+  if ON_ACCELERATOR:
+    # The devices present (one TPU chip: an axis of 1), float32 products.
+    jax.config.update("jax_default_matmul_precision", "highest")
+    print(
+      f"   running on the {len(devices)} {PLATFORM} device(s) present "
+      f"({devices[0].device_kind}): the '{AXIS}' axis has {N_DEVICES}; "
+      "matrix products at float32 precision; no warm start in new processes"
+    )
   check(
     len(devices) >= N_DEVICES,
     f"at least {N_DEVICES} devices (got {len(devices)})",
@@ -382,6 +401,12 @@ def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
   )
   check(close(out, stock_out), "its result equals stock jax.pmap's")
   check(after.hits > before.hits, "its trace hit the inner-jit cache")
+  if ON_ACCELERATOR:
+    print(
+      f"   (warm start in new processes: left out on {PLATFORM}, which one "
+      "process at a time may hold)"
+    )
+    return
   warm_start_in_a_second_process()
 
 
@@ -443,6 +468,7 @@ def export_step(
   sizes = ", ".join(f"{p.name} ({p.stat().st_size} bytes)" for p in files)
   print(f"   artifact {art.path.name}/: {sizes}")
   loaded = stages_aot.load_artifact(tmp / "train_step")
+  here = tuple(p for p in ("cpu", "tpu") if p in stages_aot.present_platforms())
   print(
     f"   reloaded: platforms {loaded.platforms}, runnable here {loaded.runnable_platforms}"
   )
@@ -452,12 +478,12 @@ def export_step(
   stock = stock_step(params, batch)
   check(
     tuple(loaded.platforms) == ("cpu", "tpu")
-    and tuple(loaded.runnable_platforms) == ("cpu",),
-    "the artifact holds cpu and tpu; cpu runs here",
+    and tuple(loaded.runnable_platforms) == here,
+    f"the artifact holds cpu and tpu; {' and '.join(here)} runs here",
   )
   check(
     close(out, direct, rtol=0, atol=0),
-    "the reloaded cpu artifact gives exactly the pmapped step's result",
+    f"the reloaded {PLATFORM} artifact gives exactly the pmapped step's result",
   )
   check(close(out, stock), "and stock jax.pmap's")
 
@@ -477,7 +503,7 @@ def make_chain():
 # package | measure | the stock JAX call timed beside it.
 TIMED = """\
 axis_names | axis names of the step's jaxpr (repeated) | read jaxpr.effects
-batched_transfer | device_put, 64 numpy leaves -> 8 devices | jax.device_put
+batched_transfer | device_put, 64 numpy leaves -> {n} devices | jax.device_put
 jit_cache | first call of a re-created function (in-process reuse) | jax.jit
 jit_cache | cached call | jax.jit
 stages_aot | trace+lower(cpu,tpu)+export+serialize | jax.export
@@ -500,7 +526,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
   )
   times.append(jb.median_pair(ours, stock, repeats=5, inner=2000))
 
-  # batched_transfer: 64 small numpy leaves onto the 8-device batch sharding.
+  # batched_transfer: 64 small numpy leaves onto the batch sharding (8 devices).
   sharding = batch_on_devices["x"].sharding
   tree = {
     f"leaf{i}": np.full((N_DEVICES, 32), i, np.float32) for i in range(64)
@@ -555,13 +581,15 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
   times.append(jb.median_pair(ours, stock, repeats=7, inner=20))
 
   print(
-    f"   medians of interleaved repeats, {jax.device_count()} host CPU devices; speedup = stock / jaxworks, > 1: jaxworks faster\n"
+    f"   medians of interleaved repeats, {jax.device_count()} "
+    + ("host CPU devices" if not ON_ACCELERATOR else f"{PLATFORM} device(s)")
+    + "; speedup = stock / jaxworks, > 1: jaxworks faster\n"
   )
   print(
     "   | package | measure | jaxworks | stock JAX | stock call | speedup |\n"
     "   |---|---|---:|---:|---|---:|"
   )
-  rows = [line.split(" | ") for line in TIMED.splitlines()]
+  rows = [line.split(" | ") for line in TIMED.format(n=N_DEVICES).splitlines()]
   for (package, measure, what), (ours, stock) in zip(rows, times):
     print(
       f"   | {package} | {measure} | {jb.fmt_seconds(ours)} | {jb.fmt_seconds(stock)} | {what} | {jb.fmt_speedup(stock / ours)} |"

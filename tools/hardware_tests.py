@@ -168,8 +168,9 @@ def _ignored_dirs(root: str) -> list[str]:
     return []
 
 
-def build_files(root: str = ROOT) -> list[str]:
+def build_files(root: str | None = None) -> list[str]:
   """Repository-relative paths of the BUILD files Bazel reads (sorted)."""
+  root = root or ROOT
   ignored = set(_ignored_dirs(root))
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
@@ -189,13 +190,14 @@ def build_files(root: str = ROOT) -> list[str]:
   return sorted(out)
 
 
-def load_targets(root: str = ROOT) -> list[Target]:
+def load_targets(root: str | None = None) -> list[Target]:
   """Every py_test that jaxworks_test makes in the repository's BUILD files.
 
   The BUILD files are Starlark, which for them is Python: each is executed
   with jaxworks_test and jaxworks_package modelled on tools/build_defs/defs.bzl
   (their defaults read from it) and every other rule a no-op.
   """
+  root = root or ROOT
   defs_path = os.path.join(root, DEFS)
   constants = _bzl_constants(defs_path)
   test_defaults = _bzl_defaults(defs_path, "jaxworks_test", constants)
@@ -419,7 +421,8 @@ class _Recorder:
     elif report.skipped and self.outcome.get(key) != "failed":
       self.outcome[key] = "skipped"
       if isinstance(report.longrepr, tuple):
-        self.reasons[key] = str(report.longrepr[2])
+        reason = str(report.longrepr[2])
+        self.reasons[key] = reason.removeprefix("Skipped: ")
     elif report.when == "call" and key not in self.outcome:
       self.outcome[key] = "passed"
     if report.when != "teardown":
@@ -529,8 +532,10 @@ def _versions() -> dict[str, str]:
 
 def _child(plan_path: str) -> int:
   """The pytest process: ``python -P tools/hardware_tests.py --child PLAN``."""
+  global ROOT
   with open(plan_path, encoding="utf-8") as f:
     plan = json.load(f)
+  ROOT = plan["root"]
   import importlib.util
 
   import pytest
@@ -665,11 +670,13 @@ class Runner:
       plan = {
         "owner": owner,
         "timeouts": {
-          t.label: t.timeout() * self.args.timeout_scale for t in pending
+          t.label: round(t.timeout() * self.args.timeout_scale, 3)
+          for t in pending
         },
         "events": events,
         "args": args,
         "expect_platform": expect,
+        "root": ROOT,
       }
       plan_path = os.path.join(plan_dir, "plan.json")
       with open(plan_path, "w", encoding="utf-8") as f:
@@ -816,11 +823,8 @@ class Runner:
     # that have not started run again in a new process.
     if stopped is not None:
       label, nodeid, _, seconds = stopped
-      why = (
-        f"timed out after {seconds:.0f} s "
-        f"(timeout {results[label].target.timeout() * self.args.timeout_scale}"
-        f" s) in {nodeid}"
-      )
+      limit = results[label].target.timeout() * self.args.timeout_scale
+      why = f"timed out after {seconds:.0f} s (timeout {limit:g} s) in {nodeid}"
     elif in_progress is not None:
       label, nodeid = in_progress
       why = (
@@ -1102,8 +1106,16 @@ def main(argv: list[str]) -> int:
   parser.add_argument(
     "--list", action="store_true", help="print the targets and files only"
   )
+  parser.add_argument(
+    "--root",
+    default=None,
+    help="the repository (default: the one this file is in)",
+  )
   args = parser.parse_args(argv)
   args.argv = argv
+  if args.root:
+    global ROOT
+    ROOT = os.path.abspath(args.root)
   targets = select(load_targets(), args.backend, args.targets)
   if args.list:
     for t in targets:
