@@ -134,9 +134,9 @@ WORKER = VALUES + textwrap.dedent("""
 
     for label, owner, name, new, path, ow in (
         ("before", hostvalue, "write_npy", failing, "c", False),
-        ("after", remote.Collective, "write", after_upload, "c", False),
-        ("overwrite", remote.Collective, "write", after_upload, "a", True),
-        ("move", remote.Collective, "move", moving, "b", True)):
+        ("after", remote.Bucket, "write", after_upload, "c", False),
+        ("overwrite", remote.Bucket, "write", after_upload, "a", True),
+        ("move", remote.Bucket, "move", moving, "b", True)):
       undo = patched(owner, name, new) if pid == 1 else (lambda: None)
       attempt(label, lambda: bt.save(f"{url}/{path}", placed(4),
                                      overwrite=ow, barrier_timeout_s=T))

@@ -249,9 +249,7 @@ def save_url(
   commits once all did (multiprocess)."""
   prelude = prelude or (lambda: pending.raise_background_error(api))
   if ticket is not None:
-    dest = remote.Collective(
-      api, url, storage_options, overwrite, progress, lease=lease
-    )
+    dest = remote.Bucket(api, url, storage_options, overwrite, lease=lease)
     try:
       return run_save(
         api, url, tree, overwrite=overwrite, blocking=blocking,
@@ -338,7 +336,7 @@ def run_save(
   primary_keys: tuple[str, ...] = (),
   ticket: multiprocess.Ticket | None = None,
   compression: str | None = None,
-  dest: remote.Collective | None = None,
+  dest: remote.Bucket | None = None,
   progress: bool | None = False,
   bucket: remote.Bucket | None = None,
 ) -> pending.SaveHandle | None:

@@ -335,7 +335,7 @@ class _Board:
 def save_across_processes(
   job: SaveJob,
   ticket: Ticket | None = None,
-  dest: remote.Collective | None = None,
+  dest: remote.Bucket | None = None,
 ) -> pending.SaveHandle | None:
   """The collective save of ``job`` (see the module docstring).
   ``job.prepare()`` runs first, on every process: the checks of the call
@@ -417,7 +417,7 @@ def save_across_processes(
 class _OnDisk:
   """Where a collective save writes on a (shared) file system: a temporary
   directory beside the path, made by process 0 under the save lock,
-  renamed to the path by its commit. ``remote.Collective`` is the same for
+  renamed to the path by its commit. ``remote.Bucket`` is the same for
   a bucket (its ``commit`` may ask for a second round: ``move``)."""
 
   beside = False
@@ -475,9 +475,9 @@ class _OnDisk:
 
 
 class _InBucket:
-  """``remote.Collective`` as a collective save's destination."""
+  """``remote.Bucket`` as a collective save's destination."""
 
-  def __init__(self, up: remote.Collective) -> None:
+  def __init__(self, up: remote.Bucket) -> None:
     self.up = up
 
   @property
@@ -525,7 +525,7 @@ class _InBucket:
 
 def destination(api: str, path: str, dest: Any) -> Any:
   """Where a collective save to ``path`` writes: ``dest`` (a
-  ``remote.Collective`` for a bucket) or the file system."""
+  ``remote.Bucket`` for a bucket) or the file system."""
   return _OnDisk(api, path) if dest is None else _InBucket(dest)
 
 

@@ -308,10 +308,8 @@ class Bucket:
     url: str,
     storage_options: dict[str, Any] | None,
     overwrite: bool,
-    progress: bool | None = False,
     lease: bool = True,
   ) -> None:
-    del progress  # the writes are the upload: the save's bar draws them
     self.api, self.url, self.overwrite = api, url, overwrite
     self.lease = lease
     self._held: lease_lib.Lease | None = None
@@ -537,10 +535,6 @@ class Bucket:
   def close(self) -> None:
     """Nothing is held locally; the lease, if still held, given back."""
     self.end()
-
-
-#: The bucket side of a collective save (multiprocess) is ``Bucket``.
-Collective = Bucket
 
 
 def source(api: str, st: Storage) -> Storage:
