@@ -369,7 +369,9 @@ class _Recorder:
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
         "device_count": len(devices),
-        "platform_version": getattr(devices[0].client, "platform_version", ""),
+        "platform_version": " ".join(
+          str(getattr(devices[0].client, "platform_version", "")).split()
+        ),
       }
     except Exception as e:  # noqa: BLE001 - reported, then the run stops
       self.emit(event="backend_error", error=f"{type(e).__name__}: {e}")
