@@ -1,4 +1,4 @@
-"""Host copies of any strides save and restore bit for bit (issue 54.1).
+"""Host copies of any strides save and restore bit for bit (a TPU hands back column-major copies).
 
 A TPU hands back column-major host copies of device arrays for some shapes
 (``(512, 300)`` float32 came back with strides ``(4, 2048)``) and copies of a

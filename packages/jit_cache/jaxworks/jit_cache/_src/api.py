@@ -625,5 +625,7 @@ def set_global_maxsize(
     _cache.EXECUTABLES.resize(executables, executable_bytes)
 
 
-# Imported from jaxworks.jit_cache (a lazy package): the module tracebacks and repr name.
+# Imported from jaxworks.jit_cache (a lazy package): the module tracebacks and repr name;
+# doctest finds their examples through __test__.
+__test__ = {"JitFunction": JitFunction}
 JitFunction.__module__ = "jaxworks.jit_cache"

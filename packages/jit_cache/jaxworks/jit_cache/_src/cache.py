@@ -595,5 +595,7 @@ class FunctionCache:
     return sum(len(e.executables) for e in self.by_key.values())
 
 
-# Imported from jaxworks.jit_cache (a lazy package): the module tracebacks and repr name.
+# Imported from jaxworks.jit_cache (a lazy package): the module tracebacks and repr name;
+# doctest finds their examples through __test__.
+__test__ = {"CacheInfo": CacheInfo}
 CacheInfo.__module__ = "jaxworks.jit_cache"

@@ -843,6 +843,8 @@ def load_artifact(
   return Artifact(path, manifest, exported)
 
 
-# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name.
+# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name;
+# doctest finds their examples through __test__.
+__test__ = {"Artifact": Artifact, "ArtifactError": ArtifactError}
 Artifact.__module__ = "jaxworks.stages_aot"
 ArtifactError.__module__ = "jaxworks.stages_aot"

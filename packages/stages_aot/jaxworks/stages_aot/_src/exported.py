@@ -371,5 +371,7 @@ def read_own_serialization(blob: bytes, vjp_order: int) -> Exported:
   return _wrap_levels(levels)
 
 
-# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name.
+# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name;
+# doctest finds their examples through __test__.
+__test__ = {"Exported": Exported}
 Exported.__module__ = "jaxworks.stages_aot"

@@ -465,7 +465,9 @@ class Compiled(_StockCompiled):
 __all__ = ["Compiled", "Lowered", "Traced", "trace"]
 
 
-# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name.
+# Imported from jaxworks.stages_aot (a lazy package): the module tracebacks and repr name;
+# doctest finds their examples through __test__.
+__test__ = {"Traced": Traced, "Lowered": Lowered, "Compiled": Compiled}
 Traced.__module__ = "jaxworks.stages_aot"
 Lowered.__module__ = "jaxworks.stages_aot"
 Compiled.__module__ = "jaxworks.stages_aot"
