@@ -146,6 +146,15 @@ def dropped():
   raise OSError("injected: the endpoint dropped the connection")
 
 
+@contextlib.contextmanager
+def copies_fail():
+  """Every server-side copy (an overwrite's copy round) fails."""
+  with pytest.MonkeyPatch.context() as mp:
+    for cls in (stores.ObstoreStorage, gcs.GCSStorage):
+      mp.setattr(cls, "copy", lambda *a, **k: dropped())
+    yield
+
+
 def faulty_save(url, seed, at, before):
   """Saves ``tree(seed)`` over ``url`` with the ``at``-th request failing;
   the seed the path must read as afterwards (``before``: what it read as)."""
@@ -177,16 +186,14 @@ def leftovers(url):
   )
 
 
-def test_two_failed_copy_rounds_read_as_the_last_save(configure, monkeypatch):
+def test_two_failed_copy_rounds_read_as_the_last_save(configure):
   """The issue's case: two overwrites in a row whose server-side copies
   fail; the path reads as the second, on every URL; a third that completes
   cleans up."""
   for _ in range(4):
     url = configure()
     bt.save(url, tree(1))
-    with monkeypatch.context() as mp:
-      for cls in (stores.ObstoreStorage, gcs.GCSStorage):
-        mp.setattr(cls, "copy", lambda *a, **k: dropped())
+    with copies_fail():
       for seed in (2, 3):
         with pytest.raises(OSError, match="injected") as err:
           bt.save(url, tree(seed), overwrite=True)
@@ -231,11 +238,8 @@ def test_every_request_of_an_overwrite_fails_once(configure):
   for at in range(total + 2):
     for first in (True, False):
       if not first:  # a path whose last copy round failed
-        with pytest.MonkeyPatch.context() as mp:
-          for cls in (stores.ObstoreStorage, gcs.GCSStorage):
-            mp.setattr(cls, "copy", lambda *a, **k: dropped())
-          with pytest.raises(OSError):
-            bt.save(url, tree(now + 1), overwrite=True)
+        with copies_fail(), pytest.raises(OSError):
+          bt.save(url, tree(now + 1), overwrite=True)
         now += 1
         assert seed_of(url) == now
       now, _ = faulty_save(url, now + 1, at, now)
@@ -273,11 +277,8 @@ def test_sigkill_at_every_request_of_the_copy_round(configure):
   now = 1
   for at in range(total):
     if at % 2:  # every other one: after a failed copy round
-      with pytest.MonkeyPatch.context() as mp:
-        for cls in (stores.ObstoreStorage, gcs.GCSStorage):
-          mp.setattr(cls, "copy", lambda *a, **k: dropped())
-        with pytest.raises(OSError):
-          bt.save(url, tree(now + 1), overwrite=True)
+      with copies_fail(), pytest.raises(OSError):
+        bt.save(url, tree(now + 1), overwrite=True)
       now += 1
     seed = now + 1
     out = subprocess.run(
@@ -363,11 +364,8 @@ def test_a_managers_step_whose_copy_round_failed(configure):
     for step in (1, 2):
       m.save(step, tree(step))
     m.wait_until_finished()
-  with pytest.MonkeyPatch.context() as mp:
-    for cls in (stores.ObstoreStorage, gcs.GCSStorage):
-      mp.setattr(cls, "copy", lambda *a, **k: dropped())
-    with pytest.raises(OSError, match="injected") as err:
-      bt.save(f"{directory}/2", tree(7), overwrite=True)
+  with copies_fail(), pytest.raises(OSError, match="injected") as err:
+    bt.save(f"{directory}/2", tree(7), overwrite=True)
   assert committed_note(err.value)
   with bt.CheckpointManager(directory) as m:
     assert m.all_steps() == [1, 2]

@@ -230,6 +230,20 @@ def test_a_failed_delete_names_the_object_once(scheme, monkeypatch):
   assert "mgr/mgr" not in text
 
 
+def refused_everywhere(url, setting):
+  """A save beside ``url``, its restore and its metadata are refused with
+  a PermissionError naming the URL and ``setting``."""
+  for call in (
+    lambda: bt.save(url + "-2", tree(2)),
+    lambda: bt.restore(url),
+    lambda: bt.metadata(url),
+  ):
+    with pytest.raises(PermissionError) as err:
+      call()
+    text = str(err.value)
+    assert url in text and setting in text, text
+
+
 def test_wrong_s3_credentials(monkeypatch):
   """moto checking credentials against its IAM users: the right key saves
   and restores; a wrong secret or an unknown key is refused, with a
@@ -253,15 +267,7 @@ def test_wrong_s3_credentials(monkeypatch):
       with monkeypatch.context() as mp:
         for k, v in wrong.items():
           mp.setenv(k, v)
-        for call in (
-          lambda: bt.save(url + "-2", tree(2)),
-          lambda: bt.restore(url),
-          lambda: bt.metadata(url),
-        ):
-          with pytest.raises(PermissionError) as err:
-            call()
-          text = str(err.value)
-          assert url in text and "AWS_SECRET_ACCESS_KEY" in text, text
+        refused_everywhere(url, "AWS_SECRET_ACCESS_KEY")
     # Options over the environment: the right key in storage_options.
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     opts = {
@@ -280,12 +286,4 @@ def test_wrong_azure_credentials(azure_connection, monkeypatch):
   wrong = azure_connection.replace(object_servers.AZURE_KEY, "d3Jvbmcga2V5" * 8)
   assert wrong != azure_connection
   monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", wrong)
-  for call in (
-    lambda: bt.save(url + "-2", tree(2)),
-    lambda: bt.restore(url),
-    lambda: bt.metadata(url),
-  ):
-    with pytest.raises(PermissionError) as err:
-      call()
-    text = str(err.value)
-    assert url in text and "AZURE_STORAGE_CONNECTION_STRING" in text, text
+  refused_everywhere(url, "AZURE_STORAGE_CONNECTION_STRING")
