@@ -1,6 +1,8 @@
 """Axis-name mistakes under jit_cache.jit: axis_names' diagnostic, as an
 instance of what stock raises."""
 
+import functools
+
 import child
 import jax
 import jax.numpy as jnp
@@ -9,26 +11,30 @@ import pytest
 from jaxworks import axis_names
 from jaxworks import jit_cache
 
-MESH = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
-
 
 def body(x):
   y = jax.lax.pmean(x, "btach")  # misspelled
   return y * 2
 
 
-STEP = jax.shard_map(
-  body, mesh=MESH, in_specs=jax.P("batch"), out_specs=jax.P()
-)
+@functools.cache
+def step():
+  """The shard_map step over 8 devices (built on first use, not at import)."""
+  mesh = jax.make_mesh(
+    (8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  return jax.shard_map(
+    body, mesh=mesh, in_specs=jax.P("batch"), out_specs=jax.P()
+  )
 
 
 @pytest.mark.parametrize("how", ["call", "trace", "lower", "eval_shape"])
 def test_misspelled_axis_in_shard_map(how):
   x = jnp.arange(8.0)
   with pytest.raises(AssertionError) as stock:
-    getattr(jax.jit(STEP), how)(x) if how != "call" else jax.jit(STEP)(x)
+    getattr(jax.jit(step()), how)(x) if how != "call" else jax.jit(step())(x)
   assert type(stock.value) is AssertionError  # stock: bare, no message
-  f = jit_cache.jit(STEP)
+  f = jit_cache.jit(step())
   with pytest.raises(axis_names.AxisNameError) as info:
     getattr(f, how)(x) if how != "call" else f(x)
   e = info.value

@@ -26,7 +26,6 @@ N = 8
 pytestmark = pytest.mark.skipif(
   jax.device_count() < N, reason="needs 8 devices (XLA_FLAGS)"
 )
-DEVICES = jax.devices()[:N]
 
 ARGNUMS = [
   -1,
@@ -97,7 +96,7 @@ def test_static_and_donate_together_as_stock(static, donate):
 
 
 def _sharded():
-  mesh = Mesh(np.array(DEVICES), ("_internal_pmap_axis_name",))
+  mesh = Mesh(np.array(jax.devices()[:N]), ("_internal_pmap_axis_name",))
   return jax.device_put(
     np.ones(N, np.float32), NamedSharding(mesh, P(mesh.axis_names[0]))
   )

@@ -28,8 +28,11 @@ import jaxworks.pmap_chunked._src.deps as deps
 
 # Every device present: 8 host devices on the CPU target, one TPU chip.
 N = jax.device_count()
-DEVICES = jax.devices()[:N]
-SHARDED = NamedSharding(Mesh(np.array(DEVICES), ("i",)), P("i"))
+
+
+def sharded():
+  return NamedSharding(Mesh(np.array(jax.devices()), ("i",)), P("i"))
+
 
 LEVELS = ["allow", "log", "disallow", "log_explicit", "disallow_explicit"]
 
@@ -55,7 +58,7 @@ SETTERS = {
 
 
 def _placed():
-  return jax.device_put(np.arange(N, dtype=np.float32), SHARDED)
+  return jax.device_put(np.arange(N, dtype=np.float32), sharded())
 
 
 # name -> (function, in_axes, arguments). Each moves one kind of input.
@@ -147,7 +150,7 @@ def test_disallow_stops_the_implicit_transfer_with_stocks_message():
     ):
       f(np.ones(N, np.float32))
     # An explicit device_put is allowed by "disallow", as in stock JAX.
-    out = f(jax.device_put(np.ones(N, np.float32), SHARDED))
+    out = f(jax.device_put(np.ones(N, np.float32), sharded()))
   # (Read back outside the guard: on an accelerator that is a transfer too.)
   np.testing.assert_array_equal(out, np.full(N, 2.0))
 
@@ -226,7 +229,7 @@ def test_nested_pmap_under_guard():
 def _placed_arg():
   return jax.device_put(
     np.ones(N, np.float32),
-    NamedSharding(Mesh(np.array(DEVICES), ("p",)), P("p")),
+    NamedSharding(Mesh(np.array(jax.devices()), ("p",)), P("p")),
   )
 
 
@@ -261,19 +264,27 @@ def _describe(out):
 
 
 _SHAPE_2D = jwt.fit((2, 4))  # (1, 1) on one chip
-_MESH_2D = Mesh(
-  np.array(DEVICES[::-1][: math.prod(_SHAPE_2D)]).reshape(_SHAPE_2D),
-  ("a", "b"),
-  axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-)
-_MESH_AUTO = Mesh(
-  np.array(DEVICES[N // 2 :]), ("a",), axis_types=(jax.sharding.AxisType.Auto,)
-)
+
+
+def _mesh_2d():
+  devices = jax.devices()[::-1][: math.prod(_SHAPE_2D)]
+  return Mesh(
+    np.array(devices).reshape(_SHAPE_2D),
+    ("a", "b"),
+    axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+  )
+
+
+def _mesh_auto():
+  devices = np.array(jax.devices()[N // 2 :])
+  return Mesh(devices, ("a",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
 CONTEXTS = {
   "none": contextlib.nullcontext,
   "default_device": lambda: jax.default_device(jwt.device(3)),
-  "set_mesh": lambda: jax.set_mesh(_MESH_2D),
-  "with_mesh": lambda: _MESH_AUTO,
+  "set_mesh": lambda: jax.set_mesh(_mesh_2d()),
+  "with_mesh": _mesh_auto,
   "x64": lambda: jax.enable_x64(True),
   "debug_infs": lambda: jax.debug_infs(True),
 }
