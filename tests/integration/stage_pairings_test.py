@@ -28,7 +28,13 @@ N = jax.device_count()
 W = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
 V = np.linspace(-1, 1, 4, dtype=np.float32)
 XS = np.arange(N * 5, dtype=np.float32).reshape(N, 5)
-_MESH = jax.make_mesh((N,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _mesh():
+  """Every device present, one axis (built in the test, not at import)."""
+  return jax.make_mesh((N,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
 # The platform JAX runs on here ("cpu"; "tpu" on a TPU machine).
 DEFAULT = jax.export.default_export_platform()
 
@@ -138,7 +144,7 @@ def test_export_a_pmap_chunked_program():
   loaded = stages_aot.deserialize(exported.serialize())
   assert loaded.nr_devices == N and loaded.platforms == (DEFAULT,)
   (spec,) = (s.spec for s in loaded.in_shardings)
-  x = jax.device_put(XS, jax.sharding.NamedSharding(_MESH, spec))
+  x = jax.device_put(XS, jax.sharding.NamedSharding(_mesh(), spec))
   np.testing.assert_allclose(loaded(x), jax.pmap(_step, "i")(XS), rtol=1e-6)
   # Cross-platform: the same pmap program for tpu, from this host.
   tpu = (
@@ -172,7 +178,7 @@ def _sharded_sum(x):
   body = lambda v: jax.lax.psum(v.sum(0, keepdims=True), "i") * 2.0
   return jax.shard_map(
     body,
-    mesh=_MESH,
+    mesh=_mesh(),
     in_specs=jax.sharding.PartitionSpec("i"),
     out_specs=jax.sharding.PartitionSpec(),
   )(x)

@@ -38,7 +38,8 @@ def uses_a_misspelled_axis(x):
   return jax.lax.psum(x, "batchh")
 
 
-MESH = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+def mesh():
+  return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 #: A call with a bad argument for each entry point, and the class raised.
@@ -66,7 +67,7 @@ CASES = {
   "device_put spec rank": (
     lambda: batched_transfer.device_put(
       np.ones(4),
-      jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(None, "x")),
+      jax.sharding.NamedSharding(mesh(), jax.sharding.PartitionSpec(None, "x")),
     ),
     ValueError,
   ),
