@@ -1,5 +1,6 @@
 """used_axis_names: bottom-up analysis, memoization, binders, discovery."""
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -21,7 +22,11 @@ from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import analysis
 
 X = jnp.arange(8.0)
-MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+
+
+@functools.cache
+def MESH():
+  return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 
 def _closed(fn, *env):
@@ -105,7 +110,7 @@ def test_weak_identity_cache_survives_id_reuse():
 def test_binder_shard_map_removes_its_manual_axes():
   fn = jax.shard_map(
     lambda v: lax.psum(v, "d") * lax.axis_index("outer"),
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("d"),
     out_specs=P("d"),
     check_vma=False,
@@ -120,7 +125,7 @@ def test_manual_type_flags():
   plain = _closed(lambda x: lax.psum(x, "i"))
   assert not analysis.has_manual_types(plain.jaxpr)
   fn = jax.shard_map(
-    lambda v: v * 2, mesh=MESH, in_specs=P("d"), out_specs=P("d")
+    lambda v: v * 2, mesh=MESH(), in_specs=P("d"), out_specs=P("d")
   )
   top = jax.make_jaxpr(fn)(X).jaxpr
   body = top.eqns[0].params["jaxpr"]
@@ -132,7 +137,7 @@ def test_manual_type_flags():
 
 def test_binder_inside_jit_hides_names_but_not_the_collectives():
   sm = jax.shard_map(
-    lambda v: lax.psum(v, "d"), mesh=MESH, in_specs=P("d"), out_specs=P()
+    lambda v: lax.psum(v, "d"), mesh=MESH(), in_specs=P("d"), out_specs=P()
   )
   top = jax.make_jaxpr(jax.jit(sm))(X).jaxpr
   jit_body = top.eqns[0].params["jaxpr"].jaxpr

@@ -10,6 +10,7 @@ unbound name (a ``NameError``, or the bare ``AssertionError`` JAX raises
 inside a ``shard_map``), and name what stock names.
 """
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -33,9 +34,15 @@ from jaxworks.axis_names._src import jax_internals
 X = jnp.arange(8.0)
 # Every size divides 8, so every collective's shape fits every bound name.
 SIZES = {"a": 2, "b": 4}
-MESH = jax.make_mesh(
-  (2,), ("m",), devices=jax.devices()[:2], axis_types=(AxisType.Auto,)
-)
+
+
+@functools.cache
+def MESH():
+  return jax.make_mesh(
+    (2,), ("m",), devices=jax.devices()[:2], axis_types=(AxisType.Auto,)
+  )
+
+
 TYPOS = {"a": "aa", "b": "B", "m": "mm", "p": "pp", "v": "vv"}
 
 
@@ -114,7 +121,7 @@ def build(p):
     body = build(p[1])
     if kind == "shard_map":
       return jax.shard_map(
-        body, mesh=MESH, in_specs=P(), out_specs=P(), check_vma=False
+        body, mesh=MESH(), in_specs=P(), out_specs=P(), check_vma=False
       )
     stack = lambda v: jnp.broadcast_to(v, (2, *v.shape))
     mapped = (

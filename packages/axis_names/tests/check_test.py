@@ -1,5 +1,6 @@
 """check_axis_names: unbound and mismatched names, with the user's file:line."""
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -18,7 +19,13 @@ from jaxworks.axis_names import AxisNameError
 from jaxworks.axis_names import check_axis_names
 
 X = jnp.arange(8.0)
-MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
+@functools.cache
+def MESH():
+  return jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
 HERE = os.path.abspath(__file__)
 
 
@@ -87,7 +94,7 @@ def test_name_unbound_inside_shard_map_reports_mesh_names():
 
   fn = jax.shard_map(
     body,
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P("x"),
     axis_names={"x"},
@@ -141,7 +148,7 @@ def test_axis_index_groups_must_partition_the_axis():
 def test_mismatch_inside_shard_map_uses_mesh_size():
   fn = jax.shard_map(
     lambda v: lax.ppermute(v, "x", [(0, 7)]),
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P("x"),
     axis_names={"x"},
@@ -177,7 +184,7 @@ def test_mismatch_inside_jit_of_shard_map_and_pmap():
   # jit(shard_map) uses no free name, but the walk must still descend.
   fn = jax.shard_map(
     lambda v: lax.ppermute(v, "x", [(0, 7)]),
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P("x"),
     axis_names={"x"},

@@ -12,6 +12,7 @@ checks both that they explain the whole difference and that the difference
 really occurs. Every other corpus function must agree exactly.
 """
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -32,8 +33,17 @@ from jaxworks.axis_names._src import jax_internals
 
 ENV = [("i", 4), ("j", 2), ("k", 2)]
 X = jnp.arange(8.0)
-MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
-MESH1 = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+
+@functools.cache
+def MESH():
+  return jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
+@functools.cache
+def MESH1():
+  return jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
 
 CORPUS = {}  # name -> (function, the free names it uses, by hand)
 
@@ -341,7 +351,7 @@ def hessian_psum(x):
 @case()
 def shard_map_binds(x):
   return jax.shard_map(
-    lambda v: lax.psum(v, "x"), mesh=MESH1, in_specs=P("x"), out_specs=P()
+    lambda v: lax.psum(v, "x"), mesh=MESH1(), in_specs=P("x"), out_specs=P()
   )(x)
 
 
@@ -349,7 +359,7 @@ def shard_map_binds(x):
 def shard_map_free_outer_name(x):
   return jax.shard_map(
     lambda v: lax.psum(v, "x") * lax.axis_index("k"),
-    mesh=MESH1,
+    mesh=MESH1(),
     in_specs=P("x"),
     out_specs=P("x"),
     check_vma=False,
@@ -360,7 +370,7 @@ def shard_map_free_outer_name(x):
 def shard_map_partial_manual(x):
   return jax.shard_map(
     lambda v: lax.psum(v, "x"),
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P(),
     axis_names={"x"},
@@ -371,7 +381,7 @@ def shard_map_partial_manual(x):
 def shard_map_pcast_varying(x):
   return jax.shard_map(
     lambda v: lax.pcast(jnp.ones(2), "x", to="varying") * v,
-    mesh=MESH1,
+    mesh=MESH1(),
     in_specs=P("x"),
     out_specs=P("x"),
   )(x)
@@ -392,7 +402,7 @@ def nested_shard_map(x):
 
   return jax.shard_map(
     outer,
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P(),
     axis_names={"x"},
@@ -415,7 +425,7 @@ def nested_shard_map_outer_name_inside(x):
 
   return jax.shard_map(
     outer,
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P("x"),
     axis_names={"x"},

@@ -1,5 +1,6 @@
 """deep (names in types/meshes/specs), context, tracing and rules helpers."""
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -20,41 +21,48 @@ from jaxworks.axis_names._src import deep
 from jaxworks.axis_names._src import rules
 from jaxworks.axis_names._src import tracing
 
-MANUAL = AbstractMesh(
-  (4, 2), ("i", "j"), axis_types=(AxisType.Manual, AxisType.Auto)
-)
-AUTO = AbstractMesh((4, 2), ("i", "j"), axis_types=(AxisType.Auto,) * 2)
+
+@functools.cache
+def MANUAL():
+  return AbstractMesh(
+    (4, 2), ("i", "j"), axis_types=(AxisType.Manual, AxisType.Auto)
+  )
+
+
+@functools.cache
+def AUTO():
+  return AbstractMesh((4, 2), ("i", "j"), axis_types=(AxisType.Auto,) * 2)
 
 
 def test_only_manual_mesh_axes_are_names():
-  assert deep.names_of(MANUAL) == {"i"}
-  assert deep.names_of(AUTO) == frozenset()
-  assert deep.names_of(NamedSharding(MANUAL, P("j"))) == {"i"}
+  assert deep.names_of(MANUAL()) == {"i"}
+  assert deep.names_of(AUTO()) == frozenset()
+  assert deep.names_of(NamedSharding(MANUAL(), P("j"))) == {"i"}
   assert deep.names_of(P(("i", "j"), None)) == {"i", "j"}
   assert deep.names_of(ManualAxisType(varying=frozenset({"i"}))) == {"i"}
-  assert deep.names_of((MANUAL, [AUTO, 3])) == {"i"}
+  assert deep.names_of((MANUAL(), [AUTO(), 3])) == {"i"}
   assert deep.names_of("i") == frozenset()
 
 
 def test_rename_mesh_spec_and_sharing():
-  m = deep.rename(MANUAL, {"i": "k"})
+  m = deep.rename(MANUAL(), {"i": "k"})
   assert m.axis_names == ("k", "j") and m.axis_sizes == (4, 2)
-  assert m.axis_types == MANUAL.axis_types
-  assert deep.rename(AUTO, {"i": "k"}) is AUTO  # not manual: not a name
-  assert deep.rename(MANUAL, {"z": "k"}) is MANUAL
-  s = deep.rename(NamedSharding(MANUAL, P("i", "j")), {"i": "k", "j": "q"})
+  assert m.axis_types == MANUAL().axis_types
+  assert deep.rename(AUTO(), {"i": "k"}) is AUTO()  # not manual: not a name
+  assert deep.rename(MANUAL(), {"z": "k"}) is MANUAL()
+  s = deep.rename(NamedSharding(MANUAL(), P("i", "j")), {"i": "k", "j": "q"})
   assert s.mesh.axis_names == ("k", "j") and s.spec == P("k", "j")
   mat = ManualAxisType(varying=frozenset({"i", "j"}))
   assert deep.rename(mat, {"i": "k"}).varying == {"k", "j"}
   spec = P("i", None, ("i", "j"))
   assert deep.rename(spec, {"i": "k"}) == P("k", None, ("k", "j"))
-  t = (MANUAL, 1)
+  t = (MANUAL(), 1)
   assert deep.rename(t, {"z": "w"}) is t
 
 
 def test_rename_to_existing_mesh_axis_is_an_error():
   with pytest.raises(ValueError, match="duplicate axis names"):
-    deep.rename(MANUAL, {"i": "j"})
+    deep.rename(MANUAL(), {"i": "j"})
 
 
 def test_rename_aval_inside_shard_map():

@@ -6,6 +6,7 @@ written by hand with the new names and run by stock JAX, under ``grad``,
 devices).
 """
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -24,8 +25,16 @@ from jaxworks.axis_names import rename_axes
 X = jnp.arange(8.0) / 8 + 0.25
 T = jnp.linspace(-1.0, 1.0, 8)
 AUTO = (AxisType.Auto,)
-MESH_K = jax.make_mesh((8,), ("k",), axis_types=AUTO)
-MESH_IK = jax.make_mesh((4, 2), ("i", "k"), axis_types=AUTO * 2)
+
+
+@functools.cache
+def MESH_K():
+  return jax.make_mesh((8,), ("k",), axis_types=AUTO)
+
+
+@functools.cache
+def MESH_IK():
+  return jax.make_mesh((4, 2), ("i", "k"), axis_types=AUTO * 2)
 
 
 def agree(run, g, ref, stock_raises=None):
@@ -212,16 +221,18 @@ def _shard(fn, mesh, spec):
 @pytest.mark.parametrize("make", MAKERS)
 def test_shard_map_grad_both_ways(make):
   g, ref = renamed_and_ref(make)
-  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X), g, ref)
+  agree(
+    lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K(), "k"))))(X), g, ref
+  )
   # grad inside the shard_map body
-  inner = lambda fn: _shard(jax.grad(loss(fn)), MESH_K, "k")
+  inner = lambda fn: _shard(jax.grad(loss(fn)), MESH_K(), "k")
   agree(lambda fn: inner(fn)(X), g, ref)
 
 
 @pytest.mark.parametrize("make", JVP_MAKERS)
 def test_shard_map_jvp(make):
   g, ref = renamed_and_ref(make)
-  run = lambda fn: jax.jvp(_shard(fn, MESH_K, "k"), (X,), (T,))
+  run = lambda fn: jax.jvp(_shard(fn, MESH_K(), "k"), (X,), (T,))
   agree(run, g, ref)
 
 
@@ -239,9 +250,9 @@ def test_mesh_with_old_and_new_name(make):
   # the function's 'i' means the mesh's 'k'.
   g, ref = renamed_and_ref(make)
   spec = ("i", "k")
-  agree(lambda fn: _shard(fn, MESH_IK, spec)(X), g, ref)
-  agree(lambda fn: jax.grad(loss(_shard(fn, MESH_IK, spec)))(X), g, ref)
-  agree(lambda fn: _shard(jax.grad(loss(fn)), MESH_IK, spec)(X), g, ref)
+  agree(lambda fn: _shard(fn, MESH_IK(), spec)(X), g, ref)
+  agree(lambda fn: jax.grad(loss(_shard(fn, MESH_IK(), spec)))(X), g, ref)
+  agree(lambda fn: _shard(jax.grad(loss(fn)), MESH_IK(), spec)(X), g, ref)
 
 
 def both_names(a, b):
@@ -261,7 +272,7 @@ def test_swap_inside_a_mesh_with_both_names(check_vma):
   shard = lambda fn: jax.jit(
     jax.shard_map(
       fn,
-      mesh=MESH_IK,
+      mesh=MESH_IK(),
       in_specs=P(("i", "k")),
       out_specs=P(("i", "k")),
       check_vma=check_vma,
@@ -275,7 +286,7 @@ def test_partial_manual_mesh_with_old_name_as_auto_axis():
   # The new name 'k' is manual, the old name 'i' is an Auto axis of the mesh.
   g, ref = renamed_and_ref(vjp_fn)
   shard = lambda fn: jax.shard_map(
-    fn, mesh=MESH_IK, in_specs=P("k"), out_specs=P("k"), axis_names={"k"}
+    fn, mesh=MESH_IK(), in_specs=P("k"), out_specs=P("k"), axis_names={"k"}
   )
   same(jax.jit(shard(g))(X), jax.jit(shard(ref))(X))
   same(
@@ -289,7 +300,7 @@ def test_clash_with_a_name_the_function_keeps_is_a_clear_error():
   with pytest.raises(
     ValueError, match=r"'k' becomes 'i'.*would merge two axes"
   ):
-    _shard(g, MESH_IK, ("i", "k"))(X)
+    _shard(g, MESH_IK(), ("i", "k"))(X)
 
 
 def test_rule_capture_by_an_inner_shard_map_is_an_error():
@@ -302,7 +313,7 @@ def test_rule_capture_by_an_inner_shard_map_is_an_error():
   f.defvjp(lambda x: (f(x), None), lambda _, g: (lax.psum(g, "i"),))
 
   def fn(x):
-    return jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))(x)
+    return jax.shard_map(f, mesh=MESH_K(), in_specs=P("k"), out_specs=P("k"))(x)
 
   g = rename_axes(fn, {"i": "k"})
   np.testing.assert_array_equal(
@@ -429,8 +440,10 @@ def variants_fn(name):
 
 def test_collective_variants_under_shard_map_and_grad():
   g, ref = renamed_and_ref(variants_fn)
-  agree(lambda fn: _shard(fn, MESH_K, "k")(X), g, ref)
-  agree(lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K, "k"))))(X), g, ref)
+  agree(lambda fn: _shard(fn, MESH_K(), "k")(X), g, ref)
+  agree(
+    lambda fn: jax.jit(jax.grad(loss(_shard(fn, MESH_K(), "k"))))(X), g, ref
+  )
 
 
 def test_custom_jvp_inside_while_loop_under_jvp():

@@ -1,5 +1,6 @@
 """rename_axes: results under every transformation, sharing, and errors."""
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -22,10 +23,26 @@ from jaxworks.axis_names._src import jax_internals
 
 X = jnp.arange(8.0)
 AUTO = (AxisType.Auto,)
-MESH_I = jax.make_mesh((8,), ("i",), axis_types=AUTO)
-MESH_K = jax.make_mesh((8,), ("k",), axis_types=AUTO)
-MESH_KJ = jax.make_mesh((4, 2), ("k", "j"), axis_types=AUTO * 2)
-MESH_IJ = jax.make_mesh((4, 2), ("i", "j"), axis_types=AUTO * 2)
+
+
+@functools.cache
+def MESH_I():
+  return jax.make_mesh((8,), ("i",), axis_types=AUTO)
+
+
+@functools.cache
+def MESH_K():
+  return jax.make_mesh((8,), ("k",), axis_types=AUTO)
+
+
+@functools.cache
+def MESH_KJ():
+  return jax.make_mesh((4, 2), ("k", "j"), axis_types=AUTO * 2)
+
+
+@functools.cache
+def MESH_IJ():
+  return jax.make_mesh((4, 2), ("i", "j"), axis_types=AUTO * 2)
 
 
 def step(x):
@@ -38,7 +55,7 @@ def step(x):
 
 def _ref(check_vma):
   return jax.shard_map(
-    step, mesh=MESH_I, in_specs=P("i"), out_specs=P("i"), check_vma=check_vma
+    step, mesh=MESH_I(), in_specs=P("i"), out_specs=P("i"), check_vma=check_vma
   )(X)
 
 
@@ -47,7 +64,7 @@ def test_under_shard_map_with_new_name(check_vma):
   g = rename_axes(step, {"i": "k"})
   out = jax.jit(
     jax.shard_map(
-      g, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+      g, mesh=MESH_K(), in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
     )
   )(X)
   np.testing.assert_allclose(out, _ref(check_vma))
@@ -57,13 +74,13 @@ def test_under_partial_manual_shard_map():
   g = rename_axes(lambda v: lax.psum(v, "i") * lax.axis_index("i"), {"i": "k"})
   ref = jax.shard_map(
     lambda v: lax.psum(v, "i") * lax.axis_index("i"),
-    mesh=MESH_IJ,
+    mesh=MESH_IJ(),
     in_specs=P("i"),
     out_specs=P("i"),
     axis_names={"i"},
   )(X)
   out = jax.shard_map(
-    g, mesh=MESH_KJ, in_specs=P("k"), out_specs=P("k"), axis_names={"k"}
+    g, mesh=MESH_KJ(), in_specs=P("k"), out_specs=P("k"), axis_names={"k"}
   )(X)
   np.testing.assert_allclose(out, ref)
 
@@ -93,7 +110,7 @@ def test_under_grad():
     )(x).sum()
 
   np.testing.assert_allclose(
-    jax.grad(loss(g, MESH_K, "k"))(X), jax.grad(loss(step, MESH_I, "i"))(X)
+    jax.grad(loss(g, MESH_K(), "k"))(X), jax.grad(loss(step, MESH_I(), "i"))(X)
   )
   h = rename_axes(lambda v: jnp.sin(v) * lax.psum(v, "i"), {"i": "v"})
   ref = jax.vmap(
@@ -210,7 +227,7 @@ def test_unaffected_jaxpr_is_returned_as_is_and_results_are_cached():
 
 def test_names_bound_inside_are_not_renamed():
   inner = jax.shard_map(
-    lambda v: lax.psum(v, "i"), mesh=MESH_I, in_specs=P("i"), out_specs=P()
+    lambda v: lax.psum(v, "i"), mesh=MESH_I(), in_specs=P("i"), out_specs=P()
   )
   closed = jax.make_jaxpr(
     lambda x: inner(x) * lax.axis_index("k"), axis_env=[("k", 2)]
@@ -225,7 +242,7 @@ def test_deep_rename_of_types_inside_shard_map_body():
   closed = jax.make_jaxpr(
     jax.shard_map(
       lambda v: lax.psum(v, "i") * lax.axis_index("i"),
-      mesh=MESH_I,
+      mesh=MESH_I(),
       in_specs=P("i"),
       out_specs=P("i"),
     )
@@ -255,7 +272,7 @@ def test_error_capture_by_inner_binder():
   def fn(x):
     inner = jax.shard_map(
       lambda v: lax.psum(v, ("k", "i")),
-      mesh=MESH_K,
+      mesh=MESH_K(),
       in_specs=P("k"),
       out_specs=P(),
       check_vma=False,
@@ -360,7 +377,7 @@ def _traced_over_k(f, check_vma=True):
   """``jit(shard_map(f))`` over MESH_K's "k", traced on X."""
   g = jax.jit(
     jax.shard_map(
-      f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+      f, mesh=MESH_K(), in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
     )
   )
   return g.trace(X)
@@ -435,7 +452,7 @@ def test_traced_rename_equals_stock_when_every_type_names_the_axis(check_vma):
 
   def traced(f):
     g = jax.shard_map(
-      f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
+      f, mesh=MESH_K(), in_specs=P("k"), out_specs=P("k"), check_vma=check_vma
     )
     return jax.jit(g).trace(X)
 
@@ -466,7 +483,7 @@ def test_traced_rename_keeps_constants_bound():
   argument inside ``jit``)."""
 
   def traced(f):
-    g = jax.shard_map(f, mesh=MESH_K, in_specs=P("k"), out_specs=P("k"))
+    g = jax.shard_map(f, mesh=MESH_K(), in_specs=P("k"), out_specs=P("k"))
     return jax.jit(g).trace(X)
 
   stock = traced(_with_constants("k"))

@@ -1,5 +1,6 @@
 """collective_report: counts, byte estimates, sources, table."""
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -19,7 +20,11 @@ from jaxworks.axis_names import CollectiveStat
 from jaxworks.axis_names import collective_report
 
 X = jnp.ones(16, jnp.float32)  # 64 bytes
-MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
+@functools.cache
+def MESH():
+  return jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
 
 
 def _line(fn, text):
@@ -98,7 +103,7 @@ def test_str_is_a_table():
 def test_shard_map_names_take_mesh_sizes():
   fn = jax.shard_map(
     lambda v: lax.psum(lax.psum(v, "x"), "y"),
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P(("x", "y")),
     out_specs=P(),
   )
@@ -145,7 +150,7 @@ def test_collectives_under_jit_of_shard_map_and_pmap_are_found():
   # No free name is left outside the binder, but the collectives still run.
   sm = jax.shard_map(
     lambda v: lax.psum(v, "x"),
-    mesh=MESH,
+    mesh=MESH(),
     in_specs=P("x"),
     out_specs=P(),
     axis_names={"x"},
