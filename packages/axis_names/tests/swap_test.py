@@ -30,7 +30,6 @@ stock_jit = jax.jit
 from jaxworks import axis_names
 
 X = jnp.arange(8.0) / 8 + 0.25
-MESH_K = jax.make_mesh((8,), ("k",), axis_types=(AxisType.Auto,))
 
 
 def vjp_fn(name):
@@ -47,7 +46,8 @@ def cases(jit):
   # (renamed function, hand-renamed stock function, how to run them)
   g = axis_names.rename_axes(vjp_fn("i"), {"i": "k"})
   ref = vjp_fn("k")
-  shard = lambda fn: jit(jax.shard_map(fn, mesh=MESH_K, in_specs=P("k"),
+  mesh_k = jax.make_mesh((8,), ("k",), axis_types=(AxisType.Auto,))
+  shard = lambda fn: jit(jax.shard_map(fn, mesh=mesh_k, in_specs=P("k"),
                                        out_specs=P("k")))
   return [
       (g, ref, lambda fn: jit(jax.vmap(fn, axis_name="k"))(X)),
