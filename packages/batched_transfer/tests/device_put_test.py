@@ -1,5 +1,7 @@
 """device_put equals jax.device_put on a broad corpus, with one batched call per group."""
 
+import threading
+
 import jax
 from jax.experimental.layout import Format
 import jax.numpy as jnp
@@ -268,6 +270,63 @@ def test_transfer_guard_sees_explicit_transfers(devices):
   with jax.transfer_guard("disallow_explicit"):
     with pytest.raises(Exception, match="[Dd]isallowed"):
       bt.device_put(np.ones(2), dev(devices, 1))
+
+
+def _large_leaves(devices):
+  """Host leaves of PARALLEL_PUT_BYTES and more (put from the put pool),
+  with a small one between them, onto one device and a sharding."""
+  n = transfer.PARALLEL_PUT_BYTES // 4
+  rng = np.random.default_rng(0)
+  sharded = (
+    NamedSharding(jwt.mesh((len(devices),), ("x",)), P("x"))
+    if len(devices) > 1
+    else devices[0]
+  )
+  leaves = [
+    rng.random(n, dtype=np.float32),
+    np.arange(3, dtype=np.int32),
+    rng.random(n + 8, dtype=np.float32),
+    rng.integers(0, 9, (len(devices) * 8, n // 8), dtype=np.int32),
+  ]
+  targets = [dev(devices, 1), dev(devices, 1), devices[0], sharded]
+  return leaves, targets
+
+
+def test_large_host_leaves_are_put_from_the_pool(devices, monkeypatch):
+  leaves, targets = _large_leaves(devices)
+  put = jax_internals.batched_device_put
+  threads = []
+
+  def spy(*args):
+    threads.append(threading.current_thread().name)
+    return put(*args)
+
+  monkeypatch.setattr(jax_internals, "batched_device_put", spy)
+  out = bt.device_put(leaves, targets)
+  monkeypatch.undo()
+  assert_same_as_stock(out, jax.device_put(leaves, targets))
+  pooled = [t for t in threads if t.startswith("jaxworks-device-put")]
+  assert len(pooled) == 3 and len(threads) == 4, threads
+  # One large leaf alone is put on the calling thread.
+  threads.clear()
+  monkeypatch.setattr(jax_internals, "batched_device_put", spy)
+  bt.device_put(leaves[:2], targets[:2])
+  assert threads == [threading.current_thread().name] * 2
+
+
+def test_large_host_leaves_keep_the_callers_transfer_guard(devices):
+  leaves, targets = _large_leaves(devices)
+  with jax.transfer_guard("disallow"):  # explicit: allowed on every thread
+    out = bt.device_put(leaves, targets)
+  assert_same_as_stock(out, jax.device_put(leaves, targets))
+  with jax.transfer_guard("disallow_explicit"):
+    with pytest.raises(Exception, match="[Dd]isallowed"):
+      bt.device_put(leaves, targets)
+  with jax.transfer_guard_host_to_device("disallow_explicit"):
+    with pytest.raises(Exception, match="[Dd]isallowed"):
+      bt.device_put([leaves[0], leaves[2]], dev(devices, 1))
+  # The pool's threads keep no level of the call they served.
+  bt.device_put([leaves[0], leaves[2]], dev(devices, 1))
 
 
 def test_deleted_input_raises_like_stock(devices):

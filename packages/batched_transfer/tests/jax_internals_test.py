@@ -2,6 +2,7 @@
 
 import gc
 import math
+import threading
 import weakref
 
 import jax
@@ -118,6 +119,31 @@ def test_explicit_device_put_scope_satisfies_the_transfer_guard():
       ji.batched_device_put(aval, s, [x], [jwt.device(1)], True)
     with ji.explicit_device_put_scope():
       ji.batched_device_put(aval, s, [x], [jwt.device(1)], True)
+
+
+def test_host_to_device_guard_carries_a_level_to_another_thread():
+  s = SingleDeviceSharding(jwt.device(1))
+  x = np.ones(2, np.float32)
+  aval = ji.ShapedArray(x.shape, x.dtype)
+  assert ji.host_to_device_guard() is None
+  with jax.transfer_guard_host_to_device("disallow_explicit"):
+    level = ji.host_to_device_guard()
+  assert level is not None
+  errors = []
+
+  def worker():
+    try:
+      with ji.guarded_as(level):
+        ji.batched_device_put(aval, s, [x], [jwt.device(1)], True)
+    except Exception as err:  # the caller's level, on this thread
+      errors.append(err)
+    # Afterwards this thread's own level is back (none: allowed).
+    ji.batched_device_put(aval, s, [x], [jwt.device(1)], True)
+
+  t = threading.Thread(target=worker)
+  t.start()
+  t.join()
+  assert len(errors) == 1 and "isallowed" in str(errors[0])
 
 
 def test_trace_state_clean():

@@ -11,6 +11,8 @@ from . import deps as _deps
 
 _deps.check_jax()  # before any private JAX name is imported
 
+from collections.abc import Iterator
+import contextlib
 import functools
 from typing import Any
 
@@ -24,6 +26,7 @@ from jax._src import layout as _layout
 from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lib import _jax
+from jax._src.lib import guard_lib as _guard_lib
 from jax._src.lib import xla_client as _xc
 
 # Stock JAX's device_put and jit, taken from where JAX defines them, not from
@@ -70,6 +73,28 @@ batched_copy = _xc.batched_copy_array_to_devices_with_sharding
 
 # Context manager marking transfers as explicit for jax.transfer_guard.
 explicit_device_put_scope = _config.explicit_device_put_scope
+
+
+def host_to_device_guard() -> Any:
+  """The calling thread's own host-to-device transfer guard level (set by a
+  ``jax.transfer_guard`` context; None: the process-wide level applies)."""
+  return _guard_lib.thread_local_state().host_to_device
+
+
+@contextlib.contextmanager
+def guarded_as(level: Any) -> Iterator[None]:
+  """On a worker thread: host-to-device transfers checked at ``level`` (a
+  ``host_to_device_guard()`` of the calling thread) and marked explicit, as
+  in the call the worker serves."""
+  state = _guard_lib.thread_local_state()
+  prev = state.host_to_device
+  state.host_to_device = level
+  try:
+    with _config.explicit_device_put_scope():
+      yield
+  finally:
+    state.host_to_device = prev
+
 
 # The abstract value type of arrays.
 ShapedArray = _core.ShapedArray

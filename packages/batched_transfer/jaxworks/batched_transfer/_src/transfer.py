@@ -12,8 +12,10 @@ lacks are then relaid out by one jitted identity per destination device set.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 import math
+import threading
 from typing import Any
 import warnings
 
@@ -53,6 +55,14 @@ _MISSING = object()
 # dtype -> whether the host fast path can take it
 _HOST_DTYPES: dict[Any, bool] = {}
 _CACHE_LIMIT = 8192
+#: Host leaves of at least this many bytes, when a call has two or more, are
+#: put from a pool of threads: each put copies its leaf into the runtime's
+#: host buffer before the DMA starts, and those copies then overlap (on a
+#: TPU v5e, 16 leaves of 64 MiB: 80 ms instead of 82, the link's limit).
+PARALLEL_PUT_BYTES = 16 * 2**20
+_PUT_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,15 +511,16 @@ def execute(
   with jax_internals.explicit_device_put_scope():
     host_batches = [b for b in batches if b.route == HOST]
     _check_host_values(req, host_batches, multihost)
+    if host_batches:  # every group's host leaves in one go (_put_host)
+      host = [i for b in host_batches for i in b.indices]
+      _put_host(req, host, out, fresh, copy_host, private_host)
     for b in batches:
       if b.route == ALIAS:
         for i in b.indices:
           out[i] = req.leaves[i]
-      elif b.route == HOST:
-        _put_host(req, b.indices, out, fresh, copy_host, private_host)
       elif b.route == COPY:
         _copy_device(req, b, out, fresh)
-      else:
+      elif b.route != HOST:
         delegated.extend(b.indices)
     if delegated:
       delegated.sort()
@@ -546,6 +557,14 @@ def _check_host_values(
     )
 
 
+def _put_pool() -> ThreadPoolExecutor:
+  global _pool
+  with _pool_lock:
+    if _pool is None:
+      _pool = ThreadPoolExecutor(_PUT_THREADS, "jaxworks-device-put")
+    return _pool
+
+
 def _put_host(
   req: Request,
   indices: list[int],
@@ -554,37 +573,60 @@ def _put_host(
   copy: bool,
   private: bool = False,
 ) -> None:
-  put = jax_internals.batched_device_put
+  """Puts the host leaves at ``indices``; two or more large ones from the
+  put pool (PARALLEL_PUT_BYTES), under this thread's transfer guard."""
   x64 = jax_internals.enable_x64()
+  large = [i for i in indices if req.leaves[i].nbytes >= PARALLEL_PUT_BYTES]
+  parallel = set(large) if len(large) > 1 else set()
+  entries = {}
   for i in indices:
-    x, c = req.leaves[i], req.committed[i]
-    s = req.dsts[i] or req.default_dst
-    key = (x.shape, x.dtype, s, x64, c)
-    entry = _HOST_CACHE.get(key) or _host_entry(req, i, key)
-    devices, slices = entry.devices, entry.slices
-    if slices is None:
-      shards = [x] * len(devices)
-    else:
-      shards = [x[k] for k in slices]
-    copy_x = copy or (
-      private
-      and (
-        entry.per_device is not None or (slices is None and len(devices) > 1)
-      )
+    key = (
+      req.leaves[i].shape,
+      req.leaves[i].dtype,
+      req.dsts[i] or req.default_dst,
+      x64,
+      req.committed[i],
     )
-    if copy_x and entry.per_device is not None:
-      # Each device gets its own copy of its index, then the copies are assembled
-      # into one array without another copy.
-      shards = [
-        put(shard_aval, one, [shard], [d], True, True)
-        for (shard_aval, one), shard, d in zip(
-          entry.per_device, shards, devices
-        )
-      ]
-      out[i] = put(entry.aval, s, shards, devices, c, False)
-    else:
-      out[i] = put(entry.aval, s, shards, devices, c, copy_x)
+    entries[i] = _HOST_CACHE.get(key) or _host_entry(req, i, key)
+    if i not in parallel:
+      out[i] = _put_one(req, i, entries[i], copy, private)
     fresh[i] = True
+  if parallel:
+    level = jax_internals.host_to_device_guard()
+
+    def put(i: int) -> Any:
+      with jax_internals.guarded_as(level):
+        return _put_one(req, i, entries[i], copy, private)
+
+    for i, y in zip(large, _put_pool().map(put, large)):
+      out[i] = y
+
+
+def _put_one(
+  req: Request, i: int, entry: HostEntry, copy: bool, private: bool
+) -> Any:
+  """Host leaf ``i`` put onto the devices of its sharding (``entry``)."""
+  put = jax_internals.batched_device_put
+  x, c = req.leaves[i], req.committed[i]
+  s = req.dsts[i] or req.default_dst
+  devices, slices = entry.devices, entry.slices
+  if slices is None:
+    shards = [x] * len(devices)
+  else:
+    shards = [x[k] for k in slices]
+  copy_x = copy or (
+    private
+    and (entry.per_device is not None or (slices is None and len(devices) > 1))
+  )
+  if copy_x and entry.per_device is not None:
+    # Each device gets its own copy of its index, then the copies are
+    # assembled into one array without another copy.
+    shards = [
+      put(shard_aval, one, [shard], [d], True, True)
+      for (shard_aval, one), shard, d in zip(entry.per_device, shards, devices)
+    ]
+    return put(entry.aval, s, shards, devices, c, False)
+  return put(entry.aval, s, shards, devices, c, copy_x)
 
 
 def _copy_device(
