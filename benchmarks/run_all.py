@@ -277,7 +277,12 @@ def summary(results, names, log):
       case = r["case"] if len(r["case"]) <= 110 else r["case"][:107] + "..."
       goal = "" if r["goal"] is None else f", goal {jb.fmt_goal(r['goal'])}"
       goal += "" if r["goal"] is None else f": {jb.fmt_met(r['met'])}"
-      limit = "" if "limit" not in r else f"; of its limit {jb.fmt_limit(r)}"
+      limit = (
+        ""
+        if "limit" not in r
+        else f"; of its limit {jb.fmt_limit(r)}, which allows at most "
+        f"{jb.fmt_ceiling(r)}"
+      )
       lines.append(
         f"  {case}: {jb.fmt_speedup(r['speedup'])} "
         f"({jb.fmt_seconds(r['jaxworks_s'])} vs "

@@ -557,6 +557,20 @@ def results_name(benchmark, platform="cpu"):
   return f"{benchmark}_{platform}.json"
 
 
+def ceiling(row):
+  """The most speedup a row's limit allows (reference time / the limit's
+  time), or None for a row with no limit."""
+  if "limit" not in row:
+    return None
+  return row["reference_s"] / (row["limit_fraction"] * row["jaxworks_s"])
+
+
+def fmt_ceiling(row):
+  """``1.07x``: the most speedup a row's limit allows; "-" with no limit."""
+  top = ceiling(row)
+  return "-" if top is None else f"{fmt_speedup(top)}"
+
+
 def fmt_limit(row):
   """``93% (link 6.3 GB/s)``: the fraction of its limit a row reached."""
   if "limit" not in row:
