@@ -9,6 +9,15 @@ the same ``job.SaveJob`` as ``save`` (``_StepSave``, whose ``committed``
 runs the retention; named items are the one tree ``{name: item}``, metrics
 its str leaf ``METRICS_KEY``), so it commits in one rename; its names and
 retention rules are in ``steps``.
+
+>>> import shutil, tempfile
+>>> from jaxworks import batched_transfer as bt
+>>> options = bt.CheckpointManagerOptions(max_to_keep=3, save_interval_steps=100)
+>>> directory = tempfile.mkdtemp()
+>>> mgr = bt.CheckpointManager(directory, options=options)
+>>> mgr.max_to_keep, mgr.save_interval_steps
+(3, 100)
+>>> shutil.rmtree(directory)
 """
 
 from __future__ import annotations
@@ -83,13 +92,7 @@ class CheckpointManagerOptions:
   """The settings of a ``CheckpointManager`` as one object, as orbax's users
   write them (``CheckpointManagerOptions``): the fields are the manager's
   keyword arguments, with the same names, defaults and meanings.
-
-  >>> import tempfile
-  >>> from jaxworks import batched_transfer as bt
-  >>> options = bt.CheckpointManagerOptions(max_to_keep=3, save_interval_steps=100)
-  >>> mgr = bt.CheckpointManager(tempfile.mkdtemp(), options=options)
-  >>> mgr.max_to_keep, mgr.save_interval_steps
-  (3, 100)
+  (An example is in the module docstring.)
 
   Passing ``options=`` and a keyword other than its default together
   raises TypeError (one source for each setting: set it in the options,
