@@ -19,6 +19,7 @@ import pytest
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import checksum
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import destination
 from jaxworks.batched_transfer._src.checkpoint import reader
 from jaxworks.batched_transfer._src.checkpoint import writer
 
@@ -103,13 +104,13 @@ def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
   path = tmp_path / "p"
   t1, t2 = {"x": np.zeros(4)}, {"x": np.ones(4)}
   gate = threading.Event()
-  real = writer.write_checkpoint
+  real = destination.LocalDirectory.write
 
   def slow(*a, **k):
     gate.wait(30)
     return real(*a, **k)
 
-  writer.write_checkpoint = slow
+  destination.LocalDirectory.write = slow
   try:
     h1 = bt.save(path, t1, blocking=False)
     with pytest.raises(FileExistsError, match="still being written"):
@@ -119,7 +120,7 @@ def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
     h3 = bt.save(path, t2, blocking=False, overwrite=True)  # allowed
   finally:
     gate.set()
-    writer.write_checkpoint = real
+    destination.LocalDirectory.write = real
   h3.wait()
   try:  # committed first and replaced by h3, or refused after h3's commit
     h1.wait()

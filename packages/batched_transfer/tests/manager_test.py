@@ -20,8 +20,8 @@ import pytest
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import destination
 from jaxworks.batched_transfer._src.checkpoint import lease
-from jaxworks.batched_transfer._src.checkpoint import writer
 
 TREE = textwrap.dedent("""
     import numpy as np
@@ -119,7 +119,7 @@ def test_a_failed_background_save_is_raised_by_the_next_call(
   def boom(*a):
     raise OSError(28, "No space left on device")
 
-  monkeypatch.setattr(writer, "write_checkpoint", boom)
+  monkeypatch.setattr(destination.LocalDirectory, "write", boom)
   assert mgr.save(1, tree(1))
   with pytest.raises(OSError, match="No space left"):
     mgr.wait_until_finished()
@@ -399,7 +399,7 @@ def test_metadata_reads_no_arrays_and_reload(tmp_path):
 def test_is_saving_in_progress_and_check_for_errors(tmp_path, monkeypatch):
   mgr = bt.CheckpointManager(tmp_path)
   gate = threading.Event()
-  real = writer.write_checkpoint
+  real = destination.LocalDirectory.write
   fail = []
 
   def slow(*a, **k):
@@ -408,7 +408,7 @@ def test_is_saving_in_progress_and_check_for_errors(tmp_path, monkeypatch):
       raise OSError(28, "No space left on device")
     return real(*a, **k)
 
-  monkeypatch.setattr(writer, "write_checkpoint", slow)
+  monkeypatch.setattr(destination.LocalDirectory, "write", slow)
   assert not mgr.is_saving_in_progress()
   mgr.save(1, small(1))
   assert mgr.is_saving_in_progress()

@@ -25,7 +25,8 @@ SETUP = textwrap.dedent("""
                                initialization_timeout=60)
     from jaxworks import batched_transfer as bt
     from jaxworks.batched_transfer._src.checkpoint import (
-        api, commit, hostvalue, multiprocess, pending, steps, writer)
+        api, commit, destination, hostvalue, multiprocess, pending, steps,
+        writer)
     rows = NamedSharding(jax.make_mesh((jax.device_count(),), ("x",)), P("x"))
     T = 20.0  # barrier_timeout_s: nothing here should wait for it
 
@@ -132,13 +133,13 @@ def test_a_save_one_process_refused_before_it_began_mixes_nothing(tmp_path):
 STEPS = textwrap.dedent("""
     STEPS = [(api, "positive"), (writer, "Leaves"),
              (pending, "raise_background_error"), (writer, "host_array"),
-             (writer, "check_target"), (pending, "reserve"),
+             (destination, "check_target"), (pending, "reserve"),
              (multiprocess, "plan_save"), (hostvalue, "start_copy"),
              (multiprocess._Board, "post"), (commit, "locked"),
              (commit, "clean"), (commit, "temp_name"),
              (multiprocess._Board, "wait"), (multiprocess, "agree"),
              (writer, "write_directory"), (hostvalue, "write_npy"),
-             (commit, "fsync_dirs"), (multiprocess, "_digest"),
+             (commit, "fsync_dirs"), (hostvalue, "digest"),
              (multiprocess, "_check_agreement"), (multiprocess, "_final"),
              (commit, "publish"), (steps, "to_remove")]
 

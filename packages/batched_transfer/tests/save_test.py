@@ -15,6 +15,7 @@ import pytest
 
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import destination
 from jaxworks.batched_transfer._src.checkpoint import hostvalue
 from jaxworks.batched_transfer._src.checkpoint import pending
 from jaxworks.batched_transfer._src.checkpoint import writer
@@ -296,7 +297,7 @@ def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
   def boom(*args):
     raise OSError(5, "Input/output error")
 
-  monkeypatch.setattr(writer, "write_checkpoint", boom)
+  monkeypatch.setattr(destination.LocalDirectory, "write", boom)
   h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
   h._event.wait()
   with pytest.raises(OSError, match="Input/output error") as info:
@@ -312,9 +313,9 @@ def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
 
 def test_wait_with_a_timeout(tmp_path, monkeypatch):
   gate = threading.Event()
-  real = writer.write_checkpoint
+  real = destination.LocalDirectory.write
   monkeypatch.setattr(
-    writer, "write_checkpoint", lambda *a: (gate.wait(), real(*a))
+    destination.LocalDirectory, "write", lambda *a: (gate.wait(), real(*a))[1]
   )
   h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
   with pytest.raises(TimeoutError, match="did not finish within"):
@@ -329,11 +330,11 @@ def test_the_process_exit_waits_for_pending_saves(tmp_path):
   script = textwrap.dedent(f"""
       import numpy as np
       from jaxworks import batched_transfer as bt
-      from jaxworks.batched_transfer._src.checkpoint import writer as m
-      real = m.write_checkpoint
+      from jaxworks.batched_transfer._src.checkpoint import destination as m
+      real = m.LocalDirectory.write
       def slow(*a):
-        import time; time.sleep(0.5); real(*a)
-      m.write_checkpoint = slow
+        import time; time.sleep(0.5); return real(*a)
+      m.LocalDirectory.write = slow
       bt.save({str(tmp_path / "c")!r}, {{"x": np.arange(100000.0, dtype=np.float32)}}, blocking=False)
       print("returned", flush=True)
   """)

@@ -103,7 +103,7 @@ def test_location_navigation():
   assert loc.url == "gs://b/run/7"
   assert loc.parent.url == "gs://b/run" and loc.name == "7"
   assert loc.child("x/y.npy").url == "gs://b/run/7/x/y.npy"
-  assert storage.is_url("s3://b") and not storage.is_url("file:///x")
+  assert loc.remote and not storage.parse(API, "file:///x").remote
 
 
 def test_local_list_skips_a_file_gone_since_it_was_listed(

@@ -1,7 +1,7 @@
 """jaxworks.batched_transfer: a pytree onto devices in one batched operation.
 
 Public API: device_put, plan, place_for, save, restore, metadata, SaveHandle,
-CheckpointManager, WriterConflictError, StrayKeyError,
+CheckpointManager, CheckpointManagerOptions, WriterConflictError, StrayKeyError,
 TransferPlan, PlannedGroup, PlacementError, SpecRankError;
 install, uninstall, installed, is_installed (swap jax.device_put program-wide).
 """
@@ -19,6 +19,9 @@ from ._src.checkpoint.api import restore as restore
 from ._src.checkpoint.api import save as save
 from ._src.checkpoint.lease import WriterConflictError as WriterConflictError
 from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
+from ._src.checkpoint.manager import (
+  CheckpointManagerOptions as CheckpointManagerOptions,
+)
 from ._src.checkpoint.storage import StrayKeyError as StrayKeyError
 from ._src.plan import PlannedGroup as PlannedGroup
 from ._src.plan import TransferPlan as TransferPlan
@@ -28,6 +31,7 @@ from .version import __version__ as __version__
 
 __all__ = [
   "CheckpointManager",
+  "CheckpointManagerOptions",
   "PlacementError",
   "PlannedGroup",
   "SaveHandle",

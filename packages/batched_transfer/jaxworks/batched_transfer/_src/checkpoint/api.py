@@ -1,9 +1,12 @@
 """Checkpoints: ``save``, ``restore`` and ``metadata``, the entry points.
 
-``save`` sorts the tree (writer) and writes it alone (writer, commit,
-pending) or with the other processes (multiprocess); ``restore`` opens the
-checkpoint once, sorts the target against it (target) and streams the data
-(restore_files, or restore_shards for a checkpoint several processes wrote).
+Each opens its path's ``destination.Destination`` first (the one place a
+path or URL is read). ``save`` takes the collective call's ticket, opens
+the destination, builds the ``job.SaveJob`` (the tree sorted by writer)
+and runs it alone or with the other processes (``multiprocess.run``);
+``restore`` opens the checkpoint once through the destination, sorts the
+target against it (target) and streams the data (restore_files, or
+restore_shards for a checkpoint several processes wrote).
 
 >>> import os, shutil, tempfile, jax, numpy as np
 >>> from jaxworks.batched_transfer import save
@@ -19,11 +22,8 @@ checkpoint once, sorts the target against it (target) and streams the data
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import contextlib
-import functools
 import os
-import threading
 import time
 from typing import Any
 
@@ -31,36 +31,21 @@ import numpy as np
 
 from .. import jax_internals
 from .. import targets
-from . import commit
+from . import destination
 from . import format
 from . import job as job_lib
 from . import multiprocess
 from . import pending
 from . import reader
-from . import remote
 from . import restore_files
-from . import restore_objects
 from . import restore_shards
 from . import target as target_lib
 from . import writer
+from .job import positive
 from .pending import SaveHandle as SaveHandle
 from .storage import LOG
-from .storage import SCHEMES
 
 _API = "jaxworks.batched_transfer"
-DEFAULT_INFLIGHT = 1024 * 2**20
-
-
-def positive(api: str, name: str, value: Any, none_ok: bool) -> Any:
-  """``value``; ValueError unless it is a positive int (or None)."""
-  if value is None and none_ok:
-    return None
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(
-      f"{api}: {name} must be a positive int{' or None' if none_ok else ''}, "
-      f"got {value!r}"
-    )
-  return value
 
 
 @jax_internals.api_boundary
@@ -71,7 +56,7 @@ def save(
   overwrite: bool = False,
   blocking: bool = True,
   write_threads: int | None = None,
-  max_inflight_bytes: int | None = DEFAULT_INFLIGHT,
+  max_inflight_bytes: int | None = job_lib.DEFAULT_INFLIGHT,
   barrier_timeout_s: float = 300.0,
   collective: bool | None = None,
   storage_options: dict[str, Any] | None = None,
@@ -186,204 +171,19 @@ def save(
   api = f"{_API}.save"
   # A collective save's number first: any error below is every process's.
   with multiprocess.ticket(api, path, collective) as ticket:
-    path = os.fspath(path)
-    if is_remote(path):
-      return save_url(
-        api, path, tree, overwrite=overwrite, blocking=blocking,
-        write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-        storage_options=storage_options, ticket=ticket,
-        compression=compression, barrier_timeout_s=barrier_timeout_s,
-        progress=progress,
-      )  # fmt: skip
-    no_options(api, path, storage_options)
-    commit.check_local(api, path)
-    path = path.rstrip(os.sep) or path
-    return run_save(
-      api, path, tree, overwrite=overwrite, blocking=blocking,
-      write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
+    dest = destination.open(api, path, storage_options, overwrite)
+    options = job_lib.Options(
+      overwrite=overwrite, blocking=blocking,
+      threads=positive(api, "write_threads", write_threads, True)
+      or writer.DEFAULT_WRITE_THREADS,
+      max_inflight_bytes=positive(
+        api, "max_inflight_bytes", max_inflight_bytes, True
+      ),
       barrier_timeout_s=barrier_timeout_s, collective=collective,
-      prelude=lambda: pending.raise_background_error(api), ticket=ticket,
       compression=compression, progress=progress,
     )  # fmt: skip
-
-
-def is_remote(path: Any) -> bool:
-  """True for an ``s3://``, ``gs://`` or ``az://`` URL."""
-  return isinstance(path, str) and path.partition("://")[0].lower() in SCHEMES
-
-
-def no_options(api: str, path: str, storage_options: Any) -> None:
-  if storage_options:
-    raise ValueError(
-      f"{api}: storage_options are for s3://, gs:// and az:// URLs; "
-      f"{path!r} is a local path"
-    )
-
-
-def save_url(
-  api: str,
-  url: str,
-  tree: Any,
-  *,
-  overwrite: bool,
-  blocking: bool,
-  write_threads: int | None,
-  max_inflight_bytes: int | None,
-  storage_options: dict[str, Any] | None,
-  ticket: multiprocess.Ticket | None,
-  prelude: Callable[[], None] | None = None,
-  after: Callable[[], None] | None = None,
-  primary_keys: tuple[str, ...] = (),
-  compression: str | None = None,
-  barrier_timeout_s: float = 300.0,
-  progress: bool | None = False,
-  lease: bool = True,
-) -> pending.SaveHandle | None:
-  """A save to an object store, committed by its record created last;
-  ``prelude``, ``after`` and ``primary_keys`` as ``run_save``'s; ``lease``:
-  a directory save holds the URL's writer lease while it writes (False:
-  the caller holds one above it, a CheckpointManager's). A
-  directory's files are written straight into their objects (remote.Bucket);
-  an ``.npz`` is written locally, then uploaded. With a ``ticket`` (every
-  process of the job saves): each process writes its own shards, process 0
-  commits once all did (multiprocess)."""
-  prelude = prelude or (lambda: pending.raise_background_error(api))
-  if ticket is not None:
-    dest = remote.Bucket(api, url, storage_options, overwrite, lease=lease)
-    try:
-      return run_save(
-        api, url, tree, overwrite=overwrite, blocking=blocking,
-        write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-        barrier_timeout_s=barrier_timeout_s, collective=True,
-        prelude=prelude, after=after, primary_keys=primary_keys,
-        ticket=ticket, dest=dest, compression=compression, progress=progress,
-      )  # fmt: skip
-    except BaseException:
-      dest.close()
-      raise
-  if not url.endswith(".npz"):
-    # Saves of this process to one URL commit in call order, as on disk
-    # (the job reserves the URL).
-    return run_save(
-      api, url, tree, overwrite=overwrite, blocking=blocking,
-      write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-      collective=False, primary_keys=primary_keys, compression=compression,
-      progress=progress, prelude=prelude, after=after,
-      bucket=remote.Bucket(api, url, storage_options, overwrite, lease=lease),
-    )  # fmt: skip
-  up = remote.NpzUpload(api, url, storage_options, overwrite)
-  try:
-    # Saves of this process to one URL commit in call order, as on disk.
-    held = pending.reserve(api, url, overwrite)
-  except BaseException:
-    up.abort()
-    raise
-  try:
-    handle = run_save(
-      api, up.local, tree, overwrite=False, blocking=blocking,
-      write_threads=write_threads, max_inflight_bytes=max_inflight_bytes,
-      collective=False, primary_keys=primary_keys, compression=compression,
-      progress=progress, prelude=prelude,
-      after=functools.partial(_finish_upload, up, held, after),
-    )  # fmt: skip
-  except BaseException:
-    held.release()
-    up.abort()
-    raise
-  if handle is not None:  # a local write that fails never calls after
-    threading.Thread(
-      target=_release_when_done, args=(handle, held, up),
-      name=f"{pending.THREAD_PREFIX}-release", daemon=True,
-    ).start()  # fmt: skip
-  return handle
-
-
-def _finish_upload(
-  up: Any, held: pending.Reservation, after: Callable[[], None] | None
-) -> None:
-  """Uploads an ``.npz`` saved to a URL once the saves to its URL called
-  before it are done, then runs ``after``."""
-  try:
-    held.wait_turn()
-    up.finish()
-  finally:
-    held.release()
-  if after is not None:
-    after()
-
-
-def _release_when_done(
-  handle: pending.SaveHandle, held: pending.Reservation, up: Any
-) -> None:
-  handle._event.wait()
-  held.release()
-  up.abort()
-
-
-def run_save(
-  api: str,
-  path: str,
-  tree: Any,
-  *,
-  overwrite: bool,
-  blocking: bool,
-  write_threads: int | None,
-  max_inflight_bytes: int | None,
-  barrier_timeout_s: float = 300.0,
-  collective: bool | None = None,
-  prelude: Callable[[], None] | None = None,
-  after: Callable[[], None] | None = None,
-  primary_keys: tuple[str, ...] = (),
-  ticket: multiprocess.Ticket | None = None,
-  compression: str | None = None,
-  dest: remote.Bucket | None = None,
-  progress: bool | None = False,
-  bucket: remote.Bucket | None = None,
-) -> pending.SaveHandle | None:
-  """save's work: its ``job.SaveJob``, run by this process alone
-  (``run_alone``) or by every process (``multiprocess``). ``prelude`` runs
-  first (it raises errors of earlier saves); ``after`` once the checkpoint
-  is published (on the writing thread, under no lock). Across processes
-  both run inside the collective save, whose every error reaches every
-  process; the leaves of ``primary_keys`` are process 0's and need not
-  agree. ``ticket``: the collective save's, taken by the caller first
-  thing (``multiprocess.ticket``). ``dest``: the bucket of a collective
-  save to the URL ``path``. ``bucket``: the bucket of a directory save
-  this process makes alone to the URL ``path``. ``progress``: save's."""
-  positive(api, "write_threads", write_threads, True)
-  positive(api, "max_inflight_bytes", max_inflight_bytes, True)
-  options = job_lib.Options(
-    overwrite=overwrite, blocking=blocking,
-    threads=write_threads or writer.DEFAULT_WRITE_THREADS,
-    max_inflight_bytes=max_inflight_bytes, barrier_timeout_s=barrier_timeout_s,
-    progress=progress, primary_keys=primary_keys, prelude=prelude,
-    after=after, local_target=dest is None and bucket is None, bucket=bucket,
-  )  # fmt: skip
-  job = job_lib.SaveJob(api, path, tree, options, compression)
-  if collective is None:
-    collective = multiprocess.multi_process()
-  spans = multiprocess.spans_processes(job.leaves)
-  if spans and not collective:
-    raise ValueError(
-      f"{api}: {path!r}: with collective=False this process saves alone, "
-      "but the tree has arrays spanning devices of several processes; let "
-      "every process call save (collective=None)"
-    )
-  if collective and (spans or multiprocess.multi_process()):
-    if job.record.codecs:
-      raise ValueError(
-        f"{api}: {path!r}: compression={compression!r} is for checkpoints "
-        "one process saves; a checkpoint several processes save together "
-        "stores raw shards (restore reads the byte ranges it needs): pass "
-        "compression=None"
-      )
-    if path.endswith(".npz"):
-      raise ValueError(
-        f"{api}: {path!r}: a checkpoint several processes save together is "
-        "a directory (one file per shard); drop the .npz suffix"
-      )
-    return multiprocess.save_across_processes(job, ticket, dest)
-  return job.run_alone()
+    job = job_lib.SaveJob(api, tree, dest, options)
+    return multiprocess.run(job, ticket)
 
 
 @jax_internals.api_boundary
@@ -480,9 +280,8 @@ def restore(
     TypeError: a target leaf with no shape and dtype.
   """
   api = f"{_API}.restore"
-  path = os.fspath(path)
-  if not is_remote(path):
-    no_options(api, path, storage_options)
+  dest = destination.open(api, path, storage_options)
+  path = dest.path
   if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
     raise ValueError(
       f"{api}: max_inflight_bytes must be a positive int, got "
@@ -495,8 +294,8 @@ def restore(
   budget = 0 if partial_restore else max_inflight_bytes
   start = time.perf_counter()
   with (
-    restore_objects.noting(path),
-    contextlib.closing(_open(api, path, storage_options, budget)) as opened,
+    dest.noting(),
+    contextlib.closing(dest.open_checkpoint(budget)) as opened,
   ):
     arrays, record = opened.contents()
     t = target_lib.Target(api, path, target, arrays, record, partial_restore)
@@ -522,25 +321,6 @@ def restore(
   return t.finish(placed)
 
 
-def _open(
-  api: str,
-  path: str,
-  storage_options: dict[str, Any] | None = None,
-  budget: int = 0,
-) -> restore_shards.Manifest | restore_files.Opened:
-  """The checkpoint at ``path``, opened once: its data is read through the
-  descriptors validated here (a checkpoint several processes wrote: its
-  manifest and shard files; else .npy files or an .npz); at a URL, through
-  ranged reads of its objects (restore_objects; ``budget``: bytes of small
-  objects read whole now)."""
-  if is_remote(path):
-    return restore_objects.open_checkpoint(api, path, storage_options, budget)
-  if not os.path.lexists(path):
-    commit.recover(path)  # the old copy of a save killed between two renames
-  opened = restore_shards.open_manifest(api, path)
-  return restore_files.open_checkpoint(api, path) if opened is None else opened
-
-
 @jax_internals.api_boundary
 def metadata(
   path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
@@ -562,42 +342,24 @@ def metadata(
   {'run': 'exp-42', 'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
   """
   api = f"{_API}.metadata"
-  if not is_remote(os.fspath(path)):
-    no_options(api, os.fspath(path), storage_options)
-  return target_lib.as_saved(
-    *read_record(api, os.fspath(path), storage_options), with_shardings=True
-  )
+  dest = destination.open(api, path, storage_options)
+  return target_lib.as_saved(*read_record(dest), with_shardings=True)
 
 
 def read_record(
-  api: str, path: str, storage_options: dict[str, Any] | None = None
+  dest: destination.Destination,
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
-  checkpoint at ``path``, from its headers, manifest and record only."""
-  with (
-    restore_objects.noting(path),
-    contextlib.closing(_open(api, path, storage_options)) as opened,
-  ):
+  checkpoint at ``dest``, from its headers, manifest and record only."""
+  with dest.noting(), contextlib.closing(dest.open_checkpoint()) as opened:
     return opened.contents()
 
 
-def read_values(
-  api: str, path: str, storage_options: dict[str, Any] | None = None
-) -> dict[str, str | None]:
-  """The ``str`` and None leaves of the directory checkpoint at ``path``,
+def read_values(dest: destination.Destination) -> dict[str, str | None]:
+  """The ``str`` and None leaves of the directory checkpoint at ``dest``,
   from its record alone (no header is read)."""
-  if is_remote(path):
-    st = remote.source(
-      api, remote.stores.open_storage(api, path, storage_options)
-    )
-    data: bytes | None = bytes(st.read(format.RECORD))
-  else:
-    fd = os.open(path, reader.DIR_FLAGS)
-    try:
-      data = reader.read_small(api, path, fd, format.RECORD, "the record")
-    finally:
-      os.close(fd)
+  data = dest.read_record()
   if data is None:
     return {}
-  where = f"the record {format.RECORD!r} of {path!r}"
-  return format.decode_record(api, where, data).values
+  where = f"the record {format.RECORD!r} of {dest.path!r}"
+  return format.decode_record(dest.api, where, data).values

@@ -26,20 +26,9 @@ import warnings
 
 _TAG = ".jaxworks-"
 NEW, OLD, DELETED = "new", "old", "del"
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-
-
-def check_local(api: str, path: str) -> None:
-  """Raises ValueError for a URL (``gs://...``), which save cannot write."""
-  if _URL.match(path):
-    raise ValueError(
-      f"{api}: {path!r} is a URL of a kind it does not take: use an "
-      "s3://, gs:// or az:// URL or a local path, or mount the bucket "
-      "(e.g. gcsfuse) and use the mounted path"
-    )
 
 
 def fsync_path(path: str) -> None:
@@ -80,14 +69,17 @@ def temp_name(path: str, kind: str, suffix: str = "") -> str:
   return os.path.join(parent, f".{name}{_TAG}{kind}-{token}{suffix}")
 
 
-def _temp_pattern(name: str) -> re.Pattern[str]:
-  """Temporary names of saves to ``name`` (a regular expression)."""
+def temp_pattern(name: str) -> re.Pattern[str]:
+  """Temporary names of saves to ``name`` (a regular expression: the
+  group is the kind, ``NEW``, ``OLD`` or ``DELETED``)."""
   return re.compile(
     r"\." + name + re.escape(_TAG) + r"(new|old|del)-[0-9a-f]{16}(\.npz)?$"
   )
 
 
-def _scan(parent: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
+def scan(parent: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
+  """(kind, path) of the entries of ``parent`` that ``pattern``
+  (``temp_pattern``) matches."""
   try:
     entries = os.listdir(parent or ".")
   except FileNotFoundError:
@@ -103,12 +95,12 @@ def _scan(parent: str, pattern: re.Pattern[str]) -> list[tuple[str, str]]:
 def temporaries(path: str) -> list[tuple[str, str]]:
   """(kind, path) of the temporaries saves to ``path`` left beside it."""
   parent, name = os.path.split(path)
-  return _scan(parent, _temp_pattern(re.escape(name)))
+  return scan(parent, temp_pattern(re.escape(name)))
 
 
 def step_temporaries(directory: str) -> list[tuple[str, str]]:
   """(kind, path) of the temporaries of numbered steps in ``directory``."""
-  return _scan(directory, _temp_pattern(r"\d+"))
+  return scan(directory, temp_pattern(r"\d+"))
 
 
 def delete(path: str) -> None:
@@ -193,8 +185,14 @@ def locked(path: str) -> Iterator[None]:
   """Holds the exclusive save lock of ``path``'s parent directory (one save
   into a directory at a time, all processes of this host; released by the
   kernel if the process dies). Leaves no file behind."""
-  parent = os.path.dirname(path) or "."
-  fd = os.open(parent, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+  with lock_directory(os.path.dirname(path) or "."):
+    yield
+
+
+@contextlib.contextmanager
+def lock_directory(directory: str) -> Iterator[None]:
+  """Holds the exclusive save lock of ``directory`` (``locked``)."""
+  fd = os.open(directory, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
   try:
     fcntl.flock(fd, fcntl.LOCK_EX)
     yield

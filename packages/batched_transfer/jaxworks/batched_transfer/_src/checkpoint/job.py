@@ -1,32 +1,32 @@
-"""A save as one object: what it writes and how, in the steps of every save.
+"""A save as one object: what it writes, where and how, in the steps of every save.
 
-``SaveJob`` holds the path, the tree's keys, leaves and record (sorted by
-``writer.Leaves``) and the ``Options`` of the call. Its steps:
+``SaveJob(api, tree, destination, options)`` holds the tree's keys, leaves
+and record (sorted by ``writer.Leaves``), the ``destination.Destination``
+it writes to and the ``Options`` of the call. Its steps:
 
-- ``prepare()``, in the call: the earlier saves' errors (the prelude), host
-  copies of the host leaves, the target's checks, the reservation of the
-  path (saves of a process to one path commit in call order);
-- ``stage()``: the host value of each leaf, within ``max_inflight_bytes``
-  (a blocking save) or all at once (a non-blocking one);
-- ``write(take, done)``: the files and their commit (``writer``'s lock,
-  temporary directory, fsync and atomic publication; in a bucket, the
-  objects, then the record created last);
-- ``release()``, once written or failed; ``after()`` once committed.
+- ``prepare()``, in the call: the errors of earlier background saves, host
+  copies of the host leaves, the destination's ``check``, the reservation
+  of the path (saves of a process to one path commit in call order);
+- ``stage(leaves, paths)``: the host value of each leaf, within
+  ``max_inflight_bytes`` (a blocking save) or all at once (a non-blocking
+  one);
+- ``write(take, done)``: the files and their commit, through the
+  destination (``begin``, ``write``, ``commit``, ``abort``, ``end``);
+- ``release()``, once written or failed; ``committed()`` once committed
+  (nothing here: a CheckpointManager's job runs its retention there).
 
 ``run_alone`` drives a save this process writes alone. A save of several
-processes is driven by ``multiprocess.save_across_processes``, which runs the
-same ``prepare``, ``turn`` and ``release`` inside its protocol and writes
-through its destination (a directory beside the path, or a bucket). A
-directory save to a bucket writes each file straight into its object and
-commits by the record (``Options.bucket``, remote.Bucket), the same objects
-a save of several processes writes; an ``.npz`` to a bucket is written
-locally, then uploaded (api.save_url).
+processes is driven by ``multiprocess.save_across_processes``, which runs
+the same ``prepare``, ``stage``, ``turn``, ``committed`` and ``release``
+inside its protocol and writes through the same destination
+(``multiprocess.run`` chooses).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -36,42 +36,50 @@ from . import codec
 from . import format
 from . import hostvalue
 from . import pending
-from . import remote
 from . import writer
+from .destination import Destination
 from .keys import check_files
+from .storage import LOG
+
+#: save's default ``max_inflight_bytes``.
+DEFAULT_INFLIGHT = 1024 * 2**20
 
 
-@dataclasses.dataclass
+def positive(api: str, name: str, value: Any, none_ok: bool) -> Any:
+  """``value``; ValueError unless it is a positive int (or None)."""
+  if value is None and none_ok:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(
+      f"{api}: {name} must be a positive int{' or None' if none_ok else ''}, "
+      f"got {value!r}"
+    )
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
-  """How a save writes (see ``save``'s arguments).
+  """How a save writes (see ``save``'s arguments of the same names).
 
   Attributes:
-    prelude: runs first in ``prepare`` (it raises errors of earlier saves).
-    after: runs once the checkpoint is committed (on the writing thread, under
-      no lock; a collective save: on process 0, inside the save).
+    threads: save's ``write_threads``.
     primary_keys: leaves that are process 0's in a collective save (not
       checked against the other processes').
-    local_target: check the path on the file system and create its parents
-      (False: the path is a bucket's URL).
-    bucket: the ``remote.Bucket`` a directory save to a URL writes its
-      objects to, straight from the writer threads (no local copy).
   """
 
-  overwrite: bool
-  blocking: bool
-  threads: int
-  max_inflight_bytes: int | None
+  overwrite: bool = False
+  blocking: bool = True
+  threads: int = writer.DEFAULT_WRITE_THREADS
+  max_inflight_bytes: int | None = DEFAULT_INFLIGHT
   barrier_timeout_s: float = 300.0
+  collective: bool | None = None
+  compression: str | None = None
   progress: bool | None = False
   primary_keys: tuple[str, ...] = ()
-  prelude: Callable[[], None] | None = None
-  after: Callable[[], None] | None = None
-  local_target: bool = True
-  bucket: Any = None
 
 
 class SaveJob:
-  """One save of ``tree`` to ``path`` (see the module docstring).
+  """One save of ``tree`` to ``destination`` (see the module docstring).
 
   Raises:
     TypeError, ValueError, OverflowError: as ``writer.Leaves`` (a leaf save
@@ -79,26 +87,22 @@ class SaveJob:
   """
 
   def __init__(
-    self,
-    api: str,
-    path: str,
-    tree: Any,
-    options: Options,
-    compression: str | None = None,
+    self, api: str, tree: Any, destination: Destination, options: Options
   ) -> None:
-    self.api, self.path, self.options = api, path, options
+    self.api, self.destination, self.options = api, destination, options
+    self.path = destination.path
     saved = writer.Leaves(api, tree)
     self.keys, self.paths = saved.keys, saved.paths
     self.leaves: list[Any] = saved.leaves
     self.record = saved.record
-    self.compression = compression
+    compression = options.compression
     use = codec.check(api, compression)
     if use is not None:
-      if path.endswith(".npz"):
+      if destination.npz:
         raise ValueError(
-          f"{api}: {path!r}: compression={compression!r} is for a directory "
-          "checkpoint (one compressed file per array); drop the .npz suffix "
-          "or the compression"
+          f"{api}: {self.path!r}: compression={compression!r} is for a "
+          "directory checkpoint (one compressed file per array); drop the "
+          ".npz suffix or the compression"
         )
       codec.require(api, compression)
       self.record.codecs = dict.fromkeys(self.keys, use)
@@ -106,7 +110,7 @@ class SaveJob:
 
   def check_files(self) -> None:
     """Raises ValueError for keys that cannot name a file (a directory)."""
-    if not self.path.endswith(".npz"):
+    if not self.destination.npz:
       check_files(
         self.api,
         [
@@ -116,19 +120,17 @@ class SaveJob:
       )
 
   def prepare(self) -> None:
-    """The call's checks: the prelude, the host leaves checked and copied
-    (scalars converted) before anything is written, the target, the
-    reservation of the path."""
+    """The call's checks: an earlier background save's error, the host
+    leaves checked and copied (scalars converted) before anything is
+    written, the destination's, the reservation of the path."""
+    pending.raise_background_error(self.api)
     o = self.options
-    if o.prelude is not None:
-      o.prelude()
     for i, (where, x) in enumerate(zip(self.paths, self.leaves)):
       if not isinstance(x, jax.Array):
         self.leaves[i] = writer.host_array(
           self.api, where, x, private=not o.blocking
         )
-    if o.local_target:
-      writer.check_target(self.api, self.path, o.overwrite)
+    self.destination.check()
     self.held.append(pending.reserve(self.api, self.path, o.overwrite))
 
   def turn(self) -> None:
@@ -137,23 +139,29 @@ class SaveJob:
       r.wait_turn()
 
   def release(self) -> None:
-    for r in self.held:
-      r.release()
+    """This process is done with the save: the path and the destination
+    let go."""
+    try:
+      self.destination.close()
+    finally:
+      for r in self.held:
+        r.release()
 
-  def after(self) -> None:
-    if self.options.after is not None:
-      self.options.after()
+  def committed(self) -> None:
+    """Runs once the checkpoint is committed (on the writing thread, under
+    no lock; a collective save: on process 0, inside the save)."""
 
-  def stage(self) -> tuple[Callable[[int], Any], Callable[[int], None]]:
-    """(take, done): the host value of leaf ``i``, and its release once
-    written. A blocking save copies ahead within ``max_inflight_bytes``; a
-    non-blocking one starts every device-to-host copy now and holds the
-    host values (numpy leaves were copied by ``prepare``; device buffers
-    are held, see hostvalue). The job's leaves are let go."""
-    leaves, self.leaves = self.leaves, []
+  def stage(
+    self, leaves: list[Any], paths: list[str]
+  ) -> tuple[Callable[[int], Any], Callable[[int], None]]:
+    """(take, done) over ``leaves`` (``paths`` name them in errors): the
+    host value of leaf ``i``, and its release once written. A blocking save
+    copies ahead within ``max_inflight_bytes``; a non-blocking one starts
+    every device-to-host copy now and holds the host values (numpy leaves
+    were copied by ``prepare``; device buffers are held, see hostvalue)."""
     if self.options.blocking:
       staged = writer.Staged(
-        self.api, self.paths, leaves, self.options.max_inflight_bytes
+        self.api, paths, leaves, self.options.max_inflight_bytes
       )
       return staged.take, staged.done
     for x in leaves:
@@ -162,73 +170,58 @@ class SaveJob:
       x
       if isinstance(x, np.ndarray)
       else writer.host_array(self.api, where, x, private=True)
-      for where, x in zip(self.paths, leaves)
+      for where, x in zip(paths, leaves)
     ]
     return arrays.__getitem__, lambda i: arrays.__setitem__(i, None)
 
   def write(
     self, take: Callable[[int], Any], done: Callable[[int], None]
   ) -> None:
-    """Writes the files and commits them at the path."""
-    o = self.options
-    if o.bucket is not None:
-      self._write_objects(o.bucket, take, done)
-      return
-    writer.write_checkpoint(
-      self.api, self.path, self.keys, take, done, o.threads, self.record,
-      o.overwrite,
-    )  # fmt: skip
-
-  def _write_objects(
-    self,
-    bucket: remote.Bucket,
-    take: Callable[[int], Any],
-    done: Callable[[int], None],
-  ) -> None:
-    """Writes the files as objects of ``bucket`` (the bytes and checksums
-    of the files on disk, streamed out by the writer threads), then
-    commits them by creating the record (remote.Bucket)."""
-    keys, record = self.keys, self.record
-    codecs = record.codecs
+    """Writes the files through the destination and commits them (in a
+    bucket's overwrite, beside the path, then moved to it)."""
+    record, keys = self.record, self.keys
+    dest = self.destination
     dtypes: dict[str, str] = {}
 
-    def fill(i: int, a: Any, f: Any) -> list[int]:
+    def taken(i: int) -> Any:
+      a = take(i)
       dtypes[keys[i]] = np.dtype(a.dtype).name
-      use = codecs.get(keys[i])
-      if use is None:
-        return hostvalue.write_npy(f, a)
-      with codec.compressing(use, f) as out:
-        return hostvalue.write_npy(out, a, codec.WRITE_STEP)
+      return a
 
-    bucket.begin()  # the path's writer lease, given back by end()
+    start = time.perf_counter()
+    dest.begin()
     committed = False
     try:
-      names = [codec.file_name(k, codecs.get(k)) for k in keys]
-      sums = bucket.write(names, take, fill, done, self.options.threads)
-      record.crc32c = dict(zip(keys, sums))
+      sums = dest.write(keys, taken, done, self.options.threads, record.codecs)
+      record.crc32c = sums
       record.dtypes = {k: dtypes[k] for k in keys}
       data = format.encode_record(record)
-      again = bucket.commit(data)
+      again = dest.commit(data)
       committed = True  # the copy beside the path stays readable from now
       if again:
-        bucket.move()
-        bucket.finish(data)
+        dest.move()
+        dest.finish(data)
     except BaseException:
       if not committed:
-        bucket.abort()
+        dest.abort()
       raise
     finally:
-      bucket.end()
+      dest.end()
+    LOG.info(
+      "saved %s (%d arrays) in %.2f s",
+      self.path, len(keys), time.perf_counter() - start,
+    )  # fmt: skip
 
   def run_alone(self) -> pending.SaveHandle | None:
     """The save of a checkpoint this process writes alone: ``prepare`` in
     the call, then (here when blocking, else on a background thread) its
-    turn, ``write``, ``release`` and ``after``."""
+    turn, ``write``, ``release`` and ``committed``."""
     self.check_files()
     try:
       self.prepare()
       sizes = writer.sizes_of(self.leaves)
-      take, done = self.stage()
+      leaves, self.leaves = self.leaves, []  # let go: the stage holds them
+      take, done = self.stage(leaves, self.paths)
       bar = writer.Bar("save", sizes, self.options.progress)
     except BaseException:
       self.release()
@@ -245,7 +238,7 @@ class SaveJob:
       finally:
         bar.close()
         self.release()
-      self.after()
+      self.committed()
 
     if self.options.blocking:
       work()

@@ -1,9 +1,23 @@
 """CheckpointManager: numbered steps in a directory, saved in the background,
-committed atomically, kept by retention rules (names as orbax's).
+committed atomically, kept by retention rules (names as orbax's, settings as
+keywords or one ``CheckpointManagerOptions``).
 
-A step is one checkpoint directory written by ``run_save`` (named items are
-the one tree ``{name: item}``, metrics its str leaf ``METRICS_KEY``), so it
-commits in one rename; its names and retention rules are in ``steps``.
+The manager owns its directory's ``destination.Destination`` (each step is
+its child: listed, checked, timed and deleted through it) and the
+directory's writer lease. A step is one checkpoint directory written by
+the same ``job.SaveJob`` as ``save`` (``_StepSave``, whose ``committed``
+runs the retention; named items are the one tree ``{name: item}``, metrics
+its str leaf ``METRICS_KEY``), so it commits in one rename; its names and
+retention rules are in ``steps``.
+
+>>> import shutil, tempfile
+>>> from jaxworks import batched_transfer as bt
+>>> options = bt.CheckpointManagerOptions(max_to_keep=3, save_interval_steps=100)
+>>> directory = tempfile.mkdtemp()
+>>> mgr = bt.CheckpointManager(directory, options=options)
+>>> mgr.max_to_keep, mgr.save_interval_steps
+(3, 100)
+>>> shutil.rmtree(directory)
 """
 
 from __future__ import annotations
@@ -27,20 +41,18 @@ import numpy as np
 from .. import jax_internals
 from . import api as ckpt
 from . import codec
-from . import commit
+from . import destination
 from . import format
+from . import job as job_lib
 from . import lease as lease_lib
 from . import multiprocess
 from . import pending
-from . import remote
 from . import steps as steps_lib
 from .keys import leaf_keys
 from .steps import METRICS_KEY
 from .steps import check_item_name
 from .steps import check_step
 from .storage import LOG
-from .storage import Storage
-from .storage import run_parallel
 
 _API = "jaxworks.batched_transfer.CheckpointManager"
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_.+=-]+$")
@@ -75,11 +87,87 @@ class StepMetadata:
   commit_timestamp_nsecs: int
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointManagerOptions:
+  """The settings of a ``CheckpointManager`` as one object, as orbax's users
+  write them (``CheckpointManagerOptions``): the fields are the manager's
+  keyword arguments, with the same names, defaults and meanings.
+  (An example is in the module docstring.)
+
+  Passing ``options=`` and a keyword other than its default together
+  raises TypeError (one source for each setting: set it in the options,
+  e.g. ``dataclasses.replace(options, max_to_keep=5)``).
+  """
+
+  max_to_keep: int | None = None
+  keep_period: int | None = None
+  save_interval_steps: int = 1
+  barrier_timeout_s: float = 300.0
+  best_fn: Callable[[Any], float] | None = None
+  best_mode: str = "max"
+  keep_checkpoints_without_metrics: bool = True
+  keep_time_interval: datetime.timedelta | None = None
+  should_save_fn: Callable[[int, int | None], bool] | None = None
+  save_on_steps: Iterable[int] | None = None
+  step_prefix: str | None = None
+  step_format_fixed_length: int | None = None
+  read_only: bool = False
+  item_names: Any = None
+  storage_options: dict[str, Any] | None = None
+  compression: str | None = None
+
+
+def _merged(
+  options: Any, keywords: CheckpointManagerOptions
+) -> CheckpointManagerOptions:
+  """``options`` (None: ``keywords``, the manager's keyword arguments).
+
+  Raises:
+    TypeError: ``options`` is not a CheckpointManagerOptions, or a keyword
+      other than its default was passed with it.
+  """
+  if options is None:
+    return keywords
+  if not isinstance(options, CheckpointManagerOptions):
+    raise TypeError(
+      f"{_API}: options must be a jaxworks.batched_transfer."
+      f"CheckpointManagerOptions, got {options!r:.80}"
+    )
+  both = [
+    f.name
+    for f in dataclasses.fields(keywords)
+    if getattr(keywords, f.name) is not f.default
+    and getattr(keywords, f.name) != f.default
+  ]
+  if both:
+    raise TypeError(
+      f"{_API}: {', '.join(both)} passed both as keywords and with "
+      "options=; pass each setting one way: in the options (e.g. "
+      f"dataclasses.replace(options, {both[0]}=...)) or as keywords"
+    )
+  return options
+
+
+class _StepSave(job_lib.SaveJob):
+  """The save job of one step of ``manager``: once committed (process 0 of
+  a collective save, inside it), a log line (DEBUG: the save's own INFO
+  line names the checkpoint), then the manager's retention."""
+
+  def __init__(self, manager: CheckpointManager, step: int, *args: Any) -> None:
+    super().__init__(*args)
+    self.manager, self.step = manager, step
+
+  def committed(self) -> None:
+    LOG.debug("%s: step %d committed at %r", _API, self.step, self.path)
+    self.manager._retain()
+
+
 class CheckpointManager:
   """Saves numbered steps of a training job under ``directory``.
 
   The options are the keyword arguments of orbax's
-  ``CheckpointManagerOptions`` with the same names and meanings; the
+  ``CheckpointManagerOptions`` with the same names and meanings, given as
+  keywords or as one ``CheckpointManagerOptions`` (``options=``); the
   manager is also a context manager (``close()`` on exit).
 
   A step is the checkpoint directory ``<directory>/<step>`` (see
@@ -156,6 +244,8 @@ class CheckpointManager:
       "Object stores"), settings over the cloud's standard environment.
     compression: the codec of every step's arrays, as ``save``'s (None:
       raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).
+    options: every setting above as one ``CheckpointManagerOptions``
+      (then pass none of them as a keyword: TypeError).
   """
 
   def __init__(
@@ -178,70 +268,91 @@ class CheckpointManager:
     item_names: Any = None,
     storage_options: dict[str, Any] | None = None,
     compression: str | None = None,
+    options: CheckpointManagerOptions | None = None,
   ) -> None:
-    directory = os.fspath(directory)
-    self._compression = codec.check(_API, compression)
-    self._options = storage_options
-    self._store = None
-    if ckpt.is_remote(directory):  # the steps are prefixes in a bucket
-      self._store = remote.stores.open_storage(_API, directory, storage_options)
-      self.directory = directory.rstrip("/")
-    else:
-      ckpt.no_options(_API, directory, storage_options)
-      commit.check_local(_API, directory)
-      self.directory = os.path.abspath(directory)
-    self.max_to_keep = ckpt.positive(_API, "max_to_keep", max_to_keep, True)
-    self.keep_period = ckpt.positive(_API, "keep_period", keep_period, True)
-    if save_interval_steps is None:
-      raise ValueError(f"{_API}: save_interval_steps must be a positive int")
-    self.save_interval_steps = ckpt.positive(
-      _API, "save_interval_steps", save_interval_steps, True
+    given = CheckpointManagerOptions(
+      max_to_keep=max_to_keep,
+      keep_period=keep_period,
+      save_interval_steps=save_interval_steps,
+      barrier_timeout_s=barrier_timeout_s,
+      best_fn=best_fn,
+      best_mode=best_mode,
+      keep_checkpoints_without_metrics=keep_checkpoints_without_metrics,
+      keep_time_interval=keep_time_interval,
+      should_save_fn=should_save_fn,
+      save_on_steps=save_on_steps,
+      step_prefix=step_prefix,
+      step_format_fixed_length=step_format_fixed_length,
+      read_only=read_only,
+      item_names=item_names,
+      storage_options=storage_options,
+      compression=compression,
+    )  # fmt: skip
+    self._configure(directory, _merged(options, given))
+
+  def _configure(self, directory: Any, o: CheckpointManagerOptions) -> None:
+    """Checks the settings ``o`` and opens the directory."""
+    self._dir = destination.open_directory(_API, directory, o.storage_options)
+    self.directory = self._dir.path
+    self._compression = codec.check(_API, o.compression)
+    self._options = o.storage_options
+    self.max_to_keep = job_lib.positive(
+      _API, "max_to_keep", o.max_to_keep, True
     )
-    if isinstance(barrier_timeout_s, bool) or not (
-      isinstance(barrier_timeout_s, (int, float)) and barrier_timeout_s > 0
+    self.keep_period = job_lib.positive(
+      _API, "keep_period", o.keep_period, True
+    )
+    if o.save_interval_steps is None:
+      raise ValueError(f"{_API}: o.save_interval_steps must be a positive int")
+    self.save_interval_steps = job_lib.positive(
+      _API, "save_interval_steps", o.save_interval_steps, True
+    )
+    if isinstance(o.barrier_timeout_s, bool) or not (
+      isinstance(o.barrier_timeout_s, (int, float)) and o.barrier_timeout_s > 0
     ):
       raise ValueError(
-        f"{_API}: barrier_timeout_s must be a positive number of seconds, "
-        f"got {barrier_timeout_s!r}"
+        f"{_API}: o.barrier_timeout_s must be a positive number of seconds, "
+        f"got {o.barrier_timeout_s!r}"
       )
-    self.barrier_timeout_s = float(barrier_timeout_s)
-    self.best_fn = _callable_or_none("best_fn", best_fn)
-    if best_mode not in ("max", "min"):
+    self.barrier_timeout_s = float(o.barrier_timeout_s)
+    self.best_fn = _callable_or_none("best_fn", o.best_fn)
+    if o.best_mode not in ("max", "min"):
       raise ValueError(
-        f"{_API}: best_mode must be 'max' or 'min', got {best_mode!r}"
+        f"{_API}: o.best_mode must be 'max' or 'min', got {o.best_mode!r}"
       )
-    self.best_mode = best_mode
+    self.best_mode = o.best_mode
     self.keep_checkpoints_without_metrics = bool(
-      keep_checkpoints_without_metrics
+      o.keep_checkpoints_without_metrics
     )
-    if keep_time_interval is not None and not isinstance(
-      keep_time_interval, datetime.timedelta
+    if o.keep_time_interval is not None and not isinstance(
+      o.keep_time_interval, datetime.timedelta
     ):
       raise TypeError(
-        f"{_API}: keep_time_interval must be a datetime.timedelta or None, "
-        f"got {keep_time_interval!r}; e.g. datetime.timedelta(hours=1)"
+        f"{_API}: o.keep_time_interval must be a datetime.timedelta or None, "
+        f"got {o.keep_time_interval!r}; e.g. datetime.timedelta(hours=1)"
       )
-    self.keep_time_interval = keep_time_interval
-    self.should_save_fn = _callable_or_none("should_save_fn", should_save_fn)
+    self.keep_time_interval = o.keep_time_interval
+    self.should_save_fn = _callable_or_none("should_save_fn", o.should_save_fn)
     try:
-      self.save_on_steps = frozenset(save_on_steps or ())
+      self.save_on_steps = frozenset(o.save_on_steps or ())
     except TypeError:
       raise TypeError(
-        f"{_API}: save_on_steps must be a container of steps, got "
-        f"{save_on_steps!r:.80}"
+        f"{_API}: o.save_on_steps must be a container of steps, got "
+        f"{o.save_on_steps!r:.80}"
       ) from None
-    if step_prefix is not None and (
-      not isinstance(step_prefix, str) or not _NAME_CHARS.match(step_prefix)
+    if o.step_prefix is not None and (
+      not isinstance(o.step_prefix, str) or not _NAME_CHARS.match(o.step_prefix)
     ):
       raise ValueError(
-        f"{_API}: step_prefix must be a non-empty str of letters, digits and "
-        f"'_.+=-', or None, got {step_prefix!r}"
+        f"{_API}: o.step_prefix must be a non-empty str of letters, digits and "
+        f"'_.+=-', or None, got {o.step_prefix!r}"
       )
-    self.step_prefix = step_prefix
-    self.step_format_fixed_length = ckpt.positive(
-      _API, "step_format_fixed_length", step_format_fixed_length, True
+    self.step_prefix = o.step_prefix
+    self.step_format_fixed_length = job_lib.positive(
+      _API, "step_format_fixed_length", o.step_format_fixed_length, True
     )
-    self.read_only = bool(read_only)
+    self.read_only = bool(o.read_only)
+    item_names = o.item_names
     if item_names is not None:
       if isinstance(item_names, str):
         item_names = (item_names,)
@@ -249,15 +360,8 @@ class CheckpointManager:
       for name in item_names:
         check_item_name(_API, name)
     self.item_names = item_names
-    if self._store is not None:
-      pass
-    elif os.path.lexists(self.directory) and not os.path.isdir(self.directory):
-      raise FileExistsError(
-        f"{_API}: {directory!r} exists and is not a directory"
-      )
-    if not self.read_only and self._store is None:
-      commit.make_parents(self.directory)
-    self._names = steps_lib.StepNames(step_prefix, step_format_fixed_length)
+    self._dir.make_directory(create=not self.read_only)
+    self._names = steps_lib.StepNames(o.step_prefix, o.step_format_fixed_length)
     self._handle: pending.SaveHandle | None = None
     self._pending_step: int | None = None
     self._lock = threading.Lock()
@@ -268,22 +372,17 @@ class CheckpointManager:
     self._lease: lease_lib.Lease | None = None
     self._lease_ref: weakref.finalize | None = None
 
+  def _step(self, step: int) -> destination.Destination:
+    """The destination of ``step``: ``<directory>/<its name>``."""
+    return self._dir.child(self._names.name(step))
+
   def _path(self, step: int) -> str:
-    if self._store is not None:
-      return f"{self.directory}/{self._names.name(step)}"
-    return os.path.join(self.directory, self._names.name(step))
+    return self._step(step).path
 
   def _committed(self, step: int) -> bool:
     """Whether ``step`` is committed (a bucket: its record exists, or an
     overwrite's copy beside it is named, remote.committed_at)."""
-    if self._store is None:
-      return os.path.isdir(self._path(step))
-    return self._at(step) is not None
-
-  def _at(self, step: int) -> Storage | None:
-    """Where the checkpoint of ``step`` in a bucket is; None if none."""
-    assert self._store is not None
-    return remote.committed_at(_API, self._store.child(self._names.name(step)))
+    return self._step(step).committed()
 
   def _no_step(self, api: str, step: int) -> FileNotFoundError:
     return FileNotFoundError(
@@ -309,29 +408,12 @@ class CheckpointManager:
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending (a step being written is not one)."""
-    store = self._store
-    if store is not None:  # the prefixes with a record
-      named = {
-        step: name
-        for name in store.children()
-        if (step := self._names.parse(name)) is not None
-      }
-      found = run_parallel(
-        lambda n: remote.committed_at(_API, store.child(n)) is not None,
-        list(named.values()),
-        store.concurrency,
-      )
-      return sorted(s for s, ok in zip(named, found) if ok)
-    try:
-      names = os.listdir(self.directory)
-    except FileNotFoundError:
-      return []
-    return sorted(
-      step
-      for name in names
+    named = {
+      name: step
+      for name in self._dir.children()
       if (step := self._names.parse(name)) is not None
-      and os.path.isdir(os.path.join(self.directory, name))
-    )
+    }
+    return sorted(named[n] for n in self._dir.committed_among(list(named)))
 
   def _in_save_order(self, steps: list[int]) -> list[int]:
     """``steps`` in orbax's order: those this manager did not save (since
@@ -484,15 +566,16 @@ class CheckpointManager:
       pending.raise_background_error(api)
       self._log_skip(api, step, why)
       return False
-    path = self._path(step)
     self._saving(step)
     # A collective save's number before any check of the tree: an error
     # below is every process's (a process whose calls got out of step
     # anyway meets another step's path, which the save refuses).
-    with multiprocess.ticket(api, path) as ticket:
-      self._handle = self._start(
-        api, step, path, tree, items, metrics, blocking, failed, ticket
-      )
+    with multiprocess.ticket(api, self._path(step)) as ticket:
+      if failed is not None:  # the previous save's error first
+        raise failed
+      tree = self._tree_to_save(api, step, tree, items, metrics)
+      job = self._job(api, step, tree, blocking)
+      self._handle = multiprocess.run(job, ticket)
     self._pending_step = step
     return True
 
@@ -506,22 +589,11 @@ class CheckpointManager:
         self._saved.remove(step)
       self._saved.append(step)
 
-  def _start(
-    self,
-    api: str,
-    step: int,
-    path: str,
-    tree: Any,
-    items: Any,
-    metrics: Any,
-    blocking: bool,
-    failed: BaseException | None,
-    ticket: multiprocess.Ticket | None,
-  ) -> pending.SaveHandle | None:
-    """save's checks of the tree, then its ``run_save``."""
-    if failed is not None:  # the previous save's error first
-      raise failed
-    self._hold(api)
+  def _tree_to_save(
+    self, api: str, step: int, tree: Any, items: Any, metrics: Any
+  ) -> Any:
+    """save's tree (``{name: item}`` for ``items``), checked, with the
+    metrics as its str leaf ``METRICS_KEY``."""
     tree = self._tree(api, tree, items)
     if metrics is not None:
       if not isinstance(tree, dict):
@@ -535,62 +607,33 @@ class CheckpointManager:
           f"{api}: the key {METRICS_KEY!r} is reserved for the step's "
           "metrics; rename it in the tree"
         )
-      tree = {**tree, METRICS_KEY: steps_lib.metrics_json(api, metrics)}
-    elif self.best_fn is not None:
+      return {**tree, METRICS_KEY: steps_lib.metrics_json(api, metrics)}
+    if self.best_fn is not None:
       warnings.warn(
         f"{api}: best_fn is set but step {step} is saved without metrics=",
-        stacklevel=3,
+        stacklevel=4,
       )
+    return tree
 
-    def prelude() -> None:
-      pending.raise_background_error(api)
-      if self._store is not None:
-        if self._committed(step):
-          raise FileExistsError(
-            f"{api}: step {step} exists in {self.directory!r}; delete(step) "
-            "first"
-          )
-        return  # the save deletes what a killed save of the step left
-      if os.path.lexists(path):
-        raise FileExistsError(
-          f"{api}: step {step} exists in {self.directory!r}; delete(step) first"
-        )
-      if jax.process_index() == 0:  # what killed saves of any step left
-        with commit.locked(path):  # (process 0 alone: it commits)
-          for _, p in commit._scan(self.directory, self._names.temps):
-            LOG.debug("%s: removing %r, left by a killed save", api, p)
-            commit.remove(p)
-
+  def _job(self, api: str, step: int, tree: Any, blocking: bool) -> _StepSave:
+    """The save job of ``step``, once the directory's lease is held, no
+    earlier background save failed and the step is not there (what
+    killed saves left in the directory is removed: process 0 commits)."""
+    self._hold(api)
+    pending.raise_background_error(api)
+    at = self._step(step)
+    if at.committed():
+      raise FileExistsError(
+        f"{api}: step {step} exists in {self.directory!r}; delete(step) first"
+      )
+    if jax.process_index() == 0:
+      self._dir.remove_leftovers(self._names.temps)
     self._forget(step)
-    if self._store is not None:
-      prelude()
-      return ckpt.save_url(
-        api, path, tree, overwrite=False, blocking=blocking,
-        write_threads=None, max_inflight_bytes=ckpt.DEFAULT_INFLIGHT,
-        storage_options=self._options, ticket=ticket,
-        prelude=lambda: None, after=self._after(step, path),
-        primary_keys=(METRICS_KEY,),
-        compression=self._compression,
-        barrier_timeout_s=self.barrier_timeout_s,
-        lease=False,  # this manager's lease on its directory covers it
-      )  # fmt: skip
-    return ckpt.run_save(
-      api, path, tree, overwrite=False, blocking=blocking, write_threads=None,
-      max_inflight_bytes=ckpt.DEFAULT_INFLIGHT, prelude=prelude,
-      barrier_timeout_s=self.barrier_timeout_s, after=self._after(step, path),
-      primary_keys=(METRICS_KEY,), ticket=ticket,
-      compression=self._compression,
+    options = job_lib.Options(
+      blocking=blocking, barrier_timeout_s=self.barrier_timeout_s,
+      compression=self._compression, primary_keys=(METRICS_KEY,),
     )  # fmt: skip
-
-  def _after(self, step: int, path: str) -> Callable[[], None]:
-    """What runs once ``step`` committed (process 0): a log line (DEBUG:
-    the save's own INFO line names the checkpoint), then retention."""
-
-    def after() -> None:
-      LOG.debug("%s: step %d committed at %r", _API, step, path)
-      self._retain()
-
-    return after
+    return _StepSave(self, step, api, tree, at, options)
 
   def _hold(self, api: str) -> None:
     """Takes (or checks) this directory's writer lease before a write:
@@ -600,10 +643,7 @@ class CheckpointManager:
       return
     held = self._lease
     if held is None:
-      st = self._store
-      if st is None:
-        st = remote.stores.open_storage(_API, self.directory)
-      held = lease_lib.acquire(api, st, self.directory)
+      held = lease_lib.acquire(api, self._dir.storage(), self.directory)
       self._lease = held
       self._lease_ref = weakref.finalize(self, lease_lib.release, held)
     held.check(api)
@@ -648,7 +688,7 @@ class CheckpointManager:
         return self._metrics_cache[step]
     path = self._path(step)
     try:
-      text = ckpt.read_values(api, path, self._options).get(METRICS_KEY)
+      text = ckpt.read_values(self._step(step)).get(METRICS_KEY)
     except FileNotFoundError:
       raise self._no_step(api, step) from None
     value = None
@@ -659,12 +699,10 @@ class CheckpointManager:
     return value
 
   def _commit_ns(self, step: int) -> int:
-    if self._store is not None:
-      at = self._at(step)
-      if at is None:
-        raise self._no_step(f"{_API}.all_steps", step)
-      return at.mtime_ns(format.RECORD)
-    return os.stat(self._path(step)).st_mtime_ns
+    ns = self._step(step).commit_ns()
+    if ns is None:
+      raise self._no_step(f"{_API}.all_steps", step)
+    return ns
 
   def _ranked(self, steps: list[int]) -> tuple[list[int], list[int]]:
     assert self.best_fn is not None
@@ -869,7 +907,7 @@ class CheckpointManager:
     # Items restored as saved: Python scalar leaves back as Python scalars
     # (as restore without a target gives them).
     if any(t is None for t in items.values()):
-      python = ckpt.read_record(api, path, self._options)[1].python
+      python = ckpt.read_record(self._step(step))[1].python
       for name, t in items.items():
         if t is None and python:
           keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
@@ -910,22 +948,10 @@ class CheckpointManager:
     """Deletes ``step``; False if it was gone (``missing_ok``)."""
     api = f"{_API}.delete"
     self._hold(api)
-    path = self._path(step)
-    if self._store is not None:  # the record first: never half listed
-      st = self._store.child(self._names.name(step))
-      if not remote.delete(api, st):
-        if missing_ok:
-          return False
-        raise self._no_step(api, step)
-      LOG.debug("%s: deleted %r", api, path)
-      self._forget(step)
-      return True
-    with commit.locked(path):
-      if not os.path.isdir(path):
-        if missing_ok:
-          return False
-        raise self._no_step(api, step)
-      commit.delete(path)
+    if not self._step(step).delete():  # never half listed
+      if missing_ok:
+        return False
+      raise self._no_step(api, step)
     self._forget(step)
     return True
 
@@ -958,7 +984,7 @@ class CheckpointManager:
       multiprocess.run_collective(
         api,
         "delete",
-        self._path(step),
+        self._step(step).key,
         on_process_0,
         self.barrier_timeout_s,
       )

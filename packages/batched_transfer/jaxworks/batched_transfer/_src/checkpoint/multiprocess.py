@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import threading
 import time
 from typing import Any
@@ -44,13 +43,11 @@ import numpy as np
 
 from .. import jax_internals
 from . import checksum
-from . import codec
-from . import commit
 from . import format
 from . import hostvalue
 from . import pending
-from . import remote
 from . import writer
+from .destination import Destination
 from .job import SaveJob
 from .keys import check_files
 from .storage import LOG
@@ -175,16 +172,6 @@ def plan_save(
     "arrays": arrays,
   }
   return manifest, mine, whole
-
-
-def _digest(x: Any) -> list[int]:
-  """The checksums of a whole leaf's data as save writes it (C order,
-  whatever the strides of its host value)."""
-  return hostvalue.digest(_host(x))
-
-
-def _host(x: Any) -> np.ndarray | hostvalue.Shards:
-  return hostvalue.of(x) if isinstance(x, jax.Array) else x
 
 
 class _Board:
@@ -332,20 +319,67 @@ class _Board:
       pause = min(2 * pause, POLL_S[1])
 
 
+def run(job: SaveJob, ticket: Ticket | None) -> pending.SaveHandle | None:
+  """Runs ``job`` by this process alone (``job.run_alone``) or by every
+  process (``save_across_processes``): collectively where the job's
+  ``collective`` option says (None: when jax.distributed runs several
+  processes) and the tree has arrays spanning processes or several
+  processes run. ``ticket``: the collective call's (``ticket``)."""
+  api, dest = job.api, job.destination
+  collective = job.options.collective
+  if collective is None:
+    collective = multi_process()
+  spans = spans_processes(job.leaves)
+  if spans and not collective:
+    raise ValueError(
+      f"{api}: {dest.path!r}: with collective=False this process saves "
+      "alone, but the tree has arrays spanning devices of several "
+      "processes; let every process call save (collective=None)"
+    )
+  if not (collective and (spans or multi_process())):
+    return job.run_alone()
+  if job.record.codecs:
+    raise ValueError(
+      f"{api}: {dest.path!r}: compression={job.options.compression!r} is for "
+      "checkpoints one process saves; a checkpoint several processes save "
+      "together stores raw shards (restore reads the byte ranges it needs): "
+      "pass compression=None"
+    )
+  if dest.npz:
+    raise ValueError(
+      f"{api}: {dest.path!r}: a checkpoint several processes save together "
+      "is a directory (one file per shard); drop the .npz suffix"
+    )
+  return save_across_processes(job, ticket)
+
+
+@dataclasses.dataclass
+class _Share:
+  """What one process writes of a collective save (``plan_save``), staged:
+  ``stems[i]`` from ``take(i)`` (released by ``done(i)``); then the
+  leaves that span no processes, ``take(len(stems) + j)`` for ``same[j]``,
+  whose checksums process 0 compares with its own files'."""
+
+  manifest: dict[str, Any]
+  stems: list[str]
+  sizes: list[int]
+  same: list[str]
+  take: Callable[[int], Any]
+  done: Callable[[int], None]
+  identity: dict[str, Any]
+
+
 def save_across_processes(
-  job: SaveJob,
-  ticket: Ticket | None = None,
-  dest: remote.Bucket | None = None,
+  job: SaveJob, ticket: Ticket | None = None
 ) -> pending.SaveHandle | None:
   """The collective save of ``job`` (see the module docstring).
   ``job.prepare()`` runs first, on every process: the checks of the call
-  (an error there is every process's), and the leaves to write;
-  ``job.turn()`` before anything is written; ``job.release()`` once this
-  process is done with the save. The leaves of the job's ``primary_keys``
-  are process 0's: they are not checked against the other processes'.
-  ``ticket``: the call's, taken when it began (a new one if None).
-  ``dest``: the bucket the save writes to (the job's path is its URL),
-  else the file system."""
+  (an error there is every process's), and the leaves to write, staged by
+  ``job.stage``; ``job.turn()`` before anything is written;
+  ``job.release()`` once this process is done with the save. The leaves of
+  the job's ``primary_keys`` are process 0's: they are not checked
+  against the other processes'. ``ticket``: the call's, taken when it
+  began (a new one if None). The files go through ``job.destination``."""
   api, path, o = job.api, job.path, job.options
   if ticket is None:
     with _seq_lock:
@@ -354,54 +388,25 @@ def save_across_processes(
   board = ticket.board = _Board(
     api, path, client, ticket.seq, o.barrier_timeout_s
   )
-  where_to = destination(api, path, dest)
 
   def done() -> None:
     board.release()
-    where_to.close()
     job.release()
 
   try:
     job.prepare()
-    manifest, mine, whole = plan_save(api, job.keys, job.paths, job.leaves)
-    # The save's identity, which every process must share: the path, the
-    # manifest (keys, shapes, dtypes, shardings) and the leaves that are
-    # not arrays.
-    record, primary = job.record, o.primary_keys
-    agreed = dataclasses.replace(
-      record,
-      values={k: v for k, v in record.values.items() if k not in primary},
-    )
-    arrays = {k: v for k, v in manifest["arrays"].items() if k not in primary}
-    plan = checksum.crc(
-      json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
-    )
-    identity = {"call": "save", "path": _normal(path), "plan": plan}
-    board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
-    whole = [(k, x) for k, x in whole if k not in primary]
-    # Process 0 writes them (in C order, as every file): the checksums of
-    # its files are the reference.
-    if board.pid == 0:
-      whole = []
-    if not o.blocking:  # every host value now: the caller may reuse the arrays
-      for _, x in mine + whole:
-        hostvalue.start_copy(x)
-      mine = [(stem, _host(x)) for stem, x in mine]
-      whole = [(key, _host(x)) for key, x in whole]
+    share = _share(job, board.pid)
+    board.post(f"id/{board.pid}", json.dumps(share.identity, sort_keys=True))
   except BaseException as err:
     board.fail(err, _NOTHING)
     done()
     raise
   job.leaves = []
-  where = dict(zip(job.keys, job.paths))
 
   def work() -> None:
     try:
       job.turn()
-      _collective(
-        board, where_to, path, manifest, record, mine, whole,
-        identity, where, o.threads, o.overwrite, job.after, o.progress,
-      )  # fmt: skip
+      _Collective(board, job, share).run()
     except BaseException as err:
       board.fail(err, "")  # the notes were set where it was known
       raise
@@ -414,224 +419,158 @@ def save_across_processes(
   return pending.start(path, work)
 
 
-class _OnDisk:
-  """Where a collective save writes on a (shared) file system: a temporary
-  directory beside the path, made by process 0 under the save lock,
-  renamed to the path by its commit. ``remote.Bucket`` is the same for
-  a bucket (its ``commit`` may ask for a second round: ``move``)."""
+def _share(job: SaveJob, pid: int) -> _Share:
+  """This process's ``_Share`` of ``job``, staged, with the save's
+  identity, which every process must share: the path, the manifest (keys,
+  shapes, dtypes, shardings) and the leaves that are not arrays."""
+  manifest, mine, whole = plan_save(job.api, job.keys, job.paths, job.leaves)
+  record, primary = job.record, job.options.primary_keys
+  agreed = dataclasses.replace(
+    record,
+    values={k: v for k, v in record.values.items() if k not in primary},
+  )
+  arrays = {k: v for k, v in manifest["arrays"].items() if k not in primary}
+  plan = checksum.crc(
+    json.dumps(arrays, sort_keys=True).encode() + format.encode_record(agreed)
+  )
+  identity = {"call": "save", "path": job.destination.key, "plan": plan}
+  # Process 0 writes them (in C order, as every file): the checksums of its
+  # files are the reference.
+  whole = [] if pid == 0 else [(k, x) for k, x in whole if k not in primary]
+  values = [x for _, x in mine] + [x for _, x in whole]
+  names = [stem for stem, _ in mine] + [key for key, _ in whole]
+  take, done = job.stage(values, names)
+  return _Share(
+    manifest, [stem for stem, _ in mine], writer.sizes_of(values[: len(mine)]),
+    [key for key, _ in whole], take, done, identity,
+  )  # fmt: skip
 
-  beside = False
 
-  def __init__(self, api: str, path: str) -> None:
-    self.api, self.path = api, path
-    self.tmp: str | None = None
+class _Collective:
+  """The protocol of one collective save on this process, once its turn
+  came (the module docstring): process 0 begins, every process writes its
+  share, process 0 checks the statuses and commits (a bucket's overwrite:
+  every process moves its objects to the path, process 0 finishes), then
+  runs the job's ``committed``; the others wait for its outcome."""
 
-  def where(self) -> str:
-    return self.path
+  def __init__(self, board: _Board, job: SaveJob, share: _Share) -> None:
+    self.board, self.job, self.share = board, job, share
+    self.dest: Destination = job.destination
+    self.where = dict(zip(job.keys, job.paths))
+    self.note = _NOTHING
+    self.began = False  # process 0: begun and not committed
 
-  def begin(self, stack: contextlib.ExitStack) -> str:
-    stack.enter_context(commit.locked(self.path))
-    commit.clean(self.path)
-    self.tmp = commit.temp_name(self.path, commit.NEW)
-    os.mkdir(self.tmp)
-    return os.path.basename(self.tmp)
+  def run(self) -> None:
+    board, dest = self.board, self.dest
+    with contextlib.ExitStack() as stack:
+      try:
+        if board.pid == 0:
+          name = dest.begin()
+          stack.callback(dest.end)  # the lock or lease, held to the end
+          self.began = True
+          ids = [f"id/{p}" for p in range(board.count)]
+          entries = board.wait(ids, "start the save too", _NOTHING)
+          agree(board, entries, self.share.identity)  # before any shard
+          board.post("tmp", name)  # the others may write
+        else:
+          entries = board.wait(
+            ["tmp"], "make the temporary directory", _NOTHING
+          )
+          dest.attach(entries["tmp"])
+        sums = self._write()
+        if board.pid == 0:
+          self._commit(sums)
+        elif dest.beside:
+          board.wait(["swap"], "commit", _NOTHING)
+          self._move()
+      except BaseException as err:
+        if self.began:  # process 0, under the lock
+          with contextlib.suppress(Exception):
+            dest.abort()
+        board.fail(err, self.note)
+        raise
+    self._outcome()
 
-  def attach(self, name: str) -> None:
-    self.tmp = os.path.join(os.path.dirname(self.path), name)
+  def _write(self) -> dict[str, list[int]]:
+    """This process's files, then its status posted: their checksums, and
+    those of the leaves that span no processes (``same``)."""
+    board, share = self.board, self.share
 
-  def write(
-    self,
-    stems: list[str],
-    take: Callable[[int], Any],
-    done: Callable[[int], None],
-    threads: int,
-  ) -> dict[str, list[int]]:
-    assert self.tmp is not None
-    _, sums = writer.write_directory(
-      self.api, self.path, self.tmp, stems, take, done, threads
-    )
-    commit.fsync_dirs(self.tmp)
+    def take(i: int) -> Any:
+      board.look()
+      return share.take(i)
+
+    bar = writer.Bar("save", share.sizes, self.job.options.progress)
+
+    def done(i: int) -> None:
+      share.done(i)
+      bar.done(i)
+
+    try:
+      sums = self.dest.write(
+        share.stems, take, done, self.job.options.threads, {}
+      )
+    finally:
+      bar.close()
+    n = len(share.stems)
+    same = {}
+    for j, key in enumerate(share.same):
+      same[key] = hostvalue.digest(share.take(n + j))
+      share.done(n + j)
+    status = {"crc32c": sums, "same": same}
+    board.post(f"status/{board.pid}", json.dumps(status))
     return sums
 
-  def commit(self, manifest: bytes, record: bytes, overwrite: bool) -> bool:
-    assert self.tmp is not None
-    for name, data in ((format.MANIFEST, manifest), (format.RECORD, record)):
-      with open(os.path.join(self.tmp, name), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    commit.fsync_path(self.tmp)
-    commit.publish(self.api, self.tmp, self.path, overwrite)
-    LOG.info("saved %s (written by every process)", self.path)
-    self.tmp = None
-    return False
+  def _commit(self, sums: dict[str, list[int]]) -> None:
+    """Process 0, every status posted: the agreement checked, the manifest
+    and the record committed (a bucket's overwrite: moved to the path)."""
+    board, dest = self.board, self.dest
+    statuses = [
+      json.loads(v)
+      for v in self._all("status", "finish writing", _NOTHING).values()
+    ]
+    _check_agreement(board, statuses, sums, self.where)
+    manifest, record = _final(self.share.manifest, self.job.record, statuses)
+    again = dest.commit(record, manifest)
+    self.began = False  # committed: nothing to remove
+    if again:  # committed beside the path, then moved there
+      board.post("swap", "")
+      self._move()
+      self._all("moved", "upload its files to the path", self.note)
+      dest.finish(record, manifest)
+    LOG.info("saved %s (written by every process)", self.job.path)
 
-  def abort(self) -> None:  # process 0, under the lock
-    if self.tmp is not None:
-      commit.remove(self.tmp)
+  def _all(self, kind: str, what: str, note: str) -> dict[str, str]:
+    """Waits for ``<kind>/<p>`` of every process ``p``; their values."""
+    names = [f"{kind}/{p}" for p in range(self.board.count)]
+    entries = self.board.wait(names, what, note)
+    return {n: entries[n] for n in names}
 
-  def close(self) -> None:
-    pass
-
-
-class _InBucket:
-  """``remote.Bucket`` as a collective save's destination."""
-
-  def __init__(self, up: remote.Bucket) -> None:
-    self.up = up
-
-  @property
-  def beside(self) -> bool:
-    return self.up.beside
-
-  def where(self) -> str:
-    return self.up.where()
-
-  def begin(self, stack: contextlib.ExitStack) -> str:
-    name = self.up.begin()  # the path's writer lease, held to the end
-    stack.callback(self.up.end)
-    return name
-
-  def attach(self, name: str) -> None:
-    self.up.attach(name)
-
-  def write(
-    self,
-    stems: list[str],
-    take: Callable[[int], Any],
-    done: Callable[[int], None],
-    threads: int,
-  ) -> dict[str, list[int]]:
-    # The objects written straight from the writer threads, as a save of
-    # one process writes them (remote.Bucket).
-    sums = self.up.write(
-      [codec.file_name(s, None) for s in stems],
-      take,
-      lambda i, a, f: hostvalue.write_npy(f, a),
-      done,
-      threads,
+  def _move(self) -> None:
+    """A bucket's overwrite: this process's objects copied to the path."""
+    self.note = (
+      f"; the new checkpoint was committed at {self.dest.where()!r}, where "
+      f"restore of {self.job.path!r} reads it until a save to "
+      f"{self.job.path!r} completes"
     )
-    return dict(zip(stems, sums))
+    self.dest.move()
+    self.board.post(f"moved/{self.board.pid}", "")
 
-  def commit(self, manifest: bytes, record: bytes, overwrite: bool) -> bool:
-    return self.up.commit(record, manifest)
-
-  def abort(self) -> None:
-    self.up.abort()
-
-  def close(self) -> None:
-    self.up.close()
-
-
-def destination(api: str, path: str, dest: Any) -> Any:
-  """Where a collective save to ``path`` writes: ``dest`` (a
-  ``remote.Bucket`` for a bucket) or the file system."""
-  return _OnDisk(api, path) if dest is None else _InBucket(dest)
-
-
-def _collective(
-  board: _Board,
-  dest: Any,
-  path: str,
-  manifest: dict,
-  record: format.Record,
-  mine: list[tuple[str, Any]],
-  whole: list[tuple[str, Any]],
-  identity: dict[str, Any],
-  where: dict[str, str],
-  threads: int,
-  overwrite: bool,
-  after: Callable[[], None] | None,
-  progress: bool | None,
-) -> None:
-  pid = board.pid
-  ids = [f"id/{p}" for p in range(board.count)]  # process 0 waits for them
-  note = _NOTHING
-  with contextlib.ExitStack() as stack:
-    began = False
-    try:
-      if pid == 0:
-        name = dest.begin(stack)
-        began = True
-        entries = board.wait(ids, "start the save too", _NOTHING)
-        agree(board, entries, identity)  # before any shard is written
-        board.post("tmp", name)  # the others may write
-      else:
-        entries = board.wait(["tmp"], "make the temporary directory", _NOTHING)
-        dest.attach(entries["tmp"])
-      stems = [stem for stem, _ in mine]
-      values = [x for _, x in mine]
-
-      def take(i: int) -> Any:
-        board.look()
-        return _host(values[i])
-
-      bar = writer.Bar("save", writer.sizes_of(values), progress)
+  def _outcome(self) -> None:
+    """Process 0: the job's ``committed`` (a manager's retention, before
+    the others return: they see its result), then "ok" posted; the others
+    wait for the outcome."""
+    board, path = self.board, self.job.path
+    if board.pid == 0:
       try:
-        sums = dest.write(stems, take, bar.done, threads)
-      finally:
-        bar.close()
-      values.clear()  # the host values held for a non-blocking save
-      mine.clear()
-      same = {key: _digest(x) for key, x in whole}
-      whole.clear()
-      status = {"crc32c": sums, "same": same}
-      board.post(f"status/{pid}", json.dumps(status))
-      moved = [f"moved/{p}" for p in range(board.count)]
-      if pid == 0:
-        entries = board.wait(
-          [f"status/{p}" for p in range(board.count)],
-          "finish writing",
-          _NOTHING,
-        )
-        statuses = [
-          json.loads(entries[f"status/{p}"]) for p in range(board.count)
-        ]
-        _check_agreement(board, statuses, sums, where)
-        data = _final(manifest, record, statuses)
-        again = dest.commit(*data, overwrite)
-        began = False  # committed: nothing to remove
-        if again:  # a bucket's overwrite: committed beside, then the path
-          note = _beside(dest, path)
-          board.post("swap", "")
-          dest.up.move()
-          board.post(f"moved/{pid}", "")
-          board.wait(moved, "upload its files to the path", note)
-          dest.up.finish(data[1], data[0])  # (record, manifest)
-      elif dest.beside:
-        board.wait(["swap"], "commit", _NOTHING)
-        note = _beside(dest, path)
-        dest.up.move()
-        board.post(f"moved/{pid}", "")
-    except BaseException as err:
-      if began and pid == 0:  # under the lock
-        with contextlib.suppress(Exception):
-          dest.abort()
-      board.fail(err, note)
-      raise
-  if pid == 0:
-    try:  # retention before the others return: they see its result
-      if after is not None:
-        after()
-    except BaseException as err:
-      board.fail(err, f"; {path!r} was committed, then this failed")
-      raise
-    board.check({"outcome": json.dumps(board.settle({"ok": True}))})
-  else:
-    note = f"; {path!r} is complete if it was committed"
-    board.wait(["outcome"], "commit", note)
-
-
-def _beside(dest: Any, path: str) -> str:
-  return (
-    f"; the new checkpoint was committed at {dest.where()!r}, where restore "
-    f"of {path!r} reads it until a save to {path!r} completes"
-  )
-
-
-def _normal(path: str) -> str:
-  """``path`` as processes compare it (a URL as written)."""
-  return path if "://" in path else os.path.normpath(path)
+        self.job.committed()
+      except BaseException as err:
+        board.fail(err, f"; {path!r} was committed, then this failed")
+        raise
+      board.check({"outcome": json.dumps(board.settle({"ok": True}))})
+    else:
+      note = f"; {path!r} is complete if it was committed"
+      board.wait(["outcome"], "commit", note)
 
 
 def _call(identity: dict[str, Any]) -> str:
@@ -705,7 +644,8 @@ def run_collective(
   """Runs ``fn`` once for every process of the job: a collective call that
   every process makes in the same order as its collective saves (it takes
   the next sequence number of theirs). Each process posts the call's
-  identity (``what`` and ``path``); process 0 waits for all of them (so no
+  identity (``what`` and ``path``, a destination's ``key``, as the
+  processes compare it); process 0 waits for all of them (so no
   process is still before the call, e.g. reading what ``fn`` deletes),
   checks that they are the same (``agree``), runs ``fn()`` and posts its
   outcome;
@@ -717,7 +657,7 @@ def run_collective(
     seq = next(_seq)
   board = _Board(api, path, client, seq, timeout_s, f"{what} of")
   try:
-    identity = {"call": what, "path": _normal(path), "plan": None}
+    identity = {"call": what, "path": path, "plan": None}
     board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
     if board.pid == 0:
       try:

@@ -21,7 +21,8 @@ keeps them. A CheckpointManager's saves take none: it holds its
 directory's.
 
 ``Bucket`` is the bucket side of a directory save (one process's, driven by
-``job.SaveJob``, or every process's, driven by multiprocess): the writer
+``job.SaveJob``, or every process's, driven by multiprocess), through
+``destination.BucketPrefix``: the writer
 threads stream each file straight into its object (``Storage.open_write``:
 small ones in one request, large ones as parallel multipart uploads, their
 CRC-32C computed as the bytes go out), no local copy; then the record is
@@ -39,8 +40,9 @@ one answer: the last save that committed); at every moment one complete
 checkpoint is readable, the last one committed. Copies beside the path
 that no name points to are leftovers, which the next save removes. (0.6.0
 named its copies ``.<name>.jaxworks-new-<hex>`` and wrote no name: a path
-with neither record nor name reads the newest committed one of those.) An ``.npz`` is one object, written locally, then
-uploaded (``NpzUpload``). ``source`` finds the committed checkpoint at a
+with neither record nor name reads the newest committed one of those.) An
+``.npz`` is one object, written locally, then uploaded
+(``destination.BucketNpz``). ``source`` finds the committed checkpoint at a
 URL (or the copy an overwrite committed beside it), which restore and
 metadata read in ranges straight from the objects (restore_objects).
 """
@@ -50,16 +52,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
-import os
 import secrets
-import tempfile
 from typing import Any
 
 from . import codec
 from . import format
 from . import lease as lease_lib
 from . import storage
-from . import stores
 from .storage import LOG
 from .storage import Storage
 from .storage import in_writer_threads
@@ -136,7 +135,7 @@ def committed_at(
   loc = st.location
   if not loc.prefix:
     return None
-  parent = st._at(loc.parent)
+  parent = st.parent()
   if copies is None or any(_is_copy(loc.name, c) for c in copies):
     copy = _moved(api, st, loc.name)
     if copy is not None:
@@ -187,70 +186,25 @@ def _upload(
   return out
 
 
-def _destination(
-  api: str, url: str, storage_options: dict[str, Any] | None
-) -> tuple[Storage, Storage, str]:
-  """(the prefix's storage, its parent's, its name) of a save to ``url``;
+def split(api: str, url: str, st: Storage) -> tuple[Storage, str]:
+  """(the parent's storage, the name) of a save to ``url`` (``st``);
   ValueError for a bucket's root."""
-  st = stores.open_storage(api, url, storage_options)
   loc = st.location
   if not loc.prefix:
     raise ValueError(
       f"{api}: {url!r} is a bucket's root; save to a prefix in it "
       f"({loc.scheme}://{loc.bucket}/NAME)"
     )
-  return st, st._at(loc.parent), loc.name
+  return st.parent(), loc.name
 
 
-def _exists(api: str, url: str) -> FileExistsError:
+def exists_error(api: str, url: str) -> FileExistsError:
+  """The error of a save without overwrite to ``url``, where a checkpoint
+  is committed."""
   return FileExistsError(
     f"{api}: a checkpoint exists at {url!r}; pass overwrite=True to "
     "replace it, or save to another path"
   )
-
-
-class NpzUpload:
-  """A save of an ``.npz`` (one object) to ``url``: checked in the call,
-  the local writer writes ``local`` (a temporary file's path),
-  ``finish()`` uploads it (created only if absent, unless it replaces a
-  committed one), ``abort()`` removes the local copy.
-
-  Raises:
-    FileExistsError: an object is at ``url`` and not ``overwrite``
-      (``finish``: another save created it meanwhile).
-  """
-
-  def __init__(
-    self,
-    api: str,
-    url: str,
-    storage_options: dict[str, Any] | None,
-    overwrite: bool,
-  ) -> None:
-    self.api, self.url = api, url
-    self.st, self.parent, self.name = _destination(api, url, storage_options)
-    self.committed = self.parent.exists(self.name)
-    if self.committed and not overwrite:
-      raise _exists(api, url)
-    self._tmp = tempfile.TemporaryDirectory(prefix="jaxworks-upload-")
-    self.local = os.path.join(self._tmp.name, self.name)
-
-  def abort(self) -> None:
-    self._tmp.cleanup()
-
-  def finish(self) -> None:
-    try:
-      if self.committed:  # one object: replaced atomically
-        self.parent.upload(self.name, self.local)
-      else:
-        with open(self.local, "rb") as f:
-          try:
-            self.parent.create(self.name, f.read())
-          except FileExistsError:
-            raise _exists(self.api, self.url) from None
-      LOG.info("saved %s", self.url)
-    finally:
-      self.abort()
 
 
 def _named(api: str, at: Storage) -> list[str]:
@@ -306,17 +260,18 @@ class Bucket:
     self,
     api: str,
     url: str,
-    storage_options: dict[str, Any] | None,
+    st: Storage,
     overwrite: bool,
     lease: bool = True,
   ) -> None:
     self.api, self.url, self.overwrite = api, url, overwrite
     self.lease = lease
     self._held: lease_lib.Lease | None = None
-    self.st, self.parent, self.name = _destination(api, url, storage_options)
+    self.st = st
+    self.parent, self.name = split(api, url, st)
     self._look()
     if self.current is not None and not overwrite:
-      raise _exists(api, url)
+      raise exists_error(api, url)
     self.target = self.st  # where this process writes (``begin``/``attach``)
     self.written: list[str] = []
     self._switched = False  # the path reads as the target (``commit``)
@@ -384,7 +339,7 @@ class Bucket:
     self._look()
     if self.current is not None:
       if not self.overwrite:
-        raise _exists(self.api, self.url)
+        raise exists_error(self.api, self.url)
       name = f".{self.name}{_NEXT}{secrets.token_hex(8)}"
       self.target = self.parent.child(name)
       return name
@@ -440,10 +395,9 @@ class Bucket:
     try:
       self.target.create(format.RECORD, record)
     except FileExistsError:
-      raise _exists(self.api, self.url) from None
+      raise exists_error(self.api, self.url) from None
     if not self.beside:
       self._tidy([], self.copies or [])
-      LOG.info("saved %s", self.url)
       return False
     old = self._leftovers()  # before the record that names them goes
     # The commit of this overwrite: the path reads as the target once it
@@ -494,9 +448,8 @@ class Bucket:
       try:
         self.st.create(format.RECORD, record)
       except FileExistsError:
-        raise _exists(self.api, self.url) from None
+        raise exists_error(self.api, self.url) from None
     self._tidy([MOVED], [*(self.copies or []), self.target.location.name])
-    LOG.info("saved %s", self.url)
 
   def _tidy(self, keys: list[str], copies: list[str]) -> None:
     """Once the path holds its committed checkpoint: ``keys`` and the
@@ -571,7 +524,7 @@ def delete(api: str, st: Storage) -> bool:
   st.delete([format.RECORD, MOVED])
   st.delete(keys)
   loc = st.location
-  parent = st._at(loc.parent)
+  parent = st.parent()
   for copy in _copies(parent, loc.name) or []:
     parent.child(copy).delete_prefix()
   return True

@@ -1,7 +1,7 @@
 """Restore of a checkpoint in a bucket: its objects read in parallel ranges
 straight into the buffers restore places, no local copy.
 
-``open_checkpoint`` finds the committed checkpoint at a URL (``remote.source``:
+``open_at`` finds the committed checkpoint at a URL (``remote.source``:
 a prefix without its record is absent; an overwrite's staging copy beside
 the path is read while the record is missing), lists it once and reads its
 record. An array stored raw whose shape the record says (``shapes``, which
@@ -69,7 +69,6 @@ from . import remote
 from . import restore_files
 from . import restore_shards
 from . import storage
-from . import stores
 from .format import Entry
 from .format import Shard
 from .storage import LOG
@@ -579,25 +578,24 @@ def _named(
   return dict(sorted(sizes.items()))
 
 
-def open_checkpoint(
-  api: str, url: str, storage_options: dict[str, Any] | None, budget: int = 0
+def open_at(
+  api: str, st: Storage, budget: int = 0
 ) -> restore_files.Opened | restore_shards.Manifest:
-  """The committed checkpoint at the object-store ``url``, opened: listed,
-  its record (and manifest) and the headers of its arrays read.
+  """The committed checkpoint at ``st`` (an object store's prefix), opened:
+  listed, its record (and manifest) and the headers of its arrays read.
 
   Args:
     budget: bytes of small objects (``SMALL``) read whole now, whose data
       is then not requested again (0: headers only, for ``metadata``).
 
   Raises:
-    FileNotFoundError: no committed checkpoint at ``url`` (nor an
+    FileNotFoundError: no committed checkpoint at ``st`` (nor an
       overwrite's beside it).
     ValueError: an object that is not what save wrote.
   """
-  st = stores.open_storage(api, url, storage_options)
   loc = st.location
   if loc.name.endswith(".npz") and loc.prefix:
-    parent = st._at(loc.parent)
+    parent = st.parent()
     if parent.exists(loc.name):
       return _open_npz(api, parent, loc.name)
   src = remote.source(api, st)  # the path, or an overwrite's copy beside
@@ -771,14 +769,13 @@ def _open_npz(api: str, parent: Storage, name: str) -> restore_files.Opened:
 
 @contextlib.contextmanager
 def noting(path: str) -> Iterator[None]:
-  """Adds to an error raised inside it, where ``path`` is a URL, a note
-  naming the checkpoint's objects (nothing for a local path)."""
+  """Adds to an error raised inside it a note naming the objects of the
+  checkpoint at the URL ``path`` (destination.BucketPrefix.noting)."""
   try:
     yield
   except Exception as err:
-    if stores.storage.is_url(path):
-      err.add_note(
-        f"(the checkpoint is the objects under {path}: each file named "
-        f"above is the object {path}/<its name>)"
-      )
+    err.add_note(
+      f"(the checkpoint is the objects under {path}: each file named "
+      f"above is the object {path}/<its name>)"
+    )
     raise

@@ -65,7 +65,7 @@ class StepNames:
     self._length = fixed_length
     head = re.escape(self._head)
     self._pattern = re.compile(rf"^{head}([0-9]+)$")
-    self.temps = commit._temp_pattern(rf"{head}[0-9]+")
+    self.temps = commit.temp_pattern(rf"{head}[0-9]+")
 
   def name(self, step: int) -> str:
     n = self._length

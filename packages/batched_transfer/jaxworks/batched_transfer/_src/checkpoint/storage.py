@@ -115,15 +115,6 @@ class Location:
     return self.prefix.rpartition("/")[2]
 
 
-def is_url(path: Any) -> bool:
-  """True if ``path`` is a string with a ``scheme://`` other than file."""
-  return (
-    isinstance(path, str)
-    and "://" in path
-    and path.partition("://")[0].lower() != "file"
-  )
-
-
 def parse(api: str, path: Any) -> Location:
   """``path`` (str, bytes or os.PathLike) as a ``Location``.
 
@@ -382,6 +373,10 @@ class Storage(abc.ABC):
   def child(self, name: str) -> Storage:
     """The storage of the prefix ``name`` under this root."""
     return self._at(self.location.child(check_key(self.api, name)))
+
+  def parent(self) -> Storage:
+    """The storage one level up (a bucket's root stays itself)."""
+    return self._at(self.location.parent)
 
   @abc.abstractmethod
   def _at(self, location: Location) -> Storage:

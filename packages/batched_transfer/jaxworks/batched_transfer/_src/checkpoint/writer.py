@@ -1,6 +1,6 @@
-"""Writing the files and directories of a checkpoint, durably: the leaves
-sorted as save stores them, host copies within a budget, writer threads,
-and the atomic publication under the save lock (see commit).
+"""Writing the files of a checkpoint, durably: the leaves sorted as save
+stores them, host copies within a budget, the writer threads of a
+directory's files (the destination module publishes them, see commit).
 """
 
 from __future__ import annotations
@@ -8,18 +8,14 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import time
 from typing import Any
-import zipfile
 
 import jax
 import numpy as np
 
 from . import codec
-from . import commit
 from . import format
 from . import hostvalue
-from . import lease
 from .keys import leaf_keys
 from .keys import path_kinds
 from .keys import python_scalar_dtype
@@ -289,106 +285,3 @@ def write_directory(
 
   in_writer_threads(len(keys), take, work, done, threads, WRITE_THREAD_PREFIX)
   return dtypes, sums
-
-
-def _write_npz(
-  api: str,
-  path: str,
-  tmp: str,
-  keys: list[str],
-  take: Any,
-  done: Any,
-  record: format.Record,
-) -> None:
-  dtypes = record.dtypes
-
-  def fill(f: Any) -> None:
-    with zipfile.ZipFile(
-      f, "w", compression=zipfile.ZIP_STORED, allowZip64=True
-    ) as zf:
-      for i, key in enumerate(keys):
-        a = take(i)
-        dtypes[key] = a.dtype.name
-        with zf.open(key + ".npy", "w", force_zip64=True) as member:
-          hostvalue.write_npy(member, a)  # the archive's CRC-32 guards it
-        del a
-        done(i)
-      zf.writestr(format.RECORD, format.encode_record(record))
-
-  write_file(api, path, tmp, fill)
-
-
-def write_checkpoint(
-  api: str,
-  path: str,
-  keys: list[str],
-  take: Any,
-  done: Any,
-  threads: int,
-  record: format.Record,
-  overwrite: bool,
-) -> None:
-  """Writes, fsyncs and publishes a checkpoint at ``path`` under its lock
-  (replacing one only with ``overwrite``); removes what earlier saves to
-  ``path`` left behind."""
-  start = time.perf_counter()
-  with commit.locked(path):
-    commit.clean(path)
-    npz = path.endswith(".npz")
-    tmp = commit.temp_name(path, commit.NEW, ".npz" if npz else "")
-    try:
-      if npz:
-        _write_npz(api, path, tmp, keys, take, done, record)
-      else:
-        os.mkdir(tmp)
-        dtypes, record.crc32c = write_directory(
-          api, path, tmp, keys, take, done, threads, record.codecs
-        )
-        record.dtypes = {k: dtypes[k].name for k in keys}
-        data = format.encode_record(record)
-        write_file(
-          api, path, os.path.join(tmp, format.RECORD), lambda f: f.write(data)
-        )
-        commit.fsync_dirs(tmp)
-      commit.publish(api, tmp, path, overwrite)
-    except BaseException:
-      commit.remove(tmp)
-      raise
-  LOG.info(
-    "saved %s (%d arrays) in %.2f s",
-    path,
-    len(keys),
-    time.perf_counter() - start,
-  )
-
-
-def check_target(api: str, path: str, overwrite: bool) -> None:
-  """Refuses URLs, an existing path without overwrite, and a directory save
-  did not write; creates missing parent directories."""
-  if os.path.lexists(path) and not overwrite:
-    raise FileExistsError(
-      f"{api}: {path!r} exists; pass overwrite=True to replace it"
-    )
-  if os.path.lexists(path) and not path.endswith(".npz"):
-    if not os.path.isdir(path) or os.path.islink(path):
-      raise FileExistsError(
-        f"{api}: {path!r} exists and is not a directory; remove it first"
-      )
-    for root, _, files in os.walk(path):
-      for name in files:
-        if codec.split_name(name) is None and not (
-          root == path and name in (format.RECORD, format.MANIFEST)
-        ):
-          if root == os.path.join(path, lease.PREFIX):
-            continue  # a bucket save's writer lease, copied with the files
-          raise FileExistsError(
-            f"{api}: {path!r} holds {os.path.join(root, name)!r}, which is "
-            "not an .npy file; overwrite only replaces directories written "
-            "by save"
-          )
-  parent = os.path.dirname(os.path.abspath(path))
-  if os.path.lexists(parent) and not os.path.isdir(parent):
-    raise FileExistsError(
-      f"{api}: cannot save to {path!r}: {parent!r} is not a directory"
-    )
-  commit.make_parents(parent)
