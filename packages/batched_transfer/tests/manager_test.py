@@ -23,6 +23,9 @@ from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import destination
 from jaxworks.batched_transfer._src.checkpoint import lease
 
+#: Temporary names saves of numbered steps leave (commit.temp_name).
+STEP_TEMPS = commit.temp_pattern(r"\d+")
+
 TREE = textwrap.dedent("""
     import numpy as np
 
@@ -191,7 +194,7 @@ def test_a_killed_training_loop_leaves_only_complete_steps(tmp_path):
       zygote.stdin.write(f"{rng.uniform(0, 4 * one_save + 0.01)}\n")
       zygote.stdin.flush()
       assert zygote.stdout.readline().strip() == "killed"
-      leftovers += bool(commit.step_temporaries(directory))
+      leftovers += bool(commit.scan(directory, STEP_TEMPS))
       steps = mgr.all_steps()
       assert steps, "no committed step"
       for s in steps:  # every listed step is complete, bit for bit
@@ -208,7 +211,7 @@ def test_a_killed_training_loop_leaves_only_complete_steps(tmp_path):
   assert leftovers, "no kill landed in the middle of a save"
   assert latest[-1] > latest[0], latest  # the loop made progress
   mgr.save(latest[-1] + 1, tree(latest[-1] + 1), blocking=True)
-  assert commit.step_temporaries(directory) == []
+  assert commit.scan(directory, STEP_TEMPS) == []
   assert all(n.isdigit() for n in listed(directory)), os.listdir(directory)
 
 

@@ -30,6 +30,9 @@ import numpy as np
 from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
 
+#: Temporary names saves of numbered steps leave (commit.temp_name).
+STEP_TEMPS = commit.temp_pattern(r"\d+")
+
 LANES = 2
 TRIALS = 16  # per lane: 32 kills
 TIMEOUT_S = 3.0  # barrier_timeout_s of the saves
@@ -258,7 +261,7 @@ def _lane(base, seed):
     assert not saved or ow_step >= saved[-1], (base, trial, ow_step, saved)
     left = [
       p
-      for _, p in commit.step_temporaries(os.path.join(base, "run"))
+      for _, p in commit.scan(os.path.join(base, "run"), STEP_TEMPS)
       + commit.temporaries(os.path.join(base, "ow"))
     ]
     seen["leftovers"] += bool(left)

@@ -98,11 +98,6 @@ def temporaries(path: str) -> list[tuple[str, str]]:
   return scan(parent, temp_pattern(re.escape(name)))
 
 
-def step_temporaries(directory: str) -> list[tuple[str, str]]:
-  """(kind, path) of the temporaries of numbered steps in ``directory``."""
-  return scan(directory, temp_pattern(r"\d+"))
-
-
 def delete(path: str) -> None:
   """Deletes a checkpoint so that no half-deleted one is ever at ``path``:
   renamed to a temporary name first (durably), then removed. What cannot

@@ -227,9 +227,7 @@ class Destination(abc.ABC):
 
   def attach(self, name: str) -> None:
     """The other processes of a collective save: where ``begin`` said."""
-    raise NotImplementedError(
-      f"{type(self).__name__} is written by one process"
-    )
+    raise TypeError(f"{type(self).__name__} is written by one process")
 
   @abc.abstractmethod
   def write(
