@@ -29,6 +29,7 @@ from . import reader
 from .keys import astype
 from .keys import cast_to
 from .storage import LOG
+from .target import Request
 from .target import restore_placement
 
 # A zip member's local header: 30 bytes; the last two: name and extra lengths.
@@ -105,6 +106,10 @@ class Opened:
     """What reads the arrays, which restore reads in ``order``
     (restore_objects: from a bucket, ``budget`` bytes ahead)."""
     return reader.Files(threads, verify)
+
+  def restore_arrays(self, request: Request) -> list[Any]:
+    """The arrays ``request`` asks for, validated, read and placed."""
+    return restore_arrays(self, request)
 
   def close(self) -> None:
     fds, self.fds = self.fds, []
@@ -329,20 +334,16 @@ def place_pieces(a: reader.Pieces, sharding: Any) -> Any:
     )
 
 
-def restore_arrays(
-  api: str,
-  opened: Opened,
-  keys: list[str],
-  paths: list[str],
-  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  places: list[Any],
-  max_inflight_bytes: int,
-  read_threads: int,
-  progress: bool | None,
-  verify: bool,
-) -> list[Any]:
-  """The arrays of ``keys`` (restore sorted the target), validated, then
-  read and placed; the placed arrays in order."""
+def restore_arrays(opened: Opened, request: Request) -> list[Any]:
+  """The arrays of ``request.keys`` (restore sorted the target), validated,
+  then read and placed; the placed arrays in order."""
+  api, keys, paths, specs = (
+    request.api,
+    request.keys,
+    request.paths,
+    request.specs,
+  )
+  places, max_inflight_bytes = request.places, request.max_inflight_bytes
   stored = opened.stored
   normalized: dict[int, Any] = {}
   for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
@@ -373,7 +374,9 @@ def restore_arrays(
   # Arrays in a bucket are read ahead, concurrently, up to half the budget
   # (the batches read and not yet placed hold the rest).
   order = [stored[k] for k in keys]
-  files = opened.files(read_threads, verify, order, max_inflight_bytes // 2)
+  files = opened.files(
+    request.read_threads, request.verify, order, max_inflight_bytes // 2
+  )
 
   def read(batch: list[int]) -> list[np.ndarray]:
     out = []
@@ -408,7 +411,7 @@ def restore_arrays(
   sizes = [stored[k].nbytes for k in keys]
   try:
     return prefetch.stream(
-      sizes, max_inflight_bytes, read, place_batch, progress
+      sizes, max_inflight_bytes, read, place_batch, request.progress
     )
   finally:
     files.close()

@@ -20,6 +20,7 @@ import math
 import os
 import threading
 from typing import Any
+from typing import NamedTuple
 
 import jax
 from jax.experimental.layout import Format
@@ -37,6 +38,7 @@ from .format import Entry
 from .format import Shard
 from .keys import astype
 from .keys import cast_to
+from .target import Request
 from .target import restore_placement
 
 #: Runs of fewer bytes are read as one block of whole rows and copied.
@@ -114,6 +116,10 @@ class Manifest:
         )
     format.check_arrays_present(self.api, self.path, record, arrays)
     return arrays, record
+
+  def restore_arrays(self, request: Request) -> list[Any]:
+    """The arrays ``request`` asks for, validated, read and placed."""
+    return restore_arrays(self, request)
 
   def record_data(self) -> bytes | None:
     """The record's bytes (None: there is none)."""
@@ -282,11 +288,8 @@ def read_tasks(
     name = s.name
     k = _tail_dim(ext, sshape, dshape)
     if s.fortran or (len(ext) > 1 and math.prod(ext[k:]) < SMALL_RUN):
-      tasks.append(
-        _block_task(
-          s, fds, name, sshape, lo, ext, dshape, dlo, dst, verified, blocks
-        )
-      )
+      copy = _Copy(sshape, lo, ext, dshape, dlo)
+      tasks.append(_block_task(s, fds, copy, dst, verified, blocks))
       continue
     run = math.prod(ext[k:])
     sstr, dstr = _strides(sshape), _strides(dshape)
@@ -391,14 +394,34 @@ class _Shared:
         self.block = None
 
 
+class _Copy(NamedTuple):
+  """Where one shard's part of a region lies, in bytes (the last dimension
+  is the item's): the shard's shape and the part's start in it, the
+  part's extent, and the region's shape and the part's start in it."""
+
+  sshape: tuple[int, ...]
+  lo: tuple[int, ...]
+  ext: tuple[int, ...]
+  dshape: tuple[int, ...]
+  dlo: tuple[int, ...]
+
+
 def _block_task(
-  s, fds, name, sshape, lo, ext, dshape, dlo, dst, verified=None, blocks=None
-):
-  """Reads whole rows of the shard (all of a Fortran-ordered one) and copies
-  the region's part: for regions whose contiguous runs are small. With
-  ``verified`` (a set), rows that are whole checksum chunks of the file are
-  checked as read, and added to it (a chunk is read once); with ``blocks``,
-  the same rows are read once for every region that copies from them."""
+  s: reader.Stored,
+  fds: dict[str, Any],
+  copy: _Copy,
+  dst: np.ndarray,
+  verified: set[tuple[str, int]] | None = None,
+  blocks: dict[tuple[str, int, int], _Shared] | None = None,
+) -> Callable[[], None]:
+  """Reads whole rows of the shard ``s`` (all of a Fortran-ordered one) and
+  copies the region's part (``copy``) into ``dst``: for regions whose
+  contiguous runs are small. With ``verified`` (a set), rows that are whole
+  checksum chunks of the file are checked as read, and added to it (a chunk
+  is read once); with ``blocks``, the same rows are read once for every
+  region that copies from them."""
+  name = s.name
+  sshape, lo, ext, dshape, dlo = copy
   if s.fortran:
     rows, first = sshape[0], 0
   else:
@@ -472,24 +495,17 @@ class _Leaf:
     return sum(math.prod(b - a for a, b in r) * size for r in self.pieces)
 
 
-def restore_arrays(
-  api: str,
-  opened: Manifest,
-  keys: list[str],
-  paths: list[str],
-  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  places: list[Any],
-  max_inflight_bytes: int,
-  read_threads: int,
-  progress: bool | None,
-  verify: bool,
-) -> list[Any]:
-  """The arrays of ``keys`` (restore sorted the target), validated, then
-  read (ahead, on a background thread) and placed; the arrays in order."""
-  plan = _plan(api, opened, keys, paths, specs, places)
+def restore_arrays(opened: Manifest, request: Request) -> list[Any]:
+  """The arrays of ``request.keys`` (restore sorted the target), validated,
+  then read (ahead, on a background thread) and placed; the arrays in
+  order."""
+  api, verify = request.api, request.verify
+  plan = _plan(
+    api, opened, request.keys, request.paths, request.specs, request.places
+  )
   memory = reader.HostMemory()
   pool = concurrent.futures.ThreadPoolExecutor(
-    opened.read_threads(read_threads),
+    opened.read_threads(request.read_threads),
     thread_name_prefix=reader.READ_THREAD_PREFIX,
   )
 
@@ -502,7 +518,7 @@ def restore_arrays(
   sizes = [leaf.nbytes for leaf in plan]
   try:
     return prefetch.stream(
-      sizes, max_inflight_bytes, read, place_batch, progress
+      sizes, request.max_inflight_bytes, read, place_batch, request.progress
     )
   finally:
     pool.shutdown(wait=True)
