@@ -1,10 +1,13 @@
 """Restore of a checkpoint one process wrote: .npy files in a directory, or an .npz.
 
 ``open_checkpoint`` reads only headers: each array becomes a
-``reader.Stored``, read later through the descriptor its header came from.
-``restore_arrays`` checks every array against the target before anything
-is read, then streams them (prefetch) into buffers of restore's own, which
-placing may alias (on CPU the device array takes the buffer over).
+``reader.StoredFile``, read later through the descriptor its header came
+from (a ``LocalOpened`` holds them). ``restore_arrays`` (``Opened``'s, the
+same for a bucket's ``restore_objects.ObjectOpened``) checks every array
+against the target before anything is read, then streams them (prefetch)
+through the opened checkpoint's reader (``Opened.files``) into buffers of
+restore's own, which placing may alias (on CPU the device array takes the
+buffer over).
 """
 
 from __future__ import annotations
@@ -38,14 +41,14 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error)
 
 
 class Opened:
-  """A checkpoint opened once: every header was read from a descriptor held
-  here, and the data is read through the same descriptors, so a checkpoint
-  replaced at its path (a save with overwrite=True) while restore runs is
-  read whole as it was validated, or fails; ``close()`` closes them."""
+  """A checkpoint one process wrote, opened once: its arrays' headers
+  (``stored``) and its record, read when it was opened, and what reads its
+  arrays (``files``). ``LocalOpened`` holds a directory's or an .npz's
+  files, ``restore_objects.ObjectOpened`` a bucket's objects;
+  ``close()`` lets go of them."""
 
   def __init__(self, api: str, path: str) -> None:
     self.api, self.path = api, path
-    self.fds: list[int] = []
     self.stored: dict[str, reader.Stored] = {}
     self.record: bytes | None = None
 
@@ -102,14 +105,34 @@ class Opened:
 
   def files(
     self, threads: int, verify: bool, order: list[Any], budget: int
-  ) -> reader.Files:
+  ) -> reader.Reader:
     """What reads the arrays, which restore reads in ``order``
     (restore_objects: from a bucket, ``budget`` bytes ahead)."""
-    return reader.Files(threads, verify)
+    raise NotImplementedError
 
   def restore_arrays(self, request: Request) -> list[Any]:
     """The arrays ``request`` asks for, validated, read and placed."""
     return restore_arrays(self, request)
+
+  def close(self) -> None:
+    pass
+
+
+class LocalOpened(Opened):
+  """A checkpoint in local files: every header was read from a descriptor
+  held here, and the data is read through the same descriptors, so a
+  checkpoint replaced at its path (a save with overwrite=True) while
+  restore runs is read whole as it was validated, or fails; ``close()``
+  closes them."""
+
+  def __init__(self, api: str, path: str) -> None:
+    super().__init__(api, path)
+    self.fds: list[int] = []
+
+  def files(
+    self, threads: int, verify: bool, order: list[Any], budget: int
+  ) -> reader.Files:
+    return reader.Files(threads, verify)
 
   def close(self) -> None:
     fds, self.fds = self.fds, []
@@ -117,7 +140,7 @@ class Opened:
       os.close(fd)
 
 
-def open_checkpoint(api: str, path: str) -> Opened:
+def open_checkpoint(api: str, path: str) -> LocalOpened:
   """Opens ``path`` (a directory of .npy files or an .npz) and reads its headers."""
   try:
     fd = os.open(path, reader.OPEN_FLAGS | os.O_NONBLOCK)
@@ -126,7 +149,7 @@ def open_checkpoint(api: str, path: str) -> Opened:
       f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
       "directory of .npy files written by save)"
     ) from None
-  opened = Opened(api, path)
+  opened = LocalOpened(api, path)
   opened.fds.append(fd)
   try:
     mode = os.fstat(fd).st_mode
@@ -145,7 +168,7 @@ def open_checkpoint(api: str, path: str) -> Opened:
   return opened
 
 
-def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
+def _open_directory(api: str, path: str, top: int, opened: LocalOpened) -> None:
   out = opened.stored
   for root, dirs, names, root_fd in os.fwalk(".", dir_fd=top):
     dirs.sort()
@@ -213,14 +236,14 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
         if use is None
         else math.prod(shape) * dtype.itemsize
       )
-      out[key] = reader.Stored(
+      out[key] = reader.StoredFile(
         tuple(shape), dtype, fortran, repr(file), present, file,
         offset, None, fd=fd, dir_fd=top, name=rel, stamp=reader.stamp(st),
         codec=use,
       )  # fmt: skip
 
 
-def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
+def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
   out = opened.stored
   st = os.fstat(fd)
   raw = open(fd, "rb", closefd=False)
@@ -269,7 +292,7 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
         ) from None
       if dtype.hasobject:
         raise ValueError(f"{api}: {where} holds Python objects")
-      out[key] = reader.Stored(
+      out[key] = reader.StoredFile(
         tuple(shape), dtype, fortran, where, data_bytes, path, offset, member,
         fd=fd, stamp=reader.stamp(st), header_crc=header_crc,
         zip_crc=info.CRC if member is None else None,

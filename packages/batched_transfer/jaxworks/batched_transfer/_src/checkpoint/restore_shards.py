@@ -45,7 +45,7 @@ from .target import restore_placement
 SMALL_RUN = 256 * 2**10
 
 
-def open_manifest(api: str, path: str) -> Manifest | None:
+def open_manifest(api: str, path: str) -> LocalManifest | None:
   """The opened manifest checkpoint at ``path``; None if ``path`` is not a
   directory or holds no manifest (a checkpoint one process wrote)."""
   try:
@@ -68,29 +68,24 @@ def open_manifest(api: str, path: str) -> Manifest | None:
   except BaseException:
     os.close(dir_fd)
     raise
-  return Manifest(api, path, dir_fd, arrays)
+  return LocalManifest(api, path, dir_fd, arrays)
 
 
 class Manifest:
-  """An opened manifest checkpoint: the directory descriptor, the arrays, and
-  the shard files opened and validated so far; ``close()`` closes them."""
+  """An opened manifest checkpoint: the arrays, and the shard files opened
+  and validated so far (``stored``, by name), planned and read the same way
+  wherever they lie. ``LocalManifest`` reads them through descriptors
+  relative to the directory's, ``restore_objects.ObjectManifest`` in
+  ranged requests to a bucket; ``close()`` lets go of them."""
 
-  def __init__(
-    self, api: str, path: str, dir_fd: int, arrays: dict[str, Entry]
-  ) -> None:
-    self.api, self.path, self.dir_fd, self.arrays = api, path, dir_fd, arrays
-    self.stored: dict[str, reader.Stored] = {}
-    self._held = 0
-    self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
+  def __init__(self, api: str, path: str, arrays: dict[str, Entry]) -> None:
+    self.api, self.path, self.arrays = api, path, arrays
+    # By file name: reader.StoredFile (LocalManifest) or
+    # restore_objects.StoredObject (ObjectManifest).
+    self.stored: dict[str, Any] = {}
 
   def close(self) -> None:
-    for s in self.stored.values():
-      if s.fd >= 0:
-        os.close(s.fd)
-        s.fd = -1
-    if self.dir_fd >= 0:
-      os.close(self.dir_fd)
-      self.dir_fd = -1
+    pass
 
   def contents(
     self,
@@ -123,9 +118,7 @@ class Manifest:
 
   def record_data(self) -> bytes | None:
     """The record's bytes (None: there is none)."""
-    return reader.read_small(
-      self.api, self.path, self.dir_fd, format.RECORD, "the record"
-    )
+    raise NotImplementedError
 
   def read_threads(self, threads: int) -> int:
     """Threads reading shards (restore_objects: at least the requests in
@@ -138,9 +131,74 @@ class Manifest:
     for key, entry, shard in needed:
       self.open_shard(key, entry, shard)
 
-  def handles(self, used: dict[str, reader.Stored]) -> dict[str, Any]:
+  def handles(self, used: dict[str, Any]) -> dict[str, Any]:
     """What ``reader.read_range`` reads each file of ``used`` through (by
-    name): its descriptor, opened again and checked where it was closed."""
+    name)."""
+    raise NotImplementedError
+
+  def unchanged(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
+    """Raises ValueError if a file of ``used`` was modified while read."""
+    raise NotImplementedError
+
+  def release(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
+    """Lets go of what ``handles`` opened."""
+    raise NotImplementedError
+
+  def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
+    """The validated shard file ``shard`` of ``key``."""
+    raise NotImplementedError
+
+  def pieces(
+    self, key: str, entry: Entry, want: Bounds
+  ) -> list[tuple[reader.Stored, Shard]]:
+    """The validated shard files overlapping the region ``want`` of ``key``
+    (ValueError if they do not cover it)."""
+    out, covered = [], 0
+    for shard in entry.overlapping(want):
+      inter = format.intersect(shard, want)
+      if inter is None:
+        continue
+      out.append((self.open_shard(key, entry, shard), shard))
+      covered += math.prod(b - a for a, b in inter)
+    if covered != math.prod(hi - lo for lo, hi in want):
+      raise ValueError(
+        f"{self.api}: the shards of {key!r} in the manifest of {self.path!r} "
+        f"do not tile the array (region {list(want)}); the checkpoint is damaged"
+      )
+    return out
+
+
+class LocalManifest(Manifest):
+  """A manifest checkpoint in a local directory: its descriptor, and the
+  shard files' (``reader.StoredFile``), each validated when opened and read
+  through the same descriptor (or opened again and checked to be the same
+  file); ``close()`` closes them."""
+
+  def __init__(
+    self, api: str, path: str, dir_fd: int, arrays: dict[str, Entry]
+  ) -> None:
+    super().__init__(api, path, arrays)
+    self.dir_fd = dir_fd
+    self._held = 0
+    self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
+
+  def close(self) -> None:
+    for s in self.stored.values():
+      if s.fd >= 0:
+        os.close(s.fd)
+        s.fd = -1
+    if self.dir_fd >= 0:
+      os.close(self.dir_fd)
+      self.dir_fd = -1
+
+  def record_data(self) -> bytes | None:
+    """The record's bytes (None: there is none)."""
+    return reader.read_small(
+      self.api, self.path, self.dir_fd, format.RECORD, "the record"
+    )
+
+  def handles(self, used: dict[str, Any]) -> dict[str, Any]:
+    """Each file's descriptor, opened again and checked where it was closed."""
     fds: dict[str, int] = {}
     try:
       for name, s in used.items():
@@ -150,9 +208,7 @@ class Manifest:
       raise
     return fds
 
-  def unchanged(
-    self, fds: dict[str, Any], used: dict[str, reader.Stored]
-  ) -> None:
+  def unchanged(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
     """Raises ValueError if a file of ``used`` was modified while read."""
     for name, s in used.items():
       if reader.stamp(os.fstat(fds[name])) != s.stamp:
@@ -161,15 +217,15 @@ class Manifest:
           "restore again"
         )
 
-  def release(
-    self, fds: dict[str, Any], used: dict[str, reader.Stored]
-  ) -> None:
+  def release(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
     """Closes the descriptors ``handles`` opened again."""
     for name, fd in fds.items():
       if fd != used[name].fd:
         os.close(fd)
 
-  def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
+  def open_shard(
+    self, key: str, entry: Entry, shard: Shard
+  ) -> reader.StoredFile:
     """The validated shard file (opened relative to the directory)."""
     s = self.stored.get(shard.file)
     if s is not None:
@@ -192,7 +248,7 @@ class Manifest:
           f"{api}: the shard file {file!r} of {key!r} is not a readable .npy "
           f"file: {err}"
         ) from None
-      s = reader.Stored(
+      s = reader.StoredFile(
         tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
         offset, None, fd=fd, dir_fd=self.dir_fd, name=shard.file,
         stamp=reader.stamp(st),
@@ -209,25 +265,6 @@ class Manifest:
       s.fd = -1
     self.stored[shard.file] = s
     return s
-
-  def pieces(
-    self, key: str, entry: Entry, want: Bounds
-  ) -> list[tuple[reader.Stored, Shard]]:
-    """The validated shard files overlapping the region ``want`` of ``key``
-    (ValueError if they do not cover it)."""
-    out, covered = [], 0
-    for shard in entry.overlapping(want):
-      inter = format.intersect(shard, want)
-      if inter is None:
-        continue
-      out.append((self.open_shard(key, entry, shard), shard))
-      covered += math.prod(b - a for a, b in inter)
-    if covered != math.prod(hi - lo for lo, hi in want):
-      raise ValueError(
-        f"{self.api}: the shards of {key!r} in the manifest of {self.path!r} "
-        f"do not tile the array (region {list(want)}); the checkpoint is damaged"
-      )
-    return out
 
 
 def check_shard(
@@ -637,7 +674,7 @@ def _buffers(memory: reader.HostMemory, leaf: _Leaf) -> dict[Bounds, Any]:
   return out
 
 
-def _reopen(api: str, s: reader.Stored) -> int:
+def _reopen(api: str, s: reader.StoredFile) -> int:
   try:
     fd, st = reader.open_file(s.name, s.dir_fd)
   except (OSError, ValueError) as err:
