@@ -5,8 +5,9 @@ path or URL is read). ``save`` takes the collective call's ticket, opens
 the destination, builds the ``job.SaveJob`` (the tree sorted by writer)
 and runs it alone or with the other processes (``multiprocess.run``);
 ``restore`` opens the checkpoint once through the destination, sorts the
-target against it (target) and streams the data (restore_files, or
-restore_shards for a checkpoint several processes wrote).
+target against it (target) and asks the opened checkpoint to stream the
+data (``restore_arrays``: restore_files, or restore_shards for a
+checkpoint several processes wrote, each reading a file or a bucket).
 
 >>> import os, shutil, tempfile, jax, numpy as np
 >>> from jaxworks.batched_transfer import save
@@ -37,8 +38,6 @@ from . import job as job_lib
 from . import multiprocess
 from . import pending
 from . import reader
-from . import restore_files
-from . import restore_shards
 from . import target as target_lib
 from . import writer
 from .job import positive
@@ -309,10 +308,12 @@ def restore(
         api, placement, t.target, t.treedef, t.leaves, target_lib.placement_of
       )
     )
-    args = (keys, paths, specs, places, max_inflight_bytes, read_threads)
-    by_several = isinstance(opened, restore_shards.Manifest)
-    module = restore_shards if by_several else restore_files
-    placed = module.restore_arrays(api, opened, *args, progress, verify)
+    placed = opened.restore_arrays(
+      target_lib.Request(
+        api, keys, paths, specs, places, max_inflight_bytes, read_threads,
+        progress, verify,
+      )
+    )  # fmt: skip
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   LOG.info(
     "restored %s (%d arrays) in %.2f s",

@@ -8,14 +8,21 @@ its header came from, checked as they are read, straight into a new
 aligned buffer of its own memory map, which on CPU the placed array can
 take over.
 
+A stored array is a ``Stored`` (what its header says and how its data is
+checked); one in a local file is a ``StoredFile`` (its descriptor and
+stamp), one in a bucket a ``restore_objects.StoredObject``. What reads
+them is a ``Reader`` (buffers, checks, decompression): ``Files`` for local
+files, ``restore_objects.ObjectFiles`` for objects; both read ranges with
+``read_range`` and ``read_checked``.
+
 >>> import os, tempfile, numpy as np
 >>> d = tempfile.mkdtemp()
 >>> np.save(os.path.join(d, "x.npy"), np.arange(3, dtype=np.int32))
 >>> dir_fd = os.open(d, DIR_FLAGS)
 >>> fd, st = open_file("x.npy", dir_fd)
 >>> (shape, fortran, dtype, offset) = read_npy_header(fd)
->>> s = Stored(shape, dtype, fortran, "x", st.st_size - offset, "x", offset,
-...            None, fd=fd, stamp=stamp(st))
+>>> s = StoredFile(shape, dtype, fortran, "x", st.st_size - offset, "x",
+...                offset, None, fd=fd, stamp=stamp(st))
 >>> load("api", "<root>", "x", s, Files()).tolist()
 [0, 1, 2]
 >>> os.close(fd); os.close(dir_fd)
@@ -58,13 +65,9 @@ class Stored:
   offset: int  # where the data starts in the file
   member: str | None  # a compressed .npz member (read through zipfile), or None
   exact: np.dtype | None = None  # the dtype the record names (None: no record)
-  # The descriptor the header was read from (-1: closed after validation, to
-  # be opened again as ``name`` relative to ``dir_fd`` and checked to be the
-  # same file), and (device, inode, size, mtime) of the file when validated.
-  fd: int = -1
-  dir_fd: int = -1
+  # The file's name in the checkpoint (a shard file's: what ``read_tasks``'
+  # handles are keyed by); a local file is opened again by it.
   name: str = ""
-  stamp: tuple[int, ...] = ()
   # What the data is checked against when read: the record's CRC-32C of
   # each chunk of a file's data, or an .npz member's CRC-32 (zip's own) with
   # the CRC-32 of its .npy header, where the data continues it.
@@ -88,6 +91,18 @@ class Stored:
   def value_dtype(self) -> np.dtype:
     """The dtype of the values: the recorded one, else the header's, in native order."""
     return self.dtype.newbyteorder("=") if self.exact is None else self.exact
+
+
+@dataclasses.dataclass
+class StoredFile(Stored):
+  """An array in a local file, read through a descriptor (``Files``)."""
+
+  # The descriptor the header was read from (-1: closed after validation, to
+  # be opened again as ``name`` relative to ``dir_fd`` and checked to be the
+  # same file), and (device, inode, size, mtime) of the file when validated.
+  fd: int = -1
+  dir_fd: int = -1
+  stamp: tuple[int, ...] = ()
 
 
 def read_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -364,9 +379,43 @@ def default_read_threads() -> int:
   return max(1, min(8, os.cpu_count() or 1))
 
 
-class Files:
-  """Reads stored arrays into new aligned buffers (``HostMemory``), through the
-  descriptors their headers were read from.
+class Reader:
+  """Reads stored arrays into new aligned buffers (``HostMemory``), checked
+  against the record as they are read: what every kind of place shares
+  (``Files`` reads local files, ``restore_objects.ObjectFiles`` objects in
+  a bucket). ``read`` is called from one thread at a time; ``close()``
+  stops the reader's threads (joins them)."""
+
+  def __init__(self, verify: bool, memory: HostMemory) -> None:
+    self._verify = verify
+    self._memory = memory
+
+  def read(self, s: Any) -> np.ndarray:
+    """The bytes of ``s`` as an array of its header dtype, in a buffer of its
+    own (``Pieces`` where ``s.pieces`` says)."""
+    raise NotImplementedError
+
+  def close(self) -> None:
+    pass
+
+  def _decompress_from(
+    self, raw: Any, s: Stored, memory: HostMemory
+  ) -> np.ndarray:
+    """A compressed file (see codec) read from ``raw`` (a binary file at its
+    first byte), decompressed into a new buffer from ``memory``: exactly its
+    header's bytes, then checked against the record's CRC-32C sums of the
+    uncompressed data."""
+    assert s.codec is not None
+    f = codec.open_reader(s.codec, raw)
+    array, flat = read_exactly(f, s, memory)
+    if self._verify:
+      checksum.check(s.sums, flat.data)
+    return array
+
+
+class Files(Reader):
+  """Reads stored arrays (``StoredFile``) into new aligned buffers, through
+  the descriptors their headers were read from.
 
   An array of more than one ``CHUNK`` is read by ``threads`` threads at once
   (the calling thread and a pool of ``threads - 1``), each reading chunks
@@ -377,17 +426,16 @@ class Files:
   """
 
   def __init__(self, threads: int = 1, verify: bool = True) -> None:
+    super().__init__(verify, HostMemory())
     self._threads = threads
-    self._verify = verify
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-    self._memory = HostMemory()
 
   def close(self) -> None:
     if self._pool is not None:
       self._pool.shutdown(wait=True)
       self._pool = None
 
-  def read(self, s: Stored) -> np.ndarray:
+  def read(self, s: StoredFile) -> np.ndarray:
     """The bytes of ``s`` as an array of its header dtype, in a buffer of its
     own (``Pieces`` where ``s.pieces`` says); raises ValueError if the file
     is not the one validated, or changed."""
@@ -415,7 +463,7 @@ class Files:
         os.close(fd)
     return array
 
-  def _read_stored(self, fd: Any, s: Stored) -> Any:
+  def _read_stored(self, fd: Any, s: StoredFile) -> Any:
     """A raw array's data read into a new buffer (a buffer per device where
     ``s.pieces`` says: ``Pieces``)."""
     array: Any
@@ -454,7 +502,7 @@ class Files:
         )
     return array
 
-  def _inflate(self, fd: int, s: Stored) -> np.ndarray:
+  def _inflate(self, fd: int, s: StoredFile) -> np.ndarray:
     """A compressed .npz member, inflated into a new buffer (exactly its
     header's bytes: more or fewer data, or a bad checksum, raise)."""
     assert s.member is not None
@@ -467,18 +515,11 @@ class Files:
       array, _ = read_exactly(typing.cast(Any, f), s, self._memory)
     return array
 
-  def _decompress(self, fd: int, s: Stored) -> np.ndarray:
-    """A compressed file (see codec), decompressed into a new buffer:
-    exactly its header's bytes, then checked against the record's CRC-32C
-    sums of the uncompressed data."""
-    assert s.codec is not None
+  def _decompress(self, fd: int, s: StoredFile) -> np.ndarray:
+    """A compressed file, read from its start (``_decompress_from``)."""
     with open(fd, "rb", closefd=False) as raw:
       raw.seek(0)
-      f = codec.open_reader(s.codec, raw)
-      array, flat = read_exactly(f, s, self._memory)
-    if self._verify:
-      checksum.check(s.sums, flat.data)
-    return array
+      return self._decompress_from(raw, s, self._memory)
 
   def _read_chunks(
     self,
@@ -643,7 +684,9 @@ def read_checked(
     raise checksum.mismatch(k, value, sums, hi - lo)
 
 
-def load(api: str, where: str, key: str, s: Stored, files: Files) -> np.ndarray:
+def load(
+  api: str, where: str, key: str, s: Stored, files: Reader
+) -> np.ndarray:
   """The data of one stored array, with its exact dtype in native byte order,
   in a new buffer that nothing else references."""
   try:

@@ -1,10 +1,13 @@
 """Restore of a checkpoint one process wrote: .npy files in a directory, or an .npz.
 
 ``open_checkpoint`` reads only headers: each array becomes a
-``reader.Stored``, read later through the descriptor its header came from.
-``restore_arrays`` checks every array against the target before anything
-is read, then streams them (prefetch) into buffers of restore's own, which
-placing may alias (on CPU the device array takes the buffer over).
+``reader.StoredFile``, read later through the descriptor its header came
+from (a ``LocalOpened`` holds them). ``restore_arrays`` (``Opened``'s, the
+same for a bucket's ``restore_objects.ObjectOpened``) checks every array
+against the target before anything is read, then streams them (prefetch)
+through the opened checkpoint's reader (``Opened.files``) into buffers of
+restore's own, which placing may alias (on CPU the device array takes the
+buffer over).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from . import reader
 from .keys import astype
 from .keys import cast_to
 from .storage import LOG
+from .target import Request
 from .target import restore_placement
 
 # A zip member's local header: 30 bytes; the last two: name and extra lengths.
@@ -37,14 +41,14 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error)
 
 
 class Opened:
-  """A checkpoint opened once: every header was read from a descriptor held
-  here, and the data is read through the same descriptors, so a checkpoint
-  replaced at its path (a save with overwrite=True) while restore runs is
-  read whole as it was validated, or fails; ``close()`` closes them."""
+  """A checkpoint one process wrote, opened once: its arrays' headers
+  (``stored``) and its record, read when it was opened, and what reads its
+  arrays (``files``). ``LocalOpened`` holds a directory's or an .npz's
+  files, ``restore_objects.ObjectOpened`` a bucket's objects;
+  ``close()`` lets go of them."""
 
   def __init__(self, api: str, path: str) -> None:
     self.api, self.path = api, path
-    self.fds: list[int] = []
     self.stored: dict[str, reader.Stored] = {}
     self.record: bytes | None = None
 
@@ -101,9 +105,33 @@ class Opened:
 
   def files(
     self, threads: int, verify: bool, order: list[Any], budget: int
-  ) -> reader.Files:
+  ) -> reader.Reader:
     """What reads the arrays, which restore reads in ``order``
     (restore_objects: from a bucket, ``budget`` bytes ahead)."""
+    raise NotImplementedError
+
+  def restore_arrays(self, request: Request) -> list[Any]:
+    """The arrays ``request`` asks for, validated, read and placed."""
+    return restore_arrays(self, request)
+
+  def close(self) -> None:
+    pass
+
+
+class LocalOpened(Opened):
+  """A checkpoint in local files: every header was read from a descriptor
+  held here, and the data is read through the same descriptors, so a
+  checkpoint replaced at its path (a save with overwrite=True) while
+  restore runs is read whole as it was validated, or fails; ``close()``
+  closes them."""
+
+  def __init__(self, api: str, path: str) -> None:
+    super().__init__(api, path)
+    self.fds: list[int] = []
+
+  def files(
+    self, threads: int, verify: bool, order: list[Any], budget: int
+  ) -> reader.Files:
     return reader.Files(threads, verify)
 
   def close(self) -> None:
@@ -112,7 +140,7 @@ class Opened:
       os.close(fd)
 
 
-def open_checkpoint(api: str, path: str) -> Opened:
+def open_checkpoint(api: str, path: str) -> LocalOpened:
   """Opens ``path`` (a directory of .npy files or an .npz) and reads its headers."""
   try:
     fd = os.open(path, reader.OPEN_FLAGS | os.O_NONBLOCK)
@@ -121,7 +149,7 @@ def open_checkpoint(api: str, path: str) -> Opened:
       f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
       "directory of .npy files written by save)"
     ) from None
-  opened = Opened(api, path)
+  opened = LocalOpened(api, path)
   opened.fds.append(fd)
   try:
     mode = os.fstat(fd).st_mode
@@ -140,7 +168,7 @@ def open_checkpoint(api: str, path: str) -> Opened:
   return opened
 
 
-def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
+def _open_directory(api: str, path: str, top: int, opened: LocalOpened) -> None:
   out = opened.stored
   for root, dirs, names, root_fd in os.fwalk(".", dir_fd=top):
     dirs.sort()
@@ -208,14 +236,14 @@ def _open_directory(api: str, path: str, top: int, opened: Opened) -> None:
         if use is None
         else math.prod(shape) * dtype.itemsize
       )
-      out[key] = reader.Stored(
+      out[key] = reader.StoredFile(
         tuple(shape), dtype, fortran, repr(file), present, file,
         offset, None, fd=fd, dir_fd=top, name=rel, stamp=reader.stamp(st),
         codec=use,
       )  # fmt: skip
 
 
-def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
+def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
   out = opened.stored
   st = os.fstat(fd)
   raw = open(fd, "rb", closefd=False)
@@ -264,7 +292,7 @@ def _open_npz(api: str, path: str, fd: int, opened: Opened) -> None:
         ) from None
       if dtype.hasobject:
         raise ValueError(f"{api}: {where} holds Python objects")
-      out[key] = reader.Stored(
+      out[key] = reader.StoredFile(
         tuple(shape), dtype, fortran, where, data_bytes, path, offset, member,
         fd=fd, stamp=reader.stamp(st), header_crc=header_crc,
         zip_crc=info.CRC if member is None else None,
@@ -329,20 +357,16 @@ def place_pieces(a: reader.Pieces, sharding: Any) -> Any:
     )
 
 
-def restore_arrays(
-  api: str,
-  opened: Opened,
-  keys: list[str],
-  paths: list[str],
-  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  places: list[Any],
-  max_inflight_bytes: int,
-  read_threads: int,
-  progress: bool | None,
-  verify: bool,
-) -> list[Any]:
-  """The arrays of ``keys`` (restore sorted the target), validated, then
-  read and placed; the placed arrays in order."""
+def restore_arrays(opened: Opened, request: Request) -> list[Any]:
+  """The arrays of ``request.keys`` (restore sorted the target), validated,
+  then read and placed; the placed arrays in order."""
+  api, keys, paths, specs = (
+    request.api,
+    request.keys,
+    request.paths,
+    request.specs,
+  )
+  places, max_inflight_bytes = request.places, request.max_inflight_bytes
   stored = opened.stored
   normalized: dict[int, Any] = {}
   for p, where, key, (want_shape, _, _) in zip(places, paths, keys, specs):
@@ -373,7 +397,9 @@ def restore_arrays(
   # Arrays in a bucket are read ahead, concurrently, up to half the budget
   # (the batches read and not yet placed hold the rest).
   order = [stored[k] for k in keys]
-  files = opened.files(read_threads, verify, order, max_inflight_bytes // 2)
+  files = opened.files(
+    request.read_threads, request.verify, order, max_inflight_bytes // 2
+  )
 
   def read(batch: list[int]) -> list[np.ndarray]:
     out = []
@@ -408,7 +434,7 @@ def restore_arrays(
   sizes = [stored[k].nbytes for k in keys]
   try:
     return prefetch.stream(
-      sizes, max_inflight_bytes, read, place_batch, progress
+      sizes, max_inflight_bytes, read, place_batch, request.progress
     )
   finally:
     files.close()

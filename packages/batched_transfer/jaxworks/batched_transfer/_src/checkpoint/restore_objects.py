@@ -18,11 +18,14 @@ bytes requested whole, its header read from the first bytes and the request
 held (``HELD`` of them at most) until the array's turn comes, its body then
 streamed into the array's buffer; elsewhere, and for ``metadata``, a partial
 restore and arrays larger than ``PART``, the header is a ranged request of
-its own and the data another. What it returns is what restore opens on
-disk, ``restore_files.Opened`` or ``restore_shards.Manifest``, validated the
-same way before anything is placed (headers read when opened; the others
-against the record, their own header checked as it arrives, and nothing
-stays placed if one disagrees), whose reads go to the bucket:
+its own and the data another. What it returns is a ``restore_files.Opened``
+(``ObjectOpened``) or a ``restore_shards.Manifest`` (``ObjectManifest``),
+siblings of the ``LocalOpened`` and ``LocalManifest`` restore opens on
+disk: they share those bases' validation and planning, so the checkpoint
+is validated the same way before anything is placed (headers read when
+opened; the others against the record, their own header checked as it
+arrives, and nothing stays placed if one disagrees), and only their reads
+go to the bucket:
 
 - the arrays are read ahead of placement in the order restore places
   them, ``concurrency`` requests at once, within half of
@@ -224,8 +227,8 @@ class _RangeFile(io.RawIOBase):
 
 
 @dataclasses.dataclass
-class Stored(reader.Stored):
-  """An array in an object (``obj``), not a file."""
+class StoredObject(reader.Stored):
+  """An array in an object (``obj``), not a file (``reader.StoredFile``)."""
 
   obj: Any = None
 
@@ -243,8 +246,9 @@ class _Job:
       self.done.set()
 
 
-class ObjectFiles(reader.Files):
-  """``reader.Files`` for objects: a scheduler thread walks the arrays in
+class ObjectFiles(reader.Reader):
+  """The ``reader.Reader`` of objects (``reader.Files`` reads local files):
+  a scheduler thread walks the arrays in
   the order restore reads them (``order``) and reads ahead, each array in
   one request streamed into its own buffer (parts of ``PART`` bytes for a
   larger one; every part checked in the thread that read it),
@@ -255,7 +259,8 @@ class ObjectFiles(reader.Files):
   def __init__(
     self, verify: bool, concurrency: int, order: list[Any], budget: int
   ) -> None:
-    super().__init__(1, verify)
+    # 4 KiB pages: data at network speed (see reader.HostMemory).
+    super().__init__(verify, reader.HostMemory(huge_pages=False))
     self._budget = budget
     self._jobs: dict[int, _Job] = {}
     self._held = 0  # bytes read ahead and not yet taken
@@ -265,8 +270,6 @@ class ObjectFiles(reader.Files):
     self._requests = concurrent.futures.ThreadPoolExecutor(
       concurrency, thread_name_prefix=reader.READ_THREAD_PREFIX
     )
-    # 4 KiB pages: data at network speed (see reader.HostMemory).
-    self._memory = reader.HostMemory(huge_pages=False)
     self._lazy_memory = reader.HostMemory(huge_pages=False)  # read's thread
     self._thread = threading.Thread(
       target=self._schedule,
@@ -363,20 +366,17 @@ class ObjectFiles(reader.Files):
     self._requests.shutdown(wait=True, cancel_futures=True)
     super().close()
 
-  def _decompress_object(self, obj: Object, s: Stored) -> np.ndarray:
+  def _decompress_object(self, obj: Object, s: StoredObject) -> np.ndarray:
     """A compressed object (see codec), read in ``storage.CHUNK`` ranges as
     it is decompressed into a new buffer, checked as on disk."""
-    assert s.codec is not None
     raw = io.BufferedReader(_RangeFile(obj), storage.CHUNK)
-    f = codec.open_reader(s.codec, raw)
-    array, flat = reader.read_exactly(f, s, self._lazy_memory)
-    if self._verify:
-      checksum.check(s.sums, flat.data)
-    return array
+    return self._decompress_from(raw, s, self._lazy_memory)
 
 
 class ObjectOpened(restore_files.Opened):
-  """A checkpoint one process wrote, in a bucket (``restore_files``)."""
+  """A checkpoint one process wrote, in a bucket (``restore_files``; its
+  sibling ``restore_files.LocalOpened`` holds local files): arrays in
+  objects (``StoredObject``), read by ``ObjectFiles``."""
 
   def __init__(self, api: str, url: str, st: Storage) -> None:
     super().__init__(api, url)
@@ -384,7 +384,7 @@ class ObjectOpened(restore_files.Opened):
 
   def files(
     self, threads: int, verify: bool, order: list[Any], budget: int
-  ) -> reader.Files:
+  ) -> reader.Reader:
     return ObjectFiles(verify, self.st.concurrency, order, budget)
 
   def close(self) -> None:
@@ -396,8 +396,10 @@ class ObjectOpened(restore_files.Opened):
 
 
 class ObjectManifest(restore_shards.Manifest):
-  """A checkpoint several processes wrote, in a bucket (``restore_shards``):
-  the shard files' headers are read when a region needs them, in parallel."""
+  """A checkpoint several processes wrote, in a bucket (``restore_shards``;
+  its sibling ``restore_shards.LocalManifest`` reads a local directory):
+  the shard files' headers are read when a region needs them, in parallel,
+  and their byte ranges by ranged requests (``Object``)."""
 
   def __init__(
     self,
@@ -408,7 +410,7 @@ class ObjectManifest(restore_shards.Manifest):
     sizes: dict[str, int],
     record: bytes | None,
   ) -> None:
-    super().__init__(api, url, -1, arrays)
+    super().__init__(api, url, arrays)
     self.st, self._sizes, self._record = st, sizes, record
 
   def record_data(self) -> bytes | None:
@@ -509,14 +511,14 @@ def _stored(
   obj: Object,
   offset: int,
   use: str | None = None,
-) -> Stored:
+) -> StoredObject:
   # A compressed object's data is as long as its header says, or reading it
   # raises (the frame is decompressed whole, and its end checked).
   if use is None:
     present = obj.size - offset
   else:
     present = math.prod(shape) * dtype.itemsize
-  return Stored(
+  return StoredObject(
     shape, dtype, fortran, repr(obj.url), present, obj.url, offset, None,
     codec=use, obj=obj,
   )  # fmt: skip
@@ -687,7 +689,7 @@ def _expected(
   use: str | None,
   size: int,
   record: format.Record,
-) -> Stored | None:
+) -> StoredObject | None:
   """The array at ``key`` as its record says save wrote it (raw, in C order,
   of its shape and dtype), its header checked when it arrives with the data
   (``Object.read_checked``); None where the record does not say (a record

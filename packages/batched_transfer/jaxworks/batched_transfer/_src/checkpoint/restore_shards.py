@@ -20,6 +20,7 @@ import math
 import os
 import threading
 from typing import Any
+from typing import NamedTuple
 
 import jax
 from jax.experimental.layout import Format
@@ -37,13 +38,14 @@ from .format import Entry
 from .format import Shard
 from .keys import astype
 from .keys import cast_to
+from .target import Request
 from .target import restore_placement
 
 #: Runs of fewer bytes are read as one block of whole rows and copied.
 SMALL_RUN = 256 * 2**10
 
 
-def open_manifest(api: str, path: str) -> Manifest | None:
+def open_manifest(api: str, path: str) -> LocalManifest | None:
   """The opened manifest checkpoint at ``path``; None if ``path`` is not a
   directory or holds no manifest (a checkpoint one process wrote)."""
   try:
@@ -66,29 +68,24 @@ def open_manifest(api: str, path: str) -> Manifest | None:
   except BaseException:
     os.close(dir_fd)
     raise
-  return Manifest(api, path, dir_fd, arrays)
+  return LocalManifest(api, path, dir_fd, arrays)
 
 
 class Manifest:
-  """An opened manifest checkpoint: the directory descriptor, the arrays, and
-  the shard files opened and validated so far; ``close()`` closes them."""
+  """An opened manifest checkpoint: the arrays, and the shard files opened
+  and validated so far (``stored``, by name), planned and read the same way
+  wherever they lie. ``LocalManifest`` reads them through descriptors
+  relative to the directory's, ``restore_objects.ObjectManifest`` in
+  ranged requests to a bucket; ``close()`` lets go of them."""
 
-  def __init__(
-    self, api: str, path: str, dir_fd: int, arrays: dict[str, Entry]
-  ) -> None:
-    self.api, self.path, self.dir_fd, self.arrays = api, path, dir_fd, arrays
-    self.stored: dict[str, reader.Stored] = {}
-    self._held = 0
-    self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
+  def __init__(self, api: str, path: str, arrays: dict[str, Entry]) -> None:
+    self.api, self.path, self.arrays = api, path, arrays
+    # By file name: reader.StoredFile (LocalManifest) or
+    # restore_objects.StoredObject (ObjectManifest).
+    self.stored: dict[str, Any] = {}
 
   def close(self) -> None:
-    for s in self.stored.values():
-      if s.fd >= 0:
-        os.close(s.fd)
-        s.fd = -1
-    if self.dir_fd >= 0:
-      os.close(self.dir_fd)
-      self.dir_fd = -1
+    pass
 
   def contents(
     self,
@@ -115,11 +112,13 @@ class Manifest:
     format.check_arrays_present(self.api, self.path, record, arrays)
     return arrays, record
 
+  def restore_arrays(self, request: Request) -> list[Any]:
+    """The arrays ``request`` asks for, validated, read and placed."""
+    return restore_arrays(self, request)
+
   def record_data(self) -> bytes | None:
     """The record's bytes (None: there is none)."""
-    return reader.read_small(
-      self.api, self.path, self.dir_fd, format.RECORD, "the record"
-    )
+    raise NotImplementedError
 
   def read_threads(self, threads: int) -> int:
     """Threads reading shards (restore_objects: at least the requests in
@@ -132,9 +131,74 @@ class Manifest:
     for key, entry, shard in needed:
       self.open_shard(key, entry, shard)
 
-  def handles(self, used: dict[str, reader.Stored]) -> dict[str, Any]:
+  def handles(self, used: dict[str, Any]) -> dict[str, Any]:
     """What ``reader.read_range`` reads each file of ``used`` through (by
-    name): its descriptor, opened again and checked where it was closed."""
+    name)."""
+    raise NotImplementedError
+
+  def unchanged(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
+    """Raises ValueError if a file of ``used`` was modified while read."""
+    raise NotImplementedError
+
+  def release(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
+    """Lets go of what ``handles`` opened."""
+    raise NotImplementedError
+
+  def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
+    """The validated shard file ``shard`` of ``key``."""
+    raise NotImplementedError
+
+  def pieces(
+    self, key: str, entry: Entry, want: Bounds
+  ) -> list[tuple[reader.Stored, Shard]]:
+    """The validated shard files overlapping the region ``want`` of ``key``
+    (ValueError if they do not cover it)."""
+    out, covered = [], 0
+    for shard in entry.overlapping(want):
+      inter = format.intersect(shard, want)
+      if inter is None:
+        continue
+      out.append((self.open_shard(key, entry, shard), shard))
+      covered += math.prod(b - a for a, b in inter)
+    if covered != math.prod(hi - lo for lo, hi in want):
+      raise ValueError(
+        f"{self.api}: the shards of {key!r} in the manifest of {self.path!r} "
+        f"do not tile the array (region {list(want)}); the checkpoint is damaged"
+      )
+    return out
+
+
+class LocalManifest(Manifest):
+  """A manifest checkpoint in a local directory: its descriptor, and the
+  shard files' (``reader.StoredFile``), each validated when opened and read
+  through the same descriptor (or opened again and checked to be the same
+  file); ``close()`` closes them."""
+
+  def __init__(
+    self, api: str, path: str, dir_fd: int, arrays: dict[str, Entry]
+  ) -> None:
+    super().__init__(api, path, arrays)
+    self.dir_fd = dir_fd
+    self._held = 0
+    self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
+
+  def close(self) -> None:
+    for s in self.stored.values():
+      if s.fd >= 0:
+        os.close(s.fd)
+        s.fd = -1
+    if self.dir_fd >= 0:
+      os.close(self.dir_fd)
+      self.dir_fd = -1
+
+  def record_data(self) -> bytes | None:
+    """The record's bytes (None: there is none)."""
+    return reader.read_small(
+      self.api, self.path, self.dir_fd, format.RECORD, "the record"
+    )
+
+  def handles(self, used: dict[str, Any]) -> dict[str, Any]:
+    """Each file's descriptor, opened again and checked where it was closed."""
     fds: dict[str, int] = {}
     try:
       for name, s in used.items():
@@ -144,9 +208,7 @@ class Manifest:
       raise
     return fds
 
-  def unchanged(
-    self, fds: dict[str, Any], used: dict[str, reader.Stored]
-  ) -> None:
+  def unchanged(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
     """Raises ValueError if a file of ``used`` was modified while read."""
     for name, s in used.items():
       if reader.stamp(os.fstat(fds[name])) != s.stamp:
@@ -155,15 +217,15 @@ class Manifest:
           "restore again"
         )
 
-  def release(
-    self, fds: dict[str, Any], used: dict[str, reader.Stored]
-  ) -> None:
+  def release(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
     """Closes the descriptors ``handles`` opened again."""
     for name, fd in fds.items():
       if fd != used[name].fd:
         os.close(fd)
 
-  def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
+  def open_shard(
+    self, key: str, entry: Entry, shard: Shard
+  ) -> reader.StoredFile:
     """The validated shard file (opened relative to the directory)."""
     s = self.stored.get(shard.file)
     if s is not None:
@@ -186,7 +248,7 @@ class Manifest:
           f"{api}: the shard file {file!r} of {key!r} is not a readable .npy "
           f"file: {err}"
         ) from None
-      s = reader.Stored(
+      s = reader.StoredFile(
         tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
         offset, None, fd=fd, dir_fd=self.dir_fd, name=shard.file,
         stamp=reader.stamp(st),
@@ -203,25 +265,6 @@ class Manifest:
       s.fd = -1
     self.stored[shard.file] = s
     return s
-
-  def pieces(
-    self, key: str, entry: Entry, want: Bounds
-  ) -> list[tuple[reader.Stored, Shard]]:
-    """The validated shard files overlapping the region ``want`` of ``key``
-    (ValueError if they do not cover it)."""
-    out, covered = [], 0
-    for shard in entry.overlapping(want):
-      inter = format.intersect(shard, want)
-      if inter is None:
-        continue
-      out.append((self.open_shard(key, entry, shard), shard))
-      covered += math.prod(b - a for a, b in inter)
-    if covered != math.prod(hi - lo for lo, hi in want):
-      raise ValueError(
-        f"{self.api}: the shards of {key!r} in the manifest of {self.path!r} "
-        f"do not tile the array (region {list(want)}); the checkpoint is damaged"
-      )
-    return out
 
 
 def check_shard(
@@ -282,11 +325,8 @@ def read_tasks(
     name = s.name
     k = _tail_dim(ext, sshape, dshape)
     if s.fortran or (len(ext) > 1 and math.prod(ext[k:]) < SMALL_RUN):
-      tasks.append(
-        _block_task(
-          s, fds, name, sshape, lo, ext, dshape, dlo, dst, verified, blocks
-        )
-      )
+      copy = _Copy(sshape, lo, ext, dshape, dlo)
+      tasks.append(_block_task(s, fds, copy, dst, verified, blocks))
       continue
     run = math.prod(ext[k:])
     sstr, dstr = _strides(sshape), _strides(dshape)
@@ -391,14 +431,34 @@ class _Shared:
         self.block = None
 
 
+class _Copy(NamedTuple):
+  """Where one shard's part of a region lies, in bytes (the last dimension
+  is the item's): the shard's shape and the part's start in it, the
+  part's extent, and the region's shape and the part's start in it."""
+
+  sshape: tuple[int, ...]
+  lo: tuple[int, ...]
+  ext: tuple[int, ...]
+  dshape: tuple[int, ...]
+  dlo: tuple[int, ...]
+
+
 def _block_task(
-  s, fds, name, sshape, lo, ext, dshape, dlo, dst, verified=None, blocks=None
-):
-  """Reads whole rows of the shard (all of a Fortran-ordered one) and copies
-  the region's part: for regions whose contiguous runs are small. With
-  ``verified`` (a set), rows that are whole checksum chunks of the file are
-  checked as read, and added to it (a chunk is read once); with ``blocks``,
-  the same rows are read once for every region that copies from them."""
+  s: reader.Stored,
+  fds: dict[str, Any],
+  copy: _Copy,
+  dst: np.ndarray,
+  verified: set[tuple[str, int]] | None = None,
+  blocks: dict[tuple[str, int, int], _Shared] | None = None,
+) -> Callable[[], None]:
+  """Reads whole rows of the shard ``s`` (all of a Fortran-ordered one) and
+  copies the region's part (``copy``) into ``dst``: for regions whose
+  contiguous runs are small. With ``verified`` (a set), rows that are whole
+  checksum chunks of the file are checked as read, and added to it (a chunk
+  is read once); with ``blocks``, the same rows are read once for every
+  region that copies from them."""
+  name = s.name
+  sshape, lo, ext, dshape, dlo = copy
   if s.fortran:
     rows, first = sshape[0], 0
   else:
@@ -472,24 +532,17 @@ class _Leaf:
     return sum(math.prod(b - a for a, b in r) * size for r in self.pieces)
 
 
-def restore_arrays(
-  api: str,
-  opened: Manifest,
-  keys: list[str],
-  paths: list[str],
-  specs: list[tuple[tuple[int, ...], np.dtype, bool]],
-  places: list[Any],
-  max_inflight_bytes: int,
-  read_threads: int,
-  progress: bool | None,
-  verify: bool,
-) -> list[Any]:
-  """The arrays of ``keys`` (restore sorted the target), validated, then
-  read (ahead, on a background thread) and placed; the arrays in order."""
-  plan = _plan(api, opened, keys, paths, specs, places)
+def restore_arrays(opened: Manifest, request: Request) -> list[Any]:
+  """The arrays of ``request.keys`` (restore sorted the target), validated,
+  then read (ahead, on a background thread) and placed; the arrays in
+  order."""
+  api, verify = request.api, request.verify
+  plan = _plan(
+    api, opened, request.keys, request.paths, request.specs, request.places
+  )
   memory = reader.HostMemory()
   pool = concurrent.futures.ThreadPoolExecutor(
-    opened.read_threads(read_threads),
+    opened.read_threads(request.read_threads),
     thread_name_prefix=reader.READ_THREAD_PREFIX,
   )
 
@@ -502,7 +555,7 @@ def restore_arrays(
   sizes = [leaf.nbytes for leaf in plan]
   try:
     return prefetch.stream(
-      sizes, max_inflight_bytes, read, place_batch, progress
+      sizes, request.max_inflight_bytes, read, place_batch, request.progress
     )
   finally:
     pool.shutdown(wait=True)
@@ -621,7 +674,7 @@ def _buffers(memory: reader.HostMemory, leaf: _Leaf) -> dict[Bounds, Any]:
   return out
 
 
-def _reopen(api: str, s: reader.Stored) -> int:
+def _reopen(api: str, s: reader.StoredFile) -> int:
   try:
     fd, st = reader.open_file(s.name, s.dir_fd)
   except (OSError, ValueError) as err:

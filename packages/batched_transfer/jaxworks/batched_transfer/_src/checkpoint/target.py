@@ -5,8 +5,9 @@ record stores by value (``str`` and None), or, without a target, builds one
 from the checkpoint's record (``as_saved``, which ``metadata`` also
 returns); ``target_spec`` is the shape, dtype and weak type a target leaf
 asks for, ``placement_of`` where it goes, ``restore_placement`` that
-placement checked. Both restore paths (restore_files, restore_shards) place
-what ``Target`` picks.
+placement checked; ``Request`` is what restore asks of the checkpoint it
+opened (``restore_arrays`` of restore_files' ``Opened`` or restore_shards'
+``Manifest``): the leaves ``Target`` picked, and how to read them.
 
 >>> import numpy as np
 >>> r = format.Record(values={"run": "exp-42"},
@@ -17,6 +18,7 @@ what ``Target`` picks.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -31,6 +33,22 @@ from .keys import ROOT_KEY
 from .keys import check_keys
 from .keys import leaf_keys
 from .keys import python_scalar_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """The arrays a restore reads (in the order ``Target`` picked them), where
+  each goes, and how they are read."""
+
+  api: str
+  keys: list[str]  # the stored arrays
+  paths: list[str]  # their tree paths, for messages
+  specs: list[tuple[tuple[int, ...], np.dtype, bool]]  # see target_spec
+  places: list[Any]  # device_put targets, one per array
+  max_inflight_bytes: int
+  read_threads: int
+  progress: bool | None
+  verify: bool
 
 
 def placement_of(leaf: Any) -> Any:
