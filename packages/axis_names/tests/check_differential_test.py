@@ -26,6 +26,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import pytest
 
+# Private imports below: reads the unbound name out of stock JAX's NameError
+# (the oracle).
 from jaxworks.axis_names import AxisNameError
 from jaxworks.axis_names import check_axis_names
 from jaxworks.axis_names import collective_report

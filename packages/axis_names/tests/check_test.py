@@ -395,6 +395,7 @@ def _nest(depth):
 
 
 def test_shared_sub_jaxprs_are_walked_once(monkeypatch):
+  # Private imports below: counts the internal walk's calls (no public counter).
   from jaxworks.axis_names import collective_report
   from jaxworks.axis_names._src import analysis
 
@@ -421,6 +422,7 @@ def test_shared_sub_jaxprs_are_walked_once(monkeypatch):
 
 
 def test_walk_summary_of_a_shared_sub_jaxpr_is_computed_once(monkeypatch):
+  # Private imports below: counts the internal walk's calls (no public counter).
   from jaxworks.axis_names import collective_report
   from jaxworks.axis_names._src import analysis
 

@@ -27,6 +27,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import pytest
 
+# Private imports below: JAX's NamedAxisEffect names (the oracle) and the
+# per-equation walk.
 from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import analysis
 from jaxworks.axis_names._src import jax_internals

@@ -13,6 +13,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+# Private imports below: JAX's own NamedAxisEffect names are the oracle (no
+# public accessor).
 from jaxworks.axis_names import AxisNameError
 from jaxworks.axis_names import check_axis_names
 from jaxworks.axis_names import rename_axes

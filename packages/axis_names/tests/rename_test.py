@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+# Private imports below: JAX's effects as the oracle, and traces staged by hand.
 from jaxworks.axis_names import rename_axes
 from jaxworks.axis_names import used_axis_names
 from jaxworks.axis_names._src import analysis

@@ -25,6 +25,8 @@ import ambient_harness as harness
 import jax
 import pytest
 
+# Private imports below: the names of JAX's trace-context entries, which no
+# public API lists.
 from jaxworks.jit_cache._src import jax_internals as ji
 
 SEED = 0

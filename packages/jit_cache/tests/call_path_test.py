@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: the subject is the C++ signature builder and its Python
+# twin.
 from jaxworks import jit_cache
 from jaxworks.jit_cache import _signature as ext
 from jaxworks.jit_cache._src import jax_internals as ji

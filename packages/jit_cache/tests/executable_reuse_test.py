@@ -296,6 +296,8 @@ def test_xla_metadata_and_compute_type_are_part_of_the_key():
   plain = jax.make_jaxpr(lambda x: jnp.sin(x))(X)
   with compute_on("device_host"):
     host = jax.make_jaxpr(lambda x: jnp.sin(x))(X)
+  # Private imports below: the key itself must differ (no public view of the
+  # fingerprint).
   from jaxworks.jit_cache._src import fingerprint as fpmod  # pylint: disable=g-import-not-at-top
 
   assert host.jaxpr.eqns[0].ctx.compute_type == "device_host"

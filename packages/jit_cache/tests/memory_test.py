@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: counts the live internal cache objects that stats()
+# reports on.
 from jaxworks import jit_cache
 from jaxworks.jit_cache import jit
 from jaxworks.jit_cache._src import cache

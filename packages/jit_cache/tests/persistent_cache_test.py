@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from jaxworks import jit_cache
-from jaxworks.jit_cache._src import persistent
+
+# The documented environment variable that turns the persistent cache on.
+ENV_VAR = "JAXWORKS_JIT_CACHE_DIR"
 
 WORKER = os.path.join(
   os.path.dirname(os.path.abspath(__file__)), "persistent_cache_worker.py"
@@ -26,7 +28,7 @@ WORKER = os.path.join(
 
 
 def _env(extra=None):
-  drop = (persistent.ENV_VAR, "JAX_COMPILATION_CACHE_DIR")
+  drop = (ENV_VAR, "JAX_COMPILATION_CACHE_DIR")
   return child.env(drop, **(extra or {}))
 
 
@@ -284,9 +286,7 @@ def test_environment_variable_turns_the_cache_on(tmp_path):
     "from jaxworks import jit_cache\n"
     "print(jit_cache.config.cache_dir, jax.config.jax_compilation_cache_dir)"
   )
-  out = child.run(
-    "-c", code, child_env=_env({persistent.ENV_VAR: str(d)})
-  ).stdout.split()
+  out = child.run("-c", code, child_env=_env({ENV_VAR: str(d)})).stdout.split()
   assert out == [str(d), str(d)]
   assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: the subject is the C++ signature and its Python twin.
 from jaxworks.jit_cache import _signature as ext
 from jaxworks.jit_cache._src import jax_internals as ji
 from jaxworks.jit_cache._src import signature as sig

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: counts calls of JAX's own pjit._infer_params (no public
+# hook).
 from jaxworks.jit_cache import Traced
 from jaxworks.jit_cache import eval_shape
 from jaxworks.jit_cache import jit

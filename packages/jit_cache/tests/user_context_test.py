@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: the layout of JAX's trace context, which no public API
+# exposes.
 from jaxworks import jit_cache
 from jaxworks.jit_cache import jit
 from jaxworks.jit_cache._src import jax_internals as ji

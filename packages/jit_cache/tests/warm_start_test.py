@@ -13,8 +13,6 @@ import json
 
 import child
 
-from jaxworks.jit_cache._src import persistent
-
 SCRIPT = r"""
 import json, sys
 import jax
@@ -106,7 +104,7 @@ print(json.dumps({
 
 
 def _run(script, directory):
-  env = child.env((persistent.ENV_VAR, "JAX_COMPILATION_CACHE_DIR"))
+  env = child.env(("JAXWORKS_JIT_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"))
   proc = child.run(str(script), str(directory), child_env=env, timeout=300)
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

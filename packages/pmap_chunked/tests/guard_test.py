@@ -23,6 +23,8 @@ import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
+# Private imports below: pmap makes its transfers through this binding; counting
+# them means patching it.
 from jaxworks.pmap_chunked import pmap
 import jaxworks.pmap_chunked._src.deps as deps
 

@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+# Private imports below: pmap makes its transfers through this binding; counting
+# them means patching it.
 from jaxworks.pmap_chunked import pmap
 import jaxworks.pmap_chunked._src.deps as deps
 

@@ -13,6 +13,8 @@ import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
+# Private imports below: pmap makes its transfers through this binding; counting
+# them means patching it.
 from jaxworks.pmap_chunked import device_put_replicated
 from jaxworks.pmap_chunked import device_put_sharded
 from jaxworks.pmap_chunked import pmap

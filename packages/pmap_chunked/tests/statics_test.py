@@ -7,6 +7,7 @@ stock ``jax.pmap`` and compares values and dtypes (incl. weak types).
 """
 
 import functools
+import inspect
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -17,10 +18,11 @@ from jax.sharding import NamedSharding
 import numpy as np
 import pytest
 
+# Private imports below: test_static_key_function covers the key function
+# itself.
 from jaxworks.pmap_chunked import UnhashableStaticError
 from jaxworks.pmap_chunked import pmap
 from jaxworks.pmap_chunked._src.arguments import static_key
-from jaxworks.pmap_chunked._src.pmap import DEFAULT_MAXSIZE
 
 N = 8
 pytestmark = pytest.mark.skipif(
@@ -217,7 +219,8 @@ def test_program_table_is_an_lru_with_a_bound():
   assert (info.hits, info.misses, info.evictions) == (1, 6, 3)
   f(x, 3)  # still held (was recent)
   assert f.cache_info().hits == 2
-  assert pmap(lambda v: v).cache_info().maxsize == DEFAULT_MAXSIZE
+  default = inspect.signature(pmap).parameters["maxsize"].default
+  assert pmap(lambda v: v).cache_info().maxsize == default
   f.clear_cache()
   assert f.cache_info().entries == 0
   with pytest.raises(TypeError, match="maxsize must be an int >= 1"):

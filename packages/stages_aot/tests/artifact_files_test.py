@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: a fallback path (no renameat2 exchange) and the
+# vjp-order limit.
 from jaxworks import stages_aot as sa
 from jaxworks.stages_aot._src import artifact as artifact_module
 from jaxworks.stages_aot._src import validate

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: the CLI's main run in-process (the public face is
+# ``python -m``).
 from jaxworks import stages_aot as sa
 from jaxworks.stages_aot._src import cli
 

@@ -13,6 +13,8 @@ from cli_runner import run_cli
 import numpy as np
 import pytest
 
+# Private imports below: the CLI's main run in-process (run_cli runs the
+# public ``python -m jaxworks.stages_aot``).
 from jaxworks.stages_aot._src import cli
 
 MODULE = textwrap.dedent(

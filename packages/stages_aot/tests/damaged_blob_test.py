@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: some cases crash or stall the module reader child
+# process itself.
 from jaxworks import stages_aot as sa
 from jaxworks.stages_aot._src import jax_internals
 from jaxworks.stages_aot._src import module_reader

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below: watches the module reader child process (its pid, its
+# reads).
 from jaxworks import stages_aot as sa
 from jaxworks.stages_aot._src import module_reader
 

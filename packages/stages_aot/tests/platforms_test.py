@@ -7,8 +7,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import pytest
 
+# Private imports below: choose_platform (the platform Compiled/Exported run on)
+# has no public entry.
 from jaxworks import stages_aot as sa
-from jaxworks.stages_aot._src.platforms import canonical_platforms
 from jaxworks.stages_aot._src.platforms import choose_platform
 
 
@@ -17,12 +18,12 @@ def test_known_platforms():
 
 
 def test_canonical_platforms_keeps_order():
-  assert canonical_platforms(["tpu", "cpu", "rocm"], api="t") == (
+  assert sa.canonical_platforms(["tpu", "cpu", "rocm"], api="t") == (
     "tpu",
     "cpu",
     "rocm",
   )
-  assert canonical_platforms(None, api="t") == (
+  assert sa.canonical_platforms(None, api="t") == (
     jax.export.default_export_platform(),
   )
 
@@ -71,4 +72,4 @@ def test_choose_platform():
 
 def test_bad_platform_types():
   with pytest.raises(TypeError, match="got 7"):
-    canonical_platforms(7, api="t")
+    sa.canonical_platforms(7, api="t")

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Private imports below, no public counterpart: is_concrete, and
+# parse_arg_specs's own check that it got a list, not a single string.
 from jaxworks import stages_aot as sa
-from jaxworks.stages_aot._src.specs import dtype_short_name
 from jaxworks.stages_aot._src.specs import is_concrete
 from jaxworks.stages_aot._src.specs import parse_arg_specs
 
@@ -104,7 +105,9 @@ def test_format_aval():
   assert sa.format_aval(jax.ShapeDtypeStruct((3, 4), np.int32)) == "i32[3,4]"
   assert sa.format_aval(jax.core.ShapedArray((), jnp.bfloat16)) == "bf16[]"
   assert sa.format_aval(sa.arg_spec("f32[b, 2*b + 1]")) == "f32[b,2*b+1]"
-  assert dtype_short_name(jnp.float8_e5m2) == "float8_e5m2"
+  assert (
+    sa.format_aval(jax.ShapeDtypeStruct((), jnp.float8_e5m2)) == "float8_e5m2[]"
+  )
 
 
 DTYPES = ["f32", "bf16", "f16", "i8", "i32", "u8", "bool", "c64", "float8_e5m2"]
