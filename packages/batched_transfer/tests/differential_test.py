@@ -30,8 +30,27 @@ import ml_dtypes
 import numpy as np
 
 from jaxworks import batched_transfer as bt
-from jaxworks.batched_transfer._src.checkpoint.keys import astype
-from jaxworks.batched_transfer._src.checkpoint.keys import python_scalar_dtype
+
+
+def _scalar_dtype(x):
+  """The dtype stock JAX gives a Python scalar (bool, int, float, complex), else None."""
+  if isinstance(x, (bool, int, float, complex)) and not isinstance(
+    x, np.generic
+  ):
+    return np.dtype(jax.typeof(x).dtype)
+  return None
+
+
+def _astype(a, dtype):
+  """numpy's a.astype(dtype), through float64 (complex128) where numpy has no
+  direct cast between two ml_dtypes types (int4 -> uint4)."""
+  try:
+    return a.astype(dtype)
+  except TypeError:
+    return a.astype(
+      np.complex128 if a.dtype.kind == "c" else np.float64
+    ).astype(dtype)
+
 
 SETTINGS = settings(
   max_examples=jwt.examples(60),
@@ -360,9 +379,9 @@ def test_save_restore_matches_stock_placement(
       shutil.rmtree(root)
     for k, x in tree.items():
       if cast is not None and k == cast[0]:
-        scalar = python_scalar_dtype(x)
+        scalar = _scalar_dtype(x)
         host = np.asarray(x) if scalar is None else np.asarray(x, scalar)
-        ref = jax.device_put(astype(host, cast[1]), shardings[k])
+        ref = jax.device_put(_astype(host, cast[1]), shardings[k])
       elif isinstance(x, jax.Array) and shardings[k] is None:
         ref = jax.device_put(
           np.asarray(x)
