@@ -10,6 +10,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
+# Private imports below: the C++ checked read checked against its Python twin.
 from jaxworks.batched_transfer import _checked_read
 from jaxworks.batched_transfer._src.checkpoint import checksum
 from jaxworks.batched_transfer._src.checkpoint import reader

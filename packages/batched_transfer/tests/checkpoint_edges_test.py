@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: commit.remove's threads, patched to refuse or fail.
 from jaxworks.batched_transfer._src.checkpoint import commit
 
 

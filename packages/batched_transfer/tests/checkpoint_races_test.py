@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: commit's temp names and recovery; writes slowed.
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import hostvalue
 

@@ -8,6 +8,7 @@ kind of place."""
 import ast
 import pathlib
 
+# Private imports below: the checkpoint layer's own source is read.
 from jaxworks.batched_transfer._src import checkpoint
 
 SRC = pathlib.Path(checkpoint.__file__).parent

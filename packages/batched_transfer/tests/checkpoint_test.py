@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: restore's steps patched to fail; a damaged record.
 from jaxworks.batched_transfer._src.checkpoint import format
 from jaxworks.batched_transfer._src.checkpoint import reader
 from jaxworks.batched_transfer._src.checkpoint import restore_files

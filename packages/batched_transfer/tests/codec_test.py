@@ -245,6 +245,7 @@ def test_damaged_compressed_files_are_clear_errors(tmp_path, how, match):
 
 def test_file_replaced_after_validation_is_named(tmp_path, monkeypatch):
   """A compressed file swapped between restore's check and its read."""
+  # Private: the reader's file class, patched to swap the file mid-restore.
   from jaxworks.batched_transfer._src.checkpoint import reader
 
   p = tmp_path / "c"

@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_servers  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+
+# Private imports below: the internal Destination classes are the subject.
 from jaxworks.batched_transfer._src.checkpoint import destination  # noqa: E402
 
 API = "test"

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: JAX's batched put patched to count and fail.
 from jaxworks.batched_transfer._src import jax_internals
 from jaxworks.batched_transfer._src import transfer
 

@@ -11,6 +11,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 import numpy as np
 
+# Private imports below: the C++ grouping and its wrapper are the subject.
 from jaxworks.batched_transfer import _grouping
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals

@@ -12,6 +12,7 @@ from jax.sharding import SingleDeviceSharding
 import numpy as np
 import pytest
 
+# Private imports below: the C++ grouping and its wrapper are the subject.
 from jaxworks.batched_transfer import _grouping
 from jaxworks.batched_transfer._src import grouping
 from jaxworks.batched_transfer._src import jax_internals

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: checksums, checked reads, commit: patched or damaged.
 from jaxworks.batched_transfer._src.checkpoint import checksum
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import destination

@@ -14,6 +14,7 @@ import jaxworks_testing as jwt
 import numpy as np
 import pytest
 
+# Private imports below: its bindings to JAX's internals are the subject.
 from jaxworks.batched_transfer._src import jax_internals as ji
 
 

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: the package's stock jit, patched to count calls.
 from jaxworks.batched_transfer._src import jax_internals
 
 COL_MAJOR = Layout(major_to_minor=(1, 0))

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: commit's temp names, the lease file, a write patched.
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import destination
 from jaxworks.batched_transfer._src.checkpoint import lease

@@ -31,6 +31,8 @@ from overwrite_race import restore_while_replacing
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: the manifest format and reader, damaged or patched.
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import format
 from jaxworks.batched_transfer._src.checkpoint import reader

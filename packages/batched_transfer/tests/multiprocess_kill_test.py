@@ -28,6 +28,8 @@ from multiprocess_util import numpy_read
 import numpy as np
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: commit's temp names, left by a killed save.
 from jaxworks.batched_transfer._src.checkpoint import commit
 
 #: Temporary names saves of numbered steps leave (commit.temp_name).

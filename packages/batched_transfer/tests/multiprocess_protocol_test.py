@@ -24,6 +24,7 @@ SETUP = textwrap.dedent("""
                                num_processes=nproc, process_id=process_id,
                                initialization_timeout=60)
     from jaxworks import batched_transfer as bt
+    # Private: each step of a collective save, patched to fail.
     from jaxworks.batched_transfer._src.checkpoint import (
         api, commit, destination, hostvalue, multiprocess, pending, steps,
         writer)

@@ -170,6 +170,7 @@ SETUP = VALUES + textwrap.dedent("""
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=process_id, initialization_timeout=60)
     from jaxworks import batched_transfer as bt
+    # Private: save's steps, patched to count, fail or kill.
     from jaxworks.batched_transfer._src.checkpoint import commit, hostvalue, multiprocess
     mesh = jax.make_mesh((8,), ("x",))
 
@@ -346,6 +347,7 @@ HOST_TREES = textwrap.dedent("""
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=process_id, initialization_timeout=60)
     from jaxworks import batched_transfer as bt
+    # Private: save's steps, patched to count, fail or kill.
     from jaxworks.batched_transfer._src.checkpoint import hostvalue
 
     writes = []

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: transfers patched to raise: plan must make none.
 from jaxworks.batched_transfer._src import jax_internals
 from jaxworks.batched_transfer._src import transfer
 

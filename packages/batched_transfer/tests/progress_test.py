@@ -2,6 +2,7 @@
 
 import io
 
+# Private imports below: Progress has no public constructor.
 from jaxworks.batched_transfer._src.checkpoint.progress import Progress
 
 

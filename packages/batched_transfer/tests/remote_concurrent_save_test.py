@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_servers  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+
+# Private imports below: the lease's objects and bucket writes, patched.
 from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import lease  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
@@ -177,7 +179,7 @@ def test_a_live_savers_lease_stops_another_save(env, caplog):
       FileExistsError, match="is being saved at .* by process"
     ):
       bt.save(url, tree(0, 0))
-    with pytest.raises(lease.WriterConflictError) as err:
+    with pytest.raises(bt.WriterConflictError) as err:
       bt.save(url, tree(0, 0), overwrite=True)
     assert f"process {holder.pid} on host" in str(err.value)
     assert f"{url}/{lease.PREFIX}" in str(err.value)
@@ -338,7 +340,7 @@ def test_a_save_whose_lease_was_taken_over_does_not_commit(env, monkeypatch):
     return out
 
   monkeypatch.setattr(remote.Bucket, "write", write)
-  with pytest.raises(lease.WriterConflictError, match="took over this save"):
+  with pytest.raises(bt.WriterConflictError, match="took over this save"):
     bt.save(url, tree(0, 6, n=2))
   names = objects(url)
   assert format.RECORD not in names, names

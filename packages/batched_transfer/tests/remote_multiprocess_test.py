@@ -53,6 +53,7 @@ WORKER = VALUES + textwrap.dedent("""
                                initialization_timeout=60)
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxworks import batched_transfer as bt
+    # Private: save's steps, patched to fail on one process.
     from jaxworks.batched_transfer._src.checkpoint import hostvalue, remote
     mesh = jax.make_mesh((8,), ("x",))
     mesh2 = jax.make_mesh((4, 2), ("a", "b"))

@@ -41,6 +41,8 @@ from multiprocess_util import run_n  # noqa: E402
 import object_servers  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+
+# Private imports below: restore's probes and storage, patched to count.
 from jaxworks.batched_transfer._src.checkpoint import checksum  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import gcs  # noqa: E402

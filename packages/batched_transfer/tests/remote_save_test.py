@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_servers  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+
+# Private imports below: the object writer and the record, patched and read.
 from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import storage  # noqa: E402

@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_servers  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+
+# Private imports below: the bucket opened directly to plant objects.
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
 s3_endpoint = object_servers.s3_endpoint

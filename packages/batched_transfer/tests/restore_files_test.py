@@ -17,6 +17,8 @@ from overwrite_race import restore_while_replacing
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: the file reader's memory and huge pages.
 from jaxworks.batched_transfer._src.checkpoint import format
 from jaxworks.batched_transfer._src.checkpoint import reader
 

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: the prefetch pipeline's batches and threads.
 from jaxworks.batched_transfer._src.checkpoint import prefetch
 from jaxworks.batched_transfer._src.checkpoint import reader
 from jaxworks.batched_transfer._src.checkpoint import restore_files

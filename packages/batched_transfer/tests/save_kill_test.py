@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
+
+# Private imports below: commit's temp names and exchange step, patched.
 from jaxworks.batched_transfer._src.checkpoint import commit
 
 ROUNDS = 30

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import object_servers  # noqa: E402
 
+# Private imports below: the storage protocol (URLs, stores) is the subject.
 from jaxworks.batched_transfer._src.checkpoint import storage  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 

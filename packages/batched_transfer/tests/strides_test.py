@@ -46,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtypes  # noqa: E402
 
 from jaxworks import batched_transfer as bt  # noqa: E402
+
+# Private imports below: hostvalue's strided copies and checksums.
 from jaxworks.batched_transfer._src.checkpoint import checksum  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import hostvalue  # noqa: E402
 
