@@ -94,13 +94,7 @@ def open(  # noqa: A001 (the module's verb: destination.open)
       path), storage_options for a local path, a bad URL.
     TypeError: ``path`` is not a path.
   """
-  try:
-    text = os.fsdecode(os.fspath(path))
-  except TypeError:
-    raise TypeError(
-      f"{api}: the path must be a str or os.PathLike (a local path or an "
-      f"s3://, gs:// or az:// URL), got {type(path).__name__}"
-    ) from None
+  text = storage.path_text(api, path)
   url = _SCHEME.match(text)
   if url is None:
     if storage_options:
@@ -722,12 +716,9 @@ class BucketNpz(BucketPrefix):
       raise remote.exists_error(self.api, self.path) from None
     return False
 
-  @property
-  def beside(self) -> bool:
-    return False
-
-  def where(self) -> str:
-    return self.path
+  # Committed at the path itself (the archive is one object, created last).
+  beside = Destination.beside
+  where = Destination.where
 
   def abort(self) -> None:
     if self._local is not None:

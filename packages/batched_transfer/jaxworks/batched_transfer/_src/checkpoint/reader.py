@@ -30,6 +30,7 @@ files, ``restore_objects.ObjectFiles`` for objects; both read ranges with
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import dataclasses
 import io
@@ -379,7 +380,7 @@ def default_read_threads() -> int:
   return max(1, min(8, os.cpu_count() or 1))
 
 
-class Reader:
+class Reader(abc.ABC):
   """Reads stored arrays into new aligned buffers (``HostMemory``), checked
   against the record as they are read: what every kind of place shares
   (``Files`` reads local files, ``restore_objects.ObjectFiles`` objects in
@@ -390,10 +391,10 @@ class Reader:
     self._verify = verify
     self._memory = memory
 
+  @abc.abstractmethod
   def read(self, s: Any) -> np.ndarray:
     """The bytes of ``s`` as an array of its header dtype, in a buffer of its
     own (``Pieces`` where ``s.pieces`` says)."""
-    raise NotImplementedError
 
   def close(self) -> None:
     pass

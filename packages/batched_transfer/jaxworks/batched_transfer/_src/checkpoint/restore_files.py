@@ -12,6 +12,7 @@ buffer over).
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 import stat
@@ -40,7 +41,7 @@ _ZIP_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error)
 
 
-class Opened:
+class Opened(abc.ABC):
   """A checkpoint one process wrote, opened once: its arrays' headers
   (``stored``) and its record, read when it was opened, and what reads its
   arrays (``files``). ``LocalOpened`` holds a directory's or an .npz's
@@ -103,12 +104,12 @@ class Opened:
     format.check_arrays_present(api, self.path, record, arrays)
     return arrays, record
 
+  @abc.abstractmethod
   def files(
     self, threads: int, verify: bool, order: list[Any], budget: int
   ) -> reader.Reader:
     """What reads the arrays, which restore reads in ``order``
     (restore_objects: from a bucket, ``budget`` bytes ahead)."""
-    raise NotImplementedError
 
   def restore_arrays(self, request: Request) -> list[Any]:
     """The arrays ``request`` asks for, validated, read and placed."""

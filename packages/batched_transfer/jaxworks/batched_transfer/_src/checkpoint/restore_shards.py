@@ -13,6 +13,7 @@ layout.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 import concurrent.futures
 import dataclasses
@@ -71,7 +72,7 @@ def open_manifest(api: str, path: str) -> LocalManifest | None:
   return LocalManifest(api, path, dir_fd, arrays)
 
 
-class Manifest:
+class Manifest(abc.ABC):
   """An opened manifest checkpoint: the arrays, and the shard files opened
   and validated so far (``stored``, by name), planned and read the same way
   wherever they lie. ``LocalManifest`` reads them through descriptors
@@ -116,9 +117,9 @@ class Manifest:
     """The arrays ``request`` asks for, validated, read and placed."""
     return restore_arrays(self, request)
 
+  @abc.abstractmethod
   def record_data(self) -> bytes | None:
     """The record's bytes (None: there is none)."""
-    raise NotImplementedError
 
   def read_threads(self, threads: int) -> int:
     """Threads reading shards (restore_objects: at least the requests in
@@ -131,22 +132,22 @@ class Manifest:
     for key, entry, shard in needed:
       self.open_shard(key, entry, shard)
 
+  @abc.abstractmethod
   def handles(self, used: dict[str, Any]) -> dict[str, Any]:
     """What ``reader.read_range`` reads each file of ``used`` through (by
     name)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def unchanged(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
     """Raises ValueError if a file of ``used`` was modified while read."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def release(self, fds: dict[str, Any], used: dict[str, Any]) -> None:
     """Lets go of what ``handles`` opened."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def open_shard(self, key: str, entry: Entry, shard: Shard) -> reader.Stored:
     """The validated shard file ``shard`` of ``key``."""
-    raise NotImplementedError
 
   def pieces(
     self, key: str, entry: Entry, want: Bounds

@@ -115,6 +115,18 @@ class Location:
     return self.prefix.rpartition("/")[2]
 
 
+def path_text(api: str, path: Any) -> str:
+  """``path`` (a str or os.PathLike) as text; TypeError naming ``api``
+  for anything else."""
+  try:
+    return os.fsdecode(os.fspath(path))
+  except TypeError:
+    raise TypeError(
+      f"{api}: the path must be a str or os.PathLike (a local path or an "
+      f"s3://, gs:// or az:// URL), got {type(path).__name__}"
+    ) from None
+
+
 def parse(api: str, path: Any) -> Location:
   """``path`` (str, bytes or os.PathLike) as a ``Location``.
 
@@ -123,13 +135,7 @@ def parse(api: str, path: Any) -> Location:
     ValueError: an unknown scheme, a URL without a bucket, an empty path,
       or a ``.``/``..`` component in a URL's key.
   """
-  try:
-    text = os.fsdecode(os.fspath(path))
-  except TypeError:
-    raise TypeError(
-      f"{api}: the path must be a str or os.PathLike (a local path or an "
-      f"s3://, gs:// or az:// URL), got {type(path).__name__}"
-    ) from None
+  text = path_text(api, path)
   if not text:
     raise ValueError(f"{api}: the path is empty")
   scheme, sep, rest = text.partition("://")
