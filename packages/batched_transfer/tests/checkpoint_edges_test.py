@@ -1,17 +1,23 @@
 """Checkpoint edge cases: a header whose byte count overflows int64, a stray
 file beside the saved tree, an OrderedDict target, a step that cannot be
-removed, metrics JSON cannot hold, metrics of a deleted step."""
+removed, metrics JSON cannot hold, metrics of a deleted step, the old copy
+an overwriting save leaves to the background reaper."""
 
 import collections
 import json
 import os
+import subprocess
+import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
 
 from jaxworks import batched_transfer as bt
 
-# Private imports below: commit.remove's threads, patched to refuse or fail.
+# Private imports below: commit.remove's threads, patched to refuse, fail or
+# wait; commit.REAPER, which removes replaced copies in the background.
 from jaxworks.batched_transfer._src.checkpoint import commit
 
 
@@ -80,6 +86,7 @@ def test_a_step_that_cannot_be_removed_warns_and_goes_later(
   monkeypatch.setattr(commit, "remove", lambda p: None)  # EACCES, EBUSY, ...
   with pytest.warns(RuntimeWarning, match="could not all be removed"):
     mgr.delete(1)
+    mgr.wait_until_finished()  # the removal runs in the background
   assert mgr.all_steps() == []
   left = [n for n in os.listdir(tmp_path) if ".jaxworks-del-" in n]
   assert len(left) == 1
@@ -135,3 +142,92 @@ def test_removing_a_checkpoint_where_no_thread_starts(tmp_path, monkeypatch):
   monkeypatch.setattr(commit.threading.Thread, "start", refuse)
   commit.remove(str(top))
   assert not top.exists()
+
+
+def _gated_removal(monkeypatch):
+  """commit.remove waits for the returned event before removing a copy."""
+  gate, real = threading.Event(), commit.remove
+
+  def remove(p):
+    assert gate.wait(60)
+    real(p)
+
+  monkeypatch.setattr(commit, "remove", remove)
+  return gate
+
+
+def test_an_overwrite_returns_before_the_old_copy_is_removed(
+  tmp_path, monkeypatch
+):
+  path = str(tmp_path / "c")
+  bt.save(path, {"w": np.zeros(4)})
+  gate = _gated_removal(monkeypatch)
+  try:
+    bt.save(path, {"w": np.ones(4)}, overwrite=True)  # returns: not removed
+    np.testing.assert_array_equal(bt.restore(path)["w"], np.ones(4))
+    old = commit.REAPER.pending()
+    assert [p for _, p in commit.temporaries(path)] == sorted(old)
+    # The next save leaves the copy being removed to the reaper, and
+    # queues its own: the reaper holds BACKLOG copies at most.
+    bt.save(path, {"w": np.full(4, 2.0)}, overwrite=True)
+    assert old < commit.REAPER.pending()
+    assert len(commit.REAPER.pending()) == commit.Reaper.BACKLOG
+    third = threading.Thread(
+      target=bt.save,
+      args=(path, {"w": np.full(4, 3.0)}),
+      kwargs={"overwrite": True},
+    )
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()  # committed, then blocked: the backlog is full
+    np.testing.assert_array_equal(bt.restore(path)["w"], np.full(4, 3.0))
+  finally:
+    gate.set()
+  third.join()
+  commit.REAPER.wait()
+  assert commit.temporaries(path) == [] and commit.REAPER.pending() == set()
+  np.testing.assert_array_equal(bt.restore(path)["w"], np.full(4, 3.0))
+
+
+def test_a_copy_renamed_aside_is_never_put_back_while_removed(
+  tmp_path, monkeypatch
+):
+  """Without RENAME_EXCHANGE the old copy is renamed aside, then under a
+  deleted name before the reaper removes it: a restore of a missing path
+  meanwhile (a delete between) never puts back a half-removed copy."""
+  path = str(tmp_path / "c")
+  bt.save(path, {"w": np.zeros(4)})
+  monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
+  gate = _gated_removal(monkeypatch)
+  try:
+    bt.save(path, {"w": np.ones(4)}, overwrite=True)
+    assert [k for k, _ in commit.temporaries(path)] == [commit.DELETED]
+    os.rename(path, str(tmp_path / "moved"))
+    assert not commit.recover(path)  # nothing old aside to put back
+  finally:
+    gate.set()
+  commit.REAPER.wait()
+  assert sorted(os.listdir(tmp_path)) == ["moved"]
+
+
+def test_the_interpreter_waits_for_the_reaper_at_exit(tmp_path):
+  script = textwrap.dedent(f"""
+    import time
+    import numpy as np
+    from jaxworks import batched_transfer as bt
+    from jaxworks.batched_transfer._src.checkpoint import commit
+    real = commit.remove
+    def slow(p):
+      time.sleep(0.5)
+      real(p)
+    commit.remove = slow
+    path = {str(tmp_path / "c")!r}
+    bt.save(path, {{"w": np.zeros(4)}})
+    bt.save(path, {{"w": np.ones(4)}}, overwrite=True)
+    print("SAVED", len(commit.REAPER.pending()), flush=True)
+  """)
+  out = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, check=True
+  )
+  assert "SAVED 1" in out.stdout, out
+  assert os.listdir(tmp_path) == ["c"]

@@ -77,6 +77,7 @@ def test_non_blocking_overwrites_commit_in_call_order(tmp_path, monkeypatch):
   for h in handles:
     h.wait()
   assert value(path) == 19
+  commit.REAPER.wait()  # the replaced copies go in the background
   assert sorted(os.listdir(tmp_path)) == ["p"]
 
 
@@ -295,6 +296,7 @@ def test_without_exchange_a_restore_between_the_renames(tmp_path, monkeypatch):
   bt.save(path, tree(2), overwrite=True)
   assert restores == [True, True]
   assert value(path) == 2
+  commit.REAPER.wait()  # the old copy goes in the background
   assert sorted(os.listdir(tmp_path)) == ["p"]
   limit = 100
   with pytest.raises(OSError, match="RENAME_EXCHANGE") as err:
@@ -304,6 +306,7 @@ def test_without_exchange_a_restore_between_the_renames(tmp_path, monkeypatch):
   monkeypatch.setattr(os, "rename", real_rename)
   bt.save(path, tree(4), overwrite=True)
   assert value(path) == 4
+  commit.REAPER.wait()
   assert sorted(os.listdir(tmp_path)) == ["p"]
 
 

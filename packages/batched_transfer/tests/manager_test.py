@@ -82,6 +82,7 @@ def test_steps_retention_and_restore(tmp_path):
   assert mgr.save(13, tree(13), force=True, blocking=True)
   with pytest.raises(FileExistsError, match="step 13 exists"):
     mgr.save(13, tree(13), force=True)
+  mgr.wait_until_finished()  # deleted steps are removed in the background
   assert listed(tmp_path / "run") == ["0", "12", "13", "8"]
   mgr.close()  # gives the writer lease back: only the steps remain
   assert sorted(os.listdir(tmp_path / "run")) == ["0", "12", "13", "8"]
@@ -213,6 +214,7 @@ def test_a_killed_training_loop_leaves_only_complete_steps(tmp_path):
   assert leftovers, "no kill landed in the middle of a save"
   assert latest[-1] > latest[0], latest  # the loop made progress
   mgr.save(latest[-1] + 1, tree(latest[-1] + 1), blocking=True)
+  mgr.wait_until_finished()  # the steps it dropped go in the background
   assert commit.scan(directory, STEP_TEMPS) == []
   assert all(n.isdigit() for n in listed(directory)), os.listdir(directory)
 

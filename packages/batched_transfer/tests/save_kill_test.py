@@ -174,6 +174,7 @@ def test_killed_saves_leave_the_old_or_the_new_checkpoint(tmp_path, mode):
   assert leftovers, "no kill landed in the middle of a save"
   bt.save(path, A, overwrite=True)
   assert _which(path) == 0
+  commit.REAPER.wait()  # the replaced copy goes in the background
   assert commit.temporaries(path) == []
   for f in foreign:
     assert f.read_text() == "not save's"

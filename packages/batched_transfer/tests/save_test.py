@@ -153,6 +153,7 @@ def test_the_save_lock_serializes_saves_of_one_directory(tmp_path):
   keys = set(os.listdir(path))
   tree = trees[0] if len(keys) == 5 else trees[1]
   check(path, tree)
+  commit.REAPER.wait()  # the replaced copies go in the background
   assert commit.temporaries(path) == []
 
 

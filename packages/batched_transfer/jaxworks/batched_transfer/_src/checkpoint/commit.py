@@ -8,10 +8,13 @@ killed between the two left). Every temporary name starts with
 ``.<name>.jaxworks-`` and ends in a random token; a save holds an exclusive
 ``flock`` on the parent directory while it writes, so the temporaries it
 finds are those of saves that died, and it deletes them (nothing else).
+The old copy a committed save replaced, and a deleted checkpoint, are
+removed by this process's ``REAPER`` thread after the call returns.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 import contextlib
 import ctypes
@@ -100,22 +103,14 @@ def temporaries(path: str) -> list[tuple[str, str]]:
 
 def delete(path: str) -> None:
   """Deletes a checkpoint so that no half-deleted one is ever at ``path``:
-  renamed to a temporary name first (durably), then removed. What cannot
-  be removed (permissions, a busy file system) stays under the temporary
-  name, with a warning; the next save to the directory removes it."""
+  renamed to a temporary name first (durably), then removed by ``REAPER``
+  in the background. What cannot be removed (permissions, a busy file
+  system) stays under the temporary name, with a warning; the next save to
+  the directory removes it."""
   gone = temp_name(path, DELETED)
   os.rename(path, gone)
   fsync_path(os.path.dirname(path) or ".")
-  remove(gone)
-  if os.path.lexists(gone):
-    warnings.warn(
-      f"jaxworks.batched_transfer: {path!r} was deleted, but its files, "
-      f"renamed to {gone!r}, could not all be removed (check the "
-      "permissions of that directory); the next save to the directory "
-      "tries again",
-      RuntimeWarning,
-      stacklevel=2,
-    )
+  REAPER.submit(gone, path)
 
 
 #: Threads unlinking the files of one directory being removed: an unlink
@@ -175,6 +170,93 @@ def remove(path: str) -> None:
       os.unlink(path)
 
 
+class Reaper:
+  """Removes replaced and deleted checkpoints on a background thread: a
+  save returns once the new checkpoint is durable at its path, and the old
+  copy (already under a temporary name, which neither restore nor
+  ``recover`` reads) goes meanwhile. On a file system where freeing a 1 GiB
+  checkpoint costs as long as writing it (9p, network disks), that is half
+  of an overwriting save.
+
+  At most ``BACKLOG`` copies wait: ``submit`` blocks beyond that (a loop of
+  saves never holds more than a few old copies on disk). The thread is not
+  a daemon: the interpreter waits for it at exit. A process killed first
+  leaves the copies under their temporary names, which the next save to
+  the path removes (``clean``)."""
+
+  #: Copies waiting or being removed before ``submit`` blocks.
+  BACKLOG = 2
+
+  def __init__(self) -> None:
+    self._cond = threading.Condition()
+    self._queue: collections.deque[tuple[str, str | None]] = collections.deque()
+    self._running = False
+
+  def submit(self, path: str, deleted: str | None = None) -> None:
+    """Removes ``path`` in the background (``remove``); ``deleted``: the
+    checkpoint it was, named in a warning if it cannot all be removed."""
+    with self._cond:
+      while len(self._queue) >= self.BACKLOG:
+        self._cond.wait()
+      self._queue.append((path, deleted))
+      if self._running:
+        return
+      thread = threading.Thread(target=self._run, name=REAPER_THREAD)
+      try:
+        thread.start()
+      except RuntimeError:  # no new threads (interpreter shutdown): here
+        self._queue.pop()
+      else:
+        self._running = True
+        return
+    _remove_now(path, deleted)
+
+  def pending(self) -> set[str]:
+    """The paths waiting or being removed."""
+    with self._cond:
+      return {p for p, _ in self._queue}
+
+  def wait(self) -> None:
+    """Returns once every path submitted so far is removed."""
+    with self._cond:
+      while self._queue:
+        self._cond.wait()
+
+  def _run(self) -> None:
+    while True:
+      with self._cond:
+        if not self._queue:
+          self._running = False
+          return
+        path, deleted = self._queue[0]
+      try:
+        _remove_now(path, deleted)
+      finally:
+        with self._cond:
+          self._queue.popleft()
+          self._cond.notify_all()
+
+
+def _remove_now(path: str, deleted: str | None) -> None:
+  remove(path)
+  if deleted is not None and os.path.lexists(path):
+    warnings.warn(
+      f"jaxworks.batched_transfer: {deleted!r} was deleted, but its files, "
+      f"renamed to {path!r}, could not all be removed (check the "
+      "permissions of that directory); the next save to the directory "
+      "tries again",
+      RuntimeWarning,
+      stacklevel=2,
+    )
+
+
+#: Name of the thread that removes replaced and deleted checkpoints.
+REAPER_THREAD = "jaxworks-reaper"
+
+#: The one reaper of this process.
+REAPER = Reaper()
+
+
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
   """Holds the exclusive save lock of ``path``'s parent directory (one save
@@ -221,10 +303,13 @@ def recover(path: str) -> bool:
 
 def clean(path: str) -> None:
   """Under the lock: puts back an aside checkpoint if ``path`` is missing,
-  then deletes every temporary of earlier saves to ``path``."""
+  then deletes every temporary of earlier saves to ``path`` (except those
+  ``REAPER`` is removing)."""
   recover(path)
+  busy = REAPER.pending()
   for _, p in temporaries(path):
-    remove(p)
+    if p not in busy:
+      remove(p)
 
 
 def _renameat2(a: str, b: str, flags: int) -> bool:
@@ -288,7 +373,7 @@ def publish(api: str, tmp: str, path: str, overwrite: bool = True) -> None:
   if os.path.isdir(tmp) and os.path.lexists(path):
     if _exchange(tmp, path):
       fsync_path(parent)
-      remove(tmp)  # now the old checkpoint
+      REAPER.submit(tmp)  # now the old checkpoint
       return
     _swap_aside(api, tmp, path)
     return
@@ -333,5 +418,8 @@ def _swap_aside(api: str, tmp: str, path: str) -> None:
       path,
     )
   fsync_path(parent)
-  for aside in asides:
-    remove(aside)
+  for aside in asides:  # renamed first: ``recover`` never puts back a part
+    gone = temp_name(path, DELETED)
+    with contextlib.suppress(FileNotFoundError):
+      os.rename(aside, gone)
+      REAPER.submit(gone)

@@ -194,6 +194,10 @@ class Destination(abc.ABC):
     """Removes what saves killed here left under names matching
     ``pattern`` (a bucket's saves remove their own)."""
 
+  def settle(self) -> None:
+    """Returns once the copies that saves and deletes here replaced are
+    gone (a local one's go on a background thread; a bucket's at once)."""
+
   @abc.abstractmethod
   def open_checkpoint(self, budget: int = 0) -> Opened:
     """The checkpoint here, opened once for a restore (``budget``: bytes of
@@ -320,6 +324,9 @@ class _Local(Destination):
       for _, p in commit.scan(self.path, pattern):
         LOG.debug("%s: removing %r, left by a killed save", self.api, p)
         commit.remove(p)
+
+  def settle(self) -> None:
+    commit.REAPER.wait()
 
   def open_checkpoint(self, budget: int = 0) -> Opened:
     if not os.path.lexists(self.path):

@@ -759,9 +759,11 @@ class CheckpointManager:
     return error
 
   def wait_until_finished(self) -> None:
-    """Waits for the pending save (also while other threads wait for it);
-    raises its error (once: in the first caller to see it finished)."""
+    """Waits for the pending save (also while other threads wait for it)
+    and for the removal of the steps it replaced or deleted; raises its
+    error (once: in the first caller to see it finished)."""
     error = self._finish()
+    self._dir.settle()
     if error is not None:
       raise error
 
