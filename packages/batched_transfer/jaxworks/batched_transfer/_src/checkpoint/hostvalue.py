@@ -184,8 +184,14 @@ def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
     np.lib.format.write_array_header_2_0(f, header)
 
 
+#: Bytes of one write call of a raw file (each then summed while the core's
+#: cache holds it). Saving 1 GiB from a TPU v5e on its VM's 9p file system:
+#: 1 MiB writes 0.72 GB/s, 8 MiB 0.69, 64 MiB 0.58; no difference on ext4.
+WRITE_STEP = 1 << 20
+
+
 def write_npy(
-  f: Any, value: np.ndarray | Shards, step: int = checksum.CHUNK
+  f: Any, value: np.ndarray | Shards, step: int = WRITE_STEP
 ) -> list[int]:
   """Writes ``value`` to the binary file object ``f`` as one .npy file in C
   order, whatever its strides (``c_parts``), ``step`` bytes per write, each

@@ -611,15 +611,17 @@ def read_range(
   """Bytes [lo, hi) of the data at ``offset`` into ``view[lo:hi]`` (or the
   buffers of ``Pieces`` that hold them).
 
-  ``fd``: a file descriptor, or an object in a bucket (anything with
-  ``read_into(views, position)``, see restore_objects), read in one request.
+  ``fd``: a file descriptor, read ``READ_STEP`` bytes a call; or an object
+  in a bucket (anything with ``read_into(views, position)``, see
+  restore_objects), read in one request.
   """
   if not isinstance(fd, int):
     fd.read_into(_views(view, lo, hi), offset + lo)
     return
   done = lo
-  while done < hi:  # read() returns at most about 2 GiB at a time
-    n = os.preadv(fd, _views(view, done, hi), offset + done)
+  while done < hi:
+    end = min(done + READ_STEP, hi)
+    n = os.preadv(fd, _views(view, done, end), offset + done)
     if n == 0:
       raise EOFError(
         f"the data ends {hi - done} bytes early (at byte {offset + done} of "
@@ -628,17 +630,20 @@ def read_range(
     done += n
 
 
-#: Bytes a checked read reads, then sums, at a time: the checksum runs over
-#: data the CPU's cache still holds (summing a whole chunk after reading it
-#: would read it from memory again). In perf of a restore (2 read threads),
-#: 256 KiB steps halve the checksums' samples against 1 MiB ones, but the
-#: 4x as many reads and GIL hand-offs between the threads cost as much.
-SUM_STEP = 2**20
+#: Bytes one read call of a local file asks for. On a TPU VM's 9p file
+#: system (gVisor) reads of 256 KiB on 8 threads move 2.2 GB/s where reads
+#: of 8 MiB move 1.1 GB/s and numpy.load 1.1 GB/s (measured on a v5e host);
+#: on ext4 the step size makes no difference. A checked read sums each step
+#: right after reading it, while the CPU's cache still holds it.
+READ_STEP = 2**18
+
+#: Bytes a checked read reads, then sums, at a time (``READ_STEP``).
+SUM_STEP = READ_STEP
 
 #: SUM_STEP of the C++ loop (``_checked_read``, where the CPU has its vector
 #: CRC-32C): with no GIL to hand over, steps that stay in the core's L2 cost
 #: only their reads.
-FAST_SUM_STEP = 2**18
+FAST_SUM_STEP = READ_STEP
 
 
 def read_checked(
