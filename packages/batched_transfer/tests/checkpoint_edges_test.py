@@ -1,7 +1,8 @@
 """Checkpoint edge cases: a header whose byte count overflows int64, a stray
 file beside the saved tree, an OrderedDict target, a step that cannot be
 removed, metrics JSON cannot hold, metrics of a deleted step, the old copy
-an overwriting save leaves to the background reaper."""
+an overwriting save leaves to the background reaper (its backlog, its
+errors, exit and fork)."""
 
 import collections
 import json
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -231,3 +234,60 @@ def test_the_interpreter_waits_for_the_reaper_at_exit(tmp_path):
   )
   assert "SAVED 1" in out.stdout, out
   assert os.listdir(tmp_path) == ["c"]
+
+
+def test_the_reaper_goes_on_after_a_removal_raises(
+  tmp_path, monkeypatch, caplog
+):
+  # A warning made an error (-W error) raises in the reaper's thread: it is
+  # logged, and the removals after it still run.
+  mgr = bt.CheckpointManager(tmp_path)
+  for step in (1, 2):
+    mgr.save(step, {"w": np.ones(2)}, blocking=True)
+  real_remove = commit.remove
+  monkeypatch.setattr(commit, "remove", lambda p: None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    mgr.delete(1)
+    mgr.wait_until_finished()
+  assert "removing" in caplog.text and "could not all be removed" in caplog.text
+  monkeypatch.setattr(commit, "remove", real_remove)
+  mgr.delete(2)
+  mgr.close()
+  left = [n for n in os.listdir(tmp_path) if ".jaxworks-del-" in n]
+  assert len(left) == 1 and left[0].startswith(".1."), left  # step 2's went
+  assert mgr.all_steps() == []
+
+
+@pytest.mark.filterwarnings("ignore:os.fork")
+def test_a_forked_child_has_a_reaper_of_its_own(tmp_path, monkeypatch):
+  gate = _gated_removal(monkeypatch)
+  path = str(tmp_path / "c")
+  bt.save(path, {"w": np.zeros(2)})
+  try:
+    bt.save(path, {"w": np.ones(2)}, overwrite=True)  # the parent's, held
+    pid = os.fork()
+    if pid == 0:  # the child: its reaper is empty and works
+      code = 1
+      try:
+        monkeypatch.undo()
+        if commit.REAPER.pending() == set():
+          bt.save(path, {"w": np.full(2, 2.0)}, overwrite=True)
+          commit.REAPER.wait()
+          code = 0
+      finally:
+        os._exit(code)
+    for _ in range(600):  # a child that hangs fails the test, not CI
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        break
+      time.sleep(0.1)
+    else:
+      os.kill(pid, 9)
+      os.waitpid(pid, 0)
+      raise AssertionError("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+  finally:
+    gate.set()
+  commit.REAPER.wait()
+  np.testing.assert_array_equal(bt.restore(path)["w"], np.full(2, 2.0))

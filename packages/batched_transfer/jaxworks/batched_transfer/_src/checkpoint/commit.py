@@ -27,6 +27,8 @@ import shutil
 import threading
 import warnings
 
+from .storage import LOG
+
 _TAG = ".jaxworks-"
 NEW, OLD, DELETED = "new", "old", "del"
 _RENAME_NOREPLACE = 1
@@ -188,6 +190,12 @@ class Reaper:
   BACKLOG = 2
 
   def __init__(self) -> None:
+    self._reset()
+    # A child forked while the thread ran has no thread: it starts afresh
+    # (the parent goes on removing what it queued).
+    os.register_at_fork(after_in_child=self._reset)
+
+  def _reset(self) -> None:
     self._cond = threading.Condition()
     self._queue: collections.deque[tuple[str, str | None]] = collections.deque()
     self._running = False
@@ -231,6 +239,8 @@ class Reaper:
         path, deleted = self._queue[0]
       try:
         _remove_now(path, deleted)
+      except Exception:  # e.g. its warning made an error (-W error): logged
+        LOG.exception("removing %r failed", path)
       finally:
         with self._cond:
           self._queue.popleft()
