@@ -1,6 +1,8 @@
 """save: durability (fsync), parents and URLs, failures, threads and budget,
 and save(..., blocking=False)."""
 
+import errno
+import io
 import os
 import subprocess
 import sys
@@ -16,8 +18,10 @@ import pytest
 from jaxworks import batched_transfer as bt
 
 # Private imports below: save's steps patched to fail or stall; hostvalue.
+from jaxworks.batched_transfer._src.checkpoint import checksum
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import destination
+from jaxworks.batched_transfer._src.checkpoint import format
 from jaxworks.batched_transfer._src.checkpoint import hostvalue
 from jaxworks.batched_transfer._src.checkpoint import pending
 from jaxworks.batched_transfer._src.checkpoint import writer
@@ -356,3 +360,126 @@ def test_the_process_exit_waits_for_pending_saves(tmp_path):
   )
   assert out.returncode == 0 and "returned" in out.stdout, out.stderr
   check(str(tmp_path / "c"), {"x": np.arange(100000.0, dtype=np.float32)})
+
+
+def _large_values():
+  """Arrays of more than one checksum chunk (written in pieces), with tails
+  that are not whole chunks, and one small array (written whole)."""
+  rng = np.random.default_rng(5)
+  chunk = checksum.CHUNK
+  return {
+    "f32": rng.standard_normal((8, chunk // 16 + 125)).astype(np.float32),
+    "bf16": rng.standard_normal((24, chunk // 48 + 7)).astype(jnp.bfloat16),
+    "small": np.arange(16, dtype=np.int16),
+  }
+
+
+def _sequential_file(a):
+  """The .npy file one thread writes of ``a`` (hostvalue.write_npy)."""
+  f = io.BytesIO()
+  sums = hostvalue.write_npy(f, a)
+  return f.getvalue(), sums
+
+
+@pytest.fixture
+def pwrites(monkeypatch):
+  """The threads that called os.pwrite, by the file they wrote. The first
+  two threads that write f32.npy wait for each other (a file written by
+  one thread alone fails the save after 20 s)."""
+  seen: dict[str, set] = {}
+  real = os.pwrite
+  meet = threading.Barrier(2, timeout=20)
+  lock = threading.Lock()
+
+  def pwrite(fd, data, at):
+    name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+    me = threading.current_thread().name
+    with lock:
+      threads = seen.setdefault(name, set())
+      first = name == "f32.npy" and me not in threads and len(threads) < 2
+      threads.add(me)
+    if first:
+      meet.wait()
+    return real(fd, data, at)
+
+  monkeypatch.setattr(os, "pwrite", pwrite)
+  return seen
+
+
+@pytest.mark.parametrize(
+  "where", ["numpy", "one device", "rows", "rows, replicated twice"]
+)
+def test_large_files_are_written_in_pieces_by_several_threads(
+  tmp_path, pwrites, where
+):
+  values = _large_values()
+  tree = values if where == "numpy" else {
+    k: SHARDINGS[where](v) for k, v in values.items()
+  }  # fmt: skip
+  path = tmp_path / "ckpt"
+  bt.save(path, tree)
+  check(str(path), values)
+  record = format.decode_record(
+    "test", str(path), (path / format.RECORD).read_bytes()
+  )
+  for key, a in values.items():
+    data, sums = _sequential_file(a)
+    # The same bytes and checksums as one thread writing it in order.
+    assert (path / f"{key}.npy").read_bytes() == data, key
+    assert record.crc32c[key] == sums == hostvalue.digest(a), key
+  assert len(pwrites["f32.npy"]) >= 2 and "bf16.npy" in pwrites
+  assert "small.npy" not in pwrites  # written whole, by one thread
+  assert np.load(path / "f32.npy").tobytes() == values["f32"].tobytes()
+
+
+def _open_fds():
+  return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+@pytest.mark.parametrize("fail_at", ["header", "a middle piece", "fsync"])
+def test_a_failed_piece_keeps_the_old_checkpoint_and_closes_the_file(
+  tmp_path, monkeypatch, threads, fail_at
+):
+  path = tmp_path / "ckpt"
+  old = {"f32": np.zeros(3 * checksum.CHUNK // 4, np.float32)}
+  bt.save(path, old)
+  new = _large_values()
+  real_pwrite, real_fsync = os.pwrite, os.fsync
+  calls = []
+
+  def pwrite(fd, data, at):
+    if not os.readlink(f"/proc/self/fd/{fd}").endswith("f32.npy"):
+      return real_pwrite(fd, data, at)
+    calls.append(at)
+    header = at == 0
+    middle = at > checksum.CHUNK and len(calls) > 3
+    if (fail_at == "header" and header) or (
+      fail_at == "a middle piece" and middle
+    ):
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real_pwrite(fd, data, at)
+
+  def fsync(fd):
+    if fail_at == "fsync" and os.path.isfile(f"/proc/self/fd/{fd}"):
+      if os.readlink(f"/proc/self/fd/{fd}").endswith("f32.npy"):
+        raise OSError(errno.EIO, "Input/output error")
+    return real_fsync(fd)
+
+  monkeypatch.setattr(os, "pwrite", pwrite)
+  monkeypatch.setattr(os, "fsync", fsync)
+  before = _open_fds()
+  with pytest.raises(OSError) as info:
+    bt.save(path, new, overwrite=True, write_threads=threads)
+  want = errno.EIO if fail_at == "fsync" else errno.ENOSPC
+  assert info.value.errno == want
+  text = str(info.value)
+  assert "jaxworks.batched_transfer.save" in text and "f32.npy" in text
+  assert "Nothing was committed" in text
+  assert _open_fds() == before  # every piece released, the file closed
+  monkeypatch.undo()
+  commit.REAPER.wait()
+  check(str(path), old)
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+  bt.save(path, new, overwrite=True)  # nothing is left held
+  check(str(path), new)

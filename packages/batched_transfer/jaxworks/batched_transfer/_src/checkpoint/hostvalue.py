@@ -150,6 +150,18 @@ def c_parts(value: np.ndarray | Shards, step: int) -> Iterator[memoryview]:
       yield block.data
 
 
+def c_views(value: np.ndarray | Shards) -> list[np.ndarray] | None:
+  """The C-order bytes of ``value`` as flat uint8 views, one after another,
+  where it has them without a copy (a C-contiguous array, or shards that
+  tile it by rows, each C-contiguous); else None (``c_parts`` copies)."""
+  arrays = [value] if isinstance(value, np.ndarray) else None
+  if arrays is None and value.by_rows():
+    arrays = value.row_blocks()
+  if arrays is None or not all(a.flags.c_contiguous for a in arrays):
+    return None
+  return [_flat_bytes(a) for a in arrays]
+
+
 def digest(value: np.ndarray | Shards) -> list[int]:
   """The checksums (checksum.Sums) of the data save writes of ``value``."""
   if isinstance(value, Shards) and not value.by_rows():
@@ -172,9 +184,11 @@ def header_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(f"V{dtype.itemsize}")
 
 
-def _header(f: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+def write_header(f: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+  """Writes the .npy header of a C-order array of ``shape`` and ``dtype``
+  (raw bytes of its size where a header cannot name it: header_dtype)."""
   header = {
-    "descr": np.lib.format.dtype_to_descr(dtype),
+    "descr": np.lib.format.dtype_to_descr(header_dtype(dtype)),
     "fortran_order": False,  # c_parts writes C order, whatever the strides
     "shape": shape,
   }
@@ -201,7 +215,7 @@ def write_npy(
   errno of a failed write: ENOSPC, EFBIG)."""
   if isinstance(value, Shards) and not value.by_rows():
     value = value.assemble()
-  _header(f, tuple(value.shape), header_dtype(value.dtype))
+  write_header(f, tuple(value.shape), value.dtype)
   sums = checksum.Sums()
   for part in c_parts(value, step):
     f.write(part)

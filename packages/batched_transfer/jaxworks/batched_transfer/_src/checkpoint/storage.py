@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 import concurrent.futures
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -293,7 +294,32 @@ def in_writer_threads(
   """``work(i, take(i))`` for each ``i < count``: ``take`` runs on this
   thread, in order, ``work`` on one of ``threads`` threads named ``name``;
   ``done(i)`` after each (done or failed). After the first error nothing
-  more is taken or worked on; it is raised here once the threads ended.
+  more is taken or worked on; it is raised here once the threads ended
+  (``in_threads``).
+  """
+
+  def items() -> Iterator[tuple[Callable[[], None], Callable[[], None]]]:
+    for i in range(count):
+      value = take(i)
+      yield functools.partial(work, i, value), functools.partial(done, i)
+      del value
+
+  in_threads(items(), threads, name, count)
+
+
+def in_threads(
+  items: Iterator[tuple[Callable[[], None], Callable[[], None]]],
+  threads: int,
+  name: str,
+  count: int | None = None,
+) -> None:
+  """Runs ``job()`` then ``release()`` for each ``(job, release)`` of
+  ``items`` on one of ``threads`` threads named ``name``; ``items`` is
+  advanced on this thread, at most ``threads`` ahead of the workers.
+  ``release()`` runs for every item taken, worked on or not (after an
+  error no more jobs run or are taken); the first error is raised here
+  once the threads ended. ``count``: how many items there are, where
+  fewer than ``threads`` need fewer threads.
 
   Plain threads, not concurrent.futures: a non-blocking save may still be
   writing while the interpreter exits, when executors refuse new work.
@@ -306,34 +332,41 @@ def in_writer_threads(
       item = todo.get()
       if item is None:
         return
-      i, value = item
+      job, release = item
       try:
         if not errors:
-          work(i, value)
+          job()
       except BaseException as err:  # raised below, on the calling thread
         errors.append(err)
       finally:
-        del value, item
-        done(i)
+        del job, item
+        try:
+          release()
+        except BaseException as err:  # raised below, on the calling thread
+          errors.append(err)
 
+  n = threads if count is None else min(threads, max(1, count))
   workers = [
-    threading.Thread(target=loop, name=f"{name}-{n}")
-    for n in range(min(threads, max(1, count)))
+    threading.Thread(target=loop, name=f"{name}-{k}") for k in range(n)
   ]
   for w in workers:
     w.start()
   try:
-    for i in range(count):
-      if errors:
+    it = iter(items)
+    while not errors:
+      item = next(it, None)
+      if item is None:
         break
-      value = take(i)
-      todo.put((i, value))
-      del value
+      todo.put(item)
+      del item
   finally:
     for _ in workers:
       todo.put(None)
     for w in workers:
       w.join()
+    # An unfinished generator's cleanup runs now, not whenever it is
+    # collected (a traceback holding this frame would keep it).
+    getattr(items, "close", lambda: None)()
   if errors:
     raise errors[0]
 

@@ -5,7 +5,10 @@ directory's files (the destination module publishes them, see commit).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import errno
+import functools
+import io
 import os
 import threading
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import checksum
 from . import codec
 from . import format
 from . import hostvalue
@@ -22,7 +26,7 @@ from .keys import python_scalar_dtype
 from .keys import saved_leaf
 from .progress import Progress
 from .storage import LOG
-from .storage import in_writer_threads
+from .storage import in_threads
 
 #: Name prefix of the threads that write files.
 WRITE_THREAD_PREFIX = "jaxworks-save-write"
@@ -30,8 +34,11 @@ WRITE_THREAD_PREFIX = "jaxworks-save-write"
 
 #: Threads writing one checkpoint by default, whatever the CPU count.
 #: Writing and fsyncing wait on the disk with the GIL released, so more
-#: threads than CPUs help.
-DEFAULT_WRITE_THREADS = 8
+#: threads than CPUs help; a file of more than one checksum chunk is written
+#: by several of them at once (Pieces). On a TPU v5e VM (9p), saving 16
+#: files of 64 MiB on 16 threads took 1.83 s against 3.98 s on 8; on ext4
+#: (2 cores) 16 threads are as fast as 8.
+DEFAULT_WRITE_THREADS = 16
 
 
 def host_array(
@@ -250,6 +257,87 @@ def _write_compressed(name: str, f: Any, a: Any) -> list[int]:
     return hostvalue.write_npy(out, a, codec.WRITE_STEP)
 
 
+class Pieces:
+  """One .npy file of C-order data (``parts``: flat uint8 arrays, one after
+  another) written by several writer threads at once: ``write(k)`` writes
+  piece ``k`` (the ``checksum.CHUNK`` bytes of data from ``k * CHUNK``, and
+  the header with piece 0) at its offset and sums it; the thread that
+  writes the last piece fsyncs the file; ``release()`` once per piece,
+  written or not, and the last closes the file and calls ``done()``.
+
+  A file system whose every call is a round trip (9p on a TPU VM, a network
+  file system) writes a file several times faster from several threads at
+  once than from one; one piece per checksum keeps the checksums those of
+  a file written in order.
+  """
+
+  def __init__(
+    self, api: str, path: str, file: str, value: Any, done: Any
+  ) -> None:
+    self.api, self.path, self.file, self.done = api, path, file, done
+    self.parts = hostvalue.c_views(value)
+    assert self.parts is not None
+    header = io.BytesIO()
+    hostvalue.write_header(header, value.shape, value.dtype)
+    self.header = header.getvalue()
+    self.nbytes = sum(p.size for p in self.parts)
+    self.count = -(-self.nbytes // checksum.CHUNK)
+    self.sums = [0] * self.count
+    self._unwritten = self._unreleased = self.count
+    self._lock = threading.Lock()
+    try:
+      self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    except OSError as err:
+      raise write_error(api, path, file, err) from err
+
+  def _data(self, lo: int, hi: int) -> Iterator[np.ndarray]:
+    """The data's bytes ``lo:hi``, as views of at most WRITE_STEP bytes."""
+    at = 0
+    for part in self.parts:
+      a, b = max(lo, at), min(hi, at + part.size)
+      for x in range(a, b, hostvalue.WRITE_STEP):
+        yield part[x - at : min(b, x + hostvalue.WRITE_STEP) - at]
+      at += part.size
+
+  def write(self, k: int) -> None:
+    lo = k * checksum.CHUNK
+    hi = min(lo + checksum.CHUNK, self.nbytes)
+    start = len(self.header) + lo
+    try:
+      if k == 0:
+        _pwrite(self._fd, self.header, 0)
+      value = 0
+      for view in self._data(lo, hi):
+        _pwrite(self._fd, view, start)
+        value = checksum.crc(view, value)
+        start += view.size
+      self.sums[k] = value
+      with self._lock:
+        self._unwritten -= 1
+        last = not self._unwritten
+      if last:
+        os.fsync(self._fd)
+    except OSError as err:
+      if err.errno is None:  # not a failed system call: as it is
+        raise
+      raise write_error(self.api, self.path, self.file, err) from err
+
+  def release(self) -> None:
+    with self._lock:
+      self._unreleased -= 1
+      last = not self._unreleased
+    if last:
+      os.close(self._fd)
+      self.done()
+
+
+def _pwrite(fd: int, data: Any, at: int) -> None:
+  view = memoryview(data).cast("B")
+  while len(view):
+    n = os.pwrite(fd, view, at)
+    view, at = view[n:], at + n
+
+
 def write_directory(
   api: str,
   path: str,
@@ -263,7 +351,9 @@ def write_directory(
   """Writes every leaf as ``tmp/<key>.npy`` (``.npy.zst`` for a key in
   ``codecs``, see codec) on ``threads`` threads; the dtypes and the
   checksums of the files' (uncompressed) data, by key (the threads:
-  ``storage.in_writer_threads``).
+  ``storage.in_threads``). An uncompressed file of more than one
+  checksum's chunk of C-order data is written in ``Pieces`` by several
+  threads at once; any other file by one thread.
   """
   dtypes: dict[str, np.dtype] = {}
   sums: dict[str, list[int]] = {}
@@ -271,17 +361,50 @@ def write_directory(
     sub = os.path.dirname(os.path.join(tmp, *key.split("/")))
     os.makedirs(sub, exist_ok=True)
 
-  def work(i: int, a: Any) -> None:
-    dtypes[keys[i]] = a.dtype
-    use = (codecs or {}).get(keys[i])
-    name = codec.file_name(keys[i], use)
-    file = os.path.join(tmp, *name.split("/"))
-    LOG.debug("writing %s", file)
+  def whole(i: int, a: Any, file: str, use: str | None) -> None:
     sums[keys[i]] = write_file(
       api, path, file,
       (lambda f: hostvalue.write_npy(f, a)) if use is None
       else (lambda f: _write_compressed(use, f, a)),
     )  # fmt: skip
 
-  in_writer_threads(len(keys), take, work, done, threads, WRITE_THREAD_PREFIX)
+  def items() -> Iterator[tuple[Any, Any]]:
+    for i, key in enumerate(keys):
+      a = take(i)
+      dtypes[key] = a.dtype
+      use = (codecs or {}).get(key)
+      name = codec.file_name(key, use)
+      file = os.path.join(tmp, *name.split("/"))
+      LOG.debug("writing %s", file)
+      if (
+        use is not None
+        or a.nbytes <= checksum.CHUNK
+        or hostvalue.c_views(a) is None
+      ):
+        item = (
+          functools.partial(whole, i, a, file, use),
+          functools.partial(done, i),
+        )
+        del a
+        yield item
+        del item
+        continue
+      try:
+        p = Pieces(api, path, file, a, functools.partial(done, i))
+      except BaseException:
+        done(i)
+        raise
+      del a
+      sums[key] = p.sums
+      handed = 0
+      try:
+        for k in range(p.count):
+          handed += 1
+          yield functools.partial(p.write, k), p.release
+      finally:
+        for _ in range(p.count - handed):  # never handed over: released here
+          p.release()
+      del p
+
+  in_threads(items(), threads, WRITE_THREAD_PREFIX)
   return dtypes, sums
