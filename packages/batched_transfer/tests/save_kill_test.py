@@ -35,7 +35,10 @@ TREES = textwrap.dedent("""
         rng = np.random.default_rng(seed)
         t = {"w": rng.standard_normal((128, 1024)).astype(np.float32),
              "b": rng.standard_normal(4000).astype(ml_dtypes.bfloat16),
-             "nested": {"c": rng.integers(-9, 9, (3, 5)).astype(np.int8)}}
+             "nested": {"c": rng.integers(-9, 9, (3, 5)).astype(np.int8)},
+             # more than one checksum chunk: written in pieces by several
+             # threads (writer.Pieces)
+             "big": rng.standard_normal(2_400_000).astype(np.float32)}
         if extra:
           t["extra"] = rng.integers(0, 2**30, 30000).astype(np.int32)
         out.append(t)

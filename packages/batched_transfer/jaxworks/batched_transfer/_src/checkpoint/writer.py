@@ -272,15 +272,20 @@ class Pieces:
   """
 
   def __init__(
-    self, api: str, path: str, file: str, value: Any, done: Any
+    self,
+    api: str,
+    path: str,
+    file: str,
+    value: Any,
+    parts: list[np.ndarray],
+    done: Any,
   ) -> None:
     self.api, self.path, self.file, self.done = api, path, file, done
-    self.parts = hostvalue.c_views(value)
-    assert self.parts is not None
+    self.parts = parts  # hostvalue.c_views(value)
     header = io.BytesIO()
     hostvalue.write_header(header, value.shape, value.dtype)
     self.header = header.getvalue()
-    self.nbytes = sum(p.size for p in self.parts)
+    self.nbytes = sum(p.size for p in parts)
     self.count = -(-self.nbytes // checksum.CHUNK)
     self.sums = [0] * self.count
     self._unwritten = self._unreleased = self.count
@@ -376,11 +381,9 @@ def write_directory(
       name = codec.file_name(key, use)
       file = os.path.join(tmp, *name.split("/"))
       LOG.debug("writing %s", file)
-      if (
-        use is not None
-        or a.nbytes <= checksum.CHUNK
-        or hostvalue.c_views(a) is None
-      ):
+      big = use is None and a.nbytes > checksum.CHUNK
+      parts = hostvalue.c_views(a) if big else None
+      if parts is None:
         item = (
           functools.partial(whole, i, a, file, use),
           functools.partial(done, i),
@@ -390,11 +393,11 @@ def write_directory(
         del item
         continue
       try:
-        p = Pieces(api, path, file, a, functools.partial(done, i))
+        p = Pieces(api, path, file, a, parts, functools.partial(done, i))
       except BaseException:
         done(i)
         raise
-      del a
+      del a, parts
       sums[key] = p.sums
       handed = 0
       try:
