@@ -154,10 +154,13 @@ def c_views(value: np.ndarray | Shards) -> list[np.ndarray] | None:
   """The C-order bytes of ``value`` as flat uint8 views, one after another,
   where it has them without a copy (a C-contiguous array, or shards that
   tile it by rows, each C-contiguous); else None (``c_parts`` copies)."""
-  arrays = [value] if isinstance(value, np.ndarray) else None
-  if arrays is None and value.by_rows():
+  if isinstance(value, np.ndarray):
+    arrays = [value]
+  elif value.by_rows():
     arrays = value.row_blocks()
-  if arrays is None or not all(a.flags.c_contiguous for a in arrays):
+  else:
+    return None
+  if not all(a.flags.c_contiguous for a in arrays):
     return None
   return [_flat_bytes(a) for a in arrays]
 
