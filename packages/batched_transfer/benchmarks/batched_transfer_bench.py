@@ -123,6 +123,7 @@ import jaxworks_bench as jb
 PROFILE = jb.configure_devices()  # before jax: 8 host CPU devices on cpu
 
 import argparse  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -863,10 +864,18 @@ def _numpy_save_step(base: str, arrays: dict) -> None:
   also does. Rewriting the same files in place is cheaper on a file system
   (no new inodes or blocks allocated, none freed) but is no checkpoint: a
   crash midway leaves neither the old nor the new one."""
+  _in_new_step(base, lambda path: _numpy_save(path, arrays, True))
+
+
+def _in_new_step(base: str, fill: Callable[[str], None]) -> None:
+  """``fill(path)`` writes files into ``path``, a new directory under
+  ``base``; then ``path`` is fsynced and the previous steps under ``base``
+  removed (the file system work of a durable save with retention)."""
   os.makedirs(base, exist_ok=True)
   old = os.listdir(base)
   path = os.path.join(base, f"step-{time.monotonic_ns()}")
-  _numpy_save(path, arrays, True)
+  os.makedirs(path)
+  fill(path)
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
@@ -1049,11 +1058,10 @@ def raw_write_parallel(
   ``threads`` threads, ``step`` bytes a call, each file and the directory
   fsynced, the previous directory removed: the disk's write bandwidth for
   these bytes."""
-  os.makedirs(base, exist_ok=True)
-  old = os.listdir(base)
-  path = os.path.join(base, f"step-{time.monotonic_ns()}")
-  os.makedirs(path)
+  _in_new_step(base, lambda path: _write_files(path, arrays, threads, step))
 
+
+def _write_files(path: str, arrays: dict, threads: int, step: int) -> None:
   def write(item) -> None:
     key, a = item
     fd = os.open(os.path.join(path, key), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -1068,13 +1076,6 @@ def raw_write_parallel(
 
   with ThreadPoolExecutor(threads) as pool:
     list(pool.map(write, arrays.items()))
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-  for name in old:
-    shutil.rmtree(os.path.join(base, name))
 
 
 def raw_write_pieces(
@@ -1084,10 +1085,10 @@ def raw_write_pieces(
   that ``threads`` threads write at once (os.pwrite, SMALL_WRITE bytes a
   call), each file fsynced after its last piece: on a file system whose
   calls are round trips (9p on a TPU VM) more writes in flight move more."""
-  os.makedirs(base, exist_ok=True)
-  old = os.listdir(base)
-  path = os.path.join(base, f"step-{time.monotonic_ns()}")
-  os.makedirs(path)
+  _in_new_step(base, lambda path: _write_pieces(path, arrays, threads, piece))
+
+
+def _write_pieces(path: str, arrays: dict, threads: int, piece: int) -> None:
   fds = {
     key: os.open(os.path.join(path, key), os.O_WRONLY | os.O_CREAT, 0o644)
     for key in arrays
@@ -1113,13 +1114,6 @@ def raw_write_pieces(
   finally:
     for fd in fds.values():
       os.close(fd)
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-  for name in old:
-    shutil.rmtree(os.path.join(base, name))
 
 
 #: Threads of the limit's writes in pieces (raw_write_pieces).
