@@ -422,17 +422,18 @@ def test_another_dtype_is_a_cast_like_numpy_astype(path, saved, wanted):
 
 
 def test_raw_void_data_without_a_dtype_record_is_refused(tmp_path):
-  (tmp_path / "d").mkdir()
-  np.save(
-    tmp_path / "d" / "x.npy", np.zeros(4, ml_dtypes.float8_e4m3fn)
+  # An .npz numpy wrote (a directory without a record is no checkpoint).
+  np.savez(
+    tmp_path / "d.npz", x=np.zeros(4, ml_dtypes.float8_e4m3fn)
   )  # numpy: '<V1'
   with pytest.raises(
     ValueError,
-    match=r"stored in .*x\.npy' as raw 1-byte values with no "
+    match=r"stored in member 'x\.npy' of .* as raw 1-byte values with no "
     "dtype record",
   ):
     bt.restore(
-      tmp_path / "d", {"x": jax.ShapeDtypeStruct((4,), ml_dtypes.float8_e4m3fn)}
+      tmp_path / "d.npz",
+      {"x": jax.ShapeDtypeStruct((4,), ml_dtypes.float8_e4m3fn)},
     )
 
 
@@ -476,13 +477,17 @@ def test_big_endian_input_raises_like_stock(tmp_path):
 
 
 def test_big_endian_npy_files_from_elsewhere_restore_their_values(tmp_path):
-  (tmp_path / "d").mkdir()
   x = np.arange(6, dtype=">i4").reshape(2, 3)
-  np.save(tmp_path / "d" / "x.npy", x)
+  np.savez(tmp_path / "d.npz", x=x)
   out = bt.restore(
-    tmp_path / "d", {"x": jax.ShapeDtypeStruct((2, 3), np.int32)}
+    tmp_path / "d.npz", {"x": jax.ShapeDtypeStruct((2, 3), np.int32)}
   )
   np.testing.assert_array_equal(np.asarray(out["x"]), x)
+  # A directory of such files has no record: it is no checkpoint.
+  (tmp_path / "d").mkdir()
+  np.save(tmp_path / "d" / "x.npy", x)
+  with pytest.raises(FileNotFoundError, match=r"holds no 'jaxworks_dtypes"):
+    bt.restore(tmp_path / "d")
 
 
 @pytest.mark.parametrize("x64", [False, True])

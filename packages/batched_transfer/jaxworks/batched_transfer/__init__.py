@@ -2,6 +2,7 @@
 
 Public API: device_put, plan, place_for, save, restore, metadata, SaveHandle,
 CheckpointManager, CheckpointManagerOptions, WriterConflictError, StrayKeyError,
+CheckpointReplacedError,
 TransferPlan, PlannedGroup, PlacementError, SpecRankError;
 install, uninstall, installed, is_installed (swap jax.device_put program-wide).
 """
@@ -18,6 +19,9 @@ from ._src.checkpoint.api import metadata as metadata
 from ._src.checkpoint.api import restore as restore
 from ._src.checkpoint.api import save as save
 from ._src.checkpoint.lease import WriterConflictError as WriterConflictError
+from ._src.checkpoint.reader import (
+  CheckpointReplacedError as CheckpointReplacedError,
+)
 from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from ._src.checkpoint.manager import (
   CheckpointManagerOptions as CheckpointManagerOptions,
@@ -32,6 +36,7 @@ from .version import __version__ as __version__
 __all__ = [
   "CheckpointManager",
   "CheckpointManagerOptions",
+  "CheckpointReplacedError",
   "PlacementError",
   "PlannedGroup",
   "SaveHandle",

@@ -23,10 +23,12 @@ checkpoint several processes wrote, each reading a file or a bucket).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import contextlib
 import os
 import time
 from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -293,28 +295,34 @@ def restore(
   # restore, which reads only its leaves' data).
   budget = 0 if partial_restore else max_inflight_bytes
   start = time.perf_counter()
-  with (
-    dest.noting(),
-    contextlib.closing(dest.open_checkpoint(budget)) as opened,
-  ):
-    arrays, record = opened.contents()
-    t = target_lib.Target(api, path, target, arrays, record, partial_restore)
-    keys, paths = t.pick(t.keys), t.pick(t.paths)
-    specs = [
-      target_lib.target_spec(api, where, x)
-      for where, x in zip(paths, t.pick(t.leaves))
-    ]
-    places = t.pick(
-      targets.resolve_placement(
-        api, placement, t.target, t.treedef, t.leaves, target_lib.placement_of
-      )
-    )
-    placed = opened.restore_arrays(
-      target_lib.Request(
-        api, keys, paths, specs, places, max_inflight_bytes, read_threads,
-        progress, verify,
-      )
-    )  # fmt: skip
+
+  def read() -> tuple[Any, list[Any], list[Any], list[str]]:
+    with (
+      dest.noting(),
+      contextlib.closing(dest.open_checkpoint(budget)) as opened,
+    ):
+      arrays, record = opened.contents()
+      t = target_lib.Target(api, path, target, arrays, record, partial_restore)
+      keys, paths = t.pick(t.keys), t.pick(t.paths)
+      specs = [
+        target_lib.target_spec(api, where, x)
+        for where, x in zip(paths, t.pick(t.leaves))
+      ]
+      places = t.pick(
+        targets.resolve_placement(
+          api, placement, t.target, t.treedef, t.leaves,
+          target_lib.placement_of,
+        )
+      )  # fmt: skip
+      placed = opened.restore_arrays(
+        target_lib.Request(
+          api, keys, paths, specs, places, max_inflight_bytes, read_threads,
+          progress, verify,
+        )
+      )  # fmt: skip
+    return t, specs, placed, keys
+
+  t, specs, placed, keys = pinned(api, path, read)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   LOG.info(
     "restored %s (%d arrays) in %.2f s",
@@ -353,8 +361,34 @@ def read_record(
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``dest``, from its headers, manifest and record only."""
-  with dest.noting(), contextlib.closing(dest.open_checkpoint()) as opened:
-    return opened.contents()
+
+  def read() -> Any:
+    with dest.noting(), contextlib.closing(dest.open_checkpoint()) as opened:
+      return opened.contents()
+
+  return pinned(dest.api, dest.path, read)
+
+
+T = TypeVar("T")
+
+
+def pinned(api: str, path: str, read: Callable[[], T]) -> T:
+  """``read()``, which reads one committed checkpoint at ``path`` from its
+  commit point and then only what that names; again where it found the
+  checkpoint replaced or deleted under it (``reader.CheckpointReplacedError``: nothing of
+  that read is returned), up to ``reader.READ_TRIES`` times."""
+  for attempt in range(1, reader.READ_TRIES + 1):
+    try:
+      return read()
+    except reader.CheckpointReplacedError as err:
+      if attempt == reader.READ_TRIES:
+        err.add_note(
+          f"{api}: {path!r} was replaced or deleted under each of "
+          f"{attempt} reads in a row; read it once its saves are done"
+        )
+        raise
+      LOG.info("%s: %s; reading %s again", api, err, path)
+  raise AssertionError("unreachable")
 
 
 def read_values(dest: destination.Destination) -> dict[str, str | None]:

@@ -40,6 +40,7 @@ import builtins
 from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
+import errno
 import os
 import re
 import tempfile
@@ -331,19 +332,56 @@ class _Local(Destination):
   def open_checkpoint(self, budget: int = 0) -> Opened:
     if not os.path.lexists(self.path):
       commit.recover(self.path)  # the old copy of a save killed between
-    opened = restore_shards.open_manifest(self.api, self.path)
-    if opened is None:
+    if self.npz:
       return restore_files.open_checkpoint(self.api, self.path)
-    return opened
+    # The commit point is the directory at the path: opened once, its
+    # record read through that descriptor, then only what it names.
+    try:
+      fd = os.open(self.path, reader.DIR_FLAGS)
+    except FileNotFoundError:
+      raise FileNotFoundError(
+        errno.ENOENT,
+        f"{self.api}: no checkpoint at {self.path!r} (nothing is there)",
+        self.path,
+      ) from None
+    except NotADirectoryError:  # a file: restore_files says what it is
+      return restore_files.open_checkpoint(self.api, self.path)
+    try:
+      record = reader.read_small(
+        self.api, self.path, fd, format.RECORD, "the record"
+      )
+      if record is None:
+        if reader.moved(fd, self.path):  # a save or delete won the race
+          raise reader.replaced(self.api, repr(self.path))
+        raise restore_files.not_a_checkpoint(self.api, self.path)
+      manifest = reader.read_small(
+        self.api, self.path, fd, format.MANIFEST, "the manifest"
+      )
+    except BaseException:
+      os.close(fd)
+      raise
+    if manifest is not None:
+      return restore_shards.open_manifest(
+        self.api, self.path, fd, manifest, record
+      )
+    return restore_files.open_directory(self.api, self.path, fd, record)
 
   def read_record(self) -> bytes | None:
-    fd = os.open(self.path, reader.DIR_FLAGS)
     try:
-      return reader.read_small(
+      fd = os.open(self.path, reader.DIR_FLAGS)
+    except FileNotFoundError:
+      raise FileNotFoundError(
+        errno.ENOENT, f"{self.api}: no checkpoint at {self.path!r}", self.path
+      ) from None
+    try:
+      data = reader.read_small(
         self.api, self.path, fd, format.RECORD, "the record"
       )
     finally:
       os.close(fd)
+    if data is None:
+      raise restore_files.not_a_checkpoint(self.api, self.path)
+    return data
 
   def check(self) -> None:
     check_target(self.api, self.path, self.overwrite)
@@ -375,7 +413,11 @@ class LocalDirectory(_Local):
   for a checkpoint several processes wrote) and the record."""
 
   def committed(self) -> bool:
-    return os.path.isdir(self.path)
+    """A directory with its record (a directory without one is a save
+    that did not commit, or not a checkpoint)."""
+    return os.path.isdir(self.path) and os.path.isfile(
+      os.path.join(self.path, format.RECORD)
+    )
 
   def begin(self) -> str:
     name = self._begin("")

@@ -38,6 +38,11 @@ Format 2 of the record holds:
   order as a Fortran-order file: a TPU hands such copies back) have each
   header read first, and a Fortran-order file restores as numpy reads it.
   Earlier versions ignore it.
+* ``save_id``: 16 hex digits, unique to the save that wrote the checkpoint
+  (a checkpoint is never modified after its commit, so this names one
+  snapshot): every process of a restore checks that it read the same one,
+  and a commit whose answer was lost is settled by reading it back.
+  Earlier versions ignore it; a record without it reads as ``""``.
 
 Format 3 is format 2 plus ``codecs``: the arrays stored compressed, by key
 (``save(..., compression="zstd")``, see codec); it is written only when
@@ -77,6 +82,7 @@ import errno
 import itertools
 import json
 import os
+import secrets
 from typing import Any
 
 import jax
@@ -110,6 +116,12 @@ class Record:
   codecs: dict[str, str] = dataclasses.field(default_factory=dict)
   shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   c_order: bool = False
+  save_id: str = ""
+
+
+def new_save_id() -> str:
+  """A new save's id (``Record.save_id``): 16 random hex digits."""
+  return secrets.token_hex(8)
 
 
 def check_arrays_present(
@@ -144,6 +156,8 @@ def encode_record(record: Record) -> bytes:
       data[name] = getattr(record, name)
   if record.c_order:
     data["c_order"] = True
+  if record.save_id:
+    data["save_id"] = record.save_id
   if record.tree is not None:
     data["tree"] = [list(e) for e in record.tree]
   # One line: json's C encoder (an indent takes the pure-Python one, 4x
@@ -195,6 +209,10 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
     if type(c_order) is not bool:
       raise ValueError(f"'c_order' is {c_order!r:.40}, not true or false")
     r.c_order = c_order
+    save_id = m.get("save_id", "")
+    if not isinstance(save_id, str) or len(save_id) > 64:
+      raise ValueError(f"'save_id' is {save_id!r:.40}, not a save's id")
+    r.save_id = save_id
     shardings = m.get("shardings", {})
     if not isinstance(shardings, dict) or not all(
       isinstance(x, dict) for x in shardings.values()

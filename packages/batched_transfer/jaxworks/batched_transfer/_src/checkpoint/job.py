@@ -195,6 +195,7 @@ class SaveJob:
       sums = dest.write(keys, taken, done, self.options.threads, record.codecs)
       record.crc32c = sums
       record.dtypes = {k: dtypes[k] for k in keys}
+      record.save_id = format.new_save_id()
       data = format.encode_record(record)
       again = dest.commit(data)
       committed = True  # the copy beside the path stays readable from now

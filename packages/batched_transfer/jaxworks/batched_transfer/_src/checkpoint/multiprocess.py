@@ -635,6 +635,7 @@ def _final(
     for shard in entry["shards"]:
       shard["crc32c"] = sums[shard["file"][: -len(".npy")]]
   record.dtypes = {k: a["dtype"] for k, a in manifest["arrays"].items()}
+  record.save_id = format.new_save_id()
   return format.encode_manifest(manifest), format.encode_record(record)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import errno
 import io
 import math
 import mmap
@@ -130,6 +131,59 @@ DIR_FLAGS = (
   | getattr(os, "O_CLOEXEC", 0)
   | os.O_NONBLOCK
 )
+
+
+class CheckpointReplacedError(FileNotFoundError):
+  """A file that the checkpoint's record names is gone: the checkpoint was
+  replaced or deleted while it was read (its files go only after another
+  save committed, or a delete). ``restore`` and ``metadata`` then read the
+  path again, from its commit point; never a partial tree."""
+
+
+def replaced(api: str, file: str) -> CheckpointReplacedError:
+  """The error of a read that finds ``file`` (as errors name it) gone."""
+  return CheckpointReplacedError(
+    f"{api}: {file} is gone: the checkpoint was replaced or deleted while "
+    "it was read, and nothing of it is returned"
+  )
+
+
+def moved(dir_fd: int, path: str) -> bool:
+  """Whether the directory ``dir_fd``, opened at ``path``, is no longer
+  there (deleted, or another one renamed over it)."""
+  st = os.fstat(dir_fd)
+  try:
+    now = os.stat(path)
+  except (FileNotFoundError, NotADirectoryError):
+    return True
+  return st.st_nlink == 0 or (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino)
+
+
+def gone(
+  api: str, file: str, name: str, dir_fd: int, key: str | None = None
+) -> FileNotFoundError:
+  """The error for the file ``name`` of the checkpoint directory ``dir_fd``
+  (``file``: its path) found missing: ``CheckpointReplacedError`` where the directory is no
+  longer at its path (a save replaced it, or it was deleted: read it
+  again); else the checkpoint is damaged (a file deleted from it, or a
+  partial copy), an error naming the array ``key`` and the fix."""
+  root = file[: -len(name)].rstrip(os.sep) if file.endswith(name) else file
+  if dir_fd < 0 or moved(dir_fd, root or os.sep):
+    return replaced(api, repr(file))
+  what = f" of the array at {key!r}" if key is not None else ""
+  return FileNotFoundError(
+    errno.ENOENT,
+    f"{api}: {file!r}{what} is missing from the checkpoint {root!r}, whose "
+    "record names it (it was deleted from the checkpoint, or the checkpoint "
+    "was copied in part); copy the whole checkpoint again, or restore "
+    "another one",
+    file,
+  )
+
+
+#: How many times restore and metadata read a path whose checkpoint is
+#: replaced or deleted under them (``CheckpointReplacedError``) before they raise.
+READ_TRIES = 4
 
 
 def stamp(st: os.stat_result) -> tuple[int, ...]:
@@ -442,7 +496,10 @@ class Files(Reader):
     is not the one validated, or changed."""
     fd = s.fd
     if fd < 0:  # closed after validation: the same file must be there
-      fd, st = open_file(s.name, s.dir_fd)
+      try:
+        fd, st = open_file(s.name, s.dir_fd)
+      except FileNotFoundError:
+        raise gone("", s.file, s.name, s.dir_fd) from None
     try:
       if s.fd < 0 and stamp(st) != s.stamp:
         raise ValueError("it was replaced after restore validated it")
@@ -698,6 +755,13 @@ def load(
   in a new buffer that nothing else references."""
   try:
     a = files.read(s)
+  except CheckpointReplacedError:
+    raise replaced(api, s.where) from None
+  except FileNotFoundError as err:  # deleted from the checkpoint
+    raise FileNotFoundError(
+      err.errno, f"{api}: the leaf at {where} (key {key!r}){err.strerror}",
+      err.filename,
+    ) from None
   except codec_errors(
     s.codec, OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error
   ) as err:

@@ -13,6 +13,7 @@ buffer over).
 from __future__ import annotations
 
 import abc
+import errno
 import math
 import os
 import stat
@@ -88,6 +89,13 @@ class Opened(abc.ABC):
           f"{differs}; the checkpoint is damaged (a file was replaced): "
           "write the checkpoint again"
         )
+      if self.record is not None and s.dtype.byteorder == ">":
+        raise ValueError(
+          f"{api}: {s.where} has a big-endian header ({s.dtype.str}), which "
+          f"save never writes ({where} names its checksums of little-endian "
+          "data); the checkpoint is damaged (a header was edited): write "
+          "the checkpoint again"
+        )
       name = record.dtypes.get(key)
       if name is None:
         continue
@@ -141,23 +149,41 @@ class LocalOpened(Opened):
       os.close(fd)
 
 
+def not_a_checkpoint(api: str, path: str) -> FileNotFoundError:
+  """The error for a directory without its record: a save that did not
+  commit (or was deleted), or a directory save never wrote."""
+  return FileNotFoundError(
+    errno.ENOENT,
+    f"{api}: no checkpoint at {path!r}: the directory holds no "
+    f"{format.RECORD!r}, which every checkpoint save commits (a directory "
+    "without it is a save that did not commit, a deleted checkpoint, or not "
+    "a checkpoint); restore one that save completed",
+    path,
+  )
+
+
 def open_checkpoint(api: str, path: str) -> LocalOpened:
-  """Opens ``path`` (a directory of .npy files or an .npz) and reads its headers."""
+  """Opens the .npz ``path`` and reads its headers (a directory: see
+  ``open_directory``)."""
   try:
     fd = os.open(path, reader.OPEN_FLAGS | os.O_NONBLOCK)
   except FileNotFoundError:
     raise FileNotFoundError(
+      errno.ENOENT,
       f"{api}: no checkpoint at {path!r} (expected an .npz file or a "
-      "directory of .npy files written by save)"
+      "directory of .npy files written by save)",
+      path,
     ) from None
   opened = LocalOpened(api, path)
   opened.fds.append(fd)
   try:
     mode = os.fstat(fd).st_mode
-    if stat.S_ISDIR(mode):
-      _open_directory(api, path, fd, opened)
-    elif stat.S_ISREG(mode):
+    if stat.S_ISREG(mode):
       _open_npz(api, path, fd, opened)
+    elif stat.S_ISDIR(mode):
+      raise IsADirectoryError(
+        errno.EISDIR, f"{api}: {path!r} is a directory, not an .npz", path
+      )
     else:
       raise ValueError(
         f"{api}: {path!r} is neither a directory nor a regular file; restore "
@@ -169,79 +195,102 @@ def open_checkpoint(api: str, path: str) -> LocalOpened:
   return opened
 
 
-def _open_directory(api: str, path: str, top: int, opened: LocalOpened) -> None:
-  out = opened.stored
-  for root, dirs, names, root_fd in os.fwalk(".", dir_fd=top):
+def open_directory(
+  api: str, path: str, top: int, record: bytes
+) -> LocalOpened:
+  """The checkpoint one process wrote in the directory ``top`` (a
+  descriptor this call takes over), whose ``record`` was read through it:
+  exactly the files the record names, each opened relative to ``top`` and
+  its header read. A named file that is gone raises ``reader.CheckpointReplacedError``
+  (the checkpoint was replaced or deleted meanwhile); files it does not
+  name are not part of the checkpoint."""
+  opened = LocalOpened(api, path)
+  opened.fds.append(top)
+  opened.record = record
+  try:
+    where = f"the record {format.RECORD!r} of {path!r}"
+    decoded = format.decode_record(api, where, record)
+    if decoded.tree is None:  # format 1 named no files: those there
+      names = _listed(top)
+    else:
+      names = [
+        codec.file_name(e[0], decoded.codecs.get(e[0]))
+        for e in decoded.tree
+        if len(e) == 2 and e[0] not in decoded.values
+      ]
+    for rel in names:
+      _open_file(api, path, top, rel, opened)
+  except BaseException:
+    opened.close()
+    raise
+  return opened
+
+
+def _listed(top: int) -> list[str]:
+  """The array files in the directory ``top`` (for a record that names
+  none), relative to it, sorted."""
+  out = []
+  for root, dirs, names, _ in os.fwalk(".", dir_fd=top):
     dirs.sort()
     for name in sorted(names):
       rel = os.path.normpath(os.path.join(root, name))
-      file = os.path.join(path, rel)
-      if rel == format.MANIFEST:  # swapped in since restore looked for one
-        raise ValueError(
-          f"{api}: {path!r} was replaced by a checkpoint several processes "
-          "wrote while restore opened it; call restore again"
-        )
-      split = codec.split_name(rel)
-      if split is None and rel != format.RECORD:
-        continue
-      try:
-        fd, st = reader.open_file(name, root_fd)
-      except (OSError, ValueError) as err:
-        raise ValueError(
-          f"{api}: {file!r} cannot be read: {err}; restore reads regular "
-          "files written by save"
-        ) from None
-      if rel == format.RECORD:
-        try:
-          opened.record = reader.read_all(fd, st.st_size)
-        finally:
-          os.close(fd)
-        continue
-      assert split is not None
-      key, use = split[0].replace(os.sep, "/"), split[1]
-      if key in out:
-        os.close(fd)
-        raise ValueError(
-          f"{api}: {path!r} holds two files for the array at {key!r} "
-          f"({codec.file_name(key, None)!r} and a compressed one); the "
-          "checkpoint is damaged: remove the one save did not write"
-        )
-      try:
-        with open(fd, "rb", closefd=False) as f:
-          if use is None:
-            shape, fortran, dtype = reader.read_header(f)
-            offset = f.tell()
-          else:
-            shape, fortran, dtype = reader.read_header(
-              codec.open_reader(use, f)
-            )
-            offset = 0
-      except reader.codec_errors(use, OSError, ValueError, EOFError) as err:
-        os.close(fd)
-        raise ValueError(
-          f"{api}: {file!r} is not a readable .npy file: {err}"
-        ) from None
-      if len(opened.fds) <= reader.HELD_FILES:
-        opened.fds.append(fd)
-      else:  # opened again, relative to the directory, when read
-        os.close(fd)
-        fd = -1
-      if dtype.hasobject:
-        raise ValueError(
-          f"{api}: {file!r} holds Python objects, which restore does not load"
-        )
-      # A compressed file's data is as long as its header says, or reading
-      # it raises (the frame is decompressed whole, and its end checked).
-      present = (
-        st.st_size - offset
-        if use is None
-        else math.prod(shape) * dtype.itemsize
-      )
-      out[key] = reader.StoredFile(
-        tuple(shape), dtype, fortran, repr(file), present, file,
-        offset, None, fd=fd, dir_fd=top, name=rel, stamp=reader.stamp(st),
-        codec=use,
-      )  # fmt: skip
+      if codec.split_name(rel) is not None:
+        out.append(rel)
+  return out
+
+
+def _open_file(
+  api: str, path: str, top: int, rel: str, opened: LocalOpened
+) -> None:
+  """Opens the array file ``rel`` of the directory ``top`` and reads its
+  header into ``opened.stored``."""
+  out = opened.stored
+  file = os.path.join(path, rel)
+  split = codec.split_name(rel)
+  if split is None:
+    raise ValueError(f"{api}: {file!r} is not an array file save writes")
+  key, use = split[0].replace(os.sep, "/"), split[1]
+  try:
+    fd, st = reader.open_file(rel, top)
+  except FileNotFoundError:
+    raise reader.gone(api, file, rel, top, key) from None
+  except (OSError, ValueError) as err:
+    raise ValueError(
+      f"{api}: {file!r} cannot be read: {err}; restore reads regular "
+      "files written by save"
+    ) from None
+  try:
+    with open(fd, "rb", closefd=False) as f:
+      if use is None:
+        shape, fortran, dtype = reader.read_header(f)
+        offset = f.tell()
+      else:
+        shape, fortran, dtype = reader.read_header(codec.open_reader(use, f))
+        offset = 0
+  except reader.codec_errors(use, OSError, ValueError, EOFError) as err:
+    os.close(fd)
+    raise ValueError(
+      f"{api}: {file!r} is not a readable .npy file: {err}"
+    ) from None
+  if len(opened.fds) <= reader.HELD_FILES:
+    opened.fds.append(fd)
+  else:  # opened again, relative to the directory, when read
+    os.close(fd)
+    fd = -1
+  if dtype.hasobject:
+    raise ValueError(
+      f"{api}: {file!r} holds Python objects, which restore does not load"
+    )
+  # A compressed file's data is as long as its header says, or reading
+  # it raises (the frame is decompressed whole, and its end checked).
+  present = (
+    st.st_size - offset if use is None else math.prod(shape) * dtype.itemsize
+  )
+  out[key] = reader.StoredFile(
+    tuple(shape), dtype, fortran, repr(file), present, file,
+    offset, None, fd=fd, dir_fd=top, name=rel, stamp=reader.stamp(st),
+    codec=use,
+  )  # fmt: skip
 
 
 def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:

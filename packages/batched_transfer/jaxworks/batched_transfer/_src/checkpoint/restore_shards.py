@@ -46,18 +46,13 @@ from .target import restore_placement
 SMALL_RUN = 256 * 2**10
 
 
-def open_manifest(api: str, path: str) -> LocalManifest | None:
-  """The opened manifest checkpoint at ``path``; None if ``path`` is not a
-  directory or holds no manifest (a checkpoint one process wrote)."""
+def open_manifest(
+  api: str, path: str, dir_fd: int, data: bytes, record: bytes
+) -> LocalManifest:
+  """The manifest checkpoint in the directory ``dir_fd`` (a descriptor this
+  call takes over), whose manifest ``data`` and ``record`` were read
+  through it."""
   try:
-    dir_fd = os.open(path, reader.DIR_FLAGS)
-  except OSError:
-    return None  # not a directory (or nothing): restore's other path says why
-  try:
-    data = reader.read_small(api, path, dir_fd, format.MANIFEST, "the manifest")
-    if data is None:
-      os.close(dir_fd)
-      return None
     file = os.path.join(path, format.MANIFEST)
     try:
       arrays = format.parse_manifest(data)
@@ -69,7 +64,7 @@ def open_manifest(api: str, path: str) -> LocalManifest | None:
   except BaseException:
     os.close(dir_fd)
     raise
-  return LocalManifest(api, path, dir_fd, arrays)
+  return LocalManifest(api, path, dir_fd, arrays, record)
 
 
 class Manifest(abc.ABC):
@@ -176,10 +171,15 @@ class LocalManifest(Manifest):
   file); ``close()`` closes them."""
 
   def __init__(
-    self, api: str, path: str, dir_fd: int, arrays: dict[str, Entry]
+    self,
+    api: str,
+    path: str,
+    dir_fd: int,
+    arrays: dict[str, Entry],
+    record: bytes | None = None,
   ) -> None:
     super().__init__(api, path, arrays)
-    self.dir_fd = dir_fd
+    self.dir_fd, self.record = dir_fd, record
     self._held = 0
     self._headers: dict[bytes, tuple[Any, bool, np.dtype, int]] = {}
 
@@ -193,10 +193,8 @@ class LocalManifest(Manifest):
       self.dir_fd = -1
 
   def record_data(self) -> bytes | None:
-    """The record's bytes (None: there is none)."""
-    return reader.read_small(
-      self.api, self.path, self.dir_fd, format.RECORD, "the record"
-    )
+    """The record's bytes, read with the manifest when it was opened."""
+    return self.record
 
   def handles(self, used: dict[str, Any]) -> dict[str, Any]:
     """Each file's descriptor, opened again and checked where it was closed."""
@@ -234,6 +232,8 @@ class LocalManifest(Manifest):
     api, file = self.api, os.path.join(self.path, shard.file)
     try:
       fd, st = reader.open_file(shard.file, self.dir_fd)
+    except FileNotFoundError:
+      raise reader.gone(api, file, shard.file, self.dir_fd, key) from None
     except (OSError, ValueError) as err:
       raise ValueError(
         f"{api}: the shard file {file!r} of {key!r} cannot be read: {err}; "
@@ -678,6 +678,8 @@ def _buffers(memory: reader.HostMemory, leaf: _Leaf) -> dict[Bounds, Any]:
 def _reopen(api: str, s: reader.StoredFile) -> int:
   try:
     fd, st = reader.open_file(s.name, s.dir_fd)
+  except FileNotFoundError:
+    raise reader.gone(api, s.file, s.name, s.dir_fd) from None
   except (OSError, ValueError) as err:
     raise ValueError(f"{api}: {s.where} cannot be read: {err}") from None
   if reader.stamp(st) != s.stamp:
