@@ -137,7 +137,9 @@ def test_a_read_replaced_under_every_try_says_so(tmp_path, monkeypatch):
     return real(name, dir_fd)
 
   monkeypatch.setattr(reader, "open_file", hooked)
-  with pytest.raises(bt.CheckpointReplacedError, match=r"replaced or deleted") as e:
+  with pytest.raises(
+    bt.CheckpointReplacedError, match=r"replaced or deleted"
+  ) as e:
     bt.restore(path)
   assert isinstance(e.value, FileNotFoundError)
   assert any(f"{reader.READ_TRIES} reads" in n for n in e.value.__notes__)

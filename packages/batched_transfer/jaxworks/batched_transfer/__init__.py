@@ -19,12 +19,12 @@ from ._src.checkpoint.api import metadata as metadata
 from ._src.checkpoint.api import restore as restore
 from ._src.checkpoint.api import save as save
 from ._src.checkpoint.lease import WriterConflictError as WriterConflictError
-from ._src.checkpoint.reader import (
-  CheckpointReplacedError as CheckpointReplacedError,
-)
 from ._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from ._src.checkpoint.manager import (
   CheckpointManagerOptions as CheckpointManagerOptions,
+)
+from ._src.checkpoint.reader import (
+  CheckpointReplacedError as CheckpointReplacedError,
 )
 from ._src.checkpoint.storage import StrayKeyError as StrayKeyError
 from ._src.plan import PlannedGroup as PlannedGroup

@@ -30,6 +30,8 @@ import time
 from typing import Any
 from typing import TypeVar
 
+import jax
+from jax.experimental.layout import Format
 import numpy as np
 
 from .. import jax_internals
@@ -200,6 +202,8 @@ def restore(
   read_threads: int | None = None,
   progress: bool | None = None,
   storage_options: dict[str, Any] | None = None,
+  collective: bool | None = None,
+  barrier_timeout_s: float = 300.0,
 ) -> Any:
   """Loads a checkpoint written by ``save`` onto devices, validated and streamed.
 
@@ -262,6 +266,14 @@ def restore(
       the others' headers first). A prefix without its record is absent; while
       an overwrite runs, the new checkpoint committed beside the path is
       read.
+    collective: whether every process of a jax.distributed job restores
+      ``path`` together, in the same order of calls (None: where the target
+      or placement has a sharding over several processes' devices). Then
+      the processes agree that they read the same save (its record's
+      ``save_id``) and read it whole, or all read the path again; an error
+      on one process is raised by every process.
+    barrier_timeout_s: in a collective restore, how long a process waits
+      for the others at each agreement before it raises TimeoutError.
 
   Returns:
     A pytree like ``target`` of placed jax.Arrays (weakly typed where the target
@@ -278,7 +290,12 @@ def restore(
       checkpoint replaced at ``path`` meanwhile is read whole as validated,
       never a mix of the two). What is not a regular file (a FIFO, a device)
       is refused without blocking.
-    FileNotFoundError: nothing at ``path``.
+    FileNotFoundError: nothing at ``path``, or a directory or prefix
+      without its record (a save that did not commit is no checkpoint).
+    CheckpointReplacedError: (a FileNotFoundError) the checkpoint was
+      replaced or deleted under each of ``READ_TRIES`` reads in a row (each
+      read is of one committed save: one that loses a race with a save or
+      a delete reads the path again; nothing of a lost read is returned).
     TypeError: a target leaf with no shape and dtype.
   """
   api = f"{_API}.restore"
@@ -295,13 +312,16 @@ def restore(
   # restore, which reads only its leaves' data).
   budget = 0 if partial_restore else max_inflight_bytes
   start = time.perf_counter()
+  if collective is None:
+    collective = _spans_processes((target, placement))
 
-  def read() -> tuple[Any, list[Any], list[Any], list[str]]:
+  def read(pin: _Pin) -> tuple[Any, list[Any], list[Any], list[str]]:
     with (
       dest.noting(),
       contextlib.closing(dest.open_checkpoint(budget)) as opened,
     ):
       arrays, record = opened.contents()
+      pin.agree("open", record.save_id)  # every process: the same save
       t = target_lib.Target(api, path, target, arrays, record, partial_restore)
       keys, paths = t.pick(t.keys), t.pick(t.paths)
       specs = [
@@ -320,9 +340,18 @@ def restore(
           progress, verify,
         )
       )  # fmt: skip
+    try:
+      pin.agree("read", "ok")  # and every process read it whole
+    except BaseException:
+      for y in placed:
+        y.delete()
+      raise
     return t, specs, placed, keys
 
-  t, specs, placed, keys = pinned(api, path, read)
+  with multiprocess.restore_board(
+    api, path, barrier_timeout_s, bool(collective)
+  ) as board:
+    t, specs, placed, keys = pinned(api, path, read, board)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   LOG.info(
     "restored %s (%d arrays) in %.2f s",
@@ -362,7 +391,7 @@ def read_record(
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``dest``, from its headers, manifest and record only."""
 
-  def read() -> Any:
+  def read(pin: _Pin) -> Any:
     with dest.noting(), contextlib.closing(dest.open_checkpoint()) as opened:
       return opened.contents()
 
@@ -372,15 +401,70 @@ def read_record(
 T = TypeVar("T")
 
 
-def pinned(api: str, path: str, read: Callable[[], T]) -> T:
-  """``read()``, which reads one committed checkpoint at ``path`` from its
-  commit point and then only what that names; again where it found the
-  checkpoint replaced or deleted under it (``reader.CheckpointReplacedError``: nothing of
-  that read is returned), up to ``reader.READ_TRIES`` times."""
+def _spans_processes(tree: Any) -> bool:
+  """Whether a target or placement in ``tree`` has a sharding over devices
+  of several processes (then every process restores together)."""
+  for x in jax.tree.leaves(tree):
+    s = getattr(x, "sharding", x)
+    if isinstance(s, Format):
+      s = s.sharding
+    if isinstance(s, jax.sharding.Sharding) and not s.is_fully_addressable:
+      return True
+  return False
+
+
+class _Pin:
+  """Where every process of a collective restore (``board``; None: this
+  process restores alone) agrees, at each step of one read, on what it
+  read: the same save (``open``: its record's id), and whole (``read``).
+  A disagreement, or a process that found the checkpoint replaced, makes
+  every process read again."""
+
+  def __init__(self, api: str, board: Any, attempt: int) -> None:
+    self.api, self.board, self.attempt = api, board, attempt
+    self.posted: set[str] = set()
+
+  def agree(self, step: str, value: str) -> None:
+    """Raises CheckpointReplacedError unless every process posted
+    ``value`` (never "replaced") at ``step`` of this read."""
+    if self.board is None:
+      return
+    self.posted.add(step)
+    values = self.board.agree(f"{self.attempt}/{step}", value or "-")
+    if value == _REPLACED or len(set(values)) > 1:
+      raise reader.CheckpointReplacedError(
+        f"{self.api}: the processes restoring {self.board.path!r} read "
+        f"different saves of it ({step}: {values}): it was replaced "
+        "meanwhile; nothing of it is returned"
+      )
+
+  def replaced(self) -> None:
+    """This process found the checkpoint replaced: it tells the others at
+    each step it has not reached (they then read again too)."""
+    for step in ("open", "read"):
+      if self.board is not None and step not in self.posted:
+        with contextlib.suppress(reader.CheckpointReplacedError):
+          self.agree(step, _REPLACED)
+
+
+_REPLACED = "replaced"
+
+
+def pinned(
+  api: str, path: str, read: Callable[[_Pin], T], board: Any = None
+) -> T:
+  """``read(pin)``, which reads one committed checkpoint at ``path`` from
+  its commit point and then only what that names; again where it found the
+  checkpoint replaced or deleted under it (``CheckpointReplacedError``:
+  nothing of that read is returned), up to ``reader.READ_TRIES`` times.
+  With the ``board`` of a collective restore, every process reads again
+  when any did, and each read is of one save on every process (``_Pin``)."""
   for attempt in range(1, reader.READ_TRIES + 1):
+    pin = _Pin(api, board, attempt)
     try:
-      return read()
+      return read(pin)
     except reader.CheckpointReplacedError as err:
+      pin.replaced()
       if attempt == reader.READ_TRIES:
         err.add_note(
           f"{api}: {path!r} was replaced or deleted under each of "

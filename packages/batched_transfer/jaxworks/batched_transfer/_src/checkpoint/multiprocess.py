@@ -54,6 +54,9 @@ from .storage import LOG
 
 _PREFIX = "jaxworks/batched_transfer/save"
 _seq = itertools.count()
+#: Collective restores are numbered apart from saves (``restore_board``).
+_RESTORE_PREFIX = "jaxworks/batched_transfer/restore"
+_restore_seq = itertools.count()
 _seq_lock = threading.Lock()
 #: Seconds between two polls of the key-value store: the first, the most.
 POLL_S = (0.001, 0.005)
@@ -187,10 +190,11 @@ class _Board:
     seq: int,
     timeout_s: float,
     subject: str = "the save to",
+    prefix: str = _PREFIX,
   ) -> None:
     self.api, self.path, self.client = api, path, client
     self.subject = f"{subject} {path!r}"
-    self.prefix = f"{_PREFIX}/{seq}"
+    self.prefix = f"{prefix}/{seq}"
     self.timeout_s = timeout_s
     self.pid = jax.process_index()
     self.count = jax.process_count()
@@ -233,8 +237,8 @@ class _Board:
     with contextlib.suppress(Exception):  # a dead store: nothing to tell
       self.settle({"process": self.pid, "error": f"{err!r}{note}"})
       err.add_note(
-        f"{self.api}: posted to every process saving {self.path!r}, which "
-        "all raise"
+        f"{self.api}: posted to every process of {self.subject}, which all "
+        "raise"
       )
 
   def release(self) -> None:
@@ -317,6 +321,40 @@ class _Board:
         return entries  # another process's outcome was "ok" after all
       time.sleep(pause)
       pause = min(2 * pause, POLL_S[1])
+
+  def agree(self, name: str, value: str) -> list[str]:
+    """Posts this process's ``value`` as ``name`` and returns every
+    process's, in process order, once all are posted (raises a failed
+    outcome, or TimeoutError after ``timeout_s``)."""
+    self.post(f"{name}/{self.pid}", value)
+    names = [f"{name}/{p}" for p in range(self.count)]
+    entries = self.wait(names, f"reach {name!r}", "")
+    return [entries[n] for n in names]
+
+
+@contextlib.contextmanager
+def restore_board(
+  api: str, path: str, timeout_s: float, collective: bool
+) -> Iterator[_Board | None]:
+  """The board of a restore that every process of a jax.distributed job
+  makes together (``collective``, with several processes; else None): its
+  number taken first, in call order; an error raised in the block is
+  posted, so every other process raises it too instead of waiting."""
+  if not collective or not multi_process():
+    yield None
+    return
+  with _seq_lock:
+    seq = next(_restore_seq)
+  board = _Board(
+    api, path, _client(api), seq, timeout_s, "the restore of", _RESTORE_PREFIX
+  )
+  try:
+    yield board
+  except BaseException as err:
+    board.fail(err, "")
+    raise
+  finally:
+    board.release()
 
 
 def run(job: SaveJob, ticket: Ticket | None) -> pending.SaveHandle | None:

@@ -759,7 +759,8 @@ def load(
     raise replaced(api, s.where) from None
   except FileNotFoundError as err:  # deleted from the checkpoint
     raise FileNotFoundError(
-      err.errno, f"{api}: the leaf at {where} (key {key!r}){err.strerror}",
+      err.errno,
+      f"{api}: the leaf at {where} (key {key!r}){err.strerror}",
       err.filename,
     ) from None
   except codec_errors(

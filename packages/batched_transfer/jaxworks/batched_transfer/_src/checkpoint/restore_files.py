@@ -195,9 +195,7 @@ def open_checkpoint(api: str, path: str) -> LocalOpened:
   return opened
 
 
-def open_directory(
-  api: str, path: str, top: int, record: bytes
-) -> LocalOpened:
+def open_directory(api: str, path: str, top: int, record: bytes) -> LocalOpened:
   """The checkpoint one process wrote in the directory ``top`` (a
   descriptor this call takes over), whose ``record`` was read through it:
   exactly the files the record names, each opened relative to ``top`` and
