@@ -106,7 +106,7 @@ def open(  # noqa: A001 (the module's verb: destination.open)
     kind = LocalNpz if local.endswith(".npz") else LocalDirectory
     return kind(api, local, overwrite)
   if url.group(1).lower() not in storage.SCHEMES:
-    raise ValueError(_unknown_url(api, text, url.group(1)))
+    raise ValueError(storage.unknown_url(api, text, url.group(1)))
   st = stores.open_storage(api, text, storage_options)
   bucket = BucketNpz if text.endswith(".npz") else BucketPrefix
   return bucket(api, text, st, overwrite, lease)
@@ -121,19 +121,6 @@ def open_directory(
   directory's) and replace nothing."""
   at = open(api, path, storage_options, overwrite=False, lease=False)
   return at.child("")
-
-
-def _unknown_url(api: str, text: str, scheme: str) -> str:
-  fix = ""
-  if scheme.lower() == "file":
-    local = text[len(scheme) + 3 :]
-    local = "/" + local.partition("/")[2] if local else local
-    fix = f" (for this one, the local path {local!r})"
-  return (
-    f"{api}: {text!r} is a URL of a kind it does not take: use an s3://, "
-    f"gs:// or az:// URL or a local path{fix}, or mount the bucket (e.g. "
-    "gcsfuse) and use the mounted path"
-  )
 
 
 class Destination(abc.ABC):

@@ -1,7 +1,8 @@
 """Where checkpoints live: local paths and object-store URLs, one interface.
 
 ``parse`` reads a path or URL (``s3://bucket/prefix``, ``gs://...``,
-``az://container/prefix``, ``file:///abs/path``, a plain path) into a
+``az://container/prefix``, a plain path; other URLs, ``file://`` too, are
+refused as ``destination.open`` refuses them) into a
 ``Location``; ``stores.open_storage`` returns the ``Storage`` for it: a
 ``LocalStorage`` (here: regular files read through the descriptor that was
 checked, bounded by the size seen; writes fsynced; ``create`` without
@@ -133,7 +134,8 @@ def parse(api: str, path: Any) -> Location:
 
   Raises:
     TypeError: ``path`` is not a path.
-    ValueError: an unknown scheme, a URL without a bucket, an empty path,
+    ValueError: a URL of another scheme (``file://`` too: the message
+      names the local path to use), a URL without a bucket, an empty path,
       or a ``.``/``..`` component in a URL's key.
   """
   text = path_text(api, path)
@@ -142,21 +144,9 @@ def parse(api: str, path: Any) -> Location:
   scheme, sep, rest = text.partition("://")
   if not sep:
     return Location("file", "", os.path.abspath(text))
+  if scheme.lower() not in SCHEMES:
+    raise ValueError(unknown_url(api, text, scheme))
   scheme = scheme.lower()
-  if scheme == "file":
-    host, _, local = rest.partition("/")
-    if host not in ("", "localhost"):
-      raise ValueError(
-        f"{api}: {text!r} names the host {host!r}; a file:// URL must be "
-        "file:///absolute/path (a local file)"
-      )
-    return Location("file", "", os.path.abspath("/" + local))
-  if scheme not in SCHEMES:
-    known = ", ".join(f"{s}://" for s in SCHEMES)
-    raise ValueError(
-      f"{api}: {text!r} has the scheme {scheme}://, which is not supported; "
-      f"use a local path, file://, or one of {known}"
-    )
   bucket, _, prefix = rest.partition("/")
   if not bucket:
     raise ValueError(
@@ -169,6 +159,21 @@ def parse(api: str, path: Any) -> Location:
       "resolved as paths: write the key as it is stored"
     )
   return Location(scheme, bucket, "/".join(parts))
+
+
+def unknown_url(api: str, text: str, scheme: str) -> str:
+  """The message refusing ``text``, a URL of ``scheme`` that is none of
+  ``SCHEMES`` (a ``file://`` URL: naming the local path to use)."""
+  fix = ""
+  if scheme.lower() == "file":
+    local = text[len(scheme) + 3 :]
+    local = "/" + local.partition("/")[2] if local else local
+    fix = f" (for this one, the local path {local!r})"
+  return (
+    f"{api}: {text!r} is a URL of a kind it does not take: use an s3://, "
+    f"gs:// or az:// URL or a local path{fix}, or mount the bucket (e.g. "
+    "gcsfuse) and use the mounted path"
+  )
 
 
 def is_key(key: str) -> bool:
