@@ -40,6 +40,7 @@ import builtins
 from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
+import errno
 import os
 import re
 import tempfile
@@ -95,6 +96,12 @@ def open(  # noqa: A001 (the module's verb: destination.open)
     TypeError: ``path`` is not a path.
   """
   text = storage.path_text(api, path)
+  if not text:
+    raise ValueError(
+      f"{api}: the path is empty; pass the checkpoint's path (e.g. "
+      "'ckpt', '/data/run/ckpt' or 'ckpt.npz') or an s3://, gs:// or az:// "
+      "URL"
+    )
   url = _SCHEME.match(text)
   if url is None:
     if storage_options:
@@ -102,7 +109,9 @@ def open(  # noqa: A001 (the module's verb: destination.open)
         f"{api}: storage_options are for s3://, gs:// and az:// URLs; "
         f"{text!r} is a local path"
       )
-    local = text.rstrip(os.sep) or text
+    # Absolute now, in the call: a later os.chdir (or a background save's
+    # thread) never moves it.
+    local = os.path.abspath(text)
     kind = LocalNpz if local.endswith(".npz") else LocalDirectory
     return kind(api, local, overwrite)
   if url.group(1).lower() not in storage.SCHEMES:
@@ -121,6 +130,27 @@ def open_directory(
   directory's) and replace nothing."""
   at = open(api, path, storage_options, overwrite=False, lease=False)
   return at.child("")
+
+
+def check_name(api: str, path: Any) -> None:
+  """Refuses, before anything is written, a local path that names no
+  place of its own for a checkpoint: ``/``, or a path whose last component
+  is ``.`` or ``..`` (a directory that holds the working directory or the
+  path's own parent: replacing it fails, or takes what the user did not
+  name)."""
+  text = storage.path_text(api, path)
+  if _SCHEME.match(text):
+    return
+  parts = [p for p in text.split(os.sep) if p]
+  if os.path.abspath(text) == os.path.abspath(os.sep) or (
+    parts and parts[-1] in (".", "..")
+  ):
+    raise ValueError(
+      f"{api}: {text!r} names the directory "
+      f"{os.path.abspath(text)!r} itself, not a checkpoint inside it; "
+      "nothing was written. Name the checkpoint, e.g. "
+      f"{os.path.join(text, 'ckpt')!r}"
+    )
 
 
 class Destination(abc.ABC):
@@ -367,7 +397,10 @@ class LocalDirectory(_Local):
   def begin(self) -> str:
     name = self._begin("")
     assert self.tmp is not None
-    os.mkdir(self.tmp)
+    try:
+      os.mkdir(self.tmp)
+    except OSError as err:
+      raise writer.write_error(self.api, self.path, self.tmp, err) from err
     return name
 
   def attach(self, name: str) -> None:
@@ -485,13 +518,24 @@ class LocalNpz(_Local):
 
 
 def check_target(api: str, path: str, overwrite: bool) -> None:
-  """Refuses an existing path without overwrite, and a directory save
-  did not write; creates missing parent directories."""
-  if os.path.lexists(path) and not overwrite:
+  """Refuses, before anything is written: an existing path without
+  overwrite, a directory save did not write, a directory where an
+  ``.npz`` goes, a file among the parents, a parent this process cannot
+  write (a read-only file system); creates missing parent directories.
+  ``path`` is absolute (``open``)."""
+  exists = os.path.lexists(path)
+  if exists and not overwrite:
     raise FileExistsError(
       f"{api}: {path!r} exists; pass overwrite=True to replace it"
     )
-  if os.path.lexists(path) and not path.endswith(".npz"):
+  if exists and path.endswith(".npz"):
+    if os.path.islink(path) or not os.path.isfile(path):
+      raise FileExistsError(
+        f"{api}: {path!r} exists and is not a file (overwrite replaces an "
+        ".npz archive save wrote); nothing was written: remove it first, "
+        "or save elsewhere"
+      )
+  elif exists:
     if not os.path.isdir(path) or os.path.islink(path):
       raise FileExistsError(
         f"{api}: {path!r} exists and is not a directory; remove it first"
@@ -508,12 +552,43 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
             "not an .npy file; overwrite only replaces directories written "
             "by save"
           )
-  parent = os.path.dirname(os.path.abspath(path))
-  if os.path.lexists(parent) and not os.path.isdir(parent):
+  parent = os.path.dirname(path)
+  up = parent
+  while not os.path.lexists(up) and os.path.dirname(up) != up:
+    up = os.path.dirname(up)  # the nearest that exists: a directory?
+  if not os.path.isdir(up):
     raise FileExistsError(
-      f"{api}: cannot save to {path!r}: {parent!r} is not a directory"
+      f"{api}: cannot save to {path!r}: {up!r} is not a directory; "
+      "nothing was written: remove it, or save elsewhere"
     )
-  commit.make_parents(parent)
+  try:
+    commit.make_parents(parent)
+  except OSError as err:
+    if err.errno is None:
+      raise
+    made = err.filename or parent
+    raise type(err)(
+      err.errno,
+      f"{api}: cannot save to {path!r}: creating its directory {made!r} "
+      f"failed: {err.strerror} ({errno.errorcode.get(err.errno, '?')}); "
+      "nothing was written: save to a directory this process can write",
+      made,
+    ) from err
+  if not os.access(parent, os.W_OK | os.X_OK):
+    ro = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+    code = errno.EROFS if ro else errno.EACCES
+    why = (
+      "is on a read-only file system"
+      if ro
+      else "is not writable by this process (its permissions)"
+    )
+    raise (OSError if ro else PermissionError)(
+      code,
+      f"{api}: cannot save to {path!r}: its directory {parent!r} {why} "
+      f"({errno.errorcode[code]}); nothing was written: save to a "
+      "writable directory",
+      path,
+    )
 
 
 class BucketPrefix(Destination):

@@ -1,0 +1,243 @@
+"""Local checkpoints under faults and odd paths (issue 61, items 12-17):
+relative paths made absolute in the call, threads that cannot start,
+managers of one process on one directory however it is spelled, a failed
+fsync of a directory before and after the commit, and bad targets refused
+before anything is written. Every error names the API, the path, the errno
+where there is one and whether the new save is committed."""
+
+import errno
+import os
+import threading
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxworks import batched_transfer as bt
+
+# Private imports below: a save's steps patched to stall or fail.
+from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import hostvalue
+from jaxworks.batched_transfer._src.checkpoint import job as job_lib
+
+SAVE = "jaxworks.batched_transfer.save"
+
+
+def tree_of(seed, n=3):
+  rng = np.random.default_rng(seed)
+  return {f"k{i}": rng.standard_normal((16, 4)).astype(np.float32) for i in
+          range(n)}  # fmt: skip
+
+
+def like(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def check(path, tree):
+  out = bt.restore(path, like(tree))
+  for k in tree:
+    assert np.asarray(out[k]).tobytes() == tree[k].tobytes()
+
+
+def leftovers(path):
+  commit.REAPER.wait()
+  return commit.temporaries(str(path))
+
+
+@pytest.fixture
+def writes(monkeypatch):
+  """The arrays written (``hostvalue.write_npy`` calls): none may be for a
+  save refused in its call."""
+  seen = []
+  real = hostvalue.write_npy
+
+  def write_npy(f, a, *args, **kwargs):
+    seen.append(a.shape)
+    return real(f, a, *args, **kwargs)
+
+  monkeypatch.setattr(hostvalue, "write_npy", write_npy)
+  return seen
+
+
+# 12: a relative path is made absolute in the call.
+
+
+def test_a_relative_path_of_a_background_save_is_resolved_in_the_call(
+  tmp_path, monkeypatch
+):
+  a, b = tmp_path / "a", tmp_path / "b"
+  a.mkdir()
+  b.mkdir()
+  monkeypatch.chdir(a)
+  gate = threading.Event()
+  real_turn = job_lib.SaveJob.turn
+
+  def turn(self):  # the background thread waits until the caller moved
+    assert gate.wait(30)
+    real_turn(self)
+
+  monkeypatch.setattr(job_lib.SaveJob, "turn", turn)
+  tree = tree_of(0)
+  handle = bt.save("ckpt", tree, blocking=False)
+  os.chdir(b)
+  gate.set()
+  handle.wait()
+  assert os.listdir(b) == []  # nothing landed, nothing left behind
+  check(str(a / "ckpt"), tree)
+  assert handle.path == str(a / "ckpt")
+  monkeypatch.setattr(job_lib.SaveJob, "turn", real_turn)
+  os.chdir(a)
+  assert set(bt.metadata("ckpt")) == set(tree)
+  check("ckpt", tree)
+  check("./sub/../ckpt/", tree)
+
+
+def test_a_managers_relative_directory_is_resolved_when_it_is_made(
+  tmp_path, monkeypatch
+):
+  a, b = tmp_path / "a", tmp_path / "b"
+  a.mkdir()
+  b.mkdir()
+  monkeypatch.chdir(a)
+  with bt.CheckpointManager("run") as mgr:
+    assert mgr.directory == str(a / "run")
+    os.chdir(b)
+    mgr.save(1, tree_of(1), blocking=True)
+    assert mgr.all_steps() == [1]
+    check(mgr.directory + "/1", tree_of(1))
+  assert os.listdir(b) == []
+
+
+# 17: bad targets, refused before anything is written.
+
+
+def test_an_empty_path_is_refused(tmp_path, monkeypatch, writes):
+  monkeypatch.chdir(tmp_path)
+  for call in (
+    lambda: bt.save("", tree_of(0)),
+    lambda: bt.save("", tree_of(0), overwrite=True),
+    lambda: bt.restore(""),
+    lambda: bt.metadata(""),
+  ):
+    with pytest.raises(ValueError, match="the path is empty") as info:
+      call()
+    assert "jaxworks.batched_transfer." in str(info.value)
+  assert writes == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+  "name", [".", "..", "/", "sub/.", "sub/..", "sub/./", "./"]
+)
+def test_a_path_naming_a_directory_itself_is_refused(
+  tmp_path, monkeypatch, writes, name
+):
+  work = tmp_path / "work"
+  (work / "sub").mkdir(parents=True)
+  monkeypatch.chdir(work)
+  for overwrite in (False, True):
+    with pytest.raises(ValueError, match="itself, not a checkpoint") as info:
+      bt.save(name, tree_of(0), overwrite=overwrite)
+    text = str(info.value)
+    assert SAVE in text and repr(name) in text and "nothing was written" in text
+  assert writes == [] and os.listdir(work) == ["sub"]
+  assert os.listdir(tmp_path) == ["work"]
+
+
+def test_an_npz_path_holding_a_directory_is_refused(tmp_path, writes):
+  path = tmp_path / "x.npz"
+  path.mkdir()
+  (path / "keep.txt").write_text("mine")
+  for overwrite in (False, True):
+    with pytest.raises(FileExistsError) as info:
+      bt.save(path, tree_of(0), overwrite=overwrite)
+    assert SAVE in str(info.value) and repr(str(path)) in str(info.value)
+  assert "is not a file" in str(info.value)
+  assert writes == [] and os.listdir(path) == ["keep.txt"]
+  assert sorted(os.listdir(tmp_path)) == ["x.npz"]
+
+
+def test_a_file_among_the_parents_is_named(tmp_path, writes):
+  (tmp_path / "file").write_text("x")
+  path = tmp_path / "file" / "sub" / "ckpt"
+  with pytest.raises(FileExistsError) as info:
+    bt.save(path, tree_of(0))
+  text = str(info.value)
+  assert SAVE in text and repr(str(path)) in text
+  assert f"{str(tmp_path / 'file')!r} is not a directory" in text
+  assert writes == []
+
+
+def test_a_read_only_parent_is_refused_naming_the_path(
+  tmp_path, monkeypatch, writes
+):
+  parent = tmp_path / "ro"
+  parent.mkdir()
+  path = parent / "ckpt"
+  real_access, real_statvfs = os.access, os.statvfs
+
+  class ReadOnly:
+    f_flag = os.ST_RDONLY
+
+  monkeypatch.setattr(
+    os, "access", lambda p, m, **k: False if str(p) == str(parent)
+    else real_access(p, m, **k),
+  )  # fmt: skip
+  monkeypatch.setattr(
+    os, "statvfs", lambda p: ReadOnly() if str(p) == str(parent)
+    else real_statvfs(p),
+  )  # fmt: skip
+  with pytest.raises(OSError) as info:
+    bt.save(path, tree_of(0), blocking=False)
+  err = info.value
+  assert err.errno == errno.EROFS
+  text = str(err)
+  assert SAVE in text and repr(str(path)) in text and "read-only" in text
+  assert "nothing was written" in text and "EROFS" in text
+  assert writes == [] and os.listdir(parent) == []
+
+
+@pytest.mark.parametrize("name", ["jaxworks-ckpt", "jaxworks-ckpt.npz"])
+def test_a_directory_where_nothing_can_be_created_names_the_path(writes, name):
+  path = f"/proc/{name}"  # /proc takes no new entries (ENOENT, EACCES)
+  with pytest.raises(OSError) as info:
+    bt.save(path, tree_of(0))
+  err = info.value
+  text = str(err)
+  assert err.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS)
+  assert SAVE in text and repr(path) in text, text
+  assert "Nothing was committed" in text or "nothing was" in text
+  assert writes == []
+  assert not [p for p in os.listdir("/proc") if "jaxworks" in p]
+
+
+def test_an_erofs_when_the_temporary_is_created_names_the_path(
+  tmp_path, monkeypatch, writes
+):
+  path = tmp_path / "ckpt"
+  real_mkdir = os.mkdir
+
+  def mkdir(p, *args, **kwargs):
+    if ".jaxworks-new-" in str(p):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), p)
+    return real_mkdir(p, *args, **kwargs)
+
+  monkeypatch.setattr(os, "mkdir", mkdir)
+  with pytest.raises(OSError) as info:
+    bt.save(path, tree_of(0))
+  text = str(info.value)
+  assert info.value.errno == errno.EROFS
+  assert SAVE in text and repr(str(path)) in text and "read-only" in text
+  assert "Nothing was committed" in text
+  assert writes == [] and os.listdir(tmp_path) == []
+
+
+def test_metadata_never_reports_raw_void_dtypes(tmp_path):
+  path = tmp_path / "plain"
+  path.mkdir()
+  np.save(path / "w.npy", np.ones(4, ml_dtypes.bfloat16))  # header: |V2
+  # Not a checkpoint save wrote: its dtype is unknown, never void16.
+  with pytest.raises((ValueError, FileNotFoundError)) as info:
+    bt.metadata(path)
+  assert "void" not in str(info.value)
+  assert repr(str(path)) in str(info.value)
