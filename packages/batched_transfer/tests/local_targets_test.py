@@ -7,6 +7,9 @@ where there is one and whether the new save is committed."""
 
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import jax
@@ -20,6 +23,8 @@ from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import hostvalue
 from jaxworks.batched_transfer._src.checkpoint import job as job_lib
+from jaxworks.batched_transfer._src.checkpoint import pending
+from jaxworks.batched_transfer._src.checkpoint import writer
 
 SAVE = "jaxworks.batched_transfer.save"
 
@@ -107,6 +112,110 @@ def test_a_managers_relative_directory_is_resolved_when_it_is_made(
     assert mgr.all_steps() == [1]
     check(mgr.directory + "/1", tree_of(1))
   assert os.listdir(b) == []
+
+
+# 14: a thread that cannot start.
+
+
+def _save_threads():
+  return [
+    t
+    for t in threading.enumerate()
+    if t.name.startswith(writer.WRITE_THREAD_PREFIX)
+    or t.name.startswith(pending.THREAD_PREFIX)
+  ]
+
+
+@pytest.fixture
+def failing_start(monkeypatch):
+  """``fail(prefix, n)``: the ``n``-th start of a thread whose name starts
+  with ``prefix`` raises as CPython does when it has no thread left."""
+  real = threading.Thread.start
+
+  def fail(prefix, n):
+    calls = [0]
+
+    def start(self):
+      if self.name.startswith(prefix):
+        calls[0] += 1
+        if calls[0] == n:
+          raise RuntimeError("can't start new thread")
+      return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+  yield fail
+  monkeypatch.setattr(threading.Thread, "start", real)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_writer_thread_that_cannot_start_ends_the_others(
+  tmp_path, failing_start, n
+):
+  path = tmp_path / "ckpt"
+  old = tree_of(0, n=8)
+  bt.save(path, old)
+  failing_start(writer.WRITE_THREAD_PREFIX, n)
+  with pytest.raises(RuntimeError) as info:
+    bt.save(path, tree_of(1, n=8), overwrite=True, write_threads=4)
+  text = str(info.value)
+  assert SAVE in text and repr(str(path)) in text
+  assert "can't start new thread" in text and "nothing was committed" in text
+  assert "write_threads" in text
+  assert _save_threads() == []  # every thread started has ended
+  check(path, old)
+  assert leftovers(path) == []
+
+
+def test_a_background_save_whose_thread_cannot_start(tmp_path, failing_start):
+  path = tmp_path / "ckpt"
+  failing_start(pending.THREAD_PREFIX + "-", 1)
+  with pytest.raises(RuntimeError) as info:
+    bt.save(path, tree_of(0), blocking=False)
+  text = str(info.value)
+  assert SAVE in text and repr(str(path)) in text
+  assert "can't start new thread" in text and "nothing was" in text
+  assert not os.path.lexists(path) and leftovers(path) == []
+  done = threading.Thread(target=pending.wait_all)  # none left pending
+  done.start()
+  done.join(10)
+  assert not done.is_alive()
+  bt.save(path, tree_of(1))  # the path is not held by the failed save
+  check(path, tree_of(1))
+
+
+def test_the_process_exits_after_a_writer_thread_failed_to_start(tmp_path):
+  script = textwrap.dedent(f"""
+    import threading
+    import numpy as np
+    from jaxworks import batched_transfer as bt
+    from jaxworks.batched_transfer._src.checkpoint import writer
+
+    real, calls = threading.Thread.start, [0]
+    def start(self):
+      if self.name.startswith(writer.WRITE_THREAD_PREFIX):
+        calls[0] += 1
+        if calls[0] == 3:
+          raise RuntimeError("can't start new thread")
+      return real(self)
+    threading.Thread.start = start
+    tree = {{f"k{{i}}": np.ones(100, np.float32) for i in range(8)}}
+    try:
+      bt.save({str(tmp_path / "ckpt")!r}, tree, write_threads=4)
+    except RuntimeError as err:
+      print("raised:", err)
+  """)
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+    JAX_PLATFORMS="cpu",
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", script], env=env, capture_output=True, text=True,
+    timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr
+  assert "raised:" in out.stdout and "can't start new thread" in out.stdout
 
 
 # 17: bad targets, refused before anything is written.

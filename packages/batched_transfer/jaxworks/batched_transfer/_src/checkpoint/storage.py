@@ -317,6 +317,7 @@ def in_threads(
   threads: int,
   name: str,
   count: int | None = None,
+  what: str = "jaxworks.batched_transfer",
 ) -> None:
   """Runs ``job()`` then ``release()`` for each ``(job, release)`` of
   ``items`` on one of ``threads`` threads named ``name``; ``items`` is
@@ -325,6 +326,11 @@ def in_threads(
   error no more jobs run or are taken); the first error is raised here
   once the threads ended. ``count``: how many items there are, where
   fewer than ``threads`` need fewer threads.
+
+  A thread that cannot start (``RuntimeError: can't start new thread``)
+  raises ``ThreadStartError`` (``what`` names the API and the checkpoint
+  in it) once the threads already started ended: none is left waiting.
+  The threads are daemons besides, so none can keep the process alive.
 
   Plain threads, not concurrent.futures: a non-blocking save may still be
   writing while the interpreter exits, when executors refuse new work.
@@ -351,12 +357,21 @@ def in_threads(
           errors.append(err)
 
   n = threads if count is None else min(threads, max(1, count))
-  workers = [
-    threading.Thread(target=loop, name=f"{name}-{k}") for k in range(n)
-  ]
-  for w in workers:
-    w.start()
+  workers: builtins.list[threading.Thread] = []
   try:
+    for k in range(n):
+      w = threading.Thread(target=loop, name=f"{name}-{k}", daemon=True)
+      try:
+        w.start()
+      except RuntimeError as err:
+        raise ThreadStartError(
+          f"{what}: could not start thread {k + 1} of {n} ({name}-{k}): "
+          f"{err}; nothing was committed: the checkpoint that was at the "
+          "path (if any) is still there. Lower the thread count (e.g. "
+          "write_threads=) or raise the process's thread limit (ulimit -u), "
+          "then try again"
+        ) from err
+      workers.append(w)
     it = iter(items)
     while not errors:
       item = next(it, None)
@@ -374,6 +389,11 @@ def in_threads(
     getattr(items, "close", lambda: None)()
   if errors:
     raise errors[0]
+
+
+class ThreadStartError(RuntimeError):
+  """A thread of ``in_threads`` (or a background save's) could not start;
+  what was started ended, nothing was committed."""
 
 
 def copy_into(out: memoryview, at: int, data: Any) -> int:

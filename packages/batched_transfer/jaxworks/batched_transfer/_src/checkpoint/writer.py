@@ -412,5 +412,5 @@ def write_directory(
           p.release()
       del p
 
-  in_threads(items(), threads, WRITE_THREAD_PREFIX)
+  in_threads(items(), threads, WRITE_THREAD_PREFIX, what=f"{api}: {path!r}")
   return dtypes, sums
