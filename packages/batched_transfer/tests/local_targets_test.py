@@ -23,6 +23,7 @@ from jaxworks import batched_transfer as bt
 from jaxworks.batched_transfer._src.checkpoint import commit
 from jaxworks.batched_transfer._src.checkpoint import hostvalue
 from jaxworks.batched_transfer._src.checkpoint import job as job_lib
+from jaxworks.batched_transfer._src.checkpoint import lease
 from jaxworks.batched_transfer._src.checkpoint import pending
 from jaxworks.batched_transfer._src.checkpoint import writer
 
@@ -216,6 +217,78 @@ def test_the_process_exits_after_a_writer_thread_failed_to_start(tmp_path):
   )  # fmt: skip
   assert out.returncode == 0, out.stderr
   assert "raised:" in out.stdout and "can't start new thread" in out.stdout
+
+
+# 15: managers of one process on one directory, however it is spelled.
+
+
+@pytest.mark.parametrize(
+  "spelling", ["symlink", "relative", "trailing slash", "dotdot"]
+)
+def test_managers_of_one_process_share_the_lease_however_spelled(
+  tmp_path, monkeypatch, spelling
+):
+  real = tmp_path / "run"
+  real.mkdir()
+  if spelling == "symlink":
+    os.symlink(real, tmp_path / "link")
+    other = str(tmp_path / "link")
+  elif spelling == "relative":
+    monkeypatch.chdir(tmp_path)
+    other = "run"
+  elif spelling == "trailing slash":
+    other = str(real) + "/"
+  else:
+    (tmp_path / "sub").mkdir()
+    other = str(tmp_path / "sub" / ".." / "run")
+  first = bt.CheckpointManager(str(real))
+  second = bt.CheckpointManager(other)
+  try:
+    first.save(1, tree_of(1), blocking=True)
+    second.save(2, tree_of(2), blocking=True)
+    assert first._lease is second._lease  # one lease, two references
+    assert len(lease_keys(real)) == 1
+    # A heartbeat (what ran 10 s later) finds no other generation.
+    assert not first._lease.renew() and first._lease.lost is None
+    first.save(3, tree_of(3), blocking=True)
+    second.save(4, tree_of(4), blocking=True)
+    assert first.all_steps() == second.all_steps() == [1, 2, 3, 4]
+  finally:
+    first.close()
+  assert len(lease_keys(real)) == 1  # the second still holds it
+  second.save(5, tree_of(5), blocking=True)
+  second.close()
+  assert lease_keys(real) == []
+
+
+def test_managers_spelled_apart_never_take_over_each_others_lease(
+  tmp_path, monkeypatch
+):
+  """The identity under which a lease is filed differs (as when one
+  directory is reached through two mounts): the second manager finds this
+  process's own live lease by its writer id and shares it."""
+  real = tmp_path / "run"
+  real.mkdir()
+  os.symlink(real, tmp_path / "link")
+  spelled = iter(["a", "b"])
+  keys = {}
+
+  def identity(st):
+    return keys.setdefault(st.root, next(spelled))
+
+  monkeypatch.setattr(lease, "identity", identity)
+  with bt.CheckpointManager(str(real)) as first:
+    with bt.CheckpointManager(str(tmp_path / "link")) as second:
+      first.save(1, tree_of(1), blocking=True)
+      second.save(2, tree_of(2), blocking=True)
+      assert first._lease is second._lease
+      assert not first._lease.renew()
+      first.save(3, tree_of(3), blocking=True)
+
+
+def lease_keys(directory):
+  d = os.path.join(directory, lease.PREFIX)
+  return sorted(os.listdir(d)) if os.path.isdir(d) else []
 
 
 # 17: bad targets, refused before anything is written.
