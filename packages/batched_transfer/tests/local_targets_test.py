@@ -291,6 +291,73 @@ def lease_keys(directory):
   return sorted(os.listdir(d)) if os.path.isdir(d) else []
 
 
+# 16: a failed fsync of a directory.
+
+
+def _dir_fsyncs(monkeypatch, fail_at=None):
+  """Patches os.fsync: records the path of every directory fsynced, and
+  raises EIO at the ``fail_at``-th (from 0)."""
+  seen = []
+  real = os.fsync
+
+  def fsync(fd):
+    link = f"/proc/self/fd/{fd}"
+    if os.path.isdir(link):
+      seen.append(os.readlink(link))
+      if fail_at is not None and len(seen) - 1 == fail_at:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return real(fd)
+
+  monkeypatch.setattr(os, "fsync", fsync)
+  return seen
+
+
+@pytest.mark.parametrize("name", ["ckpt", "ckpt.npz"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_failed_directory_fsync_says_whether_the_save_is_committed(
+  tmp_path, monkeypatch, name, overwrite
+):
+  new = {"a": np.arange(6.0), "sub": {"b": np.ones(3, np.int32)}}
+  old = {"a": np.zeros(6), "sub": {"b": np.zeros(3, np.int32)}}
+  probe = tmp_path / "probe" / name
+  probe.parent.mkdir()
+  if overwrite:
+    bt.save(probe, old)
+  with monkeypatch.context() as m:
+    moments = _dir_fsyncs(m)
+    bt.save(probe, new, overwrite=overwrite)
+  parent = str(probe.parent)
+  assert moments[-1] == parent and moments.count(parent) == 1
+  for k in range(len(moments)):
+    path = tmp_path / f"at{k}" / name
+    path.parent.mkdir()
+    if overwrite:
+      bt.save(path, old)
+    with monkeypatch.context() as m:
+      _dir_fsyncs(m, fail_at=k)
+      with pytest.raises(OSError) as info:
+        bt.save(path, new, overwrite=overwrite)
+    err = info.value
+    text = str(err)
+    assert err.errno == errno.EIO, text
+    assert SAVE in text and repr(str(path)) in text, text
+    assert "Input/output error" in text and "EIO" in text, text
+    if k == len(moments) - 1:  # the parent's, after the rename
+      assert f"the new checkpoint is committed at {str(path)!r}" in text
+      assert ("the old one was replaced" if overwrite else
+              "nothing was at the path before") in text  # fmt: skip
+      got = bt.restore(path)
+      assert np.array_equal(np.asarray(got["a"]), new["a"])
+    else:
+      assert "nothing was committed" in text, text
+      if overwrite:
+        got = bt.restore(path)
+        assert np.array_equal(np.asarray(got["a"]), old["a"])
+      else:
+        assert not os.path.lexists(path)
+    assert leftovers(path) == []
+
+
 # 17: bad targets, refused before anything is written.
 
 

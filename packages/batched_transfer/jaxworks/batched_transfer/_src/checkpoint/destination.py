@@ -418,7 +418,7 @@ class LocalDirectory(_Local):
     _, sums = writer.write_directory(
       self.api, self.path, self.tmp, stems, take, done, threads, codecs
     )
-    commit.fsync_dirs(self.tmp)
+    commit.fsync_dirs(self.tmp, self.api, self.path)
     return sums
 
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
@@ -431,7 +431,7 @@ class LocalDirectory(_Local):
       writer.write_file(
         self.api, self.path, os.path.join(tmp, name), lambda f: f.write(data)
       )
-    commit.fsync_path(tmp)
+    commit.fsync_path(tmp, self.api, self.path)
     self._publish()
     return False
 
