@@ -6,6 +6,7 @@ refused, naming it)."""
 import dataclasses
 import datetime
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -82,3 +83,40 @@ def test_the_class_reports_its_public_module():
   cls = bt.CheckpointManagerOptions
   assert cls.__module__ == "jaxworks.batched_transfer"
   assert "CheckpointManagerOptions" in bt.__all__
+
+
+@pytest.mark.parametrize(
+  "name, value, exc, fix",
+  [
+    ("best_mode", "lowest", ValueError, "best_mode='min'"),
+    ("max_to_keep", 0, ValueError, "max_to_keep=5"),
+    ("keep_period", -2, ValueError, "keep_period=1000"),
+    ("save_interval_steps", None, ValueError, "save_interval_steps=100"),
+    ("barrier_timeout_s", 0, ValueError, "barrier_timeout_s=300.0"),
+    ("keep_time_interval", 60, TypeError, "datetime.timedelta(hours=1)"),
+    ("step_prefix", "a/b", ValueError, "step_prefix='ckpt'"),
+    ("step_format_fixed_length", 0, ValueError, "step_format_fixed_length="),
+    ("best_fn", "loss", TypeError, "best_fn=lambda"),
+    ("should_save_fn", 3, TypeError, "should_save_fn="),
+    ("save_on_steps", 5, TypeError, "save_on_steps=[1000, 5000]"),
+    ("compression", "lz4", ValueError, "'zstd'"),
+  ],
+)
+@pytest.mark.parametrize(
+  "via", ["CheckpointManager", "CheckpointManagerOptions"]
+)
+def test_a_bad_setting_is_named_as_the_user_passed_it(
+  tmp_path, name, value, exc, fix, via
+):
+  if via == "CheckpointManager":
+    call = lambda: bt.CheckpointManager(tmp_path, **{name: value})  # noqa: E731
+  else:
+    options = bt.CheckpointManagerOptions(**{name: value})
+    call = lambda: bt.CheckpointManager(tmp_path, options=options)  # noqa: E731
+  with pytest.raises(exc) as info:
+    call()
+  text = str(info.value)
+  assert text.startswith("jaxworks.batched_transfer.CheckpointManager: ")
+  assert f"{via}({name}={value!r})" in text, text
+  assert fix in text, text
+  assert not re.search(r"\bo\.[a-z]", text)  # no internal names

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_servers  # noqa: E402
 
 # Private imports below: the storage protocol (URLs, stores) is the subject.
+from jaxworks.batched_transfer._src.checkpoint import destination  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import storage  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
@@ -68,8 +69,6 @@ def store(request, tmp_path):
     ("S3://b/run//1/", ("s3", "b", "run/1")),
     ("gs://b", ("gs", "b", "")),
     ("az://container/p", ("az", "container", "p")),
-    ("file:///tmp/x/y", ("file", "", "/tmp/x/y")),
-    ("file://localhost/tmp/x", ("file", "", "/tmp/x")),
     ("/tmp/a/../b", ("file", "", "/tmp/b")),
     (pathlib.Path("/tmp/c"), ("file", "", "/tmp/c")),
   ],
@@ -82,16 +81,30 @@ def test_parse(path, want):
 @pytest.mark.parametrize(
   "path, message",
   [
-    ("ftp://b/x", "ftp://, which is not supported"),
+    ("ftp://b/x", "is a URL of a kind it does not take"),
     ("s3:///x", "names no bucket"),
     ("gs://b/a/../c", "'.' or '..' component"),
-    ("file://host/x", "names the host 'host'"),
     ("", "empty"),
+    # As destination.open refuses them: the message names the local path.
+    ("file:///tmp/x/y", "for this one, the local path '/tmp/x/y'"),
+    ("FILE:///tmp/x/y", "for this one, the local path '/tmp/x/y'"),
+    ("file://localhost/tmp/x", "for this one, the local path '/tmp/x'"),
+    ("file://host/x", "for this one, the local path '/x'"),
   ],
 )
 def test_parse_refuses(path, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
     storage.parse(API, path)
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/x", "file://localhost/tmp/x"])
+def test_open_storage_refuses_file_urls_as_destination_open(url):
+  with pytest.raises(ValueError) as a:
+    stores.open_storage(API, url)
+  with pytest.raises(ValueError) as b:
+    destination.open(API, url)
+  assert str(a.value) == str(b.value)
+  assert repr(url) in str(a.value) and "the local path" in str(a.value)
 
 
 def test_parse_refuses_non_paths():
@@ -104,7 +117,7 @@ def test_location_navigation():
   assert loc.url == "gs://b/run/7"
   assert loc.parent.url == "gs://b/run" and loc.name == "7"
   assert loc.child("x/y.npy").url == "gs://b/run/7/x/y.npy"
-  assert loc.remote and not storage.parse(API, "file:///x").remote
+  assert loc.remote and not storage.parse(API, "/x").remote
 
 
 def test_local_list_skips_a_file_gone_since_it_was_listed(

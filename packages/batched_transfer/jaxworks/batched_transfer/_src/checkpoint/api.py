@@ -175,6 +175,7 @@ def save(
   api = f"{_API}.save"
   # A collective save's number first: any error below is every process's.
   with multiprocess.ticket(api, path, collective) as ticket:
+    destination.check_name(api, path)
     dest = destination.open(api, path, storage_options, overwrite)
     options = job_lib.Options(
       overwrite=overwrite, blocking=blocking,
@@ -382,7 +383,17 @@ def metadata(
   """
   api = f"{_API}.metadata"
   dest = destination.open(api, path, storage_options)
-  return target_lib.as_saved(*read_record(dest), with_shardings=True)
+  arrays, record = read_record(dest)
+  for key, (_, dtype) in arrays.items():
+    if isinstance(dtype, np.dtypes.VoidDType) and dtype.fields is None:
+      raise ValueError(
+        f"{api}: the array {key!r} of {dest.path!r} is stored as raw "
+        f"{dtype.itemsize}-byte values with no dtype record, so its type is "
+        f"unknown (several types are {dtype.itemsize} bytes wide); write the "
+        "checkpoint with jaxworks.batched_transfer.save, which records "
+        "exact dtype names"
+      )
+  return target_lib.as_saved(arrays, record, with_shardings=True)
 
 
 def read_record(

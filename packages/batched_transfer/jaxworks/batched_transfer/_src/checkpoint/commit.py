@@ -36,13 +36,48 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def fsync_path(path: str) -> None:
-  """fsync a file or directory by path."""
-  fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+#: What a save's error says when nothing was committed.
+NOT_COMMITTED = (
+  "nothing was committed: the checkpoint that was at the path (if any) is "
+  "still there"
+)
+
+
+def fsync_error(
+  api: str, checkpoint: str, directory: str, err: OSError, state: str
+) -> OSError:
+  """The OSError of a failed fsync of ``directory`` while saving
+  ``checkpoint``: the API, both paths, the errno and ``state`` (whether
+  the new save is committed) named; the errno kept."""
+  code = err.errno or errno.EIO
+  text = err.strerror or os.strerror(code)
+  return OSError(
+    code,
+    f"{api}: saving {checkpoint!r}: fsync of the directory {directory!r} "
+    f"failed: {text} ({errno.errorcode.get(code, code)}); {state}. Check "
+    "the file system (its kernel log: dmesg), then save again",
+    directory,
+  )
+
+
+def fsync_path(
+  path: str,
+  api: str | None = None,
+  checkpoint: str | None = None,
+  state: str = NOT_COMMITTED,
+) -> None:
+  """fsync a file or directory by path. With ``api``, a failure raises
+  ``fsync_error``'s OSError (saving ``checkpoint``, in ``state``)."""
   try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+  except OSError as err:
+    if api is None or err.errno is None:
+      raise
+    raise fsync_error(api, checkpoint or path, path, err, state) from err
 
 
 def make_parents(parent: str) -> None:
@@ -60,11 +95,14 @@ def make_parents(parent: str) -> None:
     fsync_path(os.path.dirname(d))
 
 
-def fsync_dirs(root: str) -> None:
+def fsync_dirs(
+  root: str, api: str | None = None, checkpoint: str | None = None
+) -> None:
   """fsync ``root`` and every directory under it, deepest first (their
-  files were fsynced as they were written)."""
+  files were fsynced as they were written); with ``api``, a failure raises
+  ``fsync_error``'s OSError (nothing committed)."""
   for dirpath, _, _ in os.walk(root, topdown=False):
-    fsync_path(dirpath)
+    fsync_path(dirpath, api, checkpoint)
 
 
 def temp_name(path: str, kind: str, suffix: str = "") -> str:
@@ -378,17 +416,31 @@ def publish(api: str, tmp: str, path: str, overwrite: bool = True) -> None:
   parent = os.path.dirname(path) or "."
   if not overwrite:
     _rename_new(api, tmp, path)
-    fsync_path(parent)
+    fsync_path(parent, api, path, committed(path, False))
     return
-  if os.path.isdir(tmp) and os.path.lexists(path):
+  replaced = os.path.lexists(path)
+  if os.path.isdir(tmp) and replaced:
     if _exchange(tmp, path):
-      fsync_path(parent)
+      fsync_path(parent, api, path, committed(path, True))
       REAPER.submit(tmp)  # now the old checkpoint
       return
     _swap_aside(api, tmp, path)
     return
   os.replace(tmp, path)
-  fsync_path(parent)
+  fsync_path(parent, api, path, committed(path, replaced))
+
+
+def committed(path: str, replaced: bool) -> str:
+  """What an error after the commit of ``path`` says: the new checkpoint
+  is there (``replaced``: over an old one)."""
+  old = (
+    "the old one was replaced" if replaced else "nothing was at the path before"
+  )
+  return (
+    f"the new checkpoint is committed at {path!r}; {old}. Its directory "
+    "entry may not survive a crash of the machine until the directory is "
+    "fsynced"
+  )
 
 
 #: Tries of ``_swap_aside`` before it gives up.
@@ -427,7 +479,7 @@ def _swap_aside(api: str, tmp: str, path: str) -> None:
       "is at the path. Save again when no restore of it runs",
       path,
     )
-  fsync_path(parent)
+  fsync_path(parent, api, path, committed(path, True))
   for aside in asides:  # renamed first: ``recover`` never puts back a part
     gone = temp_name(path, DELETED)
     with contextlib.suppress(FileNotFoundError):

@@ -96,6 +96,12 @@ def open(  # noqa: A001 (the module's verb: destination.open)
     TypeError: ``path`` is not a path.
   """
   text = storage.path_text(api, path)
+  if not text:
+    raise ValueError(
+      f"{api}: the path is empty; pass the checkpoint's path (e.g. "
+      "'ckpt', '/data/run/ckpt' or 'ckpt.npz') or an s3://, gs:// or az:// "
+      "URL"
+    )
   url = _SCHEME.match(text)
   if url is None:
     if storage_options:
@@ -103,11 +109,13 @@ def open(  # noqa: A001 (the module's verb: destination.open)
         f"{api}: storage_options are for s3://, gs:// and az:// URLs; "
         f"{text!r} is a local path"
       )
-    local = text.rstrip(os.sep) or text
+    # Absolute now, in the call: a later os.chdir (or a background save's
+    # thread) never moves it.
+    local = os.path.abspath(text)
     kind = LocalNpz if local.endswith(".npz") else LocalDirectory
     return kind(api, local, overwrite)
   if url.group(1).lower() not in storage.SCHEMES:
-    raise ValueError(_unknown_url(api, text, url.group(1)))
+    raise ValueError(storage.unknown_url(api, text, url.group(1)))
   st = stores.open_storage(api, text, storage_options)
   bucket = BucketNpz if text.endswith(".npz") else BucketPrefix
   return bucket(api, text, st, overwrite, lease)
@@ -124,17 +132,25 @@ def open_directory(
   return at.child("")
 
 
-def _unknown_url(api: str, text: str, scheme: str) -> str:
-  fix = ""
-  if scheme.lower() == "file":
-    local = text[len(scheme) + 3 :]
-    local = "/" + local.partition("/")[2] if local else local
-    fix = f" (for this one, the local path {local!r})"
-  return (
-    f"{api}: {text!r} is a URL of a kind it does not take: use an s3://, "
-    f"gs:// or az:// URL or a local path{fix}, or mount the bucket (e.g. "
-    "gcsfuse) and use the mounted path"
-  )
+def check_name(api: str, path: Any) -> None:
+  """Refuses, before anything is written, a local path that names no
+  place of its own for a checkpoint: ``/``, or a path whose last component
+  is ``.`` or ``..`` (a directory that holds the working directory or the
+  path's own parent: replacing it fails, or takes what the user did not
+  name)."""
+  text = storage.path_text(api, path)
+  if _SCHEME.match(text):
+    return
+  parts = [p for p in text.split(os.sep) if p]
+  if os.path.abspath(text) == os.path.abspath(os.sep) or (
+    parts and parts[-1] in (".", "..")
+  ):
+    raise ValueError(
+      f"{api}: {text!r} names the directory "
+      f"{os.path.abspath(text)!r} itself, not a checkpoint inside it; "
+      "nothing was written. Name the checkpoint, e.g. "
+      f"{os.path.join(text, 'ckpt')!r}"
+    )
 
 
 class Destination(abc.ABC):
@@ -422,7 +438,10 @@ class LocalDirectory(_Local):
   def begin(self) -> str:
     name = self._begin("")
     assert self.tmp is not None
-    os.mkdir(self.tmp)
+    try:
+      os.mkdir(self.tmp)
+    except OSError as err:
+      raise writer.write_error(self.api, self.path, self.tmp, err) from err
     return name
 
   def attach(self, name: str) -> None:
@@ -440,7 +459,7 @@ class LocalDirectory(_Local):
     _, sums = writer.write_directory(
       self.api, self.path, self.tmp, stems, take, done, threads, codecs
     )
-    commit.fsync_dirs(self.tmp)
+    commit.fsync_dirs(self.tmp, self.api, self.path)
     return sums
 
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
@@ -453,7 +472,7 @@ class LocalDirectory(_Local):
       writer.write_file(
         self.api, self.path, os.path.join(tmp, name), lambda f: f.write(data)
       )
-    commit.fsync_path(tmp)
+    commit.fsync_path(tmp, self.api, self.path)
     self._publish()
     return False
 
@@ -540,13 +559,24 @@ class LocalNpz(_Local):
 
 
 def check_target(api: str, path: str, overwrite: bool) -> None:
-  """Refuses an existing path without overwrite, and a directory save
-  did not write; creates missing parent directories."""
-  if os.path.lexists(path) and not overwrite:
+  """Refuses, before anything is written: an existing path without
+  overwrite, a directory save did not write, a directory where an
+  ``.npz`` goes, a file among the parents, a parent this process cannot
+  write (a read-only file system); creates missing parent directories.
+  ``path`` is absolute (``open``)."""
+  exists = os.path.lexists(path)
+  if exists and not overwrite:
     raise FileExistsError(
       f"{api}: {path!r} exists; pass overwrite=True to replace it"
     )
-  if os.path.lexists(path) and not path.endswith(".npz"):
+  if exists and path.endswith(".npz"):
+    if os.path.islink(path) or not os.path.isfile(path):
+      raise FileExistsError(
+        f"{api}: {path!r} exists and is not a file (overwrite replaces an "
+        ".npz archive save wrote); nothing was written: remove it first, "
+        "or save elsewhere"
+      )
+  elif exists:
     if not os.path.isdir(path) or os.path.islink(path):
       raise FileExistsError(
         f"{api}: {path!r} exists and is not a directory; remove it first"
@@ -563,12 +593,43 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
             "not an .npy file; overwrite only replaces directories written "
             "by save"
           )
-  parent = os.path.dirname(os.path.abspath(path))
-  if os.path.lexists(parent) and not os.path.isdir(parent):
+  parent = os.path.dirname(path)
+  up = parent
+  while not os.path.lexists(up) and os.path.dirname(up) != up:
+    up = os.path.dirname(up)  # the nearest that exists: a directory?
+  if not os.path.isdir(up):
     raise FileExistsError(
-      f"{api}: cannot save to {path!r}: {parent!r} is not a directory"
+      f"{api}: cannot save to {path!r}: {up!r} is not a directory; "
+      "nothing was written: remove it, or save elsewhere"
     )
-  commit.make_parents(parent)
+  try:
+    commit.make_parents(parent)
+  except OSError as err:
+    if err.errno is None:
+      raise
+    made = err.filename or parent
+    raise type(err)(
+      err.errno,
+      f"{api}: cannot save to {path!r}: creating its directory {made!r} "
+      f"failed: {err.strerror} ({errno.errorcode.get(err.errno, '?')}); "
+      "nothing was written: save to a directory this process can write",
+      made,
+    ) from err
+  if not os.access(parent, os.W_OK | os.X_OK):
+    ro = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+    code = errno.EROFS if ro else errno.EACCES
+    why = (
+      "is on a read-only file system"
+      if ro
+      else "is not writable by this process (its permissions)"
+    )
+    raise (OSError if ro else PermissionError)(
+      code,
+      f"{api}: cannot save to {path!r}: its directory {parent!r} {why} "
+      f"({errno.errorcode[code]}); nothing was written: save to a "
+      "writable directory",
+      path,
+    )
 
 
 class BucketPrefix(Destination):

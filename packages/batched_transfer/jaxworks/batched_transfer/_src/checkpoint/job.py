@@ -244,4 +244,9 @@ class SaveJob:
     if self.options.blocking:
       work()
       return None
-    return pending.start(self.path, work)
+    try:
+      return pending.start(self.path, work)
+    except BaseException:  # no thread: work() never runs
+      bar.close()
+      self.release()
+      raise

@@ -14,7 +14,10 @@ wins), with a warning. A holder that finds a higher generation lost its
 lease and its next write raises. Reading needs no lease.
 
 Managers of one process share its lease on a directory (counted; the last
-``release`` deletes it); a jax.distributed job's writer is process 0 alone.
+``release`` deletes it), however each spells the directory (a symbolic
+link, a relative path, ``..``: the lease is filed under the directory's
+device and inode), and never take over one another's; a jax.distributed
+job's writer is process 0 alone.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Lease:
     self.writer = secrets.token_hex(8)
     self.started = time.time()
     self.refs = 0
+    self.key: Any = st.url  # what ``_held`` files it under (identity)
     self.lost: dict[str, Any] | None = None  # the record that took it over
     self._stop = threading.Event()
     self._io = threading.Lock()  # a renewal and the release, one at a time
@@ -216,7 +220,7 @@ class Lease:
 
 _lock = threading.Lock()  # guards _held
 _acquiring = threading.Lock()  # one acquire at a time in this process
-_held: dict[str, Lease] = {}
+_held: dict[Any, Lease] = {}  # by ``identity`` of the directory
 
 
 def _generations(st: Storage) -> list[int]:
@@ -307,22 +311,55 @@ def acquire(
     return _acquire(api, st, directory, conflict)
 
 
+def identity(st: Storage) -> Any:
+  """What names ``st``'s directory however its path is spelled: a local
+  directory's (device, inode), else its real path (symbolic links, ``..``
+  and relative spellings resolved); a bucket prefix's URL."""
+  root = getattr(st, "root", None)
+  if root is None:
+    return st.url
+  try:
+    info = os.stat(root)
+  except OSError:
+    return ("path", os.path.realpath(root))
+  return ("inode", info.st_dev, info.st_ino)
+
+
+def _shared(key: Any) -> Lease | None:
+  """This process's live lease on ``key``, one more reference to it."""
+  with _lock:
+    held = _held.get(key)
+    if held is not None and held.pid == os.getpid() and held.lost is None:
+      held.refs += 1
+      return held
+  return None
+
+
 def _acquire(
   api: str,
   st: Storage,
   directory: str,
   conflict: Callable[[str, str, dict[str, Any]], Exception],
 ) -> Lease:
-  key = st.url
-  with _lock:
-    held = _held.get(key)
-    if held is not None and held.pid == os.getpid() and held.lost is None:
-      held.refs += 1
-      return held
+  key = identity(st)
+  held = _shared(key)
+  if held is not None:
+    return held
   for _ in range(20):
     gens = _generations(st)
     taken = None
     if gens:
+      record = _read(st, gens[-1]) or {}
+      with _lock:  # this process's own lease, under another key: shared
+        mine = [
+          x
+          for x in _held.values()
+          if x.writer == record.get("writer") and x.pid == os.getpid()
+        ]
+      if mine:
+        held = _shared(mine[0].key)
+        if held is not None:
+          return held
       taken = _stale(api, st, directory, gens[-1], conflict)
       if taken is None:
         continue  # released meanwhile: judge what is there now
@@ -347,6 +384,7 @@ def _acquire(
       )
     LOG.debug("holding the writer lease %s", st.where(_key(gen)))
     lease.refs = 1
+    lease.key = key
     lease.start()
     with _lock:
       _held[key] = lease
@@ -364,8 +402,8 @@ def release(lease: Lease) -> None:
     lease.refs -= 1
     if lease.refs > 0:
       return
-    if _held.get(lease.storage.url) is lease:
-      del _held[lease.storage.url]
+    if _held.get(lease.key) is lease:
+      del _held[lease.key]
   if lease.pid == os.getpid():
     lease.drop()
 

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import re
 import threading
 from typing import Any
 import warnings
@@ -40,30 +39,24 @@ import numpy as np
 
 from .. import jax_internals
 from . import api as ckpt
-from . import codec
 from . import destination
 from . import format
 from . import job as job_lib
 from . import lease as lease_lib
+from . import manager_options as options_lib
 from . import multiprocess
 from . import pending
 from . import steps as steps_lib
 from .keys import leaf_keys
+from .manager_options import (
+  CheckpointManagerOptions as CheckpointManagerOptions,
+)
 from .steps import METRICS_KEY
 from .steps import check_item_name
 from .steps import check_step
 from .storage import LOG
 
-_API = "jaxworks.batched_transfer.CheckpointManager"
-_NAME_CHARS = re.compile(r"^[A-Za-z0-9_.+=-]+$")
-
-
-def _callable_or_none(name: str, value: Any) -> Any:
-  if value is not None and not callable(value):
-    raise TypeError(
-      f"{_API}: {name} must be a callable or None, got {value!r:.80}"
-    )
-  return value
+_API = options_lib.API
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,67 +78,6 @@ class StepMetadata:
   item_metadata: Any
   metrics: Any
   commit_timestamp_nsecs: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointManagerOptions:
-  """The settings of a ``CheckpointManager`` as one object, as orbax's users
-  write them (``CheckpointManagerOptions``): the fields are the manager's
-  keyword arguments, with the same names, defaults and meanings.
-  (An example is in the module docstring.)
-
-  Passing ``options=`` and a keyword other than its default together
-  raises TypeError (one source for each setting: set it in the options,
-  e.g. ``dataclasses.replace(options, max_to_keep=5)``).
-  """
-
-  max_to_keep: int | None = None
-  keep_period: int | None = None
-  save_interval_steps: int = 1
-  barrier_timeout_s: float = 300.0
-  best_fn: Callable[[Any], float] | None = None
-  best_mode: str = "max"
-  keep_checkpoints_without_metrics: bool = True
-  keep_time_interval: datetime.timedelta | None = None
-  should_save_fn: Callable[[int, int | None], bool] | None = None
-  save_on_steps: Iterable[int] | None = None
-  step_prefix: str | None = None
-  step_format_fixed_length: int | None = None
-  read_only: bool = False
-  item_names: Any = None
-  storage_options: dict[str, Any] | None = None
-  compression: str | None = None
-
-
-def _merged(
-  options: Any, keywords: CheckpointManagerOptions
-) -> CheckpointManagerOptions:
-  """``options`` (None: ``keywords``, the manager's keyword arguments).
-
-  Raises:
-    TypeError: ``options`` is not a CheckpointManagerOptions, or a keyword
-      other than its default was passed with it.
-  """
-  if options is None:
-    return keywords
-  if not isinstance(options, CheckpointManagerOptions):
-    raise TypeError(
-      f"{_API}: options must be a jaxworks.batched_transfer."
-      f"CheckpointManagerOptions, got {options!r:.80}"
-    )
-  both = [
-    f.name
-    for f in dataclasses.fields(keywords)
-    if getattr(keywords, f.name) is not f.default
-    and getattr(keywords, f.name) != f.default
-  ]
-  if both:
-    raise TypeError(
-      f"{_API}: {', '.join(both)} passed both as keywords and with "
-      "options=; pass each setting one way: in the options (e.g. "
-      f"dataclasses.replace(options, {both[0]}=...)) or as keywords"
-    )
-  return options
 
 
 class _StepSave(job_lib.SaveJob):
@@ -288,78 +220,29 @@ class CheckpointManager:
       storage_options=storage_options,
       compression=compression,
     )  # fmt: skip
-    self._configure(directory, _merged(options, given))
+    self._configure(directory, options_lib.merged(options, given))
 
-  def _configure(self, directory: Any, o: CheckpointManagerOptions) -> None:
-    """Checks the settings ``o`` and opens the directory."""
+  def _configure(self, directory: Any, given: options_lib.Given) -> None:
+    """Checks the settings ``given`` and opens the directory."""
+    o = options_lib.checked(given)
     self._dir = destination.open_directory(_API, directory, o.storage_options)
     self.directory = self._dir.path
-    self._compression = codec.check(_API, o.compression)
+    self._compression = o.compression
     self._options = o.storage_options
-    self.max_to_keep = job_lib.positive(
-      _API, "max_to_keep", o.max_to_keep, True
-    )
-    self.keep_period = job_lib.positive(
-      _API, "keep_period", o.keep_period, True
-    )
-    if o.save_interval_steps is None:
-      raise ValueError(f"{_API}: o.save_interval_steps must be a positive int")
-    self.save_interval_steps = job_lib.positive(
-      _API, "save_interval_steps", o.save_interval_steps, True
-    )
-    if isinstance(o.barrier_timeout_s, bool) or not (
-      isinstance(o.barrier_timeout_s, (int, float)) and o.barrier_timeout_s > 0
-    ):
-      raise ValueError(
-        f"{_API}: o.barrier_timeout_s must be a positive number of seconds, "
-        f"got {o.barrier_timeout_s!r}"
-      )
-    self.barrier_timeout_s = float(o.barrier_timeout_s)
-    self.best_fn = _callable_or_none("best_fn", o.best_fn)
-    if o.best_mode not in ("max", "min"):
-      raise ValueError(
-        f"{_API}: o.best_mode must be 'max' or 'min', got {o.best_mode!r}"
-      )
+    self.max_to_keep = o.max_to_keep
+    self.keep_period = o.keep_period
+    self.save_interval_steps = o.save_interval_steps
+    self.barrier_timeout_s = o.barrier_timeout_s
+    self.best_fn = o.best_fn
     self.best_mode = o.best_mode
-    self.keep_checkpoints_without_metrics = bool(
-      o.keep_checkpoints_without_metrics
-    )
-    if o.keep_time_interval is not None and not isinstance(
-      o.keep_time_interval, datetime.timedelta
-    ):
-      raise TypeError(
-        f"{_API}: o.keep_time_interval must be a datetime.timedelta or None, "
-        f"got {o.keep_time_interval!r}; e.g. datetime.timedelta(hours=1)"
-      )
+    self.keep_checkpoints_without_metrics = o.keep_checkpoints_without_metrics
     self.keep_time_interval = o.keep_time_interval
-    self.should_save_fn = _callable_or_none("should_save_fn", o.should_save_fn)
-    try:
-      self.save_on_steps = frozenset(o.save_on_steps or ())
-    except TypeError:
-      raise TypeError(
-        f"{_API}: o.save_on_steps must be a container of steps, got "
-        f"{o.save_on_steps!r:.80}"
-      ) from None
-    if o.step_prefix is not None and (
-      not isinstance(o.step_prefix, str) or not _NAME_CHARS.match(o.step_prefix)
-    ):
-      raise ValueError(
-        f"{_API}: o.step_prefix must be a non-empty str of letters, digits and "
-        f"'_.+=-', or None, got {o.step_prefix!r}"
-      )
+    self.should_save_fn = o.should_save_fn
+    self.save_on_steps = o.save_on_steps
     self.step_prefix = o.step_prefix
-    self.step_format_fixed_length = job_lib.positive(
-      _API, "step_format_fixed_length", o.step_format_fixed_length, True
-    )
-    self.read_only = bool(o.read_only)
-    item_names = o.item_names
-    if item_names is not None:
-      if isinstance(item_names, str):
-        item_names = (item_names,)
-      item_names = tuple(item_names)
-      for name in item_names:
-        check_item_name(_API, name)
-    self.item_names = item_names
+    self.step_format_fixed_length = o.step_format_fixed_length
+    self.read_only = o.read_only
+    self.item_names = o.item_names
     self._dir.make_directory(create=not self.read_only)
     self._names = steps_lib.StepNames(o.step_prefix, o.step_format_fixed_length)
     self._handle: pending.SaveHandle | None = None

@@ -454,7 +454,12 @@ def save_across_processes(
   if o.blocking:
     work()
     return None
-  return pending.start(path, work)
+  try:
+    return pending.start(path, work)
+  except BaseException as err:  # no thread: work() never runs
+    board.fail(err, _NOTHING)
+    done()
+    raise
 
 
 def _share(job: SaveJob, pid: int) -> _Share:

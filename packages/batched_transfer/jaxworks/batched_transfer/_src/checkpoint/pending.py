@@ -15,6 +15,8 @@ import logging
 import os
 import threading
 
+from .storage import ThreadStartError
+
 #: The package logger (Python logging; never print).
 _log = logging.getLogger("jaxworks.batched_transfer")
 
@@ -114,7 +116,12 @@ class SaveHandle:
 
 
 def start(path: str, work: Callable[[], None]) -> SaveHandle:
-  """Runs ``work`` on a new thread; returns its handle."""
+  """Runs ``work`` on a new thread; returns its handle.
+
+  Raises:
+    ThreadStartError: the thread could not start (``work`` never runs:
+      the caller lets go of what the save held).
+  """
   handle = SaveHandle(path)
 
   def run() -> None:
@@ -132,9 +139,21 @@ def start(path: str, work: Callable[[], None]) -> SaveHandle:
         _pending.discard(handle)
       handle._event.set()
 
+  thread = threading.Thread(target=run, name=f"{THREAD_PREFIX}-{path}")
   with _lock:
     _pending.add(handle)
-  threading.Thread(target=run, name=f"{THREAD_PREFIX}-{path}").start()
+  try:
+    thread.start()
+  except RuntimeError as err:  # "can't start new thread": no save pending
+    with _lock:
+      _pending.discard(handle)
+    raise ThreadStartError(
+      f"jaxworks.batched_transfer.save: could not start the thread of the "
+      f"non-blocking save to {path!r}: {err}; nothing was written or "
+      "committed: the checkpoint that was at the path (if any) is still "
+      "there. Save with blocking=True, or raise the process's thread limit "
+      "(ulimit -u), then save again"
+    ) from err
   return handle
 
 

@@ -1,7 +1,8 @@
 """Where checkpoints live: local paths and object-store URLs, one interface.
 
 ``parse`` reads a path or URL (``s3://bucket/prefix``, ``gs://...``,
-``az://container/prefix``, ``file:///abs/path``, a plain path) into a
+``az://container/prefix``, a plain path; other URLs, ``file://`` too, are
+refused as ``destination.open`` refuses them) into a
 ``Location``; ``stores.open_storage`` returns the ``Storage`` for it: a
 ``LocalStorage`` (here: regular files read through the descriptor that was
 checked, bounded by the size seen; writes fsynced; ``create`` without
@@ -133,7 +134,8 @@ def parse(api: str, path: Any) -> Location:
 
   Raises:
     TypeError: ``path`` is not a path.
-    ValueError: an unknown scheme, a URL without a bucket, an empty path,
+    ValueError: a URL of another scheme (``file://`` too: the message
+      names the local path to use), a URL without a bucket, an empty path,
       or a ``.``/``..`` component in a URL's key.
   """
   text = path_text(api, path)
@@ -142,21 +144,9 @@ def parse(api: str, path: Any) -> Location:
   scheme, sep, rest = text.partition("://")
   if not sep:
     return Location("file", "", os.path.abspath(text))
+  if scheme.lower() not in SCHEMES:
+    raise ValueError(unknown_url(api, text, scheme))
   scheme = scheme.lower()
-  if scheme == "file":
-    host, _, local = rest.partition("/")
-    if host not in ("", "localhost"):
-      raise ValueError(
-        f"{api}: {text!r} names the host {host!r}; a file:// URL must be "
-        "file:///absolute/path (a local file)"
-      )
-    return Location("file", "", os.path.abspath("/" + local))
-  if scheme not in SCHEMES:
-    known = ", ".join(f"{s}://" for s in SCHEMES)
-    raise ValueError(
-      f"{api}: {text!r} has the scheme {scheme}://, which is not supported; "
-      f"use a local path, file://, or one of {known}"
-    )
   bucket, _, prefix = rest.partition("/")
   if not bucket:
     raise ValueError(
@@ -169,6 +159,21 @@ def parse(api: str, path: Any) -> Location:
       "resolved as paths: write the key as it is stored"
     )
   return Location(scheme, bucket, "/".join(parts))
+
+
+def unknown_url(api: str, text: str, scheme: str) -> str:
+  """The message refusing ``text``, a URL of ``scheme`` that is none of
+  ``SCHEMES`` (a ``file://`` URL: naming the local path to use)."""
+  fix = ""
+  if scheme.lower() == "file":
+    local = text[len(scheme) + 3 :]
+    local = "/" + local.partition("/")[2] if local else local
+    fix = f" (for this one, the local path {local!r})"
+  return (
+    f"{api}: {text!r} is a URL of a kind it does not take: use an s3://, "
+    f"gs:// or az:// URL or a local path{fix}, or mount the bucket (e.g. "
+    "gcsfuse) and use the mounted path"
+  )
 
 
 def is_key(key: str) -> bool:
@@ -312,6 +317,7 @@ def in_threads(
   threads: int,
   name: str,
   count: int | None = None,
+  what: str = "jaxworks.batched_transfer",
 ) -> None:
   """Runs ``job()`` then ``release()`` for each ``(job, release)`` of
   ``items`` on one of ``threads`` threads named ``name``; ``items`` is
@@ -320,6 +326,11 @@ def in_threads(
   error no more jobs run or are taken); the first error is raised here
   once the threads ended. ``count``: how many items there are, where
   fewer than ``threads`` need fewer threads.
+
+  A thread that cannot start (``RuntimeError: can't start new thread``)
+  raises ``ThreadStartError`` (``what`` names the API and the checkpoint
+  in it) once the threads already started ended: none is left waiting.
+  The threads are daemons besides, so none can keep the process alive.
 
   Plain threads, not concurrent.futures: a non-blocking save may still be
   writing while the interpreter exits, when executors refuse new work.
@@ -346,12 +357,21 @@ def in_threads(
           errors.append(err)
 
   n = threads if count is None else min(threads, max(1, count))
-  workers = [
-    threading.Thread(target=loop, name=f"{name}-{k}") for k in range(n)
-  ]
-  for w in workers:
-    w.start()
+  workers: builtins.list[threading.Thread] = []
   try:
+    for k in range(n):
+      w = threading.Thread(target=loop, name=f"{name}-{k}", daemon=True)
+      try:
+        w.start()
+      except RuntimeError as err:
+        raise ThreadStartError(
+          f"{what}: could not start thread {k + 1} of {n} ({name}-{k}): "
+          f"{err}; nothing was committed: the checkpoint that was at the "
+          "path (if any) is still there. Lower the thread count (e.g. "
+          "write_threads=) or raise the process's thread limit (ulimit -u), "
+          "then try again"
+        ) from err
+      workers.append(w)
     it = iter(items)
     while not errors:
       item = next(it, None)
@@ -369,6 +389,11 @@ def in_threads(
     getattr(items, "close", lambda: None)()
   if errors:
     raise errors[0]
+
+
+class ThreadStartError(RuntimeError):
+  """A thread of ``in_threads`` (or a background save's) could not start;
+  what was started ended, nothing was committed."""
 
 
 def copy_into(out: memoryview, at: int, data: Any) -> int:

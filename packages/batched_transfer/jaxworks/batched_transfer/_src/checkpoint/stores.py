@@ -507,8 +507,8 @@ def open_storage(
 
   Args:
     api: the API name for messages.
-    path: a local path, a ``file://`` URL, or an ``s3://``, ``gs://`` or
-      ``az://`` URL.
+    path: a local path, or an ``s3://``, ``gs://`` or ``az://`` URL (a
+      ``file://`` URL is refused, naming the local path to use).
     storage_options: for a URL, settings over the cloud's standard
       environment (see the module docstring); none for a local path.
 

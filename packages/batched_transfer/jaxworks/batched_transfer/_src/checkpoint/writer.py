@@ -143,6 +143,9 @@ _FIXES = {
   errno.EDQUOT: "free space within your disk quota, or save elsewhere",
   errno.EFBIG: "raise the file-size limit (ulimit -f, RLIMIT_FSIZE) or save "
   "to a file system that holds larger files",
+  errno.EROFS: "the file system is read-only: save to a writable directory",
+  errno.EACCES: "this process may not write there: save to a writable "
+  "directory",
 }
 
 
@@ -409,5 +412,5 @@ def write_directory(
           p.release()
       del p
 
-  in_threads(items(), threads, WRITE_THREAD_PREFIX)
+  in_threads(items(), threads, WRITE_THREAD_PREFIX, what=f"{api}: {path!r}")
   return dtypes, sums
