@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 import contextlib
 import http.server
+import json
 import logging
 import os
 import shutil
@@ -280,6 +281,28 @@ def azure_container(connection_string: str, name: str) -> None:
     raise RuntimeError(
       f"creating the container {name!r} on Azurite failed: {out.stderr[-2000:]}"
     )
+
+
+#: A checkpoint's head in a bucket, and the prefix of its versions.
+HEAD = "jaxworks_head.json"
+VERSIONS = ".jaxworks-v"
+
+
+def version_of(st):
+  """The storage (``storage.Storage``) of the version that the head of the
+  checkpoint at ``st`` names: where its objects are, named as on disk."""
+  head = json.loads(bytes(st.read(HEAD)))
+  return st.child(f"{VERSIONS}/{head['save']}")
+
+
+def to_legacy(st):
+  """Rewrites the checkpoint at ``st`` as 0.6.x wrote it: the objects of
+  its version at the path itself, no head."""
+  ver = version_of(st)
+  for key in ver.list():
+    st.write(key, ver.read(key))
+  st.delete([HEAD])
+  ver.delete_prefix()
 
 
 class _Failing(http.server.BaseHTTPRequestHandler):

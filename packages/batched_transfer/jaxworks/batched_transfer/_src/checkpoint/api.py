@@ -23,11 +23,11 @@ checkpoint several processes wrote, each reading a file or a bucket).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from .. import jax_internals
@@ -293,10 +293,8 @@ def restore(
   # restore, which reads only its leaves' data).
   budget = 0 if partial_restore else max_inflight_bytes
   start = time.perf_counter()
-  with (
-    dest.noting(),
-    contextlib.closing(dest.open_checkpoint(budget)) as opened,
-  ):
+
+  def read(opened: Any) -> tuple[Any, list[Any], list[Any], list[str]]:
     arrays, record = opened.contents()
     t = target_lib.Target(api, path, target, arrays, record, partial_restore)
     keys, paths = t.pick(t.keys), t.pick(t.paths)
@@ -315,6 +313,12 @@ def restore(
         progress, verify,
       )
     )  # fmt: skip
+    return t, placed, specs, keys
+
+  # Onto arrays that span processes, every process restores: a bucket's
+  # version is pinned once for all of them.
+  collective = multiprocess.multi_process() and _spans(target, placement)
+  t, placed, specs, keys = dest.reading(budget, read, collective)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   LOG.info(
     "restored %s (%d arrays) in %.2f s",
@@ -353,8 +357,19 @@ def read_record(
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``dest``, from its headers, manifest and record only."""
-  with dest.noting(), contextlib.closing(dest.open_checkpoint()) as opened:
-    return opened.contents()
+  return dest.reading(0, lambda opened: opened.contents())
+
+
+def _spans(target: Any, placement: Any) -> bool:
+  """Whether a sharding in ``target`` or ``placement`` spans devices of
+  several processes (then every process restores)."""
+  for x in jax.tree.leaves((target, placement)):
+    sharding = x if isinstance(x, jax.sharding.Sharding) else None
+    sharding = getattr(x, "sharding", sharding)
+    if isinstance(sharding, jax.sharding.Sharding):
+      if not sharding.is_fully_addressable:
+        return True
+  return False
 
 
 def read_values(dest: destination.Destination) -> dict[str, str | None]:
