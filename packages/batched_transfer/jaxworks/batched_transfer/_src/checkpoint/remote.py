@@ -663,7 +663,8 @@ class Bucket:
       if (k.startswith(VERSIONS + "/") and not k.startswith(mine))
       or _written(k)
     ]
-    self.st.delete(old)
+    if old:
+      self.st.delete(old)
     for copy in self.copies:
       self.parent.child(copy).delete_prefix()
 
