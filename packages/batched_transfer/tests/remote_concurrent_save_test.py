@@ -28,7 +28,6 @@ import object_servers  # noqa: E402
 from jaxworks import batched_transfer as bt  # noqa: E402
 
 # Private imports below: the lease's objects and bucket writes, patched.
-from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import lease  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402

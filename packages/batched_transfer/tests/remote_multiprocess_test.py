@@ -243,7 +243,9 @@ def test_two_processes_save_to_a_bucket(s3, tmp_path):
     assert HEAD not in _objects(s3, f"two/{name}"), name
     with pytest.raises(FileNotFoundError, match="did not commit"):
       bt.restore(f"{url}/{name}")
-  head = json.loads(s3.get_object(Bucket="ckpt", Key=f"two/a/{HEAD}")["Body"].read())
+  head = json.loads(
+    s3.get_object(Bucket="ckpt", Key=f"two/a/{HEAD}")["Body"].read()
+  )
   version = f"two/a/.jaxworks-v/{head['save']}"
   keys = _objects(s3, version)
   assert keys == sorted(

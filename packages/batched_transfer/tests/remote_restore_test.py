@@ -615,9 +615,7 @@ RESTORE_WORKER = textwrap.dedent("""
 def test_two_processes_each_read_only_their_shards(s3_endpoint, monkeypatch):
   _s3_env(monkeypatch, s3_endpoint)
   url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
-  write_manifest(
-    objects_at(url), {"w": sharded_values()["w"]}, rows=8
-  )
+  write_manifest(objects_at(url), {"w": sharded_values()["w"]}, rows=8)
   run_n(RESTORE_WORKER, "unused", 2, timeout=240, extra=(url,))
 
 
@@ -666,7 +664,9 @@ def test_truncated_after_listing_on_the_held_request(s3_endpoint, monkeypatch):
   monkeypatch.setattr(stores.ObstoreStorage, "list", listed_then_truncated)
   with pytest.raises(ValueError, match="ends at byte .* was truncated") as e:
     bt.restore(url)
-  assert st.where("huge.npy") in str(e.value) and "save it again" in str(e.value)
+  assert st.where("huge.npy") in str(e.value) and "save it again" in str(
+    e.value
+  )
 
 
 def test_held_request_failing_midway_is_taken_up_by_range(

@@ -145,7 +145,6 @@ def test_each_byte_is_sent_once(url, monkeypatch):
 
 def test_a_reader_polling_during_overwrites_always_finds_one(url, monkeypatch):
   st = stores.open_storage(API, url)
-  parent = stores.open_storage(API, url.rsplit("/", 1)[0])
   bt.save(url, tree(0))
   cls = type(st)
   real_delete = cls.delete

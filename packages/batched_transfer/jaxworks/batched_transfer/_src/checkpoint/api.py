@@ -83,10 +83,11 @@ def save(
     path: "<name>.npz" for one uncompressed archive (restore reads its
       members in place), anything else for a directory with one "<key>.npy"
       per leaf. Missing parent directories are created. An ``s3://``,
-      ``gs://`` or ``az://`` URL saves the same files to that prefix of a
-      bucket, committed by creating the record last with a conditional put
-      (in a collective save, by process 0 once every process uploaded its
-      shards; see the README, "Object stores"); other URLs are refused.
+      ``gs://`` or ``az://`` URL saves the same files under a version
+      prefix of their own in that prefix of a bucket, committed by one
+      conditional write of its head naming the version (in a collective
+      save, by process 0 once every process uploaded its shards; see the
+      README, "Object stores"); other URLs are refused.
     tree: a pytree whose leaves are arrays (numpy or jax.Array of the
       bool, integer, floating, complex and ml_dtypes types JAX holds),
       numpy scalars, Python scalars (stored as the 0-d array
@@ -257,9 +258,10 @@ def restore(
       and data together, the header checked against the shape the record
       says when it arrives (a checkpoint of an earlier version: arrays of
       up to 4 MiB read whole while opening, within ``max_inflight_bytes``,
-      the others' headers first). A prefix without its record is absent; while
-      an overwrite runs, the new checkpoint committed beside the path is
-      read.
+      the others' headers first). A prefix without a head (or a record of
+      an earlier version) is absent; the head is read once and only the
+      version it names is read (one that an overwrite removed meanwhile:
+      the new one, or ``OSError`` "replaced while reading").
 
   Returns:
     A pytree like ``target`` of placed jax.Arrays (weakly typed where the target

@@ -795,9 +795,10 @@ class BucketNpz(BucketPrefix):
   def _is(self, data: bytes) -> bool:
     """Whether the object at the path is ``data``."""
     try:
-      return self.parent.size(self.name) == len(data) and bytes(
-        self.parent.read(self.name)
-      ) == data
+      return (
+        self.parent.size(self.name) == len(data)
+        and bytes(self.parent.read(self.name)) == data
+      )
     except OSError:
       return False
 

@@ -290,7 +290,11 @@ def committed_at(
     copies = _copies(parent, loc.name) or []
   old = [parent.child(c) for c in copies if _is_copy(loc.name, c, _NEW)]
   done = sorted(
-    ((c.mtime_ns(format.RECORD), c.url, c) for c in old if c.exists(format.RECORD)),
+    (
+      (c.mtime_ns(format.RECORD), c.url, c)
+      for c in old
+      if c.exists(format.RECORD)
+    ),
     key=lambda t: t[:2],
   )
   if not done:
