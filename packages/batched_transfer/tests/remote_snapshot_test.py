@@ -39,11 +39,13 @@ TREE = textwrap.dedent(
   """
   import numpy as np
 
+  N = 32  # arrays in "a": an overwrite's requests, a reader's window
+
   def tree(seed):
     rng = np.random.default_rng(seed)
     return {
       "a": {f"x{i}": rng.standard_normal(64 + i).astype(np.float32)
-            for i in range(12)},
+            for i in range(N)},
       "rows": np.arange(64 * 8, dtype=np.int32).reshape(64, 8) + seed,
       "seed": seed,
       "tag": f"seed {seed}",
@@ -73,7 +75,7 @@ def read_whole(url, errors, seen, meta=False):
     if meta:
       m = bt.metadata(url)
       assert set(m) == {"a", "rows", "seed", "tag"}, m
-      assert len(m["a"]) == 12 and m["rows"].shape == (64, 8), m
+      assert len(m["a"]) == 32 and m["rows"].shape == (64, 8), m
       seen.append(int(m["tag"].split()[1]))
     else:
       seen.append(whole(bt.restore(url)))
@@ -100,15 +102,15 @@ def test_readers_race_overwrites(url):
   for r in readers:
     r.start()
   try:
-    for seed in range(1, 9):
+    for seed in range(1, 13):
       bt.save(url, tree(seed), overwrite=True)
   finally:
     stop.set()
     for r in readers:
       r.join()
-  assert seen and set(seen) <= set(range(9)), seen
+  assert seen and set(seen) <= set(range(13)), seen
   clear(errors, ["replaced while reading"])
-  assert whole(bt.restore(url)) == 8
+  assert whole(bt.restore(url)) == 12
 
 
 READER = TREE + textwrap.dedent(
@@ -279,7 +281,7 @@ RESTORER = TREE + textwrap.dedent(
   rows = NamedSharding(mesh, P("x"))
   like = {
     "a": {f"x{i}": jax.ShapeDtypeStruct((64 + i,), np.float32)
-          for i in range(12)},
+          for i in range(N)},
     "rows": jax.ShapeDtypeStruct((64, 8), np.int32, sharding=rows),
     "seed": 0, "tag": "",
   }

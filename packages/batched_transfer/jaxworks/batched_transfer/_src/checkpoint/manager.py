@@ -243,7 +243,7 @@ class CheckpointManager:
       retention never runs, the directory is never created; reading works.
     item_names: the names ``save(items=...)`` may use (None: any).
     storage_options: for an ``s3://``, ``gs://`` or ``az://`` ``directory``
-      (each step a prefix, committed by its record; see the README,
+      (each step a prefix, committed by its head; see the README,
       "Object stores"), settings over the cloud's standard environment.
     compression: the codec of every step's arrays, as ``save``'s (None:
       raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).

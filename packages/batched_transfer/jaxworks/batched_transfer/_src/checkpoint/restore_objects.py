@@ -4,11 +4,11 @@ straight into the buffers restore places, no local copy.
 ``open_at`` finds the committed checkpoint at a URL (``remote.source``:
 the version its head names, read once; a prefix without a head nor a
 record of an earlier version is absent), lists that version once and reads
-its record, checked against the head. An array stored raw whose shape the record says (``shapes``, which
-save writes) is not read when opened: its header's length follows from the
-object's size, and its header comes with its data in one request, checked
-against the record when it arrives (``Object.read_checked``); ``metadata``
-reads none of them. The other objects (a record of an earlier version, a
+its record, checked against the head. An array stored raw whose shape the
+record says (``shapes``, which save writes) is not read when opened: its
+header's length follows from the object's size, and its header comes
+with its data in one request, checked against the record when it arrives
+(``Object.read_checked``); ``metadata`` reads none of them. The other objects (a record of an earlier version, a
 compressed or Fortran-order array) have their first bytes read in parallel
 when opened (``PROBE``: the ``.npy`` header, all of a small object).
 Restoring the whole checkpoint from a store that streams whole objects
