@@ -362,6 +362,9 @@ class Proxy:
     self._lock = threading.Lock()
     self._open: list[socket.socket] = []
     self._listener: socket.socket | None = None
+    #: Answers to drop: the next ``lose`` answers of the server are not
+    #: passed on, their connections closed (the request was applied).
+    self.lose = 0
     self.start()
 
   def start(self) -> None:
@@ -400,12 +403,22 @@ class Proxy:
           return
         self._open += [client, server]
       for a, b in ((client, server), (server, client)):
-        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        threading.Thread(
+          target=self._pump, args=(a, b, a is server), daemon=True
+        ).start()
 
-  @staticmethod
-  def _pump(a: socket.socket, b: socket.socket) -> None:
+  def _pump(self, a: socket.socket, b: socket.socket, answers: bool) -> None:
     try:
       while data := a.recv(1 << 16):
+        if answers:
+          with self._lock:
+            drop = self.lose > 0
+            self.lose -= drop
+          if drop:  # applied, and its answer lost: the connection cut
+            for c in (a, b):
+              with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            return
         b.sendall(data)
     except OSError:
       pass

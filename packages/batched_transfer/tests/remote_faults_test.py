@@ -343,6 +343,37 @@ def test_a_commit_whose_answer_was_lost(configure, mode):
   assert seed_of(url) == 2 and leftovers(url) == []
 
 
+def test_a_commit_whose_answer_was_lost_on_the_wire(s3_endpoint, monkeypatch):
+  """The head's conditional PUT reaches moto's S3 server and is applied,
+  and its answer is cut on the wire (a proxy drops it): whatever the client
+  makes of it (a retry answered 412, or an error), the save reads the head
+  back and returns, committed; a first save and an overwrite."""
+  proxy = object_servers.Proxy(s3_endpoint)
+  for k, v in object_servers.S3_ENV.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+  url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
+  lost = []
+  for name in ("create", "replace"):
+    real = getattr(stores.ObstoreStorage, name)
+
+    def cut(st, key, *a, _real=real, **kw):
+      if key == HEAD:
+        proxy.lose = 1
+        lost.append(key)
+      return _real(st, key, *a, **kw)
+
+    monkeypatch.setattr(stores.ObstoreStorage, name, cut)
+  try:
+    bt.save(url, tree(1))
+    assert seed_of(url) == 1
+    bt.save(url, tree(2), overwrite=True)
+    assert seed_of(url) == 2 and leftovers(url) == []
+    assert lost == [HEAD, HEAD] and proxy.lose == 0
+  finally:
+    proxy.stop()
+
+
 def test_an_abort_never_removes_what_the_head_names(configure, monkeypatch):
   """A commit whose answer was lost and whose head cannot be read back
   either: the save raises saying so and leaves its version (the head names

@@ -237,6 +237,39 @@ def test_s3_one_of_many_concurrent_replaces_wins(s3_env):
   assert bytes(store.read("head")) == f"writer {results[0]}".encode()
 
 
+def test_s3_a_bulk_delete_is_retried_after_a_dropped_connection(
+  s3_endpoint, monkeypatch
+):
+  """S3's DeleteObjects is a POST, which the client does not retry: the
+  storage layer does (deleting is idempotent), so a delete whose answer was
+  lost, or made while the endpoint is away for a moment, completes (issue
+  61, item 13)."""
+  proxy = object_servers.Proxy(s3_endpoint)
+  try:
+    for k, v in object_servers.S3_ENV.items():
+      monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    store = stores.open_storage(
+      API,
+      f"s3://ckpt/del-{uuid.uuid4().hex}",
+      {"max_retries": 6, "retry_timeout_s": 30},
+    )
+    keys = [f"k{i}" for i in range(5)]
+    for k in keys:
+      store.write(k, b"x")
+    proxy.lose = 1  # the POST applied, its answer lost
+    store.delete(keys)
+    assert proxy.lose == 0 and store.list() == {}
+    for k in keys:
+      store.write(k, b"x")
+    proxy.stop()
+    threading.Timer(0.5, proxy.start).start()
+    store.delete(keys)  # while the endpoint is away, and after
+    assert store.list() == {}
+  finally:
+    proxy.stop()
+
+
 SHORT = b'{"beat": 1}'
 LONG = b'{"beat": 1.0697618, "pad": "' + b"x" * 300 + b'"}'
 
