@@ -603,7 +603,13 @@ class Bucket:
       if not self.state:
         self._note(err)
         if self.state is False and isinstance(err, FileExistsError):
-          raise exists_error(self.api, self.url) from err
+          if self.tag is None:
+            raise exists_error(self.api, self.url) from err
+          raise FileExistsError(
+            f"{self.api}: another save committed at {self.url!r} while this "
+            "one wrote (its head changed since this save began); this one "
+            "was not committed: save again to replace that one"
+          ) from err
         raise
       LOG.warning(
         "%s: the commit of %s answered %r, but its head names this save: "
