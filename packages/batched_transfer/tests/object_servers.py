@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 import contextlib
 import http.server
+import json
 import logging
 import os
 import shutil
@@ -282,6 +283,28 @@ def azure_container(connection_string: str, name: str) -> None:
     )
 
 
+#: A checkpoint's head in a bucket, and the prefix of its versions.
+HEAD = "jaxworks_head.json"
+VERSIONS = ".jaxworks-v"
+
+
+def version_of(st):
+  """The storage (``storage.Storage``) of the version that the head of the
+  checkpoint at ``st`` names: where its objects are, named as on disk."""
+  head = json.loads(bytes(st.read(HEAD)))
+  return st.child(f"{VERSIONS}/{head['save']}")
+
+
+def to_legacy(st):
+  """Rewrites the checkpoint at ``st`` as 0.6.x wrote it: the objects of
+  its version at the path itself, no head."""
+  ver = version_of(st)
+  for key in ver.list():
+    st.write(key, ver.read(key))
+  st.delete([HEAD])
+  ver.delete_prefix()
+
+
 class _Failing(http.server.BaseHTTPRequestHandler):
   status = 503
   count = 0
@@ -339,6 +362,9 @@ class Proxy:
     self._lock = threading.Lock()
     self._open: list[socket.socket] = []
     self._listener: socket.socket | None = None
+    #: Answers to drop: the next ``lose`` answers of the server are not
+    #: passed on, their connections closed (the request was applied).
+    self.lose = 0
     self.start()
 
   def start(self) -> None:
@@ -377,12 +403,22 @@ class Proxy:
           return
         self._open += [client, server]
       for a, b in ((client, server), (server, client)):
-        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        threading.Thread(
+          target=self._pump, args=(a, b, a is server), daemon=True
+        ).start()
 
-  @staticmethod
-  def _pump(a: socket.socket, b: socket.socket) -> None:
+  def _pump(self, a: socket.socket, b: socket.socket, answers: bool) -> None:
     try:
       while data := a.recv(1 << 16):
+        if answers:
+          with self._lock:
+            drop = self.lose > 0
+            self.lose -= drop
+          if drop:  # applied, and its answer lost: the connection cut
+            for c in (a, b):
+              with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            return
         b.sendall(data)
     except OSError:
       pass

@@ -1,8 +1,8 @@
 """Checkpoints in Azure Blob Storage (az://container/prefix), against
 Azurite started on 127.0.0.1 by this test and configured as users do,
 through AZURE_STORAGE_CONNECTION_STRING: save, restore and metadata; the
-commit's conditional create and a second save without overwrite refused;
-an overwrite; CheckpointManager (metrics, retention, best step, delete,
+commit's conditional create and replace (If-None-Match, If-Match), a
+second save without overwrite refused; an overwrite; CheckpointManager (metrics, retention, best step, delete,
 reload, items) and its writer lease against a second process."""
 
 import os
@@ -94,6 +94,33 @@ def test_the_commit_is_a_conditional_create(url):
   st.write("big", bytes(range(256)) * 4096)
   assert st.list() == {"big": 256 * 4096, "marker": 5}
   assert bytes(st.read("big", 256, 260)) == bytes(range(4))
+
+
+def test_the_overwrite_commit_is_a_conditional_replace(url):
+  """A replace against the ETag read (If-Match) wins once: a second one
+  with the same, now stale, ETag and one of a deleted blob raise
+  ChangedError; an overwrite commits by it, and the head names one version
+  of the path."""
+  from jaxworks.batched_transfer._src.checkpoint import storage
+
+  st = stores.open_storage("test", url)
+  st.create("head", b"v1")
+  data, tag = st.read_tagged("head")
+  assert data == b"v1" and st.tag_of("head") == tag
+  st.replace("head", b"v2", tag)
+  with pytest.raises(storage.ChangedError, match="changed since it was read"):
+    st.replace("head", b"v3", tag)
+  assert st.read_tagged("head")[0] == b"v2"
+  _, tag2 = st.read_tagged("head")
+  st.delete(["head"])
+  with pytest.raises(storage.ChangedError):
+    st.replace("head", b"v4", tag2)
+  path = f"{url}/ckpt"
+  bt.save(path, tree(1))
+  bt.save(path, tree(2), overwrite=True)
+  assert_tree(bt.restore(path), 2)
+  keys = stores.open_storage("test", path).list()
+  assert len({k.split("/")[1] for k in keys if k != object_servers.HEAD}) == 1
 
 
 def test_manager_in_a_container(url):

@@ -28,7 +28,6 @@ import object_servers  # noqa: E402
 from jaxworks import batched_transfer as bt  # noqa: E402
 
 # Private imports below: the lease's objects and bucket writes, patched.
-from jaxworks.batched_transfer._src.checkpoint import format  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import lease  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import remote  # noqa: E402
 from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
@@ -160,7 +159,7 @@ def test_two_processes_save_one_new_url(env, tmp_path, overwrite):
     assert got["who"] in ok, (k, got["who"], ok)
     check_tree(got, tree(got["who"], k))
     names = objects(url)
-    assert format.RECORD in names
+    assert remote.HEAD in names
     assert not [n for n in names if n.startswith(lease.PREFIX)], names
   assert not [k for k in objects(base) if ".jaxworks-new-" in k]
   if not overwrite:
@@ -226,7 +225,7 @@ def test_a_saver_killed_mid_save_does_not_block_the_next(env, caplog):
   finally:
     os.kill(child.pid, signal.SIGKILL)
     child.communicate(timeout=60)
-  assert format.RECORD not in objects(url)
+  assert remote.HEAD not in objects(url)
   with caplog.at_level(logging.WARNING, logger="jaxworks.batched_transfer"):
     bt.save(url, tree(0, 2))
   assert "took over the writer lease" in caplog.text
@@ -249,7 +248,8 @@ def counted(monkeypatch):
   calls = []
   cls = type(stores.open_storage("test", "s3://race/x"))
   for name in ("list", "children", "exists", "read", "write", "create",
-               "delete", "open_write", "copy", "size"):  # fmt: skip
+               "delete", "open_write", "copy", "size", "read_tagged",
+               "tag_of", "replace"):  # fmt: skip
     real = getattr(cls, name)
 
     def spy(self, *a, _real=real, _name=name, **kw):
@@ -268,8 +268,9 @@ def test_the_lease_costs_a_few_requests(env, monkeypatch):
   assert sorted(c[0] for c in leased) == ["create", "delete", "list"], leased
   # Requests: open_write is local until it writes, exists reads a size.
   sent = [c for c in calls if c[0] not in ("open_write", "exists")]
-  # 5 objects, the record, the lease's 3, the path's checks (as before).
-  assert len(sent) <= 5 + 1 + 3 + 6, sent
+  # 5 objects, the record, the head, the lease's 3, the path's checks (its
+  # head, its listing and its parent's, in the call and in the save's turn).
+  assert len(sent) <= 5 + 1 + 1 + 3 + 6, [(c[0], c[2]) for c in sent]
   check_tree(bt.restore(url), tree(0, 4, n=3))
 
 
@@ -308,7 +309,7 @@ def test_a_save_still_writing_at_exit_holds_its_lease(env):
   polls = 0
   while child.poll() is None:
     names = objects(url)
-    if format.RECORD not in names and any(n.endswith(".npy") for n in names):
+    if remote.HEAD not in names and any(n.endswith(".npy") for n in names):
       # Objects written, not committed: the save must still hold the lease
       # (the interpreter's exit waits for the save thread, then the lease
       # is given back).
@@ -316,7 +317,7 @@ def test_a_save_still_writing_at_exit_holds_its_lease(env):
       if not held:  # the lease is listed before the objects, so look again
         names = objects(url)
         held = [n for n in names if n.startswith(lease.PREFIX)]
-        assert held or format.RECORD in names, names
+        assert held or remote.HEAD in names, names
       polls += 1
     time.sleep(0.005)
   assert child.wait(timeout=120) == 0
@@ -343,7 +344,7 @@ def test_a_save_whose_lease_was_taken_over_does_not_commit(env, monkeypatch):
   with pytest.raises(bt.WriterConflictError, match="took over this save"):
     bt.save(url, tree(0, 6, n=2))
   names = objects(url)
-  assert format.RECORD not in names, names
+  assert remote.HEAD not in names, names
   # Its own generation deleted, the taker's left to its taker.
   assert [n for n in names if n.startswith(lease.PREFIX)] == [lease._key(1)], (
     names

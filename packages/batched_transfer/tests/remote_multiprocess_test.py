@@ -4,8 +4,9 @@ own shards, process 0 creates the record once both did. Restore by both
 processes onto other shardings (bit for bit), by this one process, and by
 numpy from a plain copy of the objects; each process's progress bars; an
 overwrite; a failure injected on
-process 1 before and after its upload and while an overwrite moves its
-files (every process raises naming process 1, nothing new is committed);
+process 1 before and after its upload (every process raises naming process
+1, nothing new is committed), a commit whose answer process 0 lost (read
+back: committed, every process returns);
 CheckpointManager's save, restore, retention and delete; process 1 killed
 mid-upload (process 0 names it, nothing is committed)."""
 
@@ -31,6 +32,7 @@ from jaxworks import batched_transfer as bt  # noqa: E402
 
 s3_endpoint = object_servers.s3_endpoint
 RECORD = "jaxworks_dtypes.json"
+HEAD = object_servers.HEAD
 
 VALUES = textwrap.dedent("""
     import numpy as np
@@ -55,6 +57,7 @@ WORKER = VALUES + textwrap.dedent("""
     from jaxworks import batched_transfer as bt
     # Private: save's steps, patched to fail on one process.
     from jaxworks.batched_transfer._src.checkpoint import hostvalue, remote
+    from jaxworks.batched_transfer._src.checkpoint import stores
     mesh = jax.make_mesh((8,), ("x",))
     mesh2 = jax.make_mesh((4, 2), ("a", "b"))
     shardings = {"w": NamedSharding(mesh, P("x")),
@@ -128,22 +131,23 @@ WORKER = VALUES + textwrap.dedent("""
         raise OSError(5, "I/O error after the upload (injected)")
       return up
 
-    def moving(real):
-      def move(self):
-        raise OSError(5, "I/O error moving the files (injected)")
-      return move
+    def lost(real):  # the commit applied, its answer lost
+      def replace(self, *a):
+        real(self, *a)
+        raise OSError(5, "the connection dropped (injected)")
+      return replace
 
-    for label, owner, name, new, path, ow in (
-        ("before", hostvalue, "write_npy", failing, "c", False),
-        ("after", remote.Bucket, "write", after_upload, "c", False),
-        ("overwrite", remote.Bucket, "write", after_upload, "a", True),
-        ("move", remote.Bucket, "move", moving, "b", True)):
-      undo = patched(owner, name, new) if pid == 1 else (lambda: None)
+    for label, owner, name, new, path, ow, who in (
+        ("before", hostvalue, "write_npy", failing, "c", False, 1),
+        ("after", remote.Bucket, "write", after_upload, "c", False, 1),
+        ("overwrite", remote.Bucket, "write", after_upload, "a", True, 1),
+        ("lost", stores.ObstoreStorage, "replace", lost, "b", True, 0)):
+      undo = patched(owner, name, new) if pid == who else (lambda: None)
       attempt(label, lambda: bt.save(f"{url}/{path}", placed(4),
                                      overwrite=ow, barrier_timeout_s=T))
       undo()
     check(bt.restore(f"{url}/a", like(3)), 3)  # the old one stays
-    check(bt.restore(f"{url}/b", like(4)), 4)  # committed beside the path
+    check(bt.restore(f"{url}/b", like(4)), 4)  # read back: committed
 
     # CheckpointManager: save, retention, restore, delete.
     mgr = bt.CheckpointManager(f"{url}/run", max_to_keep=2, barrier_timeout_s=T)
@@ -220,14 +224,14 @@ def test_two_processes_save_to_a_bucket(s3, tmp_path):
     kind, text = out[p]["exists"]
     assert kind in ("FileExistsError", "RuntimeError"), (p, kind, text)
     assert "pass overwrite=True" in text, (p, text)
-    for label in ("before", "after", "overwrite", "move"):
+    assert out[p]["lost"] == ["ok", ""], (p, out[p]["lost"])
+    for label in ("before", "after", "overwrite"):
       kind, text = out[p][label]
       assert kind != "ok", (p, label)
       assert "injected" in text, (p, label, text)
       if p == 0:  # the others' error names the process that failed
         assert "failed on process 1" in text, (label, text)
   assert "nothing was committed" in out[0]["after"][1], out[0]["after"]
-  assert "the new checkpoint was committed" in out[0]["move"][1], out[0]
   kind, text = out[0]["killed"]
   assert kind == "TimeoutError", (kind, text)
   assert "for process 1 to finish writing" in text, text
@@ -236,17 +240,21 @@ def test_two_processes_save_to_a_bucket(s3, tmp_path):
   # Nothing is committed where a save failed; the objects of a committed
   # save are those a save to disk writes, and read back with numpy alone.
   for name in ("c", "d"):
-    assert RECORD not in _objects(s3, f"two/{name}"), name
+    assert HEAD not in _objects(s3, f"two/{name}"), name
     with pytest.raises(FileNotFoundError, match="did not commit"):
       bt.restore(f"{url}/{name}")
-  keys = _objects(s3, "two/a")
+  head = json.loads(
+    s3.get_object(Bucket="ckpt", Key=f"two/a/{HEAD}")["Body"].read()
+  )
+  version = f"two/a/.jaxworks-v/{head['save']}"
+  keys = _objects(s3, version)
   assert keys == sorted(
     [RECORD, "jaxworks_manifest.json", "n.npy"]
     + [f"w.shards/{i}.npy" for i in range(8)]
     + [f"h.shards/{i}.npy" for i in range(4)]
     + ["r.shards/0.npy"]
   ), keys
-  got = numpy_read(_download(s3, "two/a", os.path.join(base, "copy")))
+  got = numpy_read(_download(s3, version, os.path.join(base, "copy")))
   for k, x in values(3).items():
     assert got[k].tobytes() == x.tobytes(), k
 

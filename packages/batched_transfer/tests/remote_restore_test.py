@@ -109,10 +109,20 @@ def _bytes(ranges):
   return sum(e - s for s, e in ranges)
 
 
-def as_earlier_version(url):
-  """Rewrites the record of the checkpoint at ``url`` as versions before
-  ``shapes`` wrote it (restore then reads each header first)."""
+def objects_at(url):
+  """The storage of the objects of the checkpoint at ``url``: its head's
+  version, or the path itself (0.6.x's layout, or none)."""
   st = stores.open_storage(API, url)
+  if not st.exists(object_servers.HEAD):
+    return st
+  return object_servers.version_of(st)
+
+
+def as_earlier_version(url):
+  """Rewrites the checkpoint at ``url`` as versions before ``shapes`` wrote
+  it (0.6.x's layout; restore then reads each header first)."""
+  st = stores.open_storage(API, url)
+  object_servers.to_legacy(st)
   record = json.loads(bytes(st.read(RECORD)))
   assert record.pop("shapes")
   st.write(RECORD, json.dumps(record).encode())
@@ -172,7 +182,7 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
   # array whose shape the record says in one request with its header; the
   # others (Fortran order, no data) opened with their first PROBE bytes (all
   # of a small one).
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   for key, size in st.list().items():
     if key == RECORD:
       continue
@@ -190,6 +200,7 @@ def test_every_leaf_kind_bit_for_bit(url, requests):
   # request of the whole object, held after its header for the rest; on GCS
   # the header when opened, then the data in one request (streamed).
   as_earlier_version(url)
+  st = objects_at(url)  # 0.6.x's layout now: at the path
   requests.clear()
   same(bt.restore(url), t)
   huge = sorted(requests["huge.npy"])
@@ -272,7 +283,7 @@ def test_array_of_exactly_one_part_takes_one_request(
   bt.save(url, t, max_inflight_bytes=64 * MiB)
   requests.clear()
   same(bt.restore(url, max_inflight_bytes=8 * MiB), t)
-  size = stores.open_storage(API, url).list()["w.npy"]
+  size = objects_at(url).list()["w.npy"]
   assert requests["w.npy"] == [(0, size)], requests["w.npy"]
   as_earlier_version(url)  # its header first
   requests.clear()
@@ -291,7 +302,7 @@ def test_large_array_in_parts(url, requests, monkeypatch):
   bt.save(url, t)
   requests.clear()
   same(bt.restore(url), t)
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   header = st.list()["huge.npy"] - t["huge"].nbytes
   parts = sorted(requests["huge.npy"])  # the first with the header
   sizes = [e - s for s, e in parts]
@@ -301,7 +312,7 @@ def test_large_array_in_parts(url, requests, monkeypatch):
   st.write("huge.npy", bytes(data))
   with pytest.raises(ValueError, match="checksum|CRC") as e:
     bt.restore(url)
-  assert f"{url}/huge.npy" in str(e.value)
+  assert st.where("huge.npy") in str(e.value)
 
 
 def test_buffers_keep_small_pages(url):
@@ -392,19 +403,19 @@ def test_parts_across_device_buffers_are_checked(
   same(bt.restore(url, _rows_target(t)), t)
   assert len(requests["w.npy"]) == 5, requests["w.npy"]
   assert len(pieces) == 8
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   data = bytearray(st.read("w.npy"))
   data[-20 * MiB] ^= 1
   st.write("w.npy", bytes(data))
   with pytest.raises(ValueError, match="checksum|CRC") as e:
     bt.restore(url, _rows_target(t))
-  assert f"{url}/w.npy" in str(e.value)
+  assert st.where("w.npy") in str(e.value)
 
 
 def test_compressed_checkpoint(url):
   t = {"zeros": np.zeros((256, 256), np.float32), "r": leaves()["big"]}
   bt.save(url, t, compression="zstd")
-  assert any(k.endswith(".zst") for k in stores.open_storage(API, url).list())
+  assert any(k.endswith(".zst") for k in objects_at(url).list())
   same(bt.restore(url), t)
 
 
@@ -512,7 +523,7 @@ def sharded_values():
 
 def test_sharded_restore_reads_each_needed_range_once(url, requests):
   v = sharded_values()
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   sizes = write_manifest(st, v, rows=8)
   mesh = jax.make_mesh((8,), ("a",))
   for spec in (P("a"), P(), P(None, "a")):
@@ -542,7 +553,7 @@ def test_sharded_restore_onto_part_of_the_array(url, requests):
   while the files tile rows): only the bytes of whole rows of each file in
   runs, every file's checksum still checked."""
   v = {"w": np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)}
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   write_manifest(st, v, rows=2)
   mesh = jax.make_mesh((2, 4), ("a", "b"))
   where = NamedSharding(mesh, P("a", "b"))
@@ -604,9 +615,7 @@ RESTORE_WORKER = textwrap.dedent("""
 def test_two_processes_each_read_only_their_shards(s3_endpoint, monkeypatch):
   _s3_env(monkeypatch, s3_endpoint)
   url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
-  write_manifest(
-    stores.open_storage(API, url), {"w": sharded_values()["w"]}, rows=8
-  )
+  write_manifest(objects_at(url), {"w": sharded_values()["w"]}, rows=8)
   run_n(RESTORE_WORKER, "unused", 2, timeout=240, extra=(url,))
 
 
@@ -616,23 +625,23 @@ def test_two_processes_each_read_only_their_shards(s3_endpoint, monkeypatch):
 def test_truncated_object(url):
   t = leaves()
   bt.save(url, t)
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   data = bytes(st.read("big.npy"))
   st.write("big.npy", data[:-4096])
   with pytest.raises(ValueError, match="truncated or damaged") as e:
     bt.restore(url)
-  assert f"{url}/big.npy" in str(e.value) and "'big'" in str(e.value)
+  assert st.where("big.npy") in str(e.value) and "'big'" in str(e.value)
 
 
 def test_truncated_large_object(url):
   t = leaves()
   bt.save(url, t)
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   data = bytes(st.read("huge.npy"))
   st.write("huge.npy", data[: len(data) // 2])
   with pytest.raises(ValueError, match="truncated or damaged") as e:
     bt.restore(url)
-  assert f"{url}/huge.npy" in str(e.value)
+  assert st.where("huge.npy") in str(e.value)
 
 
 def test_truncated_after_listing_on_the_held_request(s3_endpoint, monkeypatch):
@@ -642,7 +651,7 @@ def test_truncated_after_listing_on_the_held_request(s3_endpoint, monkeypatch):
   url = f"s3://ckpt/run-{uuid.uuid4().hex}/ckpt"
   t = {"huge": leaves()["huge"]}
   bt.save(url, t)
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   data = bytes(st.read("huge.npy"))
   real = stores.ObstoreStorage.list
 
@@ -655,7 +664,9 @@ def test_truncated_after_listing_on_the_held_request(s3_endpoint, monkeypatch):
   monkeypatch.setattr(stores.ObstoreStorage, "list", listed_then_truncated)
   with pytest.raises(ValueError, match="ends at byte .* was truncated") as e:
     bt.restore(url)
-  assert f"{url}/huge.npy" in str(e.value) and "save it again" in str(e.value)
+  assert st.where("huge.npy") in str(e.value) and "save it again" in str(
+    e.value
+  )
 
 
 def test_held_request_failing_midway_is_taken_up_by_range(
@@ -685,7 +696,7 @@ def test_held_request_failing_midway_is_taken_up_by_range(
   requests.clear()
   same(bt.restore(url, max_inflight_bytes=2 * MiB), t)
   for key in ("huge.npy", "big.npy"):
-    size = stores.open_storage(API, url).list()[key]
+    size = objects_at(url).list()[key]
     first, rest = requests[key]
     assert first == (0, WHOLE) and rest[1] == size, requests[key]
     assert rest[0] <= restore_objects.PROBE + 2 * stores.STREAM_CHUNK, rest
@@ -740,7 +751,7 @@ def test_object_replaced_by_another_array(url, key, like):
   checked against the record's shape and dtype when it arrives with the
   data (or when opened), is an error naming the object; nothing placed."""
   bt.save(url, leaves())
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   f = tempfile.TemporaryFile()
   np.save(f, like)
   f.seek(0)
@@ -748,7 +759,7 @@ def test_object_replaced_by_another_array(url, key, like):
   with pytest.raises(ValueError) as e:
     bt.restore(url)
   text = str(e.value)
-  assert f"{url}/{key}" in text and "damaged" in text, text
+  assert st.where(key) in text and "damaged" in text, text
   assert "says shape" in text, text
 
 
@@ -756,13 +767,13 @@ def test_object_replaced_by_another_array(url, key, like):
 def test_altered_object(url, key):
   t = leaves()
   bt.save(url, t)
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   data = bytearray(st.read(key))
   data[-100] ^= 0x40
   st.write(key, bytes(data))
   with pytest.raises(ValueError, match="checksum|CRC") as e:
     bt.restore(url)
-  assert f"{url}/{key}" in str(e.value)
+  assert st.where(key) in str(e.value)
   assert "damaged" in str(e.value)
   assert any(url in n for n in e.value.__notes__)
   # verify=False reads what is there (the user's choice), without error.
@@ -771,7 +782,7 @@ def test_altered_object(url, key):
 
 def test_deleted_object(url):
   bt.save(url, leaves())
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   st.delete(["params/w.npy"])
   with pytest.raises(FileNotFoundError, match="params") as e:
     bt.restore(url)
@@ -779,7 +790,7 @@ def test_deleted_object(url):
 
 
 def test_deleted_shard_file(url):
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   write_manifest(st, sharded_values(), rows=8)
   st.delete(["w.shards/3.npy"])
   with pytest.raises(FileNotFoundError, match=r"w\.shards/3\.npy") as e:
@@ -788,7 +799,7 @@ def test_deleted_shard_file(url):
 
 
 def test_truncated_shard_file(url):
-  st = stores.open_storage(API, url)
+  st = objects_at(url)
   write_manifest(st, sharded_values(), rows=8)
   data = bytes(st.read("w.shards/5.npy"))
   st.write("w.shards/5.npy", data[:-8])
@@ -804,6 +815,13 @@ def test_truncated_shard_file(url):
 def test_prefix_without_record_is_absent(url):
   bt.save(url, leaves())
   st = stores.open_storage(API, url)
+  st.delete([object_servers.HEAD])  # its version stays: not a checkpoint
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    bt.restore(url)
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    bt.metadata(url)
+  bt.save(url, leaves())  # 0.6.x's layout without its record: the same
+  object_servers.to_legacy(st)
   st.delete([RECORD])
   with pytest.raises(FileNotFoundError, match="did not commit"):
     bt.restore(url)
@@ -819,6 +837,8 @@ def test_overwrite_copy_beside_the_path_is_read(url):
   beside = f"{parent_url}/.{name}.jaxworks-new-{uuid.uuid4().hex[:16]}"
   bt.save(url, {"old": np.zeros(3)})
   bt.save(beside, t)
+  object_servers.to_legacy(stores.open_storage(API, url))
+  object_servers.to_legacy(stores.open_storage(API, beside))
   stores.open_storage(API, url).delete([RECORD])
   same(bt.restore(url), t)
   assert bt.metadata(url)["run"] == "exp-1"

@@ -2,7 +2,7 @@
 server and gcp-storage-emulator started on 127.0.0.1 by this test: no local
 temporary file or directory, the objects byte for byte the files a local
 save writes (large leaves streamed in parts, sharded leaves, compressed
-ones), each byte sent once (an overwrite copies on the server), a reader
+ones) under the save's version prefix, each byte sent once, a reader
 polling during overwrites always finds a complete checkpoint, and a failed
 or non-blocking save's errors where the caller sees them.
 """
@@ -87,7 +87,8 @@ def files(root):
 
 
 def objects(url):
-  st = stores.open_storage(API, url)
+  """The objects of the checkpoint at ``url`` (its head's version)."""
+  st = object_servers.version_of(stores.open_storage(API, url))
   return {k: bytes(st.read(k)) for k in st.list()}
 
 
@@ -146,7 +147,7 @@ def test_each_byte_is_sent_once(url, monkeypatch):
 
   monkeypatch.setattr(storage.ObjectWriter, "write", write)
   new = tree(5, big=True)
-  bt.save(url, new, overwrite=True)  # committed beside, copied on the server
+  bt.save(url, new, overwrite=True)  # a new version, no copy
   data = objects(url)
   assert sum(sent) == sum(len(v) for k, v in data.items() if k.endswith(".npy"))
   check(bt.restore(url), new)
@@ -156,7 +157,6 @@ def test_each_byte_is_sent_once(url, monkeypatch):
 
 def test_a_reader_polling_during_overwrites_always_finds_one(url, monkeypatch):
   st = stores.open_storage(API, url)
-  parent = stores.open_storage(API, url.rsplit("/", 1)[0])
   bt.save(url, tree(0))
   cls = type(st)
   real_delete = cls.delete
@@ -164,19 +164,8 @@ def test_a_reader_polling_during_overwrites_always_finds_one(url, monkeypatch):
 
   def delete(self, keys):
     keys = list(keys)
-    gone = {
-      self.location.child(k).url
-      for k in keys
-      if k.rpartition("/")[2] == format.RECORD
-    }
-    if gone:  # a record removed: another committed checkpoint stays
-      records = {
-        parent.location.child(k).url
-        for k in parent.list()
-        if k.rpartition("/")[2] == format.RECORD
-      }
-      if not records - gone:
-        dropped.append(sorted(gone))
+    if any(self.location.child(k).url == f"{url}/{remote.HEAD}" for k in keys):
+      dropped.append(keys)  # the commit point is never removed
     return real_delete(self, keys)
 
   monkeypatch.setattr(cls, "delete", delete)
@@ -184,12 +173,12 @@ def test_a_reader_polling_during_overwrites_always_finds_one(url, monkeypatch):
 
   def read():
     found = remote.source(API, st)
-    data = bytes(found.read(format.RECORD))
-    return format.decode_record(API, found.url, data).values["run"]
+    data = found.read_record(API)
+    return format.decode_record(API, found.st.url, data).values["run"]
 
   def poll():
     while not stop.is_set():
-      for attempt in range(3):  # the copy it found may be gone since
+      for attempt in range(3):  # the version it pinned may be gone since
         try:
           seen.append(read())
           break
@@ -230,9 +219,10 @@ def test_a_failed_object_commits_nothing_and_the_next_save_cleans(
   monkeypatch.setattr(storage.ObjectWriter, "close", real)
   bt.save(url, tree(7))
   check(bt.restore(url), tree(7))
-  assert sorted(stores.open_storage(API, url).list()) == sorted(
-    files_of(tree(7))
-  )
+  assert sorted(objects(url)) == sorted(files_of(tree(7)))
+  # The failed save's version was removed: one version, and the head.
+  keys = stores.open_storage(API, url).list()
+  assert len({k.split("/")[1] for k in keys if k != remote.HEAD}) == 1
 
 
 def files_of(t):
@@ -256,6 +246,8 @@ def test_a_failed_overwrite_keeps_the_old_one(url, monkeypatch):
   check(bt.restore(url), tree(8))
   parent = stores.open_storage(API, url.rsplit("/", 1)[0])
   assert not [k for k in parent.list() if ".jaxworks-new-" in k]
+  keys = stores.open_storage(API, url).list()  # the failed version removed
+  assert len({k.split("/")[1] for k in keys if k != remote.HEAD}) == 1
 
 
 def test_a_non_blocking_save_returns_before_its_objects_are_written(url):

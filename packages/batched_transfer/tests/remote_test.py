@@ -1,8 +1,9 @@
 """Checkpoints in buckets, against moto's S3 server and gcp-storage-emulator
-started on 127.0.0.1 by this test: the same files as on disk (copied with
-boto3 either way, they restore), the record as the commit marker created
-last and only once, a prefix without it absent, an overwrite that keeps a
-complete checkpoint readable at every step, and leftovers of killed saves.
+started on 127.0.0.1 by this test: the same files as on disk under the
+save's version prefix (copied with boto3 either way, they restore), the head
+as the one commit point, a prefix without it absent, an overwrite that keeps
+a complete checkpoint readable at every step, 0.6.x's layouts, and
+leftovers of killed saves.
 """
 
 import os
@@ -24,6 +25,8 @@ from jaxworks.batched_transfer._src.checkpoint import stores  # noqa: E402
 
 API = "test"
 RECORD = "jaxworks_dtypes.json"
+HEAD = object_servers.HEAD
+version_of = object_servers.version_of
 
 
 s3_endpoint = object_servers.s3_endpoint
@@ -79,13 +82,14 @@ def test_save_restore_metadata(url):
   t = tree(1)
   save(url, t)
   st = stores.open_storage(API, url)
-  assert set(st.list()) == {
+  assert set(version_of(st).list()) == {
     "big.npy",
     RECORD,
     "params/b.npy",
     "params/w.npy",
     "step.npy",
   }
+  assert {k for k in st.list() if not k.startswith(".jaxworks-v/")} == {HEAD}
   check(restore(url), t)
   like = jax.tree.map(
     lambda x: (
@@ -108,12 +112,48 @@ def test_second_save_without_overwrite_raises(url):
 
 def test_prefix_without_record_is_absent(url):
   st = stores.open_storage(API, url)
-  st.write("w.npy", b"half a save")
+  killed = ".jaxworks-v/0123456789abcdef/w.npy"  # a killed save's
+  st.write(killed, b"half a save")
   with pytest.raises(FileNotFoundError, match="did not commit"):
     restore(url)
-  save(url, tree(3))  # the next save cleans up and commits
+  save(url, tree(3))  # the next save commits, then cleans up
   check(restore(url), tree(3))
-  assert "w.npy" not in st.list()
+  assert killed not in st.list()
+
+
+def test_a_prefix_holding_objects_is_refused_without_overwrite(url):
+  """As on disk, a save writes only to an empty prefix (0.6.x's leftovers,
+  any other object); with overwrite=True it saves and removes the
+  leftovers that a save writes, and leaves the rest."""
+  st = stores.open_storage(API, url)
+  st.write("w.npy", b"half a 0.6.x save")
+  st.write("notes.txt", b"mine")
+  with pytest.raises(FileExistsError, match="holds objects .*'notes.txt'"):
+    save(url, tree(3))
+  with pytest.raises(FileNotFoundError, match="did not commit"):
+    restore(url)
+  save(url, tree(3), overwrite=True)
+  check(restore(url), tree(3))
+  assert "w.npy" not in st.list() and "notes.txt" in st.list()
+
+
+def test_a_prefix_of_checkpoints_is_never_replaced(url):
+  """``a`` holding the committed ``a/inner`` (or a manager's directory of
+  steps) is refused by a save, with or without overwrite, naming it."""
+  outer = url + "/a"
+  save(outer + "/inner", tree(1))
+  for overwrite in (False, True):
+    with pytest.raises(FileExistsError, match="a/inner"):
+      save(outer, tree(2), overwrite=overwrite)
+  check(restore(outer + "/inner"), tree(1))
+  directory = url + "/mgr"
+  with bt.CheckpointManager(directory) as mgr:
+    mgr.save(1, tree(1))
+  with pytest.raises(FileExistsError, match="mgr/1"):
+    save(directory, tree(2), overwrite=True)
+  with bt.CheckpointManager(directory) as mgr:
+    assert mgr.all_steps() == [1]
+    check(mgr.restore(1), tree(1))
 
 
 def test_overwrite_keeps_one_complete_checkpoint(url, monkeypatch):
@@ -125,27 +165,40 @@ def test_overwrite_keeps_one_complete_checkpoint(url, monkeypatch):
   cls = type(st)
   real_create = cls.create
 
+  real_replace = cls.replace
+
+  def replace(self, key, data, tag):
+    # Around the commit (the head replaced): what a reader sees is whole,
+    # old before, new after.
+    seen.append(restore(url)["step"])
+    real_replace(self, key, data, tag)
+    seen.append(restore(url)["step"])
+
   def create(self, key, data):
-    # Before each commit (the staging copy's, then the path's): what a
-    # reader sees now is whole, old or new (not the writer lease's create).
-    if key == RECORD:
-      seen.append(restore(url)["step"])
+    assert key != HEAD, "the head is replaced, never created again"
     return real_create(self, key, data)
 
   monkeypatch.setattr(cls, "create", create)
+  monkeypatch.setattr(cls, "replace", replace)
   save(url, tree(2), overwrite=True)
   monkeypatch.setattr(cls, "create", real_create)
-  assert seen == [1, 2], seen  # old until the staging commit, then new
+  monkeypatch.setattr(cls, "replace", real_replace)
+  assert seen == [1, 2], seen  # old until the head names the new one
   check(restore(url), tree(2))
+  # One version left: the old one was removed after the commit.
+  versions = {k.split("/")[1] for k in st.list() if k.startswith(".jaxworks-v")}
+  assert versions == {version_of(st).location.name}
   parent = stores.open_storage(API, url.rsplit("/", 1)[0])
-  assert not [k for k in parent.list() if ".jaxworks-new-" in k]
+  assert not [k for k in parent.list() if ".jaxworks-" in k.split("/")[0]]
   del real_delete
 
 
 def test_killed_overwrite_leaves_the_new_one_readable(url):
-  """Killed after the old record was removed: the staging copy is read."""
+  """0.6.0, killed after the old record was removed: the staging copy is
+  read; an overwrite replaces that layout with a head."""
   save(url, tree(1))
   st = stores.open_storage(API, url)
+  object_servers.to_legacy(st)
   parent = stores.open_storage(API, url.rsplit("/", 1)[0])
   name = url.rsplit("/", 1)[1]
   new = parent.child(f".{name}.jaxworks-new-0123456789abcdef")
@@ -158,6 +211,7 @@ def test_killed_overwrite_leaves_the_new_one_readable(url):
   save(url, tree(2), overwrite=True)
   check(restore(url), tree(2))
   assert not [k for k in parent.list() if ".jaxworks-new-" in k]
+  assert RECORD not in st.list() and HEAD in st.list()
 
 
 def test_npz_object(url):
@@ -172,7 +226,7 @@ def test_npz_object(url):
 
 def test_truncated_object_after_commit_is_an_error(url):
   save(url, tree(6))
-  st = stores.open_storage(API, url)
+  st = version_of(stores.open_storage(API, url))
   data = bytes(st.read("big.npy"))
   st.write("big.npy", data[:-4096])
   with pytest.raises(ValueError, match="big"):
@@ -198,9 +252,10 @@ def test_same_files_as_on_disk_both_ways(tmp_path, s3_endpoint, monkeypatch):
   url = f"s3://ckpt/saved-{uuid.uuid4().hex}"
   save(url, t)
   back = tmp_path / "back"
-  listing = client.list_objects_v2(Bucket="ckpt", Prefix=url[10:] + "/")
+  prefix = version_of(stores.open_storage(API, url)).location.prefix
+  listing = client.list_objects_v2(Bucket="ckpt", Prefix=prefix + "/")
   for obj in listing["Contents"]:
-    dst = back / obj["Key"][len(url) - 9 :]
+    dst = back / obj["Key"][len(prefix) + 1 :]
     dst.parent.mkdir(parents=True, exist_ok=True)
     client.download_file("ckpt", obj["Key"], str(dst))
   check(bt.restore(str(back)), t)
@@ -275,8 +330,8 @@ def test_manager_in_a_bucket(url):
   assert mgr.all_steps() == [4]
   st = stores.open_storage(API, directory)
   assert not [k for k in st.list() if k.startswith("2/")]
-  # A step without its record (a killed save) is not listed.
-  st.write("7/params/w.npy", b"half")
+  # A step without its head (a killed save) is not listed.
+  st.write("7/.jaxworks-v/0123456789abcdef/params/w.npy", b"half")
   other = bt.CheckpointManager(directory)
   assert other.all_steps() == [4]
   other.reload()
@@ -284,6 +339,7 @@ def test_manager_in_a_bucket(url):
   mgr.save(7, tree(7), blocking=True)
   assert other.all_steps() == [4, 7] and other.latest_step() == 7
   check(other.restore(7), tree(7))
+  assert "7/.jaxworks-v/0123456789abcdef/params/w.npy" not in st.list()
   mgr.close()
 
 
@@ -292,7 +348,7 @@ def test_manager_in_a_bucket(url):
 
 def test_altered_object_after_commit_fails_its_checksum(url):
   save(url, tree(12))
-  st = stores.open_storage(API, url)
+  st = version_of(stores.open_storage(API, url))
   data = bytearray(st.read("params/w.npy"))
   data[-1] ^= 0xFF
   st.write("params/w.npy", bytes(data))

@@ -205,6 +205,84 @@ def test_create_never_replaces(store):
   assert bytes(store.read("commit")) == b"first"
 
 
+def test_replace_only_the_version_read(store):
+  """The commit of an overwrite: a conditional replace against the version
+  read (ETag, generation); a second replace with the same, now stale, tag
+  loses, as does one of an object deleted since."""
+  assert store.read_tagged("head") is None
+  assert store.tag_of("head") is None
+  store.create("head", b"v1")
+  data, tag = store.read_tagged("head")
+  assert data == b"v1" and store.tag_of("head") == tag
+  store.replace("head", b"v2", tag)
+  data2, tag2 = store.read_tagged("head")
+  assert data2 == b"v2" and tag2 != tag
+  with pytest.raises(storage.ChangedError, match="changed since it was read"):
+    store.replace("head", b"v3", tag)  # stale: another writer came first
+  assert bytes(store.read("head")) == b"v2"
+  with pytest.raises(FileExistsError):  # ChangedError is one
+    store.replace("head", b"v3", tag)
+  store.delete(["head"])
+  with pytest.raises(storage.ChangedError):
+    store.replace("head", b"v4", tag2)
+  assert store.read_tagged("head") is None
+
+
+def test_s3_one_of_many_concurrent_replaces_wins(s3_env):
+  store = stores.open_storage(API, f"s3://ckpt/race-{uuid.uuid4().hex}")
+  store.create("head", b"start")
+  _, tag = store.read_tagged("head")
+  results = []
+
+  def replace(i):
+    try:
+      store.replace("head", f"writer {i}".encode(), tag)
+      results.append(i)
+    except FileExistsError:
+      pass
+
+  threads = [threading.Thread(target=replace, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(results) == 1
+  assert bytes(store.read("head")) == f"writer {results[0]}".encode()
+
+
+def test_s3_a_bulk_delete_is_retried_after_a_dropped_connection(
+  s3_endpoint, monkeypatch
+):
+  """S3's DeleteObjects is a POST, which the client does not retry: the
+  storage layer does (deleting is idempotent), so a delete whose answer was
+  lost, or made while the endpoint is away for a moment, completes (issue
+  61, item 13)."""
+  proxy = object_servers.Proxy(s3_endpoint)
+  try:
+    for k, v in object_servers.S3_ENV.items():
+      monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    store = stores.open_storage(
+      API,
+      f"s3://ckpt/del-{uuid.uuid4().hex}",
+      {"max_retries": 6, "retry_timeout_s": 30},
+    )
+    keys = [f"k{i}" for i in range(5)]
+    for k in keys:
+      store.write(k, b"x")
+    proxy.lose = 1  # the POST applied, its answer lost
+    store.delete(keys)
+    assert proxy.lose == 0 and store.list() == {}
+    for k in keys:
+      store.write(k, b"x")
+    proxy.stop()
+    threading.Timer(0.5, proxy.start).start()
+    store.delete(keys)  # while the endpoint is away, and after
+    assert store.list() == {}
+  finally:
+    proxy.stop()
+
+
 SHORT = b'{"beat": 1}'
 LONG = b'{"beat": 1.0697618, "pad": "' + b"x" * 300 + b'"}'
 

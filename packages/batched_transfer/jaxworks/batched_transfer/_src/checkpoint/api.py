@@ -23,15 +23,11 @@ checkpoint several processes wrote, each reading a file or a bucket).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-import contextlib
 import os
 import time
 from typing import Any
-from typing import TypeVar
 
 import jax
-from jax.experimental.layout import Format
 import numpy as np
 
 from .. import jax_internals
@@ -87,10 +83,11 @@ def save(
     path: "<name>.npz" for one uncompressed archive (restore reads its
       members in place), anything else for a directory with one "<key>.npy"
       per leaf. Missing parent directories are created. An ``s3://``,
-      ``gs://`` or ``az://`` URL saves the same files to that prefix of a
-      bucket, committed by creating the record last with a conditional put
-      (in a collective save, by process 0 once every process uploaded its
-      shards; see the README, "Object stores"); other URLs are refused.
+      ``gs://`` or ``az://`` URL saves the same files under a version
+      prefix of their own in that prefix of a bucket, committed by one
+      conditional write of its head naming the version (in a collective
+      save, by process 0 once every process uploaded its shards; see the
+      README, "Object stores"); other URLs are refused.
     tree: a pytree whose leaves are arrays (numpy or jax.Array of the
       bool, integer, floating, complex and ml_dtypes types JAX holds),
       numpy scalars, Python scalars (stored as the 0-d array
@@ -264,15 +261,17 @@ def restore(
       and data together, the header checked against the shape the record
       says when it arrives (a checkpoint of an earlier version: arrays of
       up to 4 MiB read whole while opening, within ``max_inflight_bytes``,
-      the others' headers first). A prefix without its record is absent; while
-      an overwrite runs, the new checkpoint committed beside the path is
-      read.
+      the others' headers first). A prefix without a head (or a record of
+      an earlier version) is absent; the head is read once and only the
+      version it names is read (one that an overwrite removed meanwhile:
+      the new one, or ``OSError`` "replaced while reading").
     collective: whether every process of a jax.distributed job restores
       ``path`` together, in the same order of calls (None: where the target
       or placement has a sharding over several processes' devices). Then
-      the processes agree that they read the same save (its record's
-      ``save_id``) and read it whole, or all read the path again; an error
-      on one process is raised by every process.
+      they read one save: a bucket's version is resolved once, by process
+      0, for all of them; the processes check that they opened the same
+      save (its record's ``save_id``) and read it whole, or all read the
+      path again; an error on one process is raised by every process.
     barrier_timeout_s: in a collective restore, how long a process waits
       for the others at each agreement before it raises TimeoutError.
 
@@ -314,45 +313,34 @@ def restore(
   budget = 0 if partial_restore else max_inflight_bytes
   start = time.perf_counter()
   if collective is None:
-    collective = _spans_processes((target, placement))
+    collective = _spans(target, placement)
 
-  def read(pin: _Pin) -> tuple[Any, list[Any], list[Any], list[str]]:
-    with (
-      dest.noting(),
-      contextlib.closing(dest.open_checkpoint(budget)) as opened,
-    ):
-      arrays, record = opened.contents()
-      pin.agree("open", record.save_id)  # every process: the same save
-      t = target_lib.Target(api, path, target, arrays, record, partial_restore)
-      keys, paths = t.pick(t.keys), t.pick(t.paths)
-      specs = [
-        target_lib.target_spec(api, where, x)
-        for where, x in zip(paths, t.pick(t.leaves))
-      ]
-      places = t.pick(
-        targets.resolve_placement(
-          api, placement, t.target, t.treedef, t.leaves,
-          target_lib.placement_of,
-        )
-      )  # fmt: skip
-      placed = opened.restore_arrays(
-        target_lib.Request(
-          api, keys, paths, specs, places, max_inflight_bytes, read_threads,
-          progress, verify,
-        )
-      )  # fmt: skip
-    try:
-      pin.agree("read", "ok")  # and every process read it whole
-    except BaseException:
-      for y in placed:
-        y.delete()
-      raise
-    return t, specs, placed, keys
+  def read(opened: Any) -> tuple[Any, list[Any], list[Any], list[str]]:
+    arrays, record = opened.contents()
+    t = target_lib.Target(api, path, target, arrays, record, partial_restore)
+    keys, paths = t.pick(t.keys), t.pick(t.paths)
+    specs = [
+      target_lib.target_spec(api, where, x)
+      for where, x in zip(paths, t.pick(t.leaves))
+    ]
+    places = t.pick(
+      targets.resolve_placement(
+        api, placement, t.target, t.treedef, t.leaves, target_lib.placement_of
+      )
+    )
+    placed = opened.restore_arrays(
+      target_lib.Request(
+        api, keys, paths, specs, places, max_inflight_bytes, read_threads,
+        progress, verify,
+      )
+    )  # fmt: skip
+    return t, placed, specs, keys
 
+  # Onto arrays that span processes, every process restores, the same save.
   with multiprocess.restore_board(
     api, path, barrier_timeout_s, bool(collective)
   ) as board:
-    t, specs, placed, keys = pinned(api, path, read, board)
+    t, placed, specs, keys = dest.reading(budget, read, board)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   LOG.info(
     "restored %s (%d arrays) in %.2f s",
@@ -401,89 +389,19 @@ def read_record(
 ) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], format.Record]:
   """(key -> (shape, exact dtype) of every array, the record) of the
   checkpoint at ``dest``, from its headers, manifest and record only."""
-
-  def read(pin: _Pin) -> Any:
-    with dest.noting(), contextlib.closing(dest.open_checkpoint()) as opened:
-      return opened.contents()
-
-  return pinned(dest.api, dest.path, read)
+  return dest.reading(0, lambda opened: opened.contents())
 
 
-T = TypeVar("T")
-
-
-def _spans_processes(tree: Any) -> bool:
-  """Whether a target or placement in ``tree`` has a sharding over devices
-  of several processes (then every process restores together)."""
-  for x in jax.tree.leaves(tree):
-    s = getattr(x, "sharding", x)
-    if isinstance(s, Format):
-      s = s.sharding
-    if isinstance(s, jax.sharding.Sharding) and not s.is_fully_addressable:
-      return True
+def _spans(target: Any, placement: Any) -> bool:
+  """Whether a sharding in ``target`` or ``placement`` spans devices of
+  several processes (then every process restores)."""
+  for x in jax.tree.leaves((target, placement)):
+    sharding = x if isinstance(x, jax.sharding.Sharding) else None
+    sharding = getattr(x, "sharding", sharding)
+    if isinstance(sharding, jax.sharding.Sharding):
+      if not sharding.is_fully_addressable:
+        return True
   return False
-
-
-class _Pin:
-  """Where every process of a collective restore (``board``; None: this
-  process restores alone) agrees, at each step of one read, on what it
-  read: the same save (``open``: its record's id), and whole (``read``).
-  A disagreement, or a process that found the checkpoint replaced, makes
-  every process read again."""
-
-  def __init__(self, api: str, board: Any, attempt: int) -> None:
-    self.api, self.board, self.attempt = api, board, attempt
-    self.posted: set[str] = set()
-
-  def agree(self, step: str, value: str) -> None:
-    """Raises CheckpointReplacedError unless every process posted
-    ``value`` (never "replaced") at ``step`` of this read."""
-    if self.board is None:
-      return
-    self.posted.add(step)
-    values = self.board.agree(f"{self.attempt}/{step}", value or "-")
-    if value == _REPLACED or len(set(values)) > 1:
-      raise reader.CheckpointReplacedError(
-        f"{self.api}: the processes restoring {self.board.path!r} read "
-        f"different saves of it ({step}: {values}): it was replaced "
-        "meanwhile; nothing of it is returned"
-      )
-
-  def replaced(self) -> None:
-    """This process found the checkpoint replaced: it tells the others at
-    each step it has not reached (they then read again too)."""
-    for step in ("open", "read"):
-      if self.board is not None and step not in self.posted:
-        with contextlib.suppress(reader.CheckpointReplacedError):
-          self.agree(step, _REPLACED)
-
-
-_REPLACED = "replaced"
-
-
-def pinned(
-  api: str, path: str, read: Callable[[_Pin], T], board: Any = None
-) -> T:
-  """``read(pin)``, which reads one committed checkpoint at ``path`` from
-  its commit point and then only what that names; again where it found the
-  checkpoint replaced or deleted under it (``CheckpointReplacedError``:
-  nothing of that read is returned), up to ``reader.READ_TRIES`` times.
-  With the ``board`` of a collective restore, every process reads again
-  when any did, and each read is of one save on every process (``_Pin``)."""
-  for attempt in range(1, reader.READ_TRIES + 1):
-    pin = _Pin(api, board, attempt)
-    try:
-      return read(pin)
-    except reader.CheckpointReplacedError as err:
-      pin.replaced()
-      if attempt == reader.READ_TRIES:
-        err.add_note(
-          f"{api}: {path!r} was replaced or deleted under each of "
-          f"{attempt} reads in a row; read it once its saves are done"
-        )
-        raise
-      LOG.info("%s: %s; reading %s again", api, err, path)
-  raise AssertionError("unreachable")
 
 
 def read_values(dest: destination.Destination) -> dict[str, str | None]:

@@ -21,16 +21,14 @@ drives its destination in these steps:
   ``codecs``), their checksums returned by stem;
 - ``commit(record, manifest)``: the record (and a collective save's
   manifest) written, the checkpoint published at the path: an atomic
-  rename on disk (``commit.publish``), the record created last in a
-  bucket (remote.Bucket). True when a bucket's overwrite committed beside
-  the path: every process then ``move``s its objects there and the
-  committing process ``finish``es;
+  rename on disk (``commit.publish``), the conditional write of the head
+  naming the save's version in a bucket (remote.Bucket);
 - ``abort()`` (a failure before the commit: the temporary files go),
   ``end()`` (the lock or lease given back) and ``close()``, once the save
   is over on a process (whatever was opened for it is let go).
 
-The reads (a restore's ``open_checkpoint``, the manager's ``committed``,
-``children``, ``commit_ns``, ``delete``) need no save.
+The reads (a restore's ``reading``/``open_checkpoint``, the manager's
+``committed``, ``children``, ``commit_ns``, ``delete``) need no save.
 """
 
 from __future__ import annotations
@@ -45,7 +43,10 @@ import os
 import re
 import tempfile
 from typing import Any
+from typing import TypeVar
 import zipfile
+
+import jax
 
 from . import codec
 from . import commit
@@ -69,6 +70,10 @@ Opened = restore_files.Opened | restore_shards.Manifest
 #: ``take(i)``: the host value of file ``i``; ``done(i)`` once written.
 Take = Callable[[int], Any]
 Done = Callable[[int], None]
+T = TypeVar("T")
+#: How many times a read of a bucket's checkpoint starts again when the
+#: version it pinned was replaced (and removed) while it read.
+READ_ATTEMPTS = 4
 
 
 def open(  # noqa: A001 (the module's verb: destination.open)
@@ -220,6 +225,18 @@ class Destination(abc.ABC):
     """The checkpoint here, opened once for a restore (``budget``: bytes of
     small objects of a bucket read whole now)."""
 
+  def reading(
+    self, budget: int, read: Callable[[Opened], T], board: Any = None
+  ) -> T:
+    """``read(opened)``: the checkpoint here opened once
+    (``open_checkpoint``) and read, with ``noting``'s notes on an error.
+    A read that loses a race with a save or a delete of the checkpoint
+    reads again (a local directory's and a bucket's say how). ``board``:
+    that of a collective restore (``multiprocess.restore_board``; None:
+    this process reads alone), where every process reads the same save."""
+    with self.noting(), contextlib.closing(self.open_checkpoint(budget)) as o:
+      return read(o)
+
   @abc.abstractmethod
   def read_record(self) -> bytes | None:
     """The bytes of the record of the directory checkpoint here (None
@@ -258,24 +275,12 @@ class Destination(abc.ABC):
 
   @abc.abstractmethod
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
-    """Publishes the checkpoint with its record (and manifest); True when
-    the files must then ``move`` to the path (a bucket's overwrite)."""
-
-  @property
-  def beside(self) -> bool:
-    """Whether the files are committed beside the path first."""
-    return False
+    """Publishes the checkpoint with its record (and manifest); False (a
+    save has no second round)."""
 
   def where(self) -> str:
-    """Where the files are committed (``path``, or a copy beside it)."""
+    """Where the files are written (``path``, or a bucket's version)."""
     return self.path
-
-  def move(self) -> None:
-    """Every process, after a commit that returned True: its files copied
-    to the path."""
-
-  def finish(self, record: bytes, manifest: bytes | None = None) -> None:
-    """The committing process, every file moved: the commit at the path."""
 
   @abc.abstractmethod
   def abort(self) -> None:
@@ -381,6 +386,42 @@ class _Local(Destination):
         self.api, self.path, fd, manifest, record
       )
     return restore_files.open_directory(self.api, self.path, fd, record)
+
+  def reading(
+    self, budget: int, read: Callable[[Opened], T], board: Any = None
+  ) -> T:
+    """``read(opened)`` of the save committed at the path; again where the
+    read found it replaced or deleted under it (``CheckpointReplacedError``:
+    nothing of that read is returned), up to ``reader.READ_TRIES`` times.
+    With a collective restore's ``board``, the processes agree that they
+    opened the same save (its record's ``save_id``) and read it whole, or
+    every one of them reads again (``_Agreement``)."""
+    for attempt in range(1, reader.READ_TRIES + 1):
+      agreed = _Agreement(self.api, board, attempt)
+      try:
+        with (
+          self.noting(),
+          contextlib.closing(self.open_checkpoint(budget)) as opened,
+        ):
+          if board is not None:
+            agreed.on("open", _save_id(self.api, self.path, opened))
+          out = read(opened)
+        try:
+          agreed.on("read", "ok")
+        except BaseException:
+          _delete_arrays(out)  # another process read another save
+          raise
+        return out
+      except reader.CheckpointReplacedError as err:
+        agreed.replaced()
+        if attempt == reader.READ_TRIES:
+          err.add_note(
+            f"{self.api}: {self.path!r} was replaced or deleted under each "
+            f"of {attempt} reads in a row; read it once its saves are done"
+          )
+          raise
+        LOG.info("%s: %s; reading %s again", self.api, err, self.path)
+    raise AssertionError("unreachable")
 
   def read_record(self) -> bytes | None:
     try:
@@ -558,6 +599,63 @@ class LocalNpz(_Local):
     super().abort()
 
 
+class _Agreement:
+  """Where every process of a collective read (``board``, a
+  ``multiprocess`` board; None: this process reads alone) agrees, at each
+  step of one attempt, on what it read: the same save (``open``: its
+  record's id), whole (``read``). A disagreement, or a process that found
+  the checkpoint replaced, makes every process read again."""
+
+  def __init__(self, api: str, board: Any, attempt: int) -> None:
+    self.api, self.board, self.attempt = api, board, attempt
+    self.posted: set[str] = set()
+
+  def on(self, step: str, value: str) -> None:
+    """Raises CheckpointReplacedError unless every process posted
+    ``value`` (never "replaced") at ``step`` of this attempt."""
+    if self.board is None:
+      return
+    self.posted.add(step)
+    values = self.board.agree(f"{self.attempt}/{step}", value or "-")
+    if value == _REPLACED or len(set(values)) > 1:
+      raise reader.CheckpointReplacedError(
+        f"{self.api}: the processes reading {self.board.path!r} read "
+        f"different saves of it ({step}: {values}): it was replaced "
+        "meanwhile; nothing of it is returned"
+      )
+
+  def replaced(self) -> None:
+    """This process found the checkpoint replaced: it tells the others at
+    each step it has not reached (they then read again too)."""
+    for step in ("open", "read"):
+      if self.board is not None and step not in self.posted:
+        with contextlib.suppress(reader.CheckpointReplacedError):
+          self.on(step, _REPLACED)
+
+
+_REPLACED = "replaced"
+
+
+def _save_id(api: str, path: str, opened: Opened) -> str:
+  """The id of the save ``opened`` (its record's; "" where it has none)."""
+  data = (
+    opened.record_data()
+    if isinstance(opened, restore_shards.Manifest)
+    else opened.record
+  )
+  if data is None:
+    return ""
+  where = f"the record {format.RECORD!r} of {path!r}"
+  return format.decode_record(api, where, data).save_id
+
+
+def _delete_arrays(tree: Any) -> None:
+  """Deletes the jax.Arrays of a read whose result is dropped."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not x.is_deleted():
+      x.delete()
+
+
 def check_target(api: str, path: str, overwrite: bool) -> None:
   """Refuses, before anything is written: an existing path without
   overwrite, a directory save did not write, a directory where an
@@ -633,9 +731,9 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
 
 
 class BucketPrefix(Destination):
-  """A prefix in a bucket: the same files as objects, committed by their
-  record created last (``remote.Bucket``, built by ``check``, does the
-  save's steps)."""
+  """A prefix in a bucket: the same files as objects under a version
+  prefix of their own, committed by the head naming it (``remote.Bucket``,
+  built by ``check``, does the save's steps)."""
 
   def __init__(
     self,
@@ -665,11 +763,10 @@ class BucketPrefix(Destination):
     return [n for n, ok in zip(names, found) if ok]
 
   def committed(self) -> bool:
-    return remote.committed_at(self.api, self.st) is not None
+    return remote.committed(self.api, self.st)
 
   def commit_ns(self) -> int | None:
-    at = remote.committed_at(self.api, self.st)
-    return None if at is None else at.mtime_ns(format.RECORD)
+    return remote.commit_ns(self.api, self.st)
 
   def delete(self) -> bool:
     if not remote.delete(self.api, self.st):
@@ -680,11 +777,74 @@ class BucketPrefix(Destination):
   def storage(self) -> storage.Storage:
     return self.st
 
-  def open_checkpoint(self, budget: int = 0) -> Opened:
-    return restore_objects.open_at(self.api, self.st, budget)
+  def open_checkpoint(
+    self, budget: int = 0, pinned: remote.Pinned | None = None
+  ) -> Opened:
+    return restore_objects.open_at(self.api, self.st, budget, pinned)
 
   def read_record(self) -> bytes | None:
-    return bytes(remote.source(self.api, self.st).read(format.RECORD))
+    for _ in range(READ_ATTEMPTS):
+      pinned = remote.source(self.api, self.st)
+      try:
+        return pinned.read_record(self.api)
+      except FileNotFoundError:
+        continue  # replaced (and removed) since the head was read
+    raise self._replaced(READ_ATTEMPTS)
+
+  def reading(
+    self, budget: int, read: Callable[[Opened], T], board: Any = None
+  ) -> T:
+    """Pins the version the head names (once: on process 0 for a
+    collective read's ``board``, posted to the others), then opens and
+    reads only it. An error while reading where the head names another
+    version now (the writer removed the one pinned) starts again,
+    ``READ_ATTEMPTS`` times at most (a collective read raises at once),
+    then raises ``OSError`` ("replaced while reading"); where the head is
+    gone, ``FileNotFoundError`` ("deleted while reading")."""
+    collective = board is not None
+    for attempt in range(1, READ_ATTEMPTS + 1):
+      if board is not None:  # process 0 resolves the head, for all
+        text = (
+          remote.source(self.api, self.st).encode(self.st)
+          if board.pid == 0
+          else ""
+        )
+        text = board.agree(f"{attempt}/pin", text)[0]
+        pinned = remote.Pinned.decode(self.api, self.st, text)
+      else:
+        pinned = remote.source(self.api, self.st)
+      try:
+        with (
+          self.noting(),
+          contextlib.closing(self.open_checkpoint(budget, pinned)) as opened,
+        ):
+          return read(opened)
+      except Exception as err:
+        try:
+          now = remote.pin(self.api, self.st)
+        except Exception:  # the error of the read says more
+          raise err from None
+        if now is not None and now.ident == pinned.ident:
+          raise  # the checkpoint read is still the one committed
+        if now is None:
+          raise FileNotFoundError(
+            f"{self.api}: the checkpoint at {self.path!r} was deleted while "
+            f"reading ({type(err).__name__}: {err})"
+          ) from err
+        if collective or attempt == READ_ATTEMPTS:
+          raise self._replaced(attempt) from err
+        LOG.info(
+          "%s: %s was replaced while reading; reading the new checkpoint",
+          self.api, self.path,
+        )  # fmt: skip
+    raise AssertionError("unreachable")
+
+  def _replaced(self, times: int) -> OSError:
+    return OSError(
+      f"{self.api}: the checkpoint at {self.path!r} was replaced while "
+      f"reading ({times} time{'s' if times > 1 else ''} in a row: another "
+      "process saves it over and over); read it again"
+    )
 
   def noting(self) -> contextlib.AbstractContextManager[None]:
     return restore_objects.noting(self.path)
@@ -727,18 +887,8 @@ class BucketPrefix(Destination):
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
     return self.bucket.commit(record, manifest)
 
-  @property
-  def beside(self) -> bool:
-    return self.bucket.beside
-
   def where(self) -> str:
     return self.bucket.where()
-
-  def move(self) -> None:
-    self.bucket.move()
-
-  def finish(self, record: bytes, manifest: bytes | None = None) -> None:
-    self.bucket.finish(record, manifest)
 
   def abort(self) -> None:
     self.bucket.abort()
@@ -765,7 +915,7 @@ class BucketNpz(BucketPrefix):
   ) -> None:
     super().__init__(api, url, st, overwrite, lease)
     self.parent, self.name = remote.split(api, url, st)
-    self.replaces = False
+    self.tag: str | None = None  # of the archive replaced (``check``)
     self._tmp: tempfile.TemporaryDirectory[str] | None = None
     self._local: LocalNpz | None = None
 
@@ -788,8 +938,8 @@ class BucketNpz(BucketPrefix):
     return None  # in the archive: open_checkpoint reads it
 
   def check(self) -> None:
-    self.replaces = self.parent.exists(self.name)
-    if self.replaces and not self.overwrite:
+    self.tag = self.parent.tag_of(self.name)
+    if self.tag is not None and not self.overwrite:
       raise remote.exists_error(self.api, self.path)
 
   def begin(self) -> str:
@@ -814,21 +964,47 @@ class BucketNpz(BucketPrefix):
     return self.local.write(stems, take, done, threads, codecs)
 
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
+    """One conditional put: created if the path had none, else replaced
+    if still the archive ``check`` saw. After an error, the object is read
+    back: this archive, byte for byte, is committed."""
     self.local.commit(record)
-    if self.replaces:  # one object: replaced atomically
-      self.parent.upload(self.name, self.local.path)
-      return False
     with builtins.open(self.local.path, "rb") as f:
       data = f.read()
     try:
-      self.parent.create(self.name, data)
-    except FileExistsError:
-      raise remote.exists_error(self.api, self.path) from None
+      if self.tag is None:
+        self.parent.create(self.name, data)
+      else:
+        self.parent.replace(self.name, data, self.tag)
+    except BaseException as err:
+      if self._is(data):
+        LOG.warning(
+          "%s: the commit of %s answered %r, but it holds this save: "
+          "committed (the answer of a request that was applied got lost)",
+          self.api, self.path, err,
+        )  # fmt: skip
+        return False
+      err.add_note(
+        f"{self.api}: the save to {self.path!r} was not committed: the "
+        "path holds what it held before (or another save's archive)"
+      )
+      if isinstance(err, FileExistsError):
+        raise remote.exists_error(self.api, self.path) from err
+      raise
     return False
 
-  # Committed at the path itself (the archive is one object, created last).
-  beside = Destination.beside
+  def _is(self, data: bytes) -> bool:
+    """Whether the object at the path is ``data``."""
+    try:
+      return (
+        self.parent.size(self.name) == len(data)
+        and bytes(self.parent.read(self.name)) == data
+      )
+    except OSError:
+      return False
+
+  # Committed at the path itself (the archive is one object, put last).
   where = Destination.where
+  reading = Destination.reading  # type: ignore[assignment]
 
   def abort(self) -> None:
     if self._local is not None:

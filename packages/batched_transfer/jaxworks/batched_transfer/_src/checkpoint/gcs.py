@@ -7,7 +7,13 @@ uploads of ``chunk_size`` parts (bounded memory); reads are ranged and run
 ``concurrency`` at a time. Retries: the client's transient-error policy
 (429, 5xx, dropped connections) with exponential backoff, for at most
 ``retry_timeout_s``; every write here is idempotent (a whole object, or a
-create with ``ifGenerationMatch=0``), so writes are retried too.
+conditional one: a create with ``ifGenerationMatch=0``, a ``replace`` with
+``ifGenerationMatch=<generation>``, whose retry after a lost answer meets
+its own write and says 412: the caller reads the object back), so writes
+are retried too. gcp-storage-emulator ignores preconditions: ``create``
+and ``replace`` also look at the object first, which makes it refuse a
+write another writer made before (not atomically: on GCS the precondition
+is).
 """
 
 from __future__ import annotations
@@ -244,6 +250,58 @@ class GCSStorage(Storage):
       if_generation_match=0,
     )
     LOG.debug("created %s", self.where(key))
+
+  def tag_of(self, key: str) -> str | None:
+    blob = self._call(key, "reading", self._bucket.get_blob, self._key(key))
+    return None if blob is None else str(blob.generation)
+
+  def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+    for _ in range(3):
+      blob = self._call(key, "reading", self._bucket.get_blob, self._key(key))
+      if blob is None:
+        return None
+      gen = int(blob.generation)
+      try:
+        data = self._call(
+          key,
+          "reading",
+          self._blob(key).download_as_bytes,
+          if_generation_match=gen,
+          checksum=None,
+          raw_download=True,
+        )
+      except FileExistsError:  # replaced between the two: again
+        continue
+      except FileNotFoundError:
+        return None
+      return bytes(data), str(gen)
+    raise OSError(
+      f"{self.api}: {self.where(key)!r} changed at every read; try again"
+    )
+
+  def replace(self, key: str, data: bytes, tag: str) -> None:
+    # The service refuses the write unless the generation is still ``tag``
+    # (ifGenerationMatch). The emulator ignores preconditions: the check
+    # before the write makes it refuse a replaced object too (not atomic
+    # there; on GCS the precondition is).
+    blob = self._call(key, "reading", self._bucket.get_blob, self._key(key))
+    if blob is None or str(blob.generation) != tag:
+      raise storage.request_error(
+        self, "changed", OSError(), key, "writing", self._endpoint, "", ""
+      )
+    try:
+      self._call(
+        key,
+        "writing",
+        self._blob(key).upload_from_string,
+        bytes(data),
+        if_generation_match=int(tag),
+      )
+    except (FileExistsError, FileNotFoundError) as e:
+      raise storage.request_error(
+        self, "changed", e, key, "writing", self._endpoint, "", ""
+      ) from e
+    LOG.debug("replaced %s", self.where(key))
 
   def delete(self, keys: Iterable[str]) -> None:
     def one(key: str) -> None:

@@ -177,8 +177,7 @@ class SaveJob:
   def write(
     self, take: Callable[[int], Any], done: Callable[[int], None]
   ) -> None:
-    """Writes the files through the destination and commits them (in a
-    bucket's overwrite, beside the path, then moved to it)."""
+    """Writes the files through the destination and commits them."""
     record, keys = self.record, self.keys
     dest = self.destination
     dtypes: dict[str, str] = {}
@@ -197,11 +196,8 @@ class SaveJob:
       record.dtypes = {k: dtypes[k] for k in keys}
       record.save_id = format.new_save_id()
       data = format.encode_record(record)
-      again = dest.commit(data)
-      committed = True  # the copy beside the path stays readable from now
-      if again:
-        dest.move()
-        dest.finish(data)
+      dest.commit(data)
+      committed = True
     except BaseException:
       if not committed:
         dest.abort()

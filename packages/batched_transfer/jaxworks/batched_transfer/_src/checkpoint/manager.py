@@ -91,7 +91,10 @@ class _StepSave(job_lib.SaveJob):
 
   def committed(self) -> None:
     LOG.debug("%s: step %d committed at %r", _API, self.step, self.path)
-    self.manager._retain()
+    try:
+      self.manager._retain()
+    except OSError as err:  # the step is saved; the next save retries
+      LOG.warning("%s: retention failed (%s); the next save retries", _API, err)
 
 
 class CheckpointManager:
@@ -172,7 +175,7 @@ class CheckpointManager:
       retention never runs, the directory is never created; reading works.
     item_names: the names ``save(items=...)`` may use (None: any).
     storage_options: for an ``s3://``, ``gs://`` or ``az://`` ``directory``
-      (each step a prefix, committed by its record; see the README,
+      (each step a prefix, committed by its head; see the README,
       "Object stores"), settings over the cloud's standard environment.
     compression: the codec of every step's arrays, as ``save``'s (None:
       raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).
@@ -263,8 +266,8 @@ class CheckpointManager:
     return self._step(step).path
 
   def _committed(self, step: int) -> bool:
-    """Whether ``step`` is committed (a bucket: its record exists, or an
-    overwrite's copy beside it is named, remote.committed_at)."""
+    """Whether ``step`` is committed (a bucket: a head names a version, or
+    0.6.x's record is there: remote.committed)."""
     return self._step(step).committed()
 
   def _no_step(self, api: str, step: int) -> FileNotFoundError:

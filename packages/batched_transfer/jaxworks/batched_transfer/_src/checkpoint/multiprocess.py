@@ -283,8 +283,6 @@ class _Board:
       rules.append(("id", "start the save"))
     if "outcome" in names:
       rules.append(("status", "finish writing"))
-      if "swap" in entries:  # a bucket's overwrite: its second round
-        rules.append(("moved", "upload its files to the path"))
     for kind, doing in rules:
       missing = [p for p in range(self.count) if f"{kind}/{p}" not in entries]
       if missing:
@@ -492,9 +490,8 @@ def _share(job: SaveJob, pid: int) -> _Share:
 class _Collective:
   """The protocol of one collective save on this process, once its turn
   came (the module docstring): process 0 begins, every process writes its
-  share, process 0 checks the statuses and commits (a bucket's overwrite:
-  every process moves its objects to the path, process 0 finishes), then
-  runs the job's ``committed``; the others wait for its outcome."""
+  share, process 0 checks the statuses and commits, then runs the job's
+  ``committed``; the others wait for its outcome."""
 
   def __init__(self, board: _Board, job: SaveJob, share: _Share) -> None:
     self.board, self.job, self.share = board, job, share
@@ -523,9 +520,6 @@ class _Collective:
         sums = self._write()
         if board.pid == 0:
           self._commit(sums)
-        elif dest.beside:
-          board.wait(["swap"], "commit", _NOTHING)
-          self._move()
       except BaseException as err:
         if self.began:  # process 0, under the lock
           with contextlib.suppress(Exception):
@@ -566,7 +560,7 @@ class _Collective:
 
   def _commit(self, sums: dict[str, list[int]]) -> None:
     """Process 0, every status posted: the agreement checked, the manifest
-    and the record committed (a bucket's overwrite: moved to the path)."""
+    and the record committed."""
     board, dest = self.board, self.dest
     statuses = [
       json.loads(v)
@@ -574,13 +568,13 @@ class _Collective:
     ]
     _check_agreement(board, statuses, sums, self.where)
     manifest, record = _final(self.share.manifest, self.job.record, statuses)
-    again = dest.commit(record, manifest)
+    try:
+      dest.commit(record, manifest)
+    except BaseException as err:  # its notes say whether it committed
+      notes = getattr(err, "__notes__", ())
+      self.note = "".join(f"; {n}" for n in notes) or _NOTHING
+      raise
     self.began = False  # committed: nothing to remove
-    if again:  # committed beside the path, then moved there
-      board.post("swap", "")
-      self._move()
-      self._all("moved", "upload its files to the path", self.note)
-      dest.finish(record, manifest)
     LOG.info("saved %s (written by every process)", self.job.path)
 
   def _all(self, kind: str, what: str, note: str) -> dict[str, str]:
@@ -588,16 +582,6 @@ class _Collective:
     names = [f"{kind}/{p}" for p in range(self.board.count)]
     entries = self.board.wait(names, what, note)
     return {n: entries[n] for n in names}
-
-  def _move(self) -> None:
-    """A bucket's overwrite: this process's objects copied to the path."""
-    self.note = (
-      f"; the new checkpoint was committed at {self.dest.where()!r}, where "
-      f"restore of {self.job.path!r} reads it until a save to "
-      f"{self.job.path!r} completes"
-    )
-    self.dest.move()
-    self.board.post(f"moved/{self.board.pid}", "")
 
   def _outcome(self) -> None:
     """Process 0: the job's ``committed`` (a manager's retention, before

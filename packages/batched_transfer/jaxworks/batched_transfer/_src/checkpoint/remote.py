@@ -1,60 +1,48 @@
-"""Checkpoints in object stores: the same files, committed by their record.
+"""Checkpoints in object stores: immutable versions, committed by one head.
 
-A checkpoint in a bucket is the objects a local save writes, under the
-URL's prefix, with the same names and bytes (a directory copied with any
-tool restores from the bucket, and back). Object stores have no rename and
-no fsync, so the commit is the record, ``jaxworks_dtypes.json``, written
-last with a conditional create: a prefix without its record is a save that
-did not commit, and reads as absent; of two saves to one new path exactly
-one creates the record, the other raises ``FileExistsError``.
+A save to the prefix ``P`` writes every object of its checkpoint (the files
+a local save writes, same names and bytes: the arrays' ``.npy`` files, a
+collective save's manifest, the record ``jaxworks_dtypes.json``) under a
+version prefix of its own, ``P/.jaxworks-v/<save id>/`` (a random id), and
+nothing written there is modified afterwards. The commit is one conditional
+write of the small head object ``P/jaxworks_head.json`` (``HEAD``: the
+format, the save id, the record's size and CRC-32C): created only if absent
+on a new path (``Storage.create``), replaced only if still the version read
+when the save began on an overwrite (``Storage.replace``: S3 and Azure
+``If-Match``, GCS ``ifGenerationMatch``). So a reader sees the old
+checkpoint or the new one, whole, and of two saves to one path one commits.
 
-One saver per path: before any object is written, the save takes the
-path's writer lease (lease: ``<url>/.jaxworks-writer/<generation>``,
-created with the conditional create, a heartbeat, a dead saver's lease
-taken over with a warning) and gives it back once committed (and an
-overwrite's copy done). A second process saving the path meanwhile stops
-before writing anything (``FileExistsError``, or with ``overwrite``
-``WriterConflictError``), so it never writes over the objects of the
-checkpoint the first commits, as the no-replace rename of a local save
-guarantees. Readers ignore the lease's objects; the cleanup of leftovers
-keeps them. A CheckpointManager's saves take none: it holds its
-directory's.
+Commits that can tell: after any error at the head's request (a retried
+conditional write whose first attempt applied, its answer lost, says the
+object exists or changed), the head is read back; it names this save's id
+or it does not, and the save returns (committed) or raises with a note
+saying it was not committed. ``abort`` never removes what the head names.
 
-``Bucket`` is the bucket side of a directory save (one process's, driven by
-``job.SaveJob``, or every process's, driven by multiprocess), through
-``destination.BucketPrefix``: the writer
-threads stream each file straight into its object (``Storage.open_write``:
-small ones in one request, large ones as parallel multipart uploads, their
-CRC-32C computed as the bytes go out), no local copy; then the record is
-created. A save to a path without a committed checkpoint writes at the
-path, after removing what saves that did not commit left there. An
-overwrite writes and commits the new checkpoint under
-``.<name>.jaxworks-next-<hex>`` beside the path, names that copy in the
-path's object ``.jaxworks-moved``, removes the old record (the commit of
-the overwrite: from then on the path reads as the copy it names) and
-objects, copies the new objects to the path on the server (no second
-upload), creates the record there and removes the name and the copy. A
-reader takes the path's record if there is one, else the copy that
-``.jaxworks-moved`` names (one object, so failed copy rounds in a row leave
-one answer: the last save that committed); at every moment one complete
-checkpoint is readable, the last one committed. Copies beside the path
-that no name points to are leftovers, which the next save removes. (0.6.0
-named its copies ``.<name>.jaxworks-new-<hex>`` and wrote no name: a path
-with neither record nor name reads the newest committed one of those.) An
-``.npz`` is one object, written locally, then uploaded
-(``destination.BucketNpz``). ``source`` finds the committed checkpoint at a
-URL (or the copy an overwrite committed beside it), which restore and
-metadata read in ranges straight from the objects (restore_objects).
+Once committed, the writer (it holds the path's writer lease, ``lease``;
+a CheckpointManager holds its directory's) removes the versions the head no
+longer names (the replaced one, those of killed saves) and what 0.6.x left
+at and beside the path. A reader pins one version: it reads the head once
+(``source``) and then only that version's objects, its record checked
+against the head; one that loses a race with the removal (an object gone)
+finds the head changed and reads again (``destination.BucketPrefix``).
+
+A prefix without a head is read as 0.6.x wrote it (``committed_at``): its
+record at the path, else the copy beside that its ``.jaxworks-moved``
+names, else the newest committed 0.6.0 ``.jaxworks-new-`` copy. A save
+over such a path (``overwrite=True``) commits a head and then removes the
+old layout, even a damaged one. An ``.npz`` is one object: written
+locally, then committed by one conditional put (``destination.BucketNpz``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Iterator
-import contextlib
+import dataclasses
+import json
 import secrets
 from typing import Any
 
+from . import checksum
 from . import codec
 from . import format
 from . import lease as lease_lib
@@ -63,15 +51,168 @@ from .storage import LOG
 from .storage import Storage
 from .storage import in_writer_threads
 
-#: The copies beside a path: an overwrite's (``_NEXT``), and 0.6.0's.
+#: The commit point of a checkpoint in a bucket, and its format.
+HEAD = "jaxworks_head.json"
+HEAD_FORMAT = 1
+#: The prefix of the saves' versions under a checkpoint's prefix.
+VERSIONS = ".jaxworks-v"
+#: 0.6.x's copies beside a path: an overwrite's (``_NEXT``), and 0.6.0's.
 _NEXT = ".jaxworks-next-"
 _NEW = ".jaxworks-new-"
-#: The object at a path naming the copy beside it that an overwrite
-#: committed, while the path itself holds no record.
+#: 0.6.x: the object at a path naming the copy beside it that an
+#: overwrite committed, while the path itself held no record.
 MOVED = ".jaxworks-moved"
 _HEX = frozenset("0123456789abcdef")
 #: Bytes of an ``.npy`` file that ``metadata`` reads (its header).
 HEADER_BYTES = 64 * 1024
+#: The most bytes of a head read.
+_HEAD_MAX = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+  """A checkpoint's head: the version it names and its record's size and
+  CRC-32C."""
+
+  save: str
+  record_size: int
+  record_crc32c: int
+
+  def encode(self) -> bytes:
+    return json.dumps(
+      {
+        "format": HEAD_FORMAT,
+        "save": self.save,
+        "record": {"size": self.record_size, "crc32c": self.record_crc32c},
+      },
+      sort_keys=True,
+    ).encode()
+
+  @classmethod
+  def of(cls, save: str, record: bytes) -> Head:
+    return cls(save, len(record), checksum.crc(record))
+
+  @classmethod
+  def decode(cls, api: str, where: str, data: bytes) -> Head:
+    """The head in ``data``; ValueError naming ``where`` for anything
+    else."""
+    try:
+      d = json.loads(bytes(data).decode("utf-8"))
+      if d.get("format") != HEAD_FORMAT:
+        raise ValueError(f"format {d.get('format')!r}, not {HEAD_FORMAT}")
+      save, rec = d["save"], d["record"]
+      if not _is_id(save):
+        raise ValueError(f"save id {save!r}")
+      return cls(save, int(rec["size"]), int(rec["crc32c"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+      raise ValueError(
+        f"{api}: {where!r} is not a checkpoint head ({err}); it was "
+        "damaged or written by a newer version: upgrade, or save the "
+        "checkpoint again with overwrite=True"
+      ) from None
+
+
+def _is_id(save: Any) -> bool:
+  return isinstance(save, str) and 8 <= len(save) <= 64 and set(save) <= _HEX
+
+
+def version(st: Storage, save: str) -> Storage:
+  """The storage of the version ``save`` of the checkpoint at ``st``."""
+  return st.child(f"{VERSIONS}/{save}")
+
+
+def read_head(api: str, st: Storage) -> tuple[Head | None, str | None]:
+  """(the head at ``st``, its tag for ``Storage.replace``); (None, None)
+  where there is none.
+
+  Raises:
+    ValueError: a damaged head (``Head.decode``).
+  """
+  tagged = st.read_tagged(HEAD)
+  if tagged is None:
+    return None, None
+  return Head.decode(api, st.where(HEAD), tagged[0][:_HEAD_MAX]), tagged[1]
+
+
+@dataclasses.dataclass
+class Pinned:
+  """One committed checkpoint as a reader pinned it: ``st`` holds its
+  objects (a version prefix, or the place 0.6.x wrote it), ``head`` the
+  head that named it (None: a 0.6.x checkpoint)."""
+
+  st: Storage
+  head: Head | None
+
+  @property
+  def ident(self) -> str:
+    """What tells two pins of a path apart."""
+    return self.head.save if self.head is not None else f"0.6:{self.st.url}"
+
+  def read_record(self, api: str) -> bytes:
+    """The record, checked against the head.
+
+    Raises:
+      FileNotFoundError: no record (removed since the head was read).
+      ValueError: a record that is not the one the head names.
+    """
+    return self.check_record(api, bytes(self.st.read(format.RECORD)))
+
+  def check_record(self, api: str, data: bytes) -> bytes:
+    """``data``, the record read, if it is the one the head names.
+
+    Raises:
+      ValueError: a record that is not the one the head names.
+    """
+    h = self.head
+    if h is not None and (
+      len(data) != h.record_size or checksum.crc(data) != h.record_crc32c
+    ):
+      raise ValueError(
+        f"{api}: {self.st.where(format.RECORD)!r} is not the record its "
+        f"head names ({len(data)} bytes, CRC-32C {checksum.crc(data)}; the "
+        f"head says {h.record_size} bytes, CRC-32C {h.record_crc32c}): the "
+        "object was replaced after the checkpoint was committed; save the "
+        "checkpoint again"
+      )
+    return data
+
+  def encode(self, root: Storage) -> str:
+    """This pin as text (for the other processes of a restore)."""
+    if self.head is not None:
+      return json.dumps({"head": self.head.encode().decode()})
+    rel = "" if self.st.url == root.url else self.st.location.name
+    return json.dumps({"legacy": rel})
+
+  @classmethod
+  def decode(cls, api: str, root: Storage, text: str) -> Pinned:
+    d = json.loads(text)
+    if "head" in d:
+      head = Head.decode(api, root.where(HEAD), d["head"].encode())
+      return cls(version(root, head.save), head)
+    rel = d["legacy"]
+    return cls(root.parent().child(rel) if rel else root, None)
+
+
+def pin(api: str, st: Storage) -> Pinned | None:
+  """The checkpoint committed at ``st``, pinned (the head read once); None
+  where there is none."""
+  head, _ = read_head(api, st)
+  if head is not None:
+    return Pinned(version(st, head.save), head)
+  at = committed_at(api, st)
+  return None if at is None else Pinned(at, None)
+
+
+def source(api: str, st: Storage) -> Pinned:
+  """``pin``, or FileNotFoundError naming the URL."""
+  found = pin(api, st)
+  if found is None:
+    raise FileNotFoundError(
+      f"{api}: no checkpoint at {st.url!r}: no {HEAD} there, nor a "
+      f"{format.RECORD} of an earlier version (a prefix without them is "
+      "not a checkpoint, or a save that did not commit)"
+    )
+  return found
 
 
 def _is_copy(name: str, copy: str, marker: str = _NEXT) -> bool:
@@ -82,9 +223,8 @@ def _is_copy(name: str, copy: str, marker: str = _NEXT) -> bool:
 
 
 def _copies(parent: Storage, name: str) -> list[str] | None:
-  """The copies beside ``name`` in ``parent`` (both kinds); None where the
-  parent cannot be listed (a stray key there: the copies are left, and the
-  next listing that can removes them)."""
+  """0.6.x's copies beside ``name`` in ``parent`` (both kinds); None where
+  the parent cannot be listed (a stray key there: the copies are left)."""
   try:
     children = parent.children()
   except storage.StrayKeyError as err:
@@ -108,7 +248,7 @@ def _moved(api: str, st: Storage, name: str) -> str | None:
     raise ValueError(
       f"{api}: {st.where(MOVED)!r} names no copy beside {st.url!r} "
       f"({data[:80]!r}); the checkpoint is damaged: save it again with "
-      "overwrite=True"
+      "overwrite=True (which replaces it)"
     )
   return copy
 
@@ -119,16 +259,21 @@ def committed_at(
   copies: list[str] | None = None,
   has_record: bool | None = None,
 ) -> Storage | None:
-  """Where the checkpoint committed at ``st`` is: ``st`` if it has a
-  record; else the copy beside it that its ``MOVED`` object names (if that
-  has its record); else (0.6.0's overwrites left no name) the newest
-  committed ``.jaxworks-new-`` copy beside it; else None.
+  """Where the 0.6.x checkpoint committed at ``st`` is (a path without a
+  head): ``st`` if it has a record; else the copy beside it that its
+  ``MOVED`` object names (if that has its record); else (0.6.0's
+  overwrites left no name) the newest committed ``.jaxworks-new-`` copy
+  beside it; else None.
 
   Args:
     copies: the copies beside ``st`` (``_copies``) where the caller listed
       them: no name is looked for without a copy to name (an overwrite
       removes its name before its copy).
     has_record: whether ``st`` has a record, where the caller looked.
+
+  Raises:
+    ValueError: a damaged ``MOVED``; two 0.6.0 copies committed at the
+      same time (their records differ: which is newer cannot be told).
   """
   if st.exists(format.RECORD) if has_record is None else has_record:
     return st
@@ -144,12 +289,29 @@ def committed_at(
   if copies is None:
     copies = _copies(parent, loc.name) or []
   old = [parent.child(c) for c in copies if _is_copy(loc.name, c, _NEW)]
-  done = [
-    (c.mtime_ns(format.RECORD), c.url, c)
-    for c in old
-    if c.exists(format.RECORD)
-  ]
-  return max(done, key=lambda t: t[:2])[2] if done else None
+  done = sorted(
+    (
+      (c.mtime_ns(format.RECORD), c.url, c)
+      for c in old
+      if c.exists(format.RECORD)
+    ),
+    key=lambda t: t[:2],
+  )
+  if not done:
+    return None
+  newest = [d for d in done if d[0] == done[-1][0]]
+  if len({bytes(d[2].read(format.RECORD)) for d in newest}) > 1:
+    # Last-Modified has whole seconds on S3: saves within one tie, and a
+    # random name must not choose (it chose the older one in 0.6.0).
+    names = ", ".join(repr(d[1]) for d in newest)
+    raise ValueError(
+      f"{api}: {st.url!r} has no record, and 0.6.0 overwrites left "
+      f"{len(newest)} committed copies beside it at the same time: {names}; "
+      "which is newer cannot be told. Restore the one you want by its URL "
+      f"and save it to {st.url!r} with overwrite=True (that replaces them "
+      "all)"
+    )
+  return newest[-1][2]  # the same record: the same checkpoint
 
 
 #: Name prefix of the threads that write objects.
@@ -226,32 +388,53 @@ def _named(api: str, at: Storage) -> list[str]:
   return names + sorted({s.file for a in arrays.values() for s in a.shards})
 
 
+def _ours(key: str) -> bool:
+  """Whether ``key`` (under a checkpoint's prefix) is a save's own object
+  that is no checkpoint content: a version's, the writer lease's."""
+  top = key.split("/", 1)[0]
+  return top in (VERSIONS, lease_lib.PREFIX)
+
+
 def _written(key: str) -> bool:
-  """Whether a save writes objects named ``key`` (then it removes them)."""
+  """Whether 0.6.x saves wrote objects named ``key`` at a path (then a
+  save over it removes them)."""
   return (
     key in (format.RECORD, format.MANIFEST, MOVED)
     or codec.split_name(key) is not None
-  ) and not key.startswith(lease_lib.PREFIX + "/")
+  ) and not _ours(key)
+
+
+def _nested(keys: list[str]) -> list[str]:
+  """The checkpoints committed below a prefix of ``keys``: their heads and
+  records at a deeper level (not a version's or a 0.6.x shard file's)."""
+  out = []
+  for k in keys:
+    parts = k.split("/")
+    if len(parts) > 1 and parts[-1] in (HEAD, format.RECORD):
+      if not any(p in (VERSIONS, lease_lib.PREFIX) for p in parts):
+        out.append(k.rpartition("/")[0])
+  return sorted(set(out))
 
 
 class Bucket:
   """The bucket side of a directory save to ``url`` (see the module
   docstring): checked in the call; ``begin`` (process 0, in the save's
-  turn) takes the path's writer lease and says where the objects go, the
-  path or a prefix beside it (the other processes of a collective save
-  ``attach`` there); every process ``write``s its objects; process 0
-  ``commit``s; an overwrite then ``move``s every process's objects to the
-  path (server-side copies) and process 0 ``finish``es with the commit
-  there; ``end`` (process 0, once done or failed) gives the lease back.
+  turn) takes the path's writer lease and names the save's version (the
+  other processes of a collective save ``attach`` to it); every process
+  ``write``s its objects there; process 0 ``commit``s (the head) and
+  removes what the head no longer names; ``end`` (process 0, once done or
+  failed) gives the lease back.
 
   Args:
     lease: take the path's writer lease in ``begin`` (False: the caller
       holds one on a directory above, a CheckpointManager's).
 
   Raises:
-    FileExistsError: a checkpoint is committed at ``url``, or another live
-      process is saving there, and not ``overwrite`` (``begin``;
-      ``commit``: another save committed there meanwhile).
+    FileExistsError: a checkpoint is committed at ``url``, the prefix holds
+      other objects, or another live process is saving there, and not
+      ``overwrite``; a checkpoint is committed below ``url`` (overwrite
+      replaces a checkpoint, never a prefix of checkpoints); ``commit``:
+      another save committed there meanwhile.
     WriterConflictError: with ``overwrite``, another live process is
       saving to ``url`` (``begin``).
   """
@@ -269,35 +452,82 @@ class Bucket:
     self._held: lease_lib.Lease | None = None
     self.st = st
     self.parent, self.name = split(api, url, st)
+    self.save = ""  # this save's id (``begin``/``attach``)
+    self.target = self.st
+    self.state: bool | None = False  # committed (None: cannot tell)
+    self._trying = False  # the head's request was made
     self._look()
-    if self.current is not None and not overwrite:
-      raise exists_error(api, url)
-    self.target = self.st  # where this process writes (``begin``/``attach``)
-    self.written: list[str] = []
-    self._switched = False  # the path reads as the target (``commit``)
-
-  @property
-  def beside(self) -> bool:
-    """Whether the objects go beside the path first (an overwrite)."""
-    return self.target is not self.st
 
   def where(self) -> str:
     return self.target.url
 
+  def _look(self) -> None:
+    """What is at the path (the first request of a save names the path in
+    any error): its head, its objects, 0.6.x's layout; refuses what this
+    save may not replace."""
+    try:
+      self.head, self.tag = read_head(self.api, self.st)
+      damaged: ValueError | None = None
+    except ValueError as err:  # replaced by an overwrite, as it is
+      self.head, damaged = None, err
+      self.tag = self.st.read_tagged(HEAD)[1]  # type: ignore[index]
+    try:
+      self.keys: list[str] | None = list(self.st.list())
+    except storage.StrayKeyError as err:
+      LOG.warning("%s; looking only for the objects jaxworks writes", err)
+      self.keys = None
+    self.copies: list[str] = []
+    self.legacy: Storage | None = None
+    if self.tag is None:
+      has = (
+        format.RECORD in self.keys
+        if self.keys is not None
+        else self.st.exists(format.RECORD)
+      )
+      self.copies = _copies(self.parent, self.name) or []
+      try:
+        self.legacy = committed_at(self.api, self.st, self.copies, has)
+      except ValueError as err:  # a damaged 0.6.x layout
+        damaged = err
+    committed = self.tag is not None or self.legacy is not None
+    if damaged is not None and not self.overwrite:
+      raise damaged
+    if committed and not self.overwrite:
+      raise exists_error(self.api, self.url)
+    nested = _nested(self.keys or [])
+    if nested:
+      shown = ", ".join(repr(f"{self.url}/{n}") for n in nested[:3])
+      raise FileExistsError(
+        f"{self.api}: {self.url!r} holds committed checkpoints below it "
+        f"({shown}); overwrite replaces a checkpoint, never a prefix of "
+        "checkpoints: save to another path, or delete them first"
+      )
+    present = [k for k in self.keys or () if not _ours(k)]
+    if present and not self.overwrite:
+      shown = ", ".join(repr(k) for k in present[:3])
+      raise FileExistsError(
+        f"{self.api}: {self.url!r} holds objects ({shown}"
+        f"{', ...' if len(present) > 3 else ''}) and no checkpoint; a save "
+        "writes only to an empty prefix: save to another path, or remove "
+        "them (overwrite=True leaves them and saves beside them)"
+      )
+
   def begin(self) -> str:
     """Process 0, in the save's turn, before any object is written: the
-    path's writer lease taken (``end`` gives it back), then where every
-    process writes, as the name to post ("" for the path itself, whose
-    leftovers of saves that did not commit it removes first)."""
+    path's writer lease taken (``end`` gives it back), what is at the path
+    looked at again, and the id of this save's version, which the other
+    processes ``attach`` to."""
     if self.lease and self._held is None:
       self._held = lease_lib.acquire(
         self.api, self.st, self.url, self._conflict
       )
     try:
-      return self._begin()
+      self._look()  # the saves called before this one may have committed
     except BaseException:
       self.end()
       raise
+    self.attach(secrets.token_hex(8))
+    return self.save
 
   def _conflict(self, api: str, url: str, record: dict[str, Any]) -> Exception:
     """The error of a save that meets another live saver's lease."""
@@ -322,52 +552,23 @@ class Bucket:
 
   def _still(self) -> None:
     """Raises WriterConflictError if another process took this save's
-    lease over (this one's heartbeat had stopped): before each step that
-    writes at the path."""
+    lease over (this one's heartbeat had stopped): before the commit."""
     lost = None if self._held is None else self._held.lost
     if lost is not None:
       raise lease_lib.WriterConflictError(
         f"{self.api}: {self.url!r} is now saved by "
         f"{lease_lib.describe(lost)}, which took over this save's writer "
         f"lease (its heartbeat had stopped for {lease_lib.EXPIRY_S:g} s: "
-        "was this process suspended?); this save stops before writing "
-        "there again: save again once that one is done, or to another path"
+        "was this process suspended?); this save stops before its commit: "
+        "save again once that one is done, or to another path"
       )
 
-  def _begin(self) -> str:
-    # Again: the saves called before this one may have committed since.
-    self._look()
-    if self.current is not None:
-      if not self.overwrite:
-        raise exists_error(self.api, self.url)
-      name = f".{self.name}{_NEXT}{secrets.token_hex(8)}"
-      self.target = self.parent.child(name)
-      return name
-    self.st.delete(self._leftovers())
-    return ""
-
-  def _leftovers(self) -> list[str]:
-    """The objects at the path that a save writes (array files, record,
-    manifest, name of a copy): of the checkpoint being replaced, or of
-    saves that did not commit; others are not the checkpoint's, and stay.
-    Where the path cannot be listed (a stray key), the control objects and
-    those that the record of the checkpoint read there names."""
-    try:
-      return [k for k in self.st.list() if _written(k)]
-    except storage.StrayKeyError as err:
-      LOG.warning("%s; removing only the objects jaxworks wrote there", err)
-    return _named(self.api, self.current or self.st)
-
-  def _look(self) -> None:
-    """What is at the path: its record first (the first request of a
-    save names the path in any error), then the copies beside it."""
-    has = self.st.exists(format.RECORD)
-    self.copies = _copies(self.parent, self.name)
-    self.current = committed_at(self.api, self.st, self.copies, has)
-
   def attach(self, name: str) -> None:
-    """The other processes: where process 0 said (``begin``)."""
-    self.target = self.parent.child(name) if name else self.st
+    """Where this process writes: the version ``name`` (``begin``)."""
+    if not _is_id(name):
+      raise ValueError(f"{self.api}: {name!r} names no save's version")
+    self.save = name
+    self.target = version(self.st, name)
 
   def write(
     self,
@@ -377,106 +578,117 @@ class Bucket:
     done: Callable[[int], None],
     threads: int,
   ) -> list[Any]:
-    """Writes this process's objects ``names`` to the target (``_upload``);
-    what each ``fill`` returned (the checksums)."""
-    out = _upload(self.target, names, take, fill, done, threads)
-    self.written += names
-    return out
+    """Writes this process's objects ``names`` to the version
+    (``_upload``); what each ``fill`` returned (the checksums)."""
+    return _upload(self.target, names, take, fill, done, threads)
 
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
-    """Process 0, every process's objects written: the manifest, then the
-    record created at the target (the commit). True if the objects must
-    then move to the path (``move`` on every process, then ``finish``):
-    the old checkpoint's record and objects are removed first, and the
-    one committed beside it is what readers find meanwhile."""
+    """Process 0, every process's objects written: the manifest and the
+    record written to the version, then the head (the commit); then what
+    the head no longer names removed. False (nothing to move)."""
     self._still()
     if manifest is not None:
       self.target.write(format.MANIFEST, manifest)
+    self.target.write(format.RECORD, record)
+    head = Head.of(self.save, record).encode()
+    self._trying = True
     try:
-      self.target.create(format.RECORD, record)
-    except FileExistsError:
-      raise exists_error(self.api, self.url) from None
-    if not self.beside:
-      self._tidy([], self.copies or [])
-      return False
-    old = self._leftovers()  # before the record that names them goes
-    # The commit of this overwrite: the path reads as the target once it
-    # names it and has no record of its own (deleted next, if it had one).
-    self.st.write(MOVED, self.target.location.name.encode())
-    self._switched = self.current is not self.st
-    with self._noted():
-      self.st.delete([format.RECORD])
-      self._switched = True
-      self.st.delete([k for k in old if k != MOVED])
-      self._clean(self.copies or [])
-    return True
-
-  @contextlib.contextmanager
-  def _noted(self) -> Iterator[None]:
-    """An error of the copy round says that the overwrite committed."""
-    try:
-      yield
+      if self.tag is None:
+        self.st.create(HEAD, head)
+      else:
+        self.st.replace(HEAD, head, self.tag)
+      self.state = True
     except BaseException as err:
-      if self._switched:
-        err.add_note(
-          f"{self.api}: the new checkpoint was committed at "
-          f"{self.target.url!r}: {self.url!r} reads as it until a save to "
-          f"{self.url!r} completes (it removes the copy)"
-        )
-      raise
-
-  def move(self) -> None:
-    """Every process: its objects copied to the path on the server."""
-    self._still()
-    here = self.target.location.name
-    with self._noted():
-      self._copy([(f"{here}/{n}", f"{self.name}/{n}") for n in self.written])
-
-  def _copy(self, pairs: list[tuple[str, str]]) -> None:
-    from .storage import run_parallel
-
-    run_parallel(
-      lambda p: self.parent.copy(*p), pairs, 2 * self.parent.concurrency
-    )
-
-  def finish(self, record: bytes, manifest: bytes | None = None) -> None:
-    """Process 0, every process's objects at the path: the commit there."""
-    with self._noted():
-      self._still()
-      if manifest is not None:
-        self.st.write(format.MANIFEST, manifest)
-      try:
-        self.st.create(format.RECORD, record)
-      except FileExistsError:
-        raise exists_error(self.api, self.url) from None
-    self._tidy([MOVED], [*(self.copies or []), self.target.location.name])
-
-  def _tidy(self, keys: list[str], copies: list[str]) -> None:
-    """Once the path holds its committed checkpoint: ``keys`` and the
-    copies beside removed; a failure only logged (the save is done, the
-    next one removes them)."""
-    try:
-      if keys:
-        self.st.delete(keys)
-      self._clean(copies)
-    except OSError as err:
+      self.state = self._read_back()
+      if not self.state:
+        self._note(err)
+        if self.state is False and isinstance(err, FileExistsError):
+          if self.tag is None:
+            raise exists_error(self.api, self.url) from err
+          raise FileExistsError(
+            f"{self.api}: another save committed at {self.url!r} while this "
+            "one wrote (its head changed since this save began); this one "
+            "was not committed: save again to replace that one"
+          ) from err
+        raise
       LOG.warning(
-        "%s; %s is saved, the next save removes the rest", err, self.url
+        "%s: the commit of %s answered %r, but its head names this save: "
+        "committed (the answer of a request that was applied got lost)",
+        self.api, self.url, err,
+      )  # fmt: skip
+    self._tidy()
+    return False
+
+  def _read_back(self) -> bool | None:
+    """Whether the head names this save: True, False, or None where it
+    cannot be read."""
+    for _ in range(3):
+      try:
+        head, _ = read_head(self.api, self.st)
+      except ValueError:
+        return False
+      except OSError as err:
+        LOG.warning("%s; reading the head again", err)
+        continue
+      return head is not None and head.save == self.save
+    return None
+
+  def _note(self, err: BaseException) -> None:
+    if self.state is None:
+      err.add_note(
+        f"{self.api}: whether the save to {self.url!r} was committed could "
+        f"not be read back (its head {self.st.where(HEAD)!r} names version "
+        f"{self.save} if it was); restore it to see"
+      )
+    else:
+      err.add_note(
+        f"{self.api}: the save to {self.url!r} was not committed (its head "
+        "does not name it): the path reads as before"
       )
 
-  def _clean(self, copies: list[str]) -> None:
-    """Removes ``copies`` beside the path: of saves killed or failed before
-    they finished, the one replaced, this one's once copied."""
-    for copy in copies:
+  def _tidy(self) -> None:
+    """Once committed: the versions the head does not name, and 0.6.x's
+    objects at and beside the path, removed. A failure is only logged (the
+    save is committed; the next one removes the rest)."""
+    try:
+      self._remove_old()
+    except OSError as err:
+      LOG.warning(
+        "%s; %s is saved, the next save removes what is left", err, self.url
+      )
+
+  def _remove_old(self) -> None:
+    mine = f"{VERSIONS}/{self.save}/"
+    if self.keys is not None:
+      keys = self.keys
+    else:  # a stray key: the objects the replaced record names
+      keys = [
+        f"{VERSIONS}/{self.head.save}/{k}"
+        for k in _named(self.api, version(self.st, self.head.save))
+      ] if self.head is not None else []  # fmt: skip
+      keys += _named(self.api, self.legacy or self.st)
+    old = [
+      k
+      for k in keys
+      if (k.startswith(VERSIONS + "/") and not k.startswith(mine))
+      or _written(k)
+    ]
+    if old:
+      self.st.delete(old)
+    for copy in self.copies:
       self.parent.child(copy).delete_prefix()
 
   def abort(self) -> None:
-    """Process 0, the save failed before its commit: what it wrote beside
-    the path is removed (at the path, no record: absent, and the next save
-    removes it). Once the path reads as that copy (``commit`` named it),
-    it stays, and the next save removes it."""
-    if self.beside and not self._switched:
+    """Process 0, the save failed: its version removed, unless the head
+    names it (or that cannot be told: then the next save removes it)."""
+    if not self.save or self.state is not False:
+      return
+    if self._trying and self._read_back() is not False:
+      return
+    try:
       self.target.delete_prefix()
+    except OSError as err:
+      LOG.warning("%s; the next save to %s removes it", err, self.url)
 
   def end(self) -> None:
     """Process 0, the save done or failed: the writer lease given back
@@ -490,38 +702,49 @@ class Bucket:
     self.end()
 
 
-def source(api: str, st: Storage) -> Storage:
-  """The committed checkpoint at ``st``, or the copy beside it that an
-  overwrite committed and named (``_current``).
+def committed(api: str, st: Storage) -> bool:
+  """Whether a checkpoint is committed at ``st`` (a head, or 0.6.x's)."""
+  if st.exists(HEAD):
+    return True
+  try:
+    return committed_at(api, st) is not None
+  except ValueError:
+    return True  # committed, and damaged: restore says how
 
-  Raises:
-    FileNotFoundError: no record at the URL nor a committed copy beside.
-  """
-  # An overwrite that finishes meanwhile creates the path's record, then
-  # removes the name and the copy: what was looked for may be gone since.
-  for _ in range(3):
-    found = committed_at(api, st)
-    if found is not None:
-      return found
-  raise FileNotFoundError(
-    f"{api}: no checkpoint at {st.url!r}: no {format.RECORD} there (a "
-    "prefix without it is a save that did not commit, and is absent)"
-  )
+
+def commit_ns(api: str, st: Storage) -> int | None:
+  """When the checkpoint at ``st`` was committed; None if there is none."""
+  try:
+    return st.mtime_ns(HEAD)
+  except FileNotFoundError:
+    pass
+  at = committed_at(api, st)
+  return None if at is None else at.mtime_ns(format.RECORD)
 
 
 def delete(api: str, st: Storage) -> bool:
-  """Deletes the checkpoint committed at ``st`` (a manager's step) and the
-  copies beside it, first what commits it (its record, the name of its
-  copy): it is never half read. False if there was none."""
-  at = committed_at(api, st)
-  if at is None:
+  """Deletes the checkpoint committed at ``st`` (a manager's step): first
+  what commits it (its head; 0.6.x: its record, the name of its copy), so
+  it is never half read, then its versions and 0.6.x's objects. False if
+  there was none."""
+  has_head = st.exists(HEAD)
+  try:
+    at = None if has_head else committed_at(api, st)
+  except ValueError:
+    at = st
+  if not has_head and at is None:
     return False
   try:
-    keys = list(st.list())
+    keys = [k for k in st.list() if _written(k) or k.startswith(VERSIONS + "/")]
   except storage.StrayKeyError as err:
     LOG.warning("%s; deleting only the objects jaxworks wrote there", err)
     keys = _named(api, st) if at is st else [format.RECORD, MOVED]
-  st.delete([format.RECORD, MOVED])
+    if has_head:
+      head, _ = read_head(api, st)
+      if head is not None:
+        ver = version(st, head.save)
+        keys += [f"{VERSIONS}/{head.save}/{k}" for k in _named(api, ver)]
+  st.delete([HEAD, format.RECORD, MOVED])
   st.delete(keys)
   loc = st.location
   parent = st.parent()

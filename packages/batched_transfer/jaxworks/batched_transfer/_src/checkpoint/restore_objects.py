@@ -2,13 +2,13 @@
 straight into the buffers restore places, no local copy.
 
 ``open_at`` finds the committed checkpoint at a URL (``remote.source``:
-a prefix without its record is absent; an overwrite's staging copy beside
-the path is read while the record is missing), lists it once and reads its
-record. An array stored raw whose shape the record says (``shapes``, which
-save writes) is not read when opened: its header's length follows from the
-object's size, and its header comes with its data in one request, checked
-against the record when it arrives (``Object.read_checked``); ``metadata``
-reads none of them. The other objects (a record of an earlier version, a
+the version its head names, read once; a prefix without a head nor a
+record of an earlier version is absent), lists that version once and reads
+its record, checked against the head. An array stored raw whose shape the
+record says (``shapes``, which save writes) is not read when opened: its
+header's length follows from the object's size, and its header comes
+with its data in one request, checked against the record when it arrives
+(``Object.read_checked``); ``metadata`` reads none of them. The other objects (a record of an earlier version, a
 compressed or Fortran-order array) have their first bytes read in parallel
 when opened (``PROBE``: the ``.npy`` header, all of a small object).
 Restoring the whole checkpoint from a store that streams whole objects
@@ -581,7 +581,7 @@ def _named(
 
 
 def open_at(
-  api: str, st: Storage, budget: int = 0
+  api: str, st: Storage, budget: int = 0, pinned: remote.Pinned | None = None
 ) -> restore_files.Opened | restore_shards.Manifest:
   """The committed checkpoint at ``st`` (an object store's prefix), opened:
   listed, its record (and manifest) and the headers of its arrays read.
@@ -589,10 +589,11 @@ def open_at(
   Args:
     budget: bytes of small objects (``SMALL``) read whole now, whose data
       is then not requested again (0: headers only, for ``metadata``).
+    pinned: the checkpoint's version, where the caller pinned it (else
+      the head is read here: ``remote.source``).
 
   Raises:
-    FileNotFoundError: no committed checkpoint at ``st`` (nor an
-      overwrite's beside it).
+    FileNotFoundError: no committed checkpoint at ``st``.
     ValueError: an object that is not what save wrote.
   """
   loc = st.location
@@ -600,8 +601,12 @@ def open_at(
     parent = st.parent()
     if parent.exists(loc.name):
       return _open_npz(api, parent, loc.name)
-  src = remote.source(api, st)  # the path, or an overwrite's copy beside
-  record = _read_small(api, src, format.RECORD, "the record")
+  if pinned is None:
+    pinned = remote.source(api, st)
+  src = pinned.st  # the version the head names (0.6.x: where it is)
+  record = pinned.check_record(
+    api, _read_small(api, src, format.RECORD, "the record")
+  )
   try:
     sizes = src.list()
   except StrayKeyError as err:

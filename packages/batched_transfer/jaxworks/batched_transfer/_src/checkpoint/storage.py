@@ -10,9 +10,12 @@ replacing, by ``link``) or an object store (``stores``, whose client
 libraries are imported only for a URL).
 
 Keys are ``/``-separated names relative to the storage's root. ``create``
-is the commit primitive: it writes a whole object only if no object of
-that key exists (a conditional put on object stores), so of two writers
-exactly one succeeds and the other gets ``FileExistsError``.
+and ``replace`` are the commit primitives: ``create`` writes a whole object
+only if no object of that key exists (a conditional put on object stores),
+``replace`` only if the object is still the version ``read_tagged`` read
+(its ETag on S3 and Azure, its generation on GCS), so of two writers
+exactly one succeeds and the other gets ``FileExistsError``
+(``ChangedError`` for a ``replace``).
 
 >>> import os, tempfile
 >>> root = tempfile.mkdtemp()
@@ -40,6 +43,7 @@ from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Sequence
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import io
@@ -227,6 +231,11 @@ def request_error(
       f"{st.api}: {where!r} exists already; delete it, or pass "
       "overwrite=True where the API takes it"
     )
+  if kind == "changed":
+    return ChangedError(
+      f"{st.api}: {where!r} changed since it was read (another writer "
+      "replaced or deleted it); read it again"
+    )
   if kind == "bucket":
     return FileNotFoundError(
       f"{st.api}: {doing} {where!r}: the bucket {st.location.bucket!r} does "
@@ -258,6 +267,11 @@ def request_error(
     "try again (storage_options max_retries / retry_timeout_s set the "
     "retries)"
   )
+
+
+class ChangedError(FileExistsError):
+  """A conditional ``Storage.replace`` found the object changed (or gone)
+  since ``read_tagged`` read it: another writer came first."""
 
 
 class StrayKeyError(OSError):
@@ -613,6 +627,27 @@ class Storage(abc.ABC):
     """
 
   @abc.abstractmethod
+  def tag_of(self, key: str) -> str | None:
+    """The tag of ``key``'s current version (``replace``), None if there
+    is no such object; nothing of it is read."""
+
+  @abc.abstractmethod
+  def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+    """All of ``key`` in one request and the tag of that version of it
+    (what ``replace`` compares: an ETag, a generation); None if there is
+    no such object."""
+
+  @abc.abstractmethod
+  def replace(self, key: str, data: bytes, tag: str) -> None:
+    """Writes ``key`` only if it is still the version ``tag`` names
+    (``read_tagged``): a conditional put (S3 and Azure ``If-Match``, GCS
+    ``ifGenerationMatch``).
+
+    Raises:
+      ChangedError: the object is another version now, or gone.
+    """
+
+  @abc.abstractmethod
   def delete(self, keys: Iterable[str]) -> None:
     """Deletes ``keys``; a missing key is no error."""
 
@@ -899,6 +934,50 @@ class LocalStorage(Storage):
       ) from None
     finally:
       os.unlink(tmp)
+    self._fsync_dir(os.path.dirname(path))
+
+  def _tag(self, fd: int) -> str:
+    st = os.fstat(fd)
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+  def tag_of(self, key: str) -> str | None:
+    try:
+      fd, _ = self._open(key)
+    except FileNotFoundError:
+      return None
+    try:
+      return self._tag(fd)
+    finally:
+      os.close(fd)
+
+  def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+    try:
+      fd, size = self._open(key)
+    except FileNotFoundError:
+      return None
+    try:
+      return os.pread(fd, size, 0), self._tag(fd)
+    finally:
+      os.close(fd)
+
+  def replace(self, key: str, data: bytes, tag: str) -> None:
+    # No compare-and-swap on a file: the tag (inode, mtime, size) checked,
+    # then the new file renamed over it. Heads live in buckets; this is
+    # for the interface's tests.
+    path = self._path(key)
+    tmp = self._write_new(path, lambda fd: self._write_all(fd, data))
+    try:
+      now = self.read_tagged(key)
+      if now is None or now[1] != tag:
+        raise ChangedError(
+          f"{self.api}: {path!r} changed since it was read (another writer "
+          "replaced or deleted it); read it again"
+        )
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+      raise
     self._fsync_dir(os.path.dirname(path))
 
   def delete(self, keys: Iterable[str]) -> None:

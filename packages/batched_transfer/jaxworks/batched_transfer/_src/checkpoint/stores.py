@@ -32,7 +32,8 @@ other keys go to the store's own configuration (obstore's
 ``S3Config``/``AzureConfig`` names, such as ``access_key_id``).
 
 Throttling (429/503) and other 5xx answers, dropped connections and
-timeouts are retried with exponential backoff and jitter, at most
+timeouts are retried (by the client; a bulk delete, S3's DeleteObjects
+POST, which it does not retry, here) with exponential backoff and jitter, at most
 ``max_retries`` times within ``retry_timeout_s``; then the error names the
 URL, the key and what to check.
 """
@@ -45,6 +46,8 @@ from collections.abc import Iterator
 import datetime
 import os
 import pathlib
+import random
+import time
 from typing import Any
 
 from . import storage
@@ -168,6 +171,15 @@ class ObstoreStorage(Storage):
     return f"{p}/{key}" if p else key
 
   def _error(self, err: Exception, key: str, doing: str) -> OSError:
+    t = self._tuning
+    return storage.request_error(
+      self, self._kind(err), err, key, doing, self._endpoint,
+      _FIX[self.location.scheme],
+      f"up to {t.max_retries} retries within {t.retry_timeout_s:g} s",
+    )  # fmt: skip
+
+  def _kind(self, err: Exception) -> str:
+    """What ``err`` is (``storage.request_error``'s kinds)."""
     exc, text = self._exc, str(err)
     if isinstance(err, exc.InvalidPathError):
       kind = "stray"
@@ -190,12 +202,7 @@ class ObstoreStorage(Storage):
       kind = "refused"
     else:
       kind = "failed"
-    t = self._tuning
-    return storage.request_error(
-      self, kind, err, key, doing, self._endpoint,
-      _FIX[self.location.scheme],
-      f"up to {t.max_retries} retries within {t.retry_timeout_s:g} s",
-    )  # fmt: skip
+    return kind
 
   def _call(self, key: str, doing: str, fn: Any, *args: Any, **kw: Any) -> Any:
     try:
@@ -353,17 +360,70 @@ class ObstoreStorage(Storage):
     self._put(key, bytes(data), mode="create", use_multipart=False)
     LOG.debug("created %s", self.where(key))
 
+  def tag_of(self, key: str) -> str | None:
+    try:
+      return str(self._obs.head(self._store, self._key(key))["e_tag"])
+    except (self._exc.NotFoundError, FileNotFoundError):
+      return None
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, key, "reading") from e
+
+  def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+    try:
+      result = self._obs.get(self._store, self._key(key))
+      return bytes(result.bytes()), str(result.meta["e_tag"])
+    except (self._exc.NotFoundError, FileNotFoundError):
+      return None
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, key, "reading") from e
+
+  def replace(self, key: str, data: bytes, tag: str) -> None:
+    try:
+      self._obs.put(
+        self._store,
+        self._key(key),
+        bytes(data),
+        mode={"e_tag": tag},
+        use_multipart=False,
+      )
+    except (
+      self._exc.PreconditionError,
+      self._exc.AlreadyExistsError,
+      self._exc.NotFoundError,
+      FileNotFoundError,
+      FileExistsError,
+    ) as e:  # another version now, or none: If-Match failed
+      raise storage.request_error(
+        self, "changed", e, key, "writing", self._endpoint, "", ""
+      ) from e
+    except (self._exc.BaseError, OSError) as e:
+      raise self._error(e, key, "writing") from e
+    LOG.debug("replaced %s", self.where(key))
+
   def delete(self, keys: Iterable[str]) -> None:
     keys = list(keys)
     paths = [self._key(k) for k in keys]
     if not paths:
       return
-    try:
-      self._obs.delete(self._store, paths)
-    except (self._exc.NotFoundError, FileNotFoundError):
-      pass
-    except (self._exc.BaseError, OSError) as e:
-      raise self._error(e, next(iter(keys)), "deleting") from e
+    # S3's DeleteObjects is a POST, which the client does not retry after
+    # a dropped connection: deleting is idempotent, so it is retried here.
+    t = self._tuning
+    give_up = time.monotonic() + t.retry_timeout_s
+    for attempt in range(t.max_retries + 1):
+      try:
+        self._obs.delete(self._store, paths)
+        return
+      except (self._exc.NotFoundError, FileNotFoundError):
+        return
+      except (self._exc.BaseError, OSError) as e:
+        err = self._error(e, keys[0], "deleting")
+        if self._kind(e) != "failed" or attempt == t.max_retries:
+          raise err from e
+        pause = min(5.0, 0.1 * 2**attempt) * (0.5 + random.random() / 2)
+        if time.monotonic() + pause > give_up:
+          raise err from e
+        LOG.debug("%s; retrying", err)
+        time.sleep(pause)
 
 
 #: The largest object S3's CopyObject copies in one request.
