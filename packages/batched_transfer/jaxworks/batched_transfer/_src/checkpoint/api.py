@@ -398,7 +398,9 @@ def _spans(target: Any, placement: Any) -> bool:
   for x in jax.tree.leaves((target, placement)):
     sharding = x if isinstance(x, jax.sharding.Sharding) else None
     sharding = getattr(x, "sharding", sharding)
-    if isinstance(sharding, jax.sharding.Sharding):
+    if isinstance(sharding, jax.sharding.Sharding) and not isinstance(
+      getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
+    ):  # an abstract mesh names no devices (the target check refuses it)
       if not sharding.is_fully_addressable:
         return True
   return False
