@@ -1,44 +1,55 @@
 """The jaxworks tour: one data-parallel training step, every package, checked against stock JAX.
 
-    ./tools/bazel run //examples:tour
+    ./tools/bazel run //examples:tour     # in the repository
+    python3 examples/tour.py              # beside the installed jaxworks wheels (the README says how)
 
-On 8 host CPU devices it tells one story: a small model's checkpoint is saved
-(``batched_transfer.save``), restored straight into the input formats of the
-compiled training step (``batched_transfer.restore`` / ``place_for``), trained
-with a ``pmap_chunked`` step that ``psum``s gradients over the named axis
+It runs on the accelerator JAX finds (a TPU or a GPU: JAX's default backend),
+and on 8 host CPU devices where there is none. It tells one story: a small
+model's checkpoint is saved (``batched_transfer.save``), restored straight
+into the input formats of the compiled training step
+(``batched_transfer.restore`` / ``place_for``), trained with a
+``pmap_chunked`` step that ``psum``s gradients over the named axis
 ``'batch'`` (whose collectives ``axis_names`` reports), while ``jit_cache``
 counts inner-jit hits and reuses the executable of a re-created step; the step
 is exported for cpu and tpu (``stages_aot``) and the cpu artifact reloaded and
-run. It ends with a side-by-side timing table against stock JAX, timed with
-``jaxworks_bench`` (benchmarks/support/, //benchmarks:support; outside Bazel,
-put that file beside this one or on PYTHONPATH).
+run. It ends with a side-by-side timing table against stock JAX. It imports
+nothing but JAX, NumPy and jaxworks.
 
 Every section checks its result against stock JAX; a failed check prints
 ``CHECK FAILED`` with the section and what differed, and the exit status is 1.
 
-On an accelerator (``JAX_PLATFORMS=tpu``) it runs on the devices present (a
-TPU v5e machine has one chip) and says so: the data-parallel axis is as long
-as the devices are many, matrix products run at float32 precision (a TPU's
-default rounds their inputs to bfloat16, and the checks compare two programs'
-numbers), and the warm start in new processes is left out (one process at a
-time may hold a TPU, and this one does).
+On an accelerator it runs on the devices present (a TPU v5e machine has one
+chip) and says so: the data-parallel axis is as long as the devices are many,
+matrix products run at float32 precision (a TPU's default rounds their inputs
+to bfloat16, and the checks compare two programs' numbers), and the warm start
+in new processes is left out (one process at a time may hold a TPU, and this
+one does). ``JAX_PLATFORMS=cpu`` runs it on the host CPU anyway.
 """
 
 import os
 
-# Before jax is imported: 8 host CPU devices, CPU only.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before jax is imported: 8 host CPU devices should the CPU be all JAX finds.
+# The flag shapes only JAX's CPU backend, so it is set whatever the machine
+# has; which backend runs the tour is JAX's choice (JAX_PLATFORMS, if set, or
+# the accelerator it finds before the CPU).
+_HOST_DEVICES = "--xla_force_host_platform_device_count"
+if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+    f for f in (os.environ.get("XLA_FLAGS"), f"{_HOST_DEVICES}=8") if f
+  )
 
 import functools  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import jaxworks_bench as jb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxworks import axis_names  # noqa: E402
@@ -47,8 +58,8 @@ from jaxworks import jit_cache  # noqa: E402
 from jaxworks import pmap_chunked  # noqa: E402
 from jaxworks import stages_aot  # noqa: E402
 
-# The platform JAX runs on: 8 host CPU devices on the CPU (the tour's
-# default), the devices present on an accelerator.
+# The platform JAX runs on: the devices present on an accelerator, 8 host
+# CPU devices where JAX found none.
 PLATFORM = jax.default_backend()
 ON_ACCELERATOR = PLATFORM != "cpu"
 N_DEVICES = jax.device_count() if ON_ACCELERATOR else 8
@@ -99,6 +110,76 @@ def close(a, b, rtol=1e-5, atol=1e-6):
     np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
   )
+
+
+# ------------------------------------------------------------------------ timing
+
+
+def timed_call(fn):
+  """``(seconds, result)`` of one call of ``fn()``, its result awaited."""
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn())
+  return time.perf_counter() - start, result
+
+
+def _per_call(fn, inner):
+  """Seconds per call of ``inner`` back-to-back calls, the last awaited."""
+  start = time.perf_counter()
+  for _ in range(inner - 1):
+    fn()
+  jax.block_until_ready(fn())
+  return (time.perf_counter() - start) / inner
+
+
+def median_pair(ours, reference, repeats, inner=1):
+  """Medians ``(ours, reference)`` of seconds per call. Each repeat times
+  both, alternating which goes first, so both share the drift of a busy
+  machine; garbage is collected before each timing and the GC kept off
+  during it (as ``timeit`` does)."""
+  t_ours, t_ref = [], []
+  for r in range(repeats):
+    order = [(t_ours, ours), (t_ref, reference)]
+    for sink, fn in reversed(order) if r % 2 else order:
+      gc.collect()
+      gc.disable()
+      try:
+        sink.append(_per_call(fn, inner))
+      finally:
+        gc.enable()
+  return statistics.median(t_ours), statistics.median(t_ref)
+
+
+def run_fresh(code, env):
+  """Runs the snippet ``code`` in a new Python process that imports what
+  this one does, with ``env`` added; returns the JSON value it printed last."""
+  path = os.pathsep.join(p for p in sys.path if p)
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    env=dict(os.environ, PYTHONPATH=path, **env),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  if proc.returncode != 0:
+    raise RuntimeError(
+      f"a new process exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    )
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fmt_seconds(seconds):
+  """``1.23 ms``-style text with 3 significant digits."""
+  for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+    if seconds >= scale or unit == "ns":
+      value = seconds / scale
+      digits = 0 if value >= 100 else 1 if value >= 10 else 2
+      return f"{value:.{digits}f} {unit}"
+
+
+def fmt_speedup(value):
+  """``9.4x``-style text: 3 significant digits, thousands separated."""
+  return f"{value:,.0f}x" if value >= 1000 else f"{value:.3g}x"
 
 
 # ------------------------------------------------------------------------ the model
@@ -380,13 +461,13 @@ def cache_stats(params, batch, restored, batch_on_devices, layer, traces):
   # when it rebuilds its step (e.g. in a loop over runs). jax.pmap traces, lowers and compiles again;
   # jaxworks traces (hitting the inner-jit cache) and reuses the compiled executable.
   before = jit_cache.stats()
-  ours, out = jb.timed_call(
+  ours, out = timed_call(
     lambda: pmapped_step(layer)(restored, batch_on_devices)
   )
   after = jit_cache.stats()
-  stock, stock_out = jb.timed_call(lambda: stock_train_step()(params, batch))
+  stock, stock_out = timed_call(lambda: stock_train_step()(params, batch))
   print(
-    f"   first call of a re-created step: jaxworks {jb.fmt_seconds(ours)}, stock jax.pmap {jb.fmt_seconds(stock)}"
+    f"   first call of a re-created step: jaxworks {fmt_seconds(ours)}, stock jax.pmap {fmt_seconds(stock)}"
   )
   print("   jit_cache.stats() around it:")
   for field in ("hits", "misses", "traces", "compiles", "executable_reuses"):
@@ -430,11 +511,11 @@ print(json.dumps({"s": seconds, "hits": s.persistent_hits, "misses": s.persisten
 def warm_start_in_a_second_process():
   with tempfile.TemporaryDirectory(prefix="jaxworks_tour_cache_") as cache:
     env = {"JAXWORKS_JIT_CACHE_DIR": cache}
-    _, first = jb.run_fresh(WARM_START, env=env)
-    _, second = jb.run_fresh(WARM_START, env=env)
+    first = run_fresh(WARM_START, env)
+    second = run_fresh(WARM_START, env)
   print(
-    f"   warm start in a second process (JAX's persistent cache): first process {jb.fmt_seconds(first['s'])} "
-    f"({first['misses']} entries written), second {jb.fmt_seconds(second['s'])} "
+    f"   warm start in a second process (JAX's persistent cache): first process {fmt_seconds(first['s'])} "
+    f"({first['misses']} entries written), second {fmt_seconds(second['s'])} "
     f"({second['hits']} loaded, {second['misses']} written)"
   )
   check(
@@ -524,7 +605,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     lambda: axis_names.used_axis_names(closed),
     lambda: named_axis_effects(closed),
   )
-  times.append(jb.median_pair(ours, stock, repeats=5, inner=2000))
+  times.append(median_pair(ours, stock, repeats=5, inner=2000))
 
   # batched_transfer: 64 small numpy leaves onto the batch sharding (8 devices).
   sharding = batch_on_devices["x"].sharding
@@ -539,7 +620,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     close(ours(), stock(), rtol=0, atol=0),
     "batched_transfer.device_put equals jax.device_put on the timing tree",
   )
-  times.append(jb.median_pair(ours, stock, repeats=7, inner=5))
+  times.append(median_pair(ours, stock, repeats=7, inner=5))
 
   # jit_cache: the first call of a re-created closure, and a cached call.
   x = jnp.arange(256.0)
@@ -548,10 +629,10 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     lambda: jax.jit(make_chain())(x),
   )
   check(close(ours(), stock()), "jit_cache.jit equals jax.jit")
-  times.append(jb.median_pair(ours, stock, repeats=5))
+  times.append(median_pair(ours, stock, repeats=5))
   f_ours, f_stock = jit_cache.jit(make_chain()), jax.jit(make_chain())
   ours, stock = lambda: f_ours(x), lambda: f_stock(x)
-  times.append(jb.median_pair(ours, stock, repeats=7, inner=200))
+  times.append(median_pair(ours, stock, repeats=7, inner=200))
 
   # stages_aot: trace, lower for cpu+tpu, export and serialize a fresh
   # function each time.
@@ -566,7 +647,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     export = jax.export.export(jax.jit(make_chain()), platforms=platforms)
     return np.frombuffer(export(x).serialize(), np.uint8)
 
-  times.append(jb.median_pair(export_ours, export_stock, repeats=5))
+  times.append(median_pair(export_ours, export_stock, repeats=5))
 
   # pmap_chunked: dispatch of the cached training step, both on the same
   # device-resident inputs.
@@ -578,7 +659,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
     close(ours(), stock()),
     "the pmap_chunked step equals jax.pmap's on the restored inputs",
   )
-  times.append(jb.median_pair(ours, stock, repeats=7, inner=20))
+  times.append(median_pair(ours, stock, repeats=7, inner=20))
 
   print(
     f"   medians of interleaved repeats, {jax.device_count()} "
@@ -592,7 +673,7 @@ def timings(params, batch, restored, batch_on_devices, step, stock_step):
   rows = [line.split(" | ") for line in TIMED.format(n=N_DEVICES).splitlines()]
   for (package, measure, what), (ours, stock) in zip(rows, times):
     print(
-      f"   | {package} | {measure} | {jb.fmt_seconds(ours)} | {jb.fmt_seconds(stock)} | {what} | {jb.fmt_speedup(stock / ours)} |"
+      f"   | {package} | {measure} | {fmt_seconds(ours)} | {fmt_seconds(stock)} | {what} | {fmt_speedup(stock / ours)} |"
     )
   check(
     len(times) == len(rows) and len({r[0] for r in rows}) == 5,

@@ -134,11 +134,8 @@ def test_wheels_install_and_pass_the_smoke_test(
 @pytest.mark.parametrize("version", ["3.12", "3.13"])
 def test_tour_runs_from_the_combined_wheel(version, tmp_path_factory, tmp_path):
   python = _venv(version, tmp_path_factory)
-  for env, name in [
-    ("JAXWORKS_TOUR", "tour.py"),
-    ("JAXWORKS_BENCH_SUPPORT", "jaxworks_bench.py"),
-  ]:
-    (tmp_path / name).write_text(pathlib.Path(os.environ[env]).read_text())
+  tour = pathlib.Path(os.environ["JAXWORKS_TOUR"]).read_text()
+  (tmp_path / "tour.py").write_text(tour)
   out = _run(
     [python, str(tmp_path / "tour.py")], cwd=str(tmp_path), timeout=1200
   )

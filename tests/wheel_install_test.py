@@ -355,24 +355,27 @@ def test_extensions_export_only_their_init_function(tmp_path):
 
 
 def test_combined_wheel_runs_the_tour(tmp_path_factory, tmp_path):
-  """The tour, copied out of the repository, runs against the installed combined wheel alone (beside jaxworks_bench)."""
+  """The tour, copied out of the repository, runs against the installed
+  combined wheel alone, as the README's command runs it: no JAX_PLATFORMS,
+  so JAX picks the backend, and on a machine without an accelerator (CI)
+  the tour falls back to 8 host CPU devices."""
   python = _installed_python("combined", tmp_path_factory)
   tour = tmp_path / "tour.py"
   with open(os.environ["JAXWORKS_TOUR"], encoding="utf-8") as f:
     tour.write_text(f.read())
-  # Its timing helpers (//benchmarks:support) are not part of any wheel.
-  with open(os.environ["JAXWORKS_BENCH_SUPPORT"], encoding="utf-8") as f:
-    (tmp_path / "jaxworks_bench.py").write_text(f.read())
+  env = clean_env()
+  del env["JAX_PLATFORMS"]
   out = subprocess.run(
     [python, str(tour)],
     cwd=str(tmp_path),
     capture_output=True,
     text=True,
-    env=clean_env(),
+    env=env,
     timeout=600,
   )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "All checks passed" in out.stdout
+  assert ", 8 cpu devices" in out.stdout, out.stdout[:2000]
 
 
 def test_console_script_runs_after_pip_install(tmp_path_factory, tmp_path):

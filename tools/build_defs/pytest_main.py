@@ -5,6 +5,7 @@ bazel-testlogs) and TESTBRIDGE_TEST_ONLY (`bazel test --test_filter=EXPR` become
 pytest's status, so a failing test fails the target.
 """
 
+import json
 import os
 import sys
 
@@ -84,7 +85,32 @@ def main():
     "HYPOTHESIS_STORAGE_DIRECTORY",
     os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), ".hypothesis"),
   )
-  sys.exit(pytest.main(args, plugins=[_JaxworksOptions()]))
+  status = pytest.main(args, plugins=[_JaxworksOptions()])
+  devices = os.environ.get("JAXWORKS_DEVICES_FILE")
+  if devices:
+    write_devices(devices)
+  sys.exit(status)
+
+
+def write_devices(path):
+  """Writes which devices the tests ran on, as JSON (tools/hardware_tests.py
+  puts them in its results)."""
+  try:
+    import jax
+
+    device = jax.devices()[0]
+    info = {
+      "platform": device.platform,
+      "device_kind": device.device_kind,
+      "device_count": jax.device_count(),
+      "platform_version": " ".join(
+        str(getattr(device.client, "platform_version", "")).split()
+      ),
+    }
+  except Exception as e:  # noqa: BLE001 - reported by the reader
+    info = {"error": f"{type(e).__name__}: {e}"}
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(info, f)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The trace cache: inner hits re-emit cached jaxprs; stages share it."""
 
+import functools
 import gc
 import os
 import weakref
@@ -323,3 +324,38 @@ def test_mutable_refs_defer_to_jax():
   if ref is None:
     pytest.skip("no jax.new_ref")
   np.testing.assert_array_equal(f(ref, jnp.ones(3)), jnp.full(3, 2.0))
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: lambda x: x + 1,
+    lambda: functools.partial(lambda x, y: x + y, 1),
+  ],
+  ids=["function", "partial"],
+)
+def test_jit_computes_the_function_name_once(monkeypatch, make):
+  """jit's path names the function once (argnums.fun_name) and hands the
+  name on: the weak proxy and the counting wrapper reuse it."""
+  from jaxworks.jit_cache._src import argnums  # pylint: disable=g-import-not-at-top
+
+  real = argnums.fun_name
+  calls = []
+  depth = [0]
+
+  def counting(fun):
+    if not depth[0]:  # not fun_name's own recursion into a partial
+      calls.append(fun)
+    depth[0] += 1
+    try:
+      return real(fun)
+    finally:
+      depth[0] -= 1
+
+  monkeypatch.setattr(argnums, "fun_name", counting)
+  fun = make()
+  f = jit(fun)
+  assert len(calls) == 1 and calls[0] is fun
+  assert f(jnp.float32(1.0)) == 2.0
+  assert len(calls) == 1  # the first call (a trace) names nothing again
+  assert f.trace(jnp.float32(1.0)).fun_name == real(fun)

@@ -231,14 +231,14 @@ def current_source_info():
   return _source_info_util.current()
 
 
-def stage_eqn(
-  trace, eqn, in_tracers, out_avals, params, effects, src, ctx, atoms
-):
-  """Emits ``eqn`` (with the given params, avals, effects, context) into
-  ``trace``, folding constants as JAX's own inlining does; the out tracers.
+def stage_eqn(trace, eqn, in_tracers, out_avals, atoms):
+  """Emits ``eqn`` (its primitive, params, effects, source info and context;
+  its variables are not read) into ``trace`` with the given inputs and out
+  avals, folding constants as JAX's own inlining does; the out tracers.
 
   ``atoms`` maps the source jaxpr's variables to their variables (or
   literals) in ``trace`` (for effects tied to an input)."""
+  params, effects, src = eqn.params, eqn.effects, eqn.source_info
   folded = _pe.try_constant_folding(
     eqn.primitive, in_tracers, params, out_avals
   )
@@ -255,7 +255,7 @@ def stage_eqn(
       for e in effects
     }
   return trace.emit_eqn(
-    in_tracers, out_avals, eqn.primitive, params, effects, src, ctx
+    in_tracers, out_avals, eqn.primitive, params, effects, src, eqn.ctx
   )
 
 

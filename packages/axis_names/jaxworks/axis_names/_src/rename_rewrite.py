@@ -442,9 +442,10 @@ class Renamer:
         for k, v in eqn.params.items():
           if k != param and k not in callables:
             params[k] = self.param(v, inner)
-      outs = stage_eqn(
-        trace, eqn, ins, out_avals, params, effects, where, ctx[1], atoms
+      staged = eqn.replace(
+        params=params, effects=effects, source_info=where, ctx=ctx[1]
       )
+      outs = stage_eqn(trace, staged, ins, out_avals, atoms)
       for v, t in zip(outvars, outs):
         take(v, t)
     outs = [tracer_of(v, src) for v in jaxpr.outvars]

@@ -113,14 +113,13 @@ def place(
   src: Any = None,
   donate: Any = False,
   may_alias: Any = None,
-  copy_host: bool = False,
   private_host: bool = False,
   api: str = f"{_API}.device_put",
   as_stock: bool = False,
 ) -> Any:
-  """device_put, plus ``copy_host``: never alias host memory; and
-  ``private_host``: the numpy leaves are the caller's own buffers, which a
-  device may take over, but never two devices one buffer (restore's reads).
+  """device_put, plus ``private_host``: the numpy leaves are the caller's
+  own buffers, which a device may take over, but never two devices one
+  buffer (restore's reads).
   ``as_stock``: Format targets under a context mesh are jax.device_put's
   (the public entry point), else placed on the given devices whatever the
   context mesh."""
@@ -156,9 +155,7 @@ def place(
       # every device it sees against the context mesh (and raises
       # ValueError where they differ): the whole call is stock's.
       return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
-    out = transfer.execute(
-      req, batches, copy_host=copy_host, private_host=private_host
-    )
+    out = transfer.execute(req, batches, private_host=private_host)
   except (ValueError, TypeError, AssertionError, jax.errors.JaxRuntimeError):
     # Report what jax.device_put would report first: a bad leaf, then the first leaf (in
     # tree order) its sharding cannot hold. Groups are placed in another order. (A

@@ -320,9 +320,9 @@ def _make(fun: Callable, options: dict) -> JitFunction:
     ref = weakref.ref(fun, functools.partial(_forget_cores, fun_id))
   except TypeError as e:
     # Validate the options now (as jax.jit does), fail when used.
-    _JitCore(fun, name, state, **options)
+    _JitCore(fun, name, state, options)
     return JitFunction(fun, _Unusable(_weakref_message(fun, e)), options)
-  core = _JitCore(_WeakCallable(fun, ref), name, state, **options)
+  core = _JitCore(_WeakCallable(fun, name, ref), name, state, options)
   if key is not None:
     with _CORES_LOCK:
       item = _CORES.get(fun_id)
@@ -546,7 +546,7 @@ def make_jaxpr(
     # Not weakly referenceable (jax.make_jaxpr accepts it): a private core
     # holding it (no sharing).
     options = dict(_DEFAULT_OPTIONS, static_argnums=static_argnums)
-    core = _JitCore(fun, _argnums.fun_name(fun), _fun_state(fun), **options)
+    core = _JitCore(fun, _argnums.fun_name(fun), _fun_state(fun), options)
     wrapped = JitFunction(fun, core, options)
 
   @functools.wraps(fun)

@@ -90,8 +90,9 @@ REGISTRY: weakref.WeakSet[_JitCore] = weakref.WeakSet()
 REGISTRY_LOCK = threading.Lock()
 
 
-def _counting(fun: Callable, counters: _cache.Counters) -> Callable:
-  """``fun``, counting its executions (= traces) in ``counters``."""
+def _counting(fun: Callable, name: str, counters: _cache.Counters) -> Callable:
+  """``fun`` (named ``name``), counting its executions (= traces) in
+  ``counters``."""
 
   @functools.wraps(fun)
   def traced_fun(*args, **kwargs):
@@ -100,8 +101,8 @@ def _counting(fun: Callable, counters: _cache.Counters) -> Callable:
     return fun(*args, **kwargs)
 
   # functools.wraps skips what `fun` lacks (a partial has no __name__): keep
-  # the name jax.jit would report for `fun` itself.
-  traced_fun.__name__ = _argnums.fun_name(fun)
+  # the name jax.jit would report for `fun` itself (computed once, by jit).
+  traced_fun.__name__ = name
   traced_fun.__qualname__ = getattr(fun, "__qualname__", traced_fun.__name__)
   return traced_fun
 
@@ -119,9 +120,9 @@ class _WeakCallable:
     TypeError: ``fun`` is not weakly referenceable.
   """
 
-  def __init__(self, fun: Callable, ref: Any = None):
+  def __init__(self, fun: Callable, name: str, ref: Any = None):
     self._ref = weakref.ref(fun) if ref is None else ref
-    self.__name__ = _argnums.fun_name(fun)
+    self.__name__ = name
     self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
     # None when fun has no module (typeshed types __module__ as str only).
     self.__module__ = getattr(fun, "__module__", None)  # type: ignore[assignment]
@@ -287,7 +288,7 @@ class _TraceCache(_Arguments):
     # jax.jit does the rest of the per-function preprocessing once, here; we
     # ask it to trace on misses (through a wrapper that counts the Python
     # executions) and defer to it in its debug modes.
-    self._jax = _stock_jit(_counting(fun, self._counters), **jax_kwargs)
+    self._jax = _stock_jit(_counting(fun, name, self._counters), **jax_kwargs)
     self._cache = _cache.FunctionCache(maxsize, self._counters)
 
   @property
@@ -432,24 +433,13 @@ class _JitCore(_TraceCache):
   options (see :func:`jit`)."""
 
   def __init__(
-    self,
-    fun: Callable,
-    name: str,
-    fun_state: tuple,
-    *,
-    static_argnums: Any,
-    static_argnames: Any,
-    donate_argnums: Any,
-    donate_argnames: Any,
-    in_shardings: Any,
-    out_shardings: Any,
-    keep_unused: bool,
-    device: Any,
-    backend: Any,
-    inline: bool,
-    compiler_options: dict[str, Any] | None,
-    maxsize: int,
+    self, fun: Callable, name: str, fun_state: tuple, options: dict[str, Any]
   ):
+    """``options``: :func:`jit`'s keyword arguments, all of them."""
+    static_argnums = options["static_argnums"]
+    static_argnames = options["static_argnames"]
+    donate_argnums = options["donate_argnums"]
+    donate_argnames = options["donate_argnames"]
     specs = (static_argnums, static_argnames, donate_argnums, donate_argnames)
     signature = (
       None
@@ -477,19 +467,19 @@ class _JitCore(_TraceCache):
       static_argnames=s_names,
       donate_argnums=parsed[2],
       donate_argnames=parsed[3],
-      keep_unused=keep_unused,
-      inline=inline,
-      compiler_options=compiler_options,
+      keep_unused=options["keep_unused"],
+      inline=options["inline"],
+      compiler_options=options["compiler_options"],
     )
-    if in_shardings is not UNSET:
-      jax_kwargs["in_shardings"] = in_shardings
-    if out_shardings is not UNSET:
-      jax_kwargs["out_shardings"] = out_shardings
-    if device is not None:
-      jax_kwargs["device"] = device
-    if backend is not None:
-      jax_kwargs["backend"] = backend
-    super().__init__(fun, name, s_nums, s_names, jax_kwargs, maxsize)
+    for key, unset in (
+      ("in_shardings", UNSET),
+      ("out_shardings", UNSET),
+      ("device", None),
+      ("backend", None),
+    ):
+      if options[key] is not unset:
+        jax_kwargs[key] = options[key]
+    super().__init__(fun, name, s_nums, s_names, jax_kwargs, options["maxsize"])
     self_ref = weakref.ref(self)
     self._counters.owner = self_ref
 
@@ -509,7 +499,7 @@ class _JitCore(_TraceCache):
         raise found from e
 
     self._dispatcher = ji.make_dispatcher(
-      name, fun, cache_miss, s_nums, s_names, maxsize
+      name, fun, cache_miss, s_nums, s_names, options["maxsize"]
     )
     dispatcher = self._dispatcher
 

@@ -154,9 +154,7 @@ def pmap(
     >>> print(scale(jnp.ones(8), 3))
     [3. 3. 3. 3. 3. 3. 3. 3.]
   """
-  return Pmapped(
-    fun,
-    axis_name,
+  options = pmap_lib.PmapOptions(
     in_axes=in_axes,
     out_axes=out_axes,
     static_broadcasted_argnums=static_broadcasted_argnums,
@@ -167,6 +165,7 @@ def pmap(
     chunked=chunked,
     maxsize=maxsize,
   )
+  return Pmapped(fun, axis_name, options)
 
 
 @jax_internals.api_boundary

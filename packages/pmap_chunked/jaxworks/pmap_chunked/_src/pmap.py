@@ -140,6 +140,22 @@ def _any_arguments(*args, **kwargs):
   del args, kwargs
 
 
+@dataclasses.dataclass(frozen=True)
+class PmapOptions:
+  """:func:`jaxworks.pmap_chunked.pmap`'s keyword arguments, as passed (a
+  :class:`Pmapped` checks them)."""
+
+  in_axes: Any = 0
+  out_axes: Any = 0
+  static_broadcasted_argnums: Any = ()
+  devices: Any = None
+  backend: str | None = None
+  axis_size: int | None = None
+  donate_argnums: Any = ()
+  chunked: bool = False
+  maxsize: int = DEFAULT_MAXSIZE
+
+
 class Pmapped:
   """A function mapped over devices by :func:`jaxworks.pmap_chunked.pmap`.
 
@@ -162,32 +178,19 @@ class Pmapped:
   __defaults__ = None
   __kwdefaults__ = None
 
-  def __init__(
-    self,
-    fun: Callable,
-    axis_name: Any,
-    *,
-    in_axes: Any,
-    out_axes: Any,
-    static_broadcasted_argnums: Any,
-    devices: Any,
-    backend: str | None,
-    axis_size: int | None,
-    donate_argnums: Any,
-    chunked: bool,
-    maxsize: int = DEFAULT_MAXSIZE,
-  ):
+  def __init__(self, fun: Callable, axis_name: Any, options: PmapOptions):
     _check_fun(fun)
-    _check_options(axis_name, chunked, maxsize, backend)
-    in_axes = axes_lib.check_axes_spec(API, "in_axes", in_axes)
-    out_axes = axes_lib.check_axes_spec(API, "out_axes", out_axes)
+    maxsize = options.maxsize
+    _check_options(axis_name, options.chunked, maxsize, options.backend)
+    in_axes = axes_lib.check_axes_spec(API, "in_axes", options.in_axes)
+    out_axes = axes_lib.check_axes_spec(API, "out_axes", options.out_axes)
     self._args = Arguments(
       fun,
       in_axes,
-      static_broadcasted_argnums=static_broadcasted_argnums,
-      donate_argnums=donate_argnums,
-      devices=devices,
-      axis_size=axis_size,
+      static_broadcasted_argnums=options.static_broadcasted_argnums,
+      donate_argnums=options.donate_argnums,
+      devices=options.devices,
+      axis_size=options.axis_size,
       maxsize=maxsize,
     )
     self._programs = Programs(
@@ -195,8 +198,8 @@ class Pmapped:
       axis_name,
       out_axes=out_axes,
       arguments=self._args,
-      backend=backend,
-      chunked=chunked,
+      backend=options.backend,
+      chunked=options.chunked,
     )
     # Program table: key -> Entry, least recently used dropped first.
     self._maxsize = maxsize
