@@ -52,7 +52,11 @@ MIRRORS = {
 }
 
 # (Named without its issue number: tests/repo_test.py refuses those.)
-_REWRITE = "being rewritten (the checkpoint layer's rework in progress)"
+_REWRITE = (
+  "a public entry point whose options are keyword-only, one per setting, as "
+  "orbax's and jax.device_put's are (CheckpointManagerOptions groups the "
+  "manager's); the functions behind it take the options as one object"
+)
 #: Function -> why it may take more than 8 parameters for now.
 ALLOWED = {
   "batched_transfer/_src/checkpoint/api.py::save": _REWRITE,
