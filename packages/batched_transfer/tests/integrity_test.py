@@ -106,13 +106,13 @@ def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
   path = tmp_path / "p"
   t1, t2 = {"x": np.zeros(4)}, {"x": np.ones(4)}
   gate = threading.Event()
-  real = destination.LocalDirectory.write
+  real = destination.DirectorySave.write
 
   def slow(*a, **k):
     gate.wait(30)
     return real(*a, **k)
 
-  destination.LocalDirectory.write = slow
+  destination.DirectorySave.write = slow
   try:
     h1 = bt.save(path, t1, blocking=False)
     with pytest.raises(FileExistsError, match="still being written"):
@@ -122,7 +122,7 @@ def test_pending_non_blocking_saves_reserve_their_path(tmp_path):
     h3 = bt.save(path, t2, blocking=False, overwrite=True)  # allowed
   finally:
     gate.set()
-    destination.LocalDirectory.write = real
+    destination.DirectorySave.write = real
   h3.wait()
   try:  # committed first and replaced by h3, or refused after h3's commit
     h1.wait()

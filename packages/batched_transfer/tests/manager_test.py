@@ -125,7 +125,7 @@ def test_a_failed_background_save_is_raised_by_the_next_call(
   def boom(*a):
     raise OSError(28, "No space left on device")
 
-  monkeypatch.setattr(destination.LocalDirectory, "write", boom)
+  monkeypatch.setattr(destination.DirectorySave, "write", boom)
   assert mgr.save(1, tree(1))
   with pytest.raises(OSError, match="No space left"):
     mgr.wait_until_finished()
@@ -406,7 +406,7 @@ def test_metadata_reads_no_arrays_and_reload(tmp_path):
 def test_is_saving_in_progress_and_check_for_errors(tmp_path, monkeypatch):
   mgr = bt.CheckpointManager(tmp_path)
   gate = threading.Event()
-  real = destination.LocalDirectory.write
+  real = destination.DirectorySave.write
   fail = []
 
   def slow(*a, **k):
@@ -415,7 +415,7 @@ def test_is_saving_in_progress_and_check_for_errors(tmp_path, monkeypatch):
       raise OSError(28, "No space left on device")
     return real(*a, **k)
 
-  monkeypatch.setattr(destination.LocalDirectory, "write", slow)
+  monkeypatch.setattr(destination.DirectorySave, "write", slow)
   assert not mgr.is_saving_in_progress()
   mgr.save(1, small(1))
   assert mgr.is_saving_in_progress()

@@ -304,7 +304,7 @@ def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
   def boom(*args):
     raise OSError(5, "Input/output error")
 
-  monkeypatch.setattr(destination.LocalDirectory, "write", boom)
+  monkeypatch.setattr(destination.DirectorySave, "write", boom)
   h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
   h._event.wait()
   with pytest.raises(OSError, match="Input/output error") as info:
@@ -320,9 +320,9 @@ def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
 
 def test_wait_with_a_timeout(tmp_path, monkeypatch):
   gate = threading.Event()
-  real = destination.LocalDirectory.write
+  real = destination.DirectorySave.write
   monkeypatch.setattr(
-    destination.LocalDirectory, "write", lambda *a: (gate.wait(), real(*a))[1]
+    destination.DirectorySave, "write", lambda *a: (gate.wait(), real(*a))[1]
   )
   h = bt.save(tmp_path / "a", {"x": np.ones(2, np.float32)}, blocking=False)
   with pytest.raises(TimeoutError, match="did not finish within"):
@@ -338,10 +338,10 @@ def test_the_process_exit_waits_for_pending_saves(tmp_path):
       import numpy as np
       from jaxworks import batched_transfer as bt
       from jaxworks.batched_transfer._src.checkpoint import destination as m
-      real = m.LocalDirectory.write
+      real = m.DirectorySave.write
       def slow(*a):
         import time; time.sleep(0.5); return real(*a)
-      m.LocalDirectory.write = slow
+      m.DirectorySave.write = slow
       bt.save({str(tmp_path / "c")!r}, {{"x": np.arange(100000.0, dtype=np.float32)}}, blocking=False)
       print("returned", flush=True)
   """)

@@ -93,6 +93,17 @@ import numpy as np
 
 from . import codec
 
+
+def is_npz(path: str) -> bool:
+  """Whether a checkpoint at ``path`` (a local path or a URL) is one
+  ``.npz`` archive (else a directory, a prefix in a bucket): the one rule.
+
+  >>> is_npz("run/ckpt.npz"), is_npz("s3://b/run/ckpt")
+  (True, False)
+  """
+  return path.endswith(".npz")
+
+
 RECORD = "jaxworks_dtypes.json"
 RECORD_FORMAT = 2
 #: The format of a record with ``codecs``.

@@ -141,11 +141,8 @@ class SaveJob:
   def release(self) -> None:
     """This process is done with the save: the path and the destination
     let go."""
-    try:
-      self.destination.close()
-    finally:
-      for r in self.held:
-        r.release()
+    for r in self.held:
+      r.release()
 
   def committed(self) -> None:
     """Runs once the checkpoint is committed (on the writing thread, under
@@ -188,22 +185,22 @@ class SaveJob:
       return a
 
     start = time.perf_counter()
-    dest.begin()
+    save = dest.begin()
     committed = False
     try:
-      sums = dest.write(keys, taken, done, self.options.threads, record.codecs)
+      sums = save.write(keys, taken, done, self.options.threads, record.codecs)
       record.crc32c = sums
       record.dtypes = {k: dtypes[k] for k in keys}
       record.save_id = format.new_save_id()
       data = format.encode_record(record)
-      dest.commit(data)
+      save.commit(data)
       committed = True
     except BaseException:
       if not committed:
-        dest.abort()
+        save.abort()
       raise
     finally:
-      dest.end()
+      save.end()
     LOG.info(
       "saved %s (%d arrays) in %.2f s",
       self.path, len(keys), time.perf_counter() - start,

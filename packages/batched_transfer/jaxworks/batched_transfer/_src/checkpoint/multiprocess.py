@@ -48,6 +48,7 @@ from . import hostvalue
 from . import pending
 from . import writer
 from .destination import Destination
+from .destination import Save
 from .job import SaveJob
 from .keys import check_files
 from .storage import LOG
@@ -496,6 +497,7 @@ class _Collective:
   def __init__(self, board: _Board, job: SaveJob, share: _Share) -> None:
     self.board, self.job, self.share = board, job, share
     self.dest: Destination = job.destination
+    self.save: Save | None = None  # begun (process 0) or attached to
     self.where = dict(zip(job.keys, job.paths))
     self.note = _NOTHING
     self.began = False  # process 0: begun and not committed
@@ -505,25 +507,25 @@ class _Collective:
     with contextlib.ExitStack() as stack:
       try:
         if board.pid == 0:
-          name = dest.begin()
-          stack.callback(dest.end)  # the lock or lease, held to the end
+          self.save = save = dest.begin()
+          stack.callback(save.end)  # the lock or lease, held to the end
           self.began = True
           ids = [f"id/{p}" for p in range(board.count)]
           entries = board.wait(ids, "start the save too", _NOTHING)
           agree(board, entries, self.share.identity)  # before any shard
-          board.post("tmp", name)  # the others may write
+          board.post("tmp", save.name)  # the others may write
         else:
           entries = board.wait(
             ["tmp"], "make the temporary directory", _NOTHING
           )
-          dest.attach(entries["tmp"])
+          self.save = dest.attach(entries["tmp"])
         sums = self._write()
         if board.pid == 0:
           self._commit(sums)
       except BaseException as err:
-        if self.began:  # process 0, under the lock
+        if self.began and self.save is not None:  # process 0, locked
           with contextlib.suppress(Exception):
-            dest.abort()
+            self.save.abort()
         board.fail(err, self.note)
         raise
     self._outcome()
@@ -544,7 +546,8 @@ class _Collective:
       bar.done(i)
 
     try:
-      sums = self.dest.write(
+      assert self.save is not None
+      sums = self.save.write(
         share.stems, take, done, self.job.options.threads, {}
       )
     finally:
@@ -561,7 +564,8 @@ class _Collective:
   def _commit(self, sums: dict[str, list[int]]) -> None:
     """Process 0, every status posted: the agreement checked, the manifest
     and the record committed."""
-    board, dest = self.board, self.dest
+    board, save = self.board, self.save
+    assert save is not None
     statuses = [
       json.loads(v)
       for v in self._all("status", "finish writing", _NOTHING).values()
@@ -569,7 +573,7 @@ class _Collective:
     _check_agreement(board, statuses, sums, self.where)
     manifest, record = _final(self.share.manifest, self.job.record, statuses)
     try:
-      dest.commit(record, manifest)
+      save.commit(record, manifest)
     except BaseException as err:  # its notes say whether it committed
       notes = getattr(err, "__notes__", ())
       self.note = "".join(f"; {n}" for n in notes) or _NOTHING

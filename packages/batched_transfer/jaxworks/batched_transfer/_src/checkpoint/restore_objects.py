@@ -597,7 +597,7 @@ def open_at(
     ValueError: an object that is not what save wrote.
   """
   loc = st.location
-  if loc.name.endswith(".npz") and loc.prefix:
+  if format.is_npz(loc.name) and loc.prefix:
     parent = st.parent()
     if parent.exists(loc.name):
       return _open_npz(api, parent, loc.name)
