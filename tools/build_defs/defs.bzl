@@ -89,24 +89,30 @@ def _backend_env(backend, devices):
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count={}".format(devices)
     return env
 
-def jaxworks_test(name, srcs, deps = [], pypi = [], backends = BACKENDS, devices = 8, args = [], data = [], env = {}, size = "medium", **kwargs):
+def jaxworks_test(name, srcs, deps = [], pypi = [], backends = BACKENDS, devices = 8, one_device = False, args = [], data = [], env = {}, size = "medium", **kwargs):
     """pytest over `srcs`, one target per backend: <name>_cpu / _gpu / _tpu, tagged cpu / gpu / tpu.
 
     Each sets JAX_PLATFORMS (cpu, cuda, tpu); the cpu target gets `devices` host CPU devices through XLA_FLAGS.
+    With `one_device = True` (and "cpu" in `backends`), <name>_cpu_1dev (tagged cpu and one_device) runs the same
+    tests on one host CPU device, what a user with one accelerator has: its tests that need more devices skip
+    (tests/skip_allowlist.txt lists the target).
     pytest's exit status is the test's, so a failure fails the target.
     """
     main = "//tools/build_defs:pytest_main.py"
     tags = kwargs.pop("tags", [])
-    for backend in backends:
+    variants = [(backend, "{}_{}".format(name, backend), devices, [backend]) for backend in backends]
+    if one_device and "cpu" in backends:
+        variants.append(("cpu", "{}_cpu_1dev".format(name), 1, ["cpu", "one_device"]))
+    for backend, target, count, backend_tags in variants:
         py_test(
-            name = "{}_{}".format(name, backend),
+            name = target,
             srcs = srcs + [main],
             main = main,
             args = ["$(rootpath {})".format(src) for src in srcs] + args,
             deps = deps + [_dev_label(p) for p in pypi] + [_dev_label("pytest"), "//tools/build_defs:testing"],
             data = data,
-            env = dict(env, **_backend_env(backend, devices)),
-            tags = tags + [backend],
+            env = dict(env, **_backend_env(backend, count)),
+            tags = tags + backend_tags,
             size = size,
             **kwargs
         )

@@ -276,14 +276,6 @@ def pick(present, *indices):
   return out
 
 
-def known_bug(condition: bool, what: str) -> None:
-  """Skips the rest of the calling test where ``condition`` holds: a
-  difference from stock JAX seen only there (one device, say), a bug to fix
-  in the package, named in the skip reason so every run counts it."""
-  if condition:
-    pytest.skip(f"known bug on {platform()} x {device_count()}: {what}")
-
-
 def exact_matmuls():
   """A context for comparing two programs' float32 numbers: on an
   accelerator, matrix products at float32 precision

@@ -54,6 +54,18 @@ def _mixed():
 
 
 @functools.cache
+def _one():
+  # A mesh (1, 1) of the first device: what a machine with one chip has,
+  # on every device count.
+  return jax.make_mesh(
+    (1, 1),
+    ("a", "b"),
+    axis_types=(AxisType.Explicit, AxisType.Auto),
+    devices=jax.devices()[:1],
+  )
+
+
+@functools.cache
 def _half():
   devices = jax.devices()
   return Mesh(np.array(devices[len(devices) // 2 :]), ("x",))
@@ -151,6 +163,28 @@ CASES = {
   "rank, auto": lambda: (f32(8), on(_auto(), None, "x"), {}),
   "rank 0": lambda: (np.float32(1), on(_explicit(), "x"), {}),
   "rank, device array": lambda: (jax.numpy.ones(8), on(_mixed(), "a", "b"), {}),
+  # From one device to a sharding over it alone (which jaxworks copied
+  # there without checking the spec).
+  "rank, device array to one device": lambda: (
+    jax.numpy.ones(8),
+    on(_one(), "a", "b"),
+    {},
+  ),
+  "rank, committed array to one device": lambda: (
+    jax.device_put(f32(8), _dev(0)),
+    on(_one(), None, "b"),
+    {},
+  ),
+  "rank, donated array to one device": lambda: (
+    jax.device_put(f32(8), _dev(0)),
+    on(_one(), "a", "b"),
+    {"donate": True},
+  ),
+  "rank 0, device array to one device": lambda: (
+    jax.numpy.float32(1),
+    on(_one(), "a"),
+    {},
+  ),
   # Targets, prefixes and flags.
   "target str": lambda: (f32(3), "cpu", {}),
   "target int": lambda: (f32(3), 3, {}),
@@ -191,23 +225,8 @@ def outcome(fn, value, target, kwargs):
     return err
 
 
-# Cases where this package differs from stock on one device (a TPU machine's
-# one chip), each a bug to fix in the package; the CPU target's 8 devices
-# never reach them.
-ONE_DEVICE_BUGS = {
-  "rank, device array": (
-    "an array already on the one device of a mesh (1, 1) is returned as is, "
-    "without the spec-rank check stock makes (ValueError)"
-  ),
-}
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_same_exception_class_as_stock(name):
-  jwt.known_bug(
-    name in ONE_DEVICE_BUGS and len(jax.devices()) == 1,
-    ONE_DEVICE_BUGS.get(name, ""),
-  )
   want = outcome(stock, *CASES[name]())
   got = outcome(bt.device_put, *CASES[name]())
   if not isinstance(want, Exception):

@@ -155,12 +155,10 @@ def test_out_axes_none_nonzero_negative_and_pytrees():
   )
   assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, stock)
   assert out["a"].shape == (2, 3, N)
-  jwt.known_bug(
-    N == 1,
-    "with out_axes=-1 over one device the output's spec is P('i') where "
-    "stock's is P(None, None, 'i')",
-  )
   assert out["a"].sharding.spec == P(None, None, "i")
+  assert out["a"].sharding == stock["a"].sharding
+  assert out["b"][0].sharding == stock["b"][0].sharding
+  assert out["b"][1].sharding == stock["b"][1].sharding
   assert out["b"][1].shape == ()  # out_axes None: unmapped
   assert _shard_shapes(out["a"]) == _shard_shapes(stock["a"]) == [(2, 3, 1)]
   assert _shard_shapes(out["b"][0]) == _shard_shapes(stock["b"][0])
@@ -171,6 +169,66 @@ def test_out_axes_none_nonzero_negative_and_pytrees():
     pmap(f, "i", out_axes=same)(x),
     jax.pmap(f, "i", out_axes=same)(x),
   )
+
+
+def _x(*shape):
+  return jnp.arange(float(np.prod(shape))).reshape(shape)
+
+
+# Calls whose outputs' shardings a program over one device used to get
+# wrong: left to the compiler there, every output took the first input's
+# sharding when of its rank, and P() when not (upstream pmap_test.py's
+# testPartiallyMapped).
+OUTPUT_SHARDING_CASES = {
+  "out_axes=1": lambda p: p(lambda v: v * 2, "i", out_axes=1)(_x(N, 2)),
+  "out_axes=2, rank 3": lambda p: p(lambda v: v + 1, out_axes=2)(_x(N, 2, 3)),
+  "out_axes=1 from in_axes=1": lambda p: p(
+    lambda v: v.T, in_axes=1, out_axes=1
+  )(_x(3, N, 2)),
+  "partially mapped": lambda p: p(lambda x, y: x, in_axes=(None, 0))(
+    np.float32(3.0), _x(N, 4)
+  ),
+  "partially mapped, psum": lambda p: p(
+    lambda x, y: x - jax.lax.psum(y, "i"), "i", in_axes=(None, 0)
+  )(np.float32(3.0), _x(N, 4)),
+  "a pytree of out_axes": lambda p: p(
+    lambda v: {"a": v, "b": v.sum(), "c": (v[None], v)},
+    "i",
+    out_axes={"a": 1, "b": None, "c": (0, 1)},
+  )(_x(N, 2)),
+  "an unmapped output of the input's rank": lambda p: p(
+    lambda v: jnp.ones(2), out_axes=None
+  )(_x(N)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_SHARDING_CASES))
+def test_output_shardings_equal_stock(case):
+  got = OUTPUT_SHARDING_CASES[case](pmap)
+  want = OUTPUT_SHARDING_CASES[case](jax.pmap)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.sharding == w.sharding, (g.sharding, w.sharding)
+    assert len(g.sharding.spec) == len(w.sharding.spec)
+    assert (g.shape, g.dtype, g.committed) == (w.shape, w.dtype, w.committed)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_lowered_output_shardings_equal_stock():
+  x = _x(N, 2)
+  got = pmap(lambda v: v * 2, "i", out_axes=1).lower(x).compile()
+  want = jax.pmap(lambda v: v * 2, "i", out_axes=1).lower(x).compile()
+  assert got.output_shardings == want.output_shardings
+
+
+def test_negative_out_axes_have_the_sharding_of_their_twin():
+  x = _x(N, 2, 3)
+  out = pmap(lambda v: v * 2, "i", out_axes=-1)(x)
+  assert out.sharding.spec == P(None, None, "i")
+  assert out.committed
+  again = pmap(lambda v: v * 2, "i", out_axes=2)(x)
+  assert out.sharding == again.sharding
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
 
 
 def test_chunked_negative_out_axes():

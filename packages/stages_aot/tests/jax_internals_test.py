@@ -153,3 +153,26 @@ def test_stage_as_shares_the_stock_state():
   np.testing.assert_array_equal(mc(x), compiled(x))
   assert mc.input_formats == compiled.input_formats
   assert mc.runtime_executable() is compiled.runtime_executable()
+
+
+def test_one_device_shardings_are_those_of_stock_compile():
+  # A mesh of the first device (on any device count): stock's own compile
+  # of the same lowering says which shardings its executable has.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
+  named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+  x = jax.device_put(np.ones((8, 2), np.float32), named)
+  g = lambda a, b, unused: (jnp.sin(a), a.sum() + b, {"t": a.T})
+  lowered = jax.jit(g).trace(x, jnp.float32(1), 3.0).lower()
+  ins, outs = jax_internals.one_device_shardings(lowered)
+  compiled = lowered.compile()
+  assert ins[:2] == list(compiled.input_shardings[0][:2])
+  assert len(ins) == 2  # the unused argument is dropped at its end
+  assert outs == jax.tree.leaves(compiled.output_shardings)
+  assert outs[0] == named
+  # Over more devices, or none fixed: None.
+  assert (
+    jax_internals.one_device_shardings(
+      jax.jit(g).trace(np.ones(3), 1.0, 2.0).lower()
+    )
+    is None
+  )

@@ -336,11 +336,6 @@ def test_multi_platform_compile_keeps_shardings_kwargs_and_pytrees():
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, ref
   )
-  jwt.known_bug(
-    len(jax.devices()) == 1,
-    "a program lowered for several platforms, run over a mesh of one device, "
-    "returns a SingleDeviceSharding where stock keeps the NamedSharding",
-  )
   assert out[0].sharding == ref[0].sharding == sy
   assert compiled.input_shardings[0][0] == sx
 
@@ -372,13 +367,6 @@ def test_compile_runs_where_the_arguments_are(where, platforms):
   got = compiled(x)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert got.committed == want.committed
-  jwt.known_bug(
-    len(jax.devices()) == 1
-    and len(platforms) > 1
-    and isinstance(want.sharding, NamedSharding),
-    "a program lowered for several platforms, run over a mesh of one device, "
-    "returns a SingleDeviceSharding where stock keeps the NamedSharding",
-  )
   assert got.sharding == want.sharding
 
 
@@ -501,14 +489,6 @@ def test_compiled_outputs_committed_as_stock(case, platforms):
   assert ours.committed == stock.committed
   assert ours._committed == stock._committed
   np.testing.assert_array_equal(ours, stock)
-  jwt.known_bug(
-    len(jax.devices()) == 1
-    and platforms is not None
-    and len(platforms) > 1
-    and isinstance(stock.sharding, NamedSharding),
-    "a program lowered for several platforms, run over a mesh of one device, "
-    "returns a SingleDeviceSharding where stock keeps the NamedSharding",
-  )
   assert ours.sharding == stock.sharding
 
 

@@ -49,6 +49,8 @@ _COPY = jax_internals.ArrayCopySemantics.ALWAYS_COPY
 _HOST_CACHE: dict[tuple[Any, ...], HostEntry] = {}
 # (src sharding, dst sharding, shape) -> same index on each device-list position
 _SAME_INDICES: dict[tuple[Any, ...], bool] = {}
+# (dst sharding, shape) pairs check_placement accepted
+_PLACEABLE: dict[tuple[Any, Any], bool] = {}
 # (aval, sharding) -> aval of the result, None when it is the input's
 _DST_AVAL: dict[tuple[Any, Any], Any] = {}
 _MISSING = object()
@@ -123,6 +125,16 @@ def byte_order_error(api: str, path: str, dtype: Any) -> TypeError:
     "which JAX does not accept (jax.device_put raises TypeError too); convert it first with "
     "x.astype(x.dtype.newbyteorder('='))"
   )
+
+
+def placeable(req: Request, i: int, dst: Any, shape: tuple[int, ...]) -> bool:
+  """True once ``check_placement`` accepted ``dst`` for ``shape`` (it raises
+  otherwise, as jax.device_put does before it moves anything)."""
+  key = (dst, shape)
+  if key not in _PLACEABLE:
+    check_placement(req, i, dst, shape)
+    _remember(_PLACEABLE, key, True)
+  return True
 
 
 def same_indices(
@@ -441,7 +453,12 @@ def classify(req: Request, groups: list[Any]) -> list[Batch]:
           route = JAX
         elif not addressable:
           route = JAX
-        elif single or same_indices(req, i, x.sharding, s, x.shape):
+        elif (
+          # One device to one: checked as same_indices checks a target.
+          placeable(req, i, s, x.shape)
+          if single
+          else same_indices(req, i, x.sharding, s, x.shape)
+        ):
           route = COPY
         else:
           route = JAX

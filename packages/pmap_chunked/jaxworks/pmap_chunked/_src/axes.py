@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 _is_none = lambda x: x is None  # noqa: E731
@@ -112,6 +113,28 @@ def out_specs_for(axis_name: Any, out_axes: Any) -> Any:
     out_axes,
     is_leaf=_is_none,
   )
+
+
+def out_shardings_for(mesh: Any, axis_name: Any, out_axes: Any) -> Any:
+  """Sharding prefix tree for jit's out_shardings: ``NamedSharding(mesh,
+  spec)`` per out_axes leaf, as jax.pmap gives; None (the compiler's
+  choice) for a negative one, whose place is known once traced
+  (``global_spec`` gives its sharding then)."""
+  return jax.tree_util.tree_map(
+    lambda ax: (
+      None
+      if ax is not None and ax < 0
+      else NamedSharding(mesh, spec_for_axis(axis_name, ax))
+    ),
+    out_axes,
+    is_leaf=_is_none,
+  )
+
+
+def global_spec(axis_name: Any, axis: int, ndim: int) -> P:
+  """The spec of an output of rank ``ndim`` mapped along ``axis`` (negative
+  counts from the end)."""
+  return spec_for_axis(axis_name, axis % ndim)
 
 
 def leaf_paths(tree: Any) -> Sequence[str]:

@@ -305,7 +305,7 @@ class Pmapped:
             placed = placement.place_inputs(leaves, entry)
           except placement.DeletedInput as deleted:
             self._args.raise_deleted(deleted.index, leaves, treedef)
-          out = entry.jitted(*placed)
+          out = self._programs.place_negative(entry, entry.jitted(*placed))
       except mesh_lib.NeedsAxis as need:
         if nested:
           raise

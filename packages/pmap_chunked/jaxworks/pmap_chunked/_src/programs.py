@@ -38,6 +38,7 @@ from .arguments import describe
 _shard_map = jax.shard_map
 _get_abstract_mesh = jax.sharding.get_abstract_mesh
 _typeof = jax.typeof
+_device_put = jax.device_put
 
 # Axis name of a pmap given no axis_name: jax.pmap's, so that an output's
 # sharding equals the one jax.pmap gives (and one anonymous pmap's outputs
@@ -84,6 +85,7 @@ class Programs:
     self.anonymous = axis_name is None
     self.axis_name = ANONYMOUS_AXIS if axis_name is None else axis_name
     self.out_axes = out_axes
+    self.negative_out = axes_lib.has_negative(out_axes)
     self.arguments = arguments
     self.backend = backend
     self.chunked = chunked
@@ -167,7 +169,18 @@ class Programs:
     )
     # Inner axes of a nested pmap may shard the inputs too; let jit take
     # each input's own layout instead of pinning the outer axis only.
-    pinned = {} if nested or extra_axes else {"in_shardings": in_shardings}
+    pinned = {}
+    if not (nested or extra_axes):
+      # The outputs' shardings too, as jax.pmap gives them: left to the
+      # compiler, a program over one device takes its first input's
+      # sharding for every output of that rank (P('i') for out_axes=1)
+      # and P() for the others.
+      pinned = {
+        "in_shardings": in_shardings,
+        "out_shardings": axes_lib.out_shardings_for(
+          mesh, axis_name, self.out_axes
+        ),
+      }
     jitted = deps.jit(program, donate_argnums=donate_argnums, **pinned)
     return Entry(
       mesh=mesh,
@@ -179,6 +192,25 @@ class Programs:
       jitted=jitted,
       donated=frozenset(donate_argnums),
     )
+
+  def place_negative(self, entry: Entry, out: Any) -> Any:
+    """``out`` (a call's outputs) with each output of a negative out_axes
+    on the sharding of its axis counted from the front: a program over one
+    device leaves them on another spec of the same single shard (its jit
+    cannot be told their rank before tracing), which this re-labels without
+    a copy."""
+    if not self.negative_out or entry.extra_axes:
+      return out
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    axes = axes_lib.broadcast_axes(API, "out_axes", self.out_axes, out)
+    for i, (y, ax) in enumerate(zip(leaves, axes)):
+      if ax is None or ax >= 0 or not isinstance(y, jax.Array):
+        continue
+      spec = axes_lib.global_spec(entry.axis_name, ax, y.ndim)
+      want = NamedSharding(entry.mesh, spec)
+      if y.sharding != want:
+        leaves[i] = _device_put(y, want)
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
   def _mesh(self, size: int, extra_axes: tuple) -> jax.sharding.Mesh:
     """A top-level call's mesh: this pmap's axis, then the nested ones."""

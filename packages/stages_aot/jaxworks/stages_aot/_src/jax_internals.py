@@ -13,8 +13,9 @@ JAX upgrade that moves or changes one fails there first:
   imports every submodule, Pallas's included, and so would add to the first
   use of every package that returns this package's stages).
 * For the stage family (``stages.py``): ``lower_for_export``,
-  ``lowering_platforms``, ``lowering_committed`` and ``with_committed`` (what a
-  stock ``Lowered`` records in its private ``_lowering``), ``export_lowered``
+  ``lowering_platforms``, ``lowering_committed``, ``with_committed`` and
+  ``one_device_shardings`` (what a stock ``Lowered`` records in its private
+  ``_lowering``, and what its compile makes of it), ``export_lowered``
   (``jax.export``'s step after lowering) and ``stage_as``.
 * ``MODULE_READER_SOURCE`` (the child process of ``module_reader.py``)
   imports ``jaxlib._jax`` and ``jaxlib.mlir.ir``, the modules behind
@@ -34,12 +35,14 @@ from typing import Any
 import jax
 from jax._src import api as _api
 from jax._src import config as _config
+from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import traceback_util as _traceback_util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.export import _export as _export_impl
 from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import pxla as _pxla
 
 __all__ = [
   "MODULE_READER_SOURCE",
@@ -51,6 +54,7 @@ __all__ = [
   "lowering_committed",
   "lowering_devices",
   "lowering_platforms",
+  "one_device_shardings",
   "register_source_exclusion",
   "stage_as",
   "stock_jit",
@@ -122,6 +126,54 @@ def lowering_devices(lowered: Any) -> tuple[Any, ...] | None:
       except (AttributeError, ValueError):
         continue
   return None
+
+
+def one_device_shardings(
+  lowered: Any,
+) -> tuple[list[Any], list[Any]] | None:
+  """The input and output shardings stock ``lowered``'s executable has when
+  it runs on one device, as stock's compile decides them (``pxla``'s
+  ``UnloadedMeshExecutable.from_hlo``): where the jit gave none, XLA's
+  (replicated, on one device) recovered as the user's
+  (``maybe_recover_user_shardings``: a NamedSharding of an input for the
+  outputs of its rank, a NamedSharding over its mesh for the others), a
+  SingleDeviceSharding where nothing names a mesh. Inputs are listed for
+  every argument (None for one the program does not use). None where
+  ``lowered`` spans more or no fixed devices."""
+  args = lowered._lowering.compile_args  # pylint: disable=protected-access
+  devices = lowering_devices(lowered)
+  if devices is None or len(devices) != 1 or args["num_devices"] != 1:
+    return None
+  given = (*args["in_shardings"], *args["out_shardings"])
+  if any(
+    isinstance(s, jax.sharding.NamedSharding)
+    and isinstance(s.mesh, jax.sharding.AbstractMesh)
+    for s in given
+  ):
+    return None
+  replicated = _sharding_impls.GSPMDSharding.get_replicated(devices)
+  chosen = lambda ss: [  # noqa: E731
+    s if isinstance(s, jax.sharding.Sharding) else replicated for s in ss
+  ]
+  in_avals, out_avals = args["global_in_avals"], args["global_out_avals"]
+  ins = _pxla.maybe_recover_user_shardings(
+    args["in_shardings"], chosen(args["in_shardings"]), in_avals, in_avals
+  )
+  outs = _pxla.maybe_recover_user_shardings(
+    ins,
+    chosen(args["out_shardings"]),
+    in_avals,
+    out_avals,
+    args["intermediate_shardings"],
+    args["context_mesh"],
+  )
+  ins = _pxla.finalize_shardings(ins, devices)
+  outs = _pxla.finalize_shardings(outs, devices)
+  kept = sorted(args["kept_var_idx"])
+  every: list[Any] = [None] * (max(kept, default=-1) + 1)
+  for i, s in zip(kept, ins):
+    every[i] = s
+  return every, list(outs)
 
 
 def with_committed(lowered: Any, committed: bool) -> Any:

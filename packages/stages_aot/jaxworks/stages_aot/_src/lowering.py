@@ -43,6 +43,7 @@ def compile_exported(
   compiler_options: dict[str, Any] | None = None,
   committed: bool | None = None,
   placed_on: Sequence[Any] | None = None,
+  one_device: tuple[Sequence[Any], Sequence[Any]] | None = None,
 ) -> jax.stages.Compiled:
   """Compiles an exported module for ``target``, its platform index fixed.
 
@@ -52,20 +53,38 @@ def compile_exported(
   them) when those are ``exp.nr_devices`` devices of ``target``, else on a
   mesh of the first ``exp.nr_devices`` devices of ``target``. ``committed``:
   whether outputs are committed (None: as JAX decides for a jit of
-  ``exp.call``, which is always committed).
+  ``exp.call``, which is always committed). ``one_device``: the input and
+  output shardings stock's compile gives a lowering over the one device of
+  ``placed_on`` (``jax_internals.one_device_shardings``), kept where they
+  name a mesh (the exported module over one device records none).
   """
   devices = list(_devices(target))
-  if (
+  placed = bool(
     placed_on
     and len(placed_on) == exp.nr_devices
     and all(platform_name(d) == target for d in placed_on)
-  ):
-    devices = list(placed_on)
+  )
+  if placed:
+    devices = list(cast(Sequence[Any], placed_on))
   in_shardings: Sequence[jax.sharding.Sharding | None]
   out_shardings: Sequence[jax.sharding.Sharding | None]
   in_shardings = (None,) * len(exp.in_avals)
   out_shardings = (None,) * len(exp.out_avals)
-  if exp.nr_devices > 1:
+  if (
+    placed
+    and exp.nr_devices == 1
+    and one_device is not None
+    and len(one_device[0]) <= len(exp.in_avals)
+    and len(one_device[1]) == len(exp.out_avals)
+    and any(
+      isinstance(s, jax.sharding.NamedSharding)
+      for s in (*one_device[0], *one_device[1])
+    )
+  ):
+    ins, outs = one_device
+    in_shardings = (*ins, *(None,) * (len(exp.in_avals) - len(ins)))
+    out_shardings = tuple(outs)
+  elif exp.nr_devices > 1:
     # jax's stubs type the mesh as required; None keeps the export's abstract
     # mesh, and the shardings are then NamedShardings (or None).
     abstract_shardings = (

@@ -343,6 +343,7 @@ class Lowered(_StockLowered):
         compiler_options,
         committed=ji.lowering_committed(self),  # as stock's compile
         placed_on=ji.lowering_devices(self),  # where the arguments are
+        one_device=ji.one_device_shardings(self),  # stock's shardings there
       )
     return Compiled.from_compiled(
       stock, fun_name=self.fun_name, platform=target, lowered_for=self.platforms
