@@ -39,7 +39,7 @@ TREE = textwrap.dedent(
   """
   import numpy as np
 
-  N = 32  # arrays in "a": an overwrite's requests, a reader's window
+  N = 16  # arrays in "a": an overwrite's requests, a reader's window
 
   def tree(seed):
     rng = np.random.default_rng(seed)
@@ -75,7 +75,7 @@ def read_whole(url, errors, seen, meta=False):
     if meta:
       m = bt.metadata(url)
       assert set(m) == {"a", "rows", "seed", "tag"}, m
-      assert len(m["a"]) == 32 and m["rows"].shape == (64, 8), m
+      assert len(m["a"]) == 16 and m["rows"].shape == (64, 8), m
       seen.append(int(m["tag"].split()[1]))
     else:
       seen.append(whole(bt.restore(url)))
@@ -102,15 +102,15 @@ def test_readers_race_overwrites(url):
   for r in readers:
     r.start()
   try:
-    for seed in range(1, 13):
+    for seed in range(1, 9):
       bt.save(url, tree(seed), overwrite=True)
   finally:
     stop.set()
     for r in readers:
       r.join()
-  assert seen and set(seen) <= set(range(13)), seen
+  assert seen and set(seen) <= set(range(9)), seen
   clear(errors, ["replaced while reading"])
-  assert whole(bt.restore(url)) == 12
+  assert whole(bt.restore(url)) == 8
 
 
 READER = TREE + textwrap.dedent(
@@ -185,7 +185,7 @@ def test_a_read_only_manager_races_retention_and_deletes(url):
   for t in threads:
     t.start()
   try:
-    for step in range(1, 7):
+    for step in range(1, 5):
       writer.save(step, tree(step))
       writer.wait_until_finished()
       if step % 3 == 0:
@@ -286,7 +286,7 @@ RESTORER = TREE + textwrap.dedent(
     "seed": 0, "tag": "",
   }
   results = []
-  for _ in range(15):
+  for _ in range(10):
     try:
       out = bt.restore(url, like)
     except (OSError, RuntimeError) as err:
