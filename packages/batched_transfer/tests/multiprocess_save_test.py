@@ -243,8 +243,9 @@ FAIL_WORKER = SETUP + textwrap.dedent("""
       def retain():
         raise OSError(5, "boom-retain")
       mgr._retain = retain
-    expect(0, "boom-retain", lambda: mgr.save(2, placed(2), blocking=True),
-           f"{base}/run/2")
+    # Retention failing after the step committed only warns (the next save
+    # retries it): every process returns.
+    assert mgr.save(2, placed(2), blocking=True)
     mgr.__dict__.pop("_retain", None)
     inject(1, hostvalue, "start_copy", "boom-step")
     if process_id == 1:
@@ -276,7 +277,7 @@ def test_a_failure_on_one_process_is_raised_by_all_at_once(tmp_path):
   base = str(tmp_path)
   outputs = run_two(FAIL_WORKER, base)
   for i, text in enumerate(outputs):
-    assert text.count("FAILED-FAST") == 8 + 2 * i, text
+    assert text.count("FAILED-FAST") == 7 + 2 * i, text
   namespace: dict = {}
   exec(VALUES, namespace)
   for path, step in (("c", 5), ("run/5", 5)):

@@ -8,6 +8,7 @@ leftovers of killed saves.
 
 import os
 import sys
+import threading
 import uuid
 
 import jax
@@ -393,10 +394,21 @@ def test_server_stopped_mid_save_then_restarted(monkeypatch):
     np.testing.assert_array_equal(out["x23"], big["x23"])
 
 
-def test_non_blocking_saves_to_one_url_commit_in_call_order(url):
+def test_non_blocking_saves_to_one_url_commit_in_call_order(url, monkeypatch):
+  from jaxworks.batched_transfer._src.checkpoint import remote
+
+  gate = threading.Event()
+  real = remote.Bucket.commit
+
+  def commit(self, *a):
+    assert gate.wait(60)  # the first save commits after the second call
+    return real(self, *a)
+
+  monkeypatch.setattr(remote.Bucket, "commit", commit)
   handles = [bt.save(url, tree(20), blocking=False)]
   with pytest.raises(FileExistsError, match="still being written"):
     bt.save(url, tree(21), blocking=False)
+  gate.set()
   handles += [
     bt.save(url, tree(s), overwrite=True, blocking=False) for s in range(22, 27)
   ]
