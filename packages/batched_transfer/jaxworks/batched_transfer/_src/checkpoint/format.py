@@ -77,12 +77,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from collections.abc import Mapping
 import dataclasses
 import errno
 import itertools
 import json
 import os
 import secrets
+import struct
 from typing import Any
 
 import jax
@@ -92,12 +94,15 @@ from jax.sharding import SingleDeviceSharding
 import numpy as np
 
 from . import codec
+from . import nodes
 
 RECORD = "jaxworks_dtypes.json"
 RECORD_FORMAT = 2
 #: The format of a record with ``codecs``.
 CODECS_FORMAT = 3
-_RECORD_READS = (1, 2, 3)
+#: The format of a record with Python scalars stored by value alone.
+VALUES_FORMAT = 4
+_RECORD_READS = (1, 2, 3, 4)
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 #: What parsing a damaged JSON record or manifest raises.
 DAMAGED = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
@@ -117,6 +122,14 @@ class Record:
   shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   c_order: bool = False
   save_id: str = ""
+  nodes: dict[str, dict] = dataclasses.field(default_factory=dict)
+  scalars: dict[str, str] = dataclasses.field(default_factory=dict)
+  custom_metadata: dict[str, Any] | None = None
+
+  def value_only(self, key: str) -> bool:
+    """Whether ``key`` is a Python scalar stored by value alone (an int no
+    JAX dtype holds): no array file, its text among the ``values`` too."""
+    return key in self.scalars and key in self.values
 
 
 def new_save_id() -> str:
@@ -145,15 +158,48 @@ def check_arrays_present(
       )
 
 
+def custom_metadata(api: str, value: Any) -> dict[str, Any] | None:
+  """``value`` (save's ``custom_metadata``) as the record keeps it: a dict
+  with str keys that JSON holds (None: none); TypeError naming ``api``
+  otherwise, before anything is written.
+
+  >>> custom_metadata("api", {"lr": 0.1, "tags": ["a"]})
+  {'lr': 0.1, 'tags': ['a']}
+  """
+  if value is None:
+    return None
+  if not isinstance(value, Mapping) or not all(
+    isinstance(k, str) for k in value
+  ):
+    raise TypeError(
+      f"{api}: custom_metadata must be a dict with str keys of JSON values, "
+      f"got {value!r:.80}"
+    )
+  try:
+    data = json.loads(json.dumps(dict(value)))
+  except (TypeError, ValueError, RecursionError) as err:
+    raise TypeError(
+      f"{api}: custom_metadata must hold JSON values (numbers, strings, "
+      f"bools, None, lists, dicts with str keys): {err}; convert numpy and "
+      "jax scalars with float() or int()"
+    ) from None
+  return data
+
+
 def encode_record(record: Record) -> bytes:
   """The bytes of ``record`` (a JSON object, as ``decode_record`` reads it)."""
-  data: dict[str, Any] = {
-    "format": CODECS_FORMAT if record.codecs else RECORD_FORMAT,
-    "dtypes": record.dtypes,
-  }
-  for name in ("python", "values", "crc32c", "shardings", "codecs", "shapes"):
+  number = CODECS_FORMAT if record.codecs else RECORD_FORMAT
+  if any(record.value_only(k) for k in record.scalars):
+    number = VALUES_FORMAT
+  data: dict[str, Any] = {"format": number, "dtypes": record.dtypes}
+  for name in (
+    "python", "values", "crc32c", "shardings", "codecs", "shapes", "nodes",
+    "scalars",
+  ):  # fmt: skip
     if getattr(record, name):
       data[name] = getattr(record, name)
+  if record.custom_metadata is not None:
+    data["custom_metadata"] = record.custom_metadata
   if record.c_order:
     data["c_order"] = True
   if record.save_id:
@@ -226,6 +272,24 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
         f"'codecs' names {unknown}, which this version does not read (it "
         f"reads {sorted(codec.SUFFIXES)}; a newer jaxworks may read it)"
       )
+    r.scalars = _strs(m.get("scalars", {}), "'scalars'")
+    for key, text in r.scalars.items():
+      if key not in r.python:
+        raise ValueError(f"'scalars' holds {key!r}, which 'python' lacks")
+      decode_scalar(r.python[key], text)
+    for key in r.python:
+      if key in r.values and r.values[key] != r.scalars.get(key):
+        raise ValueError(f"'values' and 'scalars' differ at {key!r}")
+    node_descs = m.get("nodes", {})
+    if not isinstance(node_descs, dict) or not all(
+      nodes.valid(d) for d in node_descs.values()
+    ):
+      raise ValueError("'nodes' is not an object of node descriptions")
+    r.nodes = node_descs
+    custom = m.get("custom_metadata")
+    if custom is not None and not isinstance(custom, dict):
+      raise ValueError("'custom_metadata' is not an object")
+    r.custom_metadata = custom
     tree = m.get("tree")
     if tree is not None:
       if not isinstance(tree, list) or not all(
@@ -310,13 +374,22 @@ def path_kinds(path: Any) -> str:
   return "".join(_KINDS.get(type(e), "o") for e in path)
 
 
-def rebuild_tree(tree: list[tuple[str, ...]], value_of: Any) -> Any:
+def rebuild_tree(
+  tree: list[tuple[str, ...]],
+  value_of: Any,
+  node_descs: dict[str, dict] | None = None,
+) -> Any:
   """The nesting ``tree`` describes, with ``value_of(key)`` at each leaf:
-  sequences become lists, every other node a dict keyed by its path names."""
+  each inner node as ``node_descs`` (the record's ``nodes``, by key
+  prefix) describes it (nodes.build), else a list for sequence entries
+  and a dict for the others; an empty node as described, else as its
+  entry's third element says."""
+  descs = node_descs or {}
 
   def leaf(entry: tuple[str, ...]) -> Any:
     if len(entry) == 3:
-      return {} if entry[2] == "dict" else []
+      kind = "s" if entry[2] == "list" else "d"
+      return nodes.build(descs.get(entry[0]), kind, [])
     return value_of(entry[0])
 
   if len(tree) == 1 and not tree[0][1]:
@@ -342,11 +415,81 @@ def rebuild_tree(tree: list[tuple[str, ...]], value_of: Any) -> Any:
     if prefix in leaves or prefix not in kinds:
       return node  # a leaf
     items = [(k, build(prefix + (k,), v)) for k, v in node.items()]
-    if kinds[prefix] == "s":
-      return [v for _, v in items]
-    return dict(items)
+    return nodes.build(descs.get("/".join(prefix)), kinds[prefix], items)
 
   return build((), top)
+
+
+def tree_path(key: str, kinds: str) -> str:
+  """The tree path (as ``jax.tree_util.keystr``) of a record's ``key``
+  whose entries are of ``kinds``.
+
+  >>> tree_path("opt_state/1/0/mu", "dssa")
+  "['opt_state'][1][0].mu"
+  """
+  if not kinds:
+    return "<root>"
+  out = []
+  for part, kind in zip(key.split("/"), kinds):
+    if kind == "s":
+      out.append(f"[{part}]")
+    elif kind == "a":
+      out.append(f".{part}")
+    else:
+      out.append(f"[{part!r}]")
+  return "".join(out)
+
+
+def encode_scalar(x: bool | int | float | complex) -> str:
+  """The exact text of a Python scalar (the record's ``scalars``): a bool
+  as "True"/"False", an int in decimal (hex, "0x...", past Python's digit
+  limit), a float as its ``repr`` (a NaN as "nan:" and its 64 bits in
+  hex), a complex as its two floats joined by ","; ``decode_scalar`` reads
+  it back bit for bit.
+
+  >>> [encode_scalar(v) for v in (True, 2**70, 0.1, -0.0, complex(1, 2))]
+  ['True', '1180591620717411303424', '0.1', '-0.0', '1.0,2.0']
+  >>> decode_scalar("float", encode_scalar(0.1)) == 0.1
+  True
+  """
+  if isinstance(x, bool):
+    return "True" if x else "False"
+  if isinstance(x, int):
+    try:
+      return str(int(x))
+    except ValueError:  # more digits than int -> str converts
+      return hex(int(x))
+  if isinstance(x, float):
+    if x != x:
+      return "nan:" + hex(struct.unpack("<Q", struct.pack("<d", x))[0])
+    return repr(float(x))
+  return f"{encode_scalar(x.real)},{encode_scalar(x.imag)}"
+
+
+def decode_scalar(name: str, text: str) -> bool | int | float | complex:
+  """The Python scalar of type ``name`` (``PYTHON_TYPES``) that
+  ``encode_scalar`` wrote as ``text``; ValueError if it is not one."""
+  if name == "bool":
+    if text not in ("True", "False"):
+      raise ValueError(f"{text!r:.40} is not a bool")
+    return text == "True"
+  if name == "int":
+    if not text.lstrip("-").isalnum():
+      raise ValueError(f"{text!r:.40} is not an int")
+    return int(text, 16) if text.lstrip("-").startswith("0x") else int(text)
+  if name == "float":
+    if text.startswith("nan:"):
+      bits = int(text[4:], 16)
+      if not 0 <= bits < 2**64:
+        raise ValueError(f"{text!r:.40} is not a float")
+      return struct.unpack("<d", struct.pack("<Q", bits))[0]
+    return float(text)
+  if name == "complex":
+    real, sep, imag = text.partition(",")
+    if not sep:
+      raise ValueError(f"{text!r:.40} is not a complex")
+    return complex(decode_scalar("float", real), decode_scalar("float", imag))  # type: ignore[arg-type]
+  raise ValueError(f"{name!r:.40} is not a Python scalar type")
 
 
 def _spec_entry(e: Any) -> Any:
