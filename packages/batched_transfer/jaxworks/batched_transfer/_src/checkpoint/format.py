@@ -9,9 +9,18 @@ Format 2 of the record holds:
 * ``dtypes``: every array's exact dtype name (.npy headers cannot name
   bfloat16, float8_*, int4 and the other ml_dtypes types, stored as raw
   ``V<n>`` bytes);
-* ``python``: the arrays that were Python scalars (``bool``, ``int``,
-  ``float``, ``complex``), stored as the 0-d array ``jax.device_put`` makes
-  of them, and restored as that Python type when restore has no target;
+* ``python``: the leaves that were Python scalars (``bool``, ``int``,
+  ``float``, ``complex``), by type name, each stored as the 0-d array
+  ``jax.device_put`` makes of it (restore onto a target places that), where
+  one holds it;
+* ``scalars`` (after 0.6.0): the exact value of each of those, as text
+  (``encode_scalar``: a float's ``repr``, an int in decimal, ...), which
+  restore without a target and ``metadata`` give back (a float as the
+  float64 it was, not its float32 array); an int that no JAX dtype holds
+  (past int32, or int64 with x64) has no array: its text is among the
+  ``values`` too, so that every reader knows it has no file, and the
+  record is format 4. Earlier versions ignore it (a record without it:
+  the array's value, as 0.6 restored it);
 * ``values``: the leaves that are not arrays, ``str`` and ``None``, by value;
 * ``crc32c``: for a directory checkpoint one process wrote, the checksums of
   each ``<key>.npy`` file's data (see checksum);
@@ -23,8 +32,21 @@ Format 2 of the record holds:
   it names is one of this job's);
 * ``tree``: every leaf's key and the kinds of its tree path's entries, in
   tree order, so that restore without a target rebuilds the nesting (dicts,
-  and lists for sequences); an empty dict, list or tuple is an entry too,
-  with a third element, "dict" or "list";
+  and lists for sequences); a node without children (an empty dict, list
+  or tuple, and, after 0.6.0, any other: optax's ``EmptyState()`` and
+  ``MaskedNode()``, an empty named tuple or custom node) is an entry too,
+  with a third element, "dict" or "list" (the kind of node earlier
+  versions rebuild);
+* ``nodes`` (after 0.6.0): what each inner node that is not a dict or a list is,
+  and each node without children, by its key prefix ("" for the root):
+  ``{"type": "tuple"}``, ``{"type": "namedtuple", "class":
+  "<module>:<qualname>", "fields": [...]}``, ``{"type": "OrderedDict"}``
+  or ``{"type": "node", "class": ...}`` (see nodes, which builds them
+  again: a class named here is data, never imported). Earlier versions
+  ignore it (they rebuild dicts and lists); without it a sequence's
+  missing index (an ``EmptyState()`` 0.6 did not list) reads as None;
+* ``custom_metadata`` (after 0.6.0): save's ``custom_metadata``, a JSON object
+  (``custom_metadata(path)`` reads it). Earlier versions ignore it;
 * ``shapes``: the shape of each array stored raw in C order (what its .npy
   header says, with ``dtypes``), so that a restore from a bucket requests
   each array's header and data in one request, and checks the header when
@@ -47,7 +69,10 @@ Format 2 of the record holds:
 Format 3 is format 2 plus ``codecs``: the arrays stored compressed, by key
 (``save(..., compression="zstd")``, see codec); it is written only when
 there are any, so that raw checkpoints stay readable by earlier versions.
-Formats 1 (``dtypes`` alone) and 2 are still read.
+Format 4 (after 0.6.0) is format 3 with Python ints stored by value alone (see
+``scalars``); it is written only when there are any, so that earlier
+versions refuse such a record instead of restoring the int as a str.
+Formats 1 (``dtypes`` alone), 2 and 3 are still read.
 
 A checkpoint several processes wrote is a directory whose manifest
 ``MANIFEST`` (the README shows one) says how its shard files tile each
