@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxworks import batched_transfer as bt
+
 # Private: the record, edited to be one 0.6 wrote.
 from jaxworks.batched_transfer._src.checkpoint import format
 
@@ -74,7 +75,13 @@ def _paths(tree):
   """Every leaf's key, empty nodes and None included (the checkpoint's)."""
   is_leaf = lambda x: x is None or (isinstance(x, tuple) and not x)  # noqa: E731
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-  return ["/".join(str(getattr(e, "key", getattr(e, "idx", getattr(e, "name", e)))) for e in p) for p, _ in flat]
+  return [
+    "/".join(
+      str(getattr(e, "key", getattr(e, "idx", getattr(e, "name", e))))
+      for e in p
+    )
+    for p, _ in flat
+  ]
 
 
 # Point 3: optax states.
@@ -118,7 +125,10 @@ def test_an_optax_state_against_orbax(tmp_path):
   assert ours["opt_state"][0] == optax.EmptyState()
   flat_ours = jax.tree_util.tree_leaves_with_path(ours)
   flat_theirs = jax.tree_util.tree_leaves_with_path(theirs)
-  key = lambda p: [str(getattr(e, "key", getattr(e, "idx", getattr(e, "name", None)))) for e in p]  # noqa: E731
+  key = lambda p: [
+    str(getattr(e, "key", getattr(e, "idx", getattr(e, "name", None))))
+    for e in p
+  ]  # noqa: E731
   assert [key(p) for p, _ in flat_ours] == [key(p) for p, _ in flat_theirs]
   for (_, a), (_, b) in zip(flat_ours, flat_theirs):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -146,11 +156,16 @@ def test_the_manager_restores_an_optax_state_as_saved(tmp_path):
       1, items={"params": params, "opt_state": opt_state, "data": {"i": 7}},
       blocking=True,
     )  # fmt: skip
-    _same(mgr.restore(1), {"params": params, "opt_state": opt_state, "data": {"i": 7}})
+    _same(
+      mgr.restore(1),
+      {"params": params, "opt_state": opt_state, "data": {"i": 7}},
+    )
     out = mgr.restore(1, items={"opt_state": None})
     _same(out, {"opt_state": opt_state})
     meta = mgr.item_metadata(1)
-    assert jax.tree.structure(meta["opt_state"]) == jax.tree.structure(opt_state)
+    assert jax.tree.structure(meta["opt_state"]) == jax.tree.structure(
+      opt_state
+    )
     assert meta["data"] == {"i": 7}
   # The restored state continues training exactly as the saved one does.
   grads = jax.tree.map(jnp.ones_like, params)
@@ -208,7 +223,11 @@ def test_a_record_naming_other_classes_imports_and_runs_nothing(tmp_path):
 
   def edit(data):
     data["nodes"]["s"]["class"] = "jaxworks_never_imported:S"
-    data["nodes"]["t"] = {"type": "namedtuple", "class": "os:system", "fields": []}
+    data["nodes"]["t"] = {
+      "type": "namedtuple",
+      "class": "os:system",
+      "fields": [],
+    }
 
   _edit_record(tmp_path / "c", edit)
   out = bt.restore(tmp_path / "c")
@@ -218,7 +237,11 @@ def test_a_record_naming_other_classes_imports_and_runs_nothing(tmp_path):
   # used (os.system is a function): a named tuple is made instead.
 
   def edit2(data):
-    data["nodes"]["s"] = {"type": "namedtuple", "class": "os:system", "fields": ["a"]}
+    data["nodes"]["s"] = {
+      "type": "namedtuple",
+      "class": "os:system",
+      "fields": ["a"],
+    }
 
   _edit_record(tmp_path / "c", edit2)
   out = bt.restore(tmp_path / "c")
@@ -226,7 +249,11 @@ def test_a_record_naming_other_classes_imports_and_runs_nothing(tmp_path):
 
   # Fields that cannot name a named tuple's: a dict of them.
   def edit3(data):
-    data["nodes"]["s"] = {"type": "namedtuple", "class": "m:S", "fields": ["__class__"]}
+    data["nodes"]["s"] = {
+      "type": "namedtuple",
+      "class": "m:S",
+      "fields": ["__class__"],
+    }
     data["tree"] = [["s/__class__", "da"]]
     data["dtypes"] = {"s/__class__": data["dtypes"].pop("s/a")}
     data["shapes"] = {"s/__class__": data["shapes"].pop("s/a")}
@@ -234,7 +261,9 @@ def test_a_record_naming_other_classes_imports_and_runs_nothing(tmp_path):
     data["shardings"] = {}
 
   os.makedirs(tmp_path / "c" / "s", exist_ok=True)
-  os.rename(tmp_path / "c" / "s" / "a.npy", tmp_path / "c" / "s" / "__class__.npy")
+  os.rename(
+    tmp_path / "c" / "s" / "a.npy", tmp_path / "c" / "s" / "__class__.npy"
+  )
   _edit_record(tmp_path / "c", edit3)
   out = bt.restore(tmp_path / "c")
   assert type(out["s"]) is dict and out["s"]["__class__"].shape == (2,)
@@ -275,7 +304,9 @@ def test_python_containers_come_back_as_saved(path):
 def test_a_tree_of_empty_nodes_alone(tmp_path, tree):
   bt.save(tmp_path / "c", tree)
   _same(bt.restore(tmp_path / "c"), tree)
-  assert jax.tree.structure(bt.metadata(tmp_path / "c")) == jax.tree.structure(tree)
+  assert jax.tree.structure(bt.metadata(tmp_path / "c")) == jax.tree.structure(
+    tree
+  )
   _same(bt.restore(tmp_path / "c", tree), tree)
 
 
@@ -319,9 +350,10 @@ def test_a_flax_nnx_state(path):
   _same(out, state)
   fresh = Model(nnx.Rngs(1))
   nnx.update(fresh, out)
-  assert np.asarray(fresh.linear.kernel[...]).tobytes() == np.asarray(
-    model.linear.kernel[...]
-  ).tobytes()
+  assert (
+    np.asarray(fresh.linear.kernel[...]).tobytes()
+    == np.asarray(model.linear.kernel[...]).tobytes()
+  )
   # Without a target: dicts of its entries, at the same keys.
   plain = bt.restore(path)
   assert sorted(_paths(plain)) == sorted(_paths(state))
@@ -415,9 +447,15 @@ def test_python_scalars_come_back_exactly(path, x64):
         assert type(out[k]) is type(want), k
         assert _bits(out[k]) == _bits(want), (k, out[k])
     # Onto an array target: the array jax.device_put makes of the value.
-    target = {k: v for k, v in _SCALARS.items() if k not in ("tokens", "huge_int", "digits")}
+    target = {
+      k: v
+      for k, v in _SCALARS.items()
+      if k not in ("tokens", "huge_int", "digits")
+    }
     target["tokens"] = target["huge_int"] = target["digits"] = 0
-    got = bt.restore(path, jax.eval_shape(lambda: {"lr": 0.1}), partial_restore=True)
+    got = bt.restore(
+      path, jax.eval_shape(lambda: {"lr": 0.1}), partial_restore=True
+    )
     ref = jax.device_put(0.1)
     assert jax.typeof(got["lr"]) == jax.typeof(ref)
     assert np.asarray(got["lr"]).tobytes() == np.asarray(ref).tobytes()
@@ -538,7 +576,9 @@ def test_a_checkpoint_of_0_6_still_restores(tmp_path):
   out = bt.restore(tmp_path / "c", tree)
   _same(out["params"], params)
   _same(out["opt_state"], opt_state)
-  assert np.asarray(out["lr"]).tobytes() == np.asarray(jax.device_put(0.1)).tobytes()
+  assert (
+    np.asarray(out["lr"]).tobytes() == np.asarray(jax.device_put(0.1)).tobytes()
+  )
   bt.restore(tmp_path / "c", jax.eval_shape(lambda: tree))
   # Without a target: the record has no nodes, so lists and dicts, the
   # EmptyState() 0.6 did not list as None (as orbax), the float as 0.6
@@ -549,6 +589,7 @@ def test_a_checkpoint_of_0_6_still_restores(tmp_path):
   assert plain["lr"] == float(np.float32(0.1)) and plain["step"] == 7
   assert bt.custom_metadata(tmp_path / "c") == {}
   mu = plain["opt_state"][1][0]["mu"]
-  assert np.asarray(mu["dense"]["w"]).tobytes() == np.asarray(
-    opt_state[1][0].mu["dense"]["w"]
-  ).tobytes()
+  assert (
+    np.asarray(mu["dense"]["w"]).tobytes()
+    == np.asarray(opt_state[1][0].mu["dense"]["w"]).tobytes()
+  )

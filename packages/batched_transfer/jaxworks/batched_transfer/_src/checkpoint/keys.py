@@ -43,7 +43,16 @@ def _no_children(x: Any) -> bool:
   return not leaves and not jax.tree_util.treedef_is_leaf(treedef)
 
 
-_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, str, bytes, int, float, complex)
+_LEAF_TYPES = (
+  jax.Array,
+  np.ndarray,
+  np.generic,
+  str,
+  bytes,
+  int,
+  float,
+  complex,
+)
 
 
 def saved_leaf(x: Any) -> bool:
@@ -104,7 +113,7 @@ def node_descriptions(api: str, tree: Any) -> dict[str, dict[str, Any]]:
     return "/".join(_key_part(api, e, path) for e in path) or ROOT_KEY
 
   for path, x in flat:  # the nodes save records as leaves: empty ones
-    if x is not None and type(x) not in (dict, list):
+    if x is not None and type(x) not in (dict, list) and saved_leaf(x):
       desc = nodes.describe(type(x))
       if desc is not None:
         out[key_of(path)] = desc

@@ -141,12 +141,11 @@ def _made_class(name: str, fields: tuple[str, ...]) -> type | None:
   ):
     return None
   with _MADE_LOCK:
-    made = _MADE.get((name, fields))
-    if made is None:
-      made = collections.namedtuple(short, fields)  # type: ignore[misc]
+    if (name, fields) not in _MADE:
+      made: Any = collections.namedtuple(short, fields)  # type: ignore[misc]
       made.__doc__ = f"A named tuple as saved, of the class {name}."
       _MADE[(name, fields)] = made
-  return made
+    return _MADE[(name, fields)]
 
 
 def namedtuple_class(name: str, fields: tuple[str, ...]) -> type | None:

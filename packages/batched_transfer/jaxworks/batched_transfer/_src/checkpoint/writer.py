@@ -132,7 +132,9 @@ class Leaves:
         continue
       scalar_dtype = python_scalar_dtype(x)
       if scalar_dtype is not None:  # a subclass: the type it is of
-        name = next(n for n, t in format.PYTHON_TYPES.items() if isinstance(x, t))
+        name = next(
+          n for n, t in format.PYTHON_TYPES.items() if isinstance(x, t)
+        )
         self.record.python[key] = name
         self.record.scalars[key] = format.encode_scalar(x)
         if not _fits(x, scalar_dtype):
