@@ -24,9 +24,9 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import object_servers  # noqa: E402
 import optax
 import orbax.checkpoint as ocp
-import object_servers  # noqa: E402
 import pytest
 
 from jaxworks import batched_transfer as bt
