@@ -428,6 +428,7 @@ _SCALARS = {
   "neg_zero": -0.0,
   "inf": float("inf"),
   "nan": float("nan"),
+  "nan_payload": struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000123))[0],
   "huge_float": 1e300,  # past float32's range
   "step": 3,
   "tokens": 2**40,

@@ -467,8 +467,8 @@ def tree_path(key: str, kinds: str) -> str:
 
 def encode_scalar(x: bool | int | float | complex) -> str:
   """The exact text of a Python scalar (the record's ``scalars``): a bool
-  as "True"/"False", an int in decimal (hex, "0x...", past Python's digit
-  limit), a float as its ``repr`` (a NaN as "nan:" and its 64 bits in
+  as "True"/"False", an int in decimal (hex, "0x...", past 2,000 bits),
+  a float as its ``repr`` (a NaN as "nan:" and its 64 bits in
   hex), a complex as its two floats joined by ","; ``decode_scalar`` reads
   it back bit for bit.
 
@@ -480,10 +480,9 @@ def encode_scalar(x: bool | int | float | complex) -> str:
   if isinstance(x, bool):
     return "True" if x else "False"
   if isinstance(x, int):
-    try:
-      return str(int(x))
-    except ValueError:  # more digits than int -> str converts
-      return hex(int(x))
+    # Past 2,000 bits (602 digits) in hex: Python's digit limit on int <->
+    # str conversions is at least 640 digits wherever it is read.
+    return str(int(x)) if int(x).bit_length() <= 2000 else hex(int(x))
   if isinstance(x, float):
     if x != x:
       return "nan:" + hex(struct.unpack("<Q", struct.pack("<d", x))[0])
