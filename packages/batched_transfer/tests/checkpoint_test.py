@@ -515,15 +515,22 @@ def test_python_scalars_are_saved_as_jax_places_them(path, x64):
       assert out["lr"].weak_type and not out["w"].weak_type
 
 
-def test_python_int_too_large_for_int32_is_refused_like_stock(tmp_path):
+def test_python_int_too_large_for_int32_is_saved_by_value(tmp_path):
+  # Stock refuses to place it; save keeps it exactly (0.6 raised
+  # OverflowError), with no array: restore gives the int back, also onto a
+  # Python int target leaf, and refuses an array target leaf, naming it.
   with pytest.raises(OverflowError):
     jax.device_put(2**40)
-  with pytest.raises(
-    OverflowError,
-    match=r"save: the Python scalar 1099511627776 at "
-    r"\['n'\] does not fit int32",
-  ):
-    bt.save(tmp_path / "c.npz", {"n": 2**40})
+  bt.save(tmp_path / "c.npz", {"n": 2**40, "m": -(2**200)})
+  assert bt.restore(tmp_path / "c.npz") == {"n": 2**40, "m": -(2**200)}
+  assert bt.metadata(tmp_path / "c.npz") == {"n": 2**40, "m": -(2**200)}
+  out = bt.restore(tmp_path / "c.npz", {"n": 0, "m": 0})
+  assert out == {"n": 2**40, "m": -(2**200)} and type(out["n"]) is int
+  with pytest.raises(ValueError, match=r"\['n'\] .* as the Python int 1099"):
+    bt.restore(
+      tmp_path / "c.npz",
+      {"n": jax.ShapeDtypeStruct((), np.int32), "m": 0},
+    )
 
 
 def test_numpy_64_bit_data_restores_into_jax_canonical_targets(tmp_path):

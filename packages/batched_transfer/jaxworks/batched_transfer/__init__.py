@@ -1,6 +1,7 @@
 """jaxworks.batched_transfer: a pytree onto devices in one batched operation.
 
-Public API: device_put, plan, place_for, save, restore, metadata, SaveHandle,
+Public API: device_put, plan, place_for, save, restore, metadata,
+custom_metadata, SaveHandle,
 CheckpointManager, CheckpointManagerOptions, WriterConflictError, StrayKeyError,
 CheckpointReplacedError,
 TransferPlan, PlannedGroup, PlacementError, SpecRankError;
@@ -15,6 +16,7 @@ from ._src.api import device_put as device_put
 from ._src.api import place_for as place_for
 from ._src.api import plan as plan
 from ._src.checkpoint.api import SaveHandle as SaveHandle
+from ._src.checkpoint.api import custom_metadata as custom_metadata
 from ._src.checkpoint.api import metadata as metadata
 from ._src.checkpoint.api import restore as restore
 from ._src.checkpoint.api import save as save
@@ -45,6 +47,7 @@ __all__ = [
   "TransferPlan",
   "WriterConflictError",
   "__version__",
+  "custom_metadata",
   "device_put",
   "install",
   "installed",

@@ -61,6 +61,7 @@ def save(
   storage_options: dict[str, Any] | None = None,
   compression: str | None = None,
   progress: bool | None = False,
+  custom_metadata: dict[str, Any] | None = None,
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
@@ -90,9 +91,13 @@ def save(
       README, "Object stores"); other URLs are refused.
     tree: a pytree whose leaves are arrays (numpy or jax.Array of the
       bool, integer, floating, complex and ml_dtypes types JAX holds),
-      numpy scalars, Python scalars (stored as the 0-d array
-      jax.device_put makes of them, float32 for a float with x64 off, and
-      their type), ``str`` or None (stored by value); any other leaf
+      numpy scalars, Python scalars (their exact value and type in the
+      record, and the 0-d array jax.device_put makes of them, float32 for
+      a float with x64 off, where one holds it: an int of any size is
+      stored), ``str`` or None (stored by value); its nodes (dicts, lists,
+      tuples, named tuples such as optax's states, empty ones such as
+      ``EmptyState()``, custom nodes) are recorded for a restore without a
+      target; any other leaf
       (bytes, strings in numpy arrays, objects, datetimes, ...) raises
       TypeError naming its tree path before anything is written, so save
       never writes what restore refuses.
@@ -146,6 +151,9 @@ def save(
       (an optimizer state at initialisation, masks); on random values it
       costs CPU time. Restore reads either. For a directory checkpoint one
       process saves (not an ``.npz``, not a collective save).
+    custom_metadata: a dict of JSON values (str keys) kept in the
+      checkpoint's record, read back by ``custom_metadata(path)`` without
+      the arrays (as orbax's ``custom_metadata``).
 
   A collective save raises an error of any process on every process at
   once, the others' ``RuntimeError`` naming it (see the README,
@@ -183,6 +191,7 @@ def save(
       ),
       barrier_timeout_s=barrier_timeout_s, collective=collective,
       compression=compression, progress=progress,
+      custom_metadata=format.custom_metadata(api, custom_metadata),
     )  # fmt: skip
     job = job_lib.SaveJob(api, tree, dest, options)
     return multiprocess.run(job, ticket)
@@ -228,10 +237,14 @@ def restore(
       ml_dtypes types numpy cannot cast directly); the stored dtype as JAX
       canonicalizes it (float32 for float64 data with x64 off) is none.
       Unless ``placement`` is given, each leaf's .format / .sharding says
-      where it goes (none: the default device). None: the tree as saved
-      (nested dicts, lists for sequences, so tuples come back as lists),
-      every array on the default device (or ``placement``), str and None
-      leaves as saved, Python scalars as their Python type.
+      where it goes (none: the default device); a Python scalar target
+      leaf where an int no JAX dtype holds was saved gets that int. None:
+      the tree as saved (``metadata``'s nesting: dicts, lists, tuples and
+      OrderedDicts as such, named tuples as their class where this program
+      has loaded it, else as a named tuple of the same name and fields,
+      other nodes as dicts of their entries), every array on the default
+      device (or ``placement``), str and None leaves as saved, Python
+      scalars exactly as saved (a float as float64, an int of any size).
     placement: a device_put target (Device, Sharding, Format or a pytree
       prefix of them) overriding the target leaves' placement.
     partial_restore: let ``target`` name a subset of the stored leaves (a
@@ -357,9 +370,10 @@ def metadata(
   only (no array data): a ``jax.ShapeDtypeStruct`` (shape, exact dtype, and
   the ``NamedSharding`` or ``SingleDeviceSharding`` a saved jax.Array had,
   where every device it names is one of this job's; else, and for numpy
-  leaves, None) per array, the stored value per ``str`` or None
-  leaf, nested as ``restore`` without a target nests it. A Python scalar
-  leaf is the ShapeDtypeStruct of its 0-d array. ``restore(path,
+  leaves, None) per array, the stored value per ``str``, None or Python
+  scalar leaf (exactly as saved; a checkpoint of 0.6 and before: the
+  ShapeDtypeStruct of a Python scalar's 0-d array), every node, empty ones
+  included, as ``restore`` without a target builds it. ``restore(path,
   metadata(path))`` restores onto the saved shardings.
 
   >>> import os, tempfile, numpy as np
@@ -382,6 +396,25 @@ def metadata(
         "exact dtype names"
       )
   return target_lib.as_saved(arrays, record, with_shardings=True)
+
+
+@jax_internals.api_boundary
+def custom_metadata(
+  path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+  """The ``custom_metadata`` saved with the checkpoint at ``path`` (``{}``
+  where none was, as orbax), read from its record alone.
+
+  >>> import os, tempfile, numpy as np
+  >>> from jaxworks.batched_transfer import save
+  >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  >>> save(path, {"w": np.zeros(2)}, custom_metadata={"lr": 1e-3})
+  >>> custom_metadata(path)
+  {'lr': 0.001}
+  """
+  api = f"{_API}.custom_metadata"
+  dest = destination.open(api, path, storage_options)
+  return dict(read_record(dest)[1].custom_metadata or {})
 
 
 def read_record(

@@ -9,9 +9,18 @@ Format 2 of the record holds:
 * ``dtypes``: every array's exact dtype name (.npy headers cannot name
   bfloat16, float8_*, int4 and the other ml_dtypes types, stored as raw
   ``V<n>`` bytes);
-* ``python``: the arrays that were Python scalars (``bool``, ``int``,
-  ``float``, ``complex``), stored as the 0-d array ``jax.device_put`` makes
-  of them, and restored as that Python type when restore has no target;
+* ``python``: the leaves that were Python scalars (``bool``, ``int``,
+  ``float``, ``complex``), by type name, each stored as the 0-d array
+  ``jax.device_put`` makes of it (restore onto a target places that), where
+  one holds it;
+* ``scalars`` (after 0.6.0): the exact value of each of those, as text
+  (``encode_scalar``: a float's ``repr``, an int in decimal, ...), which
+  restore without a target and ``metadata`` give back (a float as the
+  float64 it was, not its float32 array); an int that no JAX dtype holds
+  (past int32, or int64 with x64) has no array: its text is among the
+  ``values`` too, so that every reader knows it has no file, and the
+  record is format 4. Earlier versions ignore it (a record without it:
+  the array's value, as 0.6 restored it);
 * ``values``: the leaves that are not arrays, ``str`` and ``None``, by value;
 * ``crc32c``: for a directory checkpoint one process wrote, the checksums of
   each ``<key>.npy`` file's data (see checksum);
@@ -23,8 +32,21 @@ Format 2 of the record holds:
   it names is one of this job's);
 * ``tree``: every leaf's key and the kinds of its tree path's entries, in
   tree order, so that restore without a target rebuilds the nesting (dicts,
-  and lists for sequences); an empty dict, list or tuple is an entry too,
-  with a third element, "dict" or "list";
+  and lists for sequences); a node without children (an empty dict, list
+  or tuple, and, after 0.6.0, any other: optax's ``EmptyState()`` and
+  ``MaskedNode()``, an empty named tuple or custom node) is an entry too,
+  with a third element, "dict" or "list" (the kind of node earlier
+  versions rebuild);
+* ``nodes`` (after 0.6.0): what each inner node that is not a dict or a list is,
+  and each node without children, by its key prefix ("" for the root):
+  ``{"type": "tuple"}``, ``{"type": "namedtuple", "class":
+  "<module>:<qualname>", "fields": [...]}``, ``{"type": "OrderedDict"}``
+  or ``{"type": "node", "class": ...}`` (see nodes, which builds them
+  again: a class named here is data, never imported). Earlier versions
+  ignore it (they rebuild dicts and lists); without it a sequence's
+  missing index (an ``EmptyState()`` 0.6 did not list) reads as None;
+* ``custom_metadata`` (after 0.6.0): save's ``custom_metadata``, a JSON object
+  (``custom_metadata(path)`` reads it). Earlier versions ignore it;
 * ``shapes``: the shape of each array stored raw in C order (what its .npy
   header says, with ``dtypes``), so that a restore from a bucket requests
   each array's header and data in one request, and checks the header when
@@ -47,7 +69,10 @@ Format 2 of the record holds:
 Format 3 is format 2 plus ``codecs``: the arrays stored compressed, by key
 (``save(..., compression="zstd")``, see codec); it is written only when
 there are any, so that raw checkpoints stay readable by earlier versions.
-Formats 1 (``dtypes`` alone) and 2 are still read.
+Format 4 (after 0.6.0) is format 3 with Python ints stored by value alone (see
+``scalars``); it is written only when there are any, so that earlier
+versions refuse such a record instead of restoring the int as a str.
+Formats 1 (``dtypes`` alone), 2 and 3 are still read.
 
 A checkpoint several processes wrote is a directory whose manifest
 ``MANIFEST`` (the README shows one) says how its shard files tile each
@@ -77,12 +102,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from collections.abc import Mapping
 import dataclasses
 import errno
 import itertools
 import json
 import os
 import secrets
+import struct
 from typing import Any
 
 import jax
@@ -92,6 +119,7 @@ from jax.sharding import SingleDeviceSharding
 import numpy as np
 
 from . import codec
+from . import nodes
 
 
 def is_npz(path: str) -> bool:
@@ -108,7 +136,9 @@ RECORD = "jaxworks_dtypes.json"
 RECORD_FORMAT = 2
 #: The format of a record with ``codecs``.
 CODECS_FORMAT = 3
-_RECORD_READS = (1, 2, 3)
+#: The format of a record with Python scalars stored by value alone.
+VALUES_FORMAT = 4
+_RECORD_READS = (1, 2, 3, 4)
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 #: What parsing a damaged JSON record or manifest raises.
 DAMAGED = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
@@ -128,6 +158,14 @@ class Record:
   shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
   c_order: bool = False
   save_id: str = ""
+  nodes: dict[str, dict] = dataclasses.field(default_factory=dict)
+  scalars: dict[str, str] = dataclasses.field(default_factory=dict)
+  custom_metadata: dict[str, Any] | None = None
+
+  def value_only(self, key: str) -> bool:
+    """Whether ``key`` is a Python scalar stored by value alone (an int no
+    JAX dtype holds): no array file, its text among the ``values`` too."""
+    return key in self.scalars and key in self.values
 
 
 def new_save_id() -> str:
@@ -156,15 +194,48 @@ def check_arrays_present(
       )
 
 
+def custom_metadata(api: str, value: Any) -> dict[str, Any] | None:
+  """``value`` (save's ``custom_metadata``) as the record keeps it: a dict
+  with str keys that JSON holds (None: none); TypeError naming ``api``
+  otherwise, before anything is written.
+
+  >>> custom_metadata("api", {"lr": 0.1, "tags": ["a"]})
+  {'lr': 0.1, 'tags': ['a']}
+  """
+  if value is None:
+    return None
+  if not isinstance(value, Mapping) or not all(
+    isinstance(k, str) for k in value
+  ):
+    raise TypeError(
+      f"{api}: custom_metadata must be a dict with str keys of JSON values, "
+      f"got {value!r:.80}"
+    )
+  try:
+    data = json.loads(json.dumps(dict(value)))
+  except (TypeError, ValueError, RecursionError) as err:
+    raise TypeError(
+      f"{api}: custom_metadata must hold JSON values (numbers, strings, "
+      f"bools, None, lists, dicts with str keys): {err}; convert numpy and "
+      "jax scalars with float() or int()"
+    ) from None
+  return data
+
+
 def encode_record(record: Record) -> bytes:
   """The bytes of ``record`` (a JSON object, as ``decode_record`` reads it)."""
-  data: dict[str, Any] = {
-    "format": CODECS_FORMAT if record.codecs else RECORD_FORMAT,
-    "dtypes": record.dtypes,
-  }
-  for name in ("python", "values", "crc32c", "shardings", "codecs", "shapes"):
+  number = CODECS_FORMAT if record.codecs else RECORD_FORMAT
+  if any(record.value_only(k) for k in record.scalars):
+    number = VALUES_FORMAT
+  data: dict[str, Any] = {"format": number, "dtypes": record.dtypes}
+  for name in (
+    "python", "values", "crc32c", "shardings", "codecs", "shapes", "nodes",
+    "scalars",
+  ):  # fmt: skip
     if getattr(record, name):
       data[name] = getattr(record, name)
+  if record.custom_metadata is not None:
+    data["custom_metadata"] = record.custom_metadata
   if record.c_order:
     data["c_order"] = True
   if record.save_id:
@@ -237,6 +308,24 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
         f"'codecs' names {unknown}, which this version does not read (it "
         f"reads {sorted(codec.SUFFIXES)}; a newer jaxworks may read it)"
       )
+    r.scalars = _strs(m.get("scalars", {}), "'scalars'")
+    for key, text in r.scalars.items():
+      if key not in r.python:
+        raise ValueError(f"'scalars' holds {key!r}, which 'python' lacks")
+      decode_scalar(r.python[key], text)
+    for key in r.python:
+      if key in r.values and r.values[key] != r.scalars.get(key):
+        raise ValueError(f"'values' and 'scalars' differ at {key!r}")
+    node_descs = m.get("nodes", {})
+    if not isinstance(node_descs, dict) or not all(
+      nodes.valid(d) for d in node_descs.values()
+    ):
+      raise ValueError("'nodes' is not an object of node descriptions")
+    r.nodes = node_descs
+    custom = m.get("custom_metadata")
+    if custom is not None and not isinstance(custom, dict):
+      raise ValueError("'custom_metadata' is not an object")
+    r.custom_metadata = custom
     tree = m.get("tree")
     if tree is not None:
       if not isinstance(tree, list) or not all(
@@ -321,13 +410,22 @@ def path_kinds(path: Any) -> str:
   return "".join(_KINDS.get(type(e), "o") for e in path)
 
 
-def rebuild_tree(tree: list[tuple[str, ...]], value_of: Any) -> Any:
+def rebuild_tree(
+  tree: list[tuple[str, ...]],
+  value_of: Any,
+  node_descs: dict[str, dict] | None = None,
+) -> Any:
   """The nesting ``tree`` describes, with ``value_of(key)`` at each leaf:
-  sequences become lists, every other node a dict keyed by its path names."""
+  each inner node as ``node_descs`` (the record's ``nodes``, by key
+  prefix) describes it (nodes.build), else a list for sequence entries
+  and a dict for the others; an empty node as described, else as its
+  entry's third element says."""
+  descs = node_descs or {}
 
   def leaf(entry: tuple[str, ...]) -> Any:
     if len(entry) == 3:
-      return {} if entry[2] == "dict" else []
+      kind = "s" if entry[2] == "list" else "d"
+      return nodes.build(descs.get(entry[0]), kind, [])
     return value_of(entry[0])
 
   if len(tree) == 1 and not tree[0][1]:
@@ -353,11 +451,80 @@ def rebuild_tree(tree: list[tuple[str, ...]], value_of: Any) -> Any:
     if prefix in leaves or prefix not in kinds:
       return node  # a leaf
     items = [(k, build(prefix + (k,), v)) for k, v in node.items()]
-    if kinds[prefix] == "s":
-      return [v for _, v in items]
-    return dict(items)
+    return nodes.build(descs.get("/".join(prefix)), kinds[prefix], items)
 
   return build((), top)
+
+
+def tree_path(key: str, kinds: str) -> str:
+  """The tree path (as ``jax.tree_util.keystr``) of a record's ``key``
+  whose entries are of ``kinds``.
+
+  >>> tree_path("opt_state/1/0/mu", "dssa")
+  "['opt_state'][1][0].mu"
+  """
+  if not kinds:
+    return "<root>"
+  out = []
+  for part, kind in zip(key.split("/"), kinds):
+    if kind == "s":
+      out.append(f"[{part}]")
+    elif kind == "a":
+      out.append(f".{part}")
+    else:
+      out.append(f"[{part!r}]")
+  return "".join(out)
+
+
+def encode_scalar(x: bool | int | float | complex) -> str:
+  """The exact text of a Python scalar (the record's ``scalars``): a bool
+  as "True"/"False", an int in decimal (hex, "0x...", past 2,000 bits),
+  a float as its ``repr`` (a NaN as "nan:" and its 64 bits in
+  hex), a complex as its two floats joined by ","; ``decode_scalar`` reads
+  it back bit for bit.
+
+  >>> [encode_scalar(v) for v in (True, 2**70, 0.1, -0.0, complex(1, 2))]
+  ['True', '1180591620717411303424', '0.1', '-0.0', '1.0,2.0']
+  >>> decode_scalar("float", encode_scalar(0.1)) == 0.1
+  True
+  """
+  if isinstance(x, bool):
+    return "True" if x else "False"
+  if isinstance(x, int):
+    # Past 2,000 bits (602 digits) in hex: Python's digit limit on int <->
+    # str conversions is at least 640 digits wherever it is read.
+    return str(int(x)) if int(x).bit_length() <= 2000 else hex(int(x))
+  if isinstance(x, float):
+    if x != x:
+      return "nan:" + hex(struct.unpack("<Q", struct.pack("<d", x))[0])
+    return repr(float(x))
+  return f"{encode_scalar(x.real)},{encode_scalar(x.imag)}"
+
+
+def decode_scalar(name: str, text: str) -> bool | int | float | complex:
+  """The Python scalar of type ``name`` (``PYTHON_TYPES``) that
+  ``encode_scalar`` wrote as ``text``; ValueError if it is not one."""
+  if name == "bool":
+    if text not in ("True", "False"):
+      raise ValueError(f"{text!r:.40} is not a bool")
+    return text == "True"
+  if name == "int":
+    if not text.lstrip("-").isalnum():
+      raise ValueError(f"{text!r:.40} is not an int")
+    return int(text, 16) if text.lstrip("-").startswith("0x") else int(text)
+  if name == "float":
+    if text.startswith("nan:"):
+      bits = int(text[4:], 16)
+      if not 0 <= bits < 2**64:
+        raise ValueError(f"{text!r:.40} is not a float")
+      return struct.unpack("<d", struct.pack("<Q", bits))[0]
+    return float(text)
+  if name == "complex":
+    real, sep, imag = text.partition(",")
+    if not sep:
+      raise ValueError(f"{text!r:.40} is not a complex")
+    return complex(decode_scalar("float", real), decode_scalar("float", imag))  # type: ignore[arg-type]
+  raise ValueError(f"{name!r:.40} is not a Python scalar type")
 
 
 def _spec_entry(e: Any) -> Any:

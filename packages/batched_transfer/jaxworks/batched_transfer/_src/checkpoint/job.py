@@ -65,6 +65,8 @@ class Options:
     threads: save's ``write_threads``.
     primary_keys: leaves that are process 0's in a collective save (not
       checked against the other processes').
+    custom_metadata: save's ``custom_metadata`` (checked:
+      ``format.custom_metadata``), kept in the record.
   """
 
   overwrite: bool = False
@@ -76,6 +78,7 @@ class Options:
   compression: str | None = None
   progress: bool | None = False
   primary_keys: tuple[str, ...] = ()
+  custom_metadata: dict[str, Any] | None = None
 
 
 class SaveJob:
@@ -91,7 +94,7 @@ class SaveJob:
   ) -> None:
     self.api, self.destination, self.options = api, destination, options
     self.path = destination.path
-    saved = writer.Leaves(api, tree)
+    saved = writer.Leaves(api, tree, options.custom_metadata)
     self.keys, self.paths = saved.keys, saved.paths
     self.leaves: list[Any] = saved.leaves
     self.record = saved.record

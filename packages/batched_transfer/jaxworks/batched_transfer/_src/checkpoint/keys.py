@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from . import format
+from . import nodes
 
 _API = "jaxworks.batched_transfer"
 ROOT_KEY = "leaf"
@@ -37,10 +38,38 @@ def _key_part(api: str, entry: Any, path: Any) -> str:
   return text
 
 
+def _no_children(x: Any) -> bool:
+  leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+  return not leaves and not jax.tree_util.treedef_is_leaf(treedef)
+
+
+_LEAF_TYPES = (
+  jax.Array,
+  np.ndarray,
+  np.generic,
+  str,
+  bytes,
+  int,
+  float,
+  complex,
+)
+
+
 def saved_leaf(x: Any) -> bool:
-  """What save records as a leaf besides jax's leaves: None, and empty
-  dicts, lists and tuples (which restore without a target rebuilds)."""
-  return x is None or (type(x) in (dict, list, tuple) and not x)
+  """What save records as a leaf besides jax's leaves: None, and every
+  pytree node without children (empty dicts, lists and tuples, optax's
+  ``EmptyState()`` and ``MaskedNode()``, an empty custom node), which
+  restore without a target rebuilds."""
+  if x is None:
+    return True
+  if isinstance(x, (dict, list, tuple)):
+    if x:
+      return False
+    t = type(x)
+    return t in (dict, list, tuple) or nodes.is_namedtuple(t) or _no_children(x)
+  if isinstance(x, _LEAF_TYPES):
+    return False
+  return _no_children(x)
 
 
 def leaf_keys(
@@ -71,6 +100,40 @@ def path_kinds(tree: Any) -> list[str]:
   of ``leaf_keys(api, tree, saved_leaf)``."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=saved_leaf)
   return [format.path_kinds(p) for p, _ in flat]
+
+
+def node_descriptions(api: str, tree: Any) -> dict[str, dict[str, Any]]:
+  """The record's ``nodes`` of ``tree``: the description (nodes.describe)
+  of every inner node that is not a dict or a list, and of every node
+  without children, by its key prefix ("" for the root)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=saved_leaf)
+  out: dict[str, dict[str, Any]] = {}
+
+  def key_of(path: Any) -> str:
+    return "/".join(_key_part(api, e, path) for e in path) or ROOT_KEY
+
+  for path, x in flat:  # the nodes save records as leaves: empty ones
+    if x is not None and type(x) not in (dict, list) and saved_leaf(x):
+      desc = nodes.describe(type(x))
+      if desc is not None:
+        out[key_of(path)] = desc
+  at = 0
+
+  def walk(td: Any, depth: int) -> None:
+    nonlocal at
+    if td.num_leaves == 0 or jax.tree_util.treedef_is_leaf(td):
+      at += td.num_leaves
+      return
+    data = td.node_data()
+    desc = None if data is None else nodes.describe(data[0])
+    if desc is not None:
+      path = flat[at][0][:depth]
+      out["/".join(_key_part(api, e, path) for e in path)] = desc
+    for child in jax.tree_util.treedef_children(td):
+      walk(child, depth + 1)
+
+  walk(treedef, 0)
+  return out
 
 
 def check_files(api: str, named: list[tuple[str, str]]) -> None:

@@ -47,6 +47,7 @@ from . import manager_options as options_lib
 from . import multiprocess
 from . import pending
 from . import steps as steps_lib
+from . import target as target_lib
 from .keys import leaf_keys
 from .manager_options import (
   CheckpointManagerOptions as CheckpointManagerOptions,
@@ -72,12 +73,15 @@ class StepMetadata:
     metrics: the metrics saved with the step (decoded JSON), or None.
     commit_timestamp_nsecs: the step's commit time (its directory's
       modification time), in nanoseconds since the epoch.
+    custom_metadata: the ``custom_metadata`` saved with the step (``{}``
+      where none was, as orbax).
   """
 
   step: int
   item_metadata: Any
   metrics: Any
   commit_timestamp_nsecs: int
+  custom_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class _StepSave(job_lib.SaveJob):
@@ -95,6 +99,16 @@ class _StepSave(job_lib.SaveJob):
       self.manager._retain()
     except OSError as err:  # the step is saved; the next save retries
       LOG.warning("%s: retention failed (%s); the next save retries", _API, err)
+
+
+def _python_value(record: format.Record, key: str, x: Any) -> Any:
+  """The Python scalar ``key`` of ``record`` as saved, restored as ``x``
+  (its value where the record has it, else ``x``'s, as 0.6 restored it)."""
+  if key in record.scalars:
+    return target_lib.exact_value(record, key)
+  if not hasattr(x, "shape"):
+    return x
+  return format.PYTHON_TYPES[record.python[key]](np.asarray(x).item())
 
 
 class CheckpointManager:
@@ -403,6 +417,7 @@ class CheckpointManager:
     metrics: Any = None,
     blocking: bool = False,
     force: bool = False,
+    custom_metadata: dict[str, Any] | None = None,
   ) -> bool:
     """Saves ``tree`` (or the named ``items``) as ``step`` if
     ``should_save(step)`` (or ``force``).
@@ -426,6 +441,9 @@ class CheckpointManager:
         dict, or use ``items``).
       blocking: wait until the step is committed.
       force: save even if ``should_save(step)`` is false.
+      custom_metadata: a dict of JSON values (str keys) stored with the
+        step, read back by ``metadata(step).custom_metadata`` without the
+        arrays (as orbax's).
 
     Returns:
       True if a save was started, False if ``should_save`` said no (logged:
@@ -460,7 +478,8 @@ class CheckpointManager:
       if failed is not None:  # the previous save's error first
         raise failed
       tree = self._tree_to_save(api, step, tree, items, metrics)
-      job = self._job(api, step, tree, blocking)
+      custom = format.custom_metadata(api, custom_metadata)
+      job = self._job(api, step, tree, blocking, custom)
       self._handle = multiprocess.run(job, ticket)
     self._pending_step = step
     return True
@@ -501,7 +520,14 @@ class CheckpointManager:
       )
     return tree
 
-  def _job(self, api: str, step: int, tree: Any, blocking: bool) -> _StepSave:
+  def _job(
+    self,
+    api: str,
+    step: int,
+    tree: Any,
+    blocking: bool,
+    custom_metadata: dict[str, Any] | None = None,
+  ) -> _StepSave:
     """The save job of ``step``, once the directory's lease is held, no
     earlier background save failed and the step is not there (what
     killed saves left in the directory is removed: process 0 commits)."""
@@ -518,6 +544,7 @@ class CheckpointManager:
     options = job_lib.Options(
       blocking=blocking, barrier_timeout_s=self.barrier_timeout_s,
       compression=self._compression, primary_keys=(METRICS_KEY,),
+      custom_metadata=custom_metadata,
     )  # fmt: skip
     return _StepSave(self, step, api, tree, at, options)
 
@@ -792,17 +819,15 @@ class CheckpointManager:
         if not isinstance(stored, dict) or n not in stored:
           raise no_item(n) from err
       raise
-    # Items restored as saved: Python scalar leaves back as Python scalars
-    # (as restore without a target gives them).
+    # Items restored as saved: Python scalar leaves back as Python scalars,
+    # exactly as saved (as restore without a target gives them).
     if any(t is None for t in items.values()):
-      python = ckpt.read_record(self._step(step))[1].python
+      record = ckpt.read_record(self._step(step))[1]
       for name, t in items.items():
-        if t is None and python:
+        if t is None and record.python:
           keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
           leaves = [
-            format.PYTHON_TYPES[python[k]](np.asarray(x).item())
-            if k in python
-            else x
+            _python_value(record, k, x) if k in record.python else x
             for k, x in zip(keys, leaves)
           ]
           out[name] = treedef.unflatten(leaves)[name]
@@ -821,6 +846,7 @@ class CheckpointManager:
       item_metadata=self._stored(path),
       metrics=self.metrics(step),
       commit_timestamp_nsecs=self._commit_ns(step),
+      custom_metadata=ckpt.custom_metadata(path, self._options),
     )
 
   def item_metadata(self, step: int) -> Any:

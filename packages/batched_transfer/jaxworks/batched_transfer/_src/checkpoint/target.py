@@ -142,10 +142,27 @@ class Target:
     }
     # Without a target: the recorded tree, as metadata gives it (a stray
     # .npy file beside it is no leaf of it).
-    check_keys(api, path, keys, paths, stored, partial or built)
-    self.values: dict[int, str] = {}
+    try:
+      check_keys(api, path, keys, paths, stored, partial or built)
+    except ValueError as err:
+      first = first_difference(keys, paths, record, stored, partial)
+      if not first:
+        raise
+      raise ValueError(f"{err}; {first}") from None
+    self.values: dict[int, Any] = {}
     self.arrays: list[int] = []
     for i, (key, where, x) in enumerate(zip(keys, paths, leaves)):
+      if record.value_only(key):
+        value = exact_value(record, key)
+        if not built and python_scalar_dtype(x) is None:
+          raise ValueError(
+            f"{api}: the leaf at {where} (key {key!r}) is stored in {path!r} "
+            f"as the Python {record.python[key]} {value!r:.40}, which no "
+            f"array of JAX's dtypes holds, but the target expects "
+            f"{_describe(x)}; put a Python scalar in the target there"
+          )
+        self.values[i] = value
+        continue
       if key in record.values:
         if not isinstance(x, str):
           raise ValueError(
@@ -153,9 +170,12 @@ class Target:
             f"as the str {record.values[key]!r:.40} but the target expects "
             f"{_describe(x)}; put a str in the target there"
           )
-        self.values[i] = record.values[key]  # type: ignore[assignment]
+        self.values[i] = record.values[key]
         continue
       if built and key in record.python:
+        if key in record.scalars:  # exact, from the record: nothing read
+          self.values[i] = exact_value(record, key)
+          continue
         self.python[i] = format.PYTHON_TYPES[record.python[key]]
       self.arrays.append(i)
 
@@ -181,6 +201,11 @@ def _describe(x: Any) -> str:
   return f"{x!r:.40}"
 
 
+def exact_value(record: format.Record, key: str) -> Any:
+  """The Python scalar ``key`` of ``record`` as saved (its ``scalars``)."""
+  return format.decode_scalar(record.python[key], record.scalars[key])
+
+
 def as_saved(
   arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
   record: format.Record,
@@ -188,7 +213,10 @@ def as_saved(
 ) -> Any:
   """The tree a checkpoint holds, with a jax.ShapeDtypeStruct per array
   (restore without a target, and ``metadata``, which also gives each the
-  sharding it was saved with, where this job has its devices)."""
+  sharding it was saved with, where this job has its devices), the value
+  of each str, None and Python scalar leaf (a checkpoint of 0.6 and
+  before: the ShapeDtypeStruct of a Python scalar's 0-d array), and each
+  inner node as the record describes it (format.rebuild_tree)."""
   tree = record.tree
   if tree is None:  # written before the record had it: dicts by key
     keys = sorted(set(arrays) | set(record.values))
@@ -198,6 +226,8 @@ def as_saved(
       tree = [(k, "d" * len(k.split("/"))) for k in keys]
 
   def leaf(key: str) -> Any:
+    if key in record.scalars:
+      return exact_value(record, key)
     if key in record.values:
       return record.values[key]
     shape, dtype = arrays[key]
@@ -205,7 +235,52 @@ def as_saved(
     sharding = None if desc is None else format.rebuild_sharding(desc)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-  return format.rebuild_tree(tree, leaf)
+  return format.rebuild_tree(tree, leaf, record.nodes)
+
+
+def first_difference(
+  keys: list[str],
+  paths: list[str],
+  record: format.Record,
+  stored: set[str],
+  partial: bool,
+) -> str:
+  """Where a target's leaves (``keys``, at tree ``paths``, in tree order)
+  first differ from the checkpoint's (its ``record``, whose leaves with
+  data are ``stored``; ``partial``: only a target leaf the checkpoint
+  lacks differs): a sentence naming that tree path and what each side has
+  there ('' where the record lists no tree, or they do not differ)."""
+  if record.tree is None:
+    return ""
+  mine = list(zip(keys, paths))
+  saved = [(e[0], e[1]) for e in record.tree if len(e) == 2 and e[0] in stored]
+  mine_keys, saved_keys = set(keys), {k for k, _ in saved}
+
+  def theirs(b: tuple[str, str] | None) -> str:
+    if b is None:
+      return "nothing"
+    return f"the leaf {format.tree_path(b[0], b[1])} (key {b[0]!r})"
+
+  def ours(a: tuple[str, str] | None) -> str:
+    return "nothing" if a is None else f"the leaf {a[1]} (key {a[0]!r})"
+
+  for i in range(max(len(mine), len(saved))):
+    a = mine[i] if i < len(mine) else None
+    b = saved[i] if i < len(saved) else None
+    if a is not None and b is not None and a[0] == b[0]:
+      continue
+    if a is not None and a[0] not in saved_keys:
+      return (
+        f"the first difference in tree order is at {a[1]}: the target has "
+        f"a leaf there (key {a[0]!r}) where the checkpoint has {theirs(b)}"
+      )
+    if b is not None and b[0] not in mine_keys and not partial:
+      return (
+        f"the first difference in tree order is at "
+        f"{format.tree_path(b[0], b[1])}: the checkpoint has a leaf there "
+        f"(key {b[0]!r}) where the target has {ours(a)}"
+      )
+  return ""
 
 
 def weak(y: Any) -> Any:

@@ -21,6 +21,7 @@ from . import codec
 from . import format
 from . import hostvalue
 from .keys import leaf_keys
+from .keys import node_descriptions
 from .keys import path_kinds
 from .keys import python_scalar_dtype
 from .keys import saved_leaf
@@ -101,27 +102,46 @@ class Leaves:
   paths) and the record's parts for the rest (``str`` and ``None`` leaves
   by value, which arrays were Python scalars, the tree's nesting)."""
 
-  def __init__(self, api: str, tree: Any) -> None:
+  def __init__(
+    self,
+    api: str,
+    tree: Any,
+    custom_metadata: dict[str, Any] | None = None,
+  ) -> None:
     keys, paths, leaves, _ = leaf_keys(api, tree, saved_leaf)
     kinds = path_kinds(tree)
     nesting: list[tuple[str, ...]] = []
-    self.record = format.Record(tree=nesting)
+    self.record = format.Record(
+      tree=nesting,
+      nodes=node_descriptions(api, tree),
+      custom_metadata=custom_metadata,
+    )
     self.keys: list[str] = []
     self.paths: list[str] = []
     self.leaves: list[Any] = []
     described: dict[int, dict | None] = {}
     for key, where, x, k in zip(keys, paths, leaves, kinds):
-      empty = format.EMPTY.get(type(x)) if x is not None else None
+      empty = None
+      if x is not None and saved_leaf(x):  # a node without children
+        empty = "list" if isinstance(x, (list, tuple)) else "dict"
       nesting.append((key, k) if empty is None else (key, k, empty))
       if empty is not None:
         continue
       if x is None or isinstance(x, str):
         self.record.values[key] = x
         continue
-      if python_scalar_dtype(x) is not None:  # a subclass: the type it is of
-        self.record.python[key] = next(
+      scalar_dtype = python_scalar_dtype(x)
+      if scalar_dtype is not None:  # a subclass: the type it is of
+        name = next(
           n for n, t in format.PYTHON_TYPES.items() if isinstance(x, t)
         )
+        self.record.python[key] = name
+        self.record.scalars[key] = format.encode_scalar(x)
+        if not _fits(x, scalar_dtype):
+          # By value alone (no JAX array holds it), also among the values,
+          # which every reader knows has no file.
+          self.record.values[key] = self.record.scalars[key]
+          continue
       if isinstance(x, jax.Array):
         s = x.sharding
         if id(s) not in described:
@@ -136,6 +156,17 @@ class Leaves:
       # header's shape.
       self.record.shapes[key] = list(np.shape(x))
     self.record.c_order = True
+
+
+def _fits(x: Any, dtype: np.dtype) -> bool:
+  """Whether the Python scalar ``x`` fits ``dtype``, the dtype
+  jax.device_put gives it (an int past int32, or int64 with x64, does not)."""
+  try:
+    with np.errstate(over="ignore"):  # a float past float32's range: inf
+      np.asarray(x, dtype=dtype)
+  except OverflowError:
+    return False
+  return True
 
 
 _FIXES = {
