@@ -23,6 +23,7 @@ from . import remote
 from . import restore_objects
 from . import storage
 from .local import LocalNpz
+from .local import delete_arrays
 from .local import NpzSave
 from .place import Destination
 from .place import Done
@@ -123,7 +124,7 @@ class BucketPrefix(Destination):
           self.noting(),
           contextlib.closing(self.open_checkpoint(budget, pinned)) as opened,
         ):
-          return read(opened)
+          out = read(opened)
       except Exception as err:
         try:
           now = remote.pin(self.api, self.st)
@@ -142,6 +143,14 @@ class BucketPrefix(Destination):
           "%s: %s was replaced while reading; reading the new checkpoint",
           self.api, self.path,
         )  # fmt: skip
+        continue
+      if board is not None:  # every process read it whole, or all raise
+        try:
+          board.agree(f"{attempt}/read", "ok")
+        except BaseException:
+          delete_arrays(out)
+          raise
+      return out
     raise AssertionError("unreachable")
 
   def _replaced(self, times: int) -> OSError:

@@ -155,7 +155,7 @@ class _Local(Destination):
         try:
           agreed.on("read", "ok")
         except BaseException:
-          _delete_arrays(out)  # another process read another save
+          delete_arrays(out)  # another process read another save
           raise
         return out
       except reader.CheckpointReplacedError as err:
@@ -428,7 +428,7 @@ def _save_id(api: str, path: str, opened: Opened) -> str:
   return format.decode_record(api, where, data).save_id
 
 
-def _delete_arrays(tree: Any) -> None:
+def delete_arrays(tree: Any) -> None:
   """Deletes the jax.Arrays of a read whose result is dropped."""
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and not x.is_deleted():
