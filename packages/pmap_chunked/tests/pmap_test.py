@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
 import jaxworks_testing as jwt
 import numpy as np
 import pytest
@@ -444,3 +445,22 @@ def test_stats_sums_and_keeps_the_events_of_functions_that_died():
   assert (after.hits - before.hits, after.misses - before.misses) == (1, 1)
   built = after.compiles + after.executable_reuses
   assert built - (before.compiles + before.executable_reuses) == 1
+
+
+def test_second_order_grads_as_stock():
+  # Upstream pmap_test.py's testCollectivePermuteCyclicGrad: under a
+  # transformation the program runs without output shardings, as
+  # jax.pmap's does (a transposed program would take them as the input
+  # shardings of its cotangents).
+  shift = [(i, (i + 1) % N) for i in range(N)]
+  f = lambda v: jax.lax.ppermute(v, perm=shift, axis_name="i")
+  y = np.pi + np.arange(N, dtype=np.float32)
+  x = np.arange(N, dtype=np.float32)
+  grads = []
+  for p in (pmap, jax.pmap):
+    g = lambda v, p=p: jnp.sum(y * p(f, "i")(v))
+    grads.append(np.asarray(jax.grad(g)(x)))
+    check_grads(g, (x,), 2, ["fwd", "rev"], 1e-2, 1e-2)
+  np.testing.assert_array_equal(grads[0], grads[1])
+  out = pmap(f, "i")(x)
+  assert out.sharding == jax.pmap(f, "i")(x).sharding

@@ -78,12 +78,12 @@ class _Counts:
 
 
 def _info(counts: _Counts, entries: Any, maxsize: int) -> jit_cache.CacheInfo:
-  programs = [e.jitted.cache_info() for e in entries.values()]
+  programs = [p.cache_info() for e in entries.values() for p in e.programs()]
   return CacheInfo(
     hits=counts.hits,
     misses=counts.misses,
     evictions=counts.evictions,
-    entries=len(programs),
+    entries=len(entries),
     maxsize=maxsize,
     **{f: sum(getattr(p, f) for p in programs) for f in _PROGRAM_FIELDS},
   )
@@ -299,7 +299,7 @@ class Pmapped:
         if how != "call":
           out = _stage(how, entry, leaves, treedef)
         elif tracing:
-          out = entry.jitted(*leaves)
+          out = (entry.traced or entry.jitted)(*leaves)
         else:
           try:
             placed = placement.place_inputs(leaves, entry)

@@ -58,6 +58,13 @@ class Entry:
   extra_axes: tuple  # ((name, size), ...) added for nested pmaps
   jitted: Any
   donated: frozenset = frozenset()  # indices of donated leaves
+  # What a call under a transformation (grad, vmap, an outer jit) runs: as
+  # jax.pmap, without output shardings, which would become the input
+  # shardings of a transposed program (None: ``jitted``).
+  traced: Any = None
+
+  def programs(self) -> list:
+    return [self.jitted] + ([] if self.traced is None else [self.traced])
 
 
 def context_key() -> tuple:
@@ -182,6 +189,11 @@ class Programs:
         ),
       }
     jitted = deps.jit(program, donate_argnums=donate_argnums, **pinned)
+    traced = None
+    if "out_shardings" in pinned:
+      traced = deps.jit(
+        program, donate_argnums=donate_argnums, in_shardings=in_shardings
+      )
     return Entry(
       mesh=mesh,
       axis_name=axis_name,
@@ -191,6 +203,7 @@ class Programs:
       extra_axes=extra_axes,
       jitted=jitted,
       donated=frozenset(donate_argnums),
+      traced=traced,
     )
 
   def place_negative(self, entry: Entry, out: Any) -> Any:
