@@ -14,7 +14,15 @@ SRC = pathlib.Path(checkpoint.__file__).parent
 MODULES = sorted(SRC.glob("*.py"))
 
 #: Where a path or URL may be read, and one kind of place named.
-PLACES = {"destination", "storage", "stores", "gcs", "remote"}
+PLACES = {
+  "destination",
+  "local",
+  "bucket",
+  "storage",
+  "stores",
+  "gcs",
+  "remote",
+}
 #: Names that tell a local path from a URL, or name one kind of place.
 KIND_NAMES = {
   "is_url", "is_remote", "SCHEMES", "LocalStorage", "ObstoreStorage",

@@ -23,8 +23,8 @@ from . import remote
 from . import restore_objects
 from . import storage
 from .local import LocalNpz
-from .local import delete_arrays
 from .local import NpzSave
+from .local import delete_arrays
 from .place import Destination
 from .place import Done
 from .place import Opened
@@ -166,17 +166,17 @@ class BucketPrefix(Destination):
   def check(self) -> None:
     self._bucket()  # what it may not replace is refused now, in the call
 
-  def _bucket(self) -> remote.Bucket:
+  def _bucket(self, look: bool = True) -> remote.Bucket:
     return remote.Bucket(
-      self.api, self.path, self.st, self.overwrite, lease=self.lease
+      self.api, self.path, self.st, self.overwrite, self.lease, look
     )
 
   def begin(self) -> Save:
-    bucket = self._bucket()  # looked at again: in the save's turn
+    bucket = self._bucket(look=False)  # its begin looks, in the save's turn
     return BucketSave(bucket, bucket.begin())
 
   def attach(self, name: str) -> BucketSave:
-    bucket = self._bucket()
+    bucket = self._bucket(look=False)
     bucket.attach(name)
     return BucketSave(bucket, name)
 

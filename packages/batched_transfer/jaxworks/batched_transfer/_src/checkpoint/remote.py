@@ -446,6 +446,7 @@ class Bucket:
     st: Storage,
     overwrite: bool,
     lease: bool = True,
+    look: bool = True,
   ) -> None:
     self.api, self.url, self.overwrite = api, url, overwrite
     self.lease = lease
@@ -456,7 +457,10 @@ class Bucket:
     self.target = self.st
     self.state: bool | None = False  # committed (None: cannot tell)
     self._trying = False  # the head's request was made
-    self._look()
+    self.head: Any = None
+    self.tag: Any = None
+    if look:  # in the call (``begin`` looks again, in the save's turn)
+      self._look()
 
   def where(self) -> str:
     return self.target.url
