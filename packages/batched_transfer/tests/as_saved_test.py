@@ -1,4 +1,4 @@
-"""Training states come back as saved (issue 62, points 3, 4 and custom
+"""Training states come back as saved (points 3, 4 and custom
 metadata): restore and metadata without a target rebuild every node of
 the tree (optax states with their EmptyState() and MaskedNode(), named
 tuples, tuples, empty containers, None; flax and equinox states as dicts
@@ -513,7 +513,7 @@ def test_a_numpy_generator_and_a_data_iterator_state_round_trip(tmp_path):
       rng.bit_generator.state = data["rng"]
 
 
-# Custom metadata (issue 62, point 5).
+# Custom metadata.
 
 
 def test_custom_metadata_with_a_save(path):

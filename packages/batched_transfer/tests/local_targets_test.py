@@ -1,4 +1,4 @@
-"""Local checkpoints under faults and odd paths (issue 61, items 12-17):
+"""Local checkpoints under faults and odd paths:
 relative paths made absolute in the call, threads that cannot start,
 managers of one process on one directory however it is spelled, a failed
 fsync of a directory before and after the commit, and bad targets refused

@@ -1,4 +1,4 @@
-"""A restore from a bucket is a snapshot (issue 61), against moto's S3 server
+"""A restore from a bucket is a snapshot, against moto's S3 server
 and gcp-storage-emulator on 127.0.0.1: readers in this process and in
 another racing overwrites, a manager's retention and deletes get one whole
 committed save or a clear error, never part of a tree; the processes of a
