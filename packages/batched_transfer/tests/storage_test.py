@@ -255,8 +255,7 @@ def test_s3_a_bulk_delete_is_retried_after_a_dropped_connection(
 ):
   """S3's DeleteObjects is a POST, which the client does not retry: the
   storage layer does (deleting is idempotent), so a delete whose answer was
-  lost, or made while the endpoint is away for a moment, completes (issue
-  61, item 13)."""
+  lost, or made while the endpoint is away for a moment, completes."""
   proxy = object_servers.Proxy(s3_endpoint)
   try:
     for k, v in object_servers.S3_ENV.items():
