@@ -67,6 +67,14 @@ def after_first_array_open(monkeypatch, act):
   return done
 
 
+def racing(monkeypatch, path, when, act):
+  """``act()`` once, ``when`` the read opened the directory or is about to
+  open its first array; the list it appends to once it ran."""
+  if when == "directory":
+    return after_directory_open(monkeypatch, path, act)
+  return after_first_array_open(monkeypatch, act)
+
+
 def overwrite(path, k):
   def act():
     bt.save(path, tree(k), overwrite=True)
@@ -90,10 +98,7 @@ def test_a_read_racing_an_overwrite_returns_the_new_save_whole(
 ):
   path = str(tmp_path / "ckpt")
   bt.save(path, tree(1))
-  if when == "directory":
-    done = after_directory_open(monkeypatch, path, overwrite(path, 2))
-  else:
-    done = after_first_array_open(monkeypatch, overwrite(path, 2))
+  done = racing(monkeypatch, path, when, overwrite(path, 2))
   if read == "restore":
     assert check_whole(bt.restore(path)) == 2
   else:
@@ -112,10 +117,7 @@ def test_a_read_racing_a_delete_raises_file_not_found(
 ):
   path = str(tmp_path / "ckpt")
   bt.save(path, tree(1))
-  if when == "directory":
-    done = after_directory_open(monkeypatch, path, delete(path))
-  else:
-    done = after_first_array_open(monkeypatch, delete(path))
+  done = racing(monkeypatch, path, when, delete(path))
   with pytest.raises(FileNotFoundError, match=r"ckpt"):
     getattr(bt, read)(path)
   assert done

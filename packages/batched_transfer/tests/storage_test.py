@@ -232,22 +232,9 @@ def test_s3_one_of_many_concurrent_replaces_wins(s3_env):
   store = stores.open_storage(API, f"s3://ckpt/race-{uuid.uuid4().hex}")
   store.create("head", b"start")
   _, tag = store.read_tagged("head")
-  results = []
-
-  def replace(i):
-    try:
-      store.replace("head", f"writer {i}".encode(), tag)
-      results.append(i)
-    except FileExistsError:
-      pass
-
-  threads = [threading.Thread(target=replace, args=(i,)) for i in range(8)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  assert len(results) == 1
-  assert bytes(store.read("head")) == f"writer {results[0]}".encode()
+  _one_of_eight_wins(
+    store, "head", lambda i, data: store.replace("head", data, tag)
+  )
 
 
 def test_s3_a_bulk_delete_is_retried_after_a_dropped_connection(
@@ -349,24 +336,33 @@ def test_keys_are_checked(store):
 # S3: concurrency, configuration, faults ----------------------------------------
 
 
-def test_s3_one_of_many_concurrent_creates_wins(s3_env):
-  store = stores.open_storage(API, f"s3://ckpt/race-{uuid.uuid4().hex}")
+def _one_of_eight_wins(store, key, write):
+  """Eight threads each ``write(i, b"writer <i>")`` the object ``key`` at
+  once, where a conditional write refuses all but one (FileExistsError):
+  exactly one wins, and the object holds its bytes."""
   results = []
 
-  def create(i):
+  def attempt(i):
     try:
-      store.create("marker", f"writer {i}".encode())
+      write(i, f"writer {i}".encode())
       results.append(i)
     except FileExistsError:
       pass
 
-  threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+  threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
   assert len(results) == 1
-  assert bytes(store.read("marker")) == f"writer {results[0]}".encode()
+  assert bytes(store.read(key)) == f"writer {results[0]}".encode()
+
+
+def test_s3_one_of_many_concurrent_creates_wins(s3_env):
+  store = stores.open_storage(API, f"s3://ckpt/race-{uuid.uuid4().hex}")
+  _one_of_eight_wins(
+    store, "marker", lambda i, data: store.create("marker", data)
+  )
 
 
 def test_s3_storage_options_over_the_environment(monkeypatch, s3_endpoint):
