@@ -72,6 +72,7 @@ WEIGHTS = {
   "stages_aot_bench": 0.08,
   "axis_names_bench": 0.09,
   "object_store_bench": 0.1,
+  "training_loop_bench": 0.1,
 }
 #: Benchmarks that need a TCP socket on 127.0.0.1 (a server of their own).
 NEEDS_SOCKETS = {"object_store_bench": "moto's S3 server on 127.0.0.1"}

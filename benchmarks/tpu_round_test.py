@@ -31,6 +31,7 @@ ROUND = [
   "pmap_chunked_bench",
   "stages_aot_bench",
   "axis_names_bench",
+  "training_loop_bench",
 ]
 
 

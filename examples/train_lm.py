@@ -49,7 +49,8 @@ if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import sys  # noqa: E402
-from typing import Any, NamedTuple  # noqa: E402
+from typing import Any  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -85,9 +86,7 @@ class Config:
 
 
 #: The configuration the test runs: a few seconds on 2 cores.
-TINY = Config(
-  vocab=64, d_model=32, n_heads=2, d_ff=64, seq_len=16, batch=16
-)
+TINY = Config(vocab=64, d_model=32, n_heads=2, d_ff=64, seq_len=16, batch=16)
 
 
 class Shardings(NamedTuple):
@@ -105,7 +104,9 @@ def make_shardings() -> Shardings:
   mesh = jax.make_mesh(
     (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
   )
-  return Shardings(mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+  return Shardings(
+    mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  )
 
 
 # ------------------------------------------------------------------ the model
@@ -118,12 +119,13 @@ def init_params(cfg: Config, key: jax.Array) -> dict[str, Any]:
   keys = iter(jax.random.split(key, 2 + 4 * cfg.n_layers))
 
   def dense(shape):
-    return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(
-      shape[0]
-    )
+    return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
 
   def norm():
-    return {"scale": jnp.ones(d, jnp.float32), "bias": jnp.zeros(d, jnp.float32)}
+    return {
+      "scale": jnp.ones(d, jnp.float32),
+      "bias": jnp.zeros(d, jnp.float32),
+    }
 
   params: dict[str, Any] = {
     "embed": jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32) * 0.02,
@@ -146,7 +148,10 @@ def init_params(cfg: Config, key: jax.Array) -> dict[str, Any]:
     "ln_f": norm(),
   }
   if cfg.frozen_mib:
-    params[FROZEN] = jnp.zeros((cfg.frozen_mib * 2**20 // 4,), jnp.float32)
+    # Random values (a pretrained table's are incompressible, zeros are not).
+    params[FROZEN] = jax.random.normal(
+      jax.random.fold_in(key, 1), (cfg.frozen_mib * 2**20 // 4,), jnp.float32
+    )
   return params
 
 
@@ -215,7 +220,9 @@ def abstract_state(cfg: Config, shardings: Shardings):
   of a restore."""
   shapes = jax.eval_shape(lambda: _init(cfg))
   return jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings.replicated),
+    lambda s: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=shardings.replicated
+    ),
     shapes,
   )
 

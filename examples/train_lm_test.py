@@ -68,9 +68,7 @@ def _cmd(directory, *extra):
 
 def _losses(lines):
   """``[(step, repr of the loss)]`` of a run's step lines."""
-  return [
-    (int(m.group(1)), m.group(2)) for m in map(LINE.match, lines) if m
-  ]
+  return [(int(m.group(1)), m.group(2)) for m in map(LINE.match, lines) if m]
 
 
 class Run:
@@ -255,9 +253,7 @@ def test_the_checkpoint_reads_back_without_the_training_code(
   cfg = example.TINY
   params, opt_state = example._init(cfg)  # pylint: disable=protected-access
   # The optimizer state as optax made it: EmptyState() and the named tuples.
-  assert jax.tree.structure(saved["opt_state"]) == jax.tree.structure(
-    opt_state
-  )
+  assert jax.tree.structure(saved["opt_state"]) == jax.tree.structure(opt_state)
   assert isinstance(saved["opt_state"][0], optax.EmptyState)
   assert type(saved["opt_state"][1][0]) is optax.ScaleByAdamState
   assert jax.tree.structure(saved["params"]) == jax.tree.structure(params)

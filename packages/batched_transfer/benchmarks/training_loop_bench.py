@@ -1,0 +1,371 @@
+"""A training loop that checkpoints: what its checkpoints cost it.
+
+The loop is ``examples/train_lm.py``'s (its model, optimizer, data and
+step: a 2-layer transformer LM, ``optax.chain(clip_by_global_norm(1.0),
+adamw)``, data parallel over every device, the step a ``jax.jit`` donating
+parameters and optimizer state). Each step: the batch, the step, its result
+waited for (``jax.block_until_ready``), then the manager's save call, at
+every step, as both libraries document it. The loop runs three ways in this
+process, interleaved (each repeat runs each way once, the order rotated):
+
+* no checkpoints: the baseline step time;
+* jaxworks: ``bt.CheckpointManager(dir, max_to_keep=3,
+  save_interval_steps=N)``, ``mgr.save(step, items={"params": ...,
+  "opt_state": ..., "data": ...}, metrics={"loss": ...})`` (in the
+  background, the default);
+* orbax: ``ocp.CheckpointManager(dir, options=ocp.CheckpointManagerOptions(
+  max_to_keep=3, save_interval_steps=N))`` (asynchronous, its default),
+  ``mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(...),
+  opt_state=ocp.args.StandardSave(...), data=ocp.args.JsonSave(...)),
+  metrics={"loss": ...})``;
+
+each run ends with ``wait_until_finished()`` (not timed as a step). Two
+configurations: the plain model (a checkpoint of a few MB) and the same
+with a frozen 256 MiB float32 array among the parameters (random values,
+not trained, passed through the step; replicated as every parameter).
+
+Rows (jaxworks against orbax, medians over the save intervals of every
+repeat; a step's time is the whole iteration: batch, step, wait, save call):
+
+* the save call on save steps;
+* the save call on the step after a save step;
+* the slowdown of the ``K`` steps after a save: their mean step time minus
+  the baseline's mean step time;
+* the time lost to checkpoints per save interval: the wall time of the
+  ``N`` steps from a save step's successor to the next save step (one save
+  call of each kind) minus ``N`` baseline steps;
+* for jaxworks, the interval against the baseline's (the fraction lost; goal
+  under 1% where a save's write fits in the interval: a blocking save of the
+  same tree, timed once, takes less than ``N`` baseline steps).
+
+A slowdown or loss at or below the noise of the baseline (the standard error
+of its mean step time, times ``N`` for an interval) cannot be told from none:
+its row shows that noise floor, and the notes the value measured.
+
+``--quick``: the example's small configuration (``train_lm.TINY``), with
+and without a 16 MiB frozen array, few steps. On an
+accelerator (``--platform tpu``, the devices JAX picks) the frozen array is
+64 MiB. ``--budget-s`` cuts the repeats.
+"""
+
+import os
+import sys
+
+import jaxworks_bench as jb
+
+PROFILE = jb.configure_devices()  # before jax: 8 host CPU devices on cpu
+
+# pylint: disable=wrong-import-position
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+# The model of examples/train_lm.py (one copy of it): under Bazel from
+# //examples:train_lm_lib, from a source tree by its path.
+sys.path.append(
+  os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 3,
+               "examples")
+)  # fmt: skip
+import train_lm  # noqa: E402
+
+from jaxworks import batched_transfer as bt  # noqa: E402
+
+PKG = "batched_transfer"
+ORBAX = "orbax CheckpointManager, async (its default)"
+
+
+@dataclasses.dataclass
+class Sizes:
+  interval: int  # save_interval_steps
+  intervals: int  # timed intervals per run
+  after: int  # K: the steps after a save whose slowdown is measured
+  repeats: int
+  warmup: int = 3  # steps before the first timed interval
+
+
+class Loop:
+  """One configuration: the compiled step, and runs of the loop."""
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+    self.shardings = train_lm.make_shardings()
+    self.step_fn = train_lm.make_train_step(cfg, self.shardings)
+    self.bytes = None
+
+  def run(self, steps, saver=None):
+    """``(iteration seconds, save-call seconds)`` per step, 1..``steps``;
+    ``saver(step, params, opt_state, data_state, loss)`` is the save call
+    (None: no checkpoints)."""
+    params, opt_state = train_lm.init_state(self.cfg, self.shardings)
+    data = train_lm.DataIterator(self.cfg, self.shardings)
+    jax.block_until_ready((params, opt_state))
+    if self.bytes is None:
+      self.bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    iteration, calls = [], []
+    gc.collect()
+    gc.disable()
+    try:
+      for step in range(1, steps + 1):
+        start = time.perf_counter()
+        tokens = data.next(step)
+        params, opt_state, loss = self.step_fn(params, opt_state, tokens)
+        jax.block_until_ready((params, opt_state, loss))
+        mid = time.perf_counter()
+        if saver is not None:
+          saver(step, params, opt_state, data.state(), float(loss))
+        end = time.perf_counter()
+        iteration.append(end - start)
+        calls.append(end - mid)
+    finally:
+      gc.enable()
+    return iteration, calls
+
+
+def jaxworks_run(loop, steps, interval):
+  directory = tempfile.mkdtemp(prefix="loop-jaxworks-")
+  mgr = bt.CheckpointManager(
+    directory, max_to_keep=3, save_interval_steps=interval
+  )
+
+  def save(step, params, opt_state, data, loss):
+    mgr.save(
+      step,
+      items={"params": params, "opt_state": opt_state, "data": data},
+      metrics={"loss": loss},
+    )
+
+  try:
+    out = loop.run(steps, save)
+    mgr.wait_until_finished()
+    assert mgr.all_steps()[-1] == steps - steps % interval, mgr.all_steps()
+  finally:
+    mgr.close()
+    shutil.rmtree(directory, ignore_errors=True)
+  return out
+
+
+def orbax_run(loop, steps, interval):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  directory = tempfile.mkdtemp(prefix="loop-orbax-")
+  mgr = ocp.CheckpointManager(
+    directory,
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=3, save_interval_steps=interval
+    ),
+  )
+
+  def save(step, params, opt_state, data, loss):
+    mgr.save(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        opt_state=ocp.args.StandardSave(opt_state),
+        data=ocp.args.JsonSave(data),
+      ),
+      metrics={"loss": loss},
+    )
+
+  try:
+    out = loop.run(steps, save)
+    mgr.wait_until_finished()
+    assert mgr.all_steps()[-1] == steps - steps % interval, mgr.all_steps()
+  finally:
+    mgr.close()
+    shutil.rmtree(directory, ignore_errors=True)
+  return out
+
+
+def write_seconds(loop, interval):
+  """A blocking jaxworks save of the loop's tree (its write, whole)."""
+  params, opt_state = train_lm.init_state(loop.cfg, loop.shardings)
+  data = train_lm.DataIterator(loop.cfg, loop.shardings).state()
+  directory = tempfile.mkdtemp(prefix="loop-write-")
+  try:
+    times = []
+    for step in range(2):
+      start = time.perf_counter()
+      bt.save(
+        os.path.join(directory, str(step)),
+        {"params": params, "opt_state": opt_state, "data": data},
+      )
+      times.append(time.perf_counter() - start)
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
+  del interval
+  return min(times)
+
+
+class Stats:
+  """The measures of one way's runs, against the baseline's step time."""
+
+  def __init__(self, runs, sizes, base_mean):
+    n, k = sizes.interval, sizes.after
+    save_calls, after_calls, after_steps, lost = [], [], [], []
+    for iteration, calls in runs:
+      steps = len(iteration)
+      for s in range(sizes.warmup + 1, steps + 1):
+        if s % n:
+          continue
+        save_calls.append(calls[s - 1])
+        if s + 1 <= steps:
+          after_calls.append(calls[s])
+        if s + k <= steps:
+          after_steps.extend(iteration[s : s + k])
+        if s + n <= steps:
+          lost.append(sum(iteration[s : s + n]) - n * base_mean)
+    self.save_call = statistics.median(save_calls)
+    self.after_call = statistics.median(after_calls)
+    self.after_mean = statistics.mean(after_steps)
+    self.slowdown = self.after_mean - base_mean
+    self.lost = statistics.median(lost)
+    self.intervals = len(lost)
+
+
+def measure(report, name, loop, sizes, budget):
+  n = sizes.interval
+  steps = sizes.warmup + n * (sizes.intervals + 1)
+  ways = {
+    "none": lambda steps: loop.run(steps),
+    "jaxworks": lambda steps: jaxworks_run(loop, steps, n),
+  }
+  try:
+    import orbax.checkpoint  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    ways["orbax"] = lambda steps: orbax_run(loop, steps, n)
+  except ImportError as err:
+    report.skip(f"orbax rows of {name}", f"orbax is not installed: {err}")
+  for fn in ways.values():  # compile, warm every path once: two saves
+    fn(n + 2)
+  runs = {w: [] for w in ways}
+  deadline = budget.until(0.9)
+  for r in range(sizes.repeats):
+    if r >= 1 and deadline is not None and time.monotonic() > deadline:
+      break
+    order = list(ways)
+    order = order[r % len(order) :] + order[: r % len(order)]
+    for way in order:
+      os.sync()  # the previous run's writes flushed outside every timer
+      runs[way].append(ways[way](steps))
+  base = [t for it, _ in runs["none"] for t in it[sizes.warmup :]]
+  base_mean = statistics.mean(base)
+  noise = max(statistics.stdev(base) / len(base) ** 0.5, 1e-6)
+  stats = {w: Stats(runs[w], sizes, base_mean) for w in ways if w != "none"}
+  write = write_seconds(loop, n)
+  mb = loop.bytes / 1e6
+  print(
+    f"{name}: checkpoint {mb:.1f} MB; step {jb.fmt_seconds(base_mean)} "
+    f"without checkpoints (noise {jb.fmt_seconds(noise)}); interval {n} "
+    f"steps = {jb.fmt_seconds(n * base_mean)}; a blocking save writes in "
+    f"{jb.fmt_seconds(write)}; {len(runs['none'])} repeats"
+  )
+  for way, st in stats.items():
+    print(
+      f"  {way:8s}: save call on save steps {jb.fmt_seconds(st.save_call)}, "
+      f"on the step after {jb.fmt_seconds(st.after_call)}; the "
+      f"{sizes.after} steps after a save {jb.fmt_seconds(st.after_mean)} "
+      f"each (slowdown {st.slowdown * 1e3:+.2f} ms); lost per interval "
+      f"{st.lost * 1e3:+.2f} ms ({100 * st.lost / (n * base_mean):+.2f}%), "
+      f"over {st.intervals} intervals"
+    )
+  report.note(
+    f"{name}: checkpoint {mb:.1f} MB, save_interval_steps={n}; step "
+    f"{jb.fmt_seconds(base_mean)} without checkpoints (noise: standard "
+    f"error of the mean {jb.fmt_seconds(noise)}); a blocking save of the "
+    f"tree {jb.fmt_seconds(write)}; "
+    + "; ".join(
+      f"{way}: save call {jb.fmt_seconds(st.save_call)} on save steps, "
+      f"{jb.fmt_seconds(st.after_call)} on the step after, slowdown of the "
+      f"{sizes.after} steps after a save {st.slowdown * 1e3:+.2f} ms, lost "
+      f"per interval {st.lost * 1e3:+.2f} ms "
+      f"({100 * st.lost / (n * base_mean):+.2f}%)"
+      for way, st in stats.items()
+    )
+    + f"; medians over {stats['jaxworks'].intervals} intervals of "
+    f"{len(runs['none'])} runs of each way."
+  )
+  ours = stats["jaxworks"]
+  theirs = stats.get("orbax")
+  floor = noise
+  if theirs is not None:
+    report.add(
+      f"{name}: save call on a save step",
+      ours.save_call, theirs.save_call, "peer", ORBAX, goal=2.0,
+    )  # fmt: skip
+    report.add(
+      f"{name}: save call on the step after a save step",
+      ours.after_call, theirs.after_call, "peer", ORBAX, goal=1.0,
+    )  # fmt: skip
+    report.add(
+      f"{name}: slowdown of the {sizes.after} steps after a save (vs no "
+      "checkpoints)",
+      max(ours.slowdown, floor), max(theirs.slowdown, floor), "peer", ORBAX,
+      goal=1.0,
+    )  # fmt: skip
+    report.add(
+      f"{name}: time lost to checkpoints per interval of {n} steps",
+      max(ours.lost, n * floor), max(theirs.lost, n * floor), "peer", ORBAX,
+      goal=1.0,
+    )  # fmt: skip
+  fits = write < n * base_mean
+  report.add(
+    f"{name}: an interval of {n} steps with jaxworks checkpoints (vs none)",
+    n * base_mean + max(ours.lost, 0.0), n * base_mean, "ablation",
+    "the same loop without checkpoints",
+    goal=1 / 1.01 if fits else None,
+  )  # fmt: skip
+  if not fits:
+    report.note(
+      f"{name}: no goal for the fraction of the interval lost: a blocking "
+      f"save of the tree ({jb.fmt_seconds(write)}) does not fit in the "
+      f"interval ({jb.fmt_seconds(n * base_mean)})."
+    )
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--frozen-mib", type=int, default=None)
+  p.add_argument("--repeats", type=int, default=None)
+  jb.add_arguments(p)
+  a = p.parse_args(argv)
+  budget = jb.Budget(a.budget_s)
+  accel = PROFILE != "cpu"
+  cfg = train_lm.Config()
+  if a.quick:
+    cfg = train_lm.TINY
+    plain = Sizes(interval=5, intervals=3, after=2, repeats=1)
+    frozen = dataclasses.replace(plain)
+    frozen_mib = 16
+  else:
+    plain = Sizes(interval=10, intervals=6, after=3, repeats=5)
+    frozen = Sizes(interval=20, intervals=4, after=3, repeats=3)
+    frozen_mib = 64 if accel else 256
+  if a.frozen_mib is not None:
+    frozen_mib = a.frozen_mib
+  if a.repeats is not None:
+    plain.repeats = frozen.repeats = a.repeats
+  report = jb.Report(PKG)
+  report.finish_on_signal(a)
+  report.section(
+    "plain model",
+    lambda: measure(report, "plain model", Loop(cfg), plain, budget),
+    budget=budget, min_s=20,
+  )  # fmt: skip
+  big = dataclasses.replace(cfg, frozen_mib=frozen_mib)
+  name = f"with a frozen {frozen_mib} MiB array"
+  report.section(
+    name, lambda: measure(report, name, Loop(big), frozen, budget),
+    budget=budget, min_s=20,
+  )  # fmt: skip
+  report.finish(a)
+  return report.exit_status()
+
+
+if __name__ == "__main__":
+  sys.exit(main())
