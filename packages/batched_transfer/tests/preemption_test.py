@@ -6,6 +6,7 @@ reached_preemption says when to save and exit."""
 import os
 import random
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -229,3 +230,35 @@ def test_every_process_of_a_job_stops_at_the_same_saved_step(tmp_path):
   step = int(lines[0].split()[1])
   assert step > 7
   assert f"[0, {step}]" in lines[0], lines
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice: Linux")
+def test_a_background_save_runs_below_the_training_steps_priority(
+  tmp_path, monkeypatch
+):
+  """The threads of a non-blocking save (and the writer threads they
+  start) yield the CPU to the training steps: nice +10 (the step's thread
+  keeps its own); a blocking save runs at the caller's priority."""
+  seen = {}
+  real = local.DirectorySave.write
+
+  def write(self, *args, **kwargs):
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    child = []
+    t = threading.Thread(
+      target=lambda: child.append(
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+      )
+    )
+    t.start()
+    t.join()
+    seen[threading.current_thread() is threading.main_thread()] = (me, child[0])
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(local.DirectorySave, "write", write)
+  base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+  bt.save(str(tmp_path / "bg"), state(1), blocking=False).wait()
+  bt.save(str(tmp_path / "fg"), state(1))
+  assert seen[False] == (min(19, base + 10),) * 2, (base, seen)
+  assert seen[True] == (base, base), (base, seen)
+  assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
