@@ -104,3 +104,37 @@ def test_every_manager_call_on_both_processes(tmp_path):
   # This one process sees what the job left.
   assert sorted(os.listdir(tmp_path / "host")) == ["2"]
   assert sorted(os.listdir(tmp_path / "spread")) == ["5"]
+
+
+LATE = textwrap.dedent("""
+    import sys, time
+    process_id, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import jax
+    import numpy as np
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=2, process_id=process_id,
+                               initialization_timeout=60)
+    from jaxworks import batched_transfer as bt
+    mgr = bt.CheckpointManager(f"{base}/run", barrier_timeout_s=2)
+    mgr.save(1, {"w": np.ones(3)}, blocking=True)
+    if process_id == 1:  # process 0 never calls delete
+      t = time.monotonic()
+      try:
+        mgr.delete(1)
+      except TimeoutError as err:
+        text = str(err)
+        assert "process 0 to call delete too" in text, text
+        assert "barrier_timeout_s" in text, text
+        assert time.monotonic() - t < 30
+      else:
+        raise AssertionError("delete returned without process 0")
+    else:
+      time.sleep(4)
+    print("WORKER-OK", process_id, flush=True)
+""")
+
+
+def test_a_collective_delete_that_process_0_never_makes_times_out(tmp_path):
+  """The others wait for process 0's outcome at most barrier_timeout_s,
+  then raise TimeoutError naming who did not call what."""
+  run_two(LATE, str(tmp_path))

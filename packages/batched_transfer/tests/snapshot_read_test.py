@@ -18,6 +18,7 @@ from jaxworks import batched_transfer as bt
 # Private imports below: the reaper that removes replaced copies (waited
 # for, so that the race is decided), and the reader's one open of a file.
 from jaxworks.batched_transfer._src.checkpoint import commit
+from jaxworks.batched_transfer._src.checkpoint import format
 from jaxworks.batched_transfer._src.checkpoint import reader
 
 
@@ -176,6 +177,84 @@ def test_a_manager_lists_no_step_without_a_record(tmp_path):
   mgr.wait_until_finished()
   assert mgr.all_steps() == [3]
   assert check_whole(mgr.restore()) == 3
+  mgr.close()
+
+
+def step_items(k):
+  return {
+    "params": tree(k, n=2),
+    "data": {"n": 2**40 + k, "run": f"save {k}", "frac": k / 3},
+  }
+
+
+def check_step_whole(items, metrics=None, custom=None):
+  """The k of one whole ``step_items(k)`` save (and its metrics and custom
+  metadata, where given, of that save)."""
+  k = int(np.asarray(items["params"]["a0"])[0, 0]) // 100
+  np.testing.assert_array_equal(items["params"]["a1"], tree(k, n=2)["a1"])
+  assert items["data"] == {"n": 2**40 + k, "run": f"save {k}", "frac": k / 3}
+  assert (
+    type(items["data"]["n"]) is int and type(items["data"]["frac"]) is float
+  )
+  if metrics is not None:
+    assert metrics == {"loss": k / 7}, (k, metrics)
+    assert custom == {"save": k}, (k, custom)
+  return k
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3, 4])
+@pytest.mark.parametrize("read", ["restore", "metadata"])
+def test_a_manager_reads_one_save_of_a_step_replaced_meanwhile(
+  tmp_path, monkeypatch, nth, read
+):
+  """The step's items, Python values, metrics and custom metadata come from
+  one save, whenever (the ``nth`` record read) another writer replaces the
+  step (a manager's restore reads the step's commit point once)."""
+  d = tmp_path / "run"
+  mgr = bt.CheckpointManager(str(d), read_only=False)
+  mgr.save(
+    5, items=step_items(1), metrics={"loss": 1 / 7},
+    custom_metadata={"save": 1}, blocking=True,
+  )  # fmt: skip
+  writer = bt.CheckpointManager(str(tmp_path / "other"))
+  writer.save(
+    5, items=step_items(2), metrics={"loss": 2 / 7},
+    custom_metadata={"save": 2}, blocking=True,
+  )  # fmt: skip
+  writer.close()
+  source = str(tmp_path / "other" / "5")
+
+  def replace():  # another writer replaces step 5 with save 2
+    bt.save(
+      str(d / "5"),
+      bt.restore(source),
+      overwrite=True,
+      custom_metadata=bt.custom_metadata(source),
+    )
+    commit.REAPER.wait()
+
+  real, calls = format.decode_record, []
+
+  def hooked(*args, **kwargs):
+    calls.append(True)
+    if len(calls) == nth:
+      monkeypatch.setattr(format, "decode_record", real)
+      replace()
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(format, "decode_record", hooked)
+  if read == "restore":
+    items = mgr.restore(5, items={"params": None, "data": None})
+    k = check_step_whole(items)
+  else:
+    m = mgr.metadata(5)
+    assert set(m.item_metadata) == {"params", "data"}
+    data = m.item_metadata["data"]
+    k = check_step_whole(
+      {"params": tree(data["n"] - 2**40, n=2), "data": data},
+      m.metrics, m.custom_metadata,
+    )  # fmt: skip
+  assert k in (1, 2)
   mgr.close()
 
 

@@ -23,6 +23,7 @@ checkpoint several processes wrote, each reading a file or a bucket).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import os
 import time
 from typing import Any
@@ -313,6 +314,42 @@ def restore(
   """
   api = f"{_API}.restore"
   dest = destination.open(api, path, storage_options)
+  return restore_at(
+    api, dest, target, placement=placement, partial_restore=partial_restore,
+    verify=verify, max_inflight_bytes=max_inflight_bytes,
+    read_threads=read_threads, progress=progress, collective=collective,
+    barrier_timeout_s=barrier_timeout_s,
+  )[0]  # fmt: skip
+
+
+#: ``choose(arrays, record)``: the target and partial_restore of a read,
+#: decided once the checkpoint it reads is open (a manager's metrics leaf).
+Choose = Callable[
+  [dict[str, tuple[tuple[int, ...], np.dtype]], format.Record],
+  tuple[Any, bool],
+]
+
+
+def restore_at(
+  api: str,
+  dest: destination.Destination,
+  target: Any = None,
+  *,
+  choose: Choose | None = None,
+  placement: Any = None,
+  partial_restore: bool = False,
+  verify: bool = True,
+  max_inflight_bytes: int = 256 * 2**20,
+  read_threads: int | None = None,
+  progress: bool | None = None,
+  collective: bool | None = None,
+  barrier_timeout_s: float = 300.0,
+) -> tuple[Any, format.Record]:
+  """``restore`` of the checkpoint at ``dest`` (the arguments as there),
+  and the record of the save it read: one committed save, pinned once
+  (``Destination.reading``). ``choose`` (default: ``target`` and
+  ``partial_restore`` as given) decides the target from that save's arrays
+  and record, on every read of it."""
   path = dest.path
   if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
     raise ValueError(
@@ -326,11 +363,14 @@ def restore(
   budget = 0 if partial_restore else max_inflight_bytes
   start = time.perf_counter()
   if collective is None:
-    collective = _spans(target, placement)
+    collective = spans(target, placement)
 
-  def read(opened: Any) -> tuple[Any, list[Any], list[Any], list[str]]:
+  def read(opened: Any) -> tuple[Any, list[Any], list[Any], format.Record]:
     arrays, record = opened.contents()
-    t = target_lib.Target(api, path, target, arrays, record, partial_restore)
+    want, partial = (
+      (target, partial_restore) if choose is None else choose(arrays, record)
+    )
+    t = target_lib.Target(api, path, want, arrays, record, partial)
     keys, paths = t.pick(t.keys), t.pick(t.paths)
     specs = [
       target_lib.target_spec(api, where, x)
@@ -347,19 +387,19 @@ def restore(
         progress, verify,
       )
     )  # fmt: skip
-    return t, placed, specs, keys
+    return t, placed, specs, record
 
   # Onto arrays that span processes, every process restores, the same save.
   with multiprocess.restore_board(
     api, path, barrier_timeout_s, bool(collective)
   ) as board:
-    t, placed, specs, keys = dest.reading(budget, read, board)
+    t, placed, specs, record = dest.reading(budget, read, board)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]
   LOG.info(
     "restored %s (%d arrays) in %.2f s",
-    path, len(keys), time.perf_counter() - start,
+    path, len(placed), time.perf_counter() - start,
   )  # fmt: skip
-  return t.finish(placed)
+  return t.finish(placed), record
 
 
 @jax_internals.api_boundary
@@ -385,11 +425,20 @@ def metadata(
   """
   api = f"{_API}.metadata"
   dest = destination.open(api, path, storage_options)
-  arrays, record = read_record(dest)
+  return saved_tree(api, dest.path, *read_record(dest))
+
+
+def saved_tree(
+  api: str,
+  path: str,
+  arrays: dict[str, tuple[tuple[int, ...], np.dtype]],
+  record: format.Record,
+) -> Any:
+  """``metadata``'s tree of one save's arrays and record (read together)."""
   for key, (_, dtype) in arrays.items():
     if isinstance(dtype, np.dtypes.VoidDType) and dtype.fields is None:
       raise ValueError(
-        f"{api}: the array {key!r} of {dest.path!r} is stored as raw "
+        f"{api}: the array {key!r} of {path!r} is stored as raw "
         f"{dtype.itemsize}-byte values with no dtype record, so its type is "
         f"unknown (several types are {dtype.itemsize} bytes wide); write the "
         "checkpoint with jaxworks.batched_transfer.save, which records "
@@ -425,7 +474,7 @@ def read_record(
   return dest.reading(0, lambda opened: opened.contents())
 
 
-def _spans(target: Any, placement: Any) -> bool:
+def spans(target: Any, placement: Any) -> bool:
   """Whether a sharding in ``target`` or ``placement`` spans devices of
   several processes (then every process restores)."""
   for x in jax.tree.leaves((target, placement)):

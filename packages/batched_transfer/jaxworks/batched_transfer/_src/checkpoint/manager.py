@@ -46,6 +46,7 @@ from . import lease as lease_lib
 from . import manager_options as options_lib
 from . import multiprocess
 from . import pending
+from . import preemption
 from . import steps as steps_lib
 from . import target as target_lib
 from .keys import leaf_keys
@@ -58,6 +59,12 @@ from .steps import check_step
 from .storage import LOG
 
 _API = options_lib.API
+#: The keyword arguments of ``restore`` that ``CheckpointManager.restore``
+#: passes on.
+_RESTORE_KWARGS = frozenset(
+  {"partial_restore", "verify", "max_inflight_bytes", "read_threads",
+   "progress", "collective", "barrier_timeout_s"}
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +270,10 @@ class CheckpointManager:
     self._dir.make_directory(create=not self.read_only)
     self._names = steps_lib.StepNames(o.step_prefix, o.step_format_fixed_length)
     self._handle: pending.SaveHandle | None = None
+    # The step this manager saved last (None: none since reload()).
     self._pending_step: int | None = None
+    self._watching = False  # reached_preemption was called
+    self._preempt_at: int | None = None  # the step to save and stop at
     self._lock = threading.Lock()
     self._metrics_cache: dict[int, Any] = {}  # step -> metrics or None
     # The steps this manager saved, in save order (since reload()).
@@ -301,8 +311,11 @@ class CheckpointManager:
     return self.read_only
 
   def _forget(self, step: int) -> None:
+    """Forgets what this manager read of ``step`` (gone, or saved anew)."""
     with self._lock:
       self._metrics_cache.pop(step, None)
+      if self._pending_step == step:  # e.g. retention deleted it
+        self._pending_step = None
 
   # Listing.
 
@@ -340,6 +353,8 @@ class CheckpointManager:
     with self._lock:
       self._metrics_cache.clear()
       self._saved.clear()
+      if self._handle is None:
+        self._pending_step = None
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` saves (orbax's rules).
@@ -354,15 +369,48 @@ class CheckpointManager:
       return False
     return self._skip(step) is None
 
+  def reached_preemption(self, step: int) -> bool:
+    """Whether the job is being stopped and should save ``step`` and exit
+    (as orbax's): in a jax.distributed job of several processes, JAX's
+    preemption sync point (call it at every step on every process; all
+    reach the same step), else whether this process got SIGTERM since the
+    first call, which starts watching for it (from the main thread; the
+    signal then only sets this flag, until the job exits on its own; a
+    second SIGTERM acts as before). From then on ``should_save`` is also
+    true for such a step, so the loop's ``save`` saves it::
+
+      mgr.save(step, items=...)
+      if mgr.reached_preemption(step):
+        mgr.wait_until_finished()
+        sys.exit(0)
+    """
+    api = f"{_API}.reached_preemption"
+    step = check_step(api, step)
+    self._watching = True
+    if not preemption.reached(api, step):
+      return False
+    if multiprocess.multi_process():
+      return True  # JAX's sync point: the step every process saves
+    # Alone, the step is that of the first call to see the signal if its
+    # save saw it too (it saved), else the next (as JAX's sync point: a
+    # step after the notice, whose save sees it).
+    if self._preempt_at is None:
+      self._preempt_at = step if self._pending_step == step else step + 1
+    return step >= self._preempt_at
+
   def _skip(self, step: int) -> tuple[str, int | None] | None:
     """Why ``save(step)`` would not save (None: it would): ``("old",
     last)`` for a step not newer than the last saved (``last``), else
     ``("policy", last)``."""
-    last = self.latest_step()
-    if self._handle is not None and self._pending_step is not None:
-      last = self._pending_step  # the last saved (orbax's latest)
+    # The step this manager saved last (orbax's latest; no listing while
+    # it saves), else the directory's newest.
+    last = self._pending_step
+    if last is None:
+      last = self.latest_step()
     if last is not None and step <= last:
       return "old", last
+    if self._watching and preemption.reached(f"{_API}.save", step):
+      return None  # a job being stopped saves its current step
     if self.should_save_fn is not None:
       ok = bool(self.should_save_fn(step, last))
     else:
@@ -459,17 +507,18 @@ class CheckpointManager:
     step = check_step(api, step)
     if self._refuse(api, step, "saved"):
       return False
-    # The previous save finishes first (should_save sees its step); its
-    # error is raised before anything else, inside the collective save when
-    # the tree spans processes (so every process raises it there, in step).
-    failed = self._finish()  # raised below
+    # Decided first: a step that is not saved never waits for the save in
+    # flight (only a finished one's error is raised, once).
     why = None if force else self._skip(step)
     if why is not None:
-      if failed is not None:
-        raise failed
+      self.check_for_errors()
       pending.raise_background_error(api)
       self._log_skip(api, step, why)
       return False
+    # The previous save finishes first; its error is raised before anything
+    # else, inside the collective save when the tree spans processes (so
+    # every process raises it there, in step).
+    failed = self._finish()  # raised below
     self._saving(step)
     # A collective save's number before any check of the tree: an error
     # below is every process's (a process whose calls got out of step
@@ -599,14 +648,19 @@ class CheckpointManager:
     with self._lock:
       if step in self._metrics_cache:
         return self._metrics_cache[step]
-    path = self._path(step)
     try:
-      text = ckpt.read_values(self._step(step)).get(METRICS_KEY)
+      values = ckpt.read_values(self._step(step))
     except FileNotFoundError:
       raise self._no_step(api, step) from None
+    return self._metrics_in(step, values)
+
+  def _metrics_in(self, step: int, values: dict[str, str | None]) -> Any:
+    """The metrics of ``step`` in its record's str leaves ``values``
+    (cached)."""
+    text = values.get(METRICS_KEY)
     value = None
     if text is not None:
-      value = steps_lib.decode_metrics(_API, step, path, text)
+      value = steps_lib.decode_metrics(_API, step, self._path(step), text)
     with self._lock:
       self._metrics_cache[step] = value
     return value
@@ -669,6 +723,8 @@ class CheckpointManager:
       if self._handle is not handle:  # another thread saw it finish first
         return None
       self._handle = None
+      if error is not None:  # not saved: the directory says what is
+        self._pending_step = None
     return error
 
   def wait_until_finished(self) -> None:
@@ -694,7 +750,8 @@ class CheckpointManager:
 
   # Reading.
 
-  def _existing(self, api: str, step: int | None) -> tuple[int, str]:
+  def _existing(self, api: str, step: int | None) -> int:
+    """``step`` (None: the latest), committed."""
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -702,16 +759,9 @@ class CheckpointManager:
           f"{api}: no committed step in {self.directory!r}"
         )
     step = check_step(api, step)
-    path = self._path(step)
     if not self._committed(step):
       raise self._no_step(api, step)
-    return step, path
-
-  def _stored(self, path: str) -> Any:
-    tree = ckpt.metadata(path, self._options)
-    if isinstance(tree, dict):
-      tree.pop(METRICS_KEY, None)
-    return tree
+    return step
 
   @jax_internals.api_boundary
   def restore(
@@ -725,6 +775,11 @@ class CheckpointManager:
   ) -> Any:
     """Restores ``step`` (default: the latest committed one) onto devices.
 
+    The step's commit point is read once: everything returned (arrays, str
+    and Python leaves, the metrics left out) is of that one save, also
+    while another manager deletes or replaces the step (then the read is
+    made again, or raises ``CheckpointReplacedError``).
+
     Args:
       step: the step (None: the latest).
       target: as for ``restore``: a tree of jax.ShapeDtypeStruct (e.g.
@@ -735,36 +790,42 @@ class CheckpointManager:
         of the item names to restore -> each one's target, or None to
         restore that item as saved. Returns a dict of those items only.
       placement: as for ``restore``.
-      **kwargs: as for ``restore`` (e.g. ``partial_restore=True``).
+      **kwargs: as for ``restore``: ``partial_restore``, ``verify``,
+        ``max_inflight_bytes``, ``read_threads``, ``progress``,
+        ``collective``, ``barrier_timeout_s``.
 
     Raises:
       FileNotFoundError: no committed step (or not ``step``).
       KeyError: an item the step does not hold.
     """
     api = f"{_API}.restore"
-    step, path = self._existing(api, step)
-    if items is not None:
-      return self._restore_items(
-        api, step, path, target, items, placement, kwargs
+    unknown = sorted(set(kwargs) - _RESTORE_KWARGS)
+    if unknown:
+      raise TypeError(
+        f"{api}: unexpected keyword argument(s) {unknown}; it takes "
+        f"{sorted(_RESTORE_KWARGS)} (the manager's storage_options are its "
+        "own)"
       )
-    has_metrics = self.metrics(step) is not None
-    if target is not None and has_metrics and not kwargs.get("partial_restore"):
-      joined = None
+    step = self._existing(api, step)
+    if items is not None:
+      return self._restore_items(api, step, target, items, placement, kwargs)
+    partial = bool(kwargs.pop("partial_restore", False))
+
+    def choose(_: Any, record: format.Record) -> tuple[Any, bool]:
+      # The metrics leaf is the manager's: a target without it is whole.
+      if target is None or partial or METRICS_KEY not in record.values:
+        return target, partial
       if isinstance(target, dict):  # dict, OrderedDict, ...: its own type
-        # The metrics leaf joins the target, so every other stored leaf must
-        # still be in it (as restore checks without partial_restore).
-        try:
+        with contextlib.suppress(TypeError):
           joined = type(target)(target)
           joined[METRICS_KEY] = ""
-        except TypeError:
-          joined = None
-      if joined is not None:
-        target = joined
-      else:
-        kwargs = {**kwargs, "partial_restore": True}
-    out = ckpt.restore(
-      path, target, placement=placement, storage_options=self._options, **kwargs
-    )
+          return joined, partial
+      return target, True
+
+    out, _ = ckpt.restore_at(
+      api, self._step(step), target, choose=choose, placement=placement,
+      partial_restore=partial, **kwargs,
+    )  # fmt: skip
     if isinstance(out, dict):
       out.pop(METRICS_KEY, None)
     return out
@@ -773,7 +834,6 @@ class CheckpointManager:
     self,
     api: str,
     step: int,
-    path: str,
     target: Any,
     items: Any,
     placement: Any,
@@ -786,67 +846,70 @@ class CheckpointManager:
         f"{api}: items must be a non-empty dict of item name -> target (or "
         f"None), got {items!r:.80}"
       )
-    stored = (
-      self._stored(path) if any(t is None for t in items.values()) else None
-    )
-
-    def no_item(name: str) -> KeyError:
-      held = sorted(stored) if isinstance(stored, dict) else []
-      return KeyError(
-        f"{api}: step {step} in {self.directory!r} holds no item "
-        f"{name!r}; its items are {held}"
-      )
-
-    like: dict[str, Any] = {}
-    for name, t in items.items():
+    for name in items:
       check_item_name(api, name)
-      if t is None and not (isinstance(stored, dict) and name in stored):
-        raise no_item(name)
-      like[name] = stored[name] if t is None else t  # type: ignore[index]
-    try:
-      kwargs = {**kwargs, "partial_restore": True}
-      out = ckpt.restore(
-        path,
-        like,
-        placement=placement,
-        storage_options=self._options,
-        **kwargs,
-      )
-    except ValueError as err:
-      if stored is None:
-        stored = self._stored(path)
-      for n in like:
-        if not isinstance(stored, dict) or n not in stored:
-          raise no_item(n) from err
-      raise
+
+    def choose(arrays: Any, record: format.Record) -> tuple[Any, bool]:
+      stored = target_lib.as_saved(arrays, record, with_shardings=True)
+      held = sorted(stored) if isinstance(stored, dict) else []
+      like: dict[str, Any] = {}
+      for name, t in items.items():
+        if name not in held or name == METRICS_KEY:
+          raise KeyError(
+            f"{api}: step {step} in {self.directory!r} holds no item "
+            f"{name!r}; its items are "
+            f"{[n for n in held if n != METRICS_KEY]}"
+          )
+        like[name] = stored[name] if t is None else t
+      return like, True
+
+    kwargs.pop("partial_restore", None)  # items are always a part
+    given = {n: t for n, t in items.items() if t is not None}
+    if kwargs.get("collective") is None and len(given) < len(items):
+      # Where the saved shardings of an item restored as saved span
+      # processes, every process restores (as for a target that does).
+      if multiprocess.multi_process():
+        at = self._step(step)
+        saved = target_lib.as_saved(*ckpt.read_record(at), with_shardings=True)
+        kwargs["collective"] = ckpt.spans(saved, placement) or None
+    out, record = ckpt.restore_at(
+      api, self._step(step), given, choose=choose, placement=placement,
+      partial_restore=True, **kwargs,
+    )  # fmt: skip
     # Items restored as saved: Python scalar leaves back as Python scalars,
     # exactly as saved (as restore without a target gives them).
-    if any(t is None for t in items.values()):
-      record = ckpt.read_record(self._step(step))[1]
-      for name, t in items.items():
-        if t is None and record.python:
-          keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
-          leaves = [
-            _python_value(record, k, x) if k in record.python else x
-            for k, x in zip(keys, leaves)
-          ]
-          out[name] = treedef.unflatten(leaves)[name]
+    for name, t in items.items():
+      if t is None and record.python:
+        keys, _, leaves, treedef = leaf_keys(api, {name: out[name]})
+        leaves = [
+          _python_value(record, k, x) if k in record.python else x
+          for k, x in zip(keys, leaves)
+        ]
+        out[name] = treedef.unflatten(leaves)[name]
     return dict(out)
 
   @jax_internals.api_boundary
   def metadata(self, step: int | None = None) -> StepMetadata:
-    """The metadata of ``step`` (default: the latest), reading no array data.
+    """The metadata of ``step`` (default: the latest), reading no array
+    data; its tree, metrics and custom metadata are of one save (the
+    step's commit point read once).
 
     Raises:
       FileNotFoundError: no committed step (or not ``step``).
     """
-    step, path = self._existing(f"{_API}.metadata", step)
+    api = f"{_API}.metadata"
+    step = self._existing(api, step)
+    at = self._step(step)
+    arrays, record = ckpt.read_record(at)
+    tree = ckpt.saved_tree(api, at.path, arrays, record)
+    if isinstance(tree, dict):
+      tree.pop(METRICS_KEY, None)
     return StepMetadata(
       step=step,
-      item_metadata=self._stored(path),
-      metrics=self.metrics(step),
+      item_metadata=tree,
+      metrics=self._metrics_in(step, record.values),
       commit_timestamp_nsecs=self._commit_ns(step),
-      custom_metadata=ckpt.custom_metadata(path, self._options),
+      custom_metadata=dict(record.custom_metadata or {}),
     )
 
   def item_metadata(self, step: int) -> Any:

@@ -192,8 +192,14 @@ class _Board:
     timeout_s: float,
     subject: str = "the save to",
     prefix: str = _PREFIX,
+    stages: tuple[tuple[str, str], ...] = (
+      ("id", "start the save"),
+      ("status", "finish writing"),
+    ),
   ) -> None:
     self.api, self.path, self.client = api, path, client
+    # What every process posts before process 0's outcome: (key, doing).
+    self.stages = stages
     self.subject = f"{subject} {path!r}"
     self.prefix = f"{prefix}/{seq}"
     self.timeout_s = timeout_s
@@ -279,11 +285,9 @@ class _Board:
     waits for, what they did not do): while process 0's keys are awaited,
     the processes that never started the save or finished writing, which
     process 0 itself waits for (e.g. a process that died)."""
-    rules = []
-    if "tmp" in names or "outcome" in names:
-      rules.append(("id", "start the save"))
-    if "outcome" in names:
-      rules.append(("status", "finish writing"))
+    rules = self.stages if "outcome" in names else ()
+    if "tmp" in names:
+      rules = self.stages[:1]
     for kind, doing in rules:
       missing = [p for p in range(self.count) if f"{kind}/{p}" not in entries]
       if missing:
@@ -687,44 +691,27 @@ def run_collective(
   client = _client(api)
   with _seq_lock:  # as save_across_processes: numbers stay in step
     seq = next(_seq)
-  board = _Board(api, path, client, seq, timeout_s, f"{what} of")
+  board = _Board(
+    api, path, client, seq, timeout_s, f"{what} of",
+    stages=(("id", f"call {what} too"),),
+  )  # fmt: skip
   try:
     identity = {"call": what, "path": path, "plan": None}
     board.post(f"id/{board.pid}", json.dumps(identity, sort_keys=True))
-    if board.pid == 0:
-      try:
-        entries = board.wait(
-          [f"id/{p}" for p in range(board.count)],
-          f"call {what} too",
-          "; nothing was done",
-        )
-        agree(board, entries, identity)
-        fn()
-      except BaseException as err:
-        board.fail(err, "")
-        raise
-      board.check({"outcome": json.dumps(board.settle({"ok": True}))})
+    if board.pid != 0:
+      board.wait(["outcome"], what, "")  # raises a failed one
       return
-    deadline = time.monotonic() + timeout_s
-    pause = POLL_S[0]
-    while True:
-      value = board.entries().get("outcome")
-      if value is not None:
-        board.check({"outcome": value})  # raises a failed one
-        return
-      if time.monotonic() >= deadline:
-        late = TimeoutError(
-          f"{api}: process {board.pid} waited {timeout_s} s "
-          f"(barrier_timeout_s) for process 0 to {what} {path!r}"
-        )
-        outcome = board.settle(
-          {"process": board.pid, "timeout": True, "error": str(late)}
-        )
-        if outcome.get("ok"):
-          return
-        board.settled = True
-        raise late
-      time.sleep(pause)
-      pause = min(2 * pause, POLL_S[1])
+    try:
+      entries = board.wait(
+        [f"id/{p}" for p in range(board.count)],
+        f"call {what} too",
+        "; nothing was done",
+      )
+      agree(board, entries, identity)
+      fn()
+    except BaseException as err:
+      board.fail(err, "")
+      raise
+    board.check({"outcome": json.dumps(board.settle({"ok": True}))})
   finally:
     board.release()
