@@ -22,7 +22,10 @@ and ``data``, the data iterator's state (the step, the tokens seen, the
 again on the same directory, the program restores the latest step and goes
 on from the next one: killed at any moment and restarted until done, it
 prints the losses of an uninterrupted run, bit for bit
-(``examples/train_lm_test.py`` checks it).
+(``examples/train_lm_test.py`` checks it). Stopped with SIGTERM (what a
+scheduler sends before it preempts a job), it saves the step it is at,
+waits until that step is committed, prints ``preempted at step <n>`` and
+exits 0 (``CheckpointManager.reached_preemption``).
 
 The program adopts jaxworks program-wide: ``jit_cache.install()`` (``jax.jit``
 is ``jit_cache.jit``) and ``batched_transfer.install()`` (``jax.device_put``
@@ -361,7 +364,15 @@ def train(args: argparse.Namespace, cfg: Config) -> int:
       items={"params": params, "opt_state": opt_state, "data": data.state()},
       metrics={"loss": loss},
     )
+    # A job being stopped (SIGTERM; JAX's preemption sync point under
+    # jax.distributed) saves this step (should_save says yes) and exits.
+    stop = mgr.reached_preemption(step)
     print(f"step {step} loss {loss!r}", flush=True)
+    if stop:
+      mgr.wait_until_finished()  # the step is committed
+      mgr.close()
+      print(f"preempted at step {step}", flush=True)
+      return 0
   mgr.wait_until_finished()
   if args.final:
     write_final(args.final, params, opt_state)

@@ -1,5 +1,5 @@
-"""examples/train_lm.py, killed at random moments and resumed, trains as an
-uninterrupted run does, bit for bit.
+"""examples/train_lm.py, killed (SIGKILL) or stopped (SIGTERM) at random
+moments and resumed, trains as an uninterrupted run does, bit for bit.
 
 Each run is the example in a process of its own (this interpreter, this
 environment: 8 host CPU devices), in its small configuration (``--tiny``).
@@ -195,7 +195,7 @@ def _kill_plan(rng, kills):
   return plan
 
 
-def _check_resumed(runs, reference, stopped_rc):
+def _check_resumed(runs, reference, stopped_rc, preempted=False):
   expected = dict(reference.losses)
   printed = set()
   for i, r in enumerate(runs):
@@ -214,10 +214,12 @@ def _check_resumed(runs, reference, stopped_rc):
       m = [re.match(r"^resumed from step (\d+)$", line) for line in r.lines]
       resumed = [int(x.group(1)) for x in m if x]
       start = resumed[0] if resumed else 0
-      if start:
+      if start and not preempted:
         assert start <= before, r
         assert start == 1 or start % SAVE_EVERY == 0, r
       assert r.losses[0][0] == start + 1, r
+      if preempted:  # from the step the previous run was stopped at
+        assert start == runs[i - 1].losses[-1][0], r
   assert printed == set(range(1, STEPS + 1))
   assert runs[-1].losses[-1][0] == STEPS
   assert sum(r.returncode == stopped_rc for r in runs[:-1]) >= 3
@@ -236,6 +238,36 @@ def test_killed_and_resumed_runs_equal_an_uninterrupted_one(
   _assert_same_arrays(final, reference_final)
   # Retention kept the same steps: the last 3 saved.
   assert _all_steps(directory) == _all_steps(reference_dir)
+  assert _all_steps(directory) == [STEPS - 2 * SAVE_EVERY, STEPS - SAVE_EVERY,
+                                   STEPS]  # fmt: skip
+
+
+def test_preempted_runs_save_their_step_and_resume_bit_for_bit(
+  uninterrupted, tmp_path
+):
+  reference, reference_final, _ = uninterrupted
+  rng = random.Random(20261208)
+  plan = _kill_plan(rng, kills=3)
+  directory = tmp_path / "ckpt"
+  final = tmp_path / "final.npz"
+  runs = []
+  for stop, delay in plan:
+    result = run(directory, "--final", str(final), stop=stop, delay=delay,
+                 sig=signal.SIGTERM)  # fmt: skip
+    runs.append(result)
+    # SIGTERM: the step it was at is saved and committed, then exit 0.
+    assert result.returncode == 0, result
+    m = re.match(r"^preempted at step (\d+)$", result.lines[-1])
+    assert m, result
+    at = int(m.group(1))
+    assert result.losses[-1][0] == at, result
+    assert at in _all_steps(directory), (at, _all_steps(directory))
+    assert not final.exists()  # it stopped before the end
+  last = run(directory, "--final", str(final))
+  assert last.returncode == 0, last
+  runs.append(last)
+  _check_resumed(runs, reference, 0, preempted=True)
+  _assert_same_arrays(final, reference_final)
   assert _all_steps(directory) == [STEPS - 2 * SAVE_EVERY, STEPS - SAVE_EVERY,
                                    STEPS]  # fmt: skip
 
