@@ -30,10 +30,11 @@ repeat; a step's time is the whole iteration: batch, step, wait, save call):
 * the save call on save steps;
 * the save call on the step after a save step;
 * the slowdown of the ``K`` steps after a save: their mean step time minus
-  the baseline's mean step time;
+  the baseline's mean step time (that of the baseline run of the same
+  repeat, run beside it: the load of a shared machine drifts);
 * the time lost to checkpoints per save interval: the wall time of the
   ``N`` steps from a save step's successor to the next save step (one save
-  call of each kind) minus ``N`` baseline steps;
+  call of each kind) minus ``N`` baseline steps (of the same repeat);
 * for jaxworks, the interval against the baseline's (the fraction lost; goal
   under 1% where a save's write fits in the interval: a blocking save of the
   same tree, timed once, takes less than ``N`` baseline steps).
@@ -203,13 +204,16 @@ def write_seconds(loop, interval):
 
 
 class Stats:
-  """The measures of one way's runs, against the baseline's step time."""
+  """The measures of one way's runs, each against the baseline run of the
+  same repeat (run beside it: the machine's load drifts between repeats)."""
 
-  def __init__(self, runs, sizes, base_mean):
+  def __init__(self, runs, base_runs, sizes):
     n, k = sizes.interval, sizes.after
-    save_calls, after_calls, after_steps, lost = [], [], [], []
-    for iteration, calls in runs:
+    save_calls, after_calls, after_all, slowdowns, lost = [], [], [], [], []
+    for (iteration, calls), (base_iteration, _) in zip(runs, base_runs):
+      base_mean = statistics.mean(base_iteration[sizes.warmup :])
       steps = len(iteration)
+      after = []
       for s in range(sizes.warmup + 1, steps + 1):
         if s % n:
           continue
@@ -217,13 +221,15 @@ class Stats:
         if s + 1 <= steps:
           after_calls.append(calls[s])
         if s + k <= steps:
-          after_steps.extend(iteration[s : s + k])
+          after.extend(iteration[s : s + k])
         if s + n <= steps:
           lost.append(sum(iteration[s : s + n]) - n * base_mean)
+      slowdowns.append(statistics.mean(after) - base_mean)
+      after_all.extend(after)
     self.save_call = statistics.median(save_calls)
     self.after_call = statistics.median(after_calls)
-    self.after_mean = statistics.mean(after_steps)
-    self.slowdown = self.after_mean - base_mean
+    self.after_mean = statistics.mean(after_all)
+    self.slowdown = statistics.mean(slowdowns)
     self.lost = statistics.median(lost)
     self.intervals = len(lost)
 
@@ -256,7 +262,7 @@ def measure(report, name, loop, sizes, budget):
   base = [t for it, _ in runs["none"] for t in it[sizes.warmup :]]
   base_mean = statistics.mean(base)
   noise = max(statistics.stdev(base) / len(base) ** 0.5, 1e-6)
-  stats = {w: Stats(runs[w], sizes, base_mean) for w in ways if w != "none"}
+  stats = {w: Stats(runs[w], runs["none"], sizes) for w in ways if w != "none"}
   write = write_seconds(loop, n)
   mb = loop.bytes / 1e6
   print(
@@ -343,8 +349,8 @@ def main(argv=None):
     frozen = dataclasses.replace(plain)
     frozen_mib = 16
   else:
-    plain = Sizes(interval=10, intervals=6, after=3, repeats=5)
-    frozen = Sizes(interval=20, intervals=4, after=3, repeats=3)
+    plain = Sizes(interval=10, intervals=3, after=3, repeats=8)
+    frozen = Sizes(interval=20, intervals=2, after=3, repeats=5)
     frozen_mib = 64 if accel else 256
   if a.frozen_mib is not None:
     frozen_mib = a.frozen_mib
