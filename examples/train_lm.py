@@ -208,8 +208,11 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def init_state(cfg: Config, shardings: Shardings):
-  """``(params, opt_state)`` of step 0, replicated on every device."""
-  return jax.jit(lambda: _init(cfg), out_shardings=shardings.replicated)()
+  """``(params, opt_state)`` of step 0, replicated on every device: made on
+  one device by one compiled call, then placed with ``jax.device_put`` (the
+  whole tree in one call: ``batched_transfer.device_put`` once installed)."""
+  state = jax.jit(lambda: _init(cfg))()
+  return jax.device_put(state, shardings.replicated)
 
 
 def _init(cfg: Config):
@@ -348,6 +351,11 @@ def train(args: argparse.Namespace, cfg: Config) -> int:
     data = DataIterator(cfg, shardings)
   else:
     last, params, opt_state, data_state = resumed
+    if data_state["step"] != last:
+      raise RuntimeError(
+        f"train_lm: step {last} in {args.dir} holds the data state of step "
+        f"{data_state['step']}; it was not written by this program"
+      )
     start = last + 1
     data = DataIterator(cfg, shardings, data_state)
     print(f"resumed from step {last}", flush=True)
