@@ -24,6 +24,7 @@ checkpoint several processes wrote, each reading a file or a bucket).
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import os
 import time
 from typing import Any
@@ -314,12 +315,27 @@ def restore(
   """
   api = f"{_API}.restore"
   dest = destination.open(api, path, storage_options)
-  return restore_at(
-    api, dest, target, placement=placement, partial_restore=partial_restore,
-    verify=verify, max_inflight_bytes=max_inflight_bytes,
-    read_threads=read_threads, progress=progress, collective=collective,
+  options = ReadOptions(
+    placement=placement, partial_restore=partial_restore, verify=verify,
+    max_inflight_bytes=max_inflight_bytes, read_threads=read_threads,
+    progress=progress, collective=collective,
     barrier_timeout_s=barrier_timeout_s,
-  )[0]  # fmt: skip
+  )  # fmt: skip
+  return restore_at(api, dest, target, options)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+  """How ``restore`` reads (its keyword arguments, as documented there)."""
+
+  placement: Any = None
+  partial_restore: bool = False
+  verify: bool = True
+  max_inflight_bytes: int = 256 * 2**20
+  read_threads: int | None = None
+  progress: bool | None = None
+  collective: bool | None = None
+  barrier_timeout_s: float = 300.0
 
 
 #: ``choose(arrays, record)``: the target and partial_restore of a read,
@@ -333,42 +349,36 @@ Choose = Callable[
 def restore_at(
   api: str,
   dest: destination.Destination,
-  target: Any = None,
-  *,
+  target: Any,
+  options: ReadOptions,
   choose: Choose | None = None,
-  placement: Any = None,
-  partial_restore: bool = False,
-  verify: bool = True,
-  max_inflight_bytes: int = 256 * 2**20,
-  read_threads: int | None = None,
-  progress: bool | None = None,
-  collective: bool | None = None,
-  barrier_timeout_s: float = 300.0,
 ) -> tuple[Any, format.Record]:
-  """``restore`` of the checkpoint at ``dest`` (the arguments as there),
-  and the record of the save it read: one committed save, pinned once
-  (``Destination.reading``). ``choose`` (default: ``target`` and
-  ``partial_restore`` as given) decides the target from that save's arrays
-  and record, on every read of it."""
+  """``restore`` of the checkpoint at ``dest`` (``options`` its keyword
+  arguments), and the record of the save it read: one committed save,
+  pinned once (``Destination.reading``). ``choose`` (default: ``target``
+  and ``options.partial_restore``) decides the target from that save's
+  arrays and record, on every read of it."""
+  o = options
   path = dest.path
-  if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+  if not isinstance(o.max_inflight_bytes, int) or o.max_inflight_bytes <= 0:
     raise ValueError(
       f"{api}: max_inflight_bytes must be a positive int, got "
-      f"{max_inflight_bytes!r}"
+      f"{o.max_inflight_bytes!r}"
     )
-  positive(api, "read_threads", read_threads, True)
-  read_threads = read_threads or reader.default_read_threads()
+  positive(api, "read_threads", o.read_threads, True)
+  read_threads = o.read_threads or reader.default_read_threads()
   # Small objects in a bucket read whole when opened (not for a partial
   # restore, which reads only its leaves' data).
-  budget = 0 if partial_restore else max_inflight_bytes
+  budget = 0 if o.partial_restore else o.max_inflight_bytes
   start = time.perf_counter()
+  collective = o.collective
   if collective is None:
-    collective = spans(target, placement)
+    collective = spans(target, o.placement)
 
   def read(opened: Any) -> tuple[Any, list[Any], list[Any], format.Record]:
     arrays, record = opened.contents()
     want, partial = (
-      (target, partial_restore) if choose is None else choose(arrays, record)
+      (target, o.partial_restore) if choose is None else choose(arrays, record)
     )
     t = target_lib.Target(api, path, want, arrays, record, partial)
     keys, paths = t.pick(t.keys), t.pick(t.paths)
@@ -378,20 +388,21 @@ def restore_at(
     ]
     places = t.pick(
       targets.resolve_placement(
-        api, placement, t.target, t.treedef, t.leaves, target_lib.placement_of
+        api, o.placement, t.target, t.treedef, t.leaves,
+        target_lib.placement_of,
       )
-    )
+    )  # fmt: skip
     placed = opened.restore_arrays(
       target_lib.Request(
-        api, keys, paths, specs, places, max_inflight_bytes, read_threads,
-        progress, verify,
+        api, keys, paths, specs, places, o.max_inflight_bytes, read_threads,
+        o.progress, o.verify,
       )
     )  # fmt: skip
     return t, placed, specs, record
 
   # Onto arrays that span processes, every process restores, the same save.
   with multiprocess.restore_board(
-    api, path, barrier_timeout_s, bool(collective)
+    api, path, o.barrier_timeout_s, bool(collective)
   ) as board:
     t, placed, specs, record = dest.reading(budget, read, board)
   placed = [target_lib.weak(y) if s[2] else y for y, s in zip(placed, specs)]

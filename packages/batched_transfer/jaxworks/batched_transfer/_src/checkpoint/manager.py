@@ -60,11 +60,10 @@ from .storage import LOG
 
 _API = options_lib.API
 #: The keyword arguments of ``restore`` that ``CheckpointManager.restore``
-#: passes on.
+#: passes on (placement is its own argument).
 _RESTORE_KWARGS = frozenset(
-  {"partial_restore", "verify", "max_inflight_bytes", "read_threads",
-   "progress", "collective", "barrier_timeout_s"}
-)  # fmt: skip
+  f.name for f in dataclasses.fields(ckpt.ReadOptions)
+) - {"placement"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -822,10 +821,10 @@ class CheckpointManager:
           return joined, partial
       return target, True
 
-    out, _ = ckpt.restore_at(
-      api, self._step(step), target, choose=choose, placement=placement,
-      partial_restore=partial, **kwargs,
-    )  # fmt: skip
+    options = ckpt.ReadOptions(
+      placement=placement, partial_restore=partial, **kwargs
+    )
+    out, _ = ckpt.restore_at(api, self._step(step), target, options, choose)
     if isinstance(out, dict):
       out.pop(METRICS_KEY, None)
     return out
@@ -872,10 +871,10 @@ class CheckpointManager:
         at = self._step(step)
         saved = target_lib.as_saved(*ckpt.read_record(at), with_shardings=True)
         kwargs["collective"] = ckpt.spans(saved, placement) or None
-    out, record = ckpt.restore_at(
-      api, self._step(step), given, choose=choose, placement=placement,
-      partial_restore=True, **kwargs,
-    )  # fmt: skip
+    options = ckpt.ReadOptions(
+      placement=placement, partial_restore=True, **kwargs
+    )
+    out, record = ckpt.restore_at(api, self._step(step), given, options, choose)
     # Items restored as saved: Python scalar leaves back as Python scalars,
     # exactly as saved (as restore without a target gives them).
     for name, t in items.items():
