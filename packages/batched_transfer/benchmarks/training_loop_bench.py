@@ -131,6 +131,20 @@ class Loop:
     return iteration, calls
 
 
+def managed_run(loop, steps, interval, mgr, directory, save):
+  """``loop.run`` with ``save`` (a call of ``mgr``, either library's), then
+  the manager waited for, checked to hold the last save step, closed, and
+  its ``directory`` removed."""
+  try:
+    out = loop.run(steps, save)
+    mgr.wait_until_finished()
+    assert mgr.all_steps()[-1] == steps - steps % interval, mgr.all_steps()
+  finally:
+    mgr.close()
+    shutil.rmtree(directory, ignore_errors=True)
+  return out
+
+
 def jaxworks_run(loop, steps, interval):
   directory = tempfile.mkdtemp(prefix="loop-jaxworks-")
   mgr = bt.CheckpointManager(
@@ -144,14 +158,7 @@ def jaxworks_run(loop, steps, interval):
       metrics={"loss": loss},
     )
 
-  try:
-    out = loop.run(steps, save)
-    mgr.wait_until_finished()
-    assert mgr.all_steps()[-1] == steps - steps % interval, mgr.all_steps()
-  finally:
-    mgr.close()
-    shutil.rmtree(directory, ignore_errors=True)
-  return out
+  return managed_run(loop, steps, interval, mgr, directory, save)
 
 
 def orbax_run(loop, steps, interval):
@@ -176,14 +183,7 @@ def orbax_run(loop, steps, interval):
       metrics={"loss": loss},
     )
 
-  try:
-    out = loop.run(steps, save)
-    mgr.wait_until_finished()
-    assert mgr.all_steps()[-1] == steps - steps % interval, mgr.all_steps()
-  finally:
-    mgr.close()
-    shutil.rmtree(directory, ignore_errors=True)
-  return out
+  return managed_run(loop, steps, interval, mgr, directory, save)
 
 
 def write_seconds(loop, interval):
