@@ -168,3 +168,45 @@ def test_a_deleted_array_file_names_the_tree_path_and_the_fix(tmp_path):
     message = str(info.value)
     assert "'params/w'" in message and path in message
     assert "copy the whole checkpoint again" in message
+
+
+@pytest.mark.parametrize("where", ["open", "read"])
+@pytest.mark.parametrize("code", ["EIO", "EACCES"])
+def test_an_io_error_of_the_system_stays_an_os_error(
+  tmp_path, monkeypatch, where, code
+):
+  """A disk that fails a read (EIO) or a file the process may not open
+  (EACCES) is an OSError of that errno, naming the API and the file, which
+  code retrying I/O errors catches: not a ValueError calling the checkpoint
+  damaged."""
+  import errno  # pylint: disable=g-import-not-at-top
+
+  # Private: the reader's open of a file and read of its data (hooked).
+  from jaxworks.batched_transfer._src.checkpoint import reader  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "ckpt")
+  bt.save(path, TREE)
+  number = getattr(errno, code)
+  if where == "open":
+    real = reader.open_file
+
+    def open_file(name, dir_fd=None):
+      if name.startswith("b"):
+        raise OSError(number, os.strerror(number), name)
+      return real(name, dir_fd)
+
+    monkeypatch.setattr(reader, "open_file", open_file)
+  else:
+
+    def read(self, s):
+      raise OSError(number, os.strerror(number))
+
+    monkeypatch.setattr(reader.Files, "read", read)
+  with pytest.raises(OSError) as info:
+    bt.restore(path, TREE)
+  err = info.value
+  assert err.errno == number, err
+  assert type(err) is (PermissionError if code == "EACCES" else OSError)
+  assert str(err).count("[Errno") == 1, err
+  assert "jaxworks.batched_transfer.restore" in str(err), err
+  assert "b.npy" in str(err) or "'b'" in str(err), err

@@ -1,7 +1,9 @@
 """Two processes (jax.distributed on 127.0.0.1) restoring one checkpoint
 onto a sharding over both while it is overwritten: every process reads the
 same save, whole (a collective restore agrees on the record's save_id), or
-both read the path again; never one global array made of two saves."""
+both read the path again; never one global array made of two saves. A
+read that fails on one process fails on every process, without a
+collective that would leave the others waiting."""
 
 import textwrap
 
@@ -83,3 +85,64 @@ def test_a_collective_restore_reads_one_save_on_every_process(tmp_path):
     {f"a{i}": np.full((8, 4), 100 + i, np.float32) for i in range(4)},
   )
   run_two(WORKER, str(tmp_path))
+
+
+FAILING_READER = textwrap.dedent(
+  """
+  import errno, sys
+  pid, port, base = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=2, process_id=pid,
+                             initialization_timeout=60)
+  from jaxworks import batched_transfer as bt
+  # Private: the reader's read of an array's data (hooked).
+  from jaxworks.batched_transfer._src.checkpoint import reader
+
+  if pid == 1:  # its disk fails the read of the last array's data, once
+    real_read = reader.Files.read
+
+    def read(self, s):
+      if s.where.endswith("a3.npy'"):
+        reader.Files.read = real_read
+        raise OSError(errno.EIO, "injected read error")
+      return real_read(self, s)
+
+    reader.Files.read = read
+
+  mesh = jax.make_mesh((8,), ("x",))
+  # Whole arrays read by each process, placed over both processes' devices.
+  rows = NamedSharding(mesh, P("x"))
+  like = {f"a{i}": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=rows)
+          for i in range(4)}
+  try:
+    bt.restore(f"{base}/ckpt", like, barrier_timeout_s=100)
+  except OSError as err:  # this process's own error
+    assert pid == 1 and "injected read error" in str(err), err
+  except RuntimeError as err:  # the other's, posted to this one
+    assert pid == 0, err
+    assert "failed on process 1" in str(err), err
+    assert "injected read error" in str(err), err
+  else:
+    raise AssertionError("the restore returned")
+  out = bt.restore(f"{base}/ckpt", like)  # the next restore of both is whole
+  for k, x in out.items():
+    for shard in x.addressable_shards:
+      want = np.full((8, 4), 100 + int(k[1:]), np.float32)[shard.index]
+      np.testing.assert_array_equal(np.asarray(shard.data), want)
+  print("WORKER-OK", pid, flush=True)
+  """
+)
+
+
+def test_a_read_that_fails_on_one_process_fails_on_both(tmp_path):
+  """Process 1's read fails while process 0 reads whole: process 0 raises
+  process 1's error (posted on the restore's board) instead of waiting in a
+  collective check of the values it placed, which process 1 never joins."""
+  bt.save(
+    str(tmp_path / "ckpt"),
+    {f"a{i}": np.full((8, 4), 100 + i, np.float32) for i in range(4)},
+  )
+  run_two(FAILING_READER, str(tmp_path), timeout=90)

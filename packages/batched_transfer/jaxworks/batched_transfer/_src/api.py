@@ -113,13 +113,13 @@ def place(
   src: Any = None,
   donate: Any = False,
   may_alias: Any = None,
-  private_host: bool = False,
+  restored: bool = False,
   api: str = f"{_API}.device_put",
   as_stock: bool = False,
 ) -> Any:
-  """device_put, plus ``private_host``: the numpy leaves are the caller's
-  own buffers, which a device may take over, but never two devices one
-  buffer (restore's reads).
+  """device_put, plus ``restored``: the numpy leaves are restore's reads
+  (``transfer.execute``: buffers a device may take over, but never two
+  devices one; equal on every process, not compared again).
   ``as_stock``: Format targets under a context mesh are jax.device_put's
   (the public entry point), else placed on the given devices whatever the
   context mesh."""
@@ -155,7 +155,7 @@ def place(
       # every device it sees against the context mesh (and raises
       # ValueError where they differ): the whole call is stock's.
       return stock(tree, target, src=src, donate=donate, may_alias=may_alias)
-    out = transfer.execute(req, batches, private_host=private_host)
+    out = transfer.execute(req, batches, restored=restored)
   except (ValueError, TypeError, AssertionError, jax.errors.JaxRuntimeError):
     # Report what jax.device_put would report first: a bad leaf, then the first leaf (in
     # tree order) its sharding cannot hold. Groups are placed in another order. (A

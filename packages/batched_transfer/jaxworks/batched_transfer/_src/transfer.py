@@ -509,16 +509,20 @@ def execute(
   req: Request,
   batches: list[Batch],
   copy_host: bool = False,
-  private_host: bool = False,
+  restored: bool = False,
 ) -> list[Any]:
   """Runs the batches; returns the flat results in leaf order.
 
   With ``copy_host``, host arrays are always copied. Otherwise the runtime may
-  alias a numpy array (a memory map, say) as jax.device_put does on CPU. With
-  ``private_host`` (the numpy arrays are the caller's own buffers), a shard may
-  alias its host buffer, but devices that hold the same index (replicated
-  mesh axes) each get a copy: one buffer backing several shards would let a
-  donation on one device change another's input.
+  alias a numpy array (a memory map, say) as jax.device_put does on CPU.
+  ``restored``: the numpy arrays are restore's reads. They are the caller's
+  own buffers: a shard may alias its host buffer, but devices that hold the
+  same index (replicated mesh axes) each get a copy (one buffer backing
+  several shards would let a donation on one device change another's
+  input). And they were read from the one save every process of a
+  collective restore agreed on: they are equal on every process by
+  construction, so no collective compares them (a process whose read failed
+  would leave the others waiting in it; the restore's board tells them).
   """
   out: list[Any] = [None] * len(req.leaves)
   # Whether each result holds a new buffer we may donate to a relayout.
@@ -527,10 +531,11 @@ def execute(
   multihost: list[Any] = []
   with jax_internals.explicit_device_put_scope():
     host_batches = [b for b in batches if b.route == HOST]
-    _check_host_values(req, host_batches, multihost)
+    if not restored:
+      _check_host_values(req, host_batches, multihost)
     if host_batches:  # every group's host leaves in one go (_put_host)
       host = [i for b in host_batches for i in b.indices]
-      _put_host(req, host, out, fresh, copy_host, private_host)
+      _put_host(req, host, out, fresh, copy_host, restored)
     for b in batches:
       if b.route == ALIAS:
         for i in b.indices:

@@ -159,6 +159,29 @@ def moved(dir_fd: int, path: str) -> bool:
   return st.st_nlink == 0 or (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino)
 
 
+# What a file of the checkpoint is, not what the system did: a symlink loop,
+# a socket, a directory where a file belongs.
+_CONTENT_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR})
+
+
+def unreadable(message: str, err: BaseException, fix: str) -> Exception:
+  """The error of a file restore cannot open or read: ``message`` (naming
+  the API and the file) and ``err``. An error of the system (EIO, EACCES,
+  EMFILE, ...) stays an OSError of its errno (its class: PermissionError,
+  say), which code retrying I/O errors catches; an unreadable file of the
+  checkpoint is ValueError, with ``fix``."""
+  if (
+    isinstance(err, OSError)
+    and err.errno is not None
+    and err.errno not in _CONTENT_ERRNOS
+  ):
+    detail = err.strerror or str(err)
+    if err.filename is not None and str(err.filename) not in message:
+      detail += f": {err.filename!r}"
+    return OSError(err.errno, f"{message}: {detail}")
+  return ValueError(f"{message}: {err}; {fix}")
+
+
 def gone(
   api: str, file: str, name: str, dir_fd: int, key: str | None = None
 ) -> FileNotFoundError:
@@ -230,9 +253,10 @@ def read_small(
   except FileNotFoundError:
     return None
   except (OSError, ValueError) as err:
-    raise ValueError(
-      f"{api}: {what} {file!r} cannot be read: {err}; write the checkpoint "
-      "again"
+    raise unreadable(
+      f"{api}: {what} {file!r} cannot be read",
+      err,
+      "write the checkpoint again",
     ) from None
   try:
     data = read_all(fd, min(st.st_size, format.MAX_MANIFEST_BYTES) + 1)
@@ -766,9 +790,10 @@ def load(
   except codec_errors(
     s.codec, OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error
   ) as err:
-    raise ValueError(
-      f"{api}: the leaf at {where} (key {key!r}): reading {s.where} failed: "
-      f"{err}; the file changed or is damaged since restore validated it"
+    raise unreadable(
+      f"{api}: the leaf at {where} (key {key!r}): reading {s.where} failed",
+      err,
+      "the file changed or is damaged since restore validated it",
     ) from None
   if a.dtype.kind == "V" and s.exact is not None:
     return a.view(s.exact)

@@ -253,9 +253,10 @@ def _open_file(
   except FileNotFoundError:
     raise reader.gone(api, file, rel, top, key) from None
   except (OSError, ValueError) as err:
-    raise ValueError(
-      f"{api}: {file!r} cannot be read: {err}; restore reads regular "
-      "files written by save"
+    raise reader.unreadable(
+      f"{api}: {file!r} cannot be read",
+      err,
+      "restore reads regular files written by save",
     ) from None
   try:
     with open(fd, "rb", closefd=False) as f:
@@ -335,8 +336,8 @@ def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
             data_bytes = info.file_size - f.tell()
           offset, member, header_crc = 0, info.filename, 0
       except (OSError, ValueError, EOFError, struct.error, *_ZIP_ERRORS) as err:
-        raise ValueError(
-          f"{api}: {where} is not a readable .npy: {err}"
+        raise reader.unreadable(
+          f"{api}: {where} is not a readable .npy", err, "save it again"
         ) from None
       if dtype.hasobject:
         raise ValueError(f"{api}: {where} holds Python objects")
@@ -460,9 +461,7 @@ def restore_arrays(opened: Opened, request: Request) -> list[Any]:
 
   def place_batch(batch: list[int], arrays: Any) -> Any:
     if not pieces:
-      return place(
-        arrays, [places[i] for i in batch], private_host=True, api=api
-      )
+      return place(arrays, [places[i] for i in batch], restored=True, api=api)
     out = [
       place_pieces(a, pieces[i]) if i in pieces else None
       for i, a in zip(batch, arrays)
@@ -472,7 +471,7 @@ def restore_arrays(opened: Opened, request: Request) -> list[Any]:
       placed = place(
         [arrays[j] for j in rest],
         [places[batch[j]] for j in rest],
-        private_host=True,
+        restored=True,
         api=api,
       )
       for j, y in zip(rest, placed):

@@ -235,9 +235,10 @@ class LocalManifest(Manifest):
     except FileNotFoundError:
       raise reader.gone(api, file, shard.file, self.dir_fd, key) from None
     except (OSError, ValueError) as err:
-      raise ValueError(
-        f"{api}: the shard file {file!r} of {key!r} cannot be read: {err}; "
-        "restore reads regular files written by save"
+      raise reader.unreadable(
+        f"{api}: the shard file {file!r} of {key!r} cannot be read",
+        err,
+        "restore reads regular files written by save",
       ) from None
     try:
       try:
@@ -245,9 +246,11 @@ class LocalManifest(Manifest):
           fd, self._headers
         )
       except (OSError, ValueError, EOFError) as err:
-        raise ValueError(
+        raise reader.unreadable(
           f"{api}: the shard file {file!r} of {key!r} is not a readable .npy "
-          f"file: {err}"
+          "file",
+          err,
+          "save it again",
         ) from None
       s = reader.StoredFile(
         tuple(shape), dtype, fortran, repr(file), st.st_size - offset, file,
@@ -648,9 +651,10 @@ def _read(
       for f in futures:
         f.result()
     except (OSError, ValueError, EOFError) as err:
-      raise ValueError(
-        f"{api}: reading {err}; the file changed or is damaged since restore "
-        "validated it"
+      raise reader.unreadable(
+        f"{api}: reading",
+        err,
+        "the file changed or is damaged since restore validated it",
       ) from None
     opened.unchanged(fds, used)
   finally:
@@ -681,7 +685,9 @@ def _reopen(api: str, s: reader.StoredFile) -> int:
   except FileNotFoundError:
     raise reader.gone(api, s.file, s.name, s.dir_fd) from None
   except (OSError, ValueError) as err:
-    raise ValueError(f"{api}: {s.where} cannot be read: {err}") from None
+    raise reader.unreadable(
+      f"{api}: {s.where} cannot be read", err, "save it again"
+    ) from None
   if reader.stamp(st) != s.stamp:
     os.close(fd)
     raise ValueError(
