@@ -57,12 +57,12 @@ struct Part {
 };
 
 // Reads the bytes of `fd` from `offset` into `parts` (one after the other),
-// `step` bytes a read, summing each read's bytes after it. Returns the bytes
-// read and their sum continuing `crc`; fewer than the parts hold where the
-// file ends or a read fails.
+// `step` bytes a read, summing each read's bytes after it where `sum` says.
+// Returns the bytes read and their sum continuing `crc`; fewer than the parts
+// hold where the file ends or a read fails.
 std::pair<size_t, uint32_t> ReadAndSum(int fd, const std::vector<Part>& parts,
                                        int64_t offset, size_t step,
-                                       uint32_t crc) {
+                                       uint32_t crc, bool sum) {
   size_t total = 0;
   for (const Part& p : parts) total += p.size;
   size_t done = 0, part = 0, within = 0;  // `done` is byte `within` of `part`
@@ -82,7 +82,7 @@ std::pair<size_t, uint32_t> ReadAndSum(int fd, const std::vector<Part>& parts,
     if (got <= 0) break;
     for (size_t left = static_cast<size_t>(got); left > 0;) {
       size_t n = std::min(left, parts[part].size - within);
-      crc = bt::Crc32c(crc, parts[part].data + within, n);
+      if (sum) crc = bt::Crc32c(crc, parts[part].data + within, n);
       left -= n;
       within += n;
       done += n;
@@ -97,6 +97,32 @@ std::pair<size_t, uint32_t> ReadAndSum(int fd, const std::vector<Part>& parts,
 
 // Bytes from which a sum releases the GIL.
 constexpr size_t kReleaseAt = 1 << 16;
+
+// ReadAndSum of Python arguments, with the GIL released; (bytes read, sum).
+// `name`: the function's, for its errors.
+py::tuple Read(const char* name, int fd, py::sequence parts, int64_t offset,
+               size_t step, uint32_t value, bool sum) {
+  if (step == 0) {
+    throw py::value_error(std::string(name) +
+                          ": step must be positive, not 0");
+  }
+  if (offset < 0) {
+    throw py::value_error(std::string(name) + ": offset must be >= 0, not " +
+                          std::to_string(offset));
+  }
+  std::vector<std::unique_ptr<Held>> held;
+  std::vector<Part> spans;
+  for (py::handle part : parts) {
+    held.push_back(std::make_unique<Held>(part, true));
+    spans.push_back({held.back()->data(), held.back()->size()});
+  }
+  std::pair<size_t, uint32_t> got;
+  {
+    py::gil_scoped_release release;
+    got = ReadAndSum(fd, spans, offset, step, value, sum);
+  }
+  return py::make_tuple(got.first, got.second);
+}
 
 }  // namespace
 
@@ -120,25 +146,7 @@ PYBIND11_MODULE(_checked_read, m) {
       "read_crc32c",
       [](int fd, py::sequence parts, int64_t offset, size_t step,
          uint32_t value) {
-        if (step == 0) {
-          throw py::value_error("read_crc32c: step must be positive, not 0");
-        }
-        if (offset < 0) {
-          throw py::value_error("read_crc32c: offset must be >= 0, not " +
-                                std::to_string(offset));
-        }
-        std::vector<std::unique_ptr<Held>> held;
-        std::vector<Part> spans;
-        for (py::handle part : parts) {
-          held.push_back(std::make_unique<Held>(part, true));
-          spans.push_back({held.back()->data(), held.back()->size()});
-        }
-        std::pair<size_t, uint32_t> got;
-        {
-          py::gil_scoped_release release;
-          got = ReadAndSum(fd, spans, offset, step, value);
-        }
-        return py::make_tuple(got.first, got.second);
+        return Read("read_crc32c", fd, parts, offset, step, value, true);
       },
       py::arg("fd"), py::arg("parts"), py::arg("offset"), py::arg("step"),
       py::arg("value") = 0,
@@ -147,4 +155,15 @@ PYBIND11_MODULE(_checked_read, m) {
       "continuing `value`) right after it is read. Returns (bytes read, their "
       "sum); fewer bytes than the parts hold where the file ends or a read "
       "fails (the caller reads the rest to raise the error).");
+  m.def(
+      "read_into",
+      [](int fd, py::sequence parts, int64_t offset, size_t step) {
+        py::tuple got = Read("read_into", fd, parts, offset, step, 0, false);
+        return got[0].cast<size_t>();
+      },
+      py::arg("fd"), py::arg("parts"), py::arg("offset"), py::arg("step"),
+      "Reads file `fd` from byte `offset` into the writable buffers `parts`, "
+      "one after the other, `step` bytes a read, releasing the GIL once. "
+      "Returns the bytes read: fewer than the parts hold where the file ends "
+      "or a read fails (the caller reads the rest to raise the error).");
 }

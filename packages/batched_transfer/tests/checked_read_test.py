@@ -113,6 +113,65 @@ def test_read_crc32c_stops_where_the_file_ends_or_fails(tmp_path):
   assert _checked_read.read_crc32c(closed, [parts[0].data], 0, 256) == (0, 0)
 
 
+@pytest.mark.parametrize("step", [1, 4096, 1 << 18, 1 << 30])
+def test_read_into_fills_the_parts_in_order(tmp_path, step):
+  path = tmp_path / "data"
+  path.write_bytes(_DATA.tobytes())
+  sizes = [5, 0, 300_000, 1, _DATA.size - 7 - 300_006]
+  parts = [np.zeros(n, np.uint8) for n in sizes]
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    done = _checked_read.read_into(fd, [p.data for p in parts], 7, step)
+  finally:
+    os.close(fd)
+  assert done == sum(sizes)
+  np.testing.assert_array_equal(np.concatenate(parts), _DATA[7:])
+
+
+def test_read_into_stops_where_the_file_ends_or_fails(tmp_path):
+  path = tmp_path / "data"
+  path.write_bytes(_DATA[:1000].tobytes())
+  parts = [np.full(600, 9, np.uint8), np.full(600, 9, np.uint8)]
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    assert _checked_read.read_into(fd, [p.data for p in parts], 0, 256) == 1000
+    np.testing.assert_array_equal(parts[1][400:], 9)
+    assert _checked_read.read_into(fd, [parts[0].data], 5000, 256) == 0
+  finally:
+    os.close(fd)
+  dir_fd = os.open(tmp_path, os.O_RDONLY)
+  try:
+    assert _checked_read.read_into(dir_fd, [parts[0].data], 0, 256) == 0
+  finally:
+    os.close(dir_fd)
+  assert _checked_read.read_into(2**30, [parts[0].data], 0, 256) == 0
+
+
+def test_read_into_bad_arguments_raise_python_errors(tmp_path):
+  path = tmp_path / "data"
+  path.write_bytes(b"x" * 64)
+  fd = os.open(path, os.O_RDONLY)
+  buf = np.zeros(64, np.uint8)
+  read = _checked_read.read_into
+  try:
+    with pytest.raises(BufferError):  # read-only
+      read(fd, [b"y" * 64], 0, 16)
+    with pytest.raises(TypeError):
+      read(fd, [object()], 0, 16)
+    with pytest.raises(TypeError):
+      read(fd, None, 0, 16)
+    with pytest.raises(ValueError, match="read_into: step must be positive"):
+      read(fd, [buf.data], 0, 0)
+    with pytest.raises(ValueError, match="read_into: offset must be >= 0"):
+      read(fd, [buf.data], -1, 16)
+    with pytest.raises(TypeError):
+      read(fd, [buf.data], 0, -16)
+    with pytest.raises(TypeError):
+      read(1.5, [buf.data], 0, 16)
+  finally:
+    os.close(fd)
+
+
 def test_bad_arguments_raise_python_errors(tmp_path):
   path = tmp_path / "data"
   path.write_bytes(b"x" * 64)

@@ -16,3 +16,7 @@ def read_crc32c(
 ) -> tuple[int, int]:
   """Reads file ``fd`` from ``offset`` into the writable buffers ``parts``, ``step`` bytes a read, each summed right
   after it is read; (bytes read, their CRC-32C continuing ``value``), fewer where the file ends or a read fails."""
+
+def read_into(fd: int, parts: Sequence[Any], offset: int, step: int) -> int:
+  """Reads file ``fd`` from ``offset`` into the writable buffers ``parts``, ``step`` bytes a read, with the GIL released
+  once; the bytes read, fewer where the file ends or a read fails."""
