@@ -103,8 +103,7 @@ constexpr size_t kReleaseAt = 1 << 16;
 py::tuple Read(const char* name, int fd, py::sequence parts, int64_t offset,
                size_t step, uint32_t value, bool sum) {
   if (step == 0) {
-    throw py::value_error(std::string(name) +
-                          ": step must be positive, not 0");
+    throw py::value_error(std::string(name) + ": step must be positive, not 0");
   }
   if (offset < 0) {
     throw py::value_error(std::string(name) + ": offset must be >= 0, not " +
