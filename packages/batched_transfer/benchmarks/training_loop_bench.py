@@ -67,6 +67,7 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import uuid  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -337,6 +338,164 @@ def measure(report, name, loop, sizes, budget):
     )
 
 
+#: The ``pack_below`` of the files-per-step rows.
+PACK_BELOW = 1 << 20
+
+
+def _state(cfg):
+  """The items a step of the loop saves (params, opt_state, data)."""
+  shardings = train_lm.make_shardings()
+  params, opt_state = train_lm.init_state(cfg, shardings)
+  data = train_lm.DataIterator(cfg, shardings).state()
+  return {"params": params, "opt_state": opt_state, "data": data}
+
+
+def _files(path):
+  return sum(len(names) for _, _, names in os.walk(path))
+
+
+def _step_on_disk(items, below):
+  """Files of one step saved by jaxworks' manager (``pack_below``)."""
+  with tempfile.TemporaryDirectory(prefix="loop-files-") as d:
+    mgr = bt.CheckpointManager(d, pack_below=below)
+    mgr.save(1, items=items, metrics={"loss": 1.0})
+    mgr.wait_until_finished()
+    mgr.close()
+    return _files(os.path.join(d, "1"))
+
+
+def _orbax_step_on_disk(items):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  with tempfile.TemporaryDirectory(prefix="loop-files-") as d:
+    mgr = ocp.CheckpointManager(d)
+    mgr.save(
+      1,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(items["params"]),
+        opt_state=ocp.args.StandardSave(items["opt_state"]),
+        data=ocp.args.JsonSave(items["data"]),
+      ),
+      metrics={"loss": 1.0},
+    )
+    mgr.wait_until_finished()
+    mgr.close()
+    return _files(os.path.join(d, "1"))
+
+
+class Requests:
+  """Calls of the bucket's storage layer (each an HTTP request for these
+  small objects), counted while ``counting``."""
+
+  NAMES = (
+    "list", "children", "size", "mtime_ns", "read", "stream_into",
+    "open_stream", "write", "_stream", "upload", "copy", "create", "tag_of",
+    "read_tagged", "replace", "delete",
+  )  # fmt: skip
+
+  def __init__(self):
+    import threading  # pylint: disable=import-outside-toplevel
+
+    from jaxworks.batched_transfer._src.checkpoint import stores  # pylint: disable=import-outside-toplevel
+
+    self.n, self.lock, self.on = 0, threading.Lock(), False
+    cls = stores.ObstoreStorage
+    for name in self.NAMES:
+      real = vars(cls)[name]
+
+      def call(st, *args, real=real, **kwargs):
+        if self.on:
+          with self.lock:
+            self.n += 1
+        return real(st, *args, **kwargs)
+
+      setattr(cls, name, call)
+
+  def count(self, fn):
+    self.n, self.on = 0, True
+    try:
+      fn()
+    finally:
+      self.on = False
+    return self.n
+
+
+def step_files(report, cfg, repeats):
+  """Files per saved step on disk (jaxworks, packed, orbax), objects and
+  requests per step in a bucket (moto's S3 server), and the time of a
+  step's save and restore to the bucket, packed against one object per
+  leaf."""
+  sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+  )
+  import object_servers  # pylint: disable=import-outside-toplevel
+
+  items = _state(cfg)
+  below = f"pack_below={PACK_BELOW >> 20} MiB"
+  on_disk = {
+    "jaxworks": _step_on_disk(items, None),
+    f"jaxworks {below}": _step_on_disk(items, PACK_BELOW),
+    "orbax": _orbax_step_on_disk(items),
+  }
+  report.note(
+    "Files per saved step on disk (params, opt_state, data and the loss "
+    "metric; the manager's own files included): "
+    + ", ".join(f"{k} {v}" for k, v in on_disk.items())
+    + "."
+  )
+  counter = Requests()
+  with object_servers.s3_server_process() as endpoint:
+    object_servers.s3_bucket(endpoint, "bench")
+    os.environ.update(object_servers.S3_ENV, AWS_ENDPOINT_URL=endpoint)
+    per_step = {}
+    for label, pack in (("one object per leaf", None), (below, PACK_BELOW)):
+      url = f"s3://bench/steps-{pack}"
+      mgr = bt.CheckpointManager(url, pack_below=pack)
+      saved = counter.count(
+        lambda mgr=mgr: (
+          mgr.save(1, items=items, metrics={"loss": 1.0}),
+          mgr.wait_until_finished(),
+        )
+      )
+      restored = counter.count(lambda mgr=mgr: mgr.restore(1))
+      mgr.close()
+      per_step[label] = (saved, restored)
+    report.note(
+      "Requests per step to s3:// (moto), counted at jaxworks' storage "
+      "layer (a manager's save of the step and its wait, then its restore): "
+      + "; ".join(
+        f"{k}: save {s}, restore {r}" for k, (s, r) in per_step.items()
+      )
+      + "."
+    )
+
+    def setup():
+      one, packed = (f"s3://bench/save-{uuid.uuid4().hex}" for _ in range(2))
+      return (
+        lambda: bt.save(packed, items, pack_below=PACK_BELOW),
+        lambda: bt.save(one, items),
+      )
+
+    t_packed, t_one = jb.median_pair(None, None, repeats, setup=setup)
+    report.add(
+      f"save a step to s3:// (moto), {below} (vs one object per leaf)",
+      t_packed, t_one, "ablation", "bt.save, one object per leaf", goal=1.0,
+    )  # fmt: skip
+    one, packed = "s3://bench/one", "s3://bench/packed"
+    bt.save(one, items)
+    bt.save(packed, items, pack_below=PACK_BELOW)
+    t_packed, t_one = jb.median_pair(
+      lambda: jax.block_until_ready(bt.restore(packed, items)),
+      lambda: jax.block_until_ready(bt.restore(one, items)),
+      repeats,
+    )
+    report.add(
+      f"restore a step from s3:// (moto), {below} (vs one object per leaf)",
+      t_packed, t_one, "ablation", "bt.restore, one object per leaf",
+      goal=1.0,
+    )  # fmt: skip
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--frozen-mib", type=int, default=None)
@@ -373,6 +532,11 @@ def main(argv=None):
   name = f"with a frozen {frozen_mib} MiB array"
   report.section(
     name, lambda: measure(report, name, Loop(big), frozen, budget),
+    budget=budget, min_s=20,
+  )  # fmt: skip
+  report.section(
+    "files and requests per step",
+    lambda: step_files(report, cfg, 3 if a.quick else 7),
     budget=budget, min_s=20,
   )  # fmt: skip
   report.finish(a)

@@ -53,8 +53,10 @@ ZYGOTE = TREES + textwrap.dedent("""
     if mode == "aside":  # no renameat2(RENAME_EXCHANGE): rename aside, then in
       commit._exchange = lambda a, b: False
     ts = trees()
+    # "packed": the leaves of under 16 KiB in one archive (pack_below)
+    kw = {"pack_below": 16384} if mode == "packed" else {}
     t0 = time.perf_counter()
-    bt.save(path, ts[0], overwrite=True)
+    bt.save(path, ts[0], overwrite=True, **kw)
     print("ready", time.perf_counter() - t0, flush=True)
     for n, line in enumerate(sys.stdin):
       delay = float(line)
@@ -62,7 +64,7 @@ ZYGOTE = TREES + textwrap.dedent("""
       if pid == 0:
         i = n
         while True:
-          bt.save(path, ts[i % 2], overwrite=True)
+          bt.save(path, ts[i % 2], overwrite=True, **kw)
           i += 1
       time.sleep(delay)
       os.kill(pid, signal.SIGKILL)
@@ -102,6 +104,9 @@ def _numpy_view(path):
       key = os.path.relpath(file, path).replace(os.sep, "/")
       if name.endswith(".npy"):
         out[key[:-4]] = np.load(file).tobytes()
+      elif name == "jaxworks_packed.npz":  # pack_below's archive
+        with np.load(file) as z:
+          out.update((m, z[m].tobytes()) for m in z.files)
       else:
         with open(file, "rb") as f:
           out[key] = f.read()
@@ -125,7 +130,7 @@ def _which(path):
   raise AssertionError(f"{path} holds neither tree: {sorted(view)}")
 
 
-@pytest.mark.parametrize("mode", ["exchange", "aside", "npz"])
+@pytest.mark.parametrize("mode", ["exchange", "aside", "npz", "packed"])
 def test_killed_saves_leave_the_old_or_the_new_checkpoint(tmp_path, mode):
   path = str(tmp_path / ("ckpt.npz" if mode == "npz" else "ckpt"))
   foreign = [

@@ -64,6 +64,7 @@ def save(
   compression: str | None = None,
   progress: bool | None = False,
   custom_metadata: dict[str, Any] | None = None,
+  pack_below: int | None = None,
 ) -> pending.SaveHandle | None:
   """Writes ``tree`` to an .npz file (path ends in .npz) or a directory of .npy files.
 
@@ -156,6 +157,15 @@ def save(
     custom_metadata: a dict of JSON values (str keys) kept in the
       checkpoint's record, read back by ``custom_metadata(path)`` without
       the arrays (as orbax's ``custom_metadata``).
+    pack_below: None (the default): one file per array. A number of bytes:
+      the arrays of fewer bytes (biases, norms, scalars, step counters,
+      optimizer counts) are stored together, as the members ``<key>.npy``
+      of one uncompressed archive ``jaxworks_packed.npz`` beside the other
+      files (``numpy.load`` reads it; restore reads each member in place,
+      checked against its CRC-32C): one file, and in a bucket one request,
+      instead of one each. Where one process saves a directory checkpoint
+      (an ``.npz`` is one file already; a collective save writes each
+      file on its own). Versions up to 0.6.0 refuse such a checkpoint.
 
   A collective save raises an error of any process on every process at
   once, the others' ``RuntimeError`` naming it (see the README,
@@ -194,6 +204,7 @@ def save(
       barrier_timeout_s=barrier_timeout_s, collective=collective,
       compression=compression, progress=progress,
       custom_metadata=format.custom_metadata(api, custom_metadata),
+      pack_below=positive(api, "pack_below", pack_below, True),
     )  # fmt: skip
     job = job_lib.SaveJob(api, tree, dest, options)
     return multiprocess.run(job, ticket)

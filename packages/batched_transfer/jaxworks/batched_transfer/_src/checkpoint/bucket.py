@@ -208,6 +208,9 @@ class BucketSave(Save):
     sums = self.bucket.write(names, take, fill, done, threads)
     return dict(zip(stems, sums))
 
+  def put(self, name: str, data: bytes) -> None:
+    self.bucket.put(name, data)
+
   def commit(self, record: bytes, manifest: bytes | None = None) -> None:
     self.bucket.commit(record, manifest)
 

@@ -47,6 +47,11 @@ Format 2 of the record holds:
   missing index (an ``EmptyState()`` 0.6 did not list) reads as None;
 * ``custom_metadata`` (after 0.6.0): save's ``custom_metadata``, a JSON object
   (``custom_metadata(path)`` reads it). Earlier versions ignore it;
+* ``packed`` (after 0.6.0): the keys of the arrays stored together as the
+  members ``<key>.npy`` of one uncompressed archive ``PACKED`` beside the
+  record (save's ``pack_below``: small leaves, one file or object instead
+  of one each; ``numpy.load`` reads it), in archive order; their
+  ``crc32c`` are of each member's data;
 * ``shapes``: the shape of each array stored raw in C order (what its .npy
   header says, with ``dtypes``), so that a restore from a bucket requests
   each array's header and data in one request, and checks the header when
@@ -72,7 +77,10 @@ there are any, so that raw checkpoints stay readable by earlier versions.
 Format 4 (after 0.6.0) is format 3 with Python ints stored by value alone (see
 ``scalars``); it is written only when there are any, so that earlier
 versions refuse such a record instead of restoring the int as a str.
-Formats 1 (``dtypes`` alone), 2 and 3 are still read.
+Format 5 (after 0.6.0) is format 4 with ``packed``, written only where
+leaves are packed, so that earlier versions refuse it instead of finding
+those arrays missing.
+Formats 1 (``dtypes`` alone), 2, 3 and 4 are still read.
 
 A checkpoint several processes wrote is a directory whose manifest
 ``MANIFEST`` (the README shows one) says how its shard files tile each
@@ -138,7 +146,11 @@ RECORD_FORMAT = 2
 CODECS_FORMAT = 3
 #: The format of a record with Python scalars stored by value alone.
 VALUES_FORMAT = 4
-_RECORD_READS = (1, 2, 3, 4)
+#: The format of a record with packed leaves.
+PACKED_FORMAT = 5
+_RECORD_READS = (1, 2, 3, 4, 5)
+#: The archive of a directory checkpoint's packed leaves (``Record.packed``).
+PACKED = "jaxworks_packed.npz"
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 #: What parsing a damaged JSON record or manifest raises.
 DAMAGED = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
@@ -161,11 +173,26 @@ class Record:
   nodes: dict[str, dict] = dataclasses.field(default_factory=dict)
   scalars: dict[str, str] = dataclasses.field(default_factory=dict)
   custom_metadata: dict[str, Any] | None = None
+  packed: list[str] = dataclasses.field(default_factory=list)
 
   def value_only(self, key: str) -> bool:
     """Whether ``key`` is a Python scalar stored by value alone (an int no
     JAX dtype holds): no array file, its text among the ``values`` too."""
     return key in self.scalars and key in self.values
+
+  def files(self) -> list[str] | None:
+    """The names of the array files of the checkpoint this record commits
+    (one process wrote it): each array's own file, then ``PACKED`` where
+    leaves are packed; None for a record that names none (format 1)."""
+    if self.tree is None:
+      return None
+    packed = set(self.packed)
+    names = [
+      codec.file_name(e[0], self.codecs.get(e[0]))
+      for e in self.tree
+      if len(e) == 2 and e[0] not in self.values and e[0] not in packed
+    ]
+    return names + [PACKED] if packed else names
 
 
 def new_save_id() -> str:
@@ -227,10 +254,12 @@ def encode_record(record: Record) -> bytes:
   number = CODECS_FORMAT if record.codecs else RECORD_FORMAT
   if any(record.value_only(k) for k in record.scalars):
     number = VALUES_FORMAT
+  if record.packed:
+    number = PACKED_FORMAT
   data: dict[str, Any] = {"format": number, "dtypes": record.dtypes}
   for name in (
     "python", "values", "crc32c", "shardings", "codecs", "shapes", "nodes",
-    "scalars",
+    "scalars", "packed",
   ):  # fmt: skip
     if getattr(record, name):
       data[name] = getattr(record, name)
@@ -337,6 +366,19 @@ def decode_record(api: str, where: str, data: bytes) -> Record:
       ):
         raise ValueError("'tree' is not a list of [key, kinds(, empty)]")
       r.tree = [tuple(e) for e in tree]
+    packed = m.get("packed", [])
+    if not isinstance(packed, list) or not all(
+      isinstance(k, str) for k in packed
+    ):
+      raise ValueError("'packed' is not a list of keys")
+    stored = {e[0] for e in r.tree or () if len(e) == 2}
+    if len(set(packed)) < len(packed) or not set(packed) <= stored - set(
+      r.values
+    ):
+      raise ValueError("'packed' names keys that are not arrays of 'tree'")
+    if packed and r.codecs.keys() & set(packed):
+      raise ValueError("'packed' names keys that 'codecs' compresses")
+    r.packed = packed
   except DAMAGED as err:
     raise ValueError(
       f"{api}: {where} is damaged ({err}); it was written by "

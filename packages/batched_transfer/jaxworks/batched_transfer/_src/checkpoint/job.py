@@ -63,6 +63,8 @@ class Options:
 
   Attributes:
     threads: save's ``write_threads``.
+    pack_below: save's ``pack_below``: leaves of fewer bytes are stored
+      together (``writer.pack``) where one process writes a directory.
     primary_keys: leaves that are process 0's in a collective save (not
       checked against the other processes').
     custom_metadata: save's ``custom_metadata`` (checked:
@@ -79,6 +81,7 @@ class Options:
   progress: bool | None = False
   primary_keys: tuple[str, ...] = ()
   custom_metadata: dict[str, Any] | None = None
+  pack_below: int | None = None
 
 
 class SaveJob:
@@ -110,17 +113,28 @@ class SaveJob:
       codec.require(api, compression)
       self.record.codecs = dict.fromkeys(self.keys, use)
     self.held: list[pending.Reservation] = []  # taken by prepare
+    below = options.pack_below
+    #: The leaves stored together where this process writes a directory
+    #: alone (``run_alone``; a collective save writes each on its own).
+    self.packed: list[int] = []
+    if below is not None and not destination.npz:
+      sizes = writer.sizes_of(self.leaves)
+      self.packed = [i for i, n in enumerate(sizes) if n < below]
 
   def check_files(self) -> None:
-    """Raises ValueError for keys that cannot name a file (a directory)."""
-    if not self.destination.npz:
-      check_files(
-        self.api,
-        [
-          (codec.file_name(k, self.record.codecs.get(k)), w)
-          for k, w in zip(self.keys, self.paths)
-        ],
-      )
+    """Raises ValueError for keys that cannot name a file (a directory):
+    the files of a save this process writes alone (``packed``)."""
+    if self.destination.npz:
+      return
+    packed = {self.keys[i] for i in self.packed}
+    named = [
+      (codec.file_name(k, self.record.codecs.get(k)), w)
+      for k, w in zip(self.keys, self.paths)
+      if k not in packed
+    ]
+    if packed:
+      named.append((format.PACKED, "the packed leaves (pack_below)"))
+    check_files(self.api, named)
 
   def prepare(self) -> None:
     """The call's checks: an earlier background save's error, the host
@@ -187,11 +201,33 @@ class SaveJob:
       dtypes[keys[i]] = np.dtype(a.dtype).name
       return a
 
+    packed = self.packed
+    rest = sorted(set(range(len(keys))) - set(packed))
+    record.packed = [keys[i] for i in packed]
+    for key in record.packed:
+      record.codecs.pop(key, None)  # stored raw in the archive
     start = time.perf_counter()
     save = dest.begin()
     committed = False
     try:
-      sums = save.write(keys, taken, done, self.options.threads, record.codecs)
+      sums: dict[str, list[int]] = {}
+      if packed:
+        archive, sums = writer.pack(
+          record.packed,
+          lambda j: taken(packed[j]),
+          lambda j: done(packed[j]),
+        )
+        save.put(format.PACKED, archive)
+        del archive
+      sums.update(
+        save.write(
+          [keys[i] for i in rest],
+          lambda j: taken(rest[j]),
+          lambda j: done(rest[j]),
+          self.options.threads,
+          record.codecs,
+        )
+      )
       record.crc32c = sums
       record.dtypes = {k: dtypes[k] for k in keys}
       record.save_id = format.new_save_id()

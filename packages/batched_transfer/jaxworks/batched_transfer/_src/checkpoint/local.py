@@ -278,6 +278,13 @@ class DirectorySave(_LocalSave):
     commit.fsync_dirs(self.tmp, self.api, self.path)
     return sums
 
+  def put(self, name: str, data: bytes) -> None:
+    assert self.tmp is not None
+    writer.write_file(
+      self.api, self.path, os.path.join(self.tmp, name),
+      lambda f: f.write(data),
+    )  # fmt: skip
+
   def commit(self, record: bytes, manifest: bytes | None = None) -> None:
     tmp = self.tmp
     assert tmp is not None
@@ -461,7 +468,8 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
     for root, _, files in os.walk(path):
       for name in files:
         if codec.split_name(name) is None and not (
-          root == path and name in (format.RECORD, format.MANIFEST)
+          root == path
+          and name in (format.RECORD, format.MANIFEST, format.PACKED)
         ):
           if root == os.path.join(path, lease_lib.PREFIX):
             continue  # a bucket save's writer lease, copied with the files

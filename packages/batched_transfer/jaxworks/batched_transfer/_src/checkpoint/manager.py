@@ -199,6 +199,8 @@ class CheckpointManager:
       "Object stores"), settings over the cloud's standard environment.
     compression: the codec of every step's arrays, as ``save``'s (None:
       raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).
+    pack_below: as ``save``'s: each step's arrays of fewer bytes stored
+      together in one archive per item (None: one file per array).
     options: every setting above as one ``CheckpointManagerOptions``
       (then pass none of them as a keyword: TypeError).
   """
@@ -223,15 +225,13 @@ class CheckpointManager:
     item_names: Any = None,
     storage_options: dict[str, Any] | None = None,
     compression: str | None = None,
+    pack_below: int | None = None,
     options: CheckpointManagerOptions | None = None,
   ) -> None:
     given = CheckpointManagerOptions(
-      max_to_keep=max_to_keep,
-      keep_period=keep_period,
+      max_to_keep=max_to_keep, keep_period=keep_period,
       save_interval_steps=save_interval_steps,
-      barrier_timeout_s=barrier_timeout_s,
-      best_fn=best_fn,
-      best_mode=best_mode,
+      barrier_timeout_s=barrier_timeout_s, best_fn=best_fn, best_mode=best_mode,
       keep_checkpoints_without_metrics=keep_checkpoints_without_metrics,
       keep_time_interval=keep_time_interval,
       should_save_fn=should_save_fn,
@@ -241,7 +241,7 @@ class CheckpointManager:
       read_only=read_only,
       item_names=item_names,
       storage_options=storage_options,
-      compression=compression,
+      compression=compression, pack_below=pack_below,
     )  # fmt: skip
     self._configure(directory, options_lib.merged(options, given))
 
@@ -250,7 +250,7 @@ class CheckpointManager:
     o = options_lib.checked(given)
     self._dir = destination.open_directory(_API, directory, o.storage_options)
     self.directory = self._dir.path
-    self._compression = o.compression
+    self._compression, self._pack_below = o.compression, o.pack_below
     self._options = o.storage_options
     self.max_to_keep = o.max_to_keep
     self.keep_period = o.keep_period
@@ -592,7 +592,7 @@ class CheckpointManager:
     options = job_lib.Options(
       blocking=blocking, barrier_timeout_s=self.barrier_timeout_s,
       compression=self._compression, primary_keys=(METRICS_KEY,),
-      custom_metadata=custom_metadata,
+      custom_metadata=custom_metadata, pack_below=self._pack_below,
     )  # fmt: skip
     return _StepSave(self, step, api, tree, at, options)
 

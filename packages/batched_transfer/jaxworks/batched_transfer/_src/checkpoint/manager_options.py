@@ -55,6 +55,7 @@ class CheckpointManagerOptions:
   item_names: Any = None
   storage_options: dict[str, Any] | None = None
   compression: str | None = None
+  pack_below: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Settings:
   item_names: tuple[str, ...] | None
   storage_options: dict[str, Any] | None
   compression: str | None
+  pack_below: int | None
 
 
 def checked(given: Given) -> Settings:
@@ -209,6 +211,7 @@ def checked(given: Given) -> Settings:
       )
     )  # fmt: skip
   fixed_length = positive("step_format_fixed_length", True, "8")
+  pack_below = positive("pack_below", True, "65536")
   item_names = o.item_names
   if item_names is not None:
     if isinstance(item_names, str):
@@ -241,4 +244,5 @@ def checked(given: Given) -> Settings:
     item_names=item_names,
     storage_options=o.storage_options,
     compression=compression,
+    pack_below=pack_below,
   )

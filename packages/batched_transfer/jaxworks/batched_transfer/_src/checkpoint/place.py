@@ -174,6 +174,12 @@ class Save(abc.ABC):
     """Writes file ``i`` from ``take(i)`` (``stems[i]`` and its codec),
     ``done(i)`` once written; the checksums of their data, by stem."""
 
+  def put(self, name: str, data: bytes) -> None:
+    """Writes the small file ``name`` (``format.PACKED``) beside the array
+    files, durably, before the commit: a directory checkpoint's
+    (``DirectorySave``, ``BucketSave``); an ``.npz`` is one file already."""
+    raise TypeError(f"{type(self).__name__} holds no file {name!r}")
+
   @abc.abstractmethod
   def commit(self, record: bytes, manifest: bytes | None = None) -> None:
     """Publishes the checkpoint with its record (and manifest): the one

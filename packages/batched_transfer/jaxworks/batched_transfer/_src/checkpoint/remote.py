@@ -376,11 +376,7 @@ def _named(api: str, at: Storage) -> list[str]:
   try:
     where = at.where(format.RECORD)
     record = format.decode_record(api, where, bytes(at.read(format.RECORD)))
-    names += [
-      codec.file_name(e[0], record.codecs.get(e[0]))
-      for e in record.tree or ()
-      if len(e) == 2
-    ]
+    names += record.files() or []
     data = bytes(at.read(format.MANIFEST, 0, format.MAX_MANIFEST_BYTES))
     arrays = format.parse_manifest(data)
   except (FileNotFoundError, *format.DAMAGED):
@@ -585,6 +581,10 @@ class Bucket:
     """Writes this process's objects ``names`` to the version
     (``_upload``); what each ``fill`` returned (the checksums)."""
     return _upload(self.target, names, take, fill, done, threads)
+
+  def put(self, name: str, data: bytes) -> None:
+    """Writes the object ``name`` of this save's version in one request."""
+    self.target.write(name, data)
 
   def commit(self, record: bytes, manifest: bytes | None = None) -> bool:
     """Process 0, every process's objects written: the manifest and the

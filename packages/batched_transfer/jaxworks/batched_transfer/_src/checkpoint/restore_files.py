@@ -13,6 +13,7 @@ buffer over).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import errno
 import math
 import os
@@ -208,16 +209,14 @@ def open_directory(api: str, path: str, top: int, record: bytes) -> LocalOpened:
   try:
     where = f"the record {format.RECORD!r} of {path!r}"
     decoded = format.decode_record(api, where, record)
-    if decoded.tree is None:  # format 1 named no files: those there
+    names = decoded.files()
+    if names is None:  # format 1 named no files: those there
       names = _listed(top)
-    else:
-      names = [
-        codec.file_name(e[0], decoded.codecs.get(e[0]))
-        for e in decoded.tree
-        if len(e) == 2 and e[0] not in decoded.values
-      ]
     for rel in names:
-      _open_file(api, path, top, rel, opened)
+      if rel == format.PACKED and decoded.packed:
+        _open_packed(api, path, top, decoded.packed, opened)
+      else:
+        _open_file(api, path, top, rel, opened)
   except BaseException:
     opened.close()
     raise
@@ -237,6 +236,23 @@ def _listed(top: int) -> list[str]:
   return out
 
 
+def _open_named(
+  api: str, file: str, top: int, rel: str, key: str
+) -> tuple[int, os.stat_result]:
+  """(descriptor, stat) of the file ``rel`` (at ``file``) of the directory
+  ``top``, which holds the array at ``key``; its errors name them."""
+  try:
+    return reader.open_file(rel, top)
+  except FileNotFoundError:
+    raise reader.gone(api, file, rel, top, key) from None
+  except (OSError, ValueError) as err:
+    raise reader.unreadable(
+      f"{api}: {file!r} cannot be read",
+      err,
+      "restore reads regular files written by save",
+    ) from None
+
+
 def _open_file(
   api: str, path: str, top: int, rel: str, opened: LocalOpened
 ) -> None:
@@ -248,16 +264,7 @@ def _open_file(
   if split is None:
     raise ValueError(f"{api}: {file!r} is not an array file save writes")
   key, use = split[0].replace(os.sep, "/"), split[1]
-  try:
-    fd, st = reader.open_file(rel, top)
-  except FileNotFoundError:
-    raise reader.gone(api, file, rel, top, key) from None
-  except (OSError, ValueError) as err:
-    raise reader.unreadable(
-      f"{api}: {file!r} cannot be read",
-      err,
-      "restore reads regular files written by save",
-    ) from None
+  fd, st = _open_named(api, file, top, rel, key)
   try:
     with open(fd, "rb", closefd=False) as f:
       if use is None:
@@ -292,27 +299,73 @@ def _open_file(
   )  # fmt: skip
 
 
-def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
-  out = opened.stored
-  st = os.fstat(fd)
-  raw = open(fd, "rb", closefd=False)
+def _open_packed(
+  api: str, path: str, top: int, keys: list[str], opened: LocalOpened
+) -> None:
+  """Opens the archive of the packed leaves (``format.PACKED``) of the
+  directory ``top`` and reads the headers of its members, which must be
+  exactly the ``keys`` its record packed."""
+  file = os.path.join(path, format.PACKED)
+  fd, _ = _open_named(api, file, top, format.PACKED, keys[0])
+  opened.fds.append(fd)
+  members = LocalOpened(api, file)
+  _open_npz(api, file, fd, members)
+  if (
+    set(members.stored) != set(keys)
+    or members.record is not None
+    or any(s.member is not None for s in members.stored.values())
+  ):
+    raise ValueError(
+      f"{api}: {file!r} does not hold exactly the uncompressed members its "
+      "record packed; the checkpoint is damaged (a file was replaced): "
+      "write the checkpoint again"
+    )
+  opened.stored.update(members.stored)
+
+
+@dataclasses.dataclass
+class Member:
+  """One ``.npy`` member of an .npz archive, as ``npz_members`` read it."""
+
+  key: str
+  where: str
+  shape: tuple[int, ...]
+  fortran: bool
+  dtype: np.dtype
+  offset: int  # where a stored member's data starts in the archive (else 0)
+  data_bytes: int
+  member: str | None  # a compressed member's name (read through zipfile)
+  header_crc: int  # a stored member's: the CRC-32 of its .npy header
+  crc: int  # the archive's CRC-32 of the member
+
+
+def npz_members(
+  api: str, path: str, raw: Any, size: int
+) -> tuple[bytes | None, list[Member]]:
+  """(the record member's bytes or None, the ``.npy`` members) of the .npz
+  archive ``raw`` (a seekable binary file of ``size`` bytes, at ``path``):
+  each stored member's header read in place, each compressed one's through
+  zipfile.
+
+  Raises:
+    ValueError: not a readable archive or member, or a member of objects.
+  """
   try:
     zf = zipfile.ZipFile(raw)
   except (OSError, zipfile.BadZipFile) as err:
-    raw.close()
     raise ValueError(
       f"{api}: {path!r} is not a readable .npz file: {err}"
     ) from None
-  with zf, raw:
+  record, out = None, []
+  with zf:
     for info in zf.infolist():
       where = f"member {info.filename!r} of {path!r}"
       try:
         if info.filename == format.RECORD:
-          opened.record = zf.read(info)
+          record = zf.read(info)
           continue
         if not info.filename.endswith(".npy"):
           continue
-        key = info.filename[:-4]
         if (
           info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1
         ):
@@ -325,9 +378,7 @@ def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
           raw.seek(start)
           header_crc = zlib.crc32(raw.read(offset - start))
           # The member's data ends where the archive says it does, and never past the file.
-          end = min(
-            start + info.file_size, start + info.compress_size, st.st_size
-          )
+          end = min(start + info.file_size, start + info.compress_size, size)
           data_bytes = end - offset
           member = None
         else:  # compressed members are inflated when their batch comes
@@ -341,11 +392,25 @@ def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
         ) from None
       if dtype.hasobject:
         raise ValueError(f"{api}: {where} holds Python objects")
-      out[key] = reader.StoredFile(
-        tuple(shape), dtype, fortran, where, data_bytes, path, offset, member,
-        fd=fd, stamp=reader.stamp(st), header_crc=header_crc,
-        zip_crc=info.CRC if member is None else None,
+      out.append(
+        Member(
+          info.filename[:-4], where, tuple(shape), fortran, dtype, offset,
+          data_bytes, member, header_crc, info.CRC,
+        )
       )  # fmt: skip
+  return record, out
+
+
+def _open_npz(api: str, path: str, fd: int, opened: LocalOpened) -> None:
+  st = os.fstat(fd)
+  with open(fd, "rb", closefd=False) as raw:
+    opened.record, members = npz_members(api, path, raw, st.st_size)
+  for m in members:
+    opened.stored[m.key] = reader.StoredFile(
+      m.shape, m.dtype, m.fortran, m.where, m.data_bytes, path, m.offset,
+      m.member, fd=fd, stamp=reader.stamp(st), header_crc=m.header_crc,
+      zip_crc=m.crc if m.member is None else None,
+    )  # fmt: skip
 
 
 def _dtype_text(dtype: np.dtype) -> str:

@@ -466,6 +466,36 @@ def _missing(api: str, url: str, key: str) -> FileNotFoundError:
   )
 
 
+def _packed(
+  api: str, src: Storage, sizes: dict[str, int], keys: list[str]
+) -> dict[str, StoredObject]:
+  """The arrays packed in the archive ``format.PACKED`` of ``src`` (the
+  ``keys`` its record packed), read whole in one request: each member's
+  data is then read from those bytes."""
+  name = format.PACKED
+  if name not in sizes:
+    raise _missing(api, src.url, name)
+  data = bytes(src.read(name, 0, sizes[name]))
+  url = src.where(name)
+  _, members = restore_files.npz_members(api, url, io.BytesIO(data), len(data))
+  if sorted(m.key for m in members) != sorted(keys) or any(
+    m.member is not None for m in members
+  ):
+    raise ValueError(
+      f"{api}: {url!r} does not hold exactly the uncompressed members its "
+      "record packed; the checkpoint is damaged: save it again"
+    )
+  out = {}
+  for m in members:
+    # Each member's bytes, without a copy (its own view: a read drops it).
+    head = memoryview(data)[: m.offset + m.data_bytes]
+    out[m.key] = StoredObject(
+      m.shape, m.dtype, m.fortran, m.where, m.data_bytes, url, m.offset,
+      None, obj=Object(src, name, len(head), head),
+    )  # fmt: skip
+  return out
+
+
 def _probe(
   api: str,
   st: Storage,
@@ -557,11 +587,7 @@ def _named(
   saved = format.decode_record(api, f"the record of {src.url!r}", record)
   if saved.tree is None:
     raise err
-  names = [format.MANIFEST] + [
-    codec.file_name(e[0], saved.codecs.get(e[0]))
-    for e in saved.tree
-    if len(e) == 2 and e[0] not in saved.values
-  ]
+  names = [format.MANIFEST, *(saved.files() or ())]
 
   def size(name: str) -> int | None:
     try:
@@ -635,6 +661,8 @@ def open_at(
   # header comes with its data, in one request, and is checked then.
   where = f"the record {format.RECORD!r} of {src.url!r}"
   saved = format.decode_record(api, where, record)
+  if saved.packed:
+    opened.stored.update(_packed(api, src, sizes, saved.packed))
   for key, (name, use) in list(names.items()):
     s = _expected(api, where, src, key, name, use, sizes[name], saved)
     if s is not None:

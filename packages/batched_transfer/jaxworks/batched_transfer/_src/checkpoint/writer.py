@@ -12,6 +12,7 @@ import io
 import os
 import threading
 from typing import Any
+import zipfile
 
 import jax
 import numpy as np
@@ -368,6 +369,27 @@ class Pieces:
     if last:
       os.close(self._fd)
       self.done()
+
+
+def pack(
+  keys: list[str], take: Any, done: Any
+) -> tuple[bytes, dict[str, list[int]]]:
+  """The uncompressed archive (``format.PACKED``) of the leaves
+  ``take(i)``, each the member ``<keys[i]>.npy`` (``done(i)`` once in it),
+  and the checksums of each member's data, by key. ``numpy.load`` reads
+  the archive; restore reads each member in place."""
+  buf = io.BytesIO()
+  sums: dict[str, list[int]] = {}
+  with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+    for i, key in enumerate(keys):
+      a = take(i)
+      try:
+        with zf.open(key + ".npy", "w") as member:
+          sums[key] = hostvalue.write_npy(member, a)
+      finally:
+        del a
+        done(i)
+  return buf.getvalue(), sums
 
 
 def _pwrite(fd: int, data: Any, at: int) -> None:
