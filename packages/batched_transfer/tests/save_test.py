@@ -11,6 +11,8 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import jaxworks_testing as jwt
 import numpy as np
 import pytest
@@ -483,3 +485,63 @@ def test_a_failed_piece_keeps_the_old_checkpoint_and_closes_the_file(
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
   bt.save(path, new, overwrite=True)  # nothing is left held
   check(str(path), new)
+
+
+def _ranges(host):
+  """The [start, end) address ranges of a host value's arrays."""
+  arrays = [a for _, a in host.pieces] if hasattr(host, "pieces") else [host]
+  return [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+
+
+def test_a_non_blocking_save_holds_no_view_of_a_cpu_buffer(
+  tmp_path, monkeypatch
+):
+  """A save in the background writes private host copies of CPU arrays,
+  not views of their buffers (JAX copies an array it is asked to donate
+  while a view holds its buffer: at every step until the save is written);
+  a blocking save writes the views. Arrays on one device, sharded in rows
+  (by shard), replicated, and small sharded ones."""
+  rng = np.random.default_rng(2)
+  mesh = jax.make_mesh((8,), ("a",))
+  values = {
+    "one": rng.standard_normal((64, 64)).astype(np.float32),
+    "rows": rng.standard_normal((1024, 512)).astype(np.float32),
+    "replicated": rng.standard_normal((512, 512)).astype(np.float32),
+    "small": rng.standard_normal((64, 8)).astype(np.float32),
+  }
+  tree = {
+    "one": jax.device_put(values["one"], jax.devices()[1]),
+    "rows": jax.device_put(values["rows"], NamedSharding(mesh, P("a"))),
+    "replicated": jax.device_put(
+      values["replicated"], NamedSharding(mesh, P())
+    ),
+    "small": jax.device_put(values["small"], NamedSharding(mesh, P("a"))),
+  }
+  buffers = [
+    (s.data.unsafe_buffer_pointer(), s.data.unsafe_buffer_pointer() + s.data.nbytes)
+    for x in tree.values() for s in x.addressable_shards
+  ]  # fmt: skip
+  taken = []
+  real = writer.host_array
+
+  def recorded(api, path, x, *args, **kwargs):
+    out = real(api, path, x, *args, **kwargs)
+    if isinstance(x, jax.Array):
+      taken.append(out)
+    return out
+
+  monkeypatch.setattr(writer, "host_array", recorded)
+
+  def overlapping():
+    return [
+      (lo, hi) for v in taken for lo, hi in _ranges(v)
+      if any(lo < b_hi and b_lo < hi for b_lo, b_hi in buffers)
+    ]  # fmt: skip
+
+  bt.save(tmp_path / "bg", tree, blocking=False).wait()
+  assert len(taken) == 4 and not overlapping()
+  taken.clear()
+  bt.save(tmp_path / "views", tree)  # blocking: views, no copy
+  assert overlapping()
+  check(str(tmp_path / "bg"), values)
+  check(str(tmp_path / "views"), values)

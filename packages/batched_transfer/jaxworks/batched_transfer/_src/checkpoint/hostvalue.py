@@ -2,10 +2,14 @@
 
 A shard on a CPU device is host memory already, and ``np.asarray`` of it is
 a view, not a copy. The view keeps the buffer alive after ``delete()``, and
-JAX does not donate a buffer that a host view still references (the call
-that asked for the donation copies instead), so a view is as safe to write
-in the background as a private copy and costs nothing to take. On an
-accelerator ``np.asarray`` is the device-to-host copy.
+JAX does not donate a buffer that a host view still references: the call
+that asked for the donation copies instead. A blocking save writes the
+views (nothing runs beside it). A non-blocking one copies them (``owned``,
+in the save call: a training step donating its parameters would otherwise
+copy every one of them at every step until the save is written: with a
+256 MiB parameter, 3 steps of 110 ms took 240 ms each, and take 133 ms with
+the copy, which costs 57 ms in the call). On an accelerator ``np.asarray``
+is the device-to-host copy.
 
 An array held by one device is written as its one view. A sharded array (of
 at least 1 MiB: a smaller one is copied whole, which is cheaper) is
@@ -77,6 +81,31 @@ def host_copy(x: jax.Array) -> np.ndarray:
   (the one place save takes one: ``of``, ``Shards`` and the collective
   save's checks of the leaves process 0 writes)."""
   return np.asarray(x)
+
+
+def on_cpu(x: jax.Array) -> bool:
+  """Whether ``x`` lies on CPU devices (its host copies are views)."""
+  return all(
+    getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set
+  )
+
+
+def owned(value: Any, empty: Any) -> Any:
+  """``value`` (an array, or ``of``'s ``Shards``) copied into new buffers
+  ``empty(shape, dtype, fortran)`` gives (the copy keeps the memory order of
+  a C- or Fortran-contiguous array, C order otherwise): a host value that
+  holds no device buffer nor the caller's memory."""
+
+  def copy(a: np.ndarray) -> np.ndarray:
+    fortran = a.flags.f_contiguous and not a.flags.c_contiguous
+    out, _ = empty(a.shape, a.dtype, fortran)
+    np.copyto(out, a, casting="no")
+    return out
+
+  if isinstance(value, Shards):
+    value.pieces = [(start, copy(a)) for start, a in value.pieces]
+    return value
+  return copy(np.asarray(value))
 
 
 def start_copy(x: Any) -> None:

@@ -36,6 +36,7 @@ from . import codec
 from . import format
 from . import hostvalue
 from . import pending
+from . import reader
 from . import writer
 from .destination import Destination
 from .keys import check_files
@@ -113,6 +114,8 @@ class SaveJob:
       codec.require(api, compression)
       self.record.codecs = dict.fromkeys(self.keys, use)
     self.held: list[pending.Reservation] = []  # taken by prepare
+    #: A non-blocking save's private host copies (``writer.host_array``).
+    self.memory = reader.HostMemory()
     below = options.pack_below
     #: The leaves stored together where this process writes a directory
     #: alone (``run_alone``; a collective save writes each on its own).
@@ -145,7 +148,7 @@ class SaveJob:
     for i, (where, x) in enumerate(zip(self.paths, self.leaves)):
       if not isinstance(x, jax.Array):
         self.leaves[i] = writer.host_array(
-          self.api, where, x, private=not o.blocking
+          self.api, where, x, None if o.blocking else self.memory
         )
     self.destination.check()
     self.held.append(pending.reserve(self.api, self.path, o.overwrite))
@@ -183,7 +186,7 @@ class SaveJob:
     arrays: list[Any] = [
       x
       if isinstance(x, np.ndarray)
-      else writer.host_array(self.api, where, x, private=True)
+      else writer.host_array(self.api, where, x, self.memory)
       for where, x in zip(paths, leaves)
     ]
     return arrays.__getitem__, lambda i: arrays.__setitem__(i, None)

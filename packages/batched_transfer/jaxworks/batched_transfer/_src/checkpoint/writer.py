@@ -21,6 +21,7 @@ from . import checksum
 from . import codec
 from . import format
 from . import hostvalue
+from . import reader
 from .keys import leaf_keys
 from .keys import node_descriptions
 from .keys import path_kinds
@@ -44,11 +45,14 @@ DEFAULT_WRITE_THREADS = 16
 
 
 def host_array(
-  api: str, path: str, x: Any, private: bool = False
+  api: str, path: str, x: Any, private: reader.HostMemory | None = None
 ) -> np.ndarray | hostvalue.Shards:
-  """The host value of one leaf; ``private``: a copy nothing else can change
-  (for numpy leaves; a jax.Array's host value is its own immutable buffers,
-  see hostvalue)."""
+  """The host value of one leaf; ``private``: a copy of it in that memory,
+  which nothing else can change nor holds (for a non-blocking save: a numpy
+  leaf the caller may change, a jax.Array on CPU whose buffers a view would
+  hold: JAX then copies the arrays it is asked to donate, at every step
+  while the save writes; off CPU the device-to-host copy is its own
+  already)."""
   scalar_dtype = python_scalar_dtype(x)
   if scalar_dtype is not None:
     # Stored as jax.device_put would place it (and jax.eval_shape describes it).
@@ -61,7 +65,10 @@ def host_array(
         "array of a wider dtype or enable jax_enable_x64"
       ) from None
   if isinstance(x, jax.Array):
-    return hostvalue.of(x)
+    value = hostvalue.of(x)
+    if private is not None and hostvalue.on_cpu(x):
+      return hostvalue.owned(value, private.empty)
+    return value
   if not isinstance(x, (np.ndarray, np.generic)):
     raise TypeError(
       f"{api}: the leaf at {path} is {x!r:.60} of type {type(x).__name__}, "
@@ -83,7 +90,7 @@ def host_array(
       "which JAX does not accept (jax.device_put raises TypeError); convert "
       "it first with x.astype(x.dtype.newbyteorder('='))"
     )
-  return np.array(a, copy=True, order="K") if private else a
+  return a if private is None else hostvalue.owned(a, private.empty)
 
 
 def storable(dtype: np.dtype) -> bool:
