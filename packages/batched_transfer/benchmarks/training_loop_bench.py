@@ -5,7 +5,7 @@ step: a 2-layer transformer LM, ``optax.chain(clip_by_global_norm(1.0),
 adamw)``, data parallel over every device, the step a ``jax.jit`` donating
 parameters and optimizer state). Each step: the batch, the step, its result
 waited for (``jax.block_until_ready``), then the manager's save call, at
-every step, as both libraries document it. The loop runs three ways in this
+every step, as both libraries document it. The loop runs four ways in this
 process, interleaved (each repeat runs each way once, the order rotated):
 
 * no checkpoints: the baseline step time;
@@ -13,6 +13,8 @@ process, interleaved (each repeat runs each way once, the order rotated):
   save_interval_steps=N)``, ``mgr.save(step, items={"params": ...,
   "opt_state": ..., "data": ...}, metrics={"loss": ...})`` (in the
   background, the default);
+* jaxworks, packed: the same with ``pack_below=1 MiB`` (the arrays of
+  less than 1 MiB in one archive per step: see the README);
 * orbax: ``ocp.CheckpointManager(dir, options=ocp.CheckpointManagerOptions(
   max_to_keep=3, save_interval_steps=N))`` (asynchronous, its default),
   ``mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(...),
@@ -37,7 +39,10 @@ repeat; a step's time is the whole iteration: batch, step, wait, save call):
   call of each kind) minus ``N`` baseline steps (of the same repeat);
 * for jaxworks, the interval against the baseline's (the fraction lost; goal
   under 1% where a save's write fits in the interval: a blocking save of the
-  same tree, timed once, takes less than ``N`` baseline steps).
+  same tree, timed once, takes less than ``N`` baseline steps);
+* the time lost per interval with ``pack_below`` against without (its
+  save holds the interpreter's lock for less time: fewer files, no
+  directory per node).
 
 A slowdown or loss at or below the noise of the baseline (the standard error
 of its mean step time, times ``N`` for an interval) cannot be told from none:
@@ -99,6 +104,12 @@ class Sizes:
   warmup: int = 3  # steps before the first timed interval
 
 
+#: The ``pack_below`` of the packed rows.
+PACK_BELOW = 1 << 20
+#: The way of the loop whose manager packs small leaves (``pack_below``).
+PACKED = "jaxworks, pack_below"
+
+
 class Loop:
   """One configuration: the compiled step, and runs of the loop."""
 
@@ -151,11 +162,12 @@ def managed_run(loop, steps, interval, mgr, directory, save):
   return out
 
 
-def jaxworks_run(loop, steps, interval):
+def jaxworks_run(loop, steps, interval, pack_below=None):
   directory = tempfile.mkdtemp(prefix="loop-jaxworks-")
   mgr = bt.CheckpointManager(
-    directory, max_to_keep=3, save_interval_steps=interval
-  )
+    directory, max_to_keep=3, save_interval_steps=interval,
+    pack_below=pack_below,
+  )  # fmt: skip
 
   def save(step, params, opt_state, data, loss):
     mgr.save(
@@ -249,6 +261,7 @@ def measure(report, name, loop, sizes, budget):
   ways = {
     "none": lambda steps: loop.run(steps),
     "jaxworks": lambda steps: jaxworks_run(loop, steps, n),
+    PACKED: lambda steps: jaxworks_run(loop, steps, n, PACK_BELOW),
   }
   try:
     import orbax.checkpoint  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
@@ -282,7 +295,7 @@ def measure(report, name, loop, sizes, budget):
   )
   for way, st in stats.items():
     print(
-      f"  {way:8s}: save call on save steps {jb.fmt_seconds(st.save_call)}, "
+      f"  {way:20s}: save call on save steps {jb.fmt_seconds(st.save_call)}, "
       f"on the step after {jb.fmt_seconds(st.after_call)}; the "
       f"{sizes.after} steps after a save {jb.fmt_seconds(st.after_mean)} "
       f"each (slowdown {st.slowdown * 1e3:+.2f} ms); lost per interval "
@@ -328,6 +341,13 @@ def measure(report, name, loop, sizes, budget):
       max(ours.lost, n * floor), max(theirs.lost, n * floor), "peer", ORBAX,
       goal=1.0,
     )  # fmt: skip
+  packed = stats[PACKED]
+  report.add(
+    f"{name}: time lost to checkpoints per interval of {n} steps, "
+    f"pack_below={PACK_BELOW >> 20} MiB (vs one file per leaf)",
+    max(packed.lost, n * floor), max(ours.lost, n * floor), "ablation",
+    "the same manager, one file per leaf (its default)",
+  )  # fmt: skip
   fits = write < n * base_mean
   report.add(
     f"{name}: an interval of {n} steps with jaxworks checkpoints (vs none)",
@@ -341,10 +361,6 @@ def measure(report, name, loop, sizes, budget):
       f"save of the tree ({jb.fmt_seconds(write)}) does not fit in the "
       f"interval ({jb.fmt_seconds(n * base_mean)})."
     )
-
-
-#: The ``pack_below`` of the files-per-step rows.
-PACK_BELOW = 1 << 20
 
 
 def _state(cfg):
