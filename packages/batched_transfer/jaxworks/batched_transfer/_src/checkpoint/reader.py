@@ -229,6 +229,26 @@ def open_file(
     raise
 
 
+def open_named(
+  api: str, file: str, dir_fd: int, name: str, key: str, what: str = ""
+) -> tuple[int, os.stat_result]:
+  """(descriptor, fstat) of the file ``name`` of the checkpoint directory
+  ``dir_fd`` (``file``: its path), which holds the array at ``key``: a
+  missing one raises ``gone``'s error, any other failure ``unreadable``'s,
+  naming ``what`` the file is ("the shard file ... of ..."; default: the
+  file)."""
+  try:
+    return open_file(name, dir_fd)
+  except FileNotFoundError:
+    raise gone(api, file, name, dir_fd, key) from None
+  except (OSError, ValueError) as err:
+    raise unreadable(
+      f"{api}: {what or repr(file)} cannot be read",
+      err,
+      "restore reads regular files written by save",
+    ) from None
+
+
 def read_all(fd: int, size: int) -> bytes:
   """The first ``size`` bytes of a file (fewer if it is shorter)."""
   parts, done = [], 0

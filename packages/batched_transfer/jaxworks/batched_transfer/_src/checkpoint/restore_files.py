@@ -236,23 +236,6 @@ def _listed(top: int) -> list[str]:
   return out
 
 
-def _open_named(
-  api: str, file: str, top: int, rel: str, key: str
-) -> tuple[int, os.stat_result]:
-  """(descriptor, stat) of the file ``rel`` (at ``file``) of the directory
-  ``top``, which holds the array at ``key``; its errors name them."""
-  try:
-    return reader.open_file(rel, top)
-  except FileNotFoundError:
-    raise reader.gone(api, file, rel, top, key) from None
-  except (OSError, ValueError) as err:
-    raise reader.unreadable(
-      f"{api}: {file!r} cannot be read",
-      err,
-      "restore reads regular files written by save",
-    ) from None
-
-
 def _open_file(
   api: str, path: str, top: int, rel: str, opened: LocalOpened
 ) -> None:
@@ -264,7 +247,7 @@ def _open_file(
   if split is None:
     raise ValueError(f"{api}: {file!r} is not an array file save writes")
   key, use = split[0].replace(os.sep, "/"), split[1]
-  fd, st = _open_named(api, file, top, rel, key)
+  fd, st = reader.open_named(api, file, top, rel, key)
   try:
     with open(fd, "rb", closefd=False) as f:
       if use is None:
@@ -306,7 +289,7 @@ def _open_packed(
   directory ``top`` and reads the headers of its members, which must be
   exactly the ``keys`` its record packed."""
   file = os.path.join(path, format.PACKED)
-  fd, _ = _open_named(api, file, top, format.PACKED, keys[0])
+  fd, _ = reader.open_named(api, file, top, format.PACKED, keys[0])
   opened.fds.append(fd)
   members = LocalOpened(api, file)
   _open_npz(api, file, fd, members)

@@ -230,16 +230,10 @@ class LocalManifest(Manifest):
     if s is not None:
       return s
     api, file = self.api, os.path.join(self.path, shard.file)
-    try:
-      fd, st = reader.open_file(shard.file, self.dir_fd)
-    except FileNotFoundError:
-      raise reader.gone(api, file, shard.file, self.dir_fd, key) from None
-    except (OSError, ValueError) as err:
-      raise reader.unreadable(
-        f"{api}: the shard file {file!r} of {key!r} cannot be read",
-        err,
-        "restore reads regular files written by save",
-      ) from None
+    fd, st = reader.open_named(
+      api, file, self.dir_fd, shard.file, key,
+      f"the shard file {file!r} of {key!r}",
+    )  # fmt: skip
     try:
       try:
         shape, fortran, dtype, offset = reader.read_npy_header(
