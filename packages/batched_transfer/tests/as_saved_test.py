@@ -31,8 +31,11 @@ import pytest
 
 from jaxworks import batched_transfer as bt
 
-# Private: the record, edited to be one 0.6 wrote.
+# Private: the record, edited to be one 0.6 wrote; what save takes for a leaf.
 from jaxworks.batched_transfer._src.checkpoint import format
+from jaxworks.batched_transfer._src.checkpoint.keys import (
+  saved_leaf as _saved_leaf,
+)
 
 
 @pytest.fixture(params=["dir", "npz"])
@@ -311,6 +314,65 @@ def test_a_tree_of_empty_nodes_alone(tmp_path, tree):
     tree
   )
   _same(bt.restore(tmp_path / "c", tree), tree)
+
+
+# Save keeps the structure of the trees it saw last (keys.structure): each
+# save must still record its own tree's.
+
+
+def test_trees_alike_but_for_their_empty_nodes_keep_their_own(tmp_path):
+  # With save's leaves, None and EmptyState() are both leaves: one treedef.
+  a = {"w": np.ones(2), "s": None, "t": ()}
+  b = {"w": np.ones(2), "s": optax.EmptyState(), "t": []}
+  assert jax.tree.structure(a, is_leaf=_saved_leaf) == jax.tree.structure(
+    b, is_leaf=_saved_leaf
+  )
+  for i, tree in enumerate([a, b, a, b]):
+    bt.save(tmp_path / str(i), tree)
+    out = bt.restore(tmp_path / str(i))
+    _same(out, tree)
+    assert type(out["s"]) is type(tree["s"])
+    assert type(out["t"]) is type(tree["t"])
+
+
+def test_dict_keys_equal_as_values_name_their_own_files(tmp_path):
+  # {1: x}, {1.0: x} and {True: x} have equal treedefs (1 == 1.0 == True)
+  # but name the files "1", "1.0" and "True".
+  for i, key in enumerate([1, 1.0, True, 1]):
+    path = tmp_path / str(i)
+    bt.save(path, {key: np.arange(3) + i})
+    assert f"{key}.npy" in os.listdir(path)
+    np.testing.assert_array_equal(bt.restore(path)[str(key)], np.arange(3) + i)
+
+
+class _UnhashableAux:
+  """A pytree node whose auxiliary data is a list (not hashable)."""
+
+  def __init__(self, x, names):
+    self.x, self.names = x, names
+
+
+jax.tree_util.register_pytree_with_keys(
+  _UnhashableAux,
+  lambda n: (((jax.tree_util.GetAttrKey("x"), n.x),), list(n.names)),
+  lambda names, kids: _UnhashableAux(kids[0], names),
+)
+
+
+def test_a_node_with_unhashable_aux_data_saves_every_time(tmp_path):
+  for i in range(3):
+    tree = {"n": _UnhashableAux(np.full(2, i), ["a"])}
+    bt.save(tmp_path / str(i), tree)
+    assert os.listdir(tmp_path / str(i) / "n") == ["x.npy"]
+    out = bt.restore(tmp_path / str(i), tree)
+    np.testing.assert_array_equal(out["n"].x, np.full(2, i))
+
+
+def test_a_key_that_cannot_name_a_file_is_refused_every_time(tmp_path):
+  for i in range(2):
+    with pytest.raises(ValueError, match="cannot name a file"):
+      bt.save(tmp_path / str(i), {"a/b": np.ones(1)})
+    assert not os.path.exists(tmp_path / str(i))
 
 
 # Equinox and flax.

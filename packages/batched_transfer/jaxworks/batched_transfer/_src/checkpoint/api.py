@@ -121,8 +121,9 @@ def save(
       of this process to one path commit in call order (each writes once
       the one called before it finished), so the last call's tree stays.
     write_threads: threads writing files of a directory checkpoint at once
-      (default: 16; writing waits on the disk, not on CPUs); a file of more
-      than 8 MiB is written in 8 MiB pieces by several of them.
+      (default: 4; writing waits on the disk, not on CPUs, but every thread
+      takes the GIL between writes); a file of more than 8 MiB is written
+      in 8 MiB pieces by several of them.
     max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
       host and not yet written at once (None: no limit); device-to-host
       copies are started this far ahead of the writers. A non-blocking save

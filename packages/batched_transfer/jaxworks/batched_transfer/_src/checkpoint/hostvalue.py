@@ -32,6 +32,8 @@ array is C-contiguous already.
 from __future__ import annotations
 
 from collections.abc import Iterator
+import functools
+import io
 from typing import Any
 
 import jax
@@ -219,15 +221,24 @@ def header_dtype(dtype: np.dtype) -> np.dtype:
 def write_header(f: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
   """Writes the .npy header of a C-order array of ``shape`` and ``dtype``
   (raw bytes of its size where a header cannot name it: header_dtype)."""
+  f.write(_header(tuple(shape), np.dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+  """write_header's bytes (numpy formats them in Python: kept for the
+  shapes saved again at every interval, off the GIL of a training loop)."""
   header = {
     "descr": np.lib.format.dtype_to_descr(header_dtype(dtype)),
     "fortran_order": False,  # c_parts writes C order, whatever the strides
     "shape": shape,
   }
+  out = io.BytesIO()
   try:
-    np.lib.format.write_array_header_1_0(f, header)
+    np.lib.format.write_array_header_1_0(out, header)
   except ValueError:  # a header over 64 KiB
-    np.lib.format.write_array_header_2_0(f, header)
+    np.lib.format.write_array_header_2_0(out, header)
+  return out.getvalue()
 
 
 #: Bytes of one write call of a raw file (each then summed while the core's

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -201,7 +202,7 @@ class SaveJob:
 
     def taken(i: int) -> Any:
       a = take(i)
-      dtypes[keys[i]] = np.dtype(a.dtype).name
+      dtypes[keys[i]] = _dtype_name(np.dtype(a.dtype))
       return a
 
     packed = self.packed
@@ -285,3 +286,9 @@ class SaveJob:
       bar.close()
       self.release()
       raise
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+  """``dtype.name`` (numpy derives it in Python at every call)."""
+  return dtype.name

@@ -7,6 +7,9 @@ A leaf's key is its tree path joined by "/" ({"params": {"w": ...}} ->
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import threading
 from typing import Any
 
 import jax
@@ -134,6 +137,59 @@ def node_descriptions(api: str, tree: Any) -> dict[str, dict[str, Any]]:
 
   walk(treedef, 0)
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+  """What save records of a tree's structure, in the order of its leaves
+  (``leaf_keys(api, tree, saved_leaf)``): file keys, tree paths, path kinds
+  (``path_kinds``) and node descriptions (``node_descriptions``)."""
+
+  keys: tuple[str, ...]
+  paths: tuple[str, ...]
+  kinds: tuple[str, ...]
+  nodes: dict[str, dict[str, Any]]
+
+
+#: The structures of the trees saved last, by treedef and leaf types: a
+#: training loop saves the same tree at every interval, and deriving keys
+#: and paths from tree paths in Python is most of a small save's call
+#: (80 leaves: ~4 ms on 2 cores; a lookup ~0.1 ms).
+_STRUCTURES: collections.OrderedDict[Any, Structure] = collections.OrderedDict()
+_STRUCTURES_MAX = 16
+_STRUCTURES_LOCK = threading.Lock()
+
+
+def structure(api: str, tree: Any) -> tuple[Structure, list[Any]]:
+  """``(Structure, leaves)`` of ``tree`` as save sees it (``saved_leaf``).
+
+  The structure depends only on the treedef and the leaves' types (a
+  childless node's description is its type's), so it is kept for the last
+  trees seen; a treedef that cannot be hashed or compared (a custom node
+  whose auxiliary data is not hashable) is derived every time."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=saved_leaf)
+  try:
+    # str(treedef) too: {1: x} and {1.0: x} are equal treedefs whose keys
+    # name different files.
+    cache_key: Any = (treedef, str(treedef), tuple(map(type, leaves)))
+    with _STRUCTURES_LOCK:
+      found = _STRUCTURES.get(cache_key)
+      if found is not None:
+        _STRUCTURES.move_to_end(cache_key)
+        return found, leaves
+  except Exception:  # noqa: BLE001  unhashable or incomparable aux data
+    cache_key = None
+  keys, paths, _, _ = leaf_keys(api, tree, saved_leaf)
+  found = Structure(
+    tuple(keys), tuple(paths), tuple(path_kinds(tree)),
+    node_descriptions(api, tree),
+  )  # fmt: skip
+  if cache_key is not None:
+    with _STRUCTURES_LOCK:
+      _STRUCTURES[cache_key] = found
+      while len(_STRUCTURES) > _STRUCTURES_MAX:
+        _STRUCTURES.popitem(last=False)
+  return found, leaves
 
 
 def check_files(api: str, named: list[tuple[str, str]]) -> None:
