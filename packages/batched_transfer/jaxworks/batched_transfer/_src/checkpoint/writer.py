@@ -42,8 +42,13 @@ WRITE_THREAD_PREFIX = "jaxworks-save-write"
 #: v5e VM (9p, 13 cores), saves interleaved: 16 files of 64 MiB in 0.85 /
 #: 0.64 s on 4 threads, 0.83 / 0.75 s on 2, 1.00 / 0.79 s on 16 (medians of
 #: 3, two rounds), the best raw durable write of the same bytes 0.65-0.9 s;
-#: a training state of 80 leaves (5.2 MB) in 89 ms on 4, 107 ms on 16; on
-#: ext4 (2 cores) 70 ms on 4, 89 ms on 16, 1 GiB as fast on either.
+#: a training state of 80 leaves (5.2 MB) in 89 ms on 4, 107 ms on 16, and
+#: a training loop beside its non-blocking saves lost 59-70 ms per interval
+#: on 4 against 74-97 on 16; on ext4 (2 cores) 70 ms on 4, 89 ms on 16, 1
+#: GiB as fast on either. (Another round, 16 x 64 MiB fresh from the chip
+#: each time: 1.2-2.2 s on 4, 1.0-1.5 s on 16: the 9p file system's speed
+#: varies 2-4x from one round to the next; the benchmark's save row was
+#: 1.78 s on 4, 1.84 s on 16.)
 DEFAULT_WRITE_THREADS = 4
 
 
