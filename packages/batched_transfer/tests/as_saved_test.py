@@ -302,6 +302,43 @@ def test_python_containers_come_back_as_saved(path):
   _same(bt.restore(path, jax.eval_shape(lambda: tree)), tree)
 
 
+def test_int_and_bool_dict_keys_come_back_as_saved(path):
+  # Layer tables, a data loader's per-shard positions: dicts with int keys.
+  tree = {
+    "layers": {
+      0: np.arange(2),
+      10: {"x": np.ones(1)},
+      2: [np.zeros(1), {5: 3}],
+    },
+    "od": collections.OrderedDict([(3, np.ones(1)), (1, None)]),
+    "flags": {True: 1.5, False: {}},
+    "neg": {-1: np.ones(1)},
+  }
+  bt.save(path, tree)
+  out = bt.restore(path)
+  _same(out, tree)
+  assert jax.tree.structure(out) == jax.tree.structure(tree)
+  assert list(out["od"]) == [3, 1]
+  assert jax.tree.structure(bt.metadata(path)) == jax.tree.structure(tree)
+  # A target lacking a leaf: the error names the path as jax writes it.
+  short = {**tree, "layers": {0: tree["layers"][0], 2: tree["layers"][2]}}
+  with pytest.raises(ValueError, match=r"\['layers'\]\[10\]\['x'\]"):
+    bt.restore(path, short)
+
+
+def test_a_record_with_int_and_bool_kinds_on_other_text_keeps_the_text():
+  # A hostile or foreign record: kinds i and b on keys that are no int or
+  # bool's text stay str keys; nothing raises but the mismatch of lengths.
+  out = format.rebuild_tree(
+    [("01/x", "id"), ("yes/y", "bd"), ("7/z", "id"), ("False/w", "bd")],
+    lambda key: key,
+  )
+  assert out == {"01": {"x": "01/x"}, "yes": {"y": "yes/y"}, 7: {"z": "7/z"},
+                 False: {"w": "False/w"}}  # fmt: skip
+  with pytest.raises(ValueError, match="does not match its kinds"):
+    format.rebuild_tree([("1/x", "i")], lambda key: key)
+
+
 @pytest.mark.parametrize(
   "tree",
   [(), [], {}, None, optax.EmptyState(), ((), None), {"a": ()}],
@@ -342,7 +379,11 @@ def test_dict_keys_equal_as_values_name_their_own_files(tmp_path):
     path = tmp_path / str(i)
     bt.save(path, {key: np.arange(3) + i})
     assert f"{key}.npy" in os.listdir(path)
-    np.testing.assert_array_equal(bt.restore(path)[str(key)], np.arange(3) + i)
+    out = bt.restore(path)
+    # int and bool keys come back as saved, a float key as its text.
+    assert list(out) == [key if type(key) in (int, bool) else str(key)]
+    assert type(list(out)[0]) is (type(key) if type(key) is not float else str)
+    np.testing.assert_array_equal(list(out.values())[0], np.arange(3) + i)
 
 
 class _UnhashableAux:

@@ -447,9 +447,31 @@ _KINDS = {
 
 
 def path_kinds(path: Any) -> str:
-  """One letter per entry of a tree path: d(ict), s(equence), a(ttribute),
-  f(lattened index), o(ther)."""
-  return "".join(_KINDS.get(type(e), "o") for e in path)
+  """One letter per entry of a tree path: d(ict), i and b (a dict's int or
+  bool key), s(equence), a(ttribute), f(lattened index), o(ther). A reader
+  that knows no ``i`` or ``b`` takes it for ``d`` (the key as a str)."""
+  return "".join(_kind(e) for e in path)
+
+
+def _kind(entry: Any) -> str:
+  if type(entry) is jax.tree_util.DictKey:
+    return _DICT_KEY_KINDS.get(type(entry.key), "d")
+  return _KINDS.get(type(entry), "o")
+
+
+_DICT_KEY_KINDS = {int: "i", bool: "b"}
+
+
+def _typed_key(kind: str, part: str) -> int | str:
+  """A dict key recorded as an int or a bool (kind ``i`` or ``b``): the
+  value its text is, the text itself where it is none (a hostile record)."""
+  if kind == "b":
+    return {"True": True, "False": False}.get(part, part)
+  try:
+    n = int(part)
+  except ValueError:
+    return part
+  return n if str(n) == part else part
 
 
 def rebuild_tree(
@@ -475,6 +497,7 @@ def rebuild_tree(
   top: dict[str, Any] = {}
   kinds: dict[tuple[str, ...], str] = {}
   leaves: set[tuple[str, ...]] = set()
+  typed: dict[tuple[str, ...], str] = {}  # entries of int or bool keys
   for entry in tree:
     key, entry_kinds = entry[0], entry[1]
     parts = key.split("/")
@@ -483,6 +506,8 @@ def rebuild_tree(
     node = top
     for i, part in enumerate(parts):
       kinds.setdefault(tuple(parts[:i]), entry_kinds[i])
+      if entry_kinds[i] in "ib":
+        typed[tuple(parts[: i + 1])] = entry_kinds[i]
       if i == len(parts) - 1:
         node[part] = leaf(entry)
         leaves.add(tuple(parts))
@@ -492,7 +517,12 @@ def rebuild_tree(
   def build(prefix: tuple[str, ...], node: Any) -> Any:
     if prefix in leaves or prefix not in kinds:
       return node  # a leaf
-    items = [(k, build(prefix + (k,), v)) for k, v in node.items()]
+    items = []
+    for k, v in node.items():
+      at = prefix + (k,)
+      items.append(
+        (_typed_key(typed[at], k) if at in typed else k, build(at, v))
+      )
     return nodes.build(descs.get("/".join(prefix)), kinds[prefix], items)
 
   return build((), top)
@@ -509,7 +539,7 @@ def tree_path(key: str, kinds: str) -> str:
     return "<root>"
   out = []
   for part, kind in zip(key.split("/"), kinds):
-    if kind == "s":
+    if kind in "sib":
       out.append(f"[{part}]")
     elif kind == "a":
       out.append(f".{part}")

@@ -154,7 +154,7 @@ def namedtuple_class(name: str, fields: tuple[str, ...]) -> type | None:
   return _loaded_class(name, fields) or _made_class(name, fields)
 
 
-def build(desc: Any, kind: str, items: list[tuple[str, Any]]) -> Any:
+def build(desc: Any, kind: str, items: list[tuple[Any, Any]]) -> Any:
   """The node ``desc`` describes (None: a dict, or a list where ``kind``,
   the kind of its entries' paths, is "s"), with the children ``items``
   (``(name, child)`` in tree order)."""
@@ -174,7 +174,7 @@ def build(desc: Any, kind: str, items: list[tuple[str, Any]]) -> Any:
   return dict(items)
 
 
-def _by_index(items: list[tuple[str, Any]]) -> list[Any]:
+def _by_index(items: list[tuple[Any, Any]]) -> list[Any]:
   """The children of a sequence at their indices, a gap (a node 0.6 did not
   record: an ``EmptyState()``) as None, as orbax restores one; in order
   where the names are not its indices."""
