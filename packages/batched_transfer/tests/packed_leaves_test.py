@@ -176,6 +176,34 @@ def test_manager_steps_have_fewer_files(tmp_path):
     )
 
 
+def test_a_manager_packs_arrays_under_1_mib_unless_told_not_to(tmp_path):
+  big = np.arange(2**18 + 1, dtype=np.float32)  # just over 1 MiB
+  tree = dict(model_state(), big=big)
+  layouts, restored = {}, {}
+  for name, options in (
+    ("default", {}),
+    ("options", {"options": bt.CheckpointManagerOptions()}),
+    ("none", {"pack_below": None}),
+  ):
+    mgr = bt.CheckpointManager(tmp_path / name, **options)
+    mgr.save(1, items={"state": tree})
+    mgr.wait_until_finished()
+    mgr.close()
+    layouts[name] = files_in(tmp_path / name / "1")
+    record = json.loads((tmp_path / name / "1" / RECORD).read_bytes())
+    packed = record.get("packed") or []
+    if name == "none":
+      assert not packed and PACKED not in layouts[name]
+    else:
+      # every array under 1 MiB in the archive, the 1 MiB + 4 B one beside
+      assert layouts[name] == sorted([RECORD, PACKED, "state/big.npy"])
+      assert "state/big" not in packed and len(packed) == 11, packed
+    restored[name] = bt.CheckpointManager(tmp_path / name).restore(1)
+  assert len(layouts["none"]) == 13  # 12 arrays and the record
+  same(restored["default"], restored["none"])
+  same(restored["options"], restored["none"])
+
+
 def test_bad_pack_below_is_refused_before_anything_is_written(tmp_path):
   for bad in (0, -1, 1.5, "64k", True):
     with pytest.raises(ValueError, match="pack_below must be a positive int"):

@@ -200,7 +200,10 @@ class CheckpointManager:
     compression: the codec of every step's arrays, as ``save``'s (None:
       raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).
     pack_below: as ``save``'s: each step's arrays of fewer bytes stored
-      together in one archive per item (None: one file per array).
+      together in one archive per item; 1 MiB unless given
+      (a training state's small leaves cost one
+      file and one fsync, in a bucket one request); None: one file per
+      array.
     options: every setting above as one ``CheckpointManagerOptions``
       (then pass none of them as a keyword: TypeError).
   """
@@ -225,7 +228,7 @@ class CheckpointManager:
     item_names: Any = None,
     storage_options: dict[str, Any] | None = None,
     compression: str | None = None,
-    pack_below: int | None = None,
+    pack_below: int | None = options_lib.DEFAULT_PACK_BELOW,
     options: CheckpointManagerOptions | None = None,
   ) -> None:
     given = CheckpointManagerOptions(
