@@ -11,6 +11,7 @@ still restore. orbax's StandardCheckpointer beside it where it compares.
 
 import collections
 import json
+import math
 import os
 import struct
 import sys
@@ -326,6 +327,31 @@ def test_int_and_bool_dict_keys_come_back_as_saved(path):
     bt.restore(path, short)
 
 
+def test_float_dict_keys_come_back_as_saved(path):
+  # Learning-rate or temperature tables keyed by a float; the float's
+  # exact value comes back (its repr is its text), nan, inf and -0.0 too.
+  tree = {
+    "by_lr": {0.1: np.ones(2), 3e-4: {"x": np.zeros(1)}, 1e20: 7},
+    "odd": {float("inf"): 1.0, -0.0: np.ones(1), 2.5: None},
+    "mixed": {2: np.ones(1), 1.5: np.zeros(1), True: np.ones(2)},
+  }
+  bt.save(path, tree)
+  out = bt.restore(path)
+  _same(out, tree)
+  assert jax.tree.structure(out) == jax.tree.structure(tree)
+  keys = list(out["odd"])
+  assert [type(k) for k in keys] == [float] * 3
+  assert math.copysign(1.0, keys[[k == 0 for k in keys].index(True)]) < 0
+  assert jax.tree.structure(bt.metadata(path)) == jax.tree.structure(tree)
+  with pytest.raises(ValueError, match=r"\['by_lr'\]\[0.0003\]\['x'\]"):
+    bt.restore(path, {**tree, "by_lr": {0.1: np.ones(2), 1e20: 7}})
+  nan = {float("nan"): np.ones(1)}
+  other = path.replace("ckpt", "nan")
+  bt.save(other, nan)
+  (k,) = bt.restore(other)
+  assert isinstance(k, float) and math.isnan(k)
+
+
 def test_a_record_with_int_and_bool_kinds_on_other_text_keeps_the_text():
   # A hostile or foreign record: kinds i and b on keys that are no int or
   # bool's text stay str keys; nothing raises but the mismatch of lengths.
@@ -335,6 +361,11 @@ def test_a_record_with_int_and_bool_kinds_on_other_text_keeps_the_text():
   )
   assert out == {"01": {"x": "01/x"}, "yes": {"y": "yes/y"}, 7: {"z": "7/z"},
                  False: {"w": "False/w"}}  # fmt: skip
+  floats = format.rebuild_tree(
+    [("1.50/x", "rd"), ("pi/y", "rd"), ("0.25/z", "rd")], lambda key: key
+  )
+  assert floats == {"1.50": {"x": "1.50/x"}, "pi": {"y": "pi/y"},
+                    0.25: {"z": "0.25/z"}}  # fmt: skip
   with pytest.raises(ValueError, match="does not match its kinds"):
     format.rebuild_tree([("1/x", "i")], lambda key: key)
 
@@ -380,9 +411,9 @@ def test_dict_keys_equal_as_values_name_their_own_files(tmp_path):
     bt.save(path, {key: np.arange(3) + i})
     assert f"{key}.npy" in os.listdir(path)
     out = bt.restore(path)
-    # int and bool keys come back as saved, a float key as its text.
-    assert list(out) == [key if type(key) in (int, bool) else str(key)]
-    assert type(list(out)[0]) is (type(key) if type(key) is not float else str)
+    # int, bool and float keys come back as saved, each of its own type.
+    assert list(out) == [key]
+    assert type(list(out)[0]) is type(key)
     np.testing.assert_array_equal(list(out.values())[0], np.arange(3) + i)
 
 

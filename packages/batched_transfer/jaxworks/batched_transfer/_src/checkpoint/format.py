@@ -447,9 +447,10 @@ _KINDS = {
 
 
 def path_kinds(path: Any) -> str:
-  """One letter per entry of a tree path: d(ict), i and b (a dict's int or
-  bool key), s(equence), a(ttribute), f(lattened index), o(ther). A reader
-  that knows no ``i`` or ``b`` takes it for ``d`` (the key as a str)."""
+  """One letter per entry of a tree path: d(ict), i, b and r (a dict's
+  int, bool or float key), s(equence), a(ttribute), f(lattened index),
+  o(ther). A reader that knows no ``i``, ``b`` or ``r`` takes it for ``d``
+  (the key as a str)."""
   return "".join(_kind(e) for e in path)
 
 
@@ -459,14 +460,21 @@ def _kind(entry: Any) -> str:
   return _KINDS.get(type(entry), "o")
 
 
-_DICT_KEY_KINDS = {int: "i", bool: "b"}
+_DICT_KEY_KINDS = {int: "i", bool: "b", float: "r"}
 
 
-def _typed_key(kind: str, part: str) -> int | str:
-  """A dict key recorded as an int or a bool (kind ``i`` or ``b``): the
-  value its text is, the text itself where it is none (a hostile record)."""
+def _typed_key(kind: str, part: str) -> int | float | str:
+  """A dict key recorded as an int, a bool or a float (kind ``i``, ``b``
+  or ``r``): the value its text is, the text itself where it is none (a
+  hostile record)."""
   if kind == "b":
     return {"True": True, "False": False}.get(part, part)
+  if kind == "r":  # str(x) of a float is its repr: the same float back
+    try:
+      x = float(part)
+    except ValueError:
+      return part
+    return x if repr(x) == part else part
   try:
     n = int(part)
   except ValueError:
@@ -497,7 +505,7 @@ def rebuild_tree(
   top: dict[str, Any] = {}
   kinds: dict[tuple[str, ...], str] = {}
   leaves: set[tuple[str, ...]] = set()
-  typed: dict[tuple[str, ...], str] = {}  # entries of int or bool keys
+  typed: dict[tuple[str, ...], str] = {}  # entries of int, bool, float keys
   for entry in tree:
     key, entry_kinds = entry[0], entry[1]
     parts = key.split("/")
@@ -506,7 +514,7 @@ def rebuild_tree(
     node = top
     for i, part in enumerate(parts):
       kinds.setdefault(tuple(parts[:i]), entry_kinds[i])
-      if entry_kinds[i] in "ib":
+      if entry_kinds[i] in "ibr":
         typed[tuple(parts[: i + 1])] = entry_kinds[i]
       if i == len(parts) - 1:
         node[part] = leaf(entry)
@@ -539,7 +547,7 @@ def tree_path(key: str, kinds: str) -> str:
     return "<root>"
   out = []
   for part, kind in zip(key.split("/"), kinds):
-    if kind in "sib":
+    if kind in "sibr":
       out.append(f"[{part}]")
     elif kind == "a":
       out.append(f".{part}")
