@@ -199,11 +199,9 @@ class CheckpointManager:
       "Object stores"), settings over the cloud's standard environment.
     compression: the codec of every step's arrays, as ``save``'s (None:
       raw ``.npy`` files; ``"zstd"``: compressed, for compressible states).
-    pack_below: as ``save``'s: each step's arrays of fewer bytes stored
-      together in one archive per item; 1 MiB unless given
-      (a training state's small leaves cost one
-      file and one fsync, in a bucket one request); None: one file per
-      array.
+    pack_below: as ``save``'s: a step's arrays of fewer bytes (1 MiB
+      unless given) in one archive: one file, fsync and bucket request for
+      a training state's small leaves; None: one file per array.
     options: every setting above as one ``CheckpointManagerOptions``
       (then pass none of them as a keyword: TypeError).
   """
