@@ -300,6 +300,99 @@ def test_donating_the_leaves_of_a_non_blocking_save_keeps_what_it_writes(
   assert float(tree["b"][0]) == pytest.approx(values["b"][0] * 8.0 + 7.0)
 
 
+def _copies_recorded(monkeypatch):
+  """The ``{leaf index: OnDevice}`` of each ``copy_on_devices`` call, with
+  the buffers of its copies and of the leaves they copy."""
+  calls = []
+  real = hostvalue.copy_on_devices
+
+  def record(leaves):
+    out = real(leaves)
+    calls.append({
+      i: (
+        [a.unsafe_buffer_pointer() for _, a in v.pieces],
+        [a.unsafe_buffer_pointer() for _, a in
+         hostvalue.distinct_shards(leaves[i])],
+      )
+      for i, v in out.items()
+    })  # fmt: skip
+    return out
+
+  monkeypatch.setattr(hostvalue, "copy_on_devices", record)
+  return calls
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_non_blocking_save_copies_its_large_leaves_on_their_devices(
+  tmp_path, monkeypatch, dtype
+):
+  """The call copies each leaf of at least ``DEVICE_COPY_MIN_BYTES`` on its
+  devices while each device's free memory holds its shards (largest
+  first), and the writing thread takes the device-to-host copies: the
+  call does not wait for them, and the leaves can be donated at once. The
+  copies are the bytes (float16 NaN payloads kept). CPU devices report no
+  memory (no device copies there): here they are given 3 MiB each, device
+  3 none (one chip: its 3 MiB)."""
+  n = jwt.device_count()
+  free = {d: (0 if n > 1 and d == jwt.device(3) else 3 << 20)
+          for d in jax.devices()}  # fmt: skip
+  monkeypatch.setattr(hostvalue, "free_bytes", free.__getitem__)
+  calls = _copies_recorded(monkeypatch)
+  rng = np.random.default_rng(2)
+  rows = (1 << 20) // np.dtype(dtype).itemsize // 256  # 1 MiB of 256 columns
+  bits = rng.integers(0, 2**16, (rows, 256), np.uint16)
+  values = {
+    "a_sharded": rng.standard_normal((rows, 256)).astype(dtype),
+    "b_big": rng.standard_normal((2 * rows, 256)).astype(dtype),
+    "c_on_3": rng.standard_normal((rows, 256)).astype(dtype),
+    "d_small": rng.standard_normal((8, 256)).astype(dtype),
+    "e_bits": bits.view(np.float16).astype(dtype)
+    if dtype == np.float32 else bits.view(np.float16),
+  }  # fmt: skip
+  assert np.isnan(values["e_bits"]).any()
+  tree = {
+    "a_sharded": _sharded(values["a_sharded"], ("a",), fit=True),
+    "b_big": jax.device_put(values["b_big"], jwt.device(0)),
+    "c_on_3": jax.device_put(values["c_on_3"], jwt.device(3)),
+    "d_small": jax.device_put(values["d_small"], jwt.device(0)),
+    "e_bits": _sharded(values["e_bits"], (), fit=True),  # replicated
+  }
+  step = jax.jit(lambda a: a * 2 + 1, donate_argnums=0)
+  handle = bt.save(tmp_path / "c", tree, blocking=False)
+  for _ in range(3):  # donated and overwritten while the save writes
+    tree = {k: step(a) for k, a in tree.items()}
+  handle.wait()
+  check(str(tmp_path / "c"), values)
+  (copied,) = calls
+  keys = sorted(values)
+  # Largest first: b_big (2 MiB on device 0), then the leaves of 1 MiB in
+  # order while their devices have room. Device 3 has none: a_sharded (a
+  # shard there) and c_on_3 are copied in the call, e_bits's replica 0 (on
+  # device 0) fills device 0. One chip: a_sharded fills it.
+  expected = {"b_big", "e_bits"} if n > 1 else {"b_big", "a_sharded"}
+  assert {keys[i] for i in copied} == expected
+  for new, old in copied.values():
+    assert not set(new) & set(old)  # copies, not the leaves' buffers
+
+
+def test_a_save_copies_on_devices_that_report_free_memory(
+  tmp_path, monkeypatch
+):
+  """On CPU no device reports its memory (no device copies); an
+  accelerator's do, and a large leaf is copied there, the copy's bytes
+  saved after the leaf was donated."""
+  calls = _copies_recorded(monkeypatch)
+  x = np.arange(1 << 19, dtype=np.float32)  # 2 MiB
+  tree = {"x": jax.device_put(x, jwt.device(0))}
+  handle = bt.save(tmp_path / "c", tree, blocking=False)
+  tree = jax.jit(lambda t: {"x": t["x"] + 1}, donate_argnums=0)(tree)
+  handle.wait()
+  check(str(tmp_path / "c"), {"x": x})
+  on_accelerator = jwt.on_accelerator()
+  assert (hostvalue.free_bytes(jwt.device(0)) > x.nbytes) == on_accelerator
+  assert (calls == [{}]) != on_accelerator, calls
+
+
 def test_a_background_error_is_raised_by_wait_and_by_the_next_save(
   tmp_path, monkeypatch
 ):

@@ -11,6 +11,16 @@ copy every one of them at every step until the save is written: with a
 the copy, which costs 57 ms in the call). On an accelerator ``np.asarray``
 is the device-to-host copy.
 
+Off CPU, a non-blocking save's call copies its large leaves on their
+devices where they have the memory (``copy_on_devices``: a byte copy, no
+computation) and the writing thread takes the device-to-host copies
+(``np.asarray`` waits without the GIL: the caller's thread ran with gaps
+under 0.4 ms while a 64 MiB copy took 91 ms on a TPU v5e). There the call
+of a 64 MiB leaf took 4.5 ms instead of 80 ms. CPU devices report no memory
+and get no such copy: it would be a memcpy that the next donating step
+waits for (the training loop with a 256 MiB array lost 864 ms per interval
+that way, 529 ms with the copy in the call).
+
 An array held by one device is written as its one view. A sharded array (of
 at least 1 MiB: a smaller one is copied whole, which is cheaper) is
 written shard by shard after the .npy header when its shards tile it by
@@ -39,22 +49,24 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import jax_internals
 from . import checksum
 
 
 class Shards:
-  """The distinct shards of a fully addressable jax.Array, as host views."""
+  """The distinct shards of an array, as host arrays: ``pieces``, (start
+  index, host array) in order of start."""
 
-  def __init__(self, x: jax.Array) -> None:
-    self.shape = tuple(x.shape)
-    self.dtype = np.dtype(x.dtype)
-    self.nbytes = int(x.nbytes)
-    self.pieces: list[tuple[tuple[int, ...], np.ndarray]] = []
-    for s in x.addressable_shards:
-      if s.replica_id == 0:
-        start = tuple(i.indices(n)[0] for i, n in zip(s.index, self.shape))
-        self.pieces.append((start, host_copy(s.data)))
-    self.pieces.sort(key=lambda p: p[0])
+  def __init__(
+    self,
+    shape: tuple[int, ...],
+    dtype: Any,
+    pieces: list[tuple[tuple[int, ...], np.ndarray]],
+  ) -> None:
+    self.shape = tuple(shape)
+    self.dtype = np.dtype(dtype)
+    self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    self.pieces = sorted(pieces, key=lambda p: p[0])
 
   def by_rows(self) -> bool:
     """Whether the pieces, in order, are consecutive blocks of whole rows."""
@@ -75,6 +87,20 @@ class Shards:
     for start, a in self.pieces:
       out[tuple(slice(i, i + n) for i, n in zip(start, a.shape))] = a
     return out
+
+
+def distinct_shards(x: jax.Array) -> list[tuple[tuple[int, ...], jax.Array]]:
+  """(start index, single-device array) of each distinct shard of the fully
+  addressable ``x`` (replica 0 of each), in order of start."""
+  if len(x.sharding.device_set) == 1:
+    return [((0,) * x.ndim, x)]
+  shape, out = tuple(x.shape), []
+  for s in x.addressable_shards:
+    if s.replica_id == 0:
+      out.append(
+        (tuple(i.indices(n)[0] for i, n in zip(s.index, shape)), s.data)
+      )
+  return sorted(out, key=lambda p: p[0])
 
 
 def host_copy(x: jax.Array) -> np.ndarray:
@@ -132,10 +158,96 @@ def of(x: jax.Array) -> np.ndarray | Shards:
     or x.nbytes < SHARDS_MIN_BYTES
   ):
     return host_copy(x)
-  shards = Shards(x)
-  if len(shards.pieces) == 1:
-    return shards.pieces[0][1]
-  return shards
+  pieces = [(start, host_copy(a)) for start, a in distinct_shards(x)]
+  if len(pieces) == 1:
+    return pieces[0][1]
+  return Shards(x.shape, x.dtype, pieces)
+
+
+#: A non-blocking save's call copies each leaf of at least this many bytes
+#: on its devices where they have the memory (``copy_on_devices``), and the
+#: writing thread takes its device-to-host copy: the call then does not wait
+#: for it. A smaller leaf's device-to-host copy is waited for in the call.
+DEVICE_COPY_MIN_BYTES = 1 << 20
+
+
+def free_bytes(device: Any) -> int:
+  """The bytes of ``device`` a save's device copies may take: its limit
+  less its peak use so far (a training step's temporaries included); 0
+  where it does not say (CPU devices)."""
+  stats = device.memory_stats() or {}
+  limit, peak = stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
+  if not isinstance(limit, int) or not isinstance(peak, int):
+    return 0
+  return max(0, limit - peak)
+
+
+class OnDevice:
+  """A leaf's distinct shards copied on their devices (in the save call,
+  the device-to-host copies started): the leaf's owner may donate or
+  delete it at once. ``host()`` (in the writing thread) is its host value,
+  as ``of`` gives it, and lets the device copies go."""
+
+  def __init__(
+    self, x: jax.Array, pieces: list[tuple[tuple[int, ...], jax.Array]]
+  ) -> None:
+    self.shape, self.dtype = tuple(x.shape), np.dtype(x.dtype)
+    self.pieces = pieces
+
+  def host(self) -> np.ndarray | Shards:
+    pieces, self.pieces = self.pieces, []
+    if len(pieces) == 1:  # the whole array (one device, or replicated)
+      return host_copy(pieces[0][1])
+    return Shards(
+      self.shape, self.dtype, [(at, host_copy(a)) for at, a in pieces]
+    )
+
+
+def copy_on_devices(leaves: list[Any]) -> dict[int, OnDevice]:
+  """``{i: OnDevice}`` for the leaves a non-blocking save's call copies on
+  their devices: the fully addressable jax.Arrays of at least
+  ``DEVICE_COPY_MIN_BYTES``, largest first, while the shards fit each
+  device's ``free_bytes`` (none on CPU, where a host copy is a memcpy
+  anyway). One batched copy (``jax.device_put(..., may_alias=False)``: the
+  bytes as they are, no computation); their device-to-host copies start."""
+  free: dict[Any, int] = {}
+  chosen: list[tuple[int, list[tuple[tuple[int, ...], jax.Array]]]] = []
+  big = [
+    i
+    for i, x in enumerate(leaves)
+    if isinstance(x, jax.Array)
+    and x.nbytes >= DEVICE_COPY_MIN_BYTES
+    and x.is_fully_addressable
+    and not x.is_deleted()
+  ]
+  for i in sorted(big, key=lambda i: -leaves[i].nbytes):
+    pieces = distinct_shards(leaves[i])
+    need: dict[Any, int] = {}
+    for _, a in pieces:
+      d = next(iter(a.sharding.device_set))
+      need[d] = need.get(d, 0) + a.nbytes
+    for d in need:
+      if d not in free:
+        free[d] = free_bytes(d)
+    if all(free[d] >= n for d, n in need.items()):
+      for d, n in need.items():
+        free[d] -= n
+      chosen.append((i, pieces))
+  if not chosen:
+    return {}
+  flat = [a for _, pieces in chosen for _, a in pieces]
+  copies = iter(
+    jax_internals.stock_device_put(
+      flat, [a.sharding for a in flat], may_alias=False
+    )
+  )
+  out = {}
+  for i, pieces in chosen:
+    out[i] = OnDevice(leaves[i], [(at, next(copies)) for at, _ in pieces])
+  for value in out.values():
+    for _, a in value.pieces:
+      a.copy_to_host_async()
+  return out
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:

@@ -174,23 +174,37 @@ class SaveJob:
   ) -> tuple[Callable[[int], Any], Callable[[int], None]]:
     """(take, done) over ``leaves`` (``paths`` name them in errors): the
     host value of leaf ``i``, and its release once written. A blocking save
-    copies ahead within ``max_inflight_bytes``; a non-blocking one starts
-    every device-to-host copy now and holds the host values (numpy leaves
-    were copied by ``prepare``; device buffers are held, see hostvalue)."""
+    copies ahead within ``max_inflight_bytes``; a non-blocking one copies
+    the large leaves on their devices where they fit (``hostvalue.
+    copy_on_devices``: the writing thread takes their device-to-host
+    copies), starts every other device-to-host copy and holds the host
+    values (numpy leaves were copied by ``prepare``; device buffers are
+    held, see hostvalue): the caller may then donate or change them all."""
     if self.options.blocking:
       staged = writer.Staged(
         self.api, paths, leaves, self.options.max_inflight_bytes
       )
       return staged.take, staged.done
-    for x in leaves:
-      hostvalue.start_copy(x)
+    on_devices = hostvalue.copy_on_devices(leaves)
+    for i, x in enumerate(leaves):
+      if i not in on_devices:
+        hostvalue.start_copy(x)
     arrays: list[Any] = [
-      x
+      on_devices[i]
+      if i in on_devices
+      else x
       if isinstance(x, np.ndarray)
       else writer.host_array(self.api, where, x, self.memory)
-      for where, x in zip(paths, leaves)
+      for i, (where, x) in enumerate(zip(paths, leaves))
     ]
-    return arrays.__getitem__, lambda i: arrays.__setitem__(i, None)
+
+    def take(i: int) -> Any:
+      a = arrays[i]
+      if isinstance(a, hostvalue.OnDevice):
+        a = arrays[i] = a.host()  # the device copies go
+      return a
+
+    return take, lambda i: arrays.__setitem__(i, None)
 
   def write(
     self, take: Callable[[int], Any], done: Callable[[int], None]
