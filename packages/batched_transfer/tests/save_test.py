@@ -375,6 +375,32 @@ def test_a_non_blocking_save_copies_its_large_leaves_on_their_devices(
     assert not set(new) & set(old)  # copies, not the leaves' buffers
 
 
+def test_device_copies_not_yet_taken_count_against_later_saves(monkeypatch):
+  """A device's peak use may not show the copies of a save called just
+  before: those not yet taken (or dropped, a save that failed first) are
+  counted against its free memory."""
+  monkeypatch.setattr(hostvalue, "free_bytes", lambda d: 3 << 20)
+  zeros, ones = np.zeros(1 << 19, np.float32), np.ones(1 << 19, np.float32)
+  x = jax.device_put(zeros, jwt.device(0))  # 2 MiB each
+  y = jax.device_put(ones, jwt.device(0))
+  first = hostvalue.copy_on_devices([x])
+  assert list(first) == [0]
+  assert hostvalue.copy_on_devices([y]) == {}  # 1 MiB left
+  assert np.asarray(first[0].host()).tobytes() == zeros.tobytes()
+  second = hostvalue.copy_on_devices([y])
+  assert list(second) == [0]
+  assert hostvalue.copy_on_devices([x]) == {}
+  del second  # never taken: let go as well
+  third = hostvalue.copy_on_devices([y])
+  assert np.asarray(third[0].host()).tobytes() == ones.tobytes()
+  # An array in host memory is no device's to copy (its host value is a
+  # host copy already).
+  pinned = jax.sharding.SingleDeviceSharding(
+    jwt.device(0), memory_kind="pinned_host"
+  )
+  assert hostvalue.copy_on_devices([jax.device_put(ones, pinned)]) == {}
+
+
 def test_a_save_copies_on_devices_that_report_free_memory(
   tmp_path, monkeypatch
 ):

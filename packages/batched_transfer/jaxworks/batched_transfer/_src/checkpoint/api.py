@@ -112,9 +112,11 @@ def save(
       .npz), so a checkpoint another process committed at the path
       meanwhile makes this one fail and stays whole.
     blocking: True: return when the checkpoint is durable. False: return
-      once every leaf is in host memory (the caller may then donate, delete
-      or change the arrays; CPU device buffers are held, not copied: see
-      hostvalue), with a ``SaveHandle`` whose
+      once every leaf is copied (the caller may then donate, delete or
+      change the arrays): in host memory, or, for a leaf of 1 MiB or more
+      on an accelerator with the memory free, on its devices, the
+      device-to-host copy then taken in the background (see hostvalue),
+      with a ``SaveHandle`` whose
       ``wait()`` returns when the checkpoint is durable; a background thread
       writes. An error in the background is raised by ``wait()`` and by the
       next ``save``; pending saves finish before the process exits. Saves
@@ -127,7 +129,7 @@ def save(
     max_inflight_bytes: with ``blocking=True``, the most bytes copied to the
       host and not yet written at once (None: no limit); device-to-host
       copies are started this far ahead of the writers. A non-blocking save
-      holds the whole tree in host memory until it is written.
+      holds its copy of the whole tree until it is written.
     barrier_timeout_s: with arrays spanning processes (jax.distributed),
       how long a process waits for the others to finish writing, and for
       process 0's commit, before it raises ``TimeoutError`` (a process

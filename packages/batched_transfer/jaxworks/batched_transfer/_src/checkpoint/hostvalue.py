@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 import functools
 import io
+import threading
 from typing import Any
 
 import jax
@@ -182,34 +183,68 @@ def free_bytes(device: Any) -> int:
   return max(0, limit - peak)
 
 
+#: Bytes of each device held by ``OnDevice`` copies not yet let go (a
+#: device's peak use may not show them yet: saves called one after another).
+_held: dict[Any, int] = {}
+_held_lock = threading.Lock()
+
+
 class OnDevice:
   """A leaf's distinct shards copied on their devices (in the save call,
   the device-to-host copies started): the leaf's owner may donate or
   delete it at once. ``host()`` (in the writing thread) is its host value,
-  as ``of`` gives it, and lets the device copies go."""
+  as ``of`` gives it, and lets the device copies go (as does dropping it:
+  a save that failed first)."""
 
   def __init__(
     self, x: jax.Array, pieces: list[tuple[tuple[int, ...], jax.Array]]
   ) -> None:
     self.shape, self.dtype = tuple(x.shape), np.dtype(x.dtype)
     self.pieces = pieces
+    self.held = _device_bytes(pieces)
+    with _held_lock:
+      for d, n in self.held.items():
+        _held[d] = _held.get(d, 0) + n
+
+  def _let_go(self) -> None:
+    held, self.held = self.held, {}
+    with _held_lock:
+      for d, n in held.items():
+        _held[d] -= n
 
   def host(self) -> np.ndarray | Shards:
     pieces, self.pieces = self.pieces, []
-    if len(pieces) == 1:  # the whole array (one device, or replicated)
-      return host_copy(pieces[0][1])
-    return Shards(
-      self.shape, self.dtype, [(at, host_copy(a)) for at, a in pieces]
-    )
+    try:
+      if len(pieces) == 1:  # the whole array (one device, or replicated)
+        return host_copy(pieces[0][1])
+      return Shards(
+        self.shape, self.dtype, [(at, host_copy(a)) for at, a in pieces]
+      )
+    finally:
+      del pieces
+      self._let_go()
+
+  def __del__(self) -> None:
+    self._let_go()
+
+
+def _device_bytes(pieces: list[tuple[tuple[int, ...], jax.Array]]) -> dict:
+  """{device: bytes} of single-device ``pieces``."""
+  out: dict[Any, int] = {}
+  for _, a in pieces:
+    d = next(iter(a.sharding.device_set))
+    out[d] = out.get(d, 0) + a.nbytes
+  return out
 
 
 def copy_on_devices(leaves: list[Any]) -> dict[int, OnDevice]:
   """``{i: OnDevice}`` for the leaves a non-blocking save's call copies on
-  their devices: the fully addressable jax.Arrays of at least
-  ``DEVICE_COPY_MIN_BYTES``, largest first, while the shards fit each
-  device's ``free_bytes`` (none on CPU, where a host copy is a memcpy
-  anyway). One batched copy (``jax.device_put(..., may_alias=False)``: the
-  bytes as they are, no computation); their device-to-host copies start."""
+  their devices: the fully addressable jax.Arrays in device memory of at
+  least ``DEVICE_COPY_MIN_BYTES``, largest first, while the shards fit each
+  device's ``free_bytes`` less what earlier saves' copies still hold (none
+  on CPU, where a host copy is a memcpy anyway). One batched copy
+  (``jax.device_put(..., may_alias=False)``: the bytes as they are, no
+  computation); their device-to-host copies start."""
   free: dict[Any, int] = {}
   chosen: list[tuple[int, list[tuple[tuple[int, ...], jax.Array]]]] = []
   big = [
@@ -218,17 +253,20 @@ def copy_on_devices(leaves: list[Any]) -> dict[int, OnDevice]:
     if isinstance(x, jax.Array)
     and x.nbytes >= DEVICE_COPY_MIN_BYTES
     and x.is_fully_addressable
+    and x.sharding.memory_kind in (None, "device")  # not host memory
     and not x.is_deleted()
   ]
   for i in sorted(big, key=lambda i: -leaves[i].nbytes):
-    pieces = distinct_shards(leaves[i])
-    need: dict[Any, int] = {}
-    for _, a in pieces:
-      d = next(iter(a.sharding.device_set))
-      need[d] = need.get(d, 0) + a.nbytes
-    for d in need:
+    devices = leaves[i].sharding.device_set
+    for d in devices:
       if d not in free:
-        free[d] = free_bytes(d)
+        with _held_lock:
+          held = _held.get(d, 0)
+        free[d] = free_bytes(d) - held
+    if all(free[d] <= 0 for d in devices):
+      continue  # e.g. CPU devices: not even their shards looked at
+    pieces = distinct_shards(leaves[i])
+    need = _device_bytes(pieces)
     if all(free[d] >= n for d, n in need.items()):
       for d, n in need.items():
         free[d] -= n

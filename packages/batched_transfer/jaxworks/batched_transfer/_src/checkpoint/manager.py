@@ -471,8 +471,8 @@ class CheckpointManager:
     ``should_save(step)`` (or ``force``).
 
     Waits for this manager's previous save first (raising its error). With
-    ``blocking=False`` it returns once the leaves are in host memory and
-    writes in the background; ``wait_until_finished()`` waits for it. The
+    ``blocking=False`` it returns once the leaves are copied (as ``save``'s)
+    and writes in the background; ``wait_until_finished()`` waits for it. The
     step is listed once complete and durable; retention then deletes the
     steps it no longer keeps.
 
