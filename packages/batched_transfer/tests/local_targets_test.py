@@ -417,6 +417,32 @@ def test_a_file_among_the_parents_is_named(tmp_path, writes):
   assert writes == []
 
 
+def test_a_manager_save_checks_its_directory_in_few_calls(
+  tmp_path, monkeypatch
+):
+  """A save into a directory that is there creates none (one stat of it:
+  each call is a round trip on a network or 9p file system, in the save
+  call); missing parents are still made, each durable."""
+  mgr = bt.CheckpointManager(tmp_path / "a" / "b", save_interval_steps=1)
+  mgr.save(0, tree_of(0), blocking=True)  # makes a/ and a/b/
+  assert mgr.all_steps() == [0]
+  made = []  # but the save's own new directories (.<name>.jaxworks-new-)
+  real = os.makedirs
+
+  def makedirs(name, *args, **kwargs):
+    if ".jaxworks-" not in str(name):
+      made.append(str(name))
+    return real(name, *args, **kwargs)
+
+  monkeypatch.setattr(os, "makedirs", makedirs)
+  mgr.save(1, tree_of(1), blocking=True)
+  bt.save(tmp_path / "a" / "c", tree_of(2))
+  assert made == []
+  bt.save(tmp_path / "x" / "y" / "c", tree_of(3))
+  assert str(tmp_path / "x" / "y") in made  # (and x, made by makedirs)
+  mgr.close()
+
+
 def test_a_read_only_parent_is_refused_naming_the_path(
   tmp_path, monkeypatch, writes
 ):

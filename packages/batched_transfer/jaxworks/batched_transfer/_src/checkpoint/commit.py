@@ -90,6 +90,8 @@ def make_parents(parent: str) -> None:
     if up == p:
       break
     p = up
+  if not missing:
+    return
   os.makedirs(parent, exist_ok=True)
   for d in reversed(missing):
     fsync_path(os.path.dirname(d))

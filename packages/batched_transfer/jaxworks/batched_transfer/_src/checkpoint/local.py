@@ -479,6 +479,29 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
             "by save"
           )
   parent = os.path.dirname(path)
+  if not os.path.isdir(parent):  # one stat where it is there (a manager's)
+    _make_parent(api, path, parent)
+  if not os.access(parent, os.W_OK | os.X_OK):
+    ro = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+    code = errno.EROFS if ro else errno.EACCES
+    why = (
+      "is on a read-only file system"
+      if ro
+      else "is not writable by this process (its permissions)"
+    )
+    raise (OSError if ro else PermissionError)(
+      code,
+      f"{api}: cannot save to {path!r}: its directory {parent!r} {why} "
+      f"({errno.errorcode[code]}); nothing was written: save to a "
+      "writable directory",
+      path,
+    )
+
+
+def _make_parent(api: str, path: str, parent: str) -> None:
+  """Creates ``parent`` (and its missing ancestors) for a save to ``path``;
+  FileExistsError where the nearest existing one is not a directory,
+  OSError naming the directory that could not be made."""
   up = parent
   while not os.path.lexists(up) and os.path.dirname(up) != up:
     up = os.path.dirname(up)  # the nearest that exists: a directory?
@@ -500,18 +523,3 @@ def check_target(api: str, path: str, overwrite: bool) -> None:
       "nothing was written: save to a directory this process can write",
       made,
     ) from err
-  if not os.access(parent, os.W_OK | os.X_OK):
-    ro = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
-    code = errno.EROFS if ro else errno.EACCES
-    why = (
-      "is on a read-only file system"
-      if ro
-      else "is not writable by this process (its permissions)"
-    )
-    raise (OSError if ro else PermissionError)(
-      code,
-      f"{api}: cannot save to {path!r}: its directory {parent!r} {why} "
-      f"({errno.errorcode[code]}); nothing was written: save to a "
-      "writable directory",
-      path,
-    )
